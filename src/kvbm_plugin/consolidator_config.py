@@ -1,0 +1,485 @@
+"""Every environment variable kvbm_plugin reads, parsed and validated in one place.
+
+``ENV_VARS`` is the single source of truth: the code reads variables only through it, the
+README's table is checked against it by a test, and ``kvbm-plugin env`` prints it.
+
+Nothing here imports torch or TensorRT-LLM; it runs at CLI start-up and in the leader's
+constructor.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+
+class ConfigError(ValueError):
+    """A setting has a value the plugin cannot use. The message names the variable and value."""
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable: its name, its default (None = unset) and what it means."""
+
+    name: str
+    default: str | None
+    meaning: str
+    group: str
+
+
+ENABLE_CONSOLIDATOR = "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR"
+CONSOLIDATOR_MODE = "DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE"
+TRTLLM_ZMQ_PORT = "DYN_KVBM_TRTLLM_ZMQ_PORT"
+LEADER_ZMQ_PUB_PORT = "DYN_KVBM_LEADER_ZMQ_PUB_PORT"
+LEADER_ZMQ_HOST = "DYN_KVBM_LEADER_ZMQ_HOST"
+EVENTS_ENDPOINT = "DYN_KVBM_KV_EVENTS_ENDPOINT"
+REPLAY_ENDPOINT = "DYN_KVBM_KV_EVENTS_REPLAY_ENDPOINT"
+OUTPUT_ENDPOINT = "DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT"
+OUTPUT_REPLAY_ENDPOINT = "DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_ENDPOINT"
+PUBLISHER = "DYN_KVBM_KV_EVENTS_PUBLISHER"
+BUFFER_STEPS = "DYN_KVBM_KV_EVENTS_BUFFER_STEPS"
+HWM = "DYN_KVBM_KV_EVENTS_HWM"
+MAX_QUEUE_SIZE = "DYN_KVBM_KV_EVENTS_MAX_QUEUE_SIZE"
+TOPIC = "DYN_KVBM_KV_EVENTS_TOPIC"
+WINDOW_SIZE = "DYN_KVBM_KV_EVENTS_WINDOW_SIZE"
+CPU_CACHE_GB = "DYN_KVBM_CPU_CACHE_GB"
+CPU_CACHE_NUM_BLOCKS = "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
+DISK_CACHE_GB = "DYN_KVBM_DISK_CACHE_GB"
+DISK_CACHE_NUM_BLOCKS = "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"
+DISK_CACHE_DIR = "DYN_KVBM_DISK_CACHE_DIR"
+METRICS = "DYN_KVBM_METRICS"
+METRICS_PORT = "DYN_KVBM_METRICS_PORT"
+
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(ENABLE_CONSOLIDATOR, "true", "Run the de-duplicating consolidator in the leader "
+           "(1/true/on/yes or 0/false/off/no).", "consolidator"),
+    EnvVar(CONSOLIDATOR_MODE, "dedup", "`dedup`: a block is stored once while any tier holds it; "
+           "`passthrough`: every tier's events forwarded with their own medium.", "consolidator"),
+    EnvVar(TRTLLM_ZMQ_PORT, None, "Base TCP port of the per-rank GPU-tier publishers (rank r "
+           "binds base + r). Required when the consolidator is on, unless "
+           f"{EVENTS_ENDPOINT} is set.", "consolidator"),
+    EnvVar(LEADER_ZMQ_PUB_PORT, "56001", "KVBM leader port; the consolidated output binds "
+           "this + 1000.", "consolidator"),
+    EnvVar(LEADER_ZMQ_HOST, "127.0.0.1", "Host the consolidator connects to for the GPU-tier "
+           "streams.", "consolidator"),
+    EnvVar(EVENTS_ENDPOINT, None, "Base endpoint of the GPU-tier publishers instead of "
+           f"{TRTLLM_ZMQ_PORT}: tcp://host:port, ipc://path or inproc://name (rank r: port + r, "
+           "or suffix _dp{r}).", "consolidator"),
+    EnvVar(REPLAY_ENDPOINT, None, "Base endpoint of the GPU-tier replay ROUTER sockets "
+           "(same per-rank rule); unset = no replay.", "consolidator"),
+    EnvVar(OUTPUT_ENDPOINT, None, "Endpoint of the consolidated output instead of "
+           f"{LEADER_ZMQ_PUB_PORT} + 1000.", "consolidator"),
+    EnvVar(OUTPUT_REPLAY_ENDPOINT, None, "Replay ROUTER endpoint of the consolidated output; "
+           "unset = no replay.", "consolidator"),
+    EnvVar(PUBLISHER, "zmq", "Event transport, by name in the kvbm_plugin.publishers entry "
+           "points (zmq, null).", "publisher"),
+    EnvVar(BUFFER_STEPS, "10000", "Batches kept for replay.", "publisher"),
+    EnvVar(HWM, "100000", "ZMQ send high-water mark (messages).", "publisher"),
+    EnvVar(MAX_QUEUE_SIZE, "100000", "Batches queued between the engine thread and the "
+           "publisher thread; a full queue loses a batch visibly (seq gap, counted).",
+           "publisher"),
+    EnvVar(TOPIC, "", "ZMQ topic frame of every message.", "publisher"),
+    EnvVar(WINDOW_SIZE, None, "Attention window whose events are published (sliding-window "
+           "models); unset = the largest window.", "publisher"),
+    EnvVar(CPU_CACHE_GB, None, "Host-memory (G2) tier size in GiB.", "tiers"),
+    EnvVar(CPU_CACHE_NUM_BLOCKS, None, "Host tier size in blocks (overrides the GiB size).",
+           "tiers"),
+    EnvVar(DISK_CACHE_GB, None, "Disk (G3) tier size in GiB.", "tiers"),
+    EnvVar(DISK_CACHE_NUM_BLOCKS, None, "Disk tier size in blocks (overrides the GiB size).",
+           "tiers"),
+    EnvVar(DISK_CACHE_DIR, None, "Disk tier directory; unset = a temporary directory removed "
+           "at exit.", "tiers"),
+    EnvVar(METRICS, "false", "Serve Prometheus metrics (1/true/on/yes).", "metrics"),
+    EnvVar(METRICS_PORT, "6880", "Prometheus metrics port.", "metrics"),
+)
+ENV_VARS_BY_NAME: dict[str, EnvVar] = {var.name: var for var in ENV_VARS}
+
+# Dynamo's KV-cache connector module, which reads the same variables.
+DYNAMO_CONNECTOR_MODULE = "kvbm.trtllm_integration.connector"
+PLUGIN_MODULE = "kvbm_plugin"
+
+_TRUE = frozenset({"1", "true", "on", "yes"})
+_FALSE = frozenset({"0", "false", "off", "no"})
+ConsolidatorMode = Literal["dedup", "passthrough"]
+_MODES: tuple[ConsolidatorMode, ...] = ("dedup", "passthrough")
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+
+
+def _raw(env: Mapping[str, str], name: str) -> str | None:
+    """The variable's value, or its default when unset or empty."""
+    value = env.get(name)
+    if value is None or value.strip() == "":
+        return ENV_VARS_BY_NAME[name].default
+    return value
+
+
+def parse_bool(name: str, value: str) -> bool:
+    """Parse a switch: 1/true/on/yes or 0/false/off/no, case-insensitive, trimmed."""
+    text = value.strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ConfigError(f"{name}={value!r} is not a boolean; use one of 1/true/on/yes or "
+                      "0/false/off/no")
+
+
+def parse_int(name: str, value: str, *, minimum: int, maximum: int | None = None) -> int:
+    """Parse an integer in [minimum, maximum] or raise ConfigError naming the variable."""
+    text = value.strip()
+    try:
+        number = int(text, 10)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer") from None
+    if number < minimum or (maximum is not None and number > maximum):
+        bound = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
+        raise ConfigError(f"{name}={value!r} is out of range ({bound})")
+    return number
+
+
+def parse_float(name: str, value: str, *, minimum: float = 0.0) -> float:
+    """Parse a non-negative number (e.g. a size in GiB) or raise ConfigError."""
+    try:
+        number = float(value.strip())
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not a number") from None
+    if not number >= minimum or number == float("inf"):
+        raise ConfigError(f"{name}={value!r} must be a finite number >= {minimum}")
+    return number
+
+
+def parse_port(name: str, value: str) -> int:
+    return parse_int(name, value, minimum=1, maximum=65535)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A ZMQ endpoint family: a base from which each rank's bind and connect addresses derive.
+
+    tcp: rank r uses ``port + r``; ipc/inproc: rank r uses ``address + "_dp{r}"``.
+    """
+
+    scheme: Literal["tcp", "ipc", "inproc"]
+    address: str = ""  # ipc path or inproc name
+    host: str = "127.0.0.1"  # tcp: where connectors connect
+    port: int = 0  # tcp base port
+    source: str = ""  # variable the endpoint came from, for error messages
+
+    def for_rank(self, rank: int) -> Endpoint:
+        if self.scheme == "tcp":
+            port = self.port + rank
+            if port > 65535:
+                raise ConfigError(f"{self.source}: port {self.port} + rank {rank} = {port} "
+                                  "exceeds 65535")
+            return Endpoint("tcp", host=self.host, port=port, source=self.source)
+        return Endpoint(self.scheme, address=f"{self.address}_dp{rank}", source=self.source)
+
+    @property
+    def bind(self) -> str:
+        if self.scheme == "tcp":
+            return f"tcp://*:{self.port}"
+        return f"{self.scheme}://{self.address}"
+
+    @property
+    def connect(self) -> str:
+        if self.scheme == "tcp":
+            return f"tcp://{self.host}:{self.port}"
+        return f"{self.scheme}://{self.address}"
+
+    @property
+    def key(self) -> tuple[str, str | int]:
+        """What two endpoints must not share: a tcp port, or an ipc/inproc address."""
+        return (self.scheme, self.port if self.scheme == "tcp" else self.address)
+
+
+def parse_endpoint(name: str, value: str, *, default_host: str) -> Endpoint:
+    """Parse ``tcp://host:port``, ``ipc://path``, ``inproc://name`` or a bare port number.
+
+    The scheme is decided by prefix only, so ``tcp://ipc-host:5557`` is tcp.
+    """
+    text = value.strip()
+    if text.isdigit():
+        return Endpoint("tcp", host=default_host, port=parse_port(name, text), source=name)
+    if text.startswith("tcp://"):
+        rest = text[len("tcp://"):]
+        host, sep, port_text = rest.rpartition(":")
+        if not sep or not host:
+            raise ConfigError(f"{name}={value!r}: a tcp endpoint needs host:port")
+        if not port_text.isdigit():
+            raise ConfigError(f"{name}={value!r}: tcp endpoint has no numeric port "
+                              f"({port_text!r})")
+        port = parse_port(name, port_text)
+        if host in ("*", "0.0.0.0", "[::]", "::"):
+            host = default_host
+        return Endpoint("tcp", host=host.strip("[]"), port=port, source=name)
+    for scheme in ("ipc", "inproc"):
+        prefix = f"{scheme}://"
+        if text.startswith(prefix):
+            address = text[len(prefix):]
+            if not address:
+                raise ConfigError(f"{name}={value!r}: empty {scheme} address")
+            return Endpoint(scheme, address=address, source=name)  # type: ignore[arg-type]
+    raise ConfigError(f"{name}={value!r}: expected a port number or an endpoint starting with "
+                      + ", ".join(_SCHEMES))
+
+
+@dataclass(frozen=True)
+class PublisherSettings:
+    """How a publisher queues, buffers and frames batches (vLLM's defaults)."""
+
+    kind: str = "zmq"
+    buffer_steps: int = 10000
+    hwm: int = 100000
+    max_queue_size: int = 100000
+    topic: str = ""
+    window_size: int | None = None
+
+
+@dataclass(frozen=True)
+class TierSettings:
+    """Offload tier sizes; blocks override GiB; nothing set = no tier."""
+
+    cpu_cache_gb: float = 0.0
+    cpu_num_blocks: int | None = None
+    disk_cache_gb: float = 0.0
+    disk_num_blocks: int | None = None
+    disk_cache_dir: str | None = None
+
+    @property
+    def host_enabled(self) -> bool:
+        return bool(self.cpu_num_blocks) or self.cpu_cache_gb > 0
+
+    @property
+    def disk_enabled(self) -> bool:
+        return bool(self.disk_num_blocks) or self.disk_cache_gb > 0
+
+    def host_blocks(self, bytes_per_block: int) -> int:
+        return _blocks(self.cpu_num_blocks, self.cpu_cache_gb, bytes_per_block)
+
+    def disk_blocks(self, bytes_per_block: int) -> int:
+        return _blocks(self.disk_num_blocks, self.disk_cache_gb, bytes_per_block)
+
+
+def _blocks(override: int | None, gib: float, bytes_per_block: int) -> int:
+    if override:
+        return override
+    return int(gib * (1 << 30)) // max(1, bytes_per_block)
+
+
+@dataclass(frozen=True)
+class MetricsSettings:
+    enabled: bool = False
+    port: int = 6880
+
+
+@dataclass(frozen=True)
+class ConsolidatorConfig:
+    """Where every rank publishes, where the consolidator listens and publishes, and how."""
+
+    enabled: bool
+    mode: ConsolidatorMode
+    num_ranks: int
+    gpu_events: Endpoint | None  # base of the per-rank GPU-tier publishers
+    gpu_replay: Endpoint | None
+    output: Endpoint
+    output_replay: Endpoint | None
+    publisher: PublisherSettings = field(default_factory=PublisherSettings)
+
+    def publish_endpoint(self, rank: int) -> Endpoint:
+        """The endpoint rank ``rank``'s GPU-tier publisher binds (and the consolidator joins)."""
+        if self.gpu_events is None:
+            raise ConfigError(f"no GPU-tier endpoint configured: set {TRTLLM_ZMQ_PORT} or "
+                              f"{EVENTS_ENDPOINT}")
+        return self.gpu_events.for_rank(rank)
+
+    def replay_endpoint(self, rank: int) -> Endpoint | None:
+        return None if self.gpu_replay is None else self.gpu_replay.for_rank(rank)
+
+
+def load_publisher_settings(env: Mapping[str, str] | None = None) -> PublisherSettings:
+    env = os.environ if env is None else env
+    window = _raw(env, WINDOW_SIZE)
+    kind = (_raw(env, PUBLISHER) or "zmq").strip()
+    return PublisherSettings(
+        kind=kind,
+        buffer_steps=parse_int(BUFFER_STEPS, _raw(env, BUFFER_STEPS) or "", minimum=1),
+        hwm=parse_int(HWM, _raw(env, HWM) or "", minimum=1),
+        max_queue_size=parse_int(MAX_QUEUE_SIZE, _raw(env, MAX_QUEUE_SIZE) or "", minimum=1),
+        topic=env.get(TOPIC, ENV_VARS_BY_NAME[TOPIC].default or ""),
+        window_size=None if window is None else parse_int(WINDOW_SIZE, window, minimum=1),
+    )
+
+
+def load_tier_settings(env: Mapping[str, str] | None = None) -> TierSettings:
+    env = os.environ if env is None else env
+
+    def optional_int(name: str) -> int | None:
+        value = _raw(env, name)
+        return None if value is None else parse_int(name, value, minimum=0)
+
+    def optional_float(name: str) -> float:
+        value = _raw(env, name)
+        return 0.0 if value is None else parse_float(name, value)
+
+    directory = _raw(env, DISK_CACHE_DIR)
+    return TierSettings(
+        cpu_cache_gb=optional_float(CPU_CACHE_GB),
+        cpu_num_blocks=optional_int(CPU_CACHE_NUM_BLOCKS),
+        disk_cache_gb=optional_float(DISK_CACHE_GB),
+        disk_num_blocks=optional_int(DISK_CACHE_NUM_BLOCKS),
+        disk_cache_dir=directory.strip() if directory else None,
+    )
+
+
+def load_metrics_settings(env: Mapping[str, str] | None = None) -> MetricsSettings:
+    env = os.environ if env is None else env
+    return MetricsSettings(
+        enabled=parse_bool(METRICS, _raw(env, METRICS) or "false"),
+        port=parse_port(METRICS_PORT, _raw(env, METRICS_PORT) or ""),
+    )
+
+
+def consolidator_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """The env switch alone (default on)."""
+    env = os.environ if env is None else env
+    return parse_bool(ENABLE_CONSOLIDATOR, _raw(env, ENABLE_CONSOLIDATOR) or "")
+
+
+def load_consolidator_config(
+    env: Mapping[str, str] | None = None, *, num_ranks: int = 1
+) -> ConsolidatorConfig:
+    """Read and validate every consolidator/publisher variable for ``num_ranks`` ranks.
+
+    Raises ConfigError naming the variable and value for anything unusable, including a missing
+    GPU-tier port while the consolidator is on and any two sockets sharing a port or path.
+    """
+    env = os.environ if env is None else env
+    if num_ranks < 1:
+        raise ConfigError(f"num_ranks={num_ranks} must be >= 1")
+    enabled = consolidator_enabled(env)
+    mode_text = (_raw(env, CONSOLIDATOR_MODE) or "").strip().lower()
+    if mode_text not in _MODES:
+        raise ConfigError(f"{CONSOLIDATOR_MODE}={env.get(CONSOLIDATOR_MODE)!r} is not one of "
+                          + " | ".join(_MODES))
+    mode: ConsolidatorMode = "dedup" if mode_text == "dedup" else "passthrough"
+    host = (_raw(env, LEADER_ZMQ_HOST) or "127.0.0.1").strip()
+    if not host or any(c in host for c in "/ ") or host.isdigit():
+        raise ConfigError(f"{LEADER_ZMQ_HOST}={env.get(LEADER_ZMQ_HOST)!r} is not a host name")
+
+    def optional_endpoint(name: str) -> Endpoint | None:
+        value = _raw(env, name)
+        return None if value is None else parse_endpoint(name, value, default_host=host)
+
+    gpu_events = optional_endpoint(EVENTS_ENDPOINT)
+    if gpu_events is None:
+        port_text = _raw(env, TRTLLM_ZMQ_PORT)
+        if port_text is not None:
+            gpu_events = Endpoint("tcp", host=host, port=parse_port(TRTLLM_ZMQ_PORT, port_text),
+                                  source=TRTLLM_ZMQ_PORT)
+    if enabled and gpu_events is None:
+        raise ConfigError(
+            f"{ENABLE_CONSOLIDATOR} is on but {TRTLLM_ZMQ_PORT} is not set: set it to the base "
+            f"port of the per-rank GPU-tier publishers (e.g. {TRTLLM_ZMQ_PORT}=20081), or set "
+            f"{EVENTS_ENDPOINT}, or {ENABLE_CONSOLIDATOR}=false. There is no default: the "
+            f"usual fallback ({LEADER_ZMQ_PUB_PORT}) is the KVBM leader's own port.")
+    leader_port = parse_port(LEADER_ZMQ_PUB_PORT, _raw(env, LEADER_ZMQ_PUB_PORT) or "")
+    output = optional_endpoint(OUTPUT_ENDPOINT)
+    if output is None:
+        if leader_port + 1000 > 65535:
+            raise ConfigError(f"{LEADER_ZMQ_PUB_PORT}={leader_port}: the consolidated output "
+                              f"port {leader_port} + 1000 exceeds 65535")
+        output = Endpoint("tcp", host=host, port=leader_port + 1000,
+                          source=f"{LEADER_ZMQ_PUB_PORT}+1000")
+    config = ConsolidatorConfig(
+        enabled=enabled,
+        mode=mode,
+        num_ranks=num_ranks,
+        gpu_events=gpu_events,
+        gpu_replay=optional_endpoint(REPLAY_ENDPOINT),
+        output=output,
+        output_replay=optional_endpoint(OUTPUT_REPLAY_ENDPOINT),
+        publisher=load_publisher_settings(env),
+    )
+    _check_collisions(config, leader_port)
+    return config
+
+
+def _check_collisions(config: ConsolidatorConfig, leader_port: int) -> None:
+    """Refuse any two sockets of any rank that would bind the same port or ipc/inproc path."""
+    owners: dict[tuple[str, str | int], str] = {
+        ("tcp", leader_port): f"{LEADER_ZMQ_PUB_PORT} (KVBM leader port {leader_port})",
+    }
+
+    def claim(endpoint: Endpoint, role: str) -> None:
+        previous = owners.get(endpoint.key)
+        if previous is not None:
+            where = endpoint.port if endpoint.scheme == "tcp" else endpoint.address
+            raise ConfigError(f"{role} from {endpoint.source} ({where}) collides with "
+                              f"{previous}")
+        owners[endpoint.key] = f"{role} from {endpoint.source}"
+
+    for rank in range(config.num_ranks):
+        if config.gpu_events is not None:
+            claim(config.publish_endpoint(rank), f"rank {rank} GPU-tier publish endpoint")
+        replay = config.replay_endpoint(rank)
+        if replay is not None:
+            claim(replay, f"rank {rank} GPU-tier replay endpoint")
+    claim(config.output, "consolidated output endpoint")
+    if config.output_replay is not None:
+        claim(config.output_replay, "consolidated output replay endpoint")
+
+
+def _connector_module(arg: Any) -> str | None:
+    """The connector module named by a dict, a KvCacheConnectorConfig-like object or llm_args."""
+    if arg is None:
+        return None
+    if isinstance(arg, Mapping):
+        if "connector_module" in arg:
+            return arg.get("connector_module")
+        return _connector_module(arg.get("kv_connector_config"))
+    if hasattr(arg, "connector_module"):
+        return getattr(arg, "connector_module", None)
+    if hasattr(arg, "kv_connector_config"):
+        return _connector_module(arg.kv_connector_config)
+    return None
+
+
+def is_supported_connector_module(module: str | None) -> bool:
+    if not module:
+        return False
+    return module in (PLUGIN_MODULE, DYNAMO_CONNECTOR_MODULE) or module.startswith(
+        PLUGIN_MODULE + ".")
+
+
+def should_enable_consolidator(arg: Any, env: Mapping[str, str] | None = None) -> bool:
+    """True when the env switch is on and ``arg`` configures this plugin (or Dynamo's) connector.
+
+    ``arg``: a dict arg map, a KvCacheConnectorConfig-like object, or llm_args carrying
+    ``.kv_connector_config``. The reason for False is logged.
+    """
+    if not consolidator_enabled(env):
+        logger.info("KV event consolidator disabled via %s", ENABLE_CONSOLIDATOR)
+        return False
+    module = _connector_module(arg)
+    if not is_supported_connector_module(module):
+        logger.info("KV event consolidator not enabled: connector module %r is neither %s nor %s",
+                    module, PLUGIN_MODULE, DYNAMO_CONNECTOR_MODULE)
+        return False
+    return True
+
+
+def env_table_markdown() -> str:
+    """The env-var table as Markdown (README and ``kvbm-plugin env``)."""
+    lines = ["| Variable | Default | Meaning |", "|---|---|---|"]
+    for var in ENV_VARS:
+        if var.default is None:
+            default = "(unset)"
+        else:
+            default = f"`{var.default}`" if var.default else '`""`'
+        lines.append(f"| `{var.name}` | {default} | {var.meaning} |")
+    return "\n".join(lines)

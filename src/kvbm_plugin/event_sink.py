@@ -1,0 +1,1 @@
+"""GPU-tier KV event sink (filled by the event-sink issue)."""

@@ -1,0 +1,246 @@
+"""KV-cache events in the vLLM wire format, and the codec both streams share.
+
+A message is three ZMQ frames ``[topic, seq, payload]``: ``seq`` is an unsigned 64-bit
+big-endian batch counter, ``payload`` a msgpack array ``[ts, events, data_parallel_rank]``; each
+event a msgpack map tagged ``"type"``. Block hashes are signed int64 on the wire.
+
+Encoding is strict (what we publish must satisfy Dynamo's and vLLM's decoders); decoding is
+tolerant (maps or legacy positional arrays, signed or unsigned hashes, 2 or 3 frames, medium
+aliases) and raises :class:`WireFormatError` with the offending value for anything else.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_DISK = "DISK"
+MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
+
+_MEDIUM_ALIASES = {
+    "GPU": MEDIUM_GPU, "DEVICE": MEDIUM_GPU,
+    "CPU": MEDIUM_CPU, "CPU_PINNED": MEDIUM_CPU, "CPU_TIER1": MEDIUM_CPU,
+    "DISK": MEDIUM_DISK, "CPU_TIER2": MEDIUM_DISK, "STORAGE": MEDIUM_DISK, "NVME": MEDIUM_DISK,
+}
+
+# Replay reply terminator (vLLM): seq frame of -1 as signed 64-bit big-endian.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+_U64 = 1 << 64
+_I64_MAX = (1 << 63) - 1
+_SEQ = struct.Struct(">Q")
+
+
+class WireFormatError(ValueError):
+    """A message or event that is not in the wire format; the message names the value."""
+
+
+def to_signed_int64(value: int) -> int:
+    """Two's-complement reinterpretation of a u64 hash as int64 (signed input passes through)."""
+    if value > _I64_MAX:
+        if value >= _U64:
+            raise WireFormatError(f"block hash {value} exceeds 64 bits")
+        return value - _U64
+    if value < -(1 << 63):
+        raise WireFormatError(f"block hash {value} is below the int64 range")
+    return value
+
+
+def to_unsigned_u64(value: int) -> int:
+    """The u64 form of a hash given signed or unsigned (the consolidator keys on this)."""
+    if value < 0:
+        if value < -(1 << 63):
+            raise WireFormatError(f"block hash {value} is below the int64 range")
+        return value + _U64
+    if value >= _U64:
+        raise WireFormatError(f"block hash {value} exceeds 64 bits")
+    return value
+
+
+def normalize_medium(value: Any) -> str:
+    """Canonical medium (GPU/CPU/DISK) for a case-insensitive name or alias."""
+    if isinstance(value, bytes):
+        value = value.decode("utf-8", "replace")
+    if isinstance(value, str):
+        medium = _MEDIUM_ALIASES.get(value.strip().upper())
+        if medium is not None:
+            return medium
+    raise WireFormatError(f"unknown medium {value!r}")
+
+
+@dataclass(slots=True)
+class BlockStored:
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = MEDIUM_GPU
+    lora_name: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": "BlockStored",
+            "block_hashes": [to_signed_int64(h) for h in self.block_hashes],
+            "parent_block_hash": (None if self.parent_block_hash is None
+                                  else to_signed_int64(self.parent_block_hash)),
+            "token_ids": self.token_ids,
+            "block_size": self.block_size,
+            "lora_id": self.lora_id,
+            "medium": self.medium,
+            "lora_name": self.lora_name,
+        }
+
+
+@dataclass(slots=True)
+class BlockRemoved:
+    block_hashes: list[int]
+    medium: str | None = MEDIUM_GPU
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "type": "BlockRemoved",
+            "block_hashes": [to_signed_int64(h) for h in self.block_hashes],
+            "medium": self.medium,
+        }
+
+
+@dataclass(slots=True)
+class AllBlocksCleared:
+    medium: str | None = None  # not on the wire; lets passthrough consumers keep the tier
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"type": "AllBlocksCleared"}
+
+
+KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+@dataclass(slots=True)
+class EventBatch:
+    """One decoded message: its seq (None for 2-frame messages), time, events and dp rank."""
+
+    seq: int | None
+    ts: float
+    events: list[KvEvent]
+    data_parallel_rank: int | None
+    topic: bytes = b""
+
+
+def encode_seq(seq: int) -> bytes:
+    return _SEQ.pack(seq)
+
+
+def decode_seq(frame: bytes) -> int:
+    if len(frame) != 8:
+        raise WireFormatError(f"seq frame has {len(frame)} bytes, expected 8: {frame!r}")
+    return _SEQ.unpack(frame)[0]
+
+
+_packer = msgpack.Packer(use_bin_type=True)
+
+
+def encode_payload(ts: float, events: Sequence[dict[str, Any]], dp_rank: int) -> bytes:
+    """msgpack ``[ts, events, dp_rank]`` for events already in wire (map) form."""
+    return msgpack.packb([ts, list(events), dp_rank], use_bin_type=True)
+
+
+def encode_batch(topic: bytes, seq: int, ts: float, events: Sequence[KvEvent],
+                 dp_rank: int) -> list[bytes]:
+    """The three frames of one batch."""
+    return [topic, encode_seq(seq), encode_payload(ts, [e.to_wire() for e in events], dp_rank)]
+
+
+def _field(raw: Any, index: int, name: str) -> Any:
+    if isinstance(raw, dict):
+        return raw.get(name)
+    return raw[index] if index < len(raw) else None
+
+
+def _hashes(value: Any, what: str) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise WireFormatError(f"{what} is not a list: {value!r}")
+    out = []
+    for item in value:
+        if not isinstance(item, int) or isinstance(item, bool):
+            raise WireFormatError(f"{what} holds a non-integer hash: {item!r}")
+        out.append(to_unsigned_u64(item))
+    return out
+
+
+def decode_event(raw: Any) -> KvEvent:
+    """One event from its map or positional-array form; hashes come back as u64."""
+    if isinstance(raw, dict):
+        kind = raw.get("type")
+    elif isinstance(raw, (list, tuple)) and raw:
+        kind, raw = raw[0], list(raw[1:])
+    else:
+        raise WireFormatError(f"event is neither a map nor an array: {raw!r}")
+    if isinstance(kind, bytes):
+        kind = kind.decode("utf-8", "replace")
+    if kind == "BlockStored":
+        parent = _field(raw, 1, "parent_block_hash")
+        if parent is not None:
+            parent = _hashes([parent], "parent_block_hash")[0]
+        token_ids = _field(raw, 2, "token_ids")
+        block_size = _field(raw, 3, "block_size")
+        if not isinstance(token_ids, (list, tuple)):
+            raise WireFormatError(f"BlockStored token_ids is not a list: {token_ids!r}")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise WireFormatError(f"BlockStored block_size is invalid: {block_size!r}")
+        medium = _field(raw, 5, "medium")
+        return BlockStored(
+            block_hashes=_hashes(_field(raw, 0, "block_hashes"), "BlockStored block_hashes"),
+            parent_block_hash=parent,
+            token_ids=list(token_ids),
+            block_size=block_size,
+            lora_id=_field(raw, 4, "lora_id"),
+            medium=None if medium is None else normalize_medium(medium),
+            lora_name=_field(raw, 6, "lora_name"),
+        )
+    if kind == "BlockRemoved":
+        medium = _field(raw, 1, "medium")
+        return BlockRemoved(
+            block_hashes=_hashes(_field(raw, 0, "block_hashes"), "BlockRemoved block_hashes"),
+            medium=None if medium is None else normalize_medium(medium),
+        )
+    if kind == "AllBlocksCleared":
+        return AllBlocksCleared()
+    raise WireFormatError(f"unknown event type {kind!r}")
+
+
+def decode_payload(payload: bytes) -> tuple[float, list[Any], int | None]:
+    """``(ts, raw events, dp_rank)`` from a payload; raw events still need decode_event."""
+    try:
+        batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise WireFormatError(f"payload is not msgpack ({exc}): {payload[:32]!r}") from None
+    if isinstance(batch, dict):
+        batch = [batch.get("ts"), batch.get("events"), batch.get("data_parallel_rank")]
+    if not isinstance(batch, (list, tuple)) or len(batch) not in (2, 3):
+        raise WireFormatError(f"payload is not [ts, events, dp_rank]: {batch!r:.200}")
+    ts, events = batch[0], batch[1]
+    dp_rank = batch[2] if len(batch) == 3 else None
+    if not isinstance(events, (list, tuple)):
+        raise WireFormatError(f"batch events is not a list: {events!r:.200}")
+    if dp_rank is not None and not isinstance(dp_rank, int):
+        raise WireFormatError(f"batch data_parallel_rank is not an integer: {dp_rank!r}")
+    return float(ts or 0.0), list(events), dp_rank
+
+
+def decode_message(frames: Sequence[bytes]) -> EventBatch:
+    """A 3-frame ``[topic, seq, payload]`` or 2-frame ``[topic, payload]`` message."""
+    if len(frames) == 3:
+        topic, seq, payload = frames[0], decode_seq(frames[1]), frames[2]
+    elif len(frames) == 2:
+        topic, seq, payload = frames[0], None, frames[1]
+    else:
+        raise WireFormatError(f"message has {len(frames)} frames, expected 2 or 3")
+    ts, raw_events, dp_rank = decode_payload(payload)
+    return EventBatch(seq, ts, [decode_event(e) for e in raw_events], dp_rank, bytes(topic))
