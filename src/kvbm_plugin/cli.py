@@ -1,0 +1,101 @@
+"""``kvbm-plugin``: demo, engine YAML, doctor, env table, subscribe, consolidate, sidecar.
+
+Start-up imports only the standard library; each command imports what it needs when it runs
+(torch only for ``demo`` and ``doctor``, never TensorRT-LLM except through ``doctor``'s check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+
+ENGINE_YAML = """\
+# trtllm-serve <model> --backend pytorch --extra_llm_api_options kvbm.yaml
+backend: pytorch
+# Connector hooks are not captured by CUDA graphs.
+cuda_graph_config: null
+kv_cache_config:
+  # The connector is only offered blocks when block reuse is on.
+  enable_block_reuse: true
+  # Offload and reuse work on whole blocks.
+  enable_partial_reuse: false
+  # > 0 makes the KV cache manager buffer the events the GPU-tier publisher sends.
+  event_buffer_max_size: 1024
+kv_connector_config:
+  connector_module: kvbm_plugin
+  connector_scheduler_class: KvbmConnectorLeader
+  connector_worker_class: KvbmConnectorWorker
+"""
+
+
+def _cmd_yaml(args: argparse.Namespace) -> int:
+    sys.stdout.write(ENGINE_YAML)
+    return 0
+
+
+def _cmd_env(args: argparse.Namespace) -> int:
+    from kvbm_plugin.consolidator_config import ENV_VARS, env_table_markdown
+
+    if args.json:
+        print(json.dumps([{"name": v.name, "default": v.default, "meaning": v.meaning,
+                           "group": v.group} for v in ENV_VARS], indent=2))
+    else:
+        print(env_table_markdown())
+    return 0
+
+
+# Commands whose options are parsed by the module that implements them (imported on use).
+FORWARDED: dict[str, tuple[str, str]] = {
+    "demo": ("kvbm_plugin.demo:main_demo",
+             "run the simulated engine end to end (TP=2, host+disk tiers, consolidator)"),
+    "doctor": ("kvbm_plugin.doctor:main_doctor",
+               "check env vars, ports, TensorRT-LLM, torch/CUDA and entry points"),
+    "subscribe": ("kvbm_plugin.subscribe:main_subscribe",
+                  "print a live KV-event stream (gap detection, optional replay, --json)"),
+    "consolidate": ("kvbm_plugin.consolidator:main_consolidate",
+                    "run the consolidator standalone"),
+    "sidecar": ("kvbm_plugin.sidecar:main_sidecar",
+                "publish trtllm-serve's /kv_cache_events per attention-DP rank"),
+}
+
+
+def _run_forwarded(name: str, argv: list[str]) -> int:
+    module_name, func_name = FORWARDED[name][0].split(":")
+    module = importlib.import_module(module_name)
+    return int(getattr(module, func_name)(argv) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvbm-plugin",
+        description="KV-cache connector plugin for TensorRT-LLM: host/disk offload tiers, "
+                    "per-rank KV-event publishers and a de-duplicating consolidator.")
+    from kvbm_plugin import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvbm-plugin {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (_, help_text) in FORWARDED.items():
+        # Listed here for --help; main() hands their arguments to the implementing module.
+        sub.add_parser(name, help=help_text, add_help=False)
+    yaml_cmd = sub.add_parser("yaml", help="print the engine YAML for trtllm-serve "
+                              "--extra_llm_api_options")
+    yaml_cmd.set_defaults(func=_cmd_yaml)
+    env_cmd = sub.add_parser("env", help="print every environment variable the plugin reads")
+    env_cmd.add_argument("--json", action="store_true", help="machine-readable output")
+    env_cmd.set_defaults(func=_cmd_env)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] in FORWARDED:
+        return _run_forwarded(args_list[0], args_list[1:])
+    args = build_parser().parse_args(args_list)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

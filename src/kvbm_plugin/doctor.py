@@ -1,0 +1,139 @@
+"""``kvbm-plugin doctor``: is this machine ready to run the plugin? Exit 1 on any problem."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from kvbm_plugin import consolidator_config as cc
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # "ok" | "warn" | "fail"
+    detail: str
+
+
+def _port_free(port: int) -> str | None:
+    """None when ``port`` can be bound on all interfaces now, else the reason."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
+def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings) -> list[Check]:
+    endpoints: list[tuple[str, cc.Endpoint]] = []
+    for rank in range(config.num_ranks):
+        if config.gpu_events is not None:
+            endpoints.append((f"rank {rank} GPU-tier publisher", config.publish_endpoint(rank)))
+        replay = config.replay_endpoint(rank)
+        if replay is not None:
+            endpoints.append((f"rank {rank} GPU-tier replay", replay))
+    endpoints.append(("consolidated output", config.output))
+    if config.output_replay is not None:
+        endpoints.append(("consolidated output replay", config.output_replay))
+    if metrics.enabled:
+        endpoints.append(("metrics", cc.Endpoint("tcp", port=metrics.port, source=cc.METRICS_PORT)))
+    checks = []
+    for role, endpoint in endpoints:
+        if endpoint.scheme == "tcp":
+            problem = _port_free(endpoint.port)
+        elif endpoint.scheme == "ipc":
+            directory = os.path.dirname(os.path.abspath(endpoint.address)) or "."
+            problem = None if os.access(directory, os.W_OK) else f"{directory} is not writable"
+        else:
+            problem = None
+        checks.append(Check(f"{role} {endpoint.bind}", "fail" if problem else "ok",
+                            problem or "free"))
+    return checks
+
+
+def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
+    checks: list[Check] = []
+    try:
+        config = cc.load_consolidator_config(num_ranks=num_ranks)
+        checks.append(Check("consolidator config", "ok",
+                            f"enabled={config.enabled} mode={config.mode} ranks={num_ranks}"))
+    except cc.ConfigError as exc:
+        config = None
+        checks.append(Check("consolidator config", "fail", str(exc)))
+    for name, loader in (("publisher settings", cc.load_publisher_settings),
+                         ("tier settings", cc.load_tier_settings),
+                         ("metrics settings", cc.load_metrics_settings)):
+        try:
+            checks.append(Check(name, "ok", repr(loader())))
+        except cc.ConfigError as exc:
+            checks.append(Check(name, "fail", str(exc)))
+    if config is not None:
+        try:
+            metrics = cc.load_metrics_settings()
+        except cc.ConfigError:
+            metrics = cc.MetricsSettings()
+        checks.extend(_endpoint_checks(config, metrics))
+
+    from kvbm_plugin._trtllm_compat import COMPAT
+
+    if COMPAT.error:
+        checks.append(Check("TensorRT-LLM", "fail",
+                            f"installed ({COMPAT.trtllm_version}) but not importable: "
+                            f"{COMPAT.error}"))
+    elif not COMPAT.installed:
+        checks.append(Check("TensorRT-LLM", "fail" if require_trtllm else "warn",
+                            "not installed (pip install 'kvbm-plugin[trtllm]' "
+                            "--extra-index-url https://pypi.nvidia.com); stand-in base classes"))
+    else:
+        checks.append(Check("TensorRT-LLM", "ok",
+                            f"{COMPAT.trtllm_version}, connector API from {COMPAT.module}"))
+    try:
+        import torch
+
+        cuda = torch.cuda.is_available()
+        detail = f"torch {torch.__version__}, CUDA " + (
+            f"available ({torch.cuda.device_count()} device(s), {torch.version.cuda})"
+            if cuda else "not available (CPU only)")
+        checks.append(Check("torch", "ok", detail))
+    except Exception as exc:
+        checks.append(Check("torch", "fail", f"{type(exc).__name__}: {exc}"))
+
+    from kvbm_plugin.registry import PUBLISHERS_GROUP, TIERS_GROUP, load_group
+
+    for group in (PUBLISHERS_GROUP, TIERS_GROUP):
+        try:
+            plugins = load_group(group, refresh=True)
+            listing = ", ".join(f"{p.name} ({p.distribution})" for p in plugins.values())
+            checks.append(Check(f"entry points {group}", "ok" if plugins else "fail",
+                                listing or "none found"))
+        except Exception as exc:
+            checks.append(Check(f"entry points {group}", "fail", str(exc)))
+    return checks
+
+
+def main_doctor(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvbm-plugin doctor",
+                                     description="Check env vars, ports, TensorRT-LLM, torch/CUDA "
+                                                 "and entry points; exit 1 on a problem.")
+    parser.add_argument("--num-ranks", type=int, default=1,
+                        help="attention-DP ranks whose ports to check (default 1)")
+    parser.add_argument("--require-trtllm", action="store_true",
+                        help="treat a missing TensorRT-LLM as a failure")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+    checks = run_checks(args.num_ranks, args.require_trtllm)
+    if args.json:
+        print(json.dumps([asdict(c) for c in checks], indent=2))
+    else:
+        width = max(len(c.name) for c in checks)
+        for check in checks:
+            print(f"[{check.status.upper():4}] {check.name.ljust(width)}  {check.detail}")
+    failed = [c for c in checks if c.status == "fail"]
+    if not args.json:
+        print(f"\n{len(failed)} problem(s)" if failed else "\nno problems found")
+    return 1 if failed else 0

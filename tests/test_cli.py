@@ -1,0 +1,113 @@
+"""The CLI: help for every command, yaml, env, doctor; README agrees with the code."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvbm_plugin import cli
+from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.doctor import main_doctor
+
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = ("demo", "yaml", "doctor", "env", "subscribe", "consolidate", "sidecar")
+
+
+def test_help_lists_every_command(capsys) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for command in COMMANDS:
+        assert re.search(rf"^\s+{command}\s", out, re.M), command
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_has_help(command: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "kvbm_plugin.cli", command, "--help"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "usage:" in result.stdout
+
+
+def test_yaml_is_the_connector_config(capsys) -> None:
+    assert cli.main(["yaml"]) == 0
+    out = capsys.readouterr().out
+    assert "connector_module: kvbm_plugin\n" in out
+    assert "connector_scheduler_class: KvbmConnectorLeader" in out
+    assert "connector_worker_class: KvbmConnectorWorker" in out
+    assert "enable_block_reuse: true" in out and "enable_partial_reuse: false" in out
+    assert "cuda_graph_config: null" in out
+    assert re.search(r"event_buffer_max_size: [1-9]", out)
+
+
+def test_env_lists_every_variable(capsys) -> None:
+    assert cli.main(["env", "--json"]) == 0
+    names = [row["name"] for row in json.loads(capsys.readouterr().out)]
+    assert names == [v.name for v in cc.ENV_VARS]
+
+
+def test_readme_env_table_matches_the_source_of_truth() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert cc.env_table_markdown() in readme
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text()
+    ci = (ROOT / ".ci" / "run").read_text()
+    command = next(line for line in ci.splitlines() if "pytest" in line and "pip" in line)
+    assert command in readme
+    assert readme.index(command) < readme.index("##")  # one of the two commands at the top
+    assert "kvbm-plugin demo" in readme[: readme.index("##")]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_doctor_ok_with_free_ports(monkeypatch, capsys) -> None:
+    monkeypatch.setenv(cc.TRTLLM_ZMQ_PORT, str(_free_port()))
+    monkeypatch.setenv(cc.LEADER_ZMQ_PUB_PORT, str(_free_port() % 50000 + 1))
+    code = main_doctor(["--json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert checks["consolidator config"]["status"] == "ok"
+    assert checks["TensorRT-LLM"]["status"] in ("warn", "ok")
+    assert checks["torch"]["status"] == "ok"
+    assert "zmq (kvbm-plugin" in checks["entry points kvbm_plugin.publishers"]["detail"]
+    assert code == (1 if any(c["status"] == "fail" for c in checks.values()) else 0)
+
+
+def test_doctor_fails_on_bad_env(monkeypatch, capsys) -> None:
+    monkeypatch.setenv(cc.ENABLE_CONSOLIDATOR, "perhaps")
+    assert main_doctor([]) == 1
+    assert "'perhaps'" in capsys.readouterr().out
+
+
+def test_doctor_fails_on_busy_port(monkeypatch, capsys) -> None:
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        monkeypatch.setenv(cc.TRTLLM_ZMQ_PORT, str(busy.getsockname()[1]))
+        assert main_doctor(["--json"]) == 1
+    checks = json.loads(capsys.readouterr().out)
+    busy_checks = [c for c in checks if "GPU-tier publisher" in c["name"]]
+    assert busy_checks and busy_checks[0]["status"] == "fail"
+
+
+def test_doctor_require_trtllm(monkeypatch, capsys) -> None:
+    from kvbm_plugin import _trtllm_compat
+
+    if _trtllm_compat.COMPAT.installed:
+        pytest.skip("TensorRT-LLM is installed here")
+    monkeypatch.setenv(cc.ENABLE_CONSOLIDATOR, "0")
+    assert main_doctor(["--require-trtllm", "--json"]) == 1
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert checks["TensorRT-LLM"]["status"] == "fail"

@@ -1,0 +1,46 @@
+"""Metrics: registered stats are exported at scrape time; transfer histograms; HTTP endpoint."""
+
+from __future__ import annotations
+
+import socket
+import urllib.request
+
+from kvbm_plugin.consolidator_config import MetricsSettings
+from kvbm_plugin.metrics import Metrics
+
+
+def test_stats_sources_become_counters_and_gauges() -> None:
+    metrics = Metrics()
+    state = {"batches_published": 3, "queue_high_water": 7, "note": "x"}
+    metrics.register_stats("publisher", lambda: state, rank="0")
+    state["batches_published"] = 5  # read at scrape time, not at registration
+    families = {f.name: f for f in metrics.registry.collect()}
+    counter = families["kvbm_publisher_batches_published"]
+    assert counter.type == "counter"
+    assert counter.samples[0].value == 5 and counter.samples[0].labels == {"rank": "0"}
+    assert families["kvbm_publisher_queue_high_water"].type == "gauge"
+    assert not any("note" in name for name in families)
+    metrics.unregister_stats("publisher", rank="0")
+    assert "kvbm_publisher_batches_published" not in {f.name for f in metrics.registry.collect()}
+
+
+def test_failing_source_does_not_break_scrape() -> None:
+    metrics = Metrics()
+    metrics.register_stats("broken", lambda: 1 / 0)
+    metrics.register_stats("fine", lambda: {"ok": 1})
+    names = {f.name for f in metrics.registry.collect()}
+    assert "kvbm_fine_ok" in names
+
+
+def test_transfer_histogram_and_http_endpoint() -> None:
+    metrics = Metrics()
+    metrics.observe_transfer("offload", "CPU", 0.002, 4 << 20)
+    assert metrics.serve(MetricsSettings(enabled=False)) is None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert metrics.serve(MetricsSettings(enabled=True, port=port)) == port
+    assert metrics.serve(MetricsSettings(enabled=True, port=port)) == port  # once
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    assert 'kvbm_transfer_seconds_count{direction="offload",tier="CPU"} 1.0' in body
+    assert 'kvbm_transfer_bytes_sum{direction="offload",tier="CPU"} 4.194304e+06' in body

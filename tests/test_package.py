@@ -1,0 +1,62 @@
+"""Package-level promises: imports without TRT-LLM or torch, top-level exports, entry points."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import importlib_metadata
+
+import kvbm_plugin
+from kvbm_plugin.publisher import EventPublisher, NullEventPublisher
+from kvbm_plugin.registry import PUBLISHERS_GROUP, load_group
+
+
+def _run(code: str) -> str:
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                            text=True, timeout=120, check=True)
+    return result.stdout.strip()
+
+
+def test_import_does_not_pull_torch_or_trtllm() -> None:
+    out = _run("""
+        import sys, kvbm_plugin, kvbm_plugin.consolidator_config, kvbm_plugin.events
+        import kvbm_plugin.publisher, kvbm_plugin.registry, kvbm_plugin.cli
+        print(sorted(m for m in ("torch", "tensorrt_llm") if m in sys.modules))
+    """)
+    assert out == "[]"
+
+
+def test_top_level_exports_resolve_like_trtllm_loads_them() -> None:
+    out = _run("""
+        import importlib
+        module = importlib.import_module("kvbm_plugin")
+        leader = getattr(module, "KvbmConnectorLeader")
+        worker = getattr(module, "KvbmConnectorWorker")
+        from kvbm_plugin._trtllm_compat import KvCacheConnectorScheduler, KvCacheConnectorWorker
+        print(issubclass(leader, KvCacheConnectorScheduler),
+              issubclass(worker, KvCacheConnectorWorker))
+    """)
+    assert out == "True True"
+    assert "KvbmConnectorLeader" in dir(kvbm_plugin)
+
+
+def test_unknown_attribute_is_attribute_error() -> None:
+    try:
+        kvbm_plugin.NoSuchThing  # noqa: B018
+    except AttributeError as exc:
+        assert "NoSuchThing" in str(exc)
+    else:
+        raise AssertionError("expected AttributeError")
+
+
+def test_builtin_publishers_come_from_this_distribution_entry_points() -> None:
+    eps = {ep.name: ep.value for ep in importlib_metadata.entry_points(group=PUBLISHERS_GROUP)
+           if ep.dist is not None and ep.dist.name == "kvbm-plugin"}
+    assert eps == {"zmq": "kvbm_plugin.publisher:ZmqEventPublisher",
+                   "null": "kvbm_plugin.publisher:NullEventPublisher"}
+    plugins = load_group(PUBLISHERS_GROUP, refresh=True)
+    assert plugins["null"].obj is NullEventPublisher
+    assert issubclass(plugins["zmq"].obj, EventPublisher)
+    assert plugins["zmq"].distribution.startswith("kvbm-plugin ")
