@@ -1,0 +1,152 @@
+"""StreamSubscriber: a router's view of a stream, gap detection and replay; CLI output."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from kvbm_plugin.events import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    decode_message,
+    encode_batch,
+)
+from kvbm_plugin.subscribe import StreamSubscriber, as_json, describe
+
+
+def _store(h: int, parent: int | None = None) -> BlockStored:
+    return BlockStored([h], parent, [1, 2], 2)
+
+
+def _frames(seq: int, events: list, rank: int = 0) -> list[bytes]:
+    return encode_batch(b"", seq, 1.0, events, rank)
+
+
+def _poll_until(sub: StreamSubscriber, condition, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        sub.poll(20)
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def xpub(ctx: zmq.Context, tmp_path: Path) -> Iterator[tuple[zmq.Socket, str]]:
+    sock = ctx.socket(zmq.XPUB)
+    endpoint = f"ipc://{tmp_path}/pub"
+    sock.bind(endpoint)
+    yield sock, endpoint
+    sock.close(0)
+
+
+def _connect(ctx: zmq.Context, xpub: zmq.Socket, endpoint: str,
+             replay: str | None = None) -> StreamSubscriber:
+    sub = StreamSubscriber(endpoint, replay, context=ctx)
+    assert xpub.poll(10_000), "subscription never arrived"
+    xpub.recv()  # the subscription message: the SUB is connected, nothing can be missed now
+    return sub
+
+
+def test_view_follows_stores_removes_and_clears(ctx, xpub) -> None:
+    pub, endpoint = xpub
+    sub = _connect(ctx, pub, endpoint)
+    try:
+        pub.send_multipart(_frames(0, [_store(1), _store(2, 1)]))
+        pub.send_multipart(_frames(1, [BlockRemoved([2])]))
+        pub.send_multipart(_frames(2, [_store(2**64 - 1)], rank=1))
+        _poll_until(sub, lambda: sub.stats.batches == 3)
+        assert sub.held == {(0, 1), (1, -1)}
+        pub.send_multipart(_frames(3, [AllBlocksCleared()], rank=1))
+        pub.send_multipart(_frames(4, [BlockRemoved([99]), _store(1)]))
+        _poll_until(sub, lambda: sub.stats.batches == 5)
+        assert sub.held == {(0, 1)}
+        assert sub.stats.gaps == 0
+        assert sub.stats.unknown_removes == 1 and sub.stats.duplicate_stores == 1
+    finally:
+        sub.close()
+
+
+def test_gap_without_replay_counts_missing(ctx, xpub) -> None:
+    pub, endpoint = xpub
+    sub = _connect(ctx, pub, endpoint)
+    try:
+        pub.send_multipart(_frames(0, [_store(1)]))
+        pub.send_multipart(_frames(3, [_store(2, 7)]))
+        _poll_until(sub, lambda: sub.stats.batches == 2)
+        assert (sub.stats.gaps, sub.stats.missing_batches) == (1, 2)
+        assert sub.stats.orphan_stores == 1
+    finally:
+        sub.close()
+
+
+def test_gap_filled_by_replay_and_hole_inside_replay_stays(ctx, xpub, tmp_path) -> None:
+    pub, endpoint = xpub
+    router = ctx.socket(zmq.ROUTER)
+    replay_endpoint = f"ipc://{tmp_path}/replay"
+    router.bind(replay_endpoint)
+    buffered = {1: _frames(1, [_store(5)]), 3: _frames(3, [_store(6)])}  # seq 2 lost for good
+    requests: list[int] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not router.poll(20):
+                continue
+            client, empty, start = router.recv_multipart()
+            requests.append(int.from_bytes(start, "big"))
+            for seq in sorted(buffered):
+                if seq >= requests[-1]:
+                    router.send_multipart([client, empty, *buffered[seq]])
+            router.send_multipart([client, empty, b"", END_SEQ, b""])
+
+    server = threading.Thread(target=serve)
+    server.start()
+    sub = _connect(ctx, pub, endpoint, replay_endpoint)
+    try:
+        pub.send_multipart(_frames(0, [_store(1)]))
+        pub.send_multipart(_frames(4, [_store(7)]))
+        _poll_until(sub, lambda: sub.stats.batches >= 3)
+        assert requests == [1]
+        assert sub.stats.replayed_batches == 1  # seq 1; seq 3 is behind the hole at 2
+        assert sub.stats.missing_batches == 2
+        assert (0, 5) in sub.held and (0, 6) not in sub.held and (0, 7) in sub.held
+    finally:
+        stop.set()
+        server.join()
+        router.close(0)
+        sub.close()
+
+
+def test_malformed_messages_are_counted_not_fatal(ctx, xpub) -> None:
+    pub, endpoint = xpub
+    sub = _connect(ctx, pub, endpoint)
+    try:
+        pub.send_multipart([b"", b"\x00" * 8, b"\xc1"])
+        pub.send_multipart([b"only-one-frame"])
+        pub.send_multipart(_frames(0, [_store(3)]))
+        _poll_until(sub, lambda: sub.stats.batches == 1)
+        assert sub.stats.malformed == 2 and sub.held == {(0, 3)}
+    finally:
+        sub.close()
+
+
+def test_describe_and_json_show_signed_hashes() -> None:
+    batch = decode_message(_frames(7, [_store(2**63, 2**64 - 2), BlockRemoved([5]),
+                                       AllBlocksCleared()], rank=2))
+    lines = describe(batch)
+    assert "STORE" in lines[0] and str(-(2**63)) in lines[0] and "parent=-2" in lines[0]
+    assert "REMOVE GPU" in lines[1] and "CLEAR" in lines[2]
+    assert '"seq": 7' in as_json(batch) and str(-(2**63)) in as_json(batch)
