@@ -8,12 +8,33 @@ it never blocks: it reserves the batch's sequence number and hands the batch to 
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import logging
+import queue
+import struct
+import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvbm_plugin.consolidator_config import Endpoint, PublisherSettings
+import zmq
+
+from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin.consolidator_config import (
+    EVENTS_ENDPOINT,
+    TRTLLM_ZMQ_PORT,
+    ConfigError,
+    Endpoint,
+    PublisherSettings,
+)
+from kvbm_plugin.events import END_SEQ, payload_encoder
 from kvbm_plugin.registry import PUBLISHERS_GROUP, get_plugin
+
+logger = logging.getLogger(__name__)
+_SEQ = struct.Struct(">Q")
 
 WireEvent = dict[str, Any]  # one event in wire form (see events.BlockStored.to_wire)
 
@@ -69,13 +90,342 @@ class NullEventPublisher(EventPublisher):
 
 
 class ZmqEventPublisher(EventPublisher):
-    """ZMQ PUB (+ optional replay ROUTER) fed by a background thread."""
+    """ZMQ PUB (+ optional replay ROUTER) fed by one background thread.
+
+    Wire: every batch is three frames ``[topic, seq (u64 big-endian, +1 per batch from 0),
+    payload]``, payload msgpack ``[ts, events, data_parallel_rank]`` (see :mod:`events`).
+
+    Threads and ownership:
+
+    - ``publish`` runs on the caller's thread (TensorRT-LLM's executor thread for the GPU tier,
+      the consolidator's thread for the consolidated stream). It reserves the batch's seq, then
+      ``put_nowait``s it into a bounded queue; it never waits on I/O or on a full queue.
+    - One daemon thread creates, binds, uses and closes both sockets: it encodes each batch,
+      sends it, keeps it in the bounded replay buffer and answers replay requests.
+    - A batch lost anywhere (queue full, encode error, send error, publisher closed) keeps its
+      reserved seq, so every consumer sees a gap; each loss is counted and logged rate-limited.
+
+    ``endpoint`` is the endpoint this publisher binds as given (the caller picks the rank's
+    endpoint, e.g. ``ConsolidatorConfig.publish_endpoint(rank)``); PUB always binds. The replay
+    ROUTER binds ``replay_endpoint`` when one is given.
+
+    Keyword-only options: ``context`` (a ZMQ context to share; default: a private one for
+    tcp/ipc, so shutdown can terminate it and the port is free when ``shutdown`` returns, and
+    the process-wide ``Context.instance()`` for inproc, whose peers must share a context),
+    ``linger_ms`` (upper bound on how long closing waits for unsent messages),
+    ``start_timeout`` (seconds to wait for the sockets to bind), ``encoder`` (the payload
+    encoder, called on the publisher thread; default :func:`events.payload_encoder`).
+    """
+
+    def __init__(self, settings: PublisherSettings, endpoint: Endpoint | None = None,
+                 replay_endpoint: Endpoint | None = None, data_parallel_rank: int = 0, *,
+                 context: zmq.Context | None = None, linger_ms: int = 1000,
+                 start_timeout: float = 10.0,
+                 encoder: Callable[[Any], bytes] | None = None) -> None:
+        super().__init__(settings, endpoint, replay_endpoint, data_parallel_rank)
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            value = getattr(settings, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{type(self).__name__}: settings.{name}={value!r} must be a "
+                                  "positive integer")
+        if endpoint is None:
+            raise ConfigError(f"{type(self).__name__} needs an endpoint to bind (rank "
+                              f"{data_parallel_rank}); set {TRTLLM_ZMQ_PORT} or "
+                              f"{EVENTS_ENDPOINT}, or use the 'null' publisher")
+        if linger_ms < 0:
+            raise ConfigError(f"{type(self).__name__}: linger_ms={linger_ms} must be >= 0")
+        self._topic = settings.topic.encode("utf-8")
+        self._bind_addr = endpoint.bind
+        self._replay_addr = None if replay_endpoint is None else replay_endpoint.bind
+        if self._replay_addr is not None and self._replay_addr == self._bind_addr:
+            raise ConfigError(f"{type(self).__name__}: replay endpoint {self._replay_addr} "
+                              "is the publish endpoint; they must differ")
+        self._own_context = context is None and endpoint.scheme != "inproc"
+        if context is None:
+            # inproc peers must share one context; the shared instance is never terminated
+            # (other components may use it). tcp/ipc get a private context so that shutdown can
+            # terminate it, which is the only way to know the port is released on return.
+            context = zmq.Context() if self._own_context else zmq.Context.instance()
+        self._context = context
+        self._linger_ms = linger_ms
+        self._encoder = encoder
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.max_queue_size)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_steps)
+        self._seq = itertools.count()  # next() is atomic under the GIL: seq reserved at accept
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._drain_deadline = float("inf")
+        self._close_linger_ms = linger_ms
+        self._log = RateLimitedLog(logger)
+        # Counters. Each is written by exactly one thread (caller or publisher thread).
+        self._accepted = 0
+        self._lost_queue_full = 0
+        self._lost_closed = 0
+        self._queue_high_water = 0
+        self._published = 0
+        self._events_published = 0
+        self._encode_errors = 0
+        self._send_errors = 0
+        self._lost_at_shutdown = 0
+        self._replay_requests = 0
+        self._replay_bad_requests = 0
+        self._replay_batches = 0
+        self._replay_aborted = 0
+        self._thread = threading.Thread(
+            target=self._run, name=f"kvbm-zmq-publisher-dp{data_parallel_rank}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(start_timeout):
+            self._closed = True
+            self._stopping.set()
+            raise RuntimeError(f"{type(self).__name__}: sockets for {self._bind_addr} not ready "
+                               f"after {start_timeout}s")
+        if self._start_error is not None:
+            self._closed = True
+            self._thread.join(start_timeout)
+            err = self._start_error
+            raise ConfigError(f"{type(self).__name__} (rank {data_parallel_rank}) cannot bind: "
+                              f"{err}") from err
+
+    # ---- caller side (executor thread) ----------------------------------------------------
 
     def publish(self, events: Sequence[WireEvent], data_parallel_rank: int | None = None) -> bool:
-        raise NotImplementedError
+        """Queue one batch; called once per engine iteration on the caller's thread.
+
+        Never blocks. ``events`` (wire-form maps) is handed over: the caller must not mutate it
+        afterwards. ``data_parallel_rank`` defaults to the publisher's rank. Returns False when
+        the batch was lost (queue full or publisher closed): counted, logged rate-limited, and
+        visible to consumers as a seq gap (a closed publisher has no consumers left).
+        """
+        if self._closed:
+            self._lost_closed += 1
+            self._log.log(logging.WARNING, "closed", "%s: batch of %d events published after "
+                          "shutdown was lost", type(self).__name__, len(events))
+            return False
+        seq = next(self._seq)
+        rank = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
+        try:
+            self._queue.put_nowait((seq, time.time(), events, rank))
+        except queue.Full:
+            self._lost_queue_full += 1
+            self._log.log(logging.WARNING, "queue-full", "%s: queue full (%d batches), batch "
+                          "seq %d lost; consumers see a gap", type(self).__name__,
+                          self.settings.max_queue_size, seq)
+            return False
+        self._accepted += 1
+        depth = self._queue.qsize()
+        if depth > self._queue_high_water:
+            self._queue_high_water = depth
+        return True
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        raise NotImplementedError
+        """Drain what is queued within ``timeout`` s, close sockets, join; idempotent.
+
+        Called once by the owner (leader teardown, sidecar exit); safe to call again. Batches
+        still queued when the time is up are counted as lost. Closing waits at most
+        ``min(linger_ms, time left)`` for unsent messages; with a private context the port is
+        free when this returns.
+        """
+        with self._close_lock:
+            if self._closed and not self._thread.is_alive():
+                return
+            self._closed = True
+        if self._stopping.is_set() and not self._thread.is_alive():
+            return
+        start = time.monotonic()
+        timeout = max(0.0, timeout)
+        # Keep part of the budget for closing the sockets after the drain.
+        linger_s = min(self._linger_ms / 1000.0, timeout / 2)
+        self._close_linger_ms = int(linger_s * 1000)
+        self._drain_deadline = start + timeout - linger_s
+        self._stopping.set()
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(_STOP)  # wake the thread; if full it wakes on its own timeout
+        self._thread.join(timeout + 1.0)
+        if self._thread.is_alive():
+            logger.error("%s: publisher thread did not stop within %.1fs; its sockets stay "
+                         "open until it does", type(self).__name__, timeout)
+
+    def stats(self) -> dict[str, int]:
+        """Counters (any thread; values are snapshots)."""
+        lost = (self._lost_queue_full + self._lost_closed + self._encode_errors
+                + self._send_errors + self._lost_at_shutdown)
+        return {
+            "batches_accepted": self._accepted,
+            "batches_published": self._published,
+            "events_published": self._events_published,
+            "lost_batches": lost,
+            "lost_queue_full": self._lost_queue_full,
+            "lost_closed": self._lost_closed,
+            "lost_at_shutdown": self._lost_at_shutdown,
+            "encode_errors": self._encode_errors,
+            "send_errors": self._send_errors,
+            "replay_requests": self._replay_requests,
+            "replay_bad_requests": self._replay_bad_requests,
+            "replay_batches_sent": self._replay_batches,
+            "replay_aborted": self._replay_aborted,
+            "queue_high_water": self._queue_high_water,
+            "queue_depth": self._queue.qsize(),
+            "replay_buffered": len(self._buffer),
+        }
+
+    # ---- publisher thread -----------------------------------------------------------------
+
+    def _open_sockets(self) -> tuple[zmq.Socket, zmq.Socket | None]:
+        """Create and bind both sockets (publisher thread); on failure close what was opened."""
+        pub = router = None
+        addr = self._bind_addr
+        try:
+            pub = self._context.socket(zmq.PUB)
+            pub.setsockopt(zmq.LINGER, self._linger_ms)
+            pub.setsockopt(zmq.SNDHWM, self.settings.hwm)
+            pub.bind(addr)
+            if self._replay_addr is not None:
+                addr = self._replay_addr
+                router = self._context.socket(zmq.ROUTER)
+                router.setsockopt(zmq.LINGER, 0)
+                # A vanished requester raises EHOSTUNREACH instead of being dropped silently.
+                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+                # Room for one whole replay in the requester's pipe; beyond it sends fail
+                # with EAGAIN and the replay is aborted (the requester resumes from its last seq).
+                router.setsockopt(zmq.SNDHWM, self.settings.buffer_steps + 16)
+                router.bind(addr)
+        except BaseException as exc:
+            for sock in (router, pub):
+                if sock is not None:
+                    sock.close(linger=0)
+            if self._own_context:
+                self._context.term()  # returns once the sockets are gone: the port is free
+            raise RuntimeError(f"{addr}: {exc}") from exc
+        return pub, router
+
+    def _run(self) -> None:
+        try:
+            pub, router = self._open_sockets()
+        except BaseException as exc:
+            self._start_error = exc
+            self._ready.set()
+            return
+        encode = self._encoder or payload_encoder()
+        self._ready.set()
+        get = self._queue.get
+        wait = 0.01 if router is not None else 0.1
+        try:
+            while True:
+                try:
+                    item = get(timeout=wait)
+                except queue.Empty:
+                    item = None
+                if item is not None and item is not _STOP:
+                    self._send_batch(pub, encode, item)
+                if router is not None:
+                    self._service_replay(router)
+                if self._stopping.is_set():
+                    if self._queue.empty():
+                        break
+                    if time.monotonic() >= self._drain_deadline:
+                        self._count_left_over()
+                        break
+        except Exception:  # never expected; the loop itself must not die silently
+            logger.exception("%s: publisher thread failed", type(self).__name__)
+            self._closed = True
+            self._count_left_over()
+        finally:
+            for sock in (router, pub):
+                if sock is not None:
+                    sock.close(linger=self._close_linger_ms)
+            if self._own_context:
+                self._context.term()
+
+    def _count_left_over(self) -> None:
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            if item is not _STOP:
+                self._lost_at_shutdown += 1
+                self._log.log(logging.WARNING, "shutdown", "%s: batch seq %d still queued at "
+                              "shutdown was lost", type(self).__name__, item[0])
+
+    def _send_batch(self, pub: zmq.Socket, encode: Callable[[Any], bytes],
+                    item: tuple[int, float, Sequence[WireEvent], int]) -> None:
+        seq, ts, events, rank = item
+        try:
+            payload = encode([ts, events, rank])
+        except Exception as exc:
+            self._encode_errors += 1
+            self._log.log(logging.ERROR, "encode", "%s: batch seq %d (%d events, dp_rank %s) "
+                          "cannot be encoded, lost: %s", type(self).__name__, seq, len(events),
+                          rank, exc)
+            return
+        seq_frame = _SEQ.pack(seq)
+        # Buffered even if the live send fails: a replay can then fill the live gap.
+        self._buffer.append((seq, payload))
+        try:
+            pub.send_multipart((self._topic, seq_frame, payload), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            self._send_errors += 1
+            self._log.log(logging.ERROR, "send", "%s: sending batch seq %d failed, lost live "
+                          "(kept for replay): %s", type(self).__name__, seq, exc)
+            return
+        self._published += 1
+        self._events_published += len(events)
+
+    def _service_replay(self, router: zmq.Socket) -> None:
+        """Answer pending replay requests (publisher thread; non-blocking throughout)."""
+        for _ in range(8):  # bounded per call so live batches keep flowing
+            try:
+                frames = router.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._replay_requests += 1
+            envelope, start = parse_replay_request(frames)
+            if envelope is None or start is None:
+                self._replay_bad_requests += 1
+                self._log.log(logging.WARNING, "replay-bad", "%s: malformed replay request "
+                              "%r (want [b'', 8-byte start seq] from a DEALER)",
+                              type(self).__name__, [f[:16] for f in frames[1:]])
+                continue
+            sent = 0
+            try:
+                for seq, payload in list(self._buffer):
+                    if seq >= start:
+                        router.send_multipart((*envelope, self._topic, _SEQ.pack(seq), payload),
+                                              flags=zmq.NOBLOCK)
+                        sent += 1
+                router.send_multipart((*envelope, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                # EHOSTUNREACH: the requester is gone; EAGAIN: its pipe is full. Either way stop
+                # now rather than block the thread that carries the live stream.
+                self._replay_aborted += 1
+                self._log.log(logging.WARNING, "replay-abort", "%s: replay from seq %d aborted "
+                              "after %d batches: %s", type(self).__name__, start, sent, exc)
+            self._replay_batches += sent
+
+
+_STOP = object()  # wakes the publisher thread at shutdown
+
+
+def parse_replay_request(frames: Sequence[bytes]) -> tuple[tuple[bytes, ...] | None, int | None]:
+    """``(reply envelope, start seq)`` from a ROUTER-received replay request.
+
+    A DEALER that mimics REQ sends ``[b"", start]`` (received as ``[id, b"", start]``); a bare
+    DEALER sends ``[start]`` (received as ``[id, start]``). The reply envelope repeats what came
+    in. ``(None, None)`` for anything else.
+    """
+    if len(frames) == 3 and frames[1] == b"":
+        envelope: tuple[bytes, ...] = (frames[0], b"")
+        start = frames[2]
+    elif len(frames) == 2:
+        envelope, start = (frames[0],), frames[1]
+    else:
+        return None, None
+    if len(start) != 8:
+        return None, None
+    return envelope, _SEQ.unpack(start)[0]
 
 
 def create_publisher(settings: PublisherSettings, endpoint: Endpoint | None = None,
