@@ -150,3 +150,34 @@ def test_describe_and_json_show_signed_hashes() -> None:
     assert "STORE" in lines[0] and str(-(2**63)) in lines[0] and "parent=-2" in lines[0]
     assert "REMOVE GPU" in lines[1] and "CLEAR" in lines[2]
     assert '"seq": 7' in as_json(batch) and str(-(2**63)) in as_json(batch)
+
+
+def test_start_seq_replays_what_came_before_subscribing(ctx, xpub, tmp_path) -> None:
+    pub, endpoint = xpub
+    router = ctx.socket(zmq.ROUTER)
+    replay_endpoint = f"ipc://{tmp_path}/replay0"
+    router.bind(replay_endpoint)
+    requests: list[int] = []
+
+    def serve_once() -> None:
+        if router.poll(10_000):
+            client, empty, start = router.recv_multipart()
+            requests.append(int.from_bytes(start, "big"))
+            router.send_multipart([client, empty, *_frames(0, [_store(1)])])
+            router.send_multipart([client, empty, b"", END_SEQ, b""])
+
+    server = threading.Thread(target=serve_once)
+    server.start()
+    sub = StreamSubscriber(endpoint, replay_endpoint, context=ctx, start_seq=0)
+    try:
+        assert pub.poll(10_000)
+        pub.recv()
+        pub.send_multipart(_frames(1, [_store(2, 1)]))
+        _poll_until(sub, lambda: sub.stats.batches == 2)
+        assert requests == [0]
+        assert sub.held == {(0, 1), (0, 2)} and sub.stats.orphan_stores == 0
+        assert sub.stats.missing_batches == 0
+    finally:
+        server.join()
+        router.close(0)
+        sub.close()

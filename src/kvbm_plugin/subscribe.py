@@ -54,13 +54,16 @@ class StreamSubscriber:
     """Connects a SUB to ``endpoint`` (and a DEALER to ``replay_endpoint`` if given).
 
     ``held`` maps ``(dp_rank, signed hash)`` for every block the stream says is stored, as a
-    router would index it. Not thread-safe: one thread polls.
+    router would index it. ``start_seq`` (e.g. 0) makes a first message with a later seq a gap
+    to replay, so batches published before the subscription took effect are not missed.
+    Not thread-safe: one thread polls.
     """
 
     endpoint: str
     replay_endpoint: str | None = None
     topic: bytes = b""
     context: zmq.Context | None = None
+    start_seq: int | None = None
     held: set[tuple[int, int]] = field(default_factory=set)
     stats: SubscriberStats = field(default_factory=SubscriberStats)
 
@@ -77,7 +80,7 @@ class StreamSubscriber:
             self._dealer = self._ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
             self._dealer.connect(self.replay_endpoint)
-        self.next_seq: int | None = None
+        self.next_seq: int | None = self.start_seq
 
     def close(self) -> None:
         self._sub.close(0)
@@ -214,6 +217,8 @@ def main_subscribe(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--replay", metavar="ENDPOINT", help="replay ROUTER to fill gaps")
     parser.add_argument("--topic", default="", help="topic prefix to subscribe to")
     parser.add_argument("--json", action="store_true", help="one JSON object per batch")
+    parser.add_argument("--from-seq", type=int, default=None,
+                        help="expect the stream from this seq (replays what came before)")
     parser.add_argument("--count", type=int, default=0, help="exit after N batches (0 = never)")
     parser.add_argument("--duration", type=float, default=0.0,
                         help="exit after this many seconds (0 = never)")
@@ -227,7 +232,8 @@ def main_subscribe(argv: Sequence[str] | None = None) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    subscriber = StreamSubscriber(endpoint, replay, topic=args.topic.encode())
+    subscriber = StreamSubscriber(endpoint, replay, topic=args.topic.encode(),
+                                  start_seq=args.from_seq)
     deadline = time.monotonic() + args.duration if args.duration > 0 else None
     reported_gaps = 0
     try:
