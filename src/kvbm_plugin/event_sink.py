@@ -1,1 +1,702 @@
-"""GPU-tier KV event sink (filled by the event-sink issue)."""
+"""GPU-tier KV event sink: TensorRT-LLM KV-cache events in, one wire batch per iteration out.
+
+Two inputs, one output:
+
+- ``ingest(events)``: TRT-LLM's buffered event dicts (``KVCacheEventSerializer`` form, as
+  ``KVCacheManager.get_latest_events`` + serializer, ``LLM.get_kv_cache_events()`` and
+  ``trtllm-serve``'s ``POST /kv_cache_events`` return them). Hashes arrive unsigned (u64).
+- The KVCacheManagerV2 event-sink hooks (``add_stored_block_event_from_block`` ...), by duck
+  typing: the sink can stand where V2's ``KVCacheEventManager`` stands, or receive a copy of its
+  calls (see :func:`attach_event_source`). A 32-byte radix key maps to the wire hash as the
+  signed big-endian reading of its first 8 bytes.
+- ``flush()``: one batch per data-parallel rank with events, handed to the publisher.
+
+Rules applied on the way (see the event-sink issue): only full blocks are published (a stored
+run stops at its first partial block, and that block's later removal is suppressed); only the
+routing attention window is published (the largest, unless configured); consecutive stored
+blocks of one chain are coalesced into one ``BlockStored``; order is preserved; ``created`` and
+``updated`` are counted, never turned into stores or removes. Removals are never dropped except
+by the partial-block rule (and, for sliding-window models, when they belong to a window that is
+not published at all). Every drop is counted in :meth:`KvEventSink.stats` and logged
+rate-limited.
+
+Threads: ``ingest``, the V2 hooks and ``flush`` take one short lock (never held across I/O), so
+events may arrive on TRT-LLM's executor thread or on its KV-event dispatch thread while the
+leader flushes on the executor thread. Nothing here blocks on I/O: the publisher's ``publish``
+only enqueues. No torch or TensorRT-LLM import.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import Any
+
+from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin.events import MEDIUM_GPU, WireFormatError
+from kvbm_plugin.publisher import EventPublisher, WireEvent
+
+logger = logging.getLogger(__name__)
+
+_U64 = 1 << 64
+_I64_MAX = (1 << 63) - 1
+_I64_MIN = -(1 << 63)
+_token_id = itemgetter("token_id")
+# Unpublished hashes remembered so that their removal can be suppressed. Partial blocks are
+# normally removed soon; the cap only guards against a producer that never removes them.
+_MAX_SUPPRESSED = 1 << 20
+
+_STORED = "BlockStored"
+_REMOVED = "BlockRemoved"
+
+
+def _signed(value: Any, what: str) -> int:
+    """Wire form (signed int64) of a TRT-LLM hash given as u64 (or already signed)."""
+    if type(value) is not int:
+        raise WireFormatError(f"{what} is not an integer: {value!r}")
+    if value > _I64_MAX:
+        if value >= _U64:
+            raise WireFormatError(f"{what}={value} exceeds 64 bits")
+        return value - _U64
+    if value < _I64_MIN:
+        raise WireFormatError(f"{what}={value} is below the int64 range")
+    return value
+
+
+def radix_key_hash(key: bytes | bytearray | memoryview) -> int:
+    """Wire hash of a V2 radix key: its first 8 bytes, big-endian, read as signed int64."""
+    if len(key) < 8:
+        raise WireFormatError(f"radix block key has {len(key)} bytes, need >= 8: {bytes(key)!r}")
+    return int.from_bytes(key[:8], "big", signed=True)
+
+
+def _any_hash(value: Any, what: str) -> int:
+    """Wire hash of a V2 hook hash argument: bytes key, hex-string key, or int."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return radix_key_hash(value)
+    if isinstance(value, str):
+        try:
+            return radix_key_hash(bytes.fromhex(value[:16]))
+        except ValueError:
+            raise WireFormatError(f"{what} is not a hex key: {value!r}") from None
+    return _signed(value, what)
+
+
+@dataclass
+class _Rank:
+    """Per data-parallel rank: the batch being built and the hashes never published."""
+
+    events: list[WireEvent] = field(default_factory=list)
+    last: WireEvent | None = None  # last event appended, for coalescing (None after a flush)
+    suppressed: dict[int, None] = field(default_factory=dict)  # unpublished: partial/filtered
+    live: set[int] = field(default_factory=set)  # V2 path: published and not yet removed
+
+
+class KvEventSink:
+    """Filters and batches one executor's GPU-tier KV events for a publisher.
+
+    Built by the leader (one per rank whose KV cache manager it watches) or by the sidecar.
+    ``publisher`` receives one batch per rank per :meth:`flush`; events carrying
+    ``attention_dp_rank`` go to that rank's batch, published with that dp_rank (on
+    ``rank_publishers[rank]`` when given, else on ``publisher``). ``block_size`` is the router's
+    block size (tokens per block); ``window_size`` pins the published attention window
+    (default: the largest seen). ``strict=True`` raises :class:`WireFormatError` on malformed
+    input instead of counting and logging it (tests). The sink owns its publishers: ``shutdown``
+    shuts them down unless ``owns_publisher=False``.
+    """
+
+    def __init__(self, publisher: EventPublisher, *, block_size: int,
+                 window_size: int | None = None, data_parallel_rank: int = 0,
+                 rank_publishers: Mapping[int, EventPublisher] | None = None,
+                 strict: bool = False, owns_publisher: bool = True) -> None:
+        if type(block_size) is not int or block_size <= 0:
+            raise ValueError(f"KvEventSink: block_size={block_size!r} must be a positive integer")
+        if window_size is not None and (type(window_size) is not int or window_size <= 0):
+            raise ValueError(f"KvEventSink: window_size={window_size!r} must be a positive "
+                             "integer or None")
+        if type(data_parallel_rank) is not int or data_parallel_rank < 0:
+            raise ValueError(f"KvEventSink: data_parallel_rank={data_parallel_rank!r} must be "
+                             "a non-negative integer")
+        self._publisher = publisher
+        self._rank_publishers = dict(rank_publishers or {})
+        self.block_size = block_size
+        self.data_parallel_rank = data_parallel_rank
+        self._configured_window = window_size
+        # Routing window for the dict path: configured, else the largest window seen.
+        self._window: int | None = window_size
+        # Routing layer groups for the V2 path (None = not known: publish every group).
+        self._routing_groups: frozenset[int] | None = None
+        self._strict = strict
+        self._owns_publisher = owns_publisher
+        self._lock = threading.Lock()
+        self._ranks: dict[int, _Rank] = {data_parallel_rank: _Rank()}
+        self._closed = False
+        self._log = RateLimitedLog(logger)
+        self._c: dict[str, int] = dict.fromkeys((
+            "events_in", "batches_published", "batches_lost", "blocks_stored",
+            "blocks_removed", "stores", "removes", "cleared", "partial_blocks_suppressed",
+            "partial_removes_suppressed", "window_filtered", "window_removes_filtered",
+            "created_events", "updated_events", "unknown_events", "malformed_events",
+            "unknown_removes_suppressed", "suppressed_evicted", "discarded_events",
+        ), 0)
+
+    # ---- dict input (buffered path) -------------------------------------------------------
+
+    def ingest(self, events: Iterable[Mapping[str, Any]]) -> None:
+        """Add TRT-LLM buffered event dicts to the current iteration's batch.
+
+        Called by the leader on the executor thread (or by the event-source tee on TRT-LLM's
+        KV-event dispatch thread, or by the sidecar), any number of times per iteration.
+        O(events), no I/O. A malformed event is counted and logged (raised when strict) and the
+        rest are still taken.
+        """
+        c = self._c
+        bs = self.block_size
+        default_rank = self.data_parallel_rank
+        with self._lock:
+            ranks = self._ranks
+            for ev in events:
+                c["events_in"] += 1
+                try:
+                    data = ev["data"]
+                    kind = data["type"]
+                    window = ev.get("window_size")
+                    if kind == "created":
+                        c["created_events"] += 1
+                        if window is not None and window != self._window:
+                            self._window_accepts(window, kind)  # learn the largest window
+                        continue
+                    if (window is not None and window != self._window
+                            and not self._window_accepts(window, kind)):
+                        if kind == "stored":
+                            c["window_filtered"] += len(data["blocks"])
+                        elif kind == "removed":
+                            c["window_removes_filtered"] += len(data["block_hashes"])
+                        continue
+                    rank = ev.get("attention_dp_rank")
+                    if rank is None:
+                        rank = default_rank
+                    rs = ranks.get(rank)
+                    if rs is None:
+                        rs = self._new_rank(rank)
+                    if kind == "stored":
+                        self._dict_stored(rs, data, bs)
+                    elif kind == "removed":
+                        hashes = [_signed(h, "removed.block_hashes[]")
+                                  for h in data["block_hashes"]]
+                        self._remove(rs, hashes, track_live=False)
+                    elif kind == "updated":
+                        # cache_level/priority changes: counted, never guessed into events.
+                        c["updated_events"] += 1
+                    else:
+                        c["unknown_events"] += 1
+                        self._log.log(logging.WARNING, "unknown", "KvEventSink: unknown event "
+                                      "type data.type=%r (event_id %s) not published", kind,
+                                      ev.get("event_id"))
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    self._malformed(exc, ev)
+
+    def _window_accepts(self, window: Any, kind: str) -> bool:
+        """Whether an event of attention window ``window`` is published (lock held)."""
+        if type(window) is not int:
+            raise WireFormatError(f"window_size is not an integer: {window!r}")
+        if self._configured_window is not None:
+            return False  # != the configured window
+        current = self._window
+        if current is None or window > current:
+            if current is not None and kind != "created":
+                self._log.log(logging.WARNING, "window-grew", "KvEventSink: a larger attention "
+                              "window %d appeared after %d was being published; publishing %d "
+                              "from now on (set the window explicitly to avoid this)", window,
+                              current, window)
+            self._window = window
+            return True
+        return False
+
+    def _dict_stored(self, rs: _Rank, data: Mapping[str, Any], bs: int) -> None:
+        parent = data.get("parent_hash")
+        if parent is not None:
+            parent = _signed(parent, "stored.parent_hash")
+        blocks = data["blocks"]
+        hashes: list[int] = []
+        tokens: list[Any] = []
+        for i, block in enumerate(blocks):
+            btok = block["tokens"]
+            h = _signed(block["block_hash"], "stored.blocks[].block_hash")
+            if len(btok) != bs:
+                if len(btok) > bs:
+                    self._log.log(logging.ERROR, "oversized", "KvEventSink: stored block %d has "
+                                  "%d tokens > block_size %d; the sink's block_size does not "
+                                  "match the engine's tokens_per_block", h, len(btok), bs)
+                # The run stops here; this block and any after it are never published.
+                self._suppress(rs, h)
+                for later in blocks[i + 1:]:
+                    self._suppress(rs, _signed(later["block_hash"], "stored.blocks[].block_hash"))
+                self._c["partial_blocks_suppressed"] += len(blocks) - i
+                break
+            hashes.append(h)
+            tokens.extend(map(_token_id, btok))
+        if hashes:
+            lora_id = data.get("lora_id") or None  # TRT-LLM uses 0 for "no LoRA"
+            self._store(rs, hashes, parent, tokens, lora_id)
+
+    # ---- shared batch building (lock held) -------------------------------------------------
+
+    def _new_rank(self, rank: Any) -> _Rank:
+        if type(rank) is not int or rank < 0:
+            raise WireFormatError(f"attention_dp_rank is not a non-negative integer: {rank!r}")
+        rs = self._ranks[rank] = _Rank()
+        return rs
+
+    def _store(self, rs: _Rank, hashes: list[int], parent: int | None, tokens: list[Any],
+               lora_id: Any = None) -> None:
+        c = self._c
+        c["blocks_stored"] += len(hashes)
+        last = rs.last
+        if (last is not None and last["type"] == _STORED and parent is not None
+                and last["block_hashes"][-1] == parent and last["lora_id"] == lora_id):
+            last["block_hashes"].extend(hashes)
+            last["token_ids"].extend(tokens)
+            return
+        c["stores"] += 1
+        ev = {"type": _STORED, "block_hashes": hashes, "parent_block_hash": parent,
+              "token_ids": tokens, "block_size": self.block_size, "lora_id": lora_id,
+              "medium": MEDIUM_GPU, "lora_name": None}
+        rs.events.append(ev)
+        rs.last = ev
+
+    def _remove(self, rs: _Rank, hashes: Iterable[int], *, track_live: bool) -> None:
+        suppressed = rs.suppressed
+        live = rs.live
+        out: list[int] = []
+        c = self._c
+        for h in hashes:
+            if suppressed and h in suppressed:
+                del suppressed[h]
+                c["partial_removes_suppressed"] += 1
+                continue
+            if track_live:
+                if h not in live:
+                    c["unknown_removes_suppressed"] += 1
+                    continue
+                live.discard(h)
+            out.append(h)
+        if not out:
+            return
+        c["blocks_removed"] += len(out)
+        last = rs.last
+        if last is not None and last["type"] == _REMOVED:
+            last["block_hashes"].extend(out)  # consecutive removals: one event, same order
+            return
+        c["removes"] += 1
+        ev = {"type": _REMOVED, "block_hashes": out, "medium": MEDIUM_GPU}
+        rs.events.append(ev)
+        rs.last = ev
+
+    def _suppress(self, rs: _Rank, h: int) -> None:
+        suppressed = rs.suppressed
+        suppressed[h] = None
+        if len(suppressed) > _MAX_SUPPRESSED:
+            suppressed.pop(next(iter(suppressed)))
+            self._c["suppressed_evicted"] += 1
+
+    def _malformed(self, exc: BaseException, what: Any) -> None:
+        self._c["malformed_events"] += 1
+        if self._strict:
+            if isinstance(exc, WireFormatError):
+                raise exc
+            raise WireFormatError(f"malformed KV event ({type(exc).__name__}: {exc}): "
+                                  f"{what!r:.300}") from exc
+        self._log.log(logging.ERROR, "malformed", "KvEventSink: malformed KV event not "
+                      "published (%s: %s): %.300r", type(exc).__name__, exc, what)
+
+    # ---- output -----------------------------------------------------------------------------
+
+    def clear_all(self, data_parallel_rank: int | None = None) -> None:
+        """Queue ``AllBlocksCleared`` for a rank (the leader, when the GPU pool is reset)."""
+        rank = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
+        with self._lock:
+            rs = self._ranks.get(rank) or self._new_rank(rank)
+            rs.events.append({"type": "AllBlocksCleared"})
+            rs.last = None
+            rs.suppressed.clear()
+            rs.live.clear()
+            self._c["cleared"] += 1
+
+    def flush(self) -> bool:
+        """Publish this iteration's batch (one per rank with events); nothing when empty.
+
+        Called by the leader once per engine iteration (from ``build_connector_meta``) on the
+        executor thread. Never blocks: the publisher enqueues. Returns False if any batch was
+        lost (the publisher counted it; consumers see a seq gap).
+        """
+        with self._lock:
+            pending = [(rank, rs.events) for rank, rs in self._ranks.items() if rs.events]
+            for rank, _ in pending:
+                rs = self._ranks[rank]
+                rs.events = []
+                rs.last = None
+        ok = True
+        for rank, events in pending:
+            publisher = self._rank_publishers.get(rank, self._publisher)
+            if publisher.publish(events, data_parallel_rank=rank):
+                self._c["batches_published"] += 1
+            else:
+                self._c["batches_lost"] += 1
+                ok = False
+        return ok
+
+    def stats(self) -> dict[str, int]:
+        """Sink counters plus the publisher's (prefixed ``publisher_``); any thread."""
+        out = dict(self._c)
+        out["pending_events"] = sum(len(rs.events) for rs in self._ranks.values())
+        for key, value in self._publisher.stats().items():
+            out[f"publisher_{key}"] = value
+        return out
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Flush what is pending, then shut the publishers down; idempotent.
+
+        Called once by the owner at teardown (leader, sidecar); also reachable as ``close``.
+        """
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self.flush()
+        if self._owns_publisher:
+            seen: set[int] = set()
+            for publisher in (self._publisher, *self._rank_publishers.values()):
+                if id(publisher) not in seen:
+                    seen.add(id(publisher))
+                    publisher.shutdown(timeout)
+
+    close = shutdown
+
+    # ---- KVCacheManagerV2 event-sink hooks (duck typed) -------------------------------------
+    # Called by V2's radix tree / storage manager on the executor thread (directly, when the
+    # sink stands in for V2's KVCacheEventManager, or through attach_event_source's tee).
+
+    @property
+    def dropped_event_count(self) -> int:
+        """Batches the publisher lost (V2 manager property name)."""
+        return self._c["batches_lost"]
+
+    @property
+    def queue_high_watermark(self) -> int:
+        """Publisher queue high-water mark (V2 manager property name)."""
+        return int(self._publisher.stats().get("queue_high_water", 0))
+
+    def set_layer_group_window_sizes(self, window_sizes: Mapping[int, int]) -> None:
+        """V2 hook: window per layer group; picks the routing group(s) (largest or configured)."""
+        sizes = {int(k): int(v) for k, v in window_sizes.items()}
+        with self._lock:
+            if not sizes:
+                self._routing_groups = None
+                return
+            target = self._configured_window
+            if target is None or target not in sizes.values():
+                if target is not None:
+                    self._log.log(logging.ERROR, "window-missing", "KvEventSink: configured "
+                                  "window_size %d is none of the layer-group windows %s; "
+                                  "publishing the largest", target, sorted(set(sizes.values())))
+                target = max(sizes.values())
+            self._window = target
+            self._routing_groups = frozenset(g for g, w in sizes.items() if w == target)
+
+    def set_routing_layer_group(self, layer_group_id: int) -> None:
+        """V2 hook: publish exactly this layer group."""
+        with self._lock:
+            self._routing_groups = frozenset((int(layer_group_id),))
+
+    def add_created_event(self, num_blocks_per_cache_level: Sequence[int],
+                          layer_group_ids: Sequence[int] | None = None) -> None:
+        """V2 hook: pool created; counted (the wire format has no such event)."""
+        with self._lock:
+            self._c["created_events"] += 1
+
+    def add_stored_block_event_from_block(self, block: Any) -> None:
+        """V2 hook: one radix block became reusable (``.key``, ``.tokens``, ``.prev``).
+
+        Executor thread, once per block. Published when full and held by a routing layer group
+        (per ``block.storage`` when the window map is known); coalesced with its parent when
+        that was the previous event.
+        """
+        with self._lock:
+            try:
+                groups = self._routing_groups
+                if groups is not None and not self._held_by(block, groups):
+                    rs = self._ranks[self.data_parallel_rank]
+                    self._suppress(rs, radix_key_hash(block.key))
+                    self._c["window_filtered"] += 1
+                    return
+                self._v2_store(block)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                self._malformed(exc, block)
+
+    def add_stored_life_cycle_event_from_block(self, block: Any, life_cycle_id: int) -> None:
+        """V2 hook: a block gained a page in layer group ``life_cycle_id``."""
+        with self._lock:
+            try:
+                groups = self._routing_groups
+                if groups is not None and int(life_cycle_id) not in groups:
+                    self._c["window_filtered"] += 1
+                    return
+                self._v2_store(block)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                self._malformed(exc, block)
+
+    @staticmethod
+    def _held_by(block: Any, groups: frozenset[int]) -> bool:
+        storage = getattr(block, "storage", None)
+        if storage is None:
+            return True  # no per-group information: do not guess a filter
+        n = len(storage)
+        for g in groups:
+            if g < n:
+                ref = storage[g]
+                if ref is not None and ref() is not None:
+                    return True
+        return False
+
+    def _v2_store(self, block: Any) -> None:
+        rs = self._ranks[self.data_parallel_rank]
+        h = radix_key_hash(block.key)
+        if h in rs.live:
+            return  # already published (another layer group of the same block)
+        tokens = block.tokens
+        if len(tokens) != self.block_size:
+            self._suppress(rs, h)
+            self._c["partial_blocks_suppressed"] += 1
+            return
+        prev = block.prev
+        parent = None if getattr(prev, "ordinal", -1) == -1 else radix_key_hash(prev.key)
+        rs.suppressed.pop(h, None)
+        rs.live.add(h)
+        self._store(rs, [h], parent, list(tokens))
+
+    def add_stored_event(self, parent_hash: Any, blocks: Sequence[Any],
+                         layer_group_id: int | None = None) -> None:
+        """V2 hook: stored blocks as ``KVCacheStoredBlockData`` (``.block_hash``, ``.tokens``)."""
+        with self._lock:
+            try:
+                groups = self._routing_groups
+                if groups is not None and layer_group_id is not None and \
+                        int(layer_group_id) not in groups:
+                    self._c["window_filtered"] += len(blocks)
+                    return
+                rs = self._ranks[self.data_parallel_rank]
+                parent = None if parent_hash is None else _any_hash(parent_hash, "parent_hash")
+                hashes: list[int] = []
+                tokens: list[Any] = []
+                for i, b in enumerate(blocks):
+                    h = _any_hash(b.block_hash, "block_hash")
+                    btok = b.tokens
+                    if len(btok) != self.block_size:
+                        for later in blocks[i:]:
+                            self._suppress(rs, _any_hash(later.block_hash, "block_hash"))
+                        self._c["partial_blocks_suppressed"] += len(blocks) - i
+                        break
+                    hashes.append(h)
+                    tokens.extend(t.token_id if hasattr(t, "token_id") else t for t in btok)
+                if hashes:
+                    for h in hashes:
+                        rs.suppressed.pop(h, None)
+                    rs.live.update(hashes)
+                    self._store(rs, hashes, parent, tokens)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                self._malformed(exc, blocks)
+
+    def add_removed_event(self, block_hashes: Any) -> None:
+        """V2 hook: blocks left the pool (bytes key, hex key, int, or an iterable of them)."""
+        with self._lock:
+            try:
+                if isinstance(block_hashes, (bytes, bytearray, memoryview, str, int)):
+                    block_hashes = (block_hashes,)
+                hashes = [_any_hash(h, "removed block hash") for h in block_hashes]
+                self._remove(self._ranks[self.data_parallel_rank], hashes, track_live=True)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                self._malformed(exc, block_hashes)
+
+    def add_removed_life_cycle_event(self, block_hash: Any, life_cycle_id: int) -> None:
+        """V2 hook: a block lost its page in one layer group."""
+        with self._lock:
+            try:
+                groups = self._routing_groups
+                if groups is not None and int(life_cycle_id) not in groups:
+                    self._c["window_removes_filtered"] += 1
+                    return
+                h = _any_hash(block_hash, "removed block hash")
+                self._remove(self._ranks[self.data_parallel_rank], (h,), track_live=True)
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                self._malformed(exc, block_hash)
+
+    def add_updated_event(self, block_hash: Any, *, cache_level: Any = None,
+                          priority: Any = None, layer_group_id: int | None = None) -> None:
+        """V2 hook: cache level / priority changed; counted, not published."""
+        with self._lock:
+            self._c["updated_events"] += 1
+
+    def flush_iteration_events(self) -> None:
+        """V2 hook: TRT-LLM's per-iteration flush; publishes like :meth:`flush`."""
+        self.flush()
+
+    def get_latest_events(self, timeout_ms: float | None = None,
+                          max_events: int | None = None) -> list[Any]:
+        """V2 pull API: always ``[]``; events are pushed to the publisher instead."""
+        return []
+
+    def discard_events(self) -> None:
+        """V2 hook: drop pending events (counted and logged; removals included)."""
+        with self._lock:
+            n = 0
+            for rs in self._ranks.values():
+                n += len(rs.events)
+                rs.events = []
+                rs.last = None
+            self._c["discarded_events"] += n
+        if n:
+            self._log.log(logging.WARNING, "discard", "KvEventSink: discard_events dropped %d "
+                          "pending events", n)
+
+
+# ---- attaching to a running TensorRT-LLM KV cache manager -----------------------------------
+
+V2_HOOKS: tuple[str, ...] = (
+    "add_created_event", "add_stored_event", "add_stored_block_event_from_block",
+    "add_stored_life_cycle_event_from_block", "add_removed_event",
+    "add_removed_life_cycle_event", "add_updated_event", "set_layer_group_window_sizes",
+)
+
+
+class EventSource:
+    """How a sink receives a KV cache manager's events; made by :func:`attach_event_source`.
+
+    ``kind`` is ``"v2-hooks"`` or ``"buffered"``. The leader calls :meth:`poll` once per
+    iteration before ``sink.flush()`` (executor thread) and :meth:`detach` at teardown.
+    """
+
+    def __init__(self, kind: str, poll: Callable[[], int], detach: Callable[[], None]) -> None:
+        self.kind = kind
+        self._poll = poll
+        self._detach = detach
+        self._detached = False
+
+    def poll(self) -> int:
+        """Drain events the manager buffered (buffered kind with drain=True); returns count."""
+        return 0 if self._detached else self._poll()
+
+    def detach(self) -> None:
+        """Remove the tee; idempotent."""
+        if not self._detached:
+            self._detached = True
+            self._detach()
+
+
+def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
+                        serialize: Callable[[Any], list[dict[str, Any]]] | None = None,
+                        drain: bool = True) -> EventSource:
+    """Make ``sink`` receive the events of a live TRT-LLM KV cache manager, without patching
+    TensorRT-LLM (only the one manager instance's attributes are wrapped).
+
+    Called once by the leader after the executor built its KV cache manager (executor thread).
+
+    - KVCacheManagerV2 (``kv_cache_manager.event_manager`` has the V2 hooks; exists when
+      ``kv_cache_config.event_buffer_max_size > 0``): each hook of that event-manager instance
+      is wrapped so the call goes to TRT-LLM's manager first, then to the sink. TRT-LLM's own
+      pull path (``LLM.get_kv_cache_events``, ``/kv_cache_events``) keeps working; every rank
+      (also each attention-DP rank) sees its own events before any gather.
+    - Buffered path (released versions: ``kv_cache_manager.get_latest_events(timeout_ms)``):
+      that method is wrapped so that whoever drains the buffer (TRT-LLM's KV-event dispatch
+      thread, or :meth:`EventSource.poll`) also feeds the sink. ``serialize`` turns the C++
+      event objects into dicts (``tensorrt_llm._utils.KVCacheEventSerializer.serialize``;
+      dicts pass through). With ``drain=True`` ``poll`` drains the buffer too, so the plugin
+      gets events even when nothing else asks for them; events drained that way no longer
+      reach TRT-LLM's own pull API.
+
+    Raises ValueError naming what is missing when neither path is available.
+    """
+    event_manager = getattr(kv_cache_manager, "event_manager", None)
+    if event_manager is not None and hasattr(event_manager, "add_stored_block_event_from_block"):
+        return _tee_v2(event_manager, sink)
+    get_latest = getattr(kv_cache_manager, "get_latest_events", None)
+    if get_latest is None or hasattr(kv_cache_manager, "add_stored_block_event_from_block"):
+        raise ValueError(
+            f"{type(kv_cache_manager).__name__} exposes neither a V2 event manager "
+            "(.event_manager with add_stored_block_event_from_block) nor get_latest_events: "
+            "set kv_cache_config.event_buffer_max_size > 0 and enable_block_reuse=True so that "
+            "TensorRT-LLM produces KV cache events")
+    return _tee_buffered(kv_cache_manager, get_latest, sink, serialize, drain)
+
+
+def _tee_v2(event_manager: Any, sink: KvEventSink) -> EventSource:
+    wrapped: list[str] = []
+    for name in V2_HOOKS:
+        original = getattr(event_manager, name, None)
+        if original is None:
+            continue
+        ours = getattr(sink, name)
+
+        def tee(*args: Any, _orig: Any = original, _ours: Any = ours, **kwargs: Any) -> Any:
+            result = _orig(*args, **kwargs)
+            _ours(*args, **kwargs)
+            return result
+
+        setattr(event_manager, name, tee)  # instance attribute: shadows the class method
+        wrapped.append(name)
+    # The window map was set while the manager was built, before we attached.
+    sizes = getattr(event_manager, "_window_size_by_layer_group", None)
+    if isinstance(sizes, Mapping) and sizes:
+        sink.set_layer_group_window_sizes(sizes)
+
+    def detach() -> None:
+        for name in wrapped:
+            event_manager.__dict__.pop(name, None)
+
+    return EventSource("v2-hooks", lambda: 0, detach)
+
+
+def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSink,
+                  serialize: Callable[[Any], list[dict[str, Any]]] | None,
+                  drain: bool) -> EventSource:
+    log = RateLimitedLog(logger)
+
+    def feed(raw: Any) -> None:
+        if not raw:
+            return
+        items = list(raw)
+        if not isinstance(items[0], Mapping):
+            if serialize is None:
+                log.log(logging.ERROR, "serialize", "attach_event_source: %d KV events are %s "
+                        "objects, not dicts, and no serialize= was given; pass "
+                        "tensorrt_llm._utils.KVCacheEventSerializer.serialize", len(items),
+                        type(items[0]).__name__)
+                sink._c["malformed_events"] += len(items)
+                return
+            items = serialize(items)
+        sink.ingest(items)
+
+    def tee(*args: Any, **kwargs: Any) -> Any:
+        raw = get_latest(*args, **kwargs)
+        try:
+            feed(raw)
+        except Exception:  # the caller is TRT-LLM's thread: never break its pull path
+            logger.exception("attach_event_source: feeding KV events to the sink failed")
+        return raw
+
+    manager.get_latest_events = tee
+
+    def poll() -> int:
+        if not drain:
+            return 0
+        raw = manager.get_latest_events(0)
+        return len(raw) if raw else 0
+
+    def detach() -> None:
+        if getattr(manager, "__dict__", {}).get("get_latest_events") is tee:
+            del manager.get_latest_events
+
+    return EventSource("buffered", poll, detach)
