@@ -1,0 +1,1281 @@
+"""The consolidator: one de-duplicated KV-event stream from the GPU tier and the offload tiers.
+
+Two layers, one concept:
+
+* :class:`ConsolidatorCore` — pure state machine (no sockets, no threads, no clock). It takes
+  GPU-tier wire events (per dp rank) and offload-tier registrations, and emits output wire
+  events per dp rank. Everything the router sees is decided here, so every invariant is
+  unit-testable in milliseconds.
+* :class:`KvEventConsolidator` — the socket shell around one core: a SUB per rank's GPU-tier
+  publisher, a DEALER per rank's replay endpoint, one ingest thread that decodes, applies and
+  flushes, and an :class:`~kvbm_plugin.publisher.EventPublisher` for the output.
+
+Who calls what:
+
+* ``KvbmConnectorLeader`` builds a :class:`KvEventConsolidator` from its
+  :class:`~kvbm_plugin.consolidator_config.ConsolidatorConfig` when the consolidator is enabled,
+  calls :meth:`~KvEventConsolidator.start` once at bring-up and
+  :meth:`~KvEventConsolidator.shutdown` at teardown.
+* The leader's host and disk tiers call :meth:`~KvEventConsolidator.register_store`,
+  :meth:`~KvEventConsolidator.register_remove` and :meth:`~KvEventConsolidator.register_clear`
+  from whatever thread moves blocks; each call only appends to a queue.
+* ``kvbm-plugin consolidate`` runs :func:`main_consolidate` for engines whose GPU-tier events
+  come from elsewhere (TRT-LLM's or vLLM's own publisher).
+
+Semantics (dedup mode, the default):
+
+* **Identity** of a block is its content chain per dp rank: a 64-bit hash of (parent identity,
+  token ids). Each (source, tier) keeps its own external-hash → block map, so sources whose hash
+  algorithms differ still agree; removals carry hashes only and are resolved through that map.
+* **Residency** is tracked per (source, tier): the engine's GPU stream (whatever medium its
+  events carry) and the registered tiers (CPU = host, DISK). A block is STOREd downstream when
+  it first becomes resident anywhere and REMOVEd when it is resident nowhere, nothing otherwise.
+  Output medium is ``GPU`` (a lower-tier tag would route the block to a lower-tier index).
+* The output uses one stable external hash per block (the first one seen); a parent is named by
+  the parent's published hash. If two blocks would publish the same hash (a source whose hash
+  ignores something the content chain sees), the later one gets a derived hash, counted.
+* **Passthrough** mode keeps residency per medium instead: a block is STOREd with medium ``m``
+  when it becomes resident in tier ``m`` (from any source) and REMOVEd with medium ``m`` when it
+  leaves it, so each tier's events are forwarded with their own medium.
+* **Clear** from one (source, tier) drops only that residency; downstream gets the REMOVEs this
+  implies, or one ``AllBlocksCleared`` when nothing is left for that dp rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import msgpack
+import zmq
+
+from kvbm_plugin.consolidator_config import (
+    ENABLE_CONSOLIDATOR,
+    EVENTS_ENDPOINT,
+    OUTPUT_ENDPOINT,
+    OUTPUT_REPLAY_ENDPOINT,
+    REPLAY_ENDPOINT,
+    ConfigError,
+    ConsolidatorConfig,
+    ConsolidatorMode,
+    load_consolidator_config,
+)
+from kvbm_plugin.events import (
+    END_SEQ,
+    MEDIA,
+    MEDIUM_GPU,
+    WireFormatError,
+    decode_seq,
+    encode_seq,
+    normalize_medium,
+)
+
+if TYPE_CHECKING:
+    from kvbm_plugin.publisher import EventPublisher, WireEvent
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "SOURCE_ENGINE",
+    "SOURCE_TIERS",
+    "UnknownMediumError",
+    "ConsolidatorCore",
+    "KvEventConsolidator",
+    "main_consolidate",
+]
+
+# Sources of residency. The engine's GPU-tier stream is one source whatever medium its events
+# carry; the registration API (the leader's host and disk tiers) is the other.
+SOURCE_ENGINE: Final = 0
+SOURCE_TIERS: Final = 1
+_SOURCE_NAMES: Final = ("engine", "tiers")
+_TIER_INDEX: Final = {medium: i for i, medium in enumerate(MEDIA)}  # GPU 0, CPU 1, DISK 2
+_NUM_SLOTS: Final = len(_SOURCE_NAMES) * len(MEDIA)  # a slot is one (source, tier)
+
+_MASK: Final = (1 << 64) - 1
+_I64_MAX: Final = (1 << 63) - 1
+_U64: Final = 1 << 64
+_ROOT: Final = 0  # parent identity of a root block
+# Salt of the parent identity of a block whose parent hash no source knows: such a block must
+# not be confused with a root block carrying the same tokens.
+_UNKNOWN_PARENT: Final = 0x6B76626D5F706172
+
+
+def _slot(source: int, tier: int) -> int:
+    return source * len(MEDIA) + tier
+
+
+def _slot_name(slot: int) -> str:
+    return f"{_SOURCE_NAMES[slot // len(MEDIA)]}/{MEDIA[slot % len(MEDIA)]}"
+
+
+def _wire_hash(value: int) -> int:
+    """Signed int64 wire form of a u64 hash (the form every output event carries)."""
+    return value - _U64 if value > _I64_MAX else value
+
+
+class UnknownMediumError(WireFormatError):
+    """An event's medium is none of the known names or aliases (never guessed as GPU)."""
+
+
+class _Block:
+    """One block (one content-chain identity) of one dp rank, alive while resident or a parent.
+
+    Only the core touches it, on the thread that owns the core.
+    """
+
+    __slots__ = ("ident", "pub", "wire", "parent", "children", "total", "counts",
+                 "alias_slot", "alias_ext", "more_aliases")
+
+    def __init__(self, ident: int, pub: int, parent: _Block | None, slot: int, ext: int,
+                 passthrough: bool) -> None:
+        self.ident = ident  # content-chain identity (the key in _Rank.blocks)
+        self.pub = pub  # published hash, u64: the first external hash seen (unless it clashed)
+        self.wire = _wire_hash(pub)  # the same as signed int64, what the output carries
+        self.parent = parent  # kept alive by this block (children count) so chains stay stable
+        self.children = 0  # live blocks whose parent this is
+        self.total = 0  # (slot, external hash) holdings; 0 = resident nowhere
+        # Passthrough only: holdings per medium (GPU, CPU, DISK).
+        self.counts: list[int] | None = [0, 0, 0] if passthrough else None
+        # External hashes that map to this block; the first inline (the common case).
+        self.alias_slot = slot
+        self.alias_ext = ext
+        self.more_aliases: list[tuple[int, int]] | None = None
+
+
+class _Rank:
+    """All state of one dp rank; dp ranks never share blocks."""
+
+    __slots__ = ("blocks", "known", "held", "published", "out", "visible", "last_remove")
+
+    def __init__(self) -> None:
+        self.blocks: dict[int, _Block] = {}  # identity -> block
+        # Per slot: external hash -> block, for every alias of a live block (parent lookups
+        # must work after a tier evicted the parent while a child still lives).
+        self.known: list[dict[int, _Block]] = [{} for _ in range(_NUM_SLOTS)]
+        # Per slot: external hashes that slot holds now -> block (the residency itself).
+        self.held: list[dict[int, _Block]] = [{} for _ in range(_NUM_SLOTS)]
+        self.published: dict[int, _Block] = {}  # published u64 hash -> block
+        self.out: list[dict[str, Any]] = []  # output wire events not yet taken
+        # Downstream-visible units: blocks (dedup) or (block, medium) pairs (passthrough).
+        self.visible = 0
+        self.last_remove: dict[str, Any] | None = None  # the BlockRemoved being extended
+
+
+_CORE_COUNTERS: Final = (
+    "stores_in", "store_blocks_in", "removes_in", "remove_blocks_in", "clears_in",
+    "duplicate_stores", "unknown_removes", "unknown_parents", "hash_conflicts",
+    "hash_only_stores_dropped", "resyncs",
+    "stores_out", "store_blocks_out", "removes_out", "remove_blocks_out", "clears_out",
+)
+
+
+class ConsolidatorCore:
+    """The pure consolidation state machine (see the module docstring for the semantics).
+
+    Not thread-safe: one owner calls it (the shell's ingest thread, or a test). Every mutator
+    appends to a per-dp-rank output list that :meth:`take_output` hands over; the events in it
+    are already in wire form (signed int64 hashes, upper-case medium), ready to publish.
+    """
+
+    def __init__(self, mode: ConsolidatorMode = "dedup") -> None:
+        if mode not in ("dedup", "passthrough"):
+            raise ValueError(f"{type(self).__name__}: mode {mode!r} is not dedup | passthrough")
+        self.mode: Final = mode
+        self._dedup = mode == "dedup"
+        self._ranks: dict[int, _Rank] = {}
+        for name in _CORE_COUNTERS:
+            setattr(self, "_n_" + name, 0)
+        # Medium string -> tier index, filled on first sight of each spelling (hot path).
+        self._medium_cache: dict[Any, int] = {None: 0}
+
+    # ------------------------------------------------------------------ public mutators
+
+    def apply_event(self, dp_rank: int, raw: Any, source: int = SOURCE_ENGINE) -> None:
+        """Apply one wire event as msgpack decoded it (a map, or a legacy positional array).
+
+        Called by the shell's ingest thread for every GPU-tier event. Hashes may be signed or
+        unsigned. Raises :class:`WireFormatError` naming the offending value; nothing of an
+        event that raises has been applied.
+        """
+        if type(raw) is dict:
+            kind = raw.get("type")
+            if kind == "BlockStored":
+                self._stored(dp_rank, source, raw.get("block_hashes"),
+                             raw.get("parent_block_hash"), raw.get("token_ids"),
+                             raw.get("block_size"), raw.get("medium"), raw.get("lora_id"),
+                             raw.get("lora_name"))
+                return
+            if kind == "BlockRemoved":
+                self._removed(dp_rank, source, raw.get("block_hashes"), raw.get("medium"))
+                return
+            if kind == "AllBlocksCleared":
+                self._cleared(dp_rank, source, raw.get("medium"))
+                return
+        elif type(raw) in (list, tuple) and raw:
+            kind = raw[0]
+            n = len(raw)
+            if kind == "BlockStored":
+                self._stored(dp_rank, source, raw[1] if n > 1 else None,
+                             raw[2] if n > 2 else None, raw[3] if n > 3 else None,
+                             raw[4] if n > 4 else None, raw[6] if n > 6 else None,
+                             raw[5] if n > 5 else None, raw[7] if n > 7 else None)
+                return
+            if kind == "BlockRemoved":
+                self._removed(dp_rank, source, raw[1] if n > 1 else None,
+                              raw[2] if n > 2 else None)
+                return
+            if kind == "AllBlocksCleared":
+                self._cleared(dp_rank, source, None)
+                return
+        else:
+            raise WireFormatError(f"event is neither a map nor an array: {raw!r:.200}")
+        raise WireFormatError(f"unknown event type {kind!r:.100}")
+
+    def store(self, source: int, tier: str, dp_rank: int, block_hashes: Sequence[int],
+              parent_hash: int | None, token_ids: Sequence[int], block_size: int,
+              lora_id: int | None = None, lora_name: str | None = None) -> None:
+        """``(source, tier)`` now holds a chain of blocks (``block_size`` tokens each).
+
+        ``block_hashes[0]``'s parent is ``parent_hash``; each later block's parent is the one
+        before it. Hashes signed or unsigned. Raises WireFormatError on a bad tier or shape.
+        """
+        self._stored(dp_rank, source, list(block_hashes), parent_hash, token_ids, block_size,
+                     tier, lora_id, lora_name)
+
+    def remove(self, source: int, tier: str, dp_rank: int, block_hashes: Sequence[int]) -> None:
+        """``(source, tier)`` no longer holds these blocks (unknown hashes are counted)."""
+        self._removed(dp_rank, source, list(block_hashes), tier)
+
+    def clear(self, source: int, tier: str | None, dp_rank: int) -> None:
+        """``(source, tier)`` holds nothing any more; ``tier=None``: every tier of ``source``."""
+        if tier is None:
+            for index in range(len(MEDIA)):
+                self._clear_slot(self._rank(dp_rank), _slot(source, index))
+        else:
+            self._cleared(dp_rank, source, tier)
+
+    def resync(self, dp_rank: int) -> None:
+        """Forget everything the engine stream said about ``dp_rank`` (its events were lost).
+
+        Called by the shell when a seq gap cannot be filled. The blocks become resident
+        nowhere unless a tier holds them, until the engine stores them again.
+        """
+        self._n_resyncs += 1
+        rank = self._rank(dp_rank)
+        for index in range(len(MEDIA)):
+            self._clear_slot(rank, _slot(SOURCE_ENGINE, index))
+
+    def take_output(self) -> dict[int, list[WireEvent]]:
+        """The output events since the last call, per dp rank, in order; then forgets them."""
+        taken: dict[int, list[WireEvent]] = {}
+        for dp_rank, rank in self._ranks.items():
+            if rank.out:
+                taken[dp_rank] = rank.out
+                rank.out = []
+                rank.last_remove = None
+        return taken
+
+    # ------------------------------------------------------------------ inspection
+
+    def visible_hashes(self, dp_rank: int, medium: str | None = None) -> set[int]:
+        """Published (signed) hashes a consumer of the output holds now for ``dp_rank``.
+
+        Passthrough: those held in ``medium`` (required there). For tests and ``doctor``.
+        """
+        rank = self._ranks.get(dp_rank)
+        if rank is None:
+            return set()
+        if self._dedup:
+            return {b.wire for b in rank.blocks.values() if b.total}
+        index = _TIER_INDEX[normalize_medium(medium)]
+        return {b.wire for b in rank.blocks.values() if b.counts and b.counts[index]}
+
+    def resident_in(self, source: int, tier: str, dp_rank: int) -> set[int]:
+        """External hashes (u64) that ``(source, tier)`` holds now, for tests."""
+        rank = self._ranks.get(dp_rank)
+        if rank is None:
+            return set()
+        return set(rank.held[_slot(source, _TIER_INDEX[normalize_medium(tier)])])
+
+    def stats(self) -> dict[str, int]:
+        """Counters plus current sizes; cheap enough for a metrics scrape."""
+        out = {name: getattr(self, "_n_" + name) for name in _CORE_COUNTERS}
+        out["blocks_tracked"] = sum(len(r.blocks) for r in self._ranks.values())
+        out["blocks_visible"] = sum(r.visible for r in self._ranks.values())
+        return out
+
+    # ------------------------------------------------------------------ internals
+
+    def _rank(self, dp_rank: int) -> _Rank:
+        rank = self._ranks.get(dp_rank)
+        if rank is None:
+            if type(dp_rank) is not int or dp_rank < 0:
+                raise WireFormatError(f"data_parallel_rank {dp_rank!r} is not an int >= 0")
+            rank = self._ranks[dp_rank] = _Rank()
+        return rank
+
+    def _tier(self, medium: Any) -> int:
+        try:
+            return self._medium_cache[medium]
+        except (KeyError, TypeError):
+            pass
+        try:
+            index = _TIER_INDEX[normalize_medium(medium)]
+        except WireFormatError as exc:
+            raise UnknownMediumError(str(exc)) from None
+        if isinstance(medium, str) and len(self._medium_cache) < 64:
+            self._medium_cache[medium] = index
+        return index
+
+    @staticmethod
+    def _hashes(value: Any, what: str) -> list[int]:
+        if not isinstance(value, (list, tuple)):
+            raise WireFormatError(f"{what} is not a list: {value!r:.200}")
+        # msgpack yields only ints in [-2**63, 2**64): masking is the exact u64 form. The type
+        # test drops bools and anything else that is not a hash; a shorter result means one.
+        out = [h & _MASK for h in value if type(h) is int]
+        if len(out) != len(value):
+            bad = next(h for h in value if type(h) is not int)
+            raise WireFormatError(f"{what} holds a non-integer hash: {bad!r:.100}")
+        return out
+
+    def _group(self, slot: int) -> int:
+        return 0 if self._dedup else slot % len(MEDIA)
+
+    def _stored(self, dp_rank: int, source: int, hashes_raw: Any, parent_raw: Any,
+                tokens: Any, block_size: Any, medium: Any, lora_id: Any,
+                lora_name: Any) -> None:
+        # Validate everything before the first mutation, so a bad event changes nothing.
+        hashes = self._hashes(hashes_raw, "BlockStored block_hashes")
+        if parent_raw is not None:
+            if type(parent_raw) is not int:
+                raise WireFormatError(f"BlockStored parent_block_hash is not an integer: "
+                                      f"{parent_raw!r:.100}")
+            parent_raw &= _MASK
+        if type(block_size) is not int or block_size <= 0:
+            raise WireFormatError(f"BlockStored block_size is invalid: {block_size!r:.100}")
+        if type(tokens) is not list:
+            if not isinstance(tokens, (list, tuple)):
+                raise WireFormatError(f"BlockStored token_ids is not a list: {tokens!r:.100}")
+            tokens = list(tokens)
+        slot = _slot(source, self._tier(medium))
+        rank = self._rank(dp_rank)
+        n = len(hashes)
+        self._n_stores_in += 1
+        self._n_store_blocks_in += n
+        if len(tokens) != n * block_size:
+            if tokens:
+                raise WireFormatError(f"BlockStored has {len(tokens)} token ids for {n} blocks "
+                                      f"of {block_size}")
+            self._store_hash_only(rank, slot, hashes)
+            return
+        self._store_chain(rank, slot, hashes, parent_raw, tokens, block_size, lora_id,
+                          lora_name)
+
+    def _resolve(self, rank: _Rank, slot: int, ext: int) -> _Block | None:
+        """The live block ``ext`` names: the slot's own map first, then any other slot's."""
+        block = rank.known[slot].get(ext)
+        if block is None:
+            for known in rank.known:
+                block = known.get(ext)
+                if block is not None:
+                    break
+        return block
+
+    def _store_chain(self, rank: _Rank, slot: int, hashes: list[int], parent_ext: int | None,
+                     tokens: list[int], bs: int, lora_id: Any, lora_name: Any) -> None:
+        # Hot path: one iteration per block; locals only, no per-block function calls except
+        # the one that creates a block.
+        blocks = rank.blocks
+        known = rank.known[slot]
+        held = rank.held[slot]
+        dedup = self._dedup
+        group = 0 if dedup else slot % len(MEDIA)
+        medium = MEDIUM_GPU if dedup else MEDIA[group]
+        out = rank.out
+        parent: _Block | None = None
+        parent_wire: int | None = None
+        pident = _ROOT
+        if parent_ext is not None:
+            parent = self._resolve(rank, slot, parent_ext)
+            if parent is None:
+                self._n_unknown_parents += 1
+                pident = hash((_UNKNOWN_PARENT, parent_ext))
+                parent_wire = _wire_hash(parent_ext)
+            else:
+                pident = parent.ident
+                parent_wire = parent.wire
+        tt = tuple(tokens)
+        runs: list[tuple[dict[str, Any], int]] = []  # (output event, first block index)
+        run: dict[str, Any] | None = None
+        run_hashes: list[int] = []
+        run_end = -1
+        off = 0
+        for i, ext in enumerate(hashes):
+            ident = hash((pident, tt[off:off + bs]))
+            off += bs
+            block = blocks.get(ident)
+            if block is None:
+                block = self._new_block(rank, ident, ext, parent, slot)
+            elif known.get(ext) is not block:
+                self._add_alias(rank, block, slot, ext)
+            old = held.get(ext)
+            if old is block:
+                self._n_duplicate_stores += 1
+            else:
+                if old is not None:  # the slot's hash now names other content
+                    self._release(rank, old, group, medium)
+                held[ext] = block
+                block.total += 1
+                if dedup:
+                    newly = block.total == 1
+                else:
+                    counts = block.counts
+                    counts[group] += 1  # type: ignore[index]
+                    newly = counts[group] == 1  # type: ignore[index]
+                if newly:
+                    rank.visible += 1
+                    if run is not None and run_end == i and out and out[-1] is run:
+                        run_hashes.append(block.wire)
+                    else:
+                        run_hashes = [block.wire]
+                        run = {"type": "BlockStored", "block_hashes": run_hashes,
+                               "parent_block_hash": (parent_wire if parent is None
+                                                     else parent.wire),
+                               "token_ids": None, "block_size": bs, "lora_id": lora_id,
+                               "medium": medium, "lora_name": lora_name}
+                        out.append(run)
+                        runs.append((run, i))
+                    run_end = i + 1
+            parent = block
+            pident = ident
+        if runs:
+            self._n_stores_out += len(runs)
+            n_hashes = len(hashes)
+            for event, first in runs:
+                count = len(event["block_hashes"])
+                self._n_store_blocks_out += count
+                if first == 0 and count == n_hashes:
+                    event["token_ids"] = tokens  # the whole chain: no copy
+                else:
+                    event["token_ids"] = tokens[first * bs:(first + count) * bs]
+            rank.last_remove = None
+
+    def _store_hash_only(self, rank: _Rank, slot: int, hashes: list[int]) -> None:
+        """A store without token ids (old offload events): usable only for a block that is
+        already visible downstream, since a STORE we publish must carry its tokens."""
+        group = self._group(slot)
+        held = rank.held[slot]
+        for ext in hashes:
+            block = self._resolve(rank, slot, ext)
+            if block is None or not (block.total if self._dedup
+                                     else block.counts[group]):  # type: ignore[index]
+                self._n_hash_only_stores_dropped += 1
+                continue
+            old = held.get(ext)
+            if old is block:
+                self._n_duplicate_stores += 1
+                continue
+            if old is not None:
+                self._release(rank, old, group, MEDIUM_GPU if self._dedup else MEDIA[group])
+            if rank.known[slot].get(ext) is not block:
+                self._add_alias(rank, block, slot, ext)
+            held[ext] = block
+            block.total += 1
+            if not self._dedup:
+                block.counts[group] += 1  # type: ignore[index]
+
+    def _new_block(self, rank: _Rank, ident: int, ext: int, parent: _Block | None,
+                   slot: int) -> _Block:
+        pub = ext
+        published = rank.published
+        if pub in published:
+            # Another live block already publishes this hash: derive one that nobody uses, so
+            # the consumer never sees one hash for two blocks.
+            self._n_hash_conflicts += 1
+            salt = 1
+            while pub in published:
+                pub = hash((ext, ident, salt)) & _MASK
+                salt += 1
+        block = _Block(ident, pub, parent, slot, ext, not self._dedup)
+        published[pub] = block
+        rank.blocks[ident] = block
+        rank.known[slot][ext] = block
+        if parent is not None:
+            parent.children += 1
+        return block
+
+    @staticmethod
+    def _add_alias(rank: _Rank, block: _Block, slot: int, ext: int) -> None:
+        rank.known[slot][ext] = block
+        if block.more_aliases is None:
+            block.more_aliases = [(slot, ext)]
+        else:
+            block.more_aliases.append((slot, ext))
+
+    def _release(self, rank: _Rank, block: _Block, group: int, medium: str) -> None:
+        """One holding of ``block`` in medium group ``group`` ended (already out of ``held``)."""
+        block.total -= 1
+        if self._dedup:
+            gone = block.total == 0
+        else:
+            counts = block.counts
+            counts[group] -= 1  # type: ignore[index]
+            gone = counts[group] == 0  # type: ignore[index]
+        if gone:
+            rank.visible -= 1
+            self._emit_remove(rank, block.wire, medium)
+        if block.total == 0 and block.children == 0:
+            self._collect(rank, block)
+
+    def _emit_remove(self, rank: _Rank, wire: int, medium: str) -> None:
+        last = rank.last_remove
+        out = rank.out
+        if last is not None and out and out[-1] is last and last["medium"] == medium:
+            last["block_hashes"].append(wire)
+        else:
+            last = {"type": "BlockRemoved", "block_hashes": [wire], "medium": medium}
+            out.append(last)
+            rank.last_remove = last
+            self._n_removes_out += 1
+        self._n_remove_blocks_out += 1
+
+    @staticmethod
+    def _collect(rank: _Rank, block: _Block | None) -> None:
+        """Forget blocks resident nowhere with no live child, walking up the chain."""
+        blocks = rank.blocks
+        known = rank.known
+        while block is not None and block.total == 0 and block.children == 0:
+            del blocks[block.ident]
+            slot_map = known[block.alias_slot]
+            if slot_map.get(block.alias_ext) is block:
+                del slot_map[block.alias_ext]
+            if block.more_aliases is not None:
+                for slot, ext in block.more_aliases:
+                    slot_map = known[slot]
+                    if slot_map.get(ext) is block:
+                        del slot_map[ext]
+            if rank.published.get(block.pub) is block:
+                del rank.published[block.pub]
+            parent = block.parent
+            if parent is not None:
+                parent.children -= 1
+            block = parent
+
+    def _removed(self, dp_rank: int, source: int, hashes_raw: Any, medium: Any) -> None:
+        hashes = self._hashes(hashes_raw, "BlockRemoved block_hashes")
+        slot = _slot(source, self._tier(medium))
+        rank = self._rank(dp_rank)
+        self._n_removes_in += 1
+        self._n_remove_blocks_in += len(hashes)
+        held = rank.held[slot]
+        dedup = self._dedup
+        group = 0 if dedup else slot % len(MEDIA)
+        out_medium = MEDIUM_GPU if dedup else MEDIA[group]
+        for ext in hashes:
+            block = held.pop(ext, None)
+            if block is None:
+                self._n_unknown_removes += 1
+                continue
+            if not dedup:
+                self._release(rank, block, group, out_medium)
+                continue
+            # _release inlined for dedup (hot path).
+            block.total -= 1
+            if block.total == 0:
+                rank.visible -= 1
+                self._emit_remove(rank, block.wire, out_medium)
+                if block.children == 0:
+                    self._collect(rank, block)
+
+    def _cleared(self, dp_rank: int, source: int, medium: Any) -> None:
+        rank = self._rank(dp_rank)
+        self._n_clears_in += 1
+        if medium is None and source == SOURCE_ENGINE:
+            # AllBlocksCleared carries no medium on the wire: the engine stream clears every
+            # tier it reported.
+            for index in range(len(MEDIA)):
+                self._clear_slot(rank, _slot(source, index))
+        else:
+            self._clear_slot(rank, _slot(source, self._tier(medium)))
+
+    def _clear_slot(self, rank: _Rank, slot: int) -> None:
+        held = rank.held[slot]
+        if not held:
+            return
+        victims = list(held.values())
+        held.clear()
+        group = self._group(slot)
+        medium = MEDIUM_GPU if self._dedup else MEDIA[group]
+        before = rank.visible
+        rank.last_remove = None  # this clear's REMOVEs start their own event
+        mark = len(rank.out)
+        for block in victims:
+            self._release(rank, block, group, medium)
+        if rank.visible == 0 and before > 0:
+            # Nothing left downstream for this rank: one AllBlocksCleared says it all.
+            removed = rank.out[mark:]
+            self._n_removes_out -= len(removed)
+            self._n_remove_blocks_out -= sum(len(e["block_hashes"]) for e in removed)
+            del rank.out[mark:]
+            rank.out.append({"type": "AllBlocksCleared"})
+            rank.last_remove = None
+            self._n_clears_out += 1
+
+
+# ====================================================================== socket shell
+
+
+class _RateLimitedLog:
+    """Logs a warning per key at most once per ``interval`` seconds, with a suppressed count."""
+
+    def __init__(self, interval: float = 10.0) -> None:
+        self._interval = interval
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def warning(self, key: str, msg: str, *args: Any) -> None:
+        now = time.monotonic()
+        last, suppressed = self._last.get(key, (-1e18, 0))
+        if now - last < self._interval:
+            self._last[key] = (last, suppressed + 1)
+            return
+        self._last[key] = (now, 0)
+        if suppressed:
+            msg += f" ({suppressed} similar suppressed)"
+        logger.warning(msg, *args)
+
+
+class _Replay:
+    """A replay in flight for one stream: live messages wait in ``pending`` until it ends."""
+
+    __slots__ = ("deadline", "pending", "failed")
+
+    def __init__(self, deadline: float) -> None:
+        self.deadline = deadline
+        self.pending: list[list[bytes]] = []
+        self.failed = False  # a hole inside the replayed range was already resynced
+
+
+class _Stream:
+    """The GPU-tier stream of one rank: its sockets and sequence state (ingest thread only)."""
+
+    __slots__ = ("rank", "sub", "dealer", "expected", "replay", "dp_ranks", "seen")
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.sub: zmq.Socket | None = None
+        self.dealer: zmq.Socket | None = None
+        self.expected = 0  # next seq; a first message above 0 is a gap (joined late)
+        self.replay: _Replay | None = None
+        self.dp_ranks: set[int] = {rank}  # dp ranks this stream's batches named
+        self.seen = False
+
+
+_SHELL_COUNTERS: Final = (
+    "messages_received", "batches_applied", "events_applied", "malformed", "unknown_medium",
+    "gaps", "late_joins", "restarts", "replay_requests", "replayed_batches", "replay_failures",
+    "unfillable_gaps", "registrations", "registration_errors", "registrations_dropped",
+    "batches_out", "events_out", "output_lost",
+)
+
+_Registration = tuple[Any, ...]  # (kind, medium, dp_rank, ...) built by register_*
+
+
+class KvEventConsolidator:
+    """The consolidator with its sockets: GPU-tier SUBs in, one publisher out.
+
+    Built by the leader (or :func:`main_consolidate`) from a :class:`ConsolidatorConfig`.
+    ``publisher``: the output (default: ``create_publisher(config.publisher, config.output,
+    config.output_replay)``, created by :meth:`start` and shut down by :meth:`shutdown`; one
+    passed in stays its owner's). ``context``: default ``zmq.Context.instance()``, never
+    terminated here (other components share it).
+    """
+
+    def __init__(self, config: ConsolidatorConfig, *, publisher: EventPublisher | None = None,
+                 context: zmq.Context | None = None, replay_timeout: float = 2.0,
+                 max_pending: int = 10000) -> None:
+        self.config: Final = config
+        self._core = ConsolidatorCore(config.mode)
+        self._publisher = publisher
+        self._owns_publisher = publisher is None
+        self._ctx = context if context is not None else zmq.Context.instance()
+        self._replay_timeout = replay_timeout
+        self._max_pending = max_pending
+        self._log = _RateLimitedLog()
+        for name in _SHELL_COUNTERS:
+            setattr(self, "_n_" + name, 0)
+        # Registration queue: appended by any thread, drained by the ingest thread. deque
+        # append/popleft are atomic under the GIL; the counters are itertools.count (atomic).
+        self._queue: collections.deque[_Registration] = collections.deque()
+        self._wake_r, self._wake_w = -1, -1
+        self._wake_pending = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._setup_error: BaseException | None = None
+        self._idle = False
+        self._published_batches = 0
+        self._lock = threading.Lock()  # start/shutdown only
+        self._state = "new"  # new -> running -> stopped
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        """Create the output publisher, start the ingest thread; returns once its sockets exist.
+
+        Called once by the leader at bring-up (or by main_consolidate). Raises what socket
+        setup raised, after closing whatever it had opened.
+        """
+        with self._lock:
+            if self._state != "new":
+                raise RuntimeError(f"{type(self).__name__} was already started")
+            self._state = "running"
+            try:
+                if self._publisher is None:
+                    from kvbm_plugin.publisher import create_publisher
+
+                    self._publisher = create_publisher(self.config.publisher, self.config.output,
+                                                       self.config.output_replay)
+                self._wake_r, self._wake_w = os.pipe()
+                os.set_blocking(self._wake_r, False)
+                os.set_blocking(self._wake_w, False)
+                self._thread = threading.Thread(target=self._run, name="kvbm-consolidator",
+                                                daemon=True)
+                self._thread.start()
+                self._ready.wait()
+                if self._setup_error is not None:
+                    self._thread.join()
+                    raise self._setup_error
+            except BaseException:
+                self._state = "stopped"
+                self._close_pipe()
+                if self._owns_publisher and self._publisher is not None:
+                    self._publisher.shutdown(1.0)
+                raise
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop ingesting, apply what is queued, flush, close sockets; idempotent, bounded.
+
+        Called by the leader at teardown (any thread but the ingest thread). Takes at most about
+        ``timeout`` seconds; a thread that does not stop in time is logged and left (daemon).
+        """
+        with self._lock:
+            if self._state == "stopped":
+                return
+            was_running = self._state == "running"
+            self._state = "stopped"
+        deadline = time.monotonic() + timeout
+        if was_running and self._thread is not None:
+            self._stop.set()
+            self._wake()
+            self._thread.join(max(0.0, deadline - time.monotonic()))
+            if self._thread.is_alive():
+                logger.warning("%s: ingest thread did not stop within %.1fs; %d registrations "
+                               "left unapplied", type(self).__name__, timeout, len(self._queue))
+            else:
+                self._close_pipe()
+        if self._owns_publisher and self._publisher is not None:
+            self._publisher.shutdown(max(0.1, deadline - time.monotonic()))
+
+    def __enter__(self) -> KvEventConsolidator:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ registration API
+
+    def register_store(self, tier: str, dp_rank: int, block_hash: int, parent_hash: int | None,
+                       token_ids: Sequence[int], block_size: int) -> None:
+        """Tier ``tier`` (CPU/DISK, aliases accepted) of dp rank ``dp_rank`` now holds a block.
+
+        Called by the leader's host/disk tier once the block's bytes are in the tier, from any
+        thread. Never blocks, no I/O in the common case: validates the arguments (raising
+        ValueError for a bad tier or hash) and queues the store for the ingest thread.
+        ``token_ids`` is copied (``block_size`` of them, the block's own tokens).
+        """
+        medium = normalize_medium(tier)
+        _check_hash(block_hash)
+        if parent_hash is not None:
+            _check_hash(parent_hash)
+        self._submit(("store", medium, dp_rank, block_hash, parent_hash, list(token_ids),
+                      block_size))
+
+    def register_remove(self, tier: str, dp_rank: int, block_hashes: Sequence[int]) -> None:
+        """Tier ``tier`` of dp rank ``dp_rank`` no longer holds these blocks.
+
+        Called by the tier on eviction, from any thread; never blocks.
+        """
+        medium = normalize_medium(tier)
+        hashes = list(block_hashes)
+        for h in hashes:
+            _check_hash(h)
+        self._submit(("remove", medium, dp_rank, hashes))
+
+    def register_clear(self, tier: str, dp_rank: int) -> None:
+        """Tier ``tier`` of dp rank ``dp_rank`` dropped everything (e.g. reset); never blocks."""
+        self._submit(("clear", normalize_medium(tier), dp_rank))
+
+    def _submit(self, item: _Registration) -> None:
+        if self._state == "stopped":
+            self._n_registrations_dropped += 1
+            return
+        self._queue.append(item)
+        # Wake the ingest thread only if it may be asleep: one pipe write per idle period.
+        if not self._wake_pending:
+            self._wake_pending = True
+            self._wake()
+
+    def _wake(self) -> None:
+        if self._wake_w >= 0:
+            # Pipe full: a wakeup is pending anyway. Closed: shutdown raced us; nothing to wake.
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"\0")
+
+    def _close_pipe(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            if fd >= 0:
+                os.close(fd)
+        self._wake_r = self._wake_w = -1
+
+    # ------------------------------------------------------------------ observation
+
+    def stats(self) -> dict[str, int]:
+        """Shell and core counters (safe to call from any thread; values may lag slightly)."""
+        out = {name: getattr(self, "_n_" + name) for name in _SHELL_COUNTERS}
+        out["registrations_queued"] = len(self._queue)
+        out.update(self._core.stats())
+        return out
+
+    def wait_idle(self, timeout: float) -> bool:
+        """True once every accepted input was applied and published (tests and demos).
+
+        "Accepted": registrations submitted and messages already received from the sockets.
+        Polls with a deadline; False when ``timeout`` passes first.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            if self._is_idle():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+
+    def _is_idle(self) -> bool:
+        # The ingest thread sets _idle only right before it blocks with an empty queue, and
+        # clears it as soon as it wakes; a registration in the queue keeps this False.
+        if not self._idle or self._queue:
+            return False
+        publisher = self._publisher
+        if publisher is None:
+            return True
+        stats = publisher.stats()
+        done = stats.get("batches_published")
+        if done is None:
+            return True
+        return done + stats.get("batches_lost", 0) + stats.get("lost_batches", 0) \
+            >= self._published_batches
+
+    # ------------------------------------------------------------------ ingest thread
+
+    def _run(self) -> None:
+        """The ingest thread: owns every input socket, the core and the output calls."""
+        streams: list[_Stream] = []
+        poller = zmq.Poller()
+        try:
+            for rank in range(self.config.num_ranks):
+                stream = _Stream(rank)
+                streams.append(stream)
+                sub = self._ctx.socket(zmq.SUB)
+                stream.sub = sub
+                sub.setsockopt(zmq.LINGER, 0)
+                sub.setsockopt(zmq.RCVHWM, self.config.publisher.hwm)
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                sub.connect(self.config.publish_endpoint(rank).connect)
+                poller.register(sub, zmq.POLLIN)
+                stream.dealer = self._open_dealer(stream, poller)
+            poller.register(self._wake_r, zmq.POLLIN)
+        except BaseException as exc:
+            self._setup_error = exc
+            for stream in streams:
+                self._close_stream(stream, poller)
+            self._ready.set()
+            return
+        self._ready.set()
+        by_socket = {s.sub: s for s in streams}
+        by_dealer = {s.dealer: s for s in streams if s.dealer is not None}
+        try:
+            self._loop(streams, poller, by_socket, by_dealer)
+        except Exception:  # a bug, not bad input: log it and keep the process alive
+            logger.exception("%s: ingest thread failed", type(self).__name__)
+        finally:
+            self._drain_registrations()
+            self._flush()
+            for stream in streams:
+                self._close_stream(stream, poller)
+
+    def _open_dealer(self, stream: _Stream, poller: zmq.Poller) -> zmq.Socket | None:
+        endpoint = self.config.replay_endpoint(stream.rank)
+        if endpoint is None:
+            return None
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(endpoint.connect)
+        poller.register(dealer, zmq.POLLIN)
+        return dealer
+
+    @staticmethod
+    def _close_stream(stream: _Stream, poller: zmq.Poller) -> None:
+        for sock in (stream.sub, stream.dealer):
+            if sock is not None:
+                with contextlib.suppress(KeyError):
+                    poller.unregister(sock)
+                sock.close(linger=0)
+        stream.sub = stream.dealer = None
+
+    def _loop(self, streams: list[_Stream], poller: zmq.Poller,
+              by_socket: dict[Any, _Stream], by_dealer: dict[Any, _Stream]) -> None:
+        wake_r = self._wake_r
+        budget = 256  # messages per socket per round: bounds latency of the other inputs
+        while not self._stop.is_set():
+            timeout: int | None = None
+            now = time.monotonic()
+            for stream in streams:
+                if stream.replay is not None:
+                    left = max(0, int((stream.replay.deadline - now) * 1000) + 1)
+                    timeout = left if timeout is None else min(timeout, left)
+            self._idle = timeout is None and not self._queue
+            ready = dict(poller.poll(timeout))
+            self._idle = False
+            if wake_r in ready:
+                self._wake_pending = False
+                try:
+                    while os.read(wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            for sock, stream in by_dealer.items():
+                if sock in ready:
+                    self._drain_replay(stream, sock)
+            for sock, stream in by_socket.items():
+                if sock in ready:
+                    for _ in range(budget):
+                        try:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._n_messages_received += 1
+                        self._on_live(stream, frames)
+            if any(s.replay is not None for s in streams):
+                now = time.monotonic()
+                for stream in streams:
+                    if stream.replay is not None and now >= stream.replay.deadline:
+                        self._log.warning("replay-timeout", "rank %d: replay gave no END_SEQ "
+                                          "within %.1fs", stream.rank, self._replay_timeout)
+                        self._replay_failed(stream, poller, by_dealer)
+            self._drain_registrations()
+            self._flush()
+
+    # --- GPU-tier messages
+
+    def _on_live(self, stream: _Stream, frames: list[bytes]) -> None:
+        if stream.replay is not None:
+            if len(stream.replay.pending) < self._max_pending:
+                stream.replay.pending.append(frames)
+                return
+            # The replay takes too long for the live rate: give it up.
+            self._n_replay_failures += 1
+            self._finish_replay(stream, incomplete=True)
+        self._on_message(stream, frames, live=True)
+
+    def _on_message(self, stream: _Stream, frames: list[bytes], live: bool) -> None:
+        """Sequence check, then apply. ``live`` False: the frames came from a replay."""
+        if len(frames) == 3:
+            try:
+                seq = decode_seq(frames[1])
+            except WireFormatError as exc:
+                self._bad_message(stream, exc)
+                return
+            payload = frames[2]
+        elif len(frames) == 2:
+            seq, payload = None, frames[1]  # no seq: nothing to check
+        else:
+            self._bad_message(stream, WireFormatError(
+                f"message has {len(frames)} frames, expected 2 or 3"))
+            return
+        if seq is not None:
+            expected = stream.expected
+            if seq != expected:
+                if not live:
+                    if seq < expected:
+                        return  # already applied
+                    # A hole inside the replayed range: what is missing is gone.
+                    self._n_unfillable_gaps += 1
+                    if stream.replay is not None:
+                        stream.replay.failed = True
+                    self._resync(stream, f"replay from seq {expected} skipped to {seq}")
+                elif seq < expected:
+                    # The publisher restarted (its seq starts at 0 again): its GPU pool is new.
+                    self._n_restarts += 1
+                    self._resync(stream, f"seq went back from {expected - 1} to {seq}")
+                    stream.expected = 0
+                    if seq != 0:
+                        self._gap(stream, frames, seq)
+                        return
+                else:
+                    self._gap(stream, frames, seq)
+                    return
+            stream.expected = seq + 1
+        stream.seen = True
+        self._apply_payload(stream, payload)
+
+    def _gap(self, stream: _Stream, frames: list[bytes], seq: int) -> None:
+        """Live ``seq`` arrived past ``stream.expected``: replay the hole or resync."""
+        first = not stream.seen
+        if first:
+            self._n_late_joins += 1
+        else:
+            self._n_gaps += 1
+        start = stream.expected
+        if stream.dealer is not None:
+            self._n_replay_requests += 1
+            stream.dealer.send_multipart([b"", encode_seq(start)], zmq.NOBLOCK)
+            stream.replay = _Replay(time.monotonic() + self._replay_timeout)
+            stream.replay.pending.append(frames)
+            return
+        if not first:
+            self._n_unfillable_gaps += 1
+            self._resync(stream, f"seq {start}..{seq - 1} lost and no replay endpoint")
+        stream.expected = seq + 1
+        stream.seen = True
+        self._apply_payload(stream, frames[-1])
+
+    def _drain_replay(self, stream: _Stream, sock: zmq.Socket) -> None:
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if stream.replay is None:
+                continue  # a late reply to a replay we gave up on
+            # Replies are [b"", topic, seq, payload] (DEALER keeps the empty delimiter);
+            # older publishers omit the topic. The end marker's seq frame is END_SEQ.
+            body = frames[1:] if len(frames) == 4 and frames[0] == b"" else frames
+            if len(body) >= 2 and (body[1] == END_SEQ or body[0] == END_SEQ):
+                self._finish_replay(stream, incomplete=False)
+                return
+            if len(body) == 2:
+                body = [b"", body[0], body[1]]
+            self._n_replayed_batches += 1
+            self._on_message(stream, body, live=False)
+
+    def _replay_failed(self, stream: _Stream, poller: zmq.Poller,
+                       by_dealer: dict[Any, _Stream]) -> None:
+        self._n_replay_failures += 1
+        # A fresh DEALER, so a late answer to this request cannot be taken for a later one.
+        if stream.dealer is not None:
+            by_dealer.pop(stream.dealer, None)
+            poller.unregister(stream.dealer)
+            stream.dealer.close(linger=0)
+            stream.dealer = self._open_dealer(stream, poller)
+            if stream.dealer is not None:
+                by_dealer[stream.dealer] = stream
+        self._finish_replay(stream, incomplete=True)
+
+    def _finish_replay(self, stream: _Stream, incomplete: bool) -> None:
+        """Apply the live messages held back during the replay, resyncing over any hole."""
+        replay = stream.replay
+        assert replay is not None
+        stream.replay = None
+        for frames in replay.pending:
+            try:
+                seq = decode_seq(frames[1]) if len(frames) == 3 else None
+            except WireFormatError:
+                seq = None
+            if seq is not None and seq > stream.expected:
+                # The replay did not reach this message: the rest of the hole is lost.
+                if stream.seen and not replay.failed:
+                    self._n_unfillable_gaps += 1
+                    self._resync(stream, f"replay ended at seq {stream.expected}, live stream "
+                                 f"resumed at {seq}" + (" (timed out)" if incomplete else ""))
+                replay.failed = True
+                stream.expected = seq
+            if seq is not None and seq < stream.expected:
+                continue  # the replay already applied it
+            self._on_message(stream, frames, live=True)
+
+    def _resync(self, stream: _Stream, why: str) -> None:
+        self._log.warning(f"resync-{stream.rank}", "rank %d: GPU-tier events lost (%s); its GPU "
+                          "residency is treated as cleared until new stores arrive",
+                          stream.rank, why)
+        for dp_rank in sorted(stream.dp_ranks):
+            self._core.resync(dp_rank)
+
+    def _apply_payload(self, stream: _Stream, payload: bytes) -> None:
+        try:
+            batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        except Exception as exc:  # msgpack raises several unrelated types
+            self._bad_message(stream, WireFormatError(f"payload is not msgpack ({exc}): "
+                                                      f"{bytes(payload[:32])!r}"))
+            return
+        if type(batch) is not list or not 2 <= len(batch) <= 3 or type(batch[1]) is not list:
+            self._bad_message(stream, WireFormatError(f"payload is not [ts, events, dp_rank]: "
+                                                      f"{batch!r:.200}"))
+            return
+        dp_rank = batch[2] if len(batch) == 3 else None
+        if dp_rank is None:
+            dp_rank = stream.rank
+        elif type(dp_rank) is not int or dp_rank < 0:
+            self._bad_message(stream, WireFormatError(
+                f"batch data_parallel_rank is not an int >= 0: {dp_rank!r:.100}"))
+            return
+        if dp_rank not in stream.dp_ranks:
+            stream.dp_ranks.add(dp_rank)
+        core = self._core
+        events = batch[1]
+        applied = 0
+        for raw in events:
+            try:
+                core.apply_event(dp_rank, raw)
+                applied += 1
+            except WireFormatError as exc:
+                self._bad_event(stream, exc)
+            except Exception as exc:  # anything else malformed must not kill the thread
+                self._bad_event(stream, WireFormatError(f"{type(exc).__name__}: {exc}"))
+        self._n_batches_applied += 1
+        self._n_events_applied += applied
+
+    def _bad_message(self, stream: _Stream, exc: WireFormatError) -> None:
+        self._n_malformed += 1
+        self._log.warning("malformed", "rank %d: malformed message dropped: %s", stream.rank, exc)
+
+    def _bad_event(self, stream: _Stream, exc: WireFormatError) -> None:
+        if isinstance(exc, UnknownMediumError):
+            self._n_unknown_medium += 1
+            self._log.warning("medium", "rank %d: event with an unknown medium dropped: %s",
+                              stream.rank, exc)
+        else:
+            self._n_malformed += 1
+            self._log.warning("malformed-event", "rank %d: malformed event dropped: %s",
+                              stream.rank, exc)
+
+    # --- registrations and output
+
+    def _drain_registrations(self) -> None:
+        queue = self._queue
+        core = self._core
+        while queue:
+            item = queue.popleft()
+            try:
+                kind, medium, dp_rank = item[0], item[1], item[2]
+                if kind == "store":
+                    core.store(SOURCE_TIERS, medium, dp_rank, [item[3]], item[4], item[5],
+                               item[6])
+                elif kind == "remove":
+                    core.remove(SOURCE_TIERS, medium, dp_rank, item[3])
+                else:
+                    core.clear(SOURCE_TIERS, medium, dp_rank)
+                self._n_registrations += 1
+            except Exception as exc:  # e.g. token count != block_size: the tier's bug
+                self._n_registration_errors += 1
+                self._log.warning("registration", "registration %s dropped: %s",
+                                  f"{item!r:.200}", exc)
+
+    def _flush(self) -> None:
+        """Publish what the core produced: one batch per dp rank, dp rank preserved."""
+        output = self._core.take_output()
+        if not output:
+            return
+        publisher = self._publisher
+        assert publisher is not None
+        for dp_rank, events in output.items():
+            self._published_batches += 1
+            self._n_batches_out += 1
+            self._n_events_out += len(events)
+            if not publisher.publish(events, data_parallel_rank=dp_rank):
+                self._n_output_lost += 1
+                self._log.warning("output-lost", "output batch for dp rank %d lost by the "
+                                  "publisher (consumers see a seq gap)", dp_rank)
+
+
+def _check_hash(value: int) -> None:
+    if type(value) is not int or not -(1 << 63) <= value < _U64:
+        raise ValueError(f"block hash {value!r} is not a signed or unsigned 64-bit integer")
+
+
+# ====================================================================== standalone command
+
+
+def main_consolidate(argv: list[str] | None = None) -> int:
+    """``kvbm-plugin consolidate``: run the consolidator until SIGINT/SIGTERM.
+
+    Reads the DYN_KVBM_* variables like the leader does; the options override them. Runs in the
+    foreground on the main thread (which only waits for a signal).
+    """
+    parser = argparse.ArgumentParser(
+        prog="kvbm-plugin consolidate",
+        description="De-duplicate the per-rank GPU-tier KV-event streams into one stream.")
+    parser.add_argument("--num-ranks", type=int, default=1,
+                        help="number of GPU-tier publishers (attention-DP ranks); default 1")
+    parser.add_argument("--mode", choices=("dedup", "passthrough"),
+                        help="override DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE")
+    parser.add_argument("--events-endpoint", help=f"override {EVENTS_ENDPOINT} (rank 0's)")
+    parser.add_argument("--replay-endpoint", help=f"override {REPLAY_ENDPOINT} (rank 0's)")
+    parser.add_argument("--output-endpoint", help=f"override {OUTPUT_ENDPOINT}")
+    parser.add_argument("--output-replay-endpoint", help=f"override {OUTPUT_REPLAY_ENDPOINT}")
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    env = dict(os.environ)
+    env[ENABLE_CONSOLIDATOR] = "true"  # asking for the command is asking for it to run
+    from kvbm_plugin.consolidator_config import CONSOLIDATOR_MODE
+
+    for value, name in ((args.mode, CONSOLIDATOR_MODE), (args.events_endpoint, EVENTS_ENDPOINT),
+                        (args.replay_endpoint, REPLAY_ENDPOINT),
+                        (args.output_endpoint, OUTPUT_ENDPOINT),
+                        (args.output_replay_endpoint, OUTPUT_REPLAY_ENDPOINT)):
+        if value is not None:
+            env[name] = value
+    try:
+        config = load_consolidator_config(env, num_ranks=args.num_ranks)
+    except ConfigError as exc:
+        print(f"kvbm-plugin consolidate: {exc}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        stop.set()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    consolidator = KvEventConsolidator(config)
+    try:
+        consolidator.start()
+    except (zmq.ZMQError, ConfigError, OSError) as exc:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        print(f"kvbm-plugin consolidate: cannot start: {exc}", file=sys.stderr)
+        return 1
+    inputs = ", ".join(config.publish_endpoint(r).connect for r in range(config.num_ranks))
+    logger.info("KV event consolidator started (%s): %s -> %s", config.mode, inputs,
+                config.output.bind)
+    try:
+        while not stop.wait(1.0):
+            pass
+    finally:
+        consolidator.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        logger.info("KV event consolidator stopped: %s", consolidator.stats())
+    return 0
