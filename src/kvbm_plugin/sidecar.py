@@ -1,0 +1,150 @@
+"""Sidecar: drain ``trtllm-serve``'s ``POST /kv_cache_events`` into per-rank GPU-tier publishers.
+
+For deployments where the plugin cannot run inside the executor (or as a cross-check): each
+``POST {url}/kv_cache_events`` returns, as a JSON list, the buffered event dicts TRT-LLM
+collected since the previous call (and clears them). The sidecar feeds them to a
+:class:`~kvbm_plugin.event_sink.KvEventSink`, which routes each event by ``attention_dp_rank``
+to that rank's publisher (bound at ``ConsolidatorConfig.publish_endpoint(rank)``), and flushes
+one batch per rank per poll. Stdlib HTTP only (urllib). Exposed on the CLI as
+``kvbm-plugin sidecar``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin.consolidator_config import (
+    ConfigError,
+    ConsolidatorConfig,
+    Endpoint,
+    PublisherSettings,
+    load_consolidator_config,
+)
+from kvbm_plugin.event_sink import KvEventSink
+from kvbm_plugin.publisher import EventPublisher, create_publisher
+
+logger = logging.getLogger(__name__)
+
+PublisherFactory = Callable[[PublisherSettings, Endpoint, "Endpoint | None", int],
+                            EventPublisher]
+
+
+def fetch_events(url: str, *, timeout: float = 5.0) -> list[dict[str, Any]]:
+    """One ``POST {url}/kv_cache_events``; the decoded list (raises on HTTP/JSON errors)."""
+    request = urllib.request.Request(url.rstrip("/") + "/kv_cache_events", data=b"",
+                                     method="POST")
+    with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
+        body = response.read()
+    events = json.loads(body or b"[]")
+    if not isinstance(events, list):
+        raise ValueError(f"{url}/kv_cache_events returned {type(events).__name__}, not a list: "
+                         f"{body[:200]!r}")
+    return events
+
+
+def build_sink(config: ConsolidatorConfig, *, block_size: int,
+               publisher_factory: PublisherFactory | None = None) -> KvEventSink:
+    """One publisher per rank (``config.num_ranks``) behind one sink that routes by rank."""
+    factory = publisher_factory or create_publisher
+    publishers: dict[int, EventPublisher] = {}
+    try:
+        for rank in range(config.num_ranks):
+            publishers[rank] = factory(config.publisher, config.publish_endpoint(rank),
+                                       config.replay_endpoint(rank), rank)
+    except BaseException:
+        for pub in publishers.values():
+            pub.shutdown(1.0)
+        raise
+    return KvEventSink(publishers[0], block_size=block_size,
+                       window_size=config.publisher.window_size, data_parallel_rank=0,
+                       rank_publishers=publishers)
+
+
+def run_sidecar(url: str, config: ConsolidatorConfig, *, block_size: int,
+                interval: float = 0.1, stop_event: threading.Event,
+                publisher_factory: PublisherFactory | None = None,
+                http_timeout: float = 5.0) -> dict[str, int]:
+    """Poll ``url`` every ``interval`` s until ``stop_event`` is set; returns the final stats.
+
+    Runs on the calling thread. Each poll: fetch, ingest (events with an ``attention_dp_rank``
+    outside ``0..num_ranks-1`` are counted and logged, not published), one flush. HTTP errors
+    are counted (``poll_errors``) and retried at the next interval. Publishers are shut down on
+    return.
+    """
+    if interval <= 0:
+        raise ConfigError(f"sidecar interval={interval!r} must be > 0 seconds")
+    sink = build_sink(config, block_size=block_size, publisher_factory=publisher_factory)
+    log = RateLimitedLog(logger)
+    polls = errors = foreign = 0
+    try:
+        while not stop_event.is_set():
+            started = time.monotonic()
+            try:
+                events = fetch_events(url, timeout=http_timeout)
+            except (OSError, ValueError, urllib.error.URLError) as exc:
+                errors += 1
+                log.log(logging.WARNING, "poll", "sidecar: POST %s/kv_cache_events failed: %s",
+                        url, exc)
+                events = []
+            polls += 1
+            if events:
+                keep = []
+                for ev in events:
+                    rank = ev.get("attention_dp_rank", 0) if isinstance(ev, dict) else 0
+                    if isinstance(rank, int) and not 0 <= rank < config.num_ranks:
+                        foreign += 1
+                        log.log(logging.ERROR, "rank", "sidecar: event for attention_dp_rank "
+                                "%r but --num-ranks is %d; not published", rank,
+                                config.num_ranks)
+                        continue
+                    keep.append(ev)
+                sink.ingest(keep)
+            sink.flush()
+            stop_event.wait(max(0.0, interval - (time.monotonic() - started)))
+    finally:
+        sink.shutdown()
+    stats = sink.stats()
+    stats.update(polls=polls, poll_errors=errors, events_outside_ranks=foreign)
+    return stats
+
+
+def main_sidecar(argv: Sequence[str] | None = None) -> int:
+    """``kvbm-plugin sidecar``: argparse front end of :func:`run_sidecar` (env from DYN_KVBM_*)."""
+    parser = argparse.ArgumentParser(
+        prog="kvbm-plugin sidecar",
+        description="Drain trtllm-serve's POST /kv_cache_events and publish per-rank GPU-tier "
+                    "KV events (endpoints and publisher settings from the DYN_KVBM_* env).")
+    parser.add_argument("--url", required=True, help="trtllm-serve base URL, e.g. "
+                        "http://127.0.0.1:8000")
+    parser.add_argument("--interval", type=float, default=0.1, help="seconds between polls")
+    parser.add_argument("--block-size", type=int, required=True,
+                        help="tokens per KV block (the engine's tokens_per_block)")
+    parser.add_argument("--num-ranks", type=int, default=1,
+                        help="attention-DP ranks (one publisher each, base port + rank)")
+    args = parser.parse_args(argv)
+    if args.block_size <= 0:
+        parser.error(f"--block-size={args.block_size} must be > 0")
+    try:
+        config = load_consolidator_config(num_ranks=args.num_ranks)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if config.gpu_events is None:
+        parser.error("no GPU-tier endpoint: set DYN_KVBM_TRTLLM_ZMQ_PORT or "
+                     "DYN_KVBM_KV_EVENTS_ENDPOINT")
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stats = run_sidecar(args.url, config, block_size=args.block_size, interval=args.interval,
+                        stop_event=stop)
+    logger.info("sidecar stopped: %s", stats)
+    return 0

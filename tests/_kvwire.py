@@ -1,0 +1,102 @@
+"""Test helpers: an independent decoder (typed msgspec structs from vLLM's field list), free
+ports, and a SUB that waits out the slow joiner by polling with a deadline."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+# --- vLLM wire structs, written from its field list (kv_events.py), strict types ----------
+
+
+class EventBatch(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int
+
+
+class KVCacheEvent(msgspec.Struct, tag=True, forbid_unknown_fields=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+_decoder = msgspec.msgpack.Decoder(EventBatch)
+I64_MIN, I64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def decode(payload: bytes) -> EventBatch:
+    """Decode and check the wire invariants every consumer relies on."""
+    batch = _decoder.decode(payload)
+    for ev in batch.events:
+        if isinstance(ev, (BlockStored, BlockRemoved)):
+            assert all(I64_MIN <= h <= I64_MAX for h in ev.block_hashes)
+            assert ev.medium == "GPU" or ev.medium in ("CPU", "DISK")
+        if isinstance(ev, BlockStored):
+            assert ev.parent_block_hash is None or I64_MIN <= ev.parent_block_hash <= I64_MAX
+            assert len(ev.token_ids) == len(ev.block_hashes) * ev.block_size
+    return batch
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.005)  # poll interval, not synchronisation: cond decides
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def join_sub(ctx: zmq.Context, address: str, probe: Callable[[], object],
+             timeout: float = 10.0) -> tuple[zmq.Socket, list[list[bytes]]]:
+    """A SUB connected to ``address`` that has received at least one probe message.
+
+    Returns the socket and the probe messages seen (their seqs are consumed).
+    """
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(address)
+    seen: list[list[bytes]] = []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        probe()
+        if sub.poll(20):
+            while sub.poll(50):
+                seen.append(sub.recv_multipart())
+            return sub, seen
+    sub.close()
+    raise AssertionError(f"SUB never joined {address}")
+
+
+def recv(sub: zmq.Socket, timeout_ms: int = 5000) -> list[bytes]:
+    if not sub.poll(timeout_ms):
+        raise AssertionError("no message within deadline")
+    return sub.recv_multipart()

@@ -1,0 +1,290 @@
+"""ZmqEventPublisher: framing, seq continuity and gaps, replay, teardown, rebinding."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+from _kvwire import BlockRemoved, decode, free_port, join_sub, recv, wait_until
+
+from kvbm_plugin.consolidator_config import (
+    ConfigError,
+    Endpoint,
+    PublisherSettings,
+    load_consolidator_config,
+    parse_endpoint,
+)
+from kvbm_plugin.events import END_SEQ
+from kvbm_plugin.publisher import ZmqEventPublisher, create_publisher, parse_replay_request
+
+
+def removed(*hashes: int) -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": "GPU"}
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def tcp() -> tuple[Endpoint, Endpoint]:
+    return (Endpoint("tcp", host="127.0.0.1", port=free_port()),
+            Endpoint("tcp", host="127.0.0.1", port=free_port()))
+
+
+@pytest.fixture
+def publishers() -> Iterator[list[ZmqEventPublisher]]:
+    made: list[ZmqEventPublisher] = []
+    yield made
+    for pub in made:
+        pub.shutdown(2.0)
+
+
+def seq_of(frames: list[bytes]) -> int:
+    assert len(frames) == 3
+    return int.from_bytes(frames[1], "big")
+
+
+def test_three_frames_topic_seq_payload(ctx, tcp, publishers) -> None:
+    pub = ZmqEventPublisher(PublisherSettings(topic="kv"), tcp[0], data_parallel_rank=3)
+    publishers.append(pub)
+    sub, seen = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
+    assert pub.publish([removed(5, -7)], data_parallel_rank=1)
+    frames = recv(sub)
+    assert frames[0] == b"kv" and len(frames[1]) == 8
+    assert seq_of(frames) == seq_of(seen[-1]) + 1
+    batch = decode(frames[2])
+    assert batch.data_parallel_rank == 1
+    assert batch.events == [BlockRemoved(block_hashes=[5, -7], medium="GPU")]
+    assert pub.publish([removed(1)])  # default rank
+    assert decode(recv(sub)[2]).data_parallel_rank == 3
+
+
+def test_seq_starts_at_zero_and_is_continuous(ctx, tcp, publishers) -> None:
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1])
+    publishers.append(pub)
+    sub, seen = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
+    assert seq_of(seen[0]) == 0 or seq_of(seen[0]) > 0  # probes may be lost before joining
+    last = seq_of(seen[-1])
+    for i in range(50):
+        pub.publish([removed(i)])
+    got = [seq_of(recv(sub)) for _ in range(50)]
+    assert got == list(range(last + 1, last + 51))
+    # replay from 0 proves the first seq was 0 and nothing is missing
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(tcp[1].connect)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    seqs = []
+    while True:
+        frames = recv(dealer)
+        assert frames[0] == b""
+        if frames[2] == END_SEQ:
+            assert frames[1] == b"" and frames[3] == b""
+            break
+        seqs.append(int.from_bytes(frames[2], "big"))
+    assert seqs == list(range(0, last + 51))
+
+
+def test_forced_encode_error_is_a_visible_gap(ctx, tcp, publishers) -> None:
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1])
+    publishers.append(pub)
+    sub, seen = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
+    base = seq_of(seen[-1])
+    pub.publish([removed(1)])
+    pub.publish([{"type": "BlockRemoved", "block_hashes": [object()], "medium": "GPU"}])
+    pub.publish([removed(3)])
+    assert [seq_of(recv(sub)) for _ in range(2)] == [base + 1, base + 3]
+    wait_until(lambda: pub.stats()["encode_errors"] == 1, what="encode error counted")
+    assert pub.stats()["lost_batches"] == 1
+    # the gap stays a gap in a replay of that range, and the reply still ends with END_SEQ
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(tcp[1].connect)
+    dealer.send_multipart([b"", (base + 1).to_bytes(8, "big")])
+    replayed = []
+    while (frames := recv(dealer))[2] != END_SEQ:
+        assert len(frames) == 4 and frames[1] == b""
+        replayed.append(int.from_bytes(frames[2], "big"))
+        decode(frames[3])
+    assert replayed == [base + 1, base + 3]
+
+
+def test_queue_full_loses_visibly_and_never_blocks(ctx, tcp, publishers) -> None:
+    gate = threading.Event()
+    entered = threading.Event()
+
+    def stalled_encoder(obj: Any) -> bytes:
+        entered.set()
+        gate.wait(10)
+        import msgspec
+        return msgspec.msgpack.encode(obj)
+
+    pub = ZmqEventPublisher(PublisherSettings(max_queue_size=1), tcp[0], encoder=stalled_encoder)
+    publishers.append(pub)
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(tcp[0].connect)
+    assert pub.publish([removed(0)])  # seq 0: taken by the thread, which stalls in encode
+    assert entered.wait(5)
+    assert pub.publish([removed(1)])  # seq 1: fills the queue
+    results = [pub.publish([removed(i)]) for i in range(2, 6)]  # seqs 2..5: lost, no blocking
+    assert results == [False] * 4
+    stats = pub.stats()
+    assert stats["lost_queue_full"] == 4 and stats["lost_batches"] == 4
+    assert stats["queue_high_water"] == 1
+    gate.set()
+    wait_until(lambda: pub.stats()["queue_depth"] == 0, what="queue drained")
+    assert pub.publish([removed(6)])
+    wait_until(lambda: pub.stats()["batches_published"] == 3, what="drain")
+    # the replay buffer shows the hole: 0, 1, 6
+    assert [s for s, _ in list(pub._buffer)] == [0, 1, 6]
+
+
+class _GoneRouter:
+    """A ROUTER whose only requester has gone: every send raises EHOSTUNREACH."""
+
+    def __init__(self) -> None:
+        self.requests = [[b"peer", b"", (0).to_bytes(8, "big")]]
+        self.sends = 0
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        if not self.requests:
+            raise zmq.Again()
+        return self.requests.pop()
+
+    def send_multipart(self, frames: Any, flags: int = 0) -> None:
+        assert flags & zmq.NOBLOCK, "replay sends must never block"
+        self.sends += 1
+        raise zmq.ZMQError(zmq.EHOSTUNREACH)
+
+
+def test_replay_to_vanished_requester_aborts_without_blocking(ctx, tcp, publishers) -> None:
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1])
+    publishers.append(pub)
+    for i in range(20):
+        pub.publish([removed(i)])
+    wait_until(lambda: pub.stats()["batches_published"] == 20, what="published")
+    gone = _GoneRouter()
+    pub._service_replay(gone)  # type: ignore[arg-type]
+    assert gone.sends == 1  # stopped at the first failure instead of pushing 20 more
+    assert pub.stats()["replay_aborted"] == 1
+    # a real requester that disconnects does not disturb the live stream or later requesters
+    early = ctx.socket(zmq.DEALER)
+    early.connect(tcp[1].connect)
+    early.send_multipart([b"", (0).to_bytes(8, "big")])
+    early.close(linger=1000)
+    sub, _ = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(tcp[1].connect)
+    dealer.send_multipart([(10**9).to_bytes(8, "big")])  # bare DEALER, start past the end
+    assert recv(dealer) == [b"", END_SEQ, b""]
+
+
+def test_malformed_replay_request_counted(ctx, tcp, publishers) -> None:
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1])
+    publishers.append(pub)
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(tcp[1].connect)
+    dealer.send_multipart([b"", b"abc"])
+    wait_until(lambda: pub.stats()["replay_bad_requests"] == 1, what="bad request counted")
+    assert parse_replay_request([b"id", b"", (7).to_bytes(8, "big")]) == ((b"id", b""), 7)
+    assert parse_replay_request([b"id", (7).to_bytes(8, "big")]) == ((b"id",), 7)
+    assert parse_replay_request([b"id", b"x", b"y", b"z"]) == (None, None)
+
+
+def test_replay_buffer_is_bounded(tcp, publishers) -> None:
+    pub = ZmqEventPublisher(PublisherSettings(buffer_steps=3), tcp[0], tcp[1])
+    publishers.append(pub)
+    for i in range(10):
+        pub.publish([removed(i)])
+    wait_until(lambda: pub.stats()["batches_published"] == 10, what="published")
+    assert [s for s, _ in list(pub._buffer)] == [7, 8, 9]
+
+
+def test_tcp_host_named_ipc_host(ctx, publishers) -> None:
+    port = free_port()
+    endpoint = parse_endpoint("X", f"tcp://ipc-host:{port}", default_host="127.0.0.1")
+    assert endpoint.scheme == "tcp" and endpoint.host == "ipc-host"
+    pub = ZmqEventPublisher(PublisherSettings(), endpoint)
+    publishers.append(pub)
+    assert pub._bind_addr == f"tcp://*:{port}"
+    sub, _ = join_sub(ctx, f"tcp://127.0.0.1:{port}", lambda: pub.publish([]))
+    pub.publish([removed(9)])
+    assert decode(recv(sub)[2]).events[0].block_hashes == [9]
+
+
+def test_ipc_endpoint_per_rank(ctx, tmp_path, publishers) -> None:
+    base = Endpoint("ipc", address=str(tmp_path / "ev"))
+    pub = ZmqEventPublisher(PublisherSettings(), base.for_rank(2), data_parallel_rank=2)
+    publishers.append(pub)
+    assert base.for_rank(2).bind.endswith("ev_dp2")
+    sub, _ = join_sub(ctx, base.for_rank(2).connect, lambda: pub.publish([]))
+    pub.publish([removed(4)])
+    assert decode(recv(sub)[2]).data_parallel_rank == 2
+
+
+def test_rebind_after_failed_construction(tcp, publishers) -> None:
+    blocker = zmq.Context()
+    hold = blocker.socket(zmq.PUB)
+    hold.bind(tcp[1].bind)  # the replay port is taken: construction fails after PUB bound
+    try:
+        with pytest.raises(ConfigError, match="cannot bind"):
+            ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1])
+    finally:
+        hold.close(linger=0)
+        blocker.term()
+    # both ports are free again right away
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1])
+    publishers.append(pub)
+
+
+def test_shutdown_drains_is_idempotent_and_frees_the_port(ctx, tcp) -> None:
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1])
+    sub, _ = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
+    for i in range(100):
+        pub.publish([removed(i)])
+    pub.shutdown(5.0)
+    assert pub.stats()["batches_published"] >= 101
+    assert pub.stats()["lost_batches"] == 0
+    got = 0
+    while sub.poll(1000):
+        sub.recv_multipart()
+        got += 1
+        if got >= 100:
+            break
+    assert got >= 100
+    pub.shutdown()  # idempotent
+    assert pub.publish([removed(1)]) is False
+    assert pub.stats()["lost_closed"] == 1
+    again = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1])  # rebind right away
+    again.shutdown()
+
+
+@pytest.mark.parametrize("field", ["buffer_steps", "hwm", "max_queue_size"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_non_positive_settings_rejected(tcp, field, value) -> None:
+    settings = PublisherSettings(**{field: value})
+    with pytest.raises(ConfigError, match=field):
+        ZmqEventPublisher(settings, tcp[0])
+
+
+def test_factory_and_env_defaults(tcp) -> None:
+    config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(tcp[0].port)})
+    assert (config.publisher.buffer_steps, config.publisher.hwm,
+            config.publisher.max_queue_size, config.publisher.topic) == (10000, 100000, 100000, "")
+    pub = create_publisher(config.publisher, config.publish_endpoint(0), None, 0)
+    try:
+        assert isinstance(pub, ZmqEventPublisher)
+    finally:
+        pub.shutdown()
+    with pytest.raises(ConfigError, match="endpoint"):
+        ZmqEventPublisher(PublisherSettings(), None)
