@@ -1,0 +1,631 @@
+"""ConsolidatorCore: the pure dedup/passthrough state machine (no sockets, no threads).
+
+Every output is checked by :class:`Consumer`, a router model that replays the output the way a
+strict consumer does (parent known before child, no duplicate STORE, no REMOVE for a block it
+does not hold) and reconstructs each block's content from the STOREs' tokens and parents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvbm_plugin.consolidator import (
+    SOURCE_ENGINE,
+    SOURCE_TIERS,
+    ConsolidatorCore,
+    UnknownMediumError,
+)
+from kvbm_plugin.events import WireFormatError, to_signed_int64
+
+BS = 2
+MASK = (1 << 64) - 1
+Path = tuple[int, ...]
+
+
+def tokens_of(path: Path) -> list[int]:
+    """The token ids of the last block of ``path`` (content c -> [c, c + 100])."""
+    return [path[-1], path[-1] + 100]
+
+
+def chain_tokens(path: Path, start: int = 0) -> list[int]:
+    out: list[int] = []
+    for i in range(start, len(path)):
+        out += tokens_of(path[:i + 1])
+    return out
+
+
+def hash_a(path: Path) -> int:
+    """The engine's (and host tier's) hash algorithm, u64."""
+    return hash(("A", path)) & MASK
+
+
+def hash_b(path: Path) -> int:
+    """The disk tier's hash algorithm, deliberately different, u64."""
+    return hash(("B", path)) & MASK
+
+
+class Consumer:
+    """A strict router model of one output stream; asserts the invariants on every event."""
+
+    def __init__(self, passthrough: bool = False) -> None:
+        self.passthrough = passthrough
+        self.held: dict[int, dict[str, set[int]]] = {}  # dp rank -> medium -> hashes
+        self.path_of: dict[int, dict[int, Path]] = {}  # dp rank -> hash -> content path
+        self.stores = 0
+        self.removes = 0
+        self.clears = 0
+
+    def apply(self, output: dict[int, list[dict[str, Any]]]) -> None:
+        for dp_rank, events in output.items():
+            held = self.held.setdefault(dp_rank, {})
+            path_of = self.path_of.setdefault(dp_rank, {})
+            for event in events:
+                kind = event["type"]
+                if kind == "AllBlocksCleared":
+                    self.clears += 1
+                    held.clear()
+                    continue
+                medium = event["medium"]
+                assert medium in ("GPU", "CPU", "DISK")
+                if not self.passthrough:
+                    assert medium == "GPU", "dedup output must be tagged GPU"
+                hashes = held.setdefault(medium, set())
+                for h in event["block_hashes"]:
+                    assert -(1 << 63) <= h < (1 << 63), "wire hashes are signed int64"
+                if kind == "BlockStored":
+                    self.stores += len(event["block_hashes"])
+                    bs = event["block_size"]
+                    assert len(event["token_ids"]) == len(event["block_hashes"]) * bs
+                    parent = event["parent_block_hash"]
+                    if parent is None:
+                        base: Path = ()
+                    else:
+                        assert parent in path_of, f"STORE before its parent {parent}"
+                        base = path_of[parent]
+                    for i, h in enumerate(event["block_hashes"]):
+                        assert h not in hashes, f"duplicate STORE of held block {h}"
+                        base = base + (event["token_ids"][i * bs],)
+                        hashes.add(h)
+                        path_of[h] = base
+                else:
+                    assert kind == "BlockRemoved"
+                    for h in event["block_hashes"]:
+                        assert h in hashes, f"REMOVE of block {h} not held"
+                        hashes.discard(h)
+                        self.removes += 1
+
+    def paths(self, dp_rank: int, medium: str | None = None) -> set[Path]:
+        held = self.held.get(dp_rank, {})
+        path_of = self.path_of.get(dp_rank, {})
+        media: Iterable[str] = held if medium is None else [medium]
+        return {path_of[h] for m in media for h in held.get(m, set())}
+
+    def count(self, dp_rank: int, medium: str | None = None) -> int:
+        held = self.held.get(dp_rank, {})
+        media: Iterable[str] = held if medium is None else [medium]
+        return sum(len(held.get(m, set())) for m in media)
+
+
+def engine_store(core: ConsolidatorCore, dp: int, path: Path, start: int = 0,
+                 signed: bool = True, medium: str = "GPU") -> None:
+    """The engine's GPU stream stores path[start:] (parent path[:start]) as a wire map."""
+    conv = to_signed_int64 if signed else (lambda h: h)
+    core.apply_event(dp, {
+        "type": "BlockStored",
+        "block_hashes": [conv(hash_a(path[:i + 1])) for i in range(start, len(path))],
+        "parent_block_hash": conv(hash_a(path[:start])) if start else None,
+        "token_ids": chain_tokens(path, start), "block_size": BS, "lora_id": None,
+        "medium": medium, "lora_name": None})
+
+
+def engine_remove(core: ConsolidatorCore, dp: int, paths: Iterable[Path],
+                  medium: str = "GPU") -> None:
+    core.apply_event(dp, {"type": "BlockRemoved",
+                          "block_hashes": [to_signed_int64(hash_a(p)) for p in paths],
+                          "medium": medium})
+
+
+def tier_store(core: ConsolidatorCore, tier: str, dp: int, path: Path) -> None:
+    """A tier registers the last block of ``path`` (host: hash A unsigned; disk: hash B)."""
+    h = hash_a if tier == "CPU" else hash_b
+    core.store(SOURCE_TIERS, tier, dp, [h(path)], h(path[:-1]) if len(path) > 1 else None,
+               tokens_of(path), BS)
+
+
+def tier_remove(core: ConsolidatorCore, tier: str, dp: int, paths: Iterable[Path]) -> None:
+    h = hash_a if tier == "CPU" else hash_b
+    core.remove(SOURCE_TIERS, tier, dp, [h(p) for p in paths])
+
+
+@pytest.fixture
+def core() -> ConsolidatorCore:
+    return ConsolidatorCore("dedup")
+
+
+@pytest.fixture
+def consumer() -> Consumer:
+    return Consumer()
+
+
+def step(core: ConsolidatorCore, consumer: Consumer) -> dict[int, list[dict[str, Any]]]:
+    out = core.take_output()
+    consumer.apply(out)
+    return out
+
+
+# ---------------------------------------------------------------------- residency and dedup
+
+
+def test_first_residency_stores_once_then_other_tiers_add_nothing(core, consumer):
+    engine_store(core, 0, (1, 2))
+    out = step(core, consumer)
+    assert [e["type"] for e in out[0]] == ["BlockStored"]  # one coalesced chain
+    assert out[0][0]["block_hashes"] == [to_signed_int64(hash_a((1,))),
+                                         to_signed_int64(hash_a((1, 2)))]
+    tier_store(core, "CPU", 0, (1,))
+    tier_store(core, "DISK", 0, (1,))
+    tier_store(core, "DISK", 0, (1, 2))
+    assert core.take_output() == {}
+    assert consumer.paths(0) == {(1,), (1, 2)}
+
+
+def test_host_eviction_while_disk_holds_publishes_nothing(core, consumer):
+    tier_store(core, "CPU", 0, (1,))
+    tier_store(core, "DISK", 0, (1,))
+    step(core, consumer)
+    tier_remove(core, "CPU", 0, [(1,)])
+    assert core.take_output() == {}
+    assert consumer.paths(0) == {(1,)}
+    tier_remove(core, "DISK", 0, [(1,)])
+    out = step(core, consumer)
+    assert out[0] == [{"type": "BlockRemoved", "block_hashes": [to_signed_int64(hash_a((1,)))],
+                       "medium": "GPU"}]
+
+
+def test_engine_eviction_while_host_holds_publishes_nothing(core, consumer):
+    engine_store(core, 0, (5,))
+    tier_store(core, "CPU", 0, (5,))
+    step(core, consumer)
+    engine_remove(core, 0, [(5,)])
+    assert core.take_output() == {}
+    assert consumer.paths(0) == {(5,)}
+
+
+def test_last_residency_gone_publishes_exactly_one_remove(core, consumer):
+    engine_store(core, 0, (7,))
+    tier_store(core, "CPU", 0, (7,))
+    tier_store(core, "DISK", 0, (7,))
+    step(core, consumer)
+    engine_remove(core, 0, [(7,)])
+    tier_remove(core, "DISK", 0, [(7,)])
+    tier_remove(core, "CPU", 0, [(7,)])
+    engine_remove(core, 0, [(7,)])  # again: the engine no longer holds it
+    tier_remove(core, "CPU", 0, [(7,)])
+    step(core, consumer)
+    assert consumer.removes == 1
+    assert consumer.paths(0) == set()
+    assert core.stats()["unknown_removes"] == 2
+    assert core.stats()["blocks_tracked"] == 0  # forgotten once resident nowhere
+
+
+def test_dedup_tags_gpu_even_when_first_residency_is_disk(core, consumer):
+    tier_store(core, "DISK", 0, (3,))
+    out = step(core, consumer)
+    assert out[0][0]["medium"] == "GPU"
+    # The published hash is the first one seen (the disk's); the engine's maps to it.
+    assert out[0][0]["block_hashes"] == [to_signed_int64(hash_b((3,)))]
+    engine_store(core, 0, (3,))
+    tier_remove(core, "DISK", 0, [(3,)])
+    assert core.take_output() == {}
+    engine_remove(core, 0, [(3,)])
+    assert step(core, consumer)[0][0]["block_hashes"] == [to_signed_int64(hash_b((3,)))]
+
+
+def test_same_tokens_under_a_different_parent_is_a_different_block(core, consumer):
+    engine_store(core, 0, (1, 9))
+    engine_store(core, 0, (2, 9))
+    step(core, consumer)
+    assert consumer.paths(0) == {(1,), (2,), (1, 9), (2, 9)}
+    engine_remove(core, 0, [(1, 9)])
+    step(core, consumer)
+    assert consumer.paths(0) == {(1,), (2,), (2, 9)}
+
+
+def test_same_tokens_as_root_and_under_unknown_parent_are_different(core, consumer):
+    core.store(SOURCE_TIERS, "CPU", 0, [11], None, [4, 104], BS)
+    core.store(SOURCE_TIERS, "CPU", 0, [12], 999, [4, 104], BS)  # parent 999 unknown
+    out = core.take_output()
+    assert [e["block_hashes"] for e in out[0]] == [[11, 12]] or len(out[0]) == 2
+    assert core.stats()["blocks_tracked"] == 2
+    assert core.stats()["unknown_parents"] == 1
+    stored = [e for e in out[0] if e["type"] == "BlockStored"]
+    assert stored[-1]["parent_block_hash"] == 999  # named as given, never as a root
+
+
+def test_signed_and_unsigned_forms_of_one_hash_are_one_block(core, consumer):
+    path = (42,)
+    assert hash_a(path) != to_signed_int64(hash_a(path)) or hash_a(path) < (1 << 63)
+    engine_store(core, 0, path, signed=True)
+    engine_store(core, 0, path, signed=False)  # the same engine block, u64 spelling
+    step(core, consumer)
+    assert consumer.stores == 1
+    assert core.stats()["duplicate_stores"] == 1
+    # Removing by the unsigned spelling frees it.
+    core.apply_event(0, {"type": "BlockRemoved", "block_hashes": [hash_a(path)],
+                         "medium": "GPU"})
+    step(core, consumer)
+    assert consumer.removes == 1
+
+
+def test_signed_parent_hash_resolves_to_the_block_stored_unsigned(core, consumer):
+    # A root whose u64 hash has the top bit set, so its signed spelling is negative.
+    root = next((c,) for c in range(100) if hash_a((c,)) >= 1 << 63)
+    engine_store(core, 0, root, signed=False)
+    engine_store(core, 0, root + (5,), start=1, signed=True)  # parent named signed
+    tier_store(core, "CPU", 0, root + (5,))
+    step(core, consumer)
+    assert core.stats()["unknown_parents"] == 0
+    assert consumer.stores == 2
+    assert consumer.paths(0) == {root, root + (5,)}
+
+
+def test_u64_hash_at_the_top_of_the_range():
+    core = ConsolidatorCore()
+    consumer = Consumer()
+    core.apply_event(0, {"type": "BlockStored", "block_hashes": [-1, (1 << 63) - 1],
+                         "parent_block_hash": None, "token_ids": [1, 2, 3, 4],
+                         "block_size": 2, "medium": "GPU"})
+    core.store(SOURCE_TIERS, "CPU", 0, [(1 << 64) - 1], None, [1, 2], 2)
+    out = step(core, consumer)
+    assert out[0][0]["block_hashes"] == [-1, (1 << 63) - 1]
+    assert consumer.stores == 2
+
+
+def test_dp_ranks_are_kept_apart(core, consumer):
+    engine_store(core, 0, (1,))
+    engine_store(core, 1, (1,))
+    out = step(core, consumer)
+    assert set(out) == {0, 1}
+    tier_store(core, "CPU", 1, (1,))
+    engine_remove(core, 0, [(1,)])
+    engine_remove(core, 1, [(1,)])
+    out = step(core, consumer)
+    assert set(out) == {0}  # rank 1's host copy keeps it there
+    assert consumer.paths(0) == set() and consumer.paths(1) == {(1,)}
+
+
+def test_parent_is_named_by_its_published_hash_across_hash_algorithms(core, consumer):
+    engine_store(core, 0, (1,))
+    tier_store(core, "DISK", 0, (1,))  # disk knows the parent under its own hash
+    step(core, consumer)
+    tier_store(core, "DISK", 0, (1, 2))  # child, parent named by the disk's hash
+    out = step(core, consumer)
+    assert out[0][0]["parent_block_hash"] == to_signed_int64(hash_a((1,)))
+    assert out[0][0]["block_hashes"] == [to_signed_int64(hash_b((1, 2)))]
+
+
+def test_parent_resolves_through_another_tier_sharing_the_hash(core, consumer):
+    engine_store(core, 0, (1,))
+    step(core, consumer)
+    tier_store(core, "CPU", 0, (1, 2))  # host never held (1,), but uses the engine's hash
+    out = step(core, consumer)
+    assert out[0][0]["parent_block_hash"] == to_signed_int64(hash_a((1,)))
+    assert core.stats()["unknown_parents"] == 0
+
+
+def test_parent_stays_resolvable_after_its_residency_ends(core, consumer):
+    tier_store(core, "DISK", 0, (1,))
+    tier_store(core, "DISK", 0, (1, 2))
+    tier_remove(core, "DISK", 0, [(1,)])  # parent gone, child still on disk
+    step(core, consumer)
+    assert consumer.paths(0) == {(1, 2)}
+    tier_store(core, "DISK", 0, (1, 3))  # a sibling names the evicted parent
+    step(core, consumer)
+    assert consumer.paths(0) == {(1, 2), (1, 3)}
+    assert core.stats()["unknown_parents"] == 0
+
+
+def test_a_chain_is_stored_parent_first_in_one_event(core, consumer):
+    engine_store(core, 0, (1, 2, 3, 4))
+    out = step(core, consumer)
+    assert len(out[0]) == 1
+    assert out[0][0]["token_ids"] == chain_tokens((1, 2, 3, 4))
+
+
+def test_partly_new_chain_publishes_only_the_new_suffix(core, consumer):
+    tier_store(core, "CPU", 0, (1,))
+    tier_store(core, "CPU", 0, (1, 2))
+    step(core, consumer)
+    engine_store(core, 0, (1, 2, 3, 4))
+    out = step(core, consumer)
+    assert out[0] == [{"type": "BlockStored",
+                       "block_hashes": [to_signed_int64(hash_a(p)) for p in [(1, 2, 3),
+                                                                             (1, 2, 3, 4)]],
+                       "parent_block_hash": to_signed_int64(hash_a((1, 2))),
+                       "token_ids": chain_tokens((1, 2, 3, 4), 2), "block_size": BS,
+                       "lora_id": None, "medium": "GPU", "lora_name": None}]
+
+
+def test_hash_clash_between_sources_gets_a_derived_hash(core, consumer):
+    # Two different contents arrive under one external hash from two sources.
+    core.store(SOURCE_ENGINE, "GPU", 0, [77], None, [1, 101], BS)
+    core.store(SOURCE_TIERS, "DISK", 0, [77], None, [2, 102], BS)
+    out = step(core, consumer)
+    hashes = [h for e in out[0] for h in e["block_hashes"]]
+    assert len(set(hashes)) == 2 and 77 in hashes
+    assert core.stats()["hash_conflicts"] == 1
+    core.remove(SOURCE_TIERS, "DISK", 0, [77])
+    step(core, consumer)
+    assert consumer.paths(0) == {(1,)}
+
+
+def test_slot_reusing_a_hash_for_new_content_replaces_the_old_block(core, consumer):
+    core.store(SOURCE_ENGINE, "GPU", 0, [5], None, [1, 101], BS)
+    core.store(SOURCE_ENGINE, "GPU", 0, [5], None, [2, 102], BS)
+    step(core, consumer)
+    assert consumer.paths(0) == {(2,)}
+
+
+# ---------------------------------------------------------------------- clears and resync
+
+
+def test_clear_of_one_tier_removes_only_blocks_resident_nowhere_else(core, consumer):
+    engine_store(core, 0, (1,))
+    engine_store(core, 0, (2,))
+    tier_store(core, "CPU", 0, (1,))
+    step(core, consumer)
+    core.apply_event(0, {"type": "AllBlocksCleared"})
+    out = step(core, consumer)
+    assert out[0] == [{"type": "BlockRemoved", "block_hashes": [to_signed_int64(hash_a((2,)))],
+                       "medium": "GPU"}]
+    assert consumer.paths(0) == {(1,)}
+
+
+def test_clear_leaving_nothing_sends_all_blocks_cleared(core, consumer):
+    engine_store(core, 0, (1, 2, 3))
+    tier_store(core, "DISK", 0, (1,))
+    step(core, consumer)
+    core.clear(SOURCE_TIERS, "DISK", 0)
+    out = step(core, consumer)
+    assert out == {}  # the engine still holds everything
+    core.apply_event(0, {"type": "AllBlocksCleared"})
+    out = step(core, consumer)
+    assert out[0] == [{"type": "AllBlocksCleared"}]
+    assert core.stats()["blocks_tracked"] == 0
+    # Clearing what holds nothing says nothing.
+    core.clear(SOURCE_TIERS, "CPU", 0)
+    assert core.take_output() == {}
+
+
+def test_clear_of_one_dp_rank_leaves_the_other(core, consumer):
+    engine_store(core, 0, (1,))
+    engine_store(core, 1, (1,))
+    step(core, consumer)
+    core.apply_event(1, {"type": "AllBlocksCleared"})
+    out = step(core, consumer)
+    assert set(out) == {1}
+    assert consumer.paths(0) == {(1,)}
+
+
+def test_resync_drops_only_the_engine_residency(core, consumer):
+    engine_store(core, 0, (1,))
+    engine_store(core, 0, (2,), medium="CPU")  # engine stream may report other media
+    tier_store(core, "DISK", 0, (1,))
+    step(core, consumer)
+    core.resync(0)
+    step(core, consumer)
+    assert consumer.paths(0) == {(1,)}
+    assert core.resident_in(SOURCE_ENGINE, "GPU", 0) == set()
+    assert core.stats()["resyncs"] == 1
+    engine_remove(core, 0, [(1,)])  # a stale remove after the resync: ignored
+    assert core.take_output() == {}
+
+
+# ---------------------------------------------------------------------- passthrough
+
+
+def test_passthrough_forwards_each_tier_with_its_medium():
+    core = ConsolidatorCore("passthrough")
+    consumer = Consumer(passthrough=True)
+    engine_store(core, 0, (1,))
+    tier_store(core, "CPU", 0, (1,))
+    tier_store(core, "DISK", 0, (1,))
+    out = step(core, consumer)
+    assert [e["medium"] for e in out[0]] == ["GPU", "CPU", "DISK"]
+    # One published hash per block in every medium.
+    assert {h for e in out[0] for h in e["block_hashes"]} == {to_signed_int64(hash_a((1,)))}
+    tier_remove(core, "CPU", 0, [(1,)])
+    out = step(core, consumer)
+    assert out[0] == [{"type": "BlockRemoved", "block_hashes": [to_signed_int64(hash_a((1,)))],
+                       "medium": "CPU"}]
+    assert consumer.paths(0, "GPU") == {(1,)} and consumer.paths(0, "DISK") == {(1,)}
+
+
+# ---------------------------------------------------------------------- tolerant decoding
+
+
+def test_legacy_positional_arrays_are_decoded(core, consumer):
+    h1, h2 = hash_a((1,)), hash_a((1, 2))
+    core.apply_event(0, ["BlockStored", [h1, h2], None, chain_tokens((1, 2)), BS, None,
+                         "DEVICE"])
+    core.apply_event(0, ["BlockRemoved", [h2], "gpu"])
+    step(core, consumer)
+    assert consumer.paths(0) == {(1,)}
+    core.apply_event(0, ["AllBlocksCleared"])
+    step(core, consumer)
+    assert consumer.paths(0) == set()
+
+
+@pytest.mark.parametrize("medium, tier", [("cpu_pinned", "CPU"), ("CPU_TIER1", "CPU"),
+                                          ("cpu_tier2", "DISK"), ("Storage", "DISK"),
+                                          ("NVME", "DISK"), ("device", "GPU")])
+def test_medium_aliases_are_case_insensitive(core, medium, tier):
+    engine_store(core, 0, (1,), medium=medium)
+    assert core.resident_in(SOURCE_ENGINE, tier, 0) == {hash_a((1,))}
+
+
+@pytest.mark.parametrize("event", [
+    {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+     "token_ids": [1, 2], "block_size": 2, "medium": "HBM"},
+    {"type": "BlockRemoved", "block_hashes": [1], "medium": "cpu_tier9"},
+])
+def test_unknown_medium_is_refused_never_guessed_as_gpu(core, event):
+    with pytest.raises(UnknownMediumError, match="HBM|cpu_tier9"):
+        core.apply_event(0, event)
+    assert core.take_output() == {}
+    assert core.resident_in(SOURCE_ENGINE, "GPU", 0) == set()
+
+
+@pytest.mark.parametrize("event, match", [
+    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+      "token_ids": [1, 2, 3], "block_size": 2}, "3 token ids"),
+    ({"type": "BlockStored", "block_hashes": [1, "x"], "parent_block_hash": None,
+      "token_ids": [1, 2, 3, 4], "block_size": 2}, "'x'"),
+    ({"type": "BlockStored", "block_hashes": [True], "parent_block_hash": None,
+      "token_ids": [1, 2], "block_size": 2}, "True"),
+    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": 1.5,
+      "token_ids": [1, 2], "block_size": 2}, "1.5"),
+    ({"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+      "token_ids": [1, 2], "block_size": 0}, "block_size"),
+    ({"type": "BlockStored", "block_hashes": 5, "parent_block_hash": None,
+      "token_ids": [1, 2], "block_size": 2}, "not a list"),
+    ({"type": "BlockRemoved", "block_hashes": None}, "not a list"),
+    ({"type": "BlockInactive"}, "BlockInactive"),
+    ("garbage", "neither"),
+    ([], "neither"),
+])
+def test_malformed_events_raise_naming_the_value_and_change_nothing(core, event, match):
+    with pytest.raises(WireFormatError, match=match):
+        core.apply_event(0, event)
+    assert core.take_output() == {}
+    assert core.stats()["blocks_tracked"] == 0
+
+
+def test_hash_only_store_adds_residency_to_a_visible_block(core, consumer):
+    engine_store(core, 0, (1,))
+    step(core, consumer)
+    core.apply_event(0, {"type": "BlockStored", "block_hashes": [hash_a((1,)), 12345],
+                         "parent_block_hash": None, "token_ids": [], "block_size": BS,
+                         "medium": "CPU"})
+    assert core.stats()["hash_only_stores_dropped"] == 1  # 12345: no tokens, unknown
+    engine_remove(core, 0, [(1,)])
+    assert core.take_output() == {}  # the engine's CPU copy still holds it
+
+
+def test_remove_for_a_block_never_stored_publishes_nothing(core):
+    engine_remove(core, 0, [(1,), (2,)])
+    tier_remove(core, "DISK", 0, [(3,)])
+    assert core.take_output() == {}
+    assert core.stats()["unknown_removes"] == 3
+
+
+def test_unknown_mode_is_refused():
+    with pytest.raises(ValueError, match="mode"):
+        ConsolidatorCore("sometimes")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------- property
+
+
+SLOTS = ["engine-GPU", "engine-CPU", "host", "disk"]
+CONTENT = st.integers(min_value=0, max_value=2)
+PATHS = st.lists(CONTENT, min_size=1, max_size=3).map(tuple)
+OPS = st.one_of(
+    st.tuples(st.just("store"), st.integers(0, 1), st.sampled_from(SLOTS), PATHS,
+              st.integers(0, 2)),
+    st.tuples(st.just("remove"), st.integers(0, 1), st.sampled_from(SLOTS),
+              st.lists(PATHS, min_size=1, max_size=4)),
+    st.tuples(st.just("clear"), st.integers(0, 1), st.sampled_from(SLOTS)),
+    st.tuples(st.just("resync"), st.integers(0, 1)),
+)
+
+
+class Model:
+    """Ground truth: which content paths each (dp rank, slot) holds."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[int, str], set[Path]] = {}
+
+    def slot(self, dp: int, slot: str) -> set[Path]:
+        return self.held.setdefault((dp, slot), set())
+
+    def resident(self, dp: int, media: tuple[str, ...] = ("GPU", "CPU", "DISK")) -> set[Path]:
+        medium_of = {"engine-GPU": "GPU", "engine-CPU": "CPU", "host": "CPU", "disk": "DISK"}
+        return {p for (d, s), paths in self.held.items() if d == dp and medium_of[s] in media
+                for p in paths}
+
+
+def apply_op(core: ConsolidatorCore, model: Model, op: tuple[Any, ...]) -> None:
+    kind, dp = op[0], op[1]
+    if kind == "store":
+        _, _, slot, path, start = op
+        held = model.slot(dp, slot)
+        start = min(start, len(path) - 1)
+        if start and path[:start] not in held:
+            start = 0  # the source names only parents it holds
+        if slot.startswith("engine"):
+            engine_store(core, dp, path, start, signed=bool(dp), medium=slot[7:])
+            held.update(path[:i + 1] for i in range(start, len(path)))
+        else:
+            tier = "CPU" if slot == "host" else "DISK"
+            for i in range(start, len(path)):  # tiers register block by block
+                tier_store(core, tier, dp, path[:i + 1])
+                held.add(path[:i + 1])
+    elif kind == "remove":
+        _, _, slot, paths = op
+        if slot.startswith("engine"):
+            engine_remove(core, dp, paths, medium=slot[7:])
+        else:
+            tier_remove(core, "CPU" if slot == "host" else "DISK", dp, paths)
+        model.slot(dp, slot).difference_update(paths)
+    elif kind == "clear":
+        slot = op[2]
+        if slot.startswith("engine"):
+            core.apply_event(dp, {"type": "AllBlocksCleared"})  # clears every engine tier
+            model.slot(dp, "engine-GPU").clear()
+            model.slot(dp, "engine-CPU").clear()
+        else:
+            core.clear(SOURCE_TIERS, "CPU" if slot == "host" else "DISK", dp)
+            model.slot(dp, slot).clear()
+    else:
+        core.resync(dp)
+        model.slot(dp, "engine-GPU").clear()
+        model.slot(dp, "engine-CPU").clear()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(OPS, min_size=1, max_size=40))
+def test_property_dedup_output_equals_resident_anywhere(ops):
+    core, model, consumer = ConsolidatorCore("dedup"), Model(), Consumer()
+    for op in ops:
+        apply_op(core, model, op)
+        consumer.apply(core.take_output())  # asserts: no dup STORE, no stray REMOVE, parents
+        for dp in (0, 1):
+            assert consumer.paths(dp) == model.resident(dp)
+            assert consumer.count(dp) == len(model.resident(dp))  # one hash per block
+            assert core.visible_hashes(dp) == consumer.held.get(dp, {}).get("GPU", set())
+    # Once nothing is resident the core forgets everything (no leak).
+    for dp in (0, 1):
+        for slot in SLOTS:
+            apply_op(core, model, ("clear", dp, slot))
+    consumer.apply(core.take_output())
+    assert core.stats()["blocks_tracked"] == 0
+    assert consumer.paths(0) == consumer.paths(1) == set()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(OPS, min_size=1, max_size=40))
+def test_property_passthrough_output_equals_resident_per_medium(ops):
+    core, model, consumer = ConsolidatorCore("passthrough"), Model(), Consumer(True)
+    for op in ops:
+        apply_op(core, model, op)
+        consumer.apply(core.take_output())
+        for dp in (0, 1):
+            for medium in ("GPU", "CPU", "DISK"):
+                assert consumer.paths(dp, medium) == model.resident(dp, (medium,))
+                assert consumer.count(dp, medium) == len(model.resident(dp, (medium,)))
