@@ -1,0 +1,162 @@
+"""Sidecar against a tiny local fake of trtllm-serve's POST /kv_cache_events."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import zmq
+from _kvwire import BlockRemoved, BlockStored, decode, free_port, recv, wait_until
+
+from kvbm_plugin.consolidator_config import load_consolidator_config
+from kvbm_plugin.sidecar import fetch_events, main_sidecar, run_sidecar
+
+
+class FakeServe:
+    """Serves queued event lists; each POST returns and clears what is queued."""
+
+    def __init__(self) -> None:
+        self.queue: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.posts = 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server API
+                with fake.lock:
+                    body, fake.queue = json.dumps(fake.queue).encode(), []
+                    fake.posts += 1
+                self.send_response(200 if self.path == "/kv_cache_events" else 404)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                return None
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def push(self, *events: dict[str, Any]) -> None:
+        with self.lock:
+            self.queue.extend(events)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def serve() -> Iterator[FakeServe]:
+    fake = FakeServe()
+    yield fake
+    fake.close()
+
+
+def stored(h: int, rank: int) -> dict[str, Any]:
+    return {"event_id": 1, "window_size": 64, "attention_dp_rank": rank, "data": {
+        "type": "stored", "parent_hash": None, "blocks": [{
+            "type": "stored_block", "block_hash": h, "cache_level": 0, "priority": 35,
+            "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0}
+                       for t in (1, 2)]}]}}
+
+
+def test_fetch_events_posts_and_decodes(serve: FakeServe) -> None:
+    serve.push(stored(1, 0))
+    assert fetch_events(serve.url)[0]["data"]["type"] == "stored"
+    assert fetch_events(serve.url) == []  # the endpoint clears what it returned
+
+
+def test_sidecar_publishes_per_rank(serve: FakeServe) -> None:
+    base = free_port()
+    while base + 1 == free_port():  # keep base and base+1 usable (best effort)
+        base = free_port()
+    config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(base),
+                                       "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(free_port())},
+                                      num_ranks=2)
+    stop = threading.Event()
+    result: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: result.update(run_sidecar(
+        serve.url, config, block_size=2, interval=0.02, stop_event=stop)), daemon=True)
+    thread.start()
+    ctx = zmq.Context()
+    subs = []
+    try:
+        for rank in range(2):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.connect(config.publish_endpoint(rank).connect)
+            subs.append(sub)
+        # slow joiner: keep feeding removals of an unknown hash until each SUB hears one
+        for rank, sub in enumerate(subs):
+            def probe(rank: int = rank, sub: zmq.Socket = sub) -> bool:
+                serve.push({"event_id": 0, "window_size": 64, "attention_dp_rank": rank,
+                            "data": {"type": "removed", "block_hashes": [7]}})
+                if sub.poll(50):
+                    while sub.poll(100):
+                        sub.recv_multipart()
+                    return True
+                return False
+            wait_until(probe, what=f"rank {rank} SUB joined")
+        serve.push(stored((1 << 64) - 1, 1), stored(5, 0),
+                   {"event_id": 3, "window_size": 64, "attention_dp_rank": 0,
+                    "data": {"type": "removed", "block_hashes": [5]}},
+                   {"event_id": 4, "window_size": 64, "attention_dp_rank": 9,
+                    "data": {"type": "removed", "block_hashes": [5]}})
+        b0 = decode(recv(subs[0])[2])
+        b1 = decode(recv(subs[1])[2])
+        assert b0.data_parallel_rank == 0 and b1.data_parallel_rank == 1
+        assert b0.events == [
+            BlockStored(block_hashes=[5], parent_block_hash=None, token_ids=[1, 2], block_size=2,
+                        lora_id=None, medium="GPU", lora_name=None),
+            BlockRemoved(block_hashes=[5], medium="GPU")]
+        assert b1.events == [
+            BlockStored(block_hashes=[-1], parent_block_hash=None, token_ids=[1, 2],
+                        block_size=2, lora_id=None, medium="GPU", lora_name=None)]
+    finally:
+        stop.set()
+        thread.join(10)
+        for sub in subs:
+            sub.close()
+        ctx.term()
+    assert not thread.is_alive()
+    assert result["events_outside_ranks"] == 1 and result["polls"] >= 2
+    assert result["poll_errors"] == 0
+
+
+class StopAfter(threading.Event):
+    """Reports set after ``n`` loop checks: a deterministic number of polls."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+
+    def is_set(self) -> bool:
+        self.n -= 1
+        return self.n < 0
+
+
+def test_sidecar_counts_http_errors_and_stops() -> None:
+    port = free_port()  # nothing listens here
+    config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port()),
+                                       "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(free_port())})
+    result = run_sidecar(f"http://127.0.0.1:{port}", config, block_size=2, interval=0.001,
+                         stop_event=StopAfter(3), http_timeout=0.5)
+    assert result["polls"] == 3 and result["poll_errors"] == 3
+    assert result["publisher_lost_batches"] == 0
+
+
+def test_main_sidecar_rejects_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DYN_KVBM_TRTLLM_ZMQ_PORT", str(free_port()))
+    with pytest.raises(SystemExit):
+        main_sidecar(["--url", "http://x", "--block-size", "0"])
+    with pytest.raises(SystemExit):
+        main_sidecar(["--block-size", "32"])  # --url missing
