@@ -1,9 +1,578 @@
-"""KvbmConnectorLeader: TensorRT-LLM's connector scheduler side (filled by the connector issue)."""
+"""KvbmConnectorLeader: TensorRT-LLM's connector scheduler; decides what moves where.
+
+Runs on rank 0 only (TRT-LLM builds the scheduler there), on the executor thread, except the
+constructor (a thread-pool thread, concurrently with the worker's). Per iteration TRT-LLM calls:
+
+* ``get_num_new_matched_tokens(request, n)``: once per new request, during allocation; result
+  broadcast to every rank. Host/disk hits beyond ``n``; pins them.
+* ``update_state_after_alloc(request, block_ids)``: rank 0 only; binds the hits to device blocks.
+* ``build_connector_meta(scheduler_output)``: once per iteration; the returned
+  :class:`~kvbm_plugin.connector_meta.ConnectorMetadata` is pickled to every rank. Also flushes
+  the GPU-tier event sink (one batch per iteration) and applies workers' completion reports.
+* ``request_finished(request, block_ids)``: once per terminated request (finished or aborted).
+
+Tier bookkeeping (:class:`~kvbm_plugin.tiers.base.TierIndex`) lives here only; workers learn slots
+from the metadata. A tier STORE is registered only after every rank reported the op that wrote
+the bytes (see connector_meta: the get_finished intersection rule, applied per op); a REMOVE is
+registered when the leader evicts a block, before the metadata that reuses its slot exists.
+Never imports torch.
+"""
 
 from __future__ import annotations
 
+import atexit
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbm_plugin import _llm_args
 from kvbm_plugin._trtllm_compat import KvCacheConnectorScheduler
+from kvbm_plugin.connector_meta import (
+    DISK,
+    ERR_CORRUPT,
+    HOST,
+    ConnectorMetadata,
+    DemoteOp,
+    LoadCopy,
+    LoadOp,
+    OpReport,
+    SaveOp,
+    TierLayout,
+    ZmqReportReceiver,
+    close_hub,
+    open_hub,
+    pool_layout,
+)
+from kvbm_plugin.consolidator_config import (
+    CPU_CACHE_GB,
+    DISK_CACHE_GB,
+    ConfigError,
+    load_consolidator_config,
+    load_tier_settings,
+    should_enable_consolidator,
+)
+from kvbm_plugin.events import MEDIUM_CPU, MEDIUM_DISK, BlockRemoved, BlockStored
+from kvbm_plugin.tiers.base import (
+    TIER_DISK,
+    TIER_HOST,
+    TierEntry,
+    TierFullError,
+    TierIndex,
+    block_path,
+    chain_key,
+    stat_signature,
+)
+
+logger = logging.getLogger(__name__)
+
+_MEDIUM = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_DISK}
+
+
+class TierEventPublisher:
+    """Tier events without a consolidator: the same register_* API as ``KvEventConsolidator``,
+    published as wire events with medium CPU/DISK on the rank's publisher.
+
+    Called by the leader on the executor thread; ``flush`` publishes one batch (never blocks).
+    """
+
+    def __init__(self, publisher: Any, block_size: int, data_parallel_rank: int) -> None:
+        self._publisher = publisher
+        self._block_size = block_size
+        self._dp_rank = data_parallel_rank
+        self._events: list[dict[str, Any]] = []
+
+    def register_store(self, tier: str, dp_rank: int, block_hash: int, parent_hash: int | None,
+                       token_ids: Sequence[int], block_size: int) -> None:
+        self._events.append(BlockStored([block_hash], parent_hash, list(token_ids), block_size,
+                                        medium=tier).to_wire())
+
+    def register_remove(self, tier: str, dp_rank: int, block_hashes: Sequence[int]) -> None:
+        self._events.append(BlockRemoved(list(block_hashes), medium=tier).to_wire())
+
+    def register_clear(self, tier: str, dp_rank: int) -> None:
+        # AllBlocksCleared carries no medium, so a tier reset is spelled as removals upstream.
+        return None
+
+    def flush(self) -> bool:
+        if not self._events:
+            return True
+        events, self._events = self._events, []
+        return bool(self._publisher.publish(events, self._dp_rank))
+
+
+@dataclass
+class _Request:
+    """What the leader knows about one request (rank 0 only)."""
+
+    req_id: int
+    salt: str | None = None
+    tokens: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # content keys of full blocks
+    event_hashes: list[int] = field(default_factory=list)  # RequestData.block_hashes
+    offload_next: int = 0  # first block index not yet considered for offload
+    valid_tokens: int = 0  # tokens whose KV exists after the last scheduled forward
+    match_base: int | None = None  # device-computed + connector-loaded tokens at match time
+    plan: list[tuple[int, str, TierEntry]] = field(default_factory=list)  # (block idx, tier, e)
+    load_pending: bool = False  # update_state_after_alloc bound a load; not yet in metadata
+    load: LoadOp | None = None
+    reported: bool = False  # seen in a SchedulerOutput
+    saves_inflight: set[int] = field(default_factory=set)
+    loads_inflight: set[int] = field(default_factory=set)
+    finished: bool = False
+
+
+@dataclass
+class _Op:
+    kind: str  # "save" | "demote" | "load"
+    tier: str  # the tier written (save/demote) or read (load)
+    key: int
+    req_id: int | None
+    reports: dict[int, OpReport] = field(default_factory=dict)
 
 
 class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, valid-type]
-    """Scheduler-side connector; runs on rank 0 (or each attention-DP rank)."""
+    """Scheduler-side connector; runs on rank 0 (TP) and owns the tier index and events."""
+
+    def __init__(self, llm_args: Any) -> None:
+        """Called once on rank 0, on a thread-pool thread concurrently with the worker's
+        constructor; waits on nothing. Reads the DYN_KVBM_* settings (ConfigError names a bad
+        variable), creates this rank's GPU-tier publisher and event sink, and, when enabled,
+        the in-process consolidator that receives every tier change."""
+        super().__init__(llm_args)
+        self._env = _llm_args.env_of(llm_args)
+        self._par = _llm_args.parallel_of(llm_args)
+        self._block_size = _llm_args.block_size_of(llm_args)
+        self._group = _llm_args.group_of(llm_args, self._env)
+        self._tier_settings = load_tier_settings(self._env)
+        self._dp_rank = self._par.dp_rank
+        self._host: TierIndex | None = None
+        self._disk: TierIndex | None = None
+        self._layout: TierLayout | None = None
+        self._disk_dir: str | None = None
+        self._own_disk_dir = False
+        self._reqs: dict[int, _Request] = {}
+        self._ops: dict[int, _Op] = {}
+        self._next_op = 1
+        self._iteration = 0
+        self._pending_loads: list[LoadOp] = []
+        self._pending_demotes: list[DemoteOp] = []
+        self._closed = False
+        self._receiver: ZmqReportReceiver | None = None
+        self.consolidator: Any = None
+        self.event_sink: Any = None
+        self._tier_events: Any = None
+        self._stats = dict.fromkeys((
+            "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
+            "saves_committed", "saves_failed", "demotes_scheduled", "demotes_committed",
+            "demotes_failed", "loads_failed", "corrupt_blocks", "stale_disk_blocks",
+            "tier_full_skips", "host_evictions", "disk_evictions"), 0)
+
+        config = load_consolidator_config(self._env, num_ranks=1)
+        enabled = config.enabled and should_enable_consolidator(llm_args, self._env)
+        from kvbm_plugin.event_sink import KvEventSink
+        from kvbm_plugin.publisher import NullEventPublisher, create_publisher
+
+        self._hub = open_hub(self._group)
+        try:
+            if config.gpu_events is not None:
+                publisher = create_publisher(config.publisher,
+                                             config.publish_endpoint(self._dp_rank),
+                                             config.replay_endpoint(self._dp_rank),
+                                             self._dp_rank)
+            else:
+                publisher = NullEventPublisher(config.publisher)
+            self.event_sink = KvEventSink(publisher, block_size=self._block_size,
+                                          window_size=config.publisher.window_size,
+                                          data_parallel_rank=self._dp_rank)
+            self._tier_events = getattr(llm_args, "kvbm_plugin_tier_events", None)
+            if enabled:
+                from kvbm_plugin.consolidator import KvEventConsolidator
+
+                self.consolidator = KvEventConsolidator(config)
+                self.consolidator.start()
+                if self._tier_events is None:
+                    self._tier_events = self.consolidator
+            elif self._tier_events is None:
+                self._tier_events = TierEventPublisher(publisher, self._block_size,
+                                                       self._dp_rank)
+            if self._par.tp_size > 1 and not _llm_args.in_process(llm_args):
+                self._receiver = ZmqReportReceiver(self._hub,
+                                                   f"tcp://*:{_llm_args.leader_port(self._env)}")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ tiers
+
+    def _ensure_tiers(self) -> TierLayout:
+        """Size the tier indexes on first use (rank 0's worker has registered the pool by then:
+        TRT-LLM calls register_kv_caches before the first iteration)."""
+        if self._layout is not None:
+            return self._layout
+        settings = self._tier_settings
+        layout = pool_layout(self._group)
+        bytes_per_block = layout[1] if layout else 0
+        needs_bytes = ((settings.host_enabled and not settings.cpu_num_blocks)
+                       or (settings.disk_enabled and not settings.disk_num_blocks))
+        if needs_bytes and not bytes_per_block:
+            raise ConfigError(f"{CPU_CACHE_GB}/{DISK_CACHE_GB} need the block size in bytes, but "
+                              "no worker registered a KV pool in this process; set "
+                              "DYN_KVBM_*_OVERRIDE_NUM_BLOCKS instead")
+        host_blocks = settings.host_blocks(bytes_per_block) if settings.host_enabled else 0
+        disk_blocks = settings.disk_blocks(bytes_per_block) if settings.disk_enabled else 0
+        if host_blocks:
+            self._host = TierIndex(TIER_HOST, host_blocks)
+        if disk_blocks:
+            self._disk = TierIndex(TIER_DISK, disk_blocks)
+            if settings.disk_cache_dir:
+                self._disk_dir = settings.disk_cache_dir
+            else:
+                self._disk_dir = tempfile.mkdtemp(prefix="kvbm-plugin-disk-")
+                self._own_disk_dir = True
+                atexit.register(shutil.rmtree, self._disk_dir, True)
+        self._layout = TierLayout(host_blocks, disk_blocks, self._disk_dir)
+        return self._layout
+
+    def _lookup(self, key: int) -> tuple[str, TierEntry] | None:
+        if self._host is not None:
+            entry = self._host.lookup(key)
+            if entry is not None:
+                return TIER_HOST, entry
+        if self._disk is not None:
+            entry = self._disk.lookup(key)
+            if entry is not None:
+                if self._disk_intact(entry):
+                    return TIER_DISK, entry
+                self._stats["stale_disk_blocks"] += 1
+                self._drop(self._disk, entry)
+        return None
+
+    def _disk_intact(self, entry: TierEntry) -> bool:
+        """Every rank's file still has the size and mtime it had when written: one stat() per
+        rank, no data read (a rewritten, truncated or deleted file fails it; bit rot is caught
+        by the workers' checksum)."""
+        assert self._disk_dir is not None
+        for rank in range(self._par.tp_size):
+            expected = entry.signatures.get(rank)
+            if expected is None:
+                continue  # that rank's worker is on another host; its checksum still guards
+            if stat_signature(block_path(self._disk_dir, rank, entry.slot)) != expected:
+                return False
+        return True
+
+    def _drop(self, index: TierIndex, entry: TierEntry) -> None:
+        """Forget a resident block and register its REMOVE."""
+        index.discard(entry.key)
+        self._tier_events.register_remove(_MEDIUM[index.name], self._dp_rank, [entry.event_hash])
+
+    # ------------------------------------------------------------------ TRT-LLM hooks
+
+    def get_num_new_matched_tokens(self, request: Any,
+                                   num_computed_tokens: int) -> tuple[int, bool]:
+        """Called once per new context request on rank 0 during allocation (result broadcast).
+
+        Returns ``(n, True)``: ``n`` tokens of consecutive full blocks after
+        ``num_computed_tokens`` found in host/disk, loaded asynchronously (the request waits out
+        of the batch until every rank's ``get_finished`` returns it). ``(0, False)`` when
+        nothing matches or ``num_computed_tokens`` is not block-aligned. At least one prompt
+        token is always left to compute. Matched blocks are pinned until loaded.
+        """
+        self._apply_reports()
+        self._stats["match_calls"] += 1
+        req_id = int(request.request_id)
+        old = self._reqs.get(req_id)
+        if old is not None:
+            self._release_plan(old)
+        if getattr(request, "is_generation_only_request", False):
+            return 0, False
+        tokens = list(request.get_tokens(0))
+        salt = getattr(request, "cache_salt", None) or getattr(request, "py_cache_salt", None)
+        state = _Request(req_id, salt=salt)
+        self._reqs[req_id] = state
+        bs = self._block_size
+        if num_computed_tokens < 0 or num_computed_tokens % bs:
+            return 0, False
+        layout = self._ensure_tiers()
+        if not (layout.host_blocks or layout.disk_blocks):
+            return 0, False
+        first = num_computed_tokens // bs
+        last = (len(tokens) - 1) // bs  # full blocks that still leave one token to compute
+        keys: list[int] = []
+        parent = None
+        for i in range(last):
+            parent = chain_key(parent, tokens[i * bs:(i + 1) * bs], salt)
+            keys.append(parent)
+        for i in range(first, last):
+            hit = self._lookup(keys[i])
+            if hit is None:
+                break
+            tier, entry = hit
+            (self._host if tier == TIER_HOST else self._disk).pin(entry)  # type: ignore[union-attr]
+            state.plan.append((i, tier, entry))
+        n = len(state.plan) * bs
+        if n == 0:
+            return 0, False
+        state.match_base = num_computed_tokens + n
+        for _, tier, _ in state.plan:
+            self._stats["matched_host_tokens" if tier == TIER_HOST else "matched_disk_tokens"] += bs
+        return n, True
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        """Called on rank 0 right after allocation with the request's device block ids. Binds
+        each matched tier block to its device block; the load goes into the next metadata."""
+        state = self._reqs.get(int(request.request_id))
+        if state is None or not state.plan:
+            return
+        copies: list[LoadCopy] = []
+        for index, tier, entry in state.plan:
+            if index >= len(block_ids) or block_ids[index] < 0:
+                # TRT-LLM did not allocate it: cannot load; unpin (the request still gets a
+                # LoadOp so its id finishes).
+                (self._host if tier == TIER_HOST else self._disk).unpin(entry)  # type: ignore[union-attr]
+                continue
+            op_id = self._new_op("load", tier, entry.key, state.req_id)
+            state.loads_inflight.add(op_id)
+            copies.append(LoadCopy(op_id, HOST if tier == TIER_HOST else DISK, entry.slot,
+                                   entry.key, int(block_ids[index])))
+        state.load = LoadOp(state.req_id, tuple(copies))
+        self._pending_loads.append(state.load)
+
+    def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
+        """Called once per iteration on rank 0 after allocation. Applies completion reports,
+        flushes the iteration's GPU-tier events, and returns the loads bound since the last call
+        plus offloads (device block → tier slot) for every block that became full this
+        iteration and is in no tier yet. Walks ``new_requests`` and ``cached_requests``."""
+        self._apply_reports()
+        layout = self._ensure_tiers()
+        self._iteration += 1
+        saves: list[SaveOp] = []
+        first_tier = self._host if self._host is not None else self._disk
+        for rd in (*scheduler_output.new_requests, *scheduler_output.cached_requests):
+            state = self._reqs.get(rd.request_id)
+            if state is None:
+                state = self._reqs[rd.request_id] = _Request(
+                    rd.request_id, salt=getattr(rd, "cache_salt", None))
+            self._absorb(state, rd)
+            if first_tier is not None and not state.finished:
+                self._schedule_saves(state, first_tier, saves)
+        if self.event_sink is not None:
+            self.event_sink.flush()
+        flush = getattr(self._tier_events, "flush", None)
+        if flush is not None:
+            flush()
+        meta = ConnectorMetadata(self._iteration, layout, tuple(self._pending_loads),
+                                 tuple(self._pending_demotes), tuple(saves))
+        self._pending_loads = []
+        self._pending_demotes = []
+        return meta
+
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        """Called once on rank 0 when a request terminates (finished or aborted), result
+        broadcast. True while offloads that read its device blocks are not yet reported by
+        every rank: TRT-LLM then keeps the blocks until every worker's ``get_finished`` returns
+        the id (workers count failed copies as finished)."""
+        self._apply_reports()
+        state = self._reqs.get(int(request.request_id))
+        if state is None:
+            return False
+        state.finished = True
+        if state.saves_inflight:
+            return True
+        self._forget(state)
+        return False
+
+    # ------------------------------------------------------------------ internals
+
+    def _absorb(self, state: _Request, rd: Any) -> None:
+        """Fold one RequestData delta into the request's state."""
+        state.tokens.extend(rd.new_tokens)
+        state.block_ids.extend(rd.new_block_ids)
+        hashes = getattr(rd, "block_hashes", None)
+        if hashes:
+            state.event_hashes = list(hashes)  # cumulative chain for the full blocks
+        valid = rd.computed_position + rd.num_scheduled_tokens
+        if not state.reported and state.match_base is not None:
+            # The first report subtracts connector-loaded tokens from computed_position.
+            valid = max(valid, state.match_base + rd.num_scheduled_tokens)
+        state.reported = True
+        state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
+        bs = self._block_size
+        full = len(state.tokens) // bs
+        if len(state.keys) < full:
+            parent = state.keys[-1] if state.keys else None
+            for i in range(len(state.keys), full):
+                parent = chain_key(parent, state.tokens[i * bs:(i + 1) * bs], state.salt)
+                state.keys.append(parent)
+
+    def _event_hash(self, state: _Request, index: int) -> int:
+        if index < len(state.event_hashes):
+            return int(state.event_hashes[index])
+        return state.keys[index]
+
+    def _schedule_saves(self, state: _Request, index: TierIndex, saves: list[SaveOp]) -> None:
+        bs = self._block_size
+        limit = min(state.valid_tokens // bs, len(state.block_ids), len(state.keys))
+        while state.offload_next < limit:
+            i = state.offload_next
+            key = state.keys[i]
+            if self._present(key):
+                state.offload_next += 1
+                continue
+            block = state.block_ids[i]
+            if block < 0:
+                state.offload_next += 1
+                continue
+            parent = self._event_hash(state, i - 1) if i else None
+            entry = self._reserve(index, key, self._event_hash(state, i), parent,
+                                  state.tokens[i * bs:(i + 1) * bs])
+            if entry is None:
+                self._stats["tier_full_skips"] += 1
+                return  # retry from this block next iteration
+            op_id = self._new_op("save", index.name, key, state.req_id)
+            state.saves_inflight.add(op_id)
+            saves.append(SaveOp(op_id, state.req_id, int(block),
+                                HOST if index.name == TIER_HOST else DISK, entry.slot, key))
+            self._stats["saves_scheduled"] += 1
+            state.offload_next += 1
+
+    def _present(self, key: int) -> bool:
+        for index in (self._host, self._disk):
+            if index is not None and index.get(key) is not None:
+                if index.get(key).resident:  # type: ignore[union-attr]
+                    index.lookup(key)  # refresh LRU: the prefix is in use again
+                return True
+        return False
+
+    def _reserve(self, index: TierIndex, key: int, event_hash: int, parent: int | None,
+                 tokens: Sequence[int]) -> TierEntry | None:
+        """A pending slot in ``index``; an evicted host block is demoted to disk."""
+        try:
+            entry, evicted = index.reserve(key, event_hash, parent, tokens)
+        except TierFullError:
+            return None
+        if evicted is not None:
+            self._stats["host_evictions" if index.name == TIER_HOST else "disk_evictions"] += 1
+            # REMOVE before the metadata that reuses the slot leaves this method's caller.
+            self._tier_events.register_remove(_MEDIUM[index.name], self._dp_rank,
+                                              [evicted.event_hash])
+            if index.name == TIER_HOST and self._disk is not None \
+                    and self._disk.get(evicted.key) is None:
+                target = self._reserve(self._disk, evicted.key, evicted.event_hash,
+                                       evicted.parent_event_hash, evicted.token_ids)
+                if target is not None:
+                    op_id = self._new_op("demote", TIER_DISK, evicted.key, None)
+                    self._pending_demotes.append(DemoteOp(op_id, evicted.slot, target.slot,
+                                                          evicted.key))
+                    self._stats["demotes_scheduled"] += 1
+        return entry
+
+    def _new_op(self, kind: str, tier: str, key: int, req_id: int | None) -> int:
+        op_id = self._next_op
+        self._next_op += 1
+        self._ops[op_id] = _Op(kind, tier, key, req_id)
+        return op_id
+
+    def _apply_reports(self) -> None:
+        """Fold workers' reports in; an op is final once every rank reported it."""
+        final: list[tuple[int, _Op]] = []
+        for report in self._hub.drain():
+            op = self._ops.get(report.op_id)
+            if op is None:
+                continue
+            op.reports[report.rank] = report
+            if len(op.reports) >= self._par.tp_size:
+                del self._ops[report.op_id]
+                final.append((report.op_id, op))
+        # Op ids grow along each chain, so parents are registered before children.
+        for op_id, op in sorted(final, key=lambda item: item[0]):
+            self._finalize(op_id, op)
+
+    def _finalize(self, op_id: int, op: _Op) -> None:
+        ok = all(r.ok for r in op.reports.values())
+        index = self._host if op.tier == TIER_HOST else self._disk
+        state = self._reqs.get(op.req_id) if op.req_id is not None else None
+        if op.kind in ("save", "demote"):
+            kind = op.kind + "s"
+            if index is not None and index.get(op.key) is not None:
+                if ok:
+                    signatures = {r.rank: r.signature for r in op.reports.values()
+                                  if r.signature is not None}
+                    entry = index.commit(op.key, signatures)
+                    self._tier_events.register_store(
+                        _MEDIUM[index.name], self._dp_rank, entry.event_hash,
+                        entry.parent_event_hash, entry.token_ids, self._block_size)
+                else:
+                    index.discard(op.key)  # never advertised: no REMOVE either
+            self._stats[f"{kind}_committed" if ok else f"{kind}_failed"] += 1
+            if state is not None:
+                state.saves_inflight.discard(op_id)
+        else:  # load: unpin; a corrupt source block is forgotten
+            entry = index.get(op.key) if index is not None else None
+            if entry is not None and entry.pins > 0:
+                index.unpin(entry)  # type: ignore[union-attr]
+            if not ok:
+                self._stats["loads_failed"] += 1
+                if any(r.error == ERR_CORRUPT for r in op.reports.values()):
+                    self._stats["corrupt_blocks"] += 1
+                    if entry is not None and index is not None:
+                        self._drop(index, entry)
+            if state is not None:
+                state.loads_inflight.discard(op_id)
+        if state is not None and state.finished and not state.saves_inflight \
+                and not state.loads_inflight:
+            self._forget(state)
+
+    def _release_plan(self, state: _Request) -> None:
+        if state.load is None:
+            for _, tier, entry in state.plan:
+                index = self._host if tier == TIER_HOST else self._disk
+                if index is not None and entry.pins > 0:
+                    index.unpin(entry)
+        state.plan = []
+
+    def _forget(self, state: _Request) -> None:
+        self._release_plan(state)
+        if not state.loads_inflight:
+            self._reqs.pop(state.req_id, None)
+
+    # ------------------------------------------------------------------ introspection
+
+    def resident_hashes(self, tier: str) -> set[int]:
+        """Event hashes resident (advertised) in ``tier`` ("host"/"disk"); tests and demo."""
+        index = self._host if tier == TIER_HOST else self._disk
+        return {e.event_hash for e in index.resident_entries()} if index is not None else set()
+
+    def stats(self) -> dict[str, int]:
+        out = dict(self._stats)
+        out["ops_inflight"] = len(self._ops)
+        out["host_used"] = len(self._host) if self._host is not None else 0
+        out["disk_used"] = len(self._disk) if self._disk is not None else 0
+        return out
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the report receiver, the sink (its publisher) and the consolidator; remove an
+        owned temporary disk directory. Bounded by ``timeout`` per component; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._receiver is not None:
+            self._receiver.close(timeout)
+        if self.event_sink is not None:
+            flush = getattr(self._tier_events, "flush", None)
+            if flush is not None:
+                flush()
+            self.event_sink.flush()
+        elif self._tier_events is not None and hasattr(self._tier_events, "flush"):
+            self._tier_events.flush()
+        if self.consolidator is not None:
+            self.consolidator.shutdown(timeout)
+        if self.event_sink is not None:
+            self.event_sink.shutdown(timeout)
+        close_hub(self._group)
+        if self._own_disk_dir and self._disk_dir and os.path.isdir(self._disk_dir):
+            shutil.rmtree(self._disk_dir, ignore_errors=True)

@@ -1,9 +1,595 @@
-"""KvbmConnectorWorker: TensorRT-LLM's connector worker side (filled by the connector issue)."""
+"""KvbmConnectorWorker: TensorRT-LLM's connector worker; one per rank, moves the bytes.
+
+Every method below is called by TensorRT-LLM's ``KvCacheConnectorManager`` on the rank's
+executor (event-loop) thread, in this order per iteration:
+
+* ``bind_connector_meta(meta)``: the leader's :class:`~kvbm_plugin.connector_meta.ConnectorMetadata`
+  for this iteration (same object on every rank).
+* ``start_load_kv(stream)``: enqueue onboarding (host → device, disk → host staging → device).
+* ``wait_for_layer_load`` / ``save_kv_layer`` per decoder layer (forward hooks, enqueue time).
+* the forward-pass callable (end of the forward, on the forward stream): record an event and
+  enqueue this iteration's offloads behind it.
+* ``wait_for_save(stream)``: nothing to wait for; saves are asynchronous and tracked per request.
+* ``get_finished(saving_ids, loading_ids)``: requests whose transfers reached a terminal state.
+
+The executor thread only records CUDA events and enqueues jobs. A transfer thread issues the
+copies (whole blocks, contiguous runs coalesced into one copy, on a side stream that waits on the
+forward's event) and polls their events; a disk thread reads, verifies and writes block files.
+Neither ever makes the executor thread wait. Every op reaches a terminal state (done, failed, or
+timed out after ``OP_TIMEOUT_S``) and is reported once to the leader (see connector_meta), and
+every request id passed to ``get_finished`` is eventually returned.
+"""
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvbm_plugin import _llm_args
 from kvbm_plugin._trtllm_compat import KvCacheConnectorWorker
+from kvbm_plugin.connector_meta import (
+    DISK,
+    ERR_CORRUPT,
+    ERR_FAILED,
+    ERR_NONE,
+    HOST,
+    ConnectorMetadata,
+    DemoteOp,
+    LoadCopy,
+    LoadOp,
+    OpReport,
+    SaveOp,
+    TierLayout,
+    ZmqReportSender,
+    find_hub,
+    publish_pool_layout,
+)
+from kvbm_plugin.consolidator_config import load_tier_settings
+from kvbm_plugin.registry import TIERS_GROUP, get_plugin
+from kvbm_plugin.tiers.base import OffloadTier, TierSpec
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+OP_TIMEOUT_S = 60.0  # an op whose copy has not completed by then is failed (GPU hang, etc.)
+LOAD_ORPHAN_TIMEOUT_S = 120.0  # a loading id with no LoadOp seen is returned after this
+
+
+def _runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """Coalesce (src, dst) index pairs into runs ``(src0, dst0, n)`` where both advance by 1."""
+    runs: list[tuple[int, int, int]] = []
+    for src, dst in sorted(pairs, key=lambda p: p[1]):
+        if runs:
+            s0, d0, n = runs[-1]
+            if src == s0 + n and dst == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((src, dst, 1))
+    return runs
 
 
 class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-type]
-    """Worker-side connector; runs on every rank."""
+    """Worker-side connector; runs on every rank, holds this rank's head shard of each block."""
+
+    def __init__(self, llm_args: Any) -> None:
+        """Called once per rank on a thread-pool thread, concurrently with the leader's
+        constructor on rank 0. Reads settings only; allocates nothing until
+        ``register_kv_caches``; never waits on the leader."""
+        super().__init__(llm_args)
+        self._env = _llm_args.env_of(llm_args)
+        self._par = _llm_args.parallel_of(llm_args)
+        self._rank = self._par.rank
+        self._group = _llm_args.group_of(llm_args, self._env)
+        self._tier_settings = load_tier_settings(self._env)
+        self._block_size = _llm_args.block_size_of(llm_args)
+        self._pool: torch.Tensor | None = None
+        self._cuda = False
+        self._host: OffloadTier | None = None
+        self._disk: OffloadTier | None = None
+        self._layout: TierLayout | None = None
+        self._side_stream: Any = None
+        self._disk_stream: Any = None
+        self._disk_staging: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        # Per request, under _lock: saves not yet terminal, loads not yet terminal.
+        self._save_inflight: dict[int, int] = {}
+        self._load_inflight: dict[int, int] = {}
+        self._loads_done: set[int] = set()
+        self._save_waiting: set[int] = set()  # ids passed in finished_gen_req_ids
+        self._load_waiting: dict[int, float] = {}  # ids passed in started_loading_req_ids
+        self._pending_save_meta: ConnectorMetadata | None = None  # bound, saves not enqueued
+        self._reporter: Any = None
+        self._report_warned = False
+        self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._disk_jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+        self._stats = {"bytes_offloaded": 0, "bytes_onboarded": 0, "bytes_demoted": 0,
+                       "blocks_offloaded": 0, "blocks_onboarded": 0, "blocks_demoted": 0,
+                       "ops_failed": 0, "corrupt_blocks": 0, "copies_issued": 0}
+        self._block_bytes = 0
+
+    # ------------------------------------------------------------------ bring-up
+
+    def register_forward_pass_callable(self) -> Callable[[], None]:
+        """Called once after construction; TRT-LLM invokes the callable at the end of every
+        forward pass, on the forward stream. It records an event there and enqueues the
+        iteration's offloads behind it (no host sync)."""
+        return self._on_forward_done
+
+    def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
+        """Called once per rank on the main thread before the first iteration with the device
+        pool ``[num_blocks, num_layers, kv_factor, tokens_per_block * heads * head_dim]``
+        (this rank's heads). Allocates the host pool to match and starts the transfer threads."""
+        import torch
+
+        if kv_cache_tensor.dim() != 4:
+            raise ValueError(f"{type(self).__name__}.register_kv_caches: expected a 4-D pool "
+                             "[blocks, layers, kv_factor, block elements], got shape "
+                             f"{tuple(kv_cache_tensor.shape)}")
+        if not kv_cache_tensor.is_contiguous():
+            raise ValueError(f"{type(self).__name__}.register_kv_caches: the pool must be "
+                             "contiguous")
+        self._pool = kv_cache_tensor
+        self._cuda = kv_cache_tensor.is_cuda
+        block_shape = tuple(kv_cache_tensor.shape[1:])
+        self._block_bytes = kv_cache_tensor[0].numel() * kv_cache_tensor.element_size()
+        if self._rank == 0:
+            publish_pool_layout(self._group, kv_cache_tensor.shape[0], self._block_bytes)
+        settings = self._tier_settings
+        if settings.host_enabled:
+            spec = TierSpec(settings.host_blocks(self._block_bytes), block_shape,
+                            kv_cache_tensor.dtype, self._rank, pin_memory=self._cuda)
+            self._host = get_plugin(TIERS_GROUP, "host")(spec)
+        if self._cuda:
+            self._side_stream = torch.cuda.Stream(device=kv_cache_tensor.device)
+            self._disk_stream = torch.cuda.Stream(device=kv_cache_tensor.device)
+        self._disk_staging = torch.empty(block_shape, dtype=kv_cache_tensor.dtype,
+                                         pin_memory=self._cuda)
+        for target, name in ((self._transfer_loop, "kvbm-transfer"),
+                             (self._disk_loop, "kvbm-disk")):
+            thread = threading.Thread(target=target, name=f"{name}-r{self._rank}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    # ------------------------------------------------------------------ per iteration
+
+    def bind_connector_meta(self, metadata: object) -> None:
+        """Called every iteration on every rank with the leader's broadcast metadata, before
+        ``start_load_kv``. Records per-request in-flight counts so ``get_finished`` can answer."""
+        if self._pending_save_meta is not None:
+            # The previous iteration had no forward pass (or no hook fired): its offloads still
+            # go out, ahead of this iteration's.
+            self._enqueue_saves(None)
+        super().bind_connector_meta(metadata)
+        if not isinstance(metadata, ConnectorMetadata):
+            return
+        self._apply_layout(metadata.layout)
+        with self._lock:
+            for op in metadata.saves:
+                self._save_inflight[op.req_id] = self._save_inflight.get(op.req_id, 0) + 1
+            for load in metadata.loads:
+                if load.copies:
+                    self._load_inflight[load.req_id] = len(load.copies)
+                else:
+                    self._loads_done.add(load.req_id)
+        if metadata.saves or metadata.demotes:
+            self._pending_save_meta = metadata
+
+    def start_load_kv(self, stream: Any) -> None:
+        """Called every iteration on every rank after ``bind_connector_meta``, before the forward
+        pass. Enqueues this iteration's onboarding; the requests are async-loading (TRT-LLM keeps
+        them out of the batch until ``get_finished`` returns them), so nothing waits here."""
+        meta = self.get_connector_meta()
+        if isinstance(meta, ConnectorMetadata) and meta.loads:
+            self._jobs.put(("load", meta.loads))
+
+    def wait_for_layer_load(self, layer_idx: int, stream: Any) -> None:
+        """Called before each decoder layer is enqueued. Loads are asynchronous (whole
+        requests), so no layer ever waits."""
+        return None
+
+    def save_kv_layer(self, layer_idx: int, stream: Any) -> None:
+        """Called after each decoder layer is enqueued. On the last layer, enqueues the
+        iteration's offloads behind an event on ``stream``, in case the engine does not call
+        the forward-pass callable (it is idempotent per iteration)."""
+        if self._pool is not None and layer_idx == self._pool.shape[1] - 1:
+            self._enqueue_saves(stream)
+
+    def wait_for_save(self, stream: Any) -> None:
+        """Called at the end of the forward pass. Saves are asynchronous; this only makes sure
+        they were enqueued (no host sync)."""
+        self._enqueue_saves(stream)
+
+    def get_finished(self, finished_gen_req_ids: list[int],
+                     started_loading_req_ids: list[int]) -> tuple[list[int], list[int]]:
+        """Called every iteration on every rank. Returns (ids whose offloads are all terminal,
+        ids whose onboarding is terminal); an id only after it was passed in, each once. A failed
+        transfer counts as terminal. TRT-LLM acts on an id once every rank returned it."""
+        now = time.monotonic()
+        with self._lock:
+            self._save_waiting.update(finished_gen_req_ids)
+            for req_id in started_loading_req_ids:
+                self._load_waiting.setdefault(req_id, now)
+            saved = [r for r in self._save_waiting if self._save_inflight.get(r, 0) == 0]
+            self._save_waiting.difference_update(saved)
+            loaded: list[int] = []
+            for req_id, since in list(self._load_waiting.items()):
+                if req_id in self._loads_done:
+                    self._loads_done.discard(req_id)
+                    loaded.append(req_id)
+                elif (req_id not in self._load_inflight
+                      and now - since > LOAD_ORPHAN_TIMEOUT_S):
+                    logger.error("rank %d: request %d was marked loading but no load op arrived "
+                                 "in %.0f s; returning it so the ranks do not hang",
+                                 self._rank, req_id, LOAD_ORPHAN_TIMEOUT_S)
+                    loaded.append(req_id)
+            for req_id in loaded:
+                del self._load_waiting[req_id]
+        return sorted(saved), sorted(loaded)
+
+    # ------------------------------------------------------------------ helpers (executor)
+
+    def _on_forward_done(self) -> None:
+        import torch
+
+        self._enqueue_saves(torch.cuda.current_stream() if self._cuda else None)
+
+    def _enqueue_saves(self, stream: Any) -> None:
+        meta = self._pending_save_meta
+        if meta is None:
+            return
+        self._pending_save_meta = None
+        event = None
+        if self._cuda:
+            import torch
+
+            event = torch.cuda.Event()
+            event.record(stream if stream is not None else torch.cuda.current_stream())
+        self._jobs.put(("save", meta, event))
+
+    def _apply_layout(self, layout: TierLayout) -> None:
+        if layout == self._layout:
+            return
+        self._layout = layout
+        host_capacity = 0 if self._host is None else self._host.capacity
+        if layout.host_blocks != host_capacity:
+            logger.error("rank %d: leader sized the host tier at %d blocks, this rank has %d; "
+                         "ops outside this rank's pool will fail", self._rank,
+                         layout.host_blocks, host_capacity)
+        if layout.disk_blocks and self._disk is None and self._pool is not None:
+            spec = TierSpec(layout.disk_blocks, tuple(self._pool.shape[1:]), self._pool.dtype,
+                            self._rank, directory=layout.disk_dir)
+            self._disk = get_plugin(TIERS_GROUP, "disk")(spec)
+
+    # ------------------------------------------------------------------ completion
+
+    def _report(self, op_id: int, ok: bool, error: int = ERR_NONE,
+                signature: tuple[int, int] | None = None) -> None:
+        """Tell the leader op ``op_id`` is terminal on this rank (transfer/disk threads)."""
+        if not ok:
+            with self._lock:
+                self._stats["ops_failed"] += 1
+        report = OpReport(op_id, self._rank, ok, error, signature)
+        if self._reporter is None:
+            hub = find_hub(self._group)
+            if hub is not None:
+                self._reporter = hub
+            elif self._par.tp_size > 1:
+                env = self._env
+                self._reporter = ZmqReportSender(
+                    f"tcp://{_llm_args.leader_host(env)}:{_llm_args.leader_port(env)}")
+            else:
+                if not self._report_warned:
+                    logger.error("rank %d: no leader found for group %r; tier blocks written by "
+                                 "this worker will not be advertised", self._rank, self._group)
+                    self._report_warned = True
+                return
+        try:
+            self._reporter.put(report)
+        except Exception:
+            logger.exception("rank %d: could not report op %d", self._rank, op_id)
+
+    def _save_terminal(self, req_id: int) -> None:
+        with self._lock:
+            left = self._save_inflight.get(req_id, 0) - 1
+            if left > 0:
+                self._save_inflight[req_id] = left
+            else:
+                self._save_inflight.pop(req_id, None)
+
+    def _load_terminal(self, req_id: int) -> None:
+        with self._lock:
+            left = self._load_inflight.get(req_id, 0) - 1
+            if left > 0:
+                self._load_inflight[req_id] = left
+            else:
+                self._load_inflight.pop(req_id, None)
+                self._loads_done.add(req_id)
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._stats[name] += delta
+
+    # ------------------------------------------------------------------ transfer thread
+
+    def _transfer_loop(self) -> None:
+        """Owns the side stream: issues batched copies and completes them when their event
+        fires. Job order = metadata order, so a demotion reads a host slot before a later save
+        of the same or a later iteration overwrites it."""
+        pending: list[tuple[Any, float, Callable[[bool], None]]] = []
+        while True:
+            try:
+                job = self._jobs.get(timeout=0.0005 if pending else 0.05)
+            except queue.Empty:
+                job = None
+            if job is not None:
+                if job[0] == "stop":
+                    break
+                try:
+                    if job[0] == "load":
+                        self._run_loads(job[1], pending)
+                    elif job[0] == "save":
+                        self._run_saves(job[1], job[2], pending)
+                except Exception:  # never lose the thread; the job's ops were failed inside
+                    logger.exception("rank %d: transfer job failed", self._rank)
+            now = time.monotonic()
+            still: list[tuple[Any, float, Callable[[bool], None]]] = []
+            for event, deadline, done in pending:
+                if event.query():
+                    done(True)
+                elif now > deadline:
+                    logger.error("rank %d: a copy did not complete in %.0f s; failing its ops",
+                                 self._rank, OP_TIMEOUT_S)
+                    done(False)
+                else:
+                    still.append((event, deadline, done))
+            pending = still
+        for _, _, done in pending:
+            done(False)
+
+    def _issue(self, copies: Sequence[tuple[Any, Any]], wait_event: Any,
+               pending: list[Any], done: Callable[[bool], None]) -> None:
+        """Copy each (dst, src) pair; on CUDA on the side stream behind ``wait_event``, with
+        ``done`` called from the poll loop when the recorded event fires."""
+        if not self._cuda:
+            for dst, src in copies:
+                dst.copy_(src)
+            done(True)
+            return
+        import torch
+
+        with torch.cuda.stream(self._side_stream):
+            if wait_event is not None:
+                self._side_stream.wait_event(wait_event)
+            for dst, src in copies:
+                dst.copy_(src, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._side_stream)
+        pending.append((event, time.monotonic() + OP_TIMEOUT_S, done))
+
+    def _run_loads(self, loads: Sequence[LoadOp], pending: list[Any]) -> None:
+        assert self._pool is not None
+        host_copies: list[tuple[LoadCopy, int]] = []
+        for load in loads:
+            for copy in load.copies:
+                if copy.tier == HOST and self._host is not None \
+                        and 0 <= copy.slot < self._host.capacity:
+                    host_copies.append((copy, load.req_id))
+                elif copy.tier == DISK and self._disk is not None:
+                    self._disk_jobs.put(("load", copy, load.req_id))
+                else:
+                    self._report(copy.op_id, False, ERR_FAILED)
+                    self._load_terminal(load.req_id)
+        if not host_copies:
+            return
+        host = self._host
+        pool = self._pool
+        assert host is not None
+        pairs = [(c.slot, c.device_block) for c, _ in host_copies]
+        copies = [(pool[d:d + n], host.pool[s:s + n]) for s, d, n in _runs(pairs)]  # type: ignore[attr-defined]
+        keys_ok = {c.op_id: host.keys[c.slot] == c.key for c, _ in host_copies}  # type: ignore[attr-defined]
+
+        def done(ok: bool) -> None:
+            moved = 0
+            for copy, req_id in host_copies:
+                good = ok and keys_ok[copy.op_id]
+                moved += good
+                self._report(copy.op_id, good, ERR_NONE if good else ERR_FAILED)
+                self._load_terminal(req_id)
+            self._count(bytes_onboarded=moved * self._block_bytes, blocks_onboarded=moved,
+                        copies_issued=len(copies))
+
+        self._issue(copies, None, pending, done)
+
+    def _run_saves(self, meta: ConnectorMetadata, fwd_event: Any, pending: list[Any]) -> None:
+        assert self._pool is not None
+        pool = self._pool
+        # 1. Demotions: copy the host slot out *now*, before this job's saves reuse it.
+        for op in meta.demotes:
+            self._demote(op)
+        # 2. Saves into the host pool, batched; saves straight to disk via a CPU copy.
+        host_ops: list[SaveOp] = []
+        for op in meta.saves:
+            if op.tier == HOST and self._host is not None and 0 <= op.slot < self._host.capacity:
+                host_ops.append(op)
+            elif op.tier == DISK and self._disk is not None:
+                self._save_to_disk(op, fwd_event)
+            else:
+                self._report(op.op_id, False, ERR_FAILED)
+                self._save_terminal(op.req_id)
+        if not host_ops:
+            return
+        host = self._host
+        assert host is not None
+        copies = [(host.pool[s:s + n], pool[d:d + n])  # type: ignore[attr-defined]
+                  for d, s, n in _runs((o.device_block, o.slot) for o in host_ops)]
+
+        def done(ok: bool) -> None:
+            for op in host_ops:
+                host.keys[op.slot] = op.key if ok else None  # type: ignore[attr-defined]
+                self._report(op.op_id, ok, ERR_NONE if ok else ERR_FAILED)
+                self._save_terminal(op.req_id)
+            if ok:
+                self._count(bytes_offloaded=len(host_ops) * self._block_bytes,
+                            blocks_offloaded=len(host_ops))
+            self._count(copies_issued=len(copies))
+
+        self._issue(copies, fwd_event, pending, done)
+
+    def _demote(self, op: DemoteOp) -> None:
+        import torch
+
+        host, disk = self._host, self._disk
+        if host is None or disk is None or not 0 <= op.host_slot < host.capacity:
+            self._report(op.op_id, False, ERR_FAILED)
+            return
+        staging = torch.empty(host.spec.block_shape, dtype=host.spec.dtype)
+        if not host.read(op.host_slot, op.key, staging):
+            self._report(op.op_id, False, ERR_FAILED)
+            return
+        self._disk_jobs.put(("write", op.op_id, None, op.disk_slot, op.key, staging, True))
+
+    def _save_to_disk(self, op: SaveOp, fwd_event: Any) -> None:
+        """No host tier: device block → CPU copy (background sync is fine here) → disk."""
+        assert self._pool is not None
+        try:
+            if self._cuda:
+                import torch
+
+                with torch.cuda.stream(self._side_stream):
+                    if fwd_event is not None:
+                        self._side_stream.wait_event(fwd_event)
+                    staging = self._pool[op.device_block].to("cpu", non_blocking=False)
+            else:
+                staging = self._pool[op.device_block].clone()
+        except Exception:
+            logger.exception("rank %d: device → staging copy failed", self._rank)
+            self._report(op.op_id, False, ERR_FAILED)
+            self._save_terminal(op.req_id)
+            return
+        self._disk_jobs.put(("write", op.op_id, op.req_id, op.slot, op.key, staging, False))
+
+    # ------------------------------------------------------------------ disk thread
+
+    def _disk_loop(self) -> None:
+        """Owns file I/O: atomic block writes and verified reads; never touches the executor
+        thread. A disk→device load goes through one pinned staging buffer on its own stream."""
+        while True:
+            try:
+                job = self._disk_jobs.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if job[0] == "stop":
+                break
+            try:
+                if job[0] == "write":
+                    self._disk_write(*job[1:])
+                elif job[0] == "load":
+                    self._disk_load(job[1], job[2])
+            except Exception:
+                logger.exception("rank %d: disk job failed", self._rank)
+
+    def _disk_write(self, op_id: int, req_id: int | None, slot: int, key: int, block: Any,
+                    demotion: bool) -> None:
+        disk = self._disk
+        ok, signature = False, None
+        if disk is not None and 0 <= slot < disk.capacity:
+            try:
+                result = disk.write(slot, key, block)
+                ok, signature = result.ok, result.signature
+                if not ok:
+                    logger.warning("rank %d: disk write of slot %d failed: %s", self._rank, slot,
+                                   result.error)
+            except Exception:
+                logger.exception("rank %d: disk write of slot %d failed", self._rank, slot)
+        if ok:
+            if demotion:
+                self._count(bytes_demoted=self._block_bytes, blocks_demoted=1)
+            else:
+                self._count(bytes_offloaded=self._block_bytes, blocks_offloaded=1)
+        self._report(op_id, ok, ERR_NONE if ok else ERR_FAILED, signature)
+        if req_id is not None:
+            self._save_terminal(req_id)
+
+    def _disk_load(self, copy: LoadCopy, req_id: int) -> None:
+        disk, pool, staging = self._disk, self._pool, self._disk_staging
+        ok, error = False, ERR_FAILED
+        try:
+            if disk is not None and pool is not None and staging is not None \
+                    and 0 <= copy.slot < disk.capacity:
+                if disk.read(copy.slot, copy.key, staging):
+                    ok = self._staging_to_device(staging, copy.device_block)
+                else:
+                    error = ERR_CORRUPT
+                    self._count(corrupt_blocks=1)
+        except Exception:
+            logger.exception("rank %d: disk load of slot %d failed", self._rank, copy.slot)
+        if ok:
+            self._count(bytes_onboarded=self._block_bytes, blocks_onboarded=1)
+        self._report(copy.op_id, ok, ERR_NONE if ok else error)
+        self._load_terminal(req_id)
+
+    def _staging_to_device(self, staging: Any, device_block: int) -> bool:
+        assert self._pool is not None
+        if not self._cuda:
+            self._pool[device_block].copy_(staging)
+            return True
+        import torch
+
+        with torch.cuda.stream(self._disk_stream):
+            self._pool[device_block].copy_(staging, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(self._disk_stream)
+        deadline = time.monotonic() + OP_TIMEOUT_S
+        # The staging buffer is reused by the next read, so wait (on this thread) for the copy.
+        while not event.query():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.0002)
+        return True
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def stats(self) -> dict[str, int]:
+        """Counters (bytes/blocks moved, failures); any thread."""
+        with self._lock:
+            out = dict(self._stats)
+            out["saves_inflight"] = sum(self._save_inflight.values())
+            out["loads_inflight"] = sum(self._load_inflight.values())
+        return out
+
+    def idle(self) -> bool:
+        """True when no transfer is queued or in flight on this rank (tests, benchmarks)."""
+        with self._lock:
+            busy = bool(self._save_inflight or self._load_inflight)
+        return not busy and self._jobs.empty() and self._disk_jobs.empty() \
+            and self._pending_save_meta is None
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the threads (bounded), fail what is still queued, close tiers; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._pool is not None:
+            self._enqueue_saves(None)
+        self._jobs.put(("stop",))
+        self._disk_jobs.put(("stop",))
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                logger.warning("rank %d: %s did not stop within %.1f s", self._rank, thread.name,
+                               timeout)
+        for tier in (self._host, self._disk):
+            if tier is not None:
+                tier.close()
+        if isinstance(self._reporter, ZmqReportSender):
+            self._reporter.close()

@@ -1,0 +1,83 @@
+"""Reading what the connector needs from TensorRT-LLM's ``llm_args`` (duck-typed, torch-free).
+
+Test hooks (attributes a real ``TorchLlmArgs`` never has, so production reads ``os.environ``
+and the MPI mapping): ``kvbm_plugin_env`` (a mapping used instead of ``os.environ``),
+``kvbm_plugin_group`` (names one engine instance, so several simulated engines can live in one
+process) and ``kvbm_plugin_inprocess`` (every rank's worker lives in this process: completion
+reports need no socket).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvbm_plugin.consolidator_config import (
+    LEADER_ZMQ_HOST,
+    LEADER_ZMQ_PUB_PORT,
+    ConfigError,
+    parse_port,
+)
+
+
+@dataclass(frozen=True)
+class Parallel:
+    rank: int  # this process's global rank
+    tp_size: int  # ranks that hold a shard of every block (all must report an op)
+    dp_rank: int  # attention-DP rank stamped on events (0 without attention DP)
+
+
+def env_of(llm_args: Any) -> Mapping[str, str]:
+    env = getattr(llm_args, "kvbm_plugin_env", None)
+    return os.environ if env is None else env
+
+
+def block_size_of(llm_args: Any) -> int:
+    kv_cache_config = getattr(llm_args, "kv_cache_config", None)
+    tokens = getattr(kv_cache_config, "tokens_per_block", None)
+    if not isinstance(tokens, int) or tokens <= 0:
+        raise ConfigError(f"llm_args.kv_cache_config.tokens_per_block={tokens!r} must be a "
+                          "positive integer")
+    return tokens
+
+
+def parallel_of(llm_args: Any) -> Parallel:
+    """Rank and sizes from ``llm_args.parallel_config.to_mapping()`` (TRT-LLM's Mapping)."""
+    mapping = None
+    parallel_config = getattr(llm_args, "parallel_config", None)
+    if parallel_config is not None and hasattr(parallel_config, "to_mapping"):
+        mapping = parallel_config.to_mapping()
+    if mapping is not None:
+        rank = int(getattr(mapping, "rank", 0))
+        tp = int(getattr(mapping, "tp_size", getattr(mapping, "world_size", 1)))
+        adp = bool(getattr(mapping, "enable_attention_dp", False))
+    else:
+        rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+        tp = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
+        adp = False
+    if tp < 1 or not rank >= 0:
+        raise ConfigError(f"invalid parallel mapping: rank={rank}, tp_size={tp}")
+    return Parallel(rank=rank, tp_size=tp, dp_rank=rank if adp else 0)
+
+
+def group_of(llm_args: Any, env: Mapping[str, str]) -> str:
+    """Names the leader/worker group: the leader port (one leader per port per host)."""
+    group = getattr(llm_args, "kvbm_plugin_group", None)
+    if group:
+        return str(group)
+    return f"port{leader_port(env)}"
+
+
+def leader_port(env: Mapping[str, str]) -> int:
+    value = env.get(LEADER_ZMQ_PUB_PORT) or "56001"
+    return parse_port(LEADER_ZMQ_PUB_PORT, value)
+
+
+def leader_host(env: Mapping[str, str]) -> str:
+    return (env.get(LEADER_ZMQ_HOST) or "127.0.0.1").strip()
+
+
+def in_process(llm_args: Any) -> bool:
+    return bool(getattr(llm_args, "kvbm_plugin_inprocess", False))

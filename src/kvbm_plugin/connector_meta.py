@@ -1,0 +1,259 @@
+"""What the leader tells the workers each iteration, and how workers tell the leader back.
+
+Leader → workers: :class:`ConnectorMetadata`, built by ``KvbmConnectorLeader.build_connector_meta``
+on rank 0, pickled and broadcast by TensorRT-LLM, bound on every rank. It is the *only* way a
+worker learns of tier slots: every rank applies the same ops to the same slots, each on its own
+head shard. It is small: tuples of ints, one per block moved.
+
+Workers → leader: :class:`OpReport` ("op ``op_id`` finished on rank ``r``, ok or failed").
+TensorRT-LLM's connector API has no path from workers back to the scheduler (``get_finished``
+results are intersected by the runtime and never shown to the scheduler), yet the leader may
+advertise a tier block only once its bytes are in the tier on *every* rank. So each op carries
+an id, every rank reports it exactly once, and the leader applies the same rule TensorRT-LLM
+applies to request ids in ``get_finished``: an op is done when all ranks reported it (the
+intersection), and failed if any rank failed it. Reports travel through a
+:class:`CompletionHub`: in-process (rank 0's worker, and every rank of the simulated engine)
+or, for workers in other processes, a ZMQ PUSH → PULL channel to the leader's port.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Final
+
+logger = logging.getLogger(__name__)
+
+# Tier codes in the metadata (ints keep the pickle small).
+HOST: Final = 1
+DISK: Final = 2
+TIER_CODES: Final = {HOST: "host", DISK: "disk"}
+
+# Why an op failed (OpReport.error); CORRUPT makes the leader forget the source block.
+ERR_NONE: Final = 0
+ERR_FAILED: Final = 1
+ERR_CORRUPT: Final = 2
+
+
+@dataclass(frozen=True, slots=True)
+class LoadCopy:
+    """Copy one tier block into one device block (onboarding)."""
+
+    op_id: int
+    tier: int  # HOST or DISK
+    slot: int
+    key: int  # content key the slot must hold (disk files are checked against it)
+    device_block: int
+
+
+@dataclass(frozen=True, slots=True)
+class LoadOp:
+    """All onboarding of one request (``started_loading_req_ids`` in get_finished).
+
+    ``copies`` may be empty: the worker still reports the request, so no id is left waiting.
+    """
+
+    req_id: int
+    copies: tuple[LoadCopy, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveOp:
+    """Copy one device block into a tier slot after this iteration's forward pass."""
+
+    op_id: int
+    req_id: int
+    device_block: int
+    tier: int  # HOST, or DISK when there is no host tier
+    slot: int
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class DemoteOp:
+    """Copy host slot ``host_slot`` to disk slot ``disk_slot`` (a host eviction).
+
+    Workers read the host slot before any save of the same metadata writes it, so the leader may
+    hand the host slot to a new block in the same iteration.
+    """
+
+    op_id: int
+    host_slot: int
+    disk_slot: int
+    key: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierLayout:
+    """Tier sizes every rank must use; identical in every metadata of one leader."""
+
+    host_blocks: int
+    disk_blocks: int
+    disk_dir: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorMetadata:
+    """One iteration's instructions for every worker (picklable, broadcast by TRT-LLM)."""
+
+    iteration: int
+    layout: TierLayout
+    loads: tuple[LoadOp, ...] = ()
+    demotes: tuple[DemoteOp, ...] = ()  # executed before ``saves`` on every rank
+    saves: tuple[SaveOp, ...] = ()
+
+    def is_empty(self) -> bool:
+        return not (self.loads or self.demotes or self.saves)
+
+
+@dataclass(frozen=True, slots=True)
+class OpReport:
+    """Op ``op_id`` reached a terminal state on rank ``rank``."""
+
+    op_id: int
+    rank: int
+    ok: bool
+    error: int = ERR_NONE
+    signature: tuple[int, int] | None = None  # disk writes: (size, mtime_ns) of the file
+
+
+@dataclass
+class CompletionHub:
+    """Where workers drop :class:`OpReport` s and the leader drains them.
+
+    ``put`` is called from worker transfer/disk threads (and the ZMQ receive thread), ``drain``
+    from the leader on the executor thread; neither blocks (an unbounded SimpleQueue: its size is
+    bounded by the number of ops in flight, which the tier capacities bound).
+    """
+
+    key: str
+    _queue: queue.SimpleQueue[OpReport] = field(default_factory=queue.SimpleQueue)
+
+    def put(self, report: OpReport) -> None:
+        self._queue.put(report)
+
+    def drain(self) -> list[OpReport]:
+        out: list[OpReport] = []
+        while True:
+            try:
+                out.append(self._queue.get_nowait())
+            except queue.Empty:
+                return out
+
+
+_hubs: dict[str, CompletionHub] = {}
+_layouts: dict[str, tuple[int, int]] = {}  # group -> (device blocks, bytes per block) of rank 0
+_registry_lock = threading.Lock()
+
+
+def open_hub(key: str) -> CompletionHub:
+    """Create (leader) the in-process hub for ``key``; refuses a second live leader."""
+    with _registry_lock:
+        if key in _hubs:
+            raise RuntimeError(f"a KvbmConnectorLeader for group {key!r} already exists in "
+                               "this process; shut it down first")
+        hub = _hubs[key] = CompletionHub(key)
+        return hub
+
+
+def close_hub(key: str) -> None:
+    with _registry_lock:
+        _hubs.pop(key, None)
+        _layouts.pop(key, None)
+
+
+def find_hub(key: str) -> CompletionHub | None:
+    """The in-process hub for ``key`` (None: the leader lives in another process)."""
+    with _registry_lock:
+        return _hubs.get(key)
+
+
+def publish_pool_layout(key: str, num_blocks: int, bytes_per_block: int) -> None:
+    """Rank 0's worker tells an in-process leader the device pool's block size."""
+    with _registry_lock:
+        _layouts[key] = (num_blocks, bytes_per_block)
+
+
+def pool_layout(key: str) -> tuple[int, int] | None:
+    with _registry_lock:
+        return _layouts.get(key)
+
+
+class ZmqReportReceiver:
+    """Leader side of the cross-process report channel: a PULL socket on its own thread.
+
+    The thread creates, uses and closes the socket; received reports go into the hub.
+    """
+
+    def __init__(self, hub: CompletionHub, bind: str) -> None:
+        import zmq
+
+        self._hub = hub
+        self._bind = bind
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._zmq = zmq
+        self._thread = threading.Thread(target=self._run, name="kvbm-report-recv", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10.0):
+            self._stop.set()
+            raise RuntimeError(f"report receiver did not bind {bind} within 10 s")
+        if self._error is not None:
+            raise RuntimeError(f"report receiver cannot bind {bind}: {self._error}")
+
+    def _run(self) -> None:
+        zmq = self._zmq
+        sock = zmq.Context.instance().socket(zmq.PULL)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(self._bind)
+        except zmq.ZMQError as exc:
+            self._error = exc
+            sock.close(0)
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                if sock.poll(100):
+                    try:
+                        reports = pickle.loads(sock.recv(zmq.NOBLOCK))
+                    except Exception:  # a malformed message must not kill the channel
+                        logger.exception("dropping a malformed completion report")
+                        continue
+                    for report in reports:
+                        self._hub.put(report)
+        finally:
+            sock.close(0)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("report receiver thread did not stop within %.1f s", timeout)
+
+
+class ZmqReportSender:
+    """Worker side of the cross-process channel; used from one worker thread at a time."""
+
+    def __init__(self, connect: str) -> None:
+        import zmq
+
+        self._zmq = zmq
+        self._sock = zmq.Context.instance().socket(zmq.PUSH)
+        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # reports must not be dropped
+        self._sock.connect(connect)
+        self._lock = threading.Lock()
+
+    def put(self, report: OpReport) -> None:
+        with self._lock:
+            self._sock.send(pickle.dumps([report]))
+
+    def close(self) -> None:
+        with self._lock:
+            self._sock.close()
