@@ -92,7 +92,9 @@ class _Rank:
     events: list[WireEvent] = field(default_factory=list)
     last: WireEvent | None = None  # last event appended, for coalescing (None after a flush)
     suppressed: dict[int, None] = field(default_factory=dict)  # unpublished: partial/filtered
-    live: set[int] = field(default_factory=set)  # V2 path: published and not yet removed
+    # V2 path: published and not yet removed, both ways (wire hash -> radix key or None).
+    live: dict[int, bytes | None] = field(default_factory=dict)
+    live_keys: dict[bytes, int] = field(default_factory=dict)
 
 
 class KvEventSink:
@@ -153,13 +155,17 @@ class KvEventSink:
         O(events), no I/O. A malformed event is counted and logged (raised when strict) and the
         rest are still taken.
         """
+        # Hot path: locals only, hashes converted inline (same rule as _signed), wire maps built
+        # directly; the uncommon cases go through the helper methods.
         c = self._c
         bs = self.block_size
         default_rank = self.data_parallel_rank
+        i64_max = _I64_MAX
+        n_in = n_stores = n_stored = n_removes = n_removed = 0
         with self._lock:
             ranks = self._ranks
             for ev in events:
-                c["events_in"] += 1
+                n_in += 1
                 try:
                     data = ev["data"]
                     kind = data["type"]
@@ -177,17 +183,60 @@ class KvEventSink:
                             c["window_removes_filtered"] += len(data["block_hashes"])
                         continue
                     rank = ev.get("attention_dp_rank")
-                    if rank is None:
-                        rank = default_rank
-                    rs = ranks.get(rank)
+                    rs = ranks.get(default_rank if rank is None else rank)
                     if rs is None:
                         rs = self._new_rank(rank)
                     if kind == "stored":
-                        self._dict_stored(rs, data, bs)
+                        blocks = data["blocks"]
+                        if len(blocks) == 1 and len(blocks[0]["tokens"]) == bs:
+                            # The common decode case: one full block.
+                            block = blocks[0]
+                            h = block["block_hash"]
+                            if type(h) is not int or h > i64_max or h < _I64_MIN:
+                                h = _signed(h, "stored.blocks[].block_hash")
+                            parent = data.get("parent_hash")
+                            if parent is not None and (type(parent) is not int
+                                                       or parent > i64_max
+                                                       or parent < _I64_MIN):
+                                parent = _signed(parent, "stored.parent_hash")
+                            lora_id = data.get("lora_id") or None
+                            last = rs.last
+                            if (last is not None and parent is not None
+                                    and last["type"] == _STORED
+                                    and last["block_hashes"][-1] == parent
+                                    and last["lora_id"] == lora_id):
+                                last["block_hashes"].append(h)
+                                last["token_ids"].extend(map(_token_id, block["tokens"]))
+                            else:
+                                n_stores += 1
+                                last = rs.last = {
+                                    "type": _STORED, "block_hashes": [h],
+                                    "parent_block_hash": parent,
+                                    "token_ids": list(map(_token_id, block["tokens"])),
+                                    "block_size": bs, "lora_id": lora_id,
+                                    "medium": MEDIUM_GPU, "lora_name": None}
+                                rs.events.append(last)
+                            n_stored += 1
+                        else:
+                            self._dict_stored(rs, data, bs)
                     elif kind == "removed":
-                        hashes = [_signed(h, "removed.block_hashes[]")
-                                  for h in data["block_hashes"]]
-                        self._remove(rs, hashes, track_live=False)
+                        hashes = []
+                        for h in data["block_hashes"]:
+                            if type(h) is not int or h > i64_max or h < _I64_MIN:
+                                h = _signed(h, "removed.block_hashes[]")
+                            hashes.append(h)
+                        last = rs.last
+                        if rs.suppressed or not hashes:
+                            self._remove(rs, hashes, track_live=False)
+                        elif last is not None and last["type"] == _REMOVED:
+                            last["block_hashes"].extend(hashes)
+                            n_removed += len(hashes)
+                        else:
+                            n_removes += 1
+                            n_removed += len(hashes)
+                            last = rs.last = {"type": _REMOVED, "block_hashes": hashes,
+                                              "medium": MEDIUM_GPU}
+                            rs.events.append(last)
                     elif kind == "updated":
                         # cache_level/priority changes: counted, never guessed into events.
                         c["updated_events"] += 1
@@ -198,6 +247,11 @@ class KvEventSink:
                                       ev.get("event_id"))
                 except (KeyError, TypeError, ValueError, AttributeError) as exc:
                     self._malformed(exc, ev)
+            c["events_in"] += n_in
+            c["stores"] += n_stores
+            c["blocks_stored"] += n_stored
+            c["removes"] += n_removes
+            c["blocks_removed"] += n_removed
 
     def _window_accepts(self, window: Any, kind: str) -> bool:
         """Whether an event of attention window ``window`` is published (lock held)."""
@@ -282,7 +336,9 @@ class KvEventSink:
                 if h not in live:
                     c["unknown_removes_suppressed"] += 1
                     continue
-                live.discard(h)
+                k = live.pop(h)
+                if k is not None:
+                    rs.live_keys.pop(k, None)
             out.append(h)
         if not out:
             return
@@ -324,6 +380,7 @@ class KvEventSink:
             rs.last = None
             rs.suppressed.clear()
             rs.live.clear()
+            rs.live_keys.clear()
             self._c["cleared"] += 1
 
     def flush(self) -> bool:
@@ -378,7 +435,9 @@ class KvEventSink:
 
     # ---- KVCacheManagerV2 event-sink hooks (duck typed) -------------------------------------
     # Called by V2's radix tree / storage manager on the executor thread (directly, when the
-    # sink stands in for V2's KVCacheEventManager, or through attach_event_source's tee).
+    # sink stands in for V2's KVCacheEventManager, or through attach_event_source's tee). They
+    # take no lock (the per-block cost budget is ~1 us): hooks and flush share the executor
+    # thread. Only ``ingest`` may run on another thread (the buffered-path tee).
 
     @property
     def dropped_event_count(self) -> int:
@@ -415,39 +474,37 @@ class KvEventSink:
     def add_created_event(self, num_blocks_per_cache_level: Sequence[int],
                           layer_group_ids: Sequence[int] | None = None) -> None:
         """V2 hook: pool created; counted (the wire format has no such event)."""
-        with self._lock:
-            self._c["created_events"] += 1
+        self._c["created_events"] += 1
 
     def add_stored_block_event_from_block(self, block: Any) -> None:
         """V2 hook: one radix block became reusable (``.key``, ``.tokens``, ``.prev``).
 
         Executor thread, once per block. Published when full and held by a routing layer group
         (per ``block.storage`` when the window map is known); coalesced with its parent when
-        that was the previous event.
+        that was the previous event. Like every V2 hook it takes no lock: TRT-LLM calls the
+        hooks and the leader calls ``flush`` on the same (executor) thread.
         """
-        with self._lock:
-            try:
-                groups = self._routing_groups
-                if groups is not None and not self._held_by(block, groups):
-                    rs = self._ranks[self.data_parallel_rank]
-                    self._suppress(rs, radix_key_hash(block.key))
-                    self._c["window_filtered"] += 1
-                    return
-                self._v2_store(block)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                self._malformed(exc, block)
+        try:
+            groups = self._routing_groups
+            if groups is not None and not self._held_by(block, groups):
+                rs = self._ranks[self.data_parallel_rank]
+                self._suppress(rs, radix_key_hash(block.key))
+                self._c["window_filtered"] += 1
+                return
+            self._v2_store(block)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            self._malformed(exc, block)
 
     def add_stored_life_cycle_event_from_block(self, block: Any, life_cycle_id: int) -> None:
         """V2 hook: a block gained a page in layer group ``life_cycle_id``."""
-        with self._lock:
-            try:
-                groups = self._routing_groups
-                if groups is not None and int(life_cycle_id) not in groups:
-                    self._c["window_filtered"] += 1
-                    return
-                self._v2_store(block)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                self._malformed(exc, block)
+        try:
+            groups = self._routing_groups
+            if groups is not None and int(life_cycle_id) not in groups:
+                self._c["window_filtered"] += 1
+                return
+            self._v2_store(block)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            self._malformed(exc, block)
 
     @staticmethod
     def _held_by(block: Any, groups: frozenset[int]) -> bool:
@@ -464,81 +521,117 @@ class KvEventSink:
 
     def _v2_store(self, block: Any) -> None:
         rs = self._ranks[self.data_parallel_rank]
-        h = radix_key_hash(block.key)
-        if h in rs.live:
+        k = block.key
+        live_keys = rs.live_keys
+        if k in live_keys:
             return  # already published (another layer group of the same block)
+        h = int.from_bytes(k[:8], "big", signed=True) if len(k) >= 8 else radix_key_hash(k)
         tokens = block.tokens
         if len(tokens) != self.block_size:
             self._suppress(rs, h)
             self._c["partial_blocks_suppressed"] += 1
             return
         prev = block.prev
-        parent = None if getattr(prev, "ordinal", -1) == -1 else radix_key_hash(prev.key)
-        rs.suppressed.pop(h, None)
-        rs.live.add(h)
-        self._store(rs, [h], parent, list(tokens))
+        if getattr(prev, "ordinal", -1) == -1:
+            parent = None
+        else:
+            pk = prev.key
+            parent = live_keys.get(pk)
+            if parent is None:
+                parent = radix_key_hash(pk)
+        if rs.suppressed:
+            rs.suppressed.pop(h, None)
+        live_keys[k] = h
+        rs.live[h] = k
+        c = self._c
+        c["blocks_stored"] += 1
+        last = rs.last
+        if (last is not None and parent is not None and last["type"] == _STORED
+                and last["block_hashes"][-1] == parent and last["lora_id"] is None):
+            last["block_hashes"].append(h)
+            last["token_ids"].extend(tokens)
+            return
+        c["stores"] += 1
+        last = rs.last = {"type": _STORED, "block_hashes": [h], "parent_block_hash": parent,
+                          "token_ids": list(tokens), "block_size": self.block_size,
+                          "lora_id": None, "medium": MEDIUM_GPU, "lora_name": None}
+        rs.events.append(last)
 
     def add_stored_event(self, parent_hash: Any, blocks: Sequence[Any],
                          layer_group_id: int | None = None) -> None:
         """V2 hook: stored blocks as ``KVCacheStoredBlockData`` (``.block_hash``, ``.tokens``)."""
-        with self._lock:
-            try:
-                groups = self._routing_groups
-                if groups is not None and layer_group_id is not None and \
-                        int(layer_group_id) not in groups:
-                    self._c["window_filtered"] += len(blocks)
-                    return
-                rs = self._ranks[self.data_parallel_rank]
-                parent = None if parent_hash is None else _any_hash(parent_hash, "parent_hash")
-                hashes: list[int] = []
-                tokens: list[Any] = []
-                for i, b in enumerate(blocks):
-                    h = _any_hash(b.block_hash, "block_hash")
-                    btok = b.tokens
-                    if len(btok) != self.block_size:
-                        for later in blocks[i:]:
-                            self._suppress(rs, _any_hash(later.block_hash, "block_hash"))
-                        self._c["partial_blocks_suppressed"] += len(blocks) - i
-                        break
-                    hashes.append(h)
-                    tokens.extend(t.token_id if hasattr(t, "token_id") else t for t in btok)
-                if hashes:
-                    for h in hashes:
-                        rs.suppressed.pop(h, None)
-                    rs.live.update(hashes)
-                    self._store(rs, hashes, parent, tokens)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                self._malformed(exc, blocks)
+        try:
+            groups = self._routing_groups
+            if groups is not None and layer_group_id is not None and \
+                    int(layer_group_id) not in groups:
+                self._c["window_filtered"] += len(blocks)
+                return
+            rs = self._ranks[self.data_parallel_rank]
+            parent = None if parent_hash is None else _any_hash(parent_hash, "parent_hash")
+            hashes: list[int] = []
+            tokens: list[Any] = []
+            for i, b in enumerate(blocks):
+                h = _any_hash(b.block_hash, "block_hash")
+                btok = b.tokens
+                if len(btok) != self.block_size:
+                    for later in blocks[i:]:
+                        self._suppress(rs, _any_hash(later.block_hash, "block_hash"))
+                    self._c["partial_blocks_suppressed"] += len(blocks) - i
+                    break
+                hashes.append(h)
+                tokens.extend(t.token_id if hasattr(t, "token_id") else t for t in btok)
+            if hashes:
+                for h in hashes:
+                    rs.suppressed.pop(h, None)
+                    rs.live.setdefault(h, None)
+                self._store(rs, hashes, parent, tokens)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            self._malformed(exc, blocks)
 
     def add_removed_event(self, block_hashes: Any) -> None:
         """V2 hook: blocks left the pool (bytes key, hex key, int, or an iterable of them)."""
-        with self._lock:
-            try:
-                if isinstance(block_hashes, (bytes, bytearray, memoryview, str, int)):
-                    block_hashes = (block_hashes,)
-                hashes = [_any_hash(h, "removed block hash") for h in block_hashes]
-                self._remove(self._ranks[self.data_parallel_rank], hashes, track_live=True)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                self._malformed(exc, block_hashes)
+        try:
+            rs = self._ranks[self.data_parallel_rank]
+            if type(block_hashes) is bytes:
+                # Fast path: one radix key that we published.
+                h = rs.live_keys.pop(block_hashes, None)
+                if h is not None:
+                    rs.live.pop(h, None)
+                    c = self._c
+                    c["blocks_removed"] += 1
+                    last = rs.last
+                    if last is not None and last["type"] == _REMOVED:
+                        last["block_hashes"].append(h)
+                    else:
+                        c["removes"] += 1
+                        last = rs.last = {"type": _REMOVED, "block_hashes": [h],
+                                          "medium": MEDIUM_GPU}
+                        rs.events.append(last)
+                    return
+                block_hashes = (block_hashes,)
+            elif isinstance(block_hashes, (bytes, bytearray, memoryview, str, int)):
+                block_hashes = (block_hashes,)
+            hashes = [_any_hash(item, "removed block hash") for item in block_hashes]
+            self._remove(rs, hashes, track_live=True)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            self._malformed(exc, block_hashes)
 
     def add_removed_life_cycle_event(self, block_hash: Any, life_cycle_id: int) -> None:
         """V2 hook: a block lost its page in one layer group."""
-        with self._lock:
-            try:
-                groups = self._routing_groups
-                if groups is not None and int(life_cycle_id) not in groups:
-                    self._c["window_removes_filtered"] += 1
-                    return
-                h = _any_hash(block_hash, "removed block hash")
-                self._remove(self._ranks[self.data_parallel_rank], (h,), track_live=True)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                self._malformed(exc, block_hash)
+        try:
+            groups = self._routing_groups
+            if groups is not None and int(life_cycle_id) not in groups:
+                self._c["window_removes_filtered"] += 1
+                return
+            h = _any_hash(block_hash, "removed block hash")
+            self._remove(self._ranks[self.data_parallel_rank], (h,), track_live=True)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            self._malformed(exc, block_hash)
 
     def add_updated_event(self, block_hash: Any, *, cache_level: Any = None,
                           priority: Any = None, layer_group_id: int | None = None) -> None:
         """V2 hook: cache level / priority changed; counted, not published."""
-        with self._lock:
-            self._c["updated_events"] += 1
+        self._c["updated_events"] += 1
 
     def flush_iteration_events(self) -> None:
         """V2 hook: TRT-LLM's per-iteration flush; publishes like :meth:`flush`."""
