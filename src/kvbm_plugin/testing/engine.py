@@ -294,17 +294,16 @@ class SimulatedEngine:
         """Abort a request at the next iteration boundary (as TRT-LLM's cancel does)."""
         self._aborts.add(req_id)
 
-    def run_until_idle(self, *, max_iterations: int = 10_000, timeout_s: float = 60.0) -> None:
+    def run_until_idle(self, *, max_iterations: int = 1_000_000,
+                       timeout_s: float = 60.0) -> None:
         """Step until every request is done and every transfer is reported; raises
         TimeoutError naming what is still pending."""
         deadline = time.monotonic() + timeout_s
         for _ in range(max_iterations):
             if self.idle():
                 return
-            busy = self._has_work()
-            self.step()
-            if not busy:
-                time.sleep(0.001)  # only waiting for transfer threads
+            if self.step() == 0:
+                time.sleep(0.0005)  # nothing to compute: waiting for transfer threads
             if time.monotonic() > deadline:
                 break
         pending = {r.id: r.state for r in self._reqs.values() if r.state != DONE}
@@ -352,8 +351,8 @@ class SimulatedEngine:
     def _has_work(self) -> bool:
         return any(r.state != DONE for r in self._reqs.values())
 
-    def step(self) -> None:
-        """One executor iteration."""
+    def step(self) -> int:
+        """One executor iteration; returns the number of tokens the forward pass computed."""
         cfg, bs = self.config, self.block_size
         self._stats.iterations += 1
         self._process_aborts()
@@ -407,6 +406,7 @@ class SimulatedEngine:
         for r, n in batch:
             self._advance(r, n)
         self._get_finished()
+        return sum(n for _, n in batch)
 
     def _stream(self) -> Any:
         return torch.cuda.current_stream() if self.device.type == "cuda" else None

@@ -1,0 +1,338 @@
+"""The connector leader/worker driven by the simulated TRT-LLM engine (TRT-LLM's call order)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvbm_plugin.connector_leader import KvbmConnectorLeader
+from kvbm_plugin.consolidator_config import ConfigError
+from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
+from kvbm_plugin.testing.fake_trtllm import (
+    KvCacheConfig,
+    LlmArgs,
+    LlmRequest,
+    ParallelConfig,
+    trtllm_block_hash,
+)
+from kvbm_plugin.tiers.base import block_keys
+from kvbm_plugin.tiers.disk import DiskTier
+
+OFF = {"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false"}
+
+
+def tiers(host: int = 0, disk: int = 0, **extra: str) -> dict[str, str]:
+    env = dict(OFF)
+    if host:
+        env["DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"] = str(host)
+    if disk:
+        env["DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"] = str(disk)
+    env.update(extra)
+    return env
+
+
+@pytest.fixture
+def make_engine() -> Iterator:
+    engines: list[SimulatedEngine] = []
+
+    def make(**kw) -> SimulatedEngine:
+        engine = SimulatedEngine(EngineConfig(**kw))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 1000 + i * 7) % 997 + 1 for i in range(n)]
+
+
+def flush_gpu(engine: SimulatedEngine, count: int, n: int = 40) -> None:
+    """Run unrelated requests until the GPU pool has evicted everything older."""
+    for k in range(count):
+        engine.submit(prompt(500 + k, n), 1)
+        engine.run_until_idle()
+
+
+def test_prefix_evicted_from_gpu_onboards_from_host_with_exact_bytes(make_engine) -> None:
+    engine = make_engine(num_gpu_blocks=16, env=tiers(host=64))
+    a = prompt(1, 33)  # 8 full blocks + 1 token
+    first = engine.submit(a, 2)
+    engine.run_until_idle()
+    assert engine.result(first).host_hit_tokens == 0
+    flush_gpu(engine, 3)
+    assert engine.pool.match([trtllm_block_hash(None, a[:4])]) == []  # gone from the GPU
+    second = engine.submit(a, 2)
+    engine.run_until_idle()
+    r = engine.result(second)
+    assert r.gpu_hit_tokens == 0
+    assert r.host_hit_tokens == 32  # all 8 full blocks; the last token is computed
+    assert r.kv_mismatches == 0 and engine.stats().kv_mismatches == 0
+    assert engine.stats().bytes_onboarded == 8 * engine.workers[0]._block_bytes
+    assert r.tokens == engine.result(first).tokens  # same continuation
+
+
+def test_prefix_onboards_from_disk_after_host_eviction(make_engine) -> None:
+    engine = make_engine(num_gpu_blocks=16, env=tiers(host=8, disk=64))
+    a = prompt(2, 25)
+    engine.submit(a, 1)
+    engine.run_until_idle()
+    flush_gpu(engine, 3)  # 30 more blocks through an 8-block host tier: `a` is demoted
+    assert engine.leader.stats()["demotes_committed"] > 0
+    second = engine.submit(a, 1)
+    engine.run_until_idle()
+    r = engine.result(second)
+    assert r.disk_hit_tokens == 24 and r.host_hit_tokens == 0
+    assert r.kv_mismatches == 0
+
+
+def test_disk_only_tier_offloads_and_onboards(make_engine) -> None:
+    engine = make_engine(num_gpu_blocks=16, env=tiers(disk=64))
+    a = prompt(3, 17)
+    engine.submit(a, 1)
+    engine.run_until_idle()
+    flush_gpu(engine, 2)
+    second = engine.submit(a, 1)
+    engine.run_until_idle()
+    assert engine.result(second).disk_hit_tokens == 16
+    assert engine.stats().kv_mismatches == 0
+
+
+def test_corrupted_disk_block_is_a_miss_not_wrong_data(make_engine) -> None:
+    engine = make_engine(num_gpu_blocks=16, env=tiers(disk=64), tp_size=2, num_kv_heads=4)
+    a = prompt(4, 17)  # 4 full blocks
+    engine.submit(a, 1)
+    engine.run_until_idle()
+    flush_gpu(engine, 2)
+    disk = engine.workers[1]._disk
+    assert isinstance(disk, DiskTier)
+    index = engine.leader._disk
+    # Damage rank 1's copy of the prompt's third block (a write into the file).
+    entry = index.get(block_keys(a, 4)[2])
+    assert entry is not None
+    with open(disk.path(entry.slot), "r+b") as f:
+        f.seek(64)
+        f.write(b"\xff\xff\xff\xff")
+    second = engine.submit(a, 1)
+    engine.run_until_idle()
+    r = engine.result(second)
+    assert r.disk_hit_tokens == 8  # blocks 0-1 only: block 2 is a miss, so 3 is not consecutive
+    assert r.kv_mismatches == 0
+    assert engine.leader.stats()["stale_disk_blocks"] == 1
+
+
+def test_full_tiers_keep_working_and_stay_within_capacity(make_engine) -> None:
+    engine = make_engine(num_gpu_blocks=12, env=tiers(host=4, disk=6))
+    for k in range(8):
+        engine.submit(prompt(10 + k, 21), 1)
+    engine.run_until_idle()
+    st = engine.leader.stats()
+    assert st["host_used"] <= 4 and st["disk_used"] <= 6
+    assert st["host_evictions"] > 0 and st["disk_evictions"] > 0
+    assert len(engine.resident_blocks()["CPU"][0]) <= 4
+    # The most recent prompt is still found in the tiers, exactly.
+    flush_gpu(engine, 2, n=20)
+    last = engine.submit(prompt(17, 21), 1)
+    engine.run_until_idle()
+    r = engine.result(last)
+    assert r.host_hit_tokens + r.disk_hit_tokens + r.gpu_hit_tokens > 0
+    assert engine.stats().kv_mismatches == 0
+
+
+def test_abort_mid_transfer_still_finishes_every_id(make_engine, monkeypatch) -> None:
+    original = DiskTier.write
+
+    def slow_write(self, slot, key, block):
+        time.sleep(0.05)
+        return original(self, slot, key, block)
+
+    monkeypatch.setattr(DiskTier, "write", slow_write)
+    engine = make_engine(num_gpu_blocks=32, env=tiers(disk=64), max_num_tokens=8)
+    victim = engine.submit(prompt(20, 40), 4)
+    for _ in range(3):
+        engine.step()  # three 8-token chunks: six offloads queued behind a slow disk
+    engine.abort(victim)
+    engine.step()
+    assert engine._reqs[victim].state == "saving"  # request_finished said True
+    engine.run_until_idle(timeout_s=30)
+    assert engine._reqs[victim].state == "done"
+    assert engine.stats().requests_aborted == 1
+    assert engine.leader.stats()["ops_inflight"] == 0
+
+
+def test_abort_while_loading_finishes(make_engine, monkeypatch) -> None:
+    engine = make_engine(num_gpu_blocks=16, env=tiers(disk=64))
+    a = prompt(21, 17)
+    engine.submit(a, 1)
+    engine.run_until_idle()
+    flush_gpu(engine, 2)
+    original = DiskTier.read
+
+    def slow_read(self, slot, key, out):
+        time.sleep(0.05)
+        return original(self, slot, key, out)
+
+    monkeypatch.setattr(DiskTier, "read", slow_read)
+    second = engine.submit(a, 1)
+    engine.step()
+    assert engine._reqs[second].state == "loading"
+    engine.abort(second)
+    engine.run_until_idle(timeout_s=30)
+    assert engine._reqs[second].state == "done" and engine.stats().requests_aborted == 1
+
+
+def test_failed_offload_finishes_and_is_never_advertised(make_engine, monkeypatch) -> None:
+    def broken(self, slot, key, block):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(DiskTier, "write", broken)
+    recorder = Recorder()
+    engine = make_engine(num_gpu_blocks=16, env=tiers(disk=16), tier_events=recorder)
+    engine.submit(prompt(30, 21), 1)
+    engine.run_until_idle()
+    assert engine.leader.stats()["saves_failed"] == 5
+    assert recorder.calls == [] and engine.resident_blocks()["DISK"][0] == set()
+
+
+def test_tp2_same_slots_own_shards(make_engine) -> None:
+    engine = make_engine(num_gpu_blocks=16, env=tiers(host=64), tp_size=2, num_kv_heads=4)
+    a = prompt(40, 25)
+    engine.submit(a, 1)
+    engine.run_until_idle()
+    h0, h1 = engine.workers[0]._host, engine.workers[1]._host
+    used = [s for s, k in enumerate(h0.keys) if k is not None]
+    assert len(used) == 6 and h0.keys == h1.keys  # same block in the same slot on both ranks
+    for s in used:
+        assert not h0.pool[s].equal(h1.pool[s])  # each rank holds its own heads
+    flush_gpu(engine, 3)
+    second = engine.submit(a, 1)
+    engine.run_until_idle()
+    r = engine.result(second)
+    assert r.host_hit_tokens == 24 and r.kv_mismatches == 0  # both shards verified
+
+
+def test_chunked_prefill_offloads_every_full_block(make_engine) -> None:
+    engine = make_engine(num_gpu_blocks=32, env=tiers(host=64), max_num_tokens=6)
+    a = prompt(50, 42)  # 10 full blocks, delivered over 7 chunks that straddle blocks
+    engine.submit(a, 1)
+    engine.run_until_idle()
+    want = []
+    parent = None
+    for i in range(10):
+        parent = trtllm_block_hash(parent, a[i * 4:(i + 1) * 4])
+        want.append(parent)
+    assert engine.resident_blocks()["CPU"][0] == set(want)
+
+
+class Recorder:
+    """Recording fake of the consolidator's registration API; checks bytes at STORE time."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.engine: SimulatedEngine | None = None
+        self.violations: list[str] = []
+
+    def register_store(self, tier, dp_rank, block_hash, parent_hash, token_ids, block_size):
+        self.calls.append(("store", tier, block_hash, parent_hash, tuple(token_ids)))
+        if self.engine is not None:
+            self._check_bytes(tier, block_hash)
+
+    def register_remove(self, tier, dp_rank, block_hashes):
+        for h in block_hashes:
+            self.calls.append(("remove", tier, h))
+
+    def register_clear(self, tier, dp_rank):
+        self.calls.append(("clear", tier))
+
+    def _check_bytes(self, tier: str, block_hash: int) -> None:
+        leader = self.engine.leader
+        index = leader._host if tier == "CPU" else leader._disk
+        entry = next(e for e in index._by_key.values() if e.event_hash == block_hash)
+        for w in self.engine.workers:
+            if tier == "CPU":
+                ok = w._host.keys[entry.slot] == entry.key
+            else:
+                import torch
+
+                out = torch.empty(w._disk.spec.block_shape, dtype=w._disk.spec.dtype)
+                ok = w._disk.read(entry.slot, entry.key, out)
+            if not ok:
+                self.violations.append(f"{tier} STORE {block_hash:#x} before rank "
+                                       f"{w._rank} has the bytes")
+
+
+def test_tier_store_and_remove_reach_registration_in_order(make_engine) -> None:
+    recorder = Recorder()
+    engine = make_engine(num_gpu_blocks=12, env=tiers(host=6, disk=8), tp_size=2,
+                         tier_events=recorder)
+    recorder.engine = engine
+    for k in range(6):
+        engine.submit(prompt(60 + k, 17), 2)
+    engine.run_until_idle()
+    assert recorder.violations == []
+    live: dict[str, set[int]] = {"CPU": set(), "DISK": set()}
+    parents_seen: dict[str, set[int]] = {"CPU": set(), "DISK": set()}
+    for call in recorder.calls:
+        if call[0] == "store":
+            _, tier, h, parent, tokens = call
+            assert h not in live[tier], f"double STORE of {h:#x} in {tier}"
+            assert len(tokens) == 4
+            live[tier].add(h)
+            parents_seen[tier].add(h)
+        elif call[0] == "remove":
+            _, tier, h = call
+            assert h in live[tier], f"REMOVE of {h:#x} never stored in {tier}"
+            live[tier].remove(h)
+    truth = engine.resident_blocks()
+    assert live["CPU"] == truth["CPU"][0] and live["DISK"] == truth["DISK"][0]
+    assert any(c[0] == "remove" and c[1] == "CPU" for c in recorder.calls)
+    assert any(c[0] == "store" and c[1] == "DISK" for c in recorder.calls)
+    # Tier events use TRT-LLM's hashes (RequestData.block_hashes): the same ids as GPU events.
+    a = prompt(65, 17)
+    assert trtllm_block_hash(None, a[:4]) in {c[2] for c in recorder.calls if c[0] == "store"}
+
+
+def _leader(env: dict[str, str], group: str) -> KvbmConnectorLeader:
+    return KvbmConnectorLeader(LlmArgs(KvCacheConfig(4), ParallelConfig(0, 1),
+                                       kvbm_plugin_env=env, kvbm_plugin_group=group))
+
+
+def test_matches_are_block_aligned_never_whole_prompt_never_0_true(make_engine) -> None:
+    engine = make_engine(num_gpu_blocks=16, env=tiers(host=32))
+    a = prompt(70, 16)  # exactly 4 blocks
+    engine.submit(a, 1)
+    engine.run_until_idle()
+    leader = engine.leader
+    req = LlmRequest(999, a)
+    assert leader.get_num_new_matched_tokens(req, 0) == (12, True)  # last block recomputed
+    leader.request_finished(req, [])
+    assert leader.get_num_new_matched_tokens(LlmRequest(998, a), 3) == (0, False)
+    assert leader.get_num_new_matched_tokens(LlmRequest(997, prompt(71, 16)), 0) == (0, False)
+    assert leader.stats()["match_calls"] == 4
+
+
+def test_bad_config_names_variable(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"):
+        _leader(tiers(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="lots"), "bad-config")
+    with pytest.raises(ConfigError, match="DYN_KVBM_TRTLLM_ZMQ_PORT"):
+        _leader({"DYN_KVBM_CPU_CACHE_GB": "1"}, "bad-config-2")
+
+
+def test_leader_module_never_imports_torch() -> None:
+    code = ("import sys\n"
+            "from kvbm_plugin.connector_leader import KvbmConnectorLeader\n"
+            "from kvbm_plugin.testing.fake_trtllm import LlmArgs, KvCacheConfig, ParallelConfig\n"
+            "l = KvbmConnectorLeader(LlmArgs(KvCacheConfig(4), ParallelConfig(0, 1),"
+            " kvbm_plugin_env={'DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR': 'false',"
+            " 'DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS': '8'}, kvbm_plugin_group='t'))\n"
+            "l.shutdown()\n"
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   env={**os.environ, "PYTHONWARNINGS": "ignore"})

@@ -1,0 +1,120 @@
+"""Offload tiers: the leader's slot index (LRU, pinning) and the workers' host/disk storage."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvbm_plugin.registry import TIERS_GROUP, get_plugin
+from kvbm_plugin.tiers.base import TierFullError, TierIndex, TierSpec, block_keys, chain_key
+from kvbm_plugin.tiers.disk import DiskTier
+from kvbm_plugin.tiers.host import HostTier
+
+SHAPE = (2, 2, 16)
+
+
+def _block(seed: int) -> torch.Tensor:
+    return (torch.arange(64, dtype=torch.float32).reshape(SHAPE) + seed) % 251
+
+
+def test_index_lru_evicts_oldest_unpinned_and_never_pinned_or_pending() -> None:
+    index = TierIndex("host", 2)
+    a, _ = index.reserve(1, 11, None, [1])
+    b, _ = index.reserve(2, 12, 11, [2])
+    with pytest.raises(TierFullError):  # both pending: a write in flight is never evicted
+        index.reserve(3, 13, None, [3])
+    index.commit(1)
+    index.commit(2)
+    index.pin(a)  # in-flight read of block 1
+    c, evicted = index.reserve(3, 13, None, [3])
+    assert evicted is b and c.slot == b.slot and index.get(2) is None
+    with pytest.raises(TierFullError):  # 1 pinned, 3 pending
+        index.reserve(4, 14, None, [4])
+    index.unpin(a)
+    index.commit(3)
+    assert index.lookup(1) is a  # touch: 1 becomes most recent, 3 is now the LRU
+    _, evicted = index.reserve(4, 14, None, [4])
+    assert evicted is not None and evicted.key == 3
+
+
+def test_index_discard_frees_slot_and_lookup_ignores_pending() -> None:
+    index = TierIndex("disk", 1)
+    entry, _ = index.reserve(7, 70, None, [0])
+    assert index.lookup(7) is None  # pending is not a hit
+    index.discard(7)
+    again, evicted = index.reserve(8, 80, None, [0])
+    assert again.slot == entry.slot and evicted is None
+
+
+def test_chain_keys_depend_on_prefix_and_salt() -> None:
+    toks = list(range(12))
+    keys = block_keys(toks, 4)
+    assert len(keys) == 3 and keys[1] == chain_key(keys[0], toks[4:8])
+    assert block_keys([99, *toks[1:]], 4)[2] != keys[2]  # a different prefix changes later keys
+    assert block_keys(toks, 4, "salt") != keys
+
+
+def test_tiers_are_registered_entry_points() -> None:
+    assert get_plugin(TIERS_GROUP, "host") is HostTier
+    assert get_plugin(TIERS_GROUP, "disk") is DiskTier
+
+
+def test_host_roundtrip_and_reused_slot_reads_absent() -> None:
+    host = HostTier(TierSpec(2, SHAPE, torch.float32, 0))
+    host.write(1, 42, _block(1))
+    out = torch.empty(SHAPE)
+    assert host.read(1, 42, out) and torch.equal(out, _block(1))
+    host.write(1, 43, _block(2))
+    assert not host.read(1, 42, out)
+
+
+@pytest.fixture
+def disk(tmp_path) -> DiskTier:
+    return DiskTier(TierSpec(4, SHAPE, torch.float32, rank=1, directory=str(tmp_path)))
+
+
+def test_disk_roundtrip_atomic_no_tmp_left(disk: DiskTier, tmp_path) -> None:
+    result = disk.write(2, 5, _block(3))
+    assert result.ok and result.signature == (os.path.getsize(disk.path(2)),
+                                              os.stat(disk.path(2)).st_mtime_ns)
+    out = torch.empty(SHAPE)
+    assert disk.read(2, 5, out) and torch.equal(out, _block(3))
+    assert os.listdir(tmp_path / "rank1") == ["slot00000002.kvblk"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "trailing", "wrong_key", "missing"])
+def test_disk_damaged_block_reads_absent(disk: DiskTier, damage: str) -> None:
+    disk.write(0, 9, _block(4))
+    path = disk.path(0)
+    key = 9
+    if damage == "flip":
+        with open(path, "r+b") as f:
+            f.seek(100)
+            byte = f.read(1)
+            f.seek(100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    elif damage == "truncate":
+        os.truncate(path, os.path.getsize(path) - 7)
+    elif damage == "trailing":
+        with open(path, "ab") as f:
+            f.write(b"x")
+    elif damage == "wrong_key":
+        key = 10
+    else:
+        os.unlink(path)
+    out = torch.full(SHAPE, -1.0)
+    assert disk.read(0, key, out) is False
+
+
+def test_disk_write_failure_is_reported_not_raised(disk: DiskTier, tmp_path) -> None:
+    os.makedirs(tmp_path / "rank1")
+    os.chmod(tmp_path / "rank1", 0o500)
+    try:
+        if os.access(tmp_path / "rank1", os.W_OK):
+            pytest.skip("running as root: directory permissions are not enforced")
+        result = disk.write(0, 1, _block(0))
+        assert not result.ok and result.error
+    finally:
+        os.chmod(tmp_path / "rank1", 0o700)
