@@ -658,12 +658,13 @@ class _RateLimitedLog:
 class _Replay:
     """A replay in flight for one stream: live messages wait in ``pending`` until it ends."""
 
-    __slots__ = ("deadline", "pending", "failed")
+    __slots__ = ("deadline", "pending", "failed", "startup")
 
-    def __init__(self, deadline: float) -> None:
+    def __init__(self, deadline: float, startup: bool = False) -> None:
         self.deadline = deadline
         self.pending: list[list[bytes]] = []
         self.failed = False  # a hole inside the replayed range was already resynced
+        self.startup = startup  # the catch-up request sent at start (publisher may be absent)
 
 
 class _Stream:
@@ -913,6 +914,11 @@ class KvEventConsolidator:
             self._ready.set()
             return
         self._ready.set()
+        for stream in streams:
+            if stream.dealer is not None:
+                # Catch up on what the rank published before we joined (or before our
+                # subscription took effect): everything its replay buffer still holds.
+                self._request_replay(stream, 0, startup=True)
         by_socket = {s.sub: s for s in streams}
         by_dealer = {s.dealer: s for s in streams if s.dealer is not None}
         try:
@@ -981,8 +987,10 @@ class KvEventConsolidator:
                 now = time.monotonic()
                 for stream in streams:
                     if stream.replay is not None and now >= stream.replay.deadline:
-                        self._log.warning("replay-timeout", "rank %d: replay gave no END_SEQ "
-                                          "within %.1fs", stream.rank, self._replay_timeout)
+                        if not stream.replay.startup:
+                            self._log.warning("replay-timeout", "rank %d: replay gave no "
+                                              "END_SEQ within %.1fs", stream.rank,
+                                              self._replay_timeout)
                         self._replay_failed(stream, poller, by_dealer)
             self._drain_registrations()
             self._flush()
@@ -1020,11 +1028,12 @@ class KvEventConsolidator:
                 if not live:
                     if seq < expected:
                         return  # already applied
-                    # A hole inside the replayed range: what is missing is gone.
-                    self._n_unfillable_gaps += 1
-                    if stream.replay is not None:
-                        stream.replay.failed = True
-                    self._resync(stream, f"replay from seq {expected} skipped to {seq}")
+                    if stream.seen:
+                        # A hole inside the replayed range: what is missing is gone.
+                        self._n_unfillable_gaps += 1
+                        if stream.replay is not None:
+                            stream.replay.failed = True
+                        self._resync(stream, f"replay from seq {expected} skipped to {seq}")
                 elif seq < expected:
                     # The publisher restarted (its seq starts at 0 again): its GPU pool is new.
                     self._n_restarts += 1
@@ -1037,29 +1046,35 @@ class KvEventConsolidator:
                     self._gap(stream, frames, seq)
                     return
             stream.expected = seq + 1
-        stream.seen = True
+        if not stream.seen:
+            stream.seen = True
+            if seq:  # batches before this one are gone for good
+                self._n_late_joins += 1
         self._apply_payload(stream, payload)
 
     def _gap(self, stream: _Stream, frames: list[bytes], seq: int) -> None:
         """Live ``seq`` arrived past ``stream.expected``: replay the hole or resync."""
-        first = not stream.seen
-        if first:
-            self._n_late_joins += 1
-        else:
+        first = not stream.seen  # joined late: nothing of ours to repair, just catch up
+        if not first:
             self._n_gaps += 1
         start = stream.expected
         if stream.dealer is not None:
-            self._n_replay_requests += 1
-            stream.dealer.send_multipart([b"", encode_seq(start)], zmq.NOBLOCK)
-            stream.replay = _Replay(time.monotonic() + self._replay_timeout)
-            stream.replay.pending.append(frames)
+            self._request_replay(stream, start)
+            stream.replay.pending.append(frames)  # type: ignore[union-attr]
             return
         if not first:
             self._n_unfillable_gaps += 1
             self._resync(stream, f"seq {start}..{seq - 1} lost and no replay endpoint")
-        stream.expected = seq + 1
-        stream.seen = True
-        self._apply_payload(stream, frames[-1])
+        stream.expected = seq
+        self._on_message(stream, frames, live=True)
+
+    def _request_replay(self, stream: _Stream, start: int, startup: bool = False) -> None:
+        assert stream.dealer is not None
+        self._n_replay_requests += 1
+        # zmq.Again: not connected yet; the deadline turns this into a failed replay.
+        with contextlib.suppress(zmq.Again):
+            stream.dealer.send_multipart([b"", encode_seq(start)], zmq.NOBLOCK)
+        stream.replay = _Replay(time.monotonic() + self._replay_timeout, startup)
 
     def _drain_replay(self, stream: _Stream, sock: zmq.Socket) -> None:
         while True:
@@ -1082,7 +1097,9 @@ class KvEventConsolidator:
 
     def _replay_failed(self, stream: _Stream, poller: zmq.Poller,
                        by_dealer: dict[Any, _Stream]) -> None:
-        self._n_replay_failures += 1
+        assert stream.replay is not None
+        if not stream.replay.startup:  # at start the rank's publisher may simply not be up
+            self._n_replay_failures += 1
         # A fresh DEALER, so a late answer to this request cannot be taken for a later one.
         if stream.dealer is not None:
             by_dealer.pop(stream.dealer, None)

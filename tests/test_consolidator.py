@@ -1,0 +1,560 @@
+"""KvEventConsolidator: the socket shell (GPU-tier SUBs, replay, resync, registrations, output).
+
+Endpoints are ipc paths in a short temp dir; every wait polls with a deadline. The output is read
+back through the output publisher's replay socket from seq 0, so nothing is lost to the slow
+joiner, and decoded with the shared codec (independent of the core).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from kvbm_plugin.consolidator import KvEventConsolidator, main_consolidate
+from kvbm_plugin.consolidator_config import (
+    EVENTS_ENDPOINT,
+    OUTPUT_ENDPOINT,
+    OUTPUT_REPLAY_ENDPOINT,
+    REPLAY_ENDPOINT,
+    ConsolidatorConfig,
+    load_consolidator_config,
+)
+from kvbm_plugin.events import END_SEQ, EventBatch, decode_message, encode_seq
+from kvbm_plugin.publisher import create_publisher
+
+BS = 4
+U64 = 1 << 64
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+def toks(*blocks: int) -> list[int]:
+    """Token ids of consecutive blocks, block b -> [b, b+1000, b+2000, b+3000]."""
+    return [b + 1000 * i for b in blocks for i in range(BS)]
+
+
+def stored(hashes: list[int], parent: int | None, blocks: list[int],
+           medium: str = "GPU") -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
+            "token_ids": toks(*blocks), "block_size": BS, "lora_id": None, "medium": medium,
+            "lora_name": None}
+
+
+def removed(hashes: list[int], medium: str = "GPU") -> dict[str, Any]:
+    return {"type": "BlockRemoved", "block_hashes": hashes, "medium": medium}
+
+
+@pytest.fixture
+def ipc_dir() -> Iterator[str]:
+    path = tempfile.mkdtemp(prefix="kvc", dir="/tmp")  # ipc paths must stay short
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def make_config(ipc_dir: str, *, num_ranks: int = 1, replay: bool = True,
+                mode: str = "dedup") -> ConsolidatorConfig:
+    env = {EVENTS_ENDPOINT: f"ipc://{ipc_dir}/ev", OUTPUT_ENDPOINT: f"ipc://{ipc_dir}/out",
+           OUTPUT_REPLAY_ENDPOINT: f"ipc://{ipc_dir}/outr",
+           "DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE": mode}
+    if replay:
+        env[REPLAY_ENDPOINT] = f"ipc://{ipc_dir}/rp"
+    return load_consolidator_config(env, num_ranks=num_ranks)
+
+
+@pytest.fixture
+def closers() -> Iterator[list[Callable[[], None]]]:
+    todo: list[Callable[[], None]] = []
+    yield todo
+    for close in reversed(todo):
+        close()
+
+
+@pytest.fixture
+def start(closers) -> Callable[..., KvEventConsolidator]:
+    def _start(config: ConsolidatorConfig, **kwargs: Any) -> KvEventConsolidator:
+        consolidator = KvEventConsolidator(config, **kwargs)
+        consolidator.start()
+        closers.append(lambda: consolidator.shutdown(5.0))
+        return consolidator
+    return _start
+
+
+class RawRank:
+    """A test-controlled GPU-tier publisher: any seq, any frames, a scripted replay ROUTER.
+
+    XPUB so the test can wait until the consolidator's subscription has arrived.
+    """
+
+    def __init__(self, config: ConsolidatorConfig, rank: int, ctx: zmq.Context) -> None:
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.pub.bind(config.publish_endpoint(rank).bind)
+        replay = config.replay_endpoint(rank)
+        self.router = None
+        if replay is not None:
+            self.router = ctx.socket(zmq.ROUTER)
+            self.router.setsockopt(zmq.LINGER, 0)
+            self.router.bind(replay.bind)
+        self.rank = rank
+
+    def wait_subscribed(self) -> None:
+        assert self.pub.poll(10000), "consolidator never subscribed"
+        self.pub.recv()
+
+    def frames(self, seq: int, events: list[Any], dp_rank: int | None = None) -> list[bytes]:
+        dp = self.rank if dp_rank is None else dp_rank
+        return [b"", encode_seq(seq), msgpack.packb([time.time(), events, dp])]
+
+    def send(self, seq: int, events: list[Any], dp_rank: int | None = None) -> list[bytes]:
+        frames = self.frames(seq, events, dp_rank)
+        self.pub.send_multipart(frames)
+        return frames
+
+    def next_replay_request(self, timeout_ms: int = 10000) -> tuple[bytes, int]:
+        assert self.router is not None
+        assert self.router.poll(timeout_ms), "no replay request arrived"
+        frames = self.router.recv_multipart()
+        assert frames[1] == b"" and len(frames[2]) == 8, frames
+        return frames[0], int.from_bytes(frames[2], "big")
+
+    def answer(self, ident: bytes, batches: list[list[bytes]]) -> None:
+        assert self.router is not None
+        for frames in batches:
+            self.router.send_multipart([ident, b"", *frames])
+        self.router.send_multipart([ident, b"", b"", END_SEQ, b""])
+
+    def serve_startup(self) -> None:
+        """Answer the catch-up request every consolidator sends at start: nothing buffered."""
+        ident, start = self.next_replay_request()
+        assert start == 0
+        self.answer(ident, [])
+
+    def close(self) -> None:
+        self.pub.close(0)
+        if self.router is not None:
+            self.router.close(0)
+
+
+@pytest.fixture
+def raw_rank(closers) -> Callable[[ConsolidatorConfig, int], RawRank]:
+    ctx = zmq.Context.instance()
+
+    def _make(config: ConsolidatorConfig, rank: int = 0) -> RawRank:
+        raw = RawRank(config, rank, ctx)
+        closers.append(raw.close)
+        return raw
+    return _make
+
+
+def read_output(config: ConsolidatorConfig, timeout: float = 10.0) -> list[EventBatch]:
+    """Every output batch so far, replayed from seq 0 through the output replay socket."""
+    assert config.output_replay is not None
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(config.output_replay.connect)
+    try:
+        dealer.send_multipart([b"", encode_seq(0)])
+        batches: list[EventBatch] = []
+        deadline = time.monotonic() + timeout
+        while True:
+            left = int((deadline - time.monotonic()) * 1000)
+            assert left > 0 and dealer.poll(left), "output replay did not finish"
+            frames = dealer.recv_multipart()
+            body = frames[1:]
+            if body[1] == END_SEQ:
+                break
+            batches.append(decode_message(body))
+    finally:
+        dealer.close(0)
+    assert [b.seq for b in batches] == list(range(len(batches))), "output has a seq gap"
+    return batches
+
+
+class Router:
+    """What a router holds after replaying the output (u64 hashes per dp rank)."""
+
+    def __init__(self, batches: list[EventBatch]) -> None:
+        self.held: dict[int, set[int]] = {}
+        self.stores = self.removes = self.clears = 0
+        for batch in batches:
+            assert batch.data_parallel_rank is not None
+            held = self.held.setdefault(batch.data_parallel_rank, set())
+            assert len({id(e) for e in batch.events}) == len(batch.events)
+            for event in batch.events:
+                name = type(event).__name__
+                if name == "BlockStored":
+                    assert event.parent_block_hash is None or event.parent_block_hash in held
+                    for h in event.block_hashes:
+                        assert h not in held, "duplicate STORE"
+                        held.add(h)
+                        self.stores += 1
+                elif name == "BlockRemoved":
+                    for h in event.block_hashes:
+                        assert h in held, "REMOVE of a block not held"
+                        held.discard(h)
+                        self.removes += 1
+                else:
+                    held.clear()
+                    self.clears += 1
+
+
+def settled(consolidator: KvEventConsolidator, config: ConsolidatorConfig,
+            cond: Callable[[dict[str, int]], bool]) -> Router:
+    wait_for(lambda: cond(consolidator.stats()), what="consolidator input")
+    assert consolidator.wait_idle(10.0)
+    return Router(read_output(config))
+
+
+def sync_live(pub: Any, consolidator: KvEventConsolidator, timeout: float = 10.0) -> None:
+    """Publish empty batches until one arrives live (the subscription has taken effect)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        before = consolidator.stats()["messages_received"]
+        pub.publish([])
+        try:
+            wait_for(lambda b=before: consolidator.stats()["messages_received"] > b, 0.2)
+            return
+        except AssertionError:
+            if time.monotonic() > deadline:
+                raise
+
+
+# ---------------------------------------------------------------------- end to end
+
+
+def test_two_ranks_and_tiers_give_one_deduplicated_stream_per_dp_rank(ipc_dir, start, closers):
+    config = make_config(ipc_dir, num_ranks=2)
+    publishers = []
+    for rank in range(2):
+        pub = create_publisher(config.publisher, config.publish_endpoint(rank),
+                               config.replay_endpoint(rank), rank)
+        closers.append(lambda p=pub: p.shutdown(2.0))
+        publishers.append(pub)
+    # Published before the consolidator exists: recovered by its catch-up replay from seq 0.
+    publishers[0].publish([stored([11, 12], None, [1, 2])])
+    publishers[1].publish([stored([11], None, [1])])  # same hash and tokens, other dp rank
+    wait_for(lambda: all(p.stats()["batches_published"] == 1 for p in publishers))
+    consolidator = start(config)
+    wait_for(lambda: consolidator.stats()["batches_applied"] == 2)  # the engine's hashes first
+    consolidator.register_store("CPU", 0, 11, None, toks(1), BS)
+    consolidator.register_store("cpu_tier2", 0, 0xFFFF_FFFF_FFFF_FF12, 11, toks(2), BS)
+    router = settled(consolidator, config, lambda s: s["batches_applied"] >= 2
+                     and s["registrations"] == 2)
+    assert router.held == {0: {11, 12}, 1: {11}}
+    assert router.stores == 3
+    # The engine evicts both on rank 0: host (11) and disk (12 under the disk's hash) hold them.
+    sync_live(publishers[0], consolidator)
+    applied = consolidator.stats()["batches_applied"]
+    publishers[0].publish([removed([11, 12])])
+    router = settled(consolidator, config, lambda s: s["batches_applied"] > applied)
+    assert router.held == {0: {11, 12}, 1: {11}} and router.removes == 0
+    consolidator.register_remove("DISK", 0, [0xFFFF_FFFF_FFFF_FF12])
+    consolidator.register_remove("CPU", 0, [11])
+    router = settled(consolidator, config, lambda s: s["registrations"] == 4)
+    assert router.held[0] == set() and router.held[1] == {11}
+    assert router.removes == 2  # exactly one REMOVE per block
+    stats = consolidator.stats()
+    assert stats["late_joins"] == 0 and stats["resyncs"] == 0 and stats["malformed"] == 0
+    assert stats["replayed_batches"] >= 2
+
+
+def test_output_batches_keep_the_dp_rank(ipc_dir, start, raw_rank):
+    config = make_config(ipc_dir, num_ranks=2, replay=False)
+    ranks = [raw_rank(config, r) for r in range(2)]
+    consolidator = start(config)
+    for raw in ranks:
+        raw.wait_subscribed()
+    ranks[0].send(0, [stored([1], None, [1])])
+    ranks[1].send(0, [stored([2], None, [2])])
+    consolidator.register_store("DISK", 1, 3, None, toks(3), BS)
+    settled(consolidator, config, lambda s: s["batches_applied"] == 2
+            and s["registrations"] == 1)
+    batches = read_output(config)
+    by_rank: dict[int, set[int]] = {}
+    for batch in batches:
+        for event in batch.events:
+            by_rank.setdefault(batch.data_parallel_rank, set()).update(event.block_hashes)
+    assert by_rank == {0: {1}, 1: {2, 3}}
+
+
+def test_passthrough_mode_forwards_tier_media(ipc_dir, start, raw_rank):
+    config = make_config(ipc_dir, replay=False, mode="passthrough")
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    raw.send(0, [stored([1], None, [1])])
+    consolidator.register_store("CPU", 0, 1, None, toks(1), BS)
+    wait_for(lambda: consolidator.stats()["batches_applied"] == 1
+             and consolidator.stats()["registrations"] == 1)
+    assert consolidator.wait_idle(10.0)
+    media = [e.medium for b in read_output(config) for e in b.events]
+    assert sorted(media) == ["CPU", "GPU"]
+
+
+# ---------------------------------------------------------------------- gaps
+
+
+def test_gap_is_filled_by_replay(ipc_dir, start, raw_rank):
+    config = make_config(ipc_dir)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    raw.serve_startup()
+    raw.send(0, [stored([1], None, [1])])
+    lost = raw.frames(1, [stored([2], 1, [2]), removed([1])])  # never sent live
+    live = raw.send(2, [stored([3], 2, [3])])
+    ident, start_seq = raw.next_replay_request()
+    assert start_seq == 1
+    raw.answer(ident, [lost, live])
+    router = settled(consolidator, config, lambda s: s["batches_applied"] == 3)
+    assert router.held == {0: {2, 3}}
+    stats = consolidator.stats()
+    assert stats["gaps"] == 1 and stats["replay_requests"] == 2  # catch-up + gap
+    assert stats["replayed_batches"] == 2 and stats["resyncs"] == 0
+    assert stats["unfillable_gaps"] == 0
+
+
+def test_gap_without_replay_endpoint_resyncs_the_rank(ipc_dir, start, raw_rank):
+    config = make_config(ipc_dir, replay=False)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    raw.send(0, [stored([1, 2], None, [1, 2])])
+    consolidator.register_store("CPU", 0, 1, None, toks(1), BS)
+    wait_for(lambda: consolidator.stats()["batches_applied"] == 1
+             and consolidator.stats()["registrations"] == 1)
+    raw.send(5, [stored([9], None, [9])])  # seq 1..4 lost for good
+    router = settled(consolidator, config, lambda s: s["batches_applied"] == 2)
+    # Block 2 was held only by the engine: treated as cleared. Block 1 is on the host.
+    assert router.held == {0: {1, 9}}
+    assert router.removes == 1
+    stats = consolidator.stats()
+    assert stats["unfillable_gaps"] == 1 and stats["resyncs"] == 1
+
+
+def test_gap_beyond_the_replay_buffer_resyncs(ipc_dir, start, raw_rank):
+    config = make_config(ipc_dir)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    raw.serve_startup()
+    raw.send(0, [stored([1], None, [1])])
+    live = raw.send(3, [stored([3], None, [3])])
+    ident, start_seq = raw.next_replay_request()
+    assert start_seq == 1
+    raw.answer(ident, [live])  # the publisher no longer buffers 1 and 2
+    router = settled(consolidator, config, lambda s: s["batches_applied"] == 2)
+    assert router.held == {0: {3}}
+    assert consolidator.stats()["unfillable_gaps"] == 1
+    assert consolidator.stats()["resyncs"] == 1
+
+
+def test_replay_that_never_answers_times_out_into_a_resync(ipc_dir, start, raw_rank):
+    config = make_config(ipc_dir)
+    raw = raw_rank(config)
+    consolidator = start(config, replay_timeout=0.2)
+    raw.wait_subscribed()
+    raw.serve_startup()
+    raw.send(0, [stored([1], None, [1])])
+    raw.send(2, [stored([2], None, [2])])
+    raw.next_replay_request()  # and never answer
+    raw.send(3, [stored([3], 2, [3])])  # held back during the replay, applied after it
+    router = settled(consolidator, config, lambda s: s["replay_failures"] == 1
+                     and s["batches_applied"] == 3)
+    assert router.held == {0: {2, 3}}
+    assert consolidator.stats()["resyncs"] == 1
+
+
+def test_publisher_restart_resyncs_the_rank(ipc_dir, start, raw_rank):
+    config = make_config(ipc_dir, replay=False)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    raw.send(0, [stored([1], None, [1])])
+    raw.send(1, [stored([2], None, [2])])
+    wait_for(lambda: consolidator.stats()["batches_applied"] == 2)
+    raw.send(0, [stored([2], None, [2])])  # a restarted engine: seq back to 0
+    router = settled(consolidator, config, lambda s: s["batches_applied"] == 3)
+    assert router.held == {0: {2}}
+    stats = consolidator.stats()
+    assert stats["restarts"] == 1 and stats["resyncs"] == 1
+
+
+def test_late_start_recovers_the_rank_publishers_buffer(ipc_dir, start, closers):
+    """A consolidator that starts late recovers every batch from the rank publisher's buffer."""
+    config = make_config(ipc_dir)
+    pub = create_publisher(config.publisher, config.publish_endpoint(0),
+                           config.replay_endpoint(0), 0)
+    closers.append(lambda: pub.shutdown(2.0))
+    for i in range(20):
+        pub.publish([stored([100 + i], None if i == 0 else 99 + i, [i])])
+    wait_for(lambda: pub.stats()["batches_published"] == 20)
+    consolidator = start(config)
+    wait_for(lambda: consolidator.stats()["batches_applied"] == 20)
+    sync_live(pub, consolidator)
+    applied = consolidator.stats()["batches_applied"]
+    pub.publish([removed([119])])
+    router = settled(consolidator, config, lambda s: s["batches_applied"] > applied)
+    assert router.held == {0: set(range(100, 119))}
+
+
+# ---------------------------------------------------------------------- robustness
+
+
+def test_garbage_frames_never_kill_the_ingest_thread(ipc_dir, start, raw_rank):
+    config = make_config(ipc_dir, replay=False)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    garbage = [
+        [b"only-one-frame"],
+        [b"", b"1", b"2", b"3", b"4"],
+        [b"", encode_seq(0), b"\xc1\xc1 not msgpack"],
+        [b"", b"short", msgpack.packb([0.0, [], 0])],
+        [b"", encode_seq(0), msgpack.packb({"not": "a batch"})],
+        [b"", encode_seq(0), msgpack.packb([0.0, [], "rank"])],
+        [b"", encode_seq(0), msgpack.packb([0.0, [], -3])],
+    ]
+    for frames in garbage:
+        raw.pub.send_multipart(frames)
+    raw.send(0, [stored([1], None, [1], medium="HBM"),  # unknown medium: dropped, counted
+                 "junk", ["BlockStored", [2], None, toks(2), BS, None, "GPU"],
+                 {"type": "BlockStored", "block_hashes": [3], "parent_block_hash": None,
+                  "token_ids": [1], "block_size": BS}])
+    raw.send(1, [removed(["x"]), stored([4], None, [4])])
+    router = settled(consolidator, config, lambda s: s["messages_received"] == 9)
+    assert router.held == {0: {2, 4}}
+    stats = consolidator.stats()
+    assert stats["malformed"] == len(garbage) + 3
+    assert stats["unknown_medium"] == 1
+    assert stats["events_applied"] == 2
+
+
+def test_registrations_from_many_threads(ipc_dir, start, raw_rank):
+    config = make_config(ipc_dir, replay=False)
+    raw_rank(config)
+    consolidator = start(config)
+    per_thread = 300
+
+    def tier_thread(t: int) -> None:
+        tier = "CPU" if t % 2 else "DISK"
+        for i in range(per_thread):
+            h = t * 10_000 + i
+            consolidator.register_store(tier, t % 2, h, None, toks(h), BS)
+            if i % 3 == 0:
+                consolidator.register_remove(tier, t % 2, [h])
+
+    threads = [threading.Thread(target=tier_thread, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    consolidator.register_clear("DISK", 0)  # threads 0 and 2 registered dp 0 on DISK
+    router = settled(consolidator, config,
+                     lambda s: s["registrations"] == 4 * (per_thread + 100) + 1)
+    expected = {t * 10_000 + i for t in (1, 3) for i in range(per_thread) if i % 3}
+    assert router.held.get(0, set()) == set()
+    assert router.held[1] == expected
+    assert consolidator.stats()["registration_errors"] == 0
+
+
+def test_registration_arguments_are_checked_on_the_callers_thread(ipc_dir, start, raw_rank):
+    config = make_config(ipc_dir, replay=False)
+    raw_rank(config)
+    consolidator = start(config)
+    with pytest.raises(ValueError, match="HBM"):
+        consolidator.register_store("HBM", 0, 1, None, toks(1), BS)
+    with pytest.raises(ValueError, match="64-bit"):
+        consolidator.register_remove("CPU", 0, [U64])
+    # A wrong token count is the tier's bug: counted on the ingest thread, never raised there.
+    consolidator.register_store("CPU", 0, 1, None, [1, 2], BS)
+    wait_for(lambda: consolidator.stats()["registration_errors"] == 1)
+    assert consolidator.wait_idle(5.0)
+
+
+def test_shutdown_is_idempotent_and_bounded(ipc_dir, raw_rank):
+    config = make_config(ipc_dir, replay=False)
+    raw_rank(config)
+    consolidator = KvEventConsolidator(config)
+    consolidator.start()
+    with pytest.raises(RuntimeError, match="already started"):
+        consolidator.start()
+    consolidator.register_store("CPU", 0, 1, None, toks(1), BS)
+    began = time.monotonic()
+    consolidator.shutdown(3.0)
+    consolidator.shutdown(3.0)
+    assert time.monotonic() - began < 4.0
+    assert consolidator.stats()["registrations"] == 1  # applied before the thread stopped
+    consolidator.register_remove("CPU", 0, [1])  # after shutdown: dropped, never raises
+    assert consolidator.stats()["registrations_dropped"] == 1
+    # The output port is free again.
+    again = KvEventConsolidator(config)
+    again.start()
+    again.shutdown(3.0)
+
+
+def test_start_failure_raises_and_leaves_nothing_running(ipc_dir):
+    blocker = zmq.Context.instance().socket(zmq.PUB)
+    blocker.setsockopt(zmq.LINGER, 0)
+    port = blocker.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        env = {EVENTS_ENDPOINT: f"ipc://{ipc_dir}/ev", OUTPUT_ENDPOINT: f"tcp://127.0.0.1:{port}"}
+        consolidator = KvEventConsolidator(load_consolidator_config(env))
+        with pytest.raises(Exception, match=str(port)):
+            consolidator.start()
+        consolidator.shutdown(1.0)  # nothing to do, must not raise
+        assert not any(t.name == "kvbm-consolidator" for t in threading.enumerate())
+        consolidator.register_store("CPU", 0, 1, None, toks(1), BS)  # dropped, no raise
+    finally:
+        blocker.close(0)
+
+
+# ---------------------------------------------------------------------- standalone command
+
+
+def test_main_consolidate_rejects_bad_settings(capsys):
+    assert main_consolidate(["--num-ranks", "0"]) == 2
+    assert "num_ranks" in capsys.readouterr().err
+
+
+def test_consolidate_command_runs_until_sigterm(ipc_dir):
+    env = dict(os.environ, DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR="false")
+    env.pop(EVENTS_ENDPOINT, None)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from kvbm_plugin.consolidator import "
+         "main_consolidate; sys.exit(main_consolidate(sys.argv[1:]))",
+         "--num-ranks", "2", "--events-endpoint", f"ipc://{ipc_dir}/ev",
+         "--output-endpoint", f"ipc://{ipc_dir}/out"],
+        env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        lines: list[str] = []
+        deadline = time.monotonic() + 30
+        while not any("started" in line for line in lines):
+            assert time.monotonic() < deadline and proc.poll() is None, lines
+            lines.append(proc.stderr.readline())
+        assert f"ipc://{ipc_dir}/ev_dp1" in lines[-1]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
