@@ -1,0 +1,160 @@
+"""Offload (device → host tier) and onboard (host tier → device) bandwidth through the real
+KvbmConnectorWorker, against a plain bulk copy of the same bytes in the same run.
+
+Blocks are realistic: 32 layers × 2 (K, V) × 32 tokens × 8 heads × 128 dims in bf16 = 4 MiB.
+Device blocks map to host slots through a permutation, so nothing coalesces: every block is its
+own 4 MiB copy, as in a real pool. On CUDA the worker copies on its side stream behind a
+forward-pass event and the host pool is pinned; the baseline is one pinned bulk copy. Timing
+synchronizes only at measurement boundaries.
+
+    python -m benchmarks.bench_transfer [--quick] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+import uuid
+
+import torch
+
+from benchmarks._table import Row, median_of, print_table
+from kvbm_plugin.connector_meta import (
+    HOST,
+    ConnectorMetadata,
+    LoadCopy,
+    LoadOp,
+    SaveOp,
+    TierLayout,
+    close_hub,
+    open_hub,
+)
+from kvbm_plugin.connector_worker import KvbmConnectorWorker
+from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, LlmArgs, ParallelConfig
+
+LAYERS, KV, TOKENS, HEADS, DIM = 32, 2, 32, 8, 128
+BLOCK_ELEMS = TOKENS * HEADS * DIM
+CPU_TARGET, CUDA_TARGET = 0.8, 0.9
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _wait_reports(hub, count: int, timeout: float = 120.0) -> None:
+    """Block (no spinning: the copy threads need the cores) until ``count`` op reports."""
+    deadline = time.monotonic() + timeout
+    for _ in range(count):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("transfer did not complete")
+        report = hub._queue.get(timeout=left)
+        if not report.ok:
+            raise RuntimeError(f"op {report.op_id} failed")
+
+
+def run(quick: bool = False, device: str = "cpu") -> list[Row]:
+    """Measure and return rows: offload and onboard GB/s vs a bulk copy of the same bytes."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--device cuda needs a CUDA device")
+    n = (16 if quick else 64) if device == "cpu" else (64 if quick else 256)
+    repeats = 3 if quick else 5
+    group = f"bench-{uuid.uuid4().hex[:8]}"
+    env = {"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false",
+           "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(n)}
+    args = LlmArgs(KvCacheConfig(TOKENS), ParallelConfig(0, 1), kvbm_plugin_env=env,
+                   kvbm_plugin_group=group)
+    hub = open_hub(group)  # stands in for the leader: the worker reports ops here
+    worker = KvbmConnectorWorker(args)
+    try:
+        pool = torch.randn((n, LAYERS, KV, BLOCK_ELEMS), dtype=torch.bfloat16, device=device)
+        worker.register_kv_caches(pool)
+        forward_done = worker.register_forward_pass_callable()
+        host_pool = worker._host.pool  # type: ignore[union-attr]
+        nbytes = pool.numel() * pool.element_size()
+        slots = list(range(n))
+        random.Random(0).shuffle(slots)
+        layout = TierLayout(n, 0, None)
+        ops = iter(range(1, 1 << 62))
+        req_ids = iter(range(1, 1 << 62))
+        stream = torch.cuda.current_stream() if device == "cuda" else None
+
+        def offload() -> float:
+            req = next(req_ids)
+            meta = ConnectorMetadata(0, layout, saves=tuple(
+                SaveOp(next(ops), req, b, HOST, slots[b], b) for b in range(n)))
+            _sync(device)
+            start = time.perf_counter()
+            worker.bind_connector_meta(meta)
+            worker.start_load_kv(stream)
+            forward_done()
+            worker.wait_for_save(stream)
+            _wait_reports(hub, n)
+            elapsed = time.perf_counter() - start
+            assert worker.get_finished([req], [])[0] == [req]
+            return nbytes / elapsed / 1e9
+
+        def onboard() -> float:
+            req = next(req_ids)
+            meta = ConnectorMetadata(0, layout, loads=(LoadOp(req, tuple(
+                LoadCopy(next(ops), HOST, slots[b], b, b) for b in range(n))),))
+            _sync(device)
+            start = time.perf_counter()
+            worker.bind_connector_meta(meta)
+            worker.start_load_kv(stream)
+            _wait_reports(hub, n)
+            elapsed = time.perf_counter() - start
+            assert worker.get_finished([], [req])[1] == [req]
+            return nbytes / elapsed / 1e9
+
+        bulk_host = torch.empty_like(host_pool)  # same pinning as the tier's pool
+
+        def bulk_d2h() -> float:
+            _sync(device)
+            start = time.perf_counter()
+            bulk_host.copy_(pool, non_blocking=device == "cuda")
+            _sync(device)
+            return nbytes / (time.perf_counter() - start) / 1e9
+
+        def bulk_h2d() -> float:
+            _sync(device)
+            start = time.perf_counter()
+            pool.copy_(bulk_host, non_blocking=device == "cuda")
+            _sync(device)
+            return nbytes / (time.perf_counter() - start) / 1e9
+
+        offload(), onboard(), bulk_d2h(), bulk_h2d()  # warm-up (page faults, streams)
+        # Interleave so both sides see the same machine state.
+        off = median_of(offload, repeats)
+        base_off = median_of(bulk_d2h, repeats)
+        on = median_of(onboard, repeats)
+        base_on = median_of(bulk_h2d, repeats)
+        # Correctness: the last onboard put every block back where it came from.
+        host_copy = host_pool[torch.tensor(slots)]
+        assert torch.equal(pool.cpu(), host_copy.cpu()), "onboarded bytes differ"
+    finally:
+        worker.shutdown()
+        close_hub(group)
+    target = CPU_TARGET if device == "cpu" else CUDA_TARGET
+    label = "D2H" if device == "cuda" else "memcpy"
+    name = f"transfer[{device}, {n}x4MiB]"
+    return [
+        Row(name, f"offload device→host ({label})", off, "GB/s", base_off, f">= {target}x",
+            off >= target * base_off),
+        Row(name, f"onboard host→device ({'H2D' if device == 'cuda' else 'memcpy'})", on,
+            "GB/s", base_on, f">= {target}x", on >= target * base_on),
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    opts = parser.parse_args()
+    print_table(run(quick=opts.quick, device=opts.device))
+
+
+if __name__ == "__main__":
+    main()
