@@ -360,8 +360,15 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         """Copy each (dst, src) pair; on CUDA on the side stream behind ``wait_event``, with
         ``done`` called from the poll loop when the recorded event fires."""
         if not self._cuda:
-            for dst, src in copies:
-                dst.copy_(src)
+            import torch
+
+            foreach = getattr(torch, "_foreach_copy_", None)
+            if foreach is not None and len(copies) > 1:
+                # One op for the whole batch: one parallel region instead of one per block.
+                foreach([d for d, _ in copies], [s for _, s in copies])
+            else:
+                for dst, src in copies:
+                    dst.copy_(src)
             done(True)
             return
         import torch
