@@ -173,3 +173,49 @@ def test_standin_bases_have_trtllm_constructor_and_methods() -> None:
     instance.bind_connector_meta({"x": 1})
     assert instance.get_connector_meta() == {"x": 1}
     assert instance.register_forward_pass_callable() is None
+
+
+class _Manager:
+    def get_latest_events(self, timeout_ms: int = 0) -> list:
+        return []
+
+
+class _V2Manager:
+    class event_manager:  # noqa: N801 - attribute shape of KVCacheManagerV2
+        @staticmethod
+        def add_stored_block_event_from_block(block: Any) -> None:
+            return None
+
+
+class _PyExecutorShaped:
+    def __init__(self, manager: Any) -> None:
+        self.kv_cache_manager = manager
+
+    def loop(self) -> Any:
+        return _connector_call()
+
+
+def _connector_call() -> Any:
+    return _trtllm_compat.find_kv_cache_manager()
+
+
+def test_find_kv_cache_manager_through_the_callers_self() -> None:
+    manager = _Manager()
+    assert _PyExecutorShaped(manager).loop() is manager
+    v2 = _V2Manager()
+    assert _PyExecutorShaped(v2).loop() is v2
+
+
+def test_find_kv_cache_manager_through_a_local() -> None:
+    kv_cache_manager = _Manager()
+    assert _connector_call() is kv_cache_manager
+
+
+def test_find_kv_cache_manager_ignores_managers_without_events() -> None:
+    assert _PyExecutorShaped(object()).loop() is None
+    assert _connector_call() is None
+
+
+def test_no_serializer_without_trtllm() -> None:
+    if not _trtllm_compat.COMPAT.installed:
+        assert _trtllm_compat.kv_event_serializer() is None

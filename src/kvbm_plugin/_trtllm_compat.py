@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import logging
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -157,5 +158,53 @@ def _installed_version() -> str | None:
 
 KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput, COMPAT = _load()
 
+
+def _has_events(candidate: Any) -> bool:
+    """A KV cache manager that can hand out events: buffered (``get_latest_events``) or V2
+    (``event_manager`` with the sink hooks)."""
+    if candidate is None:
+        return False
+    event_manager = getattr(candidate, "event_manager", None)
+    return (callable(getattr(candidate, "get_latest_events", None))
+            or hasattr(event_manager, "add_stored_block_event_from_block"))
+
+
+def find_kv_cache_manager(max_depth: int = 32) -> Any | None:
+    """The KV cache manager of the PyExecutor that is calling us, or None.
+
+    TensorRT-LLM gives the connector no handle on its KV cache manager, but every version's
+    ``PyExecutor`` keeps it as ``self.kv_cache_manager`` and calls the connector scheduler from
+    its own loop (``KvCacheConnectorManager.handle_metadata`` → ``build_connector_meta``).
+    So the caller's frames lead to it without patching TensorRT-LLM. Call from the executor
+    thread; it inspects at most ``max_depth`` frames and does no I/O.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_depth):
+        if frame is None:
+            return None
+        local = frame.f_locals
+        candidate = local.get("kv_cache_manager")
+        if _has_events(candidate):
+            return candidate
+        owner = local.get("self")
+        candidate = getattr(owner, "kv_cache_manager", None) if owner is not None else None
+        if _has_events(candidate):
+            return candidate
+        frame = frame.f_back
+    return None
+
+
+def kv_event_serializer() -> Callable[[Any], list[dict[str, Any]]] | None:
+    """TensorRT-LLM's serializer of buffered C++ KV events into dicts, or None without it."""
+    if not COMPAT.installed or COMPAT.error:
+        return None
+    try:
+        module = importlib.import_module("tensorrt_llm._utils")
+        return module.KVCacheEventSerializer.serialize
+    except Exception as exc:  # absent in some version: the sink then counts objects as malformed
+        logger.warning("TensorRT-LLM's KVCacheEventSerializer is not importable (%s); buffered "
+                       "KV events cannot be converted", exc)
+        return None
+
 __all__ = ["COMPAT", "CompatInfo", "KvCacheConnectorScheduler", "KvCacheConnectorWorker",
-           "SchedulerOutput", "STANDIN"]
+           "SchedulerOutput", "STANDIN", "find_kv_cache_manager", "kv_event_serializer"]

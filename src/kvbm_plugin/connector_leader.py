@@ -30,7 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbm_plugin import _llm_args
-from kvbm_plugin._trtllm_compat import KvCacheConnectorScheduler
+from kvbm_plugin._trtllm_compat import (
+    KvCacheConnectorScheduler,
+    find_kv_cache_manager,
+    kv_event_serializer,
+)
 from kvbm_plugin.connector_meta import (
     DISK,
     ERR_CORRUPT,
@@ -165,6 +169,10 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         self._receiver: ZmqReportReceiver | None = None
         self.consolidator: Any = None
         self.event_sink: Any = None
+        # Where the GPU-tier events come from (attached on the first iterations, see
+        # _attach_event_source); None until found.
+        self.event_source: Any = None
+        self._attach_attempts = 0
         self._tier_events: Any = None
         self._stats = dict.fromkeys((
             "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
@@ -360,16 +368,57 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             self._absorb(state, rd)
             if first_tier is not None and not state.finished:
                 self._schedule_saves(state, first_tier, saves)
-        if self.event_sink is not None:
-            self.event_sink.flush()
-        flush = getattr(self._tier_events, "flush", None)
-        if flush is not None:
-            flush()
+        self.flush_events()
         meta = ConnectorMetadata(self._iteration, layout, tuple(self._pending_loads),
                                  tuple(self._pending_demotes), tuple(saves))
         self._pending_loads = []
         self._pending_demotes = []
         return meta
+
+    # Iterations to look for the engine's KV cache manager before giving up (it is there from
+    # the first iteration in every TRT-LLM version; the margin covers unusual call stacks).
+    _MAX_ATTACH_ATTEMPTS = 8
+
+    def _attach_event_source(self) -> None:
+        """Find the engine's KV cache manager through the calling PyExecutor's frames and tee
+        its KV events into the sink (see ``event_sink.attach_event_source``). Executor thread,
+        first iterations only; frame inspection, no I/O."""
+        self._attach_attempts += 1
+        manager = find_kv_cache_manager()
+        if manager is None:
+            if self._attach_attempts == self._MAX_ATTACH_ATTEMPTS:
+                logger.warning(
+                    "kvbm_plugin: no KV cache manager with events found in the executor's call "
+                    "stack; GPU-tier events are not published from this process (push them "
+                    "with event_sink.ingest, or run `kvbm-plugin sidecar` against trtllm-serve)")
+            return
+        from kvbm_plugin.event_sink import attach_event_source
+
+        try:
+            self.event_source = attach_event_source(manager, self.event_sink,
+                                                    serialize=kv_event_serializer())
+        except ValueError as exc:
+            self._attach_attempts = self._MAX_ATTACH_ATTEMPTS
+            logger.warning("kvbm_plugin: GPU-tier events unavailable: %s", exc)
+            return
+        logger.info("kvbm_plugin: GPU-tier events attached (%s path)", self.event_source.kind)
+
+    def flush_events(self) -> None:
+        """Publish this iteration's GPU-tier batch and hand queued tier events on.
+
+        Called by ``build_connector_meta`` once per iteration (executor thread, rank 0 / each
+        attention-DP rank); also callable when the engine is idle to push out the events of the
+        last iteration. Drains the engine's event buffer without waiting; no I/O here.
+        """
+        if self.event_sink is not None:
+            if self.event_source is None and self._attach_attempts < self._MAX_ATTACH_ATTEMPTS:
+                self._attach_event_source()
+            if self.event_source is not None:
+                self.event_source.poll()
+            self.event_sink.flush()
+        flush = getattr(self._tier_events, "flush", None)
+        if flush is not None:
+            flush()
 
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         """Called once on rank 0 when a request terminates (finished or aborted), result
@@ -562,6 +611,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         self._closed = True
         if self._receiver is not None:
             self._receiver.close(timeout)
+        if self.event_source is not None:
+            self.event_source.poll()  # the last iteration's events
+            self.event_source.detach()
         if self.event_sink is not None:
             flush = getattr(self._tier_events, "flush", None)
             if flush is not None:

@@ -21,6 +21,7 @@ import zmq
 from kvbm_plugin.consolidator_config import ConfigError, parse_endpoint
 from kvbm_plugin.events import (
     END_SEQ,
+    MEDIA,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -65,6 +66,8 @@ class StreamSubscriber:
     context: zmq.Context | None = None
     start_seq: int | None = None
     held: set[tuple[int, int]] = field(default_factory=set)
+    # (dp_rank, signed hash, medium): the per-tier view a passthrough stream describes.
+    held_with_medium: set[tuple[int, int, str]] = field(default_factory=set)
     stats: SubscriberStats = field(default_factory=SubscriberStats)
 
     def __post_init__(self) -> None:
@@ -163,21 +166,27 @@ class StreamSubscriber:
                 parent = event.parent_block_hash
                 if parent is not None and (rank, to_signed_int64(parent)) not in self.held:
                     self.stats.orphan_stores += 1
+                medium = event.medium or "GPU"
                 for h in event.block_hashes:
                     key = (rank, to_signed_int64(h))
-                    if key in self.held:
+                    if key in self.held and (*key, medium) in self.held_with_medium:
                         self.stats.duplicate_stores += 1
                     self.held.add(key)
+                    self.held_with_medium.add((*key, medium))
             elif isinstance(event, BlockRemoved):
                 self.stats.removes += 1
+                medium = event.medium or "GPU"
                 for h in event.block_hashes:
                     key = (rank, to_signed_int64(h))
-                    if key not in self.held:
+                    if (*key, medium) not in self.held_with_medium:
                         self.stats.unknown_removes += 1
-                    self.held.discard(key)
+                    self.held_with_medium.discard((*key, medium))
+                    if not any((*key, m) in self.held_with_medium for m in MEDIA):
+                        self.held.discard(key)
             elif isinstance(event, AllBlocksCleared):
                 self.stats.clears += 1
                 self.held = {k for k in self.held if k[0] != rank}
+                self.held_with_medium = {k for k in self.held_with_medium if k[0] != rank}
 
 
 def describe(batch: EventBatch) -> list[str]:

@@ -145,7 +145,9 @@ class _GpuPool:
         self.events.append({"event_id": next(self._event_id), "window_size": self.window,
                             "data": data})
 
-    def take_events(self) -> list[dict[str, Any]]:
+    def get_latest_events(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
+        """Drain the buffered events, like TRT-LLM's ``KVCacheManager.get_latest_events``
+        (already serialized to dicts)."""
         out, self.events = self.events, []
         return out
 
@@ -240,6 +242,9 @@ class SimulatedEngine:
         self._new_loading: list[int] = []
         self._outstanding = 0  # reserved blocks not yet allocated
         self.pool = _GpuPool(cfg.num_gpu_blocks, bs, cfg.max_seq_len)
+        # PyExecutor keeps its KV cache manager here; the leader finds it through the frames of
+        # build_connector_meta's caller, as it does in TensorRT-LLM.
+        self.kv_cache_manager = self.pool
         self._closed = False
 
         def args(rank: int) -> LlmArgs:
@@ -392,7 +397,6 @@ class SimulatedEngine:
                                  cache_salt=r.salt)
                 output.cached_requests.append(rd)
             r.reported_tokens, r.reported_blocks = len(r.tokens), len(r.blocks)
-        self.leader.event_sink.ingest(self.pool.take_events())
         meta = pickle.dumps(self.leader.build_connector_meta(output))
         streams = [self._stream() for _ in self.workers]
         for w in self.workers:
