@@ -127,29 +127,19 @@ class UnknownMediumError(WireFormatError):
     """An event's medium is none of the known names or aliases (never guessed as GPU)."""
 
 
-class _Block:
-    """One block (one content-chain identity) of one dp rank, alive while resident or a parent.
-
-    Only the core touches it, on the thread that owns the core.
-    """
-
-    __slots__ = ("ident", "pub", "wire", "parent", "children", "total", "counts",
-                 "alias_slot", "alias_ext", "more_aliases")
-
-    def __init__(self, ident: int, pub: int, parent: _Block | None, slot: int, ext: int,
-                 passthrough: bool) -> None:
-        self.ident = ident  # content-chain identity (the key in _Rank.blocks)
-        self.pub = pub  # published hash, u64: the first external hash seen (unless it clashed)
-        self.wire = _wire_hash(pub)  # the same as signed int64, what the output carries
-        self.parent = parent  # kept alive by this block (children count) so chains stay stable
-        self.children = 0  # live blocks whose parent this is
-        self.total = 0  # (slot, external hash) holdings; 0 = resident nowhere
-        # Passthrough only: holdings per medium (GPU, CPU, DISK).
-        self.counts: list[int] | None = [0, 0, 0] if passthrough else None
-        # External hashes that map to this block; the first inline (the common case).
-        self.alias_slot = slot
-        self.alias_ext = ext
-        self.more_aliases: list[tuple[int, int]] | None = None
+# A block is a plain list (creating one is several times cheaper than an object, and the ingest
+# hot path creates one per stored block). Layout, by index:
+_IDENT: Final = 0  # content-chain identity (the key in _Rank.blocks)
+_PUB: Final = 1  # published hash, u64: the first external hash seen (unless it clashed)
+_WIRE: Final = 2  # the published hash as signed int64, what the output carries
+_PARENT: Final = 3  # parent block or None; kept alive by this block's entry in _CHILDREN
+_CHILDREN: Final = 4  # live blocks whose parent this is
+_TOTAL: Final = 5  # (slot, external hash) holdings; 0 = resident nowhere
+_COUNTS: Final = 6  # passthrough only: holdings per medium [GPU, CPU, DISK]; None in dedup
+_ALIAS_SLOT: Final = 7  # the first external hash that names this block: its slot...
+_ALIAS_EXT: Final = 8  # ...and the hash (most blocks have exactly one)
+_MORE_ALIASES: Final = 9  # further (slot, hash) pairs, or None
+Block = list  # one block of one dp rank, alive while resident somewhere or a parent
 
 
 class _Rank:
@@ -158,13 +148,13 @@ class _Rank:
     __slots__ = ("blocks", "known", "held", "published", "out", "visible", "last_remove")
 
     def __init__(self) -> None:
-        self.blocks: dict[int, _Block] = {}  # identity -> block
+        self.blocks: dict[int, Block] = {}  # identity -> block
         # Per slot: external hash -> block, for every alias of a live block (parent lookups
         # must work after a tier evicted the parent while a child still lives).
-        self.known: list[dict[int, _Block]] = [{} for _ in range(_NUM_SLOTS)]
+        self.known: list[dict[int, Block]] = [{} for _ in range(_NUM_SLOTS)]
         # Per slot: external hashes that slot holds now -> block (the residency itself).
-        self.held: list[dict[int, _Block]] = [{} for _ in range(_NUM_SLOTS)]
-        self.published: dict[int, _Block] = {}  # published u64 hash -> block
+        self.held: list[dict[int, Block]] = [{} for _ in range(_NUM_SLOTS)]
+        self.published: dict[int, Block] = {}  # published u64 hash -> block
         self.out: list[dict[str, Any]] = []  # output wire events not yet taken
         # Downstream-visible units: blocks (dedup) or (block, medium) pairs (passthrough).
         self.visible = 0
@@ -296,9 +286,9 @@ class ConsolidatorCore:
         if rank is None:
             return set()
         if self._dedup:
-            return {b.wire for b in rank.blocks.values() if b.total}
+            return {b[_WIRE] for b in rank.blocks.values() if b[_TOTAL]}
         index = _TIER_INDEX[normalize_medium(medium)]
-        return {b.wire for b in rank.blocks.values() if b.counts and b.counts[index]}
+        return {b[_WIRE] for b in rank.blocks.values() if b[_COUNTS][index]}
 
     def resident_in(self, source: int, tier: str, dp_rank: int) -> set[int]:
         """External hashes (u64) that ``(source, tier)`` holds now, for tests."""
@@ -352,6 +342,9 @@ class ConsolidatorCore:
     def _group(self, slot: int) -> int:
         return 0 if self._dedup else slot % len(MEDIA)
 
+    def _medium_out(self, group: int) -> str:
+        return MEDIUM_GPU if self._dedup else MEDIA[group]
+
     def _stored(self, dp_rank: int, source: int, hashes_raw: Any, parent_raw: Any,
                 tokens: Any, block_size: Any, medium: Any, lora_id: Any,
                 lora_name: Any) -> None:
@@ -371,18 +364,19 @@ class ConsolidatorCore:
         slot = _slot(source, self._tier(medium))
         rank = self._rank(dp_rank)
         n = len(hashes)
+        if len(tokens) != n * block_size and tokens:
+            raise WireFormatError(f"BlockStored has {len(tokens)} token ids for {n} blocks "
+                                  f"of {block_size}")
         self._n_stores_in += 1
         self._n_store_blocks_in += n
-        if len(tokens) != n * block_size:
-            if tokens:
-                raise WireFormatError(f"BlockStored has {len(tokens)} token ids for {n} blocks "
-                                      f"of {block_size}")
+        if not tokens:
             self._store_hash_only(rank, slot, hashes)
             return
         self._store_chain(rank, slot, hashes, parent_raw, tokens, block_size, lora_id,
                           lora_name)
 
-    def _resolve(self, rank: _Rank, slot: int, ext: int) -> _Block | None:
+    @staticmethod
+    def _resolve(rank: _Rank, slot: int, ext: int) -> Block | None:
         """The live block ``ext`` names: the slot's own map first, then any other slot's."""
         block = rank.known[slot].get(ext)
         if block is None:
@@ -394,16 +388,19 @@ class ConsolidatorCore:
 
     def _store_chain(self, rank: _Rank, slot: int, hashes: list[int], parent_ext: int | None,
                      tokens: list[int], bs: int, lora_id: Any, lora_name: Any) -> None:
-        # Hot path: one iteration per block; locals only, no per-block function calls except
-        # the one that creates a block.
+        # Hot path (one iteration per stored block): locals only; a block is created inline.
         blocks = rank.blocks
+        blocks_get = blocks.get
         known = rank.known[slot]
+        known_get = known.get
         held = rank.held[slot]
+        held_get = held.get
+        published = rank.published
         dedup = self._dedup
         group = 0 if dedup else slot % len(MEDIA)
         medium = MEDIUM_GPU if dedup else MEDIA[group]
         out = rank.out
-        parent: _Block | None = None
+        parent: Block | None = None
         parent_wire: int | None = None
         pident = _ROOT
         if parent_ext is not None:
@@ -413,45 +410,56 @@ class ConsolidatorCore:
                 pident = hash((_UNKNOWN_PARENT, parent_ext))
                 parent_wire = _wire_hash(parent_ext)
             else:
-                pident = parent.ident
-                parent_wire = parent.wire
+                pident = parent[_IDENT]
+                parent_wire = parent[_WIRE]
         tt = tuple(tokens)
         runs: list[tuple[dict[str, Any], int]] = []  # (output event, first block index)
-        run: dict[str, Any] | None = None
         run_hashes: list[int] = []
         run_end = -1
         off = 0
-        for i, ext in enumerate(hashes):
+        i = 0
+        for ext in hashes:
             ident = hash((pident, tt[off:off + bs]))
             off += bs
-            block = blocks.get(ident)
+            block = blocks_get(ident)
             if block is None:
-                block = self._new_block(rank, ident, ext, parent, slot)
-            elif known.get(ext) is not block:
+                pub = ext
+                if pub in published:
+                    pub = self._fresh_pub(published, ext, ident)
+                block = [ident, pub, pub - _U64 if pub > _I64_MAX else pub, parent, 0, 0,
+                         None if dedup else [0, 0, 0], slot, ext, None]
+                published[pub] = block
+                blocks[ident] = block
+                known[ext] = block
+                if parent is not None:
+                    parent[_CHILDREN] += 1
+            elif known_get(ext) is not block:
                 self._add_alias(rank, block, slot, ext)
-            old = held.get(ext)
+            old = held_get(ext)
             if old is block:
                 self._n_duplicate_stores += 1
             else:
                 if old is not None:  # the slot's hash now names other content
+                    del held[ext]
                     self._release(rank, old, group, medium)
                 held[ext] = block
-                block.total += 1
+                total = block[_TOTAL] + 1
+                block[_TOTAL] = total
                 if dedup:
-                    newly = block.total == 1
+                    newly = total == 1
                 else:
-                    counts = block.counts
-                    counts[group] += 1  # type: ignore[index]
-                    newly = counts[group] == 1  # type: ignore[index]
+                    counts = block[_COUNTS]
+                    counts[group] += 1
+                    newly = counts[group] == 1
                 if newly:
                     rank.visible += 1
-                    if run is not None and run_end == i and out and out[-1] is run:
-                        run_hashes.append(block.wire)
+                    if run_end == i and out[-1] is runs[-1][0]:
+                        run_hashes.append(block[_WIRE])
                     else:
-                        run_hashes = [block.wire]
+                        run_hashes = [block[_WIRE]]
                         run = {"type": "BlockStored", "block_hashes": run_hashes,
                                "parent_block_hash": (parent_wire if parent is None
-                                                     else parent.wire),
+                                                     else parent[_WIRE]),
                                "token_ids": None, "block_size": bs, "lora_id": lora_id,
                                "medium": medium, "lora_name": lora_name}
                         out.append(run)
@@ -459,17 +467,29 @@ class ConsolidatorCore:
                     run_end = i + 1
             parent = block
             pident = ident
+            i += 1
         if runs:
             self._n_stores_out += len(runs)
-            n_hashes = len(hashes)
             for event, first in runs:
                 count = len(event["block_hashes"])
                 self._n_store_blocks_out += count
-                if first == 0 and count == n_hashes:
+                if first == 0 and count == i:
                     event["token_ids"] = tokens  # the whole chain: no copy
                 else:
                     event["token_ids"] = tokens[first * bs:(first + count) * bs]
             rank.last_remove = None
+
+    def _fresh_pub(self, published: dict[int, Block], ext: int, ident: int) -> int:
+        """A published hash for a block whose first external hash another live block already
+        publishes (a source whose hash ignores something the content chain sees): derived,
+        unused, so the consumer never sees one hash for two blocks."""
+        self._n_hash_conflicts += 1
+        salt = 1
+        pub = ext
+        while pub in published:
+            pub = hash((ext, ident, salt)) & _MASK
+            salt += 1
+        return pub
 
     def _store_hash_only(self, rank: _Rank, slot: int, hashes: list[int]) -> None:
         """A store without token ids (old offload events): usable only for a block that is
@@ -478,8 +498,7 @@ class ConsolidatorCore:
         held = rank.held[slot]
         for ext in hashes:
             block = self._resolve(rank, slot, ext)
-            if block is None or not (block.total if self._dedup
-                                     else block.counts[group]):  # type: ignore[index]
+            if block is None or not (block[_TOTAL] if self._dedup else block[_COUNTS][group]):
                 self._n_hash_only_stores_dropped += 1
                 continue
             old = held.get(ext)
@@ -487,89 +506,70 @@ class ConsolidatorCore:
                 self._n_duplicate_stores += 1
                 continue
             if old is not None:
-                self._release(rank, old, group, MEDIUM_GPU if self._dedup else MEDIA[group])
+                del held[ext]
+                self._release(rank, old, group, self._medium_out(group))
             if rank.known[slot].get(ext) is not block:
                 self._add_alias(rank, block, slot, ext)
             held[ext] = block
-            block.total += 1
+            block[_TOTAL] += 1
             if not self._dedup:
-                block.counts[group] += 1  # type: ignore[index]
-
-    def _new_block(self, rank: _Rank, ident: int, ext: int, parent: _Block | None,
-                   slot: int) -> _Block:
-        pub = ext
-        published = rank.published
-        if pub in published:
-            # Another live block already publishes this hash: derive one that nobody uses, so
-            # the consumer never sees one hash for two blocks.
-            self._n_hash_conflicts += 1
-            salt = 1
-            while pub in published:
-                pub = hash((ext, ident, salt)) & _MASK
-                salt += 1
-        block = _Block(ident, pub, parent, slot, ext, not self._dedup)
-        published[pub] = block
-        rank.blocks[ident] = block
-        rank.known[slot][ext] = block
-        if parent is not None:
-            parent.children += 1
-        return block
+                block[_COUNTS][group] += 1
 
     @staticmethod
-    def _add_alias(rank: _Rank, block: _Block, slot: int, ext: int) -> None:
+    def _add_alias(rank: _Rank, block: Block, slot: int, ext: int) -> None:
         rank.known[slot][ext] = block
-        if block.more_aliases is None:
-            block.more_aliases = [(slot, ext)]
+        if block[_MORE_ALIASES] is None:
+            block[_MORE_ALIASES] = [(slot, ext)]
         else:
-            block.more_aliases.append((slot, ext))
+            block[_MORE_ALIASES].append((slot, ext))
 
-    def _release(self, rank: _Rank, block: _Block, group: int, medium: str) -> None:
+    def _release(self, rank: _Rank, block: Block, group: int, medium: str) -> None:
         """One holding of ``block`` in medium group ``group`` ended (already out of ``held``)."""
-        block.total -= 1
+        block[_TOTAL] -= 1
         if self._dedup:
-            gone = block.total == 0
+            gone = block[_TOTAL] == 0
         else:
-            counts = block.counts
-            counts[group] -= 1  # type: ignore[index]
-            gone = counts[group] == 0  # type: ignore[index]
+            counts = block[_COUNTS]
+            counts[group] -= 1
+            gone = counts[group] == 0
         if gone:
             rank.visible -= 1
-            self._emit_remove(rank, block.wire, medium)
-        if block.total == 0 and block.children == 0:
+            self._emit_removes(rank, [block[_WIRE]], medium)
+        if block[_TOTAL] == 0 and block[_CHILDREN] == 0:
             self._collect(rank, block)
 
-    def _emit_remove(self, rank: _Rank, wire: int, medium: str) -> None:
+    def _emit_removes(self, rank: _Rank, wires: list[int], medium: str) -> None:
         last = rank.last_remove
         out = rank.out
         if last is not None and out and out[-1] is last and last["medium"] == medium:
-            last["block_hashes"].append(wire)
+            last["block_hashes"].extend(wires)
         else:
-            last = {"type": "BlockRemoved", "block_hashes": [wire], "medium": medium}
-            out.append(last)
-            rank.last_remove = last
+            out.append({"type": "BlockRemoved", "block_hashes": wires, "medium": medium})
+            rank.last_remove = out[-1]
             self._n_removes_out += 1
-        self._n_remove_blocks_out += 1
+        self._n_remove_blocks_out += len(wires)
 
     @staticmethod
-    def _collect(rank: _Rank, block: _Block | None) -> None:
+    def _collect(rank: _Rank, block: Block | None) -> None:
         """Forget blocks resident nowhere with no live child, walking up the chain."""
         blocks = rank.blocks
         known = rank.known
-        while block is not None and block.total == 0 and block.children == 0:
-            del blocks[block.ident]
-            slot_map = known[block.alias_slot]
-            if slot_map.get(block.alias_ext) is block:
-                del slot_map[block.alias_ext]
-            if block.more_aliases is not None:
-                for slot, ext in block.more_aliases:
+        published = rank.published
+        while block is not None and block[_TOTAL] == 0 and block[_CHILDREN] == 0:
+            del blocks[block[_IDENT]]
+            slot_map = known[block[_ALIAS_SLOT]]
+            if slot_map.get(block[_ALIAS_EXT]) is block:
+                del slot_map[block[_ALIAS_EXT]]
+            if block[_MORE_ALIASES] is not None:
+                for slot, ext in block[_MORE_ALIASES]:
                     slot_map = known[slot]
                     if slot_map.get(ext) is block:
                         del slot_map[ext]
-            if rank.published.get(block.pub) is block:
-                del rank.published[block.pub]
-            parent = block.parent
+            if published.get(block[_PUB]) is block:
+                del published[block[_PUB]]
+            parent = block[_PARENT]
             if parent is not None:
-                parent.children -= 1
+                parent[_CHILDREN] -= 1
             block = parent
 
     def _removed(self, dp_rank: int, source: int, hashes_raw: Any, medium: Any) -> None:
@@ -578,25 +578,56 @@ class ConsolidatorCore:
         rank = self._rank(dp_rank)
         self._n_removes_in += 1
         self._n_remove_blocks_in += len(hashes)
-        held = rank.held[slot]
-        dedup = self._dedup
-        group = 0 if dedup else slot % len(MEDIA)
-        out_medium = MEDIUM_GPU if dedup else MEDIA[group]
+        held_pop = rank.held[slot].pop
+        if not self._dedup:
+            group = slot % len(MEDIA)
+            for ext in hashes:
+                block = held_pop(ext, None)
+                if block is None:
+                    self._n_unknown_removes += 1
+                else:
+                    self._release(rank, block, group, MEDIA[group])
+            return
+        # Dedup hot path: _release and _collect inlined, one output event per call.
+        wires: list[int] = []
+        blocks = rank.blocks
+        known = rank.known
+        published = rank.published
+        unknown = 0
         for ext in hashes:
-            block = held.pop(ext, None)
+            block = held_pop(ext, None)
             if block is None:
-                self._n_unknown_removes += 1
+                unknown += 1
                 continue
-            if not dedup:
-                self._release(rank, block, group, out_medium)
+            total = block[_TOTAL] - 1
+            block[_TOTAL] = total
+            if total:
                 continue
-            # _release inlined for dedup (hot path).
-            block.total -= 1
-            if block.total == 0:
-                rank.visible -= 1
-                self._emit_remove(rank, block.wire, out_medium)
-                if block.children == 0:
-                    self._collect(rank, block)
+            wires.append(block[_WIRE])
+            while not block[_CHILDREN]:  # resident nowhere and no child: forget it
+                del blocks[block[_IDENT]]
+                slot_map = known[block[_ALIAS_SLOT]]
+                if slot_map.get(block[_ALIAS_EXT]) is block:
+                    del slot_map[block[_ALIAS_EXT]]
+                if block[_MORE_ALIASES] is not None:
+                    for alias_slot, alias_ext in block[_MORE_ALIASES]:
+                        slot_map = known[alias_slot]
+                        if slot_map.get(alias_ext) is block:
+                            del slot_map[alias_ext]
+                if published.get(block[_PUB]) is block:
+                    del published[block[_PUB]]
+                parent = block[_PARENT]
+                if parent is None:
+                    break
+                parent[_CHILDREN] -= 1
+                if parent[_TOTAL]:
+                    break
+                block = parent
+        if unknown:
+            self._n_unknown_removes += unknown
+        if wires:
+            rank.visible -= len(wires)
+            self._emit_removes(rank, wires, MEDIUM_GPU)
 
     def _cleared(self, dp_rank: int, source: int, medium: Any) -> None:
         rank = self._rank(dp_rank)
@@ -616,7 +647,7 @@ class ConsolidatorCore:
         victims = list(held.values())
         held.clear()
         group = self._group(slot)
-        medium = MEDIUM_GPU if self._dedup else MEDIA[group]
+        medium = self._medium_out(group)
         before = rank.visible
         rank.last_remove = None  # this clear's REMOVEs start their own event
         mark = len(rank.out)
@@ -965,12 +996,16 @@ class KvEventConsolidator:
             ready = dict(poller.poll(timeout))
             self._idle = False
             if wake_r in ready:
-                self._wake_pending = False
                 try:
                     while os.read(wake_r, 4096):
                         pass
                 except BlockingIOError:
                     pass
+                # Only after the pipe is empty: a submitter that saw the flag still set has
+                # already queued its item, which _drain_registrations below applies; clearing
+                # the flag first would let a later submitter's wake byte be swallowed above and
+                # leave its item queued while this thread sleeps.
+                self._wake_pending = False
             for sock, stream in by_dealer.items():
                 if sock in ready:
                     self._drain_replay(stream, sock)
