@@ -44,3 +44,33 @@ def test_transfer_histogram_and_http_endpoint() -> None:
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert 'kvbm_transfer_seconds_count{direction="offload",tier="CPU"} 1.0' in body
     assert 'kvbm_transfer_bytes_sum{direction="offload",tier="CPU"} 4.194304e+06' in body
+
+
+def test_engine_run_exports_component_counters_and_transfer_histograms(tmp_path) -> None:
+    from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"DYN_KVBM_KV_EVENTS_ENDPOINT": f"ipc://{tmp_path}/gpu",
+           "DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT": f"ipc://{tmp_path}/out",
+           "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "4",
+           "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "16",
+           "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path / "disk"),
+           "DYN_KVBM_METRICS": "1", "DYN_KVBM_METRICS_PORT": str(port)}
+    from kvbm_plugin.metrics import get_metrics
+
+    engine = SimulatedEngine(EngineConfig(num_gpu_blocks=12, env=env, tp_size=2))
+    try:
+        for k in range(4):
+            engine.submit([(k * 100 + i) % 97 + 1 for i in range(17)], 2)
+        engine.run_until_idle()
+        served = get_metrics().serve(MetricsSettings(enabled=True, port=port))
+        body = urllib.request.urlopen(f"http://127.0.0.1:{served}/metrics",
+                                      timeout=10).read().decode()
+    finally:
+        engine.shutdown()
+    assert 'kvbm_event_sink_blocks_stored_total{dp_rank="0"}' in body
+    assert 'kvbm_consolidator_registrations_total{dp_rank="0"}' in body
+    assert 'kvbm_leader_saves_committed_total{dp_rank="0"}' in body
+    assert 'kvbm_transfer_seconds_count{direction="offload",tier="CPU"}' in body

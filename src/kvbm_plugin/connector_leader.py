@@ -56,10 +56,12 @@ from kvbm_plugin.consolidator_config import (
     DISK_CACHE_GB,
     ConfigError,
     load_consolidator_config,
+    load_metrics_settings,
     load_tier_settings,
     should_enable_consolidator,
 )
 from kvbm_plugin.events import MEDIUM_CPU, MEDIUM_DISK, BlockRemoved, BlockStored
+from kvbm_plugin.metrics import get_metrics
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
     TIER_HOST,
@@ -208,12 +210,25 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             elif self._tier_events is None:
                 self._tier_events = TierEventPublisher(publisher, self._block_size,
                                                        self._dp_rank)
+            self._register_metrics()
             if self._par.tp_size > 1 and not _llm_args.in_process(llm_args):
                 self._receiver = ZmqReportReceiver(self._hub,
                                                    f"tcp://*:{_llm_args.leader_port(self._env)}")
         except BaseException:
             self.shutdown()
             raise
+
+    def _register_metrics(self) -> None:
+        """Expose the leader's, the sink's (with its publisher's) and the consolidator's
+        counters, read at scrape time; start the endpoint when DYN_KVBM_METRICS is on."""
+        metrics = get_metrics()
+        rank = str(self._dp_rank)
+        metrics.register_stats("leader", self.stats, dp_rank=rank)
+        if self.event_sink is not None:
+            metrics.register_stats("event_sink", self.event_sink.stats, dp_rank=rank)
+        if self.consolidator is not None:
+            metrics.register_stats("consolidator", self.consolidator.stats, dp_rank=rank)
+        metrics.serve(load_metrics_settings(self._env))
 
     # ------------------------------------------------------------------ tiers
 
@@ -609,6 +624,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         if self._closed:
             return
         self._closed = True
+        metrics = get_metrics()
+        for component in ("leader", "event_sink", "consolidator"):
+            metrics.unregister_stats(component, dp_rank=str(self._dp_rank))
         if self._receiver is not None:
             self._receiver.close(timeout)
         if self.event_source is not None:

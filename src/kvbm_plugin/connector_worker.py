@@ -49,6 +49,8 @@ from kvbm_plugin.connector_meta import (
     publish_pool_layout,
 )
 from kvbm_plugin.consolidator_config import load_tier_settings
+from kvbm_plugin.events import MEDIUM_CPU, MEDIUM_DISK
+from kvbm_plugin.metrics import get_metrics
 from kvbm_plugin.registry import TIERS_GROUP, get_plugin
 from kvbm_plugin.tiers.base import OffloadTier, TierSpec
 
@@ -83,6 +85,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         ``register_kv_caches``; never waits on the leader."""
         super().__init__(llm_args)
         self._env = _llm_args.env_of(llm_args)
+        self._metrics = get_metrics()
         self._par = _llm_args.parallel_of(llm_args)
         self._rank = self._par.rank
         self._group = _llm_args.group_of(llm_args, self._env)
@@ -356,9 +359,21 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             done(False)
 
     def _issue(self, copies: Sequence[tuple[Any, Any]], wait_event: Any,
-               pending: list[Any], done: Callable[[bool], None]) -> None:
+               pending: list[Any], done: Callable[[bool], None], direction: str) -> None:
         """Copy each (dst, src) pair; on CUDA on the side stream behind ``wait_event``, with
-        ``done`` called from the poll loop when the recorded event fires."""
+        ``done`` called from the poll loop when the recorded event fires. The batch's latency
+        (issue to completion, so on CUDA it includes waiting for the forward pass) and bytes go
+        to the ``kvbm_transfer_*`` histograms."""
+        started = time.perf_counter()
+        nbytes = sum(dst.numel() * dst.element_size() for dst, _ in copies)
+        finish = done
+
+        def done(ok: bool) -> None:
+            finish(ok)
+            if ok:
+                self._metrics.observe_transfer(direction, MEDIUM_CPU,
+                                               time.perf_counter() - started, nbytes)
+
         if not self._cuda:
             import torch
 
@@ -414,7 +429,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             self._count(bytes_onboarded=moved * self._block_bytes, blocks_onboarded=moved,
                         copies_issued=len(copies))
 
-        self._issue(copies, None, pending, done)
+        self._issue(copies, None, pending, done, "onboard")
 
     def _run_saves(self, meta: ConnectorMetadata, fwd_event: Any, pending: list[Any]) -> None:
         assert self._pool is not None
@@ -449,7 +464,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                             blocks_offloaded=len(host_ops))
             self._count(copies_issued=len(copies))
 
-        self._issue(copies, fwd_event, pending, done)
+        self._issue(copies, fwd_event, pending, done, "offload")
 
     def _demote(self, op: DemoteOp) -> None:
         import torch
@@ -508,6 +523,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                     demotion: bool) -> None:
         disk = self._disk
         ok, signature = False, None
+        started = time.perf_counter()
         if disk is not None and 0 <= slot < disk.capacity:
             try:
                 result = disk.write(slot, key, block)
@@ -518,6 +534,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             except Exception:
                 logger.exception("rank %d: disk write of slot %d failed", self._rank, slot)
         if ok:
+            self._metrics.observe_transfer("demote" if demotion else "offload", MEDIUM_DISK,
+                                           time.perf_counter() - started, self._block_bytes)
             if demotion:
                 self._count(bytes_demoted=self._block_bytes, blocks_demoted=1)
             else:
@@ -529,6 +547,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
     def _disk_load(self, copy: LoadCopy, req_id: int) -> None:
         disk, pool, staging = self._disk, self._pool, self._disk_staging
         ok, error = False, ERR_FAILED
+        started = time.perf_counter()
         try:
             if disk is not None and pool is not None and staging is not None \
                     and 0 <= copy.slot < disk.capacity:
@@ -540,6 +559,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         except Exception:
             logger.exception("rank %d: disk load of slot %d failed", self._rank, copy.slot)
         if ok:
+            self._metrics.observe_transfer("onboard", MEDIUM_DISK,
+                                           time.perf_counter() - started, self._block_bytes)
             self._count(bytes_onboarded=self._block_bytes, blocks_onboarded=1)
         self._report(copy.op_id, ok, ERR_NONE if ok else error)
         self._load_terminal(req_id)
