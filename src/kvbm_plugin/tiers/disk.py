@@ -68,13 +68,13 @@ class DiskTier(OffloadTier):
 
     def write(self, slot: int, key: int, block: torch.Tensor) -> WriteResult:
         path = self.path(slot)
-        if not self._made_dir:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            self._made_dir = True
         with self._lock:
             self._tmp_counter += 1
             tmp = f"{path}.tmp{os.getpid()}_{self._tmp_counter}"
         try:
+            if not self._made_dir:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self._made_dir = True
             payload = byte_view(block.contiguous())
             header = _HEADER.pack(MAGIC, key, len(payload), zlib.crc32(payload), 0)
             with open(tmp, "wb") as f:
