@@ -39,3 +39,17 @@ def test_consolidated_view_equals_gpu_host_disk_truth(tmp_path) -> None:
         assert engine.stats().kv_mismatches == 0
     finally:
         engine.shutdown()
+
+
+def test_request_larger_than_the_pool_is_rejected_not_queued_forever() -> None:
+    import pytest
+
+    engine = SimulatedEngine(EngineConfig(num_gpu_blocks=4, tokens_per_block=4))
+    try:
+        with pytest.raises(ValueError, match="num_gpu_blocks=4"):
+            engine.submit(list(range(1, 17)), 1)
+        engine.submit(list(range(1, 15)), 1)  # 15 tokens fit in 4 blocks
+        engine.run_until_idle(timeout_s=30)
+        assert engine.stats().requests_finished == 1
+    finally:
+        engine.shutdown()

@@ -288,6 +288,12 @@ class SimulatedEngine:
         """Queue a request; returns its id."""
         if len(prompt_tokens) < 1 or max_new_tokens < 1:
             raise ValueError("a request needs at least one prompt token and one new token")
+        needed = -(-(len(prompt_tokens) + max_new_tokens) // self.block_size)
+        if needed > self.config.num_gpu_blocks:
+            # TRT-LLM rejects such a request up front too; queueing it would wait forever.
+            raise ValueError(f"request of {len(prompt_tokens)} prompt + {max_new_tokens} new "
+                             f"tokens needs {needed} blocks; the GPU pool has "
+                             f"num_gpu_blocks={self.config.num_gpu_blocks}")
         req_id = next(self._ids)
         self._reqs[req_id] = _Req(req_id, list(prompt_tokens), max_new_tokens, cache_salt,
                                   tokens=list(prompt_tokens))
