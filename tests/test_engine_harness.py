@@ -44,7 +44,8 @@ def test_consolidated_view_equals_gpu_host_disk_truth(tmp_path) -> None:
 def test_request_larger_than_the_pool_is_rejected_not_queued_forever() -> None:
     import pytest
 
-    engine = SimulatedEngine(EngineConfig(num_gpu_blocks=4, tokens_per_block=4))
+    engine = SimulatedEngine(EngineConfig(num_gpu_blocks=4, tokens_per_block=4, env={
+        "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false"}))
     try:
         with pytest.raises(ValueError, match="num_gpu_blocks=4"):
             engine.submit(list(range(1, 17)), 1)
