@@ -54,3 +54,17 @@ def test_request_larger_than_the_pool_is_rejected_not_queued_forever() -> None:
         assert engine.stats().requests_finished == 1
     finally:
         engine.shutdown()
+
+
+def test_no_endpoint_with_consolidator_off_warns_that_nothing_is_published(caplog) -> None:
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="kvbm_plugin.connector_leader"):
+        engine = SimulatedEngine(EngineConfig(env={
+            "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "0",
+            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "4"}))
+    try:
+        assert "no KV-event endpoint configured" in caplog.text
+        assert engine.leader.consolidator is None
+    finally:
+        engine.shutdown()

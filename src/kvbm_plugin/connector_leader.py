@@ -54,6 +54,8 @@ from kvbm_plugin.connector_meta import (
 from kvbm_plugin.consolidator_config import (
     CPU_CACHE_GB,
     DISK_CACHE_GB,
+    EVENTS_ENDPOINT,
+    TRTLLM_ZMQ_PORT,
     ConfigError,
     load_consolidator_config,
     load_metrics_settings,
@@ -195,6 +197,11 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                                              config.replay_endpoint(self._dp_rank),
                                              self._dp_rank)
             else:
+                # Only reachable with the consolidator off (the config requires an endpoint
+                # otherwise): say once that nothing is published, rather than stay silent.
+                logger.warning("kvbm_plugin: no KV-event endpoint configured (%s / %s): GPU-tier "
+                               "and offload-tier events are counted but not published",
+                               TRTLLM_ZMQ_PORT, EVENTS_ENDPOINT)
                 publisher = NullEventPublisher(config.publisher)
             self.event_sink = KvEventSink(publisher, block_size=self._block_size,
                                           window_size=config.publisher.window_size,
