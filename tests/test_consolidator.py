@@ -29,10 +29,11 @@ from kvbm_plugin.consolidator_config import (
     OUTPUT_REPLAY_ENDPOINT,
     REPLAY_ENDPOINT,
     ConsolidatorConfig,
+    PublisherSettings,
     load_consolidator_config,
 )
 from kvbm_plugin.events import END_SEQ, EventBatch, decode_message, encode_seq
-from kvbm_plugin.publisher import create_publisher
+from kvbm_plugin.publisher import NullEventPublisher, create_publisher
 
 BS = 4
 U64 = 1 << 64
@@ -488,6 +489,37 @@ def test_registration_arguments_are_checked_on_the_callers_thread(ipc_dir, start
     consolidator.register_store("CPU", 0, 1, None, [1, 2], BS)
     wait_for(lambda: consolidator.stats()["registration_errors"] == 1)
     assert consolidator.wait_idle(5.0)
+
+
+class RecordingPublisher(NullEventPublisher):
+    """An in-test output: keeps every batch; its owner (the test) shuts it down."""
+
+    def __init__(self) -> None:
+        super().__init__(PublisherSettings())
+        self.batches: list[tuple[int | None, list[Any]]] = []
+        self.shut = False
+
+    def publish(self, events: Any, data_parallel_rank: int | None = None) -> bool:
+        self.batches.append((data_parallel_rank, list(events)))
+        return super().publish(events, data_parallel_rank)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self.shut = True
+
+
+def test_shutdown_applies_what_is_queued_and_leaves_a_passed_publisher(ipc_dir, raw_rank):
+    config = make_config(ipc_dir, replay=False)
+    raw_rank(config)
+    output = RecordingPublisher()
+    consolidator = KvEventConsolidator(config, publisher=output)
+    consolidator.start()
+    for h in range(50):
+        consolidator.register_store("DISK", 3, h, None, toks(h), BS)
+    consolidator.shutdown(3.0)
+    stored = [h for rank, events in output.batches for e in events
+              for h in e["block_hashes"] if rank == 3]
+    assert stored == list(range(50))
+    assert not output.shut  # the caller's publisher stays the caller's
 
 
 def test_shutdown_is_idempotent_and_bounded(ipc_dir, raw_rank):

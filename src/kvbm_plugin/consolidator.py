@@ -1018,6 +1018,10 @@ class KvEventConsolidator:
                             break
                         self._n_messages_received += 1
                         self._on_live(stream, frames)
+                        # One output batch per input batch: lowest latency, and output does
+                        # not pile up as young garbage-collected containers (measured: holding
+                        # 256 batches' output costs ~30% of the ingest rate in GC scans).
+                        self._flush()
             if any(s.replay is not None for s in streams):
                 now = time.monotonic()
                 for stream in streams:
