@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -18,7 +19,12 @@ from kvbm_plugin.consolidator_config import (
     parse_endpoint,
 )
 from kvbm_plugin.events import END_SEQ
-from kvbm_plugin.publisher import ZmqEventPublisher, create_publisher, parse_replay_request
+from kvbm_plugin.publisher import (
+    ZmqEventPublisher,
+    create_publisher,
+    gil_holding_sender,
+    parse_replay_request,
+)
 
 
 def removed(*hashes: int) -> dict[str, Any]:
@@ -288,3 +294,33 @@ def test_factory_and_env_defaults(tcp) -> None:
         pub.shutdown()
     with pytest.raises(ConfigError, match="endpoint"):
         ZmqEventPublisher(PublisherSettings(), None)
+
+
+def test_gil_holding_sender_frames_equal_pyzmq(ctx) -> None:
+    """The GIL-keeping live send puts the same three frames on the wire as pyzmq's send."""
+    port = free_port()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    send = gil_holding_sender(pub)
+    if sys.platform.startswith("linux"):
+        assert send is not None  # pyzmq wheels load libzmq as a shared library on Linux
+    if send is None:
+        pytest.skip("libzmq not loaded as an identifiable shared library here")
+    sub, _ = join_sub(ctx, f"tcp://127.0.0.1:{port}",
+                      lambda: pub.send_multipart([b"t", b"\0" * 8, b""]))
+    while sub.poll(50):
+        sub.recv_multipart()  # drop the remaining probes
+    payload = bytes(range(256)) * 100
+    send(b"t", (7).to_bytes(8, "big"), payload)
+    pub.send_multipart([b"t", (8).to_bytes(8, "big"), b""])
+    assert recv(sub) == [b"t", (7).to_bytes(8, "big"), payload]
+    assert recv(sub) == [b"t", (8).to_bytes(8, "big"), b""]
+    sub.close(0)
+    pub.close(0)
+
+
+def test_publisher_uses_gil_holding_sender(ctx, tcp, publishers) -> None:
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0])
+    publishers.append(pub)
+    if sys.platform.startswith("linux"):
+        assert pub._send_live is not None

@@ -155,50 +155,69 @@ class KvEventSink:
         O(events), no I/O. A malformed event is counted and logged (raised when strict) and the
         rest are still taken.
         """
-        # Hot path: locals only, hashes converted inline (same rule as _signed), wire maps built
-        # directly; the uncommon cases go through the helper methods.
+        # Hot path: locals only (the routing window too; refreshed when it changes), hashes
+        # converted inline (same rule as _signed: u64 -> two's complement, anything else
+        # outside the int64 range goes to _signed, which raises), the one-block store and the
+        # one-hash removal (TRT-LLM's decode steady state) built directly; every other case
+        # goes through the helper methods.
         c = self._c
         bs = self.block_size
-        default_rank = self.data_parallel_rank
         i64_max = _I64_MAX
+        i64_min = _I64_MIN
+        u64 = _U64
+        token_id = _token_id
         n_in = n_stores = n_stored = n_removes = n_removed = 0
         with self._lock:
             ranks = self._ranks
+            default_rs = ranks[self.data_parallel_rank]
+            cur_window = self._window
             for ev in events:
                 n_in += 1
                 try:
                     data = ev["data"]
                     kind = data["type"]
                     window = ev.get("window_size")
-                    if kind == "created":
-                        c["created_events"] += 1
-                        if window is not None and window != self._window:
+                    if window is not None and window != cur_window:
+                        if kind == "created":
+                            c["created_events"] += 1
                             self._window_accepts(window, kind)  # learn the largest window
-                        continue
-                    if (window is not None and window != self._window
-                            and not self._window_accepts(window, kind)):
-                        if kind == "stored":
-                            c["window_filtered"] += len(data["blocks"])
-                        elif kind == "removed":
-                            c["window_removes_filtered"] += len(data["block_hashes"])
+                            cur_window = self._window
+                            continue
+                        if not self._window_accepts(window, kind):
+                            if kind == "stored":
+                                c["window_filtered"] += len(data["blocks"])
+                            elif kind == "removed":
+                                c["window_removes_filtered"] += len(data["block_hashes"])
+                            continue
+                        cur_window = self._window
+                    elif kind == "created":
+                        c["created_events"] += 1
                         continue
                     rank = ev.get("attention_dp_rank")
-                    rs = ranks.get(default_rank if rank is None else rank)
-                    if rs is None:
-                        rs = self._new_rank(rank)
+                    if rank is None:
+                        rs = default_rs
+                    else:
+                        rs = ranks.get(rank)
+                        if rs is None:
+                            rs = self._new_rank(rank)
                     if kind == "stored":
                         blocks = data["blocks"]
-                        if len(blocks) == 1 and len(blocks[0]["tokens"]) == bs:
+                        block = blocks[0] if len(blocks) == 1 else None
+                        if block is not None and len(tokens := block["tokens"]) == bs:
                             # The common decode case: one full block.
-                            block = blocks[0]
                             h = block["block_hash"]
-                            if type(h) is not int or h > i64_max or h < _I64_MIN:
-                                h = _signed(h, "stored.blocks[].block_hash")
+                            if type(h) is not int or not i64_min <= h <= i64_max:
+                                if type(h) is int and i64_max < h < u64:
+                                    h -= u64
+                                else:
+                                    h = _signed(h, "stored.blocks[].block_hash")
                             parent = data.get("parent_hash")
                             if parent is not None and (type(parent) is not int
-                                                       or parent > i64_max
-                                                       or parent < _I64_MIN):
-                                parent = _signed(parent, "stored.parent_hash")
+                                                       or not i64_min <= parent <= i64_max):
+                                if type(parent) is int and i64_max < parent < u64:
+                                    parent -= u64
+                                else:
+                                    parent = _signed(parent, "stored.parent_hash")
                             lora_id = data.get("lora_id") or None
                             last = rs.last
                             if (last is not None and parent is not None
@@ -206,13 +225,13 @@ class KvEventSink:
                                     and last["block_hashes"][-1] == parent
                                     and last["lora_id"] == lora_id):
                                 last["block_hashes"].append(h)
-                                last["token_ids"].extend(map(_token_id, block["tokens"]))
+                                last["token_ids"].extend(map(token_id, tokens))
                             else:
                                 n_stores += 1
                                 last = rs.last = {
                                     "type": _STORED, "block_hashes": [h],
                                     "parent_block_hash": parent,
-                                    "token_ids": list(map(_token_id, block["tokens"])),
+                                    "token_ids": list(map(token_id, tokens)),
                                     "block_size": bs, "lora_id": lora_id,
                                     "medium": MEDIUM_GPU, "lora_name": None}
                                 rs.events.append(last)
@@ -220,11 +239,21 @@ class KvEventSink:
                         else:
                             self._dict_stored(rs, data, bs)
                     elif kind == "removed":
-                        hashes = []
-                        for h in data["block_hashes"]:
-                            if type(h) is not int or h > i64_max or h < _I64_MIN:
-                                h = _signed(h, "removed.block_hashes[]")
-                            hashes.append(h)
+                        raw = data["block_hashes"]
+                        if type(raw) is list and len(raw) == 1:
+                            h = raw[0]
+                            if type(h) is not int or not i64_min <= h <= i64_max:
+                                if type(h) is int and i64_max < h < u64:
+                                    h -= u64
+                                else:
+                                    h = _signed(h, "removed.block_hashes[]")
+                            hashes = [h]
+                        else:
+                            hashes = []
+                            for h in raw:
+                                if type(h) is not int or not i64_min <= h <= i64_max:
+                                    h = _signed(h, "removed.block_hashes[]")
+                                hashes.append(h)
                         last = rs.last
                         if rs.suppressed or not hashes:
                             self._remove(rs, hashes, track_live=False)

@@ -9,9 +9,12 @@ it never blocks: it reserves the batch's sequence number and hands the batch to 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
+import os
 import queue
+import re
 import struct
 import threading
 import time
@@ -37,6 +40,56 @@ logger = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
 
 WireEvent = dict[str, Any]  # one event in wire form (see events.BlockStored.to_wire)
+_SNDMORE_NOBLOCK = zmq.SNDMORE | zmq.NOBLOCK
+
+
+def gil_holding_sender(sock: zmq.Socket) -> Callable[[bytes, bytes, bytes], None] | None:
+    """``send(topic, seq, payload)`` for ``sock`` that keeps the GIL, or None if unavailable.
+
+    pyzmq releases the GIL around every frame it sends. On the publisher thread that is costly
+    when the executor thread is running Python: after each release the publisher thread has to
+    win the GIL back, which takes up to ``sys.getswitchinterval()`` (5 ms) per frame, so a
+    3-frame batch could wait ~15 ms and the queue backs up. A non-blocking send on a PUB socket
+    never waits (PUB drops at its high-water mark instead), so holding the GIL across it costs
+    the other threads ~1 us per frame. This calls ``zmq_send`` of the libzmq that pyzmq itself
+    loaded through ``ctypes.PyDLL`` (which does not release the GIL). It returns None (callers
+    fall back to pyzmq) when that library cannot be identified unambiguously, e.g. when libzmq
+    is linked statically into pyzmq or not on Linux. Only for sockets used by one thread; the
+    socket must stay open while the sender is used. Errors raise :class:`zmq.ZMQError`.
+    """
+    try:
+        handle = sock.underlying
+        paths = set()
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if re.search(r"/libzmq[^/]*\.so", path) and os.path.exists(path):
+                    paths.add(path)
+        if len(paths) != 1:
+            return None
+        lib = ctypes.PyDLL(paths.pop())
+        major, minor, patch = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+        lib.zmq_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(patch))
+        if (major.value, minor.value, patch.value) != zmq.zmq_version_info():
+            return None
+        zmq_send = lib.zmq_send
+        zmq_send.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
+        zmq_send.restype = ctypes.c_int
+        zmq_errno = lib.zmq_errno
+        zmq_errno.argtypes = []
+        zmq_errno.restype = ctypes.c_int
+    except (OSError, AttributeError, ValueError, TypeError):
+        return None
+
+    more, last = _SNDMORE_NOBLOCK, zmq.NOBLOCK
+
+    def send(topic: bytes, seq: bytes, payload: bytes) -> None:
+        if (zmq_send(handle, topic, len(topic), more) < 0
+                or zmq_send(handle, seq, len(seq), more) < 0
+                or zmq_send(handle, payload, len(payload), last) < 0):
+            raise zmq.ZMQError(zmq_errno())
+
+    return send
 
 
 class EventPublisher(ABC):
@@ -102,6 +155,9 @@ class ZmqEventPublisher(EventPublisher):
       ``put_nowait``s it into a bounded queue; it never waits on I/O or on a full queue.
     - One daemon thread creates, binds, uses and closes both sockets: it encodes each batch,
       sends it, keeps it in the bounded replay buffer and answers replay requests.
+      Live sends keep the GIL (see :func:`gil_holding_sender`): with pyzmq's GIL-releasing
+      send, each frame made the thread wait up to a switch interval (5 ms) to get the GIL
+      back from a busy executor thread, and the queue backed up.
     - A batch lost anywhere (queue full, encode error, send error, publisher closed) keeps its
       reserved seq, so every consumer sees a gap; each loss is counted and logged rate-limited.
 
@@ -163,6 +219,8 @@ class ZmqEventPublisher(EventPublisher):
         self._drain_deadline = float("inf")
         self._close_linger_ms = linger_ms
         self._idle_s = poll_interval
+        # Live sender that keeps the GIL (set on the publisher thread; None: pyzmq's send).
+        self._send_live: Callable[[bytes, bytes, bytes], None] | None = None
         self._log = RateLimitedLog(logger)
         # Counters. Each is written by exactly one thread (caller or publisher thread).
         self._accepted = 0
@@ -313,6 +371,7 @@ class ZmqEventPublisher(EventPublisher):
             self._ready.set()
             return
         encode = self._encoder or payload_encoder()
+        self._send_live = gil_holding_sender(pub)
         self._ready.set()
         get_nowait = self._queue.get_nowait
         idle = self._idle_s
@@ -380,8 +439,12 @@ class ZmqEventPublisher(EventPublisher):
         seq_frame = _SEQ.pack(seq)
         # Buffered even if the live send fails: a replay can then fill the live gap.
         self._buffer.append((seq, payload))
+        send_live = self._send_live
         try:
-            pub.send_multipart((self._topic, seq_frame, payload), flags=zmq.NOBLOCK)
+            if send_live is not None and type(payload) is bytes:
+                send_live(self._topic, seq_frame, payload)
+            else:
+                pub.send_multipart((self._topic, seq_frame, payload), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._send_errors += 1
             self._log.log(logging.ERROR, "send", "%s: sending batch seq %d failed, lost live "
