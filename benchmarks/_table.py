@@ -59,7 +59,7 @@ def format_table(rows: Sequence[Row]) -> str:
     widths = [max(len(str(line[i])) for line in (header, *body)) for i in range(len(header))]
 
     def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths)) + " |"
+        return "| " + " | ".join(str(c).ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
 
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(header), sep, *(line(b) for b in body)])

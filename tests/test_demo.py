@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from kvbm_plugin import demo
-from kvbm_plugin.subscribe import StreamSubscriber
 
 SMALL = ["--sessions", "6", "--turns", "3", "--system-tokens", "64", "--gpu-blocks", "24",
          "--host-blocks", "16", "--disk-blocks", "64", "--no-progress"]
@@ -28,19 +27,19 @@ def test_demo_passthrough_mode(capsys) -> None:
 
 
 def test_demo_fails_when_the_subscriber_view_is_wrong(monkeypatch, capsys) -> None:
-    original = StreamSubscriber.apply
-    dropped: list[int] = []
+    from kvbm_plugin.testing.engine import SimulatedEngine
 
-    def lossy_apply(self: StreamSubscriber, batch) -> None:  # noqa: ANN001
-        if batch.seq == 3 and not dropped:
-            dropped.append(batch.seq)
-            batch.events = []  # a router that lost one batch's events
-        original(self, batch)
+    true_contents = SimulatedEngine.resident_blocks
 
-    monkeypatch.setattr(StreamSubscriber, "apply", lossy_apply)
-    assert demo.main_demo([*SMALL, "--timeout", "60"]) == 1
+    def with_a_block_nobody_announced(self: SimulatedEngine) -> dict:
+        truth = true_contents(self)
+        truth["CPU"][0] = set(truth["CPU"][0]) | {12345}
+        return truth
+
+    monkeypatch.setattr(SimulatedEngine, "resident_blocks", with_a_block_nobody_announced)
+    assert demo.main_demo([*SMALL, "--settle-timeout", "1"]) == 1
     out = capsys.readouterr().out
-    assert "[FAIL] subscriber view == tiers' true contents" in out
+    assert "[FAIL] subscriber view == tiers' true contents: missing 1, extra 0" in out
 
 
 def test_demo_rejects_bad_options() -> None:

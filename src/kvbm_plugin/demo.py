@@ -164,7 +164,7 @@ def _settle_and_check(engine, subscriber, args: argparse.Namespace):  # noqa: AN
     def view() -> set:
         return subscriber.held if args.mode == "dedup" else subscriber.held_with_medium
 
-    deadline = time.monotonic() + 20.0
+    deadline = time.monotonic() + args.settle_timeout
     while time.monotonic() < deadline:
         consolidator.wait_idle(0.2)
         subscriber.poll(20)
@@ -270,6 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="consolidator mode (default dedup)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--timeout", type=float, default=120.0, help="give up after seconds")
+    parser.add_argument("--settle-timeout", type=float, default=20.0,
+                        help="seconds to wait for the subscriber to catch up at the end")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
