@@ -507,6 +507,51 @@ class RecordingPublisher(NullEventPublisher):
         self.shut = True
 
 
+class GatedPublisher(RecordingPublisher):
+    """Holds the ingest thread inside its first publish until the test opens the gate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def publish(self, events: Any, data_parallel_rank: int | None = None) -> bool:
+        self.entered.set()
+        assert self.gate.wait(10.0)
+        return super().publish(events, data_parallel_rank)
+
+
+@pytest.mark.parametrize("flush_every", [1, 16])
+def test_a_backlog_is_published_in_batches_of_at_most_flush_every_inputs(ipc_dir, raw_rank,
+                                                                         flush_every):
+    config = make_config(ipc_dir, replay=False)
+    raw = raw_rank(config)
+    output = GatedPublisher()
+    consolidator = KvEventConsolidator(config, publisher=output, flush_every=flush_every)
+    consolidator.start()
+    try:
+        raw.wait_subscribed()
+        raw.send(0, [stored([100], None, [100])], dp_rank=2)
+        assert output.entered.wait(10.0)  # the ingest thread now waits in its first publish
+        for seq in range(1, 41):  # a backlog of 40 batches queues up meanwhile
+            raw.send(seq, [stored([seq], None, [seq])], dp_rank=2)
+        time.sleep(0.2)
+        output.gate.set()
+        wait_for(lambda: consolidator.stats()["batches_applied"] == 41)
+        assert consolidator.wait_idle(10.0)
+    finally:
+        output.gate.set()
+        consolidator.shutdown(5.0)
+    assert all(rank == 2 for rank, _ in output.batches)  # dp rank preserved
+    per_batch = [[h for e in events for h in e["block_hashes"]] for _, events in output.batches]
+    assert [h for hashes in per_batch for h in hashes] == [100, *range(1, 41)]  # in order
+    assert max(len(hashes) for hashes in per_batch) <= flush_every
+    if flush_every == 1:
+        assert len(per_batch) == 41  # one output batch per input batch
+    else:
+        assert len(per_batch) < 41
+
+
 def test_shutdown_applies_what_is_queued_and_leaves_a_passed_publisher(ipc_dir, raw_rank):
     config = make_config(ipc_dir, replay=False)
     raw_rank(config)

@@ -730,12 +730,18 @@ class KvEventConsolidator:
     ``publisher``: the output (default: ``create_publisher(config.publisher, config.output,
     config.output_replay)``, created by :meth:`start` and shut down by :meth:`shutdown`; one
     passed in stays its owner's). ``context``: default ``zmq.Context.instance()``, never
-    terminated here (other components share it).
+    terminated here (other components share it). ``flush_every``: under a backlog, the ingest
+    thread publishes the output of at most this many input batches as one output batch per dp
+    rank (1: one output batch per input batch); without a backlog every input batch's output is
+    published as soon as it is applied.
     """
 
     def __init__(self, config: ConsolidatorConfig, *, publisher: EventPublisher | None = None,
                  context: zmq.Context | None = None, replay_timeout: float = 2.0,
-                 max_pending: int = 10000) -> None:
+                 max_pending: int = 10000, flush_every: int = 16) -> None:
+        if type(flush_every) is not int or flush_every < 1:
+            raise ValueError(f"{type(self).__name__}: flush_every={flush_every!r} must be an "
+                             "int >= 1")
         self.config: Final = config
         self._core = ConsolidatorCore(config.mode)
         self._publisher = publisher
@@ -743,6 +749,7 @@ class KvEventConsolidator:
         self._ctx = context if context is not None else zmq.Context.instance()
         self._replay_timeout = replay_timeout
         self._max_pending = max_pending
+        self._flush_every = flush_every
         self._log = _RateLimitedLog()
         for name in _SHELL_COUNTERS:
             setattr(self, "_n_" + name, 0)
@@ -985,6 +992,7 @@ class KvEventConsolidator:
               by_socket: dict[Any, _Stream], by_dealer: dict[Any, _Stream]) -> None:
         wake_r = self._wake_r
         budget = 256  # messages per socket per round: bounds latency of the other inputs
+        flush_every = self._flush_every
         while not self._stop.is_set():
             timeout: int | None = None
             now = time.monotonic()
@@ -994,6 +1002,7 @@ class KvEventConsolidator:
                     timeout = left if timeout is None else min(timeout, left)
             self._idle = timeout is None and not self._queue
             ready = dict(poller.poll(timeout))
+            unflushed = 0  # input batches applied since the last flush (the loop's end flushed)
             self._idle = False
             if wake_r in ready:
                 try:
@@ -1018,10 +1027,16 @@ class KvEventConsolidator:
                             break
                         self._n_messages_received += 1
                         self._on_live(stream, frames)
-                        # One output batch per input batch: lowest latency, and output does
-                        # not pile up as young garbage-collected containers (measured: holding
-                        # 256 batches' output costs ~30% of the ingest rate in GC scans).
-                        self._flush()
+                        unflushed += 1
+                        if unflushed >= flush_every:
+                            # Output of up to ``flush_every`` input batches goes out as one
+                            # batch per dp rank: a backlog then costs the output publisher
+                            # (its queue, encode call, send, wake-ups) and every consumer one
+                            # message per ``flush_every`` inputs instead of one each. Only a
+                            # backlog is held: the round's end flushes below, so a lone
+                            # batch is published right after it was applied.
+                            unflushed = 0
+                            self._flush()
             if any(s.replay is not None for s in streams):
                 now = time.monotonic()
                 for stream in streams:
