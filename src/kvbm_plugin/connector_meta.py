@@ -19,7 +19,6 @@ or, for workers in other processes, a ZMQ PUSH → PULL channel to the leader's 
 from __future__ import annotations
 
 import logging
-import pickle
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -120,6 +119,31 @@ class OpReport:
     signature: tuple[int, int] | None = None  # disk writes: (size, mtime_ns) of the file
 
 
+def encode_report(report: OpReport) -> bytes:
+    """Wire form of a report on the cross-process channel: a msgpack array, never pickle (the
+    leader's PULL socket accepts connections from other hosts; unpickling would run their
+    code)."""
+    import msgpack
+
+    sig = None if report.signature is None else list(report.signature)
+    return msgpack.packb([report.op_id, report.rank, report.ok, report.error, sig])
+
+
+def decode_report(data: bytes) -> OpReport:
+    """Inverse of :func:`encode_report`; ValueError naming the message for anything else."""
+    import msgpack
+
+    try:
+        op_id, rank, ok, error, sig = msgpack.unpackb(data)
+        ints = (op_id, rank, error) if sig is None else (op_id, rank, error, *sig)
+        if not all(type(v) is int for v in ints) or type(ok) is not bool or (
+                sig is not None and len(sig) != 2):
+            raise ValueError
+    except Exception:
+        raise ValueError(f"malformed completion report {data[:64]!r}") from None
+    return OpReport(op_id, rank, ok, error, None if sig is None else (sig[0], sig[1]))
+
+
 @dataclass
 class CompletionHub:
     """Where workers drop :class:`OpReport` s and the leader drains them.
@@ -193,6 +217,7 @@ class ZmqReportReceiver:
 
         self._hub = hub
         self._bind = bind
+        self.malformed = 0
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -221,12 +246,12 @@ class ZmqReportReceiver:
             while not self._stop.is_set():
                 if sock.poll(100):
                     try:
-                        reports = pickle.loads(sock.recv(zmq.NOBLOCK))
-                    except Exception:  # a malformed message must not kill the channel
-                        logger.exception("dropping a malformed completion report")
+                        report = decode_report(sock.recv(zmq.NOBLOCK))
+                    except (ValueError, zmq.ZMQError) as exc:  # must not kill the channel
+                        self.malformed += 1
+                        logger.error("dropping a completion report: %s", exc)
                         continue
-                    for report in reports:
-                        self._hub.put(report)
+                    self._hub.put(report)
         finally:
             sock.close(0)
 
@@ -252,7 +277,7 @@ class ZmqReportSender:
 
     def put(self, report: OpReport) -> None:
         with self._lock:
-            self._sock.send(pickle.dumps([report]))
+            self._sock.send(encode_report(report))
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,78 @@
+"""The cross-process completion channel that TP ranks in other processes use to report ops."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import zmq
+
+from kvbm_plugin.connector_meta import (
+    ERR_NONE,
+    CompletionHub,
+    OpReport,
+    ZmqReportReceiver,
+    decode_report,
+    encode_report,
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _drain_until(hub: CompletionHub, count: int, timeout: float = 20.0) -> list[OpReport]:
+    got: list[OpReport] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < count:
+        assert time.monotonic() < deadline, f"only {len(got)} of {count} reports arrived"
+        got.extend(hub.drain())
+        time.sleep(0.005)  # polling interval of a deadline-bounded wait, not a synchronisation
+    return got
+
+
+def test_report_round_trip() -> None:
+    report = OpReport(7, 1, True, ERR_NONE, (4096, 1_700_000_000_123_456_789))
+    assert decode_report(encode_report(report)) == report
+    assert decode_report(encode_report(OpReport(8, 0, False, 2))) == OpReport(8, 0, False, 2)
+
+
+@pytest.mark.parametrize("data", [b"", b"\x93\x01\x02\x03", b"\x95\x01\x02\xc3\x00\x91\x01",
+                                  b"\x95\xa1x\x02\xc3\x00\xc0"])
+def test_malformed_reports_are_errors(data: bytes) -> None:
+    with pytest.raises(ValueError, match="malformed completion report"):
+        decode_report(data)
+
+
+def test_reports_from_another_process_reach_the_hub_and_garbage_does_not_stop_it() -> None:
+    port = _free_port()
+    hub = CompletionHub("report-channel-test")
+    receiver = ZmqReportReceiver(hub, f"tcp://*:{port}")
+    try:
+        with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as rogue:
+            rogue.setsockopt(zmq.LINGER, 1000)
+            rogue.connect(f"tcp://127.0.0.1:{port}")
+            rogue.send(b"\x80\x04not a report")  # e.g. a pickle: must be refused, not loaded
+        code = textwrap.dedent(f"""
+            from kvbm_plugin.connector_meta import OpReport, ZmqReportSender
+            sender = ZmqReportSender("tcp://127.0.0.1:{port}")
+            for op in range(50):
+                sender.put(OpReport(op, 1, op % 7 != 0, 0 if op % 7 else 1,
+                                    (op, op * 10) if op % 2 else None))
+            sender.close()
+        """)
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+        got = _drain_until(hub, 50)
+        assert [r.op_id for r in got] == list(range(50))
+        assert all(r.rank == 1 for r in got)
+        assert [r.ok for r in got] == [op % 7 != 0 for op in range(50)]
+        assert got[3].signature == (3, 30) and got[4].signature is None
+        assert receiver.malformed == 1
+    finally:
+        receiver.close()
