@@ -13,13 +13,17 @@ synchronizes only at measurement boundaries.
 from __future__ import annotations
 
 import argparse
+import queue
 import random
+import statistics
+import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import torch
 
-from benchmarks._table import Row, median_of, print_table
+from benchmarks._table import Row, print_table
 from kvbm_plugin.connector_meta import (
     HOST,
     ConnectorMetadata,
@@ -43,6 +47,34 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+class _CopyThread:
+    """Runs the baseline copies on a long-lived thread of their own.
+
+    The worker copies on its transfer thread; a baseline on the main thread would get a
+    different OpenMP situation (on CPU, each thread that runs parallel ops has its own team,
+    which busy-waits after each region), so both sides run on a dedicated thread that
+    alternates with the other.
+    """
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="bench-baseline", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            self._results.put(job())
+
+    def call(self, job: Callable[[], float]) -> float:
+        self._jobs.put(job)
+        return self._results.get(timeout=120)
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(10)
+
+
 def _wait_reports(hub, count: int, timeout: float = 120.0) -> None:
     """Block (no spinning: the copy threads need the cores) until ``count`` op reports."""
     deadline = time.monotonic() + timeout
@@ -60,7 +92,7 @@ def run(quick: bool = False, device: str = "cpu") -> list[Row]:
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("--device cuda needs a CUDA device")
     n = (16 if quick else 64) if device == "cpu" else (64 if quick else 256)
-    repeats = 3 if quick else 5
+    repeats = 3 if quick else 7
     group = f"bench-{uuid.uuid4().hex[:8]}"
     env = {"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false",
            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": str(n)}
@@ -126,11 +158,21 @@ def run(quick: bool = False, device: str = "cpu") -> list[Row]:
             return nbytes / (time.perf_counter() - start) / 1e9
 
         offload(), onboard(), bulk_d2h(), bulk_h2d()  # warm-up (page faults, streams)
-        # Interleave so both sides see the same machine state.
-        off = median_of(offload, repeats)
-        base_off = median_of(bulk_d2h, repeats)
-        on = median_of(onboard, repeats)
-        base_on = median_of(bulk_h2d, repeats)
+        # Interleave each measurement with its baseline so both see the same machine state
+        # (a shared machine drifts between runs).
+        samples: dict[str, list[float]] = {"off": [], "d2h": [], "on": [], "h2d": []}
+        baseline = _CopyThread()
+        try:
+            baseline.call(bulk_d2h)  # warm-up of that thread
+            for _ in range(repeats):
+                samples["off"].append(offload())
+                samples["d2h"].append(baseline.call(bulk_d2h))
+                samples["on"].append(onboard())
+                samples["h2d"].append(baseline.call(bulk_h2d))
+        finally:
+            baseline.close()
+        off, base_off, on, base_on = (statistics.median(samples[k])
+                                      for k in ("off", "d2h", "on", "h2d"))
         # Correctness: the last onboard put every block back where it came from.
         host_copy = host_pool[torch.tensor(slots)]
         assert torch.equal(pool.cpu(), host_copy.cpu()), "onboarded bytes differ"
