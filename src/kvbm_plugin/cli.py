@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import sys
+import warnings
 from collections.abc import Sequence
 
 ENGINE_YAML = """\
@@ -90,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    # Our own process: torch's CPU wheels warn at import when NumPy is absent, which the plugin
+    # does not use; keep that line out of the demo's and doctor's output.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] in FORWARDED:
         return _run_forwarded(args_list[0], args_list[1:])
