@@ -47,3 +47,17 @@ def test_demo_rejects_bad_options() -> None:
         demo.main_demo(["--sessions", "0"])
     with pytest.raises(SystemExit, match="unknown tier"):
         demo.main_demo(["--tiers", "tape", "--no-progress"])
+
+
+def test_demo_fails_when_tiers_serve_nothing(monkeypatch, capsys) -> None:
+    from kvbm_plugin.connector_leader import KvbmConnectorLeader
+
+    monkeypatch.setattr(KvbmConnectorLeader, "get_num_new_matched_tokens",
+                        lambda self, request, num_computed_tokens: (0, False))
+    assert demo.main_demo(SMALL) == 1
+    assert "[FAIL] prefixes reused from tiers: host 0 + disk 0 tokens" in capsys.readouterr().out
+
+
+def test_tier_reuse_check_is_not_applied_when_nothing_was_evicted(capsys) -> None:
+    assert demo.main_demo(["--sessions", "2", "--turns", "1", "--no-progress"]) == 0
+    assert "not exercised" in capsys.readouterr().out
