@@ -336,3 +336,25 @@ def test_leader_module_never_imports_torch() -> None:
             "assert 'torch' not in sys.modules, 'torch imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
                    env={**os.environ, "PYTHONWARNINGS": "ignore"})
+
+
+def test_copy_that_cannot_be_issued_fails_its_ops_and_finishes_ids(make_engine,
+                                                                   monkeypatch) -> None:
+    import kvbm_plugin.connector_worker as worker_mod
+
+    original = worker_mod._runs
+
+    def broken_runs(pairs):
+        # The first element of each run is past the end of its pool: the copy's shapes differ,
+        # so issuing it raises on the transfer thread.
+        return [(a + 10**6, b, n) for a, b, n in original(pairs)]
+
+    monkeypatch.setattr(worker_mod, "_runs", broken_runs)
+    recorder = Recorder()
+    engine = make_engine(num_gpu_blocks=16, env=tiers(host=16), tier_events=recorder)
+    req = engine.submit(prompt(31, 21), 1)
+    engine.run_until_idle(timeout_s=10)
+    assert engine._reqs[req].state == "done"
+    assert engine.leader.stats()["saves_failed"] == 5
+    assert engine.leader.stats()["ops_inflight"] == 0
+    assert recorder.calls == []

@@ -280,23 +280,26 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             with self._lock:
                 self._stats["ops_failed"] += 1
         report = OpReport(op_id, self._rank, ok, error, signature)
-        if self._reporter is None:
-            hub = find_hub(self._group)
-            if hub is not None:
-                self._reporter = hub
-            elif self._par.tp_size > 1:
-                env = self._env
-                self._reporter = ZmqReportSender(
-                    f"tcp://{_llm_args.leader_host(env)}:{_llm_args.leader_port(env)}")
-            else:
-                if not self._report_warned:
-                    logger.error("rank %d: no leader found for group %r; tier blocks written by "
-                                 "this worker will not be advertised", self._rank, self._group)
-                    self._report_warned = True
-                return
         try:
+            if self._reporter is None:
+                hub = find_hub(self._group)
+                if hub is not None:
+                    self._reporter = hub
+                elif self._par.tp_size > 1:
+                    env = self._env
+                    self._reporter = ZmqReportSender(
+                        f"tcp://{_llm_args.leader_host(env)}:{_llm_args.leader_port(env)}")
+                else:
+                    if not self._report_warned:
+                        logger.error("rank %d: no leader found for group %r; tier blocks "
+                                     "written by this worker will not be advertised",
+                                     self._rank, self._group)
+                        self._report_warned = True
+                    return
             self._reporter.put(report)
         except Exception:
+            # Called from done callbacks on the transfer/disk threads: raising here would leave
+            # the rest of the batch unreported and their request ids never returned.
             logger.exception("rank %d: could not report op %d", self._rank, op_id)
 
     def _save_terminal(self, req_id: int) -> None:
@@ -346,7 +349,14 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             now = time.monotonic()
             still: list[tuple[Any, float, Callable[[bool], None]]] = []
             for event, deadline, done in pending:
-                if event.query():
+                try:
+                    fired = event.query()
+                except Exception:  # a CUDA error: fail the ops rather than lose the thread
+                    logger.exception("rank %d: polling a copy failed; failing its ops",
+                                     self._rank)
+                    done(False)
+                    continue
+                if fired:
                     done(True)
                 elif now > deadline:
                     logger.error("rank %d: a copy did not complete in %.0f s; failing its ops",
@@ -374,27 +384,35 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                 self._metrics.observe_transfer(direction, MEDIUM_CPU,
                                                time.perf_counter() - started, nbytes)
 
-        if not self._cuda:
-            import torch
-
-            foreach = getattr(torch, "_foreach_copy_", None)
-            if foreach is not None and len(copies) > 1:
-                # One op for the whole batch: one parallel region instead of one per block.
-                foreach([d for d, _ in copies], [s for _, s in copies])
-            else:
-                for dst, src in copies:
-                    dst.copy_(src)
-            done(True)
-            return
         import torch
 
-        with torch.cuda.stream(self._side_stream):
-            if wait_event is not None:
-                self._side_stream.wait_event(wait_event)
-            for dst, src in copies:
-                dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._side_stream)
+        try:
+            if not self._cuda:
+                foreach = getattr(torch, "_foreach_copy_", None)
+                if foreach is not None and len(copies) > 1:
+                    # One op for the whole batch: one parallel region instead of one per block.
+                    foreach([d for d, _ in copies], [s for _, s in copies])
+                else:
+                    for dst, src in copies:
+                        dst.copy_(src)
+            else:
+                with torch.cuda.stream(self._side_stream):
+                    if wait_event is not None:
+                        self._side_stream.wait_event(wait_event)
+                    for dst, src in copies:
+                        dst.copy_(src, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(self._side_stream)
+        except Exception:
+            # A copy that cannot be issued (shape mismatch, CUDA error) fails its ops now;
+            # otherwise they would never be reported and their request ids never returned.
+            logger.exception("rank %d: %s copy of %d blocks failed", self._rank, direction,
+                             len(copies))
+            done(False)
+            return
+        if not self._cuda:
+            done(True)
+            return
         pending.append((event, time.monotonic() + OP_TIMEOUT_S, done))
 
     def _run_loads(self, loads: Sequence[LoadOp], pending: list[Any]) -> None:
