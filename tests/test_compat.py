@@ -95,6 +95,10 @@ def test_connector_classes_subclass_the_base_in_use(fake_trtllm) -> None:
     _reload()
     from kvbm_plugin import connector_leader, connector_worker
 
+    # Reloading rebinds the module attributes to new classes; put the originals back afterwards
+    # (a second reload would leave modules imported earlier, e.g. testing.engine, holding
+    # classes that later tests' monkeypatches do not reach).
+    saved = [(m, dict(vars(m))) for m in (connector_leader, connector_worker)]
     try:
         leader = importlib.reload(connector_leader)
         worker = importlib.reload(connector_worker)
@@ -103,8 +107,9 @@ def test_connector_classes_subclass_the_base_in_use(fake_trtllm) -> None:
     finally:
         sys.modules.pop(NEW_PATH, None)
         importlib.reload(_trtllm_compat)
-        importlib.reload(connector_leader)
-        importlib.reload(connector_worker)
+        for module, attrs in saved:
+            vars(module).clear()
+            vars(module).update(attrs)
 
 
 class _BrokenNativeFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
