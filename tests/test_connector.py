@@ -358,3 +358,26 @@ def test_copy_that_cannot_be_issued_fails_its_ops_and_finishes_ids(make_engine,
     assert engine.leader.stats()["saves_failed"] == 5
     assert engine.leader.stats()["ops_inflight"] == 0
     assert recorder.calls == []
+
+
+def test_reports_from_ranks_outside_the_group_or_for_unknown_ops_are_rejected() -> None:
+    from kvbm_plugin.connector_meta import OpReport, find_hub
+
+    leader = KvbmConnectorLeader(LlmArgs(KvCacheConfig(4), ParallelConfig(0, 2),
+                                         kvbm_plugin_env=tiers(host=8),
+                                         kvbm_plugin_group="reject-reports"))
+    try:
+        op_id = leader._new_op("save", "host", 123, None)
+        hub = find_hub("reject-reports")
+        hub.put(OpReport(op_id, 0, True))
+        hub.put(OpReport(op_id, 7, True))  # no rank 7 in a TP=2 group
+        hub.put(OpReport(op_id + 100, 1, True))  # no such op
+        leader._apply_reports()
+        stats = leader.stats()
+        assert stats["ops_inflight"] == 1  # rank 1 has not reported: not final
+        assert stats["reports_rejected"] == 2 and stats["saves_committed"] == 0
+        hub.put(OpReport(op_id, 1, False))
+        leader._apply_reports()
+        assert leader.stats()["ops_inflight"] == 0
+    finally:
+        leader.shutdown()

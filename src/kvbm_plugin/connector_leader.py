@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbm_plugin import _llm_args
+from kvbm_plugin._ratelimit import RateLimitedLog
 from kvbm_plugin._trtllm_compat import (
     KvCacheConnectorScheduler,
     find_kv_cache_manager,
@@ -182,7 +183,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
             "saves_committed", "saves_failed", "demotes_scheduled", "demotes_committed",
             "demotes_failed", "loads_failed", "corrupt_blocks", "stale_disk_blocks",
-            "tier_full_skips", "host_evictions", "disk_evictions"), 0)
+            "tier_full_skips", "host_evictions", "disk_evictions", "reports_rejected"), 0)
+        self._log = RateLimitedLog(logger)
 
         config = load_consolidator_config(self._env, num_ranks=1)
         enabled = config.enabled and should_enable_consolidator(llm_args, self._env)
@@ -551,9 +553,18 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
     def _apply_reports(self) -> None:
         """Fold workers' reports in; an op is final once every rank reported it."""
         final: list[tuple[int, _Op]] = []
+        tp_size = self._par.tp_size
         for report in self._hub.drain():
             op = self._ops.get(report.op_id)
-            if op is None:
+            if op is None or not 0 <= report.rank < tp_size:
+                # A rank outside the group must not count towards "every rank reported" (the
+                # block would be advertised before its bytes are on every rank); an unknown op
+                # id is a late duplicate or a report meant for another leader.
+                self._stats["reports_rejected"] += 1
+                self._log.log(logging.WARNING, "report", "kvbm_plugin: completion report for "
+                              "op %d from rank %d ignored (%s; tp_size %d)", report.op_id,
+                              report.rank, "unknown op" if op is None else "rank out of range",
+                              tp_size)
                 continue
             op.reports[report.rank] = report
             if len(op.reports) >= self._par.tp_size:
@@ -623,6 +634,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         out["ops_inflight"] = len(self._ops)
         out["host_used"] = len(self._host) if self._host is not None else 0
         out["disk_used"] = len(self._disk) if self._disk is not None else 0
+        out["reports_malformed"] = self._receiver.malformed if self._receiver is not None else 0
         return out
 
     def shutdown(self, timeout: float = 5.0) -> None:

@@ -24,6 +24,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Final
 
+from kvbm_plugin._ratelimit import RateLimitedLog
+
 logger = logging.getLogger(__name__)
 
 # Tier codes in the metadata (ints keep the pickle small).
@@ -217,7 +219,8 @@ class ZmqReportReceiver:
 
         self._hub = hub
         self._bind = bind
-        self.malformed = 0
+        self.malformed = 0  # dropped messages (the leader's stats() shows them)
+        self._log = RateLimitedLog(logger)  # anyone can reach the port: no log storm
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
@@ -249,7 +252,8 @@ class ZmqReportReceiver:
                         report = decode_report(sock.recv(zmq.NOBLOCK))
                     except (ValueError, zmq.ZMQError) as exc:  # must not kill the channel
                         self.malformed += 1
-                        logger.error("dropping a completion report: %s", exc)
+                        self._log.log(logging.ERROR, "malformed", "dropping a completion "
+                                      "report: %s", exc)
                         continue
                     self._hub.put(report)
         finally:
