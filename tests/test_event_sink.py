@@ -347,3 +347,23 @@ def test_constructor_rejects_bad_arguments() -> None:
         KvEventSink(Capture(), block_size=0)
     with pytest.raises(ValueError, match="window_size=-1"):
         KvEventSink(Capture(), block_size=2, window_size=-1)
+
+
+def test_attach_buffered_tee_counts_events_it_cannot_serialize() -> None:
+    sink, cap = sink_with()
+
+    class Manager:
+        def get_latest_events(self, timeout_ms: int | None = None) -> list[Any]:
+            return ["raw-1", "raw-2"]
+
+    def serialize(raw: list[Any]) -> list[dict[str, Any]]:
+        raise RuntimeError("unknown event class")
+
+    manager = Manager()
+    source = attach_event_source(manager, sink, serialize=serialize)
+    assert manager.get_latest_events(0) == ["raw-1", "raw-2"]  # TRT-LLM's pull path unharmed
+    assert sink.stats()["malformed_events"] == 2
+    source.detach()
+    no_serializer = attach_event_source(Manager(), sink)
+    no_serializer.poll()
+    assert sink.stats()["malformed_events"] == 4

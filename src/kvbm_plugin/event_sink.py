@@ -388,6 +388,12 @@ class KvEventSink:
             suppressed.pop(next(iter(suppressed)))
             self._c["suppressed_evicted"] += 1
 
+    def _count_lost_input(self, n: int) -> None:
+        """``n`` events that never reached :meth:`ingest` (the buffered tee could not turn them
+        into dicts): counted as malformed; any thread."""
+        with self._lock:
+            self._c["malformed_events"] += n
+
     def _malformed(self, exc: BaseException, what: Any) -> None:
         self._c["malformed_events"] += 1
         if self._strict:
@@ -792,13 +798,20 @@ def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSin
         items = list(raw)
         if not isinstance(items[0], Mapping):
             if serialize is None:
+                sink._count_lost_input(len(items))
                 log.log(logging.ERROR, "serialize", "attach_event_source: %d KV events are %s "
                         "objects, not dicts, and no serialize= was given; pass "
                         "tensorrt_llm._utils.KVCacheEventSerializer.serialize", len(items),
                         type(items[0]).__name__)
-                sink._c["malformed_events"] += len(items)
                 return
-            items = serialize(items)
+            try:
+                items = serialize(items)
+            except Exception as exc:
+                sink._count_lost_input(len(items))
+                log.log(logging.ERROR, "serialize-failed", "attach_event_source: serializing "
+                        "%d KV events failed, not published (counted as malformed): %s: %s",
+                        len(items), type(exc).__name__, exc)
+                return
         sink.ingest(items)
 
     def tee(*args: Any, **kwargs: Any) -> Any:
