@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Final
 import msgpack
 import zmq
 
+from kvbm_plugin._ratelimit import RateLimitedLog
 from kvbm_plugin.consolidator_config import (
     ENABLE_CONSOLIDATOR,
     EVENTS_ENDPOINT,
@@ -667,25 +668,6 @@ class ConsolidatorCore:
 # ====================================================================== socket shell
 
 
-class _RateLimitedLog:
-    """Logs a warning per key at most once per ``interval`` seconds, with a suppressed count."""
-
-    def __init__(self, interval: float = 10.0) -> None:
-        self._interval = interval
-        self._last: dict[str, tuple[float, int]] = {}
-
-    def warning(self, key: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        last, suppressed = self._last.get(key, (-1e18, 0))
-        if now - last < self._interval:
-            self._last[key] = (last, suppressed + 1)
-            return
-        self._last[key] = (now, 0)
-        if suppressed:
-            msg += f" ({suppressed} similar suppressed)"
-        logger.warning(msg, *args)
-
-
 class _Replay:
     """A replay in flight for one stream: live messages wait in ``pending`` until it ends."""
 
@@ -750,7 +732,7 @@ class KvEventConsolidator:
         self._replay_timeout = replay_timeout
         self._max_pending = max_pending
         self._flush_every = flush_every
-        self._log = _RateLimitedLog()
+        self._log = RateLimitedLog(logger)
         for name in _SHELL_COUNTERS:
             setattr(self, "_n_" + name, 0)
         # Registration queue: appended by any thread, drained by the ingest thread. deque
@@ -1042,9 +1024,9 @@ class KvEventConsolidator:
                 for stream in streams:
                     if stream.replay is not None and now >= stream.replay.deadline:
                         if not stream.replay.startup:
-                            self._log.warning("replay-timeout", "rank %d: replay gave no "
-                                              "END_SEQ within %.1fs", stream.rank,
-                                              self._replay_timeout)
+                            self._log.log(logging.WARNING, "replay-timeout", "rank %d: replay "
+                                          "gave no END_SEQ within %.1fs", stream.rank,
+                                          self._replay_timeout)
                         self._replay_failed(stream, poller, by_dealer)
             self._drain_registrations()
             self._flush()
@@ -1187,9 +1169,9 @@ class KvEventConsolidator:
             self._on_message(stream, frames, live=True)
 
     def _resync(self, stream: _Stream, why: str) -> None:
-        self._log.warning(f"resync-{stream.rank}", "rank %d: GPU-tier events lost (%s); its GPU "
-                          "residency is treated as cleared until new stores arrive",
-                          stream.rank, why)
+        self._log.log(logging.WARNING, f"resync-{stream.rank}", "rank %d: GPU-tier events lost "
+                      "(%s); its GPU residency is treated as cleared until new stores arrive",
+                      stream.rank, why)
         for dp_rank in sorted(stream.dp_ranks):
             self._core.resync(dp_rank)
 
@@ -1229,17 +1211,18 @@ class KvEventConsolidator:
 
     def _bad_message(self, stream: _Stream, exc: WireFormatError) -> None:
         self._n_malformed += 1
-        self._log.warning("malformed", "rank %d: malformed message dropped: %s", stream.rank, exc)
+        self._log.log(logging.WARNING, "malformed", "rank %d: malformed message dropped: %s",
+                      stream.rank, exc)
 
     def _bad_event(self, stream: _Stream, exc: WireFormatError) -> None:
         if isinstance(exc, UnknownMediumError):
             self._n_unknown_medium += 1
-            self._log.warning("medium", "rank %d: event with an unknown medium dropped: %s",
-                              stream.rank, exc)
+            self._log.log(logging.WARNING, "medium", "rank %d: event with an unknown medium "
+                          "dropped: %s", stream.rank, exc)
         else:
             self._n_malformed += 1
-            self._log.warning("malformed-event", "rank %d: malformed event dropped: %s",
-                              stream.rank, exc)
+            self._log.log(logging.WARNING, "malformed-event", "rank %d: malformed event "
+                          "dropped: %s", stream.rank, exc)
 
     # --- registrations and output
 
@@ -1260,8 +1243,8 @@ class KvEventConsolidator:
                 self._n_registrations += 1
             except Exception as exc:  # e.g. token count != block_size: the tier's bug
                 self._n_registration_errors += 1
-                self._log.warning("registration", "registration %s dropped: %s",
-                                  f"{item!r:.200}", exc)
+                self._log.log(logging.WARNING, "registration", "registration %s dropped: %s",
+                              f"{item!r:.200}", exc)
 
     def _flush(self) -> None:
         """Publish what the core produced: one batch per dp rank, dp rank preserved."""
@@ -1276,8 +1259,8 @@ class KvEventConsolidator:
             self._n_events_out += len(events)
             if not publisher.publish(events, data_parallel_rank=dp_rank):
                 self._n_output_lost += 1
-                self._log.warning("output-lost", "output batch for dp rank %d lost by the "
-                                  "publisher (consumers see a seq gap)", dp_rank)
+                self._log.log(logging.WARNING, "output-lost", "output batch for dp rank %d lost "
+                              "by the publisher (consumers see a seq gap)", dp_rank)
 
 
 def _check_hash(value: int) -> None:
