@@ -20,10 +20,11 @@ by the partial-block rule (and, for sliding-window models, when they belong to a
 not published at all). Every drop is counted in :meth:`KvEventSink.stats` and logged
 rate-limited.
 
-Threads: ``ingest``, the V2 hooks and ``flush`` take one short lock (never held across I/O), so
-events may arrive on TRT-LLM's executor thread or on its KV-event dispatch thread while the
-leader flushes on the executor thread. Nothing here blocks on I/O: the publisher's ``publish``
-only enqueues. No torch or TensorRT-LLM import.
+Threads: ``ingest`` and ``flush`` take one short lock (never held across I/O), so buffered
+events may arrive on TRT-LLM's KV-event dispatch thread while the leader flushes on the executor
+thread. The V2 hooks take no lock (per-block budget ~1 us): TRT-LLM calls them on the executor
+thread, the thread that flushes. Nothing here blocks on I/O: the publisher's ``publish`` only
+enqueues. No torch or TensorRT-LLM import.
 """
 
 from __future__ import annotations
