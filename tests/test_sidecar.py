@@ -160,3 +160,30 @@ def test_main_sidecar_rejects_bad_arguments(monkeypatch: pytest.MonkeyPatch) -> 
         main_sidecar(["--url", "http://x", "--block-size", "0"])
     with pytest.raises(SystemExit):
         main_sidecar(["--block-size", "32"])  # --url missing
+
+
+def test_sidecar_survives_a_truncated_response() -> None:
+    class Truncating(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server API
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b"[]")  # 98 bytes short: the client raises IncompleteRead
+
+        def log_message(self, *args: Any) -> None:
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Truncating)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port()),
+                                           "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(free_port())})
+        result = run_sidecar(f"http://127.0.0.1:{server.server_address[1]}", config,
+                             block_size=2, interval=0.001, stop_event=StopAfter(2),
+                             http_timeout=2.0)
+        assert result["polls"] == 2 and result["poll_errors"] == 2
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -12,12 +12,12 @@ one batch per rank per poll. Stdlib HTTP only (urllib). Exposed on the CLI as
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import logging
 import signal
 import threading
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -91,7 +91,8 @@ def run_sidecar(url: str, config: ConsolidatorConfig, *, block_size: int,
             started = time.monotonic()
             try:
                 events = fetch_events(url, timeout=http_timeout)
-            except (OSError, ValueError, urllib.error.URLError) as exc:
+            except (OSError, ValueError, http.client.HTTPException) as exc:
+                # HTTPException: e.g. IncompleteRead, a response cut short (not an OSError).
                 errors += 1
                 log.log(logging.WARNING, "poll", "sidecar: POST %s/kv_cache_events failed: %s",
                         url, exc)
