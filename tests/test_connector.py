@@ -381,3 +381,31 @@ def test_reports_from_ranks_outside_the_group_or_for_unknown_ops_are_rejected() 
         assert leader.stats()["ops_inflight"] == 0
     finally:
         leader.shutdown()
+
+
+def test_worker_shutdown_runs_disk_writes_queued_by_the_last_transfer_job(make_engine,
+                                                                        monkeypatch) -> None:
+    from kvbm_plugin.connector_meta import DISK, ConnectorMetadata, SaveOp
+
+    engine = make_engine(num_gpu_blocks=16, env=tiers(disk=16))
+    engine.submit(prompt(32, 9), 1)
+    engine.run_until_idle()
+    worker = engine.workers[0]
+    disk_thread = worker._threads[1]
+    original = type(worker)._save_to_disk
+
+    def late_save_to_disk(self, op, fwd_event):
+        # Runs on the transfer thread during shutdown: give the disk thread every chance to
+        # have stopped already (it must not, while the transfer thread can still queue work).
+        deadline = time.monotonic() + 0.5
+        while disk_thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        original(self, op, fwd_event)
+
+    monkeypatch.setattr(type(worker), "_save_to_disk", late_save_to_disk)
+    offloaded = worker.stats()["blocks_offloaded"]
+    worker.bind_connector_meta(ConnectorMetadata(
+        10**6, worker._layout, saves=(SaveOp(10**6, 4242, 0, DISK, 15, 77),)))
+    worker.shutdown()
+    assert worker.stats()["saves_inflight"] == 0
+    assert worker.stats()["blocks_offloaded"] == offloaded + 1

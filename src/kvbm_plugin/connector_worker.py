@@ -620,16 +620,18 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             and self._pending_save_meta is None
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stop the threads (bounded), fail what is still queued, close tiers; idempotent."""
+        """Stop the threads after they ran what is queued (bounded by ``timeout``; pending
+        copies still unfinished then are failed), close tiers; idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._pool is not None:
             self._enqueue_saves(None)
-        self._jobs.put(("stop",))
-        self._disk_jobs.put(("stop",))
         deadline = time.monotonic() + timeout
-        for thread in self._threads:
+        # The transfer thread stops first: the jobs it still runs may queue disk writes, which
+        # the disk thread must see before its own stop. (No threads: no pool was registered.)
+        for thread, jobs in zip(self._threads, (self._jobs, self._disk_jobs), strict=False):
+            jobs.put(("stop",))
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 logger.warning("rank %d: %s did not stop within %.1f s", self._rank, thread.name,
