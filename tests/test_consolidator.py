@@ -635,3 +635,60 @@ def test_consolidate_command_runs_until_sigterm(ipc_dir):
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+class RaisingPublisher(RecordingPublisher):
+    """Breaks the never-raise contract on its first publish."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.raised = False
+
+    def publish(self, events: Any, data_parallel_rank: int | None = None) -> bool:
+        if not self.raised:
+            self.raised = True
+            raise RuntimeError("transport plugin bug")
+        return super().publish(events, data_parallel_rank)
+
+
+def test_a_raising_publisher_loses_one_batch_counted_and_ingest_goes_on(ipc_dir, raw_rank):
+    config = make_config(ipc_dir, replay=False)
+    raw_rank(config)
+    output = RaisingPublisher()
+    consolidator = KvEventConsolidator(config, publisher=output)
+    consolidator.start()
+    try:
+        consolidator.register_store("CPU", 0, 1, None, toks(1), BS)
+        wait_for(lambda: consolidator.stats()["output_lost"] == 1)
+        consolidator.register_store("CPU", 0, 2, 1, toks(2), BS)
+        wait_for(lambda: len(output.batches) == 1)
+        assert output.batches[0][1][0]["block_hashes"] == [2]
+    finally:
+        consolidator.shutdown(5.0)
+
+
+def test_an_unexpected_ingest_error_is_counted_and_ingest_goes_on(ipc_dir, raw_rank,
+                                                                  monkeypatch):
+    config = make_config(ipc_dir, replay=False)
+    raw_rank(config)
+    output = RecordingPublisher()
+    consolidator = KvEventConsolidator(config, publisher=output)
+    original = KvEventConsolidator._drain_registrations
+    raised = threading.Event()
+
+    def fails_once(self) -> None:
+        if self._queue and not raised.is_set():
+            raised.set()
+            raise RuntimeError("bug")
+        original(self)
+
+    monkeypatch.setattr(KvEventConsolidator, "_drain_registrations", fails_once)
+    consolidator.start()
+    try:
+        consolidator.register_store("CPU", 0, 1, None, toks(1), BS)
+        wait_for(lambda: consolidator.stats()["ingest_errors"] == 1)
+        wait_for(lambda: len(output.batches) == 1)  # the queued store applied on the retry
+        consolidator.register_store("CPU", 0, 2, 1, toks(2), BS)
+        wait_for(lambda: len(output.batches) == 2)
+    finally:
+        consolidator.shutdown(5.0)

@@ -699,7 +699,7 @@ _SHELL_COUNTERS: Final = (
     "messages_received", "batches_applied", "events_applied", "malformed", "unknown_medium",
     "gaps", "late_joins", "restarts", "replay_requests", "replayed_batches", "replay_failures",
     "unfillable_gaps", "registrations", "registration_errors", "registrations_dropped",
-    "batches_out", "events_out", "output_lost",
+    "batches_out", "events_out", "output_lost", "ingest_errors",
 )
 
 _Registration = tuple[Any, ...]  # (kind, medium, dp_rank, ...) built by register_*
@@ -942,9 +942,19 @@ class KvEventConsolidator:
         by_socket = {s.sub: s for s in streams}
         by_dealer = {s.dealer: s for s in streams if s.dealer is not None}
         try:
-            self._loop(streams, poller, by_socket, by_dealer)
-        except Exception:  # a bug, not bad input: log it and keep the process alive
-            logger.exception("%s: ingest thread failed", type(self).__name__)
+            while True:
+                try:
+                    self._loop(streams, poller, by_socket, by_dealer)
+                    break
+                except Exception:  # a bug, not bad input: count it and keep ingesting
+                    self._n_ingest_errors += 1
+                    if self._n_ingest_errors == 1:
+                        logger.exception("%s: ingest loop failed; continuing",
+                                         type(self).__name__)
+                    else:
+                        self._log.log(logging.ERROR, "ingest", "%s: ingest loop failed again "
+                                      "(%d times); continuing", type(self).__name__,
+                                      self._n_ingest_errors)
         finally:
             self._drain_registrations()
             self._flush()
@@ -982,7 +992,9 @@ class KvEventConsolidator:
                 if stream.replay is not None:
                     left = max(0, int((stream.replay.deadline - now) * 1000) + 1)
                     timeout = left if timeout is None else min(timeout, left)
-            self._idle = timeout is None and not self._queue
+            if self._queue:
+                timeout = 0  # queued registrations (e.g. after a failed round): no sleeping
+            self._idle = timeout is None
             ready = dict(poller.poll(timeout))
             unflushed = 0  # input batches applied since the last flush (the loop's end flushed)
             self._idle = False
@@ -1257,7 +1269,13 @@ class KvEventConsolidator:
             self._published_batches += 1
             self._n_batches_out += 1
             self._n_events_out += len(events)
-            if not publisher.publish(events, data_parallel_rank=dp_rank):
+            try:
+                ok = publisher.publish(events, data_parallel_rank=dp_rank)
+            except Exception as exc:  # a publisher plugin breaking its never-raise contract
+                ok = False
+                self._log.log(logging.ERROR, "output-error", "%s.publish raised %s: %s",
+                              type(publisher).__name__, type(exc).__name__, exc)
+            if not ok:
                 self._n_output_lost += 1
                 self._log.log(logging.WARNING, "output-lost", "output batch for dp rank %d lost "
                               "by the publisher (consumers see a seq gap)", dp_rank)
