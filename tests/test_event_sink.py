@@ -367,3 +367,16 @@ def test_attach_buffered_tee_counts_events_it_cannot_serialize() -> None:
     no_serializer = attach_event_source(Manager(), sink)
     no_serializer.poll()
     assert sink.stats()["malformed_events"] == 4
+
+
+def test_flush_survives_a_publisher_that_raises() -> None:
+    class Raising(Capture):
+        def publish(self, events: Sequence[dict[str, Any]],
+                    data_parallel_rank: int | None = None) -> bool:
+            raise RuntimeError("transport plugin bug")
+
+    sink = KvEventSink(Raising(), block_size=2)
+    sink.ingest([stored(None, (1, [1, 2]))])
+    assert sink.flush() is False  # on the executor thread: lost and counted, never raised
+    stats = sink.stats()
+    assert stats["batches_lost"] == 1 and stats["pending_events"] == 0

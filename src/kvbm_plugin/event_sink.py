@@ -424,7 +424,8 @@ class KvEventSink:
 
         Called by the leader once per engine iteration (from ``build_connector_meta``) on the
         executor thread. Never blocks: the publisher enqueues. Returns False if any batch was
-        lost (the publisher counted it; consumers see a seq gap).
+        lost (counted in ``batches_lost``; consumers see a seq gap). Never raises, even when a
+        publisher does.
         """
         with self._lock:
             pending = [(rank, rs.events) for rank, rs in self._ranks.items() if rs.events]
@@ -435,7 +436,15 @@ class KvEventSink:
         ok = True
         for rank, events in pending:
             publisher = self._rank_publishers.get(rank, self._publisher)
-            if publisher.publish(events, data_parallel_rank=rank):
+            try:
+                published = publisher.publish(events, data_parallel_rank=rank)
+            except Exception as exc:  # a transport plugin breaking the never-raise contract
+                published = False
+                self._log.log(logging.ERROR, "publish-error", "KvEventSink: %s.publish raised "
+                              "%s: %s; batch of %d events for dp rank %d lost",
+                              type(publisher).__name__, type(exc).__name__, exc, len(events),
+                              rank)
+            if published:
                 self._c["batches_published"] += 1
             else:
                 self._c["batches_lost"] += 1
