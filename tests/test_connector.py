@@ -409,3 +409,28 @@ def test_worker_shutdown_runs_disk_writes_queued_by_the_last_transfer_job(make_e
     worker.shutdown()
     assert worker.stats()["saves_inflight"] == 0
     assert worker.stats()["blocks_offloaded"] == offloaded + 1
+
+
+def test_prompt_blocks_are_hashed_once_per_request(monkeypatch) -> None:
+    import kvbm_plugin.tiers.base as tiers_base
+    from kvbm_plugin.testing.fake_trtllm import RequestData, SchedulerOutput
+
+    leader = _leader(tiers(host=8), "hash-once")
+    try:
+        calls = []
+        original = tiers_base.chain_key
+
+        def counting(parent, tokens, salt=None):
+            calls.append(tuple(tokens))
+            return original(parent, tokens, salt)
+
+        monkeypatch.setattr(tiers_base, "chain_key", counting)
+        tokens = prompt(33, 17)  # 4 full blocks of 4 and one token
+        assert leader.get_num_new_matched_tokens(LlmRequest(1, tokens), 0) == (0, False)
+        leader.build_connector_meta(SchedulerOutput(new_requests=[
+            RequestData(1, tokens, [0, 1, 2, 3, 4], 0, 17)]))
+        assert len(calls) == 4  # not 4 for the match and 4 again for the offload walk
+        expected = block_keys(tokens, 4)
+        assert leader._reqs[1].keys == expected
+    finally:
+        leader.shutdown()

@@ -71,8 +71,8 @@ from kvbm_plugin.tiers.base import (
     TierEntry,
     TierFullError,
     TierIndex,
+    block_keys,
     block_path,
-    chain_key,
     stat_signature,
 )
 
@@ -334,11 +334,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             return 0, False
         first = num_computed_tokens // bs
         last = (len(tokens) - 1) // bs  # full blocks that still leave one token to compute
-        keys: list[int] = []
-        parent = None
-        for i in range(last):
-            parent = chain_key(parent, tokens[i * bs:(i + 1) * bs], salt)
-            keys.append(parent)
+        keys = block_keys(tokens[:last * bs], bs, salt)
+        # The prompt's blocks: build_connector_meta extends these instead of hashing them again.
+        state.keys = keys
         for i in range(first, last):
             hit = self._lookup(keys[i])
             if hit is None:
@@ -475,12 +473,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         state.reported = True
         state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
         bs = self._block_size
-        full = len(state.tokens) // bs
-        if len(state.keys) < full:
-            parent = state.keys[-1] if state.keys else None
-            for i in range(len(state.keys), full):
-                parent = chain_key(parent, state.tokens[i * bs:(i + 1) * bs], state.salt)
-                state.keys.append(parent)
+        if len(state.keys) < len(state.tokens) // bs:
+            state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
+                                         parent=state.keys[-1] if state.keys else None))
 
     def _event_hash(self, state: _Request, index: int) -> int:
         if index < len(state.event_hashes):
