@@ -74,3 +74,20 @@ def test_engine_run_exports_component_counters_and_transfer_histograms(tmp_path)
     assert 'kvbm_consolidator_registrations_total{dp_rank="0"}' in body
     assert 'kvbm_leader_saves_committed_total{dp_rank="0"}' in body
     assert 'kvbm_transfer_seconds_count{direction="offload",tier="CPU"}' in body
+
+
+def test_levels_the_components_report_are_gauges() -> None:
+    levels = {  # keys of the leader's, the sink's (with its publisher's) and the
+        # consolidator's stats() that go down as well as up
+        "leader": ("ops_inflight", "host_used", "disk_used"),
+        "event_sink": ("pending_events", "publisher_queue_depth", "publisher_queue_high_water",
+                       "publisher_replay_buffered"),
+        "consolidator": ("registrations_queued", "blocks_tracked", "blocks_visible"),
+    }
+    metrics = Metrics()
+    for component, keys in levels.items():
+        metrics.register_stats(component, lambda keys=keys: dict.fromkeys(keys, 1))
+    families = {f.name: f.type for f in metrics.registry.collect()}
+    for component, keys in levels.items():
+        for key in keys:
+            assert families[f"kvbm_{component}_{key}"] == "gauge", key

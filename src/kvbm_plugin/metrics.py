@@ -24,9 +24,11 @@ logger = logging.getLogger(__name__)
 
 StatsSource = Callable[[], Mapping[str, int | float]]
 
-# Stats keys that are levels, not monotonic totals.
-_GAUGE_SUFFIXES = ("_high_water", "_blocks_resident", "_resident", "_depth", "_used",
-                   "_capacity", "_in_flight")
+# Stats keys that are levels (they go down as well as up), not monotonic totals: exported as
+# gauges. A counter that decreases reads as a reset to Prometheus' rate().
+_GAUGE_SUFFIXES = ("_high_water", "_depth", "_used", "_inflight", "_buffered", "_queued",
+                   "_tracked", "_visible")
+_GAUGE_PREFIXES = ("pending_",)
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
 
 
@@ -63,7 +65,7 @@ class _StatsCollector(Collector):
                 metric = _NAME_OK.sub("_", f"kvbm_{component}_{key}")
                 family = families.get(metric)
                 if family is None:
-                    if key.endswith(_GAUGE_SUFFIXES):
+                    if key.endswith(_GAUGE_SUFFIXES) or key.startswith(_GAUGE_PREFIXES):
                         family = GaugeMetricFamily(metric, f"{component} {key}", labels=names)
                     else:
                         family = CounterMetricFamily(metric, f"{component} {key}", labels=names)
