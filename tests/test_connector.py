@@ -434,3 +434,16 @@ def test_prompt_blocks_are_hashed_once_per_request(monkeypatch) -> None:
         assert leader._reqs[1].keys == expected
     finally:
         leader.shutdown()
+
+
+def test_a_bad_mpi_rank_variable_is_named(monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from kvbm_plugin._llm_args import parallel_of
+
+    monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
+    monkeypatch.setenv("PMI_RANK", "one")
+    with pytest.raises(ConfigError, match=r"PMI_RANK='one'"):
+        parallel_of(SimpleNamespace(tensor_parallel_size=2))
+    monkeypatch.setenv("PMI_RANK", "1")
+    assert parallel_of(SimpleNamespace(tensor_parallel_size=2)).rank == 1

@@ -54,7 +54,12 @@ def parallel_of(llm_args: Any) -> Parallel:
         tp = int(getattr(mapping, "tp_size", getattr(mapping, "world_size", 1)))
         adp = bool(getattr(mapping, "enable_attention_dp", False))
     else:
-        rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("PMI_RANK", "0")))
+        name = next((n for n in ("OMPI_COMM_WORLD_RANK", "PMI_RANK") if n in os.environ), None)
+        value = "0" if name is None else os.environ[name]
+        try:
+            rank = int(value)
+        except ValueError:
+            raise ConfigError(f"{name}={value!r} is not an integer rank") from None
         tp = int(getattr(llm_args, "tensor_parallel_size", 1) or 1)
         adp = False
     if tp < 1 or not rank >= 0:
