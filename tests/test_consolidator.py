@@ -7,6 +7,7 @@ joiner, and decoded with the shared codec (independent of the core).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -567,7 +568,7 @@ def test_shutdown_applies_what_is_queued_and_leaves_a_passed_publisher(ipc_dir, 
     assert not output.shut  # the caller's publisher stays the caller's
 
 
-def test_shutdown_is_idempotent_and_bounded(ipc_dir, raw_rank):
+def test_shutdown_is_idempotent_and_bounded(ipc_dir, raw_rank, caplog):
     config = make_config(ipc_dir, replay=False)
     raw_rank(config)
     consolidator = KvEventConsolidator(config)
@@ -580,8 +581,10 @@ def test_shutdown_is_idempotent_and_bounded(ipc_dir, raw_rank):
     consolidator.shutdown(3.0)
     assert time.monotonic() - began < 4.0
     assert consolidator.stats()["registrations"] == 1  # applied before the thread stopped
-    consolidator.register_remove("CPU", 0, [1])  # after shutdown: dropped, never raises
+    with caplog.at_level(logging.WARNING, logger="kvbm_plugin.consolidator"):
+        consolidator.register_remove("CPU", 0, [1])  # after shutdown: dropped, never raises
     assert consolidator.stats()["registrations_dropped"] == 1
+    assert "remove registration after shutdown dropped" in caplog.text
     # The output port is free again.
     again = KvEventConsolidator(config)
     again.start()

@@ -851,6 +851,8 @@ class KvEventConsolidator:
     def _submit(self, item: _Registration) -> None:
         if self._state == "stopped":
             self._n_registrations_dropped += 1
+            self._log.log(logging.WARNING, "registration-after-shutdown", "%s: %s registration "
+                          "after shutdown dropped", type(self).__name__, item[0])
             return
         self._queue.append(item)
         # Wake the ingest thread only if it may be asleep: one pipe write per idle period.
