@@ -380,3 +380,21 @@ def test_flush_survives_a_publisher_that_raises() -> None:
     assert sink.flush() is False  # on the executor thread: lost and counted, never raised
     stats = sink.stats()
     assert stats["batches_lost"] == 1 and stats["pending_events"] == 0
+
+
+def test_attach_v2_tee_never_raises_into_the_kv_cache_manager(monkeypatch) -> None:
+    sink, cap = sink_with()
+
+    def broken(block_hashes: Any) -> None:
+        raise RuntimeError("sink bug")
+
+    em = FakeV2EventManager()
+    attach_event_source(SimpleNamespace(event_manager=em), sink)
+    monkeypatch.setattr(sink, "add_removed_event", broken)
+    em.add_stored_block_event_from_block(SimpleNamespace(key=b"short", tokens=[1, 2], prev=ROOT))
+    assert sink.stats()["malformed_events"] == 1  # strict sink: raised, counted once
+    em2 = FakeV2EventManager()
+    attach_event_source(SimpleNamespace(event_manager=em2), sink)  # tees the broken hook
+    em2.add_removed_event(key(1, 1))
+    assert em.calls == ["stored"] and em2.calls == ["removed"]
+    assert sink.stats()["malformed_events"] == 2

@@ -772,15 +772,23 @@ def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
 
 def _tee_v2(event_manager: Any, sink: KvEventSink) -> EventSource:
     wrapped: list[str] = []
+    log = RateLimitedLog(logger)
     for name in V2_HOOKS:
         original = getattr(event_manager, name, None)
         if original is None:
             continue
         ours = getattr(sink, name)
 
-        def tee(*args: Any, _orig: Any = original, _ours: Any = ours, **kwargs: Any) -> Any:
+        def tee(*args: Any, _orig: Any = original, _ours: Any = ours, _name: str = name,
+                **kwargs: Any) -> Any:
             result = _orig(*args, **kwargs)
-            _ours(*args, **kwargs)
+            try:
+                _ours(*args, **kwargs)
+            except Exception as exc:  # the caller is TRT-LLM's KV cache manager: never break it
+                if not isinstance(exc, WireFormatError):  # those were counted by the sink
+                    sink._count_lost_input(1)
+                log.log(logging.ERROR, "v2-hook", "attach_event_source: KvEventSink.%s "
+                        "failed, event not published: %s: %s", _name, type(exc).__name__, exc)
             return result
 
         setattr(event_manager, name, tee)  # instance attribute: shadows the class method
