@@ -695,3 +695,24 @@ def test_an_unexpected_ingest_error_is_counted_and_ingest_goes_on(ipc_dir, raw_r
         wait_for(lambda: len(output.batches) == 2)
     finally:
         consolidator.shutdown(5.0)
+
+
+def test_start_waits_for_the_ingest_thread_with_a_deadline(ipc_dir, monkeypatch):
+    release = threading.Event()
+
+    def stuck(self) -> None:  # an ingest thread that never gets its sockets up
+        release.wait(10.0)
+
+    monkeypatch.setattr(KvEventConsolidator, "_run", stuck)
+    consolidator = KvEventConsolidator(make_config(ipc_dir, replay=False),
+                                       publisher=RecordingPublisher(), start_timeout=0.2)
+    try:
+        began = time.monotonic()
+        with pytest.raises(RuntimeError, match="within 0.2s"):
+            consolidator.start()
+        assert time.monotonic() - began < 5.0
+        consolidator.shutdown(1.0)  # stopped already: returns at once
+    finally:
+        release.set()
+    with pytest.raises(ValueError, match="start_timeout=0"):
+        KvEventConsolidator(make_config(ipc_dir, replay=False), start_timeout=0)

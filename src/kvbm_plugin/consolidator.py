@@ -715,15 +715,21 @@ class KvEventConsolidator:
     terminated here (other components share it). ``flush_every``: under a backlog, the ingest
     thread publishes the output of at most this many input batches as one output batch per dp
     rank (1: one output batch per input batch); without a backlog every input batch's output is
-    published as soon as it is applied.
+    published as soon as it is applied. ``start_timeout``: the most :meth:`start` waits for the
+    ingest thread's sockets.
     """
 
     def __init__(self, config: ConsolidatorConfig, *, publisher: EventPublisher | None = None,
                  context: zmq.Context | None = None, replay_timeout: float = 2.0,
-                 max_pending: int = 10000, flush_every: int = 16) -> None:
+                 max_pending: int = 10000, flush_every: int = 16,
+                 start_timeout: float = 10.0) -> None:
         if type(flush_every) is not int or flush_every < 1:
             raise ValueError(f"{type(self).__name__}: flush_every={flush_every!r} must be an "
                              "int >= 1")
+        if not start_timeout > 0:
+            raise ValueError(f"{type(self).__name__}: start_timeout={start_timeout!r} must be "
+                             "> 0 seconds")
+        self._start_timeout = start_timeout
         self.config: Final = config
         self._core = ConsolidatorCore(config.mode)
         self._publisher = publisher
@@ -773,9 +779,12 @@ class KvEventConsolidator:
                 self._thread = threading.Thread(target=self._run, name="kvbm-consolidator",
                                                 daemon=True)
                 self._thread.start()
-                self._ready.wait()
+                if not self._ready.wait(self._start_timeout):
+                    self._stop.set()
+                    raise RuntimeError(f"{type(self).__name__}: ingest thread did not set up "
+                                       f"its sockets within {self._start_timeout}s")
                 if self._setup_error is not None:
-                    self._thread.join()
+                    self._thread.join(self._start_timeout)
                     raise self._setup_error
             except BaseException:
                 self._state = "stopped"
@@ -931,9 +940,11 @@ class KvEventConsolidator:
             poller.register(self._wake_r, zmq.POLLIN)
         except BaseException as exc:
             self._setup_error = exc
-            for stream in streams:
-                self._close_stream(stream, poller)
-            self._ready.set()
+            try:
+                for stream in streams:
+                    self._close_stream(stream, poller)
+            finally:
+                self._ready.set()  # start() waits for this
             return
         self._ready.set()
         for stream in streams:
