@@ -447,3 +447,17 @@ def test_a_bad_mpi_rank_variable_is_named(monkeypatch) -> None:
         parallel_of(SimpleNamespace(tensor_parallel_size=2))
     monkeypatch.setenv("PMI_RANK", "1")
     assert parallel_of(SimpleNamespace(tensor_parallel_size=2)).rank == 1
+
+
+def test_tier_events_without_consolidator_survive_a_raising_publisher() -> None:
+    from kvbm_plugin.connector_leader import TierEventPublisher
+
+    class Raising:
+        def publish(self, events, data_parallel_rank=None):
+            raise RuntimeError("transport plugin bug")
+
+    tier_events = TierEventPublisher(Raising(), 4, 0)
+    tier_events.register_remove("CPU", 0, [1])
+    assert tier_events.flush() is False  # called on the executor thread: never raises
+    assert tier_events.lost_batches == 1
+    assert tier_events.flush() is True  # nothing pending

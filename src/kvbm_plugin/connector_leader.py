@@ -93,6 +93,8 @@ class TierEventPublisher:
         self._block_size = block_size
         self._dp_rank = data_parallel_rank
         self._events: list[dict[str, Any]] = []
+        self.lost_batches = 0  # batches the publisher refused or raised on (leader stats)
+        self._log = RateLimitedLog(logger)
 
     def register_store(self, tier: str, dp_rank: int, block_hash: int, parent_hash: int | None,
                        token_ids: Sequence[int], block_size: int) -> None:
@@ -110,7 +112,16 @@ class TierEventPublisher:
         if not self._events:
             return True
         events, self._events = self._events, []
-        return bool(self._publisher.publish(events, self._dp_rank))
+        try:
+            ok = bool(self._publisher.publish(events, self._dp_rank))
+        except Exception as exc:  # executor thread: a transport plugin must not break it
+            ok = False
+            self._log.log(logging.ERROR, "publish-error", "TierEventPublisher: %s.publish "
+                          "raised %s: %s; %d tier events lost", type(self._publisher).__name__,
+                          type(exc).__name__, exc, len(events))
+        if not ok:
+            self.lost_batches += 1
+        return ok
 
 
 @dataclass
@@ -630,6 +641,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         out["host_used"] = len(self._host) if self._host is not None else 0
         out["disk_used"] = len(self._disk) if self._disk is not None else 0
         out["reports_malformed"] = self._receiver.malformed if self._receiver is not None else 0
+        out["tier_batches_lost"] = getattr(self._tier_events, "lost_batches", 0)
         return out
 
     def shutdown(self, timeout: float = 5.0) -> None:
