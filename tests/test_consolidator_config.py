@@ -181,6 +181,10 @@ def test_tier_settings() -> None:
     assert tiers.host_blocks(1 << 20) == 512
     assert tiers.disk_blocks(1 << 20) == 7  # blocks override GiB
     assert tiers.disk_cache_dir == "/tmp/x"
+    tiny = cc.load_tier_settings({cc.CPU_CACHE_GB: "0.000001", cc.DISK_CACHE_GB: "0.000001"})
+    for blocks, name in ((tiny.host_blocks, cc.CPU_CACHE_GB), (tiny.disk_blocks, cc.DISK_CACHE_GB)):
+        with pytest.raises(ConfigError, match=f"{name}=1e-06 is smaller than one KV block"):
+            blocks(4 << 20)  # a size that holds no block is refused, not a silent empty tier
     for name, bad in ((cc.CPU_CACHE_GB, "lots"), (cc.CPU_CACHE_GB, "-1"),
                       (cc.CPU_CACHE_GB, "nan"), (cc.DISK_CACHE_NUM_BLOCKS, "1.5")):
         with pytest.raises(ConfigError, match=name):

@@ -259,16 +259,23 @@ class TierSettings:
         return bool(self.disk_num_blocks) or self.disk_cache_gb > 0
 
     def host_blocks(self, bytes_per_block: int) -> int:
-        return _blocks(self.cpu_num_blocks, self.cpu_cache_gb, bytes_per_block)
+        return _blocks(self.cpu_num_blocks, self.cpu_cache_gb, bytes_per_block, CPU_CACHE_GB,
+                       CPU_CACHE_NUM_BLOCKS)
 
     def disk_blocks(self, bytes_per_block: int) -> int:
-        return _blocks(self.disk_num_blocks, self.disk_cache_gb, bytes_per_block)
+        return _blocks(self.disk_num_blocks, self.disk_cache_gb, bytes_per_block, DISK_CACHE_GB,
+                       DISK_CACHE_NUM_BLOCKS)
 
 
-def _blocks(override: int | None, gib: float, bytes_per_block: int) -> int:
+def _blocks(override: int | None, gib: float, bytes_per_block: int, gib_name: str,
+            blocks_name: str) -> int:
     if override:
         return override
-    return int(gib * (1 << 30)) // max(1, bytes_per_block)
+    blocks = int(gib * (1 << 30)) // max(1, bytes_per_block)
+    if gib > 0 and blocks == 0:
+        raise ConfigError(f"{gib_name}={gib!r} is smaller than one KV block ({bytes_per_block} "
+                          f"bytes); raise it or set {blocks_name}")
+    return blocks
 
 
 @dataclass(frozen=True)
