@@ -629,3 +629,23 @@ def test_property_passthrough_output_equals_resident_per_medium(ops):
             for medium in ("GPU", "CPU", "DISK"):
                 assert consumer.paths(dp, medium) == model.resident(dp, (medium,))
                 assert consumer.count(dp, medium) == len(model.resident(dp, (medium,)))
+
+
+def test_stats_read_a_snapshot_of_the_dp_ranks() -> None:
+    # stats() runs on the metrics thread while the ingest thread may add a dp rank; a rank
+    # added during the walk must not break it ("dictionary changed size during iteration").
+    core = ConsolidatorCore()
+    core.apply_event(0, {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"})
+    rank0 = core._ranks[0]
+
+    class AddsARankWhenRead:
+        visible = 0
+
+        @property
+        def blocks(self) -> dict[int, Any]:
+            core._ranks.setdefault(7, rank0)  # what the ingest thread could do meanwhile
+            return {}
+
+    core._ranks[1] = AddsARankWhenRead()  # type: ignore[assignment]
+    stats = core.stats()
+    assert stats["blocks_tracked"] == 0 and stats["blocks_visible"] == 0

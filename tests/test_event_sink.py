@@ -398,3 +398,16 @@ def test_attach_v2_tee_never_raises_into_the_kv_cache_manager(monkeypatch) -> No
     em2.add_removed_event(key(1, 1))
     assert em.calls == ["stored"] and em2.calls == ["removed"]
     assert sink.stats()["malformed_events"] == 2
+
+
+def test_stats_read_a_snapshot_of_the_ranks() -> None:
+    sink, _ = sink_with()
+
+    class AddsARankWhenRead:
+        @property
+        def events(self) -> list[Any]:
+            sink._ranks.setdefault(7, sink._ranks[0])  # an ingest on another thread, meanwhile
+            return []
+
+    sink._ranks[1] = AddsARankWhenRead()  # type: ignore[assignment]
+    assert sink.stats()["pending_events"] == 0

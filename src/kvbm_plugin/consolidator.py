@@ -301,8 +301,11 @@ class ConsolidatorCore:
     def stats(self) -> dict[str, int]:
         """Counters plus current sizes; cheap enough for a metrics scrape."""
         out = {name: getattr(self, "_n_" + name) for name in _CORE_COUNTERS}
-        out["blocks_tracked"] = sum(len(r.blocks) for r in self._ranks.values())
-        out["blocks_visible"] = sum(r.visible for r in self._ranks.values())
+        # A snapshot (list() of a dict view is atomic under the GIL): the metrics thread calls
+        # this while the ingest thread may add a dp rank.
+        ranks = list(self._ranks.values())
+        out["blocks_tracked"] = sum(len(r.blocks) for r in ranks)
+        out["blocks_visible"] = sum(r.visible for r in ranks)
         return out
 
     # ------------------------------------------------------------------ internals

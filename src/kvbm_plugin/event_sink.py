@@ -454,7 +454,8 @@ class KvEventSink:
     def stats(self) -> dict[str, int]:
         """Sink counters plus the publisher's (prefixed ``publisher_``); any thread."""
         out = dict(self._c)
-        out["pending_events"] = sum(len(rs.events) for rs in self._ranks.values())
+        # A snapshot (atomic under the GIL): ingest may add a rank on another thread meanwhile.
+        out["pending_events"] = sum(len(rs.events) for rs in list(self._ranks.values()))
         for key, value in self._publisher.stats().items():
             out[f"publisher_{key}"] = value
         return out
