@@ -521,9 +521,10 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
 
     def _present(self, key: int) -> bool:
         for index in (self._host, self._disk):
-            if index is not None and index.get(key) is not None:
-                if index.get(key).resident:  # type: ignore[union-attr]
-                    index.lookup(key)  # refresh LRU: the prefix is in use again
+            entry = index.get(key) if index is not None else None
+            if entry is not None:
+                if entry.resident:
+                    index.lookup(key)  # type: ignore[union-attr]  # refresh LRU: in use again
                 return True
         return False
 
