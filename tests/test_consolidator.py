@@ -716,3 +716,25 @@ def test_start_waits_for_the_ingest_thread_with_a_deadline(ipc_dir, monkeypatch)
         release.set()
     with pytest.raises(ValueError, match="start_timeout=0"):
         KvEventConsolidator(make_config(ipc_dir, replay=False), start_timeout=0)
+
+
+def test_a_repeating_ingest_error_backs_off_instead_of_spinning(ipc_dir, raw_rank,
+                                                                 monkeypatch):
+    config = make_config(ipc_dir, replay=False)
+    raw_rank(config)
+    consolidator = KvEventConsolidator(config, publisher=RecordingPublisher())
+
+    def always_fails(self) -> None:
+        if self._queue:
+            raise RuntimeError("bug")
+
+    monkeypatch.setattr(KvEventConsolidator, "_drain_registrations", always_fails)
+    consolidator.start()
+    try:
+        consolidator.register_store("CPU", 0, 1, None, toks(1), BS)  # never drained
+        wait_for(lambda: consolidator.stats()["ingest_errors"] >= 5)
+        # Backing off 2, 4, 8, 16 ms...: a handful by now, not thousands of busy retries.
+        assert consolidator.stats()["ingest_errors"] < 50
+    finally:
+        consolidator._queue.clear()
+        consolidator.shutdown(5.0)

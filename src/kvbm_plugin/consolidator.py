@@ -962,8 +962,12 @@ class KvEventConsolidator:
                 try:
                     self._loop(streams, poller, by_socket, by_dealer)
                     break
+                except zmq.ContextTerminated:
+                    break  # the shared context is gone (process exit): nothing left to read
                 except Exception:  # a bug, not bad input: count it and keep ingesting
                     self._n_ingest_errors += 1
+                    # A failure that repeats must not turn into a busy loop: back off up to 1 s.
+                    self._stop.wait(min(1.0, 0.001 * 2 ** min(self._n_ingest_errors, 10)))
                     if self._n_ingest_errors == 1:
                         logger.exception("%s: ingest loop failed; continuing",
                                          type(self).__name__)
