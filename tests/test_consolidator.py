@@ -532,11 +532,29 @@ def test_a_backlog_is_published_in_batches_of_at_most_flush_every_inputs(ipc_dir
     consolidator.start()
     try:
         raw.wait_subscribed()
-        raw.send(0, [stored([100], None, [100])], dp_rank=2)
-        assert output.entered.wait(10.0)  # the ingest thread now waits in its first publish
-        for seq in range(1, 41):  # a backlog of 40 batches queues up meanwhile
-            raw.send(seq, [stored([seq], None, [seq])], dp_rank=2)
-        time.sleep(0.2)
+        # A second subscriber of the same stream: once it holds all 40 backlog messages, the
+        # consolidator's SUB (same PUB, same transport, subscribed earlier) holds them too.
+        raw.pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # report the probe's (duplicate) subscription
+        probe = zmq.Context.instance().socket(zmq.SUB)
+        probe.setsockopt(zmq.LINGER, 0)
+        probe.setsockopt(zmq.SUBSCRIBE, b"")
+        probe.connect(config.publish_endpoint(0).connect)
+        try:
+            raw.wait_subscribed()
+            raw.send(0, [stored([100], None, [100])], dp_rank=2)
+            assert output.entered.wait(10.0)  # the ingest thread now waits in its first publish
+            for seq in range(1, 41):  # a backlog of 40 batches queues up meanwhile
+                raw.send(seq, [stored([seq], None, [seq])], dp_rank=2)
+            seen: list[int] = []
+
+            def probe_saw_backlog() -> bool:
+                while probe.poll(0):
+                    seen.append(decode_message(probe.recv_multipart()).seq or 0)
+                return 40 in seen
+
+            wait_for(probe_saw_backlog)
+        finally:
+            probe.close(0)
         output.gate.set()
         wait_for(lambda: consolidator.stats()["batches_applied"] == 41)
         assert consolidator.wait_idle(10.0)
