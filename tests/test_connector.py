@@ -130,16 +130,21 @@ def test_corrupted_disk_block_is_a_miss_not_wrong_data(make_engine) -> None:
 
 def test_full_tiers_keep_working_and_stay_within_capacity(make_engine) -> None:
     engine = make_engine(num_gpu_blocks=12, env=tiers(host=4, disk=6))
+    # One request at a time: each one's 3 full blocks fit the host tier in one iteration, so
+    # what the tiers hold afterwards does not depend on how transfers interleave.
     for k in range(8):
-        engine.submit(prompt(10 + k, 21), 1)
-    engine.run_until_idle()
+        engine.submit(prompt(10 + k, 13), 1)
+        engine.run_until_idle()
     st = engine.leader.stats()
     assert st["host_used"] <= 4 and st["disk_used"] <= 6
     assert st["host_evictions"] > 0 and st["disk_evictions"] > 0
     assert len(engine.resident_blocks()["CPU"][0]) <= 4
-    # The most recent prompt is still found in the tiers, exactly.
-    flush_gpu(engine, 2, n=20)
-    last = engine.submit(prompt(17, 21), 1)
+    # The most recent prompt's blocks are still in a tier (LRU keeps the newest); asked for
+    # again, its KV comes back exactly.
+    keys = block_keys(prompt(17, 13), 4)
+    index_host, index_disk = engine.leader._host, engine.leader._disk
+    assert any(index_host.get(k) is not None or index_disk.get(k) is not None for k in keys)
+    last = engine.submit(prompt(17, 13), 1)
     engine.run_until_idle()
     r = engine.result(last)
     assert r.host_hit_tokens + r.disk_hit_tokens + r.gpu_hit_tokens > 0
