@@ -18,6 +18,7 @@ import threading
 import zlib
 from typing import TYPE_CHECKING
 
+from kvbm_plugin._ratelimit import RateLimitedLog
 from kvbm_plugin.events import MEDIUM_DISK
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
@@ -62,6 +63,7 @@ class DiskTier(OffloadTier):
         self._tmp_counter = 0
         self._lock = threading.Lock()
         self.corrupt_reads = 0
+        self._log = RateLimitedLog(logger)  # a failing disk must not flood the log
 
     def path(self, slot: int) -> str:
         return block_path(self.directory, self.spec.rank, slot)
@@ -116,5 +118,6 @@ class DiskTier(OffloadTier):
 
     def _corrupt(self, path: str, why: str) -> bool:
         self.corrupt_reads += 1
-        logger.warning("disk tier: %s is unusable (%s); treated as absent", path, why)
+        self._log.log(logging.WARNING, "corrupt", "disk tier: %s is unusable (%s); treated as "
+                      "absent (%d unusable reads so far)", path, why, self.corrupt_reads)
         return False
