@@ -37,7 +37,7 @@ from operator import itemgetter
 from typing import Any
 
 from kvbm_plugin._ratelimit import RateLimitedLog
-from kvbm_plugin.events import MEDIUM_GPU, WireFormatError
+from kvbm_plugin.events import MEDIUM_GPU, WireFormatError, to_signed_int64
 from kvbm_plugin.publisher import EventPublisher, WireEvent
 
 logger = logging.getLogger(__name__)
@@ -58,13 +58,7 @@ def _signed(value: Any, what: str) -> int:
     """Wire form (signed int64) of a TRT-LLM hash given as u64 (or already signed)."""
     if type(value) is not int:
         raise WireFormatError(f"{what} is not an integer: {value!r}")
-    if value > _I64_MAX:
-        if value >= _U64:
-            raise WireFormatError(f"{what}={value} exceeds 64 bits")
-        return value - _U64
-    if value < _I64_MIN:
-        raise WireFormatError(f"{what}={value} is below the int64 range")
-    return value
+    return to_signed_int64(value, what)
 
 
 def radix_key_hash(key: bytes | bytearray | memoryview) -> int:

@@ -46,14 +46,17 @@ class WireFormatError(ValueError):
     """A message or event that is not in the wire format; the message names the value."""
 
 
-def to_signed_int64(value: int) -> int:
-    """Two's-complement reinterpretation of a u64 hash as int64 (signed input passes through)."""
+def to_signed_int64(value: int, what: str = "block hash") -> int:
+    """Two's-complement reinterpretation of a u64 hash as int64 (signed input passes through).
+
+    ``what`` names the field in the error for a value outside both ranges.
+    """
     if value > _I64_MAX:
         if value >= _U64:
-            raise WireFormatError(f"block hash {value} exceeds 64 bits")
+            raise WireFormatError(f"{what}={value} exceeds 64 bits")
         return value - _U64
     if value < -(1 << 63):
-        raise WireFormatError(f"block hash {value} is below the int64 range")
+        raise WireFormatError(f"{what}={value} is below the int64 range")
     return value
 
 
