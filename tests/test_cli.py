@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from _kvwire import free_port
 
 from kvbm_plugin import cli
 from kvbm_plugin import consolidator_config as cc
@@ -67,22 +68,34 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "kvbm-plugin demo" in readme[: readme.index("##")]
 
 
-def _free_port() -> int:
+def _free_leader_port() -> int:
+    """A free port p whose consolidated-output port p + 1000 is free too."""
+    for _ in range(100):
+        port = free_port()
+        if port + 1000 <= 65535 and not _busy(port + 1000):
+            return port
+    raise AssertionError("no free port pair found")
+
+
+def _busy(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False
 
 
 def test_doctor_ok_with_free_ports(monkeypatch, capsys) -> None:
-    monkeypatch.setenv(cc.TRTLLM_ZMQ_PORT, str(_free_port()))
-    monkeypatch.setenv(cc.LEADER_ZMQ_PUB_PORT, str(_free_port() % 50000 + 1))
+    monkeypatch.setenv(cc.TRTLLM_ZMQ_PORT, str(free_port()))
+    monkeypatch.setenv(cc.LEADER_ZMQ_PUB_PORT, str(_free_leader_port()))
     code = main_doctor(["--json"])
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
     assert checks["consolidator config"]["status"] == "ok"
     assert checks["TensorRT-LLM"]["status"] in ("warn", "ok")
     assert checks["torch"]["status"] == "ok"
     assert "zmq (kvbm-plugin" in checks["entry points kvbm_plugin.publishers"]["detail"]
-    assert code == (1 if any(c["status"] == "fail" for c in checks.values()) else 0)
+    assert code == 0, [c for c in checks.values() if c["status"] == "fail"]
 
 
 def test_doctor_fails_on_bad_env(monkeypatch, capsys) -> None:

@@ -32,13 +32,6 @@ def removed(*hashes: int) -> dict[str, Any]:
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def tcp() -> tuple[Endpoint, Endpoint]:
     return (Endpoint("tcp", host="127.0.0.1", port=free_port()),
             Endpoint("tcp", host="127.0.0.1", port=free_port()))

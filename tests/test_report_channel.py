@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -10,6 +9,7 @@ import time
 
 import pytest
 import zmq
+from _kvwire import free_port
 
 from kvbm_plugin.connector_meta import (
     ERR_NONE,
@@ -19,12 +19,6 @@ from kvbm_plugin.connector_meta import (
     decode_report,
     encode_report,
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _drain_until(hub: CompletionHub, count: int, timeout: float = 20.0) -> list[OpReport]:
@@ -51,7 +45,7 @@ def test_malformed_reports_are_errors(data: bytes) -> None:
 
 
 def test_reports_from_another_process_reach_the_hub_and_garbage_does_not_stop_it() -> None:
-    port = _free_port()
+    port = free_port()
     hub = CompletionHub("report-channel-test")
     receiver = ZmqReportReceiver(hub, f"tcp://*:{port}")
     try:

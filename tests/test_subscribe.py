@@ -37,13 +37,6 @@ def _poll_until(sub: StreamSubscriber, condition, timeout: float = 10.0) -> None
 
 
 @pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
-
-@pytest.fixture
 def xpub(ctx: zmq.Context, tmp_path: Path) -> Iterator[tuple[zmq.Socket, str]]:
     sock = ctx.socket(zmq.XPUB)
     endpoint = f"ipc://{tmp_path}/pub"
