@@ -762,6 +762,12 @@ def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
             "(.event_manager with add_stored_block_event_from_block) nor get_latest_events: "
             "set kv_cache_config.event_buffer_max_size > 0 and enable_block_reuse=True so that "
             "TensorRT-LLM produces KV cache events")
+    # The buffered getter exists whether or not the buffer does; with size 0 it would return
+    # nothing forever, so say so instead of publishing an empty stream.
+    size = getattr(kv_cache_manager, "event_buffer_max_size", None)
+    if isinstance(size, int) and size <= 0:
+        raise ValueError(f"kv_cache_config.event_buffer_max_size={size}: TensorRT-LLM buffers no "
+                         "KV cache events; set it > 0 (e.g. 1024, as `kvbm-plugin yaml` does)")
     return _tee_buffered(kv_cache_manager, get_latest, sink, serialize, drain)
 
 
