@@ -141,7 +141,9 @@ def run(quick: bool = False, device: str = "cpu") -> list[Row]:
             assert worker.get_finished([], [req])[1] == [req]
             return nbytes / elapsed / 1e9
 
-        bulk_host = torch.empty_like(host_pool)  # same pinning as the tier's pool
+        # Same pinning as the tier's pool (empty_like would drop it: pageable on CUDA).
+        bulk_host = torch.empty(host_pool.shape, dtype=host_pool.dtype,
+                                pin_memory=host_pool.is_pinned())
 
         def bulk_d2h() -> float:
             _sync(device)
