@@ -76,6 +76,20 @@ def _runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return runs
 
 
+def _count_down(inflight: dict[int, int], req_ids: Sequence[int]) -> list[int]:
+    """One terminal op per id in ``req_ids``; returns the ids with none left in flight.
+    Callers hold the worker's lock."""
+    drained: list[int] = []
+    for req_id in req_ids:
+        left = inflight.get(req_id, 0) - 1
+        if left > 0:
+            inflight[req_id] = left
+        else:
+            inflight.pop(req_id, None)
+            drained.append(req_id)
+    return drained
+
+
 class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-type]
     """Worker-side connector; runs on every rank, holds this rank's head shard of each block."""
 
@@ -337,27 +351,14 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
 
     def _save_terminal_all(self, req_ids: Sequence[int]) -> None:
         with self._lock:
-            inflight = self._save_inflight
-            for req_id in req_ids:
-                left = inflight.get(req_id, 0) - 1
-                if left > 0:
-                    inflight[req_id] = left
-                else:
-                    inflight.pop(req_id, None)
-
-    def _load_terminal_all(self, req_ids: Sequence[int]) -> None:
-        with self._lock:
-            inflight = self._load_inflight
-            for req_id in req_ids:
-                left = inflight.get(req_id, 0) - 1
-                if left > 0:
-                    inflight[req_id] = left
-                else:
-                    inflight.pop(req_id, None)
-                    self._loads_done.add(req_id)
+            _count_down(self._save_inflight, req_ids)
 
     def _load_terminal(self, req_id: int) -> None:
         self._load_terminal_all((req_id,))
+
+    def _load_terminal_all(self, req_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._loads_done.update(_count_down(self._load_inflight, req_ids))
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
