@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -153,12 +154,13 @@ def test_full_tiers_keep_working_and_stay_within_capacity(make_engine) -> None:
 
 def test_abort_mid_transfer_still_finishes_every_id(make_engine, monkeypatch) -> None:
     original = DiskTier.write
+    release = threading.Event()  # disk writes wait here until the abort has happened
 
-    def slow_write(self, slot, key, block):
-        time.sleep(0.05)
+    def held_write(self, slot, key, block):
+        release.wait(30)
         return original(self, slot, key, block)
 
-    monkeypatch.setattr(DiskTier, "write", slow_write)
+    monkeypatch.setattr(DiskTier, "write", held_write)
     engine = make_engine(num_gpu_blocks=32, env=tiers(disk=64), max_num_tokens=8)
     victim = engine.submit(prompt(20, 40), 4)
     for _ in range(3):
@@ -166,6 +168,7 @@ def test_abort_mid_transfer_still_finishes_every_id(make_engine, monkeypatch) ->
     engine.abort(victim)
     engine.step()
     assert engine._reqs[victim].state == "saving"  # request_finished said True
+    release.set()
     engine.run_until_idle(timeout_s=30)
     assert engine._reqs[victim].state == "done"
     assert engine.stats().requests_aborted == 1
@@ -179,16 +182,19 @@ def test_abort_while_loading_finishes(make_engine, monkeypatch) -> None:
     engine.run_until_idle()
     flush_gpu(engine, 2)
     original = DiskTier.read
+    release = threading.Event()  # disk reads wait here until the abort has happened
 
-    def slow_read(self, slot, key, out):
-        time.sleep(0.05)
+    def held_read(self, slot, key, out):
+        release.wait(30)
         return original(self, slot, key, out)
 
-    monkeypatch.setattr(DiskTier, "read", slow_read)
+    monkeypatch.setattr(DiskTier, "read", held_read)
     second = engine.submit(a, 1)
     engine.step()
     assert engine._reqs[second].state == "loading"
     engine.abort(second)
+    engine.step()
+    release.set()
     engine.run_until_idle(timeout_s=30)
     assert engine._reqs[second].state == "done" and engine.stats().requests_aborted == 1
 
