@@ -14,14 +14,17 @@ executor (event-loop) thread, in this order per iteration:
 
 The executor thread only records CUDA events and enqueues jobs. A transfer thread issues the
 copies (whole blocks, contiguous runs coalesced into one copy, on a side stream that waits on the
-forward's event) and polls their events; a disk thread reads, verifies and writes block files.
-Neither ever makes the executor thread wait. Every op reaches a terminal state (done, failed, or
-timed out after ``OP_TIMEOUT_S``) and is reported once to the leader (see connector_meta), and
-every request id passed to ``get_finished`` is eventually returned.
+forward's event); on CUDA a completion thread sleeps on each batch's event (blocking sync, no
+polling) and reports it the moment it fires, while the transfer thread fails any batch still
+unfinished after ``OP_TIMEOUT_S``; a disk thread reads, verifies and writes block files. None
+ever makes the executor thread wait. Every op reaches a terminal state (done, failed, or timed
+out) and is reported once to the leader (see connector_meta), and every request id passed to
+``get_finished`` is eventually returned.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
@@ -50,6 +53,7 @@ from kvbm_plugin.connector_meta import (
 )
 from kvbm_plugin.consolidator_config import load_tier_settings
 from kvbm_plugin.events import MEDIUM_CPU, MEDIUM_DISK
+from kvbm_plugin.hostcopy import HostCopier
 from kvbm_plugin.metrics import get_metrics
 from kvbm_plugin.registry import TIERS_GROUP, get_plugin
 from kvbm_plugin.tiers.base import OffloadTier, TierSpec
@@ -129,6 +133,13 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         self._report_warned = False
         self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._disk_jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        # CUDA copy batches in flight, in issue order: the completion thread waits on their
+        # events; whoever pops a batch's entry here (completion, or the transfer thread's
+        # timeout) finishes it, exactly once. Under _lock.
+        self._copies: dict[int, tuple[float, Callable[[bool], None]]] = {}
+        self._completions: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
+        self._copy_ids = itertools.count()
+        self._host_copier: HostCopier | None = None
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._stats = {"bytes_offloaded": 0, "bytes_onboarded": 0, "bytes_demoted": 0,
@@ -173,10 +184,14 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         if self._cuda:
             self._side_stream = torch.cuda.Stream(device=kv_cache_tensor.device)
             self._disk_stream = torch.cuda.Stream(device=kv_cache_tensor.device)
+        else:
+            self._host_copier = HostCopier(torch.get_num_threads())
         self._disk_staging = torch.empty(block_shape, dtype=kv_cache_tensor.dtype,
                                          pin_memory=self._cuda)
-        for target, name in ((self._transfer_loop, "kvbm-transfer"),
-                             (self._disk_loop, "kvbm-disk")):
+        loops = [(self._transfer_loop, "kvbm-transfer"), (self._disk_loop, "kvbm-disk")]
+        if self._cuda:
+            loops.insert(1, (self._completion_loop, "kvbm-completion"))
+        for target, name in loops:
             thread = threading.Thread(target=target, name=f"{name}-r{self._rank}", daemon=True)
             thread.start()
             self._threads.append(thread)
@@ -368,13 +383,13 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
     # ------------------------------------------------------------------ transfer thread
 
     def _transfer_loop(self) -> None:
-        """Owns the side stream: issues batched copies and completes them when their event
-        fires. Job order = metadata order, so a demotion reads a host slot before a later save
-        of the same or a later iteration overwrites it."""
-        pending: list[tuple[Any, float, Callable[[bool], None]]] = []
+        """Owns the side stream: issues batched copies (completed on CPU right away, on CUDA by
+        the completion thread) and fails CUDA batches that outlive ``OP_TIMEOUT_S``. Job order =
+        metadata order, so a demotion reads a host slot before a later save of the same or a
+        later iteration overwrites it."""
         while True:
             try:
-                job = self._jobs.get(timeout=0.0005 if pending else 0.05)
+                job = self._jobs.get(timeout=0.05)
             except queue.Empty:
                 job = None
             if job is not None:
@@ -382,39 +397,56 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                     break
                 try:
                     if job[0] == "load":
-                        self._run_loads(job[1], pending)
+                        self._run_loads(job[1])
                     elif job[0] == "save":
-                        self._run_saves(job[1], job[2], pending)
+                        self._run_saves(job[1], job[2])
                 except Exception:  # never lose the thread; the job's ops were failed inside
                     logger.exception("rank %d: transfer job failed", self._rank)
-            now = time.monotonic()
-            still: list[tuple[Any, float, Callable[[bool], None]]] = []
-            for event, deadline, done in pending:
-                try:
-                    fired = event.query()
-                except Exception:  # a CUDA error: fail the ops rather than lose the thread
-                    logger.exception("rank %d: polling a copy failed; failing its ops",
-                                     self._rank)
-                    done(False)
-                    continue
-                if fired:
-                    done(True)
-                elif now > deadline:
-                    logger.error("rank %d: a copy did not complete in %.0f s; failing its ops",
-                                 self._rank, OP_TIMEOUT_S)
-                    done(False)
-                else:
-                    still.append((event, deadline, done))
-            pending = still
-        for _, _, done in pending:
+            if self._copies:
+                self._fail_overdue_copies(time.monotonic())
+        self._completions.put(None)  # the completion thread finishes what was issued, then stops
+
+    def _completion_loop(self) -> None:
+        """CUDA only. Sleeps on each batch's event in issue order (the side stream runs them in
+        that order) and finishes the batch when it fires. The wait has no timeout of its own:
+        a hung GPU keeps this thread waiting, and the transfer thread fails the batch instead."""
+        while (item := self._completions.get()) is not None:
+            copy_id, event = item
+            try:
+                event.synchronize()
+                ok = True
+            except Exception:  # a CUDA error: fail the ops rather than lose the thread
+                logger.exception("rank %d: waiting for a copy failed; failing its ops",
+                                 self._rank)
+                ok = False
+            with self._lock:
+                entry = self._copies.pop(copy_id, None)
+            if entry is not None:
+                entry[1](ok)
+
+    def _fail_overdue_copies(self, now: float) -> None:
+        with self._lock:
+            overdue = [copy_id for copy_id, (deadline, _) in self._copies.items()
+                       if now > deadline]
+            finish = [self._copies.pop(copy_id)[1] for copy_id in overdue]
+        for done in finish:
+            logger.error("rank %d: a copy did not complete in %.0f s; failing its ops",
+                         self._rank, OP_TIMEOUT_S)
+            done(False)
+
+    def _fail_unfinished_copies(self) -> None:
+        with self._lock:
+            finish = [done for _, done in self._copies.values()]
+            self._copies.clear()
+        for done in finish:
             done(False)
 
     def _issue(self, copies: Sequence[tuple[Any, Any]], wait_event: Any,
-               pending: list[Any], done: Callable[[bool], None], direction: str) -> None:
+               done: Callable[[bool], None], direction: str) -> None:
         """Copy each (dst, src) pair; on CUDA on the side stream behind ``wait_event``, with
-        ``done`` called from the poll loop when the recorded event fires. The batch's latency
-        (issue to completion, so on CUDA it includes waiting for the forward pass) and bytes go
-        to the ``kvbm_transfer_*`` histograms."""
+        ``done`` called by the completion thread when the recorded event fires. The batch's
+        latency (issue to completion, so on CUDA it includes waiting for the forward pass) and
+        bytes go to the ``kvbm_transfer_*`` histograms."""
         started = time.perf_counter()
         nbytes = sum(dst.numel() * dst.element_size() for dst, _ in copies)
         finish = done
@@ -429,20 +461,16 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
 
         try:
             if not self._cuda:
-                foreach = getattr(torch, "_foreach_copy_", None)
-                if foreach is not None and len(copies) > 1:
-                    # One op for the whole batch: one parallel region instead of one per block.
-                    foreach([d for d, _ in copies], [s for _, s in copies])
-                else:
-                    for dst, src in copies:
-                        dst.copy_(src)
+                assert self._host_copier is not None
+                self._host_copier.copy(copies)
             else:
                 with torch.cuda.stream(self._side_stream):
                     if wait_event is not None:
                         self._side_stream.wait_event(wait_event)
                     for dst, src in copies:
                         dst.copy_(src, non_blocking=True)
-                    event = torch.cuda.Event()
+                    # Blocking sync: the completion thread sleeps instead of spinning a core.
+                    event = torch.cuda.Event(blocking=True)
                     event.record(self._side_stream)
         except Exception:
             # A copy that cannot be issued (shape mismatch, CUDA error) fails its ops now;
@@ -454,9 +482,12 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         if not self._cuda:
             done(True)
             return
-        pending.append((event, time.monotonic() + OP_TIMEOUT_S, done))
+        copy_id = next(self._copy_ids)
+        with self._lock:
+            self._copies[copy_id] = (time.monotonic() + OP_TIMEOUT_S, done)
+        self._completions.put((copy_id, event))
 
-    def _run_loads(self, loads: Sequence[LoadOp], pending: list[Any]) -> None:
+    def _run_loads(self, loads: Sequence[LoadOp]) -> None:
         assert self._pool is not None
         host_copies: list[tuple[LoadCopy, int]] = []
         for load in loads:
@@ -489,9 +520,9 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             self._count(bytes_onboarded=moved * self._block_bytes, blocks_onboarded=moved,
                         copies_issued=len(copies))
 
-        self._issue(copies, None, pending, done, "onboard")
+        self._issue(copies, None, done, "onboard")
 
-    def _run_saves(self, meta: ConnectorMetadata, fwd_event: Any, pending: list[Any]) -> None:
+    def _run_saves(self, meta: ConnectorMetadata, fwd_event: Any) -> None:
         assert self._pool is not None
         pool = self._pool
         # 1. Demotions: copy the host slot out *now*, before this job's saves reuse it.
@@ -527,7 +558,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                             blocks_offloaded=len(host_ops))
             self._count(copies_issued=len(copies))
 
-        self._issue(copies, fwd_event, pending, done, "offload")
+        self._issue(copies, fwd_event, done, "offload")
 
     def _demote(self, op: DemoteOp) -> None:
         import torch
@@ -673,14 +704,21 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         if self._pool is not None:
             self._enqueue_saves(None)
         deadline = time.monotonic() + timeout
-        # The transfer thread stops first: the jobs it still runs may queue disk writes, which
-        # the disk thread must see before its own stop. (No threads: no pool was registered.)
-        for thread, jobs in zip(self._threads, (self._jobs, self._disk_jobs), strict=False):
-            jobs.put(("stop",))
+        # Stop order: the transfer thread first (the jobs it still runs may queue disk writes,
+        # which the disk thread must see before its own stop); it tells the completion thread
+        # to stop after the batches already issued. (No threads: no pool was registered.)
+        for thread in self._threads:
+            if thread.name.startswith("kvbm-transfer"):
+                self._jobs.put(("stop",))
+            elif thread.name.startswith("kvbm-disk"):
+                self._disk_jobs.put(("stop",))
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 logger.warning("rank %d: %s did not stop within %.1f s", self._rank, thread.name,
                                timeout)
+        self._fail_unfinished_copies()  # only left when a copy outlived the timeout
+        if self._host_copier is not None:
+            self._host_copier.close()
         for tier in (self._host, self._disk):
             if tier is not None:
                 tier.close()
