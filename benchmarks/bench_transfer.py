@@ -78,13 +78,15 @@ class _CopyThread:
 def _wait_reports(hub, count: int, timeout: float = 120.0) -> None:
     """Block (no spinning: the copy threads need the cores) until ``count`` op reports."""
     deadline = time.monotonic() + timeout
-    for _ in range(count):
+    while count > 0:
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("transfer did not complete")
-        report = hub._queue.get(timeout=left)
-        if not report.ok:
-            raise RuntimeError(f"op {report.op_id} failed")
+        item = hub._queue.get(timeout=left)
+        for report in item if isinstance(item, list) else (item,):
+            if not report.ok:
+                raise RuntimeError(f"op {report.op_id} failed")
+            count -= 1
 
 
 def run(quick: bool = False, device: str = "cpu") -> list[Row]:

@@ -472,3 +472,23 @@ def test_tier_events_without_consolidator_survive_a_raising_publisher() -> None:
     assert tier_events.flush() is False  # called on the executor thread: never raises
     assert tier_events.lost_batches == 1
     assert tier_events.flush() is True  # nothing pending
+
+
+def test_jobs_split_into_copy_batches_move_every_block_exactly(make_engine) -> None:
+    # On CUDA a job's host copies complete in ~64 MiB batches; force 3-block batches here.
+    engine = make_engine(num_gpu_blocks=16, env=tiers(host=64))
+    worker = engine.workers[0]
+    worker._copy_batch_blocks = 3
+    a = prompt(41, 33)  # 8 full blocks: batches of 3 + 3 + 2 each way
+    engine.submit(a, 2)
+    engine.run_until_idle()
+    assert worker.stats()["blocks_offloaded"] == 8
+    offload_batches = worker.stats()["copies_issued"]
+    flush_gpu(engine, 3)
+    second = engine.submit(a, 2)
+    engine.run_until_idle()
+    r = engine.result(second)
+    assert r.host_hit_tokens == 32 and r.kv_mismatches == 0
+    assert worker.stats()["blocks_onboarded"] == 8
+    assert offload_batches >= 3  # (runs of consecutive slots coalesce only within a batch)
+    assert engine.leader.stats()["ops_inflight"] == 0

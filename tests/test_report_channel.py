@@ -56,9 +56,11 @@ def test_reports_from_another_process_reach_the_hub_and_garbage_does_not_stop_it
         code = textwrap.dedent(f"""
             from kvbm_plugin.connector_meta import OpReport, ZmqReportSender
             sender = ZmqReportSender("tcp://127.0.0.1:{port}")
-            for op in range(50):
-                sender.put(OpReport(op, 1, op % 7 != 0, 0 if op % 7 else 1,
-                                    (op, op * 10) if op % 2 else None))
+            reports = [OpReport(op, 1, op % 7 != 0, 0 if op % 7 else 1,
+                                (op, op * 10) if op % 2 else None) for op in range(50)]
+            for report in reports[:20]:
+                sender.put(report)
+            sender.put_many(reports[20:])  # a copy batch's reports
             sender.close()
         """)
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -70,3 +72,14 @@ def test_reports_from_another_process_reach_the_hub_and_garbage_does_not_stop_it
         assert receiver.malformed == 1
     finally:
         receiver.close()
+
+
+def test_hub_drains_single_and_batched_reports_in_order() -> None:
+    hub = CompletionHub("report-batches")
+    hub.put(OpReport(1, 0, True))
+    hub.put_many([OpReport(2, 0, True), OpReport(3, 0, False, 1)])
+    hub.put_many([])
+    hub.put(OpReport(4, 1, True))
+    assert [(r.op_id, r.ok) for r in hub.drain()] == [(1, True), (2, True), (3, False),
+                                                      (4, True)]
+    assert hub.drain() == []

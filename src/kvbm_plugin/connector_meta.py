@@ -156,18 +156,28 @@ class CompletionHub:
     """
 
     key: str
-    _queue: queue.SimpleQueue[OpReport] = field(default_factory=queue.SimpleQueue)
+    # Items are single reports or a copy batch's reports as one list (one hand-off per batch).
+    _queue: queue.SimpleQueue[OpReport | list[OpReport]] = field(
+        default_factory=queue.SimpleQueue)
 
     def put(self, report: OpReport) -> None:
         self._queue.put(report)
+
+    def put_many(self, reports: list[OpReport]) -> None:
+        if reports:
+            self._queue.put(reports)
 
     def drain(self) -> list[OpReport]:
         out: list[OpReport] = []
         while True:
             try:
-                out.append(self._queue.get_nowait())
+                item = self._queue.get_nowait()
             except queue.Empty:
                 return out
+            if isinstance(item, list):
+                out.extend(item)
+            else:
+                out.append(item)
 
 
 _hubs: dict[str, CompletionHub] = {}
@@ -282,6 +292,11 @@ class ZmqReportSender:
     def put(self, report: OpReport) -> None:
         with self._lock:
             self._sock.send(encode_report(report))
+
+    def put_many(self, reports: list[OpReport]) -> None:
+        with self._lock:
+            for report in reports:
+                self._sock.send(encode_report(report))
 
     def close(self) -> None:
         with self._lock:

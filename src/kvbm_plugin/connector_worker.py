@@ -29,8 +29,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbm_plugin import _llm_args
 from kvbm_plugin._trtllm_compat import KvCacheConnectorWorker
@@ -65,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 OP_TIMEOUT_S = 60.0  # an op whose copy has not completed by then is failed (GPU hang, etc.)
 LOAD_ORPHAN_TIMEOUT_S = 120.0  # a loading id with no LoadOp seen is returned after this
+COPY_BATCH_BYTES = 64 << 20  # host copies complete and report in batches of about this size
+
+_T = TypeVar("_T")
 
 
 def _runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -140,6 +143,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         self._completions: queue.SimpleQueue[tuple[int, Any] | None] = queue.SimpleQueue()
         self._copy_ids = itertools.count()
         self._host_copier: HostCopier | None = None
+        self._copy_batch_blocks = 0  # 0: a job's host copies are one batch
         self._threads: list[threading.Thread] = []
         self._closed = False
         self._stats = {"bytes_offloaded": 0, "bytes_onboarded": 0, "bytes_demoted": 0,
@@ -184,6 +188,11 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         if self._cuda:
             self._side_stream = torch.cuda.Stream(device=kv_cache_tensor.device)
             self._disk_stream = torch.cuda.Stream(device=kv_cache_tensor.device)
+            # Each ~COPY_BATCH_BYTES batch completes and is reported on its own: the leader
+            # hears of early blocks while later ones still copy, and the bookkeeping after the
+            # last copy is one batch's, not the whole job's. (On CPU the copy is synchronous on
+            # the transfer thread, so batches would only add hand-offs.)
+            self._copy_batch_blocks = max(1, COPY_BATCH_BYTES // self._block_bytes)
         else:
             self._host_copier = HostCopier(torch.get_num_threads())
         self._disk_staging = torch.empty(block_shape, dtype=kv_cache_tensor.dtype,
@@ -335,9 +344,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             reporter = self._get_reporter()
             if reporter is None:
                 return
-            put = reporter.put
-            for op_id, ok in results:
-                put(OpReport(op_id, rank, ok, ERR_NONE if ok else ERR_FAILED))
+            reporter.put_many([OpReport(op_id, rank, ok, ERR_NONE if ok else ERR_FAILED)
+                               for op_id, ok in results])
         except Exception:
             logger.exception("rank %d: could not report %d ops", self._rank, len(results))
 
@@ -500,11 +508,12 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                 else:
                     self._report(copy.op_id, False, ERR_FAILED)
                     self._load_terminal(load.req_id)
-        if not host_copies:
-            return
-        host = self._host
-        pool = self._pool
-        assert host is not None
+        for chunk in self._chunked(host_copies):
+            self._load_from_host(chunk)
+
+    def _load_from_host(self, host_copies: Sequence[tuple[LoadCopy, int]]) -> None:
+        host, pool = self._host, self._pool
+        assert host is not None and pool is not None
         pairs = [(c.slot, c.device_block) for c, _ in host_copies]
         pool_blocks, host_blocks = self._pool_blocks, self._host_blocks
         copies = [(pool_blocks[d], host_blocks[s]) if n == 1
@@ -522,9 +531,14 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
 
         self._issue(copies, None, done, "onboard")
 
+    def _chunked(self, items: Sequence[_T]) -> Iterator[Sequence[_T]]:
+        """A job's host copies in batches of ``_copy_batch_blocks`` (0: one batch)."""
+        step = self._copy_batch_blocks or len(items)
+        for start in range(0, len(items), step):
+            yield items[start:start + step]
+
     def _run_saves(self, meta: ConnectorMetadata, fwd_event: Any) -> None:
         assert self._pool is not None
-        pool = self._pool
         # 1. Demotions: copy the host slot out *now*, before this job's saves reuse it.
         for op in meta.demotes:
             self._demote(op)
@@ -538,10 +552,12 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             else:
                 self._report(op.op_id, False, ERR_FAILED)
                 self._save_terminal(op.req_id)
-        if not host_ops:
-            return
-        host = self._host
-        assert host is not None
+        for chunk in self._chunked(host_ops):
+            self._save_to_host(chunk, fwd_event)
+
+    def _save_to_host(self, host_ops: Sequence[SaveOp], fwd_event: Any) -> None:
+        host, pool = self._host, self._pool
+        assert host is not None and pool is not None
         pool_blocks, host_blocks = self._pool_blocks, self._host_blocks
         copies = [(host_blocks[s], pool_blocks[d]) if n == 1
                   else (host.pool[s:s + n], pool[d:d + n])  # type: ignore[attr-defined]
