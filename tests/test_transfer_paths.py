@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
-from kvbm_plugin.hostcopy import MIN_PARALLEL_BYTES, HostCopier, split_spans
+from kvbm_plugin.hostcopy import HostCopier, split_spans
 from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, LlmArgs, ParallelConfig
 
 
@@ -62,7 +62,12 @@ def test_host_copier_falls_back_to_torch_for_non_plain_pairs() -> None:
         assert torch.equal(strided_dst, src)
         assert torch.equal(half_dst, src.half())
         assert torch.equal(small_dst, src[3])
-        assert src.numel() * 4 < MIN_PARALLEL_BYTES and copier._helpers is None
+        # Overlapping ranges (4 MiB, above the parallel threshold) are never cut into
+        # concurrent shares: torch refuses them, so the batch fails instead of tearing.
+        big = torch.arange(1 << 20, dtype=torch.float32)
+        with pytest.raises(RuntimeError, match="single memory location"):
+            copier.copy([(big[1:], big[:-1])])
+        assert copier._helpers is None  # nothing qualified for the parallel path
     finally:
         copier.close()
 

@@ -26,8 +26,13 @@ Span = tuple[int, int, int]  # (dst address, src address, bytes)
 
 
 def _plain_bytes(dst: torch.Tensor, src: torch.Tensor) -> bool:
-    return (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
-            and dst.numel() == src.numel() and dst.is_contiguous() and src.is_contiguous())
+    if not (dst.device.type == "cpu" and src.device.type == "cpu" and dst.dtype == src.dtype
+            and dst.numel() == src.numel() and dst.is_contiguous() and src.is_contiguous()):
+        return False
+    # Overlapping ranges cut into shares copied concurrently could read bytes already
+    # overwritten: leave those to torch.
+    size = dst.numel() * dst.element_size()
+    return dst.data_ptr() + size <= src.data_ptr() or src.data_ptr() + size <= dst.data_ptr()
 
 
 def split_spans(spans: Sequence[Span], shares: int) -> list[list[Span]]:
