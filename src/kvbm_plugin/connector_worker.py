@@ -690,6 +690,10 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         # The staging buffer is reused by the next read, so wait (on this thread) for the copy.
         while not event.query():
             if time.monotonic() > deadline:
+                # The copy may still run some day: later reads get a buffer of their own
+                # (torch's pinned allocator keeps this one until its pending copy is done).
+                self._disk_staging = torch.empty(staging.shape, dtype=staging.dtype,
+                                                 pin_memory=True)
                 return False
             time.sleep(0.0002)
         return True
