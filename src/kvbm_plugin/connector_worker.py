@@ -438,7 +438,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                        if now > deadline]
             finish = [self._copies.pop(copy_id)[1] for copy_id in overdue]
         for done in finish:
-            logger.error("rank %d: a copy did not complete in %.0f s; failing its ops",
+            logger.error("rank %d: a copy did not complete in %.1f s; failing its ops",
                          self._rank, OP_TIMEOUT_S)
             done(False)
 
