@@ -147,19 +147,16 @@ def run(quick: bool = False, device: str = "cpu") -> list[Row]:
         bulk_host = torch.empty(host_pool.shape, dtype=host_pool.dtype,
                                 pin_memory=host_pool.is_pinned())
 
-        def bulk_d2h() -> float:
-            _sync(device)
-            start = time.perf_counter()
-            bulk_host.copy_(pool, non_blocking=device == "cuda")
-            _sync(device)
-            return nbytes / (time.perf_counter() - start) / 1e9
+        def bulk(dst: torch.Tensor, src: torch.Tensor) -> Callable[[], float]:
+            def copy() -> float:
+                _sync(device)
+                start = time.perf_counter()
+                dst.copy_(src, non_blocking=device == "cuda")
+                _sync(device)
+                return nbytes / (time.perf_counter() - start) / 1e9
+            return copy
 
-        def bulk_h2d() -> float:
-            _sync(device)
-            start = time.perf_counter()
-            pool.copy_(bulk_host, non_blocking=device == "cuda")
-            _sync(device)
-            return nbytes / (time.perf_counter() - start) / 1e9
+        bulk_d2h, bulk_h2d = bulk(bulk_host, pool), bulk(pool, bulk_host)
 
         offload(), onboard(), bulk_d2h(), bulk_h2d()  # warm-up (page faults, streams)
         # Interleave each measurement with its baseline so both see the same machine state

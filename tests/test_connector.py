@@ -402,7 +402,7 @@ def test_worker_shutdown_runs_disk_writes_queued_by_the_last_transfer_job(make_e
     engine.submit(prompt(32, 9), 1)
     engine.run_until_idle()
     worker = engine.workers[0]
-    disk_thread = worker._threads[1]
+    disk_thread, _ = worker._threads[1]
     original = type(worker)._save_to_disk
 
     def late_save_to_disk(self, op, fwd_event):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -144,7 +145,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         self._copy_ids = itertools.count()
         self._host_copier: HostCopier | None = None
         self._copy_batch_blocks = 0  # 0: a job's host copies are one batch
-        self._threads: list[threading.Thread] = []
+        # Each thread with what tells it to stop (None: another thread's stop ends it).
+        self._threads: list[tuple[threading.Thread, Callable[[], None] | None]] = []
         self._closed = False
         self._stats = {"bytes_offloaded": 0, "bytes_onboarded": 0, "bytes_demoted": 0,
                        "blocks_offloaded": 0, "blocks_onboarded": 0, "blocks_demoted": 0,
@@ -197,13 +199,18 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             self._host_copier = HostCopier(torch.get_num_threads())
         self._disk_staging = torch.empty(block_shape, dtype=kv_cache_tensor.dtype,
                                          pin_memory=self._cuda)
-        loops = [(self._transfer_loop, "kvbm-transfer"), (self._disk_loop, "kvbm-disk")]
+        # Stop order = this order: the transfer thread first (the jobs it still runs may queue
+        # disk writes, which the disk thread must see before its own stop); on its way out it
+        # stops the completion thread, after the batches already issued.
+        loops: list[tuple[Callable[[], None], str, Callable[[], None] | None]] = [
+            (self._transfer_loop, "kvbm-transfer", lambda: self._jobs.put(("stop",))),
+            (self._disk_loop, "kvbm-disk", lambda: self._disk_jobs.put(("stop",)))]
         if self._cuda:
-            loops.insert(1, (self._completion_loop, "kvbm-completion"))
-        for target, name in loops:
+            loops.insert(1, (self._completion_loop, "kvbm-completion", None))
+        for target, name, stop in loops:
             thread = threading.Thread(target=target, name=f"{name}-r{self._rank}", daemon=True)
             thread.start()
-            self._threads.append(thread)
+            self._threads.append((thread, stop))
 
     # ------------------------------------------------------------------ per iteration
 
@@ -433,19 +440,14 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                 entry[1](ok)
 
     def _fail_overdue_copies(self, now: float) -> None:
+        """Fail the copy batches whose deadline is before ``now`` (``math.inf``: all left)."""
         with self._lock:
             overdue = [copy_id for copy_id, (deadline, _) in self._copies.items()
                        if now > deadline]
             finish = [self._copies.pop(copy_id)[1] for copy_id in overdue]
-        for done in finish:
-            logger.error("rank %d: a copy did not complete in %.1f s; failing its ops",
-                         self._rank, OP_TIMEOUT_S)
-            done(False)
-
-    def _fail_unfinished_copies(self) -> None:
-        with self._lock:
-            finish = [done for _, done in self._copies.values()]
-            self._copies.clear()
+        if finish:
+            logger.error("rank %d: %d copy batch(es) did not complete in time (timeout %.1f s); "
+                         "failing their ops", self._rank, len(finish), OP_TIMEOUT_S)
         for done in finish:
             done(False)
 
@@ -724,19 +726,14 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         if self._pool is not None:
             self._enqueue_saves(None)
         deadline = time.monotonic() + timeout
-        # Stop order: the transfer thread first (the jobs it still runs may queue disk writes,
-        # which the disk thread must see before its own stop); it tells the completion thread
-        # to stop after the batches already issued. (No threads: no pool was registered.)
-        for thread in self._threads:
-            if thread.name.startswith("kvbm-transfer"):
-                self._jobs.put(("stop",))
-            elif thread.name.startswith("kvbm-disk"):
-                self._disk_jobs.put(("stop",))
+        for thread, stop in self._threads:  # in start order (no threads: no pool registered)
+            if stop is not None:
+                stop()
             thread.join(max(0.0, deadline - time.monotonic()))
             if thread.is_alive():
                 logger.warning("rank %d: %s did not stop within %.1f s", self._rank, thread.name,
                                timeout)
-        self._fail_unfinished_copies()  # only left when a copy outlived the timeout
+        self._fail_overdue_copies(math.inf)  # only left when a copy outlived the timeout
         if self._host_copier is not None:
             self._host_copier.close()
         for tier in (self._host, self._disk):
