@@ -94,6 +94,7 @@ def test_doctor_ok_with_free_ports(monkeypatch, capsys) -> None:
     assert checks["consolidator config"]["status"] == "ok"
     assert checks["TensorRT-LLM"]["status"] in ("warn", "ok")
     assert checks["torch"]["status"] == "ok"
+    assert checks["compiled fast paths"]["status"] == "ok"
     assert "zmq (kvbm-plugin" in checks["entry points kvbm_plugin.publishers"]["detail"]
     assert code == 0, [c for c in checks.values() if c["status"] == "fail"]
 
@@ -102,6 +103,14 @@ def test_doctor_fails_on_bad_env(monkeypatch, capsys) -> None:
     monkeypatch.setenv(cc.ENABLE_CONSOLIDATOR, "perhaps")
     assert main_doctor([]) == 1
     assert "'perhaps'" in capsys.readouterr().out
+
+
+def test_doctor_names_a_bad_native_switch(monkeypatch, capsys) -> None:
+    monkeypatch.setenv(cc.NATIVE, "sometimes")
+    assert main_doctor(["--json"]) == 1
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert checks["compiled fast paths"]["status"] == "fail"
+    assert f"{cc.NATIVE}='sometimes'" in checks["compiled fast paths"]["detail"]
 
 
 def test_doctor_fails_on_busy_port(monkeypatch, capsys) -> None:

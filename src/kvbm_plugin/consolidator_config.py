@@ -54,6 +54,7 @@ DISK_CACHE_NUM_BLOCKS = "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"
 DISK_CACHE_DIR = "DYN_KVBM_DISK_CACHE_DIR"
 METRICS = "DYN_KVBM_METRICS"
 METRICS_PORT = "DYN_KVBM_METRICS_PORT"
+NATIVE = "DYN_KVBM_NATIVE"
 
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(ENABLE_CONSOLIDATOR, "true", "Run the de-duplicating consolidator in the leader "
@@ -96,6 +97,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "at exit.", "tiers"),
     EnvVar(METRICS, "false", "Serve Prometheus metrics (1/true/on/yes).", "metrics"),
     EnvVar(METRICS_PORT, "6880", "Prometheus metrics port.", "metrics"),
+    EnvVar(NATIVE, "true", "Use the compiled fast paths when they were built at install "
+           "(1/true/on/yes); 0/false/off/no runs the pure-Python reference paths.", "runtime"),
 )
 ENV_VARS_BY_NAME: dict[str, EnvVar] = {var.name: var for var in ENV_VARS}
 
@@ -349,6 +352,12 @@ def load_metrics_settings(env: Mapping[str, str] | None = None) -> MetricsSettin
         enabled=parse_bool(METRICS, _raw(env, METRICS) or "false"),
         port=parse_port(METRICS_PORT, _raw(env, METRICS_PORT) or ""),
     )
+
+
+def native_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the compiled fast paths may be used (they still need to have been built)."""
+    env = os.environ if env is None else env
+    return parse_bool(NATIVE, _raw(env, NATIVE) or "")
 
 
 def consolidator_enabled(env: Mapping[str, str] | None = None) -> bool:

@@ -79,6 +79,14 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
             metrics = cc.MetricsSettings()
         checks.extend(_endpoint_checks(config, metrics))
 
+    from kvbm_plugin import _native
+
+    try:
+        in_use, detail = _native.describe()
+        checks.append(Check("compiled fast paths", "ok" if in_use else "warn", detail))
+    except cc.ConfigError as exc:
+        checks.append(Check("compiled fast paths", "fail", str(exc)))
+
     from kvbm_plugin._trtllm_compat import COMPAT
 
     if COMPAT.error:

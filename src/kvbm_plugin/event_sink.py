@@ -20,6 +20,12 @@ by the partial-block rule (and, for sliding-window models, when they belong to a
 not published at all). Every drop is counted in :meth:`KvEventSink.stats` and logged
 rate-limited.
 
+``ingest`` has two loops with one behaviour: the Python loop (the reference) and, when the
+extension was built, a compiled loop (``_speedups.c``) that takes the decode steady state
+(one-block stores, removals) and hands every other event to the Python loop. The compiled loop
+also keeps its maps and lists out of the cyclic garbage collector (they hold no containers), so
+batches waiting for the publisher thread cost the engine thread's collections nothing.
+
 Threads: ``ingest`` and ``flush`` take one short lock (never held across I/O), so buffered
 events may arrive on TRT-LLM's KV-event dispatch thread while the leader flushes on the executor
 thread. The V2 hooks take no lock (per-block budget ~1 us): TRT-LLM calls them on the executor
@@ -36,6 +42,7 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
 
+from kvbm_plugin import _native
 from kvbm_plugin._ratelimit import RateLimitedLog
 from kvbm_plugin.events import MEDIUM_GPU, WireFormatError, to_signed_int64
 from kvbm_plugin.publisher import EventPublisher, WireEvent
@@ -108,7 +115,8 @@ class KvEventSink:
     def __init__(self, publisher: EventPublisher, *, block_size: int,
                  window_size: int | None = None, data_parallel_rank: int = 0,
                  rank_publishers: Mapping[int, EventPublisher] | None = None,
-                 strict: bool = False, owns_publisher: bool = True) -> None:
+                 strict: bool = False, owns_publisher: bool = True,
+                 native: bool | None = None) -> None:
         if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"KvEventSink: block_size={block_size!r} must be a positive integer")
         if window_size is not None and (type(window_size) is not int or window_size <= 0):
@@ -128,6 +136,13 @@ class KvEventSink:
         self._routing_groups: frozenset[int] | None = None
         self._strict = strict
         self._owns_publisher = owns_publisher
+        # The compiled ingest loop, when built (None: the Python loop alone).
+        module = _native.speedups() if native is None else (_native.speedups({}) if native
+                                                             else None)
+        if native and module is None:
+            raise ValueError("KvEventSink: native=True but kvbm_plugin._speedups was not built")
+        self._native: Callable[..., tuple[Any, ...]] | None = (
+            None if module is None else module.ingest_dicts)
         self._lock = threading.Lock()
         self._ranks: dict[int, _Rank] = {data_parallel_rank: _Rank()}
         self._closed = False
@@ -150,6 +165,35 @@ class KvEventSink:
         O(events), no I/O. A malformed event is counted and logged (raised when strict) and the
         rest are still taken.
         """
+        native = self._native
+        with self._lock:
+            if native is None or type(events) is not list:
+                self._ingest_locked(events)
+                return
+            # The compiled loop takes the common events and stops at the first one that needs
+            # a decision (window, created, partial block, other rank, malformed ...); the
+            # Python loop takes that one, and the compiled loop goes on after it.
+            c = self._c
+            rs = self._ranks[self.data_parallel_rank]
+            bs = self.block_size
+            start = 0
+            end = len(events)
+            while True:
+                (stop, rs.last, n_in, n_stores, n_stored, n_removes,
+                 n_removed) = native(events, start, rs.events, rs.last, bs, self._window,
+                                     rs.suppressed)
+                c["events_in"] += n_in
+                c["stores"] += n_stores
+                c["blocks_stored"] += n_stored
+                c["removes"] += n_removes
+                c["blocks_removed"] += n_removed
+                if stop >= end:
+                    return
+                self._ingest_locked((events[stop],))
+                start = stop + 1
+
+    def _ingest_locked(self, events: Iterable[Mapping[str, Any]]) -> None:
+        """The Python ingest loop (lock held): the reference for the compiled fast path."""
         # Hot path: locals only (the routing window too; refreshed when it changes), hashes
         # converted inline (same rule as _signed: u64 -> two's complement, anything else
         # outside the int64 range goes to _signed, which raises), the one-block store and the
@@ -162,120 +206,119 @@ class KvEventSink:
         u64 = _U64
         token_id = _token_id
         n_in = n_stores = n_stored = n_removes = n_removed = 0
-        with self._lock:
-            ranks = self._ranks
-            default_rs = ranks[self.data_parallel_rank]
-            cur_window = self._window
-            for ev in events:
-                n_in += 1
-                try:
-                    data = ev["data"]
-                    kind = data["type"]
-                    window = ev.get("window_size")
-                    if window is not None and window != cur_window:
-                        if kind == "created":
-                            c["created_events"] += 1
-                            self._window_accepts(window, kind)  # learn the largest window
-                            cur_window = self._window
-                            continue
-                        if not self._window_accepts(window, kind):
-                            if kind == "stored":
-                                c["window_filtered"] += len(data["blocks"])
-                            elif kind == "removed":
-                                c["window_removes_filtered"] += len(data["block_hashes"])
-                            continue
-                        cur_window = self._window
-                    elif kind == "created":
+        ranks = self._ranks
+        default_rs = ranks[self.data_parallel_rank]
+        cur_window = self._window
+        for ev in events:
+            n_in += 1
+            try:
+                data = ev["data"]
+                kind = data["type"]
+                window = ev.get("window_size")
+                if window is not None and window != cur_window:
+                    if kind == "created":
                         c["created_events"] += 1
+                        self._window_accepts(window, kind)  # learn the largest window
+                        cur_window = self._window
                         continue
-                    rank = ev.get("attention_dp_rank")
-                    if rank is None:
-                        rs = default_rs
-                    else:
-                        rs = ranks.get(rank)
-                        if rs is None:
-                            rs = self._new_rank(rank)
-                    if kind == "stored":
-                        blocks = data["blocks"]
-                        block = blocks[0] if len(blocks) == 1 else None
-                        if block is not None and len(tokens := block["tokens"]) == bs:
-                            # The common decode case: one full block.
-                            h = block["block_hash"]
-                            if type(h) is not int or not i64_min <= h <= i64_max:
-                                if type(h) is int and i64_max < h < u64:
-                                    h -= u64
-                                else:
-                                    h = _signed(h, "stored.blocks[].block_hash")
-                            parent = data.get("parent_hash")
-                            if parent is not None and (type(parent) is not int
-                                                       or not i64_min <= parent <= i64_max):
-                                if type(parent) is int and i64_max < parent < u64:
-                                    parent -= u64
-                                else:
-                                    parent = _signed(parent, "stored.parent_hash")
-                            lora_id = data.get("lora_id") or None
-                            last = rs.last
-                            if (last is not None and parent is not None
-                                    and last["type"] == _STORED
-                                    and last["block_hashes"][-1] == parent
-                                    and last["lora_id"] == lora_id):
-                                last["block_hashes"].append(h)
-                                last["token_ids"].extend(map(token_id, tokens))
+                    if not self._window_accepts(window, kind):
+                        if kind == "stored":
+                            c["window_filtered"] += len(data["blocks"])
+                        elif kind == "removed":
+                            c["window_removes_filtered"] += len(data["block_hashes"])
+                        continue
+                    cur_window = self._window
+                elif kind == "created":
+                    c["created_events"] += 1
+                    continue
+                rank = ev.get("attention_dp_rank")
+                if rank is None:
+                    rs = default_rs
+                else:
+                    rs = ranks.get(rank)
+                    if rs is None:
+                        rs = self._new_rank(rank)
+                if kind == "stored":
+                    blocks = data["blocks"]
+                    block = blocks[0] if len(blocks) == 1 else None
+                    if block is not None and len(tokens := block["tokens"]) == bs:
+                        # The common decode case: one full block.
+                        h = block["block_hash"]
+                        if type(h) is not int or not i64_min <= h <= i64_max:
+                            if type(h) is int and i64_max < h < u64:
+                                h -= u64
                             else:
-                                n_stores += 1
-                                last = rs.last = {
-                                    "type": _STORED, "block_hashes": [h],
-                                    "parent_block_hash": parent,
-                                    "token_ids": list(map(token_id, tokens)),
-                                    "block_size": bs, "lora_id": lora_id,
-                                    "medium": MEDIUM_GPU, "lora_name": None}
-                                rs.events.append(last)
-                            n_stored += 1
-                        else:
-                            self._dict_stored(rs, data, bs)
-                    elif kind == "removed":
-                        raw = data["block_hashes"]
-                        if type(raw) is list and len(raw) == 1:
-                            h = raw[0]
-                            if type(h) is not int or not i64_min <= h <= i64_max:
-                                if type(h) is int and i64_max < h < u64:
-                                    h -= u64
-                                else:
-                                    h = _signed(h, "removed.block_hashes[]")
-                            hashes = [h]
-                        else:
-                            hashes = []
-                            for h in raw:
-                                if type(h) is not int or not i64_min <= h <= i64_max:
-                                    h = _signed(h, "removed.block_hashes[]")
-                                hashes.append(h)
+                                h = _signed(h, "stored.blocks[].block_hash")
+                        parent = data.get("parent_hash")
+                        if parent is not None and (type(parent) is not int
+                                                   or not i64_min <= parent <= i64_max):
+                            if type(parent) is int and i64_max < parent < u64:
+                                parent -= u64
+                            else:
+                                parent = _signed(parent, "stored.parent_hash")
+                        lora_id = data.get("lora_id") or None
                         last = rs.last
-                        if rs.suppressed or not hashes:
-                            self._remove(rs, hashes, track_live=False)
-                        elif last is not None and last["type"] == _REMOVED:
-                            last["block_hashes"].extend(hashes)
-                            n_removed += len(hashes)
+                        if (last is not None and parent is not None
+                                and last["type"] == _STORED
+                                and last["block_hashes"][-1] == parent
+                                and last["lora_id"] == lora_id):
+                            last["block_hashes"].append(h)
+                            last["token_ids"].extend(map(token_id, tokens))
                         else:
-                            n_removes += 1
-                            n_removed += len(hashes)
-                            last = rs.last = {"type": _REMOVED, "block_hashes": hashes,
-                                              "medium": MEDIUM_GPU}
+                            n_stores += 1
+                            last = rs.last = {
+                                "type": _STORED, "block_hashes": [h],
+                                "parent_block_hash": parent,
+                                "token_ids": list(map(token_id, tokens)),
+                                "block_size": bs, "lora_id": lora_id,
+                                "medium": MEDIUM_GPU, "lora_name": None}
                             rs.events.append(last)
-                    elif kind == "updated":
-                        # cache_level/priority changes: counted, never guessed into events.
-                        c["updated_events"] += 1
+                        n_stored += 1
                     else:
-                        c["unknown_events"] += 1
-                        self._log.log(logging.WARNING, "unknown", "KvEventSink: unknown event "
-                                      "type data.type=%r (event_id %s) not published", kind,
-                                      ev.get("event_id"))
-                except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                    self._malformed(exc, ev)
-            c["events_in"] += n_in
-            c["stores"] += n_stores
-            c["blocks_stored"] += n_stored
-            c["removes"] += n_removes
-            c["blocks_removed"] += n_removed
+                        self._dict_stored(rs, data, bs)
+                elif kind == "removed":
+                    raw = data["block_hashes"]
+                    if type(raw) is list and len(raw) == 1:
+                        h = raw[0]
+                        if type(h) is not int or not i64_min <= h <= i64_max:
+                            if type(h) is int and i64_max < h < u64:
+                                h -= u64
+                            else:
+                                h = _signed(h, "removed.block_hashes[]")
+                        hashes = [h]
+                    else:
+                        hashes = []
+                        for h in raw:
+                            if type(h) is not int or not i64_min <= h <= i64_max:
+                                h = _signed(h, "removed.block_hashes[]")
+                            hashes.append(h)
+                    last = rs.last
+                    if rs.suppressed or not hashes:
+                        self._remove(rs, hashes, track_live=False)
+                    elif last is not None and last["type"] == _REMOVED:
+                        last["block_hashes"].extend(hashes)
+                        n_removed += len(hashes)
+                    else:
+                        n_removes += 1
+                        n_removed += len(hashes)
+                        last = rs.last = {"type": _REMOVED, "block_hashes": hashes,
+                                          "medium": MEDIUM_GPU}
+                        rs.events.append(last)
+                elif kind == "updated":
+                    # cache_level/priority changes: counted, never guessed into events.
+                    c["updated_events"] += 1
+                else:
+                    c["unknown_events"] += 1
+                    self._log.log(logging.WARNING, "unknown", "KvEventSink: unknown event "
+                                  "type data.type=%r (event_id %s) not published", kind,
+                                  ev.get("event_id"))
+            except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                self._malformed(exc, ev)
+        c["events_in"] += n_in
+        c["stores"] += n_stores
+        c["blocks_stored"] += n_stored
+        c["removes"] += n_removes
+        c["blocks_removed"] += n_removed
 
     def _window_accepts(self, window: Any, kind: str) -> bool:
         """Whether an event of attention window ``window`` is published (lock held)."""

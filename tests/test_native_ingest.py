@@ -1,0 +1,230 @@
+"""The compiled ingest loop against the Python one: same bytes out, same counters, on any input.
+
+The Python loop in ``KvEventSink._ingest_locked`` is the reference. Hypothesis draws streams of
+TRT-LLM event dicts (common and odd shapes, edge-value and invalid hashes, partial blocks,
+window changes, other ranks, malformed events) split over several ingest calls and flushes;
+both sinks must publish byte-identical payloads and report identical counters.
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Sequence
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbm_plugin import _native
+from kvbm_plugin.consolidator_config import NATIVE, ConfigError, PublisherSettings
+from kvbm_plugin.event_sink import KvEventSink
+from kvbm_plugin.events import encode_payload
+from kvbm_plugin.publisher import EventPublisher
+
+BS = 2  # block size: small, so partial and oversized blocks are easy to draw
+HASHES = [0, 1, 2, 3, 5, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, -1, -(1 << 63),
+          1 << 64, -(1 << 63) - 1, "7", True, None, 2.0]
+VALID = [0, 1, 2, 3, 5, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+
+
+class Recorder(EventPublisher):
+    """Keeps each batch as the bytes the real encoder makes of it (fixed timestamp)."""
+
+    def __init__(self) -> None:
+        super().__init__(PublisherSettings())
+        self.payloads: list[bytes] = []
+        self.batches: list[list[dict[str, Any]]] = []
+
+    def publish(self, events: Sequence[dict[str, Any]], data_parallel_rank: int | None = None
+                ) -> bool:
+        self.batches.append(list(events))
+        self.payloads.append(encode_payload(1.0, events, data_parallel_rank or 0))
+        return True
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        pass
+
+
+def hashes(valid_only: bool = False) -> st.SearchStrategy[Any]:
+    return st.sampled_from(VALID if valid_only else HASHES)
+
+
+@st.composite
+def tokens(draw: st.DrawFn) -> list[Any]:
+    n = draw(st.sampled_from([BS, BS, BS, BS - 1, BS + 1, 0]))
+    out: list[Any] = [{"type": "unique_token", "token_id": draw(st.integers(0, 300)),
+                       "token_extra_id": 0} for _ in range(n)]
+    if out and draw(st.integers(0, 15)) == 0:  # the odd malformed token
+        out[draw(st.integers(0, n - 1))] = draw(st.sampled_from(
+            [{"token_id": "x"}, {"type": "unique_token"}, 7, {"token_id": 1.5}]))
+    return out
+
+
+@st.composite
+def event(draw: st.DrawFn) -> Any:
+    kind = draw(st.sampled_from(["stored"] * 6 + ["removed"] * 4
+                                + ["created", "updated", "bogus", "broken"]))
+    ev: dict[str, Any] = {"event_id": 0}
+    window = draw(st.sampled_from([64] * 8 + [None, 32, 128, "64"]))
+    if window is not None or draw(st.booleans()):
+        ev["window_size"] = window
+    rank = draw(st.sampled_from([None] * 8 + [0, 1, -1]))
+    if rank is not None or draw(st.integers(0, 7)) == 0:
+        ev["attention_dp_rank"] = rank
+    if kind == "stored":
+        n_blocks = draw(st.sampled_from([1, 1, 1, 1, 2, 0]))
+        data: dict[str, Any] = {"type": "stored", "parent_hash": draw(hashes()),
+                                "blocks": [{"type": "stored_block",
+                                            "block_hash": draw(hashes(valid_only=True))
+                                            if draw(st.integers(0, 9)) else draw(hashes()),
+                                            "tokens": draw(tokens()), "cache_level": 0,
+                                            "priority": 35} for _ in range(n_blocks)]}
+        lora = draw(st.sampled_from(["absent", None, 0, 3, "a"]))
+        if lora != "absent":
+            data["lora_id"] = lora
+        if draw(st.integers(0, 19)) == 0:
+            data["blocks"] = tuple(data["blocks"])
+        if n_blocks and draw(st.integers(0, 19)) == 0:
+            del data["blocks"][0]["block_hash"]
+    elif kind == "removed":
+        raw: Any = [draw(hashes(valid_only=True)) if draw(st.integers(0, 9)) else draw(hashes())
+                    for _ in range(draw(st.sampled_from([1, 1, 1, 2, 3, 0])))]
+        if draw(st.integers(0, 19)) == 0:
+            raw = tuple(raw)
+        data = {"type": "removed", "block_hashes": raw}
+    elif kind == "created":
+        data = {"type": "created", "num_blocks_per_cache_level": [8, 0]}
+    elif kind == "updated":
+        data = {"type": "updated", "block_hash": 1, "cache_level": {"old_value": 0,
+                                                                    "new_value": 1}}
+    elif kind == "bogus":
+        data = {"type": "bogus"}
+    else:
+        return draw(st.sampled_from([{"event_id": 1}, {"data": None}, {"data": {}}, 42,
+                                     MappingProxyType({"data": {"type": "removed",
+                                                                "block_hashes": [9]}})]))
+    ev["data"] = data
+    return ev
+
+
+@st.composite
+def chained(draw: st.DrawFn) -> list[Any]:
+    """Mostly well-formed decode traffic: one-block stores whose parent is often the last
+    stored hash (so runs coalesce), removals in between, now and then anything at all."""
+    out: list[Any] = []
+    last = None
+    for _ in range(draw(st.integers(1, 30))):
+        pick = draw(st.integers(0, 9))
+        if pick < 5:
+            h = draw(st.sampled_from(VALID))
+            parent = last if draw(st.integers(0, 3)) else draw(hashes())
+            data = {"type": "stored", "parent_hash": parent, "blocks": [{
+                "type": "stored_block", "block_hash": h, "cache_level": 0, "priority": 35,
+                "tokens": [{"type": "unique_token", "token_id": draw(st.integers(0, 9)),
+                            "token_extra_id": 0} for _ in range(BS)]}]}
+            out.append({"event_id": 0, "window_size": 64, "data": data})
+            last = h if h < (1 << 63) else h - (1 << 64)
+        elif pick < 8:
+            out.append({"event_id": 0, "window_size": 64,
+                        "data": {"type": "removed", "block_hashes": [draw(hashes())]}})
+        else:
+            out.append(draw(event()))
+    return out
+
+
+def run(native: bool, calls: list[tuple[list[Any], bool]], window: int | None
+        ) -> tuple[list[bytes], dict[str, int]]:
+    rec = Recorder()
+    sink = KvEventSink(rec, block_size=BS, window_size=window, native=native)
+    for events, flush in calls:
+        sink.ingest(events)
+        if flush:
+            sink.flush()
+    sink.flush()
+    return rec.payloads, sink.stats()
+
+
+needs_native = pytest.mark.skipif(_native.speedups({}) is None,
+                                  reason="kvbm_plugin._speedups was not built")
+
+
+@needs_native
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.one_of(st.lists(event(), max_size=12), chained()),
+                          st.booleans()), min_size=1, max_size=5),
+       st.sampled_from([None, 64]))
+def test_compiled_loop_matches_python_loop(calls: list[tuple[list[Any], bool]],
+                                           window: int | None) -> None:
+    want = run(False, calls, window)
+    got = run(True, calls, window)
+    assert got[0] == want[0]
+    assert got[1] == want[1]
+
+
+@needs_native
+def test_compiled_loop_takes_the_common_case_and_coalesces() -> None:
+    """Decode steady state: chains coalesce, removals coalesce, hashes become signed."""
+    def store(parent: int | None, h: int) -> dict[str, Any]:
+        return {"event_id": 0, "window_size": 64, "data": {
+            "type": "stored", "parent_hash": parent, "blocks": [{
+                "block_hash": h, "tokens": [{"token_id": h % 7}, {"token_id": 1}]}]}}
+
+    top = (1 << 64) - 1
+    events = [store(None, 10), store(10, top), store(top, 12),
+              {"event_id": 0, "window_size": 64, "data": {"type": "removed",
+                                                          "block_hashes": [3, top]}},
+              {"event_id": 0, "window_size": 64, "data": {"type": "removed",
+                                                          "block_hashes": [4]}}]
+    rec = Recorder()
+    sink = KvEventSink(rec, block_size=2, window_size=64, native=True)
+    sink.ingest(events)
+    sink.flush()
+    assert rec.batches == [[
+        {"type": "BlockStored", "block_hashes": [10, -1, 12], "parent_block_hash": None,
+         "token_ids": [3, 1, 1, 1, 5, 1], "block_size": 2, "lora_id": None, "medium": "GPU",
+         "lora_name": None},
+        {"type": "BlockRemoved", "block_hashes": [3, -1, 4], "medium": "GPU"}]]
+    stats = sink.stats()
+    assert (stats["stores"], stats["blocks_stored"], stats["removes"],
+            stats["blocks_removed"], stats["events_in"]) == (1, 3, 1, 3, 5)
+
+
+@needs_native
+def test_compiled_batches_are_not_tracked_by_the_cyclic_collector() -> None:
+    """The compiled loop's maps and lists hold no containers: untracked, so a queued batch
+    costs the engine thread's garbage collections nothing. The Python loop's are tracked."""
+    events = [{"event_id": 0, "window_size": 64, "data": {
+        "type": "stored", "parent_hash": None,
+        "blocks": [{"block_hash": 1, "tokens": [{"token_id": 1}, {"token_id": 2}]}]}},
+        {"event_id": 0, "window_size": 64, "data": {"type": "removed", "block_hashes": [1]}}]
+    for native, tracked in ((True, False), (False, True)):
+        rec = Recorder()
+        sink = KvEventSink(rec, block_size=2, native=native)
+        sink.ingest([dict(e) for e in events])  # the first teaches the window (Python loop)
+        sink.ingest(events)
+        sink.flush()
+        late = rec.batches[0][2:] if native else rec.batches[0]
+        assert late
+        for ev in late:
+            assert gc.is_tracked(ev) is tracked
+            assert gc.is_tracked(ev["block_hashes"]) is tracked
+
+
+def test_native_switch_and_build() -> None:
+    """The supported install builds the extension (CI does); the switch turns it off."""
+    assert _native.speedups({}) is not None, _native.describe({})[1]
+    assert _native.describe({})[0] is True
+    assert _native.speedups({NATIVE: "0"}) is None
+    assert "switched off" in _native.describe({NATIVE: "off"})[1]
+    with pytest.raises(ConfigError, match=rf"{NATIVE}='maybe'"):
+        _native.speedups({NATIVE: "maybe"})
+
+
+def test_native_true_without_the_extension_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_native, "_built", None)
+    with pytest.raises(ValueError, match="native=True"):
+        KvEventSink(Recorder(), block_size=2, native=True)
+    sink = KvEventSink(Recorder(), block_size=2)  # default: the Python loop, quietly
+    assert sink._native is None
