@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvbm_plugin import _native
 from kvbm_plugin.consolidator_config import NATIVE, ConfigError, PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.events import encode_payload
+from kvbm_plugin.events import WireFormatError, encode_payload
 from kvbm_plugin.publisher import EventPublisher
 
 BS = 2  # block size: small, so partial and oversized blocks are easy to draw
@@ -228,3 +228,17 @@ def test_native_true_without_the_extension_is_an_error(monkeypatch: pytest.Monke
         KvEventSink(Recorder(), block_size=2, native=True)
     sink = KvEventSink(Recorder(), block_size=2)  # default: the Python loop, quietly
     assert sink._native is None
+
+
+@needs_native
+def test_strict_mode_counts_what_was_taken_before_the_error_in_both_loops() -> None:
+    good = {"event_id": 0, "window_size": 64, "data": {"type": "removed", "block_hashes": [1]}}
+    bad = {"event_id": 1, "window_size": 64, "data": {"type": "removed", "block_hashes": [1.5]}}
+    seen = []
+    for native in (False, True):
+        sink = KvEventSink(Recorder(), block_size=2, window_size=64, strict=True, native=native)
+        with pytest.raises(WireFormatError, match="1.5"):
+            sink.ingest([good, dict(good), bad, dict(good)])
+        stats = sink.stats()
+        seen.append((stats["events_in"], stats["blocks_removed"], stats["malformed_events"]))
+    assert seen == [(3, 2, 1), (3, 2, 1)]

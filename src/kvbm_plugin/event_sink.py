@@ -209,116 +209,120 @@ class KvEventSink:
         ranks = self._ranks
         default_rs = ranks[self.data_parallel_rank]
         cur_window = self._window
-        for ev in events:
-            n_in += 1
-            try:
-                data = ev["data"]
-                kind = data["type"]
-                window = ev.get("window_size")
-                if window is not None and window != cur_window:
-                    if kind == "created":
-                        c["created_events"] += 1
-                        self._window_accepts(window, kind)  # learn the largest window
+        # The counters are added even when strict mode raises part-way (as the compiled loop
+        # adds those of the events it took before stopping).
+        try:
+            for ev in events:
+                n_in += 1
+                try:
+                    data = ev["data"]
+                    kind = data["type"]
+                    window = ev.get("window_size")
+                    if window is not None and window != cur_window:
+                        if kind == "created":
+                            c["created_events"] += 1
+                            self._window_accepts(window, kind)  # learn the largest window
+                            cur_window = self._window
+                            continue
+                        if not self._window_accepts(window, kind):
+                            if kind == "stored":
+                                c["window_filtered"] += len(data["blocks"])
+                            elif kind == "removed":
+                                c["window_removes_filtered"] += len(data["block_hashes"])
+                            continue
                         cur_window = self._window
+                    elif kind == "created":
+                        c["created_events"] += 1
                         continue
-                    if not self._window_accepts(window, kind):
-                        if kind == "stored":
-                            c["window_filtered"] += len(data["blocks"])
-                        elif kind == "removed":
-                            c["window_removes_filtered"] += len(data["block_hashes"])
-                        continue
-                    cur_window = self._window
-                elif kind == "created":
-                    c["created_events"] += 1
-                    continue
-                rank = ev.get("attention_dp_rank")
-                if rank is None:
-                    rs = default_rs
-                else:
-                    rs = ranks.get(rank)
-                    if rs is None:
-                        rs = self._new_rank(rank)
-                if kind == "stored":
-                    blocks = data["blocks"]
-                    block = blocks[0] if len(blocks) == 1 else None
-                    if block is not None and len(tokens := block["tokens"]) == bs:
-                        # The common decode case: one full block.
-                        h = block["block_hash"]
-                        if type(h) is not int or not i64_min <= h <= i64_max:
-                            if type(h) is int and i64_max < h < u64:
-                                h -= u64
-                            else:
-                                h = _signed(h, "stored.blocks[].block_hash")
-                        parent = data.get("parent_hash")
-                        if parent is not None and (type(parent) is not int
-                                                   or not i64_min <= parent <= i64_max):
-                            if type(parent) is int and i64_max < parent < u64:
-                                parent -= u64
-                            else:
-                                parent = _signed(parent, "stored.parent_hash")
-                        lora_id = data.get("lora_id") or None
-                        last = rs.last
-                        if (last is not None and parent is not None
-                                and last["type"] == _STORED
-                                and last["block_hashes"][-1] == parent
-                                and last["lora_id"] == lora_id):
-                            last["block_hashes"].append(h)
-                            last["token_ids"].extend(map(token_id, tokens))
-                        else:
-                            n_stores += 1
-                            last = rs.last = {
-                                "type": _STORED, "block_hashes": [h],
-                                "parent_block_hash": parent,
-                                "token_ids": list(map(token_id, tokens)),
-                                "block_size": bs, "lora_id": lora_id,
-                                "medium": MEDIUM_GPU, "lora_name": None}
-                            rs.events.append(last)
-                        n_stored += 1
+                    rank = ev.get("attention_dp_rank")
+                    if rank is None:
+                        rs = default_rs
                     else:
-                        self._dict_stored(rs, data, bs)
-                elif kind == "removed":
-                    raw = data["block_hashes"]
-                    if type(raw) is list and len(raw) == 1:
-                        h = raw[0]
-                        if type(h) is not int or not i64_min <= h <= i64_max:
-                            if type(h) is int and i64_max < h < u64:
-                                h -= u64
-                            else:
-                                h = _signed(h, "removed.block_hashes[]")
-                        hashes = [h]
-                    else:
-                        hashes = []
-                        for h in raw:
+                        rs = ranks.get(rank)
+                        if rs is None:
+                            rs = self._new_rank(rank)
+                    if kind == "stored":
+                        blocks = data["blocks"]
+                        block = blocks[0] if len(blocks) == 1 else None
+                        if block is not None and len(tokens := block["tokens"]) == bs:
+                            # The common decode case: one full block.
+                            h = block["block_hash"]
                             if type(h) is not int or not i64_min <= h <= i64_max:
-                                h = _signed(h, "removed.block_hashes[]")
-                            hashes.append(h)
-                    last = rs.last
-                    if rs.suppressed or not hashes:
-                        self._remove(rs, hashes, track_live=False)
-                    elif last is not None and last["type"] == _REMOVED:
-                        last["block_hashes"].extend(hashes)
-                        n_removed += len(hashes)
+                                if type(h) is int and i64_max < h < u64:
+                                    h -= u64
+                                else:
+                                    h = _signed(h, "stored.blocks[].block_hash")
+                            parent = data.get("parent_hash")
+                            if parent is not None and (type(parent) is not int
+                                                       or not i64_min <= parent <= i64_max):
+                                if type(parent) is int and i64_max < parent < u64:
+                                    parent -= u64
+                                else:
+                                    parent = _signed(parent, "stored.parent_hash")
+                            lora_id = data.get("lora_id") or None
+                            last = rs.last
+                            if (last is not None and parent is not None
+                                    and last["type"] == _STORED
+                                    and last["block_hashes"][-1] == parent
+                                    and last["lora_id"] == lora_id):
+                                last["block_hashes"].append(h)
+                                last["token_ids"].extend(map(token_id, tokens))
+                            else:
+                                n_stores += 1
+                                last = rs.last = {
+                                    "type": _STORED, "block_hashes": [h],
+                                    "parent_block_hash": parent,
+                                    "token_ids": list(map(token_id, tokens)),
+                                    "block_size": bs, "lora_id": lora_id,
+                                    "medium": MEDIUM_GPU, "lora_name": None}
+                                rs.events.append(last)
+                            n_stored += 1
+                        else:
+                            self._dict_stored(rs, data, bs)
+                    elif kind == "removed":
+                        raw = data["block_hashes"]
+                        if type(raw) is list and len(raw) == 1:
+                            h = raw[0]
+                            if type(h) is not int or not i64_min <= h <= i64_max:
+                                if type(h) is int and i64_max < h < u64:
+                                    h -= u64
+                                else:
+                                    h = _signed(h, "removed.block_hashes[]")
+                            hashes = [h]
+                        else:
+                            hashes = []
+                            for h in raw:
+                                if type(h) is not int or not i64_min <= h <= i64_max:
+                                    h = _signed(h, "removed.block_hashes[]")
+                                hashes.append(h)
+                        last = rs.last
+                        if rs.suppressed or not hashes:
+                            self._remove(rs, hashes, track_live=False)
+                        elif last is not None and last["type"] == _REMOVED:
+                            last["block_hashes"].extend(hashes)
+                            n_removed += len(hashes)
+                        else:
+                            n_removes += 1
+                            n_removed += len(hashes)
+                            last = rs.last = {"type": _REMOVED, "block_hashes": hashes,
+                                              "medium": MEDIUM_GPU}
+                            rs.events.append(last)
+                    elif kind == "updated":
+                        # cache_level/priority changes: counted, never guessed into events.
+                        c["updated_events"] += 1
                     else:
-                        n_removes += 1
-                        n_removed += len(hashes)
-                        last = rs.last = {"type": _REMOVED, "block_hashes": hashes,
-                                          "medium": MEDIUM_GPU}
-                        rs.events.append(last)
-                elif kind == "updated":
-                    # cache_level/priority changes: counted, never guessed into events.
-                    c["updated_events"] += 1
-                else:
-                    c["unknown_events"] += 1
-                    self._log.log(logging.WARNING, "unknown", "KvEventSink: unknown event "
-                                  "type data.type=%r (event_id %s) not published", kind,
-                                  ev.get("event_id"))
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                self._malformed(exc, ev)
-        c["events_in"] += n_in
-        c["stores"] += n_stores
-        c["blocks_stored"] += n_stored
-        c["removes"] += n_removes
-        c["blocks_removed"] += n_removed
+                        c["unknown_events"] += 1
+                        self._log.log(logging.WARNING, "unknown", "KvEventSink: unknown event "
+                                      "type data.type=%r (event_id %s) not published", kind,
+                                      ev.get("event_id"))
+                except (KeyError, TypeError, ValueError, AttributeError) as exc:
+                    self._malformed(exc, ev)
+        finally:
+            c["events_in"] += n_in
+            c["stores"] += n_stores
+            c["blocks_stored"] += n_stored
+            c["removes"] += n_removes
+            c["blocks_removed"] += n_removed
 
     def _window_accepts(self, window: Any, kind: str) -> bool:
         """Whether an event of attention window ``window`` is published (lock held)."""
