@@ -609,6 +609,35 @@ def test_shutdown_is_idempotent_and_bounded(ipc_dir, raw_rank, caplog):
     again.shutdown(3.0)
 
 
+def test_output_is_published_inline_by_the_ingest_thread(ipc_dir, start, raw_rank):
+    """The built-in ZMQ output runs in its inline mode: no publisher thread, and the ingest
+    thread answers output replays (read_output) between input messages."""
+    config = make_config(ipc_dir, replay=False)
+    rank = raw_rank(config)
+    consolidator = start(config)
+    names = [t.name for t in threading.enumerate()]
+    assert "kvbm-consolidator" in names
+    assert not any(n.startswith("kvbm-zmq-publisher") for n in names)
+    rank.wait_subscribed()
+    rank.send(0, [stored([1, 2], None, [1, 2])])
+    wait_for(lambda: consolidator.stats()["batches_out"] == 1, what="output batch")
+    batches = read_output(config)
+    assert [h for b in batches for e in b.events for h in e.block_hashes] == [1, 2]
+
+
+def test_another_publisher_kind_comes_from_the_factory(ipc_dir, start, raw_rank):
+    env = {EVENTS_ENDPOINT: f"ipc://{ipc_dir}/ev", OUTPUT_ENDPOINT: f"ipc://{ipc_dir}/out",
+           "DYN_KVBM_KV_EVENTS_PUBLISHER": "null"}
+    config = load_consolidator_config(env)
+    rank = raw_rank(config)
+    consolidator = start(config)
+    rank.wait_subscribed()
+    rank.send(0, [stored([1], None, [1])])
+    wait_for(lambda: consolidator.stats()["batches_out"] == 1, what="output batch")
+    assert isinstance(consolidator._publisher, NullEventPublisher)
+    assert consolidator._publisher.stats()["batches_published"] == 1
+
+
 def test_start_failure_raises_and_leaves_nothing_running(ipc_dir):
     blocker = zmq.Context.instance().socket(zmq.PUB)
     blocker.setsockopt(zmq.LINGER, 0)

@@ -317,3 +317,69 @@ def test_publisher_uses_gil_holding_sender(ctx, tcp, publishers) -> None:
     publishers.append(pub)
     if sys.platform.startswith("linux"):
         assert pub._send_live is not None
+
+
+# ---- inline mode (the consolidator's output: encode and send on the owner's thread) ----------
+
+
+def _replay(ctx: zmq.Context, pub: ZmqEventPublisher, address: str, start: int) -> list[int]:
+    """Ask for a replay from ``start`` and answer it the way an inline owner does: poll the
+    publisher's replay socket, then call ``service_replay`` on this thread."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(address)
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    router = pub.replay_socket
+    assert router is not None
+    assert router.poll(5000), "replay request never arrived"
+    pub.service_replay()
+    seqs = []
+    while (frames := recv(dealer))[2] != END_SEQ:
+        seqs.append(int.from_bytes(frames[2], "big"))
+        decode(frames[3])
+    return seqs
+
+
+def test_inline_publish_sends_on_the_callers_thread(ctx, tcp, publishers) -> None:
+    before = {t.name for t in threading.enumerate()}
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], data_parallel_rank=2,
+                            inline=True)
+    publishers.append(pub)
+    assert {t.name for t in threading.enumerate()} == before  # no publisher thread
+    sub, seen = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
+    published = pub.stats()["batches_published"]
+    assert pub.publish([removed(5, -7)])
+    # counted as sent when publish returns: the send happened on this thread
+    assert pub.stats()["batches_published"] == published + 1
+    frames = recv(sub)
+    assert seq_of(frames) == seq_of(seen[-1]) + 1
+    batch = decode(frames[2])
+    assert batch.data_parallel_rank == 2
+    assert batch.events == [BlockRemoved(block_hashes=[5, -7], medium="GPU")]
+    assert _replay(ctx, pub, tcp[1].connect, 0) == list(range(seq_of(frames) + 1))
+
+
+def test_inline_losses_are_visible_gaps(ctx, tcp, publishers) -> None:
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], inline=True)
+    publishers.append(pub)
+    assert pub.publish([removed(1)])
+    assert pub.publish([{"type": "BlockRemoved", "block_hashes": [object()]}]) is False
+    assert pub.publish([removed(3)])
+    stats = pub.stats()
+    assert stats["encode_errors"] == 1 and stats["lost_batches"] == 1
+    assert _replay(ctx, pub, tcp[1].connect, 0) == [0, 2]  # the hole stays a hole
+
+
+def test_inline_bind_failure_and_rebind_after_shutdown(tcp) -> None:
+    first = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], inline=True)
+    try:
+        with pytest.raises(ConfigError, match=f"cannot bind.*{tcp[0].port}"):
+            ZmqEventPublisher(PublisherSettings(), tcp[0], inline=True)
+    finally:
+        first.shutdown(1.0)
+    first.shutdown()  # idempotent
+    assert first.publish([removed(1)]) is False
+    assert first.stats()["lost_closed"] == 1
+    again = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], inline=True)  # ports free
+    again.shutdown()
+    assert again.replay_socket is None

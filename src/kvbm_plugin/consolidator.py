@@ -47,13 +47,14 @@ import argparse
 import collections
 import contextlib
 import logging
+import math
 import os
 import signal
 import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import msgpack
 import zmq
@@ -79,9 +80,8 @@ from kvbm_plugin.events import (
     encode_seq,
     normalize_medium,
 )
-
-if TYPE_CHECKING:
-    from kvbm_plugin.publisher import EventPublisher, WireEvent
+from kvbm_plugin.publisher import EventPublisher, WireEvent, ZmqEventPublisher, create_publisher
+from kvbm_plugin.registry import PUBLISHERS_GROUP, get_plugin
 
 logger = logging.getLogger(__name__)
 
@@ -713,8 +713,10 @@ class KvEventConsolidator:
 
     Built by the leader (or :func:`main_consolidate`) from a :class:`ConsolidatorConfig`.
     ``publisher``: the output (default: ``create_publisher(config.publisher, config.output,
-    config.output_replay)``, created by :meth:`start` and shut down by :meth:`shutdown`; one
-    passed in stays its owner's). ``context``: default ``zmq.Context.instance()``, never
+    config.output_replay)``, shut down by :meth:`shutdown`; one passed in stays its owner's).
+    The built-in ZMQ publisher is created on the ingest thread in its inline mode: the thread
+    that applies a batch also encodes and sends the output and answers its replay requests,
+    with no publisher thread in between. ``context``: default ``zmq.Context.instance()``, never
     terminated here (other components share it). ``flush_every``: under a backlog, the ingest
     thread publishes the output of at most this many input batches as one output batch per dp
     rank (1: one output batch per input batch); without a backlog every input batch's output is
@@ -737,6 +739,8 @@ class KvEventConsolidator:
         self._core = ConsolidatorCore(config.mode)
         self._publisher = publisher
         self._owns_publisher = publisher is None
+        self._inline_output = False  # the ingest thread owns the output publisher's sockets
+        self._shutdown_deadline = math.inf
         self._ctx = context if context is not None else zmq.Context.instance()
         self._replay_timeout = replay_timeout
         self._max_pending = max_pending
@@ -772,10 +776,12 @@ class KvEventConsolidator:
             self._state = "running"
             try:
                 if self._publisher is None:
-                    from kvbm_plugin.publisher import create_publisher
-
-                    self._publisher = create_publisher(self.config.publisher, self.config.output,
-                                                       self.config.output_replay)
+                    if get_plugin(PUBLISHERS_GROUP, self.config.publisher.kind) \
+                            is ZmqEventPublisher:
+                        self._inline_output = True  # created by the ingest thread
+                    else:
+                        self._publisher = create_publisher(
+                            self.config.publisher, self.config.output, self.config.output_replay)
                 self._wake_r, self._wake_w = os.pipe()
                 os.set_blocking(self._wake_r, False)
                 os.set_blocking(self._wake_w, False)
@@ -808,16 +814,22 @@ class KvEventConsolidator:
             was_running = self._state == "running"
             self._state = "stopped"
         deadline = time.monotonic() + timeout
+        self._shutdown_deadline = deadline
+        stuck = False
         if was_running and self._thread is not None:
             self._stop.set()
             self._wake()
             self._thread.join(max(0.0, deadline - time.monotonic()))
-            if self._thread.is_alive():
+            stuck = self._thread.is_alive()
+            if stuck:
                 logger.warning("%s: ingest thread did not stop within %.1fs; %d registrations "
                                "left unapplied", type(self).__name__, timeout, len(self._queue))
             else:
                 self._close_pipe()
         if self._owns_publisher and self._publisher is not None:
+            if self._inline_output and stuck:
+                # Its sockets belong to the ingest thread, which closes them when it ends.
+                return
             self._publisher.shutdown(max(0.1, deadline - time.monotonic()))
 
     def __enter__(self) -> KvEventConsolidator:
@@ -928,7 +940,14 @@ class KvEventConsolidator:
         """The ingest thread: owns every input socket, the core and the output calls."""
         streams: list[_Stream] = []
         poller = zmq.Poller()
+        inline: ZmqEventPublisher | None = None
         try:
+            if self._inline_output:
+                inline = ZmqEventPublisher(self.config.publisher, self.config.output,
+                                           self.config.output_replay, inline=True)
+                self._publisher = inline
+                if inline.replay_socket is not None:
+                    poller.register(inline.replay_socket, zmq.POLLIN)
             for rank in range(self.config.num_ranks):
                 stream = _Stream(rank)
                 streams.append(stream)
@@ -946,6 +965,8 @@ class KvEventConsolidator:
             try:
                 for stream in streams:
                     self._close_stream(stream, poller)
+                if self._inline_output and self._publisher is not None:
+                    self._publisher.shutdown(0.0)
             finally:
                 self._ready.set()  # start() waits for this
             return
@@ -960,7 +981,7 @@ class KvEventConsolidator:
         try:
             while True:
                 try:
-                    self._loop(streams, poller, by_socket, by_dealer)
+                    self._loop(streams, poller, by_socket, by_dealer, inline)
                     break
                 except zmq.ContextTerminated:
                     break  # the shared context is gone (process exit): nothing left to read
@@ -980,6 +1001,8 @@ class KvEventConsolidator:
             self._flush()
             for stream in streams:
                 self._close_stream(stream, poller)
+            if self._inline_output and self._publisher is not None:
+                self._publisher.shutdown(max(0.1, self._shutdown_deadline - time.monotonic()))
 
     def _open_dealer(self, stream: _Stream, poller: zmq.Poller) -> zmq.Socket | None:
         endpoint = self.config.replay_endpoint(stream.rank)
@@ -1001,7 +1024,8 @@ class KvEventConsolidator:
         stream.sub = stream.dealer = None
 
     def _loop(self, streams: list[_Stream], poller: zmq.Poller,
-              by_socket: dict[Any, _Stream], by_dealer: dict[Any, _Stream]) -> None:
+              by_socket: dict[Any, _Stream], by_dealer: dict[Any, _Stream],
+              inline: ZmqEventPublisher | None = None) -> None:
         wake_r = self._wake_r
         budget = 256  # messages per socket per round: bounds latency of the other inputs
         flush_every = self._flush_every
@@ -1029,6 +1053,8 @@ class KvEventConsolidator:
                 # the flag first would let a later submitter's wake byte be swallowed above and
                 # leave its item queued while this thread sleeps.
                 self._wake_pending = False
+            if inline is not None and inline.replay_socket in ready:
+                inline.service_replay()  # our output's replay requests
             for sock, stream in by_dealer.items():
                 if sock in ready:
                     self._drain_replay(stream, sock)

@@ -161,6 +161,15 @@ class ZmqEventPublisher(EventPublisher):
     - A batch lost anywhere (queue full, encode error, send error, publisher closed) keeps its
       reserved seq, so every consumer sees a gap; each loss is counted and logged rate-limited.
 
+    ``inline=True`` is for an owner that already runs its own background thread (the
+    consolidator's ingest thread, never TensorRT-LLM's executor thread): there is no queue and
+    no publisher thread; the constructor binds the sockets and ``publish`` encodes and sends on
+    the caller's thread, with the same non-blocking send, seq, replay buffer and loss counting.
+    The owner answers replay requests by polling :attr:`replay_socket` and calling
+    :meth:`service_replay`, and calls ``publish``, ``service_replay`` and ``shutdown`` from one
+    thread at a time (ZMQ sockets are single-threaded). This saves the queue hand-off and the
+    GIL hand-offs between the two threads, which cost more than the encoding itself.
+
     ``endpoint`` is the endpoint this publisher binds as given (the caller picks the rank's
     endpoint, e.g. ``ConsolidatorConfig.publish_endpoint(rank)``); PUB always binds. The replay
     ROUTER binds ``replay_endpoint`` when one is given.
@@ -180,7 +189,7 @@ class ZmqEventPublisher(EventPublisher):
                  context: zmq.Context | None = None, linger_ms: int = 1000,
                  start_timeout: float = 10.0,
                  encoder: Callable[[Any], bytes] | None = None,
-                 poll_interval: float = 0.001) -> None:
+                 poll_interval: float = 0.001, inline: bool = False) -> None:
         super().__init__(settings, endpoint, replay_endpoint, data_parallel_rank)
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(settings, name)
@@ -236,6 +245,20 @@ class ZmqEventPublisher(EventPublisher):
         self._replay_bad_requests = 0
         self._replay_batches = 0
         self._replay_aborted = 0
+        self._inline = inline
+        self._pub: zmq.Socket | None = None
+        self._router: zmq.Socket | None = None
+        self._encode: Callable[[Any], bytes] | None = None
+        if inline:
+            try:
+                self._pub, self._router = self._open_sockets()
+            except RuntimeError as exc:
+                self._closed = True
+                raise ConfigError(f"{type(self).__name__} (rank {data_parallel_rank}) cannot "
+                                  f"bind: {exc}") from exc
+            self._encode = encoder or payload_encoder()
+            self._send_live = gil_holding_sender(self._pub)
+            return
         self._thread = threading.Thread(
             target=self._run, name=f"kvbm-zmq-publisher-dp{data_parallel_rank}", daemon=True)
         self._thread.start()
@@ -268,6 +291,11 @@ class ZmqEventPublisher(EventPublisher):
             return False
         seq = next(self._seq)
         rank = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
+        if self._inline:
+            self._accepted += 1
+            pub, encode = self._pub, self._encode
+            assert pub is not None and encode is not None  # open until shutdown closes them
+            return self._send_batch(pub, encode, (seq, time.time(), events, rank))
         try:
             self._queue.put_nowait((seq, time.time(), events, rank))
         except queue.Full:
@@ -290,6 +318,9 @@ class ZmqEventPublisher(EventPublisher):
         ``min(linger_ms, time left)`` for unsent messages; with a private context the port is
         free when this returns.
         """
+        if self._inline:
+            self._shutdown_inline(timeout)
+            return
         with self._close_lock:
             if self._closed and not self._thread.is_alive():
                 return
@@ -309,6 +340,33 @@ class ZmqEventPublisher(EventPublisher):
         if self._thread.is_alive():
             logger.error("%s: publisher thread did not stop within %.1fs; its sockets stay "
                          "open until it does", type(self).__name__, timeout)
+
+    def _shutdown_inline(self, timeout: float) -> None:
+        with self._close_lock:
+            self._closed = True
+            sockets = [sock for sock in (self._router, self._pub) if sock is not None]
+            self._router = self._pub = None
+        if not sockets:
+            return
+        linger_ms = int(min(self._linger_ms / 1000.0, max(0.0, timeout)) * 1000)
+        for sock in sockets:
+            sock.close(linger=linger_ms)
+        if self._own_context:
+            self._context.term()
+
+    @property
+    def replay_socket(self) -> zmq.Socket | None:
+        """Inline mode: the replay ROUTER for the owner to poll (None without replay, and
+        always None in the threaded mode, whose thread answers replays itself)."""
+        return self._router if self._inline else None
+
+    def service_replay(self) -> None:
+        """Inline mode: answer the pending replay requests (non-blocking, bounded per call).
+
+        Called by the owner's thread when :attr:`replay_socket` is readable.
+        """
+        if self._inline and self._router is not None:
+            self._service_replay(self._router)
 
     def stats(self) -> dict[str, int]:
         """Counters (any thread; values are snapshots)."""
@@ -426,7 +484,8 @@ class ZmqEventPublisher(EventPublisher):
                               "shutdown was lost", type(self).__name__, item[0])
 
     def _send_batch(self, pub: zmq.Socket, encode: Callable[[Any], bytes],
-                    item: tuple[int, float, Sequence[WireEvent], int]) -> None:
+                    item: tuple[int, float, Sequence[WireEvent], int]) -> bool:
+        """Encode, buffer for replay and send one batch; False when it was lost live."""
         seq, ts, events, rank = item
         try:
             payload = encode([ts, events, rank])
@@ -435,7 +494,7 @@ class ZmqEventPublisher(EventPublisher):
             self._log.log(logging.ERROR, "encode", "%s: batch seq %d (%d events, dp_rank %s) "
                           "cannot be encoded, lost: %s", type(self).__name__, seq, len(events),
                           rank, exc)
-            return
+            return False
         seq_frame = _SEQ.pack(seq)
         # Buffered even if the live send fails: a replay can then fill the live gap.
         self._buffer.append((seq, payload))
@@ -449,9 +508,10 @@ class ZmqEventPublisher(EventPublisher):
             self._send_errors += 1
             self._log.log(logging.ERROR, "send", "%s: sending batch seq %d failed, lost live "
                           "(kept for replay): %s", type(self).__name__, seq, exc)
-            return
+            return False
         self._published += 1
         self._events_published += len(events)
+        return True
 
     def _service_replay(self, router: zmq.Socket) -> None:
         """Answer pending replay requests (publisher thread; non-blocking throughout)."""
