@@ -14,12 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvbm_plugin import _native
 from kvbm_plugin.consolidator import (
     SOURCE_ENGINE,
     SOURCE_TIERS,
     ConsolidatorCore,
     UnknownMediumError,
 )
+from kvbm_plugin.consolidator_config import NATIVE
 from kvbm_plugin.events import WireFormatError, to_signed_int64
 
 BS = 2
@@ -140,6 +142,15 @@ def tier_store(core: ConsolidatorCore, tier: str, dp: int, path: Path) -> None:
 def tier_remove(core: ConsolidatorCore, tier: str, dp: int, paths: Iterable[Path]) -> None:
     h = hash_a if tier == "CPU" else hash_b
     core.remove(SOURCE_TIERS, tier, dp, [h(p) for p in paths])
+
+
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def block_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test here runs with the compiled dedup block loops and with the Python ones."""
+    if request.param == "compiled" and _native.speedups({}) is None:
+        pytest.skip("kvbm_plugin._speedups was not built")
+    monkeypatch.setenv(NATIVE, "1" if request.param == "compiled" else "0")
+    return str(request.param)
 
 
 @pytest.fixture
@@ -515,6 +526,25 @@ def test_hash_only_store_adds_residency_to_a_visible_block(core, consumer):
     assert core.stats()["hash_only_stores_dropped"] == 1  # 12345: no tokens, unknown
     engine_remove(core, 0, [(1,)])
     assert core.take_output() == {}  # the engine's CPU copy still holds it
+
+
+def test_a_hash_reused_along_one_chain_keeps_the_state_consistent(core):
+    """A source that names a block and its child with the same hash (a hash collision in the
+    source): storing the parent again releases the child that held the hash, which must not
+    collect the parent being stored. (Found by the compiled-vs-Python differential test: the
+    parent was collected, stayed held, and a later clear raised KeyError.)"""
+    def chain(hashes: list[int]) -> dict[str, Any]:
+        return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": 1,
+                "token_ids": [0, 0, 0, 0], "block_size": BS, "medium": "CPU"}
+
+    core.apply_event(1, chain([2, 2]))
+    core.apply_event(1, chain([2, 1]))
+    held = core.resident_in(SOURCE_ENGINE, "CPU", 1)
+    assert held == {1, 2}
+    assert core.stats()["blocks_tracked"] == 2  # every held block is still tracked
+    core.resync(1)
+    assert core.take_output()[1][-1] == {"type": "AllBlocksCleared"}
+    assert core.stats()["blocks_tracked"] == 0
 
 
 def test_remove_for_a_block_never_stored_publishes_nothing(core):

@@ -1,4 +1,8 @@
-/* Compiled fast path of KvEventSink.ingest for TensorRT-LLM's decode steady state.
+/* Compiled fast paths: KvEventSink.ingest (event_sink.py) and ConsolidatorCore's dedup block
+ * loops (consolidator.py). Each has a Python reference in its module; the tests run both on
+ * the same input and compare.
+ *
+ * ==== event_sink.py: KvEventSink.ingest for TensorRT-LLM's decode steady state ================
  *
  * ingest_dicts() takes the buffered event dicts that need no decision beyond the common case
  * (a one-block full "stored", a "removed" of valid hashes, the published window, the sink's
@@ -312,8 +316,445 @@ fail:
     return NULL;
 }
 
+
+/* ==== consolidator.py: ConsolidatorCore, dedup mode ============================================
+ *
+ * The two per-block loops of the dedup core: a chain of stored blocks (_store_chain) and a
+ * removal (_removed). Both work on the core's own Python structures (the rank's dicts and the
+ * block lists, layout B_* below, the same as consolidator.py's _IDENT ...), so the Python
+ * loops and these can take turns on one state. The rare branches call back into the Python
+ * core (a derived published hash, a second alias, a release of the hash's previous block).
+ * Called on the consolidator's ingest thread only, with the GIL held throughout.
+ */
+
+enum { B_IDENT, B_PUB, B_WIRE, B_PARENT, B_CHILDREN, B_TOTAL, B_COUNTS, B_ALIAS_SLOT,
+       B_ALIAS_EXT, B_MORE_ALIASES, B_LEN };
+
+static int is_block(PyObject *b) {
+    if (PyList_CheckExact(b) && PyList_GET_SIZE(b) == B_LEN) return 1;
+    PyErr_Format(PyExc_TypeError, "consolidator block is not a %d-item list", (int)B_LEN);
+    return 0;
+}
+
+/* block[index] += delta (an int field); the new value in *value. */
+static int add_to(PyObject *block, int index, Py_ssize_t delta, Py_ssize_t *value) {
+    Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(block, index));
+    PyObject *v;
+    if (n == -1 && PyErr_Occurred()) return -1;
+    v = PyLong_FromSsize_t(n + delta);
+    if (v == NULL) return -1;
+    PyList_SetItem(block, index, v); /* steals v, releases the old value */
+    if (value != NULL) *value = n + delta;
+    return 0;
+}
+
+static int int_field(PyObject *block, int index, Py_ssize_t *value) {
+    *value = PyLong_AsSsize_t(PyList_GET_ITEM(block, index));
+    return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* Signed int64 form of a u64 published hash. */
+static PyObject *wire_of(PyObject *pub) {
+    unsigned long long u = PyLong_AsUnsignedLongLong(pub);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromLongLong((long long)u);
+}
+
+static PyObject *new_block(PyObject *ident, PyObject *pub, PyObject *parent, PyObject *slot,
+                           PyObject *ext) {
+    PyObject *wire = wire_of(pub), *block, *zero;
+    if (wire == NULL) return NULL;
+    block = PyList_New(B_LEN);
+    zero = PyLong_FromLong(0);
+    if (block == NULL || zero == NULL) {
+        Py_XDECREF(block);
+        Py_XDECREF(zero);
+        Py_DECREF(wire);
+        return NULL;
+    }
+    Py_INCREF(ident);
+    PyList_SET_ITEM(block, B_IDENT, ident);
+    Py_INCREF(pub);
+    PyList_SET_ITEM(block, B_PUB, pub);
+    PyList_SET_ITEM(block, B_WIRE, wire);
+    Py_INCREF(parent);
+    PyList_SET_ITEM(block, B_PARENT, parent);
+    Py_INCREF(zero);
+    PyList_SET_ITEM(block, B_CHILDREN, zero);
+    PyList_SET_ITEM(block, B_TOTAL, zero);
+    Py_INCREF(Py_None);
+    PyList_SET_ITEM(block, B_COUNTS, Py_None);
+    Py_INCREF(slot);
+    PyList_SET_ITEM(block, B_ALIAS_SLOT, slot);
+    Py_INCREF(ext);
+    PyList_SET_ITEM(block, B_ALIAS_EXT, ext);
+    Py_INCREF(Py_None);
+    PyList_SET_ITEM(block, B_MORE_ALIASES, Py_None);
+    /* A block refers only to older blocks (its parent) and to ints: never part of a cycle.
+     * Blocks live as long as some tier holds them; untracked, the collector never walks them. */
+    PyObject_GC_UnTrack(block);
+    return block;
+}
+
+static PyObject *stored_run(PyObject *wire, PyObject *parent_wire, PyObject *block_size,
+                            PyObject *lora_id, PyObject *medium, PyObject *lora_name) {
+    PyObject *hashes = PyList_New(1), *ev;
+    if (hashes == NULL) return NULL;
+    Py_INCREF(wire);
+    PyList_SET_ITEM(hashes, 0, wire);
+    ev = PyDict_New();
+    if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockStored) < 0
+        || PyDict_SetItem(ev, K_block_hashes, hashes) < 0
+        || PyDict_SetItem(ev, K_parent_block_hash, parent_wire) < 0
+        || PyDict_SetItem(ev, K_token_ids, Py_None) < 0
+        || PyDict_SetItem(ev, K_block_size, block_size) < 0
+        || PyDict_SetItem(ev, K_lora_id, lora_id) < 0
+        || PyDict_SetItem(ev, K_medium, medium) < 0
+        || PyDict_SetItem(ev, K_lora_name, lora_name) < 0) {
+        Py_DECREF(hashes);
+        Py_XDECREF(ev);
+        return NULL;
+    }
+    Py_DECREF(hashes);
+    return ev;
+}
+
+PyDoc_STRVAR(store_chain_doc,
+"store_chain(rank, blocks, known, held, published, out, hashes, tokens, block_size,\n"
+"            parent, pident, parent_wire, slot, lora_id, lora_name, medium, group,\n"
+"            fresh_pub, add_alias, release) -> (visible, duplicates, runs, run_blocks)\n\n"
+"The block loop of ConsolidatorCore._store_chain in dedup mode, on the same structures.\n"
+"Identities are computed first (an unhashable token raises before anything changed).");
+
+static PyObject *store_chain(PyObject *module, PyObject *args) {
+    PyObject *rank, *blocks, *known, *held, *published, *out, *hashes, *tokens, *bs_obj;
+    PyObject *parent, *pident, *parent_wire, *slot, *lora_id, *lora_name, *medium, *group;
+    PyObject *fresh_pub, *add_alias, *release;
+    PyObject *idents = NULL, *runs = NULL, *block = NULL, *run = NULL, *run_hashes = NULL;
+    PyObject *result = NULL;
+    Py_ssize_t *firsts = NULL, n, bs, i, nruns = 0, run_end = -1, visible = 0, dups = 0;
+    Py_ssize_t run_blocks = 0;
+
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!O!OOOOOOOOOOO", &rank, &PyDict_Type,
+                          &blocks, &PyDict_Type, &known, &PyDict_Type, &held, &PyDict_Type,
+                          &published, &PyList_Type, &out, &PyList_Type, &hashes,
+                          &PyList_Type, &tokens, &PyLong_Type, &bs_obj,
+                          &parent, &pident, &parent_wire, &slot, &lora_id, &lora_name,
+                          &medium, &group, &fresh_pub, &add_alias, &release))
+        return NULL;
+    bs = PyLong_AsSsize_t(bs_obj);
+    if (bs == -1 && PyErr_Occurred()) return NULL;
+    n = PyList_GET_SIZE(hashes);
+    if (bs <= 0 || PyList_GET_SIZE(tokens) != n * bs) {
+        PyErr_SetString(PyExc_ValueError, "store_chain: token count is not blocks * block_size");
+        return NULL;
+    }
+    if (parent != Py_None && !is_block(parent)) return NULL;
+
+    /* Pass 1: the content-chain identities, hash((parent identity, tuple(block's tokens))),
+     * exactly the Python loop's values. */
+    idents = PyList_New(n);
+    if (idents == NULL) return NULL;
+    {
+        PyObject *pid = pident;
+        for (i = 0; i < n; i++) {
+            PyObject *piece = PyTuple_New(bs), *pair, *ident;
+            Py_hash_t h;
+            Py_ssize_t k;
+            if (piece == NULL) goto fail;
+            for (k = 0; k < bs; k++) {
+                PyObject *token = PyList_GET_ITEM(tokens, i * bs + k);
+                Py_INCREF(token);
+                PyTuple_SET_ITEM(piece, k, token);
+            }
+            pair = PyTuple_Pack(2, pid, piece);
+            Py_DECREF(piece);
+            if (pair == NULL) goto fail;
+            h = PyObject_Hash(pair);
+            Py_DECREF(pair);
+            if (h == -1 && PyErr_Occurred()) goto fail;
+            ident = PyLong_FromSsize_t(h);
+            if (ident == NULL) goto fail;
+            PyList_SET_ITEM(idents, i, ident);
+            pid = ident;
+        }
+    }
+    runs = PyList_New(0);
+    firsts = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(Py_ssize_t));
+    if (runs == NULL || firsts == NULL) {
+        if (firsts == NULL) PyErr_NoMemory();
+        goto fail;
+    }
+
+    /* Pass 2: residency and output, block by block. ``parent`` is owned from here on: a
+     * release called back below may drop the last other reference to it. */
+    Py_INCREF(parent);
+    for (i = 0; i < n; i++) {
+        PyObject *ext = PyList_GET_ITEM(hashes, i), *ident = PyList_GET_ITEM(idents, i);
+        PyObject *old;
+        block = PyDict_GetItemWithError(blocks, ident);
+        if (block == NULL) {
+            PyObject *pub;
+            int taken;
+            if (PyErr_Occurred()) goto fail_parent;
+            taken = PyDict_Contains(published, ext);
+            if (taken < 0) goto fail_parent;
+            pub = taken ? PyObject_CallFunctionObjArgs(fresh_pub, published, ext, ident, NULL)
+                        : (Py_INCREF(ext), ext);
+            if (pub == NULL) goto fail_parent;
+            block = new_block(ident, pub, parent, slot, ext);
+            if (block == NULL || PyDict_SetItem(published, pub, block) < 0
+                || PyDict_SetItem(blocks, ident, block) < 0
+                || PyDict_SetItem(known, ext, block) < 0
+                || (parent != Py_None && add_to(parent, B_CHILDREN, 1, NULL) < 0)) {
+                Py_DECREF(pub);
+                goto fail_parent;
+            }
+            Py_DECREF(pub);
+        } else {
+            PyObject *named;
+            if (!is_block(block)) { block = NULL; goto fail_parent; }
+            Py_INCREF(block);
+            named = PyDict_GetItemWithError(known, ext);
+            if (named != block) {
+                PyObject *r;
+                if (named == NULL && PyErr_Occurred()) goto fail_parent;
+                r = PyObject_CallFunctionObjArgs(add_alias, rank, block, slot, ext, NULL);
+                if (r == NULL) goto fail_parent;
+                Py_DECREF(r);
+            }
+        }
+        old = PyDict_GetItemWithError(held, ext);
+        if (old == block) {
+            dups += 1;
+        } else {
+            Py_ssize_t total;
+            if (old == NULL && PyErr_Occurred()) goto fail_parent;
+            Py_XINCREF(old); /* held's reference goes with the next line */
+            if (PyDict_SetItem(held, ext, block) < 0 || add_to(block, B_TOTAL, 1, &total) < 0) {
+                Py_XDECREF(old);
+                goto fail_parent;
+            }
+            if (old != NULL) { /* the hash named other content: released after ``block`` took
+                                * its holding (see the Python loop) */
+                PyObject *r = PyObject_CallFunctionObjArgs(release, rank, old, group, medium,
+                                                           NULL);
+                Py_DECREF(old);
+                if (r == NULL) goto fail_parent;
+                Py_DECREF(r);
+            }
+            if (total == 1) {
+                PyObject *wire = PyList_GET_ITEM(block, B_WIRE);
+                Py_ssize_t nout = PyList_GET_SIZE(out);
+                visible += 1;
+                if (run_end == i && run != NULL && nout > 0
+                    && PyList_GET_ITEM(out, nout - 1) == run) {
+                    if (PyList_Append(run_hashes, wire) < 0) goto fail_parent;
+                } else {
+                    PyObject *pw = parent == Py_None ? parent_wire
+                                                     : PyList_GET_ITEM(parent, B_WIRE);
+                    PyObject *ev = stored_run(wire, pw, bs_obj, lora_id, medium, lora_name);
+                    if (ev == NULL) goto fail_parent;
+                    if (PyList_Append(out, ev) < 0 || PyList_Append(runs, ev) < 0) {
+                        Py_DECREF(ev);
+                        goto fail_parent;
+                    }
+                    Py_DECREF(ev); /* ``runs`` keeps it alive */
+                    run = ev;
+                    run_hashes = PyDict_GetItemWithError(ev, K_block_hashes);
+                    if (run_hashes == NULL) goto fail_parent;
+                    firsts[nruns++] = i;
+                }
+                run_end = i + 1;
+            }
+        }
+        Py_SETREF(parent, block); /* the next block's parent; ``block`` is owned by it now */
+        block = NULL;
+    }
+    Py_DECREF(parent);
+
+    /* Each run carries its blocks' tokens: the whole chain without a copy, else a slice. */
+    for (i = 0; i < nruns; i++) {
+        PyObject *ev = PyList_GET_ITEM(runs, i), *ids;
+        Py_ssize_t count = PyList_GET_SIZE(PyDict_GetItem(ev, K_block_hashes)), first = firsts[i];
+        int rc;
+        run_blocks += count;
+        if (first == 0 && count == n) {
+            ids = tokens;
+            Py_INCREF(ids);
+        } else {
+            ids = PyList_GetSlice(tokens, first * bs, (first + count) * bs);
+            if (ids == NULL) goto fail;
+        }
+        rc = PyDict_SetItem(ev, K_token_ids, ids);
+        Py_DECREF(ids);
+        if (rc < 0) goto fail;
+    }
+    result = Py_BuildValue("nnnn", visible, dups, nruns, run_blocks);
+    goto done;
+fail_parent:
+    Py_XDECREF(block);
+    Py_DECREF(parent);
+fail:
+    result = NULL;
+done:
+    Py_XDECREF(idents);
+    Py_XDECREF(runs);
+    PyMem_Free(firsts);
+    return result;
+}
+
+/* known[slot].get(ext) is block -> del known[slot][ext] */
+static int forget_alias(PyObject *known, PyObject *slot, PyObject *ext, PyObject *block) {
+    Py_ssize_t index = PyLong_AsSsize_t(slot);
+    PyObject *slot_map, *named;
+    if (index == -1 && PyErr_Occurred()) return -1;
+    if (index < 0 || index >= PyList_GET_SIZE(known)) {
+        PyErr_Format(PyExc_IndexError, "consolidator slot %zd out of range", index);
+        return -1;
+    }
+    slot_map = PyList_GET_ITEM(known, index);
+    if (!PyDict_CheckExact(slot_map)) {
+        PyErr_SetString(PyExc_TypeError, "consolidator known[slot] is not a dict");
+        return -1;
+    }
+    named = PyDict_GetItemWithError(slot_map, ext);
+    if (named == NULL) return PyErr_Occurred() ? -1 : 0;
+    return named == block ? PyDict_DelItem(slot_map, ext) : 0;
+}
+
+PyDoc_STRVAR(remove_dedup_doc,
+"remove_dedup(blocks, known, held, published, hashes) -> (wires, unknown)\n\n"
+"The dedup block loop of ConsolidatorCore._removed on the same structures: the published\n"
+"(signed) hashes that are now resident nowhere, and how many hashes the slot did not hold.");
+
+static PyObject *remove_dedup(PyObject *module, PyObject *args) {
+    PyObject *blocks, *known, *held, *published, *hashes, *wires, *block = NULL;
+    Py_ssize_t i, n, unknown = 0;
+
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyDict_Type, &blocks, &PyList_Type, &known,
+                          &PyDict_Type, &held, &PyDict_Type, &published, &PyList_Type, &hashes))
+        return NULL;
+    wires = PyList_New(0);
+    if (wires == NULL) return NULL;
+    n = PyList_GET_SIZE(hashes);
+    for (i = 0; i < n; i++) {
+        PyObject *ext = PyList_GET_ITEM(hashes, i);
+        Py_ssize_t total;
+        block = PyDict_GetItemWithError(held, ext);
+        if (block == NULL) {
+            if (PyErr_Occurred()) goto fail;
+            unknown += 1;
+            continue;
+        }
+        Py_INCREF(block); /* owned: the dicts below may drop every other reference */
+        if (PyDict_DelItem(held, ext) < 0 || !is_block(block)
+            || add_to(block, B_TOTAL, -1, &total) < 0)
+            goto fail_block;
+        if (total) {
+            Py_DECREF(block);
+            continue;
+        }
+        if (PyList_Append(wires, PyList_GET_ITEM(block, B_WIRE)) < 0) goto fail_block;
+        for (;;) { /* resident nowhere and no child: forget it, then maybe its parent */
+            PyObject *more, *parent, *pub, *named;
+            Py_ssize_t children, parent_total;
+            if (int_field(block, B_CHILDREN, &children) < 0) goto fail_block;
+            if (children) break;
+            if (PyDict_DelItem(blocks, PyList_GET_ITEM(block, B_IDENT)) < 0
+                || forget_alias(known, PyList_GET_ITEM(block, B_ALIAS_SLOT),
+                                PyList_GET_ITEM(block, B_ALIAS_EXT), block) < 0)
+                goto fail_block;
+            more = PyList_GET_ITEM(block, B_MORE_ALIASES);
+            if (more != Py_None) {
+                Py_ssize_t j;
+                if (!PyList_CheckExact(more)) {
+                    PyErr_SetString(PyExc_TypeError, "consolidator aliases are not a list");
+                    goto fail_block;
+                }
+                for (j = 0; j < PyList_GET_SIZE(more); j++) {
+                    PyObject *alias = PyList_GET_ITEM(more, j);
+                    if (!PyTuple_CheckExact(alias) || PyTuple_GET_SIZE(alias) != 2) {
+                        PyErr_SetString(PyExc_TypeError, "consolidator alias is not a pair");
+                        goto fail_block;
+                    }
+                    if (forget_alias(known, PyTuple_GET_ITEM(alias, 0),
+                                     PyTuple_GET_ITEM(alias, 1), block) < 0)
+                        goto fail_block;
+                }
+            }
+            pub = PyList_GET_ITEM(block, B_PUB);
+            named = PyDict_GetItemWithError(published, pub);
+            if (named == NULL && PyErr_Occurred()) goto fail_block;
+            if (named == block && PyDict_DelItem(published, pub) < 0) goto fail_block;
+            parent = PyList_GET_ITEM(block, B_PARENT);
+            if (parent == Py_None) break;
+            if (!is_block(parent) || add_to(parent, B_CHILDREN, -1, NULL) < 0
+                || int_field(parent, B_TOTAL, &parent_total) < 0)
+                goto fail_block;
+            if (parent_total) break;
+            Py_INCREF(parent);
+            Py_SETREF(block, parent);
+        }
+        Py_DECREF(block);
+    }
+    return Py_BuildValue("Nn", wires, unknown);
+fail_block:
+    Py_DECREF(block);
+fail:
+    Py_DECREF(wires);
+    return NULL;
+}
+
+PyDoc_STRVAR(u64_hashes_doc,
+"u64_hashes(values: list) -> list | None\n\n"
+"``[h & (2**64 - 1) for h in values]`` when every item is an exact int (ConsolidatorCore's\n"
+"_hashes); None when one is not, for the Python code to name it in its error.");
+
+static PyObject *u64_hashes(PyObject *module, PyObject *values) {
+    PyObject *out;
+    Py_ssize_t i, n;
+    if (!PyList_CheckExact(values)) {
+        PyErr_SetString(PyExc_TypeError, "u64_hashes: expected a list");
+        return NULL;
+    }
+    n = PyList_GET_SIZE(values);
+    out = PyList_New(n);
+    if (out == NULL) return NULL;
+    for (i = 0; i < n; i++) {
+        PyObject *h = PyList_GET_ITEM(values, i), *u64;
+        int overflow = 0;
+        long long v;
+        if (!PyLong_CheckExact(h)) {
+            Py_DECREF(out);
+            Py_RETURN_NONE;
+        }
+        v = PyLong_AsLongLongAndOverflow(h, &overflow);
+        if (overflow == 0 && v >= 0) { /* already its u64 form */
+            Py_INCREF(h);
+            PyList_SET_ITEM(out, i, h);
+            continue;
+        }
+        if (v == -1 && overflow == 0 && PyErr_Occurred()) goto fail;
+        {
+            unsigned long long u = PyLong_AsUnsignedLongLongMask(h);
+            if (u == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
+            u64 = PyLong_FromUnsignedLongLong(u);
+        }
+        if (u64 == NULL) goto fail;
+        PyList_SET_ITEM(out, i, u64);
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"ingest_dicts", ingest_dicts, METH_VARARGS, ingest_dicts_doc},
+    {"store_chain", store_chain, METH_VARARGS, store_chain_doc},
+    {"remove_dedup", remove_dedup, METH_VARARGS, remove_dedup_doc},
+    {"u64_hashes", u64_hashes, METH_O, u64_hashes_doc},
     {NULL, NULL, 0, NULL},
 };
 

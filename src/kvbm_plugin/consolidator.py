@@ -59,6 +59,7 @@ from typing import Any, Final
 import msgpack
 import zmq
 
+from kvbm_plugin import _native
 from kvbm_plugin._ratelimit import RateLimitedLog
 from kvbm_plugin.consolidator_config import (
     ENABLE_CONSOLIDATOR,
@@ -178,11 +179,20 @@ class ConsolidatorCore:
     are already in wire form (signed int64 hashes, upper-case medium), ready to publish.
     """
 
-    def __init__(self, mode: ConsolidatorMode = "dedup") -> None:
+    def __init__(self, mode: ConsolidatorMode = "dedup", *, native: bool | None = None) -> None:
         if mode not in ("dedup", "passthrough"):
             raise ValueError(f"{type(self).__name__}: mode {mode!r} is not dedup | passthrough")
         self.mode: Final = mode
         self._dedup = mode == "dedup"
+        # The compiled dedup block loops (None: the Python ones). ``native`` as for KvEventSink:
+        # None = when built and not switched off by DYN_KVBM_NATIVE, False = never, True = or
+        # ValueError. Passthrough mode always runs the Python loops.
+        module = _native.speedups() if native is None else (_native.speedups({}) if native
+                                                             else None)
+        if native and module is None:
+            raise ValueError(f"{type(self).__name__}: native=True but kvbm_plugin._speedups "
+                             "was not built")
+        self._native = module if self._dedup else None
         self._ranks: dict[int, _Rank] = {}
         for name in _CORE_COUNTERS:
             setattr(self, "_n_" + name, 0)
@@ -331,8 +341,12 @@ class ConsolidatorCore:
             self._medium_cache[medium] = index
         return index
 
-    @staticmethod
-    def _hashes(value: Any, what: str) -> list[int]:
+    def _hashes(self, value: Any, what: str) -> list[int]:
+        native = self._native
+        if native is not None and type(value) is list:
+            out = native.u64_hashes(value)
+            if out is not None:
+                return out  # else a non-integer: the Python loop below names it
         if not isinstance(value, (list, tuple)):
             raise WireFormatError(f"{what} is not a list: {value!r:.200}")
         # msgpack yields only ints in [-2**63, 2**64): masking is the exact u64 form. The type
@@ -416,15 +430,30 @@ class ConsolidatorCore:
             else:
                 pident = parent[_IDENT]
                 parent_wire = parent[_WIRE]
+        native = self._native
+        if native is not None:
+            visible, duplicates, n_runs, n_run_blocks = native.store_chain(
+                rank, blocks, known, held, published, out, hashes, tokens, bs, parent,
+                pident, parent_wire, slot, lora_id, lora_name, medium, group, self._fresh_pub,
+                self._add_alias, self._release)
+            rank.visible += visible
+            self._n_duplicate_stores += duplicates
+            if n_runs:
+                self._n_stores_out += n_runs
+                self._n_store_blocks_out += n_run_blocks
+                rank.last_remove = None
+            return
+        # Identities first: an unhashable token raises before anything changed.
         tt = tuple(tokens)
+        idents = []
+        for off in range(0, len(tt), bs):
+            pident = hash((pident, tt[off:off + bs]))
+            idents.append(pident)
         runs: list[tuple[dict[str, Any], int]] = []  # (output event, first block index)
         run_hashes: list[int] = []
         run_end = -1
-        off = 0
         i = 0
-        for ext in hashes:
-            ident = hash((pident, tt[off:off + bs]))
-            off += bs
+        for ext, ident in zip(hashes, idents, strict=True):
             block = blocks_get(ident)
             if block is None:
                 pub = ext
@@ -443,9 +472,6 @@ class ConsolidatorCore:
             if old is block:
                 self._n_duplicate_stores += 1
             else:
-                if old is not None:  # the slot's hash now names other content
-                    del held[ext]
-                    self._release(rank, old, group, medium)
                 held[ext] = block
                 total = block[_TOTAL] + 1
                 block[_TOTAL] = total
@@ -455,6 +481,12 @@ class ConsolidatorCore:
                     counts = block[_COUNTS]
                     counts[group] += 1
                     newly = counts[group] == 1
+                if old is not None:
+                    # The slot's hash named other content; that holding ends now. Only after
+                    # ``block`` took its holding: ``old`` may be a child of ``block`` (a source
+                    # reusing one hash along a chain), whose release would otherwise collect
+                    # ``block`` while it is being stored.
+                    self._release(rank, old, group, medium)
                 if newly:
                     rank.visible += 1
                     if run_end == i and out[-1] is runs[-1][0]:
@@ -470,7 +502,6 @@ class ConsolidatorCore:
                         runs.append((run, i))
                     run_end = i + 1
             parent = block
-            pident = ident
             i += 1
         if runs:
             self._n_stores_out += len(runs)
@@ -591,6 +622,15 @@ class ConsolidatorCore:
                     self._n_unknown_removes += 1
                 else:
                     self._release(rank, block, group, MEDIA[group])
+            return
+        if self._native is not None:
+            wires, unknown = self._native.remove_dedup(rank.blocks, rank.known, rank.held[slot],
+                                                       rank.published, hashes)
+            if unknown:
+                self._n_unknown_removes += unknown
+            if wires:
+                rank.visible -= len(wires)
+                self._emit_removes(rank, wires, MEDIUM_GPU)
             return
         # Dedup hot path: _release and _collect inlined, one output event per call.
         wires: list[int] = []
