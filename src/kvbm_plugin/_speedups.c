@@ -426,22 +426,18 @@ PyDoc_STRVAR(store_chain_doc,
 "The block loop of ConsolidatorCore._store_chain in dedup mode, on the same structures.\n"
 "Identities are computed first (an unhashable token raises before anything changed).");
 
-static PyObject *store_chain(PyObject *module, PyObject *args) {
-    PyObject *rank, *blocks, *known, *held, *published, *out, *hashes, *tokens, *bs_obj;
-    PyObject *parent, *pident, *parent_wire, *slot, *lora_id, *lora_name, *medium, *group;
-    PyObject *fresh_pub, *add_alias, *release;
+/* The chain loop shared by store_chain and apply_stored (arguments as store_chain's). */
+static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObject *held,
+                       PyObject *published, PyObject *out, PyObject *hashes, PyObject *tokens,
+                       PyObject *bs_obj, PyObject *parent, PyObject *pident,
+                       PyObject *parent_wire, PyObject *slot, PyObject *lora_id,
+                       PyObject *lora_name, PyObject *medium, PyObject *group,
+                       PyObject *fresh_pub, PyObject *add_alias, PyObject *release) {
     PyObject *idents = NULL, *runs = NULL, *block = NULL, *run = NULL, *run_hashes = NULL;
     PyObject *result = NULL;
     Py_ssize_t *firsts = NULL, n, bs, i, nruns = 0, run_end = -1, visible = 0, dups = 0;
     Py_ssize_t run_blocks = 0;
 
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!O!OOOOOOOOOOO", &rank, &PyDict_Type,
-                          &blocks, &PyDict_Type, &known, &PyDict_Type, &held, &PyDict_Type,
-                          &published, &PyList_Type, &out, &PyList_Type, &hashes,
-                          &PyList_Type, &tokens, &PyLong_Type, &bs_obj,
-                          &parent, &pident, &parent_wire, &slot, &lora_id, &lora_name,
-                          &medium, &group, &fresh_pub, &add_alias, &release))
-        return NULL;
     bs = PyLong_AsSsize_t(bs_obj);
     if (bs == -1 && PyErr_Occurred()) return NULL;
     n = PyList_GET_SIZE(hashes);
@@ -604,6 +600,206 @@ done:
     return result;
 }
 
+static PyObject *store_chain(PyObject *module, PyObject *args) {
+    PyObject *rank, *blocks, *known, *held, *published, *out, *hashes, *tokens, *bs_obj;
+    PyObject *parent, *pident, *parent_wire, *slot, *lora_id, *lora_name, *medium, *group;
+    PyObject *fresh_pub, *add_alias, *release;
+
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!O!OOOOOOOOOOO", &rank, &PyDict_Type,
+                          &blocks, &PyDict_Type, &known, &PyDict_Type, &held, &PyDict_Type,
+                          &published, &PyList_Type, &out, &PyList_Type, &hashes,
+                          &PyList_Type, &tokens, &PyLong_Type, &bs_obj,
+                          &parent, &pident, &parent_wire, &slot, &lora_id, &lora_name,
+                          &medium, &group, &fresh_pub, &add_alias, &release))
+        return NULL;
+    return chain(rank, blocks, known, held, published, out, hashes, tokens, bs_obj, parent,
+                 pident, parent_wire, slot, lora_id, lora_name, medium, group, fresh_pub,
+                 add_alias, release);
+}
+
+/* Set once by consolidator.py (core_constants): its _ROOT, _UNKNOWN_PARENT, len(MEDIA),
+ * MEDIUM_GPU and the rank attribute names. */
+static PyObject *C_root, *C_unknown_parent, *C_gpu, *C_zero;
+static Py_ssize_t C_media;
+static PyObject *K_blocks_attr, *K_known_attr, *K_held_attr, *K_published_attr, *K_out_attr;
+
+PyDoc_STRVAR(core_constants_doc,
+"core_constants(root, unknown_parent, num_media, medium_gpu)\n\n"
+"The consolidator's constants, set once at import (apply_stored needs them).");
+
+static PyObject *core_constants(PyObject *module, PyObject *args) {
+    PyObject *root, *unknown, *gpu;
+    Py_ssize_t media;
+    if (!PyArg_ParseTuple(args, "O!O!nU", &PyLong_Type, &root, &PyLong_Type, &unknown, &media,
+                          &gpu))
+        return NULL;
+    Py_INCREF(root);
+    Py_XSETREF(C_root, root);
+    Py_INCREF(unknown);
+    Py_XSETREF(C_unknown_parent, unknown);
+    Py_INCREF(gpu);
+    Py_XSETREF(C_gpu, gpu);
+    C_media = media;
+    Py_RETURN_NONE;
+}
+
+/* raw.get(key) (borrowed, NULL when absent) for an exact dict; -1 on error. */
+static int field(PyObject *raw, PyObject *key, PyObject **out) {
+    *out = PyDict_GetItemWithError(raw, key);
+    return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* u64 form of an exact int (new reference), as ``value & (2**64 - 1)``. */
+static PyObject *u64_of(PyObject *h) {
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(h, &overflow);
+    unsigned long long u;
+    if (overflow == 0 && v >= 0) {
+        Py_INCREF(h);
+        return h;
+    }
+    if (v == -1 && overflow == 0 && PyErr_Occurred()) return NULL;
+    u = PyLong_AsUnsignedLongLongMask(h);
+    if (u == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    return PyLong_FromUnsignedLongLong(u);
+}
+
+static PyObject *u64_hashes(PyObject *module, PyObject *values);
+
+PyDoc_STRVAR(apply_stored_doc,
+"apply_stored(rank, raw, source, medium_cache, fresh_pub, add_alias, release)\n"
+"    -> (blocks_in, unknown_parents, visible, duplicates, runs, run_blocks) | None\n\n"
+"ConsolidatorCore._stored + _store_chain for one BlockStored map in dedup mode, when it needs\n"
+"no decision of the Python code (exact types, valid shape, a known medium spelling, tokens\n"
+"present). None: nothing was changed; the Python code takes the event (and raises or\n"
+"counts what is wrong with it).");
+
+static PyObject *apply_stored(PyObject *module, PyObject *args) {
+    PyObject *rank, *raw, *source, *cache, *fresh_pub, *add_alias, *release;
+    PyObject *raw_hashes, *raw_parent, *bs_obj, *tokens, *medium, *lora_id, *lora_name, *tier;
+    PyObject *hashes = NULL, *parent_ext = NULL, *slot = NULL, *blocks = NULL, *known = NULL;
+    PyObject *held = NULL, *published = NULL, *out = NULL, *parent = Py_None, *pident = NULL;
+    PyObject *parent_wire = NULL, *counts = NULL, *result = NULL;
+    Py_ssize_t bs, n, slot_index, unknown_parents = 0;
+
+    if (!PyArg_ParseTuple(args, "OO!O!O!OOO", &rank, &PyDict_Type, &raw, &PyLong_Type, &source,
+                          &PyDict_Type, &cache, &fresh_pub, &add_alias, &release))
+        return NULL;
+    if (C_root == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "apply_stored: core_constants() was not called");
+        return NULL;
+    }
+    if (field(raw, K_block_hashes, &raw_hashes) < 0 || field(raw, K_parent_block_hash,
+                                                             &raw_parent) < 0
+        || field(raw, K_block_size, &bs_obj) < 0 || field(raw, K_token_ids, &tokens) < 0
+        || field(raw, K_medium, &medium) < 0 || field(raw, K_lora_id, &lora_id) < 0
+        || field(raw, K_lora_name, &lora_name) < 0)
+        return NULL;
+    /* The shapes the Python code accepts without a decision; anything else is left to it. */
+    if (raw_hashes == NULL || !PyList_CheckExact(raw_hashes) || bs_obj == NULL
+        || !PyLong_CheckExact(bs_obj) || tokens == NULL || !PyList_CheckExact(tokens)
+        || (raw_parent != NULL && raw_parent != Py_None && !PyLong_CheckExact(raw_parent)))
+        Py_RETURN_NONE;
+    bs = PyLong_AsSsize_t(bs_obj);
+    if (bs == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        Py_RETURN_NONE;
+    }
+    n = PyList_GET_SIZE(raw_hashes);
+    if (bs <= 0 || n == 0 || PyList_GET_SIZE(tokens) != n * bs) Py_RETURN_NONE;
+    tier = PyDict_GetItemWithError(cache, medium == NULL ? Py_None : medium);
+    if (tier == NULL) {
+        if (PyErr_Occurred()) { /* e.g. an unhashable medium */
+            if (!PyErr_ExceptionMatches(PyExc_TypeError)) return NULL;
+            PyErr_Clear();
+        }
+        Py_RETURN_NONE;
+    }
+    slot_index = PyLong_AsSsize_t(source) * C_media + PyLong_AsSsize_t(tier);
+    if (PyErr_Occurred()) return NULL;
+    hashes = u64_hashes(module, raw_hashes);
+    if (hashes == NULL || hashes == Py_None) {
+        if (hashes == Py_None) {
+            Py_DECREF(hashes);
+            Py_RETURN_NONE;
+        }
+        return NULL;
+    }
+    if (lora_id == NULL) lora_id = Py_None;
+    if (lora_name == NULL) lora_name = Py_None;
+    slot = PyLong_FromSsize_t(slot_index);
+    blocks = PyObject_GetAttr(rank, K_blocks_attr);
+    known = PyObject_GetAttr(rank, K_known_attr);
+    held = PyObject_GetAttr(rank, K_held_attr);
+    published = PyObject_GetAttr(rank, K_published_attr);
+    out = PyObject_GetAttr(rank, K_out_attr);
+    if (slot == NULL || blocks == NULL || known == NULL || held == NULL || published == NULL
+        || out == NULL)
+        goto done;
+    if (!PyDict_CheckExact(blocks) || !PyList_CheckExact(known) || !PyList_CheckExact(held)
+        || !PyDict_CheckExact(published) || !PyList_CheckExact(out)
+        || slot_index < 0 || slot_index >= PyList_GET_SIZE(known)
+        || slot_index >= PyList_GET_SIZE(held)) {
+        PyErr_SetString(PyExc_TypeError, "apply_stored: unexpected consolidator rank layout");
+        goto done;
+    }
+    /* The parent: its block when a slot knows the hash (this slot first), else an identity
+     * salted as unknown, published with the raw hash (as _store_chain). */
+    if (raw_parent == NULL || raw_parent == Py_None) {
+        Py_INCREF(C_root);
+        pident = C_root;
+        Py_INCREF(Py_None);
+        parent_wire = Py_None;
+    } else {
+        Py_ssize_t j, nslots = PyList_GET_SIZE(known);
+        PyObject *found;
+        parent_ext = u64_of(raw_parent);
+        if (parent_ext == NULL) goto done;
+        found = PyDict_GetItemWithError(PyList_GET_ITEM(known, slot_index), parent_ext);
+        for (j = 0; found == NULL && !PyErr_Occurred() && j < nslots; j++)
+            found = PyDict_GetItemWithError(PyList_GET_ITEM(known, j), parent_ext);
+        if (found == NULL && PyErr_Occurred()) goto done;
+        if (found != NULL) {
+            if (!is_block(found)) goto done;
+            parent = found;
+            pident = PyList_GET_ITEM(found, B_IDENT);
+            Py_INCREF(pident);
+            parent_wire = PyList_GET_ITEM(found, B_WIRE);
+            Py_INCREF(parent_wire);
+        } else {
+            PyObject *pair = PyTuple_Pack(2, C_unknown_parent, parent_ext);
+            Py_hash_t h;
+            if (pair == NULL) goto done;
+            h = PyObject_Hash(pair);
+            Py_DECREF(pair);
+            if (h == -1 && PyErr_Occurred()) goto done;
+            pident = PyLong_FromSsize_t(h);
+            parent_wire = wire_of(parent_ext);
+            if (pident == NULL || parent_wire == NULL) goto done;
+            unknown_parents = 1;
+        }
+    }
+    counts = chain(rank, blocks, PyList_GET_ITEM(known, slot_index),
+                   PyList_GET_ITEM(held, slot_index), published, out, hashes, tokens, bs_obj,
+                   parent, pident, parent_wire, slot, lora_id, lora_name, C_gpu, C_zero,
+                   fresh_pub, add_alias, release);
+    if (counts == NULL) goto done;
+    result = Py_BuildValue("nnO", n, unknown_parents, counts);
+done:
+    Py_XDECREF(counts);
+    Py_XDECREF(hashes);
+    Py_XDECREF(parent_ext);
+    Py_XDECREF(slot);
+    Py_XDECREF(blocks);
+    Py_XDECREF(known);
+    Py_XDECREF(held);
+    Py_XDECREF(published);
+    Py_XDECREF(out);
+    Py_XDECREF(pident);
+    Py_XDECREF(parent_wire);
+    return result;
+}
+
 /* known[slot].get(ext) is block -> del known[slot][ext] */
 static int forget_alias(PyObject *known, PyObject *slot, PyObject *ext, PyObject *block) {
     Py_ssize_t index = PyLong_AsSsize_t(slot);
@@ -755,6 +951,8 @@ static PyMethodDef methods[] = {
     {"store_chain", store_chain, METH_VARARGS, store_chain_doc},
     {"remove_dedup", remove_dedup, METH_VARARGS, remove_dedup_doc},
     {"u64_hashes", u64_hashes, METH_O, u64_hashes_doc},
+    {"apply_stored", apply_stored, METH_VARARGS, apply_stored_doc},
+    {"core_constants", core_constants, METH_VARARGS, core_constants_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -789,5 +987,11 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(S_BlockStored, "BlockStored");
     INTERN(S_BlockRemoved, "BlockRemoved");
     INTERN(S_GPU, "GPU");
+    INTERN(K_blocks_attr, "blocks");
+    INTERN(K_known_attr, "known");
+    INTERN(K_held_attr, "held");
+    INTERN(K_published_attr, "published");
+    INTERN(K_out_attr, "out");
+    if ((C_zero = PyLong_FromLong(0)) == NULL) return NULL;
     return PyModule_Create(&module_def);
 }

@@ -193,6 +193,8 @@ class ConsolidatorCore:
             raise ValueError(f"{type(self).__name__}: native=True but kvbm_plugin._speedups "
                              "was not built")
         self._native = module if self._dedup else None
+        if self._native is not None:
+            self._native.core_constants(_ROOT, _UNKNOWN_PARENT, len(MEDIA), MEDIUM_GPU)
         self._ranks: dict[int, _Rank] = {}
         for name in _CORE_COUNTERS:
             setattr(self, "_n_" + name, 0)
@@ -211,6 +213,15 @@ class ConsolidatorCore:
         if type(raw) is dict:
             kind = raw.get("type")
             if kind == "BlockStored":
+                native = self._native
+                rank = self._ranks.get(dp_rank)
+                if native is not None and rank is not None:
+                    done = native.apply_stored(rank, raw, source, self._medium_cache,
+                                               self._fresh_pub, self._add_alias,
+                                               self._release)
+                    if done is not None:  # else nothing changed: the Python code decides
+                        self._count_stored(rank, *done)
+                        return
                 self._stored(dp_rank, source, raw.get("block_hashes"),
                              raw.get("parent_block_hash"), raw.get("token_ids"),
                              raw.get("block_size"), raw.get("medium"), raw.get("lora_id"),
@@ -385,13 +396,14 @@ class ConsolidatorCore:
         if len(tokens) != n * block_size and tokens:
             raise WireFormatError(f"BlockStored has {len(tokens)} token ids for {n} blocks "
                                   f"of {block_size}")
-        self._n_stores_in += 1
-        self._n_store_blocks_in += n
         if not tokens:
             self._store_hash_only(rank, slot, hashes)
-            return
-        self._store_chain(rank, slot, hashes, parent_raw, tokens, block_size, lora_id,
-                          lora_name)
+        else:
+            self._store_chain(rank, slot, hashes, parent_raw, tokens, block_size, lora_id,
+                              lora_name)
+        # Counted once applied (an unhashable token raises before anything changed).
+        self._n_stores_in += 1
+        self._n_store_blocks_in += n
 
     @staticmethod
     def _resolve(rank: _Rank, slot: int, ext: int) -> Block | None:
@@ -403,6 +415,20 @@ class ConsolidatorCore:
                 if block is not None:
                     break
         return block
+
+    def _count_stored(self, rank: _Rank, blocks_in: int, unknown_parents: int,
+                      counts: tuple[int, int, int, int]) -> None:
+        """Counters of a BlockStored map applied by the compiled ``apply_stored``."""
+        visible, duplicates, n_runs, n_run_blocks = counts
+        self._n_stores_in += 1
+        self._n_store_blocks_in += blocks_in
+        self._n_unknown_parents += unknown_parents
+        self._n_duplicate_stores += duplicates
+        rank.visible += visible
+        if n_runs:
+            self._n_stores_out += n_runs
+            self._n_store_blocks_out += n_run_blocks
+            rank.last_remove = None
 
     def _store_chain(self, rank: _Rank, slot: int, hashes: list[int], parent_ext: int | None,
                      tokens: list[int], bs: int, lora_id: Any, lora_name: Any) -> None:
@@ -421,10 +447,11 @@ class ConsolidatorCore:
         parent: Block | None = None
         parent_wire: int | None = None
         pident = _ROOT
+        unknown_parent = False
         if parent_ext is not None:
             parent = self._resolve(rank, slot, parent_ext)
             if parent is None:
-                self._n_unknown_parents += 1
+                unknown_parent = True  # counted once the chain is applied
                 pident = hash((_UNKNOWN_PARENT, parent_ext))
                 parent_wire = _wire_hash(parent_ext)
             else:
@@ -436,6 +463,7 @@ class ConsolidatorCore:
                 rank, blocks, known, held, published, out, hashes, tokens, bs, parent,
                 pident, parent_wire, slot, lora_id, lora_name, medium, group, self._fresh_pub,
                 self._add_alias, self._release)
+            self._n_unknown_parents += unknown_parent
             rank.visible += visible
             self._n_duplicate_stores += duplicates
             if n_runs:
@@ -449,6 +477,7 @@ class ConsolidatorCore:
         for off in range(0, len(tt), bs):
             pident = hash((pident, tt[off:off + bs]))
             idents.append(pident)
+        self._n_unknown_parents += unknown_parent
         runs: list[tuple[dict[str, Any], int]] = []  # (output event, first block index)
         run_hashes: list[int] = []
         run_end = -1
