@@ -29,7 +29,15 @@ MEDIA = st.sampled_from(["GPU", "gpu", "CPU", "DISK"])
 @st.composite
 def op(draw: st.DrawFn) -> tuple[str, Any]:
     kind = draw(st.sampled_from(["store"] * 5 + ["register"] * 3 + ["remove"] * 3
-                                + ["unregister"] * 2 + ["clear", "resync", "bad"]))
+                                + ["unregister"] * 2 + ["batch"] * 4
+                                + ["clear", "resync", "bad"]))
+    if kind == "batch":  # one input batch: ConsolidatorCore.apply_events
+        dp = draw(st.integers(0, 1))
+        events = [draw(op().filter(lambda o: o[0] in ("store", "remove", "bad")))[1][1]
+                  for _ in range(draw(st.integers(1, 5)))]
+        if draw(st.integers(0, 9)) == 0:
+            events.insert(draw(st.integers(0, len(events))), {"type": "AllBlocksCleared"})
+        return kind, (dp, events)
     dp = draw(st.integers(0, 1))
     if kind in ("store", "register"):
         n = draw(st.integers(1, 3))
@@ -68,6 +76,10 @@ def op(draw: st.DrawFn) -> tuple[str, Any]:
 
 def apply(core: ConsolidatorCore, step: tuple[str, Any]) -> str:
     kind, args = step
+    if kind == "batch":
+        errors: list[str] = []
+        applied = core.apply_events(args[0], args[1], lambda exc: errors.append(str(exc)))
+        return f"{applied} applied, errors {errors}"
     try:
         if kind in ("store", "remove", "bad"):
             core.apply_event(args[0], args[1])

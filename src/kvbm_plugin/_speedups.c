@@ -432,7 +432,8 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
                        PyObject *bs_obj, PyObject *parent, PyObject *pident,
                        PyObject *parent_wire, PyObject *slot, PyObject *lora_id,
                        PyObject *lora_name, PyObject *medium, PyObject *group,
-                       PyObject *fresh_pub, PyObject *add_alias, PyObject *release) {
+                       PyObject *fresh_pub, PyObject *add_alias, PyObject *release,
+                       int *mutated) {
     PyObject *idents = NULL, *runs = NULL, *block = NULL, *run = NULL, *run_hashes = NULL;
     PyObject *result = NULL;
     Py_ssize_t *firsts = NULL, n, bs, i, nruns = 0, run_end = -1, visible = 0, dups = 0;
@@ -484,6 +485,7 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
 
     /* Pass 2: residency and output, block by block. ``parent`` is owned from here on: a
      * release called back below may drop the last other reference to it. */
+    *mutated = 1;
     Py_INCREF(parent);
     for (i = 0; i < n; i++) {
         PyObject *ext = PyList_GET_ITEM(hashes, i), *ident = PyList_GET_ITEM(idents, i);
@@ -612,9 +614,10 @@ static PyObject *store_chain(PyObject *module, PyObject *args) {
                           &parent, &pident, &parent_wire, &slot, &lora_id, &lora_name,
                           &medium, &group, &fresh_pub, &add_alias, &release))
         return NULL;
+    int mutated = 0;
     return chain(rank, blocks, known, held, published, out, hashes, tokens, bs_obj, parent,
                  pident, parent_wire, slot, lora_id, lora_name, medium, group, fresh_pub,
-                 add_alias, release);
+                 add_alias, release, &mutated);
 }
 
 /* Set once by consolidator.py (core_constants): its _ROOT, _UNKNOWN_PARENT, len(MEDIA),
@@ -666,65 +669,100 @@ static PyObject *u64_of(PyObject *h) {
 
 static PyObject *u64_hashes(PyObject *module, PyObject *values);
 
-PyDoc_STRVAR(apply_stored_doc,
-"apply_stored(rank, raw, source, medium_cache, fresh_pub, add_alias, release)\n"
-"    -> (blocks_in, unknown_parents, visible, duplicates, runs, run_blocks) | None\n\n"
-"ConsolidatorCore._stored + _store_chain for one BlockStored map in dedup mode, when it needs\n"
-"no decision of the Python code (exact types, valid shape, a known medium spelling, tokens\n"
-"present). None: nothing was changed; the Python code takes the event (and raises or\n"
-"counts what is wrong with it).");
+/* Counter deltas of the compiled event paths, in ConsolidatorCore._add_counts' order. */
+enum { N_STORES_IN, N_STORE_BLOCKS_IN, N_UNKNOWN_PARENTS, N_DUPLICATES, N_STORES_OUT,
+       N_STORE_BLOCKS_OUT, N_REMOVES_IN, N_REMOVE_BLOCKS_IN, N_UNKNOWN_REMOVES, N_REMOVES_OUT,
+       N_REMOVE_BLOCKS_OUT, N_VISIBLE, N_COUNTS };
 
-static PyObject *apply_stored(PyObject *module, PyObject *args) {
-    PyObject *rank, *raw, *source, *cache, *fresh_pub, *add_alias, *release;
-    PyObject *raw_hashes, *raw_parent, *bs_obj, *tokens, *medium, *lora_id, *lora_name, *tier;
-    PyObject *hashes = NULL, *parent_ext = NULL, *slot = NULL, *blocks = NULL, *known = NULL;
-    PyObject *held = NULL, *published = NULL, *out = NULL, *parent = Py_None, *pident = NULL;
-    PyObject *parent_wire = NULL, *counts = NULL, *result = NULL;
-    Py_ssize_t bs, n, slot_index, unknown_parents = 0;
+static PyObject *K_last_remove_attr;
 
-    if (!PyArg_ParseTuple(args, "OO!O!O!OOO", &rank, &PyDict_Type, &raw, &PyLong_Type, &source,
-                          &PyDict_Type, &cache, &fresh_pub, &add_alias, &release))
-        return NULL;
-    if (C_root == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "apply_stored: core_constants() was not called");
+static PyObject *counts_tuple(const Py_ssize_t *cnt) {
+    PyObject *t = PyTuple_New(N_COUNTS);
+    int k;
+    if (t == NULL) return NULL;
+    for (k = 0; k < N_COUNTS; k++) {
+        PyObject *v = PyLong_FromSsize_t(cnt[k]);
+        if (v == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, k, v);
+    }
+    return t;
+}
+
+/* The tier index of a medium spelling the Python code has seen (its cache), or LEAVE. */
+static int cached_tier(PyObject *cache, PyObject *medium, Py_ssize_t *tier) {
+    PyObject *v = PyDict_GetItemWithError(cache, medium == NULL ? Py_None : medium);
+    if (v == NULL) {
+        if (!PyErr_Occurred()) return LEAVE;
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) return FAIL;
+        PyErr_Clear(); /* an unhashable medium: the Python code names it */
+        return LEAVE;
+    }
+    *tier = PyLong_AsSsize_t(v);
+    return (*tier == -1 && PyErr_Occurred()) ? FAIL : TAKE;
+}
+
+/* rank.<name>[index] (borrowed; the rank keeps its lists alive), checked to be a dict. */
+static PyObject *slot_map(PyObject *list, Py_ssize_t index) {
+    PyObject *m;
+    if (!PyList_CheckExact(list) || index < 0 || index >= PyList_GET_SIZE(list)) {
+        PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
         return NULL;
     }
-    if (field(raw, K_block_hashes, &raw_hashes) < 0 || field(raw, K_parent_block_hash,
-                                                             &raw_parent) < 0
+    m = PyList_GET_ITEM(list, index);
+    if (!PyDict_CheckExact(m)) {
+        PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
+        return NULL;
+    }
+    return m;
+}
+
+/* ConsolidatorCore._stored + _store_chain for one BlockStored map (dedup), or LEAVE with
+ * nothing changed. */
+static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject *cache,
+                      PyObject *fresh_pub, PyObject *add_alias, PyObject *release,
+                      Py_ssize_t *cnt) {
+    PyObject *raw_hashes, *raw_parent, *bs_obj, *tokens, *medium, *lora_id, *lora_name;
+    PyObject *hashes = NULL, *parent_ext = NULL, *slot = NULL, *blocks = NULL, *known = NULL;
+    PyObject *held = NULL, *published = NULL, *out = NULL, *parent = Py_None, *pident = NULL;
+    PyObject *parent_wire = NULL, *counts = NULL, *known_slot, *held_slot;
+    Py_ssize_t bs, n, tier, slot_index, unknown_parents = 0, run_info[4];
+    int r = FAIL, mutated = 0;
+
+    if (C_root == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "consolidator: core_constants() was not called");
+        return FAIL;
+    }
+    if (field(raw, K_block_hashes, &raw_hashes) < 0
+        || field(raw, K_parent_block_hash, &raw_parent) < 0
         || field(raw, K_block_size, &bs_obj) < 0 || field(raw, K_token_ids, &tokens) < 0
         || field(raw, K_medium, &medium) < 0 || field(raw, K_lora_id, &lora_id) < 0
         || field(raw, K_lora_name, &lora_name) < 0)
-        return NULL;
+        return FAIL;
     /* The shapes the Python code accepts without a decision; anything else is left to it. */
     if (raw_hashes == NULL || !PyList_CheckExact(raw_hashes) || bs_obj == NULL
         || !PyLong_CheckExact(bs_obj) || tokens == NULL || !PyList_CheckExact(tokens)
         || (raw_parent != NULL && raw_parent != Py_None && !PyLong_CheckExact(raw_parent)))
-        Py_RETURN_NONE;
+        return LEAVE;
     bs = PyLong_AsSsize_t(bs_obj);
     if (bs == -1 && PyErr_Occurred()) {
         PyErr_Clear();
-        Py_RETURN_NONE;
+        return LEAVE;
     }
     n = PyList_GET_SIZE(raw_hashes);
-    if (bs <= 0 || n == 0 || PyList_GET_SIZE(tokens) != n * bs) Py_RETURN_NONE;
-    tier = PyDict_GetItemWithError(cache, medium == NULL ? Py_None : medium);
-    if (tier == NULL) {
-        if (PyErr_Occurred()) { /* e.g. an unhashable medium */
-            if (!PyErr_ExceptionMatches(PyExc_TypeError)) return NULL;
-            PyErr_Clear();
-        }
-        Py_RETURN_NONE;
+    if (bs <= 0 || n == 0 || PyList_GET_SIZE(tokens) != n * bs) return LEAVE;
+    if ((r = cached_tier(cache, medium, &tier)) != TAKE) return r;
+    slot_index = PyLong_AsSsize_t(source) * C_media + tier;
+    if (PyErr_Occurred()) return FAIL;
+    hashes = u64_hashes(NULL, raw_hashes);
+    if (hashes == NULL) return FAIL;
+    if (hashes == Py_None) {
+        Py_DECREF(hashes);
+        return LEAVE;
     }
-    slot_index = PyLong_AsSsize_t(source) * C_media + PyLong_AsSsize_t(tier);
-    if (PyErr_Occurred()) return NULL;
-    hashes = u64_hashes(module, raw_hashes);
-    if (hashes == NULL || hashes == Py_None) {
-        if (hashes == Py_None) {
-            Py_DECREF(hashes);
-            Py_RETURN_NONE;
-        }
-        return NULL;
-    }
+    r = FAIL;
     if (lora_id == NULL) lora_id = Py_None;
     if (lora_name == NULL) lora_name = Py_None;
     slot = PyLong_FromSsize_t(slot_index);
@@ -736,11 +774,11 @@ static PyObject *apply_stored(PyObject *module, PyObject *args) {
     if (slot == NULL || blocks == NULL || known == NULL || held == NULL || published == NULL
         || out == NULL)
         goto done;
-    if (!PyDict_CheckExact(blocks) || !PyList_CheckExact(known) || !PyList_CheckExact(held)
-        || !PyDict_CheckExact(published) || !PyList_CheckExact(out)
-        || slot_index < 0 || slot_index >= PyList_GET_SIZE(known)
-        || slot_index >= PyList_GET_SIZE(held)) {
-        PyErr_SetString(PyExc_TypeError, "apply_stored: unexpected consolidator rank layout");
+    known_slot = slot_map(known, slot_index);
+    held_slot = known_slot == NULL ? NULL : slot_map(held, slot_index);
+    if (held_slot == NULL) goto done;
+    if (!PyDict_CheckExact(blocks) || !PyDict_CheckExact(published) || !PyList_CheckExact(out)) {
+        PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
         goto done;
     }
     /* The parent: its block when a slot knows the hash (this slot first), else an identity
@@ -755,9 +793,12 @@ static PyObject *apply_stored(PyObject *module, PyObject *args) {
         PyObject *found;
         parent_ext = u64_of(raw_parent);
         if (parent_ext == NULL) goto done;
-        found = PyDict_GetItemWithError(PyList_GET_ITEM(known, slot_index), parent_ext);
-        for (j = 0; found == NULL && !PyErr_Occurred() && j < nslots; j++)
-            found = PyDict_GetItemWithError(PyList_GET_ITEM(known, j), parent_ext);
+        found = PyDict_GetItemWithError(known_slot, parent_ext);
+        for (j = 0; found == NULL && !PyErr_Occurred() && j < nslots; j++) {
+            PyObject *m = slot_map(known, j);
+            if (m == NULL) goto done;
+            found = PyDict_GetItemWithError(m, parent_ext);
+        }
         if (found == NULL && PyErr_Occurred()) goto done;
         if (found != NULL) {
             if (!is_block(found)) goto done;
@@ -779,12 +820,32 @@ static PyObject *apply_stored(PyObject *module, PyObject *args) {
             unknown_parents = 1;
         }
     }
-    counts = chain(rank, blocks, PyList_GET_ITEM(known, slot_index),
-                   PyList_GET_ITEM(held, slot_index), published, out, hashes, tokens, bs_obj,
+    counts = chain(rank, blocks, known_slot, held_slot, published, out, hashes, tokens, bs_obj,
                    parent, pident, parent_wire, slot, lora_id, lora_name, C_gpu, C_zero,
-                   fresh_pub, add_alias, release);
-    if (counts == NULL) goto done;
-    result = Py_BuildValue("nnO", n, unknown_parents, counts);
+                   fresh_pub, add_alias, release, &mutated);
+    if (counts == NULL) {
+        /* An unhashable token fails the identity pass, before anything changed: the Python
+         * code raises the same error for the event. */
+        if (!mutated && PyErr_ExceptionMatches(PyExc_TypeError)) {
+            PyErr_Clear();
+            r = LEAVE;
+        }
+        goto done;
+    }
+    if (!PyArg_ParseTuple(counts, "nnnn", &run_info[0], &run_info[1], &run_info[2],
+                          &run_info[3]))
+        goto done;
+    cnt[N_STORES_IN] += 1;
+    cnt[N_STORE_BLOCKS_IN] += n;
+    cnt[N_UNKNOWN_PARENTS] += unknown_parents;
+    cnt[N_VISIBLE] += run_info[0];
+    cnt[N_DUPLICATES] += run_info[1];
+    if (run_info[2]) {
+        cnt[N_STORES_OUT] += run_info[2];
+        cnt[N_STORE_BLOCKS_OUT] += run_info[3];
+        if (PyObject_SetAttr(rank, K_last_remove_attr, Py_None) < 0) goto done;
+    }
+    r = TAKE;
 done:
     Py_XDECREF(counts);
     Py_XDECREF(hashes);
@@ -797,7 +858,182 @@ done:
     Py_XDECREF(out);
     Py_XDECREF(pident);
     Py_XDECREF(parent_wire);
-    return result;
+    return r;
+}
+
+static PyObject *remove_loop(PyObject *blocks, PyObject *known, PyObject *held,
+                             PyObject *published, PyObject *hashes, Py_ssize_t *unknown);
+
+/* ConsolidatorCore._removed (dedup) + _emit_removes for one BlockRemoved map, or LEAVE. */
+static int removed_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject *cache,
+                       Py_ssize_t *cnt) {
+    PyObject *raw_hashes, *medium, *hashes = NULL, *blocks = NULL, *known = NULL, *held = NULL;
+    PyObject *published = NULL, *out = NULL, *last = NULL, *wires = NULL, *held_slot;
+    Py_ssize_t tier, slot_index, unknown = 0, nw;
+    int r;
+
+    if (field(raw, K_block_hashes, &raw_hashes) < 0 || field(raw, K_medium, &medium) < 0)
+        return FAIL;
+    if (raw_hashes == NULL || !PyList_CheckExact(raw_hashes)) return LEAVE;
+    if ((r = cached_tier(cache, medium, &tier)) != TAKE) return r;
+    slot_index = PyLong_AsSsize_t(source) * C_media + tier;
+    if (PyErr_Occurred()) return FAIL;
+    hashes = u64_hashes(NULL, raw_hashes);
+    if (hashes == NULL) return FAIL;
+    if (hashes == Py_None) {
+        Py_DECREF(hashes);
+        return LEAVE;
+    }
+    r = FAIL;
+    blocks = PyObject_GetAttr(rank, K_blocks_attr);
+    known = PyObject_GetAttr(rank, K_known_attr);
+    held = PyObject_GetAttr(rank, K_held_attr);
+    published = PyObject_GetAttr(rank, K_published_attr);
+    out = PyObject_GetAttr(rank, K_out_attr);
+    last = PyObject_GetAttr(rank, K_last_remove_attr);
+    if (blocks == NULL || known == NULL || held == NULL || published == NULL || out == NULL
+        || last == NULL)
+        goto done;
+    held_slot = slot_map(held, slot_index);
+    if (held_slot == NULL) goto done;
+    if (!PyDict_CheckExact(blocks) || !PyList_CheckExact(known)
+        || !PyDict_CheckExact(published) || !PyList_CheckExact(out)) {
+        PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
+        goto done;
+    }
+    cnt[N_REMOVES_IN] += 1;
+    cnt[N_REMOVE_BLOCKS_IN] += PyList_GET_SIZE(hashes);
+    wires = remove_loop(blocks, known, held_slot, published, hashes, &unknown);
+    if (wires == NULL) goto done;
+    cnt[N_UNKNOWN_REMOVES] += unknown;
+    nw = PyList_GET_SIZE(wires);
+    if (nw) {
+        /* _emit_removes: extend the BlockRemoved being built, else start one. */
+        Py_ssize_t nout = PyList_GET_SIZE(out);
+        PyObject *last_medium = NULL;
+        cnt[N_VISIBLE] -= nw;
+        cnt[N_REMOVE_BLOCKS_OUT] += nw;
+        if (last != Py_None && nout > 0 && PyList_GET_ITEM(out, nout - 1) == last
+            && PyDict_CheckExact(last)) {
+            last_medium = PyDict_GetItemWithError(last, K_medium);
+            if (last_medium == NULL && PyErr_Occurred()) goto done;
+        }
+        if (last_medium != NULL && str_is(last_medium, C_gpu)) {
+            PyObject *lh = PyDict_GetItemWithError(last, K_block_hashes);
+            if (lh == NULL || !PyList_CheckExact(lh)) {
+                if (!PyErr_Occurred())
+                    PyErr_SetString(PyExc_TypeError, "BlockRemoved map lost its list");
+                goto done;
+            }
+            if (list_extend(lh, wires) < 0) goto done;
+        } else {
+            PyObject *ev = PyDict_New();
+            if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockRemoved) < 0
+                || PyDict_SetItem(ev, K_block_hashes, wires) < 0
+                || PyDict_SetItem(ev, K_medium, C_gpu) < 0 || PyList_Append(out, ev) < 0
+                || PyObject_SetAttr(rank, K_last_remove_attr, ev) < 0) {
+                Py_XDECREF(ev);
+                goto done;
+            }
+            Py_DECREF(ev);
+            cnt[N_REMOVES_OUT] += 1;
+        }
+    }
+    r = TAKE;
+done:
+    Py_XDECREF(wires);
+    Py_XDECREF(hashes);
+    Py_XDECREF(blocks);
+    Py_XDECREF(known);
+    Py_XDECREF(held);
+    Py_XDECREF(published);
+    Py_XDECREF(out);
+    Py_XDECREF(last);
+    return r;
+}
+
+PyDoc_STRVAR(apply_stored_doc,
+"apply_stored(rank, raw, source, medium_cache, fresh_pub, add_alias, release)\n"
+"    -> counts | None\n\n"
+"ConsolidatorCore._stored + _store_chain for one BlockStored map in dedup mode, when it needs\n"
+"no decision of the Python code (exact types, valid shape, a medium spelling it has seen,\n"
+"tokens present). None: nothing was changed; the Python code takes the event (and raises or\n"
+"counts what is wrong with it). ``counts``: the counter deltas (see _add_counts).");
+
+static PyObject *apply_stored(PyObject *module, PyObject *args) {
+    PyObject *rank, *raw, *source, *cache, *fresh_pub, *add_alias, *release;
+    Py_ssize_t cnt[N_COUNTS] = {0};
+    int r;
+    if (!PyArg_ParseTuple(args, "OO!O!O!OOO", &rank, &PyDict_Type, &raw, &PyLong_Type, &source,
+                          &PyDict_Type, &cache, &fresh_pub, &add_alias, &release))
+        return NULL;
+    r = stored_one(rank, raw, source, cache, fresh_pub, add_alias, release, cnt);
+    if (r == FAIL) return NULL;
+    if (r == LEAVE) Py_RETURN_NONE;
+    return counts_tuple(cnt);
+}
+
+PyDoc_STRVAR(apply_events_doc,
+"apply_events(rank, events, start, source, medium_cache, fresh_pub, add_alias, release)\n"
+"    -> (stop, counts, error)\n\n"
+"ConsolidatorCore.apply_event for events[start:] (dedup mode) until the first event the\n"
+"Python code must decide (stop is its index; len(events) when all were taken). ``error``:\n"
+"None, or the exception that event stop raised part-way (a bug, not bad input); that event\n"
+"then counts as consumed. ``counts``: the counter deltas of every event taken.");
+
+static PyObject *apply_events(PyObject *module, PyObject *args) {
+    PyObject *rank, *events, *source, *cache, *fresh_pub, *add_alias, *release;
+    PyObject *counts, *error = Py_None;
+    Py_ssize_t start, i, n, cnt[N_COUNTS] = {0};
+
+    if (!PyArg_ParseTuple(args, "OO!nO!O!OOO", &rank, &PyList_Type, &events, &start,
+                          &PyLong_Type, &source, &PyDict_Type, &cache, &fresh_pub, &add_alias,
+                          &release))
+        return NULL;
+    n = PyList_GET_SIZE(events);
+    for (i = start < 0 ? 0 : start; i < n; i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i), *kind;
+        int r;
+        if (!PyDict_CheckExact(ev)) break;
+        kind = PyDict_GetItemWithError(ev, K_type);
+        if (kind == NULL) {
+            if (PyErr_Occurred()) goto failed;
+            break;
+        }
+        Py_INCREF(ev); /* a callback could in theory change the list */
+        if (str_is(kind, S_BlockStored))
+            r = stored_one(rank, ev, source, cache, fresh_pub, add_alias, release, cnt);
+        else if (str_is(kind, S_BlockRemoved))
+            r = removed_one(rank, ev, source, cache, cnt);
+        else
+            r = LEAVE;
+        Py_DECREF(ev);
+        if (r == LEAVE) break;
+        if (r == FAIL) goto failed;
+        n = PyList_GET_SIZE(events);
+    }
+    counts = counts_tuple(cnt);
+    if (counts == NULL) return NULL;
+    return Py_BuildValue("nNO", i, counts, error);
+failed:
+    {
+        PyObject *type, *value, *tb;
+        PyErr_Fetch(&type, &value, &tb);
+        PyErr_NormalizeException(&type, &value, &tb);
+        if (tb != NULL && value != NULL) PyException_SetTraceback(value, tb);
+        Py_XDECREF(type);
+        Py_XDECREF(tb);
+        if (value == NULL) {
+            Py_INCREF(Py_None);
+            value = Py_None;
+        }
+        counts = counts_tuple(cnt);
+        if (counts == NULL) {
+            Py_DECREF(value);
+            return NULL;
+        }
+        return Py_BuildValue("nNN", i, counts, value);
+    }
 }
 
 /* known[slot].get(ext) is block -> del known[slot][ext] */
@@ -819,18 +1055,12 @@ static int forget_alias(PyObject *known, PyObject *slot, PyObject *ext, PyObject
     return named == block ? PyDict_DelItem(slot_map, ext) : 0;
 }
 
-PyDoc_STRVAR(remove_dedup_doc,
-"remove_dedup(blocks, known, held, published, hashes) -> (wires, unknown)\n\n"
-"The dedup block loop of ConsolidatorCore._removed on the same structures: the published\n"
-"(signed) hashes that are now resident nowhere, and how many hashes the slot did not hold.");
-
-static PyObject *remove_dedup(PyObject *module, PyObject *args) {
-    PyObject *blocks, *known, *held, *published, *hashes, *wires, *block = NULL;
+/* The dedup block loop of _removed: the signed hashes now resident nowhere (new list). */
+static PyObject *remove_loop(PyObject *blocks, PyObject *known, PyObject *held,
+                             PyObject *published, PyObject *hashes, Py_ssize_t *unknown_out) {
+    PyObject *wires, *block = NULL;
     Py_ssize_t i, n, unknown = 0;
 
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyDict_Type, &blocks, &PyList_Type, &known,
-                          &PyDict_Type, &held, &PyDict_Type, &published, &PyList_Type, &hashes))
-        return NULL;
     wires = PyList_New(0);
     if (wires == NULL) return NULL;
     n = PyList_GET_SIZE(hashes);
@@ -894,12 +1124,30 @@ static PyObject *remove_dedup(PyObject *module, PyObject *args) {
         }
         Py_DECREF(block);
     }
-    return Py_BuildValue("Nn", wires, unknown);
+    *unknown_out = unknown;
+    return wires;
 fail_block:
     Py_DECREF(block);
 fail:
     Py_DECREF(wires);
     return NULL;
+}
+
+PyDoc_STRVAR(remove_dedup_doc,
+"remove_dedup(blocks, known, held, published, hashes) -> (wires, unknown)\n\n"
+"The dedup block loop of ConsolidatorCore._removed on the same structures: the published\n"
+"(signed) hashes that are now resident nowhere, and how many hashes the slot did not hold.");
+
+static PyObject *remove_dedup(PyObject *module, PyObject *args) {
+    PyObject *blocks, *known, *held, *published, *hashes, *wires;
+    Py_ssize_t unknown = 0;
+
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyDict_Type, &blocks, &PyList_Type, &known,
+                          &PyDict_Type, &held, &PyDict_Type, &published, &PyList_Type, &hashes))
+        return NULL;
+    wires = remove_loop(blocks, known, held, published, hashes, &unknown);
+    if (wires == NULL) return NULL;
+    return Py_BuildValue("Nn", wires, unknown);
 }
 
 PyDoc_STRVAR(u64_hashes_doc,
@@ -952,6 +1200,7 @@ static PyMethodDef methods[] = {
     {"remove_dedup", remove_dedup, METH_VARARGS, remove_dedup_doc},
     {"u64_hashes", u64_hashes, METH_O, u64_hashes_doc},
     {"apply_stored", apply_stored, METH_VARARGS, apply_stored_doc},
+    {"apply_events", apply_events, METH_VARARGS, apply_events_doc},
     {"core_constants", core_constants, METH_VARARGS, core_constants_doc},
     {NULL, NULL, 0, NULL},
 };
@@ -992,6 +1241,7 @@ PyMODINIT_FUNC PyInit__speedups(void) {
     INTERN(K_held_attr, "held");
     INTERN(K_published_attr, "published");
     INTERN(K_out_attr, "out");
+    INTERN(K_last_remove_attr, "last_remove");
     if ((C_zero = PyLong_FromLong(0)) == NULL) return NULL;
     return PyModule_Create(&module_def);
 }

@@ -53,7 +53,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import msgpack
@@ -220,7 +220,7 @@ class ConsolidatorCore:
                                                self._fresh_pub, self._add_alias,
                                                self._release)
                     if done is not None:  # else nothing changed: the Python code decides
-                        self._count_stored(rank, *done)
+                        self._add_counts(rank, done)
                         return
                 self._stored(dp_rank, source, raw.get("block_hashes"),
                              raw.get("parent_block_hash"), raw.get("token_ids"),
@@ -252,6 +252,45 @@ class ConsolidatorCore:
         else:
             raise WireFormatError(f"event is neither a map nor an array: {raw!r:.200}")
         raise WireFormatError(f"unknown event type {kind!r:.100}")
+
+    def apply_events(self, dp_rank: int, events: Sequence[Any],
+                     on_error: Callable[[WireFormatError], None]) -> int:
+        """:meth:`apply_event` for each GPU-tier event of one batch, in order.
+
+        Called by the shell's ingest thread once per input batch. An event that raises is
+        handed to ``on_error`` (any other exception as a WireFormatError naming it) and
+        skipped; the others are applied. Returns how many were applied. With the compiled
+        loops the common events are applied by one call; each event they leave (clears,
+        unusual shapes, malformed input) goes through :meth:`apply_event`.
+        """
+        native = self._native
+        applied = 0
+        i = 0
+        n = len(events)
+        while i < n:
+            rank = self._ranks.get(dp_rank)
+            if native is not None and rank is not None and type(events) is list:
+                stop, counts, error = native.apply_events(
+                    rank, events, i, SOURCE_ENGINE, self._medium_cache, self._fresh_pub,
+                    self._add_alias, self._release)
+                self._add_counts(rank, counts)
+                applied += stop - i
+                i = stop
+                if error is not None:  # raised part-way through event ``stop``: consumed
+                    on_error(WireFormatError(f"{type(error).__name__}: {error}"))
+                    i += 1
+                    continue
+                if i >= n:
+                    break
+            try:
+                self.apply_event(dp_rank, events[i])
+                applied += 1
+            except WireFormatError as exc:
+                on_error(exc)
+            except Exception as exc:  # anything else malformed must not stop the batch
+                on_error(WireFormatError(f"{type(exc).__name__}: {exc}"))
+            i += 1
+        return applied
 
     def store(self, source: int, tier: str, dp_rank: int, block_hashes: Sequence[int],
               parent_hash: int | None, token_ids: Sequence[int], block_size: int,
@@ -416,19 +455,23 @@ class ConsolidatorCore:
                     break
         return block
 
-    def _count_stored(self, rank: _Rank, blocks_in: int, unknown_parents: int,
-                      counts: tuple[int, int, int, int]) -> None:
-        """Counters of a BlockStored map applied by the compiled ``apply_stored``."""
-        visible, duplicates, n_runs, n_run_blocks = counts
-        self._n_stores_in += 1
-        self._n_store_blocks_in += blocks_in
+    def _add_counts(self, rank: _Rank, counts: tuple[int, ...]) -> None:
+        """Counter deltas of events applied by the compiled paths (``_speedups.c`` N_* order)."""
+        (stores_in, store_blocks_in, unknown_parents, duplicates, stores_out, store_blocks_out,
+         removes_in, remove_blocks_in, unknown_removes, removes_out, remove_blocks_out,
+         visible) = counts
+        self._n_stores_in += stores_in
+        self._n_store_blocks_in += store_blocks_in
         self._n_unknown_parents += unknown_parents
         self._n_duplicate_stores += duplicates
+        self._n_stores_out += stores_out
+        self._n_store_blocks_out += store_blocks_out
+        self._n_removes_in += removes_in
+        self._n_remove_blocks_in += remove_blocks_in
+        self._n_unknown_removes += unknown_removes
+        self._n_removes_out += removes_out
+        self._n_remove_blocks_out += remove_blocks_out
         rank.visible += visible
-        if n_runs:
-            self._n_stores_out += n_runs
-            self._n_store_blocks_out += n_run_blocks
-            rank.last_remove = None
 
     def _store_chain(self, rank: _Rank, slot: int, hashes: list[int], parent_ext: int | None,
                      tokens: list[int], bs: int, lora_id: Any, lora_name: Any) -> None:
@@ -1322,17 +1365,8 @@ class KvEventConsolidator:
             return
         if dp_rank not in stream.dp_ranks:
             stream.dp_ranks.add(dp_rank)
-        core = self._core
-        events = batch[1]
-        applied = 0
-        for raw in events:
-            try:
-                core.apply_event(dp_rank, raw)
-                applied += 1
-            except WireFormatError as exc:
-                self._bad_event(stream, exc)
-            except Exception as exc:  # anything else malformed must not kill the thread
-                self._bad_event(stream, WireFormatError(f"{type(exc).__name__}: {exc}"))
+        applied = self._core.apply_events(dp_rank, batch[1],
+                                          lambda exc: self._bad_event(stream, exc))
         self._n_batches_applied += 1
         self._n_events_applied += applied
 
