@@ -8,7 +8,12 @@ Two layers, one concept:
   unit-testable in milliseconds.
 * :class:`KvEventConsolidator` — the socket shell around one core: a SUB per rank's GPU-tier
   publisher, a DEALER per rank's replay endpoint, one ingest thread that decodes, applies and
-  flushes, and an :class:`~kvbm_plugin.publisher.EventPublisher` for the output.
+  flushes, and an :class:`~kvbm_plugin.publisher.EventPublisher` for the output (the built-in
+  ZMQ one in its inline mode, run by the ingest thread itself).
+
+The core's dedup block loops also exist compiled (``_speedups.c``, used when built): the Python
+loops here are their reference, the tests compare the two, and everything the compiled loops
+do not take (clears, passthrough mode, unusual or malformed input) runs here.
 
 Who calls what:
 
@@ -877,7 +882,8 @@ class KvEventConsolidator:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        """Create the output publisher, start the ingest thread; returns once its sockets exist.
+        """Start the ingest thread (which creates the built-in output publisher; another kind is
+        created here); returns once the sockets exist.
 
         Called once by the leader at bring-up (or by main_consolidate). Raises what socket
         setup raised, after closing whatever it had opened.
@@ -1183,8 +1189,8 @@ class KvEventConsolidator:
                         if unflushed >= flush_every:
                             # Output of up to ``flush_every`` input batches goes out as one
                             # batch per dp rank: a backlog then costs the output publisher
-                            # (its queue, encode call, send, wake-ups) and every consumer one
-                            # message per ``flush_every`` inputs instead of one each. Only a
+                            # (an encode call and a send) and every consumer one message per
+                            # ``flush_every`` inputs instead of one each. Only a
                             # backlog is held: the round's end flushes below, so a lone
                             # batch is published right after it was applied.
                             unflushed = 0
