@@ -1,11 +1,16 @@
 """Build hook for the optional compiled fast paths; all metadata lives in pyproject.toml.
 
-``optional=True``: where no C compiler is available the package installs without
-``kvbm_plugin._speedups`` and runs its pure-Python reference paths (``kvbm-plugin doctor``
-says which is in use).
+``optional=True``: where no C compiler is available the package installs without them and runs
+its pure-Python reference loops (``kvbm-plugin doctor`` says which are in use).
 """
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("kvbm_plugin._speedups", ["src/kvbm_plugin/_speedups.c"],
-                             optional=True)])
+_COMMON = ["src/kvbm_plugin/_native_common.h"]
+
+setup(ext_modules=[
+    Extension("kvbm_plugin._event_sink_c", ["src/kvbm_plugin/_event_sink_c.c"],
+              depends=_COMMON, optional=True),
+    Extension("kvbm_plugin._consolidator_c", ["src/kvbm_plugin/_consolidator_c.c"],
+              depends=_COMMON, optional=True),
+])

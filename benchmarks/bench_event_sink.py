@@ -17,7 +17,7 @@ Both go into a SUB over tcp loopback in a separate process that decodes every pa
 blocks; received blocks/s = blocks counted / (first to last message). Executor-thread cost is
 the producer-side time per block (stored + removed blocks) for dict input and for the V2 hooks.
 
-Ours runs with the compiled ingest loop when it was built (``kvbm_plugin._speedups``); the
+Ours runs with the compiled ingest loop when it was built (``kvbm_plugin._event_sink_c``); the
 Python loop is measured too, as information, and is the baseline of the executor-cost rows.
 The receiver's own decode rate on our payloads (in this process, one core) is reported as the
 ceiling any publisher can reach here.
@@ -463,7 +463,7 @@ def _v2_cost(stream: list[list[tuple[str, Any]]]) -> float:
 def run(quick: bool = False) -> list[Row]:
     """Measure and return the rows (``quick``: a few hundred iterations, a few seconds)."""
     iterations = 150 if quick else 1500
-    native = _native.speedups() is not None  # the default path: compiled loop when built
+    native = _native.loops("event_sink") is not None  # the default path: compiled loop when built
     stream = make_stream(iterations)
     # The end-to-end rates move a lot between runs (two processes and four busy threads on two
     # cores): interleave the three publishers over several rounds and take each one's median.

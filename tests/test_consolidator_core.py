@@ -147,8 +147,8 @@ def tier_remove(core: ConsolidatorCore, tier: str, dp: int, paths: Iterable[Path
 @pytest.fixture(autouse=True, params=["compiled", "python"])
 def block_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test here runs with the compiled dedup block loops and with the Python ones."""
-    if request.param == "compiled" and _native.speedups({}) is None:
-        pytest.skip("kvbm_plugin._speedups was not built")
+    if request.param == "compiled" and _native.loops("consolidator", {}) is None:
+        pytest.skip("kvbm_plugin._consolidator_c was not built")
     monkeypatch.setenv(NATIVE, "1" if request.param == "compiled" else "0")
     return str(request.param)
 

@@ -22,8 +22,8 @@ U64 = 1 << 64
 @pytest.fixture(autouse=True, params=["compiled", "python"])
 def ingest_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Every test here runs with the compiled ingest loop and with the Python one."""
-    if request.param == "compiled" and _native.speedups({}) is None:
-        pytest.skip("kvbm_plugin._speedups was not built")
+    if request.param == "compiled" and _native.loops("event_sink", {}) is None:
+        pytest.skip("kvbm_plugin._event_sink_c was not built")
     monkeypatch.setenv(NATIVE, "1" if request.param == "compiled" else "0")
     return str(request.param)
 

@@ -120,8 +120,8 @@ def state(core: ConsolidatorCore) -> dict[int, Any]:
     return out
 
 
-needs_native = pytest.mark.skipif(_native.speedups({}) is None,
-                                  reason="kvbm_plugin._speedups was not built")
+needs_native = pytest.mark.skipif(_native.loops("consolidator", {}) is None,
+                                  reason="kvbm_plugin._consolidator_c was not built")
 
 
 @needs_native
@@ -201,7 +201,7 @@ def test_passthrough_mode_keeps_the_python_loops() -> None:
 
 
 def test_native_true_without_the_extension_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_native, "_built", None)
+    monkeypatch.setitem(_native._built, "consolidator", None)
     with pytest.raises(ValueError, match="native=True"):
         ConsolidatorCore(native=True)
     assert ConsolidatorCore()._native is None

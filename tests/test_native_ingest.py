@@ -146,8 +146,8 @@ def run(native: bool, calls: list[tuple[list[Any], bool]], window: int | None
     return rec.payloads, sink.stats()
 
 
-needs_native = pytest.mark.skipif(_native.speedups({}) is None,
-                                  reason="kvbm_plugin._speedups was not built")
+needs_native = pytest.mark.skipif(_native.loops("event_sink", {}) is None,
+                                  reason="kvbm_plugin._event_sink_c was not built")
 
 
 @needs_native
@@ -214,16 +214,17 @@ def test_compiled_batches_are_not_tracked_by_the_cyclic_collector() -> None:
 
 def test_native_switch_and_build() -> None:
     """The supported install builds the extension (CI does); the switch turns it off."""
-    assert _native.speedups({}) is not None, _native.describe({})[1]
+    for module in ("event_sink", "consolidator"):
+        assert _native.loops(module, {}) is not None, _native.describe({})[1]
+        assert _native.loops(module, {NATIVE: "0"}) is None
     assert _native.describe({})[0] is True
-    assert _native.speedups({NATIVE: "0"}) is None
     assert "switched off" in _native.describe({NATIVE: "off"})[1]
     with pytest.raises(ConfigError, match=rf"{NATIVE}='maybe'"):
-        _native.speedups({NATIVE: "maybe"})
+        _native.loops("event_sink", {NATIVE: "maybe"})
 
 
 def test_native_true_without_the_extension_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_native, "_built", None)
+    monkeypatch.setitem(_native._built, "event_sink", None)
     with pytest.raises(ValueError, match="native=True"):
         KvEventSink(Recorder(), block_size=2, native=True)
     sink = KvEventSink(Recorder(), block_size=2)  # default: the Python loop, quietly

@@ -1,39 +1,53 @@
-"""The optional compiled fast paths (``kvbm_plugin._speedups``), behind one switch.
+"""The optional compiled fast paths, behind one switch.
 
-``_speedups.c`` is built at install time where a C compiler is available (``setup.py`` marks
-it optional). Each function in it has a pure-Python reference in the module that uses it, and
-the tests run both on the same input and compare the output. ``DYN_KVBM_NATIVE=0`` selects
-the Python paths. No torch or TensorRT-LLM import.
+``_event_sink_c.c`` (KvEventSink's ingest loop) and ``_consolidator_c.c`` (ConsolidatorCore's
+dedup loops) are built at install time where a C compiler is available (``setup.py`` marks them
+optional). Each is the compiled form of loops whose Python reference stays in the module of the
+same name, and the tests run both on the same input and compare. ``DYN_KVBM_NATIVE=0`` selects
+the Python loops. No torch or TensorRT-LLM import.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from types import ModuleType
 
 from kvbm_plugin.consolidator_config import NATIVE, native_enabled
 
-try:
-    from kvbm_plugin import _speedups as _built
-except ImportError:  # installed without a C compiler
-    _built = None
+
+def _load(name: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"kvbm_plugin.{name}")
+    except ImportError:  # installed without a C compiler
+        return None
 
 
-def speedups(env: Mapping[str, str] | None = None) -> ModuleType | None:
-    """The compiled module, or None (not built, or switched off with ``DYN_KVBM_NATIVE``).
+# What was built, by the Python module whose loops it compiles.
+_built: dict[str, ModuleType | None] = {
+    "event_sink": _load("_event_sink_c"),
+    "consolidator": _load("_consolidator_c"),
+}
+
+
+def loops(module: str, env: Mapping[str, str] | None = None) -> ModuleType | None:
+    """The compiled loops of ``module`` ("event_sink" or "consolidator"), or None: not built,
+    or switched off with ``DYN_KVBM_NATIVE``.
 
     Raises ConfigError for a value of ``DYN_KVBM_NATIVE`` that is not a boolean.
     """
     if not native_enabled(env):
         return None
-    return _built
+    return _built[module]
 
 
 def describe(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
-    """(in use, one line for ``kvbm-plugin doctor``)."""
-    if _built is None:
-        return False, ("not built (no C compiler at install time): the pure-Python paths run; "
-                       "reinstall with a compiler for the faster event sink")
+    """(all in use, one line for ``kvbm-plugin doctor``)."""
+    missing = sorted(name for name, module in _built.items() if module is None)
+    if missing:
+        return False, (f"not built for {', '.join(missing)} (no C compiler at install time): "
+                       "those run their pure-Python loops; reinstall with a compiler")
     if not native_enabled(env):
-        return False, f"built, switched off by {NATIVE}: the pure-Python paths run"
-    return True, f"in use ({_built.__file__})"
+        return False, f"built, switched off by {NATIVE}: the pure-Python loops run"
+    return True, "in use (" + ", ".join(
+        f"{name}: {module.__name__}" for name, module in _built.items() if module) + ")"

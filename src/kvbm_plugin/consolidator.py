@@ -11,9 +11,9 @@ Two layers, one concept:
   flushes, and an :class:`~kvbm_plugin.publisher.EventPublisher` for the output (the built-in
   ZMQ one in its inline mode, run by the ingest thread itself).
 
-The core's dedup block loops also exist compiled (``_speedups.c``, used when built): the Python
-loops here are their reference, the tests compare the two, and everything the compiled loops
-do not take (clears, passthrough mode, unusual or malformed input) runs here.
+The core's dedup block loops also exist compiled (``_consolidator_c.c``, used when built): the
+Python loops here are their reference, the tests compare the two, and everything the compiled
+loops do not take (clears, passthrough mode, unusual or malformed input) runs here.
 
 Who calls what:
 
@@ -192,11 +192,11 @@ class ConsolidatorCore:
         # The compiled dedup block loops (None: the Python ones). ``native`` as for KvEventSink:
         # None = when built and not switched off by DYN_KVBM_NATIVE, False = never, True = or
         # ValueError. Passthrough mode always runs the Python loops.
-        module = _native.speedups() if native is None else (_native.speedups({}) if native
-                                                             else None)
+        module = _native.loops("consolidator", None if native is None else {}) \
+            if native is not False else None
         if native and module is None:
-            raise ValueError(f"{type(self).__name__}: native=True but kvbm_plugin._speedups "
-                             "was not built")
+            raise ValueError(f"{type(self).__name__}: native=True but "
+                             "kvbm_plugin._consolidator_c was not built")
         self._native = module if self._dedup else None
         if self._native is not None:
             self._native.core_constants(_ROOT, _UNKNOWN_PARENT, len(MEDIA), MEDIUM_GPU)
@@ -461,7 +461,7 @@ class ConsolidatorCore:
         return block
 
     def _add_counts(self, rank: _Rank, counts: tuple[int, ...]) -> None:
-        """Counter deltas of events applied by the compiled paths (``_speedups.c`` N_* order)."""
+        """Counter deltas of events applied by the compiled loops (N_* order in the C file)."""
         (stores_in, store_blocks_in, unknown_parents, duplicates, stores_out, store_blocks_out,
          removes_in, remove_blocks_in, unknown_removes, removes_out, remove_blocks_out,
          visible) = counts

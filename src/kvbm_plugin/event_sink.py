@@ -21,7 +21,7 @@ not published at all). Every drop is counted in :meth:`KvEventSink.stats` and lo
 rate-limited.
 
 ``ingest`` has two loops with one behaviour: the Python loop (the reference) and, when the
-extension was built, a compiled loop (``_speedups.c``) that takes the decode steady state
+extension was built, a compiled loop (``_event_sink_c.c``) that takes the decode steady state
 (one-block stores, removals) and hands every other event to the Python loop. The compiled loop
 also keeps its maps and lists out of the cyclic garbage collector (they hold no containers), so
 batches waiting for the publisher thread cost the engine thread's collections nothing.
@@ -137,10 +137,11 @@ class KvEventSink:
         self._strict = strict
         self._owns_publisher = owns_publisher
         # The compiled ingest loop, when built (None: the Python loop alone).
-        module = _native.speedups() if native is None else (_native.speedups({}) if native
-                                                             else None)
+        module = _native.loops("event_sink", None if native is None else {}) \
+            if native is not False else None
         if native and module is None:
-            raise ValueError("KvEventSink: native=True but kvbm_plugin._speedups was not built")
+            raise ValueError("KvEventSink: native=True but kvbm_plugin._event_sink_c was not "
+                             "built")
         self._native: Callable[..., tuple[Any, ...]] | None = (
             None if module is None else module.ingest_dicts)
         self._lock = threading.Lock()

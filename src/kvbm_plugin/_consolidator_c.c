@@ -1,331 +1,19 @@
-/* Compiled fast paths: KvEventSink.ingest (event_sink.py) and ConsolidatorCore's dedup block
- * loops (consolidator.py). Each has a Python reference in its module; the tests run both on
- * the same input and compare.
+/* Compiled fast paths of consolidator.py: ConsolidatorCore in dedup mode (module
+ * kvbm_plugin._consolidator_c).
  *
- * ==== event_sink.py: KvEventSink.ingest for TensorRT-LLM's decode steady state ================
- *
- * ingest_dicts() takes the buffered event dicts that need no decision beyond the common case
- * (a one-block full "stored", a "removed" of valid hashes, the published window, the sink's
- * own rank) and builds exactly the wire maps the Python loop in event_sink.py builds, in the
- * same order, coalescing the same way. At the first event it does not take, it stops and
- * returns that event's index: the Python loop handles that event (window changes, created,
- * updated, partial blocks, other ranks, suppressed removals, malformed input) and calls back
- * for the rest. An event is either taken whole or left untouched, so the Python loop sees it
- * exactly as it arrived. The Python loop is the reference; tests run both on the same input
- * and compare the output byte for byte.
- *
- * Called with the sink's lock held, on the thread that ingests (the executor thread or the
- * KV-event dispatch thread). Holds the GIL throughout and calls no Python code: every object
- * it reads is an exact dict, list, str or int.
+ * The per-block loops of the dedup core: a chain of stored blocks (_store_chain), a removal
+ * (_removed), and a whole batch's common events (apply_events). They work on the core's own
+ * Python structures (the rank's dicts and the block lists, layout B_* below, the same as
+ * consolidator.py's _IDENT ...), so the Python code and these take turns on one state. The
+ * rare branches call back into the Python core (a derived published hash, a second alias, a
+ * release of the hash's previous block). Called on the consolidator's ingest thread only,
+ * with the GIL held throughout.
  */
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include "_native_common.h"
 
-static PyObject *K_data, *K_type, *K_window_size, *K_attention_dp_rank, *K_blocks, *K_tokens,
-    *K_token_id, *K_block_hash, *K_parent_hash, *K_lora_id, *K_block_hashes,
-    *K_parent_block_hash, *K_token_ids, *K_block_size, *K_medium, *K_lora_name;
-static PyObject *S_stored, *S_removed, *S_BlockStored, *S_BlockRemoved, *S_GPU;
-
-/* Result of reading one event field: the value, "not taken" (leave the event to Python), or
- * an error with a Python exception set (only MemoryError-like failures). */
-enum { TAKE = 0, LEAVE = 1, FAIL = -1 };
-
-/* Borrowed d[key] (NULL if absent) for an exact dict; LEAVE if absent and required. */
-static int get_item(PyObject *d, PyObject *key, PyObject **out, int required) {
-    PyObject *v = PyDict_GetItemWithError(d, key);
-    if (v == NULL) {
-        if (PyErr_Occurred()) return FAIL;
-        if (required) return LEAVE;
-    }
-    *out = v;
-    return TAKE;
-}
-
-/* New reference to the wire hash (signed int64) of an exact int given as int64 or u64. */
-static int wire_hash(PyObject *h, PyObject **out) {
-    int overflow = 0;
-    long long v;
-    unsigned long long u;
-    if (!PyLong_CheckExact(h)) return LEAVE;
-    v = PyLong_AsLongLongAndOverflow(h, &overflow);
-    if (overflow == 0) {
-        if (v == -1 && PyErr_Occurred()) return FAIL;
-        Py_INCREF(h);
-        *out = h;
-        return TAKE;
-    }
-    if (overflow < 0) return LEAVE; /* below int64: Python raises a clear error */
-    u = PyLong_AsUnsignedLongLong(h);
-    if (u == (unsigned long long)-1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return FAIL;
-        PyErr_Clear(); /* >= 2**64: Python raises a clear error */
-        return LEAVE;
-    }
-    *out = PyLong_FromLongLong((long long)u);
-    return *out == NULL ? FAIL : TAKE;
-}
-
-static int str_is(PyObject *s, PyObject *want) {
-    return s == want || (PyUnicode_CheckExact(s) && PyUnicode_Compare(s, want) == 0);
-}
-
-/* Whether ``last`` is a BlockStored map that a store with ``parent``/``lora_id`` extends. */
-static int extends_stored(PyObject *last, PyObject *parent, PyObject *lora_id) {
-    PyObject *type, *hashes, *tail, *last_lora;
-    if (last == Py_None || parent == Py_None || !PyDict_CheckExact(last)) return 0;
-    type = PyDict_GetItemWithError(last, K_type);
-    if (type == NULL || !str_is(type, S_BlockStored)) return PyErr_Occurred() ? -1 : 0;
-    hashes = PyDict_GetItemWithError(last, K_block_hashes);
-    if (hashes == NULL || !PyList_CheckExact(hashes) || PyList_GET_SIZE(hashes) == 0)
-        return PyErr_Occurred() ? -1 : 0;
-    tail = PyList_GET_ITEM(hashes, PyList_GET_SIZE(hashes) - 1);
-    if (!PyLong_CheckExact(tail)) return 0;
-    if (PyObject_RichCompareBool(tail, parent, Py_EQ) != 1) return PyErr_Occurred() ? -1 : 0;
-    last_lora = PyDict_GetItemWithError(last, K_lora_id);
-    if (last_lora == NULL) return PyErr_Occurred() ? -1 : 0;
-    if (last_lora == lora_id) return 1;
-    if (!PyLong_CheckExact(last_lora) || !PyLong_CheckExact(lora_id)) return 0;
-    return PyObject_RichCompareBool(last_lora, lora_id, Py_EQ);
-}
-
-static int is_removed_map(PyObject *last) {
-    PyObject *type;
-    if (last == Py_None || !PyDict_CheckExact(last)) return 0;
-    type = PyDict_GetItemWithError(last, K_type);
-    if (type == NULL) return PyErr_Occurred() ? -1 : 0;
-    return str_is(type, S_BlockRemoved);
-}
-
-/* The maps and lists built here hold only str, int and None (and the map its two int lists):
- * they cannot be part of a reference cycle, so the cyclic collector is told not to track them.
- * A batch lives until the publisher thread has encoded it; tracked, each of its containers
- * would be traversed by every young-generation collection in the meantime and promoted
- * towards the old generation, work that lands on whichever thread allocates next (usually
- * the engine's). */
-static PyObject *untracked(PyObject *op) {
-    if (op != NULL) PyObject_GC_UnTrack(op);
-    return op;
-}
-
-static int list_extend(PyObject *list, PyObject *items) {
-    Py_ssize_t n = PyList_GET_SIZE(list);
-    return PyList_SetSlice(list, n, n, items);
-}
-
-/* One "stored" event (``data`` exact dict). Updates *last (new reference swapped in). */
-static int take_stored(PyObject *data, PyObject *out, PyObject **last, PyObject *block_size,
-                       Py_ssize_t bs, long *n_stores) {
-    PyObject *blocks, *block, *tokens, *raw, *h = NULL, *parent = NULL, *lora_id, *token_ids;
-    PyObject *ev = NULL, *hashes;
-    Py_ssize_t j;
-    int r, ext;
-
-    if ((r = get_item(data, K_blocks, &blocks, 1)) != TAKE) return r;
-    if (!PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != 1) return LEAVE;
-    block = PyList_GET_ITEM(blocks, 0);
-    if (!PyDict_CheckExact(block)) return LEAVE;
-    if ((r = get_item(block, K_tokens, &tokens, 1)) != TAKE) return r;
-    if (!PyList_CheckExact(tokens) || PyList_GET_SIZE(tokens) != bs) return LEAVE;
-    if ((r = get_item(block, K_block_hash, &raw, 1)) != TAKE) return r;
-    if ((r = get_item(data, K_lora_id, &lora_id, 0)) != TAKE) return r;
-    /* ``data.get("lora_id") or None``, for the values TRT-LLM sends (None or an int). */
-    if (lora_id != NULL && lora_id != Py_None) {
-        if (!PyLong_CheckExact(lora_id)) return LEAVE;
-        r = PyObject_IsTrue(lora_id);
-        if (r < 0) return FAIL;
-        if (r == 0) lora_id = NULL;
-    }
-    if (lora_id == NULL) lora_id = Py_None;
-    if ((r = get_item(data, K_parent_hash, &parent, 0)) != TAKE) return r;
-    if (parent == NULL || parent == Py_None) {
-        parent = Py_None;
-        Py_INCREF(parent);
-    } else if ((r = wire_hash(parent, &parent)) != TAKE) {
-        return r;
-    }
-    if ((r = wire_hash(raw, &h)) != TAKE) goto done;
-    token_ids = untracked(PyList_New(bs));
-    if (token_ids == NULL) { r = FAIL; goto done; }
-    for (j = 0; j < bs; j++) {
-        PyObject *tok = PyList_GET_ITEM(tokens, j), *tid;
-        if (!PyDict_CheckExact(tok)) { Py_DECREF(token_ids); r = LEAVE; goto done; }
-        tid = PyDict_GetItemWithError(tok, K_token_id);
-        if (tid == NULL || !PyLong_CheckExact(tid)) {
-            Py_DECREF(token_ids);
-            r = PyErr_Occurred() ? FAIL : LEAVE;
-            goto done;
-        }
-        Py_INCREF(tid);
-        PyList_SET_ITEM(token_ids, j, tid);
-    }
-    /* Everything read; from here on the event is taken. */
-    ext = extends_stored(*last, parent, lora_id);
-    if (ext < 0) { Py_DECREF(token_ids); r = FAIL; goto done; }
-    if (ext) {
-        PyObject *lh = PyDict_GetItemWithError(*last, K_block_hashes);
-        PyObject *lt = PyDict_GetItemWithError(*last, K_token_ids);
-        if (lh == NULL || lt == NULL || !PyList_CheckExact(lt)) {
-            Py_DECREF(token_ids);
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_RuntimeError, "BlockStored map lost its lists");
-            r = FAIL;
-            goto done;
-        }
-        r = (PyList_Append(lh, h) < 0 || list_extend(lt, token_ids) < 0) ? FAIL : TAKE;
-        Py_DECREF(token_ids);
-        goto done;
-    }
-    hashes = untracked(PyList_New(1));
-    if (hashes == NULL) { Py_DECREF(token_ids); r = FAIL; goto done; }
-    Py_INCREF(h);
-    PyList_SET_ITEM(hashes, 0, h);
-    ev = PyDict_New();
-    if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockStored) < 0
-        || PyDict_SetItem(ev, K_block_hashes, hashes) < 0
-        || PyDict_SetItem(ev, K_parent_block_hash, parent) < 0
-        || PyDict_SetItem(ev, K_token_ids, token_ids) < 0
-        || PyDict_SetItem(ev, K_block_size, block_size) < 0
-        || PyDict_SetItem(ev, K_lora_id, lora_id) < 0
-        || PyDict_SetItem(ev, K_medium, S_GPU) < 0
-        || PyDict_SetItem(ev, K_lora_name, Py_None) < 0 || PyList_Append(out, ev) < 0) {
-        Py_DECREF(hashes);
-        Py_DECREF(token_ids);
-        Py_XDECREF(ev);
-        r = FAIL;
-        goto done;
-    }
-    Py_DECREF(hashes);
-    Py_DECREF(token_ids);
-    PyObject_GC_UnTrack(ev); /* after the inserts: inserting a list would track it again */
-    Py_SETREF(*last, ev);
-    *n_stores += 1;
-    r = TAKE;
-done:
-    Py_XDECREF(h);
-    Py_XDECREF(parent);
-    return r;
-}
-
-/* One "removed" event; ``suppressed`` non-empty means Python must check each hash. */
-static int take_removed(PyObject *data, PyObject *out, PyObject **last, PyObject *suppressed,
-                        long *n_removes, long *n_removed) {
-    PyObject *raw, *hashes, *ev;
-    Py_ssize_t n, j;
-    int r, ext;
-
-    if ((r = get_item(data, K_block_hashes, &raw, 1)) != TAKE) return r;
-    if (!PyList_CheckExact(raw)) return LEAVE;
-    n = PyList_GET_SIZE(raw);
-    if (n == 0 || PyDict_GET_SIZE(suppressed) != 0) return LEAVE;
-    hashes = untracked(PyList_New(n));
-    if (hashes == NULL) return FAIL;
-    for (j = 0; j < n; j++) {
-        PyObject *h;
-        if ((r = wire_hash(PyList_GET_ITEM(raw, j), &h)) != TAKE) {
-            Py_DECREF(hashes);
-            return r;
-        }
-        PyList_SET_ITEM(hashes, j, h);
-    }
-    ext = is_removed_map(*last);
-    if (ext < 0) { Py_DECREF(hashes); return FAIL; }
-    if (ext) {
-        PyObject *lh = PyDict_GetItemWithError(*last, K_block_hashes);
-        if (lh == NULL || !PyList_CheckExact(lh)) {
-            Py_DECREF(hashes);
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_RuntimeError, "BlockRemoved map lost its list");
-            return FAIL;
-        }
-        r = list_extend(lh, hashes) < 0 ? FAIL : TAKE;
-        Py_DECREF(hashes);
-        *n_removed += n;
-        return r;
-    }
-    ev = PyDict_New();
-    if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockRemoved) < 0
-        || PyDict_SetItem(ev, K_block_hashes, hashes) < 0
-        || PyDict_SetItem(ev, K_medium, S_GPU) < 0 || PyList_Append(out, ev) < 0) {
-        Py_DECREF(hashes);
-        Py_XDECREF(ev);
-        return FAIL;
-    }
-    Py_DECREF(hashes);
-    PyObject_GC_UnTrack(ev);
-    Py_SETREF(*last, ev);
-    *n_removes += 1;
-    *n_removed += n;
-    return TAKE;
-}
-
-PyDoc_STRVAR(ingest_dicts_doc,
-"ingest_dicts(events, start, out, last, block_size, window, suppressed)\n"
-"    -> (stop, last, n_in, n_stores, n_stored, n_removes, n_removed)\n\n"
-"Convert events[start:] into wire maps appended to ``out`` (the rank's batch), coalescing\n"
-"with ``last`` (the batch's last map or None), until the first event the Python loop must\n"
-"handle; ``stop`` is its index (len(events) when all were taken). ``window`` is the published\n"
-"attention window (None = not known yet), ``suppressed`` the rank's unpublished hashes.");
-
-static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
-    PyObject *events, *out, *last, *block_size, *window, *suppressed, *result;
-    Py_ssize_t start, i, n, bs;
-    long n_in = 0, n_stores = 0, n_stored = 0, n_removes = 0, n_removed = 0;
-
-    if (!PyArg_ParseTuple(args, "O!nO!OO!OO!", &PyList_Type, &events, &start, &PyList_Type,
-                          &out, &last, &PyLong_Type, &block_size, &window, &PyDict_Type,
-                          &suppressed))
-        return NULL;
-    bs = PyLong_AsSsize_t(block_size);
-    if (bs == -1 && PyErr_Occurred()) return NULL;
-    Py_INCREF(last);
-    n = PyList_GET_SIZE(events);
-    for (i = start < 0 ? 0 : start; i < n; i++) {
-        PyObject *ev = PyList_GET_ITEM(events, i), *data, *kind, *v;
-        int r;
-        if (!PyDict_CheckExact(ev)) break;
-        if ((r = get_item(ev, K_data, &data, 1)) != TAKE) goto stop;
-        if (!PyDict_CheckExact(data)) break;
-        if ((r = get_item(data, K_type, &kind, 1)) != TAKE) goto stop;
-        if ((r = get_item(ev, K_window_size, &v, 0)) != TAKE) goto stop;
-        if (v != NULL && v != Py_None) {
-            if (window == Py_None || !PyLong_CheckExact(v) || !PyLong_CheckExact(window)) break;
-            r = PyObject_RichCompareBool(v, window, Py_EQ);
-            if (r < 0) goto fail;
-            if (r == 0) break;
-        }
-        if ((r = get_item(ev, K_attention_dp_rank, &v, 0)) != TAKE) goto stop;
-        if (v != NULL && v != Py_None) break;
-        if (str_is(kind, S_stored)) {
-            r = take_stored(data, out, &last, block_size, bs, &n_stores);
-            if (r == TAKE) n_stored += 1;
-        } else if (str_is(kind, S_removed)) {
-            r = take_removed(data, out, &last, suppressed, &n_removes, &n_removed);
-        } else {
-            break;
-        }
-    stop:
-        if (r == FAIL) goto fail;
-        if (r == LEAVE) break;
-        n_in += 1;
-    }
-    result = Py_BuildValue("nNlllll", i, last, n_in, n_stores, n_stored, n_removes, n_removed);
-    return result;
-fail:
-    Py_DECREF(last);
-    return NULL;
-}
-
-
-/* ==== consolidator.py: ConsolidatorCore, dedup mode ============================================
- *
- * The two per-block loops of the dedup core: a chain of stored blocks (_store_chain) and a
- * removal (_removed). Both work on the core's own Python structures (the rank's dicts and the
- * block lists, layout B_* below, the same as consolidator.py's _IDENT ...), so the Python
- * loops and these can take turns on one state. The rare branches call back into the Python
- * core (a derived published hash, a second alias, a release of the hash's previous block).
- * Called on the consolidator's ingest thread only, with the GIL held throughout.
- */
+static PyObject *K_type, *K_block_hashes, *K_parent_block_hash, *K_token_ids, *K_block_size,
+    *K_lora_id, *K_medium, *K_lora_name, *S_BlockStored, *S_BlockRemoved;
 
 enum { B_IDENT, B_PUB, B_WIRE, B_PARENT, B_CHILDREN, B_TOTAL, B_COUNTS, B_ALIAS_SLOT,
        B_ALIAS_EXT, B_MORE_ALIASES, B_LEN };
@@ -1195,7 +883,6 @@ fail:
 }
 
 static PyMethodDef methods[] = {
-    {"ingest_dicts", ingest_dicts, METH_VARARGS, ingest_dicts_doc},
     {"store_chain", store_chain, METH_VARARGS, store_chain_doc},
     {"remove_dedup", remove_dedup, METH_VARARGS, remove_dedup_doc},
     {"u64_hashes", u64_hashes, METH_O, u64_hashes_doc},
@@ -1206,36 +893,22 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "kvbm_plugin._speedups",
-    "Compiled fast paths (optional; every one has a Python reference in the package).", -1,
-    methods,
+    PyModuleDef_HEAD_INIT, "kvbm_plugin._consolidator_c",
+    "Compiled dedup loops of ConsolidatorCore (optional; consolidator.py holds the reference).",
+    -1, methods,
 };
 
-#define INTERN(var, text) \
-    if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
-
-PyMODINIT_FUNC PyInit__speedups(void) {
-    INTERN(K_data, "data");
+PyMODINIT_FUNC PyInit__consolidator_c(void) {
     INTERN(K_type, "type");
-    INTERN(K_window_size, "window_size");
-    INTERN(K_attention_dp_rank, "attention_dp_rank");
-    INTERN(K_blocks, "blocks");
-    INTERN(K_tokens, "tokens");
-    INTERN(K_token_id, "token_id");
-    INTERN(K_block_hash, "block_hash");
-    INTERN(K_parent_hash, "parent_hash");
-    INTERN(K_lora_id, "lora_id");
     INTERN(K_block_hashes, "block_hashes");
     INTERN(K_parent_block_hash, "parent_block_hash");
     INTERN(K_token_ids, "token_ids");
     INTERN(K_block_size, "block_size");
+    INTERN(K_lora_id, "lora_id");
     INTERN(K_medium, "medium");
     INTERN(K_lora_name, "lora_name");
-    INTERN(S_stored, "stored");
-    INTERN(S_removed, "removed");
     INTERN(S_BlockStored, "BlockStored");
     INTERN(S_BlockRemoved, "BlockRemoved");
-    INTERN(S_GPU, "GPU");
     INTERN(K_blocks_attr, "blocks");
     INTERN(K_known_attr, "known");
     INTERN(K_held_attr, "held");
