@@ -31,7 +31,7 @@ def run_all(quick: bool = False, device: str = "cpu") -> list[Row]:
 
     (Measured: right after the event-sink benchmark, whose stream is a few hundred MB of dicts,
     the consolidator ran about 25 % slower in the same interpreter until a full
-    ``gc.collect()``; the collections themselves were not the cost.)
+    ``gc.collect()``; collections during its run cost nothing measurable.)
     """
     rows: list[Row] = []
     spawn = mp.get_context("spawn")
