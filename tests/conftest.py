@@ -14,3 +14,4 @@ def ctx() -> Iterator[zmq.Context]:
     context = zmq.Context()
     yield context
     context.destroy(linger=0)
+

@@ -11,17 +11,16 @@ from collections.abc import Iterable
 from typing import Any
 
 import pytest
+from _loops import both_implementations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbm_plugin import _native
 from kvbm_plugin.consolidator import (
     SOURCE_ENGINE,
     SOURCE_TIERS,
     ConsolidatorCore,
     UnknownMediumError,
 )
-from kvbm_plugin.consolidator_config import NATIVE
 from kvbm_plugin.events import WireFormatError, to_signed_int64
 
 BS = 2
@@ -144,13 +143,7 @@ def tier_remove(core: ConsolidatorCore, tier: str, dp: int, paths: Iterable[Path
     core.remove(SOURCE_TIERS, tier, dp, [h(p) for p in paths])
 
 
-@pytest.fixture(autouse=True, params=["compiled", "python"])
-def block_loops(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test here runs with the compiled dedup block loops and with the Python ones."""
-    if request.param == "compiled" and _native.loops("consolidator", {}) is None:
-        pytest.skip("kvbm_plugin._consolidator_c was not built")
-    monkeypatch.setenv(NATIVE, "1" if request.param == "compiled" else "0")
-    return str(request.param)
+block_loops = both_implementations("consolidator")  # every test: compiled and Python loops
 
 
 @pytest.fixture

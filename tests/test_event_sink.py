@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import zmq
 from _kvwire import AllBlocksCleared, BlockRemoved, BlockStored, decode, free_port, join_sub, recv
+from _loops import both_implementations
 
-from kvbm_plugin import _native
-from kvbm_plugin.consolidator_config import NATIVE, Endpoint, PublisherSettings
+from kvbm_plugin.consolidator_config import Endpoint, PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink, attach_event_source, radix_key_hash
 from kvbm_plugin.events import WireFormatError
 from kvbm_plugin.publisher import EventPublisher, ZmqEventPublisher
@@ -19,13 +19,7 @@ from kvbm_plugin.publisher import EventPublisher, ZmqEventPublisher
 U64 = 1 << 64
 
 
-@pytest.fixture(autouse=True, params=["compiled", "python"])
-def ingest_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test here runs with the compiled ingest loop and with the Python one."""
-    if request.param == "compiled" and _native.loops("event_sink", {}) is None:
-        pytest.skip("kvbm_plugin._event_sink_c was not built")
-    monkeypatch.setenv(NATIVE, "1" if request.param == "compiled" else "0")
-    return str(request.param)
+ingest_loop = both_implementations("event_sink")  # every test: compiled and Python loops
 
 
 class Capture(EventPublisher):

@@ -12,9 +12,6 @@
 
 #include "_native_common.h"
 
-static PyObject *K_type, *K_block_hashes, *K_parent_block_hash, *K_token_ids, *K_block_size,
-    *K_lora_id, *K_medium, *K_lora_name, *S_BlockStored, *S_BlockRemoved;
-
 enum { B_IDENT, B_PUB, B_WIRE, B_PARENT, B_CHILDREN, B_TOTAL, B_COUNTS, B_ALIAS_SLOT,
        B_ALIAS_EXT, B_MORE_ALIASES, B_LEN };
 
@@ -90,19 +87,7 @@ static PyObject *stored_run(PyObject *wire, PyObject *parent_wire, PyObject *blo
     if (hashes == NULL) return NULL;
     Py_INCREF(wire);
     PyList_SET_ITEM(hashes, 0, wire);
-    ev = PyDict_New();
-    if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockStored) < 0
-        || PyDict_SetItem(ev, K_block_hashes, hashes) < 0
-        || PyDict_SetItem(ev, K_parent_block_hash, parent_wire) < 0
-        || PyDict_SetItem(ev, K_token_ids, Py_None) < 0
-        || PyDict_SetItem(ev, K_block_size, block_size) < 0
-        || PyDict_SetItem(ev, K_lora_id, lora_id) < 0
-        || PyDict_SetItem(ev, K_medium, medium) < 0
-        || PyDict_SetItem(ev, K_lora_name, lora_name) < 0) {
-        Py_DECREF(hashes);
-        Py_XDECREF(ev);
-        return NULL;
-    }
+    ev = stored_map(hashes, parent_wire, Py_None, block_size, lora_id, medium, lora_name);
     Py_DECREF(hashes);
     return ev;
 }
@@ -407,6 +392,24 @@ static PyObject *slot_map(PyObject *list, Py_ssize_t index) {
     return m;
 }
 
+/* The slot an event's medium names (through the Python code's medium cache) and its hashes in
+ * u64 form (new list), or LEAVE: a medium spelling not seen yet, a hash that is not an int. */
+static int event_slot_hashes(PyObject *raw_hashes, PyObject *medium, PyObject *source,
+                             PyObject *cache, Py_ssize_t *slot_index, PyObject **hashes) {
+    Py_ssize_t tier;
+    int r;
+    if ((r = cached_tier(cache, medium, &tier)) != TAKE) return r;
+    *slot_index = PyLong_AsSsize_t(source) * C_media + tier;
+    if (PyErr_Occurred()) return FAIL;
+    *hashes = u64_hashes(NULL, raw_hashes);
+    if (*hashes == NULL) return FAIL;
+    if (*hashes == Py_None) {
+        Py_CLEAR(*hashes);
+        return LEAVE;
+    }
+    return TAKE;
+}
+
 /* ConsolidatorCore._stored + _store_chain for one BlockStored map (dedup), or LEAVE with
  * nothing changed. */
 static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject *cache,
@@ -416,7 +419,7 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
     PyObject *hashes = NULL, *parent_ext = NULL, *slot = NULL, *blocks = NULL, *known = NULL;
     PyObject *held = NULL, *published = NULL, *out = NULL, *parent = Py_None, *pident = NULL;
     PyObject *parent_wire = NULL, *counts = NULL, *known_slot, *held_slot;
-    Py_ssize_t bs, n, tier, slot_index, unknown_parents = 0, run_info[4];
+    Py_ssize_t bs, n, slot_index, unknown_parents = 0, run_info[4];
     int r = FAIL, mutated = 0;
 
     if (C_root == NULL) {
@@ -441,15 +444,8 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
     }
     n = PyList_GET_SIZE(raw_hashes);
     if (bs <= 0 || n == 0 || PyList_GET_SIZE(tokens) != n * bs) return LEAVE;
-    if ((r = cached_tier(cache, medium, &tier)) != TAKE) return r;
-    slot_index = PyLong_AsSsize_t(source) * C_media + tier;
-    if (PyErr_Occurred()) return FAIL;
-    hashes = u64_hashes(NULL, raw_hashes);
-    if (hashes == NULL) return FAIL;
-    if (hashes == Py_None) {
-        Py_DECREF(hashes);
-        return LEAVE;
-    }
+    if ((r = event_slot_hashes(raw_hashes, medium, source, cache, &slot_index, &hashes)) != TAKE)
+        return r;
     r = FAIL;
     if (lora_id == NULL) lora_id = Py_None;
     if (lora_name == NULL) lora_name = Py_None;
@@ -557,21 +553,14 @@ static int removed_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject
                        Py_ssize_t *cnt) {
     PyObject *raw_hashes, *medium, *hashes = NULL, *blocks = NULL, *known = NULL, *held = NULL;
     PyObject *published = NULL, *out = NULL, *last = NULL, *wires = NULL, *held_slot;
-    Py_ssize_t tier, slot_index, unknown = 0, nw;
+    Py_ssize_t slot_index, unknown = 0, nw;
     int r;
 
     if (field(raw, K_block_hashes, &raw_hashes) < 0 || field(raw, K_medium, &medium) < 0)
         return FAIL;
     if (raw_hashes == NULL || !PyList_CheckExact(raw_hashes)) return LEAVE;
-    if ((r = cached_tier(cache, medium, &tier)) != TAKE) return r;
-    slot_index = PyLong_AsSsize_t(source) * C_media + tier;
-    if (PyErr_Occurred()) return FAIL;
-    hashes = u64_hashes(NULL, raw_hashes);
-    if (hashes == NULL) return FAIL;
-    if (hashes == Py_None) {
-        Py_DECREF(hashes);
-        return LEAVE;
-    }
+    if ((r = event_slot_hashes(raw_hashes, medium, source, cache, &slot_index, &hashes)) != TAKE)
+        return r;
     r = FAIL;
     blocks = PyObject_GetAttr(rank, K_blocks_attr);
     known = PyObject_GetAttr(rank, K_known_attr);
@@ -615,10 +604,8 @@ static int removed_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject
             }
             if (list_extend(lh, wires) < 0) goto done;
         } else {
-            PyObject *ev = PyDict_New();
-            if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockRemoved) < 0
-                || PyDict_SetItem(ev, K_block_hashes, wires) < 0
-                || PyDict_SetItem(ev, K_medium, C_gpu) < 0 || PyList_Append(out, ev) < 0
+            PyObject *ev = removed_map(wires, C_gpu);
+            if (ev == NULL || PyList_Append(out, ev) < 0
                 || PyObject_SetAttr(rank, K_last_remove_attr, ev) < 0) {
                 Py_XDECREF(ev);
                 goto done;
@@ -899,16 +886,7 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC PyInit__consolidator_c(void) {
-    INTERN(K_type, "type");
-    INTERN(K_block_hashes, "block_hashes");
-    INTERN(K_parent_block_hash, "parent_block_hash");
-    INTERN(K_token_ids, "token_ids");
-    INTERN(K_block_size, "block_size");
-    INTERN(K_lora_id, "lora_id");
-    INTERN(K_medium, "medium");
-    INTERN(K_lora_name, "lora_name");
-    INTERN(S_BlockStored, "BlockStored");
-    INTERN(S_BlockRemoved, "BlockRemoved");
+    if (intern_wire_keys() < 0) return NULL;
     INTERN(K_blocks_attr, "blocks");
     INTERN(K_known_attr, "known");
     INTERN(K_held_attr, "held");

@@ -18,10 +18,9 @@
 
 #include "_native_common.h"
 
-static PyObject *K_data, *K_type, *K_window_size, *K_attention_dp_rank, *K_blocks, *K_tokens,
-    *K_token_id, *K_block_hash, *K_parent_hash, *K_lora_id, *K_block_hashes,
-    *K_parent_block_hash, *K_token_ids, *K_block_size, *K_medium, *K_lora_name;
-static PyObject *S_stored, *S_removed, *S_BlockStored, *S_BlockRemoved, *S_GPU;
+static PyObject *K_data, *K_window_size, *K_attention_dp_rank, *K_blocks, *K_tokens, *K_token_id,
+    *K_block_hash, *K_parent_hash;
+static PyObject *S_stored, *S_removed, *S_GPU;
 
 /* Borrowed d[key] (NULL if absent) for an exact dict; LEAVE if absent and required. */
 static int get_item(PyObject *d, PyObject *key, PyObject **out, int required) {
@@ -163,15 +162,8 @@ static int take_stored(PyObject *data, PyObject *out, PyObject **last, PyObject 
     if (hashes == NULL) { Py_DECREF(token_ids); r = FAIL; goto done; }
     Py_INCREF(h);
     PyList_SET_ITEM(hashes, 0, h);
-    ev = PyDict_New();
-    if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockStored) < 0
-        || PyDict_SetItem(ev, K_block_hashes, hashes) < 0
-        || PyDict_SetItem(ev, K_parent_block_hash, parent) < 0
-        || PyDict_SetItem(ev, K_token_ids, token_ids) < 0
-        || PyDict_SetItem(ev, K_block_size, block_size) < 0
-        || PyDict_SetItem(ev, K_lora_id, lora_id) < 0
-        || PyDict_SetItem(ev, K_medium, S_GPU) < 0
-        || PyDict_SetItem(ev, K_lora_name, Py_None) < 0 || PyList_Append(out, ev) < 0) {
+    ev = stored_map(hashes, parent, token_ids, block_size, lora_id, S_GPU, Py_None);
+    if (ev == NULL || PyList_Append(out, ev) < 0) {
         Py_DECREF(hashes);
         Py_DECREF(token_ids);
         Py_XDECREF(ev);
@@ -226,10 +218,8 @@ static int take_removed(PyObject *data, PyObject *out, PyObject **last, PyObject
         *n_removed += n;
         return r;
     }
-    ev = PyDict_New();
-    if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockRemoved) < 0
-        || PyDict_SetItem(ev, K_block_hashes, hashes) < 0
-        || PyDict_SetItem(ev, K_medium, S_GPU) < 0 || PyList_Append(out, ev) < 0) {
+    ev = removed_map(hashes, S_GPU);
+    if (ev == NULL || PyList_Append(out, ev) < 0) {
         Py_DECREF(hashes);
         Py_XDECREF(ev);
         return FAIL;
@@ -312,8 +302,8 @@ static struct PyModuleDef module_def = {
 };
 
 PyMODINIT_FUNC PyInit__event_sink_c(void) {
+    if (intern_wire_keys() < 0) return NULL;
     INTERN(K_data, "data");
-    INTERN(K_type, "type");
     INTERN(K_window_size, "window_size");
     INTERN(K_attention_dp_rank, "attention_dp_rank");
     INTERN(K_blocks, "blocks");
@@ -321,17 +311,8 @@ PyMODINIT_FUNC PyInit__event_sink_c(void) {
     INTERN(K_token_id, "token_id");
     INTERN(K_block_hash, "block_hash");
     INTERN(K_parent_hash, "parent_hash");
-    INTERN(K_lora_id, "lora_id");
-    INTERN(K_block_hashes, "block_hashes");
-    INTERN(K_parent_block_hash, "parent_block_hash");
-    INTERN(K_token_ids, "token_ids");
-    INTERN(K_block_size, "block_size");
-    INTERN(K_medium, "medium");
-    INTERN(K_lora_name, "lora_name");
     INTERN(S_stored, "stored");
     INTERN(S_removed, "removed");
-    INTERN(S_BlockStored, "BlockStored");
-    INTERN(S_BlockRemoved, "BlockRemoved");
     INTERN(S_GPU, "GPU");
     return PyModule_Create(&module_def);
 }

@@ -25,4 +25,52 @@ static inline int list_extend(PyObject *list, PyObject *items) {
     return PyList_SetSlice(list, n, n, items);
 }
 
+/* The wire format's map keys and event tags (vLLM's field names), one copy per extension. */
+static PyObject *K_type, *K_block_hashes, *K_parent_block_hash, *K_token_ids, *K_block_size,
+    *K_lora_id, *K_medium, *K_lora_name, *S_BlockStored, *S_BlockRemoved;
+
+static int intern_wire_keys(void) {
+    return ((K_type = PyUnicode_InternFromString("type")) == NULL
+            || (K_block_hashes = PyUnicode_InternFromString("block_hashes")) == NULL
+            || (K_parent_block_hash = PyUnicode_InternFromString("parent_block_hash")) == NULL
+            || (K_token_ids = PyUnicode_InternFromString("token_ids")) == NULL
+            || (K_block_size = PyUnicode_InternFromString("block_size")) == NULL
+            || (K_lora_id = PyUnicode_InternFromString("lora_id")) == NULL
+            || (K_medium = PyUnicode_InternFromString("medium")) == NULL
+            || (K_lora_name = PyUnicode_InternFromString("lora_name")) == NULL
+            || (S_BlockStored = PyUnicode_InternFromString("BlockStored")) == NULL
+            || (S_BlockRemoved = PyUnicode_InternFromString("BlockRemoved")) == NULL) ? -1 : 0;
+}
+
+/* A BlockStored wire map, keys in the order the Python code builds them (new reference). */
+static PyObject *stored_map(PyObject *hashes, PyObject *parent, PyObject *token_ids,
+                            PyObject *block_size, PyObject *lora_id, PyObject *medium,
+                            PyObject *lora_name) {
+    PyObject *ev = PyDict_New();
+    if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockStored) < 0
+        || PyDict_SetItem(ev, K_block_hashes, hashes) < 0
+        || PyDict_SetItem(ev, K_parent_block_hash, parent) < 0
+        || PyDict_SetItem(ev, K_token_ids, token_ids) < 0
+        || PyDict_SetItem(ev, K_block_size, block_size) < 0
+        || PyDict_SetItem(ev, K_lora_id, lora_id) < 0
+        || PyDict_SetItem(ev, K_medium, medium) < 0
+        || PyDict_SetItem(ev, K_lora_name, lora_name) < 0) {
+        Py_XDECREF(ev);
+        return NULL;
+    }
+    return ev;
+}
+
+/* A BlockRemoved wire map (new reference). */
+static PyObject *removed_map(PyObject *hashes, PyObject *medium) {
+    PyObject *ev = PyDict_New();
+    if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockRemoved) < 0
+        || PyDict_SetItem(ev, K_block_hashes, hashes) < 0
+        || PyDict_SetItem(ev, K_medium, medium) < 0) {
+        Py_XDECREF(ev);
+        return NULL;
+    }
+    return ev;
+}
+
 #endif
