@@ -325,7 +325,8 @@ static int field(PyObject *raw, PyObject *key, PyObject **out) {
     return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
 }
 
-/* u64 form of an exact int (new reference), as ``value & (2**64 - 1)``. */
+/* u64 form of an exact int (new reference), as ``value & (2**64 - 1)``; the int itself when it
+ * already is one. */
 static PyObject *u64_of(PyObject *h) {
     int overflow = 0;
     long long v = PyLong_AsLongLongAndOverflow(h, &overflow);
@@ -842,31 +843,18 @@ static PyObject *u64_hashes(PyObject *module, PyObject *values) {
     if (out == NULL) return NULL;
     for (i = 0; i < n; i++) {
         PyObject *h = PyList_GET_ITEM(values, i), *u64;
-        int overflow = 0;
-        long long v;
         if (!PyLong_CheckExact(h)) {
             Py_DECREF(out);
             Py_RETURN_NONE;
         }
-        v = PyLong_AsLongLongAndOverflow(h, &overflow);
-        if (overflow == 0 && v >= 0) { /* already its u64 form */
-            Py_INCREF(h);
-            PyList_SET_ITEM(out, i, h);
-            continue;
+        u64 = u64_of(h);
+        if (u64 == NULL) {
+            Py_DECREF(out);
+            return NULL;
         }
-        if (v == -1 && overflow == 0 && PyErr_Occurred()) goto fail;
-        {
-            unsigned long long u = PyLong_AsUnsignedLongLongMask(h);
-            if (u == (unsigned long long)-1 && PyErr_Occurred()) goto fail;
-            u64 = PyLong_FromUnsignedLongLong(u);
-        }
-        if (u64 == NULL) goto fail;
         PyList_SET_ITEM(out, i, u64);
     }
     return out;
-fail:
-    Py_DECREF(out);
-    return NULL;
 }
 
 static PyMethodDef methods[] = {

@@ -289,7 +289,6 @@ fail:
     return NULL;
 }
 
-
 static PyMethodDef methods[] = {
     {"ingest_dicts", ingest_dicts, METH_VARARGS, ingest_dicts_doc},
     {NULL, NULL, 0, NULL},
