@@ -99,7 +99,7 @@ PyDoc_STRVAR(store_chain_doc,
 "The block loop of ConsolidatorCore._store_chain in dedup mode, on the same structures.\n"
 "Identities are computed first (an unhashable token raises before anything changed).");
 
-/* The chain loop shared by store_chain and apply_stored (arguments as store_chain's). */
+/* The chain loop shared by store_chain and stored_one (arguments as store_chain's). */
 static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObject *held,
                        PyObject *published, PyObject *out, PyObject *hashes, PyObject *tokens,
                        PyObject *bs_obj, PyObject *parent, PyObject *pident,
@@ -301,7 +301,7 @@ static PyObject *K_blocks_attr, *K_known_attr, *K_held_attr, *K_published_attr, 
 
 PyDoc_STRVAR(core_constants_doc,
 "core_constants(root, unknown_parent, num_media, medium_gpu)\n\n"
-"The consolidator's constants, set once at import (apply_stored needs them).");
+"The consolidator's constants, set once at import (apply_events needs them).");
 
 static PyObject *core_constants(PyObject *module, PyObject *args) {
     PyObject *root, *unknown, *gpu;
@@ -628,27 +628,6 @@ done:
     return r;
 }
 
-PyDoc_STRVAR(apply_stored_doc,
-"apply_stored(rank, raw, source, medium_cache, fresh_pub, add_alias, release)\n"
-"    -> counts | None\n\n"
-"ConsolidatorCore._stored + _store_chain for one BlockStored map in dedup mode, when it needs\n"
-"no decision of the Python code (exact types, valid shape, a medium spelling it has seen,\n"
-"tokens present). None: nothing was changed; the Python code takes the event (and raises or\n"
-"counts what is wrong with it). ``counts``: the counter deltas (see _add_counts).");
-
-static PyObject *apply_stored(PyObject *module, PyObject *args) {
-    PyObject *rank, *raw, *source, *cache, *fresh_pub, *add_alias, *release;
-    Py_ssize_t cnt[N_COUNTS] = {0};
-    int r;
-    if (!PyArg_ParseTuple(args, "OO!O!O!OOO", &rank, &PyDict_Type, &raw, &PyLong_Type, &source,
-                          &PyDict_Type, &cache, &fresh_pub, &add_alias, &release))
-        return NULL;
-    r = stored_one(rank, raw, source, cache, fresh_pub, add_alias, release, cnt);
-    if (r == FAIL) return NULL;
-    if (r == LEAVE) Py_RETURN_NONE;
-    return counts_tuple(cnt);
-}
-
 PyDoc_STRVAR(apply_events_doc,
 "apply_events(rank, events, start, source, medium_cache, fresh_pub, add_alias, release)\n"
 "    -> (stop, counts, error)\n\n"
@@ -861,7 +840,6 @@ static PyMethodDef methods[] = {
     {"store_chain", store_chain, METH_VARARGS, store_chain_doc},
     {"remove_dedup", remove_dedup, METH_VARARGS, remove_dedup_doc},
     {"u64_hashes", u64_hashes, METH_O, u64_hashes_doc},
-    {"apply_stored", apply_stored, METH_VARARGS, apply_stored_doc},
     {"apply_events", apply_events, METH_VARARGS, apply_events_doc},
     {"core_constants", core_constants, METH_VARARGS, core_constants_doc},
     {NULL, NULL, 0, NULL},

@@ -41,6 +41,18 @@ def loops(module: str, env: Mapping[str, str] | None = None) -> ModuleType | Non
     return _built[module]
 
 
+def choose(module: str, native: bool | None, owner: str) -> ModuleType | None:
+    """The loops a component's ``native=`` argument asks for: None = the compiled ones when
+    built and not switched off by ``DYN_KVBM_NATIVE``, False = never, True = the compiled ones
+    or ValueError naming ``owner``."""
+    if native is False:
+        return None
+    compiled = loops(module, None if native is None else {})
+    if native and compiled is None:
+        raise ValueError(f"{owner}: native=True but kvbm_plugin._{module}_c was not built")
+    return compiled
+
+
 def describe(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
     """(all in use, one line for ``kvbm-plugin doctor``)."""
     missing = sorted(name for name, module in _built.items() if module is None)

@@ -192,11 +192,7 @@ class ConsolidatorCore:
         # The compiled dedup block loops (None: the Python ones). ``native`` as for KvEventSink:
         # None = when built and not switched off by DYN_KVBM_NATIVE, False = never, True = or
         # ValueError. Passthrough mode always runs the Python loops.
-        module = _native.loops("consolidator", None if native is None else {}) \
-            if native is not False else None
-        if native and module is None:
-            raise ValueError(f"{type(self).__name__}: native=True but "
-                             "kvbm_plugin._consolidator_c was not built")
+        module = _native.choose("consolidator", native, type(self).__name__)
         self._native = module if self._dedup else None
         if self._native is not None:
             self._native.core_constants(_ROOT, _UNKNOWN_PARENT, len(MEDIA), MEDIUM_GPU)
@@ -218,15 +214,6 @@ class ConsolidatorCore:
         if type(raw) is dict:
             kind = raw.get("type")
             if kind == "BlockStored":
-                native = self._native
-                rank = self._ranks.get(dp_rank)
-                if native is not None and rank is not None:
-                    done = native.apply_stored(rank, raw, source, self._medium_cache,
-                                               self._fresh_pub, self._add_alias,
-                                               self._release)
-                    if done is not None:  # else nothing changed: the Python code decides
-                        self._add_counts(rank, done)
-                        return
                 self._stored(dp_rank, source, raw.get("block_hashes"),
                              raw.get("parent_block_hash"), raw.get("token_ids"),
                              raw.get("block_size"), raw.get("medium"), raw.get("lora_id"),
@@ -700,50 +687,21 @@ class ConsolidatorCore:
                 else:
                     self._release(rank, block, group, MEDIA[group])
             return
+        # Dedup: the blocks now resident nowhere, one output event per call.
         if self._native is not None:
             wires, unknown = self._native.remove_dedup(rank.blocks, rank.known, rank.held[slot],
                                                        rank.published, hashes)
-            if unknown:
-                self._n_unknown_removes += unknown
-            if wires:
-                rank.visible -= len(wires)
-                self._emit_removes(rank, wires, MEDIUM_GPU)
-            return
-        # Dedup hot path: _release and _collect inlined, one output event per call.
-        wires: list[int] = []
-        blocks = rank.blocks
-        known = rank.known
-        published = rank.published
-        unknown = 0
-        for ext in hashes:
-            block = held_pop(ext, None)
-            if block is None:
-                unknown += 1
-                continue
-            total = block[_TOTAL] - 1
-            block[_TOTAL] = total
-            if total:
-                continue
-            wires.append(block[_WIRE])
-            while not block[_CHILDREN]:  # resident nowhere and no child: forget it
-                del blocks[block[_IDENT]]
-                slot_map = known[block[_ALIAS_SLOT]]
-                if slot_map.get(block[_ALIAS_EXT]) is block:
-                    del slot_map[block[_ALIAS_EXT]]
-                if block[_MORE_ALIASES] is not None:
-                    for alias_slot, alias_ext in block[_MORE_ALIASES]:
-                        slot_map = known[alias_slot]
-                        if slot_map.get(alias_ext) is block:
-                            del slot_map[alias_ext]
-                if published.get(block[_PUB]) is block:
-                    del published[block[_PUB]]
-                parent = block[_PARENT]
-                if parent is None:
-                    break
-                parent[_CHILDREN] -= 1
-                if parent[_TOTAL]:
-                    break
-                block = parent
+        else:
+            wires, unknown = [], 0
+            for ext in hashes:
+                block = held_pop(ext, None)
+                if block is None:
+                    unknown += 1
+                    continue
+                block[_TOTAL] -= 1
+                if not block[_TOTAL]:
+                    wires.append(block[_WIRE])
+                    self._collect(rank, block)
         if unknown:
             self._n_unknown_removes += unknown
         if wires:

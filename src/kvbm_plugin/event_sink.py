@@ -137,11 +137,7 @@ class KvEventSink:
         self._strict = strict
         self._owns_publisher = owns_publisher
         # The compiled ingest loop, when built (None: the Python loop alone).
-        module = _native.loops("event_sink", None if native is None else {}) \
-            if native is not False else None
-        if native and module is None:
-            raise ValueError("KvEventSink: native=True but kvbm_plugin._event_sink_c was not "
-                             "built")
+        module = _native.choose("event_sink", native, "KvEventSink")
         self._native: Callable[..., tuple[Any, ...]] | None = (
             None if module is None else module.ingest_dicts)
         self._lock = threading.Lock()
