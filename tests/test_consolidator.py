@@ -625,6 +625,35 @@ def test_output_is_published_inline_by_the_ingest_thread(ipc_dir, start, raw_ran
     assert [h for b in batches for e in b.events for h in e.block_hashes] == [1, 2]
 
 
+def test_inline_output_of_a_stuck_ingest_thread_is_closed_by_that_thread(ipc_dir, raw_rank,
+                                                                          monkeypatch):
+    """shutdown() must not close sockets another thread is using: when the ingest thread does not
+    stop in time, its inline output stays open until that thread ends and closes it."""
+    release = threading.Event()
+    looping = threading.Event()
+
+    def stuck_loop(self, *args: Any) -> None:  # ignores the stop flag until released
+        looping.set()
+        release.wait(10.0)
+
+    monkeypatch.setattr(KvEventConsolidator, "_loop", stuck_loop)
+    config = make_config(ipc_dir, replay=False)
+    raw_rank(config)
+    consolidator = KvEventConsolidator(config)
+    consolidator.start()
+    try:
+        assert looping.wait(5.0)
+        output = consolidator._publisher
+        consolidator.shutdown(0.2)
+        assert consolidator._thread is not None and consolidator._thread.is_alive()
+        assert output.replay_socket is not None  # still open: the ingest thread owns it
+    finally:
+        release.set()
+    wait_for(lambda: not consolidator._thread.is_alive(), what="ingest thread end")
+    assert output.replay_socket is None  # closed by the ingest thread on its way out
+    assert output.publish([]) is False  # and closed for good
+
+
 def test_another_publisher_kind_comes_from_the_factory(ipc_dir, start, raw_rank):
     env = {EVENTS_ENDPOINT: f"ipc://{ipc_dir}/ev", OUTPUT_ENDPOINT: f"ipc://{ipc_dir}/out",
            "DYN_KVBM_KV_EVENTS_PUBLISHER": "null"}

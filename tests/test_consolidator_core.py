@@ -540,6 +540,29 @@ def test_a_hash_reused_along_one_chain_keeps_the_state_consistent(core):
     assert core.stats()["blocks_tracked"] == 0
 
 
+def test_an_event_that_fails_part_way_is_reported_and_the_batch_goes_on(core, monkeypatch):
+    """apply_events: an event that raises (here: a bug in the release of the block a reused
+    hash named) goes to on_error as a WireFormatError naming the exception; the events before
+    and after it are applied and counted."""
+    def stored(h: int, tokens: list[int]) -> dict[str, Any]:
+        return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None,
+                "token_ids": tokens, "block_size": BS, "medium": "GPU"}
+
+    core.apply_event(0, stored(1, [0, 0]))  # the rank exists: the compiled loop takes batches
+
+    def broken_release(*args: Any) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(core, "_release", broken_release)
+    errors: list[str] = []
+    applied = core.apply_events(0, [stored(7, [1, 1]), stored(7, [2, 2]), stored(9, [3, 3])],
+                                lambda exc: errors.append(str(exc)))
+    assert errors == ["RuntimeError: boom"]
+    assert applied == 2
+    assert core.stats()["stores_in"] == 3  # 1, 7 and 9; not the event that failed
+    assert 9 in core.resident_in(SOURCE_ENGINE, "GPU", 0)
+
+
 def test_remove_for_a_block_never_stored_publishes_nothing(core):
     engine_remove(core, 0, [(1,), (2,)])
     tier_remove(core, "DISK", 0, [(3,)])
