@@ -415,3 +415,142 @@ def test_stats_read_a_snapshot_of_the_ranks() -> None:
 
     sink._ranks[1] = AddsARankWhenRead()  # type: ignore[assignment]
     assert sink.stats()["pending_events"] == 0
+
+
+# ---- a store is checked whole before it touches the batch -------------------------------------
+
+def _stored_raw(parent: int | None, *blocks: tuple[int, list[Any]], **data: Any) -> dict[str, Any]:
+    """A stored event whose tokens are given as raw token dicts (to make them malformed)."""
+    return {"event_id": 0, "window_size": 64, "data": {
+        "type": "stored", "parent_hash": parent, **data,
+        "blocks": [{"type": "stored_block", "block_hash": h, "tokens": t, "cache_level": 0,
+                    "priority": 35} for h, t in blocks]}}
+
+
+GOOD_100 = BlockStored(block_hashes=[100], parent_block_hash=None, token_ids=[1, 2],
+                       block_size=2, lora_id=None, medium="GPU", lora_name=None)
+
+
+@pytest.mark.parametrize("bad_block", [
+    (200, [{"token_id": 3}, {"type": "unique_token"}]),  # no token_id: one-block fast path
+    (200, [{"token_id": 3}, {"token_id": 1 << 32}]),  # not a u32
+    (200, [{"token_id": 3}, {"token_id": -1}]),
+    (200, [{"token_id": 3}, {"token_id": 2.0}]),
+    (200, [{"token_id": 3}, {"token_id": True}]),
+], ids=["missing", "over-u32", "negative", "float", "bool"])
+def test_a_bad_token_leaves_the_batched_store_intact(bad_block: tuple[int, list[Any]]) -> None:
+    """A store extending the previous block whose tokens turn out malformed must not append its
+    hash (or any token) to that block's BlockStored, nor count a store."""
+    cap = Capture()
+    sink = KvEventSink(cap, block_size=2)
+    sink.ingest([stored(None, (100, [1, 2])), _stored_raw(100, bad_block)])
+    sink.ingest([_stored_raw(100, (200, toks(3, 4)), bad_block)])  # the multi-block path
+    assert sink.flush()
+    assert cap.batches == [(0, [GOOD_100])]
+    stats = sink.stats()
+    assert (stats["stores"], stats["blocks_stored"], stats["malformed_events"]) == (1, 1, 2)
+
+
+def test_a_bad_token_raises_in_strict_mode_and_changes_nothing() -> None:
+    sink, cap = sink_with()
+    sink.ingest([stored(None, (100, [1, 2]))])
+    with pytest.raises(WireFormatError, match="token_id"):
+        sink.ingest([_stored_raw(100, (200, [{"token_id": 3}, {"type": "unique_token"}]))])
+    assert sink.flush()
+    assert cap.batches == [(0, [GOOD_100])]
+    assert sink.stats()["stores"] == 1
+
+
+def test_a_malformed_store_suppresses_nothing() -> None:
+    """A store with a partial block and a malformed later hash is rejected whole: its partial
+    block is not remembered as suppressed, and its full blocks are not published."""
+    cap = Capture()
+    sink = KvEventSink(cap, block_size=2)
+    sink.ingest([stored(None, (100, [1, 2]))])
+    sink.ingest([_stored_raw(100, (1, toks(1, 2)), (2, toks(3)), ("x", toks(5)))])
+    sink.ingest([removed(2)])
+    assert sink.flush()
+    assert cap.batches == [(0, [GOOD_100, BlockRemoved(block_hashes=[2], medium="GPU")])]
+    stats = sink.stats()
+    assert stats["partial_blocks_suppressed"] == 0 and stats["malformed_events"] == 1
+
+
+class _Ext:
+    """Stands in for a msgpack ``Timestamp`` / ``ExtType``: hashable, comparable, not an int."""
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Ext)
+
+    def __hash__(self) -> int:
+        return 7
+
+
+@pytest.mark.parametrize("lora_id", ["a", 1.5, True, -1, 1 << 64, _Ext()],
+                         ids=["str", "float", "bool", "negative", "u64-overflow", "ext"])
+def test_a_store_with_a_bad_lora_id_is_rejected(lora_id: Any) -> None:
+    """lora_id is None or a u64 (TRT-LLM's task id): anything else would fail the encoder later
+    and lose the whole batch; here it loses only its own event, counted."""
+    cap = Capture()
+    sink = KvEventSink(cap, block_size=2)
+    sink.ingest([stored(None, (100, [1, 2])),
+                 _stored_raw(100, (200, toks(3, 4)), lora_id=lora_id),
+                 _stored_raw(100, (300, toks(3, 4)), (301, toks(5, 6)), lora_id=lora_id),
+                 _stored_raw(None, (7, toks(1, 1)), lora_id=5),
+                 _stored_raw(7, (8, toks(1, 1)), lora_id=0)])
+    assert sink.flush()  # encodes: nothing odd reached the batch
+    assert cap.batches == [(0, [
+        GOOD_100,
+        BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[1, 1], block_size=2,
+                    lora_id=5, medium="GPU", lora_name=None),
+        BlockStored(block_hashes=[8], parent_block_hash=7, token_ids=[1, 1], block_size=2,
+                    lora_id=None, medium="GPU", lora_name=None)])]
+    assert sink.stats()["malformed_events"] == 2
+
+
+def test_token_ids_of_any_other_type_are_rejected() -> None:
+    cap = Capture()
+    sink = KvEventSink(cap, block_size=2)
+    sink.ingest([_stored_raw(None, (1, [{"token_id": _Ext()}, {"token_id": 1}])),
+                 _stored_raw(None, (2, [{"token_id": "1"}, {"token_id": 1}])),
+                 _stored_raw(None, (3, [{"token_id": 0}, {"token_id": (1 << 32) - 1}]))])
+    assert sink.flush()
+    assert cap.batches == [(0, [BlockStored(
+        block_hashes=[3], parent_block_hash=None, token_ids=[0, (1 << 32) - 1], block_size=2,
+        lora_id=None, medium="GPU", lora_name=None)])]
+    assert sink.stats()["malformed_events"] == 2
+
+
+# ---- dp ranks are bounded -----------------------------------------------------------------------
+
+def test_dp_ranks_beyond_the_bound_are_refused_and_counted(caplog: pytest.LogCaptureFixture
+                                                           ) -> None:
+    """Each dp rank costs state for the sink's lifetime: a stream of bogus ranks must not grow
+    it. Ranks below max_dp_ranks, the sink's own and those with a publisher are accepted."""
+    cap, extra = Capture(), Capture()
+    sink = KvEventSink(cap, block_size=2, data_parallel_rank=9, max_dp_ranks=4,
+                       rank_publishers={12: extra})
+    events = [removed(1, rank=r) for r in (0, 3, 9, 12)]
+    events += [removed(2, rank=r) for r in range(4, 2000) if r not in (9, 12)]
+    with caplog.at_level("WARNING", logger="kvbm_plugin.event_sink"):
+        sink.ingest(events)
+    assert sorted(sink._ranks) == [0, 3, 9, 12]
+    stats = sink.stats()
+    assert stats["unknown_dp_rank_events"] == len(events) - 4
+    assert stats["blocks_removed"] == 4 and stats["malformed_events"] == 0
+    assert 0 < sum("attention_dp_rank" in r.getMessage() for r in caplog.records) < 5
+    assert sink.flush()
+    assert sorted(rank for rank, _ in cap.batches + extra.batches) == [0, 3, 9, 12]
+    strict = KvEventSink(Capture(), block_size=2, max_dp_ranks=4, strict=True)
+    with pytest.raises(WireFormatError, match="attention_dp_rank=4"):
+        strict.ingest([removed(1, rank=4)])
+    with pytest.raises(ValueError, match="max_dp_ranks"):
+        KvEventSink(Capture(), block_size=2, max_dp_ranks=0)
+
+
+def test_the_default_rank_bound() -> None:
+    from kvbm_plugin.events import MAX_DP_RANKS
+
+    sink = KvEventSink(Capture(), block_size=2)
+    sink.ingest([removed(1, rank=MAX_DP_RANKS - 1), removed(1, rank=MAX_DP_RANKS)])
+    assert sink.stats()["unknown_dp_rank_events"] == 1
+    assert sorted(sink._ranks) == [0, MAX_DP_RANKS - 1]

@@ -13,7 +13,10 @@
  *
  * Called with the sink's lock held, on the thread that ingests (the executor thread or the
  * KV-event dispatch thread). Holds the GIL throughout and calls no Python code: every object
- * it reads is an exact dict, list, str or int.
+ * it reads is an exact list, str or int, or an exact dict whose keys are all exact str (a key
+ * of another type could run its own __eq__ during a lookup and free what is held borrowed;
+ * such an event goes to the Python loop). A store is checked whole (token ids u32, lora_id
+ * None or u64) before the batch changes.
  */
 
 #include "_native_common.h"
@@ -106,14 +109,14 @@ static int take_stored(PyObject *data, PyObject *out, PyObject **last, PyObject 
     if ((r = get_item(data, K_blocks, &blocks, 1)) != TAKE) return r;
     if (!PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != 1) return LEAVE;
     block = PyList_GET_ITEM(blocks, 0);
-    if (!PyDict_CheckExact(block)) return LEAVE;
+    if (!PyDict_CheckExact(block) || !str_keys_only(block)) return LEAVE;
     if ((r = get_item(block, K_tokens, &tokens, 1)) != TAKE) return r;
     if (!PyList_CheckExact(tokens) || PyList_GET_SIZE(tokens) != bs) return LEAVE;
     if ((r = get_item(block, K_block_hash, &raw, 1)) != TAKE) return r;
     if ((r = get_item(data, K_lora_id, &lora_id, 0)) != TAKE) return r;
     /* ``data.get("lora_id") or None``, for the values TRT-LLM sends (None or an int). */
     if (lora_id != NULL && lora_id != Py_None) {
-        if (!PyLong_CheckExact(lora_id)) return LEAVE;
+        if (!PyLong_CheckExact(lora_id) || !int_in_range(lora_id, ULLONG_MAX)) return LEAVE;
         r = PyObject_IsTrue(lora_id);
         if (r < 0) return FAIL;
         if (r == 0) lora_id = NULL;
@@ -131,9 +134,13 @@ static int take_stored(PyObject *data, PyObject *out, PyObject **last, PyObject 
     if (token_ids == NULL) { r = FAIL; goto done; }
     for (j = 0; j < bs; j++) {
         PyObject *tok = PyList_GET_ITEM(tokens, j), *tid;
-        if (!PyDict_CheckExact(tok)) { Py_DECREF(token_ids); r = LEAVE; goto done; }
+        if (!PyDict_CheckExact(tok) || !str_keys_only(tok)) {
+            Py_DECREF(token_ids);
+            r = LEAVE;
+            goto done;
+        }
         tid = PyDict_GetItemWithError(tok, K_token_id);
-        if (tid == NULL || !PyLong_CheckExact(tid)) {
+        if (tid == NULL || !PyLong_CheckExact(tid) || !int_in_range(tid, 0xFFFFFFFFULL)) {
             Py_DECREF(token_ids);
             r = PyErr_Occurred() ? FAIL : LEAVE;
             goto done;
@@ -250,15 +257,18 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
                           &suppressed))
         return NULL;
     bs = PyLong_AsSsize_t(block_size);
-    if (bs == -1 && PyErr_Occurred()) return NULL;
+    if (bs == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
+        PyErr_Clear(); /* no token list is that long: every store goes to the Python loop */
+    }
     Py_INCREF(last);
     n = PyList_GET_SIZE(events);
     for (i = start < 0 ? 0 : start; i < n; i++) {
         PyObject *ev = PyList_GET_ITEM(events, i), *data, *kind, *v;
         int r;
-        if (!PyDict_CheckExact(ev)) break;
+        if (!PyDict_CheckExact(ev) || !str_keys_only(ev)) break;
         if ((r = get_item(ev, K_data, &data, 1)) != TAKE) goto stop;
-        if (!PyDict_CheckExact(data)) break;
+        if (!PyDict_CheckExact(data) || !str_keys_only(data)) break;
         if ((r = get_item(data, K_type, &kind, 1)) != TAKE) goto stop;
         if ((r = get_item(ev, K_window_size, &v, 0)) != TAKE) goto stop;
         if (v != NULL && v != Py_None) {

@@ -20,6 +20,39 @@ static inline int str_is(PyObject *s, PyObject *want) {
     return s == want || (PyUnicode_CheckExact(s) && PyUnicode_Compare(s, want) == 0);
 }
 
+/* Whether every key of the exact dict ``d`` is an exact str. Looking a str key up in such a
+ * dict runs no Python code, whereas a key of any other type may run its own ``__eq__``, which
+ * may change or free what the caller holds borrowed (the dict itself, its values, the list
+ * the dict came from). The compiled loops look up only in dicts that pass this test (their
+ * own maps excepted) and leave any other event to the Python code. */
+static inline int str_keys_only(PyObject *d) {
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(d, &pos, &key, &value))
+        if (!PyUnicode_CheckExact(key)) return 0;
+    return 1;
+}
+
+/* Whether an exact int lies in [0, max]; never raises. */
+static inline int int_in_range(PyObject *v, unsigned long long max) {
+    int overflow = 0;
+    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    if (overflow > 0 && max > (unsigned long long)LLONG_MAX) {
+        unsigned long long u = PyLong_AsUnsignedLongLong(v);
+        if (u == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            return 0;
+        }
+        return u <= max;
+    }
+    if (overflow != 0) return 0;
+    if (x == -1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return x >= 0 && (unsigned long long)x <= max;
+}
+
 static inline int list_extend(PyObject *list, PyObject *items) {
     Py_ssize_t n = PyList_GET_SIZE(list);
     return PyList_SetSlice(list, n, n, items);

@@ -44,7 +44,13 @@ from typing import Any
 
 from kvbm_plugin import _native
 from kvbm_plugin._ratelimit import RateLimitedLog
-from kvbm_plugin.events import MEDIUM_GPU, WireFormatError, to_signed_int64
+from kvbm_plugin.events import (
+    MAX_DP_RANKS,
+    MEDIUM_GPU,
+    U32_MAX,
+    WireFormatError,
+    to_signed_int64,
+)
 from kvbm_plugin.publisher import EventPublisher, WireEvent
 
 logger = logging.getLogger(__name__)
@@ -53,6 +59,7 @@ _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
 _I64_MIN = -(1 << 63)
 _token_id = itemgetter("token_id")
+_INT_ONLY = {int}
 # Unpublished hashes remembered so that their removal can be suppressed. Partial blocks are
 # normally removed soon; the cap only guards against a producer that never removes them.
 _MAX_SUPPRESSED = 1 << 20
@@ -66,6 +73,30 @@ def _signed(value: Any, what: str) -> int:
     if type(value) is not int:
         raise WireFormatError(f"{what} is not an integer: {value!r}")
     return to_signed_int64(value, what)
+
+
+def _token_ids(tokens: Sequence[Any]) -> list[int]:
+    """The ``token_id`` of each TRT-LLM token dict, each checked to be a u32 integer.
+
+    Called before a store touches the batch, so a bad token leaves the batch as it was.
+    """
+    ids = list(map(_token_id, tokens))
+    if ids and (set(map(type, ids)) != _INT_ONLY or min(ids) < 0 or max(ids) > U32_MAX):
+        bad = next(t for t in ids if type(t) is not int or not 0 <= t <= U32_MAX)
+        raise WireFormatError(f"stored.blocks[].tokens[].token_id is not a u32 integer: "
+                              f"{bad!r:.100}")
+    return ids
+
+
+def _lora_id(value: Any) -> int | None:
+    """The published ``lora_id`` of a TRT-LLM store: None for no LoRA (TRT-LLM sends 0 or
+    None), else the u64 task id; anything else raises (it would fail the encoder later and take
+    the whole batch with it)."""
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value < _U64:
+        raise WireFormatError(f"stored.lora_id is not None or a u64 integer: {value!r:.100}")
+    return value or None
 
 
 def radix_key_hash(key: bytes | bytearray | memoryview) -> int:
@@ -109,14 +140,17 @@ class KvEventSink:
     block size (tokens per block); ``window_size`` pins the published attention window
     (default: the largest seen). ``strict=True`` raises :class:`WireFormatError` on malformed
     input instead of counting and logging it (tests). The sink owns its publishers: ``shutdown``
-    shuts them down unless ``owns_publisher=False``.
+    shuts them down unless ``owns_publisher=False``. An ``attention_dp_rank`` other than
+    ``data_parallel_rank``, a key of ``rank_publishers`` or one below ``max_dp_ranks`` is
+    refused (counted in ``unknown_dp_rank_events``, logged): each rank costs state kept for the
+    sink's lifetime.
     """
 
     def __init__(self, publisher: EventPublisher, *, block_size: int,
                  window_size: int | None = None, data_parallel_rank: int = 0,
                  rank_publishers: Mapping[int, EventPublisher] | None = None,
                  strict: bool = False, owns_publisher: bool = True,
-                 native: bool | None = None) -> None:
+                 native: bool | None = None, max_dp_ranks: int = MAX_DP_RANKS) -> None:
         if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"KvEventSink: block_size={block_size!r} must be a positive integer")
         if window_size is not None and (type(window_size) is not int or window_size <= 0):
@@ -125,6 +159,11 @@ class KvEventSink:
         if type(data_parallel_rank) is not int or data_parallel_rank < 0:
             raise ValueError(f"KvEventSink: data_parallel_rank={data_parallel_rank!r} must be "
                              "a non-negative integer")
+        if type(max_dp_ranks) is not int or max_dp_ranks < 1:
+            raise ValueError(f"KvEventSink: max_dp_ranks={max_dp_ranks!r} must be an integer "
+                             ">= 1")
+        # attention_dp_rank values accepted besides our own and those with a publisher.
+        self._max_dp_ranks = max_dp_ranks
         self._publisher = publisher
         self._rank_publishers = dict(rank_publishers or {})
         self.block_size = block_size
@@ -150,6 +189,7 @@ class KvEventSink:
             "partial_removes_suppressed", "window_filtered", "window_removes_filtered",
             "created_events", "updated_events", "unknown_events", "malformed_events",
             "unknown_removes_suppressed", "suppressed_evicted", "discarded_events",
+            "unknown_dp_rank_events",
         ), 0)
 
     # ---- dict input (buffered path) -------------------------------------------------------
@@ -201,7 +241,7 @@ class KvEventSink:
         i64_max = _I64_MAX
         i64_min = _I64_MIN
         u64 = _U64
-        token_id = _token_id
+        token_ids = _token_ids
         n_in = n_stores = n_stored = n_removes = n_removed = 0
         ranks = self._ranks
         default_rs = ranks[self.data_parallel_rank]
@@ -238,6 +278,8 @@ class KvEventSink:
                         rs = ranks.get(rank)
                         if rs is None:
                             rs = self._new_rank(rank)
+                            if rs is None:
+                                continue  # refused: counted and logged
                     if kind == "stored":
                         blocks = data["blocks"]
                         block = blocks[0] if len(blocks) == 1 else None
@@ -256,20 +298,24 @@ class KvEventSink:
                                     parent -= u64
                                 else:
                                     parent = _signed(parent, "stored.parent_hash")
-                            lora_id = data.get("lora_id") or None
+                            lora_id = data.get("lora_id")
+                            if lora_id is not None:
+                                lora_id = _lora_id(lora_id)
+                            # Every field read and checked: only now may the batch change.
+                            ids = token_ids(tokens)
                             last = rs.last
                             if (last is not None and parent is not None
                                     and last["type"] == _STORED
                                     and last["block_hashes"][-1] == parent
                                     and last["lora_id"] == lora_id):
                                 last["block_hashes"].append(h)
-                                last["token_ids"].extend(map(token_id, tokens))
+                                last["token_ids"].extend(ids)
                             else:
                                 n_stores += 1
                                 last = rs.last = {
                                     "type": _STORED, "block_hashes": [h],
                                     "parent_block_hash": parent,
-                                    "token_ids": list(map(token_id, tokens)),
+                                    "token_ids": ids,
                                     "block_size": bs, "lora_id": lora_id,
                                     "medium": MEDIUM_GPU, "lora_name": None}
                                 rs.events.append(last)
@@ -339,37 +385,59 @@ class KvEventSink:
         return False
 
     def _dict_stored(self, rs: _Rank, data: Mapping[str, Any], bs: int) -> None:
+        # The whole event is read and checked first: a malformed one changes nothing (neither
+        # the batch nor the suppressed set).
         parent = data.get("parent_hash")
         if parent is not None:
             parent = _signed(parent, "stored.parent_hash")
         blocks = data["blocks"]
+        lora_id = _lora_id(data.get("lora_id"))
         hashes: list[int] = []
-        tokens: list[Any] = []
+        tokens: list[int] = []
+        unpublished: list[int] = []  # the first partial block and every block after it
+        oversized = 0
         for i, block in enumerate(blocks):
             btok = block["tokens"]
             h = _signed(block["block_hash"], "stored.blocks[].block_hash")
             if len(btok) != bs:
                 if len(btok) > bs:
-                    self._log.log(logging.ERROR, "oversized", "KvEventSink: stored block %d has "
-                                  "%d tokens > block_size %d; the sink's block_size does not "
-                                  "match the engine's tokens_per_block", h, len(btok), bs)
+                    oversized = len(btok)
                 # The run stops here; this block and any after it are never published.
-                self._suppress(rs, h)
-                for later in blocks[i + 1:]:
-                    self._suppress(rs, _signed(later["block_hash"], "stored.blocks[].block_hash"))
-                self._c["partial_blocks_suppressed"] += len(blocks) - i
+                unpublished.append(h)
+                unpublished.extend(_signed(later["block_hash"], "stored.blocks[].block_hash")
+                                   for later in blocks[i + 1:])
                 break
             hashes.append(h)
-            tokens.extend(map(_token_id, btok))
+            tokens.extend(_token_ids(btok))
+        if unpublished:
+            if oversized:
+                self._log.log(logging.ERROR, "oversized", "KvEventSink: stored block %d has %d "
+                              "tokens > block_size %d; the sink's block_size does not match "
+                              "the engine's tokens_per_block", unpublished[0], oversized, bs)
+            for h in unpublished:
+                self._suppress(rs, h)
+            self._c["partial_blocks_suppressed"] += len(unpublished)
         if hashes:
-            lora_id = data.get("lora_id") or None  # TRT-LLM uses 0 for "no LoRA"
             self._store(rs, hashes, parent, tokens, lora_id)
 
     # ---- shared batch building (lock held) -------------------------------------------------
 
-    def _new_rank(self, rank: Any) -> _Rank:
+    def _new_rank(self, rank: Any) -> _Rank | None:
+        """State for a dp rank seen for the first time, or None when the rank is refused
+        (counted and logged; raised when strict): ranks are kept for the sink's lifetime, so
+        only those the configuration allows get one."""
         if type(rank) is not int or rank < 0:
             raise WireFormatError(f"attention_dp_rank is not a non-negative integer: {rank!r}")
+        if rank >= self._max_dp_ranks and rank not in self._rank_publishers:
+            self._c["unknown_dp_rank_events"] += 1
+            if self._strict:
+                raise WireFormatError(f"attention_dp_rank={rank} is outside the ranks this sink "
+                                      f"accepts (0..{self._max_dp_ranks - 1} and "
+                                      f"{sorted(self._ranks)})")
+            self._log.log(logging.WARNING, "dp-rank", "KvEventSink: event for "
+                          "attention_dp_rank=%d not published: ranks above %d are refused "
+                          "(unknown_dp_rank_events)", rank, self._max_dp_ranks - 1)
+            return None
         rs = self._ranks[rank] = _Rank()
         return rs
 
@@ -450,6 +518,9 @@ class KvEventSink:
         rank = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
         with self._lock:
             rs = self._ranks.get(rank) or self._new_rank(rank)
+            if rs is None:
+                raise ValueError(f"KvEventSink.clear_all: data_parallel_rank={rank!r} is "
+                                 "outside the ranks this sink accepts")
             rs.events.append({"type": "AllBlocksCleared"})
             rs.last = None
             rs.suppressed.clear()

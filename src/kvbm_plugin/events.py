@@ -34,6 +34,14 @@ _MEDIUM_ALIASES = {
     "DISK": MEDIUM_DISK, "CPU_TIER2": MEDIUM_DISK, "STORAGE": MEDIUM_DISK, "NVME": MEDIUM_DISK,
 }
 
+# Data-parallel ranks a stream may name: 0 .. MAX_DP_RANKS - 1 (or the configured count, when
+# larger). Every rank seen gets its own state in the event sink and the consolidator; a bound
+# keeps a stream of bogus ranks from growing that state without limit. Attention-DP sizes are
+# far below it.
+MAX_DP_RANKS = 1024
+# Token ids are u32 on the wire (the router hashes them as u32 little-endian).
+U32_MAX = (1 << 32) - 1
+
 # Replay reply terminator (vLLM): seq frame of -1 as signed 64-bit big-endian.
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
