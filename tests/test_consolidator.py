@@ -450,6 +450,53 @@ def test_garbage_frames_never_kill_the_ingest_thread(ipc_dir, start, raw_rank):
     assert stats["events_applied"] == 2
 
 
+def test_an_ext_value_loses_only_its_own_event(ipc_dir, start, raw_rank):
+    """A msgpack Timestamp or ExtType in token_ids, lora_id or lora_name is refused at ingest
+    (malformed); the other events of the batch reach the output, which encodes."""
+    config = make_config(ipc_dir, replay=False)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    ts, ext = msgpack.Timestamp(1, 2), msgpack.ExtType(5, b"x")
+    raw.send(0, [stored([1], None, [1]),
+                 {**stored([2], 1, [2]), "token_ids": [2, ts, 2, 2]},
+                 {**stored([3], 1, [3]), "lora_id": ts},
+                 {**stored([4], 1, [4]), "lora_name": ext},
+                 stored([5], 1, [5])])
+    raw.send(1, [stored([6], 5, [6]), {**stored([7], 6, [7]), "token_ids": [ext] * BS}])
+    router = settled(consolidator, config, lambda s: s["messages_received"] == 2)
+    assert router.held == {0: {1, 5, 6}}
+    stats = consolidator.stats()
+    assert stats["malformed"] == 4
+    assert stats["output_lost"] == 0 and stats["events_applied"] == 3
+
+
+def test_bogus_dp_ranks_are_refused_and_keep_no_state(ipc_dir, start, raw_rank, caplog):
+    """A payload naming a dp rank outside 0..max_dp_ranks-1 is dropped, counted and logged
+    (rate-limited); no per-rank state is kept for it, however many distinct ranks arrive."""
+    from kvbm_plugin.events import MAX_DP_RANKS
+
+    config = make_config(ipc_dir, replay=False)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    bogus = 300
+    with caplog.at_level(logging.WARNING, logger="kvbm_plugin.consolidator"):
+        for i in range(bogus):
+            raw.send(i, [stored([10], None, [1])], dp_rank=MAX_DP_RANKS + i)
+        raw.send(bogus, [stored([1], None, [1])], dp_rank=MAX_DP_RANKS - 1)
+        raw.send(bogus + 1, [stored([2], None, [2])], dp_rank=0)
+        router = settled(consolidator, config,
+                         lambda s: s["messages_received"] == bogus + 2)
+    assert router.held == {MAX_DP_RANKS - 1: {1}, 0: {2}}
+    stats = consolidator.stats()
+    assert stats["unknown_dp_ranks_refused"] == bogus
+    assert stats["malformed"] == 0 and stats["batches_applied"] == 2
+    assert sorted(consolidator._core._ranks) == [0, MAX_DP_RANKS - 1]
+    warnings = [r for r in caplog.records if "data_parallel_rank" in r.getMessage()]
+    assert 0 < len(warnings) < 10
+
+
 def test_registrations_from_many_threads(ipc_dir, start, raw_rank):
     config = make_config(ipc_dir, replay=False)
     raw_rank(config)

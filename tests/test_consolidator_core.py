@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import msgpack
 import pytest
 from _loops import both_implementations
 from hypothesis import given, settings
@@ -19,9 +20,10 @@ from kvbm_plugin.consolidator import (
     SOURCE_ENGINE,
     SOURCE_TIERS,
     ConsolidatorCore,
+    UnknownDpRankError,
     UnknownMediumError,
 )
-from kvbm_plugin.events import WireFormatError, to_signed_int64
+from kvbm_plugin.events import MAX_DP_RANKS, WireFormatError, encode_payload, to_signed_int64
 
 BS = 2
 MASK = (1 << 64) - 1
@@ -695,3 +697,88 @@ def test_stats_read_a_snapshot_of_the_dp_ranks() -> None:
     core._ranks[1] = AddsARankWhenRead()  # type: ignore[assignment]
     stats = core.stats()
     assert stats["blocks_tracked"] == 0 and stats["blocks_visible"] == 0
+
+
+# ---------------------------------------------------------------------- values the encoder refuses
+
+def _good(h: int, parent: int | None = None) -> dict[str, Any]:
+    return {"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent,
+            "token_ids": [h, h], "block_size": BS, "lora_id": None, "medium": "GPU",
+            "lora_name": None}
+
+
+_TS = msgpack.Timestamp(1, 2)
+_EXT = msgpack.ExtType(5, b"x")
+
+
+@pytest.mark.parametrize("field, value", [
+    ("token_ids", [1, _TS]), ("token_ids", [_EXT, 1]), ("token_ids", [1, 1.0]),
+    ("token_ids", [1, "1"]), ("token_ids", [True, 1]), ("token_ids", [1, -1]),
+    ("token_ids", [1, 1 << 32]), ("token_ids", (1, _TS)),
+    ("lora_id", _TS), ("lora_id", _EXT), ("lora_id", "7"), ("lora_id", 1.5),
+    ("lora_id", False), ("lora_id", -1),
+    ("lora_name", _TS), ("lora_name", _EXT), ("lora_name", 7), ("lora_name", b"name"),
+])
+def test_values_the_encoder_cannot_take_are_refused_at_ingest(core, field, value):
+    """A msgpack Timestamp / ExtType or any other odd value in token_ids, lora_id or
+    lora_name must be refused with its own event (as malformed, naming it), never copied to
+    the output: there it would fail the encoder and lose every event of the flush. The other
+    events of the batch go on, and the output encodes."""
+    core.apply_event(0, _good(1))  # the rank exists: the compiled loop takes the batch
+    bad = {**_good(2, parent=1), field: value}
+    errors: list[WireFormatError] = []
+    applied = core.apply_events(0, [_good(3, parent=1), bad, _good(4, parent=3)],
+                                errors.append)
+    assert applied == 2
+    assert len(errors) == 1 and field in str(errors[0])
+    output = core.take_output()
+    encode_payload(0.0, output[0], 0)  # raises if anything odd reached the output
+    assert [h for e in output[0] for h in e["block_hashes"]] == [1, 3, 4]
+    assert core.stats()["stores_in"] == 3
+    assert 2 not in core.resident_in(SOURCE_ENGINE, "GPU", 0)
+    with pytest.raises(WireFormatError, match=field):
+        core.apply_event(0, bad)
+
+
+def test_the_edges_of_the_accepted_values_pass(core):
+    event = {**_good(1), "token_ids": [0, (1 << 32) - 1], "lora_id": (1 << 64) - 1,
+             "lora_name": "adapter"}
+    core.apply_event(0, _good(9))
+    assert core.apply_events(0, [event, {**_good(2, parent=1), "lora_id": 0}],
+                             pytest.fail) == 2
+    out = core.take_output()[0]
+    encode_payload(0.0, out, 0)
+    assert [(e["lora_id"], e["lora_name"]) for e in out] == [
+        (None, None), ((1 << 64) - 1, "adapter"), (0, None)]
+
+
+# ---------------------------------------------------------------------- dp ranks are bounded
+
+def test_dp_ranks_beyond_the_bound_are_refused_and_counted():
+    """Every dp rank gets state for the core's lifetime: ranks outside 0..max_dp_ranks-1 are
+    refused (UnknownDpRankError, counted), whatever the path, and get no state."""
+    core = ConsolidatorCore(max_dp_ranks=4)
+    core.apply_event(3, _good(1))
+    errors: list[WireFormatError] = []
+    assert core.apply_events(4, [_good(1), _good(2)], errors.append) == 0
+    assert len(errors) == 1 and isinstance(errors[0], UnknownDpRankError)
+    assert "data_parallel_rank 4" in str(errors[0])
+    with pytest.raises(UnknownDpRankError, match="0..3"):
+        core.apply_event(1 << 40, _good(1))
+    with pytest.raises(UnknownDpRankError):
+        core.store(SOURCE_TIERS, "CPU", 9, [1], None, [1, 1], BS)
+    with pytest.raises(UnknownDpRankError):
+        core.apply_event(-1, _good(1))
+    assert core.apply_events(3, [_good(2)], pytest.fail) == 1
+    assert sorted(core._ranks) == [3]
+    assert core.stats()["unknown_dp_ranks_refused"] == 4
+    assert not core.admit_dp_rank(4) and core.admit_dp_rank(0)
+    with pytest.raises(ValueError, match="max_dp_ranks"):
+        ConsolidatorCore(max_dp_ranks=0)
+
+
+def test_the_default_dp_rank_bound(core):
+    core.apply_event(MAX_DP_RANKS - 1, _good(1))
+    with pytest.raises(UnknownDpRankError):
+        core.apply_event(MAX_DP_RANKS, _good(1))
+    assert sorted(core._ranks) == [MAX_DP_RANKS - 1]

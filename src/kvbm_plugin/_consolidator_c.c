@@ -8,6 +8,12 @@
  * rare branches call back into the Python core (a derived published hash, a second alias, a
  * release of the hash's previous block). Called on the consolidator's ingest thread only,
  * with the GIL held throughout.
+ *
+ * Input events are read only through lookups that run no Python code: an event map whose keys
+ * are not all exact str, a medium that is not an exact str, a token that is not an exact int
+ * (its __hash__ / __eq__ could change or free what is held borrowed) is left to the Python
+ * code, as is anything it refuses (a token id outside u32, a lora_id other than None or a u64,
+ * a lora_name other than None or a str, a token count that does not fit the arithmetic).
  */
 
 #include "_native_common.h"
@@ -115,11 +121,20 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
     bs = PyLong_AsSsize_t(bs_obj);
     if (bs == -1 && PyErr_Occurred()) return NULL;
     n = PyList_GET_SIZE(hashes);
-    if (bs <= 0 || PyList_GET_SIZE(tokens) != n * bs) {
+    if (bs <= 0 || (n > 0 && bs > PY_SSIZE_T_MAX / n) || PyList_GET_SIZE(tokens) != n * bs) {
         PyErr_SetString(PyExc_ValueError, "store_chain: token count is not blocks * block_size");
         return NULL;
     }
     if (parent != Py_None && !is_block(parent)) return NULL;
+    /* Exact ints only: hashing one runs no Python code (a token's own __hash__ could change
+     * ``tokens`` under the loop below). TypeError before anything changed, as for an
+     * unhashable token. */
+    for (i = 0; i < n * bs; i++) {
+        if (!PyLong_CheckExact(PyList_GET_ITEM(tokens, i))) {
+            PyErr_SetString(PyExc_TypeError, "store_chain: a token id is not an int");
+            return NULL;
+        }
+    }
 
     /* Pass 1: the content-chain identities, hash((parent identity, tuple(block's tokens))),
      * exactly the Python loop's values. */
@@ -367,7 +382,11 @@ static PyObject *counts_tuple(const Py_ssize_t *cnt) {
 
 /* The tier index of a medium spelling the Python code has seen (its cache), or LEAVE. */
 static int cached_tier(PyObject *cache, PyObject *medium, Py_ssize_t *tier) {
-    PyObject *v = PyDict_GetItemWithError(cache, medium == NULL ? Py_None : medium);
+    PyObject *v;
+    /* Only None or an exact str is looked up: another object's __hash__ / __eq__ would run
+     * Python code while the event's fields are held borrowed. */
+    if (medium != NULL && medium != Py_None && !PyUnicode_CheckExact(medium)) return LEAVE;
+    v = PyDict_GetItemWithError(cache, medium == NULL ? Py_None : medium);
     if (v == NULL) {
         if (!PyErr_Occurred()) return LEAVE;
         if (!PyErr_ExceptionMatches(PyExc_TypeError)) return FAIL;
@@ -444,7 +463,21 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
         return LEAVE;
     }
     n = PyList_GET_SIZE(raw_hashes);
-    if (bs <= 0 || n == 0 || PyList_GET_SIZE(tokens) != n * bs) return LEAVE;
+    /* n * bs must not overflow (a huge block_size would wrap to a small count). */
+    if (bs <= 0 || n == 0 || bs > PY_SSIZE_T_MAX / n || PyList_GET_SIZE(tokens) != n * bs)
+        return LEAVE;
+    {
+        Py_ssize_t j;
+        for (j = 0; j < n * bs; j++) {
+            PyObject *token = PyList_GET_ITEM(tokens, j);
+            if (!PyLong_CheckExact(token) || !int_in_range(token, 0xFFFFFFFFULL)) return LEAVE;
+        }
+    }
+    if (lora_id != NULL && lora_id != Py_None
+        && !(PyLong_CheckExact(lora_id) && int_in_range(lora_id, ULLONG_MAX)))
+        return LEAVE;
+    if (lora_name != NULL && lora_name != Py_None && !PyUnicode_CheckExact(lora_name))
+        return LEAVE;
     if ((r = event_slot_hashes(raw_hashes, medium, source, cache, &slot_index, &hashes)) != TAKE)
         return r;
     r = FAIL;
@@ -649,13 +682,16 @@ static PyObject *apply_events(PyObject *module, PyObject *args) {
     for (i = start < 0 ? 0 : start; i < n; i++) {
         PyObject *ev = PyList_GET_ITEM(events, i), *kind;
         int r;
-        if (!PyDict_CheckExact(ev)) break;
+        /* Only maps whose keys are all exact str: a lookup in any other could run a key's
+         * __eq__, which could change the map or the list under us. */
+        if (!PyDict_CheckExact(ev) || !str_keys_only(ev)) break;
+        Py_INCREF(ev); /* a callback (release ...) could in theory change the list */
         kind = PyDict_GetItemWithError(ev, K_type);
         if (kind == NULL) {
+            Py_DECREF(ev);
             if (PyErr_Occurred()) goto failed;
             break;
         }
-        Py_INCREF(ev); /* a callback could in theory change the list */
         if (str_is(kind, S_BlockStored))
             r = stored_one(rank, ev, source, cache, fresh_pub, add_alias, release, cnt);
         else if (str_is(kind, S_BlockRemoved))

@@ -79,8 +79,10 @@ from kvbm_plugin.consolidator_config import (
 )
 from kvbm_plugin.events import (
     END_SEQ,
+    MAX_DP_RANKS,
     MEDIA,
     MEDIUM_GPU,
+    U32_MAX,
     WireFormatError,
     decode_seq,
     encode_seq,
@@ -95,6 +97,7 @@ __all__ = [
     "SOURCE_ENGINE",
     "SOURCE_TIERS",
     "UnknownMediumError",
+    "UnknownDpRankError",
     "ConsolidatorCore",
     "KvEventConsolidator",
     "main_consolidate",
@@ -134,6 +137,13 @@ class UnknownMediumError(WireFormatError):
     """An event's medium is none of the known names or aliases (never guessed as GPU)."""
 
 
+class UnknownDpRankError(WireFormatError):
+    """A data-parallel rank the core refuses (not below its ``max_dp_ranks``)."""
+
+
+_INT_ONLY: Final = {int}
+
+
 # A block is a plain list (creating one is several times cheaper than an object, and the ingest
 # hot path creates one per stored block). Layout, by index:
 _IDENT: Final = 0  # content-chain identity (the key in _Rank.blocks)
@@ -171,7 +181,7 @@ class _Rank:
 _CORE_COUNTERS: Final = (
     "stores_in", "store_blocks_in", "removes_in", "remove_blocks_in", "clears_in",
     "duplicate_stores", "unknown_removes", "unknown_parents", "hash_conflicts",
-    "hash_only_stores_dropped", "resyncs",
+    "hash_only_stores_dropped", "resyncs", "unknown_dp_ranks_refused",
     "stores_out", "store_blocks_out", "removes_out", "remove_blocks_out", "clears_out",
 )
 
@@ -182,11 +192,20 @@ class ConsolidatorCore:
     Not thread-safe: one owner calls it (the shell's ingest thread, or a test). Every mutator
     appends to a per-dp-rank output list that :meth:`take_output` hands over; the events in it
     are already in wire form (signed int64 hashes, upper-case medium), ready to publish.
+
+    Every dp rank gets state kept for the core's lifetime, so only ranks below
+    ``max_dp_ranks`` are accepted: anything for another rank raises
+    :class:`UnknownDpRankError`, counted in ``unknown_dp_ranks_refused``.
     """
 
-    def __init__(self, mode: ConsolidatorMode = "dedup", *, native: bool | None = None) -> None:
+    def __init__(self, mode: ConsolidatorMode = "dedup", *, native: bool | None = None,
+                 max_dp_ranks: int = MAX_DP_RANKS) -> None:
         if mode not in ("dedup", "passthrough"):
             raise ValueError(f"{type(self).__name__}: mode {mode!r} is not dedup | passthrough")
+        if type(max_dp_ranks) is not int or max_dp_ranks < 1:
+            raise ValueError(f"{type(self).__name__}: max_dp_ranks={max_dp_ranks!r} must be an "
+                             "integer >= 1")
+        self.max_dp_ranks: Final = max_dp_ranks
         self.mode: Final = mode
         self._dedup = mode == "dedup"
         # The compiled dedup block loops (None: the Python ones). ``native`` as for KvEventSink:
@@ -255,6 +274,11 @@ class ConsolidatorCore:
         loops the common events are applied by one call; each event they leave (clears,
         unusual shapes, malformed input) goes through :meth:`apply_event`.
         """
+        if not self.admit_dp_rank(dp_rank):
+            on_error(UnknownDpRankError(f"batch of {len(events)} events refused: "
+                                        f"data_parallel_rank {dp_rank!r:.100} is not an int in "
+                                        f"0..{self.max_dp_ranks - 1}"))
+            return 0
         native = self._native
         applied = 0
         i = 0
@@ -328,6 +352,15 @@ class ConsolidatorCore:
                 rank.last_remove = None
         return taken
 
+    def admit_dp_rank(self, dp_rank: Any) -> bool:
+        """Whether events for ``dp_rank`` are accepted: an int in ``0..max_dp_ranks - 1``.
+        False is counted (``unknown_dp_ranks_refused``); the shell calls this before it
+        remembers a rank a payload named."""
+        if type(dp_rank) is int and 0 <= dp_rank < self.max_dp_ranks:
+            return True
+        self._n_unknown_dp_ranks_refused += 1
+        return False
+
     # ------------------------------------------------------------------ inspection
 
     def visible_hashes(self, dp_rank: int, medium: str | None = None) -> set[int]:
@@ -365,8 +398,9 @@ class ConsolidatorCore:
     def _rank(self, dp_rank: int) -> _Rank:
         rank = self._ranks.get(dp_rank)
         if rank is None:
-            if type(dp_rank) is not int or dp_rank < 0:
-                raise WireFormatError(f"data_parallel_rank {dp_rank!r} is not an int >= 0")
+            if not self.admit_dp_rank(dp_rank):
+                raise UnknownDpRankError(f"data_parallel_rank {dp_rank!r:.100} is not an int in "
+                                         f"0..{self.max_dp_ranks - 1}")
             rank = self._ranks[dp_rank] = _Rank()
         return rank
 
@@ -421,6 +455,19 @@ class ConsolidatorCore:
             if not isinstance(tokens, (list, tuple)):
                 raise WireFormatError(f"BlockStored token_ids is not a list: {tokens!r:.100}")
             tokens = list(tokens)
+        # Anything the output encoder or the router cannot take is refused here, with its own
+        # event only (accepted, it would fail the encoder and lose the whole output batch).
+        if tokens and (set(map(type, tokens)) != _INT_ONLY or min(tokens) < 0
+                       or max(tokens) > U32_MAX):
+            bad = next(t for t in tokens if type(t) is not int or not 0 <= t <= U32_MAX)
+            raise WireFormatError(f"BlockStored token_ids holds a value that is not a u32 "
+                                  f"integer: {bad!r:.100}")
+        if lora_id is not None and (type(lora_id) is not int or not 0 <= lora_id < _U64):
+            raise WireFormatError(f"BlockStored lora_id is not None or a u64 integer: "
+                                  f"{lora_id!r:.100}")
+        if lora_name is not None and type(lora_name) is not str:
+            raise WireFormatError(f"BlockStored lora_name is not None or a string: "
+                                  f"{lora_name!r:.100}")
         slot = _slot(source, self._tier(medium))
         rank = self._rank(dp_rank)
         n = len(hashes)
@@ -811,7 +858,11 @@ class KvEventConsolidator:
                              "> 0 seconds")
         self._start_timeout = start_timeout
         self.config: Final = config
-        self._core = ConsolidatorCore(config.mode)
+        # Ranks the configuration names are always accepted, and as many as any attention-DP
+        # deployment has (one stream may carry several dp ranks); beyond that a payload's
+        # rank is refused, so bogus ranks cannot grow the per-rank state without limit.
+        self._core = ConsolidatorCore(config.mode,
+                                      max_dp_ranks=max(MAX_DP_RANKS, config.num_ranks))
         self._publisher = publisher
         self._owns_publisher = publisher is None
         self._inline_output = False  # the ingest thread owns the output publisher's sockets
@@ -1328,6 +1379,12 @@ class KvEventConsolidator:
                 f"batch data_parallel_rank is not an int >= 0: {dp_rank!r:.100}"))
             return
         if dp_rank not in stream.dp_ranks:
+            if not self._core.admit_dp_rank(dp_rank):  # counted by the core
+                self._log.log(logging.WARNING, "dp-rank", "rank %d: batch for "
+                              "data_parallel_rank %d dropped: only ranks below %d are accepted "
+                              "(unknown_dp_ranks_refused)", stream.rank, dp_rank,
+                              self._core.max_dp_ranks)
+                return
             stream.dp_ranks.add(dp_rank)
         applied = self._core.apply_events(dp_rank, batch[1],
                                           lambda exc: self._bad_event(stream, exc))
