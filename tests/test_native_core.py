@@ -12,15 +12,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbm_plugin import _native
 from kvbm_plugin.consolidator import SOURCE_ENGINE, SOURCE_TIERS, ConsolidatorCore
-from kvbm_plugin.events import WireFormatError
+from kvbm_plugin.events import MAX_DP_RANKS, WireFormatError
 
 BS = 2
+WRAPS_TO_2 = ((1 << 64) + 2) // 3  # 3 * this = 2**64 + 2: 2 in a wrapping 64-bit product
 HASHES = st.sampled_from([1, 2, 3, 4, 5, (1 << 64) - 1, -1, 1 << 63])
 TOKEN = st.sampled_from([0, 1, 2])
 MEDIA = st.sampled_from(["GPU", "gpu", "CPU", "DISK"])
@@ -63,9 +65,36 @@ def op(draw: st.DrawFn) -> tuple[str, Any]:
         return kind, (dp, draw(st.sampled_from([None, "CPU", "DISK"])))
     if kind == "resync":
         return kind, (dp,)
+    if draw(st.integers(0, 9)) == 0:  # a dp rank the core refuses
+        return "batch", (draw(st.sampled_from([-1, MAX_DP_RANKS, 1 << 40])),
+                         [{"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}])
     bad = draw(st.sampled_from([
         {"type": "BlockStored", "block_hashes": [1, "x"], "parent_block_hash": None,
          "token_ids": [0, 0, 0, 0], "block_size": BS, "medium": "GPU"},
+        # values the output encoder or the router cannot take
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": [0, msgpack.Timestamp(1, 0)], "block_size": BS, "medium": "GPU"},
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": [0, 1 << 32], "block_size": BS, "medium": "GPU"},
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": [0, -1], "block_size": BS, "medium": "GPU"},
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": [0, True], "block_size": BS, "medium": "GPU"},
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": [0, 0], "block_size": BS, "medium": "GPU",
+         "lora_id": msgpack.ExtType(1, b"")},
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": [0, 0], "block_size": BS, "medium": "GPU", "lora_id": -1},
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": [0, 0], "block_size": BS, "medium": "GPU", "lora_name": 3},
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": [0, 0], "block_size": BS, "medium": "GPU", "lora_id": 3,
+         "lora_name": "a"},  # valid
+        # n * block_size beyond the C integer range: wraps to 0 and to 2 tokens
+        {"type": "BlockStored", "block_hashes": [1, 2, 3, 4], "parent_block_hash": None,
+         "token_ids": [], "block_size": 1 << 62, "medium": "GPU"},
+        {"type": "BlockStored", "block_hashes": [1, 2, 3], "parent_block_hash": None,
+         "token_ids": [0, 0], "block_size": WRAPS_TO_2, "medium": "GPU"},
         {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
          "token_ids": [[0], 1], "block_size": BS, "medium": "GPU"},  # unhashable token
         {"type": "BlockRemoved", "block_hashes": [2, None], "medium": "GPU"},
@@ -206,3 +235,107 @@ def test_native_true_without_the_extension_is_an_error(monkeypatch: pytest.Monke
         ConsolidatorCore(native=True)
     assert ConsolidatorCore()._native is None
     assert SOURCE_ENGINE == 0
+
+
+class Collides:
+    """A dict key (or medium) with the hash of ``name``: a lookup that probes it runs this
+    object's ``__eq__`` (``on_eq``, armed after the event is built)."""
+
+    def __init__(self, name: str, equal: bool = False) -> None:
+        self.name = name
+        self.equal = equal
+        self.on_eq: Any = None
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __eq__(self, other: object) -> bool:
+        if self.on_eq is not None:
+            self.on_eq()
+        return other is self or (self.equal and other == self.name)
+
+    def __repr__(self) -> str:
+        return f"Collides({self.name!r})"
+
+
+def run_both(make: Any) -> list[str]:
+    """Both cores (their rank already created) apply ``make()``'s batch (fresh input each);
+    output, counters and state must agree. Returns the apply results."""
+    results, outputs, states, stats = [], [], [], []
+    for native in (False, True):
+        core = ConsolidatorCore(native=native)
+        core.apply_event(0, stored([50], [5, 5]))
+        results.append(apply(core, ("batch", (0, make()))))
+        outputs.append(core.take_output())
+        states.append(state(core))
+        stats.append(core.stats())
+    assert results[1] == results[0]
+    assert outputs[1] == outputs[0]
+    assert states[1] == states[0]
+    assert stats[1] == stats[0]
+    return results
+
+
+@needs_native
+def test_a_key_whose_eq_changes_the_event_runs_the_same_in_both_loops() -> None:
+    """A caller's key object in an event map whose ``__eq__`` changes the map when a lookup
+    probes it: the compiled loop must not look up in such a map (it holds the fields it read
+    borrowed, and it reads them in another order: here block_size before token_ids) but leave
+    the event to the Python code."""
+    def make() -> list[Any]:
+        key = Collides("block_size")
+        event: dict[Any, Any] = {key: 0}
+        event.update(stored([1], [1, 1], parent=50))
+        key.on_eq = lambda: event.__setitem__("token_ids", [9, 9])
+        return [event, stored([2], [2, 2], parent=1)]
+
+    assert run_both(make)[0] == "2 applied, errors []"
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["type", "block_hashes", "medium", "token_ids"])
+def test_a_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_both_loops(name: str
+                                                                              ) -> None:
+    """The same with an ``__eq__`` that empties the batch list and the map (a use-after-free
+    if the compiled loop looked up in it)."""
+    def make() -> list[Any]:
+        key = Collides(name)
+        event: dict[Any, Any] = {key: 0}
+        event.update(stored([1], [1, 1], parent=50))
+        events = [stored([3], [3, 3]), event, stored([2], [2, 2], parent=1)]
+
+        def wreck() -> None:
+            events.clear()
+            event.clear()
+
+        key.on_eq = wreck
+        return events
+
+    run_both(make)
+
+
+@needs_native
+def test_a_medium_whose_eq_changes_the_event_runs_the_same_in_both_loops() -> None:
+    """A medium object equal to "GPU" whose ``__eq__`` empties the event's token list while
+    the medium is looked up: the compiled loop looks up only str media."""
+    def make() -> list[Any]:
+        medium = Collides("GPU", equal=True)
+        event = stored([1], [1, 1], parent=50, medium=medium)  # type: ignore[arg-type]
+        medium.on_eq = event["token_ids"].clear
+        return [event]
+
+    run_both(make)
+
+
+@needs_native
+@pytest.mark.parametrize("n, block_size, tokens", [
+    (4, 1 << 62, []), (3, WRAPS_TO_2, [0, 0]), (2, 1 << 63, [0] * 4), (1, 1 << 64, [0, 0])])
+def test_a_huge_block_size_runs_the_same_in_both_loops(n: int, block_size: int,
+                                                       tokens: list[int]) -> None:
+    """``n * block_size`` beyond the C integer range must not wrap to the token count."""
+    def make() -> list[Any]:
+        return [{"type": "BlockStored", "block_hashes": list(range(1, n + 1)),
+                 "parent_block_hash": None, "token_ids": tokens, "block_size": block_size,
+                 "medium": "GPU"}, stored([2], [2, 2])]
+
+    run_both(make)

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any
 
+import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,7 +21,7 @@ from hypothesis import strategies as st
 from kvbm_plugin import _native
 from kvbm_plugin.consolidator_config import NATIVE, ConfigError, PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.events import WireFormatError, encode_payload
+from kvbm_plugin.events import MAX_DP_RANKS, WireFormatError, encode_payload
 from kvbm_plugin.publisher import EventPublisher
 
 BS = 2  # block size: small, so partial and oversized blocks are easy to draw
@@ -47,6 +48,26 @@ class Recorder(EventPublisher):
         pass
 
 
+class Collides:
+    """A dict key with the hash of ``name``: a lookup of ``name`` in a dict holding it runs
+    this key's ``__eq__`` (``on_eq``, which may change anything the caller holds)."""
+
+    def __init__(self, name: str, on_eq: Any = None) -> None:
+        self.name = name
+        self.on_eq = on_eq
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __eq__(self, other: object) -> bool:
+        if self.on_eq is not None:
+            self.on_eq()
+        return other is self
+
+    def __repr__(self) -> str:
+        return f"Collides({self.name!r})"
+
+
 def hashes(valid_only: bool = False) -> st.SearchStrategy[Any]:
     return st.sampled_from(VALID if valid_only else HASHES)
 
@@ -58,7 +79,10 @@ def tokens(draw: st.DrawFn) -> list[Any]:
                        "token_extra_id": 0} for _ in range(n)]
     if out and draw(st.integers(0, 15)) == 0:  # the odd malformed token
         out[draw(st.integers(0, n - 1))] = draw(st.sampled_from(
-            [{"token_id": "x"}, {"type": "unique_token"}, 7, {"token_id": 1.5}]))
+            [{"token_id": "x"}, {"type": "unique_token"}, 7, {"token_id": 1.5},
+             {"token_id": 1 << 32}, {"token_id": -1}, {"token_id": True},
+             {"token_id": msgpack.Timestamp(1, 0)}, {"token_id": (1 << 32) - 1},
+             {Collides("token_id"): 0, "token_id": 1}]))
     return out
 
 
@@ -70,7 +94,7 @@ def event(draw: st.DrawFn) -> Any:
     window = draw(st.sampled_from([64] * 8 + [None, 32, 128, "64"]))
     if window is not None or draw(st.booleans()):
         ev["window_size"] = window
-    rank = draw(st.sampled_from([None] * 8 + [0, 1, -1]))
+    rank = draw(st.sampled_from([None] * 8 + [0, 1, -1, MAX_DP_RANKS, 1 << 40]))
     if rank is not None or draw(st.integers(0, 7)) == 0:
         ev["attention_dp_rank"] = rank
     if kind == "stored":
@@ -81,13 +105,16 @@ def event(draw: st.DrawFn) -> Any:
                                             if draw(st.integers(0, 9)) else draw(hashes()),
                                             "tokens": draw(tokens()), "cache_level": 0,
                                             "priority": 35} for _ in range(n_blocks)]}
-        lora = draw(st.sampled_from(["absent", None, 0, 3, "a"]))
+        lora = draw(st.sampled_from(["absent", None, 0, 3, "a", -1, 1 << 64, (1 << 64) - 1,
+                                     True, msgpack.ExtType(1, b"")]))
         if lora != "absent":
             data["lora_id"] = lora
         if draw(st.integers(0, 19)) == 0:
             data["blocks"] = tuple(data["blocks"])
         if n_blocks and draw(st.integers(0, 19)) == 0:
             del data["blocks"][0]["block_hash"]
+        if draw(st.integers(0, 29)) == 0:  # a key object that is not a str
+            data = {Collides("parent_hash"): None, **data}
     elif kind == "removed":
         raw: Any = [draw(hashes(valid_only=True)) if draw(st.integers(0, 9)) else draw(hashes())
                     for _ in range(draw(st.sampled_from([1, 1, 1, 2, 3, 0])))]
@@ -243,3 +270,101 @@ def test_strict_mode_counts_what_was_taken_before_the_error_in_both_loops() -> N
         stats = sink.stats()
         seen.append((stats["events_in"], stats["blocks_removed"], stats["malformed_events"]))
     assert seen == [(3, 2, 1), (3, 2, 1)]
+
+
+def _store(parent: int | None, h: int, tokens: Any = None, **data: Any) -> dict[str, Any]:
+    return {"event_id": 0, "window_size": 64, "data": {
+        "type": "stored", "parent_hash": parent, **data, "blocks": [{
+            "block_hash": h, "tokens": tokens or [{"token_id": h % 7}, {"token_id": 1}]}]}}
+
+
+def _both(make: Any, **kw: Any) -> tuple[list[bytes], dict[str, int]]:
+    """The Python loop's and the compiled loop's output for ``make()`` (fresh input each)."""
+    out = []
+    for native in (False, True):
+        rec = Recorder()
+        sink = KvEventSink(rec, block_size=BS, window_size=64, native=native, **kw)
+        for events in make():
+            sink.ingest(events)
+        sink.flush()
+        out.append((rec.payloads, sink.stats()))
+    assert out[1] == out[0]
+    return out[0]
+
+
+@needs_native
+def test_a_key_whose_eq_changes_the_event_runs_the_same_in_both_loops() -> None:
+    """A caller's key object in an event dict, whose ``__eq__`` changes the event when a
+    lookup probes it: the compiled loop must not read such a dict at all (its borrowed
+    references could be freed under it; here it would read lora_id before parent_hash, the
+    Python loop after) but leave the event to the Python loop."""
+    def make() -> list[list[Any]]:
+        key = Collides("parent_hash")
+        data: dict[Any, Any] = {key: None}
+        event = _store(10, 11)
+        data.update(event["data"])
+        event["data"] = data
+        key.on_eq = lambda: data.__setitem__("lora_id", 5)  # armed once built
+        return [[_store(None, 10)], [event, _store(11, 12)]]
+
+    payloads, _ = _both(make)
+    assert b"\x05" in payloads[-1]  # the lora_id set by the key's __eq__ was published
+
+
+@needs_native
+@pytest.mark.parametrize("where", ["event", "data", "block", "token"])
+def test_a_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_both_loops(where: str
+                                                                              ) -> None:
+    """The same with an ``__eq__`` that empties the batch list and the dicts the compiled loop
+    would hold borrowed (a use-after-free if it looked up in them): both loops agree."""
+    def make() -> list[list[Any]]:
+        events = [_store(None, 10), _store(10, 11), _store(11, 12)]
+        target = events[1]
+        dicts = {"event": target, "data": target["data"],
+                 "block": target["data"]["blocks"][0],
+                 "token": target["data"]["blocks"][0]["tokens"][1]}
+        holder = dicts[where]
+        name = {"event": "window_size", "data": "blocks", "block": "tokens",
+                "token": "token_id"}[where]
+
+        def wreck() -> None:
+            events.clear()
+            for d in dicts.values():
+                d.clear()
+
+        items = list(holder.items())
+        holder.clear()
+        key = Collides(name)
+        holder[key] = 0
+        holder.update(items)
+        key.on_eq = wreck  # armed once built
+        return [events, [_store(None, 20)]]
+
+    _both(make)
+
+
+@needs_native
+@pytest.mark.parametrize("block_size", [1 << 62, 1 << 63, 1 << 70])
+def test_a_huge_block_size_runs_the_same_in_both_loops(block_size: int) -> None:
+    for native in (False, True):
+        rec = Recorder()
+        sink = KvEventSink(rec, block_size=block_size, native=native)
+        sink.ingest([_store(None, 10), _store(10, 11)])
+        sink.ingest([_store(None, 10), _store(10, 11)])
+        sink.flush()
+        assert rec.payloads == []
+        assert sink.stats()["partial_blocks_suppressed"] == 4
+
+
+@needs_native
+def test_refused_values_and_ranks_run_the_same_in_both_loops() -> None:
+    def make() -> list[list[Any]]:
+        ts = msgpack.Timestamp(1, 0)
+        return [[_store(None, 10), _store(10, 11, [{"token_id": 1}, {"token_id": ts}]),
+                 _store(10, 12, lora_id=ts), _store(10, 13, lora_id=-1),
+                 _store(10, 14, [{"token_id": 1 << 32}, {"token_id": 1}]),
+                 {**_store(10, 15), "attention_dp_rank": 3}, _store(10, 16)]]
+
+    _, stats = _both(make, max_dp_ranks=2)
+    assert stats["malformed_events"] == 4 and stats["unknown_dp_rank_events"] == 1
+    assert stats["blocks_stored"] == 2

@@ -282,8 +282,7 @@ class ConsolidatorCore:
         native = self._native
         applied = 0
         i = 0
-        n = len(events)
-        while i < n:
+        while i < len(events):  # re-read: a caller's key object may change the list
             rank = self._ranks.get(dp_rank)
             if native is not None and rank is not None and type(events) is list:
                 stop, counts, error = native.apply_events(
@@ -296,7 +295,7 @@ class ConsolidatorCore:
                     on_error(WireFormatError(f"{type(error).__name__}: {error}"))
                     i += 1
                     continue
-                if i >= n:
+                if i >= len(events):
                     break
             try:
                 self.apply_event(dp_rank, events[i])

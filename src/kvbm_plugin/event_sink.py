@@ -214,7 +214,6 @@ class KvEventSink:
             rs = self._ranks[self.data_parallel_rank]
             bs = self.block_size
             start = 0
-            end = len(events)
             while True:
                 (stop, rs.last, n_in, n_stores, n_stored, n_removes,
                  n_removed) = native(events, start, rs.events, rs.last, bs, self._window,
@@ -224,7 +223,7 @@ class KvEventSink:
                 c["blocks_stored"] += n_stored
                 c["removes"] += n_removes
                 c["blocks_removed"] += n_removed
-                if stop >= end:
+                if stop >= len(events):  # re-read: a caller's key object may change the list
                     return
                 self._ingest_locked((events[stop],))
                 start = stop + 1
