@@ -36,6 +36,24 @@ static int get_item(PyObject *d, PyObject *key, PyObject **out, int required) {
     return TAKE;
 }
 
+/* d[key] (borrowed) for an exact dict, found by walking its entries: 1 found, 0 absent, -1 a
+ * key that is not an exact str (the event goes to the Python loop). One pass both checks the
+ * keys (see str_keys_only) and finds the value, for the small dicts read once per token. */
+static int str_keyed_item(PyObject *d, PyObject *key, PyObject **out) {
+    Py_ssize_t pos = 0, len = PyUnicode_GET_LENGTH(key);
+    PyObject *k, *v;
+    int found = 0;
+    while (PyDict_Next(d, &pos, &k, &v)) {
+        if (!PyUnicode_CheckExact(k)) return -1;
+        if (!found && (k == key || (PyUnicode_GET_LENGTH(k) == len
+                                    && PyUnicode_Compare(k, key) == 0))) {
+            *out = v;
+            found = 1;
+        }
+    }
+    return found;
+}
+
 /* New reference to the wire hash (signed int64) of an exact int given as int64 or u64. */
 static int wire_hash(PyObject *h, PyObject **out) {
     int overflow = 0;
@@ -134,15 +152,10 @@ static int take_stored(PyObject *data, PyObject *out, PyObject **last, PyObject 
     if (token_ids == NULL) { r = FAIL; goto done; }
     for (j = 0; j < bs; j++) {
         PyObject *tok = PyList_GET_ITEM(tokens, j), *tid;
-        if (!PyDict_CheckExact(tok) || !str_keys_only(tok)) {
+        if (!PyDict_CheckExact(tok) || str_keyed_item(tok, K_token_id, &tid) != 1
+            || !PyLong_CheckExact(tid) || !int_in_range(tid, 0xFFFFFFFFULL)) {
             Py_DECREF(token_ids);
             r = LEAVE;
-            goto done;
-        }
-        tid = PyDict_GetItemWithError(tok, K_token_id);
-        if (tid == NULL || !PyLong_CheckExact(tid) || !int_in_range(tid, 0xFFFFFFFFULL)) {
-            Py_DECREF(token_ids);
-            r = PyErr_Occurred() ? FAIL : LEAVE;
             goto done;
         }
         Py_INCREF(tid);
