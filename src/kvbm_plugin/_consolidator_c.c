@@ -103,7 +103,8 @@ PyDoc_STRVAR(store_chain_doc,
 "            parent, pident, parent_wire, slot, lora_id, lora_name, medium, group,\n"
 "            fresh_pub, add_alias, release) -> (visible, duplicates, runs, run_blocks)\n\n"
 "The block loop of ConsolidatorCore._store_chain in dedup mode, on the same structures.\n"
-"Identities are computed first (an unhashable token raises before anything changed).");
+"Identities are computed first (a token that is not a u32 int raises TypeError before\n"
+"anything changed).");
 
 /* The chain loop shared by store_chain and stored_one (arguments as store_chain's). */
 static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObject *held,
@@ -126,15 +127,6 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
         return NULL;
     }
     if (parent != Py_None && !is_block(parent)) return NULL;
-    /* Exact ints only: hashing one runs no Python code (a token's own __hash__ could change
-     * ``tokens`` under the loop below). TypeError before anything changed, as for an
-     * unhashable token. */
-    for (i = 0; i < n * bs; i++) {
-        if (!PyLong_CheckExact(PyList_GET_ITEM(tokens, i))) {
-            PyErr_SetString(PyExc_TypeError, "store_chain: a token id is not an int");
-            return NULL;
-        }
-    }
 
     /* Pass 1: the content-chain identities, hash((parent identity, tuple(block's tokens))),
      * exactly the Python loop's values. */
@@ -149,6 +141,16 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
             if (piece == NULL) goto fail;
             for (k = 0; k < bs; k++) {
                 PyObject *token = PyList_GET_ITEM(tokens, i * bs + k);
+                /* u32 exact ints only (what the Python code accepts): hashing one runs no
+                 * Python code, whereas a token's own __hash__ could change ``tokens`` under
+                 * this loop. TypeError before anything changed, as for an unhashable
+                 * token: the caller leaves the event to the Python code. */
+                if (!PyLong_CheckExact(token) || !int_in_range(token, 0xFFFFFFFFULL)) {
+                    Py_DECREF(piece);
+                    PyErr_SetString(PyExc_TypeError, "store_chain: a token id is not a u32 "
+                                    "int");
+                    goto fail;
+                }
                 Py_INCREF(token);
                 PyTuple_SET_ITEM(piece, k, token);
             }
@@ -466,13 +468,8 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
     /* n * bs must not overflow (a huge block_size would wrap to a small count). */
     if (bs <= 0 || n == 0 || bs > PY_SSIZE_T_MAX / n || PyList_GET_SIZE(tokens) != n * bs)
         return LEAVE;
-    {
-        Py_ssize_t j;
-        for (j = 0; j < n * bs; j++) {
-            PyObject *token = PyList_GET_ITEM(tokens, j);
-            if (!PyLong_CheckExact(token) || !int_in_range(token, 0xFFFFFFFFULL)) return LEAVE;
-        }
-    }
+    /* Tokens that are not u32 exact ints are left to the Python code by chain()'s first pass
+     * (before anything changed). */
     if (lora_id != NULL && lora_id != Py_None
         && !(PyLong_CheckExact(lora_id) && int_in_range(lora_id, ULLONG_MAX)))
         return LEAVE;
@@ -542,8 +539,8 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
                    parent, pident, parent_wire, slot, lora_id, lora_name, C_gpu, C_zero,
                    fresh_pub, add_alias, release, &mutated);
     if (counts == NULL) {
-        /* An unhashable token fails the identity pass, before anything changed: the Python
-         * code raises the same error for the event. */
+        /* A token that is not a u32 int fails the identity pass, before anything changed:
+         * the Python code refuses the event, naming it. */
         if (!mutated && PyErr_ExceptionMatches(PyExc_TypeError)) {
             PyErr_Clear();
             r = LEAVE;
