@@ -162,7 +162,8 @@ class KvEventSink:
         if type(max_dp_ranks) is not int or max_dp_ranks < 1:
             raise ValueError(f"KvEventSink: max_dp_ranks={max_dp_ranks!r} must be an integer "
                              ">= 1")
-        # attention_dp_rank values accepted besides our own and those with a publisher.
+        # attention_dp_rank values below this are accepted (and our own, and those with a
+        # publisher); any other would get state kept for the sink's lifetime.
         self._max_dp_ranks = max_dp_ranks
         self._publisher = publisher
         self._rank_publishers = dict(rank_publishers or {})
