@@ -52,8 +52,12 @@ def op(draw: st.DrawFn) -> tuple[str, Any]:
             tier = draw(st.sampled_from(["CPU", "DISK"]))
             return kind, (tier, dp, hashes[0], parent, tokens[:BS] or [0] * BS)
         event = {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent,
-                 "token_ids": tokens, "block_size": BS, "lora_id": None,
+                 "token_ids": tokens, "block_size": BS,
+                 "lora_id": draw(st.sampled_from([None] * 6 + [0, 3])),
                  "medium": draw(MEDIA), "lora_name": None}
+        if draw(st.integers(0, 7)) == 0:  # extra keys (multimodal, salt): part of identity
+            event["extra_keys"] = [draw(st.sampled_from([None, ["salt:01"], ["mm", "salt:02"]]))
+                                   for _ in range(n)]
         return kind, (dp, event)
     if kind in ("remove", "unregister"):
         hashes = draw(st.lists(HASHES, min_size=1, max_size=4))

@@ -26,8 +26,8 @@ from kvbm_plugin.publisher import EventPublisher
 
 BS = 2  # block size: small, so partial and oversized blocks are easy to draw
 HASHES = [0, 1, 2, 3, 5, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, -1, -(1 << 63),
-          1 << 64, -(1 << 63) - 1, "7", True, None, 2.0]
-VALID = [0, 1, 2, 3, 5, (1 << 63) - 1, 1 << 63, (1 << 64) - 1]
+          1 << 64, -(1 << 63) - 1, "7", True, None, 2.0, "00ff" * 16]
+VALID = [0, 1, 2, 3, 5, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, "80" * 32]
 
 
 class Recorder(EventPublisher):
@@ -109,6 +109,17 @@ def event(draw: st.DrawFn) -> Any:
                                      True, msgpack.ExtType(1, b"")]))
         if lora != "absent":
             data["lora_id"] = lora
+        for block in data["blocks"]:  # newer serializers: LoRA, multimodal keys, salt per block
+            extra = draw(st.sampled_from(["none"] * 6 + ["lora", "mm", "salt", "empty-mm"]))
+            if extra == "lora":
+                block["lora_id"] = draw(st.sampled_from([None, 0, 4]))
+            elif extra == "mm":
+                block["mm_keys"] = [{"type": "mm_key", "hash": "0123456789abcdef",
+                                     "start_offset": 1}]
+            elif extra == "salt":
+                block["cache_salt"] = draw(st.sampled_from([None, "tenant-a"]))
+            elif extra == "empty-mm":
+                block["mm_keys"] = []
         if draw(st.integers(0, 19)) == 0:
             data["blocks"] = tuple(data["blocks"])
         if n_blocks and draw(st.integers(0, 19)) == 0:
@@ -152,7 +163,7 @@ def chained(draw: st.DrawFn) -> list[Any]:
                 "tokens": [{"type": "unique_token", "token_id": draw(st.integers(0, 9)),
                             "token_extra_id": 0} for _ in range(BS)]}]}
             out.append({"event_id": 0, "window_size": 64, "data": data})
-            last = h if h < (1 << 63) else h - (1 << 64)
+            last = h if isinstance(h, str) or h < (1 << 63) else h - (1 << 64)
         elif pick < 8:
             out.append({"event_id": 0, "window_size": 64,
                         "data": {"type": "removed", "block_hashes": [draw(hashes())]}})

@@ -480,6 +480,16 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
     r = FAIL;
     if (lora_id == NULL) lora_id = Py_None;
     if (lora_name == NULL) lora_name = Py_None;
+    {
+        /* A LoRA id or extra keys are part of the identity: the Python code decides. */
+        PyObject *extra;
+        int truthy;
+        if (field(raw, K_extra_keys, &extra) < 0) goto done;
+        if (extra != NULL && extra != Py_None) { r = LEAVE; goto done; }
+        truthy = lora_id == Py_None ? 0 : PyObject_IsTrue(lora_id);
+        if (truthy < 0) goto done;
+        if (truthy) { r = LEAVE; goto done; }
+    }
     slot = PyLong_FromSsize_t(slot_index);
     blocks = PyObject_GetAttr(rank, K_blocks_attr);
     known = PyObject_GetAttr(rank, K_known_attr);

@@ -131,6 +131,18 @@ static int take_stored(PyObject *data, PyObject *out, PyObject **last, PyObject 
     if ((r = get_item(block, K_tokens, &tokens, 1)) != TAKE) return r;
     if (!PyList_CheckExact(tokens) || PyList_GET_SIZE(tokens) != bs) return LEAVE;
     if ((r = get_item(block, K_block_hash, &raw, 1)) != TAKE) return r;
+    {
+        /* Per-block LoRA, multimodal keys or cache salt (newer serializers): the Python loop
+         * turns them into lora_id / extra_keys. */
+        PyObject *v;
+        if ((r = get_item(block, K_lora_id, &v, 0)) != TAKE) return r;
+        if (v != NULL && v != Py_None) return LEAVE;
+        if ((r = get_item(block, K_cache_salt, &v, 0)) != TAKE) return r;
+        if (v != NULL && v != Py_None) return LEAVE;
+        if ((r = get_item(block, K_mm_keys, &v, 0)) != TAKE) return r;
+        if (v != NULL && v != Py_None && !(PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0))
+            return LEAVE;
+    }
     if ((r = get_item(data, K_lora_id, &lora_id, 0)) != TAKE) return r;
     /* ``data.get("lora_id") or None``, for the values TRT-LLM sends (None or an int). */
     if (lora_id != NULL && lora_id != Py_None) {

@@ -60,7 +60,8 @@ static inline int list_extend(PyObject *list, PyObject *items) {
 
 /* The wire format's map keys and event tags (vLLM's field names), one copy per extension. */
 static PyObject *K_type, *K_block_hashes, *K_parent_block_hash, *K_token_ids, *K_block_size,
-    *K_lora_id, *K_medium, *K_lora_name, *S_BlockStored, *S_BlockRemoved;
+    *K_lora_id, *K_medium, *K_lora_name, *S_BlockStored, *S_BlockRemoved, *K_extra_keys,
+    *K_mm_keys, *K_cache_salt;
 
 static int intern_wire_keys(void) {
     return ((K_type = PyUnicode_InternFromString("type")) == NULL
@@ -71,6 +72,9 @@ static int intern_wire_keys(void) {
             || (K_lora_id = PyUnicode_InternFromString("lora_id")) == NULL
             || (K_medium = PyUnicode_InternFromString("medium")) == NULL
             || (K_lora_name = PyUnicode_InternFromString("lora_name")) == NULL
+            || (K_extra_keys = PyUnicode_InternFromString("extra_keys")) == NULL
+            || (K_mm_keys = PyUnicode_InternFromString("mm_keys")) == NULL
+            || (K_cache_salt = PyUnicode_InternFromString("cache_salt")) == NULL
             || (S_BlockStored = PyUnicode_InternFromString("BlockStored")) == NULL
             || (S_BlockRemoved = PyUnicode_InternFromString("BlockRemoved")) == NULL) ? -1 : 0;
 }

@@ -76,7 +76,8 @@ class StandinKvCacheConnectorWorker(ABC):
         return None
 
     @abstractmethod
-    def register_kv_caches(self, kv_cache_tensor: Any) -> None: ...
+    def register_kv_caches(self, kv_cache_tensor: Any,
+                           secondary_kv_cache_tensor: Any = None) -> None: ...
 
     @abstractmethod
     def start_load_kv(self, stream: Any) -> None: ...

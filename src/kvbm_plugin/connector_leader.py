@@ -31,11 +31,13 @@ from typing import Any
 
 from kvbm_plugin import _llm_args
 from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin._salt import lora_of, request_scope, salt_extra_key, salt_of
 from kvbm_plugin._trtllm_compat import (
     KvCacheConnectorScheduler,
     find_kv_cache_manager,
     kv_event_serializer,
 )
+from kvbm_plugin.block_names import BlockNames
 from kvbm_plugin.connector_meta import (
     DISK,
     ERR_CORRUPT,
@@ -56,9 +58,11 @@ from kvbm_plugin.consolidator_config import (
     CPU_CACHE_GB,
     DISK_CACHE_GB,
     EVENTS_ENDPOINT,
+    EVENTS_SOURCE,
     TRTLLM_ZMQ_PORT,
     ConfigError,
     load_consolidator_config,
+    load_events_source,
     load_metrics_settings,
     load_tier_settings,
     should_enable_consolidator,
@@ -97,9 +101,11 @@ class TierEventPublisher:
         self._log = RateLimitedLog(logger)
 
     def register_store(self, tier: str, dp_rank: int, block_hash: int, parent_hash: int | None,
-                       token_ids: Sequence[int], block_size: int) -> None:
-        self._events.append(BlockStored([block_hash], parent_hash, list(token_ids), block_size,
-                                        medium=tier).to_wire())
+                       token_ids: Sequence[int], block_size: int, *, lora_id: int | None = None,
+                       extra_keys: tuple[Any, ...] | None = None) -> None:
+        self._events.append(BlockStored(
+            [block_hash], parent_hash, list(token_ids), block_size, lora_id=lora_id,
+            medium=tier, extra_keys=None if extra_keys is None else [extra_keys]).to_wire())
 
     def register_remove(self, tier: str, dp_rank: int, block_hashes: Sequence[int]) -> None:
         self._events.append(BlockRemoved(list(block_hashes), medium=tier).to_wire())
@@ -129,11 +135,13 @@ class _Request:
     """What the leader knows about one request (rank 0 only)."""
 
     req_id: int
-    salt: str | None = None
+    salt: str | None = None  # reuse scope (cache salt, LoRA) mixed into every tier key
+    scope: tuple[int | None, int | None] = (None, None)  # (LoRA id, salt id) for tier events
     tokens: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)  # content keys of full blocks
     event_hashes: list[int] = field(default_factory=list)  # RequestData.block_hashes
+    learned: list[int] = field(default_factory=list)  # TRT-LLM's hashes seen in GPU events
     offload_next: int = 0  # first block index not yet considered for offload
     valid_tokens: int = 0  # tokens whose KV exists after the last scheduled forward
     match_base: int | None = None  # device-computed + connector-loaded tokens at match time
@@ -188,16 +196,26 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         # Where the GPU-tier events come from (attached on the first iterations, see
         # _attach_event_source); None until found.
         self.event_source: Any = None
+        self._event_source_problem = "not attached yet"
         self._attach_attempts = 0
         self._tier_events: Any = None
+        self._names = BlockNames(self._block_size)  # TRT-LLM's hashes, from its events
+        self._names_from_events = False  # RequestData without block_hashes seen
         self._stats = dict.fromkeys((
             "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
             "saves_committed", "saves_failed", "demotes_scheduled", "demotes_committed",
             "demotes_failed", "loads_failed", "corrupt_blocks", "stale_disk_blocks",
-            "tier_full_skips", "host_evictions", "disk_evictions", "reports_rejected"), 0)
+            "tier_full_skips", "host_evictions", "disk_evictions", "reports_rejected",
+            "cancelled_tokens", "cancels_too_late"), 0)
         self._log = RateLimitedLog(logger)
 
         config = load_consolidator_config(self._env, num_ranks=1)
+        self._events_source = load_events_source(self._env)
+        if self._events_source == "off":
+            self._attach_attempts = self._MAX_ATTACH_ATTEMPTS  # never look for the manager
+        logger.info("kvbm_plugin: GPU-tier KV event source %s=%s%s", EVENTS_SOURCE,
+                    self._events_source, " (no GPU-tier events from this process)"
+                    if self._events_source == "off" else "")
         enabled = config.enabled and should_enable_consolidator(llm_args, self._env)
         from kvbm_plugin.event_sink import KvEventSink
         from kvbm_plugin.publisher import NullEventPublisher, create_publisher
@@ -219,6 +237,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             self.event_sink = KvEventSink(publisher, block_size=self._block_size,
                                           window_size=config.publisher.window_size,
                                           data_parallel_rank=self._dp_rank)
+            self.event_sink.on_flush = self._names.observe
             self._tier_events = getattr(llm_args, "kvbm_plugin_tier_events", None)
             if enabled:
                 from kvbm_plugin.consolidator import KvEventConsolidator
@@ -325,7 +344,11 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         nothing matches or ``num_computed_tokens`` is not block-aligned. At least one prompt
         token is always left to compute. Matched blocks are pinned until loaded.
         """
-        self._apply_reports()
+        if not self._names_from_events:
+            # Where TRT-LLM's hashes are learned from its events, reports wait for the next
+            # build_connector_meta, whose first step reads those events (this call runs inside
+            # TRT-LLM's allocation and must not drain them).
+            self._apply_reports()
         self._stats["match_calls"] += 1
         req_id = int(request.request_id)
         old = self._reqs.get(req_id)
@@ -334,8 +357,10 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         if getattr(request, "is_generation_only_request", False):
             return 0, False
         tokens = list(request.get_tokens(0))
-        salt = getattr(request, "cache_salt", None) or getattr(request, "py_cache_salt", None)
-        state = _Request(req_id, salt=salt)
+        # The C++ request carries the salt as cache_salt_id only; newer Python requests also
+        # as cache_salt. Either way it scopes every key, as it scopes TRT-LLM's own.
+        salt = request_scope(request)
+        state = _Request(req_id, salt=salt, scope=(lora_of(request), salt_of(request)))
         self._reqs[req_id] = state
         bs = self._block_size
         if num_computed_tokens < 0 or num_computed_tokens % bs:
@@ -363,6 +388,71 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             self._stats["matched_host_tokens" if tier == TIER_HOST else "matched_disk_tokens"] += bs
         return n, True
 
+    def cancel_load(self, request: Any, start: int, end: int) -> None:
+        """Called on rank 0 by TensorRT-LLM's KVCacheManagerV2 (current main) when the runtime
+        will not consume tokens ``[start, end)`` of an offer: a tail it could not reserve
+        pages for, or a head the device cache overtook while the request waited.
+
+        Every matched block overlapping the range leaves the plan: its pin is released (so
+        the tier may evict it again) and no load is issued for it. A load already handed to
+        the workers in metadata cannot be taken back (it completes; the runtime recomputes
+        those tokens), which is counted as ``cancels_too_late``. Executor thread, no I/O.
+        """
+        state = self._reqs.get(int(request.request_id))
+        if state is None or end <= start:
+            return
+        bs = self._block_size
+
+        def dropped(index: int) -> bool:
+            return index * bs < end and (index + 1) * bs > start
+
+        if state.load is not None:
+            if state.load not in self._pending_loads:
+                if any(dropped(i) for i, _, _ in state.plan):
+                    self._stats["cancels_too_late"] += 1
+                return
+            keep_ops = set()
+            for index, tier, entry in state.plan:
+                copy_op = next((c.op_id for c in state.load.copies if c.key == entry.key), None)
+                if not dropped(index):
+                    if copy_op is not None:
+                        keep_ops.add(copy_op)
+                    continue
+                if copy_op is not None:  # its pin is released when the op would have been
+                    self._ops.pop(copy_op, None)
+                    state.loads_inflight.discard(copy_op)
+                    index_ = self._host if tier == TIER_HOST else self._disk
+                    if index_ is not None and entry.pins > 0:
+                        index_.unpin(entry)
+            load = LoadOp(state.req_id, tuple(c for c in state.load.copies
+                                               if c.op_id in keep_ops))
+            self._pending_loads[self._pending_loads.index(state.load)] = load
+            state.load = load
+        else:
+            for index, tier, entry in state.plan:
+                if dropped(index):
+                    index_ = self._host if tier == TIER_HOST else self._disk
+                    if index_ is not None and entry.pins > 0:
+                        index_.unpin(entry)
+        kept = [item for item in state.plan if not dropped(item[0])]
+        self._stats["cancelled_tokens"] += (len(state.plan) - len(kept)) * bs
+        state.plan = kept
+        # The first report subtracts only what the runtime counted as loaded.
+        state.match_base = (kept[-1][0] + 1) * bs if kept else None
+
+    def commit_new_matched_tokens(self, request: Any, num_tokens: int,
+                                  load_kv_async: bool) -> None:
+        """The runtime's side of an offer (current main splits the query from this commit):
+        honouring fewer tokens than offered cancels the unconsumed tail. Harmless where TRT-LLM
+        never calls it on the scheduler (it then calls :meth:`cancel_load`)."""
+        state = self._reqs.get(int(request.request_id))
+        if state is None or not state.plan or state.match_base is None:
+            return
+        offered_end = state.match_base
+        first = state.plan[0][0] * self._block_size
+        if first + num_tokens < offered_end:
+            self.cancel_load(request, first + max(0, int(num_tokens)), offered_end)
+
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         """Called on rank 0 right after allocation with the request's device block ids. Binds
         each matched tier block to its device block; the load goes into the next metadata."""
@@ -388,6 +478,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         flushes the iteration's GPU-tier events, and returns the loads bound since the last call
         plus offloads (device block → tier slot) for every block that became full this
         iteration and is in no tier yet. Walks ``new_requests`` and ``cached_requests``."""
+        self._sync_gpu_events()
         self._apply_reports()
         layout = self._ensure_tiers()
         self._iteration += 1
@@ -397,7 +488,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             state = self._reqs.get(rd.request_id)
             if state is None:
                 state = self._reqs[rd.request_id] = _Request(
-                    rd.request_id, salt=getattr(rd, "cache_salt", None))
+                    rd.request_id, salt=request_scope(rd), scope=(lora_of(rd), salt_of(rd)))
+            elif state.salt is None and not state.reported:
+                self._adopt_scope(state, rd)
             self._absorb(state, rd)
             if first_tier is not None and not state.finished:
                 self._schedule_saves(state, first_tier, saves)
@@ -419,22 +512,39 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         self._attach_attempts += 1
         manager = find_kv_cache_manager()
         if manager is None:
-            if self._attach_attempts == self._MAX_ATTACH_ATTEMPTS:
+            if self._attach_attempts == 1:
+                # Said at the first iteration, once: the executor that calls us holds no KV
+                # cache manager we can find (e.g. TRT-LLM's coroutine executor); later
+                # iterations keep looking quietly, and say so if one turns up.
                 logger.warning(
                     "kvbm_plugin: no KV cache manager with events found in the executor's call "
-                    "stack; GPU-tier events are not published from this process (push them "
-                    "with event_sink.ingest, or run `kvbm-plugin sidecar` against trtllm-serve)")
+                    "stack (an executor without self.kv_cache_manager, e.g. PyExecutorCoro?); "
+                    "GPU-tier events are not published from this process until one is found "
+                    "(set %s=off and run `kvbm-plugin sidecar` against trtllm-serve, or push "
+                    "them with event_sink.ingest)", EVENTS_SOURCE)
+            self._event_source_problem = "no KV cache manager found"
             return
         from kvbm_plugin.event_sink import attach_event_source
 
         try:
             self.event_source = attach_event_source(manager, self.event_sink,
-                                                    serialize=kv_event_serializer())
+                                                    serialize=kv_event_serializer(),
+                                                    mode=self._events_source)
         except ValueError as exc:
             self._attach_attempts = self._MAX_ATTACH_ATTEMPTS
+            self._event_source_problem = f"unavailable: {exc}"
             logger.warning("kvbm_plugin: GPU-tier events unavailable: %s", exc)
             return
-        logger.info("kvbm_plugin: GPU-tier events attached (%s path)", self.event_source.kind)
+        logger.info("kvbm_plugin: GPU-tier events attached: %s", self.event_source_status)
+
+    @property
+    def event_source_status(self) -> str:
+        """Where GPU-tier events come from now, in words (logged at attach time)."""
+        if self.event_source is not None:
+            return self.event_source.describe()
+        if self._events_source == "off":
+            return f"{EVENTS_SOURCE}=off: none from this process"
+        return self._event_source_problem
 
     def flush_events(self) -> None:
         """Publish this iteration's GPU-tier batch and hand queued tier events on.
@@ -458,6 +568,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         broadcast. True while offloads that read its device blocks are not yet reported by
         every rank: TRT-LLM then keeps the blocks until every worker's ``get_finished`` returns
         the id (workers count failed copies as finished)."""
+        if self._names_from_events:
+            self._sync_gpu_events()
         self._apply_reports()
         state = self._reqs.get(int(request.request_id))
         if state is None:
@@ -477,6 +589,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         hashes = getattr(rd, "block_hashes", None)
         if hashes:
             state.event_hashes = list(hashes)  # cumulative chain for the full blocks
+        elif not self._names_from_events and len(state.tokens) >= self._block_size:
+            self._names_from_events = True  # no block_hashes: learn TRT-LLM's from events
         valid = rd.computed_position + rd.num_scheduled_tokens
         if not state.reported and state.match_base is not None:
             # The first report subtracts connector-loaded tokens from computed_position.
@@ -488,10 +602,61 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
                                          parent=state.keys[-1] if state.keys else None))
 
+    @staticmethod
+    def _adopt_scope(state: _Request, rd: Any) -> None:
+        """A request matched without a salt whose first report names one (a request object
+        that lacked the field): key its blocks under the salt from now on, never unsalted."""
+        salt = request_scope(rd)
+        if salt is not None:
+            state.salt = salt
+            state.scope = (lora_of(rd), salt_of(rd))
+            state.keys = []  # rehashed under the salt by _absorb
+
     def _event_hash(self, state: _Request, index: int) -> int:
+        """The hash the tier events name block ``index`` by: TRT-LLM's (from
+        ``RequestData.block_hashes``, else learned from its GPU-tier events), so a router sees
+        one name per block across media; the plugin's content key only while TRT-LLM's is not
+        known yet (re-checked when the block's STORE is registered)."""
         if index < len(state.event_hashes):
             return int(state.event_hashes[index])
+        if index >= len(state.learned) and not state.event_hashes:
+            self._names.extend(state.tokens, state.keys, state.learned)
+        if index < len(state.learned):
+            return state.learned[index]
         return state.keys[index]
+
+    # -------------------------------------------------- TRT-LLM's block hashes, learned
+
+    def _sync_gpu_events(self) -> None:
+        """Publish TRT-LLM's events produced since the last call and learn the hashes they
+        name, so tier STOREs registered next use TRT-LLM's hash for each block. Executor
+        thread, outside TRT-LLM's allocation callback (``get_num_new_matched_tokens`` runs
+        inside it and never drains)."""
+        if self.event_source is not None:
+            self.event_source.poll()
+            self.event_sink.flush()
+            self._refresh_learned()
+
+    def _refresh_learned(self) -> None:
+        """TRT-LLM's hashes for every request whose hashes TRT-LLM did not hand over."""
+        if not self._names:
+            return
+        for state in self._reqs.values():
+            if not state.event_hashes and len(state.learned) < len(state.keys):
+                self._names.extend(state.tokens, state.keys, state.learned)
+
+    def _rename_provisional(self, entry: TierEntry) -> None:
+        """Before a block's tier STORE is announced: if it was reserved under the plugin's
+        content key (TRT-LLM's hash unknown then) and TRT-LLM's is known now, use that."""
+        if entry.event_hash == entry.key:
+            h = self._names.hash_of_key(entry.key)
+            if h is not None:
+                entry.event_hash = h
+        parent = entry.parent_event_hash
+        if parent is not None:
+            h = self._names.hash_of_key(parent)
+            if h is not None:
+                entry.parent_event_hash = h
 
     def _schedule_saves(self, state: _Request, index: TierIndex, saves: list[SaveOp]) -> None:
         bs = self._block_size
@@ -508,7 +673,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                 continue
             parent = self._event_hash(state, i - 1) if i else None
             entry = self._reserve(index, key, self._event_hash(state, i), parent,
-                                  state.tokens[i * bs:(i + 1) * bs])
+                                  state.tokens[i * bs:(i + 1) * bs], state.scope)
             if entry is None:
                 self._stats["tier_full_skips"] += 1
                 return  # retry from this block next iteration
@@ -529,12 +694,14 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         return False
 
     def _reserve(self, index: TierIndex, key: int, event_hash: int, parent: int | None,
-                 tokens: Sequence[int]) -> TierEntry | None:
+                 tokens: Sequence[int],
+                 scope: tuple[int | None, int | None] = (None, None)) -> TierEntry | None:
         """A pending slot in ``index``; an evicted host block is demoted to disk."""
         try:
             entry, evicted = index.reserve(key, event_hash, parent, tokens)
         except TierFullError:
             return None
+        entry.scope = scope
         if evicted is not None:
             self._stats["host_evictions" if index.name == TIER_HOST else "disk_evictions"] += 1
             # REMOVE before the metadata that reuses the slot leaves this method's caller.
@@ -543,7 +710,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             if index.name == TIER_HOST and self._disk is not None \
                     and self._disk.get(evicted.key) is None:
                 target = self._reserve(self._disk, evicted.key, evicted.event_hash,
-                                       evicted.parent_event_hash, evicted.token_ids)
+                                       evicted.parent_event_hash, evicted.token_ids,
+                                       evicted.scope)
                 if target is not None:
                     op_id = self._new_op("demote", TIER_DISK, evicted.key, None)
                     self._pending_demotes.append(DemoteOp(op_id, evicted.slot, target.slot,
@@ -592,9 +760,18 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                     signatures = {r.rank: r.signature for r in op.reports.values()
                                   if r.signature is not None}
                     entry = index.commit(op.key, signatures)
+                    self._rename_provisional(entry)
+                    # The scope only when there is one: a recorder written for the plain
+                    # six-argument call keeps working for unscoped blocks.
+                    lora, salt = entry.scope
+                    scope: dict[str, Any] = {}
+                    if lora is not None:
+                        scope["lora_id"] = lora
+                    if salt is not None:
+                        scope["extra_keys"] = (salt_extra_key(salt),)
                     self._tier_events.register_store(
                         _MEDIUM[index.name], self._dp_rank, entry.event_hash,
-                        entry.parent_event_hash, entry.token_ids, self._block_size)
+                        entry.parent_event_hash, entry.token_ids, self._block_size, **scope)
                 else:
                     index.discard(op.key)  # never advertised: no REMOVE either
             self._stats[f"{kind}_committed" if ok else f"{kind}_failed"] += 1

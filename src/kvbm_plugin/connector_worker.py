@@ -161,10 +161,18 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         iteration's offloads behind it (no host sync)."""
         return self._on_forward_done
 
-    def register_kv_caches(self, kv_cache_tensor: torch.Tensor) -> None:
+    def register_kv_caches(self, kv_cache_tensor: torch.Tensor,
+                           secondary_kv_cache_tensor: torch.Tensor | None = None) -> None:
         """Called once per rank on the main thread before the first iteration with the device
         pool ``[num_blocks, num_layers, kv_factor, tokens_per_block * heads * head_dim]``
-        (this rank's heads). Allocates the host pool to match and starts the transfer threads."""
+        (this rank's heads). Allocates the host pool to match and starts the transfer threads.
+
+        ``secondary_kv_cache_tensor`` (one upstream branch) is a staging pool for connectors
+        that opt into persistence staging; this connector does not, and ignores it. The pool
+        may be a strided view (KVCacheManagerV2's ``as_single_pool_tensor``: slot ``i`` at
+        ``base + stride * i``) as long as each block's bytes are contiguous; any other layout
+        is refused with its shape and strides named.
+        """
         import torch
 
         if kv_cache_tensor.dim() != 4:
@@ -172,8 +180,20 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                              "[blocks, layers, kv_factor, block elements], got shape "
                              f"{tuple(kv_cache_tensor.shape)}")
         if not kv_cache_tensor.is_contiguous():
-            raise ValueError(f"{type(self).__name__}.register_kv_caches: the pool must be "
-                             "contiguous")
+            block_elems = kv_cache_tensor[0].numel() if kv_cache_tensor.shape[0] else 0
+            if not (kv_cache_tensor.shape[0] == 0 or kv_cache_tensor[0].is_contiguous()) \
+                    or kv_cache_tensor.stride(0) < block_elems:
+                raise ValueError(
+                    f"{type(self).__name__}.register_kv_caches: unsupported pool layout: shape "
+                    f"{tuple(kv_cache_tensor.shape)}, strides {kv_cache_tensor.stride()} "
+                    "(elements). Supported: [blocks, layers, kv_factor, block elements] with "
+                    "each block's bytes contiguous (strides (>= "
+                    f"{block_elems}, {kv_cache_tensor.shape[2] * kv_cache_tensor.shape[3]}, "
+                    f"{kv_cache_tensor.shape[3]}, 1)); a layer-major or otherwise interleaved "
+                    "view cannot be offloaded block by block")
+            logger.info("%s: KV pool is a strided view (block stride %d elements, block %d "
+                        "elements): copies go block by block", type(self).__name__,
+                        kv_cache_tensor.stride(0), block_elems)
         self._pool = kv_cache_tensor
         self._pool_blocks = kv_cache_tensor.unbind(0)
         self._cuda = kv_cache_tensor.is_cuda
@@ -535,7 +555,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
 
     def _chunked(self, items: Sequence[_T]) -> Iterator[Sequence[_T]]:
         """A job's host copies in batches of ``_copy_batch_blocks`` (0: one batch)."""
-        step = self._copy_batch_blocks or len(items)
+        step = self._copy_batch_blocks or len(items) or 1  # no items: no batch (and no 0 step)
         for start in range(0, len(items), step):
             yield items[start:start + step]
 

@@ -120,6 +120,12 @@ _ROOT: Final = 0  # parent identity of a root block
 _UNKNOWN_PARENT: Final = 0x6B76626D5F706172
 
 
+def _plain_key(value: Any) -> bool:
+    """An ``extra_keys`` item the consolidator keeps: str, bytes or an int in 64 bits."""
+    t = type(value)
+    return t is str or t is bytes or (t is int and -(1 << 63) <= value < (1 << 64))
+
+
 def _slot(source: int, tier: int) -> int:
     return source * len(MEDIA) + tier
 
@@ -236,7 +242,7 @@ class ConsolidatorCore:
                 self._stored(dp_rank, source, raw.get("block_hashes"),
                              raw.get("parent_block_hash"), raw.get("token_ids"),
                              raw.get("block_size"), raw.get("medium"), raw.get("lora_id"),
-                             raw.get("lora_name"))
+                             raw.get("lora_name"), raw.get("extra_keys"))
                 return
             if kind == "BlockRemoved":
                 self._removed(dp_rank, source, raw.get("block_hashes"), raw.get("medium"))
@@ -251,7 +257,8 @@ class ConsolidatorCore:
                 self._stored(dp_rank, source, raw[1] if n > 1 else None,
                              raw[2] if n > 2 else None, raw[3] if n > 3 else None,
                              raw[4] if n > 4 else None, raw[6] if n > 6 else None,
-                             raw[5] if n > 5 else None, raw[7] if n > 7 else None)
+                             raw[5] if n > 5 else None, raw[7] if n > 7 else None,
+                             raw[8] if n > 8 else None)
                 return
             if kind == "BlockRemoved":
                 self._removed(dp_rank, source, raw[1] if n > 1 else None,
@@ -309,14 +316,18 @@ class ConsolidatorCore:
 
     def store(self, source: int, tier: str, dp_rank: int, block_hashes: Sequence[int],
               parent_hash: int | None, token_ids: Sequence[int], block_size: int,
-              lora_id: int | None = None, lora_name: str | None = None) -> None:
+              lora_id: int | None = None, lora_name: str | None = None,
+              extra_keys: Sequence[Any] | None = None) -> None:
         """``(source, tier)`` now holds a chain of blocks (``block_size`` tokens each).
 
         ``block_hashes[0]``'s parent is ``parent_hash``; each later block's parent is the one
-        before it. Hashes signed or unsigned. Raises WireFormatError on a bad tier or shape.
+        before it. Hashes signed or unsigned. ``lora_id`` and ``extra_keys`` (one entry per
+        block: multimodal keys, cache salt) are part of each block's identity. Raises
+        WireFormatError on a bad tier or shape.
         """
         self._stored(dp_rank, source, list(block_hashes), parent_hash, token_ids, block_size,
-                     tier, lora_id, lora_name)
+                     tier, lora_id, lora_name,
+                     None if extra_keys is None else list(extra_keys))
 
     def remove(self, source: int, tier: str, dp_rank: int, block_hashes: Sequence[int]) -> None:
         """``(source, tier)`` no longer holds these blocks (unknown hashes are counted)."""
@@ -440,7 +451,7 @@ class ConsolidatorCore:
 
     def _stored(self, dp_rank: int, source: int, hashes_raw: Any, parent_raw: Any,
                 tokens: Any, block_size: Any, medium: Any, lora_id: Any,
-                lora_name: Any) -> None:
+                lora_name: Any, extra_keys: Any = None) -> None:
         # Validate everything before the first mutation, so a bad event changes nothing.
         hashes = self._hashes(hashes_raw, "BlockStored block_hashes")
         if parent_raw is not None:
@@ -473,14 +484,38 @@ class ConsolidatorCore:
         if len(tokens) != n * block_size and tokens:
             raise WireFormatError(f"BlockStored has {len(tokens)} token ids for {n} blocks "
                                   f"of {block_size}")
+        scope = None
+        if extra_keys is not None or lora_id:
+            scope = self._scopes(lora_id, extra_keys, n)
         if not tokens:
             self._store_hash_only(rank, slot, hashes)
         else:
             self._store_chain(rank, slot, hashes, parent_raw, tokens, block_size, lora_id,
-                              lora_name)
+                              lora_name, scope, extra_keys)
         # Counted once applied (an unhashable token raises before anything changed).
         self._n_stores_in += 1
         self._n_store_blocks_in += n
+
+    @staticmethod
+    def _scopes(lora_id: Any, extra_keys: Any, n: int) -> list[Any]:
+        """Per block, what besides tokens names its content: (LoRA id, extra keys); two
+        adapters' or two salts' blocks with the same tokens are different blocks."""
+        if extra_keys is None:
+            return [(lora_id or None, None)] * n
+        if not isinstance(extra_keys, (list, tuple)) or len(extra_keys) != n:
+            raise WireFormatError(f"BlockStored extra_keys must be a list of one entry per "
+                                  f"block ({n}): {extra_keys!r:.100}")
+        out = []
+        for entry in extra_keys:
+            if entry is None:
+                out.append((lora_id or None, None))
+                continue
+            if type(entry) not in (list, tuple) or not all(map(_plain_key, entry)):
+                # Refused here like any odd value: the output encoder must take what we keep.
+                raise WireFormatError(f"BlockStored extra_keys entry is not a list of strings, "
+                                      f"bytes or 64-bit integers: {entry!r:.100}")
+            out.append((lora_id or None, tuple(entry)))
+        return out
 
     @staticmethod
     def _resolve(rank: _Rank, slot: int, ext: int) -> Block | None:
@@ -512,7 +547,8 @@ class ConsolidatorCore:
         rank.visible += visible
 
     def _store_chain(self, rank: _Rank, slot: int, hashes: list[int], parent_ext: int | None,
-                     tokens: list[int], bs: int, lora_id: Any, lora_name: Any) -> None:
+                     tokens: list[int], bs: int, lora_id: Any, lora_name: Any,
+                     scope: list[Any] | None = None, extra_keys: Any = None) -> None:
         # Hot path (one iteration per stored block): locals only; a block is created inline.
         blocks = rank.blocks
         blocks_get = blocks.get
@@ -538,7 +574,7 @@ class ConsolidatorCore:
             else:
                 pident = parent[_IDENT]
                 parent_wire = parent[_WIRE]
-        native = self._native
+        native = self._native if scope is None else None  # the compiled loop knows no scope
         if native is not None:
             visible, duplicates, n_runs, n_run_blocks = native.store_chain(
                 rank, blocks, known, held, published, out, hashes, tokens, bs, parent,
@@ -555,9 +591,14 @@ class ConsolidatorCore:
         # Identities first: an unhashable token raises before anything changed.
         tt = tuple(tokens)
         idents = []
-        for off in range(0, len(tt), bs):
-            pident = hash((pident, tt[off:off + bs]))
-            idents.append(pident)
+        if scope is None:
+            for off in range(0, len(tt), bs):
+                pident = hash((pident, tt[off:off + bs]))
+                idents.append(pident)
+        else:
+            for j, off in enumerate(range(0, len(tt), bs)):
+                pident = hash((pident, tt[off:off + bs], scope[j]))
+                idents.append(pident)
         self._n_unknown_parents += unknown_parent
         runs: list[tuple[dict[str, Any], int]] = []  # (output event, first block index)
         run_hashes: list[int] = []
@@ -618,6 +659,8 @@ class ConsolidatorCore:
             for event, first in runs:
                 count = len(event["block_hashes"])
                 self._n_store_blocks_out += count
+                if extra_keys is not None:
+                    event["extra_keys"] = extra_keys[first:first + count]
                 if first == 0 and count == i:
                     event["token_ids"] = tokens  # the whole chain: no copy
                 else:
@@ -968,20 +1011,23 @@ class KvEventConsolidator:
     # ------------------------------------------------------------------ registration API
 
     def register_store(self, tier: str, dp_rank: int, block_hash: int, parent_hash: int | None,
-                       token_ids: Sequence[int], block_size: int) -> None:
+                       token_ids: Sequence[int], block_size: int, *, lora_id: int | None = None,
+                       extra_keys: Sequence[Any] | None = None) -> None:
         """Tier ``tier`` (CPU/DISK, aliases accepted) of dp rank ``dp_rank`` now holds a block.
 
         Called by the leader's host/disk tier once the block's bytes are in the tier, from any
         thread. Never blocks, no I/O in the common case: validates the arguments (raising
         ValueError for a bad tier or hash) and queues the store for the ingest thread.
-        ``token_ids`` is copied (``block_size`` of them, the block's own tokens).
+        ``token_ids`` is copied (``block_size`` of them, the block's own tokens). ``lora_id``
+        and ``extra_keys`` (the block's extra hash keys, e.g. its cache salt) are part of its
+        identity, as for a stream event.
         """
         medium = normalize_medium(tier)
         _check_hash(block_hash)
         if parent_hash is not None:
             _check_hash(parent_hash)
         self._submit(("store", medium, dp_rank, block_hash, parent_hash, list(token_ids),
-                      block_size))
+                      block_size, lora_id, None if extra_keys is None else [extra_keys]))
 
     def register_remove(self, tier: str, dp_rank: int, block_hashes: Sequence[int]) -> None:
         """Tier ``tier`` of dp rank ``dp_rank`` no longer holds these blocks.
@@ -1416,7 +1462,7 @@ class KvEventConsolidator:
                 kind, medium, dp_rank = item[0], item[1], item[2]
                 if kind == "store":
                     core.store(SOURCE_TIERS, medium, dp_rank, [item[3]], item[4], item[5],
-                               item[6])
+                               item[6], item[7], None, item[8])
                 elif kind == "remove":
                     core.remove(SOURCE_TIERS, medium, dp_rank, item[3])
                 else:

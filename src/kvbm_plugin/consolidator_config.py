@@ -55,6 +55,7 @@ DISK_CACHE_DIR = "DYN_KVBM_DISK_CACHE_DIR"
 METRICS = "DYN_KVBM_METRICS"
 METRICS_PORT = "DYN_KVBM_METRICS_PORT"
 NATIVE = "DYN_KVBM_NATIVE"
+EVENTS_SOURCE = "DYN_KVBM_KV_EVENTS_SOURCE"
 
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(ENABLE_CONSOLIDATOR, "true", "Run the de-duplicating consolidator in the leader "
@@ -99,6 +100,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(METRICS_PORT, "6880", "Prometheus metrics port.", "metrics"),
     EnvVar(NATIVE, "true", "Use the compiled fast paths when they were built at install "
            "(1/true/on/yes); 0/false/off/no runs the pure-Python reference paths.", "runtime"),
+    EnvVar(EVENTS_SOURCE, "auto", "Where the leader gets GPU-tier events: `auto` drains "
+           "TRT-LLM's KV-event buffer until another reader (LLM.get_kv_cache_events, "
+           "/kv_cache_events, Dynamo's publisher) shows up, then only taps what that reader "
+           "drains; `drain` always drains; `tap` never drains (copies what others read); "
+           "`off` publishes none (sidecar or another publisher serves them). V2 hooks never "
+           "drain.", "publisher"),
 )
 ENV_VARS_BY_NAME: dict[str, EnvVar] = {var.name: var for var in ENV_VARS}
 
@@ -352,6 +359,20 @@ def load_metrics_settings(env: Mapping[str, str] | None = None) -> MetricsSettin
         enabled=parse_bool(METRICS, _raw(env, METRICS) or "false"),
         port=parse_port(METRICS_PORT, _raw(env, METRICS_PORT) or ""),
     )
+
+
+EventsSource = Literal["auto", "drain", "tap", "off"]
+EVENTS_SOURCES: tuple[EventsSource, ...] = ("auto", "drain", "tap", "off")
+
+
+def load_events_source(env: Mapping[str, str] | None = None) -> EventsSource:
+    """DYN_KVBM_KV_EVENTS_SOURCE, validated (ConfigError names the variable and value)."""
+    env = os.environ if env is None else env
+    value = (_raw(env, EVENTS_SOURCE) or "auto").strip().lower()
+    if value not in EVENTS_SOURCES:
+        raise ConfigError(f"{EVENTS_SOURCE}={env.get(EVENTS_SOURCE)!r}: expected one of "
+                          f"{' | '.join(EVENTS_SOURCES)}")
+    return value  # type: ignore[return-value]
 
 
 def native_enabled(env: Mapping[str, str] | None = None) -> bool:

@@ -25,6 +25,9 @@ from dataclasses import dataclass
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.events import to_signed_int64
 
+# The demo's tenants: sessions alternate between them (cache salts).
+_TENANTS = ("tenant-a", "tenant-b")
+
 
 @dataclass(frozen=True)
 class Check:
@@ -124,7 +127,10 @@ def run_demo(args: argparse.Namespace) -> int:
                 ids = []
                 for session, message in enumerate(messages):
                     histories[session].extend(message)
-                    ids.append(engine.submit(histories[session], args.gen_tokens))
+                    # Sessions alternate between two tenants sharing the system prompt; their
+                    # cache salts keep each tenant's blocks (GPU, host, disk) to itself.
+                    ids.append(engine.submit(histories[session], args.gen_tokens,
+                                             cache_salt=_TENANTS[session % len(_TENANTS)]))
                 while not engine.idle():
                     if engine.step() == 0:
                         time.sleep(0.0005)  # waiting for transfer threads only

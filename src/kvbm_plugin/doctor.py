@@ -56,6 +56,32 @@ def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings)
     return checks
 
 
+_SOURCE_DETAIL = {
+    "auto": "drains TRT-LLM's KV-event buffer each iteration until another reader "
+            "(LLM.get_kv_cache_events, /kv_cache_events, Dynamo's publisher) calls it, then "
+            "publishes what that reader drains (V2 hooks: never drains)",
+    "drain": "drains TRT-LLM's KV-event buffer each iteration: TRT-LLM's own readers "
+             "(LLM.get_kv_cache_events, /kv_cache_events, Dynamo's publisher) get nothing",
+    "tap": "never drains: publishes only what TRT-LLM's own readers drain (nothing while "
+           "none runs)",
+    "off": "no GPU-tier events from the leader (run `kvbm-plugin sidecar` or another "
+           "publisher)",
+}
+
+
+def _events_source_check() -> Check:
+    """Which GPU-tier event source the leader will use, and what the engine must provide."""
+    try:
+        source = cc.load_events_source()
+    except cc.ConfigError as exc:
+        return Check("KV event source", "fail", str(exc))
+    detail = (f"{cc.EVENTS_SOURCE}={source}: {_SOURCE_DETAIL[source]}. The leader finds "
+              "TRT-LLM's KV cache manager as PyExecutor.kv_cache_manager in its caller's "
+              "frames at the first iteration and warns once when there is none (an executor "
+              "that does not wire KV events, e.g. PyExecutorCoro)")
+    return Check("KV event source", "ok", detail)
+
+
 def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
     checks: list[Check] = []
     try:
@@ -78,6 +104,8 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
         except cc.ConfigError:
             metrics = cc.MetricsSettings()
         checks.extend(_endpoint_checks(config, metrics))
+
+    checks.append(_events_source_check())
 
     from kvbm_plugin import _native
 

@@ -44,6 +44,7 @@ from typing import Any
 
 from kvbm_plugin import _native
 from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin._salt import salt_extra_key, salt_of
 from kvbm_plugin.events import (
     MAX_DP_RANKS,
     MEDIUM_GPU,
@@ -69,8 +70,12 @@ _REMOVED = "BlockRemoved"
 
 
 def _signed(value: Any, what: str) -> int:
-    """Wire form (signed int64) of a TRT-LLM hash given as u64 (or already signed)."""
+    """Wire form (signed int64) of a TRT-LLM hash given as u64 (or already signed), or as a
+    hex string (V2 events with ``v2_sha256`` hashing: the radix key's hex, same rule as
+    :func:`radix_key_hash`, so the buffered and the hook path name a block alike)."""
     if type(value) is not int:
+        if isinstance(value, str):
+            return _hex_hash(value, what)
         raise WireFormatError(f"{what} is not an integer: {value!r}")
     return to_signed_int64(value, what)
 
@@ -99,6 +104,14 @@ def _lora_id(value: Any) -> int | None:
     return value or None
 
 
+def _hex_hash(value: str, what: str) -> int:
+    try:
+        return radix_key_hash(bytes.fromhex(value[:16]))
+    except ValueError:
+        raise WireFormatError(f"{what} is not an integer or a hex key of >= 8 bytes: "
+                              f"{value!r}") from None
+
+
 def radix_key_hash(key: bytes | bytearray | memoryview) -> int:
     """Wire hash of a V2 radix key: its first 8 bytes, big-endian, read as signed int64."""
     if len(key) < 8:
@@ -110,12 +123,34 @@ def _any_hash(value: Any, what: str) -> int:
     """Wire hash of a V2 hook hash argument: bytes key, hex-string key, or int."""
     if isinstance(value, (bytes, bytearray, memoryview)):
         return radix_key_hash(value)
-    if isinstance(value, str):
-        try:
-            return radix_key_hash(bytes.fromhex(value[:16]))
-        except ValueError:
-            raise WireFormatError(f"{what} is not a hex key: {value!r}") from None
     return _signed(value, what)
+
+
+def _scoped(block: Mapping[str, Any]) -> bool:
+    """Whether a stored block carries a per-block LoRA id, multimodal keys or a cache salt."""
+    return (block.get("lora_id") is not None or bool(block.get("mm_keys"))
+            or block.get("cache_salt") is not None or block.get("cache_salt_id") is not None)
+
+
+def _extra_keys(block: Any) -> list[Any] | None:
+    """The wire ``extra_keys`` entry of one stored block: its multimodal keys (the hash of each
+    ``mm_keys`` item) and its cache salt, or None when it has neither. Dict blocks (buffered
+    events) or ``KVCacheStoredBlockData`` objects (V2 ``add_stored_event``)."""
+    mm = block.get("mm_keys") if isinstance(block, Mapping) else getattr(block, "mm_keys", None)
+    keys: list[Any] = []
+    for item in mm or ():
+        if isinstance(item, Mapping):
+            item = item.get("hash")
+        elif isinstance(item, (tuple, list)) and item:
+            item = item[0]
+        if isinstance(item, (bytes, bytearray)):
+            item = bytes(item).hex()
+        if item is not None:
+            keys.append(str(item))
+    salt = salt_of(block)
+    if salt is not None:
+        keys.append(salt_extra_key(salt))
+    return keys or None
 
 
 @dataclass
@@ -182,6 +217,9 @@ class KvEventSink:
             None if module is None else module.ingest_dicts)
         self._lock = threading.Lock()
         self._ranks: dict[int, _Rank] = {data_parallel_rank: _Rank()}
+        # Called by flush (the flushing thread) with each rank's wire events before they are
+        # published; the leader learns TRT-LLM's block hashes from it.
+        self.on_flush: Callable[[int, list[WireEvent]], None] | None = None
         self._closed = False
         self._log = RateLimitedLog(logger)
         self._c: dict[str, int] = dict.fromkeys((
@@ -283,7 +321,8 @@ class KvEventSink:
                     if kind == "stored":
                         blocks = data["blocks"]
                         block = blocks[0] if len(blocks) == 1 else None
-                        if block is not None and len(tokens := block["tokens"]) == bs:
+                        if block is not None and len(tokens := block["tokens"]) == bs \
+                                and not _scoped(block):
                             # The common decode case: one full block.
                             h = block["block_hash"]
                             if type(h) is not int or not i64_min <= h <= i64_max:
@@ -391,9 +430,12 @@ class KvEventSink:
         if parent is not None:
             parent = _signed(parent, "stored.parent_hash")
         blocks = data["blocks"]
-        lora_id = _lora_id(data.get("lora_id"))
+        # LoRA id: per block in newer serializers, else per event (TRT-LLM uses 0 for none).
+        event_lora = _lora_id(data.get("lora_id"))
         hashes: list[int] = []
         tokens: list[int] = []
+        loras: list[int | None] = []
+        extras: list[Any] = []  # per block: multimodal keys and cache salt, or None
         unpublished: list[int] = []  # the first partial block and every block after it
         oversized = 0
         for i, block in enumerate(blocks):
@@ -409,6 +451,8 @@ class KvEventSink:
                 break
             hashes.append(h)
             tokens.extend(_token_ids(btok))
+            loras.append(_lora_id(block["lora_id"]) if "lora_id" in block else event_lora)
+            extras.append(_extra_keys(block))
         if unpublished:
             if oversized:
                 self._log.log(logging.ERROR, "oversized", "KvEventSink: stored block %d has %d "
@@ -417,8 +461,14 @@ class KvEventSink:
             for h in unpublished:
                 self._suppress(rs, h)
             self._c["partial_blocks_suppressed"] += len(unpublished)
-        if hashes:
-            self._store(rs, hashes, parent, tokens, lora_id)
+        # One store per run of one adapter; the chain goes on across runs.
+        start = 0
+        for end in range(1, len(hashes) + 1):
+            if end == len(hashes) or loras[end] != loras[start]:
+                self._store(rs, hashes[start:end], parent, tokens[start * bs:end * bs],
+                            loras[start], extras[start:end])
+                parent = hashes[end - 1]
+                start = end
 
     # ---- shared batch building (lock held) -------------------------------------------------
 
@@ -442,9 +492,19 @@ class KvEventSink:
         return rs
 
     def _store(self, rs: _Rank, hashes: list[int], parent: int | None, tokens: list[Any],
-               lora_id: Any = None) -> None:
+               lora_id: Any = None, extras: list[Any] | None = None) -> None:
         c = self._c
         c["blocks_stored"] += len(hashes)
+        if extras is not None and any(e is not None for e in extras):
+            # Blocks with extra keys (multimodal, cache salt) keep them on the wire, one entry
+            # per block; such an event is never extended (neither loop appends a key list).
+            c["stores"] += 1
+            rs.events.append({"type": _STORED, "block_hashes": hashes,
+                              "parent_block_hash": parent, "token_ids": tokens,
+                              "block_size": self.block_size, "lora_id": lora_id,
+                              "medium": MEDIUM_GPU, "lora_name": None, "extra_keys": extras})
+            rs.last = None
+            return
         last = rs.last
         if (last is not None and last["type"] == _STORED and parent is not None
                 and last["block_hashes"][-1] == parent and last["lora_id"] == lora_id):
@@ -543,7 +603,14 @@ class KvEventSink:
                 rs.events = []
                 rs.last = None
         ok = True
+        observer = self.on_flush
         for rank, events in pending:
+            if observer is not None:
+                try:
+                    observer(rank, events)
+                except Exception as exc:  # an observer must not cost the batch
+                    self._log.log(logging.ERROR, "observer", "KvEventSink: on_flush observer "
+                                  "raised %s: %s", type(exc).__name__, exc)
             publisher = self._rank_publishers.get(rank, self._publisher)
             try:
                 published = publisher.publish(events, data_parallel_rank=rank)
@@ -725,6 +792,7 @@ class KvEventSink:
             parent = None if parent_hash is None else _any_hash(parent_hash, "parent_hash")
             hashes: list[int] = []
             tokens: list[Any] = []
+            extras: list[Any] = []  # per-block mm_keys / cache_salt (KVCacheStoredBlockData)
             for i, b in enumerate(blocks):
                 h = _any_hash(b.block_hash, "block_hash")
                 btok = b.tokens
@@ -735,11 +803,12 @@ class KvEventSink:
                     break
                 hashes.append(h)
                 tokens.extend(t.token_id if hasattr(t, "token_id") else t for t in btok)
+                extras.append(_extra_keys(b))
             if hashes:
                 for h in hashes:
                     rs.suppressed.pop(h, None)
                     rs.live.setdefault(h, None)
-                self._store(rs, hashes, parent, tokens)
+                self._store(rs, hashes, parent, tokens, None, extras)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             self._malformed(exc, blocks)
 
@@ -827,11 +896,33 @@ class EventSource:
     iteration before ``sink.flush()`` (executor thread) and :meth:`detach` at teardown.
     """
 
-    def __init__(self, kind: str, poll: Callable[[], int], detach: Callable[[], None]) -> None:
+    def __init__(self, kind: str, poll: Callable[[], int], detach: Callable[[], None],
+                 mode: str = "tap", drains: Callable[[], bool] = lambda: False) -> None:
         self.kind = kind
+        self.mode = mode  # DYN_KVBM_KV_EVENTS_SOURCE as applied: auto | drain | tap
+        self._drains = drains
         self._poll = poll
         self._detach = detach
         self._detached = False
+
+    @property
+    def drains(self) -> bool:
+        """Whether :meth:`poll` drains TRT-LLM's buffer now (``auto`` stops once another
+        reader appeared; V2 hooks and ``tap`` never drain)."""
+        return not self._detached and self._drains()
+
+    def describe(self) -> str:
+        """One line for the start-up log and ``doctor``."""
+        if self.kind == "v2-hooks":
+            return "KVCacheManagerV2 event hooks (never drains TRT-LLM's queue)"
+        if self.mode == "tap":
+            return ("buffered get_latest_events, tap: copies what TRT-LLM's own readers drain, "
+                    "never drains")
+        if self.mode == "drain":
+            return "buffered get_latest_events, drain: drained every iteration"
+        return ("buffered get_latest_events, auto: " + (
+            "draining every iteration until another reader appears" if self.drains
+            else "another reader appeared; tapping what it drains"))
 
     def poll(self) -> int:
         """Drain events the manager buffered (buffered kind with drain=True); returns count."""
@@ -846,7 +937,7 @@ class EventSource:
 
 def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
                         serialize: Callable[[Any], list[dict[str, Any]]] | None = None,
-                        drain: bool = True) -> EventSource:
+                        drain: bool = True, mode: str | None = None) -> EventSource:
     """Make ``sink`` receive the events of a live TRT-LLM KV cache manager, without patching
     TensorRT-LLM (only the one manager instance's attributes are wrapped).
 
@@ -861,9 +952,13 @@ def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
       that method is wrapped so that whoever drains the buffer (TRT-LLM's KV-event dispatch
       thread, or :meth:`EventSource.poll`) also feeds the sink. ``serialize`` turns the C++
       event objects into dicts (``tensorrt_llm._utils.KVCacheEventSerializer.serialize``;
-      dicts pass through). With ``drain=True`` ``poll`` drains the buffer too, so the plugin
-      gets events even when nothing else asks for them; events drained that way no longer
-      reach TRT-LLM's own pull API.
+      dicts pass through). ``mode`` (``DYN_KVBM_KV_EVENTS_SOURCE``) says whether ``poll``
+      drains the buffer too: ``drain`` always (the plugin gets events even when nothing else
+      asks for them, and events drained that way no longer reach TRT-LLM's own pull API);
+      ``tap`` never (only what TRT-LLM's own readers drain is seen, and nothing is taken from
+      them); ``auto`` drains until the wrapped getter is called by anyone else, then taps.
+      ``drain=False`` is the older spelling of ``mode="tap"``. The tee runs on the caller's
+      thread (TRT-LLM's KV-event dispatch thread): ``sink.ingest`` takes one short lock.
 
     Raises ValueError naming what is missing when neither path is available.
     """
@@ -883,12 +978,22 @@ def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
     if isinstance(size, int) and size <= 0:
         raise ValueError(f"kv_cache_config.event_buffer_max_size={size}: TensorRT-LLM buffers no "
                          "KV cache events; set it > 0 (e.g. 1024, as `kvbm-plugin yaml` does)")
-    return _tee_buffered(kv_cache_manager, get_latest, sink, serialize, drain)
+    if mode is None:
+        mode = "drain" if drain else "tap"
+    if mode not in ("auto", "drain", "tap"):
+        raise ValueError(f"attach_event_source: mode={mode!r} is not auto | drain | tap")
+    return _tee_buffered(kv_cache_manager, get_latest, sink, serialize, mode)
 
 
 def _tee_v2(event_manager: Any, sink: KvEventSink) -> EventSource:
     wrapped: list[str] = []
     log = RateLimitedLog(logger)
+    # TRT-LLM's V2 event manager calls its own hooks from inside each other (the life-cycle
+    # hook calls stored-from-block, which calls add_stored_event, through ``self``, so through
+    # these instance attributes). Only the outermost call per thread is observed: one store
+    # per block, under the hash of the outermost call, which is the hash later removed.
+    nesting = threading.local()
+
     for name in V2_HOOKS:
         original = getattr(event_manager, name, None)
         if original is None:
@@ -897,7 +1002,13 @@ def _tee_v2(event_manager: Any, sink: KvEventSink) -> EventSource:
 
         def tee(*args: Any, _orig: Any = original, _ours: Any = ours, _name: str = name,
                 **kwargs: Any) -> Any:
-            result = _orig(*args, **kwargs)
+            if getattr(nesting, "active", False):
+                return _orig(*args, **kwargs)  # called by another hook: TRT-LLM's only
+            nesting.active = True
+            try:
+                result = _orig(*args, **kwargs)
+            finally:
+                nesting.active = False
             try:
                 _ours(*args, **kwargs)
             except Exception as exc:  # the caller is TRT-LLM's KV cache manager: never break it
@@ -918,13 +1029,15 @@ def _tee_v2(event_manager: Any, sink: KvEventSink) -> EventSource:
         for name in wrapped:
             event_manager.__dict__.pop(name, None)
 
-    return EventSource("v2-hooks", lambda: 0, detach)
+    return EventSource("v2-hooks", lambda: 0, detach, "tap")
 
 
 def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSink,
                   serialize: Callable[[Any], list[dict[str, Any]]] | None,
-                  drain: bool) -> EventSource:
+                  mode: str) -> EventSource:
     log = RateLimitedLog(logger)
+    ours = threading.local()  # set while poll() itself calls the getter
+    state = {"others": mode == "tap"}  # True once anyone else read (auto: stop draining)
 
     def feed(raw: Any) -> None:
         if not raw:
@@ -949,6 +1062,12 @@ def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSin
         sink.ingest(items)
 
     def tee(*args: Any, **kwargs: Any) -> Any:
+        if not state["others"] and not getattr(ours, "polling", False):
+            state["others"] = True  # a plain store, read by the executor thread (GIL)
+            if mode == "auto":
+                logger.info("kvbm_plugin: another reader of TensorRT-LLM's KV events appeared "
+                            "(%s); no longer draining, publishing what it drains",
+                            threading.current_thread().name)
         raw = get_latest(*args, **kwargs)
         try:
             feed(raw)
@@ -958,14 +1077,21 @@ def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSin
 
     manager.get_latest_events = tee
 
+    def drains() -> bool:
+        return mode == "drain" or (mode == "auto" and not state["others"])
+
     def poll() -> int:
-        if not drain:
+        if not drains():
             return 0
-        raw = manager.get_latest_events(0)
+        ours.polling = True
+        try:
+            raw = manager.get_latest_events(0)
+        finally:
+            ours.polling = False
         return len(raw) if raw else 0
 
     def detach() -> None:
         if getattr(manager, "__dict__", {}).get("get_latest_events") is tee:
             del manager.get_latest_events
 
-    return EventSource("buffered", poll, detach)
+    return EventSource("buffered", poll, detach, mode, drains)

@@ -99,9 +99,13 @@ class BlockStored:
     lora_id: int | None = None
     medium: str | None = MEDIUM_GPU
     lora_name: str | None = None
+    # vLLM's per-block extra hash keys (multimodal keys, cache salt), one entry (a list, or
+    # None) per block; the field comes last and is left out of the map when None, as vLLM's
+    # msgspec encoder omits defaults.
+    extra_keys: list[Any] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire = {
             "type": "BlockStored",
             "block_hashes": [to_signed_int64(h) for h in self.block_hashes],
             "parent_block_hash": (None if self.parent_block_hash is None
@@ -112,6 +116,9 @@ class BlockStored:
             "medium": self.medium,
             "lora_name": self.lora_name,
         }
+        if self.extra_keys is not None:
+            wire["extra_keys"] = [None if k is None else list(k) for k in self.extra_keys]
+        return wire
 
 
 @dataclass(slots=True)
@@ -231,6 +238,7 @@ def decode_event(raw: Any) -> KvEvent:
             lora_id=_field(raw, 4, "lora_id"),
             medium=None if medium is None else normalize_medium(medium),
             lora_name=_field(raw, 6, "lora_name"),
+            extra_keys=_field(raw, 7, "extra_keys"),
         )
     if kind == "BlockRemoved":
         medium = _field(raw, 1, "medium")

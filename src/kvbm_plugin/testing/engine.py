@@ -41,6 +41,7 @@ from kvbm_plugin.testing.fake_trtllm import (
     ParallelConfig,
     RequestData,
     SchedulerOutput,
+    cache_salt_id,
     trtllm_block_hash,
 )
 
@@ -198,8 +199,9 @@ class _GpuPool:
                 self.free.append(block)
 
     def store(self, block: int, h: int, parent_block: int | None, parent_hash: int | None,
-              tokens: list[int]) -> None:
-        """Register a block for reuse (full, or the partial last block at termination)."""
+              tokens: list[int], cache_salt: str | None = None) -> None:
+        """Register a block for reuse (full, or the partial last block at termination). A
+        salted block's event carries ``cache_salt`` per block, as newer TRT-LLM's do."""
         if h in self.by_hash or block in self.hash_of:
             return
         self.by_hash[h] = block
@@ -209,11 +211,13 @@ class _GpuPool:
             self.children[parent_block] = self.children.get(parent_block, 0) + 1
         if len(tokens) == self.block_size:
             self.full.add(block)
-        self._emit({"type": "stored", "parent_hash": parent_hash, "blocks": [{
-            "type": "stored_block", "block_hash": h,
-            "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0}
-                       for t in tokens],
-            "cache_level": 0, "priority": 35}]})
+        stored = {"type": "stored_block", "block_hash": h,
+                  "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0}
+                             for t in tokens],
+                  "cache_level": 0, "priority": 35}
+        if cache_salt is not None:
+            stored["cache_salt"] = cache_salt
+        self._emit({"type": "stored", "parent_hash": parent_hash, "blocks": [stored]})
 
     def resident_full_hashes(self) -> set[int]:
         return {self.hash_of[b] for b in self.full}
@@ -447,7 +451,9 @@ class SimulatedEngine:
         r.n_device = r.computed = len(matched) * bs
         r.reserved = need
         self._outstanding += need
-        r.llm_request = LlmRequest(r.id, list(r.tokens), r.salt)
+        # The C++ request the connector sees carries the salt as its id only.
+        r.llm_request = LlmRequest(r.id, list(r.tokens), cache_salt_id=(
+            None if r.salt is None else cache_salt_id(r.salt)))
         r.llm_request.context_current_position = r.computed
         before = self.leader.stats()
         n_conn, load_async = self.leader.get_num_new_matched_tokens(r.llm_request, r.computed)
@@ -517,7 +523,7 @@ class SimulatedEngine:
         for i in range(r.stored_blocks, full):
             parent = r.blocks[i - 1] if i else None
             self.pool.store(r.blocks[i], hashes[i], parent, hashes[i - 1] if i else None,
-                            r.tokens[i * bs:(i + 1) * bs])
+                            r.tokens[i * bs:(i + 1) * bs], r.salt)
         r.stored_blocks = max(r.stored_blocks, full)
         if r.computed >= len(r.tokens):  # end of context, or a decode step: sample a token
             last = r.tokens[-1]
@@ -556,7 +562,7 @@ class SimulatedEngine:
             tokens = r.tokens[i * bs:r.computed]
             partial = trtllm_block_hash(hashes[-1] if hashes else None, tokens, r.salt)
             self.pool.store(r.blocks[i], partial, r.blocks[i - 1] if i else None,
-                            hashes[-1] if hashes else None, tokens)
+                            hashes[-1] if hashes else None, tokens, r.salt)
         assert r.llm_request is not None
         saving = self.leader.request_finished(r.llm_request, list(r.blocks))
         if not r.aborted:

@@ -14,17 +14,24 @@ from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbm_plugin._salt import cache_salt_id
+
 _U64 = (1 << 64) - 1
 
 
-def trtllm_block_hash(parent: int | None, tokens: list[int], salt: str | None = None) -> int:
+def trtllm_block_hash(parent: int | None, tokens: list[int],
+                      salt: str | int | None = None) -> int:
     """An unsigned 64-bit chained block hash, like TRT-LLM's ``v1_block_key`` (not equal to
-    it): depends on the parent hash, the token count, the tokens and the cache salt."""
+    it): depends on the parent hash, the token count, the tokens and the cache salt. As in
+    TRT-LLM's ``hash_v1_block_key`` the salt enters as its id (``cache_salt_id``; a string
+    salt is converted first) and only into the first block; later blocks inherit it through
+    the parent hash."""
     h = hashlib.sha256()
     h.update(struct.pack("<QI", 0 if parent is None else parent & _U64, len(tokens)))
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    if salt:
-        h.update(salt.encode("utf-8"))
+    if salt is not None and parent is None:
+        sid = cache_salt_id(salt) if isinstance(salt, str) else int(salt) & _U64
+        h.update(struct.pack("<Q", sid))
     return int.from_bytes(h.digest()[:8], "little")
 
 
@@ -40,7 +47,7 @@ class RequestData:
     num_scheduled_tokens: int  # tokens computed by the upcoming forward pass
     block_hashes: list[int] = field(default_factory=list)  # cumulative full-block hash chain
     priorities: list[int] | None = None
-    cache_salt: str | None = None
+    cache_salt: str | None = None  # current main; older revisions have no salt here
 
 
 @dataclass
@@ -51,12 +58,21 @@ class SchedulerOutput:
 
 
 class LlmRequest:
-    """What the C++ LlmRequest exposes to the scheduler hooks."""
+    """What the C++ LlmRequest exposes to the scheduler hooks.
 
-    def __init__(self, request_id: int, tokens: list[int], cache_salt: str | None = None) -> None:
+    The nanobind request carries the salt as ``cache_salt_id`` (an int) only; the Python
+    request of newer revisions also has the string ``cache_salt``. Either may be given here, as
+    the request under test is shaped.
+    """
+
+    def __init__(self, request_id: int, tokens: list[int], cache_salt: str | None = None, *,
+                 cache_salt_id: int | None = None, lora_task_id: int | None = None) -> None:
         self.request_id = request_id
         self._tokens = tokens
-        self.cache_salt = cache_salt
+        if cache_salt is not None:
+            self.cache_salt = cache_salt
+        self.cache_salt_id = cache_salt_id
+        self.lora_task_id = lora_task_id
         self.is_generation_only_request = False
         self.context_current_position = 0
 

@@ -91,6 +91,7 @@ class TierEntry:
     resident: bool = False  # True once every rank reported the bytes written
     pins: int = 0  # in-flight reads from this slot; a pinned entry is never evicted
     signatures: dict[int, Signature] = field(default_factory=dict)  # disk: rank -> signature
+    scope: tuple[int | None, int | None] = (None, None)  # (LoRA id, salt id), for tier events
 
 
 class TierFullError(RuntimeError):

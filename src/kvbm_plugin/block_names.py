@@ -1,0 +1,77 @@
+"""TensorRT-LLM's own name (hash) of each block, learned from the GPU-tier events.
+
+Where ``RequestData.block_hashes`` is absent (released versions up to 1.2.x, and every
+KVCacheManagerV2), the connector is never told which hash TensorRT-LLM gives a block. Its GPU-tier
+events name each stored block with its parent's hash and its tokens, though, and a request's
+blocks form the same chain. :class:`BlockNames` remembers ``(parent hash, tokens) -> hash`` from
+the events the leader publishes, walks a request's chain through it, and lets the leader name its
+host/disk copies by TensorRT-LLM's hash, so a router sees one name per block across media.
+
+Called by the leader on the executor thread only (the event sink's ``on_flush`` runs where the
+leader flushes). Pure Python, bounded memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvbm_plugin.events import to_unsigned_u64
+
+AMBIGUOUS = -1  # one (parent, tokens) seen under two hashes (e.g. salts the events hide)
+
+
+class BlockNames:
+    """``(parent hash, tokens) -> hash`` from stored GPU events, and content key -> hash."""
+
+    def __init__(self, block_size: int, max_entries: int = 1 << 20) -> None:
+        self._block_size = block_size
+        self._max = max_entries
+        self._by_content: dict[tuple[int | None, tuple[int, ...]], int] = {}
+        self._by_key: dict[int, int] = {}  # the plugin's content key -> TRT-LLM's hash
+
+    def __bool__(self) -> bool:
+        return bool(self._by_content)
+
+    def observe(self, rank: int, events: Sequence[dict[str, Any]]) -> None:
+        """``KvEventSink.on_flush``: remember each stored block's hash (u64). O(blocks)."""
+        known = self._by_content
+        for ev in events:
+            if ev.get("type") != "BlockStored" or not ev.get("token_ids"):
+                continue
+            bs = ev["block_size"]
+            tokens = ev["token_ids"]
+            parent = ev["parent_block_hash"]
+            parent = None if parent is None else to_unsigned_u64(parent)
+            for j, h in enumerate(ev["block_hashes"]):
+                h = to_unsigned_u64(h)
+                k = (parent, tuple(tokens[j * bs:(j + 1) * bs]))
+                old = known.get(k)
+                if old is None:
+                    known[k] = h
+                    if len(known) > self._max:
+                        known.pop(next(iter(known)))  # the oldest first
+                elif old != h:
+                    known[k] = AMBIGUOUS
+                parent = h
+
+    def extend(self, tokens: Sequence[int], keys: Sequence[int], learned: list[int]) -> None:
+        """Extend ``learned`` (TRT-LLM's hashes of a request's first blocks) along the
+        request's full blocks as far as the events named them; each block's content key
+        (``keys[i]``) is mapped to its hash for :meth:`rename`."""
+        bs = self._block_size
+        known = self._by_content
+        i = len(learned)
+        while i < len(keys):
+            h = known.get((learned[i - 1] if i else None, tuple(tokens[i * bs:(i + 1) * bs])))
+            if h is None or h == AMBIGUOUS:
+                return
+            learned.append(h)
+            self._by_key[keys[i]] = h
+            if len(self._by_key) > self._max:
+                self._by_key.pop(next(iter(self._by_key)))
+            i += 1
+
+    def hash_of_key(self, key: int) -> int | None:
+        """TRT-LLM's hash of the block with content key ``key``, when learned."""
+        return self._by_key.get(key)
