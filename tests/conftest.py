@@ -1,7 +1,11 @@
-"""Fixtures shared by the socket tests."""
+"""Fixtures shared by the tests: ZMQ contexts, and the guard that fails a test on an ERROR it
+did not expect."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,3 +37,85 @@ def ctx() -> Iterator[zmq.Context]:
     for sock in context.made:
         sock.close(linger=0)
     context.destroy(linger=0)
+
+
+class ErrorRecorder(logging.Handler):
+    """Collects the ERROR records of ``kvbm_plugin`` loggers and the exceptions that escaped a
+    thread (``threading.excepthook``) while one test runs."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+        self.thread_exceptions: list[threading.ExceptHookArgs] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def on_thread_exception(self, args: threading.ExceptHookArgs) -> None:
+        self.thread_exceptions.append(args)
+
+    def messages(self) -> list[str]:
+        return [record.getMessage() for record in self.records]
+
+    def wait_for(self, text: str, timeout: float = 10.0) -> bool:
+        """True once an ERROR record containing ``text`` arrived (polled until ``timeout``: a
+        background thread may log just after the counter the test waited on moved)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            if any(text in message for message in self.messages()):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def describe(self) -> str:
+        lines = [f"{r.name} {r.levelname}: {r.getMessage()}" + (
+            f" ({r.exc_info[0].__name__}: {r.exc_info[1]})" if r.exc_info and r.exc_info[0]
+            else "") for r in self.records]
+        lines += [f"thread {a.thread.name if a.thread else '?'}: "
+                  f"{a.exc_type.__name__}: {a.exc_value}" for a in self.thread_exceptions]
+        return "\n".join(lines)
+
+
+_ERRORS_KEY = pytest.StashKey[ErrorRecorder]()
+
+
+@pytest.fixture(autouse=True)
+def _no_unexpected_errors(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fails a test in which a ``kvbm_plugin`` logger emitted an ERROR, or an exception escaped
+    a thread, unless the test asked for :func:`expect_errors` (and asserts on what it got) or
+    carries ``@pytest.mark.expect_errors`` (where it cannot take a fixture: a Hypothesis test
+    fed malformed input on purpose).
+
+    Runs first and is torn down last, so errors logged by other fixtures' teardown (engine or
+    publisher shutdown) count too.
+    """
+    recorder = ErrorRecorder()
+    request.node.stash[_ERRORS_KEY] = recorder
+    plugin_logger = logging.getLogger("kvbm_plugin")
+    plugin_logger.addHandler(recorder)
+    previous_hook = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        recorder.on_thread_exception(args)
+        previous_hook(args)
+
+    threading.excepthook = hook
+    try:
+        yield
+    finally:
+        threading.excepthook = previous_hook
+        plugin_logger.removeHandler(recorder)
+    expected = "expect_errors" in request.fixturenames \
+        or request.node.get_closest_marker("expect_errors") is not None
+    if (recorder.records or recorder.thread_exceptions) and not expected:
+        pytest.fail("unexpected errors during the test (use the expect_errors fixture where "
+                    "the test provokes them and asserts on them):\n" + recorder.describe(),
+                    pytrace=False)
+
+
+@pytest.fixture
+def expect_errors(request: pytest.FixtureRequest) -> ErrorRecorder:
+    """Opt-out of the unexpected-error guard: the ERROR records and thread exceptions the test
+    provokes, for it to assert on."""
+    return request.node.stash[_ERRORS_KEY]

@@ -199,7 +199,8 @@ def test_abort_while_loading_finishes(make_engine, monkeypatch) -> None:
     assert engine._reqs[second].state == "done" and engine.stats().requests_aborted == 1
 
 
-def test_failed_offload_finishes_and_is_never_advertised(make_engine, monkeypatch) -> None:
+def test_failed_offload_finishes_and_is_never_advertised(make_engine, monkeypatch,
+                                                         expect_errors) -> None:
     def broken(self, slot, key, block):
         raise OSError("disk on fire")
 
@@ -210,6 +211,7 @@ def test_failed_offload_finishes_and_is_never_advertised(make_engine, monkeypatc
     engine.run_until_idle()
     assert engine.leader.stats()["saves_failed"] == 5
     assert recorder.calls == [] and engine.resident_blocks()["DISK"][0] == set()
+    assert expect_errors.wait_for("disk write of slot")
 
 
 def test_tp2_same_slots_own_shards(make_engine) -> None:
@@ -350,7 +352,8 @@ def test_leader_module_never_imports_torch() -> None:
 
 
 def test_copy_that_cannot_be_issued_fails_its_ops_and_finishes_ids(make_engine,
-                                                                   monkeypatch) -> None:
+                                                                   monkeypatch,
+                                                                   expect_errors) -> None:
     import kvbm_plugin.connector_worker as worker_mod
 
     original = worker_mod._runs
@@ -369,6 +372,7 @@ def test_copy_that_cannot_be_issued_fails_its_ops_and_finishes_ids(make_engine,
     assert engine.leader.stats()["saves_failed"] == 5
     assert engine.leader.stats()["ops_inflight"] == 0
     assert recorder.calls == []
+    assert expect_errors.wait_for("offload copy of 1 blocks failed")
 
 
 def test_reports_from_ranks_outside_the_group_or_for_unknown_ops_are_rejected() -> None:
@@ -460,7 +464,7 @@ def test_a_bad_mpi_rank_variable_is_named(monkeypatch) -> None:
     assert parallel_of(SimpleNamespace(tensor_parallel_size=2)).rank == 1
 
 
-def test_tier_events_without_consolidator_survive_a_raising_publisher() -> None:
+def test_tier_events_without_consolidator_survive_a_raising_publisher(expect_errors) -> None:
     from kvbm_plugin.connector_leader import TierEventPublisher
 
     class Raising:
@@ -472,6 +476,7 @@ def test_tier_events_without_consolidator_survive_a_raising_publisher() -> None:
     assert tier_events.flush() is False  # called on the executor thread: never raises
     assert tier_events.lost_batches == 1
     assert tier_events.flush() is True  # nothing pending
+    assert expect_errors.wait_for("transport plugin bug")
 
 
 def test_jobs_split_into_copy_batches_move_every_block_exactly(make_engine) -> None:

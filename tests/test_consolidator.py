@@ -777,7 +777,8 @@ class RaisingPublisher(RecordingPublisher):
         return super().publish(events, data_parallel_rank)
 
 
-def test_a_raising_publisher_loses_one_batch_counted_and_ingest_goes_on(ipc_dir, raw_rank):
+def test_a_raising_publisher_loses_one_batch_counted_and_ingest_goes_on(ipc_dir, raw_rank,
+                                                                        expect_errors):
     config = make_config(ipc_dir, replay=False)
     raw_rank(config)
     output = RaisingPublisher()
@@ -791,10 +792,11 @@ def test_a_raising_publisher_loses_one_batch_counted_and_ingest_goes_on(ipc_dir,
         assert output.batches[0][1][0]["block_hashes"] == [2]
     finally:
         consolidator.shutdown(5.0)
+    assert expect_errors.wait_for("transport plugin bug")
 
 
 def test_an_unexpected_ingest_error_is_counted_and_ingest_goes_on(ipc_dir, raw_rank,
-                                                                  monkeypatch):
+                                                                  monkeypatch, expect_errors):
     config = make_config(ipc_dir, replay=False)
     raw_rank(config)
     output = RecordingPublisher()
@@ -818,6 +820,7 @@ def test_an_unexpected_ingest_error_is_counted_and_ingest_goes_on(ipc_dir, raw_r
         wait_for(lambda: len(output.batches) == 2)
     finally:
         consolidator.shutdown(5.0)
+    assert expect_errors.wait_for("ingest loop failed")
 
 
 def test_start_waits_for_the_ingest_thread_with_a_deadline(ipc_dir, monkeypatch):
@@ -842,7 +845,7 @@ def test_start_waits_for_the_ingest_thread_with_a_deadline(ipc_dir, monkeypatch)
 
 
 def test_a_repeating_ingest_error_backs_off_instead_of_spinning(ipc_dir, raw_rank,
-                                                                 monkeypatch):
+                                                                 monkeypatch, expect_errors):
     config = make_config(ipc_dir, replay=False)
     raw_rank(config)
     consolidator = KvEventConsolidator(config, publisher=RecordingPublisher())
@@ -861,3 +864,4 @@ def test_a_repeating_ingest_error_backs_off_instead_of_spinning(ipc_dir, raw_ran
     finally:
         consolidator._queue.clear()
         consolidator.shutdown(5.0)
+    assert expect_errors.wait_for("ingest loop failed")

@@ -83,7 +83,7 @@ def test_signed_conversion_of_hashes_and_parent(u64: int, wire: int) -> None:
         BlockRemoved(block_hashes=[wire], medium="GPU")])]
 
 
-def test_hash_out_of_range_is_a_clear_error() -> None:
+def test_hash_out_of_range_is_a_clear_error(expect_errors) -> None:
     sink, _ = sink_with()
     with pytest.raises(WireFormatError, match=r"block_hash=18446744073709551616 exceeds"):
         sink.ingest([stored(None, (U64, [1, 2]))])
@@ -91,6 +91,7 @@ def test_hash_out_of_range_is_a_clear_error() -> None:
     lenient.ingest([stored(None, (U64, [1, 2])), stored(None, (3, [1, 2]))])
     assert lenient.stats()["malformed_events"] == 1
     assert lenient.stats()["blocks_stored"] == 1  # the good event still goes through
+    assert expect_errors.wait_for("exceeds 64 bits")
 
 
 def test_every_field_end_to_end_over_zmq() -> None:
@@ -353,7 +354,7 @@ def test_constructor_rejects_bad_arguments() -> None:
         KvEventSink(Capture(), block_size=2, window_size=-1)
 
 
-def test_attach_buffered_tee_counts_events_it_cannot_serialize() -> None:
+def test_attach_buffered_tee_counts_events_it_cannot_serialize(expect_errors) -> None:
     sink, cap = sink_with()
 
     class Manager:
@@ -371,9 +372,10 @@ def test_attach_buffered_tee_counts_events_it_cannot_serialize() -> None:
     no_serializer = attach_event_source(Manager(), sink)
     no_serializer.poll()
     assert sink.stats()["malformed_events"] == 4
+    assert expect_errors.wait_for("not published")
 
 
-def test_flush_survives_a_publisher_that_raises() -> None:
+def test_flush_survives_a_publisher_that_raises(expect_errors) -> None:
     class Raising(Capture):
         def publish(self, events: Sequence[dict[str, Any]],
                     data_parallel_rank: int | None = None) -> bool:
@@ -384,9 +386,10 @@ def test_flush_survives_a_publisher_that_raises() -> None:
     assert sink.flush() is False  # on the executor thread: lost and counted, never raised
     stats = sink.stats()
     assert stats["batches_lost"] == 1 and stats["pending_events"] == 0
+    assert expect_errors.wait_for("transport plugin bug")
 
 
-def test_attach_v2_tee_never_raises_into_the_kv_cache_manager(monkeypatch) -> None:
+def test_attach_v2_tee_never_raises_into_the_kv_cache_manager(monkeypatch, expect_errors) -> None:
     sink, cap = sink_with()
 
     def broken(block_hashes: Any) -> None:
@@ -402,6 +405,7 @@ def test_attach_v2_tee_never_raises_into_the_kv_cache_manager(monkeypatch) -> No
     em2.add_removed_event(key(1, 1))
     assert em.calls == ["stored"] and em2.calls == ["removed"]
     assert sink.stats()["malformed_events"] == 2
+    assert expect_errors.wait_for("event not published")
 
 
 def test_stats_read_a_snapshot_of_the_ranks() -> None:

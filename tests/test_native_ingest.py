@@ -189,6 +189,7 @@ needs_native = pytest.mark.skipif(_native.loops("event_sink", {}) is None,
 
 
 @needs_native
+@pytest.mark.expect_errors  # malformed events on purpose: each is logged, and must match
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(st.one_of(st.lists(event(), max_size=12), chained()),
                           st.booleans()), min_size=1, max_size=5),

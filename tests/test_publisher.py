@@ -91,7 +91,7 @@ def test_seq_starts_at_zero_and_is_continuous(ctx, tcp, publishers) -> None:
     assert seqs == list(range(0, last + 51))
 
 
-def test_forced_encode_error_is_a_visible_gap(ctx, tcp, publishers) -> None:
+def test_forced_encode_error_is_a_visible_gap(ctx, tcp, publishers, expect_errors) -> None:
     pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1])
     publishers.append(pub)
     sub, seen = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
@@ -113,6 +113,7 @@ def test_forced_encode_error_is_a_visible_gap(ctx, tcp, publishers) -> None:
         replayed.append(int.from_bytes(frames[2], "big"))
         decode(frames[3])
     assert replayed == [base + 1, base + 3]
+    assert expect_errors.wait_for("cannot be encoded")
 
 
 def test_queue_full_loses_visibly_and_never_blocks(ctx, tcp, publishers) -> None:
@@ -359,7 +360,7 @@ def test_inline_publish_sends_on_the_callers_thread(ctx, tcp, publishers) -> Non
     assert _replay(ctx, pub, tcp[1].connect, 0) == list(range(seq_of(frames) + 1))
 
 
-def test_inline_losses_are_visible_gaps(ctx, tcp, publishers) -> None:
+def test_inline_losses_are_visible_gaps(ctx, tcp, publishers, expect_errors) -> None:
     pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], inline=True)
     publishers.append(pub)
     assert pub.publish([removed(1)])
@@ -368,6 +369,7 @@ def test_inline_losses_are_visible_gaps(ctx, tcp, publishers) -> None:
     stats = pub.stats()
     assert stats["encode_errors"] == 1 and stats["lost_batches"] == 1
     assert _replay(ctx, pub, tcp[1].connect, 0) == [0, 2]  # the hole stays a hole
+    assert expect_errors.wait_for("cannot be encoded")
 
 
 def test_inline_bind_failure_and_rebind_after_shutdown(tcp) -> None:

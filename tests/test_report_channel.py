@@ -44,7 +44,8 @@ def test_malformed_reports_are_errors(data: bytes) -> None:
         decode_report(data)
 
 
-def test_reports_from_another_process_reach_the_hub_and_garbage_does_not_stop_it() -> None:
+def test_reports_from_another_process_reach_the_hub_and_garbage_does_not_stop_it(
+        expect_errors) -> None:
     port = free_port()
     hub = CompletionHub("report-channel-test")
     receiver = ZmqReportReceiver(hub, f"tcp://*:{port}")
@@ -72,6 +73,7 @@ def test_reports_from_another_process_reach_the_hub_and_garbage_does_not_stop_it
         assert receiver.malformed == 1
     finally:
         receiver.close()
+    assert expect_errors.wait_for("malformed completion report")
 
 
 def test_hub_drains_single_and_batched_reports_in_order() -> None:

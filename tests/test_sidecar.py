@@ -74,7 +74,7 @@ def test_fetch_events_posts_and_decodes(serve: FakeServe) -> None:
     assert fetch_events(serve.url) == []  # the endpoint clears what it returned
 
 
-def test_sidecar_publishes_per_rank(serve: FakeServe) -> None:
+def test_sidecar_publishes_per_rank(serve: FakeServe, expect_errors) -> None:
     base = free_port()
     while base + 1 == free_port():  # keep base and base+1 usable (best effort)
         base = free_port()
@@ -130,6 +130,7 @@ def test_sidecar_publishes_per_rank(serve: FakeServe) -> None:
     assert not thread.is_alive()
     assert result["events_outside_ranks"] == 1 and result["polls"] >= 2
     assert result["poll_errors"] == 0
+    assert expect_errors.wait_for("attention_dp_rank 9")
 
 
 class StopAfter(threading.Event):

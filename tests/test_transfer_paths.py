@@ -127,7 +127,8 @@ def test_a_copy_is_finished_once_when_its_event_fires(bare_worker) -> None:
     assert bare_worker._copies == {}
 
 
-def test_an_overdue_copy_fails_once_and_its_late_completion_is_ignored(bare_worker) -> None:
+def test_an_overdue_copy_fails_once_and_its_late_completion_is_ignored(bare_worker,
+                                                                       expect_errors) -> None:
     calls: list = []
     hung = _register(bare_worker, 7, time.monotonic() - 1, calls)  # already past its deadline
     bare_worker._fail_overdue_copies(time.monotonic())
@@ -137,3 +138,4 @@ def test_an_overdue_copy_fails_once_and_its_late_completion_is_ignored(bare_work
     after.fire()
     _wait_until(lambda: len(calls) == 2)
     assert calls == [(7, False), (8, True)]
+    assert expect_errors.wait_for("did not complete in time")

@@ -150,7 +150,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         self._closed = False
         self._stats = {"bytes_offloaded": 0, "bytes_onboarded": 0, "bytes_demoted": 0,
                        "blocks_offloaded": 0, "blocks_onboarded": 0, "blocks_demoted": 0,
-                       "ops_failed": 0, "corrupt_blocks": 0, "copies_issued": 0}
+                       "ops_failed": 0, "corrupt_blocks": 0, "copies_issued": 0,
+                       "jobs_failed": 0}
         self._block_bytes = 0
 
     # ------------------------------------------------------------------ bring-up
@@ -436,6 +437,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                     elif job[0] == "save":
                         self._run_saves(job[1], job[2])
                 except Exception:  # never lose the thread; the job's ops were failed inside
+                    self._count(jobs_failed=1)
                     logger.exception("rank %d: transfer job failed", self._rank)
             if self._copies:
                 self._fail_overdue_copies(time.monotonic())
@@ -649,6 +651,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                 elif job[0] == "load":
                     self._disk_load(job[1], job[2])
             except Exception:
+                self._count(jobs_failed=1)
                 logger.exception("rank %d: disk job failed", self._rank)
 
     def _disk_write(self, op_id: int, req_id: int | None, slot: int, key: int, block: Any,
