@@ -12,6 +12,7 @@ import json
 import sys
 import warnings
 from collections.abc import Sequence
+from typing import NoReturn
 
 ENGINE_YAML = """\
 # trtllm-serve <model> --backend pytorch --extra_llm_api_options kvbm.yaml
@@ -30,6 +31,19 @@ kv_connector_config:
   connector_scheduler_class: KvbmConnectorLeader
   connector_worker_class: KvbmConnectorWorker
 """
+
+
+class UsageError(Exception):
+    """An option has a value the command cannot use. :func:`main` prints the message (which
+    names the option and the value) as one line and exits with status 2."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``kvbm-plugin demo: argument --tp: invalid int value:
+    'x' (--help for usage)`` and exit status 2, instead of the usage block plus the error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (--help for usage)\n")
 
 
 def _cmd_yaml(args: argparse.Namespace) -> int:
@@ -70,7 +84,7 @@ def _run_forwarded(name: str, argv: list[str]) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="kvbm-plugin",
         description="KV-cache connector plugin for TensorRT-LLM: host/disk offload tiers, "
                     "per-rank KV-event publishers and a de-duplicating consolidator.")
@@ -91,14 +105,38 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``kvbm-plugin``. A configuration or usage error (ConfigError, UsageError)
+    ends as one line on stderr and exit status 2, an entry point that cannot be loaded
+    (PluginLoadError) as one line and status 1, Ctrl-C as one line and status 130; never a
+    traceback for those."""
     # Our own process: torch's CPU wheels warn at import when NumPy is absent, which the plugin
     # does not use; keep that line out of the demo's and doctor's output.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list and args_list[0] in FORWARDED:
-        return _run_forwarded(args_list[0], args_list[1:])
-    args = build_parser().parse_args(args_list)
-    return args.func(args)
+    command = args_list[0] if args_list and args_list[0] in FORWARDED else None
+    prog = f"kvbm-plugin {command}" if command else "kvbm-plugin"
+    from kvbm_plugin.consolidator_config import ConfigError
+    from kvbm_plugin.registry import PluginLoadError
+
+    try:
+        if command is not None:
+            return _run_forwarded(command, args_list[1:])
+        args = build_parser().parse_args(args_list)
+        return args.func(args)
+    except (ConfigError, UsageError) as exc:
+        _one_line(prog, str(exc))
+        return 2
+    except PluginLoadError as exc:
+        _one_line(prog, str(exc))
+        return 1
+    except KeyboardInterrupt:
+        _one_line(prog, "interrupted")
+        return 130
+
+
+def _one_line(prog: str, message: str) -> None:
+    text = " ".join(message.split())  # one line, whatever the exception's message held
+    print(f"{prog}: {text}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,6 @@ Semantics (dedup mode, the default):
 
 from __future__ import annotations
 
-import argparse
 import collections
 import contextlib
 import logging
@@ -1507,10 +1506,19 @@ def _check_hash(value: int) -> None:
 def main_consolidate(argv: list[str] | None = None) -> int:
     """``kvbm-plugin consolidate``: run the consolidator until SIGINT/SIGTERM.
 
-    Reads the DYN_KVBM_* variables like the leader does; the options override them. Runs in the
-    foreground on the main thread (which only waits for a signal).
+    Reads the DYN_KVBM_* variables like the leader does, each validated before anything starts
+    (the consolidator switch too, though asking for the command runs it whatever its value);
+    the options override them. Runs in the foreground on the main thread (which only waits for
+    a signal).
     """
-    parser = argparse.ArgumentParser(
+    from kvbm_plugin.cli import ArgumentParser
+    from kvbm_plugin.consolidator_config import (
+        CONSOLIDATOR_MODE,
+        consolidator_enabled,
+        native_enabled,
+    )
+
+    parser = ArgumentParser(
         prog="kvbm-plugin consolidate",
         description="De-duplicate the per-rank GPU-tier KV-event streams into one stream.")
     parser.add_argument("--num-ranks", type=int, default=1,
@@ -1521,14 +1529,15 @@ def main_consolidate(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay-endpoint", help=f"override {REPLAY_ENDPOINT} (rank 0's)")
     parser.add_argument("--output-endpoint", help=f"override {OUTPUT_ENDPOINT}")
     parser.add_argument("--output-replay-endpoint", help=f"override {OUTPUT_REPLAY_ENDPOINT}")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+                        help="log level (default INFO)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
+    if args.num_ranks < 1:
+        parser.error(f"argument --num-ranks: {args.num_ranks} must be >= 1")
+    logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = dict(os.environ)
-    env[ENABLE_CONSOLIDATOR] = "true"  # asking for the command is asking for it to run
-    from kvbm_plugin.consolidator_config import CONSOLIDATOR_MODE
-
     for value, name in ((args.mode, CONSOLIDATOR_MODE), (args.events_endpoint, EVENTS_ENDPOINT),
                         (args.replay_endpoint, REPLAY_ENDPOINT),
                         (args.output_endpoint, OUTPUT_ENDPOINT),
@@ -1536,7 +1545,11 @@ def main_consolidate(argv: list[str] | None = None) -> int:
         if value is not None:
             env[name] = value
     try:
-        config = load_consolidator_config(env, num_ranks=args.num_ranks)
+        consolidator_enabled(env)  # validated, then overridden: the command always runs it
+        native_enabled(env)  # read by the core's loops
+        env[ENABLE_CONSOLIDATOR] = "true"
+        config = load_consolidator_config(env, num_ranks=args.num_ranks,
+                                          require_gpu_events=True)
     except ConfigError as exc:
         print(f"kvbm-plugin consolidate: {exc}", file=sys.stderr)
         return 2

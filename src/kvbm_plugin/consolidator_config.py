@@ -318,10 +318,48 @@ class ConsolidatorConfig:
         return None if self.gpu_replay is None else self.gpu_replay.for_rank(rank)
 
 
+def check_publisher_name(kind: str) -> None:
+    """Start-up's check of ``DYN_KVBM_KV_EVENTS_PUBLISHER``: a name registered in the
+    ``kvbm_plugin.publishers`` entry points. Raises ConfigError naming the variable for an
+    unknown name, PluginLoadError for an entry point that cannot be loaded at all."""
+    from kvbm_plugin.registry import PUBLISHERS_GROUP, load_group
+
+    known = load_group(PUBLISHERS_GROUP)
+    if kind not in known:
+        raise ConfigError(f"{PUBLISHER}={kind!r} is not a registered publisher; known: "
+                          + (", ".join(sorted(known)) or "none")
+                          + f" (entry-point group {PUBLISHERS_GROUP})")
+
+
+def check_disk_cache_dir(path: str) -> None:
+    """Start-up's check of ``DYN_KVBM_DISK_CACHE_DIR``, without side effects: the directory
+    exists and is writable, or it can be created (its nearest existing ancestor is a writable
+    directory). Raises ConfigError naming the variable and value."""
+    target = os.path.abspath(path)
+    if os.path.lexists(target):
+        if not os.path.isdir(target):
+            raise ConfigError(f"{DISK_CACHE_DIR}={path!r} exists and is not a directory")
+        if not os.access(target, os.W_OK | os.X_OK):
+            raise ConfigError(f"{DISK_CACHE_DIR}={path!r}: the directory is not writable")
+        return
+    ancestor = os.path.dirname(target)
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if not os.path.isdir(ancestor):
+        raise ConfigError(f"{DISK_CACHE_DIR}={path!r} cannot be created: {ancestor} is not a "
+                          "directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{DISK_CACHE_DIR}={path!r} cannot be created: {ancestor} is not "
+                          "writable")
+
+
 def load_publisher_settings(env: Mapping[str, str] | None = None) -> PublisherSettings:
+    """Publisher settings, each variable validated (the publisher name against the registered
+    entry points); raises ConfigError naming the variable and value."""
     env = os.environ if env is None else env
     window = _raw(env, WINDOW_SIZE)
     kind = (_raw(env, PUBLISHER) or "zmq").strip()
+    check_publisher_name(kind)
     return PublisherSettings(
         kind=kind,
         buffer_steps=parse_int(BUFFER_STEPS, _raw(env, BUFFER_STEPS) or "", minimum=1),
@@ -333,6 +371,8 @@ def load_publisher_settings(env: Mapping[str, str] | None = None) -> PublisherSe
 
 
 def load_tier_settings(env: Mapping[str, str] | None = None) -> TierSettings:
+    """Tier sizes and the disk directory (checked usable when the disk tier is on); raises
+    ConfigError naming the variable and value."""
     env = os.environ if env is None else env
 
     def optional_int(name: str) -> int | None:
@@ -344,13 +384,16 @@ def load_tier_settings(env: Mapping[str, str] | None = None) -> TierSettings:
         return 0.0 if value is None else parse_float(name, value)
 
     directory = _raw(env, DISK_CACHE_DIR)
-    return TierSettings(
+    settings = TierSettings(
         cpu_cache_gb=optional_float(CPU_CACHE_GB),
         cpu_num_blocks=optional_int(CPU_CACHE_NUM_BLOCKS),
         disk_cache_gb=optional_float(DISK_CACHE_GB),
         disk_num_blocks=optional_int(DISK_CACHE_NUM_BLOCKS),
         disk_cache_dir=directory.strip() if directory else None,
     )
+    if settings.disk_enabled and settings.disk_cache_dir is not None:
+        check_disk_cache_dir(settings.disk_cache_dir)
+    return settings
 
 
 def load_metrics_settings(env: Mapping[str, str] | None = None) -> MetricsSettings:
@@ -388,12 +431,16 @@ def consolidator_enabled(env: Mapping[str, str] | None = None) -> bool:
 
 
 def load_consolidator_config(
-    env: Mapping[str, str] | None = None, *, num_ranks: int = 1
+    env: Mapping[str, str] | None = None, *, num_ranks: int = 1,
+    require_gpu_events: bool = False,
 ) -> ConsolidatorConfig:
     """Read and validate every consolidator/publisher variable for ``num_ranks`` ranks.
 
     Raises ConfigError naming the variable and value for anything unusable, including a missing
     GPU-tier port while the consolidator is on and any two sockets sharing a port or path.
+    ``require_gpu_events``: the caller needs the GPU-tier endpoint whatever the consolidator
+    switch says (``kvbm-plugin consolidate``, ``kvbm-plugin sidecar``); the error for a
+    missing endpoint then does not point at the switch.
     """
     env = os.environ if env is None else env
     if num_ranks < 1:
@@ -418,6 +465,11 @@ def load_consolidator_config(
         if port_text is not None:
             gpu_events = Endpoint("tcp", host=host, port=parse_port(TRTLLM_ZMQ_PORT, port_text),
                                   source=TRTLLM_ZMQ_PORT)
+    if gpu_events is None and require_gpu_events:
+        raise ConfigError(
+            f"the GPU-tier publishers' endpoint is not set: set "
+            f"{TRTLLM_ZMQ_PORT} to their base port (rank r binds base + r, e.g. "
+            f"{TRTLLM_ZMQ_PORT}=20081) or {EVENTS_ENDPOINT} (tcp://host:port, ipc://path)")
     if enabled and gpu_events is None:
         raise ConfigError(
             f"{ENABLE_CONSOLIDATOR} is on but {TRTLLM_ZMQ_PORT} is not set: set it to the base "

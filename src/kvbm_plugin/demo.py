@@ -15,14 +15,19 @@ STORE before its parent, and its view equals the blocks the GPU pool and tiers r
 from __future__ import annotations
 
 import argparse
+import logging
 import random
+import signal
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.cli import ArgumentParser, UsageError
 from kvbm_plugin.events import to_signed_int64
 
 # The demo's tenants: sessions alternate between them (cache salts).
@@ -37,11 +42,12 @@ class Check:
 
 
 class _Progress:
-    """A one-line progress bar on stderr (no dependency), redrawn at most 10 times a second."""
+    """A one-line progress bar on stderr (no dependency), redrawn at most 10 times a second;
+    drawn only when stderr is a terminal (a log file or pipe gets no ``\\r`` frames)."""
 
     def __init__(self, total: int, enabled: bool) -> None:
         self.total = total
-        self.enabled = enabled
+        self.enabled = enabled and sys.stderr.isatty()
         self._last = 0.0
 
     def update(self, done: int, note: str, force: bool = False) -> None:
@@ -63,6 +69,83 @@ class _Progress:
             sys.stderr.flush()
 
 
+class _ErrorWatch(logging.Handler):
+    """Counts what the run must not produce: ERROR records of any ``kvbm_plugin`` logger and
+    exceptions that escaped a thread (``threading.excepthook``); keeps the first few lines."""
+
+    def __init__(self) -> None:
+        super().__init__(level=logging.ERROR)
+        self.errors = 0
+        self.thread_exceptions = 0
+        self.first: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.errors += 1
+        self._keep(f"{record.name}: {record.getMessage()}")
+
+    def _keep(self, line: str) -> None:
+        if len(self.first) < 3:
+            self.first.append(line[:200])
+
+    @contextmanager
+    def watching(self) -> Iterator[_ErrorWatch]:
+        plugin_logger = logging.getLogger("kvbm_plugin")
+        previous_hook = threading.excepthook
+
+        def hook(args: threading.ExceptHookArgs) -> None:
+            self.thread_exceptions += 1
+            self._keep(f"thread {args.thread.name if args.thread else '?'}: "
+                       f"{args.exc_type.__name__}: {args.exc_value}")
+            previous_hook(args)
+
+        plugin_logger.addHandler(self)
+        threading.excepthook = hook
+        try:
+            yield self
+        finally:
+            threading.excepthook = previous_hook
+            plugin_logger.removeHandler(self)
+
+
+def _failure_check(engine, watch: _ErrorWatch) -> Check:  # noqa: ANN001
+    """Nothing failed on the way: no transfer job or op failed on any rank, the leader failed
+    no save, demotion or load, nothing logged an ERROR and no thread died. (The demo injects no
+    faults, so any of these is a bug even when the stream still came out right.)"""
+    workers = [w.stats() for w in engine.workers]
+    leader = engine.leader.stats()
+    jobs = sum(w.get("jobs_failed", 0) for w in workers)
+    ops = sum(w["ops_failed"] for w in workers)
+    leader_failed = sum(leader.get(k, 0) for k in ("saves_failed", "demotes_failed",
+                                                   "loads_failed"))
+    ok = jobs == ops == leader_failed == watch.errors == watch.thread_exceptions == 0
+    detail = (f"{jobs} failed transfer jobs, {ops} failed ops, {leader_failed} failed "
+              f"saves/demotions/loads, {watch.errors} ERROR log lines, "
+              f"{watch.thread_exceptions} thread exceptions")
+    if watch.first:
+        detail += "; first: " + " | ".join(watch.first)
+    return Check("nothing failed, nothing logged an error", ok, detail)
+
+
+@contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """SIGTERM ends the demo through the same path as Ctrl-C (the engine shut down, the
+    temporary directory removed) instead of killing it where it stands; a second SIGTERM
+    during that clean-up is ignored. Main thread only (elsewhere signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _demo_env(tmp: str, args: argparse.Namespace) -> dict[str, str]:
     """Endpoints as ipc paths in a private temp dir: no port can collide on the user's machine."""
     env = {
@@ -73,10 +156,7 @@ def _demo_env(tmp: str, args: argparse.Namespace) -> dict[str, str]:
         cc.OUTPUT_ENDPOINT: f"ipc://{tmp}/consolidated",
         cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tmp}/consolidated-replay",
     }
-    tiers = set(args.tiers.split(",")) - {"", "none"}
-    unknown = tiers - {"host", "disk"}
-    if unknown:
-        raise SystemExit(f"--tiers: unknown tier(s) {sorted(unknown)}; use host, disk or none")
+    tiers = set(args.tiers.split(",")) - {"", "none"}  # checked by _check_options
     if "host" in tiers:
         env[cc.CPU_CACHE_NUM_BLOCKS] = str(args.host_blocks)
     if "disk" in tiers:
@@ -107,7 +187,9 @@ def run_demo(args: argparse.Namespace) -> int:
     system, turns = _chat_workload(args)
     total = args.sessions * args.turns
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="kvbm-demo-") as tmp:
+    watch = _ErrorWatch()
+    with _sigterm_exits(), watch.watching(), \
+            tempfile.TemporaryDirectory(prefix="kvbm-demo-") as tmp:
         env = _demo_env(tmp, args)
         config = cc.load_consolidator_config(env)
         engine = SimulatedEngine(EngineConfig(
@@ -152,6 +234,7 @@ def run_demo(args: argparse.Namespace) -> int:
             progress.close()
             subscriber.close()
             engine.shutdown()
+        checks.append(_failure_check(engine, watch))  # after shutdown: its errors count too
     _print_summary(summary, checks, time.monotonic() - started)
     return 0 if all(c.ok for c in checks) else 1
 
@@ -263,7 +346,7 @@ def _print_summary(summary: list[tuple[str, str]], checks: list[Check], seconds:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="kvbm-plugin demo",
         description="Run the real leader and worker on a simulated TensorRT-LLM engine with a "
                     "multi-turn chat workload; exit 0 only if every check holds.")
@@ -275,9 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="max user message length (default 48)")
     parser.add_argument("--gen-tokens", type=int, default=16,
                         help="tokens generated per turn (default 16)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random chat workload (default 0)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=4,
+                        help="transformer layers of the simulated KV cache (default 4)")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
     parser.add_argument("--gpu-blocks", type=int, default=64, help="GPU pool size in blocks")
     parser.add_argument("--host-blocks", type=int, default=96, help="host tier size in blocks")
@@ -286,7 +371,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="offload tiers: host,disk | host | disk | none")
     parser.add_argument("--mode", choices=("dedup", "passthrough"), default="dedup",
                         help="consolidator mode (default dedup)")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the simulated GPU pool lives: cpu, or cuda for a real "
+                             "device with pinned host tier and side streams (default cpu)")
     parser.add_argument("--timeout", type=float, default=120.0, help="give up after seconds")
     parser.add_argument("--settle-timeout", type=float, default=20.0,
                         help="seconds to wait for the subscriber to catch up at the end")
@@ -294,11 +381,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main_demo(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _check_options(args: argparse.Namespace) -> None:
+    """Every option the run would trip on later, as one UsageError naming the option."""
     for name in ("sessions", "turns", "system_tokens", "user_tokens", "gen_tokens", "tp",
                  "layers", "block_size", "gpu_blocks", "host_blocks", "disk_blocks"):
         if getattr(args, name) < 1:
-            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, "
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, "
                              f"got {getattr(args, name)}")
+    for name in ("timeout", "settle_timeout"):
+        if not getattr(args, name) > 0:
+            raise UsageError(f"--{name.replace('_', '-')} must be > 0 seconds, "
+                             f"got {getattr(args, name)}")
+    unknown = set(args.tiers.split(",")) - {"", "none", "host", "disk"}
+    if unknown:
+        raise UsageError(f"--tiers {args.tiers}: unknown tier(s) {sorted(unknown)}; use host, "
+                         "disk or none")
+    # The last turn of the longest session re-sends its whole history: the GPU pool must hold
+    # that request (as TRT-LLM would refuse one that can never fit).
+    system, turns = _chat_workload(args)
+    longest = max(len(system) + sum(len(turn[s]) for turn in turns) + args.turns * args.gen_tokens
+                  for s in range(args.sessions))
+    needed = -(-longest // args.block_size)
+    if needed > args.gpu_blocks:
+        raise UsageError(f"--gpu-blocks {args.gpu_blocks} is too small: the longest request "
+                         f"({longest} tokens, the last turn of a chat) needs {needed} blocks "
+                         f"of --block-size {args.block_size}; raise --gpu-blocks to at least "
+                         f"{needed} or shorten the chats (--turns, --system-tokens, "
+                         "--user-tokens, --gen-tokens)")
+    cc.native_enabled()  # DYN_KVBM_NATIVE, read by the event sink and the consolidator
+
+
+def main_demo(argv: Sequence[str] | None = None) -> int:
+    """``kvbm-plugin demo``. Bad options raise UsageError, a bad DYN_KVBM_* value ConfigError
+    (one line and exit status 2 through :func:`kvbm_plugin.cli.main`); SIGTERM and Ctrl-C end
+    the run through its clean-up."""
+    args = build_parser().parse_args(argv)
+    _check_options(args)
     return run_demo(args)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -83,12 +82,18 @@ def _events_source_check() -> Check:
 
 
 def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
+    """Every check, in order. The settings are read by the loaders start-up itself uses (the
+    leader's and the workers'), so a value start-up would refuse fails here too: the publisher
+    name against the registered entry points, the disk directory (a file, or a directory that
+    cannot be created or written), every number, switch and endpoint."""
+    from kvbm_plugin.registry import PluginLoadError
+
     checks: list[Check] = []
     try:
         config = cc.load_consolidator_config(num_ranks=num_ranks)
         checks.append(Check("consolidator config", "ok",
                             f"enabled={config.enabled} mode={config.mode} ranks={num_ranks}"))
-    except cc.ConfigError as exc:
+    except (cc.ConfigError, PluginLoadError) as exc:
         config = None
         checks.append(Check("consolidator config", "fail", str(exc)))
     for name, loader in (("publisher settings", cc.load_publisher_settings),
@@ -96,7 +101,7 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
                          ("metrics settings", cc.load_metrics_settings)):
         try:
             checks.append(Check(name, "ok", repr(loader())))
-        except cc.ConfigError as exc:
+        except (cc.ConfigError, PluginLoadError) as exc:
             checks.append(Check(name, "fail", str(exc)))
     if config is not None:
         try:
@@ -153,7 +158,9 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
 
 
 def main_doctor(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvbm-plugin doctor",
+    from kvbm_plugin.cli import ArgumentParser
+
+    parser = ArgumentParser(prog="kvbm-plugin doctor",
                                      description="Check env vars, ports, TensorRT-LLM, torch/CUDA "
                                                  "and entry points; exit 1 on a problem.")
     parser.add_argument("--num-ranks", type=int, default=1,
@@ -162,6 +169,8 @@ def main_doctor(argv: Sequence[str] | None = None) -> int:
                         help="treat a missing TensorRT-LLM as a failure")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
+    if args.num_ranks < 1:
+        parser.error(f"argument --num-ranks: {args.num_ranks} must be >= 1")
     checks = run_checks(args.num_ranks, args.require_trtllm)
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=2))

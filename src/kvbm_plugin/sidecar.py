@@ -11,16 +11,18 @@ one batch per rank per poll. Stdlib HTTP only (urllib). Exposed on the CLI as
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import logging
 import signal
+import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import zmq
 
 from kvbm_plugin._ratelimit import RateLimitedLog
 from kvbm_plugin.consolidator_config import (
@@ -120,32 +122,52 @@ def run_sidecar(url: str, config: ConsolidatorConfig, *, block_size: int,
 
 
 def main_sidecar(argv: Sequence[str] | None = None) -> int:
-    """``kvbm-plugin sidecar``: argparse front end of :func:`run_sidecar` (env from DYN_KVBM_*)."""
-    parser = argparse.ArgumentParser(
+    """``kvbm-plugin sidecar``: argparse front end of :func:`run_sidecar` (env from DYN_KVBM_*).
+
+    A bad option or variable is one line on stderr and exit status 2; publishers that cannot
+    bind (a busy port) one line and status 1.
+    """
+    from kvbm_plugin.cli import ArgumentParser
+    from kvbm_plugin.consolidator_config import native_enabled
+
+    parser = ArgumentParser(
         prog="kvbm-plugin sidecar",
         description="Drain trtllm-serve's POST /kv_cache_events and publish per-rank GPU-tier "
                     "KV events (endpoints and publisher settings from the DYN_KVBM_* env).")
     parser.add_argument("--url", required=True, help="trtllm-serve base URL, e.g. "
                         "http://127.0.0.1:8000")
-    parser.add_argument("--interval", type=float, default=0.1, help="seconds between polls")
+    parser.add_argument("--interval", type=float, default=0.1,
+                        help="seconds between polls (> 0; default 0.1)")
     parser.add_argument("--block-size", type=int, required=True,
                         help="tokens per KV block (the engine's tokens_per_block)")
     parser.add_argument("--num-ranks", type=int, default=1,
                         help="attention-DP ranks (one publisher each, base port + rank)")
     args = parser.parse_args(argv)
     if args.block_size <= 0:
-        parser.error(f"--block-size={args.block_size} must be > 0")
+        parser.error(f"argument --block-size: {args.block_size} must be > 0")
+    if not args.interval > 0 or args.interval == float("inf"):
+        parser.error(f"argument --interval: {args.interval} must be a number of seconds > 0")
+    if args.num_ranks < 1:
+        parser.error(f"argument --num-ranks: {args.num_ranks} must be >= 1")
     try:
-        config = load_consolidator_config(num_ranks=args.num_ranks)
+        native_enabled()  # read by the event sink's loops
+        config = load_consolidator_config(num_ranks=args.num_ranks, require_gpu_events=True)
     except ConfigError as exc:
-        parser.error(str(exc))
-    if config.gpu_events is None:
-        parser.error("no GPU-tier endpoint: set DYN_KVBM_TRTLLM_ZMQ_PORT or "
-                     "DYN_KVBM_KV_EVENTS_ENDPOINT")
+        print(f"kvbm-plugin sidecar: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    stats = run_sidecar(args.url, config, block_size=args.block_size, interval=args.interval,
-                        stop_event=stop)
+    previous = {sig: signal.signal(sig, lambda *_: stop.set())
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stats = run_sidecar(args.url, config, block_size=args.block_size,
+                            interval=args.interval, stop_event=stop)
+    except (ConfigError, zmq.ZMQError, OSError) as exc:
+        # At start-up only (the poll loop counts its errors): a publisher that cannot bind.
+        print(f"kvbm-plugin sidecar: cannot start the GPU-tier publishers (endpoints from "
+              f"{config.publish_endpoint(0).source}): {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     logger.info("sidecar stopped: %s", stats)
     return 0

@@ -7,7 +7,6 @@ consolidated stream equals the tiers' true contents.
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys
@@ -219,7 +218,9 @@ def as_json(batch: EventBatch) -> str:
 
 
 def main_subscribe(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    from kvbm_plugin.cli import ArgumentParser  # one-line usage errors, like every command
+
+    parser = ArgumentParser(
         prog="kvbm-plugin subscribe",
         description="Print a live KV-event stream, with gap detection and optional replay.")
     parser.add_argument("endpoint", help="tcp://host:port, ipc://path or a port on localhost")
