@@ -734,8 +734,10 @@ def test_start_failure_raises_and_leaves_nothing_running(ipc_dir):
 
 
 def test_main_consolidate_rejects_bad_settings(capsys):
-    assert main_consolidate(["--num-ranks", "0"]) == 2
-    assert "num_ranks" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main_consolidate(["--num-ranks", "0"])
+    assert info.value.code == 2
+    assert "--num-ranks: 0 must be >= 1" in capsys.readouterr().err
 
 
 def test_consolidate_command_runs_until_sigterm(ipc_dir):

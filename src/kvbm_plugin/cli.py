@@ -140,4 +140,8 @@ def _one_line(prog: str, message: str) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # ``python -m kvbm_plugin.cli``: run the imported module's main, so that the exception
+    # classes the commands raise (UsageError) are the ones main() catches, not __main__'s copies.
+    from kvbm_plugin.cli import main as _main
+
+    raise SystemExit(_main())

@@ -1,0 +1,168 @@
+"""Every command turns a configuration or usage error into one line on stderr that names the
+option or variable and its value, with exit status 2 (usage, configuration) or 1 (runtime), and
+no traceback; Ctrl-C and SIGTERM end the demo through its clean-up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _kvwire import free_port
+
+from kvbm_plugin import consolidator_config as cc
+
+
+def _env(**variables: str) -> dict[str, str]:
+    """This process's environment without any DYN_KVBM_* variable, plus ``variables``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
+    env.update(variables)
+    return env
+
+
+def _run(args: list[str], env: dict[str, str] | None = None,
+         timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvbm_plugin.cli", *args],
+                          env=_env() if env is None else env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _assert_one_line(result: subprocess.CompletedProcess[str], status: int,
+                     *names: str) -> str:
+    assert "Traceback" not in result.stderr, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert result.returncode == status, (result.returncode, result.stderr)
+    for name in names:
+        assert name in lines[0], (name, lines[0])
+    return lines[0]
+
+
+PORT = str(free_port())  # nothing binds it: each case below fails before any socket exists
+
+CASES = {
+    "demo pool too small for a request": (
+        ["demo", "--gpu-blocks", "8", "--no-progress"], {}, 2, ["--gpu-blocks 8", "23 blocks"]),
+    "demo bad int": (["demo", "--tp", "two"], {}, 2, ["--tp", "'two'"]),
+    "demo bad tier": (["demo", "--tiers", "tape"], {}, 2, ["--tiers", "tape"]),
+    "demo bad native switch": (
+        ["demo", "--no-progress"], {cc.NATIVE: "perhaps"}, 2, [cc.NATIVE, "'perhaps'"]),
+    "consolidate bad log level": (
+        ["consolidate", "--log-level", "LOUD"], {cc.TRTLLM_ZMQ_PORT: PORT}, 2,
+        ["--log-level", "'LOUD'"]),
+    "consolidate bad native switch": (
+        ["consolidate"], {cc.NATIVE: "perhaps", cc.TRTLLM_ZMQ_PORT: PORT}, 2,
+        [cc.NATIVE, "'perhaps'"]),
+    "consolidate unknown publisher": (
+        ["consolidate"], {cc.PUBLISHER: "kafka", cc.TRTLLM_ZMQ_PORT: PORT}, 2,
+        [cc.PUBLISHER, "'kafka'", "zmq"]),
+    "consolidate bad consolidator switch": (
+        ["consolidate"], {cc.ENABLE_CONSOLIDATOR: "maybe", cc.TRTLLM_ZMQ_PORT: PORT}, 2,
+        [cc.ENABLE_CONSOLIDATOR, "'maybe'"]),
+    "consolidate bad ranks": (
+        ["consolidate", "--num-ranks", "0"], {cc.TRTLLM_ZMQ_PORT: PORT}, 2, ["--num-ranks", "0"]),
+    "sidecar zero interval": (
+        ["sidecar", "--url", "http://127.0.0.1:9", "--block-size", "16", "--interval", "0"],
+        {cc.TRTLLM_ZMQ_PORT: PORT}, 2, ["--interval", "0"]),
+    "sidecar bad native switch": (
+        ["sidecar", "--url", "http://127.0.0.1:9", "--block-size", "16"],
+        {cc.NATIVE: "perhaps", cc.TRTLLM_ZMQ_PORT: PORT}, 2, [cc.NATIVE, "'perhaps'"]),
+    "sidecar unknown publisher": (
+        ["sidecar", "--url", "http://127.0.0.1:9", "--block-size", "16"],
+        {cc.PUBLISHER: "kafka", cc.TRTLLM_ZMQ_PORT: PORT}, 2, [cc.PUBLISHER, "'kafka'"]),
+    "doctor bad ranks": (["doctor", "--num-ranks", "x"], {}, 2, ["--num-ranks", "'x'"]),
+    "subscribe bad endpoint": (["subscribe", "bogus://x"], {}, 2, ["endpoint", "bogus://x"]),
+    "top level unknown command": (["fly"], {}, 2, ["'fly'"]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_bad_option_or_variable_is_one_line_naming_it(case: str) -> None:
+    args, variables, status, names = CASES[case]
+    _assert_one_line(_run(args, _env(**variables)), status, *names)
+
+
+def test_sidecar_on_a_busy_port_is_one_line_naming_the_port_and_variable() -> None:
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = _run(["sidecar", "--url", "http://127.0.0.1:9", "--block-size", "16"],
+                      _env(**{cc.TRTLLM_ZMQ_PORT: str(port)}))
+    _assert_one_line(result, 1, str(port), cc.TRTLLM_ZMQ_PORT)
+
+
+def test_sidecar_without_a_port_asks_for_the_port_not_the_consolidator_switch() -> None:
+    line = _assert_one_line(_run(["sidecar", "--url", "http://127.0.0.1:9", "--block-size",
+                                  "16"]), 2, cc.TRTLLM_ZMQ_PORT, cc.EVENTS_ENDPOINT)
+    assert cc.ENABLE_CONSOLIDATOR not in line
+
+
+def test_consolidate_without_a_port_asks_for_the_port_not_the_consolidator_switch() -> None:
+    line = _assert_one_line(_run(["consolidate"]), 2, cc.TRTLLM_ZMQ_PORT, cc.EVENTS_ENDPOINT)
+    assert cc.ENABLE_CONSOLIDATOR not in line
+
+
+def test_sidecar_the_readme_way_gets_past_its_options(tmp_path: Path) -> None:
+    """README's sidecar line, with the endpoint it needs: nothing to complain about until it
+    polls (stopped right after start-up by SIGTERM)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if "`kvbm-plugin sidecar --url" in x)
+    command = line.split("`")[1].split()
+    assert "--block-size" in command and "--url" in command
+    args = [a.replace("http://host:port", "http://127.0.0.1:9") for a in command[1:]]
+    args = [a if a != "N" else "16" for a in args]
+    proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.cli", *args],
+                            env=_env(**{cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/gpu"}),
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: (tmp_path / "gpu_dp0").exists() or proc.poll() is not None)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_for(condition, timeout: float = 60.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize(("signum", "status", "line"),
+                         [(signal.SIGINT, 130, "kvbm-plugin demo: interrupted"),
+                          (signal.SIGTERM, 128 + signal.SIGTERM, None)])
+def test_a_signal_during_the_demo_ends_it_cleanly(tmp_path: Path, signum: int, status: int,
+                                                  line: str | None) -> None:
+    """Ctrl-C is one line and status 130; SIGTERM exits 143; both leave no traceback and no
+    ``kvbm-demo-*`` directory behind."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.cli", "demo", "--no-progress",
+                             "--sessions", "32", "--turns", "8"],
+                            env=_env(TMPDIR=str(tmp_path)), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        # The engine is up once the consolidated output's ipc socket exists.
+        _wait_for(lambda: any(tmp_path.glob("kvbm-demo-*/consolidated"))
+                  or proc.poll() is not None)
+        assert proc.poll() is None, "the demo ended before the signal"
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == status
+        stderr = proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in stderr, stderr
+    if line is not None:
+        assert [x for x in stderr.splitlines() if x.strip()] == [line]
+    assert not list(tmp_path.glob("kvbm-demo-*"))
