@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import re
 import socket
 import subprocess
@@ -133,3 +135,94 @@ def test_doctor_require_trtllm(monkeypatch, capsys) -> None:
     assert main_doctor(["--require-trtllm", "--json"]) == 1
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
     assert checks["TensorRT-LLM"]["status"] == "fail"
+
+
+def _doctor_checks(capsys) -> tuple[int, dict[str, dict]]:
+    code = main_doctor(["--json"])
+    return code, {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+
+
+def test_doctor_refuses_an_unknown_publisher_as_start_up_does(monkeypatch, capsys) -> None:
+    monkeypatch.setenv(cc.ENABLE_CONSOLIDATOR, "0")
+    monkeypatch.setenv(cc.PUBLISHER, "kafka")
+    with pytest.raises(cc.ConfigError) as start_up:  # what the leader's constructor calls
+        cc.load_consolidator_config()
+    code, checks = _doctor_checks(capsys)
+    assert code == 1
+    assert checks["publisher settings"]["status"] == "fail"
+    assert checks["publisher settings"]["detail"] == str(start_up.value)
+    assert f"{cc.PUBLISHER}='kafka'" in str(start_up.value)
+
+
+def _unwritable(path: Path):  # noqa: ANN202
+    real_access = os.access
+
+    def access(target, mode, *args, **kwargs):  # noqa: ANN001, ANN202
+        if os.path.abspath(target) == str(path):
+            return False
+        return real_access(target, mode, *args, **kwargs)
+
+    return access
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "not writable",
+                                  "parent not writable"])
+def test_doctor_refuses_a_disk_directory_start_up_cannot_use(monkeypatch, capsys, tmp_path,
+                                                             case) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    directory = {"a file": a_file, "under a file": a_file / "kvbm",
+                 "not writable": tmp_path, "parent not writable": tmp_path / "new" / "kvbm"}[case]
+    if case == "not writable":
+        monkeypatch.setattr(os, "access", _unwritable(tmp_path))
+    if case == "parent not writable":
+        monkeypatch.setattr(os, "access", _unwritable(tmp_path))
+    monkeypatch.setenv(cc.ENABLE_CONSOLIDATOR, "0")
+    monkeypatch.setenv(cc.DISK_CACHE_NUM_BLOCKS, "16")
+    monkeypatch.setenv(cc.DISK_CACHE_DIR, str(directory))
+    with pytest.raises(cc.ConfigError) as start_up:  # what the leader and workers call
+        cc.load_tier_settings()
+    code, checks = _doctor_checks(capsys)
+    assert code == 1
+    assert checks["tier settings"] == {"name": "tier settings", "status": "fail",
+                                       "detail": str(start_up.value)}
+    assert f"{cc.DISK_CACHE_DIR}={str(directory)!r}" in str(start_up.value)
+
+
+def test_a_usable_or_creatable_disk_directory_passes(monkeypatch, capsys, tmp_path) -> None:
+    monkeypatch.setenv(cc.ENABLE_CONSOLIDATOR, "0")
+    monkeypatch.setenv(cc.DISK_CACHE_NUM_BLOCKS, "16")
+    for directory in (tmp_path, tmp_path / "not" / "yet"):
+        monkeypatch.setenv(cc.DISK_CACHE_DIR, str(directory))
+        _, checks = _doctor_checks(capsys)
+        assert checks["tier settings"]["status"] == "ok"
+    assert not (tmp_path / "not").exists()  # checking creates nothing
+
+
+def test_readme_yaml_sample_is_the_yaml_command_output(capsys) -> None:
+    readme = (ROOT / "README.md").read_text()
+    after = readme[readme.index("`kvbm-plugin yaml` prints:"):]
+    sample = after[after.index("```yaml\n") + len("```yaml\n"):]
+    sample = sample[:sample.index("```")]
+    assert cli.main(["yaml"]) == 0
+    assert sample == capsys.readouterr().out
+
+
+def test_every_option_of_every_command_has_help(monkeypatch) -> None:
+    parsers: list[argparse.ArgumentParser] = []
+
+    def capture(self, args=None, namespace=None):  # noqa: ANN001, ANN202
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(cli.ArgumentParser, "parse_args", capture)
+    for command in cli.FORWARDED:
+        with pytest.raises(SystemExit):
+            cli.main([command])
+    assert len(parsers) == len(cli.FORWARDED)
+    top = cli.build_parser()
+    subcommands = top._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    parsers.extend([top, subcommands["yaml"], subcommands["env"]])
+    missing = [(parser.prog, action.option_strings or action.dest) for parser in parsers
+               for action in parser._actions if not action.help]
+    assert missing == []

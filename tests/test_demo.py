@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import io
+import re
+import sys
+import threading
+
 import pytest
 
 from kvbm_plugin import demo
+from kvbm_plugin.cli import UsageError
 
 SMALL = ["--sessions", "6", "--turns", "3", "--system-tokens", "64", "--gpu-blocks", "24",
          "--host-blocks", "16", "--disk-blocks", "64", "--no-progress"]
@@ -43,10 +49,95 @@ def test_demo_fails_when_the_subscriber_view_is_wrong(monkeypatch, capsys) -> No
 
 
 def test_demo_rejects_bad_options() -> None:
-    with pytest.raises(SystemExit, match="--sessions must be >= 1"):
+    with pytest.raises(UsageError, match="--sessions must be >= 1"):
         demo.main_demo(["--sessions", "0"])
-    with pytest.raises(SystemExit, match="unknown tier"):
+    with pytest.raises(UsageError, match="unknown tier"):
         demo.main_demo(["--tiers", "tape", "--no-progress"])
+    with pytest.raises(UsageError, match="--gpu-blocks 8 is too small.* needs 23 blocks"):
+        demo.main_demo(["--gpu-blocks", "8", "--no-progress"])
+
+
+def test_demo_pool_size_check_is_exact() -> None:
+    """The smallest pool the check accepts runs the whole workload (the check is neither too
+    strict nor too lax: one block less is refused up front)."""
+    args = [*SMALL, "--gpu-blocks", "12"]
+    with pytest.raises(UsageError, match=r"needs (\d+) blocks") as info:
+        demo.main_demo(args)
+    needed = int(re.search(r"needs (\d+) blocks", str(info.value)).group(1))
+    with pytest.raises(UsageError):
+        demo.main_demo([*SMALL, "--gpu-blocks", str(needed - 1)])
+    assert demo.main_demo([*SMALL, "--gpu-blocks", str(needed), "--tiers", "none"]) == 0
+
+
+def test_demo_with_the_disk_tier_alone_has_no_failed_transfer_job(capsys) -> None:
+    """A save job whose blocks all go to disk has no host copies: it used to fail in the
+    worker (range() step 0) and log a traceback on every such job."""
+    assert demo.main_demo([*SMALL, "--tiers", "disk"]) == 0
+    out = capsys.readouterr().out
+    assert "[PASS] nothing failed, nothing logged an error: 0 failed transfer jobs" in out
+
+
+def test_demo_fails_its_check_when_a_transfer_job_fails(monkeypatch, capsys,
+                                                         expect_errors) -> None:
+    from kvbm_plugin.connector_worker import KvbmConnectorWorker
+
+    def chunked_with_zero_step(self, items):  # what the worker did before the fix
+        step = self._copy_batch_blocks or len(items)
+        for start in range(0, len(items), step):
+            yield items[start:start + step]
+
+    monkeypatch.setattr(KvbmConnectorWorker, "_chunked", chunked_with_zero_step)
+    assert demo.main_demo([*SMALL, "--tiers", "disk"]) == 1
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "nothing failed" in x)
+    assert line.startswith("  [FAIL]")
+    assert re.search(r"[1-9]\d* failed transfer jobs", line)
+    assert re.search(r"[1-9]\d* ERROR log lines", line)
+    assert "transfer job failed" in line
+    assert expect_errors.wait_for("transfer job failed")
+
+
+def test_demo_fails_its_check_when_a_thread_dies(monkeypatch, capsys, expect_errors) -> None:
+    from kvbm_plugin.testing.engine import SimulatedEngine
+
+    original = SimulatedEngine.step
+
+    def step_and_crash_a_thread(self):
+        if not getattr(self, "_crashed", False):
+            self._crashed = True
+            thread = threading.Thread(target=lambda: 1 / 0, name="doomed")
+            thread.start()
+            thread.join()
+        return original(self)
+
+    monkeypatch.setattr(SimulatedEngine, "step", step_and_crash_a_thread)
+    assert demo.main_demo(SMALL) == 1
+    out = capsys.readouterr().out
+    assert "1 thread exceptions; first: thread doomed: ZeroDivisionError" in out
+    assert [a.exc_type for a in expect_errors.thread_exceptions] == [ZeroDivisionError]
+
+
+def test_progress_is_drawn_only_on_a_terminal(monkeypatch) -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    for stream, drawn in ((io.StringIO(), False), (Terminal(), True)):
+        monkeypatch.setattr(sys, "stderr", stream)
+        progress = demo._Progress(10, enabled=True)
+        progress.update(3, "turn 1/2", force=True)
+        progress.close()
+        assert ("\r[" in stream.getvalue()) is drawn
+
+
+def test_demo_writes_no_progress_frames_into_a_log(capsys) -> None:
+    assert demo.main_demo(SMALL[:-1]) == 0  # progress on, stderr captured (not a terminal)
+    assert "\r" not in capsys.readouterr().err
+
+
+def test_every_demo_option_has_help() -> None:
+    missing = [a.option_strings for a in demo.build_parser()._actions if not a.help]
+    assert missing == []
 
 
 def test_demo_fails_when_tiers_serve_nothing(monkeypatch, capsys) -> None:

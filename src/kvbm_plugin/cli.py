@@ -17,15 +17,11 @@ from typing import NoReturn
 ENGINE_YAML = """\
 # trtllm-serve <model> --backend pytorch --extra_llm_api_options kvbm.yaml
 backend: pytorch
-# Connector hooks are not captured by CUDA graphs.
-cuda_graph_config: null
+cuda_graph_config: null          # connector hooks are not captured by CUDA graphs
 kv_cache_config:
-  # The connector is only offered blocks when block reuse is on.
-  enable_block_reuse: true
-  # Offload and reuse work on whole blocks.
-  enable_partial_reuse: false
-  # > 0 makes the KV cache manager buffer the events the GPU-tier publisher sends.
-  event_buffer_max_size: 1024
+  enable_block_reuse: true       # the connector is only offered blocks with reuse on
+  enable_partial_reuse: false    # offload and reuse work on whole blocks
+  event_buffer_max_size: 1024    # > 0: TRT-LLM produces the KV events the publisher sends
 kv_connector_config:
   connector_module: kvbm_plugin
   connector_scheduler_class: KvbmConnectorLeader
@@ -91,7 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvbm_plugin import __version__
 
     parser.add_argument("--version", action="version", version=f"kvbm-plugin {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                help="run 'kvbm-plugin COMMAND --help' for its options")
     for name, (_, help_text) in FORWARDED.items():
         # Listed here for --help; main() hands their arguments to the implementing module.
         sub.add_parser(name, help=help_text, add_help=False)
