@@ -166,3 +166,39 @@ def test_a_signal_during_the_demo_ends_it_cleanly(tmp_path: Path, signum: int, s
     if line is not None:
         assert [x for x in stderr.splitlines() if x.strip()] == [line]
     assert not list(tmp_path.glob("kvbm-demo-*"))
+
+
+# A value each variable's parser refuses (DYN_KVBM_KV_EVENTS_TOPIC takes any string).
+BAD_VALUES = {
+    cc.ENABLE_CONSOLIDATOR: "maybe", cc.CONSOLIDATOR_MODE: "fast", cc.TRTLLM_ZMQ_PORT: "70000",
+    cc.LEADER_ZMQ_PUB_PORT: "abc", cc.LEADER_ZMQ_HOST: "a host", cc.EVENTS_ENDPOINT: "udp://x",
+    cc.REPLAY_ENDPOINT: "udp://x", cc.OUTPUT_ENDPOINT: "udp://x",
+    cc.OUTPUT_REPLAY_ENDPOINT: "udp://x", cc.PUBLISHER: "kafka", cc.BUFFER_STEPS: "0",
+    cc.HWM: "-1", cc.MAX_QUEUE_SIZE: "many", cc.WINDOW_SIZE: "0", cc.NATIVE: "perhaps",
+}
+STANDALONE = {
+    "consolidate": [],
+    "sidecar": ["--url", "http://127.0.0.1:9", "--block-size", "16"],
+}
+
+
+def test_every_variable_the_standalone_commands_read_is_listed() -> None:
+    assert set(BAD_VALUES) | {cc.TOPIC} == {v.name for v in cc.ENV_VARS
+                                            if v.group in ("consolidator", "publisher")} \
+        | {cc.NATIVE}
+
+
+@pytest.mark.parametrize("command", list(STANDALONE))
+@pytest.mark.parametrize("variable", list(BAD_VALUES))
+def test_standalone_commands_validate_every_variable_they_read(monkeypatch, capsys, command: str,
+                                                               variable: str) -> None:
+    from kvbm_plugin import cli
+
+    for var in cc.ENV_VARS:
+        monkeypatch.delenv(var.name, raising=False)
+    monkeypatch.setenv(cc.TRTLLM_ZMQ_PORT, PORT)
+    monkeypatch.setenv(variable, BAD_VALUES[variable])
+    assert cli.main([command, *STANDALONE[command]]) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if line.strip()] == [err.strip()]
+    assert f"{variable}={BAD_VALUES[variable]!r}" in err, err
