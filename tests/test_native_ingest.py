@@ -9,6 +9,7 @@ both sinks must publish byte-identical payloads and report identical counters.
 from __future__ import annotations
 
 import gc
+import os
 from collections.abc import Sequence
 from types import MappingProxyType
 from typing import Any
@@ -251,15 +252,27 @@ def test_compiled_batches_are_not_tracked_by_the_cyclic_collector() -> None:
             assert gc.is_tracked(ev["block_hashes"]) is tracked
 
 
-def test_native_switch_and_build() -> None:
-    """The supported install builds the extension (CI does); the switch turns it off."""
+def test_native_switch_turns_the_compiled_loops_off_and_refuses_a_non_boolean() -> None:
+    """Built or not: off means the Python loops, and a bad value is an error naming it."""
     for module in ("event_sink", "consolidator"):
-        assert _native.loops(module, {}) is not None, _native.describe({})[1]
         assert _native.loops(module, {NATIVE: "0"}) is None
-    assert _native.describe({})[0] is True
-    assert "switched off" in _native.describe({NATIVE: "off"})[1]
     with pytest.raises(ConfigError, match=rf"{NATIVE}='maybe'"):
         _native.loops("event_sink", {NATIVE: "maybe"})
+    with pytest.raises(ConfigError, match=rf"{NATIVE}='maybe'"):
+        _native.describe({NATIVE: "maybe"})
+
+
+def test_native_switch_and_build() -> None:
+    """The supported install builds the extensions; installed without a C compiler they are
+    optional and this test skips, unless KVBM_REQUIRE_NATIVE=1 (CI's main run) demands them."""
+    missing = [module for module in ("event_sink", "consolidator")
+               if _native.loops(module, {}) is None]
+    if missing and os.environ.get("KVBM_REQUIRE_NATIVE") != "1":
+        pytest.skip(f"compiled loops not built for {missing} (installed without a C compiler); "
+                    "KVBM_REQUIRE_NATIVE=1 makes this a failure")
+    assert missing == [], _native.describe({})[1]
+    assert _native.describe({})[0] is True
+    assert "switched off" in _native.describe({NATIVE: "off"})[1]
 
 
 def test_native_true_without_the_extension_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:

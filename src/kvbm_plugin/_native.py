@@ -54,12 +54,14 @@ def choose(module: str, native: bool | None, owner: str) -> ModuleType | None:
 
 
 def describe(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
-    """(all in use, one line for ``kvbm-plugin doctor``)."""
+    """(all in use, one line for ``kvbm-plugin doctor``). Raises ConfigError for a value of
+    ``DYN_KVBM_NATIVE`` that is not a boolean, built or not (start-up refuses it either way)."""
+    enabled = native_enabled(env)
     missing = sorted(name for name, module in _built.items() if module is None)
     if missing:
         return False, (f"not built for {', '.join(missing)} (no C compiler at install time): "
                        "those run their pure-Python loops; reinstall with a compiler")
-    if not native_enabled(env):
+    if not enabled:
         return False, f"built, switched off by {NATIVE}: the pure-Python loops run"
     return True, "in use (" + ", ".join(
         f"{name}: {module.__name__}" for name, module in _built.items() if module) + ")"
