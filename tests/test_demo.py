@@ -152,3 +152,55 @@ def test_demo_fails_when_tiers_serve_nothing(monkeypatch, capsys) -> None:
 def test_tier_reuse_check_is_not_applied_when_nothing_was_evicted(capsys) -> None:
     assert demo.main_demo(["--sessions", "2", "--turns", "1", "--no-progress"]) == 0
     assert "not exercised" in capsys.readouterr().out
+
+
+def _subscriber_joins_late(monkeypatch, after_polls: int) -> None:
+    """The demo's subscriber connects only at its ``after_polls``-th poll: what a PUB socket
+    sends before a subscription reaches it is dropped, as under load when the I/O threads are
+    slow to pass the subscription on."""
+    from kvbm_plugin.subscribe import StreamSubscriber
+
+    init, poll = StreamSubscriber.__post_init__, StreamSubscriber.poll
+
+    def connect_later(self) -> None:
+        self._real_endpoint, self.endpoint = self.endpoint, "inproc://not-yet"
+        self._polls = 0
+        init(self)
+
+    def poll_and_join(self, timeout_ms: int = 100):  # noqa: ANN202
+        self._polls += 1
+        if self._polls == after_polls:
+            self._sub.connect(self._real_endpoint)
+        return poll(self, timeout_ms)
+
+    monkeypatch.setattr(StreamSubscriber, "__post_init__", connect_later)
+    monkeypatch.setattr(StreamSubscriber, "poll", poll_and_join)
+
+
+@pytest.mark.parametrize("mode", ["dedup", "passthrough"])
+def test_demo_subscriber_that_joins_late_replays_what_it_missed(monkeypatch, capsys,
+                                                                 mode) -> None:
+    """Joining a live stream late is the subscriber's gap, filled by replay, not a failure:
+    under CPU load the subscription can reach the publisher after its first batches."""
+    _subscriber_joins_late(monkeypatch, after_polls=30)
+    assert demo.main_demo([*SMALL, "--mode", mode]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"0 gaps, 0 batches lost \(joined late: [1-9]\d* batches replayed\)", out)
+
+
+def test_demo_fails_on_a_gap_in_the_stream_even_when_replay_fills_it(monkeypatch,
+                                                                     capsys) -> None:
+    from kvbm_plugin.subscribe import StreamSubscriber
+
+    accept = StreamSubscriber._accept
+    dropped: list[int] = []
+
+    def drop_seq_5_once(self, batch):  # noqa: ANN001, ANN202
+        if batch.seq == 5 and not dropped:
+            dropped.append(batch.seq)
+            return []
+        return accept(self, batch)
+
+    monkeypatch.setattr(StreamSubscriber, "_accept", drop_seq_5_once)
+    assert demo.main_demo(SMALL) == 1
+    assert "[FAIL] no gaps, no losses: 1 gaps, 0 lost" in capsys.readouterr().out
