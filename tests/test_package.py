@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
+import tarfile
 import textwrap
+from pathlib import Path
 
 import importlib_metadata
 
@@ -60,3 +63,32 @@ def test_builtin_publishers_come_from_this_distribution_entry_points() -> None:
     assert plugins["null"].obj is NullEventPublisher
     assert issubclass(plugins["zmq"].obj, EventPublisher)
     assert plugins["zmq"].distribution.startswith("kvbm-plugin ")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_sdist_carries_its_tests_benchmarks_docs_and_license(tmp_path: Path) -> None:
+    """An sdist from which the suite can run: every test module with the conftest and helper
+    modules it imports, the benchmarks, every file README links to, the C header, the license
+    (and its SPDX expression in the metadata)."""
+    build = subprocess.run(
+        [sys.executable, "-c", "import sys, setuptools.build_meta as b; "
+         "print(b.build_sdist(sys.argv[1]))", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr[-2000:]
+    archive = tmp_path / build.stdout.strip().splitlines()[-1]
+    with tarfile.open(archive) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+        pkg_info = tar.extractfile(f"{top}/PKG-INFO").read().decode()  # type: ignore[union-attr]
+    readme = (ROOT / "README.md").read_text()
+    linked = set(re.findall(r"\]\(((?!https?://)[^)#]+)\)", readme))
+    required = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")} \
+        | {str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py")} \
+        | linked | {"LICENSE", "README.md", "setup.py", "src/kvbm_plugin/_native_common.h"}
+    assert {"tests/conftest.py", "tests/_kvwire.py", "tests/_loops.py",
+            "docs/event_sources.md"} <= required
+    assert sorted(required - names) == []
+    assert "License-Expression: Apache-2.0" in pkg_info
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
