@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -72,10 +73,15 @@ def test_sdist_carries_its_tests_benchmarks_docs_and_license(tmp_path: Path) -> 
     """An sdist from which the suite can run: every test module with the conftest and helper
     modules it imports, the benchmarks, every file README links to, the C header, the license
     (and its SPDX expression in the metadata)."""
+    # From a copy without build leftovers: an old egg-info's SOURCES.txt would add its files.
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".ci-venv", ".*_cache", ".hypothesis", ".whl", ".device", "*.egg-info",
+        "build", "dist", "__pycache__", "*.so", "*.pyc"))
     build = subprocess.run(
         [sys.executable, "-c", "import sys, setuptools.build_meta as b; "
          "print(b.build_sdist(sys.argv[1]))", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=source, capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr[-2000:]
     archive = tmp_path / build.stdout.strip().splitlines()[-1]
     with tarfile.open(archive) as tar:
@@ -83,6 +89,7 @@ def test_sdist_carries_its_tests_benchmarks_docs_and_license(tmp_path: Path) -> 
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
         pkg_info = tar.extractfile(f"{top}/PKG-INFO").read().decode()  # type: ignore[union-attr]
     readme = (ROOT / "README.md").read_text()
+    assert (ROOT / ".ci" / "run").exists() <= (".ci/run" in names)
     linked = set(re.findall(r"\]\(((?!https?://)[^)#]+)\)", readme))
     required = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")} \
         | {str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py")} \
