@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -202,3 +203,29 @@ def test_standalone_commands_validate_every_variable_they_read(monkeypatch, caps
     err = capsys.readouterr().err
     assert [line for line in err.splitlines() if line.strip()] == [err.strip()]
     assert f"{variable}={BAD_VALUES[variable]!r}" in err, err
+
+
+def test_ctrl_c_while_torch_loads_waits_for_the_import_then_interrupts() -> None:
+    """A KeyboardInterrupt raised inside torch's initialisation (Python called from C++) aborts
+    the process; the demo holds Ctrl-C back until torch is loaded, then acts on it."""
+    code = textwrap.dedent("""
+        import importlib.abc, signal, sys
+
+        class CtrlCWhenTorchLoads(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "torch":
+                    sys.meta_path.remove(self)
+                    signal.raise_signal(signal.SIGINT)
+                return None
+
+        from kvbm_plugin import cli
+        sys.meta_path.insert(0, CtrlCWhenTorchLoads())
+        status = cli.main(["demo", "--no-progress"])
+        print("torch" in sys.modules, status)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.stdout.split() == ["True", "130"], result.stderr
+    assert [x for x in result.stderr.splitlines() if "kvbm-plugin" in x] == [
+        "kvbm-plugin demo: interrupted"]
+    assert "Traceback" not in result.stderr

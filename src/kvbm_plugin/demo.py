@@ -146,6 +146,29 @@ def _sigterm_exits() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _load_engine_modules() -> None:
+    """Import torch and the simulated engine with SIGINT and SIGTERM held back until the import
+    is done: torch's initialisation runs Python callbacks from C++, and a KeyboardInterrupt
+    raised inside one aborts the whole process ("terminate called after throwing ...") instead
+    of reaching the demo's clean-up. A signal that came meanwhile is acted on right after."""
+    if threading.current_thread() is not threading.main_thread():
+        import kvbm_plugin.testing.engine  # noqa: F401
+        return
+    held: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        import torch  # noqa: F401
+
+        import kvbm_plugin.subscribe  # noqa: F401
+        import kvbm_plugin.testing.engine  # noqa: F401
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if held:
+        signal.raise_signal(held[0])  # now handled by the handler in place (SIGINT: Ctrl-C)
+
+
 class _JoiningSubscriber:
     """The demo's subscriber of the consolidated stream, telling the gap of joining late from a
     gap in the stream.
@@ -216,8 +239,7 @@ def run_demo(args: argparse.Namespace) -> int:
     total = args.sessions * args.turns
     started = time.monotonic()
     watch = _ErrorWatch()
-    with _sigterm_exits(), watch.watching(), \
-            tempfile.TemporaryDirectory(prefix="kvbm-demo-") as tmp:
+    with watch.watching(), tempfile.TemporaryDirectory(prefix="kvbm-demo-") as tmp:
         env = _demo_env(tmp, args)
         config = cc.load_consolidator_config(env)
         engine = SimulatedEngine(EngineConfig(
@@ -450,4 +472,6 @@ def main_demo(argv: Sequence[str] | None = None) -> int:
     the run through its clean-up."""
     args = build_parser().parse_args(argv)
     _check_options(args)
-    return run_demo(args)
+    with _sigterm_exits():
+        _load_engine_modules()
+        return run_demo(args)
