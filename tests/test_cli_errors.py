@@ -4,6 +4,7 @@ no traceback; Ctrl-C and SIGTERM end the demo through its clean-up."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -184,9 +185,38 @@ STANDALONE = {
 
 
 def test_every_variable_the_standalone_commands_read_is_listed() -> None:
-    assert set(BAD_VALUES) | {cc.TOPIC} == {v.name for v in cc.ENV_VARS
-                                            if v.group in ("consolidator", "publisher")} \
-        | {cc.NATIVE}
+    # The event source is the leader's alone (where it takes GPU-tier events from).
+    assert set(BAD_VALUES) | {cc.TOPIC, cc.EVENTS_SOURCE} == {
+        v.name for v in cc.ENV_VARS if v.group in ("consolidator", "publisher")} | {cc.NATIVE}
+
+
+# Every other variable start-up reads, with a value it refuses (DYN_KVBM_DISK_CACHE_DIR: see
+# test_cli.py's disk directory cases).
+BAD_VALUES_ELSEWHERE = {
+    cc.EVENTS_SOURCE: "bogus", cc.CPU_CACHE_GB: "-1", cc.CPU_CACHE_NUM_BLOCKS: "some",
+    cc.DISK_CACHE_GB: "lots", cc.DISK_CACHE_NUM_BLOCKS: "-3", cc.METRICS: "maybe",
+    cc.METRICS_PORT: "0",
+}
+
+
+def test_doctor_covers_every_variable() -> None:
+    assert set(BAD_VALUES) | set(BAD_VALUES_ELSEWHERE) | {cc.TOPIC, cc.DISK_CACHE_DIR} == {
+        v.name for v in cc.ENV_VARS}
+
+
+@pytest.mark.parametrize("variable", list(BAD_VALUES) + list(BAD_VALUES_ELSEWHERE))
+def test_doctor_refuses_a_bad_value_of_every_variable(monkeypatch, capsys,
+                                                      variable: str) -> None:
+    from kvbm_plugin.doctor import main_doctor
+
+    for var in cc.ENV_VARS:
+        monkeypatch.delenv(var.name, raising=False)
+    monkeypatch.setenv(cc.TRTLLM_ZMQ_PORT, PORT)
+    value = {**BAD_VALUES, **BAD_VALUES_ELSEWHERE}[variable]
+    monkeypatch.setenv(variable, value)
+    assert main_doctor(["--json"]) == 1
+    failed = [c for c in json.loads(capsys.readouterr().out) if c["status"] == "fail"]
+    assert any(f"{variable}={value!r}" in c["detail"] for c in failed), failed
 
 
 @pytest.mark.parametrize("command", list(STANDALONE))

@@ -442,7 +442,8 @@ GOOD_100 = BlockStored(block_hashes=[100], parent_block_hash=None, token_ids=[1,
     (200, [{"token_id": 3}, {"token_id": 2.0}]),
     (200, [{"token_id": 3}, {"token_id": True}]),
 ], ids=["missing", "over-u32", "negative", "float", "bool"])
-def test_a_bad_token_leaves_the_batched_store_intact(bad_block: tuple[int, list[Any]]) -> None:
+def test_a_bad_token_leaves_the_batched_store_intact(bad_block: tuple[int, list[Any]],
+                                                     expect_errors) -> None:
     """A store extending the previous block whose tokens turn out malformed must not append its
     hash (or any token) to that block's BlockStored, nor count a store."""
     cap = Capture()
@@ -453,6 +454,7 @@ def test_a_bad_token_leaves_the_batched_store_intact(bad_block: tuple[int, list[
     assert cap.batches == [(0, [GOOD_100])]
     stats = sink.stats()
     assert (stats["stores"], stats["blocks_stored"], stats["malformed_events"]) == (1, 1, 2)
+    assert expect_errors.wait_for("malformed KV event not published")
 
 
 def test_a_bad_token_raises_in_strict_mode_and_changes_nothing() -> None:
@@ -465,7 +467,7 @@ def test_a_bad_token_raises_in_strict_mode_and_changes_nothing() -> None:
     assert sink.stats()["stores"] == 1
 
 
-def test_a_malformed_store_suppresses_nothing() -> None:
+def test_a_malformed_store_suppresses_nothing(expect_errors) -> None:
     """A store with a partial block and a malformed later hash is rejected whole: its partial
     block is not remembered as suppressed, and its full blocks are not published."""
     cap = Capture()
@@ -477,6 +479,7 @@ def test_a_malformed_store_suppresses_nothing() -> None:
     assert cap.batches == [(0, [GOOD_100, BlockRemoved(block_hashes=[2], medium="GPU")])]
     stats = sink.stats()
     assert stats["partial_blocks_suppressed"] == 0 and stats["malformed_events"] == 1
+    assert expect_errors.wait_for("malformed KV event not published")
 
 
 class _Ext:
@@ -491,7 +494,7 @@ class _Ext:
 
 @pytest.mark.parametrize("lora_id", ["a", 1.5, True, -1, 1 << 64, _Ext()],
                          ids=["str", "float", "bool", "negative", "u64-overflow", "ext"])
-def test_a_store_with_a_bad_lora_id_is_rejected(lora_id: Any) -> None:
+def test_a_store_with_a_bad_lora_id_is_rejected(lora_id: Any, expect_errors) -> None:
     """lora_id is None or a u64 (TRT-LLM's task id): anything else would fail the encoder later
     and lose the whole batch; here it loses only its own event, counted."""
     cap = Capture()
@@ -509,9 +512,10 @@ def test_a_store_with_a_bad_lora_id_is_rejected(lora_id: Any) -> None:
         BlockStored(block_hashes=[8], parent_block_hash=7, token_ids=[1, 1], block_size=2,
                     lora_id=None, medium="GPU", lora_name=None)])]
     assert sink.stats()["malformed_events"] == 2
+    assert expect_errors.wait_for("malformed KV event not published")
 
 
-def test_token_ids_of_any_other_type_are_rejected() -> None:
+def test_token_ids_of_any_other_type_are_rejected(expect_errors) -> None:
     cap = Capture()
     sink = KvEventSink(cap, block_size=2)
     sink.ingest([_stored_raw(None, (1, [{"token_id": _Ext()}, {"token_id": 1}])),
@@ -522,6 +526,7 @@ def test_token_ids_of_any_other_type_are_rejected() -> None:
         block_hashes=[3], parent_block_hash=None, token_ids=[0, (1 << 32) - 1], block_size=2,
         lora_id=None, medium="GPU", lora_name=None)])]
     assert sink.stats()["malformed_events"] == 2
+    assert expect_errors.wait_for("malformed KV event not published")
 
 
 # ---- dp ranks are bounded -----------------------------------------------------------------------

@@ -338,8 +338,8 @@ def test_a_key_whose_eq_changes_the_event_runs_the_same_in_both_loops() -> None:
 
 @needs_native
 @pytest.mark.parametrize("where", ["event", "data", "block", "token"])
-def test_a_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_both_loops(where: str
-                                                                              ) -> None:
+def test_a_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_both_loops(
+        where: str, expect_errors) -> None:
     """The same with an ``__eq__`` that empties the batch list and the dicts the compiled loop
     would hold borrowed (a use-after-free if it looked up in them): both loops agree."""
     def make() -> list[list[Any]]:
@@ -366,6 +366,7 @@ def test_a_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_both_loops(wh
         return [events, [_store(None, 20)]]
 
     _both(make)
+    assert expect_errors.wait_for("malformed KV event not published")
 
 
 @needs_native
@@ -382,7 +383,7 @@ def test_a_huge_block_size_runs_the_same_in_both_loops(block_size: int) -> None:
 
 
 @needs_native
-def test_refused_values_and_ranks_run_the_same_in_both_loops() -> None:
+def test_refused_values_and_ranks_run_the_same_in_both_loops(expect_errors) -> None:
     def make() -> list[list[Any]]:
         ts = msgpack.Timestamp(1, 0)
         return [[_store(None, 10), _store(10, 11, [{"token_id": 1}, {"token_id": ts}]),
@@ -393,3 +394,4 @@ def test_refused_values_and_ranks_run_the_same_in_both_loops() -> None:
     _, stats = _both(make, max_dp_ranks=2)
     assert stats["malformed_events"] == 4 and stats["unknown_dp_rank_events"] == 1
     assert stats["blocks_stored"] == 2
+    assert expect_errors.wait_for("malformed KV event not published")

@@ -98,7 +98,8 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
         checks.append(Check("consolidator config", "fail", str(exc)))
     for name, loader in (("publisher settings", cc.load_publisher_settings),
                          ("tier settings", cc.load_tier_settings),
-                         ("metrics settings", cc.load_metrics_settings)):
+                         ("metrics settings", cc.load_metrics_settings),
+                         ("GPU-tier event source", cc.load_events_source)):
         try:
             checks.append(Check(name, "ok", repr(loader())))
         except (cc.ConfigError, PluginLoadError) as exc:
