@@ -160,6 +160,7 @@ class _Op:
     tier: str  # the tier written (save/demote) or read (load)
     key: int
     req_id: int | None
+    entry: TierEntry | None = None  # the entry written (save/demote) or read (load)
     reports: dict[int, OpReport] = field(default_factory=dict)
 
 
@@ -206,7 +207,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             "saves_committed", "saves_failed", "demotes_scheduled", "demotes_committed",
             "demotes_failed", "loads_failed", "corrupt_blocks", "stale_disk_blocks",
             "tier_full_skips", "host_evictions", "disk_evictions", "reports_rejected",
-            "cancelled_tokens", "cancels_too_late"), 0)
+            "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
+            "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped"), 0)
         self._log = RateLimitedLog(logger)
 
         config = load_consolidator_config(self._env, num_ranks=1)
@@ -328,9 +330,13 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         return True
 
     def _drop(self, index: TierIndex, entry: TierEntry) -> None:
-        """Forget a resident block and register its REMOVE."""
-        index.discard(entry.key)
-        self._tier_events.register_remove(_MEDIUM[index.name], self._dp_rank, [entry.event_hash])
+        """Forget a block and its descendants in ``index`` (a tier holds prefix-closed chains
+        only) and register the REMOVEs of the resident ones, children first."""
+        gone = index.discard(entry.key)
+        self._stats["cascade_drops"] += max(0, len(gone) - 1)
+        hashes = [e.event_hash for e in gone if e.resident]
+        if hashes:
+            self._tier_events.register_remove(_MEDIUM[index.name], self._dp_rank, hashes)
 
     # ------------------------------------------------------------------ TRT-LLM hooks
 
@@ -466,7 +472,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                 # LoadOp so its id finishes).
                 (self._host if tier == TIER_HOST else self._disk).unpin(entry)  # type: ignore[union-attr]
                 continue
-            op_id = self._new_op("load", tier, entry.key, state.req_id)
+            op_id = self._new_op("load", tier, entry.key, state.req_id, entry)
             state.loads_inflight.add(op_id)
             copies.append(LoadCopy(op_id, HOST if tier == TIER_HOST else DISK, entry.slot,
                                    entry.key, int(block_ids[index])))
@@ -659,13 +665,31 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                 entry.parent_event_hash = h
 
     def _schedule_saves(self, state: _Request, index: TierIndex, saves: list[SaveOp]) -> None:
+        """Offload the request's newly full blocks into ``index`` (the first tier), in chain
+        order. A tier holds prefix-closed chains only: a block is offloaded only while its
+        parent is in the same tier (pending or resident) or is offloaded in this same job, so
+        a parent that left the tier since it was passed is offloaded again first, from its
+        device block (the request still holds it)."""
         bs = self._block_size
         limit = min(state.valid_tokens // bs, len(state.block_ids), len(state.keys))
         while state.offload_next < limit:
             i = state.offload_next
             key = state.keys[i]
-            if self._present(key):
+            present = index.get(key)
+            if present is not None:
+                if present.resident:
+                    index.lookup(key)  # refresh LRU: in use again
                 state.offload_next += 1
+                continue
+            parent_key = state.keys[i - 1] if i else None
+            if parent_key is not None and parent_key not in index:
+                if state.block_ids[i - 1] >= 0:
+                    state.offload_next = i - 1  # the parent was evicted as a leaf meanwhile
+                    self._stats["parent_resaves"] += 1
+                else:
+                    # No device copy of the parent to offload: this block would be an orphan.
+                    self._stats["orphan_saves_skipped"] += 1
+                    state.offload_next += 1
                 continue
             block = state.block_ids[i]
             if block < 0:
@@ -673,32 +697,24 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                 continue
             parent = self._event_hash(state, i - 1) if i else None
             entry = self._reserve(index, key, self._event_hash(state, i), parent,
-                                  state.tokens[i * bs:(i + 1) * bs], state.scope)
+                                  state.tokens[i * bs:(i + 1) * bs], parent_key, state.scope)
             if entry is None:
                 self._stats["tier_full_skips"] += 1
                 return  # retry from this block next iteration
-            op_id = self._new_op("save", index.name, key, state.req_id)
+            op_id = self._new_op("save", index.name, key, state.req_id, entry)
             state.saves_inflight.add(op_id)
             saves.append(SaveOp(op_id, state.req_id, int(block),
                                 HOST if index.name == TIER_HOST else DISK, entry.slot, key))
             self._stats["saves_scheduled"] += 1
             state.offload_next += 1
 
-    def _present(self, key: int) -> bool:
-        for index in (self._host, self._disk):
-            entry = index.get(key) if index is not None else None
-            if entry is not None:
-                if entry.resident:
-                    index.lookup(key)  # type: ignore[union-attr]  # refresh LRU: in use again
-                return True
-        return False
-
     def _reserve(self, index: TierIndex, key: int, event_hash: int, parent: int | None,
-                 tokens: Sequence[int],
+                 tokens: Sequence[int], parent_key: int | None,
                  scope: tuple[int | None, int | None] = (None, None)) -> TierEntry | None:
-        """A pending slot in ``index``; an evicted host block is demoted to disk."""
+        """A pending slot in ``index`` (``parent_key`` must be in it) for a block of ``scope``
+        (LoRA, salt); an evicted host block is demoted to disk."""
         try:
-            entry, evicted = index.reserve(key, event_hash, parent, tokens)
+            entry, evicted = index.reserve(key, event_hash, parent, tokens, parent_key)
         except TierFullError:
             return None
         entry.scope = scope
@@ -708,21 +724,43 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             self._tier_events.register_remove(_MEDIUM[index.name], self._dp_rank,
                                               [evicted.event_hash])
             if index.name == TIER_HOST and self._disk is not None \
-                    and self._disk.get(evicted.key) is None:
-                target = self._reserve(self._disk, evicted.key, evicted.event_hash,
-                                       evicted.parent_event_hash, evicted.token_ids,
-                                       evicted.scope)
-                if target is not None:
-                    op_id = self._new_op("demote", TIER_DISK, evicted.key, None)
-                    self._pending_demotes.append(DemoteOp(op_id, evicted.slot, target.slot,
-                                                          evicted.key))
-                    self._stats["demotes_scheduled"] += 1
+                    and evicted.key not in self._disk:
+                self._demote(evicted)
         return entry
 
-    def _new_op(self, kind: str, tier: str, key: int, req_id: int | None) -> int:
+    def _demote(self, evicted: TierEntry) -> None:
+        """Demote an evicted host block to disk, keeping the disk tier prefix-closed: the
+        ancestors the disk lacks are copied there too, root first, in the same job (they stay
+        in the host tier as well). The host tier evicts leaves only, so every ancestor of
+        ``evicted`` is resident in host and can be read before this job's saves reuse slots."""
+        assert self._host is not None and self._disk is not None
+        chain = [evicted]
+        parent_key = evicted.parent_key
+        while parent_key is not None and parent_key not in self._disk:
+            ancestor = self._host.get(parent_key)
+            if ancestor is None or not ancestor.resident:
+                self._stats["demotes_skipped"] += 1  # not expected: the host chain is closed
+                return
+            chain.append(ancestor)
+            parent_key = ancestor.parent_key
+        for source in reversed(chain):
+            target = self._reserve(self._disk, source.key, source.event_hash,
+                                   source.parent_event_hash, source.token_ids, source.parent_key,
+                                   source.scope)
+            if target is None:
+                self._stats["demotes_skipped"] += 1  # disk full of pending/pinned blocks
+                return
+            op_id = self._new_op("demote", TIER_DISK, source.key, None, target)
+            self._pending_demotes.append(DemoteOp(op_id, source.slot, target.slot, source.key))
+            self._stats["demotes_scheduled"] += 1
+            if source is not evicted:
+                self._stats["chain_demotes"] += 1
+
+    def _new_op(self, kind: str, tier: str, key: int, req_id: int | None,
+                entry: TierEntry | None = None) -> int:
         op_id = self._next_op
         self._next_op += 1
-        self._ops[op_id] = _Op(kind, tier, key, req_id)
+        self._ops[op_id] = _Op(kind, tier, key, req_id, entry)
         return op_id
 
     def _apply_reports(self) -> None:
@@ -755,8 +793,15 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         state = self._reqs.get(op.req_id) if op.req_id is not None else None
         if op.kind in ("save", "demote"):
             kind = op.kind + "s"
-            if index is not None and index.get(op.key) is not None:
-                if ok:
+            # Still the entry this op wrote (not forgotten meanwhile with an ancestor, nor
+            # replaced by a later reservation of the same block in another slot).
+            if index is not None and op.entry is not None and index.get(op.key) is op.entry:
+                parent = index.get(op.entry.parent_key) \
+                    if op.entry.parent_key is not None else None
+                if ok and (op.entry.parent_key is None
+                           or (parent is not None and parent.resident)):
+                    # Ops finish in id order along a chain, so the parent is resident already
+                    # and the tier's STOREs are prefix-closed too.
                     signatures = {r.rank: r.signature for r in op.reports.values()
                                   if r.signature is not None}
                     entry = index.commit(op.key, signatures)
@@ -773,14 +818,20 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                         _MEDIUM[index.name], self._dp_rank, entry.event_hash,
                         entry.parent_event_hash, entry.token_ids, self._block_size, **scope)
                 else:
-                    index.discard(op.key)  # never advertised: no REMOVE either
+                    # Never advertised: no REMOVE for it; descendants written after it go too.
+                    if ok:
+                        ok = False  # written, but its parent is not resident: unusable
+                        self._stats["orphan_commits_dropped"] += 1
+                    self._drop(index, op.entry)
             self._stats[f"{kind}_committed" if ok else f"{kind}_failed"] += 1
             if state is not None:
                 state.saves_inflight.discard(op_id)
-        else:  # load: unpin; a corrupt source block is forgotten
-            entry = index.get(op.key) if index is not None else None
+        else:  # load: unpin; a corrupt source block is forgotten (with its descendants)
+            entry = op.entry
             if entry is not None and entry.pins > 0:
                 index.unpin(entry)  # type: ignore[union-attr]
+            if entry is not None and index is not None and index.get(op.key) is not entry:
+                entry = None  # forgotten meanwhile
             if not ok:
                 self._stats["loads_failed"] += 1
                 if any(r.error == ERR_CORRUPT for r in op.reports.values()):

@@ -125,7 +125,26 @@ class _Req:
 
 
 class _GpuPool:
-    """Block allocation with prefix reuse and LRU eviction; records TRT-LLM KV events."""
+    """Block allocation with prefix reuse and leaf-first LRU eviction; records TRT-LLM KV events.
+
+    Follows TensorRT-LLM's ``WindowBlockManager`` (cpp/tensorrt_llm/batch_manager/
+    kvCacheManager.cpp and evictionPolicy.cpp, read at revision 002ba6a7cc5e):
+
+    * Stored blocks form a radix tree (``parent_of``/``children``). ``storeBlocks`` walks the
+      tree from the root along the sequence's block keys; a block whose key is already cached is
+      traversed (not stored twice) and the first missing one and everything after it are
+      inserted under the last match, in one ``stored`` event: a block is stored only under a
+      cached parent.
+    * A request that reuses a cached block only claims it (takes it out of the free queue); its
+      cached children stay cached and nothing is emitted.
+    * A sequence's blocks are released last block first, so within one release the leaf enters
+      the LRU free queue before its parent, and the queue's front is a leaf.
+    * ``getFreeBlock`` takes the queue's front and frees all its cached descendants first
+      (``freeChildren``, post-order: children before parents), emitting a removal for each and
+      then for the block itself; consecutive removals coalesce into one ``removed`` event.
+    The GPU-tier stream is therefore prefix-closed: a parent is never removed while a
+    descendant stays stored.
+    """
 
     def __init__(self, num_blocks: int, block_size: int, window: int) -> None:
         self.block_size = block_size
@@ -136,7 +155,7 @@ class _GpuPool:
         self.by_hash: dict[int, int] = {}
         self.hash_of: dict[int, int] = {}
         self.parent_of: dict[int, int | None] = {}
-        self.children: dict[int, int] = {}
+        self.children: dict[int, set[int]] = {}  # stored block -> its stored children
         self.full: set[int] = set()  # blocks stored with a full block of tokens
         self.events: list[dict[str, Any]] = []
         self._event_id = itertools.count()
@@ -165,29 +184,50 @@ class _GpuPool:
         return len(self.free) + len(self.cached)
 
     def acquire(self, block: int) -> None:
+        """Claim a cached block for reuse (upstream ``claimBlock``): children stay cached."""
         self.refs[block] = self.refs.get(block, 0) + 1
         self.cached.pop(block, None)
 
     def alloc(self) -> int:
         if not self.free:
-            victim = next((b for b in self.cached if self.children.get(b, 0) == 0), None)
-            if victim is None:
-                victim = next(iter(self.cached))
-            self._evict(victim)
+            victim = next(iter(self.cached))  # LRU front; a leaf unless children are in use
+            self._free_subtree(victim)
         block = self.free.pop()
         self.refs[block] = 1
         return block
 
-    def _evict(self, block: int) -> None:
-        del self.cached[block]
-        h = self.hash_of.pop(block)
-        del self.by_hash[h]
-        parent = self.parent_of.pop(block, None)
-        if parent is not None:
-            self.children[parent] -= 1
-        self.full.discard(block)
-        self._emit({"type": "removed", "block_hashes": [h]})
-        self.free.append(block)
+    def _free_subtree(self, root: int) -> None:
+        """Upstream ``freeChildren``: unstore ``root`` and its descendants, children first,
+        in one coalesced ``removed`` event. Unused blocks return to the free list; a block
+        still in use (a request holds it) stays allocated as a private, unstored block."""
+        order: list[int] = []
+        stack = [(root, False)]
+        while stack:
+            block, expanded = stack.pop()
+            if expanded:
+                order.append(block)
+                continue
+            stack.append((block, True))
+            stack.extend((child, False) for child in self.children.get(block, ()))
+        removed: list[int] = []
+        for block in order:
+            removed.append(self.hash_of.pop(block))
+            del self.by_hash[removed[-1]]
+            parent = self.parent_of.pop(block, None)
+            if parent is not None:
+                siblings = self.children[parent]
+                siblings.discard(block)
+                if not siblings:
+                    del self.children[parent]
+            self.children.pop(block, None)
+            self.full.discard(block)
+            if block in self.cached:
+                del self.cached[block]
+                self.free.append(block)
+        if self.events and self.events[-1]["data"]["type"] == "removed":
+            self.events[-1]["data"]["block_hashes"].extend(removed)  # upstream coalescing
+        else:
+            self._emit({"type": "removed", "block_hashes": removed})
 
     def release(self, block: int) -> None:
         self.refs[block] -= 1
@@ -198,26 +238,49 @@ class _GpuPool:
             else:
                 self.free.append(block)
 
-    def store(self, block: int, h: int, parent_block: int | None, parent_hash: int | None,
-              tokens: list[int], cache_salt: str | None = None) -> None:
-        """Register a block for reuse (full, or the partial last block at termination). A
-        salted block's event carries ``cache_salt`` per block, as newer TRT-LLM's do."""
-        if h in self.by_hash or block in self.hash_of:
-            return
-        self.by_hash[h] = block
-        self.hash_of[block] = h
-        self.parent_of[block] = parent_block
-        if parent_block is not None:
-            self.children[parent_block] = self.children.get(parent_block, 0) + 1
-        if len(tokens) == self.block_size:
-            self.full.add(block)
-        stored = {"type": "stored_block", "block_hash": h,
-                  "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0}
-                             for t in tokens],
-                  "cache_level": 0, "priority": 35}
-        if cache_salt is not None:
-            stored["cache_salt"] = cache_salt
-        self._emit({"type": "stored", "parent_hash": parent_hash, "blocks": [stored]})
+    def store_blocks(self, blocks: list[int], keys: list[tuple[int, list[int]]],
+                     first: int = 0, cache_salt: str | None = None) -> None:
+        """Upstream ``storeBlocks`` for a sequence's blocks ``blocks[i]`` with block keys
+        ``keys[i] = (hash, tokens)`` (the last may be partial), of which ``first..`` are new.
+
+        The walk starts at the deepest ``first`` whose parent is still cached (usually
+        ``first`` itself: the parent was stored in an earlier iteration); cached keys are
+        traversed and the rest inserted under the last match, as one ``stored`` event. A
+        salted block's event carries ``cache_salt`` per block, as newer TRT-LLM's do.
+        """
+        n = min(len(blocks), len(keys))
+        while first > 0 and keys[first - 1][0] not in self.by_hash:
+            first -= 1  # the parent left the tree: it is stored again, from this sequence
+        parent: int | None = self.by_hash[keys[first - 1][0]] if first else None
+        first_parent = parent
+        stored: list[dict[str, Any]] = []
+        for i in range(first, n):
+            h, tokens = keys[i]
+            cached = self.by_hash.get(h)
+            if cached is not None and not stored:
+                parent = first_parent = cached  # traverse the cached prefix
+                continue
+            block = blocks[i]
+            if cached is not None or block in self.hash_of:
+                break  # cannot happen for one sequence's own chain; never store twice
+            self.by_hash[h] = block
+            self.hash_of[block] = h
+            self.parent_of[block] = parent
+            if parent is not None:
+                self.children.setdefault(parent, set()).add(block)
+            if len(tokens) == self.block_size:
+                self.full.add(block)
+            stored.append({
+                "type": "stored_block", "block_hash": h,
+                "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0}
+                           for t in tokens],
+                "cache_level": 0, "priority": 35})
+            if cache_salt is not None:
+                stored[-1]["cache_salt"] = cache_salt
+            parent = block
+        if stored:
+            self._emit({"type": "stored", "blocks": stored, "parent_hash":
+                        None if first_parent is None else self.hash_of[first_parent]})
 
     def resident_full_hashes(self) -> set[int]:
         return {self.hash_of[b] for b in self.full}
@@ -519,11 +582,11 @@ class SimulatedEngine:
         r.computed += n
         # Blocks that became full are stored for reuse (stored events).
         full = r.computed // bs
-        hashes = self._hashes(r, full)
-        for i in range(r.stored_blocks, full):
-            parent = r.blocks[i - 1] if i else None
-            self.pool.store(r.blocks[i], hashes[i], parent, hashes[i - 1] if i else None,
-                            r.tokens[i * bs:(i + 1) * bs], r.salt)
+        if full > r.stored_blocks:
+            hashes = self._hashes(r, full)
+            self.pool.store_blocks(r.blocks, [(hashes[i], r.tokens[i * bs:(i + 1) * bs])
+                                              for i in range(full)], r.stored_blocks,
+                                   r.salt)
         r.stored_blocks = max(r.stored_blocks, full)
         if r.computed >= len(r.tokens):  # end of context, or a decode step: sample a token
             last = r.tokens[-1]
@@ -561,8 +624,8 @@ class SimulatedEngine:
             hashes = self._hashes(r, i)
             tokens = r.tokens[i * bs:r.computed]
             partial = trtllm_block_hash(hashes[-1] if hashes else None, tokens, r.salt)
-            self.pool.store(r.blocks[i], partial, r.blocks[i - 1] if i else None,
-                            hashes[-1] if hashes else None, tokens, r.salt)
+            keys = [(hashes[j], r.tokens[j * bs:(j + 1) * bs]) for j in range(i)]
+            self.pool.store_blocks(r.blocks, [*keys, (partial, tokens)], i, r.salt)
         assert r.llm_request is not None
         saving = self.leader.request_finished(r.llm_request, list(r.blocks))
         if not r.aborted:
@@ -574,7 +637,7 @@ class SimulatedEngine:
             self._free(r)
 
     def _free(self, r: _Req) -> None:
-        for b in r.blocks:
+        for b in reversed(r.blocks):  # last block first, as TRT-LLM's releaseBlocks
             self.pool.release(b)
         self._outstanding -= r.reserved
         r.reserved = 0

@@ -18,10 +18,10 @@ is stored next to it as ``event_hash`` and is what the tier events advertise.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import os
 import struct
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -88,25 +88,39 @@ class TierEntry:
     event_hash: int  # the hash KV events advertise (TRT-LLM's u64 when known)
     parent_event_hash: int | None  # event hash of the previous block of the chain
     token_ids: tuple[int, ...]  # the block's tokens, for the tier STORE registration
+    parent_key: int | None = None  # content key of the previous block (None: a root block)
     resident: bool = False  # True once every rank reported the bytes written
     pins: int = 0  # in-flight reads from this slot; a pinned entry is never evicted
+    tick: int = 0  # last use (the index's clock); the LRU order
     signatures: dict[int, Signature] = field(default_factory=dict)  # disk: rank -> signature
     scope: tuple[int | None, int | None] = (None, None)  # (LoRA id, salt id), for tier events
 
 
 class TierFullError(RuntimeError):
-    """No slot can be freed: every entry is pending or pinned."""
+    """No slot can be freed: every entry is pending, pinned or the parent of another entry."""
 
 
 class TierIndex:
-    """Slot allocation, residency, pinning and LRU for one tier; owned by the leader.
+    """Slot allocation, residency, pinning and leaf-first LRU for one tier; owned by the leader.
 
     Called on the executor thread of rank 0 only (TensorRT-LLM's scheduler thread), so it takes
-    no locks. Only resident, unpinned entries are evicted; pending entries (a write in flight)
-    are implicitly pinned.
+    no locks.
+
+    **Prefix-closed.** The index never holds a block whose parent (``parent_key``) it does not
+    hold too: :meth:`reserve` refuses an entry whose parent is absent, eviction takes only
+    *leaves* (entries no other entry of this tier names as parent), and :meth:`discard` takes
+    the entry's descendants with it. Every block a tier keeps can therefore be reused on its own
+    (TensorRT-LLM matches a prefix contiguously) and every tier's event stream is prefix-closed.
+
+    **Eviction** takes the least recently used leaf that is resident and unpinned (pending
+    entries, a write in flight, are implicitly pinned). Evictable entries sit in a heap keyed by
+    their last use; an entry's key is pushed again whenever it may have become evictable (used,
+    committed, unpinned, its last child left), and stale heap items are skipped when popped:
+    O(log n) amortised per operation, no scan of the tier.
     """
 
-    __slots__ = ("name", "capacity", "_by_key", "_lru", "_free", "evictions")
+    __slots__ = ("name", "capacity", "_by_key", "_children", "_heap", "_clock", "_free",
+                 "_resident", "evictions")
 
     def __init__(self, name: TierName, capacity: int) -> None:
         if capacity < 0:
@@ -114,16 +128,23 @@ class TierIndex:
         self.name: TierName = name
         self.capacity = capacity
         self._by_key: dict[int, TierEntry] = {}
-        self._lru: OrderedDict[int, TierEntry] = OrderedDict()  # resident entries, oldest first
+        # parent key -> keys of the entries (pending or resident) whose parent it is
+        self._children: dict[int, set[int]] = {}
+        self._heap: list[tuple[int, int]] = []  # (tick, key) of possibly evictable entries
+        self._clock = 0
         self._free: list[int] = list(range(capacity - 1, -1, -1))
+        self._resident = 0
         self.evictions = 0
 
     def __repr__(self) -> str:
         return (f"TierIndex({self.name!r}, capacity={self.capacity}, used={len(self._by_key)}, "
-                f"resident={len(self._lru)})")
+                f"resident={self._resident})")
 
     def __len__(self) -> int:
         return len(self._by_key)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._by_key
 
     def get(self, key: int) -> TierEntry | None:
         """The entry for ``key``, pending or resident."""
@@ -134,7 +155,7 @@ class TierIndex:
         entry = self._by_key.get(key)
         if entry is None or not entry.resident:
             return None
-        self._lru.move_to_end(key)
+        self._touch(entry)
         return entry
 
     def pin(self, entry: TierEntry) -> None:
@@ -144,64 +165,160 @@ class TierIndex:
         if entry.pins <= 0:
             raise RuntimeError(f"{self.name} tier: unpin of unpinned block {entry.key:#x}")
         entry.pins -= 1
+        if entry.pins == 0:
+            self._offer(entry)
+
+    def children_of(self, key: int) -> set[int]:
+        """Keys of this tier's entries whose parent is ``key`` (a copy)."""
+        return set(self._children.get(key, ()))
+
+    def is_leaf(self, key: int) -> bool:
+        return not self._children.get(key)
 
     def can_reserve(self) -> bool:
-        return bool(self._free) or any(e.pins == 0 for e in self._lru.values())
+        return bool(self._free) or self._victim(pop=False) is not None
 
     def reserve(self, key: int, event_hash: int, parent_event_hash: int | None,
-                token_ids: Sequence[int]) -> tuple[TierEntry, TierEntry | None]:
-        """A pending entry for ``key`` in a free slot, evicting the LRU unpinned block if needed.
+                token_ids: Sequence[int], parent_key: int | None = None,
+                ) -> tuple[TierEntry, TierEntry | None]:
+        """A pending entry for ``key`` in a free slot, evicting the LRU evictable leaf if needed.
 
         Returns ``(entry, evicted)``; the caller must register the eviction's REMOVE before the
         metadata that reuses the slot leaves the leader. Raises TierFullError when nothing can be
-        evicted. ``key`` must not be present.
+        evicted. ``key`` must not be present; ``parent_key`` (None for a root block) must be
+        (pending or resident): a tier never holds an orphan. The parent is linked before a
+        victim is chosen, so the eviction can never take it.
         """
         if key in self._by_key:
             raise RuntimeError(f"{self.name} tier: block {key:#x} is already present")
+        if parent_key is not None and parent_key not in self._by_key:
+            raise ValueError(f"{self.name} tier: parent {parent_key:#x} of block {key:#x} is "
+                             "not in the tier (a tier holds prefix-closed chains only)")
+        self._link(key, parent_key)
         evicted: TierEntry | None = None
         if self._free:
             slot = self._free.pop()
         else:
-            for victim in self._lru.values():
-                if victim.pins == 0:
-                    evicted = victim
-                    break
+            evicted = self._victim(pop=True)
             if evicted is None:
-                raise TierFullError(f"{self.name} tier: all {self.capacity} slots are pending "
-                                    "or pinned")
-            del self._lru[evicted.key]
-            del self._by_key[evicted.key]
+                self._unlink(key, parent_key)
+                raise TierFullError(f"{self.name} tier: all {self.capacity} slots are pending, "
+                                    "pinned or parents of other blocks")
+            self._remove(evicted)
             self.evictions += 1
             slot = evicted.slot
-        entry = TierEntry(key, slot, event_hash, parent_event_hash, tuple(token_ids))
+        entry = TierEntry(key, slot, event_hash, parent_event_hash, tuple(token_ids),
+                          parent_key)
         self._by_key[key] = entry
         return entry, evicted
 
     def commit(self, key: int, signatures: dict[int, Signature] | None = None) -> TierEntry:
         """Mark ``key`` resident: every rank reported its bytes written."""
         entry = self._by_key[key]
-        entry.resident = True
+        if not entry.resident:
+            entry.resident = True
+            self._resident += 1
         if signatures:
             entry.signatures.update(signatures)
-        self._lru[key] = entry
+        self._touch(entry)
         return entry
 
-    def discard(self, key: int) -> TierEntry | None:
-        """Forget ``key`` and free its slot (failed write, or a corrupt block)."""
-        entry = self._by_key.pop(key, None)
+    def discard(self, key: int) -> list[TierEntry]:
+        """Forget ``key`` and its descendants in this tier, freeing their slots (a failed write,
+        a corrupt or stale block). Returns the entries forgotten, children before parents; the
+        caller registers a REMOVE for each resident one. Empty when ``key`` is absent."""
+        entry = self._by_key.get(key)
         if entry is None:
-            return None
-        self._lru.pop(key, None)
-        self._free.append(entry.slot)
-        return entry
+            return []
+        order: list[TierEntry] = []
+        stack = [(entry, False)]
+        while stack:  # iterative post-order: a long chain must not hit the recursion limit
+            node, expanded = stack.pop()
+            if expanded:
+                order.append(node)
+                continue
+            stack.append((node, True))
+            for child in self._children.get(node.key, ()):
+                stack.append((self._by_key[child], False))
+        for node in order:
+            self._remove(node)
+            self._free.append(node.slot)
+        return order
 
     def resident_entries(self) -> list[TierEntry]:
-        return list(self._lru.values())
+        return [e for e in self._by_key.values() if e.resident]
+
+    def entries(self) -> list[TierEntry]:
+        """Every entry, pending or resident (tests and invariant checks)."""
+        return list(self._by_key.values())
 
     def clear(self) -> None:
         self._by_key.clear()
-        self._lru.clear()
+        self._children.clear()
+        self._heap.clear()
+        self._resident = 0
         self._free = list(range(self.capacity - 1, -1, -1))
+
+    # ---- internals ---------------------------------------------------------------------
+
+    def _link(self, key: int, parent_key: int | None) -> None:
+        if parent_key is not None:
+            kids = self._children.get(parent_key)
+            if kids is None:
+                self._children[parent_key] = {key}
+            else:
+                kids.add(key)
+
+    def _unlink(self, key: int, parent_key: int | None) -> None:
+        if parent_key is None:
+            return
+        kids = self._children.get(parent_key)
+        if kids is None:
+            return
+        kids.discard(key)
+        if not kids:
+            del self._children[parent_key]
+            parent = self._by_key.get(parent_key)
+            if parent is not None:
+                self._offer(parent)  # its last child left: a leaf again, at its own age
+
+    def _remove(self, entry: TierEntry) -> None:
+        del self._by_key[entry.key]
+        if entry.resident:
+            self._resident -= 1
+        self._unlink(entry.key, entry.parent_key)
+
+    def _touch(self, entry: TierEntry) -> None:
+        self._clock += 1
+        entry.tick = self._clock
+        self._offer(entry)
+
+    def _offer(self, entry: TierEntry) -> None:
+        """Push ``entry`` on the heap if it is evictable now (stale items are skipped later)."""
+        if entry.resident and entry.pins == 0 and entry.key not in self._children:
+            heapq.heappush(self._heap, (entry.tick, entry.key))
+            if len(self._heap) > 2 * len(self._by_key) + 64:
+                self._compact()
+
+    def _compact(self) -> None:
+        self._heap = [(e.tick, e.key) for e in self._by_key.values()
+                      if e.resident and e.pins == 0 and e.key not in self._children]
+        heapq.heapify(self._heap)
+
+    def _victim(self, *, pop: bool) -> TierEntry | None:
+        """The least recently used evictable leaf (taken off the heap when ``pop``)."""
+        heap = self._heap
+        while heap:
+            tick, key = heap[0]
+            entry = self._by_key.get(key)
+            if (entry is None or entry.tick != tick or not entry.resident or entry.pins
+                    or key in self._children):
+                heapq.heappop(heap)  # stale: re-pushed whenever it becomes evictable again
+                continue
+            if pop:
+                heapq.heappop(heap)
+            return entry
+        return None
 
 
 # --------------------------------------------------------------------------------------------
