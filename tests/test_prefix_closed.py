@@ -1,0 +1,269 @@
+"""Prefix-closed tiers and GPU stream: every block a tier or the GPU pool keeps can be reused.
+
+A tier never holds a block whose parent is resident nowhere; the tiers and the simulated
+executor's GPU pool evict leaves first, and their event streams, read by a strict radix-tree
+router model, never store under an unknown parent nor remove a parent before its descendants.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+import pytest
+from _strict_router import StrictRouter, StrictTree
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
+from kvbm_plugin.tiers.base import TierFullError, TierIndex
+
+OFF = {"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false"}
+
+
+# ---------------------------------------------------------------- the tier index on its own
+
+class _ModelEntry:
+    def __init__(self, parent: int | None) -> None:
+        self.parent = parent
+        self.resident = False
+        self.pins = 0
+        self.tick = 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 2**32), st.integers(1, 8))
+def test_tier_index_evicts_the_lru_leaf_and_stays_prefix_closed(seed: int, capacity: int) -> None:
+    """Random reserve/commit/lookup/pin/unpin/discard against a brute-force model (60 examples x
+    150 steps): the victim is always the least recently used resident, unpinned leaf, and every
+    entry's parent is in the tier."""
+    rng = random.Random(seed)
+    index = TierIndex("host", capacity)
+    model: dict[int, _ModelEntry] = {}
+    clock = 0
+    next_key = 1
+
+    def leaf(key: int) -> bool:
+        return not any(e.parent == key for e in model.values())
+
+    for _ in range(150):
+        op = rng.random()
+        keys = list(model)
+        if op < 0.4:
+            parent = rng.choice([None, *keys]) if keys else None
+            key, next_key = next_key, next_key + 1
+            candidates = [k for k, e in model.items() if e.resident and not e.pins and leaf(k)
+                          and k != parent]
+            full = len(model) >= capacity
+            try:
+                entry, evicted = index.reserve(key, key, parent, [key], parent)
+            except TierFullError:
+                assert full and not candidates
+                continue
+            assert entry.parent_key == parent
+            if full:
+                want = min(candidates, key=lambda k: model[k].tick)
+                assert evicted is not None and evicted.key == want
+                del model[want]
+            else:
+                assert evicted is None
+            model[key] = _ModelEntry(parent)
+        elif op < 0.6 and keys:
+            key = rng.choice(keys)
+            if not model[key].resident:
+                parent = model[key].parent
+                if parent is None or model[parent].resident:
+                    index.commit(key)
+                    clock += 1
+                    model[key].resident = True
+                    model[key].tick = clock
+        elif op < 0.75 and keys:
+            key = rng.choice(keys)
+            hit = index.lookup(key)
+            assert (hit is not None) == model[key].resident
+            if hit is not None:
+                clock += 1
+                model[key].tick = clock
+        elif op < 0.85 and keys:
+            key = rng.choice(keys)
+            entry = index.get(key)
+            assert entry is not None
+            if model[key].pins and rng.random() < 0.6:
+                index.unpin(entry)
+                model[key].pins -= 1
+            elif model[key].resident:
+                index.pin(entry)
+                model[key].pins += 1
+        elif keys:
+            key = rng.choice(keys)
+            gone = [e.key for e in index.discard(key)]
+            subtree = {key}
+            changed = True
+            while changed:
+                more = {k for k, e in model.items() if e.parent in subtree} - subtree
+                changed = bool(more)
+                subtree |= more
+            assert set(gone) == subtree
+            for position, k in enumerate(gone):  # children before parents
+                assert all(model[c].parent != k for c in gone[position + 1:])
+            for k in subtree:
+                del model[k]
+        assert {e.key for e in index.entries()} == set(model)
+        for entry in index.entries():
+            assert entry.parent_key is None or index.get(entry.parent_key) is not None
+            if entry.resident and entry.parent_key is not None:
+                assert index.get(entry.parent_key).resident
+
+
+def test_a_pinned_leaf_keeps_its_chain_and_the_parent_is_evicted_after_its_child() -> None:
+    index = TierIndex("host", 3)
+    for key, parent in ((1, None), (2, 1), (3, 2)):
+        index.reserve(key, key, parent, [key], parent)
+        index.commit(key)
+    index.pin(index.get(3))
+    with pytest.raises(TierFullError):  # 3 pinned; 1 and 2 are its ancestors
+        index.reserve(4, 4, None, [4])
+    index.unpin(index.get(3))
+    _, evicted = index.reserve(4, 4, None, [4])
+    assert evicted is not None and evicted.key == 3  # the leaf, although 1 is older
+    index.commit(4)
+    _, evicted = index.reserve(5, 5, None, [5])
+    assert evicted is not None and evicted.key == 2  # its parent, a leaf now, at its own age
+    with pytest.raises(ValueError, match="not in the tier"):
+        index.reserve(6, 6, 3, [6], 3)
+
+
+# ---------------------------------------------------------------- the whole engine
+
+
+class _TierRecorder:
+    """Stands where the consolidator stands: feeds the leader's tier registrations to a strict
+    router model (one tree per medium)."""
+
+    def __init__(self) -> None:
+        self.router = StrictRouter()
+
+    def register_store(self, tier: str, dp_rank: int, block_hash: int, parent_hash: int | None,
+                       token_ids: Any, block_size: int) -> None:
+        self.router.apply(dp_rank, [{"type": "BlockStored", "block_hashes": [block_hash],
+                                     "parent_block_hash": parent_hash, "medium": tier}])
+
+    def register_remove(self, tier: str, dp_rank: int, block_hashes: Any) -> None:
+        self.router.apply(dp_rank, [{"type": "BlockRemoved", "block_hashes": list(block_hashes),
+                                     "medium": tier}])
+
+    def register_clear(self, tier: str, dp_rank: int) -> None:
+        raise AssertionError("no tier is cleared in this test")
+
+
+def _gpu_stream(engine: SimulatedEngine) -> list[dict[str, Any]]:
+    """Every event the simulated GPU pool emits, as it emits it (before the sink)."""
+    log: list[dict[str, Any]] = []
+    emit = engine.pool._emit
+
+    def recording(data: dict[str, Any]) -> None:
+        log.append(data)
+        emit(data)
+
+    engine.pool._emit = recording  # type: ignore[method-assign]
+    return log
+
+
+def _apply_gpu(tree: StrictTree, events: list[dict[str, Any]]) -> list[str]:
+    problems: list[str] = []
+    for data in events:
+        if data["type"] == "stored":
+            problems += tree.store([b["block_hash"] for b in data["blocks"]], data["parent_hash"])
+        elif data["type"] == "removed":
+            problems += tree.remove(data["block_hashes"])
+    events.clear()
+    return problems
+
+
+def _check_closed(engine: SimulatedEngine) -> None:
+    leader = engine.leader
+    pool = engine.pool
+    gpu = set(pool.hash_of.values())
+    for block, parent in pool.parent_of.items():  # the GPU pool's own tree
+        assert parent is None or parent in pool.hash_of, f"GPU block {block} orphaned"
+    resident: set[int] = set(gpu)
+    tiers = [t for t in (leader._host, leader._disk) if t is not None]
+    for tier in tiers:
+        resident |= {e.event_hash for e in tier.resident_entries()}
+    for tier in tiers:
+        for entry in tier.entries():
+            if entry.parent_key is None:
+                continue
+            parent = tier.get(entry.parent_key)
+            assert parent is not None, f"{tier.name}: {entry.key:#x} without its parent"
+            if entry.resident:
+                assert parent.resident, f"{tier.name}: {entry.key:#x} resident, parent pending"
+                # The issue's invariant: the parent is resident somewhere.
+                assert entry.parent_event_hash in resident
+
+
+def _workload_step(rng: random.Random, engine: SimulatedEngine, prompts: list[list[int]],
+                   live: list[int]) -> None:
+    bs = engine.block_size
+    for _ in range(rng.choice((0, 0, 1, 1, 2))):
+        roll = rng.random()
+        if roll < 0.5 and prompts:  # a later turn: an earlier prompt plus more tokens
+            base = rng.choice(prompts)[: rng.randrange(1, 7) * bs]
+        else:  # a new conversation under one of a few shared system prompts
+            system = rng.randrange(4)
+            base = [1000 + system * 50 + i for i in range(rng.randrange(1, 4) * bs)]
+        tokens = base + [rng.randrange(1, 900) for _ in range(rng.randrange(1, 3 * bs))]
+        tokens = tokens[: 9 * bs]
+        prompts.append(tokens)
+        if len(prompts) > 40:
+            prompts.pop(rng.randrange(len(prompts)))
+        live.append(engine.submit(tokens, rng.randrange(1, 6)))
+    if live and rng.random() < 0.05:
+        engine.abort(live.pop(rng.randrange(len(live))))
+    engine.step()
+
+
+@settings(max_examples=6, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 2**32), host=st.sampled_from((0, 6, 10)),
+       disk=st.sampled_from((0, 8, 16)))
+def test_tiers_and_gpu_pool_stay_prefix_closed_under_random_workloads(
+        caplog: pytest.LogCaptureFixture, seed: int, host: int, disk: int) -> None:
+    """6 random multi-turn workloads x 350 engine iterations (2,100 steps), tiers under eviction
+    pressure: after every iteration every tier-resident block's parent is resident somewhere,
+    each tier is prefix-closed on its own, and the GPU pool's and the tiers' event streams are
+    clean for a strict router (one tree per medium), ending equal to what each holds."""
+    if not host and not disk:
+        host = 6
+    env = dict(OFF)
+    if host:
+        env["DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"] = str(host)
+    if disk:
+        env["DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"] = str(disk)
+    recorder = _TierRecorder()
+    rng = random.Random(seed)
+    engine = SimulatedEngine(EngineConfig(num_gpu_blocks=20, max_num_tokens=24, max_batch_size=4,
+                                          env=env, tier_events=recorder))
+    try:
+        gpu_events = _gpu_stream(engine)
+        gpu_tree = StrictTree()
+        prompts: list[list[int]] = []
+        live: list[int] = []
+        for _ in range(350):
+            _workload_step(rng, engine, prompts, live)
+            _check_closed(engine)
+            assert _apply_gpu(gpu_tree, gpu_events) == []
+            assert recorder.router.violations == []
+        engine.run_until_idle(timeout_s=60)
+        _check_closed(engine)
+        assert _apply_gpu(gpu_tree, gpu_events) == []
+        assert set(gpu_tree.parent) == set(engine.pool.hash_of.values())
+        assert recorder.router.violations == []
+        assert recorder.router.held(0, "CPU") == engine.leader.resident_hashes("host")
+        assert recorder.router.held(0, "DISK") == engine.leader.resident_hashes("disk")
+        assert engine.stats().kv_mismatches == 0
+        # A load job with disk copies only (no host copy) runs without a worker error.
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    finally:
+        engine.shutdown()
