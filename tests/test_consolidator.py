@@ -320,14 +320,14 @@ def test_gap_is_filled_by_replay(ipc_dir, start, raw_rank):
     consolidator = start(config)
     raw.wait_subscribed()
     raw.serve_startup()
-    raw.send(0, [stored([1], None, [1])])
-    lost = raw.frames(1, [stored([2], 1, [2]), removed([1])])  # never sent live
+    raw.send(0, [stored([1], None, [1]), stored([9], None, [9])])
+    lost = raw.frames(1, [stored([2], 1, [2]), removed([9])])  # never sent live
     live = raw.send(2, [stored([3], 2, [3])])
     ident, start_seq = raw.next_replay_request()
     assert start_seq == 1
     raw.answer(ident, [lost, live])
     router = settled(consolidator, config, lambda s: s["batches_applied"] == 3)
-    assert router.held == {0: {2, 3}}
+    assert router.held == {0: {1, 2, 3}}
     stats = consolidator.stats()
     assert stats["gaps"] == 1 and stats["replay_requests"] == 2  # catch-up + gap
     assert stats["replayed_batches"] == 2 and stats["resyncs"] == 0

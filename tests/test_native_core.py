@@ -149,6 +149,8 @@ def state(core: ConsolidatorCore) -> dict[int, Any]:
             [{h: b[0] for h, b in m.items()} for m in rank.held],
             {h: b[0] for h, b in rank.published.items()},
             rank.visible,
+            [{k: (e[0][0], e[1:]) for k, e in group.items()} for group in rank.hidden],
+            {k for k in rank.orphans if k in rank.blocks},
         )
     return out
 
@@ -199,6 +201,21 @@ SCENARIOS = {
     # The same hash for other content in another slot: a derived published hash.
     "published hash clash": [
         ("store", (0, stored([7], [9, 9]))), ("register", ("CPU", 0, 7, None, [8, 8]))],
+    # Prefix closure: a middle block removed first cascades its descendants (Python), and
+    # while a block is held back every event is decided by the Python code.
+    "middle block removed, descendants cascade": [
+        ("store", (0, stored([1, 2, 3], [1, 1, 2, 2, 3, 3]))),
+        ("batch", (0, [removed([2]), stored([4], [4, 4], parent=3), removed([3])])),
+        ("store", (0, stored([2], [2, 2], parent=1)))],
+    # A store under a parent no source knows is held back; under a known but unpublished
+    # parent it is released when the parent comes back.
+    "held back and released": [
+        ("store", (0, stored([5], [5, 5], parent=99))),
+        ("store", (0, stored([1], [1, 1]))), ("remove", (0, removed([1]))),
+        ("register", ("CPU", 0, 6, 1, [6, 6])),
+        ("store", (0, stored([1], [1, 1])))],
+    # A hash repeated along one chain: the compiled loop leaves the chain to Python.
+    "hash repeated along a chain": [("store", (0, stored([1, 1], [0, 0, 0, 0])))],
 }
 
 
@@ -208,7 +225,9 @@ def test_compiled_loops_match_on_the_rare_branches(name: str) -> None:
     python, compiled = ConsolidatorCore(native=False), ConsolidatorCore(native=True)
     outputs = []
     for step in SCENARIOS[name]:
-        assert apply(compiled, step) == apply(python, step) == "ok"
+        result = apply(compiled, step)
+        assert result == apply(python, step)
+        assert result == "ok" or result.endswith("errors []")
         out = compiled.take_output()
         assert out == python.take_output()
         assert state(compiled) == state(python)

@@ -101,10 +101,11 @@ static PyObject *stored_run(PyObject *wire, PyObject *parent_wire, PyObject *blo
 PyDoc_STRVAR(store_chain_doc,
 "store_chain(rank, blocks, known, held, published, out, hashes, tokens, block_size,\n"
 "            parent, pident, parent_wire, slot, lora_id, lora_name, medium, group,\n"
-"            fresh_pub, add_alias, release) -> (visible, duplicates, runs, run_blocks)\n\n"
+"            fresh_pub, add_alias, release) -> (visible, duplicates, runs, run_blocks) | None\n\n"
 "The block loop of ConsolidatorCore._store_chain in dedup mode, on the same structures.\n"
 "Identities are computed first (a token that is not a u32 int raises TypeError before\n"
-"anything changed).");
+"anything changed). None, with nothing changed, when a hash of the chain would release\n"
+"another block.");
 
 /* The chain loop shared by store_chain and stored_one (arguments as store_chain's). */
 static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObject *held,
@@ -164,6 +165,35 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
             if (ident == NULL) goto fail;
             PyList_SET_ITEM(idents, i, ident);
             pid = ident;
+        }
+    }
+    /* Pass 1b, read-only: a hash the slot holds for other content, or one repeated along the
+     * chain, releases a block mid-chain (a source reusing one hash); that chain is left to the
+     * Python loop (None), which keeps the output prefix-closed through the release. */
+    {
+        PyObject *seen = n > 1 ? PySet_New(NULL) : NULL;
+        int leave = 0;
+        if (n > 1 && seen == NULL) goto fail;
+        for (i = 0; i < n && !leave; i++) {
+            PyObject *ext = PyList_GET_ITEM(hashes, i), *old, *mine;
+            old = PyDict_GetItemWithError(held, ext);
+            if (old == NULL && PyErr_Occurred()) { Py_XDECREF(seen); goto fail; }
+            if (old != NULL) {
+                mine = PyDict_GetItemWithError(blocks, PyList_GET_ITEM(idents, i));
+                if (mine == NULL && PyErr_Occurred()) { Py_XDECREF(seen); goto fail; }
+                leave = mine != old;
+            }
+            if (seen != NULL && !leave) {
+                int dup = PySet_Contains(seen, ext);
+                if (dup < 0 || (!dup && PySet_Add(seen, ext) < 0)) { Py_DECREF(seen); goto fail; }
+                leave = dup;
+            }
+        }
+        Py_XDECREF(seen);
+        if (leave) {
+            Py_INCREF(Py_None);
+            result = Py_None;
+            goto done;
         }
     }
     runs = PyList_New(0);
@@ -365,7 +395,24 @@ enum { N_STORES_IN, N_STORE_BLOCKS_IN, N_UNKNOWN_PARENTS, N_DUPLICATES, N_STORES
        N_STORE_BLOCKS_OUT, N_REMOVES_IN, N_REMOVE_BLOCKS_IN, N_UNKNOWN_REMOVES, N_REMOVES_OUT,
        N_REMOVE_BLOCKS_OUT, N_VISIBLE, N_COUNTS };
 
-static PyObject *K_last_remove_attr;
+static PyObject *K_last_remove_attr, *K_hidden_attr;
+
+/* 1 when the rank holds a block back in dedup group 0 (rank.hidden[0] non-empty): prefix
+ * closure is then decided by the Python code, event by event; 0 when empty; -1 on error. */
+static int holds_back(PyObject *rank) {
+    PyObject *hidden = PyObject_GetAttr(rank, K_hidden_attr), *group;
+    int r;
+    if (hidden == NULL) return -1;
+    if (!PyList_CheckExact(hidden) || PyList_GET_SIZE(hidden) < 1
+        || !PyDict_CheckExact(group = PyList_GET_ITEM(hidden, 0))) {
+        Py_DECREF(hidden);
+        PyErr_SetString(PyExc_TypeError, "consolidator rank.hidden is not a list of dicts");
+        return -1;
+    }
+    r = PyDict_GET_SIZE(group) > 0;
+    Py_DECREF(hidden);
+    return r;
+}
 
 static PyObject *counts_tuple(const Py_ssize_t *cnt) {
     PyObject *t = PyTuple_New(N_COUNTS);
@@ -506,8 +553,8 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
         PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
         goto done;
     }
-    /* The parent: its block when a slot knows the hash (this slot first), else an identity
-     * salted as unknown, published with the raw hash (as _store_chain). */
+    /* The parent: its block when a slot knows the hash (this slot first) and it is published;
+     * anything else (unknown, or not published) is held back by the Python code. */
     if (raw_parent == NULL || raw_parent == Py_None) {
         Py_INCREF(C_root);
         pident = C_root;
@@ -526,28 +573,30 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
         }
         if (found == NULL && PyErr_Occurred()) goto done;
         if (found != NULL) {
-            if (!is_block(found)) goto done;
+            Py_ssize_t parent_total;
+            if (!is_block(found) || int_field(found, B_TOTAL, &parent_total) < 0) goto done;
+            if (parent_total == 0) { /* not published: the Python code holds the store back */
+                r = LEAVE;
+                goto done;
+            }
             parent = found;
             pident = PyList_GET_ITEM(found, B_IDENT);
             Py_INCREF(pident);
             parent_wire = PyList_GET_ITEM(found, B_WIRE);
             Py_INCREF(parent_wire);
         } else {
-            PyObject *pair = PyTuple_Pack(2, C_unknown_parent, parent_ext);
-            Py_hash_t h;
-            if (pair == NULL) goto done;
-            h = PyObject_Hash(pair);
-            Py_DECREF(pair);
-            if (h == -1 && PyErr_Occurred()) goto done;
-            pident = PyLong_FromSsize_t(h);
-            parent_wire = wire_of(parent_ext);
-            if (pident == NULL || parent_wire == NULL) goto done;
-            unknown_parents = 1;
+            /* A parent no source knows: the store is held back, by the Python code. */
+            r = LEAVE;
+            goto done;
         }
     }
     counts = chain(rank, blocks, known_slot, held_slot, published, out, hashes, tokens, bs_obj,
                    parent, pident, parent_wire, slot, lora_id, lora_name, C_gpu, C_zero,
                    fresh_pub, add_alias, release, &mutated);
+    if (counts == Py_None) { /* a hash released mid-chain: the Python code decides */
+        r = LEAVE;
+        goto done;
+    }
     if (counts == NULL) {
         /* A token that is not a u32 int fails the identity pass, before anything changed:
          * the Python code refuses the event, naming it. */
@@ -589,6 +638,26 @@ done:
 static PyObject *remove_loop(PyObject *blocks, PyObject *known, PyObject *held,
                              PyObject *published, PyObject *hashes, Py_ssize_t *unknown);
 
+/* 1 when removing ``hashes`` from the slot ``held`` would leave a block resident nowhere while
+ * it still has live children (a parent removed before its descendants: the Python code
+ * cascades the removal), 0 when not, -1 on error. Read-only. */
+static int would_cascade(PyObject *held, PyObject *hashes) {
+    Py_ssize_t i, n = PyList_GET_SIZE(hashes);
+    for (i = 0; i < n; i++) {
+        PyObject *block = PyDict_GetItemWithError(held, PyList_GET_ITEM(hashes, i));
+        Py_ssize_t total, children;
+        if (block == NULL) {
+            if (PyErr_Occurred()) return -1;
+            continue;
+        }
+        if (!is_block(block) || int_field(block, B_TOTAL, &total) < 0
+            || int_field(block, B_CHILDREN, &children) < 0)
+            return -1;
+        if (total <= 1 && children > 0) return 1;
+    }
+    return 0;
+}
+
 /* ConsolidatorCore._removed (dedup) + _emit_removes for one BlockRemoved map, or LEAVE. */
 static int removed_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject *cache,
                        Py_ssize_t *cnt) {
@@ -618,6 +687,14 @@ static int removed_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject
         || !PyDict_CheckExact(published) || !PyList_CheckExact(out)) {
         PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
         goto done;
+    }
+    {
+        int cascade = would_cascade(held_slot, hashes);
+        if (cascade < 0) goto done;
+        if (cascade) {
+            r = LEAVE;
+            goto done;
+        }
     }
     cnt[N_REMOVES_IN] += 1;
     cnt[N_REMOVE_BLOCKS_IN] += PyList_GET_SIZE(hashes);
@@ -698,6 +775,14 @@ static PyObject *apply_events(PyObject *module, PyObject *args) {
             Py_DECREF(ev);
             if (PyErr_Occurred()) goto failed;
             break;
+        }
+        {
+            int back = holds_back(rank);
+            if (back != 0) {
+                Py_DECREF(ev);
+                if (back < 0) goto failed;
+                break; /* a block is held back: the Python code decides from here */
+            }
         }
         if (str_is(kind, S_BlockStored))
             r = stored_one(rank, ev, source, cache, fresh_pub, add_alias, release, cnt);
@@ -832,9 +917,10 @@ fail:
 }
 
 PyDoc_STRVAR(remove_dedup_doc,
-"remove_dedup(blocks, known, held, published, hashes) -> (wires, unknown)\n\n"
+"remove_dedup(blocks, known, held, published, hashes) -> (wires, unknown) | None\n\n"
 "The dedup block loop of ConsolidatorCore._removed on the same structures: the published\n"
-"(signed) hashes that are now resident nowhere, and how many hashes the slot did not hold.");
+"(signed) hashes that are now resident nowhere, and how many hashes the slot did not hold;\n"
+"None (nothing changed) when a block would go while it has live children (a cascade).");
 
 static PyObject *remove_dedup(PyObject *module, PyObject *args) {
     PyObject *blocks, *known, *held, *published, *hashes, *wires;
@@ -843,6 +929,11 @@ static PyObject *remove_dedup(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyDict_Type, &blocks, &PyList_Type, &known,
                           &PyDict_Type, &held, &PyDict_Type, &published, &PyList_Type, &hashes))
         return NULL;
+    switch (would_cascade(held, hashes)) {
+    case -1: return NULL;
+    case 1: Py_RETURN_NONE; /* the Python loop cascades the removal */
+    default: break;
+    }
     wires = remove_loop(blocks, known, held, published, hashes, &unknown);
     if (wires == NULL) return NULL;
     return Py_BuildValue("Nn", wires, unknown);
@@ -902,6 +993,7 @@ PyMODINIT_FUNC PyInit__consolidator_c(void) {
     INTERN(K_published_attr, "published");
     INTERN(K_out_attr, "out");
     INTERN(K_last_remove_attr, "last_remove");
+    INTERN(K_hidden_attr, "hidden");
     if ((C_zero = PyLong_FromLong(0)) == NULL) return NULL;
     return PyModule_Create(&module_def);
 }

@@ -44,6 +44,18 @@ Semantics (dedup mode, the default):
   leaves it, so each tier's events are forwarded with their own medium.
 * **Clear** from one (source, tier) drops only that residency; downstream gets the REMOVEs this
   implies, or one ``AllBlocksCleared`` when nothing is left for that dp rank.
+* **Prefix-closed output**, whatever the sources send (a strict router skips a store whose
+  parent it does not hold and cuts a subtree at a removed block): a block is published (per
+  medium in passthrough) only while its parent is, so the output holds the prefix-closed part
+  of what is resident. A block that becomes resident under a parent that is not published is
+  *held back* (kept with its tokens, counted ``held_back_stores``) and published, after its
+  parent, when the parent is (``released_stores``). A block stored under a parent hash no
+  source knows is held back for good (until removed): its parent can never be published.
+  When a published block stops being resident while descendants are still resident (an
+  engine that evicts a middle block), the descendants are removed first, in the same output
+  event, and counted (``cascade_removes``); they come back when a source stores them again
+  (their tokens are not kept). The tiers and TensorRT-LLM's own pool are prefix-closed, so
+  with them nothing is ever held back or cascaded.
 """
 
 from __future__ import annotations
@@ -164,10 +176,18 @@ _MORE_ALIASES: Final = 9  # further (slot, hash) pairs, or None
 Block = list  # one block of one dp rank, alive while resident somewhere or a parent
 
 
+# A held-back block: (block, its tokens or None, block_size, lora_id, lora_name, its
+# extra_keys entry or None). Tokens are
+# None for a block whose parent was unpublished after it (a cascade): it is published again
+# only by a later store that brings its tokens.
+_HeldBack = tuple[Block, "list[int] | None", int, Any, Any, Any]  # ..., the block's extra_keys
+
+
 class _Rank:
     """All state of one dp rank; dp ranks never share blocks."""
 
-    __slots__ = ("blocks", "known", "held", "published", "out", "visible", "last_remove")
+    __slots__ = ("blocks", "known", "held", "published", "out", "visible", "last_remove",
+                 "hidden", "orphans")
 
     def __init__(self) -> None:
         self.blocks: dict[int, Block] = {}  # identity -> block
@@ -181,12 +201,19 @@ class _Rank:
         # Downstream-visible units: blocks (dedup) or (block, medium) pairs (passthrough).
         self.visible = 0
         self.last_remove: dict[str, Any] | None = None  # the BlockRemoved being extended
+        # Per medium group (dedup: group 0 only): identity -> held-back block, resident in
+        # that group but not published because its parent is not. Empty in normal operation;
+        # the compiled loops run only while group 0's is empty.
+        self.hidden: list[dict[int, _HeldBack]] = [{} for _ in MEDIA]
+        # Identities of blocks stored under a parent hash no source knew: never published.
+        self.orphans: set[int] = set()
 
 
 _CORE_COUNTERS: Final = (
     "stores_in", "store_blocks_in", "removes_in", "remove_blocks_in", "clears_in",
     "duplicate_stores", "unknown_removes", "unknown_parents", "hash_conflicts",
-    "hash_only_stores_dropped", "resyncs", "unknown_dp_ranks_refused",
+    "hash_only_stores_dropped", "resyncs", "unknown_dp_ranks_refused", "held_back_stores",
+    "released_stores", "cascade_removes",
     "stores_out", "store_blocks_out", "removes_out", "remove_blocks_out", "clears_out",
 )
 
@@ -290,7 +317,11 @@ class ConsolidatorCore:
         i = 0
         while i < len(events):  # re-read: a caller's key object may change the list
             rank = self._ranks.get(dp_rank)
-            if native is not None and rank is not None and type(events) is list:
+            # The compiled loops run while nothing is held back (always, with prefix-closed
+            # sources); they leave to the Python code every event that would hold a block back
+            # or cascade a removal.
+            if native is not None and rank is not None and type(events) is list \
+                    and not rank.hidden[0]:
                 stop, counts, error = native.apply_events(
                     rank, events, i, SOURCE_ENGINE, self._medium_cache, self._fresh_pub,
                     self._add_alias, self._release)
@@ -381,9 +412,13 @@ class ConsolidatorCore:
         if rank is None:
             return set()
         if self._dedup:
-            return {b[_WIRE] for b in rank.blocks.values() if b[_TOTAL]}
+            hidden = rank.hidden[0]
+            return {b[_WIRE] for b in rank.blocks.values()
+                    if b[_TOTAL] and b[_IDENT] not in hidden}
         index = _TIER_INDEX[normalize_medium(medium)]
-        return {b[_WIRE] for b in rank.blocks.values() if b[_COUNTS][index]}
+        hidden = rank.hidden[index]
+        return {b[_WIRE] for b in rank.blocks.values()
+                if b[_COUNTS][index] and b[_IDENT] not in hidden}
 
     def resident_in(self, source: int, tier: str, dp_rank: int) -> set[int]:
         """External hashes (u64) that ``(source, tier)`` holds now, for tests."""
@@ -400,6 +435,7 @@ class ConsolidatorCore:
         ranks = list(self._ranks.values())
         out["blocks_tracked"] = sum(len(r.blocks) for r in ranks)
         out["blocks_visible"] = sum(r.visible for r in ranks)
+        out["blocks_held_back"] = sum(len(h) for r in ranks for h in r.hidden)
         return out
 
     # ------------------------------------------------------------------ internals
@@ -574,19 +610,21 @@ class ConsolidatorCore:
                 pident = parent[_IDENT]
                 parent_wire = parent[_WIRE]
         native = self._native if scope is None else None  # the compiled loop knows no scope
-        if native is not None:
-            visible, duplicates, n_runs, n_run_blocks = native.store_chain(
+        if native is not None and not unknown_parent and not rank.hidden[0] \
+                and (parent is None or parent[_TOTAL]):
+            result = native.store_chain(
                 rank, blocks, known, held, published, out, hashes, tokens, bs, parent,
                 pident, parent_wire, slot, lora_id, lora_name, medium, group, self._fresh_pub,
                 self._add_alias, self._release)
-            self._n_unknown_parents += unknown_parent
-            rank.visible += visible
-            self._n_duplicate_stores += duplicates
-            if n_runs:
-                self._n_stores_out += n_runs
-                self._n_store_blocks_out += n_run_blocks
-                rank.last_remove = None
-            return
+            if result is not None:  # None: a hash released mid-chain, decided below
+                visible, duplicates, n_runs, n_run_blocks = result
+                rank.visible += visible
+                self._n_duplicate_stores += duplicates
+                if n_runs:
+                    self._n_stores_out += n_runs
+                    self._n_store_blocks_out += n_run_blocks
+                    rank.last_remove = None
+                return
         # Identities first: an unhashable token raises before anything changed.
         tt = tuple(tokens)
         idents = []
@@ -603,6 +641,9 @@ class ConsolidatorCore:
         run_hashes: list[int] = []
         run_end = -1
         i = 0
+        hidden = rank.hidden[group]
+        if unknown_parent:
+            rank.orphans.add(idents[0])  # never published: its parent never can be
         for ext, ident in zip(hashes, idents, strict=True):
             block = blocks_get(ident)
             if block is None:
@@ -635,8 +676,20 @@ class ConsolidatorCore:
                     # The slot's hash named other content; that holding ends now. Only after
                     # ``block`` took its holding: ``old`` may be a child of ``block`` (a source
                     # reusing one hash along a chain), whose release would otherwise collect
-                    # ``block`` while it is being stored.
+                    # ``block`` while it is being stored. Meanwhile ``block`` counts as held
+                    # back, so a cascade from ``old`` (maybe its parent) does not unpublish a
+                    # block that was never published.
+                    if newly:
+                        hidden[ident] = (block, None, bs, lora_id, lora_name, None)
                     self._release(rank, old, group, medium)
+                    if newly:
+                        del hidden[ident]
+                if newly and not self._parent_shown(rank, block, group):
+                    # Held back (with its tokens) until its parent is published.
+                    newly = False
+                    hidden[ident] = (block, tokens[i * bs:(i + 1) * bs], bs, lora_id,
+                                     lora_name, None if extra_keys is None else extra_keys[i])
+                    self._n_held_back_stores += 1
                 if newly:
                     rank.visible += 1
                     if run_end == i and out[-1] is runs[-1][0]:
@@ -651,6 +704,21 @@ class ConsolidatorCore:
                         out.append(run)
                         runs.append((run, i))
                     run_end = i + 1
+                    if hidden:
+                        self._release_children(rank, block, group, medium)
+            if hidden and ident in hidden and hidden[ident][1] is None:
+                # Held back since a cascade, tokens unknown: this store brings them.
+                entry = hidden[ident]
+                if self._parent_shown(rank, block, group):
+                    del hidden[ident]
+                    self._publish(rank, block, tokens[i * bs:(i + 1) * bs], bs, lora_id,
+                                  lora_name, None if extra_keys is None else extra_keys[i],
+                                  medium)
+                    self._n_released_stores += 1
+                    self._release_children(rank, block, group, medium)
+                else:
+                    hidden[ident] = (entry[0], tokens[i * bs:(i + 1) * bs], bs, lora_id,
+                                     lora_name, None if extra_keys is None else extra_keys[i])
             parent = block
             i += 1
         if runs:
@@ -720,10 +788,90 @@ class ConsolidatorCore:
             counts[group] -= 1
             gone = counts[group] == 0
         if gone:
-            rank.visible -= 1
-            self._emit_removes(rank, [block[_WIRE]], medium)
+            hidden = rank.hidden[group]
+            if hidden and block[_IDENT] in hidden:
+                del hidden[block[_IDENT]]  # held back: never published, nothing to undo
+            else:
+                wires = self._cascade(rank, block, group) if block[_CHILDREN] else []
+                wires.append(block[_WIRE])
+                rank.visible -= len(wires)
+                self._emit_removes(rank, wires, medium)
         if block[_TOTAL] == 0 and block[_CHILDREN] == 0:
             self._collect(rank, block)
+
+    # ---- prefix closure (see the module docstring); rare paths, never the compiled ones ----
+
+    def _shown(self, rank: _Rank, block: Block, group: int) -> bool:
+        """Whether ``block`` is published in medium group ``group``."""
+        held = block[_TOTAL] if self._dedup else block[_COUNTS][group]
+        return bool(held) and block[_IDENT] not in rank.hidden[group]
+
+    def _parent_shown(self, rank: _Rank, block: Block, group: int) -> bool:
+        """Whether ``block`` may be published: a root, or its parent is published."""
+        parent = block[_PARENT]
+        if parent is None:
+            return block[_IDENT] not in rank.orphans
+        return self._shown(rank, parent, group)
+
+    def _publish(self, rank: _Rank, block: Block, tokens: list[int], bs: int, lora_id: Any,
+                 lora_name: Any, extra: Any, medium: str) -> None:
+        """STORE one held-back block whose parent is published now (``extra``: the block's
+        ``extra_keys`` entry, or None)."""
+        parent = block[_PARENT]
+        event = {"type": "BlockStored", "block_hashes": [block[_WIRE]],
+                 "parent_block_hash": None if parent is None else parent[_WIRE],
+                 "token_ids": tokens, "block_size": bs, "lora_id": lora_id,
+                 "medium": medium, "lora_name": lora_name}
+        if extra is not None:
+            event["extra_keys"] = [extra]
+        rank.out.append(event)
+        rank.last_remove = None
+        rank.visible += 1
+        self._n_stores_out += 1
+        self._n_store_blocks_out += 1
+
+    def _release_children(self, rank: _Rank, block: Block, group: int, medium: str) -> None:
+        """Publish the held-back descendants of ``block`` (just published), parents first.
+        A scan of the held-back blocks per level: they exist only with misbehaving sources."""
+        hidden = rank.hidden[group]
+        stack = [block]
+        while stack and hidden:
+            parent = stack.pop()
+            ready = [entry for entry in hidden.values()
+                     if entry[0][_PARENT] is parent and entry[1] is not None]
+            for child, tokens, bs, lora_id, lora_name, extra in ready:
+                del hidden[child[_IDENT]]
+                self._publish(rank, child, tokens, bs, lora_id, lora_name,  # type: ignore[arg-type]
+                              extra, medium)
+                self._n_released_stores += 1
+                stack.append(child)
+
+    def _cascade(self, rank: _Rank, block: Block, group: int) -> list[int]:
+        """``block`` (published, with live children) is about to be unpublished: hold back
+        its published descendants (tokens unknown) and return their wire hashes, children
+        before parents, for the same REMOVE event. One scan of the rank's blocks: this
+        happens only when a source removes a block before its descendants."""
+        children: dict[int, list[Block]] = {}
+        for candidate in rank.blocks.values():
+            parent = candidate[_PARENT]
+            if parent is not None:
+                children.setdefault(id(parent), []).append(candidate)
+        hidden = rank.hidden[group]
+        wires: list[int] = []
+        stack: list[tuple[Block, bool]] = [(block, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                if node is not block:
+                    wires.append(node[_WIRE])
+                    hidden[node[_IDENT]] = (node, None, 0, None, None, None)
+                continue
+            stack.append((node, True))
+            for child in children.get(id(node), ()):
+                if self._shown(rank, child, group):
+                    stack.append((child, False))
+        self._n_cascade_removes += len(wires)
+        return wires
 
     def _emit_removes(self, rank: _Rank, wires: list[int], medium: str) -> None:
         last = rank.last_remove
@@ -754,6 +902,8 @@ class ConsolidatorCore:
                         del slot_map[ext]
             if published.get(block[_PUB]) is block:
                 del published[block[_PUB]]
+            if rank.orphans:
+                rank.orphans.discard(block[_IDENT])
             parent = block[_PARENT]
             if parent is not None:
                 parent[_CHILDREN] -= 1
@@ -776,11 +926,16 @@ class ConsolidatorCore:
                     self._release(rank, block, group, MEDIA[group])
             return
         # Dedup: the blocks now resident nowhere, one output event per call.
-        if self._native is not None:
-            wires, unknown = self._native.remove_dedup(rank.blocks, rank.known, rank.held[slot],
-                                                       rank.published, hashes)
+        result = None
+        if self._native is not None and not rank.hidden[0]:
+            # None: a removal would cascade; the Python loop below decides it.
+            result = self._native.remove_dedup(rank.blocks, rank.known, rank.held[slot],
+                                               rank.published, hashes)
+        if result is not None:
+            wires, unknown = result
         else:
             wires, unknown = [], 0
+            hidden = rank.hidden[0]
             for ext in hashes:
                 block = held_pop(ext, None)
                 if block is None:
@@ -788,7 +943,12 @@ class ConsolidatorCore:
                     continue
                 block[_TOTAL] -= 1
                 if not block[_TOTAL]:
-                    wires.append(block[_WIRE])
+                    if hidden and block[_IDENT] in hidden:
+                        del hidden[block[_IDENT]]  # held back: nothing was published
+                    else:
+                        if block[_CHILDREN]:
+                            wires += self._cascade(rank, block, 0)
+                        wires.append(block[_WIRE])
                     self._collect(rank, block)
         if unknown:
             self._n_unknown_removes += unknown
@@ -811,7 +971,22 @@ class ConsolidatorCore:
         held = rank.held[slot]
         if not held:
             return
-        victims = list(held.values())
+        # Deepest first: releasing a parent before its children would cascade them.
+        depth: dict[int, int] = {}
+
+        def depth_of(block: Block) -> int:
+            path = []
+            node: Block | None = block
+            while node is not None and id(node) not in depth:
+                path.append(node)
+                node = node[_PARENT]
+            base = 0 if node is None else depth[id(node)]
+            for step in reversed(path):
+                base += 1
+                depth[id(step)] = base
+            return depth[id(block)]
+
+        victims = sorted(held.values(), key=depth_of, reverse=True)
         held.clear()
         group = self._group(slot)
         medium = self._medium_out(group)
