@@ -173,10 +173,11 @@ def chained(draw: st.DrawFn) -> list[Any]:
     return out
 
 
-def run(native: bool, calls: list[tuple[list[Any], bool]], window: int | None
-        ) -> tuple[list[bytes], dict[str, int]]:
+def run(native: bool, calls: list[tuple[list[Any], bool]], window: int | None,
+        prefix_closed: bool = False) -> tuple[list[bytes], dict[str, int]]:
     rec = Recorder()
-    sink = KvEventSink(rec, block_size=BS, window_size=window, native=native)
+    sink = KvEventSink(rec, block_size=BS, window_size=window, native=native,
+                       prefix_closed=prefix_closed)
     for events, flush in calls:
         sink.ingest(events)
         if flush:
@@ -199,6 +200,22 @@ def test_compiled_loop_matches_python_loop(calls: list[tuple[list[Any], bool]],
                                            window: int | None) -> None:
     want = run(False, calls, window)
     got = run(True, calls, window)
+    assert got[0] == want[0]
+    assert got[1] == want[1]
+
+
+@needs_native
+@pytest.mark.expect_errors  # malformed events on purpose, as in the test above
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(st.one_of(st.lists(event(), max_size=12), chained()),
+                          st.booleans()), min_size=1, max_size=5),
+       st.sampled_from([None, 64]))
+def test_compiled_loop_matches_python_loop_keeping_the_stream_prefix_closed(
+        calls: list[tuple[list[Any], bool]], window: int | None) -> None:
+    """The same streams into sinks that keep the output prefix-closed (orphan stores dropped,
+    unknown removals dropped, cascades): byte-identical output and counters."""
+    want = run(False, calls, window, prefix_closed=True)
+    got = run(True, calls, window, prefix_closed=True)
     assert got[0] == want[0]
     assert got[1] == want[1]
 

@@ -116,9 +116,29 @@ static PyObject *untracked(PyObject *op) {
     return op;
 }
 
-/* One "stored" event (``data`` exact dict). Updates *last (new reference swapped in). */
+/* kids[parent] += delta (exact dict of exact ints), deleting the entry at 0. */
+static int add_kid(PyObject *kids, PyObject *parent, long delta) {
+    PyObject *v = PyDict_GetItemWithError(kids, parent), *nv;
+    long n = 0;
+    if (v == NULL && PyErr_Occurred()) return -1;
+    if (v != NULL) {
+        n = PyLong_AsLong(v);
+        if (n == -1 && PyErr_Occurred()) return -1;
+    }
+    n += delta;
+    if (n <= 0) return v == NULL ? 0 : PyDict_DelItem(kids, parent);
+    nv = PyLong_FromLong(n);
+    if (nv == NULL) return -1;
+    n = PyDict_SetItem(kids, parent, nv);
+    Py_DECREF(nv);
+    return (int)n;
+}
+
+/* One "stored" event (``data`` exact dict). Updates *last (new reference swapped in).
+ * ``published``/``kids``: the rank's prefix-closed state; a store under an unpublished parent
+ * or of a published hash is left to the Python loop (which drops it, counted). */
 static int take_stored(PyObject *data, PyObject *out, PyObject **last, PyObject *block_size,
-                       Py_ssize_t bs, long *n_stores) {
+                       Py_ssize_t bs, long *n_stores, PyObject *published, PyObject *kids) {
     PyObject *blocks, *block, *tokens, *raw, *h = NULL, *parent = NULL, *lora_id, *token_ids;
     PyObject *ev = NULL, *hashes;
     Py_ssize_t j;
@@ -160,6 +180,12 @@ static int take_stored(PyObject *data, PyObject *out, PyObject **last, PyObject 
         return r;
     }
     if ((r = wire_hash(raw, &h)) != TAKE) goto done;
+    if (published != Py_None) {
+        int known = parent == Py_None ? 1 : PyDict_Contains(published, parent);
+        int again = known == 1 ? PyDict_Contains(published, h) : 0;
+        if (known < 0 || again < 0) { r = FAIL; goto done; }
+        if (!known || again) { r = LEAVE; goto done; }
+    }
     token_ids = untracked(PyList_New(bs));
     if (token_ids == NULL) { r = FAIL; goto done; }
     for (j = 0; j < bs; j++) {
@@ -174,6 +200,12 @@ static int take_stored(PyObject *data, PyObject *out, PyObject **last, PyObject 
         PyList_SET_ITEM(token_ids, j, tid);
     }
     /* Everything read; from here on the event is taken. */
+    if (published != Py_None && (PyDict_SetItem(published, h, parent) < 0
+                                 || (parent != Py_None && add_kid(kids, parent, 1) < 0))) {
+        Py_DECREF(token_ids);
+        r = FAIL;
+        goto done;
+    }
     ext = extends_stored(*last, parent, lora_id);
     if (ext < 0) { Py_DECREF(token_ids); r = FAIL; goto done; }
     if (ext) {
@@ -214,9 +246,11 @@ done:
     return r;
 }
 
-/* One "removed" event; ``suppressed`` non-empty means Python must check each hash. */
+/* One "removed" event of one published leaf; ``suppressed`` non-empty means Python must check
+ * each hash. Several hashes, an unpublished one, or one with published children (a cascade)
+ * are left to the Python loop. */
 static int take_removed(PyObject *data, PyObject *out, PyObject **last, PyObject *suppressed,
-                        long *n_removes, long *n_removed) {
+                        long *n_removes, long *n_removed, PyObject *published, PyObject *kids) {
     PyObject *raw, *hashes, *ev;
     Py_ssize_t n, j;
     int r, ext;
@@ -225,6 +259,7 @@ static int take_removed(PyObject *data, PyObject *out, PyObject **last, PyObject
     if (!PyList_CheckExact(raw)) return LEAVE;
     n = PyList_GET_SIZE(raw);
     if (n == 0 || PyDict_GET_SIZE(suppressed) != 0) return LEAVE;
+    if (published != Py_None && n != 1) return LEAVE;
     hashes = untracked(PyList_New(n));
     if (hashes == NULL) return FAIL;
     for (j = 0; j < n; j++) {
@@ -234,6 +269,21 @@ static int take_removed(PyObject *data, PyObject *out, PyObject **last, PyObject
             return r;
         }
         PyList_SET_ITEM(hashes, j, h);
+    }
+    if (published != Py_None) {
+        PyObject *h = PyList_GET_ITEM(hashes, 0), *parent;
+        int leaf = PyDict_Contains(kids, h);
+        parent = leaf == 0 ? PyDict_GetItemWithError(published, h) : NULL;
+        if (leaf < 0 || (parent == NULL && PyErr_Occurred())) { Py_DECREF(hashes); return FAIL; }
+        if (leaf || parent == NULL) { Py_DECREF(hashes); return LEAVE; }
+        Py_INCREF(parent);
+        if (PyDict_DelItem(published, h) < 0
+            || (parent != Py_None && add_kid(kids, parent, -1) < 0)) {
+            Py_DECREF(parent);
+            Py_DECREF(hashes);
+            return FAIL;
+        }
+        Py_DECREF(parent);
     }
     ext = is_removed_map(*last);
     if (ext < 0) { Py_DECREF(hashes); return FAIL; }
@@ -265,22 +315,29 @@ static int take_removed(PyObject *data, PyObject *out, PyObject **last, PyObject
 }
 
 PyDoc_STRVAR(ingest_dicts_doc,
-"ingest_dicts(events, start, out, last, block_size, window, suppressed)\n"
+"ingest_dicts(events, start, out, last, block_size, window, suppressed, published, kids)\n"
 "    -> (stop, last, n_in, n_stores, n_stored, n_removes, n_removed)\n\n"
 "Convert events[start:] into wire maps appended to ``out`` (the rank's batch), coalescing\n"
 "with ``last`` (the batch's last map or None), until the first event the Python loop must\n"
 "handle; ``stop`` is its index (len(events) when all were taken). ``window`` is the published\n"
-"attention window (None = not known yet), ``suppressed`` the rank's unpublished hashes.");
+"attention window (None = not known yet), ``suppressed`` the rank's unpublished hashes,\n"
+"``published``/``kids`` its prefix-closed published state (updated for the events taken),\n"
+"or None for a sink that does not keep the stream prefix-closed.");
 
 static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
-    PyObject *events, *out, *last, *block_size, *window, *suppressed, *result;
+    PyObject *events, *out, *last, *block_size, *window, *suppressed, *published, *kids;
+    PyObject *result;
     Py_ssize_t start, i, n, bs;
     long n_in = 0, n_stores = 0, n_stored = 0, n_removes = 0, n_removed = 0;
 
-    if (!PyArg_ParseTuple(args, "O!nO!OO!OO!", &PyList_Type, &events, &start, &PyList_Type,
-                          &out, &last, &PyLong_Type, &block_size, &window, &PyDict_Type,
-                          &suppressed))
+    if (!PyArg_ParseTuple(args, "O!nO!OO!OO!OO", &PyList_Type, &events, &start,
+                          &PyList_Type, &out, &last, &PyLong_Type, &block_size, &window,
+                          &PyDict_Type, &suppressed, &published, &kids))
         return NULL;
+    if (published != Py_None && (!PyDict_CheckExact(published) || !PyDict_CheckExact(kids))) {
+        PyErr_SetString(PyExc_TypeError, "ingest_dicts: published and kids must be dicts");
+        return NULL;
+    }
     bs = PyLong_AsSsize_t(block_size);
     if (bs == -1 && PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
@@ -305,10 +362,11 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
         if ((r = get_item(ev, K_attention_dp_rank, &v, 0)) != TAKE) goto stop;
         if (v != NULL && v != Py_None) break;
         if (str_is(kind, S_stored)) {
-            r = take_stored(data, out, &last, block_size, bs, &n_stores);
+            r = take_stored(data, out, &last, block_size, bs, &n_stores, published, kids);
             if (r == TAKE) n_stored += 1;
         } else if (str_is(kind, S_removed)) {
-            r = take_removed(data, out, &last, suppressed, &n_removes, &n_removed);
+            r = take_removed(data, out, &last, suppressed, &n_removes, &n_removed, published,
+                             kids);
         } else {
             break;
         }

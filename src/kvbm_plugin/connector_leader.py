@@ -238,7 +238,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                 publisher = NullEventPublisher(config.publisher)
             self.event_sink = KvEventSink(publisher, block_size=self._block_size,
                                           window_size=config.publisher.window_size,
-                                          data_parallel_rank=self._dp_rank)
+                                          data_parallel_rank=self._dp_rank,
+                                          prefix_closed=True)
             self.event_sink.on_flush = self._names.observe
             self._tier_events = getattr(llm_args, "kvbm_plugin_tier_events", None)
             if enabled:

@@ -163,6 +163,12 @@ class _Rank:
     # V2 path: published and not yet removed, both ways (wire hash -> radix key or None).
     live: dict[int, bytes | None] = field(default_factory=dict)
     live_keys: dict[bytes, int] = field(default_factory=dict)
+    # Buffered path: the prefix-closed published state (wire hash -> parent wire hash, and
+    # parent -> number of published children). A store under an unpublished parent is dropped,
+    # a removal of a block never published too, and a removal of a block with published
+    # children removes those first (TensorRT-LLM never sends either; lost events could).
+    published: dict[int, int | None] = field(default_factory=dict)
+    kids: dict[int, int] = field(default_factory=dict)
 
 
 class KvEventSink:
@@ -185,7 +191,8 @@ class KvEventSink:
                  window_size: int | None = None, data_parallel_rank: int = 0,
                  rank_publishers: Mapping[int, EventPublisher] | None = None,
                  strict: bool = False, owns_publisher: bool = True,
-                 native: bool | None = None, max_dp_ranks: int = MAX_DP_RANKS) -> None:
+                 native: bool | None = None, max_dp_ranks: int = MAX_DP_RANKS,
+                 prefix_closed: bool = False) -> None:
         if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"KvEventSink: block_size={block_size!r} must be a positive integer")
         if window_size is not None and (type(window_size) is not int or window_size <= 0):
@@ -210,6 +217,9 @@ class KvEventSink:
         # Routing layer groups for the V2 path (None = not known: publish every group).
         self._routing_groups: frozenset[int] | None = None
         self._strict = strict
+        # Keep the buffered path's output prefix-closed (the leader and the sidecar, whose
+        # streams a router may read directly): see _Rank.published.
+        self._prefix_closed = prefix_closed
         self._owns_publisher = owns_publisher
         # The compiled ingest loop, when built (None: the Python loop alone).
         module = _native.choose("event_sink", native, "KvEventSink")
@@ -228,7 +238,8 @@ class KvEventSink:
             "partial_removes_suppressed", "window_filtered", "window_removes_filtered",
             "created_events", "updated_events", "unknown_events", "malformed_events",
             "unknown_removes_suppressed", "suppressed_evicted", "discarded_events",
-            "unknown_dp_rank_events",
+            "unknown_dp_rank_events", "orphan_stores_dropped", "duplicate_stores_dropped",
+            "cascade_removes",
         ), 0)
 
     # ---- dict input (buffered path) -------------------------------------------------------
@@ -256,7 +267,8 @@ class KvEventSink:
             while True:
                 (stop, rs.last, n_in, n_stores, n_stored, n_removes,
                  n_removed) = native(events, start, rs.events, rs.last, bs, self._window,
-                                     rs.suppressed)
+                                     rs.suppressed,
+                                     rs.published if self._prefix_closed else None, rs.kids)
                 c["events_in"] += n_in
                 c["stores"] += n_stores
                 c["blocks_stored"] += n_stored
@@ -284,6 +296,7 @@ class KvEventSink:
         ranks = self._ranks
         default_rs = ranks[self.data_parallel_rank]
         cur_window = self._window
+        closed = self._prefix_closed
         # The counters are added even when strict mode raises part-way (as the compiled loop
         # adds those of the events it took before stopping).
         try:
@@ -342,6 +355,11 @@ class KvEventSink:
                                 lora_id = _lora_id(lora_id)
                             # Every field read and checked: only now may the batch change.
                             ids = token_ids(tokens)
+                            published = rs.published
+                            if closed and ((parent is not None and parent not in published)
+                                           or h in published):
+                                self._store(rs, [h], parent, [])  # drops it, counted
+                                continue
                             last = rs.last
                             if (last is not None and parent is not None
                                     and last["type"] == _STORED
@@ -358,6 +376,11 @@ class KvEventSink:
                                     "block_size": bs, "lora_id": lora_id,
                                     "medium": MEDIUM_GPU, "lora_name": None}
                                 rs.events.append(last)
+                            if closed:
+                                published[h] = parent
+                                if parent is not None:
+                                    kids = rs.kids
+                                    kids[parent] = kids.get(parent, 0) + 1
                             n_stored += 1
                         else:
                             self._dict_stored(rs, data, bs)
@@ -378,9 +401,19 @@ class KvEventSink:
                                     h = _signed(h, "removed.block_hashes[]")
                                 hashes.append(h)
                         last = rs.last
-                        if rs.suppressed or not hashes:
+                        if rs.suppressed or not hashes or closed and (
+                                len(hashes) != 1 or h not in rs.published or h in rs.kids):
                             self._remove(rs, hashes, track_live=False)
-                        elif last is not None and last["type"] == _REMOVED:
+                            continue
+                        if closed:
+                            parent = rs.published.pop(h)
+                            if parent is not None:
+                                kids = rs.kids
+                                if kids[parent] == 1:
+                                    del kids[parent]
+                                else:
+                                    kids[parent] -= 1
+                        if last is not None and last["type"] == _REMOVED:
                             last["block_hashes"].extend(hashes)
                             n_removed += len(hashes)
                         else:
@@ -492,7 +525,46 @@ class KvEventSink:
         return rs
 
     def _store(self, rs: _Rank, hashes: list[int], parent: int | None, tokens: list[Any],
-               lora_id: Any = None, extras: list[Any] | None = None) -> None:
+               lora_id: Any = None, extras: list[Any] | None = None, *,
+               closed: bool = True) -> None:
+        """Append a stored chain to the batch. ``closed`` (the buffered path): keep the stream
+        prefix-closed. A chain whose parent is not published is dropped (TensorRT-LLM stores
+        a block only under a cached parent, so its parent's store was lost and will not come
+        again: holding it back would wait for ever); a block already published is dropped and
+        the chain goes on under it."""
+        if closed and self._prefix_closed:
+            published = rs.published
+            c = self._c
+            if parent is not None and parent not in published:
+                c["orphan_stores_dropped"] += len(hashes)
+                self._log.log(logging.WARNING, "orphan", "KvEventSink: stored block(s) %s "
+                              "under parent %d, which is not published (events lost?); not "
+                              "published (%d so far)", hashes[:4], parent,
+                              c["orphan_stores_dropped"])
+                return
+            bs = self.block_size
+            start = 0
+            seen: set[int] = set()
+            for i, h in enumerate(hashes):
+                if h in published or h in seen:
+                    c["duplicate_stores_dropped"] += 1
+                    if i > start:
+                        self._store(rs, hashes[start:i], parent, tokens[start * bs:i * bs],
+                                    lora_id, None if extras is None else extras[start:i])
+                    parent, start = h, i + 1
+                seen.add(h)
+            if start:
+                if start < len(hashes):
+                    self._store(rs, hashes[start:], parent, tokens[start * bs:], lora_id,
+                                None if extras is None else extras[start:])
+                return
+            kids = rs.kids
+            p = parent
+            for h in hashes:
+                published[h] = p
+                if p is not None:
+                    kids[p] = kids.get(p, 0) + 1
+                p = h
         c = self._c
         c["blocks_stored"] += len(hashes)
         if extras is not None and any(e is not None for e in extras):
@@ -535,6 +607,20 @@ class KvEventSink:
                 k = live.pop(h)
                 if k is not None:
                     rs.live_keys.pop(k, None)
+            elif self._prefix_closed:
+                published = rs.published
+                if h not in published:
+                    c["unknown_removes_suppressed"] += 1  # never published (or cascaded)
+                    continue
+                if h in rs.kids:
+                    out.extend(self._cascade(rs, h))
+                parent = published.pop(h)
+                if parent is not None:
+                    kids = rs.kids
+                    if kids[parent] == 1:
+                        del kids[parent]
+                    else:
+                        kids[parent] -= 1
             out.append(h)
         if not out:
             return
@@ -547,6 +633,33 @@ class KvEventSink:
         ev = {"type": _REMOVED, "block_hashes": out, "medium": MEDIUM_GPU}
         rs.events.append(ev)
         rs.last = ev
+
+    def _cascade(self, rs: _Rank, h: int) -> list[int]:
+        """Unpublish the published descendants of ``h`` (about to be removed), children before
+        parents; their own later removals are then dropped as unknown. One scan of the
+        published blocks: only an engine that removes a parent before its children gets
+        here (TensorRT-LLM frees descendants first)."""
+        published, kids = rs.published, rs.kids
+        children: dict[int, list[int]] = {}
+        for child, parent in published.items():
+            if parent is not None:
+                children.setdefault(parent, []).append(child)
+        order: list[int] = []
+        stack = [(h, False)]
+        while stack:
+            node, expanded = stack.pop()
+            if expanded:
+                if node != h:
+                    order.append(node)
+                continue
+            stack.append((node, True))
+            stack.extend((child, False) for child in children.get(node, ()))
+        for node in order:
+            del published[node]
+            kids.pop(node, None)
+        kids.pop(h, None)
+        self._c["cascade_removes"] += len(order)
+        return order
 
     def _suppress(self, rs: _Rank, h: int) -> None:
         suppressed = rs.suppressed
@@ -586,6 +699,8 @@ class KvEventSink:
             rs.suppressed.clear()
             rs.live.clear()
             rs.live_keys.clear()
+            rs.published.clear()
+            rs.kids.clear()
             self._c["cleared"] += 1
 
     def flush(self) -> bool:
@@ -808,7 +923,7 @@ class KvEventSink:
                 for h in hashes:
                     rs.suppressed.pop(h, None)
                     rs.live.setdefault(h, None)
-                self._store(rs, hashes, parent, tokens, None, extras)
+                self._store(rs, hashes, parent, tokens, None, extras, closed=False)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             self._malformed(exc, blocks)
 
