@@ -893,3 +893,22 @@ def test_the_default_dp_rank_bound(core):
     with pytest.raises(UnknownDpRankError):
         core.apply_event(MAX_DP_RANKS, _good(1))
     assert sorted(core._ranks) == [MAX_DP_RANKS - 1]
+
+
+def test_a_held_back_block_keeps_its_scope_when_it_is_released(core):
+    """A block stored under a parent that is not published (here: removed before its child)
+    is held back with its tokens, LoRA id and extra keys, and published with all of them once
+    the parent is back."""
+    core.store(SOURCE_TIERS, "CPU", 0, [1, 2], None, [1, 1, 2, 2], BS)
+    core.remove(SOURCE_TIERS, "CPU", 0, [1])  # the parent first: 2 is cascaded
+    core.take_output()
+    core.store(SOURCE_TIERS, "CPU", 0, [3], 1, [3, 3], BS, lora_id=7,
+               extra_keys=[["salt-a"]])
+    assert core.take_output() == {}  # held back: its parent is not published
+    core.store(SOURCE_TIERS, "CPU", 0, [1], None, [1, 1], BS)
+    out = core.take_output()[0]
+    released = [e for e in out if e["block_hashes"] == [3]]
+    assert len(released) == 1
+    assert released[0]["parent_block_hash"] == 1 and released[0]["token_ids"] == [3, 3]
+    assert released[0]["lora_id"] == 7 and released[0]["extra_keys"] == [["salt-a"]]
+    assert core.stats()["released_stores"] == 1
