@@ -13,7 +13,7 @@ import zmq
 from _kvwire import BlockRemoved, BlockStored, decode, free_port, recv, wait_until
 
 from kvbm_plugin.consolidator_config import load_consolidator_config
-from kvbm_plugin.sidecar import fetch_events, main_sidecar, run_sidecar
+from kvbm_plugin.sidecar import build_sink, fetch_events, main_sidecar, run_sidecar
 
 
 class FakeServe:
@@ -95,10 +95,13 @@ def test_sidecar_publishes_per_rank(serve: FakeServe, expect_errors) -> None:
             sub.setsockopt(zmq.LINGER, 0)
             sub.connect(config.publish_endpoint(rank).connect)
             subs.append(sub)
-        # slow joiner: keep feeding removals of an unknown hash until each SUB hears one
+        # slow joiner: keep feeding a store and the removal of a probe block until each SUB
+        # hears one (the sidecar's stream is prefix-closed: a removal of a block it never
+        # published is not forwarded)
         for rank, sub in enumerate(subs):
             def probe(rank: int = rank, sub: zmq.Socket = sub) -> bool:
-                serve.push({"event_id": 0, "window_size": 64, "attention_dp_rank": rank,
+                serve.push(stored(7, rank),
+                           {"event_id": 0, "window_size": 64, "attention_dp_rank": rank,
                             "data": {"type": "removed", "block_hashes": [7]}})
                 if sub.poll(50):
                     while sub.poll(100):
@@ -188,3 +191,23 @@ def test_sidecar_survives_a_truncated_response() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_the_sidecar_stream_is_prefix_closed() -> None:
+    """trtllm-serve's events go straight to routers: a store under a parent the stream never
+    published, and the removal of a block it never published, are dropped (counted)."""
+    from kvbm_plugin.publisher import NullEventPublisher
+
+    config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port())})
+    sink = build_sink(config, block_size=2,
+                      publisher_factory=lambda settings, *_: NullEventPublisher(settings))
+    try:
+        orphan = stored(3, 0)
+        orphan["data"]["parent_hash"] = 99
+        sink.ingest([orphan, {"event_id": 2, "window_size": 64, "attention_dp_rank": 0,
+                              "data": {"type": "removed", "block_hashes": [4]}}])
+        stats = sink.stats()
+        assert stats["orphan_stores_dropped"] == 1 and stats["unknown_removes_suppressed"] == 1
+        assert stats["pending_events"] == 0
+    finally:
+        sink.shutdown(1.0)

@@ -69,7 +69,7 @@ def build_sink(config: ConsolidatorConfig, *, block_size: int,
         raise
     return KvEventSink(publishers[0], block_size=block_size,
                        window_size=config.publisher.window_size, data_parallel_rank=0,
-                       rank_publishers=publishers)
+                       rank_publishers=publishers, prefix_closed=True)
 
 
 def run_sidecar(url: str, config: ConsolidatorConfig, *, block_size: int,
