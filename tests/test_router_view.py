@@ -191,3 +191,40 @@ def test_tree_subscriber_feeds_the_view_in_order(ctx, tmp_path) -> None:  # noqa
         assert sub.view.cached_tokens(toks(1), worker=endpoint) == BS
     finally:
         sub.close()
+
+
+def test_subscribe_tree_prints_summaries_and_rule_counts(ctx, tmp_path, capsys) -> None:  # noqa: ANN001
+    import threading
+
+    import zmq
+
+    from kvbm_plugin.subscribe import main_subscribe
+
+    endpoint = f"ipc://{tmp_path}/tree"
+    pub = ctx.socket(zmq.PUB)
+    pub.bind(endpoint)
+    stop = threading.Event()
+
+    def publish() -> None:
+        seq = 0
+        while not stop.is_set():
+            # a root, then a store whose parent nobody announced (one warning per pair)
+            pub.send_multipart(encode_batch(b"", seq, 0.0, [store([2 * seq + 1], None)], 0))
+            pub.send_multipart(encode_batch(b"", seq + 1, 0.0,
+                                            [store([2 * seq + 2], 10**9)], 0))
+            seq += 2
+            stop.wait(0.01)
+
+    thread = threading.Thread(target=publish, daemon=True)
+    thread.start()
+    try:
+        assert main_subscribe([endpoint, "--tree", "--count", "40", "--interval", "0.05",
+                               "--duration", "60"]) == 0
+    finally:
+        stop.set()
+        thread.join(5)
+    out = capsys.readouterr().out
+    assert out.count("rule warnings:") >= 2  # at least one periodic summary and the final one
+    final = out[out.index("# final"):]
+    assert "block size 2" in final and f"tree {endpoint} dp=0 GPU:" in final
+    assert "skipped_stores" in final

@@ -65,7 +65,7 @@ FORWARDED: dict[str, tuple[str, str]] = {
     "doctor": ("kvbm_plugin.doctor:main_doctor",
                "check env vars, ports, TensorRT-LLM, torch/CUDA and entry points"),
     "subscribe": ("kvbm_plugin.subscribe:main_subscribe",
-                  "print a live KV-event stream (gap detection, optional replay, --json)"),
+                  "print a live KV-event stream (gap detection, optional replay, --json, --tree)"),
     "consolidate": ("kvbm_plugin.consolidator:main_consolidate",
                     "run the consolidator standalone"),
     "sidecar": ("kvbm_plugin.sidecar:main_sidecar",

@@ -356,5 +356,29 @@ def apply_all(view: RouterView, batches: Iterable[EventBatch], worker: str = "")
         view.apply_batch(batch, worker)
 
 
-__all__ = ["WARNING_RULES", "PrefixMatch", "RouterView", "RuleCounts", "TreeSubscriber",
-           "apply_all", "block_keys", "content_key"]
+
+class LazyTreeSubscriber(TreeSubscriber):
+    """A :class:`TreeSubscriber` whose router block size is given, or taken from the first
+    store it applies when ``block_size`` is None (``kvbm-plugin subscribe --tree``)."""
+
+    def __init__(self, *args: Any, block_size: int | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, view=RouterView(block_size or 1), **kwargs)
+        self._sized = block_size is not None
+
+    def apply(self, batch: EventBatch) -> None:
+        if not self._sized:
+            size = next((e.block_size for e in batch.events if isinstance(e, BlockStored)), None)
+            if size is not None:
+                # Nothing was indexed before (no store yet): only the size changes.
+                self.view.block_size = size
+                self._sized = True
+        super().apply(batch)
+
+    def summary_lines(self) -> list[str]:
+        size = (f"block size {self.view.block_size}" if self._sized
+                else "block size not yet known")
+        return [size, *self.view.summary_lines()]
+
+
+__all__ = ["WARNING_RULES", "LazyTreeSubscriber", "PrefixMatch", "RouterView", "RuleCounts",
+           "TreeSubscriber", "apply_all", "block_keys", "content_key"]

@@ -232,7 +232,10 @@ def main_subscribe(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--count", type=int, default=0, help="exit after N batches (0 = never)")
     parser.add_argument("--duration", type=float, default=0.0,
                         help="exit after this many seconds (0 = never)")
+    _add_tree_arguments(parser)
     args = parser.parse_args(argv)
+    if args.tree:
+        return _run_tree(parser, args)
     try:
         endpoint = parse_endpoint("endpoint", args.endpoint, default_host="127.0.0.1").connect
         replay = (None if args.replay is None else
@@ -266,6 +269,65 @@ def main_subscribe(argv: Sequence[str] | None = None) -> int:
     finally:
         subscriber.close()
     print(f"# {subscriber.stats}", file=sys.stderr)
+    return 0
+
+
+def _add_tree_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tree", action="store_true",
+                        help="keep a strict router's radix trees of the stream and print their "
+                             "summary and rule counts (periodically and at exit) instead of "
+                             "the events")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="--tree: the router's block size (default: the first store's)")
+    parser.add_argument("--interval", type=float, default=5.0,
+                        help="--tree: seconds between summaries (default 5)")
+
+
+def _run_tree(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``subscribe --tree``: a :class:`~kvbm_plugin.router_view.TreeSubscriber` on the stream,
+    its summary printed every ``--interval`` seconds and at exit."""
+    from kvbm_plugin.router_view import LazyTreeSubscriber
+
+    if args.block_size is not None and args.block_size < 1:
+        parser.error(f"--block-size must be >= 1, got {args.block_size}")
+    if args.interval <= 0:
+        parser.error(f"--interval must be > 0, got {args.interval}")
+    try:
+        endpoint = parse_endpoint("endpoint", args.endpoint, default_host="127.0.0.1").connect
+        replay = (None if args.replay is None else
+                  parse_endpoint("--replay", args.replay, default_host="127.0.0.1").connect)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    subscriber = LazyTreeSubscriber(endpoint, replay, topic=args.topic.encode(),
+                                    start_seq=args.from_seq, block_size=args.block_size)
+    now = time.monotonic()
+    deadline = now + args.duration if args.duration > 0 else None
+    next_summary = now + args.interval
+
+    def summary(final: bool) -> None:
+        head = "final" if final else time.strftime("%H:%M:%S")
+        print(f"# {head}: {subscriber.stats.batches} batches, {subscriber.stats.gaps} gaps",
+              flush=True)
+        for line in subscriber.summary_lines():
+            print(f"  {line}", flush=True)
+
+    try:
+        while not stop.is_set():
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                break
+            if now >= next_summary:
+                summary(False)
+                next_summary = now + args.interval
+            subscriber.poll(100)
+            if args.count and subscriber.stats.batches >= args.count:
+                break
+    finally:
+        subscriber.close()
+    summary(True)
     return 0
 
 
