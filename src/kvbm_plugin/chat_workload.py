@@ -1,0 +1,341 @@
+"""Chat workloads for the simulated engine, and router accuracy measured on them.
+
+Who uses it: ``kvbm-plugin demo`` (fixed turns, or ``--duration``/``--requests``) and
+``benchmarks/bench_router_accuracy.py``. Everything runs on the caller's thread, between engine
+iterations.
+
+* :class:`TurnWaves` — the demo's default workload: ``sessions`` chat sessions share one system
+  prompt; each turn every session sends its history plus a new user message, as one wave.
+* :class:`SteadyChat` — a steady multi-tenant chat: every tenant has its own system prompt,
+  ``sessions`` sessions are open at any time, each lasts a random number of turns, then ends
+  and a new session (of a random tenant) takes its place.
+* :class:`RouterProbe` — lets the event streams settle to the point a router would have them,
+  and asks a :class:`~kvbm_plugin.router_view.RouterView` how many tokens of a prompt it
+  would say are cached.
+* :func:`drive` — the submission loop. The router keeps the queue: a request is handed to the
+  engine only when no other request waits there (as a router with a busy threshold holds
+  requests back), and the router's answer for it is the one taken after the streams settled
+  right before the iteration that schedules it. :class:`AccuracyTally` then compares that
+  answer with the prefix the engine reused (GPU hit plus tokens onboarded from host and disk).
+
+"Settled" means what a router subscribed to the consolidated stream can know at that moment:
+the engine's last iteration's KV events were published (TensorRT-LLM publishes them at the start
+of the next iteration; :meth:`RouterProbe.settle` calls the leader's ``flush_events``, which is
+that), the consolidator applied every batch the GPU-tier publisher sent and every tier
+registration queued so far, and the subscriber applied every batch the consolidator published.
+Offloads still copying are not yet registered, so they are not yet visible: that lag is real.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbm_plugin.router_view import RouterView, TreeSubscriber
+
+
+@dataclass
+class ChatRequest:
+    """One request a workload wants sent: its session, prompt and generation length."""
+
+    session: int
+    prompt: list[int]
+    gen_tokens: int
+
+
+@dataclass
+class AccuracyTally:
+    """Router answer versus engine reuse, in prompt tokens.
+
+    Per request, both are prefixes of the prompt: on ``min(predicted, reused)`` tokens they
+    agree that the tokens are cached, on ``prompt - max(...)`` that they are not; the rest is an
+    over-estimate (router said cached, engine computed) or an under-estimate (engine reused what
+    the router did not show)."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    over_tokens: int = 0
+    under_tokens: int = 0
+    over_requests: int = 0
+    under_requests: int = 0
+    predicted_tokens: int = 0
+    reused_tokens: int = 0
+    under_gpu_tokens: int = 0  # of under_tokens: served by the GPU pool
+    under_tier_tokens: int = 0  # of under_tokens: onboarded from host or disk
+
+    def add(self, prompt_len: int, predicted: int, gpu: int, host: int, disk: int) -> None:
+        reused = gpu + host + disk
+        predicted = min(predicted, prompt_len)
+        self.requests += 1
+        self.prompt_tokens += prompt_len
+        self.predicted_tokens += predicted
+        self.reused_tokens += reused
+        if predicted > reused:
+            self.over_tokens += predicted - reused
+            self.over_requests += 1
+        elif reused > predicted:
+            self.under_tokens += reused - predicted
+            self.under_requests += 1
+            self.under_gpu_tokens += max(0, gpu - predicted)
+            self.under_tier_tokens += reused - max(gpu, predicted)
+
+    @property
+    def agree_tokens(self) -> int:
+        return self.prompt_tokens - self.over_tokens - self.under_tokens
+
+    @property
+    def agreement(self) -> float:
+        """Share of prompt tokens on which router and engine agree (1.0 for no tokens)."""
+        return self.agree_tokens / self.prompt_tokens if self.prompt_tokens else 1.0
+
+    def describe(self) -> str:
+        p = max(1, self.prompt_tokens)
+        return (f"{self.agreement:.2%} of {self.prompt_tokens} prompt tokens agree; "
+                f"over-estimate {self.over_tokens} tokens ({self.over_tokens / p:.2%}, "
+                f"{self.over_requests} requests), under-estimate {self.under_tokens} tokens "
+                f"({self.under_tokens / p:.2%}, {self.under_requests} requests: "
+                f"{self.under_gpu_tokens} GPU-served, {self.under_tier_tokens} tier-served)")
+
+
+class RouterProbe:
+    """The router's side of the measurement: settle the streams, then query the view.
+
+    ``engine`` is a :class:`~kvbm_plugin.testing.engine.SimulatedEngine` whose leader runs the
+    consolidator; ``subscriber`` a :class:`TreeSubscriber` of the consolidated stream (with its
+    replay endpoint, ``start_seq=0``)."""
+
+    def __init__(self, engine: Any, subscriber: TreeSubscriber, settle_timeout: float = 10.0
+                 ) -> None:
+        self.engine = engine
+        self.subscriber = subscriber
+        self.settle_timeout = settle_timeout
+        self.settles = 0
+        self.settle_timeouts = 0  # settles that gave up: the stream did not catch up in time
+
+    @property
+    def view(self) -> RouterView:
+        return self.subscriber.view
+
+    def caught_up(self) -> bool:
+        """True when every batch published so far has reached the view (one check, no wait)."""
+        leader = self.engine.leader
+        consolidator = leader.consolidator
+        sink = leader.event_sink.stats()
+        if sink["publisher_batches_accepted"] != (sink["publisher_batches_published"]
+                                                  + sink["publisher_lost_batches"]):
+            return False  # the GPU-tier publisher thread still holds a batch
+        cons = consolidator.stats()
+        if cons["messages_received"] + cons["replayed_batches"] < \
+                sink["publisher_batches_published"]:
+            return False  # a GPU-tier batch is on its way to the consolidator
+        if not consolidator.wait_idle(0):
+            return False
+        cons = consolidator.stats()
+        return self.subscriber.next_seq == cons["batches_out"]
+
+    def settle(self) -> bool:
+        """Publish the last iteration's events and wait until the view has everything; False
+        (and counted) when ``settle_timeout`` passed first."""
+        self.settles += 1
+        self.engine.leader.flush_events()
+        deadline = time.monotonic() + self.settle_timeout
+        while True:
+            self.subscriber.poll(0)
+            if self.caught_up():
+                self.subscriber.poll(0)
+                if self.caught_up():
+                    return True
+            if time.monotonic() >= deadline:
+                self.settle_timeouts += 1
+                return False
+            self.subscriber.poll(1)  # waits on the socket, not a sleep
+
+    def predict(self, prompt: list[int]) -> int:
+        """Tokens of ``prompt`` the router view says are cached (any tier)."""
+        return self.view.cached_tokens(prompt)
+
+
+class TurnWaves:
+    """``sessions`` sessions sharing one system prompt, ``turns`` waves; a wave is released
+    when the previous one finished."""
+
+    def __init__(self, *, sessions: int, turns: int, system_tokens: int, user_tokens: int,
+                 gen_tokens: int, seed: int, vocab: int = 30000) -> None:
+        rng = random.Random(seed)
+        system = [rng.randrange(1, vocab) for _ in range(system_tokens)]
+        self._turns = [[[rng.randrange(1, vocab) for _ in range(
+            rng.randint(max(1, user_tokens // 2), user_tokens))] for _ in range(sessions)]
+            for _ in range(turns)]
+        self._histories = [list(system) for _ in range(sessions)]
+        self._gen = gen_tokens
+        self._turn = 0
+        self._open = 0  # requests of the current wave not yet finished
+        self._ready: deque[ChatRequest] = deque()
+        self.total = sessions * turns
+        self._release()
+
+    def _release(self) -> None:
+        if self._turn >= len(self._turns):
+            return
+        for session, message in enumerate(self._turns[self._turn]):
+            self._histories[session].extend(message)
+            self._ready.append(ChatRequest(session, list(self._histories[session]), self._gen))
+        self._open = len(self._turns[self._turn])
+        self._turn += 1
+
+    def next_request(self) -> ChatRequest | None:
+        return self._ready.popleft() if self._ready else None
+
+    def finished(self, request: ChatRequest, tokens: list[int]) -> None:
+        self._histories[request.session] = list(tokens)
+        self._open -= 1
+        if self._open == 0:
+            self._release()
+
+    def exhausted(self) -> bool:
+        return self._turn >= len(self._turns) and not self._ready
+
+    @property
+    def turn(self) -> int:
+        return self._turn
+
+
+class SteadyChat:
+    """A steady multi-tenant chat workload without end (the caller stops submitting).
+
+    ``tenants`` system prompts; ``sessions`` sessions open at once, each of a random tenant,
+    lasting 1..``max_turns`` turns (or until its history would exceed ``max_context`` tokens);
+    a finished session is replaced by a new one. A session's next turn is ready as soon as its
+    previous reply finished."""
+
+    def __init__(self, *, tenants: int, sessions: int, max_turns: int, system_tokens: int,
+                 user_tokens: int, gen_tokens: int, max_context: int, seed: int,
+                 vocab: int = 30000) -> None:
+        self._rng = rng = random.Random(seed)
+        self._vocab = vocab
+        self._systems = [[rng.randrange(1, vocab) for _ in range(system_tokens)]
+                         for _ in range(tenants)]
+        self._user = user_tokens
+        self._gen = gen_tokens
+        self._max_turns = max_turns
+        self._max_context = max_context
+        self._ids = 0
+        self._sessions: dict[int, tuple[list[int], int]] = {}  # id -> (history, turns left)
+        self._ready: deque[ChatRequest] = deque()
+        self.sessions_started = 0
+        for _ in range(sessions):
+            self._open_session()
+
+    def _message(self) -> list[int]:
+        return [self._rng.randrange(1, self._vocab)
+                for _ in range(self._rng.randint(max(1, self._user // 2), self._user))]
+
+    def _open_session(self) -> None:
+        self._ids += 1
+        self.sessions_started += 1
+        history = list(self._rng.choice(self._systems))
+        self._sessions[self._ids] = (history, self._rng.randint(1, self._max_turns))
+        self._queue_turn(self._ids)
+
+    def _queue_turn(self, session: int) -> None:
+        history, left = self._sessions[session]
+        message = self._message()
+        if left <= 0 or len(history) + len(message) + self._gen > self._max_context:
+            del self._sessions[session]
+            self._open_session()
+            return
+        history = history + message
+        self._sessions[session] = (history, left - 1)
+        self._ready.append(ChatRequest(session, list(history), self._gen))
+
+    def next_request(self) -> ChatRequest | None:
+        return self._ready.popleft() if self._ready else None
+
+    def finished(self, request: ChatRequest, tokens: list[int]) -> None:
+        _, left = self._sessions[request.session]
+        self._sessions[request.session] = (list(tokens), left)
+        self._queue_turn(request.session)
+
+    def exhausted(self) -> bool:
+        return False
+
+
+@dataclass
+class DriveResult:
+    """What :func:`drive` did."""
+
+    submitted: int = 0
+    finished: int = 0
+    tally: AccuracyTally = field(default_factory=AccuracyTally)
+    stopped_by: str = "workload"  # "workload", "requests" or "duration"
+
+
+def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyChat, *,
+          max_requests: int | None = None, duration_s: float | None = None,
+          timeout_s: float = 3600.0, salt: Callable[[ChatRequest], str | None] | None = None,
+          on_step: Callable[[DriveResult], None] | None = None) -> DriveResult:
+    """Run ``workload`` on ``engine`` until it is exhausted, ``max_requests`` were submitted or
+    ``duration_s`` passed; then let what is in flight finish. With a ``probe``, every request's
+    router answer (taken as the module docstring says) is compared with the engine's reuse.
+
+    Raises TimeoutError after ``timeout_s``."""
+    result = DriveResult()
+    started = time.monotonic()
+    stop_at = None if duration_s is None else started + duration_s
+    running: dict[int, tuple[ChatRequest, int]] = {}  # engine id -> (request, router answer)
+    waiting: int | None = None  # the engine id handed over and not yet scheduled
+
+    def may_submit() -> bool:
+        if max_requests is not None and result.submitted >= max_requests:
+            result.stopped_by = "requests"
+            return False
+        if stop_at is not None and time.monotonic() >= stop_at:
+            result.stopped_by = "duration"
+            return False
+        return True
+
+    while True:
+        if waiting is None and may_submit():
+            request = workload.next_request()
+            if request is not None:
+                predicted = 0
+                if probe is not None:
+                    probe.settle()
+                    predicted = probe.predict(request.prompt)
+                req_id = engine.submit(request.prompt, request.gen_tokens,
+                                       cache_salt=None if salt is None else salt(request))
+                running[req_id] = (request, predicted)
+                waiting = req_id
+                result.submitted += 1
+        elif waiting is not None and probe is not None:
+            # Still queued in the engine: the router's answer is the latest one before the
+            # iteration that schedules it.
+            probe.settle()
+            request, _ = running[waiting]
+            running[waiting] = (request, probe.predict(request.prompt))
+        if not running and (workload.exhausted() or not may_submit()):
+            return result
+        if engine.step() == 0:
+            time.sleep(0.0005)  # nothing to compute: waiting for transfer threads only
+        if waiting is not None and engine.result(waiting).state != "waiting":
+            waiting = None
+        for req_id in [i for i in running if engine.result(i).state == "done"]:
+            request, predicted = running.pop(req_id)
+            res = engine.result(req_id)
+            result.finished += 1
+            result.tally.add(len(request.prompt), predicted, res.gpu_hit_tokens,
+                             res.host_hit_tokens, res.disk_hit_tokens)
+            workload.finished(request, res.tokens)
+        if on_step is not None:
+            on_step(result)
+        if time.monotonic() - started > timeout_s:
+            raise TimeoutError(f"workload exceeded {timeout_s}s: {result.submitted} submitted, "
+                               f"{result.finished} finished")
+
+
+__all__ = ["AccuracyTally", "ChatRequest", "DriveResult", "RouterProbe", "SteadyChat",
+           "TurnWaves", "drive"]
