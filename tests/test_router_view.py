@@ -66,6 +66,8 @@ def test_a_parent_in_another_medium_does_not_count() -> None:
     view = view_of(batch(None, store([1], None), store([2], 1, medium="CPU")))
     assert view.counts.skipped_stores == 1
     assert view.match(toks(1, 2))[0].blocks_by_medium == {"GPU": 1, "CPU": 0}
+    assert view.by_medium == {"CPU": {"skipped_stores": 1, "skipped_blocks": 1}}
+    assert "  CPU: skipped_stores 1" in view.summary_lines()
 
 
 def test_removing_a_block_cuts_its_subtree() -> None:

@@ -167,6 +167,13 @@ class RouterView:
                              "integer")
         self._trees: dict[tuple[str, int, str], _Tree] = {}
         self._last_seq: dict[str, int] = {}
+        # medium -> rule -> count, for the per-event rules (where a stream broke them)
+        self.by_medium: dict[str, dict[str, int]] = {}
+
+    def _bump(self, medium: str, rule: str, n: int = 1) -> None:
+        setattr(self.counts, rule, getattr(self.counts, rule) + n)
+        per = self.by_medium.setdefault(medium, {})
+        per[rule] = per.get(rule, 0) + n
 
     # ------------------------------------------------------------------ applying events
 
@@ -211,17 +218,17 @@ class RouterView:
         c.stores += 1
         medium = MEDIUM_GPU if event.medium is None else event.medium
         if medium not in MEDIA:
-            c.unknown_medium += 1
+            self._bump(str(medium), "unknown_medium")
             return
         hashes = event.block_hashes
         bs = self.block_size
         if event.block_size != bs or len(event.token_ids) != len(hashes) * bs:
-            c.size_mismatch += 1
+            self._bump(medium, "size_mismatch")
             return
         named = list(hashes) if event.parent_block_hash is None else \
             [event.parent_block_hash, *hashes]
         if len(set(named)) != len(named):
-            c.duplicate_hash_drops += 1
+            self._bump(medium, "duplicate_hash_drops")
             return
         tree = self._tree(worker, dp_rank, medium)
         if event.parent_block_hash is None:
@@ -229,15 +236,15 @@ class RouterView:
         else:
             found = tree.nodes.get(event.parent_block_hash)
             if found is None:
-                c.skipped_stores += 1
-                c.skipped_blocks += len(hashes)
+                self._bump(medium, "skipped_stores")
+                self._bump(medium, "skipped_blocks", len(hashes))
                 return
             parent = found
         tokens = event.token_ids
         for i, h in enumerate(hashes):
             existing = tree.nodes.get(h)
             if existing is not None:
-                c.duplicate_stores += 1
+                self._bump(medium, "duplicate_stores")
                 parent = existing
                 continue
             key = content_key(tokens[i * bs:(i + 1) * bs])
@@ -247,17 +254,16 @@ class RouterView:
             parent = node
 
     def _remove(self, event: BlockRemoved, worker: str, dp_rank: int) -> None:
-        c = self.counts
-        c.removes += 1
+        self.counts.removes += 1
         medium = MEDIUM_GPU if event.medium is None else event.medium
         if medium not in MEDIA:
-            c.unknown_medium += 1
+            self._bump(str(medium), "unknown_medium")
             return
         tree = self._trees.get((worker, dp_rank, medium))
         for h in event.block_hashes:
             node = None if tree is None else tree.nodes.get(h)
             if node is None:
-                c.unknown_removes += 1
+                self._bump(medium, "unknown_removes")
                 continue
             assert tree is not None and node.parent is not None
             siblings = node.parent.children[node.key]
@@ -266,8 +272,8 @@ class RouterView:
                 del node.parent.children[node.key]
             del tree.nodes[h]
             if node.children:
-                c.cut_subtrees += 1
-                c.cut_blocks += self._drop_subtree(tree, node)
+                self._bump(medium, "cut_subtrees")
+                self._bump(medium, "cut_blocks", self._drop_subtree(tree, node))
 
     @staticmethod
     def _drop_subtree(tree: _Tree, node: _Node) -> int:
@@ -325,6 +331,10 @@ class RouterView:
         c = self.counts
         lines.append(f"rule warnings: {c.warnings}" + "".join(
             f", {name} {getattr(c, name)}" for name in WARNING_RULES if getattr(c, name)))
+        for medium, per in sorted(self.by_medium.items()):
+            named = [f"{name} {per[name]}" for name in WARNING_RULES if per.get(name)]
+            if named:
+                lines.append(f"  {medium}: " + ", ".join(named))
         lines.append(f"applied: {c.batches} batches, {c.stores} stores, {c.removes} removes, "
                      f"{c.clears} clears; {c.skipped_blocks} blocks in skipped stores, "
                      f"{c.cut_blocks} blocks cut, {c.missing_batches} batches missing")
