@@ -13,7 +13,7 @@ import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 logger = logging.getLogger(__name__)
 
@@ -496,6 +496,19 @@ def load_consolidator_config(
     )
     _check_collisions(config, leader_port)
     return config
+
+
+# The variables that place sockets: what ``kvbm-plugin demo`` takes from the user's environment
+# (everything else it sets itself).
+ENDPOINT_VARS: Final = (EVENTS_ENDPOINT, TRTLLM_ZMQ_PORT, REPLAY_ENDPOINT, LEADER_ZMQ_PUB_PORT,
+                        LEADER_ZMQ_HOST, OUTPUT_ENDPOINT, OUTPUT_REPLAY_ENDPOINT)
+
+
+def user_endpoint_settings(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The socket-placing variables (:data:`ENDPOINT_VARS`) set to a non-empty value in ``env``
+    (default ``os.environ``), as given; validation happens when a config is loaded from them."""
+    env = os.environ if env is None else env
+    return {name: env[name] for name in ENDPOINT_VARS if env.get(name, "").strip()}
 
 
 def _check_collisions(config: ConsolidatorConfig, leader_port: int) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import random
 import signal
 import sys
 import tempfile
@@ -213,74 +212,90 @@ def _demo_env(tmp: str, args: argparse.Namespace) -> dict[str, str]:
     if "disk" in tiers:
         env[cc.DISK_CACHE_NUM_BLOCKS] = str(args.disk_blocks)
         env[cc.DISK_CACHE_DIR] = f"{tmp}/disk"
+    return _with_user_endpoints(env, cc.user_endpoint_settings())
+
+
+def _with_user_endpoints(env: dict[str, str], user: dict[str, str]) -> dict[str, str]:
+    """The demo's private endpoints, replaced by whatever socket-placing variables the user set
+    (read by ``consolidator_config``): a port variable replaces the private endpoint it would
+    otherwise lose to (an endpoint variable wins over a port one)."""
+    env = dict(env)
+    if cc.EVENTS_ENDPOINT not in user and cc.TRTLLM_ZMQ_PORT in user:
+        env.pop(cc.EVENTS_ENDPOINT, None)
+    if cc.OUTPUT_ENDPOINT not in user and cc.LEADER_ZMQ_PUB_PORT in user:
+        env.pop(cc.OUTPUT_ENDPOINT, None)
+    env.update(user)
     return env
 
 
-def _chat_workload(args: argparse.Namespace) -> tuple[list[int], list[list[list[int]]]]:
-    """The shared system prompt and, per turn and session, the user message tokens."""
-    rng = random.Random(args.seed)
-    system = [rng.randrange(1, 30000) for _ in range(args.system_tokens)]
-    turns = [[[rng.randrange(1, 30000) for _ in range(rng.randint(args.user_tokens // 2,
-                                                                   args.user_tokens))]
-              for _ in range(args.sessions)] for _ in range(args.turns)]
-    return system, turns
+def _served_endpoints(config: cc.ConsolidatorConfig) -> list[tuple[str, str]]:
+    """What the demo serves, as a router should register it (connect addresses)."""
+    out = []
+    for rank in range(config.num_ranks):
+        replay = config.replay_endpoint(rank)
+        out.append((f"GPU-tier events, dp rank {rank}", config.publish_endpoint(rank).connect
+                    + ("" if replay is None else f"  (replay {replay.connect})")))
+    out.append(("consolidated events", config.output.connect + (
+        "" if config.output_replay is None else f"  (replay {config.output_replay.connect})")))
+    return out
+
+
 
 
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from kvbm_plugin.subscribe import StreamSubscriber
+    from kvbm_plugin.chat_workload import RouterProbe, drive
+    from kvbm_plugin.router_view import RouterView, TreeSubscriber
     from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available on this machine", file=sys.stderr)
         return 2
-    system, turns = _chat_workload(args)
-    total = args.sessions * args.turns
+    workload = _workload(args)
+    steady = args.duration is not None or args.requests is not None
+    total = args.requests or (0 if steady else args.sessions * args.turns)
     started = time.monotonic()
     watch = _ErrorWatch()
     with watch.watching(), tempfile.TemporaryDirectory(prefix="kvbm-demo-") as tmp:
         env = _demo_env(tmp, args)
         config = cc.load_consolidator_config(env)
+        for role, where in _served_endpoints(config):
+            print(f"serving {role}: {where}", flush=True)
         engine = SimulatedEngine(EngineConfig(
             num_layers=args.layers, num_kv_heads=4, head_dim=16,
             tokens_per_block=args.block_size, num_gpu_blocks=args.gpu_blocks,
             tp_size=args.tp, max_num_tokens=512, max_batch_size=8, device=args.device,
             dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
             env=env, vocab_size=30000))
-        assert config.output_replay is not None
-        subscriber = StreamSubscriber(config.output.connect, config.output_replay.connect,
-                                      start_seq=0)
+        subscriber = TreeSubscriber(
+            config.output.connect,
+            None if config.output_replay is None else config.output_replay.connect,
+            start_seq=0, view=RouterView(args.block_size))
         joining = _JoiningSubscriber(subscriber)
+        probe = RouterProbe(engine, subscriber, settle_timeout=args.settle_timeout,
+                            poll=joining.poll)
         progress = _Progress(total, enabled=not args.no_progress)
+
+        def on_step(done) -> None:  # noqa: ANN001
+            stats = engine.stats()
+            reused = stats.gpu_hit_tokens + stats.host_hit_tokens + stats.disk_hit_tokens
+            where = (f"{time.monotonic() - started:.0f}s" if steady
+                     else f"turn {workload.turn}/{args.turns}")
+            share = reused / max(1, stats.prompt_tokens)
+            progress.total = max(progress.total, done.finished)  # --duration: no known total
+            progress.update(done.finished, f"{where}  reused {share:.0%} of prompt tokens, "
+                            f"router agrees on {done.tally.agreement:.1%}")
+
         try:
-            histories = [list(system) for _ in range(args.sessions)]
-            done = 0
-            for turn, messages in enumerate(turns):
-                ids = []
-                for session, message in enumerate(messages):
-                    histories[session].extend(message)
-                    # Sessions alternate between two tenants sharing the system prompt; their
-                    # cache salts keep each tenant's blocks (GPU, host, disk) to itself.
-                    ids.append(engine.submit(histories[session], args.gen_tokens,
-                                             cache_salt=_TENANTS[session % len(_TENANTS)]))
-                while not engine.idle():
-                    if engine.step() == 0:
-                        time.sleep(0.0005)  # waiting for transfer threads only
-                    joining.poll(0)
-                    finished = sum(engine.result(i).state == "done" for i in ids)
-                    stats = engine.stats()
-                    reused = stats.gpu_hit_tokens + stats.host_hit_tokens + stats.disk_hit_tokens
-                    progress.update(done + finished, f"turn {turn + 1}/{args.turns}  "
-                                    f"reused {reused / max(1, stats.prompt_tokens):.0%} of "
-                                    f"prompt tokens")
-                    if time.monotonic() - started > args.timeout:
-                        raise TimeoutError(f"demo exceeded --timeout {args.timeout}s")
-                done += len(ids)
-                for session, req_id in enumerate(ids):
-                    histories[session] = engine.result(req_id).tokens
-            progress.update(done, "draining event streams", force=True)
+            result = drive(engine, probe, workload, max_requests=args.requests,
+                           duration_s=args.duration,
+                           timeout_s=args.timeout + (args.duration or 0.0), on_step=on_step)
+            progress.update(result.finished, "draining event streams", force=True)
             checks, summary = _settle_and_check(engine, joining, args)
+            router_checks, router_summary = _router_report(result, probe)
+            checks += router_checks
+            summary += router_summary
         finally:
             progress.close()
             subscriber.close()
@@ -288,6 +303,51 @@ def run_demo(args: argparse.Namespace) -> int:
         checks.append(_failure_check(engine, watch))  # after shutdown: its errors count too
     _print_summary(summary, checks, time.monotonic() - started)
     return 0 if all(c.ok for c in checks) else 1
+
+
+def _workload(args: argparse.Namespace):  # noqa: ANN202
+    """Turn waves by default; a steady multi-tenant chat with --duration or --requests."""
+    from kvbm_plugin.chat_workload import SteadyChat, TurnWaves
+
+    if args.duration is None and args.requests is None:
+        # Sessions alternate between two tenants sharing the system prompt; their cache salts
+        # keep each tenant's blocks (GPU, host, disk) to itself.
+        return TurnWaves(sessions=args.sessions, turns=args.turns,
+                         system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+                         gen_tokens=args.gen_tokens, seed=args.seed, salts=_TENANTS)
+    return SteadyChat(tenants=args.tenants, sessions=args.sessions, max_turns=args.turns,
+                      system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+                      gen_tokens=args.gen_tokens, max_context=args.max_context, seed=args.seed)
+
+
+# The router-accuracy target: the share of prompt tokens on which the strict router view and the
+# engine's reuse agree.
+ROUTER_AGREEMENT_TARGET = 0.99
+
+
+def _router_report(result, probe) -> tuple[list[Check], list[tuple[str, str]]]:  # noqa: ANN001
+    """Router accuracy and the rules the strict router view had to apply."""
+    view = probe.view
+    counts = view.counts
+    tally = result.tally
+    rules = [line.strip() for line in view.summary_lines() if line.startswith(("rule", "  "))]
+    trees = ", ".join(f"{medium} {n}" for (_, _, medium), n in sorted(view.blocks().items()))
+    summary = [
+        ("router view (strict)", f"{sum(view.blocks().values())} blocks held ({trees or 'none'})"
+                                 f"; {'; '.join(rules)}"),
+        ("router accuracy", tally.describe()),
+    ]
+    if probe.settle_timeouts:
+        summary.append(("router settle timeouts", f"{probe.settle_timeouts} of "
+                                                  f"{probe.settles}"))
+    checks = [
+        Check("router rule warnings 0", counts.warnings == 0,
+              f"{counts.warnings} ({'; '.join(rules)})"),
+        Check(f"router agrees with engine reuse on >= {ROUTER_AGREEMENT_TARGET:.0%} of prompt "
+              "tokens", tally.agreement >= ROUTER_AGREEMENT_TARGET,
+              f"{tally.agreement:.2%} over {tally.requests} requests"),
+    ]
+    return checks, summary
 
 
 def _settle_and_check(engine, joining: _JoiningSubscriber,  # noqa: ANN001, ANN202
@@ -433,13 +493,27 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--settle-timeout", type=float, default=20.0,
                         help="seconds to wait for the subscriber to catch up at the end")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    live = parser.add_argument_group(
+        "steady workload", "With --duration or --requests the demo runs a steady multi-tenant "
+        "chat (sessions of 1..--turns turns come and go) instead of --turns waves, so a router "
+        "or `kvbm-plugin subscribe --tree` can watch its endpoints (set "
+        "DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT etc. to serve on tcp).")
+    live.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                      help="keep submitting for this many seconds")
+    live.add_argument("--requests", type=int, default=None, metavar="N",
+                      help="submit N requests")
+    live.add_argument("--tenants", type=int, default=4,
+                      help="tenants, each with its own system prompt (default 4)")
+    live.add_argument("--max-context", type=int, default=512,
+                      help="a session ends before its prompt would exceed this (default 512)")
     return parser
 
 
 def _check_options(args: argparse.Namespace) -> None:
     """Every option the run would trip on later, as one UsageError naming the option."""
     for name in ("sessions", "turns", "system_tokens", "user_tokens", "gen_tokens", "tp",
-                 "layers", "block_size", "gpu_blocks", "host_blocks", "disk_blocks"):
+                 "layers", "block_size", "gpu_blocks", "host_blocks", "disk_blocks",
+                 "tenants", "max_context"):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1, "
                              f"got {getattr(args, name)}")
@@ -451,18 +525,27 @@ def _check_options(args: argparse.Namespace) -> None:
     if unknown:
         raise UsageError(f"--tiers {args.tiers}: unknown tier(s) {sorted(unknown)}; use host, "
                          "disk or none")
-    # The last turn of the longest session re-sends its whole history: the GPU pool must hold
-    # that request (as TRT-LLM would refuse one that can never fit).
-    system, turns = _chat_workload(args)
-    longest = max(len(system) + sum(len(turn[s]) for turn in turns) + args.turns * args.gen_tokens
-                  for s in range(args.sessions))
+    if args.requests is not None and args.requests < 1:
+        raise UsageError(f"--requests must be >= 1, got {args.requests}")
+    if args.duration is not None and not args.duration > 0:
+        raise UsageError(f"--duration must be > 0 seconds, got {args.duration}")
+    steady = args.duration is not None or args.requests is not None
+    if steady and args.max_context < args.system_tokens + args.user_tokens + args.gen_tokens:
+        raise UsageError(f"--max-context {args.max_context} is shorter than one turn "
+                         f"(--system-tokens + --user-tokens + --gen-tokens = "
+                         f"{args.system_tokens + args.user_tokens + args.gen_tokens})")
+    # The last turn of the longest session re-sends its whole history (a steady chat ends a
+    # session before --max-context): the GPU pool must hold that request (as TRT-LLM would
+    # refuse one that can never fit).
+    longest = args.max_context if steady else _workload(args).longest_request()
     needed = -(-longest // args.block_size)
     if needed > args.gpu_blocks:
         raise UsageError(f"--gpu-blocks {args.gpu_blocks} is too small: the longest request "
                          f"({longest} tokens, the last turn of a chat) needs {needed} blocks "
                          f"of --block-size {args.block_size}; raise --gpu-blocks to at least "
                          f"{needed} or shorten the chats (--turns, --system-tokens, "
-                         "--user-tokens, --gen-tokens)")
+                         "--user-tokens, --gen-tokens"
+                         + (", --max-context)" if steady else ")"))
     cc.native_enabled()  # DYN_KVBM_NATIVE, read by the event sink and the consolidator
 
 
