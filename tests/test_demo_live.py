@@ -1,0 +1,114 @@
+"""The demo as a live endpoint: user endpoints honoured, steady workload, router checks."""
+
+from __future__ import annotations
+
+import threading
+
+from _kvwire import free_port
+
+from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin import demo
+from kvbm_plugin.router_view import RouterView, TreeSubscriber
+
+SMALL = ["--sessions", "6", "--turns", "3", "--system-tokens", "64", "--gpu-blocks", "24",
+         "--host-blocks", "16", "--disk-blocks", "64", "--no-progress"]
+STEADY = ["--sessions", "4", "--turns", "4", "--system-tokens", "32", "--user-tokens", "24",
+          "--gen-tokens", "8", "--gpu-blocks", "12", "--host-blocks", "8", "--disk-blocks", "48",
+          "--max-context", "176", "--tenants", "3", "--no-progress"]
+
+
+def test_default_demo_reports_router_accuracy_and_rules(capsys) -> None:
+    assert demo.main_demo(SMALL) == 0
+    out = capsys.readouterr().out
+    assert "[PASS] router rule warnings 0: 0" in out
+    assert "[PASS] router agrees with engine reuse on >= 99% of prompt tokens" in out
+    assert "router accuracy" in out and "router view (strict)" in out
+
+
+def test_requests_mode_runs_n_requests_and_passes(capsys) -> None:
+    assert demo.main_demo([*STEADY, "--requests", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "16 finished / 16 submitted" in out
+    assert "all checks passed" in out
+
+
+def test_duration_mode_tp2_passthrough_holds_router_accuracy(capsys) -> None:
+    assert demo.main_demo([*STEADY, "--duration", "2", "--tp", "2",
+                           "--mode", "passthrough"]) == 0
+    out = capsys.readouterr().out
+    assert "[PASS] router rule warnings 0: 0" in out
+    assert "[PASS] router agrees with engine reuse" in out
+
+
+def test_router_disagreement_fails_the_demo(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(RouterView, "cached_tokens", lambda self, tokens, **kw: 0)
+    assert demo.main_demo(SMALL) == 1
+    assert "[FAIL] router agrees with engine reuse" in capsys.readouterr().out
+
+
+def test_router_rule_warnings_fail_the_demo(monkeypatch, capsys) -> None:
+    original = RouterView.apply_batch
+
+    def with_a_stale_batch(self: RouterView, batch, worker: str = "") -> bool:  # noqa: ANN001
+        applied = original(self, batch, worker)
+        original(self, batch, worker)  # the same seq again: dropped by the watermark, counted
+        return applied
+
+    monkeypatch.setattr(RouterView, "apply_batch", with_a_stale_batch)
+    assert demo.main_demo(SMALL) == 1
+    assert "[FAIL] router rule warnings 0:" in capsys.readouterr().out
+
+
+def test_port_variables_replace_the_private_endpoints_they_would_lose_to() -> None:
+    private = {cc.EVENTS_ENDPOINT: "ipc:///p/gpu", cc.OUTPUT_ENDPOINT: "ipc:///p/out",
+               cc.REPLAY_ENDPOINT: "ipc:///p/gpu-replay"}
+    merged = demo._with_user_endpoints(private, {cc.TRTLLM_ZMQ_PORT: "20081",
+                                                 cc.LEADER_ZMQ_PUB_PORT: "56001"})
+    assert cc.EVENTS_ENDPOINT not in merged and cc.OUTPUT_ENDPOINT not in merged
+    assert merged[cc.REPLAY_ENDPOINT] == "ipc:///p/gpu-replay"
+    config = cc.load_consolidator_config({**merged, cc.ENABLE_CONSOLIDATOR: "true"})
+    assert config.publish_endpoint(0).connect == "tcp://127.0.0.1:20081"
+    assert config.output.connect == "tcp://127.0.0.1:57001"
+    # an endpoint variable wins over a port variable, as in the plugin itself
+    merged = demo._with_user_endpoints(private, {cc.TRTLLM_ZMQ_PORT: "20081",
+                                                 cc.EVENTS_ENDPOINT: "ipc:///u/gpu"})
+    assert merged[cc.EVENTS_ENDPOINT] == "ipc:///u/gpu"
+
+
+def test_user_endpoint_settings_reads_only_socket_variables() -> None:
+    env = {cc.OUTPUT_ENDPOINT: "tcp://*:1", cc.TRTLLM_ZMQ_PORT: " ", cc.CPU_CACHE_GB: "4"}
+    assert cc.user_endpoint_settings(env) == {cc.OUTPUT_ENDPOINT: "tcp://*:1"}
+
+
+def test_demo_serves_the_endpoints_the_user_sets(monkeypatch, tmp_path, capsys) -> None:
+    gpu_port, leader_port = free_port(), free_port()
+    output = f"ipc://{tmp_path}/out"
+    monkeypatch.setenv(cc.TRTLLM_ZMQ_PORT, str(gpu_port))
+    monkeypatch.setenv(cc.LEADER_ZMQ_PUB_PORT, str(leader_port))
+    monkeypatch.setenv(cc.OUTPUT_ENDPOINT, output)
+    monkeypatch.setenv(cc.OUTPUT_REPLAY_ENDPOINT, f"ipc://{tmp_path}/out-replay")
+    monkeypatch.setenv(cc.REPLAY_ENDPOINT, f"ipc://{tmp_path}/gpu-replay")
+    # An operator's subscriber, joined before the demo starts; it asks for the stream from seq
+    # 0 through the replay endpoint, as a router that registered it would.
+    watcher = TreeSubscriber(output, f"ipc://{tmp_path}/out-replay", start_seq=0,
+                             view=RouterView(16))
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            watcher.poll(20)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        assert demo.main_demo([*STEADY, "--block-size", "16", "--requests", "10"]) == 0
+    finally:
+        stop.set()
+        thread.join(10)
+        watcher.close()
+    out = capsys.readouterr().out
+    assert (f"serving GPU-tier events, dp rank 0: tcp://127.0.0.1:{gpu_port}  "
+            f"(replay ipc://{tmp_path}/gpu-replay_dp0)") in out
+    assert f"serving consolidated events: {output}  (replay {output}-replay)" in out
+    assert watcher.stats.batches > 0 and watcher.view.counts.stores > 0
+    assert watcher.view.counts.warnings == 0
