@@ -66,8 +66,14 @@ class AccuracyTally:
     reused_tokens: int = 0
     under_gpu_tokens: int = 0  # of under_tokens: served by the GPU pool
     under_tier_tokens: int = 0  # of under_tokens: onboarded from host or disk
+    # of under_tokens: shown by the view once the streams settled after the iteration that
+    # scheduled the request (events the engine acted on in that iteration, published after it)
+    under_late_tokens: int = 0
 
-    def add(self, prompt_len: int, predicted: int, gpu: int, host: int, disk: int) -> None:
+    def add(self, prompt_len: int, predicted: int, gpu: int, host: int, disk: int,
+            late: int = 0) -> None:
+        """One finished request: the router's answer, the engine's reuse per source and, for an
+        under-estimate, how many of the missing tokens the view showed just after scheduling."""
         reused = gpu + host + disk
         predicted = min(predicted, prompt_len)
         self.requests += 1
@@ -82,6 +88,7 @@ class AccuracyTally:
             self.under_requests += 1
             self.under_gpu_tokens += max(0, gpu - predicted)
             self.under_tier_tokens += reused - max(gpu, predicted)
+            self.under_late_tokens += min(late, reused - predicted)
 
     @property
     def agree_tokens(self) -> int:
@@ -98,7 +105,8 @@ class AccuracyTally:
                 f"over-estimate {self.over_tokens} tokens ({self.over_tokens / p:.2%}, "
                 f"{self.over_requests} requests), under-estimate {self.under_tokens} tokens "
                 f"({self.under_tokens / p:.2%}, {self.under_requests} requests: "
-                f"{self.under_gpu_tokens} GPU-served, {self.under_tier_tokens} tier-served)")
+                f"{self.under_gpu_tokens} GPU-served, {self.under_tier_tokens} tier-served; "
+                f"{self.under_late_tokens} shown right after scheduling)")
 
 
 class RouterProbe:
@@ -287,6 +295,7 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
     started = time.monotonic()
     stop_at = None if duration_s is None else started + duration_s
     running: dict[int, tuple[ChatRequest, int]] = {}  # engine id -> (request, router answer)
+    late: dict[int, int] = {}  # engine id -> under-estimated tokens shown after scheduling
     waiting: int | None = None  # the engine id handed over and not yet scheduled
 
     def may_submit() -> bool:
@@ -322,13 +331,21 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
         if engine.step() == 0:
             time.sleep(0.0005)  # nothing to compute: waiting for transfer threads only
         if waiting is not None and engine.result(waiting).state != "waiting":
+            res = engine.result(waiting)
+            reused = res.gpu_hit_tokens + res.host_hit_tokens + res.disk_hit_tokens
+            request, predicted = running[waiting]
+            if probe is not None and reused > predicted:
+                # Diagnosis of an under-estimate: did the events the engine acted on in this
+                # iteration reach the view right after it?
+                probe.settle()
+                late[waiting] = max(0, min(reused, probe.predict(request.prompt)) - predicted)
             waiting = None
         for req_id in [i for i in running if engine.result(i).state == "done"]:
             request, predicted = running.pop(req_id)
             res = engine.result(req_id)
             result.finished += 1
             result.tally.add(len(request.prompt), predicted, res.gpu_hit_tokens,
-                             res.host_hit_tokens, res.disk_hit_tokens)
+                             res.host_hit_tokens, res.disk_hit_tokens, late.pop(req_id, 0))
             workload.finished(request, res.tokens)
         if on_step is not None:
             on_step(result)
