@@ -91,8 +91,10 @@ def run(quick: bool = False) -> list[Row]:
                 m["warnings"] == 0),
             Row(name, "prompt tokens over-estimated (info)", m["over"] * 100, "%"),
             Row(name, "prompt tokens under-estimated (info)", m["under"] * 100, "%"),
-            Row(name, "of those, shown right after the scheduling iteration (info)",
+            Row(name, "under-estimated, shown right after the scheduling iteration (info)",
                 m["under_late"] * 100, "%"),
+            *(Row(name, f"of the warnings: {rule} (info)", m[rule], "")
+              for rule in ("cut_subtrees", "skipped_stores", "unknown_removes") if m[rule]),
             Row(name, "prompt tokens served by host/disk (info)", m["tier_share"] * 100, "%"),
             Row(name, "run time (info)", m["seconds"], "s"),
         ]
