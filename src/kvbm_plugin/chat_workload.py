@@ -132,6 +132,9 @@ class RouterProbe:
         """True when every batch published so far has reached the view (one check, no wait)."""
         leader = self.engine.leader
         consolidator = leader.consolidator
+        if consolidator is None or leader.event_sink is None:
+            raise RuntimeError("RouterProbe needs the leader's event sink and consolidator "
+                               "(DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR on)")
         sink = leader.event_sink.stats()
         if sink["publisher_batches_accepted"] != (sink["publisher_batches_published"]
                                                   + sink["publisher_lost_batches"]):
