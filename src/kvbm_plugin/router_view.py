@@ -30,7 +30,11 @@ Two layers:
 
 * :class:`TreeSubscriber` — the thin adapter: a :class:`~kvbm_plugin.subscribe.StreamSubscriber`
   (decoding, gap detection, replay) that also feeds every batch it applies, in order, to a
-  :class:`RouterView` under the subscriber's endpoint as the worker name.
+  :class:`RouterView` under the subscriber's endpoint as the worker name. It sees events as the
+  project's tolerant decoder returns them: a medium alias (``cpu``, ``CPU_PINNED``) arrives
+  already normalised, where a router would not index it, and an unknown medium makes the whole
+  message malformed (counted by the subscriber) rather than one event unindexed. Both only
+  matter for streams other than ours, which publish ``GPU``/``CPU``/``DISK``.
 
 Who calls it: ``kvbm-plugin subscribe --tree``, the demo and the benchmarks' router-accuracy
 measurement (:mod:`kvbm_plugin.chat_workload`). Not thread-safe: one thread applies and queries.
