@@ -27,8 +27,9 @@ def test_empty_tally_agrees() -> None:
 
 def test_turn_waves_release_a_turn_when_the_previous_finished() -> None:
     waves = TurnWaves(sessions=3, turns=2, system_tokens=8, user_tokens=4, gen_tokens=2,
-                      seed=1)
+                      seed=1, salts=("a", "b"))
     first = [waves.next_request() for _ in range(3)]
+    assert [r.salt for r in first if r is not None] == ["a", "b", "a"]
     assert waves.next_request() is None and not waves.exhausted()
     assert all(r is not None and r.prompt[:8] == first[0].prompt[:8] for r in first)
     for r in first[:2]:
@@ -50,8 +51,8 @@ def test_steady_chat_sessions_come_and_go_within_their_limits() -> None:
     for _ in range(200):
         request = chat.next_request()
         assert request is not None and len(request.prompt) + request.gen_tokens <= 40
-        systems.add(tuple(request.prompt[:8]))
+        systems.add((tuple(request.prompt[:8]), request.salt))
         chat.finished(request, request.prompt + [1, 2])
     assert chat.sessions_started > 4 + 200 // 3  # sessions end (turn limit) and are replaced
-    assert len(systems) == 3  # every tenant's system prompt is used
+    assert len(systems) == 3  # every tenant's system prompt is used, always with its salt
     assert not chat.exhausted()

@@ -230,3 +230,11 @@ def test_subscribe_tree_prints_summaries_and_rule_counts(ctx, tmp_path, capsys) 
     final = out[out.index("# final"):]
     assert "block size 2" in final and f"tree {endpoint} dp=0 GPU:" in final
     assert "skipped_stores" in final
+
+
+def test_extra_keys_scope_a_block_to_its_tenant() -> None:
+    salted = BlockStored([1, 2], None, toks(1, 2), BS, extra_keys=[["salt:a"], ["salt:a"]])
+    view = view_of(batch(None, salted, store([3], None, blocks=[1])))
+    assert view.cached_tokens(toks(1, 2), extra_keys=[["salt:a"], ["salt:a"]]) == 2 * BS
+    assert view.cached_tokens(toks(1, 2), extra_keys=[["salt:b"], ["salt:b"]]) == 0
+    assert view.cached_tokens(toks(1, 2)) == BS  # the unsalted copy of block 1 only

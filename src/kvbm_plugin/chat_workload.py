@@ -31,10 +31,11 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbm_plugin._salt import cache_salt_id, salt_extra_key
 from kvbm_plugin.router_view import RouterView, TreeSubscriber
 
 
@@ -45,6 +46,7 @@ class ChatRequest:
     session: int
     prompt: list[int]
     gen_tokens: int
+    salt: str | None = None  # the tenant's cache salt
 
 
 @dataclass
@@ -165,9 +167,14 @@ class RouterProbe:
                 return False
             self.subscriber.poll(1)  # waits on the socket, not a sleep
 
-    def predict(self, prompt: list[int]) -> int:
-        """Tokens of ``prompt`` the router view says are cached (any tier)."""
-        return self.view.cached_tokens(prompt)
+    def predict(self, prompt: list[int], salt: str | None = None) -> int:
+        """Tokens of ``prompt`` the router view says are cached (any tier), for a request with
+        cache salt ``salt`` (named per block as the event sink publishes it)."""
+        extra = None
+        if salt is not None:
+            n = len(prompt) // self.view.block_size
+            extra = [[salt_extra_key(cache_salt_id(salt))]] * n
+        return self.view.cached_tokens(prompt, extra_keys=extra)
 
 
 class TurnWaves:
@@ -175,8 +182,10 @@ class TurnWaves:
     when the previous one finished."""
 
     def __init__(self, *, sessions: int, turns: int, system_tokens: int, user_tokens: int,
-                 gen_tokens: int, seed: int, vocab: int = 30000) -> None:
+                 gen_tokens: int, seed: int, vocab: int = 30000,
+                 salts: Sequence[str] = ()) -> None:
         rng = random.Random(seed)
+        self._salts = tuple(salts)  # session s belongs to tenant salts[s % len(salts)]
         system = [rng.randrange(1, vocab) for _ in range(system_tokens)]
         self._turns = [[[rng.randrange(1, vocab) for _ in range(
             rng.randint(max(1, user_tokens // 2), user_tokens))] for _ in range(sessions)]
@@ -194,7 +203,9 @@ class TurnWaves:
             return
         for session, message in enumerate(self._turns[self._turn]):
             self._histories[session].extend(message)
-            self._ready.append(ChatRequest(session, list(self._histories[session]), self._gen))
+            salt = self._salts[session % len(self._salts)] if self._salts else None
+            self._ready.append(ChatRequest(session, list(self._histories[session]), self._gen,
+                                           salt))
         self._open = len(self._turns[self._turn])
         self._turn += 1
 
@@ -236,6 +247,7 @@ class SteadyChat:
         self._max_context = max_context
         self._ids = 0
         self._sessions: dict[int, tuple[list[int], int]] = {}  # id -> (history, turns left)
+        self._tenant_of: dict[int, int] = {}
         self._ready: deque[ChatRequest] = deque()
         self.sessions_started = 0
         for _ in range(sessions):
@@ -248,8 +260,10 @@ class SteadyChat:
     def _open_session(self) -> None:
         self._ids += 1
         self.sessions_started += 1
-        history = list(self._rng.choice(self._systems))
-        self._sessions[self._ids] = (history, self._rng.randint(1, self._max_turns))
+        tenant = self._rng.randrange(len(self._systems))
+        self._tenant_of[self._ids] = tenant
+        self._sessions[self._ids] = (list(self._systems[tenant]),
+                                     self._rng.randint(1, self._max_turns))
         self._queue_turn(self._ids)
 
     def _queue_turn(self, session: int) -> None:
@@ -257,11 +271,13 @@ class SteadyChat:
         message = self._message()
         if left <= 0 or len(history) + len(message) + self._gen > self._max_context:
             del self._sessions[session]
+            del self._tenant_of[session]
             self._open_session()
             return
         history = history + message
         self._sessions[session] = (history, left - 1)
-        self._ready.append(ChatRequest(session, list(history), self._gen))
+        self._ready.append(ChatRequest(session, list(history), self._gen,
+                                       f"tenant-{self._tenant_of[session]}"))
 
     def next_request(self) -> ChatRequest | None:
         return self._ready.popleft() if self._ready else None
@@ -287,7 +303,7 @@ class DriveResult:
 
 def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyChat, *,
           max_requests: int | None = None, duration_s: float | None = None,
-          timeout_s: float = 3600.0, salt: Callable[[ChatRequest], str | None] | None = None,
+          timeout_s: float = 3600.0,
           on_step: Callable[[DriveResult], None] | None = None) -> DriveResult:
     """Run ``workload`` on ``engine`` until it is exhausted, ``max_requests`` were submitted or
     ``duration_s`` passed; then let what is in flight finish. With a ``probe``, every request's
@@ -317,9 +333,9 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
                 predicted = 0
                 if probe is not None:
                     probe.settle()
-                    predicted = probe.predict(request.prompt)
+                    predicted = probe.predict(request.prompt, request.salt)
                 req_id = engine.submit(request.prompt, request.gen_tokens,
-                                       cache_salt=None if salt is None else salt(request))
+                                       cache_salt=request.salt)
                 running[req_id] = (request, predicted)
                 waiting = req_id
                 result.submitted += 1
@@ -328,7 +344,7 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
             # iteration that schedules it.
             probe.settle()
             request, _ = running[waiting]
-            running[waiting] = (request, probe.predict(request.prompt))
+            running[waiting] = (request, probe.predict(request.prompt, request.salt))
         if not running and (workload.exhausted() or not may_submit()):
             return result
         if engine.step() == 0:
@@ -341,7 +357,8 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
                 # Diagnosis of an under-estimate: did the events the engine acted on in this
                 # iteration reach the view right after it?
                 probe.settle()
-                late[waiting] = max(0, min(reused, probe.predict(request.prompt)) - predicted)
+                late[waiting] = max(0, min(reused, probe.predict(request.prompt, request.salt))
+                                    - predicted)
             waiting = None
         for req_id in [i for i in running if engine.result(i).state == "done"]:
             request, predicted = running.pop(req_id)

@@ -23,10 +23,12 @@ Two layers:
 
   Queries key on the *content* of each block (a hash of its token ids, as the router hashes
   the u32 tokens with xxh3; only this view queries its keys, so Python's hash of the token
-  tuple serves), walking the prompt's full blocks from the root: the answer is a contiguous
-  prefix, per medium and, across media, "any tier" (the longest of them: a tree holds a block
-  only with all its ancestors, so a position covered by some medium's tree is covered with its
-  whole prefix).
+  tuple serves) together with the block's ``extra_keys`` entry when the stream carries one (a
+  cache salt, multimodal keys: blocks of two tenants with the same tokens are not the same
+  block; a query names its salt through the same entries), walking the prompt's full blocks
+  from the root: the answer is a contiguous prefix, per medium and, across media, "any tier"
+  (the longest of them: a tree holds a block only with all its ancestors, so a position
+  covered by some medium's tree is covered with its whole prefix).
 
 * :class:`TreeSubscriber` — the thin adapter: a :class:`~kvbm_plugin.subscribe.StreamSubscriber`
   (decoding, gap detection, replay) that also feeds every batch it applies, in order, to a
@@ -127,16 +129,20 @@ class _Tree:
         return len(keys)
 
 
-def content_key(tokens: Sequence[int]) -> int:
-    """The key of one block's token ids (stable within a process; only this view compares it)."""
-    return hash(tuple(tokens))
+def content_key(tokens: Sequence[int], extra: Sequence[Any] | None = None) -> int:
+    """The key of one block: its token ids and its ``extra_keys`` entry (cache salt, multimodal
+    keys), stable within a process (only this view compares it)."""
+    return hash((tuple(tokens), None if not extra else tuple(extra)))
 
 
-def block_keys(tokens: Sequence[int], block_size: int) -> list[int]:
+def block_keys(tokens: Sequence[int], block_size: int,
+               extra_keys: Sequence[Sequence[Any] | None] | None = None) -> list[int]:
     """Content keys of the full blocks of ``tokens`` (a trailing partial block is not keyed, as
-    a router hashes only full blocks)."""
-    return [content_key(tokens[i:i + block_size])
-            for i in range(0, len(tokens) - block_size + 1, block_size)]
+    a router hashes only full blocks); ``extra_keys``: one entry per block, or None."""
+    n = len(tokens) // block_size
+    return [content_key(tokens[i * block_size:(i + 1) * block_size],
+                        None if extra_keys is None or i >= len(extra_keys) else extra_keys[i])
+            for i in range(n)]
 
 
 @dataclass
@@ -245,13 +251,15 @@ class RouterView:
                 return
             parent = found
         tokens = event.token_ids
+        extra = getattr(event, "extra_keys", None)
         for i, h in enumerate(hashes):
             existing = tree.nodes.get(h)
             if existing is not None:
                 self._bump(medium, "duplicate_stores")
                 parent = existing
                 continue
-            key = content_key(tokens[i * bs:(i + 1) * bs])
+            key = content_key(tokens[i * bs:(i + 1) * bs],
+                              None if extra is None or i >= len(extra) else extra[i])
             node = _Node(h, parent, key)
             parent.children.setdefault(key, {})[h] = node
             tree.nodes[h] = node
@@ -294,9 +302,11 @@ class RouterView:
 
     # ------------------------------------------------------------------ queries
 
-    def match(self, tokens: Sequence[int]) -> list[PrefixMatch]:
-        """Per (worker, dp rank) the prompt's cached prefix in blocks, per medium and any tier."""
-        keys = block_keys(tokens, self.block_size)
+    def match(self, tokens: Sequence[int],
+              extra_keys: Sequence[Sequence[Any] | None] | None = None) -> list[PrefixMatch]:
+        """Per (worker, dp rank) the prompt's cached prefix in blocks, per medium and any tier;
+        ``extra_keys``: the prompt's per-block extra keys (e.g. its cache salt), as published."""
+        keys = block_keys(tokens, self.block_size, extra_keys)
         out: dict[tuple[str, int], PrefixMatch] = {}
         for (worker, rank, medium), tree in self._trees.items():
             m = out.get((worker, rank))
@@ -306,11 +316,12 @@ class RouterView:
         return list(out.values())
 
     def cached_tokens(self, tokens: Sequence[int], worker: str | None = None,
-                      dp_rank: int | None = None) -> int:
+                      dp_rank: int | None = None,
+                      extra_keys: Sequence[Sequence[Any] | None] | None = None) -> int:
         """Tokens of ``tokens`` a router would say are cached (any tier) on the best matching
         worker/dp rank, or on the given one."""
         best = 0
-        for m in self.match(tokens):
+        for m in self.match(tokens, extra_keys):
             if (worker is None or m.worker == worker) and (dp_rank is None or
                                                            m.dp_rank == dp_rank):
                 best = max(best, m.tokens)
