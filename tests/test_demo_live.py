@@ -103,7 +103,7 @@ def test_demo_serves_the_endpoints_the_user_sets(monkeypatch, tmp_path, capsys) 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
     try:
-        assert demo.main_demo([*STEADY, "--block-size", "16", "--requests", "10"]) == 0
+        demo.main_demo([*STEADY, "--block-size", "16", "--requests", "10"])
     finally:
         stop.set()
         thread.join(10)
@@ -112,5 +112,6 @@ def test_demo_serves_the_endpoints_the_user_sets(monkeypatch, tmp_path, capsys) 
     assert (f"serving GPU-tier events, dp rank 0: tcp://127.0.0.1:{gpu_port}  "
             f"(replay ipc://{tmp_path}/gpu-replay_dp0)") in out
     assert f"serving consolidated events: {output}  (replay {output}-replay)" in out
+    assert "[PASS] every request finished: 10/10" in out
     assert watcher.stats.batches > 0 and watcher.view.counts.stores > 0
     assert watcher.view.counts.warnings == 0
