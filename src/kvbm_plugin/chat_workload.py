@@ -154,7 +154,12 @@ class RouterProbe:
         """Publish the last iteration's events and wait until the view has everything; False
         (and counted) when ``settle_timeout`` passed first."""
         self.settles += 1
-        self.engine.leader.flush_events()
+        leader = self.engine.leader
+        if leader.event_source is not None:
+            # Before the engine's first iteration the leader has not found the KV cache manager
+            # yet (it looks from inside the iteration): there is nothing to publish, and a
+            # search from here would fail (and use up one of its attempts).
+            leader.flush_events()
         deadline = time.monotonic() + self.settle_timeout
         while True:
             self.subscriber.poll(0)
