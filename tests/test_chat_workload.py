@@ -56,3 +56,15 @@ def test_steady_chat_sessions_come_and_go_within_their_limits() -> None:
     assert chat.sessions_started > 4 + 200 // 3  # sessions end (turn limit) and are replaced
     assert len(systems) == 3  # every tenant's system prompt is used, always with its salt
     assert not chat.exhausted()
+
+
+def test_turn_waves_know_their_longest_request() -> None:
+    waves = TurnWaves(sessions=2, turns=3, system_tokens=8, user_tokens=4, gen_tokens=2, seed=5)
+    longest = 0
+    while not waves.exhausted():
+        batch = [waves.next_request() for _ in range(2)]
+        for r in batch:
+            assert r is not None
+            longest = max(longest, len(r.prompt) + r.gen_tokens)
+            waves.finished(r, r.prompt + [0] * r.gen_tokens)
+    assert waves.longest_request() == longest

@@ -118,20 +118,25 @@ class RouterProbe:
     consolidator; ``subscriber`` a :class:`TreeSubscriber` of the consolidated stream (with its
     replay endpoint, ``start_seq=0``)."""
 
-    def __init__(self, engine: Any, subscriber: TreeSubscriber, settle_timeout: float = 10.0
-                 ) -> None:
+    def __init__(self, engine: Any, subscriber: TreeSubscriber, settle_timeout: float = 10.0,
+                 poll: Callable[[int], Any] | None = None) -> None:
         self.engine = engine
         self.subscriber = subscriber
         self.settle_timeout = settle_timeout
+        # How to poll the subscriber (e.g. through a wrapper that watches its gaps)
+        self._poll = subscriber.poll if poll is None else poll
         self.settles = 0
         self.settle_timeouts = 0  # settles that gave up: the stream did not catch up in time
+        self.settle_stalls = 0  # settles that gave up on a batch the subscriber lost
+        self.stall_s = 1.0
 
     @property
     def view(self) -> RouterView:
         return self.subscriber.view
 
-    def caught_up(self) -> bool:
-        """True when every batch published so far has reached the view (one check, no wait)."""
+    def _upstream_done(self) -> bool:
+        """True when every batch the GPU-tier publisher accepted was sent, received by the
+        consolidator, and everything it received or had registered was applied and published."""
         leader = self.engine.leader
         consolidator = leader.consolidator
         if consolidator is None or leader.event_sink is None:
@@ -145,14 +150,19 @@ class RouterProbe:
         if cons["messages_received"] + cons["replayed_batches"] < \
                 sink["publisher_batches_published"]:
             return False  # a GPU-tier batch is on its way to the consolidator
-        if not consolidator.wait_idle(0):
+        return consolidator.wait_idle(0)
+
+    def caught_up(self) -> bool:
+        """True when every batch published so far has reached the view (one check, no wait)."""
+        if not self._upstream_done():
             return False
-        cons = consolidator.stats()
-        return self.subscriber.next_seq == cons["batches_out"]
+        return self.subscriber.next_seq == self.engine.leader.consolidator.stats()["batches_out"]
 
     def settle(self) -> bool:
         """Publish the last iteration's events and wait until the view has everything; False
-        (and counted) when ``settle_timeout`` passed first."""
+        (and counted) when ``settle_timeout`` passed first, or when everything upstream is done
+        and the subscriber got nothing for ``stall_s`` while still behind (a batch it lost: it
+        only learns so, as a router would, from the next batch, so waiting longer is useless)."""
         self.settles += 1
         leader = self.engine.leader
         if leader.event_source is not None:
@@ -160,17 +170,25 @@ class RouterProbe:
             # yet (it looks from inside the iteration): there is nothing to publish, and a
             # search from here would fail (and use up one of its attempts).
             leader.flush_events()
-        deadline = time.monotonic() + self.settle_timeout
+        now = time.monotonic()
+        deadline = now + self.settle_timeout
+        seen, since = self.subscriber.stats.batches, now
         while True:
-            self.subscriber.poll(0)
+            self._poll(0)
             if self.caught_up():
-                self.subscriber.poll(0)
+                self._poll(0)
                 if self.caught_up():
                     return True
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if self.subscriber.stats.batches != seen:
+                seen, since = self.subscriber.stats.batches, now
+            elif now - since >= self.stall_s and self._upstream_done():
+                self.settle_stalls += 1
+                return False
+            if now >= deadline:
                 self.settle_timeouts += 1
                 return False
-            self.subscriber.poll(1)  # waits on the socket, not a sleep
+            self._poll(1)  # waits on the socket, not a sleep
 
     def predict(self, prompt: list[int], salt: str | None = None) -> int:
         """Tokens of ``prompt`` the router view says are cached (any tier), for a request with
@@ -196,6 +214,7 @@ class TurnWaves:
             rng.randint(max(1, user_tokens // 2), user_tokens))] for _ in range(sessions)]
             for _ in range(turns)]
         self._histories = [list(system) for _ in range(sessions)]
+        self._system_len = len(system)
         self._gen = gen_tokens
         self._turn = 0
         self._open = 0  # requests of the current wave not yet finished
@@ -213,6 +232,12 @@ class TurnWaves:
                                            salt))
         self._open = len(self._turns[self._turn])
         self._turn += 1
+
+    def longest_request(self) -> int:
+        """Tokens of the longest request (prompt and generation) this workload will send: the
+        last turn of the longest session."""
+        return max(self._system_len + sum(len(turn[s]) for turn in self._turns)
+                   + len(self._turns) * self._gen for s in range(len(self._histories)))
 
     def next_request(self) -> ChatRequest | None:
         return self._ready.popleft() if self._ready else None

@@ -337,9 +337,9 @@ def _router_report(result, probe) -> tuple[list[Check], list[tuple[str, str]]]: 
                                  f"; {'; '.join(rules)}"),
         ("router accuracy", tally.describe()),
     ]
-    if probe.settle_timeouts:
-        summary.append(("router settle timeouts", f"{probe.settle_timeouts} of "
-                                                  f"{probe.settles}"))
+    if probe.settle_timeouts or probe.settle_stalls:
+        summary.append(("router settles given up", f"{probe.settle_timeouts} timed out, "
+                        f"{probe.settle_stalls} on a lost batch, of {probe.settles}"))
     checks = [
         Check("router rule warnings 0", counts.warnings == 0,
               f"{counts.warnings} ({'; '.join(rules)})"),

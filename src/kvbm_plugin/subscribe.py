@@ -7,6 +7,7 @@ consolidated stream equals the tiers' true contents.
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import sys
