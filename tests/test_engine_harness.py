@@ -75,7 +75,7 @@ def test_engine_without_an_event_buffer_gets_a_warning_not_a_silent_empty_stream
 
     engine = SimulatedEngine(EngineConfig(env={"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "0"}))
     try:
-        engine.pool.event_buffer_max_size = 0  # as TRT-LLM's KVCacheManager reports it
+        engine.kv_cache_manager.event_buffer_max_size = 0  # as TRT-LLM's KVCacheManager reports it
         with caplog.at_level(logging.WARNING, logger="kvbm_plugin.connector_leader"):
             engine.submit(list(range(1, 10)), 1)
             engine.run_until_idle()

@@ -3,8 +3,9 @@
 Test hooks (attributes a real ``TorchLlmArgs`` never has, so production reads ``os.environ``
 and the MPI mapping): ``kvbm_plugin_env`` (a mapping used instead of ``os.environ``),
 ``kvbm_plugin_group`` (names one engine instance, so several simulated engines can live in one
-process) and ``kvbm_plugin_inprocess`` (every rank's worker lives in this process: completion
-reports need no socket).
+process), ``kvbm_plugin_inprocess`` (every rank's worker lives in this process: completion
+reports need no socket) and ``kvbm_plugin_event_serializer`` (converts a simulated engine's
+event objects to dicts where TensorRT-LLM's ``KVCacheEventSerializer`` is not importable).
 """
 
 from __future__ import annotations
@@ -86,3 +87,9 @@ def leader_host(env: Mapping[str, str]) -> str:
 
 def in_process(llm_args: Any) -> bool:
     return bool(getattr(llm_args, "kvbm_plugin_inprocess", False))
+
+
+def event_serializer_of(llm_args: Any) -> Any:
+    """The test hook ``kvbm_plugin_event_serializer`` (a callable list-of-events → list of
+    dicts), or None."""
+    return getattr(llm_args, "kvbm_plugin_event_serializer", None)

@@ -202,6 +202,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         self._tier_events: Any = None
         self._names = BlockNames(self._block_size)  # TRT-LLM's hashes, from its events
         self._names_from_events = False  # RequestData without block_hashes seen
+        self._fallback_serializer = _llm_args.event_serializer_of(llm_args)
         self._stats = dict.fromkeys((
             "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
             "saves_committed", "saves_failed", "demotes_scheduled", "demotes_committed",
@@ -534,9 +535,10 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         from kvbm_plugin.event_sink import attach_event_source
 
         try:
-            self.event_source = attach_event_source(manager, self.event_sink,
-                                                    serialize=kv_event_serializer(),
-                                                    mode=self._events_source)
+            self.event_source = attach_event_source(
+                manager, self.event_sink,
+                serialize=kv_event_serializer() or self._fallback_serializer,
+                mode=self._events_source)
         except ValueError as exc:
             self._attach_attempts = self._MAX_ATTACH_ATTEMPTS
             self._event_source_problem = f"unavailable: {exc}"

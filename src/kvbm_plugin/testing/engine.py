@@ -1,27 +1,47 @@
 """A simulated TensorRT-LLM executor that drives the real KvbmConnectorLeader/Worker.
 
-It follows TRT-LLM's PyExecutor + KvCacheConnectorManager order (research notes §1.6):
+It follows TRT-LLM's PyExecutor and KvCacheConnectorManager, where they touch the connector
+(NVIDIA/TensorRT-LLM: ``tensorrt_llm/_torch/pyexecutor/py_executor.py``@9521caf4
+``_executor_loop`` / ``_executor_loop_overlap`` / ``_kv_connector_start_batch`` /
+``_kv_connector_terminate_requests``; ``kv_cache_connector.py``@3277953654b9 for the manager;
+``resource_manager.py``@d2a5560a ``KVCacheManager.prepare_resources``):
 
-* bring-up: on each rank a ``ThreadPoolExecutor(2)`` builds the worker (and, on rank 0, the
-  leader) concurrently; ``register_forward_pass_callable``; ``register_kv_caches``.
-* per iteration: capacity scheduling (guaranteed-no-evict), for each new request a device
-  prefix match, ``get_num_new_matched_tokens`` on rank 0 (result used by every rank),
-  allocation, ``update_state_after_alloc`` on rank 0; async-loading requests leave the batch;
-  ``build_connector_meta`` on rank 0, pickled and bound on every rank; ``start_load_kv``; the
-  forward pass with ``wait_for_layer_load``/``save_kv_layer`` around each layer and the
-  forward-pass callable at the end; ``wait_for_save``; ``request_finished`` on termination;
-  ``get_finished`` on every rank, acting on an id once every rank has returned it.
+* bring-up: per rank a ``ThreadPoolExecutor(2)`` builds the worker (and, on rank 0, the leader)
+  concurrently; ``register_forward_pass_callable``; ``register_kv_caches``. With
+  ``processes=True`` ranks 1.. are child processes that report completions over ZMQ
+  (``testing.processes``).
+* per iteration: capacity scheduling (guaranteed-no-evict); for a new request a device prefix
+  match, ``get_num_new_matched_tokens`` through the connector manager, allocation of the WHOLE
+  prompt (V1 ``add_sequence(prompt_len)`` on the first context chunk) and
+  ``update_state_after_alloc`` with all prompt blocks; chunked prefill then computes the prompt
+  over several iterations; generation requests get one block slot per token (``add_token``).
+  ``build_scheduler_output`` (``testing.connector_manager``: ``external_loads`` cleared every
+  build, async-loading requests skipped), then ``_kv_connector_start_batch``:
+  ``handle_metadata`` → ``_run_on_leader(lambda: build_connector_meta(...))``, bound on every
+  rank, ``start_load_kv``; the forward with ``wait_for_layer_load``/``save_kv_layer`` around each
+  layer and the forward-pass callable; ``wait_for_save``; sampling; termination
+  (``request_finished``); ``flush_iteration_events``; ``get_finished`` on every rank, acting on
+  an id once every rank returned it.
+* the overlap scheduler (``overlap_scheduler=True``, TRT-LLM's default): the tokens sampled in
+  iteration N reach the requests (and so the connector's ``RequestData``) only after the forward
+  of N+1; a request that sampled its last token in N is scheduled once more in N+1 and
+  terminated after that forward; a last iteration without a forward processes the final batch
+  (one more ``get_finished`` call than forward passes).
+* KV events are C++-like objects (``testing.kv_events``), readable only after the iteration's
+  ``flush_iteration_events``; with ``trtllm_event_reader=True`` TRT-LLM's KV-event dispatch
+  thread reads them concurrently, as ``LLM.get_kv_cache_events`` does.
 
-The GPU pool reuses prefixes, evicts LRU leaf blocks, and emits TRT-LLM-shaped buffered KV
-events (unsigned hashes, partial blocks, removals) into ``leader.event_sink``. The forward
-writes ``f(position, layer, kv, head, dim, token)`` into the pool, so any onboarded block can be
-checked exactly: every terminated request is verified (``stats().kv_mismatches``).
+The GPU pool reuses prefixes, evicts LRU leaf blocks, and records TRT-LLM-shaped KV events
+(unsigned hashes, partial blocks, removals). The forward writes ``f(position, layer, kv, head,
+dim, token)`` into the pool (``testing.kvmodel``: K/V or MLA, FP32/16 or FP8 stored as int8), so
+any onboarded block can be checked exactly: every terminated request is verified on every rank
+(``stats().kv_mismatches``).
 """
 
 from __future__ import annotations
 
 import itertools
-import pickle
+import socket
 import time
 import uuid
 from collections import OrderedDict
@@ -34,18 +54,25 @@ import torch
 
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
+from kvbm_plugin.consolidator_config import LEADER_ZMQ_PUB_PORT
+from kvbm_plugin.testing.connector_manager import SimKvCacheConnectorManager
 from kvbm_plugin.testing.fake_trtllm import (
     KvCacheConfig,
+    KVCacheEventSerializer,
     LlmArgs,
     LlmRequest,
     ParallelConfig,
     RequestData,
-    SchedulerOutput,
     cache_salt_id,
     trtllm_block_hash,
 )
-
-_MOD = 251  # values stay exact integers in bf16/fp16/fp32
+from kvbm_plugin.testing.kv_events import (
+    DEFAULT_EVENT_BUFFER_MAX_SIZE,
+    KvEventDispatchReader,
+    SimKVCacheManager,
+)
+from kvbm_plugin.testing.kvmodel import BatchItems, KvModel, model_kwargs
+from kvbm_plugin.testing.processes import LocalRank, RemoteRank
 
 
 @dataclass
@@ -67,11 +94,21 @@ class EngineConfig:
     max_seq_len: int = 4096  # the attention window reported in KV events
     tier_events: Any = None  # optional recorder for the leader's tier registrations
     vocab_size: int = 1000
+    # TRT-LLM's default executor loop; False runs the plain loop (_executor_loop).
+    overlap_scheduler: bool = True
+    # Run TRT-LLM's KV-event dispatch thread (what LLM.get_kv_cache_events reads).
+    trtllm_event_reader: bool = False
+    event_buffer_max_size: int = DEFAULT_EVENT_BUFFER_MAX_SIZE  # kv_cache_config's
+    # Ranks 1.. in child processes, completion reports over ZMQ (needs tp_size > 1).
+    processes: bool = False
+    kv_factor: int = 2  # 1: MLA (one latent per token)
+    kv_cache_dtype: str = "auto"  # "fp8": FP8 values in an int8-stored pool
 
 
 @dataclass
 class EngineStats:
     iterations: int = 0
+    forward_passes: int = 0
     requests_submitted: int = 0
     requests_finished: int = 0
     requests_aborted: int = 0
@@ -106,7 +143,8 @@ class _Req:
     prompt: list[int]
     max_new: int
     salt: str | None
-    tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # every token the device has
+    host_len: int = 0  # tokens the request object shows (lags by one with overlap)
     state: str = WAITING
     blocks: list[int] = field(default_factory=list)
     computed: int = 0
@@ -115,6 +153,7 @@ class _Req:
     host_hit: int = 0
     disk_hit: int = 0
     generated: int = 0
+    device_done: bool = False  # the last token is sampled (the host may not know yet)
     aborted: bool = False
     reported_tokens: int = 0
     reported_blocks: int = 0
@@ -286,67 +325,96 @@ class _GpuPool:
         return {self.hash_of[b] for b in self.full}
 
 
+
+
+def _free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 class SimulatedEngine:
-    """TRT-LLM's executor loop in one process; ``tp_size`` ranks share one scheduler."""
+    """TRT-LLM's executor loop; ``tp_size`` ranks share one scheduler (rank 0's leader)."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
         self.config = cfg = config or EngineConfig()
         if cfg.num_kv_heads % cfg.tp_size:
             raise ValueError(f"num_kv_heads={cfg.num_kv_heads} is not divisible by "
                              f"tp_size={cfg.tp_size}")
+        if cfg.processes and cfg.tp_size < 2:
+            raise ValueError(f"processes=True needs tp_size > 1 (got tp_size={cfg.tp_size})")
         self.device = torch.device(cfg.device)
         self.block_size = bs = cfg.tokens_per_block
-        self.heads_per_rank = cfg.num_kv_heads // cfg.tp_size
         self._group = f"sim-{uuid.uuid4().hex[:12]}"
         self._stats = EngineStats()
         self._reqs: dict[int, _Req] = {}
         self._order: list[int] = []  # FIFO of waiting request ids
         self._ids = itertools.count(1)
         self._aborts: set[int] = set()
-        self._local_saved: list[set[int]] = [set() for _ in range(cfg.tp_size)]
-        self._local_loaded: list[set[int]] = [set() for _ in range(cfg.tp_size)]
-        self._new_saving: list[int] = []
-        self._new_loading: list[int] = []
+        self._previous: list[_Req] = []  # overlap: the batch whose samples are not processed
         self._outstanding = 0  # reserved blocks not yet allocated
         self.pool = _GpuPool(cfg.num_gpu_blocks, bs, cfg.max_seq_len)
         # PyExecutor keeps its KV cache manager here; the leader finds it through the frames of
         # build_connector_meta's caller, as it does in TensorRT-LLM.
-        self.kv_cache_manager = self.pool
+        self.kv_cache_manager = SimKVCacheManager(self.pool, cfg.event_buffer_max_size)
         self._closed = False
+        self.event_reader: KvEventDispatchReader | None = None
+        env = dict(cfg.env)
+        if cfg.processes and not env.get(LEADER_ZMQ_PUB_PORT):
+            env[LEADER_ZMQ_PUB_PORT] = str(_free_tcp_port())
+        self.env = env
 
         def args(rank: int) -> LlmArgs:
             return LlmArgs(KvCacheConfig(bs), ParallelConfig(rank, cfg.tp_size),
-                           tensor_parallel_size=cfg.tp_size, kvbm_plugin_env=dict(cfg.env),
-                           kvbm_plugin_group=self._group, kvbm_plugin_inprocess=True,
-                           kvbm_plugin_tier_events=cfg.tier_events)
+                           tensor_parallel_size=cfg.tp_size, kvbm_plugin_env=dict(env),
+                           kvbm_plugin_group=self._group,
+                           kvbm_plugin_inprocess=not cfg.processes,
+                           kvbm_plugin_tier_events=cfg.tier_events if rank == 0 else None,
+                           kvbm_plugin_event_serializer=KVCacheEventSerializer.serialize)
 
-        # Bring-up exactly as py_executor_creator: per rank, worker and (rank 0) leader are
-        # constructed concurrently on a 2-thread pool.
-        self.workers: list[KvbmConnectorWorker] = []
-        self.leader: KvbmConnectorLeader
-        pools = [ThreadPoolExecutor(max_workers=2) for _ in range(cfg.tp_size)]
+        self.ranks: list[LocalRank | RemoteRank] = []
+        remote: list[RemoteRank] = []
+        self.leader: KvbmConnectorLeader | None = None  # type: ignore[assignment]
         try:
-            worker_futures = [pools[r].submit(KvbmConnectorWorker, args(r))
-                              for r in range(cfg.tp_size)]
-            leader_future = pools[0].submit(KvbmConnectorLeader, args(0))
-            self.workers = [f.result(timeout=60) for f in worker_futures]
-            self.leader = leader_future.result(timeout=60)
-        finally:
-            for p in pools:
-                p.shutdown(wait=False)
-        self._callables = [w.register_forward_pass_callable() for w in self.workers]
-        hd = self.heads_per_rank * cfg.head_dim
-        self.kv_pools: list[torch.Tensor] = []
-        self._hd_base: list[torch.Tensor] = []
-        for rank, worker in enumerate(self.workers):
-            kv = torch.zeros((cfg.num_gpu_blocks, cfg.num_layers, 2, bs * hd), dtype=cfg.dtype,
-                             device=self.device)
-            self.kv_pools.append(kv)
-            heads = torch.arange(self.heads_per_rank, device=self.device) + rank * \
-                self.heads_per_rank
-            dims = torch.arange(cfg.head_dim, device=self.device)
-            self._hd_base.append((heads[:, None] * 3 + dims[None, :]).reshape(-1))
-            worker.register_kv_caches(kv)
+            local_ranks = range(cfg.tp_size)
+            if cfg.processes:
+                # Children first: their start-up (a fresh interpreter) overlaps ours.
+                local_ranks = range(1)
+                remote = [RemoteRank(r, args(r), model_kwargs(cfg, r), cfg.num_gpu_blocks)
+                          for r in range(1, cfg.tp_size)]
+            # Bring-up exactly as py_executor_creator: per rank, worker and (rank 0) leader
+            # are constructed concurrently on a 2-thread pool.
+            pools = [ThreadPoolExecutor(max_workers=2) for _ in local_ranks]
+            try:
+                worker_futures = [pools[r].submit(KvbmConnectorWorker, args(r))
+                                  for r in local_ranks]
+                leader_future = pools[0].submit(KvbmConnectorLeader, args(0))
+                workers = [f.result(timeout=60) for f in worker_futures]
+                self.leader = leader_future.result(timeout=60)
+            finally:
+                for p in pools:
+                    p.shutdown(wait=False)
+            self.ranks = [LocalRank(r, w, KvModel(**model_kwargs(cfg, r)), cfg.num_gpu_blocks)
+                          for r, w in zip(local_ranks, workers, strict=True)]
+            for rank in remote:
+                rank.wait_ready()
+            self.ranks.extend(remote)
+        except BaseException:
+            for rank in remote:
+                rank.shutdown(5.0)
+            for rank in self.ranks:
+                if isinstance(rank, LocalRank):
+                    rank.shutdown(5.0)
+            if self.leader is not None:
+                self.leader.shutdown(5.0)
+            raise
+        self.workers: list[KvbmConnectorWorker] = [
+            r.worker for r in self.ranks if isinstance(r, LocalRank)]
+        self.kv_pools: list[torch.Tensor] = [
+            r.pool for r in self.ranks if isinstance(r, LocalRank)]
+        self.kv_cache_connector_manager = SimKvCacheConnectorManager(self.leader, self.ranks)
+        if cfg.trtllm_event_reader:
+            self.event_reader = KvEventDispatchReader(self, self.kv_cache_manager)
 
     # ------------------------------------------------------------------ public API
 
@@ -363,7 +431,7 @@ class SimulatedEngine:
                              f"num_gpu_blocks={self.config.num_gpu_blocks}")
         req_id = next(self._ids)
         self._reqs[req_id] = _Req(req_id, list(prompt_tokens), max_new_tokens, cache_salt,
-                                  tokens=list(prompt_tokens))
+                                  tokens=list(prompt_tokens), host_len=len(prompt_tokens))
         self._order.append(req_id)
         self._stats.requests_submitted += 1
         return req_id
@@ -375,7 +443,11 @@ class SimulatedEngine:
     def run_until_idle(self, *, max_iterations: int = 1_000_000,
                        timeout_s: float = 60.0) -> None:
         """Step until every request is done and every transfer is reported; raises
-        TimeoutError naming what is still pending."""
+        TimeoutError naming what is still pending.
+
+        TRT-LLM makes no connector call while nothing is scheduled, so completion reports that
+        arrive after the last batch would wait for the next request's iteration; a step with
+        no request left runs :meth:`settle`, which stands for that iteration."""
         deadline = time.monotonic() + timeout_s
         for _ in range(max_iterations):
             if self.idle():
@@ -385,11 +457,23 @@ class SimulatedEngine:
             if time.monotonic() > deadline:
                 break
         pending = {r.id: r.state for r in self._reqs.values() if r.state != DONE}
+        assert self.leader is not None
         raise TimeoutError(f"engine not idle: requests {pending}, leader "
-                           f"{self.leader.stats()}, workers {[w.stats() for w in self.workers]}")
+                           f"{self.leader.stats()}, ranks {[r.stats() for r in self.ranks]}")
+
+    def settle(self) -> None:
+        """The connector calls of an iteration with nothing to compute (what the next
+        request's iteration does first): the leader applies the workers' reports and publishes
+        the events flushed so far; every rank binds the metadata and starts its loads."""
+        self._kv_connector_start_batch()
+        for rank in self.ranks:
+            rank.start_iteration([])
+        for rank in self.ranks:
+            rank.finish_iteration()
 
     def idle(self) -> bool:
-        return (not self._has_work() and all(w.idle() for w in self.workers)
+        assert self.leader is not None
+        return (not self._has_work() and all(r.idle() for r in self.ranks)
                 and self.leader.stats()["ops_inflight"] == 0)
 
     def result(self, req_id: int) -> RequestResult:
@@ -399,24 +483,34 @@ class SimulatedEngine:
 
     def stats(self) -> EngineStats:
         s = EngineStats(**vars(self._stats))
-        s.bytes_offloaded = sum(w.stats()["bytes_offloaded"] for w in self.workers)
-        s.bytes_onboarded = sum(w.stats()["bytes_onboarded"] for w in self.workers)
+        rank_stats = [r.stats() for r in self.ranks]
+        s.bytes_offloaded = sum(st["bytes_offloaded"] for st in rank_stats)
+        s.bytes_onboarded = sum(st["bytes_onboarded"] for st in rank_stats)
         return s
 
     def resident_blocks(self) -> dict[str, dict[int, set[int]]]:
         """The truth per medium and dp rank: full blocks in the GPU pool, advertised host and
         disk blocks (unsigned u64 hashes)."""
+        assert self.leader is not None
         return {"GPU": {0: self.pool.resident_full_hashes()},
                 "CPU": {0: self.leader.resident_hashes("host")},
                 "DISK": {0: self.leader.resident_hashes("disk")}}
+
+    def get_latest_kv_cache_events(self) -> list[Any]:
+        """``PyExecutor.get_latest_kv_cache_events``: drains the KV cache manager's readable
+        events (C++-like objects). TRT-LLM's dispatch thread calls it."""
+        return self.kv_cache_manager.get_latest_events(0)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         if self._closed:
             return
         self._closed = True
-        for w in self.workers:
-            w.shutdown(timeout)
-        self.leader.shutdown(timeout)
+        if self.event_reader is not None:
+            self.event_reader.stop(timeout)
+        for rank in self.ranks:
+            rank.shutdown(timeout)
+        if self.leader is not None:
+            self.leader.shutdown(timeout)
 
     def __enter__(self) -> SimulatedEngine:
         return self
@@ -427,66 +521,101 @@ class SimulatedEngine:
     # ------------------------------------------------------------------ the loop
 
     def _has_work(self) -> bool:
-        return any(r.state != DONE for r in self._reqs.values())
+        return bool(self._previous) or any(r.state != DONE for r in self._reqs.values())
 
     def step(self) -> int:
-        """One executor iteration; returns the number of tokens the forward pass computed."""
-        cfg, bs = self.config, self.block_size
+        """One executor iteration; returns the number of tokens the forward pass computed.
+
+        The plain loop (``_executor_loop``) processes the batch it just ran; the overlap loop
+        (``_executor_loop_overlap``) processes the previous iteration's batch after this
+        iteration's forward. With no request left it only runs :meth:`settle`."""
+        if not self._has_work() and not self._aborts:
+            self.settle()
+            return 0
         self._stats.iterations += 1
         self._process_aborts()
+        batch, admitted = self._schedule()
+        computed = 0
+        ran: list[_Req] = []
+        if batch or admitted:  # can_queue: the scheduled batch includes loading requests
+            self._prepare_resources(batch)
+            self._kv_connector_start_batch()
+            items: BatchItems = [(r.computed, r.tokens[r.computed:r.computed + n],
+                                  list(r.blocks)) for r, n in batch]
+            for rank in reversed(self.ranks):  # other processes first: ranks run concurrently
+                rank.start_iteration(items)
+            for rank in self.ranks:
+                rank.finish_iteration()
+            if batch:
+                self._stats.forward_passes += 1
+                computed = sum(n for _, n in batch)
+                self._sample(batch)
+                ran = [r for r, _ in batch]
+        if self.config.overlap_scheduler:
+            processed, self._previous = self._previous, ran
+        else:
+            processed = ran
+        if processed:
+            self._process_batch(processed)
+        if processed or ran:
+            self.kv_cache_manager.flush_iteration_events()
+        self._kv_connector_terminate_requests()
+        return computed
+
+    def _kv_connector_start_batch(self) -> None:
+        """``PyExecutor._kv_connector_start_batch``: async-loading requests are already out of
+        the batch; ``handle_metadata`` (build on rank 0, bind on every rank); each rank's
+        ``start_load_kv`` runs as the first step of its iteration."""
+        self.kv_cache_connector_manager.handle_metadata()
+
+    def _schedule(self) -> tuple[list[tuple[_Req, int]], bool]:
+        """Running requests first, then admissions; returns the batch to compute and whether
+        any request was admitted (an admitted request that loads asynchronously is scheduled
+        but leaves the batch before the forward)."""
+        cfg = self.config
         budget = cfg.max_num_tokens
         batch: list[tuple[_Req, int]] = []
-        for r in self._reqs.values():  # running requests first
+        admitted = False
+        for r in self._reqs.values():
             if len(batch) >= cfg.max_batch_size or budget <= 0:
                 break
             if r.state == GENERATION:
                 batch.append((r, 1))
                 budget -= 1
             elif r.state == CONTEXT:
-                n = min(len(r.tokens) - r.computed, budget)
+                n = min(len(r.prompt) - r.computed, budget)
                 batch.append((r, n))
                 budget -= n
         while self._order and len(batch) < cfg.max_batch_size and budget > 0:
             r = self._reqs[self._order[0]]
-            if not self._admit(r, budget):
+            if not self._admit(r):
                 break
             self._order.pop(0)
+            admitted = True
             if r.state == CONTEXT:
-                n = min(len(r.tokens) - r.computed, budget)
+                n = min(len(r.prompt) - r.computed, budget)
                 batch.append((r, n))
                 budget -= n
+        return batch, admitted
+
+    def _prepare_resources(self, batch: list[tuple[_Req, int]]) -> None:
+        """``KVCacheManager.prepare_resources``: a block slot per generated token, then
+        ``build_scheduler_output`` from what the request objects show."""
+        bs = self.block_size
         for r, n in batch:
             self._ensure_blocks(r, r.computed + n)
-        output = SchedulerOutput()
+        entries: list[tuple[int, RequestData]] = []
         for r, n in batch:
-            hashes = self._hashes(r, len(r.tokens) // bs) if cfg.provide_block_hashes else []
-            if r.reported_tokens == 0:
-                rd = RequestData(r.id, list(r.tokens), list(r.blocks),
-                                 r.computed - r.n_loaded, n, hashes, cache_salt=r.salt)
-                output.new_requests.append(rd)
-            else:
-                rd = RequestData(r.id, r.tokens[r.reported_tokens:],
-                                 r.blocks[r.reported_blocks:], r.computed, n, hashes,
-                                 cache_salt=r.salt)
-                output.cached_requests.append(rd)
-            r.reported_tokens, r.reported_blocks = len(r.tokens), len(r.blocks)
-        meta = pickle.dumps(self.leader.build_connector_meta(output))
-        streams = [self._stream() for _ in self.workers]
-        for w in self.workers:
-            w.bind_connector_meta(pickle.loads(meta))
-        for w, s in zip(self.workers, streams, strict=False):
-            w.start_load_kv(s)
-        for rank, w in enumerate(self.workers):
-            self._forward(rank, w, streams[rank], batch)
-        for w, s in zip(self.workers, streams, strict=False):
-            w.wait_for_save(s)
-        for r, n in batch:
-            self._advance(r, n)
-        self._get_finished()
-        return sum(n for _, n in batch)
-
-    def _stream(self) -> Any:
-        return torch.cuda.current_stream() if self.device.type == "cuda" else None
+            visible = r.tokens[:r.host_len]
+            hashes = self._hashes(r, len(visible) // bs) if self.config.provide_block_hashes \
+                else []
+            # context: context_current_position; generation: len(tokens) - 1 (upstream)
+            position = r.computed if r.state == CONTEXT else r.host_len - 1
+            entries.append((r.id, RequestData(
+                r.id, visible[r.reported_tokens:], r.blocks[r.reported_blocks:], position, n,
+                hashes, cache_salt=r.salt)))
+            r.reported_tokens, r.reported_blocks = len(visible), len(r.blocks)
+        self.kv_cache_connector_manager.build_scheduler_output(entries)
 
     def _hashes(self, r: _Req, n_blocks: int) -> list[int]:
         out: list[int] = []
@@ -497,8 +626,9 @@ class SimulatedEngine:
             out.append(parent)
         return out
 
-    def _admit(self, r: _Req, budget: int) -> bool:
-        """Guaranteed-no-evict admission, device prefix match, connector match, allocation."""
+    def _admit(self, r: _Req) -> bool:
+        """Guaranteed-no-evict admission, device prefix match, connector match, allocation of
+        the whole prompt (``add_sequence``), ``update_state_after_alloc`` (rank 0)."""
         bs = self.block_size
         total = -(-(len(r.prompt) + r.max_new) // bs)
         hashes = self._hashes(r, (len(r.prompt) - 1) // bs)
@@ -518,10 +648,11 @@ class SimulatedEngine:
         r.llm_request = LlmRequest(r.id, list(r.tokens), cache_salt_id=(
             None if r.salt is None else cache_salt_id(r.salt)))
         r.llm_request.context_current_position = r.computed
+        assert self.leader is not None
+        manager = self.kv_cache_connector_manager
         before = self.leader.stats()
-        n_conn, load_async = self.leader.get_num_new_matched_tokens(r.llm_request, r.computed)
-        if n_conn == 0 and load_async:
-            raise RuntimeError("load_kv_async must be False when num_tokens is 0!")
+        n_conn = manager.get_num_new_matched_tokens(r.llm_request, r.computed)
+        load_async = manager.is_loading(r.id)
         if r.computed + n_conn >= len(r.prompt):
             raise RuntimeError(f"connector matched the whole prompt of request {r.id}")
         after = self.leader.stats()
@@ -530,17 +661,13 @@ class SimulatedEngine:
         r.n_loaded = n_conn
         r.computed += n_conn
         r.llm_request.context_current_position = r.computed
-        self._ensure_blocks(r, min(len(r.prompt), r.computed + max(1, budget)))
-        self.leader.update_state_after_alloc(r.llm_request, list(r.blocks))
+        self._ensure_blocks(r, len(r.prompt))
+        manager.update_state_after_alloc(r.llm_request, list(r.blocks))
         self._stats.prompt_tokens += len(r.prompt)
         self._stats.gpu_hit_tokens += r.n_device
         self._stats.host_hit_tokens += r.host_hit
         self._stats.disk_hit_tokens += r.disk_hit
-        if n_conn and load_async:
-            r.state = LOADING
-            self._new_loading.append(r.id)
-        else:
-            r.state = CONTEXT
+        r.state = LOADING if n_conn and load_async else CONTEXT
         return True
 
     def _ensure_blocks(self, r: _Req, tokens: int) -> None:
@@ -550,50 +677,39 @@ class SimulatedEngine:
                 r.reserved -= 1
                 self._outstanding -= 1
 
-    def _values(self, rank: int, layer: int, positions: torch.Tensor,
-                tokens: torch.Tensor) -> torch.Tensor:
-        """f(position, layer, kv, head, dim, token) for n tokens: [n, 2, heads*dim]."""
-        base = (positions * 7 + layer * 13 + tokens * 11)[:, None, None]
-        kv = torch.arange(2, device=self.device)[None, :, None] * 5
-        return ((base + kv + self._hd_base[rank][None, None, :]) % _MOD).to(self.config.dtype)
-
-    def _forward(self, rank: int, worker: KvbmConnectorWorker, stream: Any,
-                 batch: list[tuple[_Req, int]]) -> None:
+    def _sample(self, batch: list[tuple[_Req, int]]) -> None:
+        """After the forward (device side): positions computed, full blocks stored for reuse,
+        a token sampled where a sequence ended (``_update_request_states``: context →
+        generation). The host sees the token when the batch is processed."""
         bs = self.block_size
-        kv_pool = self.kv_pools[rank]
-        hd = self.heads_per_rank * self.config.head_dim
-        for layer in range(self.config.num_layers):
-            worker.wait_for_layer_load(layer, stream)
-            for r, n in batch:
-                pos = torch.arange(r.computed, r.computed + n, device=self.device)
-                tok = torch.tensor(r.tokens[r.computed:r.computed + n], device=self.device)
-                vals = self._values(rank, layer, pos, tok)
-                for i in range(n):
-                    p = r.computed + i
-                    off = (p % bs) * hd
-                    kv_pool[r.blocks[p // bs], layer, :, off:off + hd] = vals[i]
-            worker.save_kv_layer(layer, stream)
-        self._callables[rank]()
+        for r, n in batch:
+            if r.state == CONTEXT:
+                self._stats.computed_prefill_tokens += n
+            r.computed += n
+            full = r.computed // bs
+            if full > r.stored_blocks:
+                hashes = self._hashes(r, full)
+                self.pool.store_blocks(r.blocks, [(hashes[i], r.tokens[i * bs:(i + 1) * bs])
+                                                  for i in range(full)], r.stored_blocks,
+                                       r.salt)
+            r.stored_blocks = max(r.stored_blocks, full)
+            if r.computed >= len(r.tokens):  # end of context, or a decode step
+                if not r.device_done:  # the overlap loop's extra step samples nothing kept
+                    last = r.tokens[-1]
+                    r.tokens.append((last * 31 + len(r.tokens) * 7 + 3)
+                                    % self.config.vocab_size)
+                    r.generated += 1
+                    r.device_done = r.generated >= r.max_new
+                r.state = GENERATION
 
-    def _advance(self, r: _Req, n: int) -> None:
-        bs = self.block_size
-        if r.state == CONTEXT:
-            self._stats.computed_prefill_tokens += n
-        r.computed += n
-        # Blocks that became full are stored for reuse (stored events).
-        full = r.computed // bs
-        if full > r.stored_blocks:
-            hashes = self._hashes(r, full)
-            self.pool.store_blocks(r.blocks, [(hashes[i], r.tokens[i * bs:(i + 1) * bs])
-                                              for i in range(full)], r.stored_blocks,
-                                   r.salt)
-        r.stored_blocks = max(r.stored_blocks, full)
-        if r.computed >= len(r.tokens):  # end of context, or a decode step: sample a token
-            last = r.tokens[-1]
-            r.tokens.append((last * 31 + len(r.tokens) * 7 + 3) % self.config.vocab_size)
-            r.generated += 1
-            r.state = GENERATION
-            if r.generated >= r.max_new:
+    def _process_batch(self, reqs: list[_Req]) -> None:
+        """``_update_requests`` + ``_handle_responses``: the sampled tokens reach the request
+        objects; finished requests terminate."""
+        for r in reqs:
+            if r.state not in (CONTEXT, GENERATION):
+                continue  # aborted meanwhile
+            r.host_len = len(r.tokens)
+            if r.device_done:
                 self._terminate(r)
 
     def _process_aborts(self) -> None:
@@ -627,12 +743,12 @@ class SimulatedEngine:
             keys = [(hashes[j], r.tokens[j * bs:(j + 1) * bs]) for j in range(i)]
             self.pool.store_blocks(r.blocks, [*keys, (partial, tokens)], i, r.salt)
         assert r.llm_request is not None
-        saving = self.leader.request_finished(r.llm_request, list(r.blocks))
+        saving = self.kv_cache_connector_manager.request_finished(r.llm_request,
+                                                                  list(r.blocks))
         if not r.aborted:
             self._stats.requests_finished += 1
         if saving:
             r.state = SAVING
-            self._new_saving.append(r.id)
         else:
             self._free(r)
 
@@ -642,20 +758,11 @@ class SimulatedEngine:
         self._outstanding -= r.reserved
         r.reserved = 0
         r.state = DONE
+        self.kv_cache_connector_manager.forget(r.id)
 
-    def _get_finished(self) -> None:
-        saving, loading = self._new_saving, self._new_loading
-        self._new_saving, self._new_loading = [], []
-        for rank, w in enumerate(self.workers):
-            saved, loaded = w.get_finished(list(saving), list(loading))
-            self._local_saved[rank].update(saved)
-            self._local_loaded[rank].update(loaded)
-        done_saving = set.intersection(*self._local_saved)
-        done_loading = set.intersection(*self._local_loaded)
-        for s in self._local_saved:
-            s.difference_update(done_saving)
-        for s in self._local_loaded:
-            s.difference_update(done_loading)
+    def _kv_connector_terminate_requests(self) -> None:
+        """``get_finished`` on every rank; act on ids every rank returned."""
+        done_saving, done_loading = self.kv_cache_connector_manager.get_finished()
         for req_id in done_saving:
             self._free(self._reqs[req_id])
         for req_id in sorted(done_loading):
@@ -668,22 +775,8 @@ class SimulatedEngine:
                 r.state = CONTEXT
 
     def _verify(self, r: _Req) -> int:
-        """Blocks of ``r`` (every rank) whose KV differs from what the forward wrote."""
-        bs = self.block_size
-        hd = self.heads_per_rank * self.config.head_dim
-        bad = 0
-        for rank, kv_pool in enumerate(self.kv_pools):
-            for i in range(-(-r.computed // bs)):
-                n = min(bs, r.computed - i * bs)
-                pos = torch.arange(i * bs, i * bs + n, device=self.device)
-                tok = torch.tensor(r.tokens[i * bs:i * bs + n], device=self.device)
-                for layer in range(self.config.num_layers):
-                    want = self._values(rank, layer, pos, tok).permute(1, 0, 2).reshape(2, -1)
-                    got = kv_pool[r.blocks[i], layer, :, :n * hd]
-                    if not torch.equal(got, want):
-                        bad += 1
-                        break
-        return bad
+        """Blocks of ``r`` (summed over ranks) whose KV differs from what the forward wrote."""
+        return sum(rank.mismatches(r.computed, r.tokens, r.blocks) for rank in self.ranks)
 
     # ------------------------------------------------------------------ test helpers
 

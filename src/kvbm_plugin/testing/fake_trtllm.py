@@ -123,3 +123,155 @@ class LlmArgs:
     kvbm_plugin_group: str | None = None
     kvbm_plugin_inprocess: bool = True
     kvbm_plugin_tier_events: Any = None
+    kvbm_plugin_event_serializer: Any = None
+
+
+# --------------------------------------------------------------------------- KV cache events
+# Stand-ins for the C++ event objects that ``KVCacheManager.get_latest_events`` returns on the
+# buffered path (bindings of ``tensorrt_llm::executor::KVCacheEvent`` and its data types). The
+# class names matter: TensorRT-LLM's ``KVCacheEventSerializer`` picks the conversion by
+# ``type(event.data).__name__`` (tensorrt_llm/_utils.py, NVIDIA/TensorRT-LLM@ed53795b), so the
+# real serializer converts these objects too.
+
+
+@dataclass
+class UniqueToken:
+    token_id: int
+    token_extra_id: int = 0
+
+
+@dataclass
+class KVCacheStoredBlockData:
+    block_hash: int
+    tokens: list[UniqueToken]
+    cache_level: int = 0
+    priority: int = 35
+    lora_id: int | None = None  # present in C++; upstream's serializer does not write it
+
+
+@dataclass
+class KVCacheStoredData:
+    parent_hash: int | None
+    blocks: list[KVCacheStoredBlockData]
+
+
+@dataclass
+class KVCacheRemovedData:
+    block_hashes: list[int]
+
+
+@dataclass
+class KVCacheCreatedData:
+    num_blocks_per_cache_level: list[int]
+
+
+@dataclass
+class KVCacheEventDiff:
+    old_value: int
+    new_value: int
+
+
+@dataclass
+class KVCacheUpdatedData:
+    block_hash: int
+    cache_level: KVCacheEventDiff | None = None
+    priority: KVCacheEventDiff | None = None
+
+
+@dataclass
+class KVCacheEvent:
+    event_id: int
+    data: Any
+    window_size: int
+    attention_dp_rank: int | None = None
+
+
+def event_object(event: MappingABC[str, Any]) -> KVCacheEvent:
+    """The C++-like event object for one serialized event dict (the simulated block pool
+    records dicts; the simulated KV cache manager hands out objects)."""
+    data = event["data"]
+    kind = data["type"]
+    payload: Any
+    if kind == "stored":
+        payload = KVCacheStoredData(data.get("parent_hash"), [
+            KVCacheStoredBlockData(
+                b["block_hash"],
+                [UniqueToken(t["token_id"], t.get("token_extra_id", 0)) for t in b["tokens"]],
+                b.get("cache_level", 0), b.get("priority", 35), b.get("lora_id"))
+            for b in data["blocks"]])
+    elif kind == "removed":
+        payload = KVCacheRemovedData(list(data["block_hashes"]))
+    elif kind == "created":
+        payload = KVCacheCreatedData(list(data["num_blocks_per_cache_level"]))
+    elif kind == "updated":
+        def diff(d: Any) -> KVCacheEventDiff | None:
+            return None if d is None else KVCacheEventDiff(d["old_value"], d["new_value"])
+        payload = KVCacheUpdatedData(data["block_hash"], diff(data.get("cache_level")),
+                                     diff(data.get("priority")))
+    else:
+        raise ValueError(f"event_object: unknown event data type {kind!r}")
+    return KVCacheEvent(event["event_id"], payload, event["window_size"],
+                        event.get("attention_dp_rank"))
+
+
+class KVCacheEventSerializer:
+    """Same output shape as TensorRT-LLM's ``tensorrt_llm._utils.KVCacheEventSerializer``
+    (NVIDIA/TensorRT-LLM@ed53795b): one dict per event with ``event_id``, ``data``,
+    ``window_size`` (and ``attention_dp_rank`` when set); ``lora_id`` is not written, as
+    upstream leaves it out. Dispatches on the data object's class name, as upstream does."""
+
+    @classmethod
+    def serialize(cls, events: Any) -> Any:
+        if events is None:
+            return None
+        if not isinstance(events, list):
+            return cls.to_json_str(events)
+        return [cls.to_json_str(event) for event in events]
+
+    @classmethod
+    def to_json_str(cls, event: Any) -> dict[str, Any]:
+        if event is None:
+            return {}
+        name = type(event.data).__name__
+        convert = {"KVCacheCreatedData": cls._created, "KVCacheStoredData": cls._stored,
+                   "KVCacheStoredBlockData": cls._stored_block,
+                   "KVCacheRemovedData": cls._removed,
+                   "KVCacheUpdatedData": cls._updated}.get(name)
+        if convert is None:
+            raise ValueError(f"Unknown KVCache event data type: {name}")
+        out = {"event_id": event.event_id, "data": convert(event.data),
+               "window_size": event.window_size}
+        if event.attention_dp_rank is not None:
+            out["attention_dp_rank"] = event.attention_dp_rank
+        return out
+
+    @staticmethod
+    def _created(data: Any) -> dict[str, Any]:
+        return {"type": "created", "num_blocks_per_cache_level": data.num_blocks_per_cache_level}
+
+    @classmethod
+    def _stored(cls, data: Any) -> dict[str, Any]:
+        return {"type": "stored", "parent_hash": data.parent_hash,
+                "blocks": [cls._stored_block(b) for b in data.blocks]}
+
+    @staticmethod
+    def _stored_block(data: Any) -> dict[str, Any]:
+        return {"type": "stored_block", "block_hash": data.block_hash,
+                "tokens": [{"type": "unique_token", "token_id": t.token_id,
+                            "token_extra_id": t.token_extra_id} for t in data.tokens],
+                "cache_level": data.cache_level, "priority": data.priority}
+
+    @staticmethod
+    def _removed(data: Any) -> dict[str, Any]:
+        return {"type": "removed", "block_hashes": data.block_hashes}
+
+    @staticmethod
+    def _diff(data: Any) -> dict[str, Any] | None:
+        if data is None:
+            return None
+        return {"type": "event_diff", "new_value": data.new_value, "old_value": data.old_value}
+
+    @classmethod
+    def _updated(cls, data: Any) -> dict[str, Any]:
+        return {"type": "updated", "block_hash": data.block_hash,
+                "cache_level": cls._diff(data.cache_level), "priority": cls._diff(data.priority)}

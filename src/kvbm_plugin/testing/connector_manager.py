@@ -1,0 +1,124 @@
+"""TensorRT-LLM's ``KvCacheConnectorManager`` for the simulated engine.
+
+Follows the classic manager (``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py``,
+NVIDIA/TensorRT-LLM@3277953654b9 / 00fdcbff5ad8; the same logic moved to
+``connectors/kv_cache_connector.py`` in 1.3.0rc14):
+
+* every scheduler call goes through ``_run_on_leader(lambda: scheduler.<call>(...))``, whose
+  result is broadcast (``mpi_broadcast``: here a pickle round trip), so the connector sees the
+  same call stack depth as on the real engine: ``PyExecutor._kv_connector_start_batch`` →
+  ``handle_metadata`` → ``_run_on_leader`` → the lambda → ``build_connector_meta``;
+* ``get_num_new_matched_tokens`` records ``external_loads``; ``build_scheduler_output`` skips
+  requests that start an async load this iteration, subtracts ``external_loads`` from the first
+  report's ``computed_position``, and then clears ``external_loads`` (every build): a request
+  whose async load finishes later therefore first appears with its full position;
+* ``get_finished`` calls every rank's worker, then acts on an id only once every rank returned
+  it (the ``mpi_allgather`` intersection).
+
+Called only from the engine's executor thread.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvbm_plugin.testing.fake_trtllm import RequestData, SchedulerOutput
+
+
+class SimKvCacheConnectorManager:
+    """Connector state across ranks: the scheduler (rank 0) and every rank's worker."""
+
+    def __init__(self, scheduler: Any, ranks: Sequence[Any]) -> None:
+        self.scheduler = scheduler
+        self.ranks = list(ranks)
+        self.external_loads: dict[int, int] = {}
+        self.new_saving: list[int] = []  # not yet passed to get_finished
+        self.new_loading: list[int] = []
+        self._local_saved: list[set[int]] = [set() for _ in self.ranks]
+        self._local_loaded: list[set[int]] = [set() for _ in self.ranks]
+        self._reported: set[int] = set()  # requests already in some SchedulerOutput
+        self._scheduler_output: SchedulerOutput | None = None
+        self.get_finished_calls = 0
+        self.metadata_builds = 0
+
+    def _run_on_leader(self, f: Callable[[], Any]) -> Any:
+        """Run on rank 0 and broadcast: every rank gets its own unpickled copy."""
+        return pickle.loads(pickle.dumps(f()))
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
+        if request.is_generation_only_request:
+            raise RuntimeError("Connector API is not supported for generation-only requests!")
+        num_tokens, load_async = self._run_on_leader(
+            lambda: self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens))
+        if num_tokens == 0 and load_async:
+            raise RuntimeError("load_kv_async must be False when num_tokens is 0!")
+        if load_async:
+            self.new_loading.append(request.request_id)
+        self.external_loads[request.request_id] = num_tokens
+        return num_tokens
+
+    def is_loading(self, req_id: int) -> bool:
+        return req_id in self.new_loading
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
+        """Rank 0 only, no broadcast."""
+        self.scheduler.update_state_after_alloc(request, block_ids)
+
+    def build_scheduler_output(self, entries: Sequence[tuple[int, RequestData]]) -> None:
+        """``entries``: (request id, RequestData with the cumulative-delta fields filled and
+        ``computed_position`` as TRT-LLM reads it from the request) for the scheduled batch,
+        async-loading requests already left out by the caller."""
+        output = SchedulerOutput()
+        for req_id, data in entries:
+            if req_id in self.external_loads:
+                data.computed_position -= self.external_loads[req_id]
+            if req_id in self._reported:
+                output.cached_requests.append(data)
+            else:
+                self._reported.add(req_id)
+                output.new_requests.append(data)
+        self.external_loads = {}
+        self._scheduler_output = output
+
+    def handle_metadata(self) -> None:
+        """``build_connector_meta`` on rank 0 through ``_run_on_leader``; the pickled result is
+        bound on every rank."""
+        output = self._scheduler_output if self._scheduler_output is not None \
+            else SchedulerOutput()
+        metadata = self._run_on_leader(lambda: self.scheduler.build_connector_meta(output))
+        self._scheduler_output = None
+        self.metadata_builds += 1
+        meta_bytes = pickle.dumps(metadata)
+        for rank in self.ranks:
+            rank.bind(meta_bytes)
+
+    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
+        saving = self._run_on_leader(
+            lambda: self.scheduler.request_finished(request, cache_block_ids))
+        if saving:
+            self.new_saving.append(request.request_id)
+        return bool(saving)
+
+    def forget(self, req_id: int) -> None:
+        self._reported.discard(req_id)
+
+    def get_finished(self) -> tuple[set[int], set[int]]:
+        """Every rank's ``get_finished``, then the all-rank intersection: (saved, loaded)."""
+        self.get_finished_calls += 1
+        saving, loading = self.new_saving, self.new_loading
+        self.new_saving, self.new_loading = [], []
+        for rank in self.ranks:
+            rank.start_get_finished(saving, loading)
+        for i, rank in enumerate(self.ranks):
+            saved, loaded = rank.finish_get_finished()
+            self._local_saved[i].update(saved)
+            self._local_loaded[i].update(loaded)
+        done_saving = set.intersection(*self._local_saved)
+        done_loading = set.intersection(*self._local_loaded)
+        for s in self._local_saved:
+            s.difference_update(done_saving)
+        for s in self._local_loaded:
+            s.difference_update(done_loading)
+        return done_saving, done_loading

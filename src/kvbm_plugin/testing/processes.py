@@ -1,0 +1,226 @@
+"""The ranks of a simulated engine: in the engine's process, or each in its own process.
+
+On a real TP>1 deployment every rank is its own MPI process: rank 0 holds the scheduler (the
+leader) and a worker; ranks 1.. hold only a worker, receive the leader's metadata as a pickled
+broadcast and send their completion reports to the leader over ZMQ
+(``DYN_KVBM_LEADER_ZMQ_PUB_PORT``, see connector_meta). :class:`RemoteRank` reproduces that:
+a ``multiprocessing`` child (spawn start method, nothing inherited) builds its own
+``KvbmConnectorWorker`` and pool shard, gets the pickled metadata and the forward's work over a
+pipe, runs the iteration's worker calls in TRT-LLM's order, and answers ``get_finished``.
+
+Both rank kinds have the same interface; the engine starts an iteration on every rank before
+waiting for any (ranks run concurrently) and calls them from its executor thread only.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvbm_plugin.testing.kvmodel import BatchItems, KvModel
+
+_REPLY_TIMEOUT_S = 120.0
+
+
+class LocalRank:
+    """A rank whose worker lives in the engine's process (rank 0, or every rank in-process)."""
+
+    def __init__(self, rank: int, worker: Any, model: KvModel, num_blocks: int) -> None:
+        self.rank = rank
+        self.worker = worker
+        self.model = model
+        self.pool = model.new_pool(num_blocks)
+        self._callable = worker.register_forward_pass_callable()
+        worker.register_kv_caches(self.pool)
+        self._finished: tuple[list[int], list[int]] = ([], [])
+
+    def _stream(self) -> Any:
+        if self.pool.is_cuda:
+            import torch
+
+            return torch.cuda.current_stream()
+        return None
+
+    def bind(self, meta_bytes: bytes) -> None:
+        """The metadata broadcast reaching this rank: ``bind_connector_meta``."""
+        self.worker.bind_connector_meta(pickle.loads(meta_bytes))
+
+    def start_iteration(self, items: BatchItems) -> None:
+        run_iteration(self.worker, self._callable, self.model, self.pool, items, self._stream())
+
+    def finish_iteration(self) -> None:
+        return None
+
+    def start_get_finished(self, saving: list[int], loading: list[int]) -> None:
+        saved, loaded = self.worker.get_finished(list(saving), list(loading))
+        self._finished = (list(saved), list(loaded))
+
+    def finish_get_finished(self) -> tuple[list[int], list[int]]:
+        return self._finished
+
+    def mismatches(self, computed: int, tokens: list[int], blocks: list[int]) -> int:
+        return self.model.mismatches(self.pool, computed, tokens, blocks)
+
+    def stats(self) -> dict[str, int]:
+        return dict(self.worker.stats())
+
+    def idle(self) -> bool:
+        return bool(self.worker.idle())
+
+    def shutdown(self, timeout: float) -> None:
+        self.worker.shutdown(timeout)
+
+
+def run_iteration(worker: Any, forward_callable: Any, model: KvModel, pool: Any,
+                  items: BatchItems, stream: Any) -> None:
+    """One rank's part of an iteration after the metadata was bound, in TRT-LLM's order:
+    ``start_load_kv``; per decoder layer ``wait_for_layer_load``, the layer, ``save_kv_layer``
+    (forward hooks); the forward-pass callable; ``wait_for_save``."""
+    worker.start_load_kv(stream)
+    if items:
+        for layer in range(model.num_layers):
+            worker.wait_for_layer_load(layer, stream)
+            model.write_layer(pool, layer, items)
+            worker.save_kv_layer(layer, stream)
+        if forward_callable is not None:
+            forward_callable()
+    worker.wait_for_save(stream)
+
+
+class RemoteRank:
+    """A rank in a child process; the same interface as :class:`LocalRank`."""
+
+    def __init__(self, rank: int, llm_args: Any, model_kwargs: Mapping[str, Any],
+                 num_blocks: int) -> None:
+        self.rank = rank
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_rank_main, name=f"sim-rank-{rank}",
+                                 args=(child, llm_args, dict(model_kwargs), num_blocks),
+                                 daemon=True)
+        self._proc.start()
+        child.close()
+        self._closed = False
+        self._call_pending = False
+        self._bound: bytes | None = None
+
+    def wait_ready(self) -> None:
+        """Block until the child built its worker and registered its pool (raises its error)."""
+        self._reply()
+
+    def _send(self, *msg: Any) -> None:
+        self._conn.send(msg)
+
+    def _reply(self) -> Any:
+        if not self._conn.poll(_REPLY_TIMEOUT_S):
+            raise TimeoutError(f"rank {self.rank} process did not answer within "
+                               f"{_REPLY_TIMEOUT_S:.0f}s (alive: {self._proc.is_alive()})")
+        status, value = self._conn.recv()
+        if status == "error":
+            raise RuntimeError(f"rank {self.rank} process failed: {value}")
+        return value
+
+    def bind(self, meta_bytes: bytes) -> None:
+        self._bound = meta_bytes  # sent with the iteration: one message per iteration
+
+    def start_iteration(self, items: BatchItems) -> None:
+        meta, self._bound = self._bound, None
+        self._send("iteration", meta, items)
+
+    def finish_iteration(self) -> None:
+        self._reply()
+
+    def start_get_finished(self, saving: list[int], loading: list[int]) -> None:
+        self._send("get_finished", list(saving), list(loading))
+
+    def finish_get_finished(self) -> tuple[list[int], list[int]]:
+        saved, loaded = self._reply()
+        return list(saved), list(loaded)
+
+    def _call(self, *msg: Any) -> Any:
+        self._send(*msg)
+        return self._reply()
+
+    def mismatches(self, computed: int, tokens: list[int], blocks: list[int]) -> int:
+        return int(self._call("mismatches", computed, list(tokens), list(blocks)))
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._call("stats"))
+
+    def idle(self) -> bool:
+        return bool(self._call("idle"))
+
+    def shutdown(self, timeout: float) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._proc.is_alive():
+                self._send("shutdown", timeout)
+                self._conn.poll(timeout + 5)
+        except (BrokenPipeError, EOFError, OSError):
+            pass
+        self._proc.join(timeout + 5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        self._conn.close()
+
+
+def _rank_main(conn: Any, llm_args: Any, model_kwargs: dict[str, Any], num_blocks: int) -> None:
+    """Child process: TRT-LLM's per-rank bring-up (worker on a 2-thread pool, the forward-pass
+    callable, ``register_kv_caches``), then one request per message until shutdown."""
+    worker = None
+    try:
+        from kvbm_plugin.connector_worker import KvbmConnectorWorker
+
+        with ThreadPoolExecutor(max_workers=2) as pool_executor:
+            worker = pool_executor.submit(KvbmConnectorWorker, llm_args).result(timeout=60)
+        model = KvModel(**model_kwargs)
+        kv_pool = model.new_pool(num_blocks)
+        forward_callable = worker.register_forward_pass_callable()
+        worker.register_kv_caches(kv_pool)
+        stream = None
+        if kv_pool.is_cuda:
+            import torch
+
+            stream = torch.cuda.current_stream()
+        conn.send(("ok", None))
+    except BaseException as exc:  # the parent raises it
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        kind = msg[0]
+        try:
+            if kind == "iteration":
+                _, meta, items = msg
+                if meta is not None:
+                    worker.bind_connector_meta(pickle.loads(meta))
+                run_iteration(worker, forward_callable, model, kv_pool, items, stream)
+                reply: Any = None
+            elif kind == "get_finished":
+                saved, loaded = worker.get_finished(msg[1], msg[2])
+                reply = (list(saved), list(loaded))
+            elif kind == "mismatches":
+                reply = model.mismatches(kv_pool, msg[1], msg[2], msg[3])
+            elif kind == "stats":
+                reply = dict(worker.stats())
+            elif kind == "idle":
+                reply = bool(worker.idle())
+            elif kind == "shutdown":
+                worker.shutdown(msg[1])
+                conn.send(("ok", None))
+                break
+            else:
+                raise ValueError(f"unknown command {kind!r}")
+            conn.send(("ok", reply))
+        except BaseException as exc:
+            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+    conn.close()
