@@ -351,7 +351,9 @@ class SimulatedEngine:
         self._order: list[int] = []  # FIFO of waiting request ids
         self._ids = itertools.count(1)
         self._aborts: set[int] = set()
-        self._previous: list[_Req] = []  # overlap: the batch whose samples are not processed
+        # overlap: the batch whose samples are not processed yet, as (request, its token
+        # count after that batch's sampling, whether that sampling finished it)
+        self._previous: list[tuple[_Req, int, bool]] = []
         self._outstanding = 0  # reserved blocks not yet allocated
         self.pool = _GpuPool(cfg.num_gpu_blocks, bs, cfg.max_seq_len)
         # PyExecutor keeps its KV cache manager here; the leader finds it through the frames of
@@ -536,7 +538,7 @@ class SimulatedEngine:
         self._process_aborts()
         batch, admitted = self._schedule()
         computed = 0
-        ran: list[_Req] = []
+        ran: list[tuple[_Req, int, bool]] = []
         if batch or admitted:  # can_queue: the scheduled batch includes loading requests
             self._prepare_resources(batch)
             self._kv_connector_start_batch()
@@ -549,8 +551,7 @@ class SimulatedEngine:
             if batch:
                 self._stats.forward_passes += 1
                 computed = sum(n for _, n in batch)
-                self._sample(batch)
-                ran = [r for r, _ in batch]
+                ran = self._sample(batch)
         if self.config.overlap_scheduler:
             processed, self._previous = self._previous, ran
         else:
@@ -677,11 +678,12 @@ class SimulatedEngine:
                 r.reserved -= 1
                 self._outstanding -= 1
 
-    def _sample(self, batch: list[tuple[_Req, int]]) -> None:
+    def _sample(self, batch: list[tuple[_Req, int]]) -> list[tuple[_Req, int, bool]]:
         """After the forward (device side): positions computed, full blocks stored for reuse,
         a token sampled where a sequence ended (``_update_request_states``: context →
         generation). The host sees the token when the batch is processed."""
         bs = self.block_size
+        out: list[tuple[_Req, int, bool]] = []
         for r, n in batch:
             if r.state == CONTEXT:
                 self._stats.computed_prefill_tokens += n
@@ -693,23 +695,26 @@ class SimulatedEngine:
                                                   for i in range(full)], r.stored_blocks,
                                        r.salt)
             r.stored_blocks = max(r.stored_blocks, full)
+            finished_now = False
             if r.computed >= len(r.tokens):  # end of context, or a decode step
                 if not r.device_done:  # the overlap loop's extra step samples nothing kept
                     last = r.tokens[-1]
                     r.tokens.append((last * 31 + len(r.tokens) * 7 + 3)
                                     % self.config.vocab_size)
                     r.generated += 1
-                    r.device_done = r.generated >= r.max_new
+                    r.device_done = finished_now = r.generated >= r.max_new
                 r.state = GENERATION
+            out.append((r, len(r.tokens), finished_now))
+        return out
 
-    def _process_batch(self, reqs: list[_Req]) -> None:
-        """``_update_requests`` + ``_handle_responses``: the sampled tokens reach the request
-        objects; finished requests terminate."""
-        for r in reqs:
+    def _process_batch(self, sampled: list[tuple[_Req, int, bool]]) -> None:
+        """``_update_requests`` + ``_handle_responses``: the tokens sampled in that batch reach
+        the request objects; requests that batch finished terminate."""
+        for r, length, finished in sampled:
             if r.state not in (CONTEXT, GENERATION):
                 continue  # aborted meanwhile
-            r.host_len = len(r.tokens)
-            if r.device_done:
+            r.host_len = max(r.host_len, length)
+            if finished:
                 self._terminate(r)
 
     def _process_aborts(self) -> None:
