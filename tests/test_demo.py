@@ -32,6 +32,22 @@ def test_demo_passthrough_mode(capsys) -> None:
     assert "suppressed by dedup         0 of" in capsys.readouterr().out
 
 
+def test_demo_runs_the_overlap_scheduler_by_default_and_the_plain_loop_on_request(capsys) -> None:
+    assert demo.main_demo(SMALL) == 0
+    assert "overlap scheduler" in capsys.readouterr().out
+    assert demo.main_demo([*SMALL, "--no-overlap"]) == 0
+    out = capsys.readouterr().out
+    assert "plain scheduler" in out and "all checks passed" in out
+
+
+def test_demo_with_ranks_in_processes(capsys) -> None:
+    assert demo.main_demo([*SMALL, "--tp", "2", "--processes"]) == 0
+    out = capsys.readouterr().out
+    assert "TP=2 (rank processes)" in out and "all checks passed" in out
+    with pytest.raises(UsageError, match="--processes needs --tp > 1"):
+        demo.main_demo([*SMALL, "--tp", "1", "--processes"])
+
+
 def test_demo_fails_when_the_subscriber_view_is_wrong(monkeypatch, capsys) -> None:
     from kvbm_plugin.testing.engine import SimulatedEngine
 

@@ -267,7 +267,8 @@ def run_demo(args: argparse.Namespace) -> int:
             tokens_per_block=args.block_size, num_gpu_blocks=args.gpu_blocks,
             tp_size=args.tp, max_num_tokens=512, max_batch_size=8, device=args.device,
             dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
-            env=env, vocab_size=30000))
+            env=env, vocab_size=30000, overlap_scheduler=not args.no_overlap,
+            processes=args.processes))
         subscriber = TreeSubscriber(
             config.output.connect,
             None if config.output_replay is None else config.output_replay.connect,
@@ -384,7 +385,9 @@ def _settle_and_check(engine, joining: _JoiningSubscriber,  # noqa: ANN001, ANN2
     lost = sink["publisher_lost_batches"] + cons["output_lost"] + sub.missing_batches
     summary = [
         ("requests", f"{stats.requests_finished} finished / {stats.requests_submitted} "
-                     f"submitted, {stats.iterations} engine iterations, TP={args.tp}"),
+                     f"submitted, {stats.iterations} engine iterations, TP={args.tp}"
+                     f"{' (rank processes)' if args.processes else ''}, "
+                     f"{'plain' if args.no_overlap else 'overlap'} scheduler"),
         ("prefill tokens", f"{stats.prompt_tokens} in prompts: {stats.computed_prefill_tokens} "
                            f"computed, {prompt - stats.computed_prefill_tokens} reused"),
         ("hit rate GPU", f"{stats.gpu_hit_tokens / prompt:.1%} ({stats.gpu_hit_tokens} tokens)"),
@@ -493,6 +496,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--settle-timeout", type=float, default=20.0,
                         help="seconds to wait for the subscriber to catch up at the end")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-overlap", action="store_true",
+                        help="run TRT-LLM's plain executor loop instead of the overlap "
+                             "scheduler (TRT-LLM's default)")
+    parser.add_argument("--processes", action="store_true",
+                        help="run ranks 1.. in their own processes, completion reports over "
+                             "ZMQ (needs --tp > 1)")
     live = parser.add_argument_group(
         "steady workload", "With --duration or --requests the demo runs a steady multi-tenant "
         "chat (sessions of 1..--turns turns come and go) instead of --turns waves, so a router "
@@ -546,6 +555,8 @@ def _check_options(args: argparse.Namespace) -> None:
                          f"{needed} or shorten the chats (--turns, --system-tokens, "
                          "--user-tokens, --gen-tokens"
                          + (", --max-context)" if steady else ")"))
+    if args.processes and args.tp < 2:
+        raise UsageError(f"--processes needs --tp > 1, got --tp {args.tp}")
     cc.native_enabled()  # DYN_KVBM_NATIVE, read by the event sink and the consolidator
 
 
