@@ -1,7 +1,7 @@
 """TensorRT-LLM's ``KvCacheConnectorManager`` for the simulated engine.
 
 Follows the classic manager (``tensorrt_llm/_torch/pyexecutor/kv_cache_connector.py``,
-NVIDIA/TensorRT-LLM@3277953654b9 / 00fdcbff5ad8; the same logic moved to
+NVIDIA/TensorRT-LLM@00fdcbff5ad8; the same logic moved to
 ``connectors/kv_cache_connector.py`` in 1.3.0rc14):
 
 * every scheduler call goes through ``_run_on_leader(lambda: scheduler.<call>(...))``, whose

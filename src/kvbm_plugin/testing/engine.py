@@ -1,10 +1,13 @@
 """A simulated TensorRT-LLM executor that drives the real KvbmConnectorLeader/Worker.
 
 It follows TRT-LLM's PyExecutor and KvCacheConnectorManager, where they touch the connector
-(NVIDIA/TensorRT-LLM: ``tensorrt_llm/_torch/pyexecutor/py_executor.py``@9521caf4
+(NVIDIA/TensorRT-LLM, ``tensorrt_llm/_torch/pyexecutor/``: ``py_executor.py``@9521caf4 for the
+overlap loop being the default (``disable_overlap_scheduler``), ``get_latest_kv_cache_events``
+and the per-iteration ``flush_iteration_events``; the connector call sites in
 ``_executor_loop`` / ``_executor_loop_overlap`` / ``_kv_connector_start_batch`` /
-``_kv_connector_terminate_requests``; ``kv_cache_connector.py``@3277953654b9 for the manager;
-``resource_manager.py``@d2a5560a ``KVCacheManager.prepare_resources``):
+``_kv_connector_terminate_requests`` and ``resource_manager.py``'s
+``KVCacheManager.prepare_resources`` as of cf44a1cc; ``kv_cache_connector.py``@00fdcbff5ad8 for
+the manager):
 
 * bring-up: per rank a ``ThreadPoolExecutor(2)`` builds the worker (and, on rank 0, the leader)
   concurrently; ``register_forward_pass_callable``; ``register_kv_caches``. With

@@ -1,8 +1,10 @@
 """The buffered KV-event path of a simulated TensorRT-LLM engine, as TRT-LLM has it.
 
-Upstream (NVIDIA/TensorRT-LLM, the V1 ``KVCacheManager`` in
-``tensorrt_llm/_torch/pyexecutor/resource_manager.py``@d2a5560a, ``PyExecutor`` in
-``py_executor.py``@9521caf4, the executor worker in ``tensorrt_llm/executor/worker.py``@cc4777e9):
+Upstream (NVIDIA/TensorRT-LLM: the V1 ``KVCacheManager`` in
+``tensorrt_llm/_torch/pyexecutor/resource_manager.py`` (``flush_iteration_events``,
+``get_latest_events`` forward to the C++ manager), ``PyExecutor`` in ``py_executor.py``@9521caf4,
+the executor worker in ``tensorrt_llm/executor/worker.py``@cc4777e9, the serializer in
+``tensorrt_llm/_utils.py``@ed53795b):
 
 * the C++ event manager collects an iteration's events and makes them readable only when
   ``KVCacheManager.flush_iteration_events()`` runs, which ``PyExecutor._add_kv_cache_events``

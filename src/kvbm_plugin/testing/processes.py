@@ -78,15 +78,17 @@ def run_iteration(worker: Any, forward_callable: Any, model: KvModel, pool: Any,
                   items: BatchItems, stream: Any) -> None:
     """One rank's part of an iteration after the metadata was bound, in TRT-LLM's order:
     ``start_load_kv``; per decoder layer ``wait_for_layer_load``, the layer, ``save_kv_layer``
-    (forward hooks); the forward-pass callable; ``wait_for_save``."""
+    (forward hooks); the forward-pass callable; ``wait_for_save`` (inside ``_forward_step``, so
+    not without a forward)."""
     worker.start_load_kv(stream)
-    if items:
-        for layer in range(model.num_layers):
-            worker.wait_for_layer_load(layer, stream)
-            model.write_layer(pool, layer, items)
-            worker.save_kv_layer(layer, stream)
-        if forward_callable is not None:
-            forward_callable()
+    if not items:
+        return  # no forward pass this iteration (everything scheduled is loading)
+    for layer in range(model.num_layers):
+        worker.wait_for_layer_load(layer, stream)
+        model.write_layer(pool, layer, items)
+        worker.save_kv_layer(layer, stream)
+    if forward_callable is not None:
+        forward_callable()
     worker.wait_for_save(stream)
 
 
