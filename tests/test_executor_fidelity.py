@@ -300,3 +300,20 @@ def test_ranks_in_processes_report_completions_over_zmq(make_engine, caplog) -> 
     assert leader["saves_committed"] > 0 and leader["saves_failed"] == 0
     assert leader["ops_inflight"] == 0 and leader["reports_malformed"] == 0
     assert "ERROR" not in caplog.text
+
+
+def test_load_with_only_disk_copies_runs_without_a_failed_transfer_job(make_engine,
+                                                                        caplog) -> None:
+    """A load job whose copies all come from disk has no host-copy batch (on CPU the batch size
+    is 0: one batch per job); it must not fail the transfer job."""
+    engine = make_engine(num_gpu_blocks=16, env=tiers(disk=64))
+    a = prompt(8, 17)
+    engine.submit(a, 1)
+    engine.run_until_idle()
+    flush_gpu(engine, 3)
+    with caplog.at_level(logging.ERROR, logger="kvbm_plugin.connector_worker"):
+        second = engine.submit(a, 1)
+        engine.run_until_idle()
+    assert engine.result(second).disk_hit_tokens == 16
+    assert "transfer job failed" not in caplog.text
+    assert engine.stats().kv_mismatches == 0
