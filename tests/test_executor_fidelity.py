@@ -317,3 +317,16 @@ def test_load_with_only_disk_copies_runs_without_a_failed_transfer_job(make_engi
     assert engine.result(second).disk_hit_tokens == 16
     assert "transfer job failed" not in caplog.text
     assert engine.stats().kv_mismatches == 0
+
+
+def test_serializer_keeps_newer_per_block_fields_only_when_present() -> None:
+    from kvbm_plugin.testing.fake_trtllm import event_object
+
+    plain = {"event_id": 3, "window_size": 64, "data": {
+        "type": "stored", "parent_hash": None, "blocks": [{
+            "type": "stored_block", "block_hash": 7, "cache_level": 0, "priority": 35,
+            "tokens": [{"type": "unique_token", "token_id": 1, "token_extra_id": 0}]}]}}
+    assert KVCacheEventSerializer.serialize([event_object(plain)]) == [plain]
+    salted = {**plain, "data": {**plain["data"], "blocks": [
+        {**plain["data"]["blocks"][0], "cache_salt": "tenant-a"}]}}
+    assert KVCacheEventSerializer.serialize([event_object(salted)]) == [salted]

@@ -399,8 +399,11 @@ class SimulatedEngine:
             finally:
                 for p in pools:
                     p.shutdown(wait=False)
-            self.ranks = [LocalRank(r, w, KvModel(**model_kwargs(cfg, r)), cfg.num_gpu_blocks)
-                          for r, w in zip(local_ranks, workers, strict=True)]
+            for r, worker in zip(local_ranks, workers, strict=True):
+                model = KvModel(**model_kwargs(cfg, r))
+                pool = torch.zeros(model.pool_shape(cfg.num_gpu_blocks),
+                                   dtype=model.storage_dtype, device=self.device)
+                self.ranks.append(LocalRank(r, worker, model, pool))
             for rank in remote:
                 rank.wait_ready()
             self.ranks.extend(remote)

@@ -147,6 +147,8 @@ class KVCacheStoredBlockData:
     cache_level: int = 0
     priority: int = 35
     lora_id: int | None = None  # present in C++; upstream's serializer does not write it
+    mm_keys: list[Any] | None = None  # newer revisions (serialized when present)
+    cache_salt: str | None = None  # newer revisions (serialized when present)
 
 
 @dataclass
@@ -197,7 +199,8 @@ def event_object(event: MappingABC[str, Any]) -> KVCacheEvent:
             KVCacheStoredBlockData(
                 b["block_hash"],
                 [UniqueToken(t["token_id"], t.get("token_extra_id", 0)) for t in b["tokens"]],
-                b.get("cache_level", 0), b.get("priority", 35), b.get("lora_id"))
+                b.get("cache_level", 0), b.get("priority", 35), b.get("lora_id"),
+                b.get("mm_keys"), b.get("cache_salt"))
             for b in data["blocks"]])
     elif kind == "removed":
         payload = KVCacheRemovedData(list(data["block_hashes"]))
@@ -218,7 +221,8 @@ class KVCacheEventSerializer:
     """Same output shape as TensorRT-LLM's ``tensorrt_llm._utils.KVCacheEventSerializer``
     (NVIDIA/TensorRT-LLM@ed53795b): one dict per event with ``event_id``, ``data``,
     ``window_size`` (and ``attention_dp_rank`` when set); ``lora_id`` is not written, as
-    upstream leaves it out. Dispatches on the data object's class name, as upstream does."""
+    upstream leaves it out; a block's ``mm_keys`` and ``cache_salt`` (newer revisions) only
+    when set. Dispatches on the data object's class name, as upstream does."""
 
     @classmethod
     def serialize(cls, events: Any) -> Any:
@@ -256,10 +260,16 @@ class KVCacheEventSerializer:
 
     @staticmethod
     def _stored_block(data: Any) -> dict[str, Any]:
-        return {"type": "stored_block", "block_hash": data.block_hash,
-                "tokens": [{"type": "unique_token", "token_id": t.token_id,
-                            "token_extra_id": t.token_extra_id} for t in data.tokens],
-                "cache_level": data.cache_level, "priority": data.priority}
+        out = {"type": "stored_block", "block_hash": data.block_hash,
+               "tokens": [{"type": "unique_token", "token_id": t.token_id,
+                           "token_extra_id": t.token_extra_id} for t in data.tokens],
+               "cache_level": data.cache_level, "priority": data.priority}
+        # Newer revisions add these per block; left out when absent, as older ones write it.
+        if getattr(data, "mm_keys", None):
+            out["mm_keys"] = data.mm_keys
+        if getattr(data, "cache_salt", None) is not None:
+            out["cache_salt"] = data.cache_salt
+        return out
 
     @staticmethod
     def _removed(data: Any) -> dict[str, Any]:

@@ -48,9 +48,11 @@ class KvModel:
         dims = torch.arange(head_dim, device=self.device)
         self._hd_base = (heads[:, None] * 3 + dims[None, :]).reshape(-1)
 
+    def pool_shape(self, num_blocks: int) -> tuple[int, int, int, int]:
+        return (num_blocks, self.num_layers, self.kv_factor, self.block_size * self.hd)
+
     def new_pool(self, num_blocks: int) -> torch.Tensor:
-        return torch.zeros((num_blocks, self.num_layers, self.kv_factor,
-                            self.block_size * self.hd), dtype=self.storage_dtype,
+        return torch.zeros(self.pool_shape(num_blocks), dtype=self.storage_dtype,
                            device=self.device)
 
     def values(self, layer: int, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -28,11 +28,11 @@ _REPLY_TIMEOUT_S = 120.0
 class LocalRank:
     """A rank whose worker lives in the engine's process (rank 0, or every rank in-process)."""
 
-    def __init__(self, rank: int, worker: Any, model: KvModel, num_blocks: int) -> None:
+    def __init__(self, rank: int, worker: Any, model: KvModel, pool: Any) -> None:
         self.rank = rank
         self.worker = worker
         self.model = model
-        self.pool = model.new_pool(num_blocks)
+        self.pool = pool
         self._callable = worker.register_forward_pass_callable()
         worker.register_kv_caches(self.pool)
         self._finished: tuple[list[int], list[int]] = ([], [])
