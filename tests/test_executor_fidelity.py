@@ -330,3 +330,15 @@ def test_serializer_keeps_newer_per_block_fields_only_when_present() -> None:
     salted = {**plain, "data": {**plain["data"], "blocks": [
         {**plain["data"]["blocks"][0], "cache_salt": "tenant-a"}]}}
     assert KVCacheEventSerializer.serialize([event_object(salted)]) == [salted]
+
+
+def test_a_rank_process_that_dies_is_reported_not_waited_for(make_engine) -> None:
+    engine = make_engine(tp_size=2, processes=True, env=OFF)
+    remote = engine.ranks[1]
+    remote._proc.kill()
+    remote._proc.join(10)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 process exited"):
+        engine.submit(prompt(9, 9), 1)
+        engine.run_until_idle(timeout_s=30)
+    assert time.monotonic() - started < 20

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -114,12 +115,21 @@ class RemoteRank:
         self._reply()
 
     def _send(self, *msg: Any) -> None:
-        self._conn.send(msg)
+        try:
+            self._conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError) as exc:
+            raise RuntimeError(f"rank {self.rank} process exited (code "
+                               f"{self._proc.exitcode}): {exc}") from exc
 
     def _reply(self) -> Any:
-        if not self._conn.poll(_REPLY_TIMEOUT_S):
-            raise TimeoutError(f"rank {self.rank} process did not answer within "
-                               f"{_REPLY_TIMEOUT_S:.0f}s (alive: {self._proc.is_alive()})")
+        deadline = time.monotonic() + _REPLY_TIMEOUT_S
+        while not self._conn.poll(0.2):
+            if not self._proc.is_alive() and not self._conn.poll(0):
+                raise RuntimeError(f"rank {self.rank} process exited (code "
+                                   f"{self._proc.exitcode}) without answering")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {self.rank} process did not answer within "
+                                   f"{_REPLY_TIMEOUT_S:.0f}s")
         status, value = self._conn.recv()
         if status == "error":
             raise RuntimeError(f"rank {self.rank} process failed: {value}")
