@@ -42,8 +42,9 @@ class RequestData:
     request_id: int
     new_tokens: list[int]  # tokens appended since the previous report (all prompt tokens first)
     new_block_ids: list[int]  # device blocks appended since the previous report
-    computed_position: int  # tokens with valid KV before this iteration (first report excludes
-    # tokens the connector loaded)
+    computed_position: int  # tokens with valid KV before this iteration; the manager
+    # subtracts tokens the connector matched only in the build right after the match, so a
+    # request whose load was asynchronous first appears with its full position
     num_scheduled_tokens: int  # tokens computed by the upcoming forward pass
     block_hashes: list[int] = field(default_factory=list)  # cumulative full-block hash chain
     priorities: list[int] | None = None
