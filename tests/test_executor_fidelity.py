@@ -179,7 +179,8 @@ def test_events_are_objects_readable_only_after_the_iteration_flush(make_engine)
 def test_draining_event_source_starves_trtllm_event_reader(make_engine) -> None:
     """The plugin's per-iteration drain takes events from TRT-LLM's own dispatch reader (what
     LLM.get_kv_cache_events / /kv_cache_events / Dynamo's TRT-LLM publisher read)."""
-    engine = make_engine(env=OFF, trtllm_event_reader=True)
+    engine = make_engine(env={**OFF, "DYN_KVBM_KV_EVENTS_SOURCE": "drain"},
+                         trtllm_event_reader=True)
     reader = engine.event_reader
     assert reader is not None
     reader.pause()  # a reader that polls rarely, e.g. an HTTP client of /kv_cache_events
@@ -198,8 +199,8 @@ def test_draining_event_source_starves_trtllm_event_reader(make_engine) -> None:
 
 def test_trtllm_event_reader_gets_every_event_when_nobody_else_drains(make_engine) -> None:
     """Control for the test above: the reader itself loses nothing."""
-    engine = make_engine(env=OFF, trtllm_event_reader=True)
-    engine.leader._MAX_ATTACH_ATTEMPTS = 0  # the plugin never attaches to the manager
+    engine = make_engine(env={**OFF, "DYN_KVBM_KV_EVENTS_SOURCE": "off"},
+                         trtllm_event_reader=True)
     for k in range(4):
         engine.submit(prompt(20 + k, 13), 2)
     engine.run_until_idle()
@@ -208,6 +209,49 @@ def test_trtllm_event_reader_gets_every_event_when_nobody_else_drains(make_engin
     while len(engine.event_reader.events()) < produced and time.monotonic() < deadline:
         time.sleep(0.01)
     assert produced > 0 and len(engine.event_reader.events()) == produced
+
+
+def test_tap_source_leaves_every_event_to_trtllm_reader_and_still_publishes_them(
+        make_engine) -> None:
+    """With the non-draining source (DYN_KVBM_KV_EVENTS_SOURCE=tap) TRT-LLM's own reader gets
+    every event, and the plugin still receives each one through its tee."""
+    engine = make_engine(env={**OFF, "DYN_KVBM_KV_EVENTS_SOURCE": "tap"},
+                         trtllm_event_reader=True)
+    for k in range(4):
+        engine.submit(prompt(30 + k, 13), 2)
+    engine.run_until_idle()
+    produced = engine.kv_cache_manager.produced
+    reader = engine.event_reader
+    deadline = time.monotonic() + 10
+    while len(reader.events()) < produced and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert produced > 0 and len(reader.events()) == produced
+    assert engine.leader.event_sink.stats()["events_in"] == produced
+
+
+def test_auto_source_stops_draining_once_trtllm_reader_reads(make_engine) -> None:
+    """auto (the default): the plugin drains while TRT-LLM's reader has not read yet; from its
+    first read on, the reader gets every event."""
+    engine = make_engine(env=OFF, trtllm_event_reader=True)
+    reader = engine.event_reader
+    reader.pause()
+    engine.submit(prompt(40, 13), 2)
+    engine.run_until_idle()
+    assert engine.leader.event_source.drains
+    reader.resume()
+    deadline = time.monotonic() + 10
+    while engine.leader.event_source.drains and time.monotonic() < deadline:
+        reader.read_once()  # its first call: from now on the plugin only taps
+        time.sleep(0.01)
+    assert not engine.leader.event_source.drains
+    seen_before, produced_before = len(reader.events()), engine.kv_cache_manager.produced
+    for k in range(3):
+        engine.submit(prompt(41 + k, 13), 2)
+    engine.run_until_idle()
+    produced = engine.kv_cache_manager.produced - produced_before
+    while len(reader.events()) - seen_before < produced and time.monotonic() < deadline + 10:
+        time.sleep(0.01)
+    assert produced > 0 and len(reader.events()) - seen_before == produced
 
 
 # --------------------------------------------------------------------------- overlap
