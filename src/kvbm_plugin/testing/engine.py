@@ -564,8 +564,10 @@ class SimulatedEngine:
             processed = ran
         if processed:
             self._process_batch(processed)
-        if processed or ran:
-            self.kv_cache_manager.flush_iteration_events()
+        # Upstream flushes only in iterations that update resources; an iteration that only
+        # admitted loading requests would carry its events (evictions) into the next one. Here
+        # every iteration flushes, so an iteration's events are final once it returned.
+        self.kv_cache_manager.flush_iteration_events()
         self._kv_connector_terminate_requests()
         return computed
 
