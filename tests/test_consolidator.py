@@ -867,3 +867,89 @@ def test_a_repeating_ingest_error_backs_off_instead_of_spinning(ipc_dir, raw_ran
         consolidator._queue.clear()
         consolidator.shutdown(5.0)
     assert expect_errors.wait_for("ingest loop failed")
+
+
+def _nested_list(depth: int) -> list[Any]:
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+def test_deeply_nested_payloads_are_malformed_and_never_delay_the_next_batch(ipc_dir, start,
+                                                                             raw_rank):
+    """A 1 KB msgpack list nested 1,000 deep decodes; formatting it into the log must not raise
+    (it did, outside the per-message handling, and each one backed the loop off longer)."""
+    config = make_config(ipc_dir, replay=False)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    nested = msgpack.packb(_nested_list(1000))
+    assert len(nested) < 1100
+    nested_events = msgpack.packb([time.time(), [_nested_list(1000)], 0])
+    for seq in range(15):
+        raw.pub.send_multipart([b"", encode_seq(seq), nested])
+    raw.pub.send_multipart([b"", encode_seq(15), nested_events])
+    began = time.monotonic()
+    raw.send(16, [stored([1], None, [1])])
+    wait_for(lambda: consolidator.stats()["batches_applied"] >= 2, timeout=3.0,
+             what="the valid batch after 15 nested payloads")
+    assert time.monotonic() - began < 3.0
+    stats = consolidator.stats()
+    assert stats["malformed"] == 16
+    assert stats["ingest_errors"] == 0 and stats["message_errors"] == 0
+    assert consolidator._core.visible_hashes(0) == {1}
+
+
+def test_a_message_that_raises_is_dropped_alone_and_the_back_off_resets(ipc_dir, start,
+                                                                        raw_rank, monkeypatch):
+    config = make_config(ipc_dir, replay=False)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    core = consolidator._core
+    original = core.apply_events
+    calls = {"n": 0}
+
+    def raises_for_the_first_15(dp_rank, events, on_error):
+        calls["n"] += 1
+        if calls["n"] <= 15:
+            raise RuntimeError("a bug met by odd input")
+        return original(dp_rank, events, on_error)
+
+    monkeypatch.setattr(core, "apply_events", raises_for_the_first_15)
+    for seq in range(15):
+        raw.send(seq, [stored([100 + seq], None, [seq])])
+    raw.send(15, [stored([1], None, [1])])
+    wait_for(lambda: consolidator.stats()["batches_applied"] == 1, timeout=3.0,
+             what="the batch after 15 failing ones")
+    stats = consolidator.stats()
+    assert stats["message_errors"] == 15 and stats["ingest_errors"] == 0
+    assert consolidator._loop_failures == 0
+
+
+def test_the_loop_back_off_restarts_after_a_clean_message(ipc_dir, start, raw_rank,
+                                                          monkeypatch):
+    config = make_config(ipc_dir, replay=False)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    original = KvEventConsolidator._drain_registrations
+    fail = threading.Event()
+
+    def fails_while_set(self) -> None:
+        if self._queue and fail.is_set():
+            raise RuntimeError("bug")
+        original(self)
+
+    monkeypatch.setattr(KvEventConsolidator, "_drain_registrations", fails_while_set)
+    raw.send(0, [])
+    wait_for(lambda: consolidator.stats()["batches_applied"] == 1)
+    fail.set()
+    consolidator.register_store("CPU", 0, 5, None, toks(5), BS)  # retried, fails each time
+    wait_for(lambda: consolidator.stats()["ingest_errors"] >= 3)
+    fail.clear()
+    assert consolidator._loop_failures >= 3
+    raw.send(1, [stored([1], None, [1])])
+    wait_for(lambda: consolidator.stats()["batches_applied"] == 2)
+    wait_for(lambda: consolidator._loop_failures == 0, what="back-off reset")

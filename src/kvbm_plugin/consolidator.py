@@ -77,6 +77,7 @@ import zmq
 
 from kvbm_plugin import _native
 from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin._saferepr import saferepr
 from kvbm_plugin.consolidator_config import (
     ENABLE_CONSOLIDATOR,
     EVENTS_ENDPOINT,
@@ -1040,7 +1041,7 @@ _SHELL_COUNTERS: Final = (
     "messages_received", "batches_applied", "events_applied", "malformed", "unknown_medium",
     "gaps", "late_joins", "restarts", "replay_requests", "replayed_batches", "replay_failures",
     "unfillable_gaps", "registrations", "registration_errors", "registrations_dropped",
-    "batches_out", "events_out", "output_lost", "ingest_errors",
+    "batches_out", "events_out", "output_lost", "ingest_errors", "message_errors",
 )
 
 _Registration = tuple[Any, ...]  # (kind, medium, dp_rank, ...) built by register_*
@@ -1088,6 +1089,8 @@ class KvEventConsolidator:
         self._max_pending = max_pending
         self._flush_every = flush_every
         self._log = RateLimitedLog(logger)
+        # Ingest-loop failures since the last message applied cleanly: sets the back-off.
+        self._loop_failures = 0
         for name in _SHELL_COUNTERS:
             setattr(self, "_n_" + name, 0)
         # Registration queue: appended by any thread, drained by the ingest thread. deque
@@ -1333,8 +1336,10 @@ class KvEventConsolidator:
                     break  # the shared context is gone (process exit): nothing left to read
                 except Exception:  # a bug, not bad input: count it and keep ingesting
                     self._n_ingest_errors += 1
+                    self._loop_failures += 1
                     # A failure that repeats must not turn into a busy loop: back off up to 1 s.
-                    self._stop.wait(min(1.0, 0.001 * 2 ** min(self._n_ingest_errors, 10)))
+                    # The back-off restarts from 2 ms once a message is applied cleanly again.
+                    self._stop.wait(min(1.0, 0.001 * 2 ** min(self._loop_failures, 10)))
                     if self._n_ingest_errors == 1:
                         logger.exception("%s: ingest loop failed; continuing",
                                          type(self).__name__)
@@ -1580,6 +1585,23 @@ class KvEventConsolidator:
             self._core.resync(dp_rank)
 
     def _apply_payload(self, stream: _Stream, payload: bytes) -> None:
+        """Decode and apply one message's payload; whatever it raises stays with this message.
+
+        Bad input is expected to raise WireFormatError (counted as malformed) inside; anything
+        else escaping (a bug met by odd input) is counted in ``message_errors`` and logged
+        rate-limited, so one message can neither stop nor slow down the ingest loop.
+        """
+        try:
+            self._apply_payload_unguarded(stream, payload)
+        except Exception as exc:
+            self._n_message_errors += 1
+            self._log.log(logging.ERROR, "message-error", "rank %d: message dropped, applying "
+                          "it raised %s: %s", stream.rank, type(exc).__name__,
+                          saferepr(str(exc)))
+            return
+        self._loop_failures = 0
+
+    def _apply_payload_unguarded(self, stream: _Stream, payload: bytes) -> None:
         try:
             batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
         except Exception as exc:  # msgpack raises several unrelated types
@@ -1588,14 +1610,14 @@ class KvEventConsolidator:
             return
         if type(batch) is not list or not 2 <= len(batch) <= 3 or type(batch[1]) is not list:
             self._bad_message(stream, WireFormatError(f"payload is not [ts, events, dp_rank]: "
-                                                      f"{batch!r:.200}"))
+                                                      f"{saferepr(batch)}"))
             return
         dp_rank = batch[2] if len(batch) == 3 else None
         if dp_rank is None:
             dp_rank = stream.rank
         elif type(dp_rank) is not int or dp_rank < 0:
             self._bad_message(stream, WireFormatError(
-                f"batch data_parallel_rank is not an int >= 0: {dp_rank!r:.100}"))
+                f"batch data_parallel_rank is not an int >= 0: {saferepr(dp_rank, 100)}"))
             return
         if dp_rank not in stream.dp_ranks:
             if not self._core.admit_dp_rank(dp_rank):  # counted by the core
@@ -1645,7 +1667,7 @@ class KvEventConsolidator:
             except Exception as exc:  # e.g. token count != block_size: the tier's bug
                 self._n_registration_errors += 1
                 self._log.log(logging.WARNING, "registration", "registration %s dropped: %s",
-                              f"{item!r:.200}", exc)
+                              saferepr(item), exc)
 
     def _flush(self) -> None:
         """Publish what the core produced: one batch per dp rank, dp rank preserved."""
