@@ -320,12 +320,12 @@ def test_gap_is_filled_by_replay(ipc_dir, start, raw_rank):
     consolidator = start(config)
     raw.wait_subscribed()
     raw.serve_startup()
-    raw.send(0, [stored([1], None, [1]), stored([9], None, [9])])
+    first = raw.send(0, [stored([1], None, [1]), stored([9], None, [9])])
     lost = raw.frames(1, [stored([2], 1, [2]), removed([9])])  # never sent live
     live = raw.send(2, [stored([3], 2, [3])])
     ident, start_seq = raw.next_replay_request()
-    assert start_seq == 1
-    raw.answer(ident, [lost, live])
+    assert start_seq == 0  # from the last batch applied: it must come back unchanged
+    raw.answer(ident, [first, lost, live])
     router = settled(consolidator, config, lambda s: s["batches_applied"] == 3)
     assert router.held == {0: {1, 2, 3}}
     stats = consolidator.stats()
@@ -361,8 +361,8 @@ def test_gap_beyond_the_replay_buffer_resyncs(ipc_dir, start, raw_rank):
     raw.send(0, [stored([1], None, [1])])
     live = raw.send(3, [stored([3], None, [3])])
     ident, start_seq = raw.next_replay_request()
-    assert start_seq == 1
-    raw.answer(ident, [live])  # the publisher no longer buffers 1 and 2
+    assert start_seq == 0
+    raw.answer(ident, [live])  # the publisher no longer buffers 0, 1 and 2
     router = settled(consolidator, config, lambda s: s["batches_applied"] == 2)
     assert router.held == {0: {3}}
     assert consolidator.stats()["unfillable_gaps"] == 1
@@ -953,3 +953,93 @@ def test_the_loop_back_off_restarts_after_a_clean_message(ipc_dir, start, raw_ra
     raw.send(1, [stored([1], None, [1])])
     wait_for(lambda: consolidator.stats()["batches_applied"] == 2)
     wait_for(lambda: consolidator._loop_failures == 0, what="back-off reset")
+
+
+def test_a_restarted_publisher_that_got_further_than_the_old_one_is_resynced(ipc_dir, start,
+                                                                               closers):
+    """The new stream's seq is past the old one's when the consolidator reconnects: that reads
+    as a gap, but the replay shows the last applied batch changed, so the rank is resynced and
+    the new stream taken from its start (not "replayed" into the old one)."""
+    config = make_config(ipc_dir)
+
+    def rank_publisher():
+        pub = create_publisher(config.publisher, config.publish_endpoint(0),
+                               config.replay_endpoint(0), 0)
+        closers.append(lambda: pub.shutdown(2.0))
+        return pub
+
+    old = rank_publisher()
+    consolidator = start(config)
+    sync_live(old, consolidator)
+    for i in range(3):
+        old.publish([stored([101 + i], None if i == 0 else 100 + i, [i])])
+    wait_for(lambda: consolidator._core.visible_hashes(0) == {101, 102, 103})
+    old.shutdown(2.0)
+    new = rank_publisher()
+    expected = set()
+    for i in range(8):  # more batches than the old stream had reached
+        new.publish([stored([201 + i], None if i == 0 else 200 + i, [10 + i])])
+        expected.add(201 + i)
+    deadline = time.monotonic() + 15.0
+    i = 8
+    while consolidator._core.visible_hashes(0) != expected:
+        assert time.monotonic() < deadline, (consolidator._core.visible_hashes(0), expected,
+                                             consolidator.stats())
+        new.publish([stored([201 + i], 200 + i, [10 + i])])  # live traffic goes on
+        expected.add(201 + i)
+        i += 1
+        time.sleep(0.05)  # pacing of the simulated engine, not synchronisation
+    stats = consolidator.stats()
+    assert stats["restarts"] >= 1 and stats["reconnects"] >= 1
+
+
+def test_a_restarted_publisher_at_the_same_seq_is_caught_by_the_reconnection(ipc_dir, start,
+                                                                            raw_rank):
+    """The new stream is exactly where the old one was: nothing in the seq shows the restart;
+    the reconnection and the replay of the last applied batch do."""
+    config = make_config(ipc_dir)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    raw.serve_startup()
+    for i in range(3):
+        raw.send(i, [stored([101 + i], None if i == 0 else 100 + i, [i])])
+    wait_for(lambda: consolidator.stats()["batches_applied"] == 3)
+    raw.close()
+    new = raw_rank(config)
+    new.wait_subscribed()
+    batches = [new.frames(i, [stored([201 + i], None if i == 0 else 200 + i, [10 + i])])
+               for i in range(4)]
+    ident, start_seq = new.next_replay_request()
+    assert start_seq == 2  # the last batch applied, to compare
+    new.answer(ident, batches[2:3])
+    ident, start_seq = new.next_replay_request()  # the restart was seen: everything
+    assert start_seq == 0
+    new.answer(ident, batches[:3])
+    new.pub.send_multipart(batches[3])
+    wait_for(lambda: consolidator._core.visible_hashes(0) == {201, 202, 203, 204},
+             what="the new stream only")
+    stats = consolidator.stats()
+    assert stats["restarts"] == 1 and stats["reconnects"] == 1 and stats["resyncs"] == 1
+
+
+def test_a_reconnection_to_the_same_publisher_replays_what_was_missed(ipc_dir, start,
+                                                                     raw_rank):
+    config = make_config(ipc_dir)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    raw.serve_startup()
+    sent = [raw.send(i, [stored([101 + i], None if i == 0 else 100 + i, [i])])
+            for i in range(2)]
+    wait_for(lambda: consolidator.stats()["batches_applied"] == 2)
+    raw.close()
+    new = raw_rank(config)  # the same stream, reached again (e.g. a network blip)
+    new.wait_subscribed()
+    missed = new.frames(2, [stored([103], 102, [2])])
+    ident, start_seq = new.next_replay_request()
+    assert start_seq == 1
+    new.answer(ident, [sent[1], missed])
+    wait_for(lambda: consolidator._core.visible_hashes(0) == {101, 102, 103})
+    stats = consolidator.stats()
+    assert stats["restarts"] == 0 and stats["resyncs"] == 0 and stats["reconnects"] == 1

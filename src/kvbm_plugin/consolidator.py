@@ -77,6 +77,7 @@ import zmq
 
 from kvbm_plugin import _native
 from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin._reconnect import BACK, LOST, ConnectionWatch
 from kvbm_plugin._saferepr import saferepr
 from kvbm_plugin.consolidator_config import (
     ENABLE_CONSOLIDATOR,
@@ -1013,33 +1014,50 @@ class ConsolidatorCore:
 class _Replay:
     """A replay in flight for one stream: live messages wait in ``pending`` until it ends."""
 
-    __slots__ = ("deadline", "pending", "failed", "startup")
+    __slots__ = ("deadline", "pending", "failed", "startup", "verify")
 
-    def __init__(self, deadline: float, startup: bool = False) -> None:
+    def __init__(self, deadline: float, startup: bool = False,
+                 verify: tuple[int, bytes] | None = None) -> None:
         self.deadline = deadline
         self.pending: list[list[bytes]] = []
         self.failed = False  # a hole inside the replayed range was already resynced
         self.startup = startup  # the catch-up request sent at start (publisher may be absent)
+        # (seq, payload) of a batch already applied: the first answer must repeat it byte for
+        # byte, or the publisher is not the one that sent it (it restarted).
+        self.verify = verify
 
 
 class _Stream:
     """The GPU-tier stream of one rank: its sockets and sequence state (ingest thread only)."""
 
-    __slots__ = ("rank", "sub", "dealer", "expected", "replay", "dp_ranks", "seen")
+    __slots__ = ("rank", "sub", "dealer", "watch", "expected", "replay", "dp_ranks", "seen",
+                 "last_payload", "anchor")
 
     def __init__(self, rank: int) -> None:
         self.rank = rank
         self.sub: zmq.Socket | None = None
         self.dealer: zmq.Socket | None = None
+        self.watch: ConnectionWatch | None = None  # the SUB's connection events
         self.expected = 0  # next seq; a first message above 0 is a gap (joined late)
         self.replay: _Replay | None = None
         self.dp_ranks: set[int] = {rank}  # dp ranks this stream's batches named
         self.seen = False
+        self.last_payload: bytes | None = None  # payload of seq ``expected - 1`` (a reference)
+        # (seq, payload) of the last batch applied when the connection was lost: checked by a
+        # replay once it is back, to tell a restarted publisher from a network blip.
+        self.anchor: tuple[int, bytes] | None = None
+
+    def last_applied(self) -> tuple[int, bytes] | None:
+        """(seq, payload) of the last batch applied with a seq, if any."""
+        if not self.seen or self.expected == 0 or self.last_payload is None:
+            return None
+        return self.expected - 1, self.last_payload
 
 
 _SHELL_COUNTERS: Final = (
     "messages_received", "batches_applied", "events_applied", "malformed", "unknown_medium",
-    "gaps", "late_joins", "restarts", "replay_requests", "replayed_batches", "replay_failures",
+    "gaps", "late_joins", "restarts", "reconnects", "replay_requests", "replayed_batches",
+    "replay_failures",
     "unfillable_gaps", "registrations", "registration_errors", "registrations_dropped",
     "batches_out", "events_out", "output_lost", "ingest_errors", "message_errors",
 )
@@ -1104,6 +1122,9 @@ class KvEventConsolidator:
         self._setup_error: BaseException | None = None
         self._idle = False
         self._published_batches = 0
+        # The ingest thread's poller and DEALER -> stream map (set and used by that thread).
+        self._poller = zmq.Poller()
+        self._by_dealer: dict[Any, _Stream] = {}
         self._lock = threading.Lock()  # start/shutdown only
         self._state = "new"  # new -> running -> stopped
 
@@ -1305,6 +1326,8 @@ class KvEventConsolidator:
                 sub.setsockopt(zmq.LINGER, 0)
                 sub.setsockopt(zmq.RCVHWM, self.config.publisher.hwm)
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
+                stream.watch = ConnectionWatch(sub)
+                poller.register(stream.watch.socket, zmq.POLLIN)
                 sub.connect(self.config.publish_endpoint(rank).connect)
                 poller.register(sub, zmq.POLLIN)
                 stream.dealer = self._open_dealer(stream, poller)
@@ -1327,6 +1350,7 @@ class KvEventConsolidator:
                 self._request_replay(stream, 0, startup=True)
         by_socket = {s.sub: s for s in streams}
         by_dealer = {s.dealer: s for s in streams if s.dealer is not None}
+        self._poller, self._by_dealer = poller, by_dealer
         try:
             while True:
                 try:
@@ -1367,6 +1391,11 @@ class KvEventConsolidator:
 
     @staticmethod
     def _close_stream(stream: _Stream, poller: zmq.Poller) -> None:
+        if stream.watch is not None:
+            with contextlib.suppress(KeyError):
+                poller.unregister(stream.watch.socket)
+            stream.watch.close()
+            stream.watch = None
         for sock in (stream.sub, stream.dealer):
             if sock is not None:
                 with contextlib.suppress(KeyError):
@@ -1406,6 +1435,12 @@ class KvEventConsolidator:
                 self._wake_pending = False
             if inline is not None and inline.replay_socket in ready:
                 inline.service_replay()  # our output's replay requests
+            for stream in streams:
+                # Before the stream's messages: a message from a restarted publisher must not be
+                # taken for the old stream's before its reconnection is seen.
+                if stream.watch is not None and stream.watch.socket in ready:
+                    for event in stream.watch.events():
+                        self._on_connection_event(stream, event)
             for sock, stream in by_dealer.items():
                 if sock in ready:
                     self._drain_replay(stream, sock)
@@ -1436,7 +1471,13 @@ class KvEventConsolidator:
                             self._log.log(logging.WARNING, "replay-timeout", "rank %d: replay "
                                           "gave no END_SEQ within %.1fs", stream.rank,
                                           self._replay_timeout)
-                        self._replay_failed(stream, poller, by_dealer)
+                        if stream.replay.verify is not None:
+                            # The stream could not be checked: assume the worst.
+                            self._n_replay_failures += 1
+                            self._publisher_restarted(stream, "replay to check the stream "
+                                                      "after a reconnection timed out")
+                            continue
+                        self._replay_failed(stream)
             self._drain_registrations()
             self._flush()
 
@@ -1484,6 +1525,7 @@ class KvEventConsolidator:
                     self._n_restarts += 1
                     self._resync(stream, f"seq went back from {expected - 1} to {seq}")
                     stream.expected = 0
+                    stream.last_payload = None
                     if seq != 0:
                         self._gap(stream, frames, seq)
                         return
@@ -1491,6 +1533,7 @@ class KvEventConsolidator:
                     self._gap(stream, frames, seq)
                     return
             stream.expected = seq + 1
+            stream.last_payload = payload
         if not stream.seen:
             stream.seen = True
             if seq:  # batches before this one are gone for good
@@ -1504,7 +1547,9 @@ class KvEventConsolidator:
             self._n_gaps += 1
         start = stream.expected
         if stream.dealer is not None:
-            self._request_replay(stream, start)
+            # From the last batch applied, not the first missing one: if that batch comes back
+            # different, the publisher restarted and the higher seq is not a gap in our stream.
+            self._request_replay(stream, start, verify=stream.last_applied())
             stream.replay.pending.append(frames)  # type: ignore[union-attr]
             return
         if not first:
@@ -1513,13 +1558,76 @@ class KvEventConsolidator:
         stream.expected = seq
         self._on_message(stream, frames, live=True)
 
-    def _request_replay(self, stream: _Stream, start: int, startup: bool = False) -> None:
+    def _request_replay(self, stream: _Stream, start: int, startup: bool = False,
+                        verify: tuple[int, bytes] | None = None) -> None:
+        """Ask the rank's publisher for its batches from ``start`` on (from ``verify``'s seq
+        when given: that batch must come back unchanged first, see :class:`_Replay`)."""
         assert stream.dealer is not None
         self._n_replay_requests += 1
+        first = start if verify is None else verify[0]
         # zmq.Again: not connected yet; the deadline turns this into a failed replay.
         with contextlib.suppress(zmq.Again):
-            stream.dealer.send_multipart([b"", encode_seq(start)], zmq.NOBLOCK)
-        stream.replay = _Replay(time.monotonic() + self._replay_timeout, startup)
+            stream.dealer.send_multipart([b"", encode_seq(first)], zmq.NOBLOCK)
+        stream.replay = _Replay(time.monotonic() + self._replay_timeout, startup, verify)
+
+    def _renew_dealer(self, stream: _Stream) -> None:
+        """A fresh DEALER, so a late answer to an abandoned request cannot be taken for the
+        answer to a later one."""
+        if stream.dealer is None:
+            return
+        self._by_dealer.pop(stream.dealer, None)
+        self._poller.unregister(stream.dealer)
+        stream.dealer.close(linger=0)
+        stream.dealer = self._open_dealer(stream, self._poller)
+        if stream.dealer is not None:
+            self._by_dealer[stream.dealer] = stream
+
+    def _on_connection_event(self, stream: _Stream, event: str) -> None:
+        """The rank's SUB lost its publisher, or reached one again (ingest thread)."""
+        if event == LOST:
+            stream.anchor = stream.last_applied()
+            return
+        assert event == BACK
+        self._n_reconnects += 1
+        anchor, stream.anchor = stream.anchor, None
+        if not stream.seen:
+            return  # nothing applied yet: the seq alone tells where the new stream starts
+        if stream.dealer is None:
+            # Batches sent while disconnected are gone and a restart cannot be told from a
+            # blip: what the rank held may have changed, so treat it as cleared.
+            self._resync(stream, "reconnected to the publisher without a replay endpoint")
+            stream.seen, stream.expected, stream.last_payload = False, 0, None
+            return
+        if anchor is None:
+            return
+        # Replay from the last batch applied before the connection was lost: unchanged means
+        # the same publisher (and the replay fills whatever was missed meanwhile).
+        pending: list[list[bytes]] = []
+        if stream.replay is not None:
+            pending = stream.replay.pending
+            self._renew_dealer(stream)
+        if stream.dealer is not None:
+            self._request_replay(stream, anchor[0] + 1, verify=anchor)
+            stream.replay.pending.extend(pending)  # type: ignore[union-attr]
+        else:
+            for frames in pending:
+                self._on_message(stream, frames, live=True)
+
+    def _publisher_restarted(self, stream: _Stream, why: str) -> None:
+        """A replay showed that the rank's publisher is not the one whose batches were
+        applied: forget the old stream, then take the new one from its first buffered batch."""
+        self._n_restarts += 1
+        self._resync(stream, f"publisher restarted ({why})")
+        pending = stream.replay.pending if stream.replay is not None else []
+        stream.replay = None
+        stream.seen, stream.expected, stream.last_payload = False, 0, None
+        self._renew_dealer(stream)
+        if stream.dealer is None:
+            for frames in pending:
+                self._on_message(stream, frames, live=True)
+            return
+        self._request_replay(stream, 0, startup=True)
+        stream.replay.pending.extend(pending)  # type: ignore[union-attr]
 
     def _drain_replay(self, stream: _Stream, sock: zmq.Socket) -> None:
         while True:
@@ -1532,27 +1640,40 @@ class KvEventConsolidator:
             # Replies are [b"", topic, seq, payload] (DEALER keeps the empty delimiter);
             # older publishers omit the topic. The end marker's seq frame is END_SEQ.
             body = frames[1:] if len(frames) == 4 and frames[0] == b"" else frames
+            verify = stream.replay.verify
             if len(body) >= 2 and (body[1] == END_SEQ or body[0] == END_SEQ):
+                if verify is not None:
+                    self._publisher_restarted(stream, f"its replay no longer holds seq "
+                                              f"{verify[0]}")
+                    return
                 self._finish_replay(stream, incomplete=False)
                 return
             if len(body) == 2:
                 body = [b"", body[0], body[1]]
+            if verify is not None:
+                try:
+                    first = decode_seq(body[1]) if len(body) == 3 else None
+                except WireFormatError:
+                    first = None
+                if first is not None and first > verify[0]:
+                    # The buffer no longer holds it: nothing to compare. What follows is checked
+                    # as any replay is (a hole is resynced).
+                    stream.replay.verify = None
+                elif first == verify[0] and body[2] == verify[1]:
+                    stream.replay.verify = None  # the same publisher: go on with the replay
+                    continue
+                else:
+                    self._publisher_restarted(stream, f"its replay of seq {verify[0]} differs "
+                                              "from the batch applied")
+                    return
             self._n_replayed_batches += 1
             self._on_message(stream, body, live=False)
 
-    def _replay_failed(self, stream: _Stream, poller: zmq.Poller,
-                       by_dealer: dict[Any, _Stream]) -> None:
+    def _replay_failed(self, stream: _Stream) -> None:
         assert stream.replay is not None
         if not stream.replay.startup:  # at start the rank's publisher may simply not be up
             self._n_replay_failures += 1
-        # A fresh DEALER, so a late answer to this request cannot be taken for a later one.
-        if stream.dealer is not None:
-            by_dealer.pop(stream.dealer, None)
-            poller.unregister(stream.dealer)
-            stream.dealer.close(linger=0)
-            stream.dealer = self._open_dealer(stream, poller)
-            if stream.dealer is not None:
-                by_dealer[stream.dealer] = stream
+        self._renew_dealer(stream)
         self._finish_replay(stream, incomplete=True)
 
     def _finish_replay(self, stream: _Stream, incomplete: bool) -> None:

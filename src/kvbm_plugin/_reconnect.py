@@ -1,0 +1,63 @@
+"""Connection events of a subscriber's socket, for noticing that a publisher may have restarted.
+
+A restarted publisher's seq starts at 0 again. A consumer sees that as the seq going back, but
+only when the new stream has not yet got past where the old one was: if it has, its next seq
+reads as a gap (or as the expected seq) and the old blocks stay while the new stream's first
+batches are missed. The connection itself tells more: the publisher's socket closed and a new one
+was reached. :class:`ConnectionWatch` reports those events from a ZMQ socket monitor; the
+consumer then checks the stream (see ``KvEventConsolidator`` and ``StreamSubscriber``: replay the
+last batch it applied and compare the bytes).
+
+Used by the consolidator's ingest thread and by ``StreamSubscriber``'s polling thread: one thread
+per watch, like the socket it watches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+__all__ = ["LOST", "BACK", "ConnectionWatch"]
+
+LOST = "lost"  # the connection to the publisher closed
+BACK = "back"  # a connection was made again after one was lost
+
+
+class ConnectionWatch:
+    """Connect/disconnect events of one connecting socket (SUB), read without blocking.
+
+    Built right after the socket is created; :attr:`socket` can be registered in a poller.
+    :meth:`close` before the watched socket is closed.
+    """
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        self._watched = sock
+        self.socket: zmq.Socket = sock.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        self._lost = False
+
+    def events(self) -> list[str]:
+        """The events since the last call, in order: :data:`LOST` and :data:`BACK` (the first
+        connection is not reported; a BACK always follows a LOST)."""
+        out: list[str] = []
+        while True:
+            try:
+                message = recv_monitor_message(self.socket, zmq.NOBLOCK)
+            except zmq.Again:
+                return out
+            event = message.get("event")
+            if event == zmq.EVENT_DISCONNECTED:
+                if not self._lost:
+                    self._lost = True
+                    out.append(LOST)
+            elif event == zmq.EVENT_CONNECTED and self._lost:
+                self._lost = False
+                out.append(BACK)
+
+    def close(self) -> None:
+        """Stop monitoring and close the monitor socket; idempotent."""
+        with contextlib.suppress(zmq.ZMQError):
+            self._watched.disable_monitor()
+        self.socket.close(linger=0)
