@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgpack
 import pytest
 import zmq
 
@@ -17,6 +19,7 @@ from kvbm_plugin.events import (
     BlockStored,
     decode_message,
     encode_batch,
+    encode_seq,
 )
 from kvbm_plugin.subscribe import StreamSubscriber, as_json, describe
 
@@ -112,7 +115,7 @@ def test_gap_filled_by_replay_and_hole_inside_replay_stays(ctx, xpub, tmp_path) 
         pub.send_multipart(_frames(0, [_store(1)]))
         pub.send_multipart(_frames(4, [_store(7)]))
         _poll_until(sub, lambda: sub.stats.batches >= 3)
-        assert requests == [1]
+        assert requests == [0]  # from the last batch applied (not buffered here: unchecked)
         assert sub.stats.replayed_batches == 1  # seq 1; seq 3 is behind the hole at 2
         assert sub.stats.missing_batches == 2
         assert (0, 5) in sub.held and (0, 6) not in sub.held and (0, 7) in sub.held
@@ -174,3 +177,135 @@ def test_start_seq_replays_what_came_before_subscribing(ctx, xpub, tmp_path) -> 
         server.join()
         router.close(0)
         sub.close()
+
+
+class _ReplayServer:
+    """A scripted replay ROUTER on its own thread: answers from ``buffer`` (seq -> frames)."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.bind(endpoint)
+        self.buffer: dict[int, list[bytes]] = {}
+        self.requests: list[int] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            if not self.router.poll(20):
+                continue
+            client, empty, start = self.router.recv_multipart()
+            self.requests.append(int.from_bytes(start, "big"))
+            for seq in sorted(self.buffer):
+                if seq >= self.requests[-1]:
+                    self.router.send_multipart([client, empty, *self.buffer[seq]])
+            self.router.send_multipart([client, empty, b"", END_SEQ, b""])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.router.close(0)
+
+
+def test_a_message_with_a_bad_ts_is_counted_and_the_stream_goes_on(ctx, xpub) -> None:
+    pub, endpoint = xpub
+    sub = _connect(ctx, pub, endpoint)
+    try:
+        pub.send_multipart([b"", encode_seq(0), msgpack.packb(["soon", [], 0])])
+        pub.send_multipart([b"", encode_seq(1), msgpack.packb([[1, 2], [], 0])])
+        pub.send_multipart(_frames(2, [_store(3)]))
+        _poll_until(sub, lambda: sub.stats.batches == 1)
+        assert sub.stats.malformed == 2 and sub.held == {(0, 3)}
+        assert "ts" in (sub.last_malformed or "")
+    finally:
+        sub.close()
+
+
+def test_a_restarted_publisher_below_the_old_seq_is_followed(ctx, xpub) -> None:
+    pub, endpoint = xpub
+    sub = _connect(ctx, pub, endpoint)
+    try:
+        for seq in range(6):
+            pub.send_multipart(_frames(seq, [_store(100 + seq)]))
+        _poll_until(sub, lambda: sub.stats.batches == 6)
+        delivered = []
+        for seq in range(5):  # the restarted publisher: seq from 0 again
+            pub.send_multipart(_frames(seq, [_store(200 + seq)]))
+        deadline = time.monotonic() + 10.0
+        while len(delivered) < 5:
+            assert time.monotonic() < deadline, delivered
+            delivered.extend(sub.poll(20))
+        assert [b.seq for b in delivered] == [0, 1, 2, 3, 4]
+        assert sub.held == {(0, 200 + i) for i in range(5)}
+        assert sub.stats.restarts == 1
+    finally:
+        sub.close()
+
+
+def test_a_restarted_publisher_past_the_old_seq_is_not_taken_for_a_gap(ctx, xpub,
+                                                                       tmp_path) -> None:
+    pub, endpoint = xpub
+    server = _ReplayServer(ctx, f"ipc://{tmp_path}/replay-r")
+    sub = _connect(ctx, pub, endpoint, f"ipc://{tmp_path}/replay-r")
+    try:
+        for seq in range(3):
+            pub.send_multipart(_frames(seq, [_store(100 + seq)]))
+        _poll_until(sub, lambda: sub.stats.batches == 3)
+        # The restarted publisher sent 0..5 before this subscriber saw any of it.
+        server.buffer = {seq: _frames(seq, [_store(200 + seq)]) for seq in range(7)}
+        pub.send_multipart(server.buffer[6])
+        _poll_until(sub, lambda: (0, 206) in sub.held)
+        assert server.requests == [2, 0]  # check the last applied batch; then all of it
+        assert sub.held == {(0, 200 + i) for i in range(7)}
+        assert sub.stats.restarts == 1 and sub.stats.missing_batches == 0
+    finally:
+        sub.close()
+        server.close()
+
+
+def test_a_restart_at_the_same_seq_is_caught_by_the_reconnection(ctx, tmp_path) -> None:
+    endpoint = f"ipc://{tmp_path}/pub-r"
+    server = _ReplayServer(ctx, f"ipc://{tmp_path}/replay-s")
+    pub = ctx.socket(zmq.XPUB)
+    pub.bind(endpoint)
+    sub = _connect(ctx, pub, endpoint, f"ipc://{tmp_path}/replay-s")
+    try:
+        old = {seq: _frames(seq, [_store(100 + seq)]) for seq in range(3)}
+        server.buffer = dict(old)
+        for seq in range(3):
+            pub.send_multipart(old[seq])
+        _poll_until(sub, lambda: sub.stats.batches == 3)
+        pub.close(0)
+        server.buffer = {seq: _frames(seq, [_store(200 + seq)]) for seq in range(3)}
+        pub = ctx.socket(zmq.XPUB)
+        pub.bind(endpoint)
+        _poll_until(sub, lambda: sub.stats.restarts == 1)  # polling lets the SUB reconnect
+        assert sub.held == {(0, 200), (0, 201), (0, 202)}
+        assert sub.stats.reconnects == 1
+        assert server.requests == [2, 0]
+        assert pub.poll(10_000), "subscription never arrived"
+        pub.recv()
+        pub.send_multipart(_frames(3, [_store(203)]))
+        _poll_until(sub, lambda: (0, 203) in sub.held)
+    finally:
+        pub.close(0)
+        sub.close()
+        server.close()
+
+
+def test_json_output_is_strict_json() -> None:
+    frames = [b"", encode_seq(4), msgpack.packb(
+        [float("nan"), [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+                         "token_ids": [1, 2], "block_size": 2, "lora_id": float("inf"),
+                         "medium": "GPU", "lora_name": b"\x00bin"}], 0])]
+    text = as_json(decode_message(frames))
+
+    def reject(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    parsed = json.loads(text, parse_constant=reject)
+    assert parsed["ts"] is None and parsed["seq"] == 4
+    assert parsed["events"][0]["lora_id"] is None
+    assert isinstance(parsed["events"][0]["lora_name"], str)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import sys
 import threading
@@ -18,6 +19,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from kvbm_plugin._reconnect import BACK, LOST, ConnectionWatch
+from kvbm_plugin._saferepr import saferepr
 from kvbm_plugin.consolidator_config import ConfigError, parse_endpoint
 from kvbm_plugin.events import (
     END_SEQ,
@@ -48,6 +51,8 @@ class SubscriberStats:
     duplicate_stores: int = 0  # STORE for a block already held (a producer bug)
     unknown_removes: int = 0  # REMOVE for a block not held (a producer bug)
     orphan_stores: int = 0  # STORE whose parent is not held (a strict router ignores it)
+    restarts: int = 0  # the publisher restarted: the view was cleared and the new stream taken
+    reconnects: int = 0  # the SUB reached the publisher again after losing it
 
 
 @dataclass
@@ -58,6 +63,12 @@ class StreamSubscriber:
     router would index it. ``start_seq`` (e.g. 0) makes a first message with a later seq a gap
     to replay, so batches published before the subscription took effect are not missed.
     Not thread-safe: one thread polls.
+
+    A message that cannot be decoded is counted in ``stats.malformed`` (``last_malformed``
+    says why) and skipped. A restarted publisher (its seq starts again at 0) is noticed when
+    the seq goes back, and, with a replay endpoint, when a gap's replay or a reconnection's
+    replay returns a different batch under the seq last applied: the view is then cleared
+    (``stats.restarts``) and the new stream taken from its first buffered batch.
     """
 
     endpoint: str
@@ -77,6 +88,7 @@ class StreamSubscriber:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        self._watch = ConnectionWatch(self._sub)
         self._sub.connect(self.endpoint)
         self._dealer: zmq.Socket | None = None
         if self.replay_endpoint:
@@ -84,8 +96,12 @@ class StreamSubscriber:
             self._dealer.setsockopt(zmq.LINGER, 0)
             self._dealer.connect(self.replay_endpoint)
         self.next_seq: int | None = self.start_seq
+        self.last_malformed: str | None = None  # why the last malformed message was dropped
+        self._last_payload: bytes | None = None  # payload of seq ``next_seq - 1``
+        self._anchor: tuple[int, bytes] | None = None  # the last applied, when the link broke
 
     def close(self) -> None:
+        self._watch.close()
         self._sub.close(0)
         if self._dealer is not None:
             self._dealer.close(0)
@@ -95,43 +111,106 @@ class StreamSubscriber:
     def poll(self, timeout_ms: int = 100) -> list[EventBatch]:
         """Every batch available within ``timeout_ms``, in order, gaps replayed when possible."""
         out: list[EventBatch] = []
-        if not self._sub.poll(timeout_ms):
+        ready = self._sub.poll(timeout_ms)
+        out.extend(self._check_connection())
+        if not ready:
             return out
         while True:
             try:
                 frames = self._sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return out
-            try:
-                batch = decode_message(frames)
-            except WireFormatError:
-                self.stats.malformed += 1
-                continue
-            out.extend(self._accept(batch))
+            batch = self._decode(frames)
+            if batch is not None:
+                out.extend(self._accept(batch, frames[-1]))
 
-    def _accept(self, batch: EventBatch) -> list[EventBatch]:
+    def _decode(self, frames: list[bytes]) -> EventBatch | None:
+        """The decoded message, or None (counted malformed) for anything it cannot decode."""
+        try:
+            return decode_message(frames)
+        except Exception as exc:  # WireFormatError, or anything odd input makes the codec raise
+            self.stats.malformed += 1
+            self.last_malformed = f"{type(exc).__name__}: {saferepr(str(exc))}"
+            return None
+
+    def _check_connection(self) -> list[EventBatch]:
+        """Handle the SUB's connection events: after a reconnection, check by a replay of the
+        last batch applied that the publisher is the same one, and recover what was missed."""
+        out: list[EventBatch] = []
+        for event in self._watch.events():
+            if event == LOST:
+                self._anchor = self._last_applied()
+            elif event == BACK:
+                self.stats.reconnects += 1
+                anchor, self._anchor = self._anchor, None
+                if anchor is not None and self._dealer is not None:
+                    out.extend(self._replay_checked(anchor[0] + 1, None, anchor))
+        return out
+
+    def _last_applied(self) -> tuple[int, bytes] | None:
+        if self.next_seq is None or self.next_seq == 0 or self._last_payload is None:
+            return None
+        return self.next_seq - 1, self._last_payload
+
+    def _accept(self, batch: EventBatch, payload: bytes) -> list[EventBatch]:
         out: list[EventBatch] = []
         if batch.seq is not None and self.next_seq is not None:
             if batch.seq < self.next_seq:
-                return out  # already applied (e.g. delivered by a replay)
+                # Live seqs only go up: a lower one is a restarted publisher's new stream.
+                self._restarted()
             if batch.seq > self.next_seq:
                 self.stats.gaps += 1
-                recovered = self._replay(self.next_seq, batch.seq)
-                self.stats.missing_batches += (batch.seq - self.next_seq) - len(recovered)
+                start, restarts = self.next_seq, self.stats.restarts
+                recovered = self._replay_checked(start, batch.seq, self._last_applied())
+                if self.stats.restarts != restarts:  # the new stream is counted from 0
+                    start = 0
+                self.stats.missing_batches += (batch.seq - start) - len(recovered)
                 out.extend(recovered)
         self.apply(batch)
         out.append(batch)
         if batch.seq is not None:
             self.next_seq = batch.seq + 1
+            self._last_payload = payload
         return out
 
-    def _replay(self, start: int, stop: int, timeout_s: float = 2.0) -> list[EventBatch]:
-        """Ask the replay socket for [start, stop); apply and return what comes back in order."""
+    def _restarted(self) -> None:
+        """The publisher restarted: its blocks are unknown now, its seq starts at 0."""
+        self.stats.restarts += 1
+        self.held.clear()
+        self.held_with_medium.clear()
+        self.next_seq = 0
+        self._last_payload = None
+
+    def _replay_checked(self, start: int, stop: int | None,
+                        verify: tuple[int, bytes] | None) -> list[EventBatch]:
+        """:meth:`_replay` of [start, stop) that, given ``verify`` (the last batch applied),
+        asks from its seq and first checks it comes back unchanged; if not, the publisher
+        restarted: the view is cleared and [0, stop) replayed from the new stream."""
         if self._dealer is None:
             return []
+        got, same = self._replay(start, stop, verify=verify)
+        if same:
+            return got
+        self._restarted()
+        return self._replay(0, stop)[0]
+
+    def _replay(self, start: int, stop: int | None, timeout_s: float = 2.0,
+                verify: tuple[int, bytes] | None = None) -> tuple[list[EventBatch], bool]:
+        """Ask the replay socket for [start, stop) (stop None: all it has); apply what comes
+        back in order (advancing ``next_seq``). Returns ``(batches, same)``: with ``verify``,
+        the request starts at its seq, and ``same`` is False when the answer shows a
+        different batch there, or ends before it (a restarted publisher). An answer that
+        starts past it (no longer buffered) or no answer at all cannot tell: ``same``."""
+        assert self._dealer is not None
+        if verify is not None:
+            start = verify[0]
         self._dealer.send_multipart([b"", encode_seq(start)])
         got: list[EventBatch] = []
         expected = start
+        checking = verify
+        same = True
+        done = False  # the rest of the answer is read and dropped (up to its END_SEQ), so
+        # that it is not taken for the answer to a later request
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self._dealer.poll(50):
@@ -139,21 +218,40 @@ class StreamSubscriber:
             frames = self._dealer.recv_multipart()
             body = frames[1:] if frames and frames[0] == b"" else frames
             if len(body) >= 2 and body[1] == END_SEQ:
+                same = same and checking is None
                 break
-            try:
-                replayed = decode_message(body)
-            except WireFormatError:
-                self.stats.malformed += 1
+            if done:
                 continue
-            if replayed.seq is None or replayed.seq < expected or replayed.seq >= stop:
+            if checking is not None:
+                try:
+                    first = decode_seq(body[-2]) if len(body) >= 2 else None
+                except WireFormatError:
+                    first = None
+                if first == checking[0] and body[-1] == checking[1]:
+                    checking = None
+                    expected += 1
+                    continue
+                if first is None or first <= checking[0]:
+                    same, done = False, True
+                    continue
+                checking = None  # no longer buffered: nothing to compare
+                expected += 1
+            replayed = self._decode(body)
+            if replayed is None:
+                continue
+            if replayed.seq is None or replayed.seq < expected \
+                    or (stop is not None and replayed.seq >= stop):
                 continue
             if replayed.seq != expected:
-                break  # a hole inside the replayed range stays a hole
+                done = True  # a hole inside the replayed range stays a hole
+                continue
             self.apply(replayed)
             got.append(replayed)
             expected += 1
+            self.next_seq = expected
+            self._last_payload = body[-1]
         self.stats.replayed_batches += len(got)
-        return got
+        return got, same
 
     def apply(self, batch: EventBatch) -> None:
         """Update ``held`` the way a router's index would."""
@@ -209,13 +307,33 @@ def describe(batch: EventBatch) -> list[str]:
     return lines
 
 
+_JSON_MAX_DEPTH = 32
+
+
+def _json_safe(value: object, depth: int = 0) -> object:
+    """``value`` with what JSON cannot hold replaced: non-finite floats (NaN, +-Infinity) by
+    None (null), other non-JSON values (bytes, msgpack extension types, nesting deeper than
+    32 levels) by their bounded repr string."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if depth < _JSON_MAX_DEPTH:
+        if isinstance(value, (list, tuple)):
+            return [_json_safe(item, depth + 1) for item in value]
+        if isinstance(value, dict):
+            return {k if isinstance(k, str) else saferepr(k): _json_safe(v, depth + 1)
+                    for k, v in value.items()}
+    return saferepr(value)
+
+
 def as_json(batch: EventBatch) -> str:
-    events = []
-    for event in batch.events:
-        wire = event.to_wire()
-        events.append(wire)
-    return json.dumps({"seq": batch.seq, "ts": batch.ts,
-                       "data_parallel_rank": batch.data_parallel_rank, "events": events})
+    """One batch as a strict JSON object (RFC 8259: no NaN/Infinity; see :func:`_json_safe`:
+    non-finite numbers become null)."""
+    events = [event.to_wire() for event in batch.events]
+    return json.dumps(_json_safe({"seq": batch.seq, "ts": batch.ts,
+                                  "data_parallel_rank": batch.data_parallel_rank,
+                                  "events": events}), allow_nan=False)
 
 
 def main_subscribe(argv: Sequence[str] | None = None) -> int:
@@ -227,7 +345,9 @@ def main_subscribe(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("endpoint", help="tcp://host:port, ipc://path or a port on localhost")
     parser.add_argument("--replay", metavar="ENDPOINT", help="replay ROUTER to fill gaps")
     parser.add_argument("--topic", default="", help="topic prefix to subscribe to")
-    parser.add_argument("--json", action="store_true", help="one JSON object per batch")
+    parser.add_argument("--json", action="store_true",
+                        help="one JSON object per batch (strict JSON: NaN and Infinity are "
+                             "written as null)")
     parser.add_argument("--from-seq", type=int, default=None,
                         help="expect the stream from this seq (replays what came before)")
     parser.add_argument("--count", type=int, default=0, help="exit after N batches (0 = never)")
@@ -249,7 +369,7 @@ def main_subscribe(argv: Sequence[str] | None = None) -> int:
     subscriber = StreamSubscriber(endpoint, replay, topic=args.topic.encode(),
                                   start_seq=args.from_seq)
     deadline = time.monotonic() + args.duration if args.duration > 0 else None
-    reported_gaps = 0
+    reported_gaps = reported_malformed = reported_restarts = 0
     try:
         while not stop.is_set():
             if deadline is not None and time.monotonic() >= deadline:
@@ -262,6 +382,15 @@ def main_subscribe(argv: Sequence[str] | None = None) -> int:
                         print(line, flush=True)
                 if args.count and subscriber.stats.batches >= args.count:
                     stop.set()
+            stats = subscriber.stats
+            if stats.malformed != reported_malformed:
+                reported_malformed = stats.malformed
+                print(f"# malformed message dropped ({stats.malformed} so far): "
+                      f"{subscriber.last_malformed}", file=sys.stderr, flush=True)
+            if stats.restarts != reported_restarts:
+                reported_restarts = stats.restarts
+                print(f"# publisher restarted ({stats.restarts} so far): view cleared, new "
+                      "stream followed from its start", file=sys.stderr, flush=True)
             if subscriber.stats.gaps != reported_gaps:
                 reported_gaps = subscriber.stats.gaps
                 print(f"# gap detected: {subscriber.stats.missing_batches} batches missing so "
