@@ -1043,3 +1043,24 @@ def test_a_reconnection_to_the_same_publisher_replays_what_was_missed(ipc_dir, s
     wait_for(lambda: consolidator._core.visible_hashes(0) == {101, 102, 103})
     stats = consolidator.stats()
     assert stats["restarts"] == 0 and stats["resyncs"] == 0 and stats["reconnects"] == 1
+
+
+def test_output_a_threaded_publisher_loses_later_is_counted_lost(ipc_dir, raw_rank):
+    from kvbm_plugin.publisher import ZmqEventPublisher
+
+    config = make_config(ipc_dir, replay=False)
+    raw_rank(config)
+
+    def broken(obj: Any) -> bytes:
+        raise TypeError("cannot encode")
+
+    output = ZmqEventPublisher(config.publisher, config.output, None, encoder=broken)
+    consolidator = KvEventConsolidator(config, publisher=output)
+    consolidator.start()
+    try:
+        consolidator.register_store("CPU", 0, 1, None, toks(1), BS)
+        wait_for(lambda: consolidator.stats()["output_lost"] == 1, what="output loss counted")
+        assert consolidator.stats()["batches_out"] == 1
+    finally:
+        consolidator.shutdown(5.0)
+        output.shutdown(2.0)

@@ -385,3 +385,42 @@ def test_inline_bind_failure_and_rebind_after_shutdown(tcp) -> None:
     again = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], inline=True)  # ports free
     again.shutdown()
     assert again.replay_socket is None
+
+
+@pytest.mark.parametrize("inline", [False, True])
+def test_an_event_that_cannot_be_encoded_is_dropped_alone(ctx, tcp, publishers,
+                                                          inline) -> None:
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], inline=inline)
+    publishers.append(pub)
+    sub, seen = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
+    base = seq_of(seen[-1])
+    bad = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None,
+           "token_ids": [10**30], "block_size": 1, "lora_id": None, "medium": "GPU",
+           "lora_name": None}
+    assert pub.publish([removed(1), bad, removed(3)])
+    frames = recv(sub)
+    assert seq_of(frames) == base + 1
+    batch = decode(frames[2])
+    assert [e.block_hashes for e in batch.events] == [[1], [3]]
+    stats = pub.stats()
+    assert stats["events_unencodable"] == 1 and stats["lost_batches"] == 0
+    assert stats["events_published"] == 2
+
+
+def test_sink_counts_a_batch_the_publisher_thread_lost_as_lost(tcp, publishers) -> None:
+    from kvbm_plugin.event_sink import KvEventSink
+
+    def broken(obj: Any) -> bytes:
+        raise TypeError("cannot encode")
+
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], encoder=broken)
+    publishers.append(pub)
+    sink = KvEventSink(pub, block_size=1)
+    sink.ingest([{"event_id": 0, "window_size": 64,
+                  "data": {"type": "removed", "block_hashes": [5]}}])
+    sink.flush()  # accepted: the loss happens later, on the publisher thread
+    wait_until(lambda: pub.stats()["encode_errors"] == 1, what="encode error")
+    stats = sink.stats()
+    assert stats["batches_lost"] == 1 and stats["batches_published"] == 0
+    assert stats["publisher_lost_after_accept"] == 1
+    assert sink.dropped_event_count == 1

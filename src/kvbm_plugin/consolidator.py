@@ -1271,6 +1271,9 @@ class KvEventConsolidator:
     def stats(self) -> dict[str, int]:
         """Shell and core counters (safe to call from any thread; values may lag slightly)."""
         out = {name: getattr(self, "_n_" + name) for name in _SHELL_COUNTERS}
+        publisher = self._publisher
+        if publisher is not None:  # lost by a threaded publisher after publish() accepted it
+            out["output_lost"] += int(publisher.stats().get("lost_after_accept", 0))
         out["registrations_queued"] = len(self._queue)
         out.update(self._core.stats())
         return out

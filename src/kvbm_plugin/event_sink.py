@@ -742,9 +742,27 @@ class KvEventSink:
                 ok = False
         return ok
 
+    def _lost_by_publishers(self) -> int:
+        """Batches the publishers accepted and lost afterwards (a threaded publisher's encode,
+        send or shutdown loss): ``flush`` counted them as published."""
+        total = 0
+        seen: set[int] = set()
+        for publisher in (self._publisher, *self._rank_publishers.values()):
+            if id(publisher) not in seen:
+                seen.add(id(publisher))
+                total += int(publisher.stats().get("lost_after_accept", 0))
+        return total
+
     def stats(self) -> dict[str, int]:
-        """Sink counters plus the publisher's (prefixed ``publisher_``); any thread."""
+        """Sink counters plus the publisher's (prefixed ``publisher_``); any thread.
+
+        ``batches_published`` and ``batches_lost`` include what the publishers lost after
+        accepting a batch, so that the two add up to the batches flushed.
+        """
         out = dict(self._c)
+        later = self._lost_by_publishers()
+        out["batches_published"] -= later
+        out["batches_lost"] += later
         # A snapshot (atomic under the GIL): ingest may add a rank on another thread meanwhile.
         out["pending_events"] = sum(len(rs.events) for rs in list(self._ranks.values()))
         for key, value in self._publisher.stats().items():
@@ -779,7 +797,7 @@ class KvEventSink:
     @property
     def dropped_event_count(self) -> int:
         """Batches the publisher lost (V2 manager property name)."""
-        return self._c["batches_lost"]
+        return self._c["batches_lost"] + self._lost_by_publishers()
 
     @property
     def queue_high_watermark(self) -> int:

@@ -26,6 +26,7 @@ from typing import Any
 import zmq
 
 from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin._saferepr import saferepr
 from kvbm_plugin.consolidator_config import (
     EVENTS_ENDPOINT,
     TRTLLM_ZMQ_PORT,
@@ -239,8 +240,12 @@ class ZmqEventPublisher(EventPublisher):
         self._published = 0
         self._events_published = 0
         self._encode_errors = 0
+        self._events_unencodable = 0
         self._send_errors = 0
         self._lost_at_shutdown = 0
+        # Batches ``publish`` accepted (returned True) and the publisher thread lost later
+        # (encode, send, shutdown): the caller counted them as published; see stats().
+        self._lost_after_accept = 0
         self._replay_requests = 0
         self._replay_bad_requests = 0
         self._replay_batches = 0
@@ -381,7 +386,9 @@ class ZmqEventPublisher(EventPublisher):
             "lost_closed": self._lost_closed,
             "lost_at_shutdown": self._lost_at_shutdown,
             "encode_errors": self._encode_errors,
+            "events_unencodable": self._events_unencodable,
             "send_errors": self._send_errors,
+            "lost_after_accept": self._lost_after_accept,
             "replay_requests": self._replay_requests,
             "replay_bad_requests": self._replay_bad_requests,
             "replay_batches_sent": self._replay_batches,
@@ -480,6 +487,7 @@ class ZmqEventPublisher(EventPublisher):
                 return
             if item is not _STOP:
                 self._lost_at_shutdown += 1
+                self._lost_after_accept += 1
                 self._log.log(logging.WARNING, "shutdown", "%s: batch seq %d still queued at "
                               "shutdown was lost", type(self).__name__, item[0])
 
@@ -489,12 +497,13 @@ class ZmqEventPublisher(EventPublisher):
         seq, ts, events, rank = item
         try:
             payload = encode([ts, events, rank])
-        except Exception as exc:
-            self._encode_errors += 1
-            self._log.log(logging.ERROR, "encode", "%s: batch seq %d (%d events, dp_rank %s) "
-                          "cannot be encoded, lost: %s", type(self).__name__, seq, len(events),
-                          rank, exc)
-            return False
+        except Exception:
+            payload, events = self._encode_salvaged(encode, seq, ts, events, rank)
+            if payload is None:
+                self._encode_errors += 1
+                if not self._inline:
+                    self._lost_after_accept += 1
+                return False
         seq_frame = _SEQ.pack(seq)
         # Buffered even if the live send fails: a replay can then fill the live gap.
         self._buffer.append((seq, payload))
@@ -506,12 +515,55 @@ class ZmqEventPublisher(EventPublisher):
                 pub.send_multipart((self._topic, seq_frame, payload), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._send_errors += 1
+            if not self._inline:
+                self._lost_after_accept += 1
             self._log.log(logging.ERROR, "send", "%s: sending batch seq %d failed, lost live "
                           "(kept for replay): %s", type(self).__name__, seq, exc)
             return False
         self._published += 1
         self._events_published += len(events)
         return True
+
+    def _encode_salvaged(self, encode: Callable[[Any], bytes], seq: int, ts: float,
+                         events: Sequence[WireEvent], rank: int
+                         ) -> tuple[bytes | None, Sequence[WireEvent]]:
+        """The batch without the events that cannot be encoded: ``(payload, events kept)``.
+
+        Called (publisher or inline caller thread) when encoding the whole batch failed: one
+        bad value must not lose the other events. Each event is encoded alone; those that
+        fail are dropped, counted in ``events_unencodable`` and logged rate-limited. Payload
+        None (the batch is lost, a visible seq gap) when no event is left or the batch still
+        cannot be encoded (e.g. a bad ``ts`` or rank).
+        """
+        kept: list[WireEvent] = []
+        dropped = 0
+        first_error = ""
+        for event in events:
+            try:
+                encode(event)
+            except Exception as exc:
+                dropped += 1
+                if not first_error:
+                    first_error = f"{type(exc).__name__}: {exc}"
+                continue
+            kept.append(event)
+        payload = None
+        if kept:
+            try:
+                payload = encode([ts, kept, rank])
+            except Exception as exc:
+                first_error = first_error or f"{type(exc).__name__}: {exc}"
+        if payload is None:
+            self._log.log(logging.ERROR, "encode", "%s: batch seq %d (%d events, dp_rank %s) "
+                          "cannot be encoded, lost (consumers see a gap): %s",
+                          type(self).__name__, seq, len(events), saferepr(rank, 40),
+                          saferepr(first_error))
+            return None, events
+        self._events_unencodable += dropped
+        self._log.log(logging.ERROR, "encode-event", "%s: batch seq %d: %d of %d events cannot "
+                      "be encoded and were dropped, the others published: %s",
+                      type(self).__name__, seq, dropped, len(events), saferepr(first_error))
+        return payload, kept
 
     def _service_replay(self, router: zmq.Socket) -> None:
         """Answer pending replay requests (publisher thread; non-blocking throughout)."""
