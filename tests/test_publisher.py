@@ -424,3 +424,50 @@ def test_sink_counts_a_batch_the_publisher_thread_lost_as_lost(tcp, publishers) 
     assert stats["batches_lost"] == 1 and stats["batches_published"] == 0
     assert stats["publisher_lost_after_accept"] == 1
     assert sink.dropped_event_count == 1
+
+
+def test_replay_requesters_that_never_read_are_bounded_and_dropped(ctx, tmp_path,
+                                                                   publishers) -> None:
+    """Non-reading replay requesters get at most a bounded queue each, are dropped once they
+    stall, and the live stream goes on meanwhile."""
+    pub_ep = parse_endpoint("e", f"ipc://{tmp_path}/pub", default_host="127.0.0.1")
+    replay_ep = parse_endpoint("r", f"ipc://{tmp_path}/replay", default_host="127.0.0.1")
+    buffered = 2000
+    pub = ZmqEventPublisher(PublisherSettings(buffer_steps=buffered), pub_ep, replay_ep,
+                            replay_stall_s=0.3)
+    publishers.append(pub)
+    big = [{"type": "BlockStored", "block_hashes": [i], "parent_block_hash": None,
+            "token_ids": list(range(2000)), "block_size": 2000, "lora_id": None,
+            "medium": "GPU", "lora_name": None} for i in range(1)]
+    for _ in range(buffered):
+        pub.publish(big)
+    wait_until(lambda: pub.stats()["replay_buffered"] == buffered, what="buffer full")
+    peers = []
+    for _ in range(6):  # more than may be answered at once: some wait their turn
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 1)
+        dealer.connect(replay_ep.connect)
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])  # and never read
+        peers.append(dealer)
+    sub, seen = join_sub(ctx, pub_ep.connect, lambda: pub.publish([]))
+    for i in range(20):  # the live stream is not held up by the stalled replays
+        pub.publish([removed(i)])
+        frames = recv(sub, timeout_ms=5000)
+        assert decode(frames[2]).events[0].block_hashes == [i]
+    wait_until(lambda: pub.stats()["replay_peers_dropped"] == len(peers), timeout=20.0,
+               what="every stalled requester dropped")
+    stats = pub.stats()
+    assert stats["replay_requests"] == len(peers)
+    # What was queued for them is bounded per peer, not the whole buffer each.
+    assert stats["replay_batches_sent"] < len(peers) * buffered // 4, stats
+    assert stats["replay_active"] == 0 and stats["replay_waiting"] == 0
+    # A requester that reads still gets the whole buffer.
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(replay_ep.connect)
+    dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+    count = 0
+    while (frames := recv(dealer))[2] != END_SEQ:
+        count += 1
+    assert count >= buffered

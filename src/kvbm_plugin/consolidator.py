@@ -1419,6 +1419,9 @@ class KvEventConsolidator:
                 if stream.replay is not None:
                     left = max(0, int((stream.replay.deadline - now) * 1000) + 1)
                     timeout = left if timeout is None else min(timeout, left)
+            if inline is not None and inline.replay_busy:
+                # Replay answers of our output go out bit by bit as their requesters read.
+                timeout = 5 if timeout is None else min(timeout, 5)
             if self._queue:
                 timeout = 0  # queued registrations (e.g. after a failed round): no sleeping
             self._idle = timeout is None
@@ -1436,8 +1439,8 @@ class KvEventConsolidator:
                 # the flag first would let a later submitter's wake byte be swallowed above and
                 # leave its item queued while this thread sleeps.
                 self._wake_pending = False
-            if inline is not None and inline.replay_socket in ready:
-                inline.service_replay()  # our output's replay requests
+            if inline is not None and (inline.replay_socket in ready or inline.replay_busy):
+                inline.service_replay()  # our output's replay requests and answers
             for stream in streams:
                 # Before the stream's messages: a message from a restarted publisher must not be
                 # taken for the old stream's before its reconnection is seen.

@@ -26,6 +26,11 @@ from typing import Any
 import zmq
 
 from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin._replay_server import (  # parse_replay_request: re-exported
+    PEER_HWM,
+    ReplayServer,
+    parse_replay_request,
+)
 from kvbm_plugin._saferepr import saferepr
 from kvbm_plugin.consolidator_config import (
     EVENTS_ENDPOINT,
@@ -34,7 +39,7 @@ from kvbm_plugin.consolidator_config import (
     Endpoint,
     PublisherSettings,
 )
-from kvbm_plugin.events import END_SEQ, payload_encoder
+from kvbm_plugin.events import payload_encoder
 from kvbm_plugin.registry import PUBLISHERS_GROUP, get_plugin
 
 logger = logging.getLogger(__name__)
@@ -182,7 +187,9 @@ class ZmqEventPublisher(EventPublisher):
     ``start_timeout`` (seconds to wait for the sockets to bind), ``encoder`` (the payload
     encoder, called on the publisher thread; default :func:`events.payload_encoder`),
     ``poll_interval`` (seconds the publisher thread sleeps when the queue is empty; the
-    most a batch waits before it is encoded).
+    most a batch waits before it is encoded), ``replay_stall_s`` (a replay answer whose
+    requester reads nothing for this long is dropped; see :mod:`kvbm_plugin._replay_server`
+    for the other replay bounds).
     """
 
     def __init__(self, settings: PublisherSettings, endpoint: Endpoint | None = None,
@@ -190,7 +197,8 @@ class ZmqEventPublisher(EventPublisher):
                  context: zmq.Context | None = None, linger_ms: int = 1000,
                  start_timeout: float = 10.0,
                  encoder: Callable[[Any], bytes] | None = None,
-                 poll_interval: float = 0.001, inline: bool = False) -> None:
+                 poll_interval: float = 0.001, inline: bool = False,
+                 replay_stall_s: float = 2.0) -> None:
         super().__init__(settings, endpoint, replay_endpoint, data_parallel_rank)
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(settings, name)
@@ -246,10 +254,7 @@ class ZmqEventPublisher(EventPublisher):
         # Batches ``publish`` accepted (returned True) and the publisher thread lost later
         # (encode, send, shutdown): the caller counted them as published; see stats().
         self._lost_after_accept = 0
-        self._replay_requests = 0
-        self._replay_bad_requests = 0
-        self._replay_batches = 0
-        self._replay_aborted = 0
+        self._replay = ReplayServer(type(self).__name__, self._topic, stall_s=replay_stall_s)
         self._inline = inline
         self._pub: zmq.Socket | None = None
         self._router: zmq.Socket | None = None
@@ -365,10 +370,17 @@ class ZmqEventPublisher(EventPublisher):
         always None in the threaded mode, whose thread answers replays itself)."""
         return self._router if self._inline else None
 
-    def service_replay(self) -> None:
-        """Inline mode: answer the pending replay requests (non-blocking, bounded per call).
+    @property
+    def replay_busy(self) -> bool:
+        """Inline mode: replay answers are in progress; the owner calls
+        :meth:`service_replay` every few milliseconds until this is False."""
+        return self._inline and self._router is not None and self._replay.busy
 
-        Called by the owner's thread when :attr:`replay_socket` is readable.
+    def service_replay(self) -> None:
+        """Inline mode: take replay requests and move answers on (non-blocking, bounded).
+
+        Called by the owner's thread when :attr:`replay_socket` is readable, and every few
+        milliseconds while :attr:`replay_busy`.
         """
         if self._inline and self._router is not None:
             self._service_replay(self._router)
@@ -389,10 +401,7 @@ class ZmqEventPublisher(EventPublisher):
             "events_unencodable": self._events_unencodable,
             "send_errors": self._send_errors,
             "lost_after_accept": self._lost_after_accept,
-            "replay_requests": self._replay_requests,
-            "replay_bad_requests": self._replay_bad_requests,
-            "replay_batches_sent": self._replay_batches,
-            "replay_aborted": self._replay_aborted,
+            **self._replay.stats(),
             "queue_high_water": self._queue_high_water,
             "queue_depth": self._queue.qsize(),
             "replay_buffered": len(self._buffer),
@@ -413,11 +422,11 @@ class ZmqEventPublisher(EventPublisher):
                 addr = self._replay_addr
                 router = self._context.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
-                # A vanished requester raises EHOSTUNREACH instead of being dropped silently.
+                # A vanished requester raises EHOSTUNREACH, a full queue EAGAIN, instead of
+                # the message being dropped silently.
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                # Room for one whole replay in the requester's pipe; beyond it sends fail
-                # with EAGAIN and the replay is aborted (the requester resumes from its last seq).
-                router.setsockopt(zmq.SNDHWM, self.settings.buffer_steps + 16)
+                # What one requester may have queued: answers are sent bit by bit as it reads.
+                router.setsockopt(zmq.SNDHWM, PEER_HWM)
                 router.bind(addr)
         except BaseException as exc:
             for sock in (router, pub):
@@ -566,57 +575,15 @@ class ZmqEventPublisher(EventPublisher):
         return payload, kept
 
     def _service_replay(self, router: zmq.Socket) -> None:
-        """Answer pending replay requests (publisher thread; non-blocking throughout)."""
-        for _ in range(8):  # bounded per call so live batches keep flowing
-            try:
-                frames = router.recv_multipart(flags=zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._replay_requests += 1
-            envelope, start = parse_replay_request(frames)
-            if envelope is None or start is None:
-                self._replay_bad_requests += 1
-                self._log.log(logging.WARNING, "replay-bad", "%s: malformed replay request "
-                              "%r (want [b'', 8-byte start seq] from a DEALER)",
-                              type(self).__name__, [f[:16] for f in frames[1:]])
-                continue
-            sent = 0
-            try:
-                for seq, payload in list(self._buffer):
-                    if seq >= start:
-                        router.send_multipart((*envelope, self._topic, _SEQ.pack(seq), payload),
-                                              flags=zmq.NOBLOCK)
-                        sent += 1
-                router.send_multipart((*envelope, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                # EHOSTUNREACH: the requester is gone; EAGAIN: its pipe is full. Either way stop
-                # now rather than block the thread that carries the live stream.
-                self._replay_aborted += 1
-                self._log.log(logging.WARNING, "replay-abort", "%s: replay from seq %d aborted "
-                              "after %d batches: %s", type(self).__name__, start, sent, exc)
-            self._replay_batches += sent
+        """Replay requests and answers (socket-owning thread; non-blocking, bounded)."""
+        self._replay.service(router, self._buffer)
 
 
 _STOP = object()  # wakes the publisher thread at shutdown
 
 
-def parse_replay_request(frames: Sequence[bytes]) -> tuple[tuple[bytes, ...] | None, int | None]:
-    """``(reply envelope, start seq)`` from a ROUTER-received replay request.
-
-    A DEALER that mimics REQ sends ``[b"", start]`` (received as ``[id, b"", start]``); a bare
-    DEALER sends ``[start]`` (received as ``[id, start]``). The reply envelope repeats what came
-    in. ``(None, None)`` for anything else.
-    """
-    if len(frames) == 3 and frames[1] == b"":
-        envelope: tuple[bytes, ...] = (frames[0], b"")
-        start = frames[2]
-    elif len(frames) == 2:
-        envelope, start = (frames[0],), frames[1]
-    else:
-        return None, None
-    if len(start) != 8:
-        return None, None
-    return envelope, _SEQ.unpack(start)[0]
+__all__ = ["EventPublisher", "NullEventPublisher", "ZmqEventPublisher", "create_publisher",
+           "gil_holding_sender", "parse_replay_request"]
 
 
 def create_publisher(settings: PublisherSettings, endpoint: Endpoint | None = None,

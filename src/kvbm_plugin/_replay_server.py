@@ -1,0 +1,216 @@
+"""The replay side of a publisher: answers ``[start seq]`` requests on a ROUTER, with bounds.
+
+A replay answer is every buffered batch from ``start`` on, then the END_SEQ marker (vLLM's
+protocol). Answering a request in one go queued the whole buffer in ZMQ for a peer that might
+never read it: 100 such requesters grew a publisher by 1.7 GB and slowed the live stream. So
+answers are sent bit by bit, never blocking:
+
+* the ROUTER's per-peer send queue is :data:`PEER_HWM` messages (set by the publisher), and
+  ROUTER_MANDATORY makes a full queue or a vanished peer an error instead of a silent drop;
+* at most ``max_active`` answers are in progress at once; up to ``max_waiting`` more requests
+  wait their turn, and requests beyond that are refused (answered with END_SEQ alone, which a
+  requester reads as "nothing to replay": it resyncs);
+* each call sends at most ``batches_per_call`` batches in all, so the live stream keeps going;
+* an answer that makes no progress for ``stall_s`` seconds (its peer does not read) is dropped.
+
+So what the publisher queues for replays is at most ``PEER_HWM`` batches per peer that was ever
+served and has not disconnected, filled by at most ``max_active`` answers at a time.
+Everything is counted (:meth:`ReplayServer.stats`) and logged rate-limited.
+
+Used by ``ZmqEventPublisher`` on the thread that owns its sockets (the publisher thread, or the
+inline owner's thread); not thread-safe.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import struct
+import time
+from collections.abc import Sequence
+
+import zmq
+
+from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin.events import END_SEQ
+
+logger = logging.getLogger(__name__)
+_SEQ = struct.Struct(">Q")
+
+PEER_HWM = 64  # ROUTER SNDHWM: batches queued per replay peer
+
+
+class _Answer:
+    """One replay answer in progress: what to send next to whom."""
+
+    __slots__ = ("envelope", "start", "next_seq", "end_seq", "sent", "last_progress")
+
+    def __init__(self, envelope: tuple[bytes, ...], start: int, end_seq: int, now: float) -> None:
+        self.envelope = envelope
+        self.start = start
+        self.next_seq = start
+        self.end_seq = end_seq  # the newest seq buffered when the request arrived
+        self.sent = 0
+        self.last_progress = now
+
+
+class ReplayServer:
+    """Bounded, incremental replay answers over one ROUTER socket."""
+
+    def __init__(self, owner: str, topic: bytes, *, max_active: int = 4, max_waiting: int = 64,
+                 batches_per_call: int = 64, stall_s: float = 2.0) -> None:
+        self._owner = owner
+        self._topic = topic
+        self._max_active = max_active
+        self._max_waiting = max_waiting
+        self._per_call = batches_per_call
+        self._stall_s = stall_s
+        self._active: collections.deque[_Answer] = collections.deque()
+        self._waiting: collections.deque[_Answer] = collections.deque()
+        self._log = RateLimitedLog(logger)
+        self.requests = 0
+        self.bad_requests = 0
+        self.batches_sent = 0
+        self.aborted = 0  # the peer vanished, or its answer stalled (below)
+        self.peers_dropped = 0  # answers dropped because the peer did not read
+        self.refused = 0  # requests beyond max_active + max_waiting
+
+    @property
+    def busy(self) -> bool:
+        """Answers are in progress or waiting: call :meth:`service` again soon."""
+        return bool(self._active or self._waiting)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "replay_requests": self.requests,
+            "replay_bad_requests": self.bad_requests,
+            "replay_batches_sent": self.batches_sent,
+            "replay_aborted": self.aborted,
+            "replay_peers_dropped": self.peers_dropped,
+            "replay_refused": self.refused,
+            "replay_active": len(self._active),
+            "replay_waiting": len(self._waiting),
+        }
+
+    def service(self, router: zmq.Socket,
+                buffer: collections.deque[tuple[int, bytes]]) -> None:
+        """Take new requests and move the answers in progress on; never blocks.
+
+        Called by the socket-owning thread whenever the ROUTER is readable and, while
+        :attr:`busy`, every few milliseconds.
+        """
+        now = time.monotonic()
+        self._receive(router, buffer, now)
+        budget = self._per_call
+        for answer in list(self._active):
+            if budget <= 0:
+                break
+            budget -= self._advance(router, buffer, answer, budget, now)
+        while self._waiting and len(self._active) < self._max_active:
+            answer = self._waiting.popleft()
+            answer.last_progress = now
+            self._active.append(answer)
+
+    def _receive(self, router: zmq.Socket, buffer: collections.deque[tuple[int, bytes]],
+                 now: float) -> None:
+        for _ in range(8):  # bounded per call so live batches keep flowing
+            try:
+                frames = router.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self.requests += 1
+            envelope, start = parse_replay_request(frames)
+            if envelope is None or start is None:
+                self.bad_requests += 1
+                self._log.log(logging.WARNING, "replay-bad", "%s: malformed replay request "
+                              "%r (want [b'', 8-byte start seq] from a DEALER)", self._owner,
+                              [f[:16] for f in frames[1:]])
+                continue
+            answer = _Answer(envelope, start, buffer[-1][0] if buffer else -1, now)
+            if len(self._active) < self._max_active:
+                self._active.append(answer)
+            elif len(self._waiting) < self._max_waiting:
+                self._waiting.append(answer)
+            else:
+                self.refused += 1
+                self._log.log(logging.WARNING, "replay-refused", "%s: %d replays in progress "
+                              "and %d waiting: replay from seq %d refused (answered with the "
+                              "end marker only)", self._owner, len(self._active),
+                              len(self._waiting), start)
+                with contextlib.suppress(zmq.ZMQError):
+                    router.send_multipart((*envelope, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+
+    def _advance(self, router: zmq.Socket, buffer: collections.deque[tuple[int, bytes]],
+                 answer: _Answer, budget: int, now: float) -> int:
+        """Send up to ``budget`` batches of ``answer`` (then its END_SEQ); returns how many."""
+        sent = 0
+        try:
+            index = _first_at_or_after(buffer, answer.next_seq)
+            while index < len(buffer) and sent < budget:
+                seq, payload = buffer[index]
+                if seq > answer.end_seq:
+                    break
+                router.send_multipart((*answer.envelope, self._topic, _SEQ.pack(seq), payload),
+                                      flags=zmq.NOBLOCK)
+                sent += 1
+                answer.next_seq = seq + 1
+                index += 1
+            if sent < budget:  # everything up to end_seq is out: the end marker
+                router.send_multipart((*answer.envelope, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+                self._active.remove(answer)
+        except zmq.Again:
+            # The peer's queue is full (PEER_HWM): it is not reading (yet).
+            if sent:
+                answer.last_progress = now
+            elif now - answer.last_progress > self._stall_s:
+                self._drop(answer, f"its peer read nothing for {self._stall_s:.1f}s")
+                self.peers_dropped += 1
+        except zmq.ZMQError as exc:
+            # EHOSTUNREACH: the requester is gone.
+            self._drop(answer, str(exc))
+        else:
+            if sent:
+                answer.last_progress = now
+        answer.sent += sent
+        self.batches_sent += sent
+        return sent
+
+    def _drop(self, answer: _Answer, why: str) -> None:
+        self._active.remove(answer)
+        self.aborted += 1
+        self._log.log(logging.WARNING, "replay-abort", "%s: replay from seq %d aborted after %d "
+                      "batches: %s", self._owner, answer.start, answer.sent, why)
+
+
+def _first_at_or_after(buffer: collections.deque[tuple[int, bytes]], seq: int) -> int:
+    """Index of the first buffered batch with a seq >= ``seq`` (len(buffer) if none).
+
+    Buffered seqs increase by 1 except where a batch was lost before it was buffered, so
+    ``seq - oldest`` is at or past the answer; step back over the rare holes.
+    """
+    if not buffer:
+        return 0
+    index = min(len(buffer), max(0, seq - buffer[0][0]))
+    while index > 0 and buffer[index - 1][0] >= seq:
+        index -= 1
+    return index
+
+
+def parse_replay_request(frames: Sequence[bytes]) -> tuple[tuple[bytes, ...] | None, int | None]:
+    """``(reply envelope, start seq)`` from a ROUTER-received replay request.
+
+    A DEALER that mimics REQ sends ``[b"", start]`` (received as ``[id, b"", start]``); a bare
+    DEALER sends ``[start]`` (received as ``[id, start]``). The reply envelope repeats what came
+    in. ``(None, None)`` for anything else.
+    """
+    if len(frames) == 3 and frames[1] == b"":
+        envelope: tuple[bytes, ...] = (frames[0], b"")
+        start = frames[2]
+    elif len(frames) == 2:
+        envelope, start = (frames[0],), frames[1]
+    else:
+        return None, None
+    if len(start) != 8:
+        return None, None
+    return envelope, _SEQ.unpack(start)[0]
