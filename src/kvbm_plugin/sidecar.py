@@ -25,6 +25,7 @@ from typing import Any
 import zmq
 
 from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin._saferepr import saferepr
 from kvbm_plugin.consolidator_config import (
     ConfigError,
     ConsolidatorConfig,
@@ -41,17 +42,124 @@ PublisherFactory = Callable[[PublisherSettings, Endpoint, "Endpoint | None", int
                             EventPublisher]
 
 
-def fetch_events(url: str, *, timeout: float = 5.0) -> list[dict[str, Any]]:
-    """One ``POST {url}/kv_cache_events``; the decoded list (raises on HTTP/JSON errors)."""
+class Unparsable:
+    """Stands in for one element of the event list that could not be parsed (see
+    :func:`parse_event_list`); :func:`check_event` reports it as malformed."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+# Limits of one event from /kv_cache_events (TRT-LLM's are a few levels deep, 64-bit numbers).
+MAX_EVENT_DEPTH = 16
+_INT_MIN, _INT_END = -(1 << 63), 1 << 64
+
+
+def fetch_events(url: str, *, timeout: float = 5.0) -> list[Any]:
+    """One ``POST {url}/kv_cache_events``; the decoded list (see :func:`parse_event_list`).
+
+    Raises on HTTP errors, and ValueError when the body is not a JSON list.
+    """
     request = urllib.request.Request(url.rstrip("/") + "/kv_cache_events", data=b"",
                                      method="POST")
     with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310
         body = response.read()
-    events = json.loads(body or b"[]")
+    return parse_event_list(body, url)
+
+
+def parse_event_list(body: bytes, url: str = "") -> list[Any]:
+    """The JSON list of events in ``body``; an element too deeply nested for the JSON parser
+    is returned as an :class:`Unparsable`, so the other events still count.
+
+    Raises ValueError when the body is not JSON or not a list.
+    """
+    try:
+        events = json.loads(body or b"[]")
+    except RecursionError:
+        events = _parse_elements(body.decode("utf-8", "replace"))
+        if events is None:
+            raise ValueError(f"{url}/kv_cache_events returned nested JSON that is not a "
+                             f"list: {saferepr(body[:200])}") from None
     if not isinstance(events, list):
         raise ValueError(f"{url}/kv_cache_events returned {type(events).__name__}, not a list: "
-                         f"{body[:200]!r}")
+                         f"{saferepr(body[:200])}")
     return events
+
+
+def _parse_elements(text: str) -> list[Any] | None:
+    """Each top-level element of the JSON array ``text`` parsed on its own (an element that
+    fails becomes an Unparsable); None when ``text`` is not an array. Only used when the
+    whole document is too deep for ``json.loads``: a plain scan, O(len(text))."""
+    start = len(text) - len(text.lstrip())
+    if not text.startswith("[", start):
+        return None
+    out: list[Any] = []
+    depth = 0
+    begin = -1
+    in_string = escaped = False
+    for index in range(start + 1, len(text)):
+        char = text[index]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+            continue
+        if char in " \t\r\n":
+            continue
+        if begin < 0 and char not in ",]":
+            begin = index
+        if char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+        elif char in "]}" and depth > 0:
+            depth -= 1
+        elif depth == 0 and char in ",]":
+            if begin >= 0:
+                out.append(_parse_one(text[begin:index]))
+            begin = -1
+            if char == "]":
+                return out
+    return None
+
+
+def _parse_one(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        return Unparsable(f"{type(exc).__name__}: {saferepr(str(exc), 100)}")
+
+
+def check_event(event: Any) -> str | None:
+    """Why ``event`` (one element of the list) cannot be published, or None if it can.
+
+    An event must be a JSON object nested at most MAX_EVENT_DEPTH levels, whose integers are
+    all 64-bit (signed or unsigned: hashes are u64, token ids are far smaller). Called on the
+    sidecar's thread for every event before it reaches the sink; iterative, O(size).
+    """
+    if isinstance(event, Unparsable):
+        return event.reason
+    if not isinstance(event, dict):
+        return f"event is not an object: {saferepr(event, 100)}"
+    stack: list[tuple[Any, int]] = [(event, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, int):
+            if not _INT_MIN <= value < _INT_END:
+                return f"integer {saferepr(value, 60)} does not fit 64 bits"
+        elif isinstance(value, (dict, list)):
+            if depth > MAX_EVENT_DEPTH:
+                return f"nested deeper than {MAX_EVENT_DEPTH} levels"
+            items = value.values() if isinstance(value, dict) else value
+            stack.extend((item, depth + 1) for item in items)
+    return None
 
 
 def build_sink(config: ConsolidatorConfig, *, block_size: int,
@@ -87,7 +195,7 @@ def run_sidecar(url: str, config: ConsolidatorConfig, *, block_size: int,
         raise ConfigError(f"sidecar interval={interval!r} must be > 0 seconds")
     sink = build_sink(config, block_size=block_size, publisher_factory=publisher_factory)
     log = RateLimitedLog(logger)
-    polls = errors = foreign = 0
+    polls = errors = foreign = malformed = 0
     try:
         while not stop_event.is_set():
             started = time.monotonic()
@@ -103,7 +211,14 @@ def run_sidecar(url: str, config: ConsolidatorConfig, *, block_size: int,
             if events:
                 keep = []
                 for ev in events:
-                    rank = ev.get("attention_dp_rank", 0) if isinstance(ev, dict) else 0
+                    problem = check_event(ev)
+                    if problem is not None:
+                        # One bad event is dropped alone; the rest of the poll goes on.
+                        malformed += 1
+                        log.log(logging.WARNING, "malformed", "sidecar: malformed event from "
+                                "%s/kv_cache_events dropped: %s", url, problem)
+                        continue
+                    rank = ev.get("attention_dp_rank", 0)
                     if isinstance(rank, int) and not 0 <= rank < config.num_ranks:
                         foreign += 1
                         log.log(logging.ERROR, "rank", "sidecar: event for attention_dp_rank "
@@ -117,7 +232,8 @@ def run_sidecar(url: str, config: ConsolidatorConfig, *, block_size: int,
     finally:
         sink.shutdown()
     stats = sink.stats()
-    stats.update(polls=polls, poll_errors=errors, events_outside_ranks=foreign)
+    stats.update(polls=polls, poll_errors=errors, events_outside_ranks=foreign,
+                 events_malformed=malformed)
     return stats
 
 
