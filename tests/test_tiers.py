@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from kvbm_plugin.consolidator_config import ConfigError
 from kvbm_plugin.registry import TIERS_GROUP, get_plugin
 from kvbm_plugin.tiers.base import TierFullError, TierIndex, TierSpec, block_keys, chain_key
-from kvbm_plugin.tiers.disk import DiskTier
+from kvbm_plugin.tiers.disk import DiskTier, check_disk_dir
 from kvbm_plugin.tiers.host import HostTier
 
 SHAPE = (2, 2, 16)
@@ -116,3 +120,61 @@ def test_disk_write_failure_is_reported_not_raised(disk: DiskTier, tmp_path) -> 
     assert not result.ok and result.error
     out = torch.full(SHAPE, -1.0)
     assert disk.read(0, 1, out) is False
+
+
+def test_disk_directory_removed_mid_run_is_recreated(disk: DiskTier, tmp_path) -> None:
+    assert disk.write(0, 1, _block(0)).ok
+    shutil.rmtree(tmp_path / "rank1")  # e.g. a cache cleaner
+    assert disk.write(1, 2, _block(1)).ok
+    out = torch.empty(SHAPE)
+    assert disk.read(1, 2, out) and torch.equal(out, _block(1))
+    assert disk.dirs_recreated == 1 and disk.write_failures == 0
+
+
+def test_check_disk_dir_names_the_variable_and_the_path(tmp_path) -> None:
+    check_disk_dir(str(tmp_path))  # an existing directory
+    check_disk_dir(str(tmp_path / "new" / "deeper"))  # created by the tier later
+    assert not (tmp_path / "new").exists()  # the check changes nothing
+    taken = tmp_path / "a-file"
+    taken.write_bytes(b"x")
+    with pytest.raises(ConfigError, match=f"DYN_KVBM_DISK_CACHE_DIR={taken}: .*not a dir"):
+        check_disk_dir(str(taken))
+    with pytest.raises(ConfigError, match=f"DYN_KVBM_DISK_CACHE_DIR={taken}/sub: "):
+        check_disk_dir(str(taken / "sub"))
+
+
+def test_leader_start_up_rejects_a_disk_directory_that_is_a_file(tmp_path) -> None:
+    from kvbm_plugin.connector_leader import KvbmConnectorLeader
+    from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, LlmArgs, ParallelConfig
+
+    taken = tmp_path / "a-file"
+    taken.write_bytes(b"x")
+    env = {"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false",
+           "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "8",
+           "DYN_KVBM_DISK_CACHE_DIR": str(taken)}
+    with pytest.raises(ConfigError, match=f"DYN_KVBM_DISK_CACHE_DIR={taken}"):
+        KvbmConnectorLeader(LlmArgs(KvCacheConfig(4), ParallelConfig(0, 1),
+                                    kvbm_plugin_env=env, kvbm_plugin_group="disk-dir-file"))
+
+
+def test_repeated_disk_write_failures_are_logged_rate_limited(caplog) -> None:
+    from kvbm_plugin.connector_worker import KvbmConnectorWorker
+    from kvbm_plugin.tiers.base import WriteResult
+
+    class FullDisk:
+        capacity = 1000
+
+        def write(self, slot, key, block) -> WriteResult:
+            return WriteResult(False, error="OSError: [Errno 28] No space left on device")
+
+    reports = []
+    worker = SimpleNamespace(_disk=FullDisk(), _rank=7, _block_bytes=1, _metrics=None,
+                             _count=lambda **kw: None,
+                             _report=lambda *args: reports.append(args),
+                             _save_terminal=lambda req_id: None)
+    with caplog.at_level(logging.WARNING, logger="kvbm_plugin.connector_worker"):
+        for slot in range(254):
+            KvbmConnectorWorker._disk_write(worker, slot, None, slot, slot, None, False)
+    assert len(reports) == 254 and not any(r[1] for r in reports)
+    lines = [r for r in caplog.records if "disk write" in r.getMessage()]
+    assert 1 <= len(lines) <= 2, len(lines)

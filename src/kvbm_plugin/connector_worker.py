@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbm_plugin import _llm_args
+from kvbm_plugin._ratelimit import RateLimitedLog
 from kvbm_plugin._trtllm_compat import KvCacheConnectorWorker
 from kvbm_plugin.connector_meta import (
     DISK,
@@ -63,6 +64,8 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
+# Failures that can repeat once per block (a full or failing disk): one line per interval each.
+_repeating = RateLimitedLog(logger)
 
 OP_TIMEOUT_S = 60.0  # an op whose copy has not completed by then is failed (GPU hang, etc.)
 LOAD_ORPHAN_TIMEOUT_S = 120.0  # a loading id with no LoadOp seen is returned after this
@@ -664,7 +667,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                 result = disk.write(slot, key, block)
                 ok, signature = result.ok, result.signature
                 if not ok:
-                    logger.warning("rank %d: disk write of slot %d failed: %s", self._rank, slot,
+                    _repeating.log(logging.WARNING, f"disk-write-{self._rank}", "rank %d: disk "
+                                   "write of slot %d failed: %s", self._rank, slot,
                                    result.error)
             except Exception:
                 logger.exception("rank %d: disk write of slot %d failed", self._rank, slot)

@@ -19,6 +19,7 @@ import zlib
 from typing import TYPE_CHECKING
 
 from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin.consolidator_config import DISK_CACHE_DIR, ConfigError
 from kvbm_plugin.events import MEDIUM_DISK
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
@@ -36,6 +37,32 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"KVBMBLK1"
 _HEADER = struct.Struct("<8sQQII")
+
+
+def check_disk_dir(path: str, variable: str = DISK_CACHE_DIR) -> None:
+    """Raise ConfigError, naming ``variable`` and ``path``, if the disk tier cannot use it.
+
+    ``path`` must be a directory this process can write, or not exist yet under a directory it
+    can write (the tier creates it). Changes nothing on disk. Called at start-up by the leader
+    when the disk tier is enabled with a configured directory, and by ``kvbm-plugin doctor``.
+    """
+    if not path:
+        raise ConfigError(f"{variable}={path!r}: empty directory path")
+    absolute = os.path.abspath(path)
+    if os.path.exists(absolute):
+        if not os.path.isdir(absolute):
+            raise ConfigError(f"{variable}={path}: exists and is not a directory")
+        if not os.access(absolute, os.W_OK | os.X_OK):
+            raise ConfigError(f"{variable}={path}: directory is not writable by this process")
+        return
+    parent = os.path.dirname(absolute)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{variable}={path}: cannot be created, {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{variable}={path}: cannot be created, {parent} is not writable by "
+                          "this process")
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -63,6 +90,8 @@ class DiskTier(OffloadTier):
         self._tmp_counter = 0
         self._lock = threading.Lock()
         self.corrupt_reads = 0
+        self.write_failures = 0
+        self.dirs_recreated = 0
         self._log = RateLimitedLog(logger)  # a failing disk must not flood the log
 
     def path(self, slot: int) -> str:
@@ -79,13 +108,24 @@ class DiskTier(OffloadTier):
                 self._made_dir = True
             payload = byte_view(block.contiguous())
             header = _HEADER.pack(MAGIC, key, len(payload), zlib.crc32(payload), 0)
-            with open(tmp, "wb") as f:
+            try:
+                f = open(tmp, "wb")  # noqa: SIM115 - closed below
+            except FileNotFoundError:
+                # The directory was removed while running (e.g. a cache cleaner): recreate it.
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                self.dirs_recreated += 1
+                self._log.log(logging.WARNING, "recreated", "disk tier: %s was removed; "
+                              "recreated it (%d times so far)", os.path.dirname(path),
+                              self.dirs_recreated)
+                f = open(tmp, "wb")  # noqa: SIM115 - closed below
+            with f:
                 f.write(header)
                 f.write(payload)
             os.replace(tmp, path)  # atomic: readers see the old file or the new one
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
+            self.write_failures += 1
             return WriteResult(False, error=f"{type(exc).__name__}: {exc}")
         signature = stat_signature(path)
         return WriteResult(signature is not None, signature)
