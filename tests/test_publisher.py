@@ -471,3 +471,49 @@ def test_replay_requesters_that_never_read_are_bounded_and_dropped(ctx, tmp_path
     while (frames := recv(dealer))[2] != END_SEQ:
         count += 1
     assert count >= buffered
+
+
+class _ScriptedRouter:
+    """Requests to hand out; sends recorded, or refused with EAGAIN while ``full``."""
+
+    def __init__(self, requests: list[list[bytes]]) -> None:
+        self.requests = requests
+        self.sent: list[tuple[bytes, ...]] = []
+        self.full = False
+
+    def recv_multipart(self, flags: int = 0) -> list[bytes]:
+        if not self.requests:
+            raise zmq.Again()
+        return self.requests.pop(0)
+
+    def send_multipart(self, frames: Any, flags: int = 0) -> None:
+        assert flags & zmq.NOBLOCK
+        if self.full:
+            raise zmq.Again()
+        self.sent.append(tuple(frames))
+
+
+def test_replay_server_caps_answers_in_progress_and_refuses_the_rest() -> None:
+    from collections import deque
+
+    from kvbm_plugin._replay_server import ReplayServer
+
+    buffer = deque((seq, b"p%d" % seq) for seq in range(10))
+    server = ReplayServer("test", b"", max_active=1, max_waiting=1, batches_per_call=4,
+                          stall_s=3600)
+    router = _ScriptedRouter([[b"a", b"", (0).to_bytes(8, "big")],
+                              [b"b", b"", (5).to_bytes(8, "big")],
+                              [b"c", b"", (0).to_bytes(8, "big")]])
+    server.service(router, buffer)  # type: ignore[arg-type]
+    stats = server.stats()
+    assert stats["replay_refused"] == 1 and stats["replay_active"] == 1
+    assert stats["replay_waiting"] == 1
+    assert [f[0] for f in router.sent] == [b"c"] + [b"a"] * 4  # c: END_SEQ only
+    assert router.sent[0][3] == END_SEQ
+    for _ in range(10):
+        server.service(router, buffer)  # type: ignore[arg-type]
+    by_peer = {peer: [f for f in router.sent if f[0] == peer] for peer in (b"a", b"b")}
+    assert [int.from_bytes(f[3], "big") for f in by_peer[b"a"][:-1]] == list(range(10))
+    assert [int.from_bytes(f[3], "big") for f in by_peer[b"b"][:-1]] == list(range(5, 10))
+    assert by_peer[b"a"][-1][3] == END_SEQ and by_peer[b"b"][-1][3] == END_SEQ
+    assert not server.busy and server.stats()["replay_batches_sent"] == 15

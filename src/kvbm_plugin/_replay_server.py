@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import zmq
 
 from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin._saferepr import saferepr
 from kvbm_plugin.events import END_SEQ
 
 logger = logging.getLogger(__name__)
@@ -124,8 +125,8 @@ class ReplayServer:
             if envelope is None or start is None:
                 self.bad_requests += 1
                 self._log.log(logging.WARNING, "replay-bad", "%s: malformed replay request "
-                              "%r (want [b'', 8-byte start seq] from a DEALER)", self._owner,
-                              [f[:16] for f in frames[1:]])
+                              "%s (want [b'', 8-byte start seq] from a DEALER)", self._owner,
+                              saferepr(frames[1:]))
                 continue
             answer = _Answer(envelope, start, buffer[-1][0] if buffer else -1, now)
             if len(self._active) < self._max_active:
