@@ -60,7 +60,7 @@ class ReplayServer:
     """Bounded, incremental replay answers over one ROUTER socket."""
 
     def __init__(self, owner: str, topic: bytes, *, max_active: int = 4, max_waiting: int = 64,
-                 batches_per_call: int = 64, stall_s: float = 2.0) -> None:
+                 batches_per_call: int = 256, stall_s: float = 2.0) -> None:
         self._owner = owner
         self._topic = topic
         self._max_active = max_active
