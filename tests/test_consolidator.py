@@ -991,6 +991,7 @@ def test_a_restarted_publisher_that_got_further_than_the_old_one_is_resynced(ipc
         time.sleep(0.05)  # pacing of the simulated engine, not synchronisation
     stats = consolidator.stats()
     assert stats["restarts"] >= 1 and stats["reconnects"] >= 1
+    assert stats["ingest_errors"] == 0 and stats["message_errors"] == 0
 
 
 def test_a_restarted_publisher_at_the_same_seq_is_caught_by_the_reconnection(ipc_dir, start,
@@ -1021,6 +1022,7 @@ def test_a_restarted_publisher_at_the_same_seq_is_caught_by_the_reconnection(ipc
              what="the new stream only")
     stats = consolidator.stats()
     assert stats["restarts"] == 1 and stats["reconnects"] == 1 and stats["resyncs"] == 1
+    assert stats["ingest_errors"] == 0
 
 
 def test_a_reconnection_to_the_same_publisher_replays_what_was_missed(ipc_dir, start,

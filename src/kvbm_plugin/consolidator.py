@@ -1447,7 +1447,8 @@ class KvEventConsolidator:
                 if stream.watch is not None and stream.watch.socket in ready:
                     for event in stream.watch.events():
                         self._on_connection_event(stream, event)
-            for sock, stream in by_dealer.items():
+            # A snapshot: draining a replay may replace the stream's DEALER (_renew_dealer).
+            for sock, stream in list(by_dealer.items()):
                 if sock in ready:
                     self._drain_replay(stream, sock)
             for sock, stream in by_socket.items():
