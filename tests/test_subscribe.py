@@ -309,3 +309,35 @@ def test_json_output_is_strict_json() -> None:
     assert parsed["ts"] is None and parsed["seq"] == 4
     assert parsed["events"][0]["lora_id"] is None
     assert isinstance(parsed["events"][0]["lora_name"], str)
+
+
+def test_a_reconnection_replay_then_the_same_batches_live_is_no_restart(ctx, tmp_path) -> None:
+    endpoint = f"ipc://{tmp_path}/pub-d"
+    server = _ReplayServer(ctx, f"ipc://{tmp_path}/replay-d")
+    pub = ctx.socket(zmq.XPUB)
+    pub.bind(endpoint)
+    sub = _connect(ctx, pub, endpoint, f"ipc://{tmp_path}/replay-d")
+    try:
+        stream = {seq: _frames(seq, [_store(100 + seq)]) for seq in range(5)}
+        server.buffer = {seq: stream[seq] for seq in range(2)}
+        for seq in range(2):
+            pub.send_multipart(stream[seq])
+        _poll_until(sub, lambda: sub.stats.batches == 2)
+        pub.close(0)
+        server.buffer = dict(stream)  # the same publisher went on meanwhile
+        pub = ctx.socket(zmq.XPUB)
+        pub.bind(endpoint)
+        _poll_until(sub, lambda: sub.stats.reconnects == 1)
+        assert sub.held == {(0, 100 + i) for i in range(5)}
+        assert pub.poll(10_000), "subscription never arrived"
+        pub.recv()
+        for seq in (3, 4):  # also reached the subscriber live: duplicates, not a restart
+            pub.send_multipart(stream[seq])
+        pub.send_multipart(_frames(5, [_store(105)]))
+        _poll_until(sub, lambda: (0, 105) in sub.held)
+        assert sub.stats.restarts == 0 and sub.stats.duplicate_stores == 0
+        assert sub.held == {(0, 100 + i) for i in range(6)}
+    finally:
+        pub.close(0)
+        sub.close()
+        server.close()

@@ -99,6 +99,8 @@ class StreamSubscriber:
         self.last_malformed: str | None = None  # why the last malformed message was dropped
         self._last_payload: bytes | None = None  # payload of seq ``next_seq - 1``
         self._anchor: tuple[int, bytes] | None = None  # the last applied, when the link broke
+        # Seqs [first, last] the latest replay applied: the same batches may still arrive live.
+        self._replayed: tuple[int, int] | None = None
 
     def close(self) -> None:
         self._watch.close()
@@ -156,6 +158,9 @@ class StreamSubscriber:
         out: list[EventBatch] = []
         if batch.seq is not None and self.next_seq is not None:
             if batch.seq < self.next_seq:
+                replayed = self._replayed
+                if replayed is not None and replayed[0] <= batch.seq <= replayed[1]:
+                    return out  # a replay delivered it already
                 # Live seqs only go up: a lower one is a restarted publisher's new stream.
                 self._restarted()
             if batch.seq > self.next_seq:
@@ -171,6 +176,8 @@ class StreamSubscriber:
         if batch.seq is not None:
             self.next_seq = batch.seq + 1
             self._last_payload = payload
+            if self._replayed is not None and batch.seq > self._replayed[1]:
+                self._replayed = None
         return out
 
     def _restarted(self) -> None:
@@ -180,6 +187,7 @@ class StreamSubscriber:
         self.held_with_medium.clear()
         self.next_seq = 0
         self._last_payload = None
+        self._replayed = None
 
     def _replay_checked(self, start: int, stop: int | None,
                         verify: tuple[int, bytes] | None) -> list[EventBatch]:
@@ -251,6 +259,8 @@ class StreamSubscriber:
             self.next_seq = expected
             self._last_payload = body[-1]
         self.stats.replayed_batches += len(got)
+        if got:
+            self._replayed = (got[0].seq or 0, got[-1].seq or 0)
         return got, same
 
     def apply(self, batch: EventBatch) -> None:
