@@ -341,3 +341,37 @@ def test_a_reconnection_replay_then_the_same_batches_live_is_no_restart(ctx, tmp
         pub.close(0)
         sub.close()
         server.close()
+
+
+def test_replay_answers_without_a_topic_frame_are_understood(ctx, xpub, tmp_path) -> None:
+    """vLLM's publisher answers a replay with [seq, payload] (no topic) and ends with
+    [END_SEQ, b""]."""
+    pub, endpoint = xpub
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.bind(f"ipc://{tmp_path}/replay-v")
+    sub = _connect(ctx, pub, endpoint, f"ipc://{tmp_path}/replay-v")
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not router.poll(20):
+                continue
+            client, empty, start = router.recv_multipart()
+            for seq in range(int.from_bytes(start, "big"), 3):
+                router.send_multipart([client, empty, *_frames(seq, [_store(10 + seq)])[1:]])
+            router.send_multipart([client, empty, END_SEQ, b""])
+
+    server = threading.Thread(target=serve)
+    server.start()
+    try:
+        pub.send_multipart(_frames(0, [_store(10)]))
+        pub.send_multipart(_frames(3, [_store(13)]))
+        _poll_until(sub, lambda: sub.stats.batches >= 4)
+        assert sub.held == {(0, 10 + i) for i in range(4)}
+        assert sub.stats.malformed == 0 and sub.stats.missing_batches == 0
+        assert sub.stats.restarts == 0
+    finally:
+        stop.set()
+        server.join()
+        sub.close()

@@ -225,9 +225,13 @@ class StreamSubscriber:
                 continue
             frames = self._dealer.recv_multipart()
             body = frames[1:] if frames and frames[0] == b"" else frames
-            if len(body) >= 2 and body[1] == END_SEQ:
+            # [topic, seq, payload], or [seq, payload] from publishers that send no topic
+            # (vLLM); the end marker's seq frame is END_SEQ.
+            if len(body) >= 2 and END_SEQ in (body[0], body[1]):
                 same = same and checking is None
                 break
+            if len(body) == 2:
+                body = [b"", body[0], body[1]]
             if done:
                 continue
             if checking is not None:
