@@ -517,3 +517,29 @@ def test_replay_server_caps_answers_in_progress_and_refuses_the_rest() -> None:
     assert [int.from_bytes(f[3], "big") for f in by_peer[b"b"][:-1]] == list(range(5, 10))
     assert by_peer[b"a"][-1][3] == END_SEQ and by_peer[b"b"][-1][3] == END_SEQ
     assert not server.busy and server.stats()["replay_batches_sent"] == 15
+
+
+def test_replay_server_refuses_while_too_many_peers_stopped_reading() -> None:
+    from collections import deque
+
+    from kvbm_plugin._replay_server import ReplayServer
+
+    buffer = deque((seq, b"p%d" % seq) for seq in range(10))
+    server = ReplayServer("test", b"", max_active=2, max_stalled=1, batches_per_call=4,
+                          stall_s=0.0)
+    router = _ScriptedRouter([[b"a", b"", (0).to_bytes(8, "big")]])
+    router.full = True  # "a" reads nothing
+    server.service(router, buffer)  # type: ignore[arg-type]
+    wait_until(lambda: (server.service(router, buffer),  # type: ignore[arg-type]
+                        server.stats()["replay_stalled_peers"] == 1)[1], what="a stalled")
+    router.full = False
+    router.requests.append([b"b", b"", (0).to_bytes(8, "big")])
+    router.sent.clear()
+    server._stalled[(b"a", b"")] = float("inf")  # still stalled: not probed in this call
+    server.service(router, buffer)  # type: ignore[arg-type]
+    assert server.stats()["replay_refused"] == 1
+    assert router.sent == [(b"b", b"", b"", END_SEQ, b"")]
+    server._stalled[(b"a", b"")] = 0.0  # probe now: it has room again
+    server.service(router, buffer)  # type: ignore[arg-type]
+    assert server.stats()["replay_stalled_peers"] == 0
+    assert router.sent[-1] == (b"a", b"", b"", END_SEQ, b"")

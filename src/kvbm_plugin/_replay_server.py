@@ -11,11 +11,13 @@ answers are sent bit by bit, never blocking:
   wait their turn, and requests beyond that are refused (answered with END_SEQ alone, which a
   requester reads as "nothing to replay": it resyncs);
 * each call sends at most ``batches_per_call`` batches in all, so the live stream keeps going;
-* an answer that makes no progress for ``stall_s`` seconds (its peer does not read) is dropped.
+* an answer that makes no progress for ``stall_s`` seconds (its peer does not read) is dropped;
+  its peer is remembered as stalled (its queue is full) until it disconnects or reads, when it
+  gets the end marker; while ``max_stalled`` peers are stalled, new requests are refused.
 
-So what the publisher queues for replays is at most ``PEER_HWM`` batches per peer that was ever
-served and has not disconnected, filled by at most ``max_active`` answers at a time.
-Everything is counted (:meth:`ReplayServer.stats`) and logged rate-limited.
+So what the publisher queues for replays is at most ``PEER_HWM`` batches for each of at most
+``max_active + max_stalled`` peers (plus one end marker per refused request). Everything is
+counted (:meth:`ReplayServer.stats`) and logged rate-limited.
 
 Used by ``ZmqEventPublisher`` on the thread that owns its sockets (the publisher thread, or the
 inline owner's thread); not thread-safe.
@@ -60,13 +62,17 @@ class ReplayServer:
     """Bounded, incremental replay answers over one ROUTER socket."""
 
     def __init__(self, owner: str, topic: bytes, *, max_active: int = 4, max_waiting: int = 64,
-                 batches_per_call: int = 256, stall_s: float = 2.0) -> None:
+                 batches_per_call: int = 256, stall_s: float = 2.0,
+                 max_stalled: int = 16) -> None:
         self._owner = owner
         self._topic = topic
         self._max_active = max_active
         self._max_waiting = max_waiting
         self._per_call = batches_per_call
         self._stall_s = stall_s
+        self._max_stalled = max_stalled
+        # Peers whose answer was dropped with their queue full: envelope -> next probe time.
+        self._stalled: dict[tuple[bytes, ...], float] = {}
         self._active: collections.deque[_Answer] = collections.deque()
         self._waiting: collections.deque[_Answer] = collections.deque()
         self._log = RateLimitedLog(logger)
@@ -79,8 +85,9 @@ class ReplayServer:
 
     @property
     def busy(self) -> bool:
-        """Answers are in progress or waiting: call :meth:`service` again soon."""
-        return bool(self._active or self._waiting)
+        """Answers are in progress or waiting, or stalled peers are left to release: call
+        :meth:`service` again soon."""
+        return bool(self._active or self._waiting or self._stalled)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -92,6 +99,7 @@ class ReplayServer:
             "replay_refused": self.refused,
             "replay_active": len(self._active),
             "replay_waiting": len(self._waiting),
+            "replay_stalled_peers": len(self._stalled),
         }
 
     def service(self, router: zmq.Socket,
@@ -102,6 +110,8 @@ class ReplayServer:
         :attr:`busy`, every few milliseconds.
         """
         now = time.monotonic()
+        if self._stalled:
+            self._probe_stalled(router, now)
         self._receive(router, buffer, now)
         budget = self._per_call
         for answer in list(self._active):
@@ -129,18 +139,36 @@ class ReplayServer:
                               saferepr(frames[1:]))
                 continue
             answer = _Answer(envelope, start, buffer[-1][0] if buffer else -1, now)
-            if len(self._active) < self._max_active:
+            if len(self._stalled) >= self._max_stalled:
+                self._refuse(router, answer, f"{len(self._stalled)} requesters stopped reading")
+            elif len(self._active) < self._max_active:
                 self._active.append(answer)
             elif len(self._waiting) < self._max_waiting:
                 self._waiting.append(answer)
             else:
-                self.refused += 1
-                self._log.log(logging.WARNING, "replay-refused", "%s: %d replays in progress "
-                              "and %d waiting: replay from seq %d refused (answered with the "
-                              "end marker only)", self._owner, len(self._active),
-                              len(self._waiting), start)
-                with contextlib.suppress(zmq.ZMQError):
-                    router.send_multipart((*envelope, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+                self._refuse(router, answer, f"{len(self._active)} replays in progress and "
+                             f"{len(self._waiting)} waiting")
+
+    def _refuse(self, router: zmq.Socket, answer: _Answer, why: str) -> None:
+        self.refused += 1
+        self._log.log(logging.WARNING, "replay-refused", "%s: replay from seq %d refused "
+                      "(answered with the end marker only): %s", self._owner, answer.start, why)
+        with contextlib.suppress(zmq.ZMQError):
+            router.send_multipart((*answer.envelope, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+
+    def _probe_stalled(self, router: zmq.Socket, now: float) -> None:
+        """Give each stalled peer its end marker once it has room (or forget it once gone)."""
+        for envelope, when in list(self._stalled.items()):
+            if now < when:
+                continue
+            try:
+                router.send_multipart((*envelope, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                self._stalled[envelope] = now + 0.1  # still not reading
+                continue
+            except zmq.ZMQError:
+                pass  # EHOSTUNREACH: disconnected, its queue is gone
+            del self._stalled[envelope]
 
     def _advance(self, router: zmq.Socket, buffer: collections.deque[tuple[int, bytes]],
                  answer: _Answer, budget: int, now: float) -> int:
@@ -167,6 +195,7 @@ class ReplayServer:
             elif now - answer.last_progress > self._stall_s:
                 self._drop(answer, f"its peer read nothing for {self._stall_s:.1f}s")
                 self.peers_dropped += 1
+                self._stalled[answer.envelope] = now + 0.1
         except zmq.ZMQError as exc:
             # EHOSTUNREACH: the requester is gone.
             self._drop(answer, str(exc))

@@ -1419,12 +1419,13 @@ class KvEventConsolidator:
                 if stream.replay is not None:
                     left = max(0, int((stream.replay.deadline - now) * 1000) + 1)
                     timeout = left if timeout is None else min(timeout, left)
-            if inline is not None and inline.replay_busy:
-                # Replay answers of our output go out bit by bit as their requesters read.
-                timeout = 5 if timeout is None else min(timeout, 5)
             if self._queue:
                 timeout = 0  # queued registrations (e.g. after a failed round): no sleeping
             self._idle = timeout is None
+            if inline is not None and inline.replay_busy:
+                # Replay answers of our output go out bit by bit as their requesters read (not
+                # input work: the consolidator still counts as idle).
+                timeout = 5 if timeout is None else min(timeout, 5)
             ready = dict(poller.poll(timeout))
             unflushed = 0  # input batches applied since the last flush (the loop's end flushed)
             self._idle = False
