@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -375,3 +376,33 @@ def test_replay_answers_without_a_topic_frame_are_understood(ctx, xpub, tmp_path
         stop.set()
         server.join()
         sub.close()
+
+
+def test_subscribe_command_json_is_strict(ctx, xpub, capsys) -> None:
+    from kvbm_plugin.subscribe import main_subscribe
+
+    pub, endpoint = xpub
+    nan_batch = [b"", encode_seq(0), msgpack.packb([float("nan"), [], 0])]
+    stop = threading.Event()
+
+    def keep_sending() -> None:  # until the command (on this test's thread) has one batch
+        while not stop.wait(0.02):
+            pub.send_multipart(nan_batch)
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    sender = threading.Thread(target=keep_sending)
+    sender.start()
+    try:
+        assert main_subscribe([endpoint, "--json", "--count", "1", "--duration", "10"]) == 0
+    finally:
+        stop.set()
+        sender.join()
+        for sig, handler in handlers.items():  # the command installs its own
+            signal.signal(sig, handler)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines, "no batch printed"
+
+    def reject(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    assert json.loads(lines[0], parse_constant=reject)["ts"] is None
