@@ -902,7 +902,8 @@ def test_deeply_nested_payloads_are_malformed_and_never_delay_the_next_batch(ipc
 
 
 def test_a_message_that_raises_is_dropped_alone_and_the_back_off_resets(ipc_dir, start,
-                                                                        raw_rank, monkeypatch):
+                                                                        raw_rank, monkeypatch,
+                                                                        expect_errors):
     config = make_config(ipc_dir, replay=False)
     raw = raw_rank(config)
     consolidator = start(config)
@@ -926,10 +927,11 @@ def test_a_message_that_raises_is_dropped_alone_and_the_back_off_resets(ipc_dir,
     stats = consolidator.stats()
     assert stats["message_errors"] == 15 and stats["ingest_errors"] == 0
     assert consolidator._loop_failures == 0
+    assert expect_errors.wait_for("message dropped, applying it raised RuntimeError")
 
 
 def test_the_loop_back_off_restarts_after_a_clean_message(ipc_dir, start, raw_rank,
-                                                          monkeypatch):
+                                                          monkeypatch, expect_errors):
     config = make_config(ipc_dir, replay=False)
     raw = raw_rank(config)
     consolidator = start(config)
@@ -953,6 +955,7 @@ def test_the_loop_back_off_restarts_after_a_clean_message(ipc_dir, start, raw_ra
     raw.send(1, [stored([1], None, [1])])
     wait_for(lambda: consolidator.stats()["batches_applied"] == 2)
     wait_for(lambda: consolidator._loop_failures == 0, what="back-off reset")
+    assert expect_errors.wait_for("ingest loop failed")
 
 
 def test_a_restarted_publisher_that_got_further_than_the_old_one_is_resynced(ipc_dir, start,
@@ -1047,7 +1050,8 @@ def test_a_reconnection_to_the_same_publisher_replays_what_was_missed(ipc_dir, s
     assert stats["restarts"] == 0 and stats["resyncs"] == 0 and stats["reconnects"] == 1
 
 
-def test_output_a_threaded_publisher_loses_later_is_counted_lost(ipc_dir, raw_rank):
+def test_output_a_threaded_publisher_loses_later_is_counted_lost(ipc_dir, raw_rank,
+                                                                  expect_errors):
     from kvbm_plugin.publisher import ZmqEventPublisher
 
     config = make_config(ipc_dir, replay=False)
@@ -1063,6 +1067,7 @@ def test_output_a_threaded_publisher_loses_later_is_counted_lost(ipc_dir, raw_ra
         consolidator.register_store("CPU", 0, 1, None, toks(1), BS)
         wait_for(lambda: consolidator.stats()["output_lost"] == 1, what="output loss counted")
         assert consolidator.stats()["batches_out"] == 1
+        assert expect_errors.wait_for("cannot be encoded, lost")
     finally:
         consolidator.shutdown(5.0)
         output.shutdown(2.0)

@@ -211,11 +211,11 @@ def test_demo_fails_on_a_gap_in_the_stream_even_when_replay_fills_it(monkeypatch
     accept = StreamSubscriber._accept
     dropped: list[int] = []
 
-    def drop_seq_5_once(self, batch):  # noqa: ANN001, ANN202
+    def drop_seq_5_once(self, batch, *rest):  # noqa: ANN001, ANN002, ANN202
         if batch.seq == 5 and not dropped:
             dropped.append(batch.seq)
             return []
-        return accept(self, batch)
+        return accept(self, batch, *rest)
 
     monkeypatch.setattr(StreamSubscriber, "_accept", drop_seq_5_once)
     assert demo.main_demo(SMALL) == 1

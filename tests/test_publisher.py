@@ -388,8 +388,8 @@ def test_inline_bind_failure_and_rebind_after_shutdown(tcp) -> None:
 
 
 @pytest.mark.parametrize("inline", [False, True])
-def test_an_event_that_cannot_be_encoded_is_dropped_alone(ctx, tcp, publishers,
-                                                          inline) -> None:
+def test_an_event_that_cannot_be_encoded_is_dropped_alone(ctx, tcp, publishers, inline,
+                                                          expect_errors) -> None:
     pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], inline=inline)
     publishers.append(pub)
     sub, seen = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
@@ -405,9 +405,11 @@ def test_an_event_that_cannot_be_encoded_is_dropped_alone(ctx, tcp, publishers,
     stats = pub.stats()
     assert stats["events_unencodable"] == 1 and stats["lost_batches"] == 0
     assert stats["events_published"] == 2
+    assert expect_errors.wait_for("1 of 3 events cannot be encoded and were dropped")
 
 
-def test_sink_counts_a_batch_the_publisher_thread_lost_as_lost(tcp, publishers) -> None:
+def test_sink_counts_a_batch_the_publisher_thread_lost_as_lost(tcp, publishers,
+                                                               expect_errors) -> None:
     from kvbm_plugin.event_sink import KvEventSink
 
     def broken(obj: Any) -> bytes:
@@ -424,6 +426,7 @@ def test_sink_counts_a_batch_the_publisher_thread_lost_as_lost(tcp, publishers) 
     assert stats["batches_lost"] == 1 and stats["batches_published"] == 0
     assert stats["publisher_lost_after_accept"] == 1
     assert sink.dropped_event_count == 1
+    assert expect_errors.wait_for("cannot be encoded, lost")
 
 
 def test_replay_requesters_that_never_read_are_bounded_and_dropped(ctx, tmp_path,

@@ -199,7 +199,74 @@ def test_sidecar_survives_a_truncated_response() -> None:
         server.server_close()
 
 
-from kvbm_plugin.consolidator_config import PublisherSettings, load_consolidator_config
-from kvbm_plugin.events import encode_payload
-from kvbm_plugin.publisher import EventPublisher
-from kvbm_plugin.sidecar import build_sink, check_event, fetch_events, main_sidecar, run_sidecar
+def test_the_sidecar_stream_is_prefix_closed() -> None:
+    """trtllm-serve's events go straight to routers: a store under a parent the stream never
+    published, and the removal of a block it never published, are dropped (counted)."""
+    from kvbm_plugin.publisher import NullEventPublisher
+
+    config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port())})
+    sink = build_sink(config, block_size=2,
+                      publisher_factory=lambda settings, *_: NullEventPublisher(settings))
+    try:
+        orphan = stored(3, 0)
+        orphan["data"]["parent_hash"] = 99
+        sink.ingest([orphan, {"event_id": 2, "window_size": 64, "attention_dp_rank": 0,
+                              "data": {"type": "removed", "block_hashes": [4]}}])
+        stats = sink.stats()
+        assert stats["orphan_stores_dropped"] == 1 and stats["unknown_removes_suppressed"] == 1
+        assert stats["pending_events"] == 0
+    finally:
+        sink.shutdown(1.0)
+
+
+class Encoding(EventPublisher):
+    """Records what it could encode with the real payload encoder (False: the batch is lost,
+    as a publisher that cannot encode it loses it)."""
+
+    def __init__(self) -> None:
+        super().__init__(PublisherSettings())
+        self.batches: list[list[Any]] = []
+
+    def publish(self, events: Sequence[dict[str, Any]], data_parallel_rank: int | None = None
+                ) -> bool:
+        try:
+            payload = encode_payload(1.0, events, data_parallel_rank or 0)
+        except Exception:
+            return False
+        self.batches.append(decode(payload).events)
+        return True
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        return None
+
+
+def _one_poll(serve: FakeServe) -> tuple[dict[str, Any], Encoding]:
+    output = Encoding()
+    config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port()),
+                                       "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(free_port())})
+    result = run_sidecar(serve.url, config, block_size=2, interval=0.001,
+                         stop_event=StopAfter(1),
+                         publisher_factory=lambda settings, ep, replay, rank: output)
+    return result, output
+
+
+def test_deeply_nested_json_is_one_malformed_event(serve: FakeServe) -> None:
+    deep = b"[" * 100_000 + b"]" * 100_000
+    serve.raw.append(b"[" + json.dumps(stored(1, 0)).encode() + b", " + deep + b', {"a": "]"}, '
+                     + json.dumps(stored(2, 0)).encode() + b"]")
+    result, output = _one_poll(serve)
+    assert result["poll_errors"] == 0 and result["events_malformed"] == 2  # deep, no data
+    published = [e.block_hashes for batch in output.batches for e in batch]
+    assert published == [[1], [2]]
+
+
+def test_an_out_of_range_token_id_drops_that_event_only(serve: FakeServe) -> None:
+    bad = stored(3, 0)
+    bad["data"]["blocks"][0]["tokens"][0]["token_id"] = 10**30
+    serve.push(stored(1, 0), bad, stored(2, 0))
+    result, output = _one_poll(serve)
+    assert result["events_malformed"] == 1
+    published = [e.block_hashes for batch in output.batches for e in batch]
+    assert published == [[1], [2]]
+    assert check_event(bad) is not None and "64 bits" in check_event(bad)
+    assert check_event([1]) is not None and check_event(stored(1, 0)) is None

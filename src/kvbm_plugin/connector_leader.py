@@ -79,7 +79,6 @@ from kvbm_plugin.tiers.base import (
     block_path,
     stat_signature,
 )
-from kvbm_plugin.tiers.disk import check_disk_dir
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +178,6 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         self._block_size = _llm_args.block_size_of(llm_args)
         self._group = _llm_args.group_of(llm_args, self._env)
         self._tier_settings = load_tier_settings(self._env)
-        if self._tier_settings.disk_enabled and self._tier_settings.disk_cache_dir:
-            check_disk_dir(self._tier_settings.disk_cache_dir)
         self._dp_rank = self._par.dp_rank
         self._host: TierIndex | None = None
         self._disk: TierIndex | None = None

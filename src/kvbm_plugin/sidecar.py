@@ -138,14 +138,18 @@ def _parse_one(text: str) -> Any:
 def check_event(event: Any) -> str | None:
     """Why ``event`` (one element of the list) cannot be published, or None if it can.
 
-    An event must be a JSON object nested at most MAX_EVENT_DEPTH levels, whose integers are
-    all 64-bit (signed or unsigned: hashes are u64, token ids are far smaller). Called on the
+    An event must be a JSON object with a ``data`` object naming its ``type`` (TensorRT-LLM's
+    event form), nested at most MAX_EVENT_DEPTH levels, whose integers are all 64-bit (signed
+    or unsigned: hashes are u64; the sink checks token ids more narrowly). Called on the
     sidecar's thread for every event before it reaches the sink; iterative, O(size).
     """
     if isinstance(event, Unparsable):
         return event.reason
     if not isinstance(event, dict):
         return f"event is not an object: {saferepr(event, 100)}"
+    data = event.get("data")
+    if not isinstance(data, dict) or not isinstance(data.get("type"), str):
+        return f"event has no data object with a type: {saferepr(event, 100)}"
     stack: list[tuple[Any, int]] = [(event, 1)]
     while stack:
         value, depth = stack.pop()

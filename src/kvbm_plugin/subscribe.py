@@ -154,7 +154,9 @@ class StreamSubscriber:
             return None
         return self.next_seq - 1, self._last_payload
 
-    def _accept(self, batch: EventBatch, payload: bytes) -> list[EventBatch]:
+    def _accept(self, batch: EventBatch, payload: bytes | None = None) -> list[EventBatch]:
+        """Apply one live batch (replaying a gap before it); ``payload`` (its raw bytes) lets
+        a later replay check that the publisher is still the same one."""
         out: list[EventBatch] = []
         if batch.seq is not None and self.next_seq is not None:
             if batch.seq < self.next_seq:

@@ -19,7 +19,6 @@ import zlib
 from typing import TYPE_CHECKING
 
 from kvbm_plugin._ratelimit import RateLimitedLog
-from kvbm_plugin.consolidator_config import DISK_CACHE_DIR, ConfigError
 from kvbm_plugin.events import MEDIUM_DISK
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
@@ -37,32 +36,6 @@ logger = logging.getLogger(__name__)
 
 MAGIC = b"KVBMBLK1"
 _HEADER = struct.Struct("<8sQQII")
-
-
-def check_disk_dir(path: str, variable: str = DISK_CACHE_DIR) -> None:
-    """Raise ConfigError, naming ``variable`` and ``path``, if the disk tier cannot use it.
-
-    ``path`` must be a directory this process can write, or not exist yet under a directory it
-    can write (the tier creates it). Changes nothing on disk. Called at start-up by the leader
-    when the disk tier is enabled with a configured directory, and by ``kvbm-plugin doctor``.
-    """
-    if not path:
-        raise ConfigError(f"{variable}={path!r}: empty directory path")
-    absolute = os.path.abspath(path)
-    if os.path.exists(absolute):
-        if not os.path.isdir(absolute):
-            raise ConfigError(f"{variable}={path}: exists and is not a directory")
-        if not os.access(absolute, os.W_OK | os.X_OK):
-            raise ConfigError(f"{variable}={path}: directory is not writable by this process")
-        return
-    parent = os.path.dirname(absolute)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ConfigError(f"{variable}={path}: cannot be created, {parent} is not a directory")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"{variable}={path}: cannot be created, {parent} is not writable by "
-                          "this process")
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
