@@ -32,6 +32,25 @@ def test_import_does_not_pull_torch_or_trtllm() -> None:
     assert out == "[]"
 
 
+
+def test_consolidator_core_imports_neither_zmq_nor_torch() -> None:
+    """The pure dedup core stays free of sockets and the data path: importing it alone (a fresh
+    interpreter) loads no zmq, torch or TensorRT-LLM module."""
+    out = _run("""
+        import sys, kvbm_plugin.consolidator_core
+        print(sorted({m.split(".")[0] for m in sys.modules} & {"zmq", "torch", "tensorrt_llm"}))
+    """)
+    assert out == "[]"
+
+
+def test_consolidator_is_the_public_face_of_its_core() -> None:
+    """``kvbm_plugin.consolidator`` re-exports the core's names as the very same objects."""
+    from kvbm_plugin import consolidator, consolidator_core
+
+    for name in consolidator_core.__all__:
+        assert getattr(consolidator, name) is getattr(consolidator_core, name), name
+        assert name in consolidator.__all__, name
+
 def test_top_level_exports_resolve_like_trtllm_loads_them() -> None:
     out = _run("""
         import importlib

@@ -1,10 +1,10 @@
-/* Compiled fast paths of consolidator.py: ConsolidatorCore in dedup mode (module
+/* Compiled fast paths of consolidator_core.py: ConsolidatorCore in dedup mode (module
  * kvbm_plugin._consolidator_c).
  *
  * The per-block loops of the dedup core: a chain of stored blocks (_store_chain), a removal
  * (_removed), and a whole batch's common events (apply_events). They work on the core's own
  * Python structures (the rank's dicts and the block lists, layout B_* below, the same as
- * consolidator.py's _IDENT ...), so the Python code and these take turns on one state. The
+ * consolidator_core.py's _IDENT ...), so the Python code and these take turns on one state. The
  * rare branches call back into the Python core (a derived published hash, a second alias, a
  * release of the hash's previous block). Called on the consolidator's ingest thread only,
  * with the GIL held throughout.
@@ -340,7 +340,7 @@ static PyObject *store_chain(PyObject *module, PyObject *args) {
                  add_alias, release, &mutated);
 }
 
-/* Set once by consolidator.py (core_constants): its _ROOT, _UNKNOWN_PARENT, len(MEDIA),
+/* Set once by consolidator_core.py (core_constants): its _ROOT, _UNKNOWN_PARENT, len(MEDIA),
  * MEDIUM_GPU and the rank attribute names. */
 static PyObject *C_root, *C_unknown_parent, *C_gpu, *C_zero;
 static Py_ssize_t C_media;
@@ -981,7 +981,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "kvbm_plugin._consolidator_c",
-    "Compiled dedup loops of ConsolidatorCore (optional; consolidator.py holds the reference).",
+    "Compiled dedup loops of ConsolidatorCore (optional; consolidator_core.py holds the reference).",
     -1, methods,
 };
 

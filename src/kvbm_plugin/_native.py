@@ -2,9 +2,9 @@
 
 ``_event_sink_c.c`` (KvEventSink's ingest loop) and ``_consolidator_c.c`` (ConsolidatorCore's
 dedup loops) are built at install time where a C compiler is available (``setup.py`` marks them
-optional). Each is the compiled form of loops whose Python reference stays in the module of the
-same name, and the tests run both on the same input and compare. ``DYN_KVBM_NATIVE=0`` selects
-the Python loops. No torch or TensorRT-LLM import.
+optional). Each is the compiled form of loops whose Python reference stays in Python
+(``event_sink.py``, ``consolidator_core.py``), and the tests run both on the same input and
+compare. ``DYN_KVBM_NATIVE=0`` selects the Python loops. No torch or TensorRT-LLM import.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _load(name: str) -> ModuleType | None:
         return None
 
 
-# What was built, by the Python module whose loops it compiles.
+# What was built, keyed by <name> of its module kvbm_plugin._<name>_c.
 _built: dict[str, ModuleType | None] = {
     "event_sink": _load("_event_sink_c"),
     "consolidator": _load("_consolidator_c"),
