@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import importlib_metadata
+import pytest
 
 import kvbm_plugin
 from kvbm_plugin.publisher import EventPublisher, NullEventPublisher
@@ -50,6 +51,41 @@ def test_consolidator_is_the_public_face_of_its_core() -> None:
     for name in consolidator_core.__all__:
         assert getattr(consolidator, name) is getattr(consolidator_core, name), name
         assert name in consolidator.__all__, name
+
+
+@pytest.mark.parametrize("first", ["kvbm_plugin.publisher", "kvbm_plugin.registry"])
+def test_publisher_and_registry_import_in_either_order(first: str) -> None:
+    """Either module imported first in a fresh interpreter works, and the other then builds and
+    checks publishers: the entry points load and resolve to subclasses of the one interface."""
+    out = _run(f"""
+        import importlib, sys
+        importlib.import_module({first!r})
+        from kvbm_plugin.consolidator_config import PublisherSettings
+        from kvbm_plugin.publisher import EventPublisher, NullEventPublisher, create_publisher
+        from kvbm_plugin.registry import PUBLISHERS_GROUP, load_group
+        import kvbm_plugin.publisher_base as base
+        plugins = load_group(PUBLISHERS_GROUP)
+        assert EventPublisher is base.EventPublisher
+        assert all(issubclass(p.obj, base.EventPublisher) for p in plugins.values())
+        publisher = create_publisher(PublisherSettings(kind="null"))
+        assert type(publisher) is NullEventPublisher
+        publisher.shutdown()
+        print(sorted(plugins))
+    """)
+    assert out == "['null', 'zmq']"
+
+
+def test_registry_checks_publishers_without_importing_the_publisher_module() -> None:
+    """The registry sees the publisher interface without a circle: finding the base type of
+    the publishers group imports neither ``kvbm_plugin.publisher`` nor zmq."""
+    out = _run("""
+        import sys
+        from kvbm_plugin import registry
+        base = registry._base_type(registry.PUBLISHERS_GROUP)
+        print(base.__module__, base.__name__,
+              sorted(m for m in ("kvbm_plugin.publisher", "zmq") if m in sys.modules))
+    """)
+    assert out == "kvbm_plugin.publisher_base EventPublisher []"
 
 def test_top_level_exports_resolve_like_trtllm_loads_them() -> None:
     out = _run("""

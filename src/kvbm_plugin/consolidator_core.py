@@ -51,7 +51,7 @@ Semantics (dedup mode, the default):
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 from kvbm_plugin import _native
 from kvbm_plugin.consolidator_config import ConsolidatorMode
@@ -63,9 +63,7 @@ from kvbm_plugin.events import (
     WireFormatError,
     normalize_medium,
 )
-
-if TYPE_CHECKING:
-    from kvbm_plugin.publisher import WireEvent
+from kvbm_plugin.publisher_base import WireEvent
 
 __all__ = [
     "SOURCE_ENGINE",

@@ -1,9 +1,11 @@
 """Event publishers: the transport that carries wire-format batches to consumers.
 
 ``EventPublisher`` is the interface (one per stream: a rank's GPU tier, or the consolidated
-output); implementations are found by name in the ``kvbm_plugin.publishers`` entry points and
-built by :func:`create_publisher`. ``publish`` is called on TensorRT-LLM's executor thread, so
-it never blocks: it reserves the batch's sequence number and hands the batch to a bounded queue.
+output; defined in :mod:`kvbm_plugin.publisher_base`, which the registry sees too, and
+re-exported here); implementations are found by name in the ``kvbm_plugin.publishers`` entry
+points and built by :func:`create_publisher`. ``publish`` is called on TensorRT-LLM's executor
+thread, so it never blocks: it reserves the batch's sequence number and hands the batch to a
+bounded queue.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import re
 import struct
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,12 +41,12 @@ from kvbm_plugin.consolidator_config import (
     PublisherSettings,
 )
 from kvbm_plugin.events import payload_encoder
+from kvbm_plugin.publisher_base import EventPublisher, WireEvent  # re-exported
 from kvbm_plugin.registry import PUBLISHERS_GROUP, get_plugin
 
 logger = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
 
-WireEvent = dict[str, Any]  # one event in wire form (see events.BlockStored.to_wire)
 _SNDMORE_NOBLOCK = zmq.SNDMORE | zmq.NOBLOCK
 
 
@@ -96,35 +97,6 @@ def gil_holding_sender(sock: zmq.Socket) -> Callable[[bytes, bytes, bytes], None
             raise zmq.ZMQError(zmq_errno())
 
     return send
-
-
-class EventPublisher(ABC):
-    """Publishes batches of wire-form events; one instance per stream.
-
-    Constructed by the leader (GPU tier: one per rank; consolidated output: one per leader).
-    """
-
-    def __init__(self, settings: PublisherSettings, endpoint: Endpoint | None = None,
-                 replay_endpoint: Endpoint | None = None, data_parallel_rank: int = 0) -> None:
-        self.settings = settings
-        self.endpoint = endpoint
-        self.replay_endpoint = replay_endpoint
-        self.data_parallel_rank = data_parallel_rank
-
-    @abstractmethod
-    def publish(self, events: Sequence[WireEvent], data_parallel_rank: int | None = None) -> bool:
-        """Queue one batch (one engine iteration); never blocks.
-
-        Returns False when the batch was lost (counted; consumers see a seq gap).
-        """
-
-    @abstractmethod
-    def shutdown(self, timeout: float = 5.0) -> None:
-        """Drain what is queued within ``timeout`` seconds, close sockets; idempotent."""
-
-    def stats(self) -> dict[str, int]:
-        """Counters for metrics and tests."""
-        return {}
 
 
 class NullEventPublisher(EventPublisher):

@@ -13,6 +13,8 @@ from typing import Any
 
 import importlib_metadata
 
+from kvbm_plugin.publisher_base import EventPublisher
+
 PUBLISHERS_GROUP = "kvbm_plugin.publishers"
 TIERS_GROUP = "kvbm_plugin.tiers"
 
@@ -38,8 +40,6 @@ def _describe(ep: importlib_metadata.EntryPoint) -> tuple[str, str]:
 
 def _base_type(group: str) -> type:
     if group == PUBLISHERS_GROUP:
-        from kvbm_plugin.publisher import EventPublisher
-
         return EventPublisher
     if group == TIERS_GROUP:
         from kvbm_plugin.tiers.base import OffloadTier

@@ -1,0 +1,51 @@
+"""The event-publisher interface, apart from its implementations and from plugin discovery.
+
+:class:`EventPublisher` is what every publisher implements (the built-in ones in
+:mod:`kvbm_plugin.publisher`, third-party ones through the ``kvbm_plugin.publishers`` entry
+points). It lives here, below both :mod:`kvbm_plugin.publisher` (which builds publishers by name
+through the registry) and :mod:`kvbm_plugin.registry` (which checks every entry point against
+it), so neither imports the other's module to see it. Callers import it from
+:mod:`kvbm_plugin.publisher`, which re-exports it. No zmq, torch or TensorRT-LLM import.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvbm_plugin.consolidator_config import Endpoint, PublisherSettings
+
+__all__ = ["EventPublisher", "WireEvent"]
+
+WireEvent = dict[str, Any]  # one event in wire form (see events.BlockStored.to_wire)
+
+
+class EventPublisher(ABC):
+    """Publishes batches of wire-form events; one instance per stream.
+
+    Constructed by the leader (GPU tier: one per rank; consolidated output: one per leader).
+    """
+
+    def __init__(self, settings: PublisherSettings, endpoint: Endpoint | None = None,
+                 replay_endpoint: Endpoint | None = None, data_parallel_rank: int = 0) -> None:
+        self.settings = settings
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.data_parallel_rank = data_parallel_rank
+
+    @abstractmethod
+    def publish(self, events: Sequence[WireEvent], data_parallel_rank: int | None = None) -> bool:
+        """Queue one batch (one engine iteration); never blocks.
+
+        Returns False when the batch was lost (counted; consumers see a seq gap).
+        """
+
+    @abstractmethod
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Drain what is queued within ``timeout`` seconds, close sockets; idempotent."""
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics and tests."""
+        return {}
