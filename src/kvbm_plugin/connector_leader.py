@@ -57,9 +57,7 @@ from kvbm_plugin.connector_meta import (
 from kvbm_plugin.consolidator_config import (
     CPU_CACHE_GB,
     DISK_CACHE_GB,
-    EVENTS_ENDPOINT,
     EVENTS_SOURCE,
-    TRTLLM_ZMQ_PORT,
     ConfigError,
     load_consolidator_config,
     load_events_source,
@@ -67,7 +65,9 @@ from kvbm_plugin.consolidator_config import (
     load_tier_settings,
     should_enable_consolidator,
 )
-from kvbm_plugin.events import MEDIUM_CPU, MEDIUM_DISK, BlockRemoved, BlockStored
+from kvbm_plugin.events import MEDIUM_CPU, MEDIUM_DISK
+from kvbm_plugin.leader_assembly import TierEventPublisher as TierEventPublisher  # re-exported
+from kvbm_plugin.leader_assembly import assemble_event_path
 from kvbm_plugin.metrics import get_metrics
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
@@ -83,51 +83,6 @@ from kvbm_plugin.tiers.base import (
 logger = logging.getLogger(__name__)
 
 _MEDIUM = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_DISK}
-
-
-class TierEventPublisher:
-    """Tier events without a consolidator: the same register_* API as ``KvEventConsolidator``,
-    published as wire events with medium CPU/DISK on the rank's publisher.
-
-    Called by the leader on the executor thread; ``flush`` publishes one batch (never blocks).
-    """
-
-    def __init__(self, publisher: Any, block_size: int, data_parallel_rank: int) -> None:
-        self._publisher = publisher
-        self._block_size = block_size
-        self._dp_rank = data_parallel_rank
-        self._events: list[dict[str, Any]] = []
-        self.lost_batches = 0  # batches the publisher refused or raised on (leader stats)
-        self._log = RateLimitedLog(logger)
-
-    def register_store(self, tier: str, dp_rank: int, block_hash: int, parent_hash: int | None,
-                       token_ids: Sequence[int], block_size: int, *, lora_id: int | None = None,
-                       extra_keys: tuple[Any, ...] | None = None) -> None:
-        self._events.append(BlockStored(
-            [block_hash], parent_hash, list(token_ids), block_size, lora_id=lora_id,
-            medium=tier, extra_keys=None if extra_keys is None else [extra_keys]).to_wire())
-
-    def register_remove(self, tier: str, dp_rank: int, block_hashes: Sequence[int]) -> None:
-        self._events.append(BlockRemoved(list(block_hashes), medium=tier).to_wire())
-
-    def register_clear(self, tier: str, dp_rank: int) -> None:
-        # AllBlocksCleared carries no medium, so a tier reset is spelled as removals upstream.
-        return None
-
-    def flush(self) -> bool:
-        if not self._events:
-            return True
-        events, self._events = self._events, []
-        try:
-            ok = bool(self._publisher.publish(events, self._dp_rank))
-        except Exception as exc:  # executor thread: a transport plugin must not break it
-            ok = False
-            self._log.log(logging.ERROR, "publish-error", "TierEventPublisher: %s.publish "
-                          "raised %s: %s; %d tier events lost", type(self._publisher).__name__,
-                          type(exc).__name__, exc, len(events))
-        if not ok:
-            self.lost_batches += 1
-        return ok
 
 
 @dataclass
@@ -170,8 +125,10 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
     def __init__(self, llm_args: Any) -> None:
         """Called once on rank 0, on a thread-pool thread concurrently with the worker's
         constructor; waits on nothing. Reads the DYN_KVBM_* settings (ConfigError names a bad
-        variable), creates this rank's GPU-tier publisher and event sink, and, when enabled,
-        the in-process consolidator that receives every tier change."""
+        variable), opens the completion hub, and has
+        :func:`~kvbm_plugin.leader_assembly.assemble_event_path` build this rank's GPU-tier
+        publisher and event sink and, when enabled, the in-process consolidator that receives
+        every tier change."""
         super().__init__(llm_args)
         self._env = _llm_args.env_of(llm_args)
         self._par = _llm_args.parallel_of(llm_args)
@@ -219,40 +176,18 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         logger.info("kvbm_plugin: GPU-tier KV event source %s=%s%s", EVENTS_SOURCE,
                     self._events_source, " (no GPU-tier events from this process)"
                     if self._events_source == "off" else "")
-        enabled = config.enabled and should_enable_consolidator(llm_args, self._env)
-        from kvbm_plugin.event_sink import KvEventSink
-        from kvbm_plugin.publisher import NullEventPublisher, create_publisher
+        consolidate = config.enabled and should_enable_consolidator(llm_args, self._env)
 
         self._hub = open_hub(self._group)
         try:
-            if config.gpu_events is not None:
-                publisher = create_publisher(config.publisher,
-                                             config.publish_endpoint(self._dp_rank),
-                                             config.replay_endpoint(self._dp_rank),
-                                             self._dp_rank)
-            else:
-                # Only reachable with the consolidator off (the config requires an endpoint
-                # otherwise): say once that nothing is published, rather than stay silent.
-                logger.warning("kvbm_plugin: no KV-event endpoint configured (%s / %s): GPU-tier "
-                               "and offload-tier events are counted but not published",
-                               TRTLLM_ZMQ_PORT, EVENTS_ENDPOINT)
-                publisher = NullEventPublisher(config.publisher)
-            self.event_sink = KvEventSink(publisher, block_size=self._block_size,
-                                          window_size=config.publisher.window_size,
-                                          data_parallel_rank=self._dp_rank,
-                                          prefix_closed=True)
+            parts = assemble_event_path(
+                config, consolidate=consolidate, dp_rank=self._dp_rank,
+                block_size=self._block_size,
+                tier_events=getattr(llm_args, "kvbm_plugin_tier_events", None))
+            self.event_sink = parts.event_sink
             self.event_sink.on_flush = self._names.observe
-            self._tier_events = getattr(llm_args, "kvbm_plugin_tier_events", None)
-            if enabled:
-                from kvbm_plugin.consolidator import KvEventConsolidator
-
-                self.consolidator = KvEventConsolidator(config)
-                self.consolidator.start()
-                if self._tier_events is None:
-                    self._tier_events = self.consolidator
-            elif self._tier_events is None:
-                self._tier_events = TierEventPublisher(publisher, self._block_size,
-                                                       self._dp_rank)
+            self.consolidator = parts.consolidator
+            self._tier_events = parts.tier_events
             self._register_metrics()
             if self._par.tp_size > 1 and not _llm_args.in_process(llm_args):
                 self._receiver = ZmqReportReceiver(self._hub,

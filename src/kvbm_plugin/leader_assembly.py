@@ -1,0 +1,136 @@
+"""What the leader builds from its configuration: the event path it publishes through.
+
+:func:`assemble_event_path` is called once, by ``KvbmConnectorLeader.__init__`` on rank 0 (a
+thread-pool thread, concurrently with the worker's constructor), after the leader read and
+validated the DYN_KVBM_* settings; it waits on nothing. It builds this rank's GPU-tier
+publisher and the event sink in front of it, the in-process consolidator when enabled
+(started), and picks the target of the leader's tier events (the consolidator, a
+:class:`TierEventPublisher` on the rank's publisher, or one the caller passes). The leader owns
+the parts afterwards: it flushes them each iteration and shuts them down at teardown. Never
+imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin.consolidator_config import EVENTS_ENDPOINT, TRTLLM_ZMQ_PORT, ConsolidatorConfig
+from kvbm_plugin.events import BlockRemoved, BlockStored
+
+if TYPE_CHECKING:
+    from kvbm_plugin.consolidator import KvEventConsolidator
+    from kvbm_plugin.event_sink import KvEventSink
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EventPath", "TierEventPublisher", "assemble_event_path"]
+
+
+class TierEventPublisher:
+    """Tier events without a consolidator: the same register_* API as ``KvEventConsolidator``,
+    published as wire events with medium CPU/DISK on the rank's publisher.
+
+    Called by the leader on the executor thread; ``flush`` publishes one batch (never blocks).
+    """
+
+    def __init__(self, publisher: Any, block_size: int, data_parallel_rank: int) -> None:
+        self._publisher = publisher
+        self._block_size = block_size
+        self._dp_rank = data_parallel_rank
+        self._events: list[dict[str, Any]] = []
+        self.lost_batches = 0  # batches the publisher refused or raised on (leader stats)
+        self._log = RateLimitedLog(logger)
+
+    def register_store(self, tier: str, dp_rank: int, block_hash: int, parent_hash: int | None,
+                       token_ids: Sequence[int], block_size: int, *, lora_id: int | None = None,
+                       extra_keys: tuple[Any, ...] | None = None) -> None:
+        self._events.append(BlockStored(
+            [block_hash], parent_hash, list(token_ids), block_size, lora_id=lora_id,
+            medium=tier, extra_keys=None if extra_keys is None else [extra_keys]).to_wire())
+
+    def register_remove(self, tier: str, dp_rank: int, block_hashes: Sequence[int]) -> None:
+        self._events.append(BlockRemoved(list(block_hashes), medium=tier).to_wire())
+
+    def register_clear(self, tier: str, dp_rank: int) -> None:
+        # AllBlocksCleared carries no medium, so a tier reset is spelled as removals upstream.
+        return None
+
+    def flush(self) -> bool:
+        if not self._events:
+            return True
+        events, self._events = self._events, []
+        try:
+            ok = bool(self._publisher.publish(events, self._dp_rank))
+        except Exception as exc:  # executor thread: a transport plugin must not break it
+            ok = False
+            self._log.log(logging.ERROR, "publish-error", "TierEventPublisher: %s.publish "
+                          "raised %s: %s; %d tier events lost", type(self._publisher).__name__,
+                          type(exc).__name__, exc, len(events))
+        if not ok:
+            self.lost_batches += 1
+        return ok
+
+
+@dataclass
+class EventPath:
+    """The parts :func:`assemble_event_path` built; the leader owns them from then on."""
+
+    event_sink: KvEventSink  # owns this rank's GPU-tier publisher
+    consolidator: KvEventConsolidator | None  # started; None when not enabled
+    tier_events: Any  # the register_store/remove/clear target of the leader's tiers
+
+
+def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_rank: int,
+                        block_size: int, tier_events: Any = None) -> EventPath:
+    """Build the leader's event path from its validated ``config``: this rank's GPU-tier
+    publisher (``config.publisher`` by name; a NullEventPublisher, said once, when no endpoint
+    is configured) and the prefix-closed event sink in front of it; when ``consolidate``, the
+    consolidator, started. ``tier_events``: where the tiers' events go when given (the
+    simulated engine's recorder); otherwise the consolidator, or a :class:`TierEventPublisher`
+    on the rank's publisher.
+
+    What it started is shut down again when a later step raises, so a failure leaves nothing
+    running behind.
+    """
+    from kvbm_plugin.event_sink import KvEventSink
+    from kvbm_plugin.publisher import NullEventPublisher, create_publisher
+
+    if config.gpu_events is not None:
+        publisher = create_publisher(config.publisher, config.publish_endpoint(dp_rank),
+                                     config.replay_endpoint(dp_rank), dp_rank)
+    else:
+        # Only reachable with the consolidator off (the config requires an endpoint
+        # otherwise): say once that nothing is published, rather than stay silent.
+        logger.warning("kvbm_plugin: no KV-event endpoint configured (%s / %s): GPU-tier "
+                       "and offload-tier events are counted but not published",
+                       TRTLLM_ZMQ_PORT, EVENTS_ENDPOINT)
+        publisher = NullEventPublisher(config.publisher)
+    sink: KvEventSink | None = None
+    consolidator: KvEventConsolidator | None = None
+    try:
+        sink = KvEventSink(publisher, block_size=block_size,
+                           window_size=config.publisher.window_size,
+                           data_parallel_rank=dp_rank, prefix_closed=True)
+        if consolidate:
+            from kvbm_plugin.consolidator import KvEventConsolidator
+
+            consolidator = KvEventConsolidator(config)
+            consolidator.start()
+            if tier_events is None:
+                tier_events = consolidator
+        elif tier_events is None:
+            tier_events = TierEventPublisher(publisher, block_size, dp_rank)
+    except BaseException:
+        if consolidator is not None:
+            consolidator.shutdown()
+        if sink is not None:
+            sink.flush()
+            sink.shutdown()
+        else:
+            publisher.shutdown()
+        raise
+    return EventPath(sink, consolidator, tier_events)
