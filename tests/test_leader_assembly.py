@@ -89,24 +89,17 @@ def test_a_given_tier_events_target_is_kept(config, consolidate: bool) -> None:
         _close(parts)
 
 
-def test_a_consolidator_that_fails_to_start_leaves_no_publisher_running(config,
-                                                                        monkeypatch) -> None:
-    def refuse(self: KvEventConsolidator) -> None:
-        raise RuntimeError("output endpoint taken")
+@pytest.mark.parametrize(("failing_step", "consolidate"), [
+    ((KvEventConsolidator, "start"), True),  # e.g. its output endpoint is taken
+    ((KvEventSink, "__init__"), False),  # the rank's publisher exists already
+])
+def test_a_failing_step_leaves_no_publisher_running(config, monkeypatch, failing_step,
+                                                    consolidate: bool) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("step refused")
 
-    monkeypatch.setattr(KvEventConsolidator, "start", refuse)
+    monkeypatch.setattr(*failing_step, refuse)
     before = _publisher_threads()
-    with pytest.raises(RuntimeError, match="output endpoint taken"):
-        assemble_event_path(config, consolidate=True, dp_rank=0, block_size=BS)
-    _wait_until_gone(_publisher_threads() - before)
-
-
-def test_a_sink_that_cannot_be_built_leaves_no_publisher_running(config, monkeypatch) -> None:
-    def refuse(self: KvEventSink, *args: object, **kwargs: object) -> None:
-        raise ValueError("window_size refused")
-
-    monkeypatch.setattr(KvEventSink, "__init__", refuse)
-    before = _publisher_threads()
-    with pytest.raises(ValueError, match="window_size refused"):
-        assemble_event_path(config, consolidate=False, dp_rank=0, block_size=BS)
+    with pytest.raises(RuntimeError, match="step refused"):
+        assemble_event_path(config, consolidate=consolidate, dp_rank=0, block_size=BS)
     _wait_until_gone(_publisher_threads() - before)
