@@ -386,6 +386,56 @@ def test_a_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_both_loops(
     assert expect_errors.wait_for("malformed KV event not published")
 
 
+class StrKey(str):
+    """A str subclass equal to the key it spells, with its own ``__eq__`` (``on_eq``): a dict
+    holding one has a general key table, and a lookup there runs this ``__eq__``."""
+
+    on_eq: Any = None
+
+    def __eq__(self, other: object) -> bool:
+        if self.on_eq is not None:
+            self.on_eq()
+        return str.__eq__(self, other)
+
+    __hash__ = str.__hash__
+
+
+@needs_native
+@pytest.mark.parametrize("where", ["event", "data", "block", "token"])
+def test_a_str_subclass_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_both_loops(
+        where: str, expect_errors) -> None:
+    """A str-subclass key (the dict's key table is then not all-exact-str, so the compiled
+    loop's O(1) all-str-keys test must say no) whose ``__eq__`` wrecks the batch and the dicts
+    the compiled loop would hold borrowed: it leaves the event to the Python loop; both loops
+    agree."""
+    def make() -> list[list[Any]]:
+        events = [_store(None, 10), _store(10, 11), _store(11, 12)]
+        target = events[1]
+        dicts = {"event": target, "data": target["data"],
+                 "block": target["data"]["blocks"][0],
+                 "token": target["data"]["blocks"][0]["tokens"][1]}
+        holder = dicts[where]
+        name = {"event": "window_size", "data": "blocks", "block": "tokens",
+                "token": "token_id"}[where]
+
+        def wreck() -> None:
+            events.clear()
+            for d in dicts.values():
+                d.clear()
+
+        items = list(holder.items())
+        holder.clear()
+        key = StrKey(name)
+        holder[key] = 0
+        holder.update(items)  # the value lands under ``key``, which stays the dict's key
+        assert any(type(k) is StrKey for k in holder)
+        key.on_eq = wreck  # armed once built
+        return [events, [_store(None, 20)]]
+
+    _both(make)
+    assert expect_errors.wait_for("malformed KV event not published")
+
+
 @needs_native
 @pytest.mark.parametrize("block_size", [1 << 62, 1 << 63, 1 << 70])
 def test_a_huge_block_size_runs_the_same_in_both_loops(block_size: int) -> None:

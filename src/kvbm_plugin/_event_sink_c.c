@@ -40,10 +40,16 @@ static int get_item(PyObject *d, PyObject *key, PyObject **out, int required) {
  * key that is not an exact str (the event goes to the Python loop). One pass both checks the
  * keys (see str_keys_only) and finds the value, for the small dicts read once per token. */
 static int str_keyed_item(PyObject *d, PyObject *key, PyObject **out) {
-    Py_ssize_t pos = 0, len = PyUnicode_GET_LENGTH(key);
+    Py_ssize_t pos = 0, len = PyUnicode_GET_LENGTH(key), left = PyDict_GET_SIZE(d);
     PyObject *k, *v;
     int found = 0;
-    while (PyDict_Next(d, &pos, &k, &v)) {
+    if (unicode_keyed(d)) { /* only exact str keys: a lookup runs no Python code */
+        v = PyDict_GetItemWithError(d, key);
+        if (v == NULL) return PyErr_Occurred() ? -1 : 0;
+        *out = v;
+        return 1;
+    }
+    while (left-- > 0 && PyDict_Next(d, &pos, &k, &v)) {
         if (!PyUnicode_CheckExact(k)) return -1;
         if (!found && (k == key || (PyUnicode_GET_LENGTH(k) == len
                                     && PyUnicode_Compare(k, key) == 0))) {

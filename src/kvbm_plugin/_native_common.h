@@ -1,6 +1,7 @@
 /* Shared by the compiled fast paths (_event_sink_c.c, _consolidator_c.c): each is the compiled
  * form of loops whose Python reference lives in the module of the same name, and the tests run
- * both on the same input and compare. CPython API only. */
+ * both on the same input and compare. CPython API only, plus one read of a dict's key-table
+ * kind on CPython 3.11 (see unicode_keyed). */
 
 #ifndef KVBM_NATIVE_COMMON_H
 #define KVBM_NATIVE_COMMON_H
@@ -25,10 +26,39 @@ static inline int str_is(PyObject *s, PyObject *want) {
  * may change or free what the caller holds borrowed (the dict itself, its values, the list
  * the dict came from). The compiled loops look up only in dicts that pass this test (their
  * own maps excepted) and leave any other event to the Python code. */
+/* Whether ``d`` (an exact dict) is known to hold only exact str keys without walking them.
+ * CPython 3.11 keeps such a dict in a "unicode" key table and switches it to a general one
+ * at its first key of another type (a str subclass included), never back; the table's kind
+ * is one byte (internal header, read only). Walking the keys of every token dict was the
+ * largest part of the compiled ingest loop's own work. Other versions answer 0: callers
+ * walk. */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+#define KVBM_DICT_KIND 1
+#ifndef Py_BUILD_CORE
+#define Py_BUILD_CORE
+#define KVBM_UNDEF_BUILD_CORE
+#endif
+#include "internal/pycore_dict.h"
+#ifdef KVBM_UNDEF_BUILD_CORE
+#undef Py_BUILD_CORE
+#undef KVBM_UNDEF_BUILD_CORE
+#endif
+static inline int unicode_keyed(PyObject *d) {
+    return DK_IS_UNICODE(((PyDictObject *)d)->ma_keys);
+}
+#else
+static inline int unicode_keyed(PyObject *d) {
+    (void)d;
+    return 0;
+}
+#endif
+
 static inline int str_keys_only(PyObject *d) {
-    Py_ssize_t pos = 0;
+    Py_ssize_t pos = 0, left = PyDict_GET_SIZE(d);
+    if (unicode_keyed(d)) return 1;
     PyObject *key, *value;
-    while (PyDict_Next(d, &pos, &key, &value))
+    /* ``left``: no call past the last entry (nothing can change the dict meanwhile). */
+    while (left-- > 0 && PyDict_Next(d, &pos, &key, &value))
         if (!PyUnicode_CheckExact(key)) return 0;
     return 1;
 }
@@ -36,7 +66,18 @@ static inline int str_keys_only(PyObject *d) {
 /* Whether an exact int lies in [0, max]; never raises. */
 static inline int int_in_range(PyObject *v, unsigned long long max) {
     int overflow = 0;
-    long long x = PyLong_AsLongLongAndOverflow(v, &overflow);
+    long long x;
+    /* Token ids and most values fit in one digit: answered without a call. */
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)v)) {
+        Py_ssize_t c = PyUnstable_Long_CompactValue((PyLongObject *)v);
+        return c >= 0 && (unsigned long long)c <= max;
+    }
+#else
+    if (Py_SIZE(v) == 0) return 1;
+    if (Py_SIZE(v) == 1) return (unsigned long long)((PyLongObject *)v)->ob_digit[0] <= max;
+#endif
+    x = PyLong_AsLongLongAndOverflow(v, &overflow);
     if (overflow > 0 && max > (unsigned long long)LLONG_MAX) {
         unsigned long long u = PyLong_AsUnsignedLongLong(v);
         if (u == (unsigned long long)-1 && PyErr_Occurred()) {
@@ -79,11 +120,21 @@ static int intern_wire_keys(void) {
             || (S_BlockRemoved = PyUnicode_InternFromString("BlockRemoved")) == NULL) ? -1 : 0;
 }
 
+/* An empty dict with room for ``n`` keys: filling it never resizes its table. */
+static inline PyObject *new_map(Py_ssize_t n) {
+#if PY_VERSION_HEX < 0x030E0000
+    return _PyDict_NewPresized(n);
+#else
+    (void)n;
+    return PyDict_New();
+#endif
+}
+
 /* A BlockStored wire map, keys in the order the Python code builds them (new reference). */
 static PyObject *stored_map(PyObject *hashes, PyObject *parent, PyObject *token_ids,
                             PyObject *block_size, PyObject *lora_id, PyObject *medium,
                             PyObject *lora_name) {
-    PyObject *ev = PyDict_New();
+    PyObject *ev = new_map(8);
     if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockStored) < 0
         || PyDict_SetItem(ev, K_block_hashes, hashes) < 0
         || PyDict_SetItem(ev, K_parent_block_hash, parent) < 0
@@ -100,7 +151,7 @@ static PyObject *stored_map(PyObject *hashes, PyObject *parent, PyObject *token_
 
 /* A BlockRemoved wire map (new reference). */
 static PyObject *removed_map(PyObject *hashes, PyObject *medium) {
-    PyObject *ev = PyDict_New();
+    PyObject *ev = new_map(3);
     if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockRemoved) < 0
         || PyDict_SetItem(ev, K_block_hashes, hashes) < 0
         || PyDict_SetItem(ev, K_medium, medium) < 0) {
