@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -546,3 +547,41 @@ def test_replay_server_refuses_while_too_many_peers_stopped_reading() -> None:
     server.service(router, buffer)  # type: ignore[arg-type]
     assert server.stats()["replay_stalled_peers"] == 0
     assert router.sent[-1] == (b"a", b"", b"", END_SEQ, b"")
+def _thread_cpu(thread: threading.Thread) -> float:
+    assert thread.ident is not None
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+
+
+def test_idle_thread_sleeps_until_publish_wakes_it(ctx, tcp, publishers) -> None:
+    """Idle, the publisher thread sleeps with no timeout (no wake-ups, no CPU); the first batch
+    after that wakes it and is sent; a replay request wakes it too."""
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1])
+    publishers.append(pub)
+    sub, seen = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
+    wait_until(lambda: pub._asleep, what="publisher thread asleep")
+    cpu0 = _thread_cpu(pub._thread)
+    threading.Event().wait(0.3)  # the interval under test (the old 1 ms poll used ~10 ms here)
+    assert pub._asleep
+    assert _thread_cpu(pub._thread) - cpu0 < 0.002
+    for round_ in range(3):  # each time from sleep: publish alone must wake it
+        wait_until(lambda: pub._asleep, what="publisher thread asleep")
+        assert pub.publish([removed(round_)])
+        frames = recv(sub)
+        assert [ev.block_hashes for ev in decode(frames[2]).events] == [[round_]]
+        assert seq_of(frames) == seq_of(seen[-1]) + 1 + round_
+    wait_until(lambda: pub._asleep, what="publisher thread asleep")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(tcp[1].connect)
+    dealer.send_multipart([(10**9).to_bytes(8, "big")])  # bare DEALER, start past the end
+    assert recv(dealer) == [b"", END_SEQ, b""]  # answered while no batch came
+
+
+def test_shutdown_wakes_a_sleeping_thread_promptly(tcp) -> None:
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0])
+    wait_until(lambda: pub._asleep, what="publisher thread asleep")
+    t = time.monotonic()
+    pub.shutdown(5.0)
+    assert not pub._thread.is_alive()
+    assert time.monotonic() - t < 2.0  # not the join timeout
+    assert pub._wake_r == pub._wake_w == -1

@@ -158,10 +158,16 @@ class ZmqEventPublisher(EventPublisher):
     ``linger_ms`` (upper bound on how long closing waits for unsent messages),
     ``start_timeout`` (seconds to wait for the sockets to bind), ``encoder`` (the payload
     encoder, called on the publisher thread; default :func:`events.payload_encoder`),
-    ``poll_interval`` (seconds the publisher thread sleeps when the queue is empty; the
-    most a batch waits before it is encoded), ``replay_stall_s`` (a replay answer whose
-    requester reads nothing for this long is dropped; see :mod:`kvbm_plugin._replay_server`
-    for the other replay bounds).
+    ``poll_interval`` (while batches keep coming or replay answers are in progress, seconds
+    the publisher thread sleeps between drains of the queue, so that batches arriving
+    meanwhile cost one wake-up; the most such a batch waits before it is encoded),
+    ``replay_stall_s`` (a replay answer whose requester reads nothing for this long is
+    dropped; see :mod:`kvbm_plugin._replay_server` for the other replay bounds).
+
+    Idle, the publisher thread uses no CPU: when a timed sleep found no batch and no replay
+    answer is in progress, it sleeps until ``publish`` wakes it through a wake-up fd
+    (signalled only by the first batch after such a sleep, never per batch) or a replay
+    request arrives.
     """
 
     def __init__(self, settings: PublisherSettings, endpoint: Endpoint | None = None,
@@ -209,6 +215,10 @@ class ZmqEventPublisher(EventPublisher):
         self._drain_deadline = float("inf")
         self._close_linger_ms = linger_ms
         self._idle_s = poll_interval
+        # Set by the publisher thread just before it sleeps with no timeout; ``publish`` then
+        # writes the wake-up fd once (see _sleep_until_work).
+        self._asleep = False
+        self._wake_r = self._wake_w = -1
         # Live sender that keeps the GIL (set on the publisher thread; None: pyzmq's send).
         self._send_live: Callable[[bytes, bytes, bytes], None] | None = None
         self._log = RateLimitedLog(logger)
@@ -241,17 +251,20 @@ class ZmqEventPublisher(EventPublisher):
             self._encode = encoder or payload_encoder()
             self._send_live = gil_holding_sender(self._pub)
             return
+        self._wake_r, self._wake_w = _wake_fds()
         self._thread = threading.Thread(
             target=self._run, name=f"kvbm-zmq-publisher-dp{data_parallel_rank}", daemon=True)
         self._thread.start()
         if not self._ready.wait(start_timeout):
             self._closed = True
             self._stopping.set()
+            self._wake()
             raise RuntimeError(f"{type(self).__name__}: sockets for {self._bind_addr} not ready "
                                f"after {start_timeout}s")
         if self._start_error is not None:
             self._closed = True
             self._thread.join(start_timeout)
+            self._close_wake_fds()
             err = self._start_error
             raise ConfigError(f"{type(self).__name__} (rank {data_parallel_rank}) cannot bind: "
                               f"{err}") from err
@@ -287,10 +300,21 @@ class ZmqEventPublisher(EventPublisher):
                           self.settings.max_queue_size, seq)
             return False
         self._accepted += 1
+        if self._asleep:  # the first batch after an idle spell: wake the publisher thread
+            self._asleep = False
+            self._wake()
         depth = self._queue.qsize()
         if depth > self._queue_high_water:
             self._queue_high_water = depth
         return True
+
+    def _wake(self) -> None:
+        """Make the publisher thread's poll return (any thread; never blocks)."""
+        fd = self._wake_w
+        if fd < 0:
+            return
+        with contextlib.suppress(BlockingIOError, OSError):  # full: a wake-up is pending
+            os.write(fd, _WAKE)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Drain what is queued within ``timeout`` s, close sockets, join; idempotent.
@@ -317,11 +341,22 @@ class ZmqEventPublisher(EventPublisher):
         self._drain_deadline = start + timeout - linger_s
         self._stopping.set()
         with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(_STOP)  # wake the thread; if full it wakes on its own timeout
+            self._queue.put_nowait(_STOP)
+        self._wake()
         self._thread.join(timeout + 1.0)
         if self._thread.is_alive():
             logger.error("%s: publisher thread did not stop within %.1fs; its sockets stay "
                          "open until it does", type(self).__name__, timeout)
+            return
+        self._close_wake_fds()
+
+    def _close_wake_fds(self) -> None:
+        """Close the wake-up fd(s) once the publisher thread has exited (shutdown)."""
+        fds = {self._wake_r, self._wake_w}
+        self._wake_r = self._wake_w = -1
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
     def _shutdown_inline(self, timeout: float) -> None:
         with self._close_lock:
@@ -421,17 +456,28 @@ class ZmqEventPublisher(EventPublisher):
         self._ready.set()
         get_nowait = self._queue.get_nowait
         idle = self._idle_s
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        if router is not None:
+            poller.register(router, zmq.POLLIN)
+        busy = True
         try:
             while True:
-                # Poll instead of blocking in get(): a blocked consumer is woken by every put,
-                # and on two cores those per-batch wake-ups (GIL hand-offs) cost the executor
-                # thread far more than the work itself. Sleeping ``idle`` s between drains
-                # bounds the added latency.
+                # Not a blocking get(): a blocked consumer is woken by every put, and on two
+                # cores those per-batch wake-ups (GIL hand-offs) cost the executor thread far
+                # more than the work itself. While batches keep coming (the last sleep found
+                # one), sleep ``idle`` s between drains; once a sleep found none, sleep until
+                # publish or a replay request wakes the thread: no wake-ups while idle.
                 try:
                     item = get_nowait()
+                    busy = True
                 except queue.Empty:
                     item = None
-                    self._stopping.wait(idle)
+                    # Replay answers in progress need the timed sleep too: their stall
+                    # checks and stalled peers' probes run on time, not on socket events.
+                    self._sleep_until_work(
+                        poller, idle if busy or self._replay.busy else None)
+                    busy = False
                 while item is not None:
                     # Drain what is queued before waiting again: fewer wake-ups, and fewer GIL
                     # hand-offs with the executor thread that fills the queue.
@@ -459,6 +505,20 @@ class ZmqEventPublisher(EventPublisher):
                     sock.close(linger=self._close_linger_ms)
             if self._own_context:
                 self._context.term()
+
+    def _sleep_until_work(self, poller: zmq.Poller, timeout: float | None) -> None:
+        """Sleep ``timeout`` s, or with None until ``publish`` or ``shutdown`` writes the
+        wake-up fd or a replay request arrives (publisher thread)."""
+        if timeout is None:
+            self._asleep = True
+            # Re-checked after raising the flag: a batch queued before publish could see it.
+            if not self._queue.empty() or self._stopping.is_set():
+                self._asleep = False
+                return
+        poller.poll(None if timeout is None else timeout * 1000.0)
+        self._asleep = False
+        with contextlib.suppress(BlockingIOError, InterruptedError):
+            os.read(self._wake_r, 8)
 
     def _count_left_over(self) -> None:
         while True:
@@ -551,7 +611,20 @@ class ZmqEventPublisher(EventPublisher):
         self._replay.service(router, self._buffer)
 
 
-_STOP = object()  # wakes the publisher thread at shutdown
+_STOP = object()  # tells the publisher thread to stop (after what is queued before it)
+_WAKE = (1).to_bytes(8, "little")  # an eventfd increment; any byte for a pipe
+
+
+def _wake_fds() -> tuple[int, int]:
+    """(read end, write end) of a non-blocking wake-up channel: one eventfd where the OS has
+    it, else a pipe."""
+    if hasattr(os, "eventfd"):
+        fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        return fd, fd
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    os.set_blocking(w, False)
+    return r, w
 
 
 __all__ = ["EventPublisher", "NullEventPublisher", "ZmqEventPublisher", "create_publisher",
