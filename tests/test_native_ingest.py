@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Sequence
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -267,6 +267,41 @@ def test_compiled_batches_are_not_tracked_by_the_cyclic_collector() -> None:
         for ev in late:
             assert gc.is_tracked(ev) is tracked
             assert gc.is_tracked(ev["block_hashes"]) is tracked
+
+
+@needs_native
+def test_v2_hook_maps_are_untracked_with_the_compiled_module_and_encode_the_same() -> None:
+    """The V2 hooks build their maps in the compiled module when it is built: the same bytes
+    as the Python literals, kept out of the cyclic collector (lists of ints only; a token list
+    holding another object stays tracked)."""
+    root = SimpleNamespace(ordinal=-1, key=b"\0" * 32)
+    a = SimpleNamespace(key=b"\1" * 32, tokens=[1, 2], prev=root, ordinal=0)
+    b = SimpleNamespace(key=b"\2" * 32, tokens=[3, 4], prev=a, ordinal=1)  # extends a's map
+    c = SimpleNamespace(key=b"\3" * 32, tokens=(5, 6), prev=root, ordinal=0)  # a tuple
+    d = SimpleNamespace(key=b"\4" * 32, tokens=[7, 8.5], prev=root, ordinal=0)  # a float
+    out = {}
+    for native in (False, True):
+        rec = Recorder()
+        sink = KvEventSink(rec, block_size=2, native=native)
+        sink.add_stored_block_event_from_block(a)
+        sink.add_stored_block_event_from_block(b)
+        sink.add_removed_event(b.key)
+        sink.add_stored_block_event_from_block(c)
+        sink.add_stored_block_event_from_block(d)
+        sink.add_removed_event(a.key)
+        sink.flush_iteration_events()
+        events = rec.batches[0]
+        assert [ev["type"] for ev in events] == ["BlockStored", "BlockRemoved", "BlockStored",
+                                                 "BlockStored", "BlockRemoved"]
+        tracked = [[gc.is_tracked(ev[k]) for k in ("block_hashes", "token_ids") if k in ev]
+                   + [gc.is_tracked(ev)] for ev in events]
+        if native:
+            assert tracked == [[False, False, False], [False, False], [False, False, False],
+                               [False, True, True], [False, False]]
+        else:
+            assert all(gc.is_tracked(ev) for ev in events)
+        out[native] = rec.payloads
+    assert out[True] == out[False]
 
 
 def test_native_switch_turns_the_compiled_loops_off_and_refuses_a_non_boolean() -> None:

@@ -388,8 +388,65 @@ fail:
     return NULL;
 }
 
+/* Whether every item of ``list`` is an exact int (such a list cannot be part of a cycle). */
+static int ints_only(PyObject *list) {
+    Py_ssize_t j, n = PyList_GET_SIZE(list);
+    for (j = 0; j < n; j++)
+        if (!PyLong_CheckExact(PyList_GET_ITEM(list, j))) return 0;
+    return 1;
+}
+
+PyDoc_STRVAR(v2_stored_map_doc,
+"v2_stored_map(h, parent, tokens, block_size) -> dict\n\n"
+"The BlockStored map of one V2 hook store, equal to the literal the Python code builds\n"
+"(``block_hashes`` [h], ``token_ids`` list(tokens), lora_id/lora_name None, medium GPU),\n"
+"kept out of the cyclic collector with its lists (as the compiled ingest loop keeps its\n"
+"maps: a batch waiting for the publisher thread then costs the engine thread's collections\n"
+"nothing). The token list stays tracked unless it holds only exact ints.");
+
+static PyObject *v2_stored_map(PyObject *module, PyObject *args) {
+    PyObject *h, *parent, *tokens, *block_size, *hashes, *token_ids, *ev;
+    if (!PyArg_ParseTuple(args, "OOOO", &h, &parent, &tokens, &block_size)) return NULL;
+    token_ids = PySequence_List(tokens);
+    if (token_ids == NULL) return NULL;
+    if (ints_only(token_ids)) PyObject_GC_UnTrack(token_ids);
+    hashes = PyList_New(1);
+    if (hashes == NULL) { Py_DECREF(token_ids); return NULL; }
+    Py_INCREF(h);
+    PyList_SET_ITEM(hashes, 0, h);
+    if (PyLong_CheckExact(h)) PyObject_GC_UnTrack(hashes);
+    ev = stored_map(hashes, parent, token_ids, block_size, Py_None, S_GPU, Py_None);
+    Py_DECREF(hashes);
+    Py_DECREF(token_ids);
+    if (ev != NULL && !PyObject_GC_IsTracked(hashes) && !PyObject_GC_IsTracked(token_ids)
+        && (parent == Py_None || PyLong_CheckExact(parent)) && PyLong_CheckExact(block_size))
+        PyObject_GC_UnTrack(ev);
+    return ev;
+}
+
+PyDoc_STRVAR(v2_removed_map_doc,
+"v2_removed_map(h) -> dict\n\n"
+"The BlockRemoved map of one V2 hook removal ({type, block_hashes [h], medium GPU}), kept out\n"
+"of the cyclic collector like v2_stored_map's.");
+
+static PyObject *v2_removed_map(PyObject *module, PyObject *h) {
+    PyObject *hashes = PyList_New(1), *ev;
+    if (hashes == NULL) return NULL;
+    Py_INCREF(h);
+    PyList_SET_ITEM(hashes, 0, h);
+    ev = removed_map(hashes, S_GPU);
+    Py_DECREF(hashes);
+    if (ev != NULL && PyLong_CheckExact(h)) {
+        PyObject_GC_UnTrack(hashes);
+        PyObject_GC_UnTrack(ev);
+    }
+    return ev;
+}
+
 static PyMethodDef methods[] = {
     {"ingest_dicts", ingest_dicts, METH_VARARGS, ingest_dicts_doc},
+    {"v2_stored_map", v2_stored_map, METH_VARARGS, v2_stored_map_doc},
+    {"v2_removed_map", v2_removed_map, METH_O, v2_removed_map_doc},
     {NULL, NULL, 0, NULL},
 };
 

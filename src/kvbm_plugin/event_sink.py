@@ -225,6 +225,12 @@ class KvEventSink:
         module = _native.choose("event_sink", native, "KvEventSink")
         self._native: Callable[..., tuple[Any, ...]] | None = (
             None if module is None else module.ingest_dicts)
+        # The V2 hooks' new maps: built by the compiled module out of the cyclic collector
+        # (as the compiled ingest loop's are), else by the literals in _v2_store.
+        self._v2_stored_map: Callable[[int, int | None, Any, int], WireEvent] | None = (
+            None if module is None else module.v2_stored_map)
+        self._v2_removed_map: Callable[[int], WireEvent] | None = (
+            None if module is None else module.v2_removed_map)
         self._lock = threading.Lock()
         self._ranks: dict[int, _Rank] = {data_parallel_rank: _Rank()}
         # Called by flush (the flushing thread) with each rank's wire events before they are
@@ -907,9 +913,13 @@ class KvEventSink:
             last["token_ids"].extend(tokens)
             return
         c["stores"] += 1
-        last = rs.last = {"type": _STORED, "block_hashes": [h], "parent_block_hash": parent,
-                          "token_ids": list(tokens), "block_size": self.block_size,
-                          "lora_id": None, "medium": MEDIUM_GPU, "lora_name": None}
+        make = self._v2_stored_map
+        if make is not None:
+            last = rs.last = make(h, parent, tokens, self.block_size)
+        else:
+            last = rs.last = {"type": _STORED, "block_hashes": [h], "parent_block_hash": parent,
+                              "token_ids": list(tokens), "block_size": self.block_size,
+                              "lora_id": None, "medium": MEDIUM_GPU, "lora_name": None}
         rs.events.append(last)
 
     def add_stored_event(self, parent_hash: Any, blocks: Sequence[Any],
@@ -961,8 +971,10 @@ class KvEventSink:
                         last["block_hashes"].append(h)
                     else:
                         c["removes"] += 1
-                        last = rs.last = {"type": _REMOVED, "block_hashes": [h],
-                                          "medium": MEDIUM_GPU}
+                        make = self._v2_removed_map
+                        last = rs.last = (make(h) if make is not None else
+                                          {"type": _REMOVED, "block_hashes": [h],
+                                           "medium": MEDIUM_GPU})
                         rs.events.append(last)
                     return
                 block_hashes = (block_hashes,)
