@@ -24,7 +24,8 @@ rate-limited.
 extension was built, a compiled loop (``_event_sink_c.c``) that takes the decode steady state
 (one-block stores, removals) and hands every other event to the Python loop. The compiled loop
 also keeps its maps and lists out of the cyclic garbage collector (they hold no containers), so
-batches waiting for the publisher thread cost the engine thread's collections nothing.
+batches waiting for the publisher thread cost the engine thread's collections nothing; the V2
+hooks build their new maps through the same module for the same reason.
 
 Threads: ``ingest`` and ``flush`` take one short lock (never held across I/O), so buffered
 events may arrive on TRT-LLM's KV-event dispatch thread while the leader flushes on the executor
