@@ -90,7 +90,9 @@ def test_demo_with_the_disk_tier_alone_has_no_failed_transfer_job(capsys) -> Non
     worker (range() step 0) and log a traceback on every such job."""
     assert demo.main_demo([*SMALL, "--tiers", "disk"]) == 0
     out = capsys.readouterr().out
-    assert "[PASS] nothing failed, nothing logged an error: 0 failed transfer jobs" in out
+    assert "[PASS] clean run (no broken transfer, no error logged, no thread died): " \
+        "transfer jobs broken 0," in out
+    assert "ERROR" not in out and "failed" not in out
 
 
 def test_demo_fails_its_check_when_a_transfer_job_fails(monkeypatch, capsys,
@@ -105,10 +107,10 @@ def test_demo_fails_its_check_when_a_transfer_job_fails(monkeypatch, capsys,
     monkeypatch.setattr(KvbmConnectorWorker, "_chunked", chunked_with_zero_step)
     assert demo.main_demo([*SMALL, "--tiers", "disk"]) == 1
     out = capsys.readouterr().out
-    line = next(x for x in out.splitlines() if "nothing failed" in x)
+    line = next(x for x in out.splitlines() if "clean run" in x)
     assert line.startswith("  [FAIL]")
-    assert re.search(r"[1-9]\d* failed transfer jobs", line)
-    assert re.search(r"[1-9]\d* ERROR log lines", line)
+    assert re.search(r"transfer jobs broken [1-9]\d*", line)
+    assert re.search(r"error-level log lines [1-9]\d*", line)
     assert "transfer job failed" in line
     assert expect_errors.wait_for("transfer job failed")
 
@@ -129,7 +131,7 @@ def test_demo_fails_its_check_when_a_thread_dies(monkeypatch, capsys, expect_err
     monkeypatch.setattr(SimulatedEngine, "step", step_and_crash_a_thread)
     assert demo.main_demo(SMALL) == 1
     out = capsys.readouterr().out
-    assert "1 thread exceptions; first: thread doomed: ZeroDivisionError" in out
+    assert "thread exceptions 1; first: thread doomed: ZeroDivisionError" in out
     assert [a.exc_type for a in expect_errors.thread_exceptions] == [ZeroDivisionError]
 
 
