@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -134,6 +136,43 @@ def test_sidecar_the_readme_way_gets_past_its_options(tmp_path: Path) -> None:
             proc.wait()
 
 
+@contextmanager
+def _children_take_ctrl_c() -> Iterator[None]:
+    """Processes started inside begin with SIGINT's default action, as a foreground command
+    does, whatever this process inherited.
+
+    A shell without job control starts a background command (``pytest ... &``, a CI step run
+    that way) with SIGINT ignored, and an ignored signal stays ignored across fork and exec:
+    Python then installs no Ctrl-C handler, and a demo under test would never see the SIGINT
+    these tests send. A signal this process handles is reset to its default action by exec.
+    """
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_children_take_ctrl_c_even_when_this_process_ignores_it() -> None:
+    check = ("import signal; "
+             "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)")
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # as under ``pytest ... &``
+    try:
+        inherited = subprocess.run([sys.executable, "-c", check], capture_output=True,
+                                   text=True, timeout=60, check=True).stdout.split()
+        with _children_take_ctrl_c():
+            started = subprocess.run([sys.executable, "-c", check], capture_output=True,
+                                     text=True, timeout=60, check=True).stdout.split()
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # put back afterwards
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert inherited == ["False"]  # the case the helper is for
+    assert started == ["True"]
+
+
 def _wait_for(condition, timeout: float = 60.0) -> None:  # noqa: ANN001
     deadline = time.monotonic() + timeout
     while not condition():
@@ -148,10 +187,11 @@ def test_a_signal_during_the_demo_ends_it_cleanly(tmp_path: Path, signum: int, s
                                                   line: str | None) -> None:
     """Ctrl-C is one line and status 130; SIGTERM exits 143; both leave no traceback and no
     ``kvbm-demo-*`` directory behind."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.cli", "demo", "--no-progress",
-                             "--sessions", "32", "--turns", "8"],
-                            env=_env(TMPDIR=str(tmp_path)), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+    with _children_take_ctrl_c():
+        proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.cli", "demo",
+                                 "--no-progress", "--sessions", "32", "--turns", "8"],
+                                env=_env(TMPDIR=str(tmp_path)), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
     try:
         # The engine is up once the consolidated output's ipc socket exists.
         _wait_for(lambda: any(tmp_path.glob("kvbm-demo-*/consolidated"))
@@ -253,8 +293,9 @@ def test_ctrl_c_while_torch_loads_waits_for_the_import_then_interrupts() -> None
         status = cli.main(["demo", "--no-progress"])
         print("torch" in sys.modules, status)
     """)
-    result = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
-                            text=True, timeout=120)
+    with _children_take_ctrl_c():
+        result = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                                text=True, timeout=120)
     assert result.stdout.split() == ["True", "130"], result.stderr
     assert [x for x in result.stderr.splitlines() if "kvbm-plugin" in x] == [
         "kvbm-plugin demo: interrupted"]
