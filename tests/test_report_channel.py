@@ -85,3 +85,52 @@ def test_hub_drains_single_and_batched_reports_in_order() -> None:
     assert [(r.op_id, r.ok) for r in hub.drain()] == [(1, True), (2, True), (3, False),
                                                       (4, True)]
     assert hub.drain() == []
+
+
+def test_a_process_that_exits_right_after_close_still_delivers_its_reports(tmp_path) -> None:
+    """A rank process's last reports are delivered although it exits as soon as the sender is
+    closed: close() waits for delivery (a process's exit does not). The leader binds only once
+    the sender has sent and closed, so nothing can have been delivered by then."""
+    endpoint = f"ipc://{tmp_path}/reports"
+    code = textwrap.dedent(f"""
+        import sys
+        from kvbm_plugin.connector_meta import OpReport, ZmqReportSender
+        sender = ZmqReportSender({endpoint!r})
+        sender.put_many([OpReport(op, 1, True) for op in range(10)])
+        print("sent", flush=True)
+        sys.stdin.readline()  # the leader is binding now
+        sender.close()
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    hub = CompletionHub("report-channel-late-leader")
+    receiver = None
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "sent\n"
+        receiver = ZmqReportReceiver(hub, endpoint)
+        assert proc.stdin is not None
+        proc.stdin.write("bound\n")
+        proc.stdin.close()
+        assert proc.wait(timeout=60) == 0
+        got = _drain_until(hub, 10)
+        assert [r.op_id for r in got] == list(range(10))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if receiver is not None:
+            receiver.close()
+
+
+def test_close_with_no_leader_gives_up_after_its_timeout_with_a_warning(tmp_path,
+                                                                         caplog) -> None:
+    from kvbm_plugin.connector_meta import ZmqReportSender
+
+    sender = ZmqReportSender(f"ipc://{tmp_path}/nobody")
+    sender.put(OpReport(1, 1, True))
+    began = time.monotonic()
+    with caplog.at_level("WARNING", logger="kvbm_plugin.connector_meta"):
+        sender.close(timeout=0.2)
+    assert time.monotonic() - began < 30  # bounded, though nobody ever took the report
+    assert "not delivered to ipc://" in caplog.text
+    sender.close()  # idempotent: returns at once

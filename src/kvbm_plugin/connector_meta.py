@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -276,17 +277,29 @@ class ZmqReportReceiver:
             logger.warning("report receiver thread did not stop within %.1f s", timeout)
 
 
+# How long a closing rank waits for its last reports to reach the leader (a leader that is gone
+# or unreachable: they are lost after this, with a warning).
+REPORT_DELIVERY_TIMEOUT_S = 10.0
+
+
 class ZmqReportSender:
-    """Worker side of the cross-process channel; used from one worker thread at a time."""
+    """Worker side of the cross-process channel; used from one worker thread at a time.
+
+    Owns its ZMQ context, so that :meth:`close` can wait until the reports are delivered: a
+    rank process exits right after its worker shut down, and pyzmq does not terminate the
+    shared context at interpreter exit, so a socket's linger would not be waited for and the
+    last reports (or all of them, when the connection was not up yet) would be lost.
+    """
 
     def __init__(self, connect: str) -> None:
         import zmq
 
         self._zmq = zmq
-        self._sock = zmq.Context.instance().socket(zmq.PUSH)
-        self._sock.setsockopt(zmq.LINGER, 1000)
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # reports must not be dropped
         self._sock.connect(connect)
+        self._connect = connect
         self._lock = threading.Lock()
 
     def put(self, report: OpReport) -> None:
@@ -298,6 +311,17 @@ class ZmqReportSender:
             for report in reports:
                 self._sock.send(encode_report(report))
 
-    def close(self) -> None:
+    def close(self, timeout: float = REPORT_DELIVERY_TIMEOUT_S) -> None:
+        """Wait until every report sent reached the leader's socket, at most ``timeout``
+        seconds (then the rest is dropped, with a warning), and release the socket and its
+        context. Called by the worker's shutdown; idempotent."""
         with self._lock:
-            self._sock.close()
+            if self._ctx.closed:
+                return
+            began = time.monotonic()
+            self._sock.close(linger=max(0, int(timeout * 1000)))
+            self._ctx.term()  # returns once the queue is delivered or the linger ran out
+            # Whole milliseconds on ZMQ's clock: the linger may end a little before ours.
+            if time.monotonic() - began >= timeout - 0.05:
+                logger.warning("completion reports not delivered to %s within %.1f s may be "
+                               "lost", self._connect, timeout)
