@@ -12,6 +12,9 @@ from typing import Any
 import pytest
 import zmq
 
+# The simulated-engine factory fixture (make_engine) lives with its helpers in _engines.py.
+pytest_plugins = ["_engines"]
+
 
 class _KeepingContext(zmq.Context):
     """Holds every socket it made until the fixture closes it: a test's local socket must not be

@@ -7,13 +7,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
+from _engines import prompt, tiers
 
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.consolidator_config import ConfigError
-from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
+from kvbm_plugin.testing.engine import SimulatedEngine
 from kvbm_plugin.testing.fake_trtllm import (
     KvCacheConfig,
     LlmArgs,
@@ -23,36 +23,6 @@ from kvbm_plugin.testing.fake_trtllm import (
 )
 from kvbm_plugin.tiers.base import block_keys
 from kvbm_plugin.tiers.disk import DiskTier
-
-OFF = {"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false"}
-
-
-def tiers(host: int = 0, disk: int = 0, **extra: str) -> dict[str, str]:
-    env = dict(OFF)
-    if host:
-        env["DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"] = str(host)
-    if disk:
-        env["DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"] = str(disk)
-    env.update(extra)
-    return env
-
-
-@pytest.fixture
-def make_engine() -> Iterator:
-    engines: list[SimulatedEngine] = []
-
-    def make(**kw) -> SimulatedEngine:
-        engine = SimulatedEngine(EngineConfig(**kw))
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 1000 + i * 7) % 997 + 1 for i in range(n)]
 
 
 def flush_gpu(engine: SimulatedEngine, count: int, n: int = 40) -> None:

@@ -7,43 +7,14 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _engines import OFF, prompt, tiers
 
 from kvbm_plugin import connector_leader
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.testing.fake_trtllm import KVCacheEventSerializer
-
-OFF = {"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false"}
-
-
-def tiers(host: int = 0, disk: int = 0) -> dict[str, str]:
-    env = dict(OFF)
-    if host:
-        env["DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"] = str(host)
-    if disk:
-        env["DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"] = str(disk)
-    return env
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 1000 + i * 7) % 997 + 1 for i in range(n)]
-
-
-@pytest.fixture
-def make_engine() -> Iterator:
-    engines: list[SimulatedEngine] = []
-
-    def make(**kw: Any) -> SimulatedEngine:
-        engine = SimulatedEngine(EngineConfig(**kw))
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
 
 
 def record(engine: SimulatedEngine) -> dict[str, list]:

@@ -3,10 +3,10 @@ LoRA / multimodal keys, hex-string hashes."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from _engines import OFF, prompt, tiers
 
 from kvbm_plugin._salt import cache_salt_id, salt_extra_key
 from kvbm_plugin.consolidator import SOURCE_ENGINE, SOURCE_TIERS, ConsolidatorCore
@@ -14,38 +14,13 @@ from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink, radix_key_hash
 from kvbm_plugin.events import to_signed_int64
 from kvbm_plugin.publisher import EventPublisher
-from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
+from kvbm_plugin.testing.engine import SimulatedEngine
 from kvbm_plugin.testing.fake_trtllm import LlmRequest
 
 BS = 4
-OFF = {"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false"}
 
 
-def tiers(host: int = 0, disk: int = 0) -> dict[str, str]:
-    env = dict(OFF)
-    if host:
-        env["DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"] = str(host)
-    if disk:
-        env["DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"] = str(disk)
-    return env
 
-
-def prompt(seed: int, n: int) -> list[int]:
-    return [(seed * 1000 + i * 7) % 997 + 1 for i in range(n)]
-
-
-@pytest.fixture
-def make_engine() -> Iterator:
-    engines: list[SimulatedEngine] = []
-
-    def make(**kw: Any) -> SimulatedEngine:
-        engine = SimulatedEngine(EngineConfig(**kw))
-        engines.append(engine)
-        return engine
-
-    yield make
-    for engine in engines:
-        engine.shutdown()
 
 
 def evict_gpu(engine: SimulatedEngine, count: int = 3) -> None:
