@@ -373,15 +373,8 @@ def main_subscribe(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.tree:
         return _run_tree(parser, args)
-    try:
-        endpoint = parse_endpoint("endpoint", args.endpoint, default_host="127.0.0.1").connect
-        replay = (None if args.replay is None else
-                  parse_endpoint("--replay", args.replay, default_host="127.0.0.1").connect)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    endpoint, replay = _endpoints(parser, args)
+    stop = _stop_on_signals()
     subscriber = StreamSubscriber(endpoint, replay, topic=args.topic.encode(),
                                   start_seq=args.from_seq)
     deadline = time.monotonic() + args.duration if args.duration > 0 else None
@@ -438,15 +431,8 @@ def _run_tree(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"--block-size must be >= 1, got {args.block_size}")
     if args.interval <= 0:
         parser.error(f"--interval must be > 0, got {args.interval}")
-    try:
-        endpoint = parse_endpoint("endpoint", args.endpoint, default_host="127.0.0.1").connect
-        replay = (None if args.replay is None else
-                  parse_endpoint("--replay", args.replay, default_host="127.0.0.1").connect)
-    except ConfigError as exc:
-        parser.error(str(exc))
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    endpoint, replay = _endpoints(parser, args)
+    stop = _stop_on_signals()
     subscriber = LazyTreeSubscriber(endpoint, replay, topic=args.topic.encode(),
                                     start_seq=args.from_seq, block_size=args.block_size)
     now = time.monotonic()
@@ -478,3 +464,23 @@ def _run_tree(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 __all__ = ["StreamSubscriber", "SubscriberStats", "decode_seq", "describe", "main_subscribe"]
+
+
+def _endpoints(parser: argparse.ArgumentParser,
+               args: argparse.Namespace) -> tuple[str, str | None]:
+    """The stream's and the replay socket's connect addresses; a bad one is a usage error."""
+    try:
+        endpoint = parse_endpoint("endpoint", args.endpoint, default_host="127.0.0.1").connect
+        replay = (None if args.replay is None else
+                  parse_endpoint("--replay", args.replay, default_host="127.0.0.1").connect)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return endpoint, replay
+
+
+def _stop_on_signals() -> threading.Event:
+    """An event that SIGINT or SIGTERM sets, so the loop ends and closes its sockets."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
