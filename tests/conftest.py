@@ -12,9 +12,6 @@ from typing import Any
 import pytest
 import zmq
 
-# The simulated-engine factory fixture (make_engine) lives with its helpers in _engines.py.
-pytest_plugins = ["_engines"]
-
 
 class _KeepingContext(zmq.Context):
     """Holds every socket it made until the fixture closes it: a test's local socket must not be
@@ -123,3 +120,22 @@ def expect_errors(request: pytest.FixtureRequest) -> ErrorRecorder:
     """Opt-out of the unexpected-error guard: the ERROR records and thread exceptions the test
     provokes, for it to assert on."""
     return request.node.stash[_ERRORS_KEY]
+
+
+@pytest.fixture
+def make_engine() -> Iterator[Any]:
+    """Builds simulated engines from EngineConfig keywords; shuts each down after the test.
+    (Imported here, not at the top: most tests never build an engine, and this file is also
+    copied into pytester runs where the package's test helpers are not importable.)"""
+    from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
+
+    engines: list[SimulatedEngine] = []
+
+    def make(**kw: Any) -> SimulatedEngine:
+        engine = SimulatedEngine(EngineConfig(**kw))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.shutdown()
