@@ -394,30 +394,7 @@ def test_a_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_both_loops(
         where: str, expect_errors) -> None:
     """The same with an ``__eq__`` that empties the batch list and the dicts the compiled loop
     would hold borrowed (a use-after-free if it looked up in them): both loops agree."""
-    def make() -> list[list[Any]]:
-        events = [_store(None, 10), _store(10, 11), _store(11, 12)]
-        target = events[1]
-        dicts = {"event": target, "data": target["data"],
-                 "block": target["data"]["blocks"][0],
-                 "token": target["data"]["blocks"][0]["tokens"][1]}
-        holder = dicts[where]
-        name = {"event": "window_size", "data": "blocks", "block": "tokens",
-                "token": "token_id"}[where]
-
-        def wreck() -> None:
-            events.clear()
-            for d in dicts.values():
-                d.clear()
-
-        items = list(holder.items())
-        holder.clear()
-        key = Collides(name)
-        holder[key] = 0
-        holder.update(items)
-        key.on_eq = wreck  # armed once built
-        return [events, [_store(None, 20)]]
-
-    _both(make)
+    _both(lambda: _wrecking_stream(where, Collides))
     assert expect_errors.wait_for("malformed KV event not published")
 
 
@@ -443,31 +420,7 @@ def test_a_str_subclass_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_
     loop's O(1) all-str-keys test must say no) whose ``__eq__`` wrecks the batch and the dicts
     the compiled loop would hold borrowed: it leaves the event to the Python loop; both loops
     agree."""
-    def make() -> list[list[Any]]:
-        events = [_store(None, 10), _store(10, 11), _store(11, 12)]
-        target = events[1]
-        dicts = {"event": target, "data": target["data"],
-                 "block": target["data"]["blocks"][0],
-                 "token": target["data"]["blocks"][0]["tokens"][1]}
-        holder = dicts[where]
-        name = {"event": "window_size", "data": "blocks", "block": "tokens",
-                "token": "token_id"}[where]
-
-        def wreck() -> None:
-            events.clear()
-            for d in dicts.values():
-                d.clear()
-
-        items = list(holder.items())
-        holder.clear()
-        key = StrKey(name)
-        holder[key] = 0
-        holder.update(items)  # the value lands under ``key``, which stays the dict's key
-        assert any(type(k) is StrKey for k in holder)
-        key.on_eq = wreck  # armed once built
-        return [events, [_store(None, 20)]]
-
-    _both(make)
+    _both(lambda: _wrecking_stream(where, StrKey))
     assert expect_errors.wait_for("malformed KV event not published")
 
 
@@ -497,3 +450,31 @@ def test_refused_values_and_ranks_run_the_same_in_both_loops(expect_errors) -> N
     assert stats["malformed_events"] == 4 and stats["unknown_dp_rank_events"] == 1
     assert stats["blocks_stored"] == 2
     assert expect_errors.wait_for("malformed KV event not published")
+
+
+def _wrecking_stream(where: str, key_type: type) -> list[list[Any]]:
+    """Three chained stores whose ``where`` dict holds its key as a ``key_type`` object whose
+    ``__eq__`` (armed once built) empties the batch list and every dict the compiled loop would
+    hold borrowed; then a second batch."""
+    events = [_store(None, 10), _store(10, 11), _store(11, 12)]
+    target = events[1]
+    dicts = {"event": target, "data": target["data"],
+             "block": target["data"]["blocks"][0],
+             "token": target["data"]["blocks"][0]["tokens"][1]}
+    holder = dicts[where]
+    name = {"event": "window_size", "data": "blocks", "block": "tokens",
+            "token": "token_id"}[where]
+
+    def wreck() -> None:
+        events.clear()
+        for d in dicts.values():
+            d.clear()
+
+    items = list(holder.items())
+    holder.clear()
+    key = key_type(name)
+    holder[key] = 0
+    holder.update(items)  # the value lands under ``key``, which stays the dict's key
+    assert any(type(k) is key_type for k in holder)
+    key.on_eq = wreck  # armed once built
+    return [events, [_store(None, 20)]]
