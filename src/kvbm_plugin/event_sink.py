@@ -171,6 +171,16 @@ class _Rank:
     published: dict[int, int | None] = field(default_factory=dict)
     kids: dict[int, int] = field(default_factory=dict)
 
+    def unpublish(self, h: int) -> None:
+        """Forget published block ``h`` (it has no published child) and its parent's link."""
+        parent = self.published.pop(h)
+        if parent is not None:
+            kids = self.kids
+            if kids[parent] == 1:
+                del kids[parent]
+            else:
+                kids[parent] -= 1
+
 
 class KvEventSink:
     """Filters and batches one executor's GPU-tier KV events for a publisher.
@@ -413,13 +423,7 @@ class KvEventSink:
                             self._remove(rs, hashes, track_live=False)
                             continue
                         if closed:
-                            parent = rs.published.pop(h)
-                            if parent is not None:
-                                kids = rs.kids
-                                if kids[parent] == 1:
-                                    del kids[parent]
-                                else:
-                                    kids[parent] -= 1
+                            rs.unpublish(h)
                         if last is not None and last["type"] == _REMOVED:
                             last["block_hashes"].extend(hashes)
                             n_removed += len(hashes)
@@ -621,13 +625,7 @@ class KvEventSink:
                     continue
                 if h in rs.kids:
                     out.extend(self._cascade(rs, h))
-                parent = published.pop(h)
-                if parent is not None:
-                    kids = rs.kids
-                    if kids[parent] == 1:
-                        del kids[parent]
-                    else:
-                        kids[parent] -= 1
+                rs.unpublish(h)
             out.append(h)
         if not out:
             return
