@@ -413,9 +413,9 @@ def test_stats_read_a_snapshot_of_the_ranks() -> None:
 
     class AddsARankWhenRead:
         @property
-        def events(self) -> list[Any]:
+        def pending(self) -> int:
             sink._ranks.setdefault(7, sink._ranks[0])  # an ingest on another thread, meanwhile
-            return []
+            return 0
 
     sink._ranks[1] = AddsARankWhenRead()  # type: ignore[assignment]
     assert sink.stats()["pending_events"] == 0

@@ -15,13 +15,14 @@ from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbm_plugin import _native
 from kvbm_plugin.consolidator_config import NATIVE, ConfigError, PublisherSettings
-from kvbm_plugin.event_sink import KvEventSink
+from kvbm_plugin.event_sink import KvEventSink, radix_key_hash
 from kvbm_plugin.events import MAX_DP_RANKS, WireFormatError, encode_payload
 from kvbm_plugin.publisher import EventPublisher
 
@@ -32,16 +33,26 @@ VALID = [0, 1, 2, 3, 5, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, "80" * 32]
 
 
 class Recorder(EventPublisher):
-    """Keeps each batch as the bytes the real encoder makes of it (fixed timestamp)."""
+    """Keeps each batch as the bytes the real encoder makes of it (fixed timestamp).
+
+    It takes encoded events (``msgspec.Raw``, written by the compiled batch) as the ZMQ
+    publisher does, so the payloads compared hold the compiled writer's own bytes, and keeps
+    each batch as maps (the Raw items decoded) for the tests that read it.
+    """
+
+    accepts_encoded_events = True
 
     def __init__(self) -> None:
         super().__init__(PublisherSettings())
         self.payloads: list[bytes] = []
         self.batches: list[list[dict[str, Any]]] = []
+        self.items: list[list[Any]] = []  # as handed over: maps and msgspec.Raw
 
     def publish(self, events: Sequence[dict[str, Any]], data_parallel_rank: int | None = None
                 ) -> bool:
-        self.batches.append(list(events))
+        self.items.append(list(events))
+        self.batches.append([msgspec.msgpack.decode(e) if type(e) is msgspec.Raw else e
+                             for e in events])
         self.payloads.append(encode_payload(1.0, events, data_parallel_rank or 0))
         return True
 
@@ -67,6 +78,11 @@ class Collides:
 
     def __repr__(self) -> str:
         return f"Collides({self.name!r})"
+
+
+# Token ids: small ones (runs coalesce on equal content) and each msgpack int form's edges.
+TOKEN_IDS = st.one_of(st.integers(0, 9), st.sampled_from(
+    [127, 128, 255, 256, 65535, 65536, (1 << 32) - 1]))
 
 
 def hashes(valid_only: bool = False) -> st.SearchStrategy[Any]:
@@ -161,7 +177,7 @@ def chained(draw: st.DrawFn) -> list[Any]:
             parent = last if draw(st.integers(0, 3)) else draw(hashes())
             data = {"type": "stored", "parent_hash": parent, "blocks": [{
                 "type": "stored_block", "block_hash": h, "cache_level": 0, "priority": 35,
-                "tokens": [{"type": "unique_token", "token_id": draw(st.integers(0, 9)),
+                "tokens": [{"type": "unique_token", "token_id": draw(TOKEN_IDS),
                             "token_extra_id": 0} for _ in range(BS)]}]}
             out.append({"event_id": 0, "window_size": 64, "data": data})
             last = h if isinstance(h, str) or h < (1 << 63) else h - (1 << 64)
@@ -248,60 +264,202 @@ def test_compiled_loop_takes_the_common_case_and_coalesces() -> None:
             stats["blocks_removed"], stats["events_in"]) == (1, 3, 1, 3, 5)
 
 
+# Wire hashes on each side of every msgpack int form's edges (u64 as TRT-LLM sends them).
+EDGE_HASHES = [v % (1 << 64) for v in (
+    0, 1, 31, 32, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1, 1 << 32, (1 << 63) - 1,
+    -1, -32, -33, -128, -129, -32768, -32769, -(1 << 31), -(1 << 31) - 1, -(1 << 63))]
+
+
 @needs_native
-def test_compiled_batches_are_not_tracked_by_the_cyclic_collector() -> None:
-    """The compiled loop's maps and lists hold no containers: untracked, so a queued batch
-    costs the engine thread's garbage collections nothing. The Python loop's are tracked."""
+def test_the_compiled_writer_writes_every_int_form_as_msgspec_does() -> None:
+    """Hashes, parents, token ids and lora ids at every msgpack int form's edges, in stores
+    and removals long enough for 16-bit array headers: the compiled batch's bytes equal the
+    Python loop's maps encoded by msgspec."""
+    tokens = [0, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1]
+
+    def make() -> list[list[Any]]:
+        events: list[Any] = []
+        for i, h in enumerate(EDGE_HASHES):
+            parent = EDGE_HASHES[i - 1] if i else None
+            events.append(_store(parent, h, [{"token_id": tokens[(i + k) % len(tokens)]}
+                                             for k in range(BS)],
+                                 lora_id=[None, 0, 1, 128, (1 << 64) - 1][i % 5]))
+            events.append(_store(None, h, [{"token_id": 1}, {"token_id": 2}]))
+        events += [{"event_id": 0, "window_size": 64,
+                    "data": {"type": "removed", "block_hashes": [h]}} for h in EDGE_HASHES]
+        chain = [_store(None if i == 0 else 1000 + i - 1, 1000 + i,
+                        [{"token_id": i}, {"token_id": 70000}]) for i in range(40000)]
+        gone = [{"event_id": 0, "window_size": 64,
+                 "data": {"type": "removed", "block_hashes": [1000 + i]}} for i in range(70000)]
+        runs: list[Any] = [_store(None, 7)]  # removal runs at the array headers' edges
+        for n in (15, 16, 65535, 65536):
+            runs += [{"event_id": 0, "window_size": 64,
+                      "data": {"type": "removed", "block_hashes": [5000 + i]}} for i in range(n)]
+            runs.append(_store(None, 7))
+        return [events, chain, gone, runs]
+
+    payloads, stats = _both(make)
+    assert stats["blocks_stored"] == 2 * len(EDGE_HASHES) + 40000 + 5
+    assert any(len(p) > 65536 for p in payloads)
+
+
+@needs_native
+def test_compiled_batches_hold_wire_bytes_out_of_the_cyclic_collector() -> None:
+    """The compiled batch writes the events it takes as their wire bytes (msgspec.Raw, no
+    Python object per token, nothing for the cyclic collector to traverse while the batch
+    waits for the publisher thread), the same bytes as the Python loop's maps; a publisher
+    that does not take encoded events gets the maps."""
     events = [{"event_id": 0, "window_size": 64, "data": {
         "type": "stored", "parent_hash": None,
         "blocks": [{"block_hash": 1, "tokens": [{"token_id": 1}, {"token_id": 2}]}]}},
         {"event_id": 0, "window_size": 64, "data": {"type": "removed", "block_hashes": [1]}}]
-    for native, tracked in ((True, False), (False, True)):
+    out = {}
+    for native in (True, False):
         rec = Recorder()
         sink = KvEventSink(rec, block_size=2, native=native)
         sink.ingest([dict(e) for e in events])  # the first teaches the window (Python loop)
         sink.ingest(events)
         sink.flush()
-        late = rec.batches[0][2:] if native else rec.batches[0]
-        assert late
+        late = rec.items[0][2:]
+        assert len(late) == 2
         for ev in late:
-            assert gc.is_tracked(ev) is tracked
-            assert gc.is_tracked(ev["block_hashes"]) is tracked
+            assert type(ev) is (msgspec.Raw if native else dict)
+            assert not gc.is_tracked(ev) if native else gc.is_tracked(ev)
+        out[native] = rec.payloads
+    assert out[True] == out[False]
+    plain = SimpleNamespace(batches=[])
+
+    class Maps(EventPublisher):
+        def publish(self, events: Sequence[Any], data_parallel_rank: int | None = None) -> bool:
+            plain.batches.append(list(events))
+            return True
+
+        def shutdown(self, timeout: float = 5.0) -> None:
+            pass
+
+    sink = KvEventSink(Maps(PublisherSettings()), block_size=2, window_size=64, native=True)
+    sink.ingest(events)
+    sink.flush()
+    assert plain.batches == [[
+        {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None,
+         "token_ids": [1, 2], "block_size": 2, "lora_id": None, "medium": "GPU",
+         "lora_name": None},
+        {"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"}]]
+
+
+ROOT = SimpleNamespace(ordinal=-1, key=b"\0" * 32)
+
+
+class Raises:
+    """A V2 block whose ``tokens`` attribute raises (the hook counts it as malformed)."""
+
+    key = b"\7" * 32
+    prev = ROOT
+    ordinal = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        raise AttributeError("tokens")
+
+
+@st.composite
+def v2_calls(draw: st.DrawFn) -> list[tuple[str, Any]]:
+    """V2 hook traffic: chains of full blocks (so stores and removals coalesce), the same
+    block again (another layer group), partial blocks, removals of published, unknown and
+    odd keys, odd tokens and keys, layer-group routing switched on and off, flushes."""
+    blocks: list[Any] = [ROOT]
+    calls: list[tuple[str, Any]] = []
+    for i in range(draw(st.integers(1, 40))):
+        pick = draw(st.integers(0, 19))
+        if pick < 9:
+            prev = blocks[-1] if draw(st.integers(0, 3)) else draw(st.sampled_from(blocks))
+            tokens: Any = [draw(st.integers(0, 300)) for _ in range(BS)]
+            odd = draw(st.integers(0, 12))
+            if odd == 0:
+                tokens = tokens[:-1]  # partial
+            elif odd == 1:
+                tokens = tuple(tokens)
+            elif odd == 2:
+                tokens[0] = draw(st.sampled_from([1.5, -1, 1 << 32, True, "7"]))
+            key: Any = bytes([i % 256]) * 8 + draw(st.binary(min_size=0, max_size=4))
+            if odd == 3:
+                key = draw(st.sampled_from([b"short", bytearray(b"\1" * 8), "k" * 8, 5]))
+            block = SimpleNamespace(key=key, tokens=tokens, prev=prev,
+                                    ordinal=getattr(prev, "ordinal", -1) + 1)
+            if odd == 4:
+                del block.ordinal  # a block whose children have a prev without one
+            blocks.append(block)
+            calls.append(("store", block))
+        elif pick < 11:
+            calls.append(("store", draw(st.sampled_from(blocks[1:] or [Raises()]))))
+        elif pick < 16:
+            victim = draw(st.sampled_from(blocks))
+            calls.append(("remove", getattr(victim, "key", None)))
+        elif pick < 17:
+            calls.append(("remove", draw(st.sampled_from([b"\x09" * 32, 3, "00ff" * 8, [b"\1" * 8],
+                                                           None, 1.5]))))
+        elif pick < 18:
+            calls.append(("route", draw(st.sampled_from([None, 0, 1]))))
+        else:
+            calls.append(("flush", None))
+    return calls
+
+
+def run_v2(native: bool, calls: list[tuple[str, Any]]) -> tuple[list[bytes], dict[str, int]]:
+    rec = Recorder()
+    sink = KvEventSink(rec, block_size=BS, native=native)
+    for kind, arg in calls:
+        if kind == "store":
+            sink.add_stored_block_event_from_block(arg)
+        elif kind == "remove":
+            sink.add_removed_event(arg)
+        elif kind == "route":
+            if arg is None:
+                sink.set_layer_group_window_sizes({})
+            else:
+                sink.set_routing_layer_group(arg)
+        else:
+            sink.flush_iteration_events()
+    sink.flush()
+    return rec.payloads, sink.stats()
 
 
 @needs_native
-def test_v2_hook_maps_are_untracked_with_the_compiled_module_and_encode_the_same() -> None:
-    """The V2 hooks build their maps in the compiled module when it is built: the same bytes
-    as the Python literals, kept out of the cyclic collector (lists of ints only; a token list
-    holding another object stays tracked)."""
-    root = SimpleNamespace(ordinal=-1, key=b"\0" * 32)
-    a = SimpleNamespace(key=b"\1" * 32, tokens=[1, 2], prev=root, ordinal=0)
-    b = SimpleNamespace(key=b"\2" * 32, tokens=[3, 4], prev=a, ordinal=1)  # extends a's map
-    c = SimpleNamespace(key=b"\3" * 32, tokens=(5, 6), prev=root, ordinal=0)  # a tuple
-    d = SimpleNamespace(key=b"\4" * 32, tokens=[7, 8.5], prev=root, ordinal=0)  # a float
-    out = {}
-    for native in (False, True):
-        rec = Recorder()
-        sink = KvEventSink(rec, block_size=2, native=native)
-        sink.add_stored_block_event_from_block(a)
-        sink.add_stored_block_event_from_block(b)
-        sink.add_removed_event(b.key)
-        sink.add_stored_block_event_from_block(c)
-        sink.add_stored_block_event_from_block(d)
-        sink.add_removed_event(a.key)
-        sink.flush_iteration_events()
-        events = rec.batches[0]
-        assert [ev["type"] for ev in events] == ["BlockStored", "BlockRemoved", "BlockStored",
-                                                 "BlockStored", "BlockRemoved"]
-        tracked = [[gc.is_tracked(ev[k]) for k in ("block_hashes", "token_ids") if k in ev]
-                   + [gc.is_tracked(ev)] for ev in events]
-        if native:
-            assert tracked == [[False, False, False], [False, False], [False, False, False],
-                               [False, True, True], [False, False]]
-        else:
-            assert all(gc.is_tracked(ev) for ev in events)
-        out[native] = rec.payloads
-    assert out[True] == out[False]
+@pytest.mark.expect_errors  # malformed calls on purpose: each is logged, and must match
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(v2_calls())
+def test_compiled_v2_hooks_match_the_python_hooks(calls: list[tuple[str, Any]]) -> None:
+    """The V2 hooks' compiled fast path against the Python hooks on the same calls:
+    byte-identical batches and identical counters."""
+    want = run_v2(False, calls)
+    got = run_v2(True, calls)
+    assert got[0] == want[0]
+    assert got[1] == want[1]
+
+
+@needs_native
+def test_compiled_v2_hooks_write_wire_bytes_and_coalesce() -> None:
+    """A chain of V2 stores and its removals: one BlockStored and one BlockRemoved, written
+    as wire bytes by the fast path, with the counters the Python hooks keep."""
+    a = SimpleNamespace(key=b"\1" * 32, tokens=[1, 2], prev=ROOT, ordinal=0)
+    b = SimpleNamespace(key=b"\2" * 32, tokens=[3, 4], prev=a, ordinal=1)
+    rec = Recorder()
+    sink = KvEventSink(rec, block_size=2, native=True)
+    for block in (a, b, a):  # a again: another layer group of a published block
+        sink.add_stored_block_event_from_block(block)
+    sink.add_removed_event(b.key)
+    sink.add_removed_event(a.key)
+    sink.flush_iteration_events()
+    assert [type(e) for e in rec.items[0]] == [msgspec.Raw, msgspec.Raw]
+    h1, h2 = radix_key_hash(a.key), radix_key_hash(b.key)
+    assert rec.batches == [[
+        {"type": "BlockStored", "block_hashes": [h1, h2], "parent_block_hash": None,
+         "token_ids": [1, 2, 3, 4], "block_size": 2, "lora_id": None, "medium": "GPU",
+         "lora_name": None},
+        {"type": "BlockRemoved", "block_hashes": [h2, h1], "medium": "GPU"}]]
+    stats = sink.stats()
+    assert (stats["stores"], stats["blocks_stored"], stats["removes"],
+            stats["blocks_removed"]) == (1, 2, 1, 2)
 
 
 def test_native_switch_turns_the_compiled_loops_off_and_refuses_a_non_boolean() -> None:

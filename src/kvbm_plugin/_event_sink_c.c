@@ -1,29 +1,55 @@
-/* Compiled fast path of event_sink.py: KvEventSink.ingest for TensorRT-LLM's decode steady
- * state (module kvbm_plugin._event_sink_c).
+/* Compiled fast path of event_sink.py (module kvbm_plugin._event_sink_c): a rank's batch that
+ * encodes the common events straight into their wire bytes.
  *
- * ingest_dicts() takes the buffered event dicts that need no decision beyond the common case
- * (a one-block full "stored", a "removed" of valid hashes, the published window, the sink's
- * own rank) and builds exactly the wire maps the Python loop in event_sink.py builds, in the
- * same order, coalescing the same way. At the first event it does not take, it stops and
- * returns that event's index: the Python loop handles that event (window changes, created,
- * updated, partial blocks, other ranks, suppressed removals, malformed input) and calls back
- * for the rest. An event is either taken whole or left untouched, so the Python loop sees it
- * exactly as it arrived. The Python loop is the reference; tests run both on the same input
- * and compare the output byte for byte.
+ * RankBatch is the compiled form of event_sink._Rank: the same attributes (events, last,
+ * suppressed, live, live_keys, published, kids), plus one "open" event held as C arrays
+ * (hashes, token ids). The events this module takes (TensorRT-LLM's decode steady state:
+ * one-block full stores, removals of valid hashes, from the buffered dicts or the V2 hooks)
+ * extend the open event while they coalesce as the Python code would coalesce them; when one
+ * does not, the open event is written out as its msgpack bytes (the bytes msgspec makes of the
+ * map the Python code builds) wrapped in a msgspec.Raw, which the publisher's encoder copies
+ * as it is. So neither the engine thread nor the publisher thread builds, encodes or frees a
+ * Python object per token.
  *
- * Called with the sink's lock held, on the thread that ingests (the executor thread or the
- * KV-event dispatch thread). Holds the GIL throughout and calls no Python code: every object
- * it reads is an exact list, str or int, or an exact dict whose keys are all exact str (a key
- * of another type could run its own __eq__ during a lookup and free what is held borrowed;
- * such an event goes to the Python loop). A store is checked whole (token ids u32, lora_id
- * None or u64) before the batch changes.
+ * The Python code stays the reference and handles every other event. Before it reads or
+ * changes the batch (the ``events`` or ``last`` attribute), the open event is turned into the
+ * map it stands for (``last``), so both loops coalesce alike; ``take()`` (flush) writes it out
+ * as bytes. Tests run both implementations on the same input and compare the published bytes.
+ *
+ * ingest_dicts() takes the buffered event dicts that need no decision beyond the common case;
+ * at the first event it does not take, it stops and returns that event's index: the Python
+ * loop handles that event (window changes, created, updated, partial blocks, other ranks,
+ * suppressed removals, malformed input) and calls back for the rest. An event is either taken
+ * whole or left untouched. RankBatch.v2_store / v2_remove are the V2 hooks' fast path; any
+ * other call goes to the Python hook (``fallback_store`` / ``fallback_remove``).
+ *
+ * Called with the sink's lock held (ingest) or on the executor thread (V2 hooks). Holds the
+ * GIL throughout. The dict walk reads only exact lists, str and int, and exact dicts whose
+ * keys are all exact str (a key of another type could run its own __eq__ during a lookup and
+ * free what is held borrowed; such an event goes to the Python loop). A store is checked whole
+ * (token ids u32, lora_id None or u64) before the batch changes.
  */
 
-#include "_native_common.h"
+#include "_rank_batch.h"
 
 static PyObject *K_data, *K_window_size, *K_attention_dp_rank, *K_blocks, *K_tokens, *K_token_id,
-    *K_block_hash, *K_parent_hash;
-static PyObject *S_stored, *S_removed, *S_GPU;
+    *K_block_hash, *K_parent_hash, *A_key, *A_tokens, *A_prev, *A_ordinal;
+static PyObject *S_stored, *S_removed;
+
+/* getattr(o, name) that tells an absent attribute (0, *out NULL) from an error (-1). */
+static int optional_attr(PyObject *o, PyObject *name, PyObject **out) {
+#if PY_VERSION_HEX >= 0x030D0000
+    return PyObject_GetOptionalAttr(o, name, out);
+#else
+    *out = PyObject_GetAttr(o, name);
+    if (*out != NULL) return 1;
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return -1;
+    PyErr_Clear();
+    return 0;
+#endif
+}
+
+/* ---- the buffered dicts --------------------------------------------------------------- */
 
 /* Borrowed d[key] (NULL if absent) for an exact dict; LEAVE if absent and required. */
 static int get_item(PyObject *d, PyObject *key, PyObject **out, int required) {
@@ -84,44 +110,6 @@ static int wire_hash(PyObject *h, PyObject **out) {
     return *out == NULL ? FAIL : TAKE;
 }
 
-/* Whether ``last`` is a BlockStored map that a store with ``parent``/``lora_id`` extends. */
-static int extends_stored(PyObject *last, PyObject *parent, PyObject *lora_id) {
-    PyObject *type, *hashes, *tail, *last_lora;
-    if (last == Py_None || parent == Py_None || !PyDict_CheckExact(last)) return 0;
-    type = PyDict_GetItemWithError(last, K_type);
-    if (type == NULL || !str_is(type, S_BlockStored)) return PyErr_Occurred() ? -1 : 0;
-    hashes = PyDict_GetItemWithError(last, K_block_hashes);
-    if (hashes == NULL || !PyList_CheckExact(hashes) || PyList_GET_SIZE(hashes) == 0)
-        return PyErr_Occurred() ? -1 : 0;
-    tail = PyList_GET_ITEM(hashes, PyList_GET_SIZE(hashes) - 1);
-    if (!PyLong_CheckExact(tail)) return 0;
-    if (PyObject_RichCompareBool(tail, parent, Py_EQ) != 1) return PyErr_Occurred() ? -1 : 0;
-    last_lora = PyDict_GetItemWithError(last, K_lora_id);
-    if (last_lora == NULL) return PyErr_Occurred() ? -1 : 0;
-    if (last_lora == lora_id) return 1;
-    if (!PyLong_CheckExact(last_lora) || !PyLong_CheckExact(lora_id)) return 0;
-    return PyObject_RichCompareBool(last_lora, lora_id, Py_EQ);
-}
-
-static int is_removed_map(PyObject *last) {
-    PyObject *type;
-    if (last == Py_None || !PyDict_CheckExact(last)) return 0;
-    type = PyDict_GetItemWithError(last, K_type);
-    if (type == NULL) return PyErr_Occurred() ? -1 : 0;
-    return str_is(type, S_BlockRemoved);
-}
-
-/* The maps and lists built here hold only str, int and None (and the map its two int lists):
- * they cannot be part of a reference cycle, so the cyclic collector is told not to track them.
- * A batch lives until the publisher thread has encoded it; tracked, each of its containers
- * would be traversed by every young-generation collection in the meantime and promoted
- * towards the old generation, work that lands on whichever thread allocates next (usually
- * the engine's). */
-static PyObject *untracked(PyObject *op) {
-    if (op != NULL) PyObject_GC_UnTrack(op);
-    return op;
-}
-
 /* kids[parent] += delta (exact dict of exact ints), deleting the entry at 0. */
 static int add_kid(PyObject *kids, PyObject *parent, long delta) {
     PyObject *v = PyDict_GetItemWithError(kids, parent), *nv;
@@ -140,15 +128,13 @@ static int add_kid(PyObject *kids, PyObject *parent, long delta) {
     return (int)n;
 }
 
-/* One "stored" event (``data`` exact dict). Updates *last (new reference swapped in).
- * ``published``/``kids``: the rank's prefix-closed state; a store under an unpublished parent
- * or of a published hash is left to the Python loop (which drops it, counted). */
-static int take_stored(PyObject *data, PyObject *out, PyObject **last, PyObject *block_size,
-                       Py_ssize_t bs, long *n_stores, PyObject *published, PyObject *kids) {
-    PyObject *blocks, *block, *tokens, *raw, *h = NULL, *parent = NULL, *lora_id, *token_ids;
-    PyObject *ev = NULL, *hashes;
-    Py_ssize_t j;
-    int r, ext;
+/* One "stored" event (``data`` exact dict). ``closed``: keep the rank's prefix-closed state;
+ * a store under an unpublished parent or of a published hash is left to the Python loop
+ * (which drops it, counted). */
+static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed) {
+    PyObject *blocks, *block, *tokens, *raw, *h = NULL, *parent = NULL, *lora_id;
+    Py_ssize_t j, bs = rb->block_size;
+    int r;
 
     if ((r = get_item(data, K_blocks, &blocks, 1)) != TAKE) return r;
     if (!PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != 1) return LEAVE;
@@ -180,71 +166,39 @@ static int take_stored(PyObject *data, PyObject *out, PyObject **last, PyObject 
     if (lora_id == NULL) lora_id = Py_None;
     if ((r = get_item(data, K_parent_hash, &parent, 0)) != TAKE) return r;
     if (parent == NULL || parent == Py_None) {
-        parent = Py_None;
-        Py_INCREF(parent);
+        parent = Py_NewRef(Py_None);
     } else if ((r = wire_hash(parent, &parent)) != TAKE) {
         return r;
     }
     if ((r = wire_hash(raw, &h)) != TAKE) goto done;
-    if (published != Py_None) {
-        int known = parent == Py_None ? 1 : PyDict_Contains(published, parent);
-        int again = known == 1 ? PyDict_Contains(published, h) : 0;
+    if (closed) {
+        int known = parent == Py_None ? 1 : PyDict_Contains(rb->published, parent);
+        int again = known == 1 ? PyDict_Contains(rb->published, h) : 0;
         if (known < 0 || again < 0) { r = FAIL; goto done; }
         if (!known || again) { r = LEAVE; goto done; }
     }
-    token_ids = untracked(PyList_New(bs));
-    if (token_ids == NULL) { r = FAIL; goto done; }
+    if (rb_grow((void **)&rb->scratch, &rb->cap_scratch, bs, sizeof(uint32_t)) < 0) {
+        r = FAIL;
+        goto done;
+    }
     for (j = 0; j < bs; j++) {
         PyObject *tok = PyList_GET_ITEM(tokens, j), *tid;
         if (!PyDict_CheckExact(tok) || str_keyed_item(tok, K_token_id, &tid) != 1
             || !PyLong_CheckExact(tid) || !int_in_range(tid, 0xFFFFFFFFULL)) {
-            Py_DECREF(token_ids);
             r = LEAVE;
             goto done;
         }
-        Py_INCREF(tid);
-        PyList_SET_ITEM(token_ids, j, tid);
+        rb->scratch[j] = (uint32_t)PyLong_AsUnsignedLong(tid);
     }
     /* Everything read; from here on the event is taken. */
-    if (published != Py_None && (PyDict_SetItem(published, h, parent) < 0
-                                 || (parent != Py_None && add_kid(kids, parent, 1) < 0))) {
-        Py_DECREF(token_ids);
+    if (closed && (PyDict_SetItem(rb->published, h, parent) < 0
+                   || (parent != Py_None && add_kid(rb->kids, parent, 1) < 0))) {
         r = FAIL;
         goto done;
     }
-    ext = extends_stored(*last, parent, lora_id);
-    if (ext < 0) { Py_DECREF(token_ids); r = FAIL; goto done; }
-    if (ext) {
-        PyObject *lh = PyDict_GetItemWithError(*last, K_block_hashes);
-        PyObject *lt = PyDict_GetItemWithError(*last, K_token_ids);
-        if (lh == NULL || lt == NULL || !PyList_CheckExact(lt)) {
-            Py_DECREF(token_ids);
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_RuntimeError, "BlockStored map lost its lists");
-            r = FAIL;
-            goto done;
-        }
-        r = (PyList_Append(lh, h) < 0 || list_extend(lt, token_ids) < 0) ? FAIL : TAKE;
-        Py_DECREF(token_ids);
-        goto done;
-    }
-    hashes = untracked(PyList_New(1));
-    if (hashes == NULL) { Py_DECREF(token_ids); r = FAIL; goto done; }
-    Py_INCREF(h);
-    PyList_SET_ITEM(hashes, 0, h);
-    ev = stored_map(hashes, parent, token_ids, block_size, lora_id, S_GPU, Py_None);
-    if (ev == NULL || PyList_Append(out, ev) < 0) {
-        Py_DECREF(hashes);
-        Py_DECREF(token_ids);
-        Py_XDECREF(ev);
-        r = FAIL;
-        goto done;
-    }
-    Py_DECREF(hashes);
-    Py_DECREF(token_ids);
-    PyObject_GC_UnTrack(ev); /* after the inserts: inserting a list would track it again */
-    Py_SETREF(*last, ev);
-    *n_stores += 1;
+    r = rb_append_store(rb, h, parent, lora_id);
+    if (r < 0) { r = FAIL; goto done; }
+    *n_stores += r;
     r = TAKE;
 done:
     Py_XDECREF(h);
@@ -252,21 +206,21 @@ done:
     return r;
 }
 
-/* One "removed" event of one published leaf; ``suppressed`` non-empty means Python must check
- * each hash. Several hashes, an unpublished one, or one with published children (a cascade)
- * are left to the Python loop. */
-static int take_removed(PyObject *data, PyObject *out, PyObject **last, PyObject *suppressed,
-                        long *n_removes, long *n_removed, PyObject *published, PyObject *kids) {
-    PyObject *raw, *hashes, *ev;
+/* One "removed" event of valid hashes; ``suppressed`` non-empty means Python must check each
+ * hash. With ``closed``: one published leaf only (several hashes, an unpublished one, or one
+ * with published children, a cascade, go to the Python loop). */
+static int take_removed(PyObject *data, RankBatch *rb, long *n_removes, long *n_removed,
+                        int closed) {
+    PyObject *raw, *hashes;
     Py_ssize_t n, j;
-    int r, ext;
+    int r;
 
     if ((r = get_item(data, K_block_hashes, &raw, 1)) != TAKE) return r;
     if (!PyList_CheckExact(raw)) return LEAVE;
     n = PyList_GET_SIZE(raw);
-    if (n == 0 || PyDict_GET_SIZE(suppressed) != 0) return LEAVE;
-    if (published != Py_None && n != 1) return LEAVE;
-    hashes = untracked(PyList_New(n));
+    if (n == 0 || PyDict_GET_SIZE(rb->suppressed) != 0) return LEAVE;
+    if (closed && n != 1) return LEAVE;
+    hashes = PyList_New(n);
     if (hashes == NULL) return FAIL;
     for (j = 0; j < n; j++) {
         PyObject *h;
@@ -276,80 +230,53 @@ static int take_removed(PyObject *data, PyObject *out, PyObject **last, PyObject
         }
         PyList_SET_ITEM(hashes, j, h);
     }
-    if (published != Py_None) {
+    if (closed) {
         PyObject *h = PyList_GET_ITEM(hashes, 0), *parent;
-        int leaf = PyDict_Contains(kids, h);
-        parent = leaf == 0 ? PyDict_GetItemWithError(published, h) : NULL;
+        int leaf = PyDict_Contains(rb->kids, h);
+        parent = leaf == 0 ? PyDict_GetItemWithError(rb->published, h) : NULL;
         if (leaf < 0 || (parent == NULL && PyErr_Occurred())) { Py_DECREF(hashes); return FAIL; }
         if (leaf || parent == NULL) { Py_DECREF(hashes); return LEAVE; }
         Py_INCREF(parent);
-        if (PyDict_DelItem(published, h) < 0
-            || (parent != Py_None && add_kid(kids, parent, -1) < 0)) {
+        if (PyDict_DelItem(rb->published, h) < 0
+            || (parent != Py_None && add_kid(rb->kids, parent, -1) < 0)) {
             Py_DECREF(parent);
             Py_DECREF(hashes);
             return FAIL;
         }
         Py_DECREF(parent);
     }
-    ext = is_removed_map(*last);
-    if (ext < 0) { Py_DECREF(hashes); return FAIL; }
-    if (ext) {
-        PyObject *lh = PyDict_GetItemWithError(*last, K_block_hashes);
-        if (lh == NULL || !PyList_CheckExact(lh)) {
-            Py_DECREF(hashes);
-            if (!PyErr_Occurred())
-                PyErr_SetString(PyExc_RuntimeError, "BlockRemoved map lost its list");
-            return FAIL;
-        }
-        r = list_extend(lh, hashes) < 0 ? FAIL : TAKE;
-        Py_DECREF(hashes);
-        *n_removed += n;
-        return r;
-    }
-    ev = removed_map(hashes, S_GPU);
-    if (ev == NULL || PyList_Append(out, ev) < 0) {
-        Py_DECREF(hashes);
-        Py_XDECREF(ev);
-        return FAIL;
-    }
+    r = rb_append_removed(rb, &PyList_GET_ITEM(hashes, 0), n);
     Py_DECREF(hashes);
-    PyObject_GC_UnTrack(ev);
-    Py_SETREF(*last, ev);
-    *n_removes += 1;
+    if (r < 0) return FAIL;
+    *n_removes += r;
     *n_removed += n;
     return TAKE;
 }
 
 PyDoc_STRVAR(ingest_dicts_doc,
-"ingest_dicts(events, start, out, last, block_size, window, suppressed, published, kids)\n"
-"    -> (stop, last, n_in, n_stores, n_stored, n_removes, n_removed)\n\n"
-"Convert events[start:] into wire maps appended to ``out`` (the rank's batch), coalescing\n"
-"with ``last`` (the batch's last map or None), until the first event the Python loop must\n"
+"ingest_dicts(events, start, rank, window, closed)\n"
+"    -> (stop, n_in, n_stores, n_stored, n_removes, n_removed)\n\n"
+"Take events[start:] into ``rank`` (a RankBatch) until the first event the Python loop must\n"
 "handle; ``stop`` is its index (len(events) when all were taken). ``window`` is the published\n"
-"attention window (None = not known yet), ``suppressed`` the rank's unpublished hashes,\n"
-"``published``/``kids`` its prefix-closed published state (updated for the events taken),\n"
-"or None for a sink that does not keep the stream prefix-closed.");
+"attention window (None = not known yet); ``closed``: keep the rank's prefix-closed published\n"
+"state (``published``/``kids``, updated for the events taken).");
 
 static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
-    PyObject *events, *out, *last, *block_size, *window, *suppressed, *published, *kids;
-    PyObject *result;
-    Py_ssize_t start, i, n, bs;
+    PyObject *events, *window;
+    RankBatch *rb;
+    Py_ssize_t start, i, n;
+    int closed;
     long n_in = 0, n_stores = 0, n_stored = 0, n_removes = 0, n_removed = 0;
 
-    if (!PyArg_ParseTuple(args, "O!nO!OO!OO!OO", &PyList_Type, &events, &start,
-                          &PyList_Type, &out, &last, &PyLong_Type, &block_size, &window,
-                          &PyDict_Type, &suppressed, &published, &kids))
+    if (!PyArg_ParseTuple(args, "O!nO!Op", &PyList_Type, &events, &start, &RankBatchType,
+                          &rb, &window, &closed))
         return NULL;
-    if (published != Py_None && (!PyDict_CheckExact(published) || !PyDict_CheckExact(kids))) {
-        PyErr_SetString(PyExc_TypeError, "ingest_dicts: published and kids must be dicts");
+    if (!PyDict_CheckExact(rb->suppressed) || !PyList_CheckExact(rb->events)
+        || (rb->last != Py_None && !PyDict_CheckExact(rb->last))
+        || (closed && (!PyDict_CheckExact(rb->published) || !PyDict_CheckExact(rb->kids)))) {
+        PyErr_SetString(PyExc_TypeError, "ingest_dicts: the rank's batch state was replaced");
         return NULL;
     }
-    bs = PyLong_AsSsize_t(block_size);
-    if (bs == -1 && PyErr_Occurred()) {
-        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return NULL;
-        PyErr_Clear(); /* no token list is that long: every store goes to the Python loop */
-    }
-    Py_INCREF(last);
     n = PyList_GET_SIZE(events);
     for (i = start < 0 ? 0 : start; i < n; i++) {
         PyObject *ev = PyList_GET_ITEM(events, i), *data, *kind, *v;
@@ -362,101 +289,176 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
         if (v != NULL && v != Py_None) {
             if (window == Py_None || !PyLong_CheckExact(v) || !PyLong_CheckExact(window)) break;
             r = PyObject_RichCompareBool(v, window, Py_EQ);
-            if (r < 0) goto fail;
+            if (r < 0) return NULL;
             if (r == 0) break;
         }
         if ((r = get_item(ev, K_attention_dp_rank, &v, 0)) != TAKE) goto stop;
         if (v != NULL && v != Py_None) break;
         if (str_is(kind, S_stored)) {
-            r = take_stored(data, out, &last, block_size, bs, &n_stores, published, kids);
+            r = take_stored(data, rb, &n_stores, closed);
             if (r == TAKE) n_stored += 1;
         } else if (str_is(kind, S_removed)) {
-            r = take_removed(data, out, &last, suppressed, &n_removes, &n_removed, published,
-                             kids);
+            r = take_removed(data, rb, &n_removes, &n_removed, closed);
         } else {
             break;
         }
     stop:
-        if (r == FAIL) goto fail;
+        if (r == FAIL) return NULL;
         if (r == LEAVE) break;
         n_in += 1;
     }
-    result = Py_BuildValue("nNlllll", i, last, n_in, n_stores, n_stored, n_removes, n_removed);
-    return result;
-fail:
-    Py_DECREF(last);
-    return NULL;
+    return Py_BuildValue("nlllll", i, n_in, n_stores, n_stored, n_removes, n_removed);
 }
 
-/* Whether every item of ``list`` is an exact int (such a list cannot be part of a cycle). */
-static int ints_only(PyObject *list) {
-    Py_ssize_t j, n = PyList_GET_SIZE(list);
-    for (j = 0; j < n; j++)
-        if (!PyLong_CheckExact(PyList_GET_ITEM(list, j))) return 0;
+/* ---- the V2 hooks' fast path ---------------------------------------------------------- */
+
+/* Wire hash of a radix key (exact bytes of >= 8 bytes): its first 8 bytes, big-endian, as
+ * int64. 0 when ``key`` is anything else (the Python hook decides). */
+static int key_hash(PyObject *key, int64_t *out) {
+    const unsigned char *s;
+    uint64_t v = 0;
+    if (!PyBytes_CheckExact(key) || PyBytes_GET_SIZE(key) < 8) return 0;
+    s = (const unsigned char *)PyBytes_AS_STRING(key);
+    for (int i = 0; i < 8; i++) v = (v << 8) | s[i];
+    *out = (int64_t)v;
     return 1;
 }
 
-PyDoc_STRVAR(v2_stored_map_doc,
-"v2_stored_map(h, parent, tokens, block_size) -> dict\n\n"
-"The BlockStored map of one V2 hook store, equal to the literal the Python code builds\n"
-"(``block_hashes`` [h], ``token_ids`` list(tokens), lora_id/lora_name None, medium GPU),\n"
-"kept out of the cyclic collector with its lists (as the compiled ingest loop keeps its\n"
-"maps: a batch waiting for the publisher thread then costs the engine thread's collections\n"
-"nothing). The token list stays tracked unless it holds only exact ints.");
+/* Read the V2 block's fields the store needs, in the order the Python hook reads them (it
+ * reads the same ones again when the call goes to it). 1: taken, 0: the Python hook's. */
+static int v2_take_store(RankBatch *rb, PyObject *block) {
+    PyObject *key = NULL, *tokens = NULL, *prev = NULL, *ordinal = NULL, *pkey = NULL;
+    PyObject *h = NULL, *parent = NULL, *known;
+    int64_t hv, pv;
+    Py_ssize_t j, bs = rb->block_size;
+    int r = 0, new_store;
 
-static PyObject *v2_stored_map(PyObject *module, PyObject *args) {
-    PyObject *h, *parent, *tokens, *block_size, *hashes, *token_ids, *ev;
-    if (!PyArg_ParseTuple(args, "OOOO", &h, &parent, &tokens, &block_size)) return NULL;
-    token_ids = PySequence_List(tokens);
-    if (token_ids == NULL) return NULL;
-    if (ints_only(token_ids)) PyObject_GC_UnTrack(token_ids);
-    hashes = PyList_New(1);
-    if (hashes == NULL) { Py_DECREF(token_ids); return NULL; }
-    Py_INCREF(h);
-    PyList_SET_ITEM(hashes, 0, h);
-    if (PyLong_CheckExact(h)) PyObject_GC_UnTrack(hashes);
-    ev = stored_map(hashes, parent, token_ids, block_size, Py_None, S_GPU, Py_None);
-    Py_DECREF(hashes);
-    Py_DECREF(token_ids);
-    if (ev != NULL && !PyObject_GC_IsTracked(hashes) && !PyObject_GC_IsTracked(token_ids)
-        && (parent == Py_None || PyLong_CheckExact(parent)) && PyLong_CheckExact(block_size))
-        PyObject_GC_UnTrack(ev);
-    return ev;
+    key = PyObject_GetAttr(block, A_key);
+    if (key == NULL || !key_hash(key, &hv)) goto done;
+    known = PyDict_GetItemWithError(rb->live_keys, key);
+    if (known != NULL) { r = 1; goto done; } /* already published (another layer group) */
+    if (PyErr_Occurred()) goto done;
+    tokens = PyObject_GetAttr(block, A_tokens);
+    if (tokens == NULL || !PyList_CheckExact(tokens) || PyList_GET_SIZE(tokens) != bs) goto done;
+    prev = PyObject_GetAttr(block, A_prev);
+    if (prev == NULL) goto done;
+    if (optional_attr(prev, A_ordinal, &ordinal) < 0) goto done;
+    if (ordinal != NULL && !PyLong_CheckExact(ordinal)) goto done;
+    if (ordinal == NULL || PyLong_AsLong(ordinal) == -1) {
+        if (PyErr_Occurred()) goto done;
+        parent = Py_NewRef(Py_None);
+    } else {
+        pkey = PyObject_GetAttr(prev, A_key);
+        if (pkey == NULL) goto done;
+        parent = PyDict_GetItemWithError(rb->live_keys, pkey);
+        if (parent != NULL) {
+            if (!PyLong_CheckExact(parent)) { parent = NULL; goto done; }
+            Py_INCREF(parent);
+        } else {
+            if (PyErr_Occurred() || !key_hash(pkey, &pv)) goto done;
+            parent = PyLong_FromLongLong(pv);
+            if (parent == NULL) goto done;
+        }
+    }
+    /* The list is re-read here: nothing since its length check ran Python code on it, but
+     * the attribute reads in between may have. */
+    if (PyList_GET_SIZE(tokens) != bs) goto done;
+    if (rb_grow((void **)&rb->scratch, &rb->cap_scratch, bs, sizeof(uint32_t)) < 0) {
+        r = -1;
+        goto done;
+    }
+    for (j = 0; j < bs; j++) {
+        PyObject *t = PyList_GET_ITEM(tokens, j);
+        if (!PyLong_CheckExact(t) || !int_in_range(t, 0xFFFFFFFFULL)) goto done;
+        rb->scratch[j] = (uint32_t)PyLong_AsUnsignedLong(t);
+    }
+    h = PyLong_FromLongLong(hv);
+    if (h == NULL) goto done;
+    /* Everything read; from here on the block is taken. */
+    if (PyDict_GET_SIZE(rb->suppressed) != 0) {
+        PyObject *gone = PyObject_CallMethod(rb->suppressed, "pop", "OO", h, Py_None);
+        if (gone == NULL) { r = -1; goto done; }
+        Py_DECREF(gone);
+    }
+    if (PyDict_SetItem(rb->live_keys, key, h) < 0 || PyDict_SetItem(rb->live, h, key) < 0) {
+        r = -1;
+        goto done;
+    }
+    new_store = rb_append_store(rb, h, parent, Py_None);
+    if (new_store < 0) { r = -1; goto done; }
+    rb->v2_blocks_stored += 1;
+    rb->v2_stores += new_store;
+    r = 1;
+done:
+    if (r == 0 && PyErr_Occurred()) {
+        /* A read that raised goes to the Python hook, which reads again and counts it. */
+        if (PyErr_ExceptionMatches(PyExc_MemoryError)) r = -1;
+        else PyErr_Clear();
+    }
+    Py_XDECREF(key);
+    Py_XDECREF(tokens);
+    Py_XDECREF(prev);
+    Py_XDECREF(ordinal);
+    Py_XDECREF(pkey);
+    Py_XDECREF(h);
+    Py_XDECREF(parent);
+    return r;
 }
 
-PyDoc_STRVAR(v2_removed_map_doc,
-"v2_removed_map(h) -> dict\n\n"
-"The BlockRemoved map of one V2 hook removal ({type, block_hashes [h], medium GPU}), kept out\n"
-"of the cyclic collector like v2_stored_map's.");
-
-static PyObject *v2_removed_map(PyObject *module, PyObject *h) {
-    PyObject *hashes = PyList_New(1), *ev;
-    if (hashes == NULL) return NULL;
-    Py_INCREF(h);
-    PyList_SET_ITEM(hashes, 0, h);
-    ev = removed_map(hashes, S_GPU);
-    Py_DECREF(hashes);
-    if (ev != NULL && PyLong_CheckExact(h)) {
-        PyObject_GC_UnTrack(hashes);
-        PyObject_GC_UnTrack(ev);
+static PyObject *fallback(PyObject *hook, PyObject *arg) {
+    if (hook == NULL || hook == Py_None) {
+        PyErr_SetString(PyExc_RuntimeError, "RankBatch: no Python hook to hand the call to");
+        return NULL;
     }
-    return ev;
+    return PyObject_CallOneArg(hook, arg);
+}
+
+PyObject *RankBatch_v2_store(RankBatch *rb, PyObject *block) {
+    int r = rb->fast_hooks ? v2_take_store(rb, block) : 0;
+    if (r < 0) return NULL;
+    if (r == 0) return fallback(rb->fallback_store, block);
+    Py_RETURN_NONE;
+}
+
+PyObject *RankBatch_v2_remove(RankBatch *rb, PyObject *key) {
+    PyObject *h;
+    int r;
+    if (!rb->fast_hooks || !PyBytes_CheckExact(key)) return fallback(rb->fallback_remove, key);
+    h = PyDict_GetItemWithError(rb->live_keys, key);
+    if (h == NULL) {
+        if (PyErr_Occurred()) return NULL;
+        return fallback(rb->fallback_remove, key); /* never published: counted there */
+    }
+    if (!PyLong_CheckExact(h)) return fallback(rb->fallback_remove, key);
+    Py_INCREF(h);
+    if (PyDict_DelItem(rb->live_keys, key) < 0) { Py_DECREF(h); return NULL; }
+    if (PyDict_GetItemWithError(rb->live, h) != NULL) {
+        if (PyDict_DelItem(rb->live, h) < 0) { Py_DECREF(h); return NULL; }
+    } else if (PyErr_Occurred()) {
+        Py_DECREF(h);
+        return NULL;
+    }
+    r = rb_append_removed(rb, &h, 1);
+    Py_DECREF(h);
+    if (r < 0) return NULL;
+    rb->v2_blocks_removed += 1;
+    rb->v2_removes += r;
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef methods[] = {
     {"ingest_dicts", ingest_dicts, METH_VARARGS, ingest_dicts_doc},
-    {"v2_stored_map", v2_stored_map, METH_VARARGS, v2_stored_map_doc},
-    {"v2_removed_map", v2_removed_map, METH_O, v2_removed_map_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "kvbm_plugin._event_sink_c",
-    "Compiled ingest loop of KvEventSink (optional; event_sink.py holds the reference).", -1,
-    methods,
+    "Compiled batch and ingest loop of KvEventSink (optional; event_sink.py holds the "
+    "reference).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__event_sink_c(void) {
+    PyObject *module;
     if (intern_wire_keys() < 0) return NULL;
     INTERN(K_data, "data");
     INTERN(K_window_size, "window_size");
@@ -466,8 +468,18 @@ PyMODINIT_FUNC PyInit__event_sink_c(void) {
     INTERN(K_token_id, "token_id");
     INTERN(K_block_hash, "block_hash");
     INTERN(K_parent_hash, "parent_hash");
+    INTERN(A_key, "key");
+    INTERN(A_tokens, "tokens");
+    INTERN(A_prev, "prev");
+    INTERN(A_ordinal, "ordinal");
     INTERN(S_stored, "stored");
     INTERN(S_removed, "removed");
-    INTERN(S_GPU, "GPU");
-    return PyModule_Create(&module_def);
+    if (rank_batch_ready() < 0) return NULL;
+    module = PyModule_Create(&module_def);
+    if (module == NULL) return NULL;
+    if (PyModule_AddObjectRef(module, "RankBatch", (PyObject *)&RankBatchType) < 0) {
+        Py_DECREF(module);
+        return NULL;
+    }
+    return module;
 }

@@ -104,7 +104,7 @@ static PyObject *K_type, *K_block_hashes, *K_parent_block_hash, *K_token_ids, *K
     *K_lora_id, *K_medium, *K_lora_name, *S_BlockStored, *S_BlockRemoved, *K_extra_keys,
     *K_mm_keys, *K_cache_salt;
 
-static int intern_wire_keys(void) {
+static inline int intern_wire_keys(void) {
     return ((K_type = PyUnicode_InternFromString("type")) == NULL
             || (K_block_hashes = PyUnicode_InternFromString("block_hashes")) == NULL
             || (K_parent_block_hash = PyUnicode_InternFromString("parent_block_hash")) == NULL
@@ -131,7 +131,7 @@ static inline PyObject *new_map(Py_ssize_t n) {
 }
 
 /* A BlockStored wire map, keys in the order the Python code builds them (new reference). */
-static PyObject *stored_map(PyObject *hashes, PyObject *parent, PyObject *token_ids,
+static inline PyObject *stored_map(PyObject *hashes, PyObject *parent, PyObject *token_ids,
                             PyObject *block_size, PyObject *lora_id, PyObject *medium,
                             PyObject *lora_name) {
     PyObject *ev = new_map(8);
@@ -150,7 +150,7 @@ static PyObject *stored_map(PyObject *hashes, PyObject *parent, PyObject *token_
 }
 
 /* A BlockRemoved wire map (new reference). */
-static PyObject *removed_map(PyObject *hashes, PyObject *medium) {
+static inline PyObject *removed_map(PyObject *hashes, PyObject *medium) {
     PyObject *ev = new_map(3);
     if (ev == NULL || PyDict_SetItem(ev, K_type, S_BlockRemoved) < 0
         || PyDict_SetItem(ev, K_block_hashes, hashes) < 0

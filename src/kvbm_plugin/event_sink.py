@@ -40,6 +40,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from operator import itemgetter
 from typing import Any
 
@@ -54,6 +55,12 @@ from kvbm_plugin.events import (
     to_signed_int64,
 )
 from kvbm_plugin.publisher import EventPublisher, WireEvent
+
+try:
+    from msgspec import Raw as _Raw
+    from msgspec.msgpack import decode as _decode
+except ImportError:  # pragma: no cover - msgspec is a dependency; the compiled batch needs it
+    _Raw = _decode = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +161,13 @@ def _extra_keys(block: Any) -> list[Any] | None:
     return keys or None
 
 
+def _as_maps(events: list[Any]) -> list[WireEvent]:
+    """The batch with every event as its map (the compiled batch writes the common ones as
+    their wire bytes, ``msgspec.Raw``): for an ``on_flush`` observer or a publisher that does
+    not take encoded events."""
+    return [_decode(ev) if type(ev) is _Raw else ev for ev in events]
+
+
 @dataclass
 class _Rank:
     """Per data-parallel rank: the batch being built and the hashes never published."""
@@ -180,6 +194,31 @@ class _Rank:
                 del kids[parent]
             else:
                 kids[parent] -= 1
+
+    @property
+    def pending(self) -> int:
+        """Events in the batch (any thread: reads, never changes it)."""
+        return len(self.events)
+
+    def take(self) -> list[WireEvent]:
+        """The batch, handed over; a new one starts (flush)."""
+        events = self.events
+        self.events = []
+        self.last = None
+        return events
+
+
+_native_rank_types: dict[Any, type] = {}
+
+
+def _native_rank_type(module: Any) -> type:
+    """``_Rank``'s compiled form (``RankBatch``: the open event kept as C arrays and written out
+    as wire bytes), with the methods it shares with ``_Rank``."""
+    cls = _native_rank_types.get(module)
+    if cls is None:
+        cls = _native_rank_types[module] = type(
+            "_NativeRank", (module.RankBatch,), {"__slots__": (), "unpublish": _Rank.unpublish})
+    return cls
 
 
 class KvEventSink:
@@ -232,18 +271,22 @@ class KvEventSink:
         # streams a router may read directly): see _Rank.published.
         self._prefix_closed = prefix_closed
         self._owns_publisher = owns_publisher
-        # The compiled ingest loop, when built (None: the Python loop alone).
+        # The compiled batch and ingest loop, when built (None: the Python ones alone).
         module = _native.choose("event_sink", native, "KvEventSink")
         self._native: Callable[..., tuple[Any, ...]] | None = (
             None if module is None else module.ingest_dicts)
-        # The V2 hooks' new maps: built by the compiled module out of the cyclic collector
-        # (as the compiled ingest loop's are), else by the literals in _v2_store.
-        self._v2_stored_map: Callable[[int, int | None, Any, int], WireEvent] | None = (
-            None if module is None else module.v2_stored_map)
-        self._v2_removed_map: Callable[[int], WireEvent] | None = (
-            None if module is None else module.v2_removed_map)
+        self._rank_type: Callable[[], _Rank] = (
+            _Rank if module is None else partial(_native_rank_type(module), block_size))
         self._lock = threading.Lock()
-        self._ranks: dict[int, _Rank] = {data_parallel_rank: _Rank()}
+        rs = self._rank_type()
+        self._ranks: dict[int, _Rank] = {data_parallel_rank: rs}
+        if module is not None:
+            # The V2 hooks' fast path: the compiled batch takes the common calls itself (no
+            # Python frame per block) and hands any other to the Python hook.
+            rs.fallback_store = partial(KvEventSink.add_stored_block_event_from_block, self)
+            rs.fallback_remove = partial(KvEventSink.add_removed_event, self)
+            self.add_stored_block_event_from_block = rs.v2_store  # type: ignore[method-assign]
+            self.add_removed_event = rs.v2_remove  # type: ignore[method-assign]
         # Called by flush (the flushing thread) with each rank's wire events before they are
         # published; the leader learns TRT-LLM's block hashes from it.
         self.on_flush: Callable[[int, list[WireEvent]], None] | None = None
@@ -279,13 +322,10 @@ class KvEventSink:
             # Python loop takes that one, and the compiled loop goes on after it.
             c = self._c
             rs = self._ranks[self.data_parallel_rank]
-            bs = self.block_size
             start = 0
             while True:
-                (stop, rs.last, n_in, n_stores, n_stored, n_removes,
-                 n_removed) = native(events, start, rs.events, rs.last, bs, self._window,
-                                     rs.suppressed,
-                                     rs.published if self._prefix_closed else None, rs.kids)
+                (stop, n_in, n_stores, n_stored, n_removes,
+                 n_removed) = native(events, start, rs, self._window, self._prefix_closed)
                 c["events_in"] += n_in
                 c["stores"] += n_stores
                 c["blocks_stored"] += n_stored
@@ -532,7 +572,7 @@ class KvEventSink:
                           "attention_dp_rank=%d not published: ranks above %d are refused "
                           "(unknown_dp_rank_events)", rank, self._max_dp_ranks - 1)
             return None
-        rs = self._ranks[rank] = _Rank()
+        rs = self._ranks[rank] = self._rank_type()
         return rs
 
     def _store(self, rs: _Rank, hashes: list[int], parent: int | None, tokens: list[Any],
@@ -717,21 +757,20 @@ class KvEventSink:
         publisher does.
         """
         with self._lock:
-            pending = [(rank, rs.events) for rank, rs in self._ranks.items() if rs.events]
-            for rank, _ in pending:
-                rs = self._ranks[rank]
-                rs.events = []
-                rs.last = None
+            pending = [(rank, rs.take()) for rank, rs in self._ranks.items() if rs.pending]
         ok = True
         observer = self.on_flush
         for rank, events in pending:
+            publisher = self._rank_publishers.get(rank, self._publisher)
+            if (observer is not None or not publisher.accepts_encoded_events) \
+                    and self._native is not None:
+                events = _as_maps(events)
             if observer is not None:
                 try:
                     observer(rank, events)
                 except Exception as exc:  # an observer must not cost the batch
                     self._log.log(logging.ERROR, "observer", "KvEventSink: on_flush observer "
                                   "raised %s: %s", type(exc).__name__, exc)
-            publisher = self._rank_publishers.get(rank, self._publisher)
             try:
                 published = publisher.publish(events, data_parallel_rank=rank)
             except Exception as exc:  # a transport plugin breaking the never-raise contract
@@ -769,7 +808,15 @@ class KvEventSink:
         out["batches_published"] -= later
         out["batches_lost"] += later
         # A snapshot (atomic under the GIL): ingest may add a rank on another thread meanwhile.
-        out["pending_events"] = sum(len(rs.events) for rs in list(self._ranks.values()))
+        out["pending_events"] = sum(rs.pending for rs in list(self._ranks.values()))
+        if self._native is not None:
+            # What the compiled V2 hooks took (the default rank's batch counts it).
+            blocks_stored, stores, blocks_removed, removes = \
+                self._ranks[self.data_parallel_rank].v2_counts()
+            out["blocks_stored"] += blocks_stored
+            out["stores"] += stores
+            out["blocks_removed"] += blocks_removed
+            out["removes"] += removes
         for key, value in self._publisher.stats().items():
             out[f"publisher_{key}"] = value
         return out
@@ -815,6 +862,7 @@ class KvEventSink:
         with self._lock:
             if not sizes:
                 self._routing_groups = None
+                self._routing_changed()
                 return
             target = self._configured_window
             if target is None or target not in sizes.values():
@@ -825,11 +873,19 @@ class KvEventSink:
                 target = max(sizes.values())
             self._window = target
             self._routing_groups = frozenset(g for g, w in sizes.items() if w == target)
+            self._routing_changed()
 
     def set_routing_layer_group(self, layer_group_id: int) -> None:
         """V2 hook: publish exactly this layer group."""
         with self._lock:
             self._routing_groups = frozenset((int(layer_group_id),))
+            self._routing_changed()
+
+    def _routing_changed(self) -> None:
+        """The compiled V2 hooks take calls only while every layer group is published (the
+        Python hooks filter by group)."""
+        if self._native is not None:
+            self._ranks[self.data_parallel_rank].fast_hooks = self._routing_groups is None
 
     def add_created_event(self, num_blocks_per_cache_level: Sequence[int],
                           layer_group_ids: Sequence[int] | None = None) -> None:
@@ -912,13 +968,9 @@ class KvEventSink:
             last["token_ids"].extend(tokens)
             return
         c["stores"] += 1
-        make = self._v2_stored_map
-        if make is not None:
-            last = rs.last = make(h, parent, tokens, self.block_size)
-        else:
-            last = rs.last = {"type": _STORED, "block_hashes": [h], "parent_block_hash": parent,
-                              "token_ids": list(tokens), "block_size": self.block_size,
-                              "lora_id": None, "medium": MEDIUM_GPU, "lora_name": None}
+        last = rs.last = {"type": _STORED, "block_hashes": [h], "parent_block_hash": parent,
+                          "token_ids": list(tokens), "block_size": self.block_size,
+                          "lora_id": None, "medium": MEDIUM_GPU, "lora_name": None}
         rs.events.append(last)
 
     def add_stored_event(self, parent_hash: Any, blocks: Sequence[Any],
@@ -970,10 +1022,8 @@ class KvEventSink:
                         last["block_hashes"].append(h)
                     else:
                         c["removes"] += 1
-                        make = self._v2_removed_map
-                        last = rs.last = (make(h) if make is not None else
-                                          {"type": _REMOVED, "block_hashes": [h],
-                                           "medium": MEDIUM_GPU})
+                        last = rs.last = {"type": _REMOVED, "block_hashes": [h],
+                                          "medium": MEDIUM_GPU}
                         rs.events.append(last)
                     return
                 block_hashes = (block_hashes,)

@@ -181,6 +181,11 @@ def payload_encoder() -> Callable[[Any], bytes]:
     return msgpack.Packer(use_bin_type=True).pack
 
 
+def payload_encoder_takes_raw() -> bool:
+    """Whether :func:`payload_encoder` writes a ``msgspec.Raw`` item's bytes as they are."""
+    return _msgspec is not None
+
+
 _encode = payload_encoder()
 
 

@@ -40,7 +40,7 @@ from kvbm_plugin.consolidator_config import (
     Endpoint,
     PublisherSettings,
 )
-from kvbm_plugin.events import payload_encoder
+from kvbm_plugin.events import payload_encoder, payload_encoder_takes_raw
 from kvbm_plugin.publisher_base import EventPublisher, WireEvent  # re-exported
 from kvbm_plugin.registry import PUBLISHERS_GROUP, get_plugin
 
@@ -101,6 +101,8 @@ def gil_holding_sender(sock: zmq.Socket) -> Callable[[bytes, bytes, bytes], None
 
 class NullEventPublisher(EventPublisher):
     """Accepts and discards every batch (events disabled); still counts them."""
+
+    accepts_encoded_events = True  # counts events, never reads them
 
     def __init__(self, settings: PublisherSettings, endpoint: Endpoint | None = None,
                  replay_endpoint: Endpoint | None = None, data_parallel_rank: int = 0) -> None:
@@ -204,6 +206,8 @@ class ZmqEventPublisher(EventPublisher):
         self._context = context
         self._linger_ms = linger_ms
         self._encoder = encoder
+        # msgspec (the default encoder) writes a msgspec.Raw event's bytes as they are.
+        self.accepts_encoded_events = encoder is None and payload_encoder_takes_raw()
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_steps)
         self._seq = itertools.count()  # next() is atomic under the GIL: seq reserved at accept

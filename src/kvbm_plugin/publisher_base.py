@@ -26,7 +26,15 @@ class EventPublisher(ABC):
     """Publishes batches of wire-form events; one instance per stream.
 
     Constructed by the leader (GPU tier: one per rank; consolidated output: one per leader).
+
+    ``accepts_encoded_events``: whether ``publish`` may be handed events already encoded, as
+    ``msgspec.Raw`` items holding an event's msgpack bytes (the event sink's compiled batch
+    writes the common events that way). A publisher that encodes the batch with msgspec, or
+    only counts it, can take them as they are; for any other (the default) the sink hands over
+    every event as its map.
     """
+
+    accepts_encoded_events: bool = False
 
     def __init__(self, settings: PublisherSettings, endpoint: Endpoint | None = None,
                  replay_endpoint: Endpoint | None = None, data_parallel_rank: int = 0) -> None:
