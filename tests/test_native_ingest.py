@@ -15,7 +15,6 @@ from types import MappingProxyType, SimpleNamespace
 from typing import Any
 
 import msgpack
-import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -23,7 +22,13 @@ from hypothesis import strategies as st
 from kvbm_plugin import _native
 from kvbm_plugin.consolidator_config import NATIVE, ConfigError, PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink, radix_key_hash
-from kvbm_plugin.events import MAX_DP_RANKS, WireFormatError, encode_payload
+from kvbm_plugin.events import (
+    MAX_DP_RANKS,
+    EncodedEvents,
+    WireFormatError,
+    encode_payload,
+    events_as_maps,
+)
 from kvbm_plugin.publisher import EventPublisher
 
 BS = 2  # block size: small, so partial and oversized blocks are easy to draw
@@ -35,9 +40,9 @@ VALID = [0, 1, 2, 3, 5, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, "80" * 32]
 class Recorder(EventPublisher):
     """Keeps each batch as the bytes the real encoder makes of it (fixed timestamp).
 
-    It takes encoded events (``msgspec.Raw``, written by the compiled batch) as the ZMQ
+    It takes encoded batches (``EncodedEvents`` runs, written by the compiled batch) as the ZMQ
     publisher does, so the payloads compared hold the compiled writer's own bytes, and keeps
-    each batch as maps (the Raw items decoded) for the tests that read it.
+    each batch as maps (the runs decoded) for the tests that read it.
     """
 
     accepts_encoded_events = True
@@ -46,13 +51,12 @@ class Recorder(EventPublisher):
         super().__init__(PublisherSettings())
         self.payloads: list[bytes] = []
         self.batches: list[list[dict[str, Any]]] = []
-        self.items: list[list[Any]] = []  # as handed over: maps and msgspec.Raw
+        self.items: list[list[Any]] = []  # as handed over: maps and EncodedEvents runs
 
     def publish(self, events: Sequence[dict[str, Any]], data_parallel_rank: int | None = None
                 ) -> bool:
         self.items.append(list(events))
-        self.batches.append([msgspec.msgpack.decode(e) if type(e) is msgspec.Raw else e
-                             for e in events])
+        self.batches.append(events_as_maps(events))
         self.payloads.append(encode_payload(1.0, events, data_parallel_rank or 0))
         return True
 
@@ -305,10 +309,10 @@ def test_the_compiled_writer_writes_every_int_form_as_msgspec_does() -> None:
 
 @needs_native
 def test_compiled_batches_hold_wire_bytes_out_of_the_cyclic_collector() -> None:
-    """The compiled batch writes the events it takes as their wire bytes (msgspec.Raw, no
-    Python object per token, nothing for the cyclic collector to traverse while the batch
-    waits for the publisher thread), the same bytes as the Python loop's maps; a publisher
-    that does not take encoded events gets the maps."""
+    """The compiled batch writes the events it takes as their wire bytes, one run of them
+    (``EncodedEvents``: no Python object per event or token, nothing for the cyclic collector
+    to traverse while the batch waits to be sent), the same bytes as the Python loop's maps;
+    a publisher that does not take encoded batches gets the maps."""
     events = [{"event_id": 0, "window_size": 64, "data": {
         "type": "stored", "parent_hash": None,
         "blocks": [{"block_hash": 1, "tokens": [{"token_id": 1}, {"token_id": 2}]}]}},
@@ -320,11 +324,12 @@ def test_compiled_batches_hold_wire_bytes_out_of_the_cyclic_collector() -> None:
         sink.ingest([dict(e) for e in events])  # the first teaches the window (Python loop)
         sink.ingest(events)
         sink.flush()
-        late = rec.items[0][2:]
-        assert len(late) == 2
-        for ev in late:
-            assert type(ev) is (msgspec.Raw if native else dict)
-            assert not gc.is_tracked(ev) if native else gc.is_tracked(ev)
+        items = rec.items[0]
+        if native:  # the first store went to the Python loop (it taught the window)
+            assert [type(ev) for ev in items] == [dict, EncodedEvents]
+            assert items[1].count == 3 and not gc.is_tracked(items[1])
+        else:
+            assert [type(ev) for ev in items] == [dict] * 4
         out[native] = rec.payloads
     assert out[True] == out[False]
     plain = SimpleNamespace(batches=[])
@@ -450,7 +455,7 @@ def test_compiled_v2_hooks_write_wire_bytes_and_coalesce() -> None:
     sink.add_removed_event(b.key)
     sink.add_removed_event(a.key)
     sink.flush_iteration_events()
-    assert [type(e) for e in rec.items[0]] == [msgspec.Raw, msgspec.Raw]
+    assert [(type(e), e.count) for e in rec.items[0]] == [(EncodedEvents, 2)]
     h1, h2 = radix_key_hash(a.key), radix_key_hash(b.key)
     assert rec.batches == [[
         {"type": "BlockStored", "block_hashes": [h1, h2], "parent_block_hash": None,

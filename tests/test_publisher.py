@@ -1,4 +1,8 @@
-"""ZmqEventPublisher: framing, seq continuity and gaps, replay, teardown, rebinding."""
+"""ZmqEventPublisher: framing, seq continuity and gaps, replay, teardown, rebinding.
+
+Every test runs with the publisher sending on the caller's thread (the default) and with its
+publisher thread (``sends="thread"``), unless it names the mode it is about.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from kvbm_plugin.consolidator_config import (
     load_consolidator_config,
     parse_endpoint,
 )
+from kvbm_plugin import publisher as publisher_module
 from kvbm_plugin.events import END_SEQ
 from kvbm_plugin.publisher import (
     ZmqEventPublisher,
@@ -26,6 +31,15 @@ from kvbm_plugin.publisher import (
     gil_holding_sender,
     parse_replay_request,
 )
+
+
+@pytest.fixture(autouse=True, params=["caller", "thread"])
+def sends(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The publisher's default ``sends`` mode for the test."""
+    defaults = ZmqEventPublisher.__init__.__kwdefaults__
+    assert defaults is not None
+    monkeypatch.setitem(defaults, "sends", request.param)
+    return str(request.param)
 
 
 def removed(*hashes: int) -> dict[str, Any]:
@@ -127,7 +141,8 @@ def test_queue_full_loses_visibly_and_never_blocks(ctx, tcp, publishers) -> None
         import msgspec
         return msgspec.msgpack.encode(obj)
 
-    pub = ZmqEventPublisher(PublisherSettings(max_queue_size=1), tcp[0], encoder=stalled_encoder)
+    pub = ZmqEventPublisher(PublisherSettings(max_queue_size=1), tcp[0], encoder=stalled_encoder,
+                            sends="thread")
     publishers.append(pub)
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
@@ -416,7 +431,7 @@ def test_sink_counts_a_batch_the_publisher_thread_lost_as_lost(tcp, publishers,
     def broken(obj: Any) -> bytes:
         raise TypeError("cannot encode")
 
-    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], encoder=broken)
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], encoder=broken, sends="thread")
     publishers.append(pub)
     sink = KvEventSink(pub, block_size=1)
     sink.ingest([{"event_id": 0, "window_size": 64,
@@ -555,7 +570,7 @@ def _thread_cpu(thread: threading.Thread) -> float:
 def test_idle_thread_sleeps_until_publish_wakes_it(ctx, tcp, publishers) -> None:
     """Idle, the publisher thread sleeps with no timeout (no wake-ups, no CPU); the first batch
     after that wakes it and is sent; a replay request wakes it too."""
-    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1])
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], sends="thread")
     publishers.append(pub)
     sub, seen = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
     wait_until(lambda: pub._asleep, what="publisher thread asleep")
@@ -578,10 +593,101 @@ def test_idle_thread_sleeps_until_publish_wakes_it(ctx, tcp, publishers) -> None
 
 
 def test_shutdown_wakes_a_sleeping_thread_promptly(tcp) -> None:
-    pub = ZmqEventPublisher(PublisherSettings(), tcp[0])
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], sends="thread")
     wait_until(lambda: pub._asleep, what="publisher thread asleep")
     t = time.monotonic()
     pub.shutdown(5.0)
     assert not pub._thread.is_alive()
     assert time.monotonic() - t < 2.0  # not the join timeout
     assert pub._wake_r == pub._wake_w == -1
+
+
+def _threads(prefix: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+def test_caller_sends_publish_on_the_callers_thread_and_a_replay_thread_answers(
+        ctx, tcp, publishers) -> None:
+    """``sends="caller"``: no publisher thread; the batch is on the wire when ``publish``
+    returns; a replay thread (only with a replay endpoint) answers from the buffer."""
+    before = set(_threads("kvbm-zmq-"))
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], data_parallel_rank=5,
+                            sends="caller")
+    publishers.append(pub)
+    started = set(_threads("kvbm-zmq-")) - before
+    assert [t.name for t in started] == ["kvbm-zmq-replay-dp5"]
+    sub, seen = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
+    sent_by: list[str] = []
+    real = pub._send_batch
+
+    def spy(*args: Any) -> bool:
+        sent_by.append(threading.current_thread().name)
+        return real(*args)
+
+    pub._send_batch = spy  # type: ignore[method-assign]
+    assert pub.publish([removed(7)])
+    assert sent_by == [threading.current_thread().name]
+    frames = recv(sub)
+    assert [ev.block_hashes for ev in decode(frames[2]).events] == [[7]]
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(tcp[1].connect)
+    dealer.send_multipart([seq_of(frames).to_bytes(8, "big")])
+    assert recv(dealer)[1:] == frames[1:]
+    assert recv(dealer) == [b"", END_SEQ, b""]
+    pub.shutdown(2.0)
+    assert not (set(_threads("kvbm-zmq-")) - before)
+    assert not pub.publish([removed(8)])
+    assert pub.stats()["lost_closed"] == 1
+
+
+def test_caller_sends_without_a_replay_endpoint_start_no_thread(tcp, publishers) -> None:
+    before = set(_threads("kvbm-zmq-"))
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], sends="caller")
+    publishers.append(pub)
+    assert not (set(_threads("kvbm-zmq-")) - before)
+    assert pub.publish([removed(1)])
+    assert pub.stats()["batches_published"] == 1
+
+
+def test_caller_sends_fall_back_to_the_thread_without_a_gil_holding_send(
+        tcp, publishers, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where libzmq cannot be called keeping the GIL, pyzmq's send would let the executor
+    thread wait for the GIL: the publisher uses its thread instead."""
+    monkeypatch.setattr(publisher_module, "_libzmq_send_functions", lambda: None)
+    before = set(_threads("kvbm-zmq-"))
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], data_parallel_rank=3, sends="caller")
+    publishers.append(pub)
+    assert [t.name for t in set(_threads("kvbm-zmq-")) - before] == ["kvbm-zmq-publisher-dp3"]
+    assert pub.publish([removed(1)])
+    wait_until(lambda: pub.stats()["batches_published"] == 1, what="batch sent by the thread")
+
+
+def test_caller_sends_from_several_threads_keep_seq_and_lose_nothing(ctx, tcp,
+                                                                     publishers) -> None:
+    """Callers on different threads (the executor thread's flush, tier events from another
+    thread): one send at a time, every seq once, every batch delivered."""
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], sends="caller")
+    publishers.append(pub)
+    sub, seen = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
+    first = seq_of(seen[-1]) + 1
+    per_thread, n_threads = 300, 4
+
+    def burst(base: int) -> None:
+        for i in range(per_thread):
+            assert pub.publish([removed(base + i)])
+
+    threads = [threading.Thread(target=burst, args=(k * 1000,)) for k in range(n_threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    got = [recv(sub) for _ in range(per_thread * n_threads)]
+    assert sorted(seq_of(f) for f in got) == list(range(first, first + per_thread * n_threads))
+    hashes = sorted(decode(f[2]).events[0].block_hashes[0] for f in got)
+    assert hashes == sorted(k * 1000 + i for k in range(n_threads) for i in range(per_thread))
+
+
+def test_sends_mode_is_checked(tcp) -> None:
+    with pytest.raises(ConfigError, match="sends='later'"):
+        ZmqEventPublisher(PublisherSettings(), tcp[0], sends="later")

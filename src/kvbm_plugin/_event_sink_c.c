@@ -271,7 +271,7 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
     if (!PyArg_ParseTuple(args, "O!nO!Op", &PyList_Type, &events, &start, &RankBatchType,
                           &rb, &window, &closed))
         return NULL;
-    if (!PyDict_CheckExact(rb->suppressed) || !PyList_CheckExact(rb->events)
+    if (!PyDict_CheckExact(rb->suppressed) || !PyList_Check(rb->events)
         || (rb->last != Py_None && !PyDict_CheckExact(rb->last))
         || (closed && (!PyDict_CheckExact(rb->published) || !PyDict_CheckExact(rb->kids)))) {
         PyErr_SetString(PyExc_TypeError, "ingest_dicts: the rank's batch state was replaced");

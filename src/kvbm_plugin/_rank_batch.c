@@ -16,7 +16,7 @@
 #include <structmember.h>
 
 static PyObject *S_GPU;
-static PyObject *RawType; /* msgspec.Raw */
+static PyObject *EncodedEventsType, *EncodedBatchType; /* from kvbm_plugin.events */
 
 /* ---- msgpack writer (the forms msgspec writes: smallest int form, fixstr keys) ------------ */
 
@@ -103,15 +103,15 @@ int rb_grow(void **buf, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
     return 0;
 }
 
-/* The open event's wire bytes: the msgpack of the map the Python code builds for it. */
-static PyObject *encode_open(RankBatch *rb) {
-    Py_ssize_t nh = rb->n_hashes, nt = rb->n_tokens, bound, j;
-    PyObject *bytes;
-    unsigned char *p, *start;
-    bound = 160 + 9 * nh + 5 * nt;
-    bytes = PyBytes_FromStringAndSize(NULL, bound);
-    if (bytes == NULL) return NULL;
-    start = p = (unsigned char *)PyBytes_AS_STRING(bytes);
+/* Write the open event out, as the msgpack of the map the Python code builds for it, at the
+ * end of the run of encoded events. */
+static int seal_run(RankBatch *rb) {
+    Py_ssize_t nh = rb->n_hashes, nt = rb->n_tokens, j;
+    unsigned char *p;
+    if (rb->open == OPEN_NONE) return 0;
+    if (rb_grow((void **)&rb->run, &rb->cap_run, rb->n_run + 160 + 9 * nh + 5 * nt, 1) < 0)
+        return -1;
+    p = (unsigned char *)rb->run + rb->n_run;
     if (rb->open == OPEN_STORED) {
         *p++ = 0x88;
         W_STR(p, "type"); W_STR(p, "BlockStored");
@@ -138,8 +138,28 @@ static PyObject *encode_open(RankBatch *rb) {
         for (j = 0; j < nh; j++) p = w_int(p, rb->hashes[j]);
         W_STR(p, "medium"); W_STR(p, "GPU");
     }
-    if (_PyBytes_Resize(&bytes, p - start) < 0) return NULL;
-    return bytes;
+    rb->n_run = (Py_ssize_t)(p - (unsigned char *)rb->run);
+    rb->run_events += 1;
+    rb->open = OPEN_NONE;
+    return 0;
+}
+
+/* Append the run of encoded events to the batch as one EncodedEvents item. */
+static int flush_run(RankBatch *rb) {
+    PyObject *data, *item;
+    int r;
+    if (rb->run_events == 0) return 0;
+    data = PyBytes_FromStringAndSize(rb->run, rb->n_run);
+    if (data == NULL) return -1;
+    item = PyObject_CallFunction(EncodedEventsType, "Nn", data, rb->run_events);
+    if (item == NULL) return -1;
+    /* A tuple of bytes and int: no cycle through it, nothing for the collector to visit. */
+    if (PyObject_GC_IsTracked(item)) PyObject_GC_UnTrack(item);
+    r = PyList_Append(rb->events, item);
+    Py_DECREF(item);
+    if (r < 0) return -1;
+    rb->n_run = rb->run_events = 0;
+    return 0;
 }
 
 /* The open event as the map the Python code builds (new reference, untracked: it holds only
@@ -180,27 +200,11 @@ done:
     return ev;
 }
 
-/* Write the open event out as wire bytes at the end of the batch. */
-static int seal_raw(RankBatch *rb) {
-    PyObject *bytes, *raw;
-    int r;
-    if (rb->open == OPEN_NONE) return 0;
-    bytes = encode_open(rb);
-    if (bytes == NULL) return -1;
-    raw = PyObject_CallOneArg(RawType, bytes);
-    Py_DECREF(bytes);
-    if (raw == NULL) return -1;
-    r = PyList_Append(rb->events, raw);
-    Py_DECREF(raw);
-    if (r < 0) return -1;
-    rb->open = OPEN_NONE;
-    return 0;
-}
-
 /* Turn the open event into its map at the end of the batch, as ``last``: the Python code is
  * about to read or extend the batch. */
 static int seal_map(RankBatch *rb) {
     PyObject *ev;
+    if (flush_run(rb) < 0) return -1;
     if (rb->open == OPEN_NONE) return 0;
     ev = open_as_map(rb);
     if (ev == NULL || PyList_Append(rb->events, ev) < 0) {
@@ -214,7 +218,7 @@ static int seal_map(RankBatch *rb) {
 
 /* Start a new open event of ``kind`` after the current one (written out) and ``last``. */
 static int open_event(RankBatch *rb, int kind) {
-    if (seal_raw(rb) < 0) return -1;
+    if (seal_run(rb) < 0) return -1;
     Py_SETREF(rb->last, Py_NewRef(Py_None));
     rb->open = kind;
     rb->n_hashes = rb->n_tokens = 0;
@@ -333,7 +337,7 @@ static int RankBatch_init(RankBatch *rb, PyObject *args, PyObject *kwds) {
     PyMem_Free(rb->scratch);
     rb->scratch = NULL; /* allocated at the first store taken */
     rb->cap_scratch = 0;
-    Py_XSETREF(rb->events, PyList_New(0));
+    Py_XSETREF(rb->events, PyObject_CallNoArgs(EncodedBatchType));
     Py_XSETREF(rb->last, Py_NewRef(Py_None));
     Py_XSETREF(rb->suppressed, PyDict_New());
     Py_XSETREF(rb->live, PyDict_New());
@@ -382,6 +386,7 @@ static void RankBatch_dealloc(RankBatch *rb) {
     PyMem_Free(rb->hashes);
     PyMem_Free(rb->tokens);
     PyMem_Free(rb->scratch);
+    PyMem_Free(rb->run);
     Py_TYPE(rb)->tp_free((PyObject *)rb);
 }
 
@@ -392,7 +397,7 @@ static PyObject *RankBatch_get_events(RankBatch *rb, void *closure) {
 }
 
 static int RankBatch_set_events(RankBatch *rb, PyObject *value, void *closure) {
-    if (value == NULL || !PyList_CheckExact(value)) {
+    if (value == NULL || !PyList_Check(value)) {
         PyErr_SetString(PyExc_TypeError, "RankBatch.events must be a list");
         return -1;
     }
@@ -417,13 +422,14 @@ static int RankBatch_set_last(RankBatch *rb, PyObject *value, void *closure) {
 }
 
 static PyObject *RankBatch_get_pending(RankBatch *rb, void *closure) {
-    return PyLong_FromSsize_t(PyList_GET_SIZE(rb->events) + (rb->open != OPEN_NONE));
+    return PyLong_FromSsize_t(PyList_GET_SIZE(rb->events) + rb->run_events
+                              + (rb->open != OPEN_NONE));
 }
 
 static PyObject *RankBatch_take(RankBatch *rb, PyObject *unused) {
-    PyObject *fresh = PyList_New(0), *out;
+    PyObject *fresh = PyObject_CallNoArgs(EncodedBatchType), *out;
     if (fresh == NULL) return NULL;
-    if (seal_raw(rb) < 0) { Py_DECREF(fresh); return NULL; }
+    if (seal_run(rb) < 0 || flush_run(rb) < 0) { Py_DECREF(fresh); return NULL; }
     out = rb->events;
     rb->events = fresh;
     Py_SETREF(rb->last, Py_NewRef(Py_None));
@@ -437,7 +443,8 @@ static PyObject *RankBatch_v2_counts(RankBatch *rb, PyObject *unused) {
 
 static PyMethodDef RankBatch_methods[] = {
     {"take", (PyCFunction)RankBatch_take, METH_NOARGS,
-     "take() -> list: the batch (the open event written out as wire bytes); a new one starts."},
+     "take() -> EncodedBatch: the batch, every event the compiled code took written out as\n"
+     "wire bytes (EncodedEvents runs); a new batch starts."},
     {"v2_store", (PyCFunction)RankBatch_v2_store, METH_O,
      "v2_store(block): V2 hook add_stored_block_event_from_block, fast path."},
     {"v2_remove", (PyCFunction)RankBatch_v2_remove, METH_O,
@@ -486,13 +493,15 @@ PyTypeObject RankBatchType = {
 };
 
 int rank_batch_ready(void) {
-    PyObject *msgspec;
+    PyObject *events;
     if (intern_wire_keys() < 0 || (S_GPU = PyUnicode_InternFromString("GPU")) == NULL)
         return -1;
-    msgspec = PyImport_ImportModule("msgspec");
-    if (msgspec == NULL) return -1;
-    RawType = PyObject_GetAttrString(msgspec, "Raw");
-    Py_DECREF(msgspec);
-    if (RawType == NULL) return -1;
+    events = PyImport_ImportModule("kvbm_plugin.events");
+    if (events == NULL) return -1;
+    EncodedEventsType = PyObject_GetAttrString(events, "EncodedEvents");
+    EncodedBatchType = EncodedEventsType == NULL ? NULL
+                       : PyObject_GetAttrString(events, "EncodedBatch");
+    Py_DECREF(events);
+    if (EncodedBatchType == NULL) return -1;
     return PyType_Ready(&RankBatchType);
 }

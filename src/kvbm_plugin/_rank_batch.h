@@ -32,6 +32,9 @@ typedef struct {
     uint32_t *tokens, *scratch; /* scratch: one block's token ids, read before they count */
     Py_ssize_t cap_scratch;
     Py_ssize_t n_tokens, cap_tokens;
+    /* Events written out since the batch's last item, encoded one after another. */
+    char *run;
+    Py_ssize_t n_run, cap_run, run_events;
     /* What the V2 fast path took (the sink adds them to its counters). */
     long long v2_blocks_stored, v2_stores, v2_blocks_removed, v2_removes;
 } RankBatch;

@@ -52,15 +52,10 @@ from kvbm_plugin.events import (
     MEDIUM_GPU,
     U32_MAX,
     WireFormatError,
+    events_as_maps,
     to_signed_int64,
 )
 from kvbm_plugin.publisher import EventPublisher, WireEvent
-
-try:
-    from msgspec import Raw as _Raw
-    from msgspec.msgpack import decode as _decode
-except ImportError:  # pragma: no cover - msgspec is a dependency; the compiled batch needs it
-    _Raw = _decode = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger(__name__)
 
@@ -159,13 +154,6 @@ def _extra_keys(block: Any) -> list[Any] | None:
     if salt is not None:
         keys.append(salt_extra_key(salt))
     return keys or None
-
-
-def _as_maps(events: list[Any]) -> list[WireEvent]:
-    """The batch with every event as its map (the compiled batch writes the common ones as
-    their wire bytes, ``msgspec.Raw``): for an ``on_flush`` observer or a publisher that does
-    not take encoded events."""
-    return [_decode(ev) if type(ev) is _Raw else ev for ev in events]
 
 
 @dataclass
@@ -764,7 +752,7 @@ class KvEventSink:
             publisher = self._rank_publishers.get(rank, self._publisher)
             if (observer is not None or not publisher.accepts_encoded_events) \
                     and self._native is not None:
-                events = _as_maps(events)
+                events = events_as_maps(events)
             if observer is not None:
                 try:
                     observer(rank, events)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -181,17 +181,84 @@ def payload_encoder() -> Callable[[Any], bytes]:
     return msgpack.Packer(use_bin_type=True).pack
 
 
-def payload_encoder_takes_raw() -> bool:
-    """Whether :func:`payload_encoder` writes a ``msgspec.Raw`` item's bytes as they are."""
-    return _msgspec is not None
+class EncodedEvents(NamedTuple):
+    """``count`` consecutive wire events already encoded: ``data`` holds their msgpack maps one
+    after another, the bytes msgspec makes of each map. The event sink's compiled batch writes
+    the events it takes this way (no Python object per event or token); it appears only in an
+    :class:`EncodedBatch`."""
+
+    data: bytes
+    count: int
+
+
+class EncodedBatch(list):  # type: ignore[type-arg]
+    """A batch of wire events that may hold :class:`EncodedEvents` runs among its maps (the
+    event sink's compiled batch). Only a publisher with ``accepts_encoded_events`` is handed
+    one; :func:`batch_payload`, :func:`event_count` and :func:`events_as_maps` read it."""
+
+    __slots__ = ()
+
+
+def _array_header(n: int) -> bytes:
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 1 << 16:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def event_count(events: Sequence[Any]) -> int:
+    """Events in a batch (an :class:`EncodedEvents` run counts its events)."""
+    if type(events) is not EncodedBatch:
+        return len(events)
+    return sum(item.count if type(item) is EncodedEvents else 1 for item in events)
+
+
+def events_as_maps(events: Sequence[Any]) -> list[dict[str, Any]]:
+    """The batch with every event as its map (the encoded runs decoded)."""
+    if type(events) is not EncodedBatch:
+        return list(events)
+    out: list[dict[str, Any]] = []
+    for item in events:
+        if type(item) is EncodedEvents:
+            out.extend(_decode_maps(_array_header(item.count) + item.data))
+        else:
+            out.append(item)
+    return out
+
+
+def batch_payload(encode: Callable[[Any], bytes], ts: float, events: Sequence[Any],
+                  dp_rank: int) -> bytes:
+    """msgpack ``[ts, events, dp_rank]``, with ``encode`` (see :func:`payload_encoder`) for
+    the parts not yet encoded: an :class:`EncodedBatch`'s runs are copied as they are, the
+    same bytes as encoding their maps."""
+    if type(events) is not EncodedBatch:
+        return encode([ts, events, dp_rank])
+    parts = [b"\x93", encode(ts), b""]
+    n = 0
+    for item in events:
+        if type(item) is EncodedEvents:
+            parts.append(item.data)
+            n += item.count
+        else:
+            parts.append(encode(item))
+            n += 1
+    parts[2] = _array_header(n)
+    parts.append(encode(dp_rank))
+    return b"".join(parts)
 
 
 _encode = payload_encoder()
+_decode_maps: Callable[[bytes], list[dict[str, Any]]] = (
+    _msgspec.msgpack.decode if _msgspec is not None
+    else lambda data: msgpack.unpackb(data, raw=False))
 
 
-def encode_payload(ts: float, events: Sequence[dict[str, Any]], dp_rank: int) -> bytes:
-    """msgpack ``[ts, events, dp_rank]`` for events already in wire (map) form."""
-    return _encode([ts, list(events), dp_rank])
+def encode_payload(ts: float, events: Sequence[Any], dp_rank: int) -> bytes:
+    """msgpack ``[ts, events, dp_rank]`` for events already in wire form (maps, or an
+    :class:`EncodedBatch`)."""
+    return batch_payload(_encode, ts, events if type(events) is EncodedBatch else list(events),
+                         dp_rank)
 
 
 def encode_batch(topic: bytes, seq: int, ts: float, events: Sequence[KvEvent],

@@ -40,7 +40,13 @@ from kvbm_plugin.consolidator_config import (
     Endpoint,
     PublisherSettings,
 )
-from kvbm_plugin.events import payload_encoder, payload_encoder_takes_raw
+from kvbm_plugin.events import (
+    EncodedBatch,
+    EncodedEvents,
+    batch_payload,
+    event_count,
+    payload_encoder,
+)
 from kvbm_plugin.publisher_base import EventPublisher, WireEvent  # re-exported
 from kvbm_plugin.registry import PUBLISHERS_GROUP, get_plugin
 
@@ -64,30 +70,11 @@ def gil_holding_sender(sock: zmq.Socket) -> Callable[[bytes, bytes, bytes], None
     is linked statically into pyzmq or not on Linux. Only for sockets used by one thread; the
     socket must stay open while the sender is used. Errors raise :class:`zmq.ZMQError`.
     """
-    try:
-        handle = sock.underlying
-        paths = set()
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                path = line.rsplit(None, 1)[-1] if "/" in line else ""
-                if re.search(r"/libzmq[^/]*\.so", path) and os.path.exists(path):
-                    paths.add(path)
-        if len(paths) != 1:
-            return None
-        lib = ctypes.PyDLL(paths.pop())
-        major, minor, patch = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-        lib.zmq_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(patch))
-        if (major.value, minor.value, patch.value) != zmq.zmq_version_info():
-            return None
-        zmq_send = lib.zmq_send
-        zmq_send.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_int]
-        zmq_send.restype = ctypes.c_int
-        zmq_errno = lib.zmq_errno
-        zmq_errno.argtypes = []
-        zmq_errno.restype = ctypes.c_int
-    except (OSError, AttributeError, ValueError, TypeError):
+    functions = _libzmq_send_functions()
+    if functions is None:
         return None
-
+    zmq_send, zmq_errno = functions
+    handle = sock.underlying
     more, last = _SNDMORE_NOBLOCK, zmq.NOBLOCK
 
     def send(topic: bytes, seq: bytes, payload: bytes) -> None:
@@ -97,6 +84,41 @@ def gil_holding_sender(sock: zmq.Socket) -> Callable[[bytes, bytes, bytes], None
             raise zmq.ZMQError(zmq_errno())
 
     return send
+
+
+_libzmq: list[tuple[Any, Any] | None] = []  # found once per process
+
+
+def _libzmq_send_functions() -> tuple[Any, Any] | None:
+    """``(zmq_send, zmq_errno)`` of the libzmq pyzmq loaded, through ``ctypes.PyDLL`` (calls
+    keep the GIL), or None when that library cannot be identified unambiguously."""
+    if _libzmq:
+        return _libzmq[0]
+    found: tuple[Any, Any] | None = None
+    try:
+        paths = set()
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            for line in maps:
+                path = line.rsplit(None, 1)[-1] if "/" in line else ""
+                if re.search(r"/libzmq[^/]*\.so", path) and os.path.exists(path):
+                    paths.add(path)
+        if len(paths) == 1:
+            lib = ctypes.PyDLL(paths.pop())
+            major, minor, patch = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+            lib.zmq_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(patch))
+            if (major.value, minor.value, patch.value) == zmq.zmq_version_info():
+                zmq_send = lib.zmq_send
+                zmq_send.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                                     ctypes.c_int]
+                zmq_send.restype = ctypes.c_int
+                zmq_errno = lib.zmq_errno
+                zmq_errno.argtypes = []
+                zmq_errno.restype = ctypes.c_int
+                found = (zmq_send, zmq_errno)
+    except (OSError, AttributeError, ValueError, TypeError):
+        found = None
+    _libzmq.append(found)
+    return found
 
 
 class NullEventPublisher(EventPublisher):
@@ -112,7 +134,7 @@ class NullEventPublisher(EventPublisher):
 
     def publish(self, events: Sequence[WireEvent], data_parallel_rank: int | None = None) -> bool:
         self._batches += 1
-        self._events += len(events)
+        self._events += event_count(events)
         return True
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -123,21 +145,34 @@ class NullEventPublisher(EventPublisher):
 
 
 class ZmqEventPublisher(EventPublisher):
-    """ZMQ PUB (+ optional replay ROUTER) fed by one background thread.
+    """ZMQ PUB (+ optional replay ROUTER).
 
     Wire: every batch is three frames ``[topic, seq (u64 big-endian, +1 per batch from 0),
     payload]``, payload msgpack ``[ts, events, data_parallel_rank]`` (see :mod:`events`).
 
-    Threads and ownership:
+    Threads and ownership (``sends``):
 
-    - ``publish`` runs on the caller's thread (TensorRT-LLM's executor thread for the GPU tier,
-      the consolidator's thread for the consolidated stream). It reserves the batch's seq, then
-      ``put_nowait``s it into a bounded queue; it never waits on I/O or on a full queue.
-    - One daemon thread creates, binds, uses and closes both sockets: it encodes each batch,
-      sends it, keeps it in the bounded replay buffer and answers replay requests.
-      Live sends keep the GIL (see :func:`gil_holding_sender`): with pyzmq's GIL-releasing
-      send, each frame made the thread wait up to a switch interval (5 ms) to get the GIL
-      back from a busy executor thread, and the queue backed up.
+    - ``"caller"`` (the default): ``publish`` runs on the caller's thread (TensorRT-LLM's
+      executor thread for the GPU tier) and there builds the payload (the event sink's
+      compiled batch hands it already encoded, so this is mostly a copy) and hands it to ZMQ
+      with a non-blocking send that keeps the GIL (:func:`gil_holding_sender`): ZMQ queues it
+      for its own I/O thread, which does the socket I/O; a PUB socket drops at its high-water
+      mark rather than wait, so the call never waits. A lock serialises callers on different
+      threads (the socket is single-threaded); it is held only across that non-blocking
+      hand-off. Replay requests are answered by a background thread that owns the ROUTER and
+      reads a snapshot of the replay buffer. Why: a hand-off to a publisher thread cost more
+      than the send itself. That thread sleeps between engine iterations, and waking it for
+      each batch cost ~70-150 us of CPU per batch here (cold caches after the pause), against
+      ~20 us for building and sending the batch on the executor thread, whose caches are warm
+      (``benchmarks/bench_event_sink.py``). Where the GIL-holding send is unavailable (libzmq
+      not identifiable), ``"caller"`` falls back to ``"thread"``: pyzmq's own send releases
+      the GIL, and getting it back could make the executor thread wait a switch interval.
+    - ``"thread"``: ``publish`` reserves the batch's seq, then ``put_nowait``s it into a bounded
+      queue; one daemon thread creates, binds, uses and closes both sockets: it encodes each
+      batch, sends it, keeps it in the bounded replay buffer and answers replay requests.
+      Live sends keep the GIL there too: with pyzmq's GIL-releasing send, each frame made the
+      thread wait up to a switch interval (5 ms) to get the GIL back from a busy executor
+      thread, and the queue backed up.
     - A batch lost anywhere (queue full, encode error, send error, publisher closed) keeps its
       reserved seq, so every consumer sees a gap; each loss is counted and logged rate-limited.
 
@@ -178,7 +213,7 @@ class ZmqEventPublisher(EventPublisher):
                  start_timeout: float = 10.0,
                  encoder: Callable[[Any], bytes] | None = None,
                  poll_interval: float = 0.001, inline: bool = False,
-                 replay_stall_s: float = 2.0) -> None:
+                 replay_stall_s: float = 2.0, sends: str = "caller") -> None:
         super().__init__(settings, endpoint, replay_endpoint, data_parallel_rank)
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             value = getattr(settings, name)
@@ -191,6 +226,9 @@ class ZmqEventPublisher(EventPublisher):
                               f"{EVENTS_ENDPOINT}, or use the 'null' publisher")
         if linger_ms < 0:
             raise ConfigError(f"{type(self).__name__}: linger_ms={linger_ms} must be >= 0")
+        if sends not in ("caller", "thread"):
+            raise ConfigError(f"{type(self).__name__}: sends={sends!r} must be 'caller' or "
+                              "'thread'")
         self._topic = settings.topic.encode("utf-8")
         self._bind_addr = endpoint.bind
         self._replay_addr = None if replay_endpoint is None else replay_endpoint.bind
@@ -206,8 +244,8 @@ class ZmqEventPublisher(EventPublisher):
         self._context = context
         self._linger_ms = linger_ms
         self._encoder = encoder
-        # msgspec (the default encoder) writes a msgspec.Raw event's bytes as they are.
-        self.accepts_encoded_events = encoder is None and payload_encoder_takes_raw()
+        # The batch's encoded runs are copied into the payload (see events.batch_payload).
+        self.accepts_encoded_events = True
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_steps)
         self._seq = itertools.count()  # next() is atomic under the GIL: seq reserved at accept
@@ -242,10 +280,16 @@ class ZmqEventPublisher(EventPublisher):
         self._lost_after_accept = 0
         self._replay = ReplayServer(type(self).__name__, self._topic, stall_s=replay_stall_s)
         self._inline = inline
+        # Sends on the caller's thread, replay answered by a replay thread (see the class doc).
+        self._caller_sends = (not inline and sends == "caller"
+                              and _libzmq_send_functions() is not None)
+        # publish() knows at once whether the batch was lost (no publisher thread).
+        self._synchronous = inline or self._caller_sends
+        self._send_lock = threading.Lock()
         self._pub: zmq.Socket | None = None
         self._router: zmq.Socket | None = None
         self._encode: Callable[[Any], bytes] | None = None
-        if inline:
+        if self._synchronous:
             try:
                 self._pub, self._router = self._open_sockets()
             except RuntimeError as exc:
@@ -254,6 +298,12 @@ class ZmqEventPublisher(EventPublisher):
                                   f"bind: {exc}") from exc
             self._encode = encoder or payload_encoder()
             self._send_live = gil_holding_sender(self._pub)
+            if self._caller_sends and self._router is not None:
+                self._wake_r, self._wake_w = _wake_fds()
+                self._thread = threading.Thread(
+                    target=self._run_replay, args=(self._router,),
+                    name=f"kvbm-zmq-replay-dp{data_parallel_rank}", daemon=True)
+                self._thread.start()
             return
         self._wake_r, self._wake_w = _wake_fds()
         self._thread = threading.Thread(
@@ -288,8 +338,17 @@ class ZmqEventPublisher(EventPublisher):
             self._log.log(logging.WARNING, "closed", "%s: batch of %d events published after "
                           "shutdown was lost", type(self).__name__, len(events))
             return False
-        seq = next(self._seq)
         rank = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
+        if self._caller_sends:
+            with self._send_lock:  # held across a non-blocking hand-off only (class doc)
+                pub, encode = self._pub, self._encode
+                if pub is None or encode is None:  # shut down by another thread meanwhile
+                    self._lost_closed += 1
+                    return False
+                self._accepted += 1
+                return self._send_batch(pub, encode, (next(self._seq), time.time(), events,
+                                                      rank))
+        seq = next(self._seq)
         if self._inline:
             self._accepted += 1
             pub, encode = self._pub, self._encode
@@ -331,6 +390,9 @@ class ZmqEventPublisher(EventPublisher):
         if self._inline:
             self._shutdown_inline(timeout)
             return
+        if self._caller_sends:
+            self._shutdown_caller_sends(timeout)
+            return
         with self._close_lock:
             if self._closed and not self._thread.is_alive():
                 return
@@ -361,6 +423,53 @@ class ZmqEventPublisher(EventPublisher):
         for fd in fds:
             if fd >= 0:
                 os.close(fd)
+
+    def _shutdown_caller_sends(self, timeout: float) -> None:
+        """Close the PUB (after any send in progress), stop the replay thread (which closes
+        the ROUTER), then release the context."""
+        with self._close_lock:
+            if self._closed and self._pub is None:
+                return
+            self._closed = True
+            with self._send_lock:
+                pub, self._pub = self._pub, None
+        timeout = max(0.0, timeout)
+        if pub is not None:
+            pub.close(linger=int(min(self._linger_ms / 1000.0, timeout) * 1000))
+        thread = getattr(self, "_thread", None)
+        if thread is not None:
+            self._stopping.set()
+            self._wake()
+            thread.join(timeout + 1.0)
+            if thread.is_alive():
+                logger.error("%s: replay thread did not stop within %.1fs; its socket stays "
+                             "open until it does", type(self).__name__, timeout)
+                return
+            self._close_wake_fds()
+        if self._own_context:
+            self._context.term()
+
+    def _run_replay(self, router: zmq.Socket) -> None:
+        """Replay thread (``sends="caller"``): answer replay requests from a snapshot of the
+        replay buffer, which ``publish`` appends to on the caller's thread (``list(deque)``
+        copies it atomically under the GIL); sleep until a request, the stop signal or, while
+        answers are in progress, the next poll interval."""
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(router, zmq.POLLIN)
+        try:
+            while not self._stopping.is_set():
+                ready = dict(poller.poll(self._idle_s * 1000.0 if self._replay.busy else None))
+                if self._wake_r in ready:
+                    with contextlib.suppress(BlockingIOError, InterruptedError):
+                        os.read(self._wake_r, 8)
+                if self._stopping.is_set():
+                    break
+                self._replay.service(router, deque(list(self._buffer)))
+        except Exception:  # never expected; the loop itself must not die silently
+            logger.exception("%s: replay thread failed", type(self).__name__)
+        finally:
+            router.close(linger=0)
 
     def _shutdown_inline(self, timeout: float) -> None:
         with self._close_lock:
@@ -541,12 +650,12 @@ class ZmqEventPublisher(EventPublisher):
         """Encode, buffer for replay and send one batch; False when it was lost live."""
         seq, ts, events, rank = item
         try:
-            payload = encode([ts, events, rank])
+            payload = batch_payload(encode, ts, events, rank)
         except Exception:
             payload, events = self._encode_salvaged(encode, seq, ts, events, rank)
             if payload is None:
                 self._encode_errors += 1
-                if not self._inline:
+                if not self._synchronous:
                     self._lost_after_accept += 1
                 return False
         seq_frame = _SEQ.pack(seq)
@@ -560,13 +669,13 @@ class ZmqEventPublisher(EventPublisher):
                 pub.send_multipart((self._topic, seq_frame, payload), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._send_errors += 1
-            if not self._inline:
+            if not self._synchronous:
                 self._lost_after_accept += 1
             self._log.log(logging.ERROR, "send", "%s: sending batch seq %d failed, lost live "
                           "(kept for replay): %s", type(self).__name__, seq, exc)
             return False
         self._published += 1
-        self._events_published += len(events)
+        self._events_published += event_count(events)
         return True
 
     def _encode_salvaged(self, encode: Callable[[Any], bytes], seq: int, ts: float,
@@ -580,10 +689,13 @@ class ZmqEventPublisher(EventPublisher):
         None (the batch is lost, a visible seq gap) when no event is left or the batch still
         cannot be encoded (e.g. a bad ``ts`` or rank).
         """
-        kept: list[WireEvent] = []
+        kept: list[Any] = EncodedBatch() if type(events) is EncodedBatch else []
         dropped = 0
         first_error = ""
         for event in events:
+            if type(event) is EncodedEvents:  # written by the sink's compiled batch: valid
+                kept.append(event)
+                continue
             try:
                 encode(event)
             except Exception as exc:
@@ -595,7 +707,7 @@ class ZmqEventPublisher(EventPublisher):
         payload = None
         if kept:
             try:
-                payload = encode([ts, kept, rank])
+                payload = batch_payload(encode, ts, kept, rank)
             except Exception as exc:
                 first_error = first_error or f"{type(exc).__name__}: {exc}"
         if payload is None:

@@ -27,11 +27,11 @@ class EventPublisher(ABC):
 
     Constructed by the leader (GPU tier: one per rank; consolidated output: one per leader).
 
-    ``accepts_encoded_events``: whether ``publish`` may be handed events already encoded, as
-    ``msgspec.Raw`` items holding an event's msgpack bytes (the event sink's compiled batch
-    writes the common events that way). A publisher that encodes the batch with msgspec, or
-    only counts it, can take them as they are; for any other (the default) the sink hands over
-    every event as its map.
+    ``accepts_encoded_events``: whether ``publish`` may be handed an ``events.EncodedBatch``,
+    whose ``EncodedEvents`` items are runs of events already encoded (the event sink's compiled
+    batch writes the common events that way). A publisher that builds its payload with
+    ``events.batch_payload`` and counts with ``events.event_count`` can take it as it is; any
+    other (the default) is handed every event as its map.
     """
 
     accepts_encoded_events: bool = False
