@@ -8,6 +8,7 @@ both sinks must publish byte-identical payloads and report identical counters.
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 from collections.abc import Sequence
@@ -305,6 +306,67 @@ def test_the_compiled_writer_writes_every_int_form_as_msgspec_does() -> None:
     payloads, stats = _both(make)
     assert stats["blocks_stored"] == 2 * len(EDGE_HASHES) + 40000 + 5
     assert any(len(p) > 65536 for p in payloads)
+
+
+@st.composite
+def json_traffic(draw: st.DrawFn) -> list[Any]:
+    """Well-formed decode traffic (chains, removals, some LoRA ids) that JSON can carry."""
+    out: list[Any] = []
+    last = None
+    for _ in range(draw(st.integers(1, 20))):
+        if draw(st.integers(0, 2)):
+            h = draw(st.sampled_from([v for v in VALID if isinstance(v, int)]))
+            parent = last if draw(st.integers(0, 3)) else None
+            data: dict[str, Any] = {"type": "stored", "parent_hash": parent, "blocks": [{
+                "type": "stored_block", "block_hash": h, "cache_level": 0, "priority": 35,
+                "tokens": [{"type": "unique_token", "token_id": draw(TOKEN_IDS),
+                            "token_extra_id": 0} for _ in range(BS)]}]}
+            if draw(st.integers(0, 4)) == 0:
+                data["lora_id"] = draw(st.sampled_from([0, 3]))
+            out.append({"event_id": 0, "window_size": 64, "data": data})
+            last = h
+        else:
+            out.append({"event_id": 0, "window_size": 64, "data": {
+                "type": "removed", "block_hashes": [draw(st.sampled_from(VALID[:6]))]}})
+    return out
+
+
+@needs_native
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(st.tuples(json_traffic(), st.sampled_from(["built", "json", "mixed", "mixed"])),
+                min_size=1, max_size=4), st.integers(0, 1 << 32))
+def test_dicts_whose_keys_are_not_interned_run_the_same_in_both_loops(
+        calls: list[tuple[list[Any], str]], seed: int) -> None:
+    """The compiled loop finds a key by identity when every key of the dict is interned (the
+    serializer's literals); JSON-decoded events (trtllm-serve, the sidecar's input) have keys
+    that are equal but not interned, and a dict may mix both: the same output as the Python
+    loop either way, and the same as for the dicts as built."""
+    import json
+    import random
+
+    rnd = random.Random(seed)
+
+    def mix_keys(obj: Any) -> Any:
+        """Some keys of some dicts replaced by an equal str that is not interned."""
+        if isinstance(obj, dict):
+            return {("".join(list(k)) if rnd.random() < 0.3 else k): mix_keys(v)
+                    for k, v in obj.items()}
+        if isinstance(obj, list):
+            return [mix_keys(v) for v in obj]
+        return obj
+
+    def make(decode: bool) -> list[list[Any]]:
+        out = []
+        for events, how in calls:
+            if not decode or how == "built":
+                out.append(copy.deepcopy(events))
+            elif how == "json":
+                out.append(json.loads(json.dumps(events)))
+            else:
+                out.append([mix_keys(e) for e in events])
+        return out
+
+    assert _both(lambda: make(True)) == _both(lambda: make(False))
 
 
 @needs_native

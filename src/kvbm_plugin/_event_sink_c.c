@@ -53,7 +53,14 @@ static int optional_attr(PyObject *o, PyObject *name, PyObject **out) {
 
 /* Borrowed d[key] (NULL if absent) for an exact dict; LEAVE if absent and required. */
 static int get_item(PyObject *d, PyObject *key, PyObject **out, int required) {
-    PyObject *v = PyDict_GetItemWithError(d, key);
+    PyObject *v = NULL;
+    int found = interned_item(d, key, &v);
+    if (found >= 0) {
+        if (!found && required) return LEAVE;
+        *out = found ? v : NULL;
+        return TAKE;
+    }
+    v = PyDict_GetItemWithError(d, key);
     if (v == NULL) {
         if (PyErr_Occurred()) return FAIL;
         if (required) return LEAVE;
@@ -70,6 +77,11 @@ static int str_keyed_item(PyObject *d, PyObject *key, PyObject **out) {
     PyObject *k, *v;
     int found = 0;
     if (unicode_keyed(d)) { /* only exact str keys: a lookup runs no Python code */
+        int found = interned_item(d, key, &v);
+        if (found >= 0) {
+            if (found) *out = v;
+            return found;
+        }
         v = PyDict_GetItemWithError(d, key);
         if (v == NULL) return PyErr_Occurred() ? -1 : 0;
         *out = v;
@@ -86,8 +98,8 @@ static int str_keyed_item(PyObject *d, PyObject *key, PyObject **out) {
     return found;
 }
 
-/* New reference to the wire hash (signed int64) of an exact int given as int64 or u64. */
-static int wire_hash(PyObject *h, PyObject **out) {
+/* The wire hash (signed int64) of an exact int given as int64 or u64, into *out. */
+static int wire_value(PyObject *h, int64_t *out) {
     int overflow = 0;
     long long v;
     unsigned long long u;
@@ -95,8 +107,7 @@ static int wire_hash(PyObject *h, PyObject **out) {
     v = PyLong_AsLongLongAndOverflow(h, &overflow);
     if (overflow == 0) {
         if (v == -1 && PyErr_Occurred()) return FAIL;
-        Py_INCREF(h);
-        *out = h;
+        *out = v;
         return TAKE;
     }
     if (overflow < 0) return LEAVE; /* below int64: Python raises a clear error */
@@ -106,8 +117,8 @@ static int wire_hash(PyObject *h, PyObject **out) {
         PyErr_Clear(); /* >= 2**64: Python raises a clear error */
         return LEAVE;
     }
-    *out = PyLong_FromLongLong((long long)u);
-    return *out == NULL ? FAIL : TAKE;
+    *out = (int64_t)u;
+    return TAKE;
 }
 
 /* kids[parent] += delta (exact dict of exact ints), deleting the entry at 0. */
@@ -132,9 +143,11 @@ static int add_kid(PyObject *kids, PyObject *parent, long delta) {
  * a store under an unpublished parent or of a published hash is left to the Python loop
  * (which drops it, counted). */
 static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed) {
-    PyObject *blocks, *block, *tokens, *raw, *h = NULL, *parent = NULL, *lora_id;
+    PyObject *blocks, *block, *tokens, *raw, *parent, *lora_id, *h_obj = NULL, *p_obj = NULL;
     Py_ssize_t j, bs = rb->block_size;
-    int r;
+    int64_t hv, pv = 0;
+    uint64_t lv = 0;
+    int r, has_parent, has_lora = 0;
 
     if ((r = get_item(data, K_blocks, &blocks, 1)) != TAKE) return r;
     if (!PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != 1) return LEAVE;
@@ -159,21 +172,21 @@ static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed
     /* ``data.get("lora_id") or None``, for the values TRT-LLM sends (None or an int). */
     if (lora_id != NULL && lora_id != Py_None) {
         if (!PyLong_CheckExact(lora_id) || !int_in_range(lora_id, ULLONG_MAX)) return LEAVE;
-        r = PyObject_IsTrue(lora_id);
-        if (r < 0) return FAIL;
-        if (r == 0) lora_id = NULL;
+        lv = PyLong_AsUnsignedLongLong(lora_id);
+        if (lv == (uint64_t)-1 && PyErr_Occurred()) return FAIL;
+        has_lora = lv != 0;
     }
-    if (lora_id == NULL) lora_id = Py_None;
     if ((r = get_item(data, K_parent_hash, &parent, 0)) != TAKE) return r;
-    if (parent == NULL || parent == Py_None) {
-        parent = Py_NewRef(Py_None);
-    } else if ((r = wire_hash(parent, &parent)) != TAKE) {
-        return r;
-    }
-    if ((r = wire_hash(raw, &h)) != TAKE) goto done;
+    has_parent = parent != NULL && parent != Py_None;
+    if (has_parent && (r = wire_value(parent, &pv)) != TAKE) return r;
+    if ((r = wire_value(raw, &hv)) != TAKE) return r;
     if (closed) {
-        int known = parent == Py_None ? 1 : PyDict_Contains(rb->published, parent);
-        int again = known == 1 ? PyDict_Contains(rb->published, h) : 0;
+        int known, again;
+        h_obj = PyLong_FromLongLong(hv);
+        p_obj = has_parent ? PyLong_FromLongLong(pv) : Py_NewRef(Py_None);
+        if (h_obj == NULL || p_obj == NULL) { r = FAIL; goto done; }
+        known = has_parent ? PyDict_Contains(rb->published, p_obj) : 1;
+        again = known == 1 ? PyDict_Contains(rb->published, h_obj) : 0;
         if (known < 0 || again < 0) { r = FAIL; goto done; }
         if (!known || again) { r = LEAVE; goto done; }
     }
@@ -184,25 +197,24 @@ static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed
     for (j = 0; j < bs; j++) {
         PyObject *tok = PyList_GET_ITEM(tokens, j), *tid;
         if (!PyDict_CheckExact(tok) || str_keyed_item(tok, K_token_id, &tid) != 1
-            || !PyLong_CheckExact(tid) || !int_in_range(tid, 0xFFFFFFFFULL)) {
+            || !u32_value(tid, &rb->scratch[j])) {
             r = LEAVE;
             goto done;
         }
-        rb->scratch[j] = (uint32_t)PyLong_AsUnsignedLong(tid);
     }
     /* Everything read; from here on the event is taken. */
-    if (closed && (PyDict_SetItem(rb->published, h, parent) < 0
-                   || (parent != Py_None && add_kid(rb->kids, parent, 1) < 0))) {
+    if (closed && (PyDict_SetItem(rb->published, h_obj, p_obj) < 0
+                   || (has_parent && add_kid(rb->kids, p_obj, 1) < 0))) {
         r = FAIL;
         goto done;
     }
-    r = rb_append_store(rb, h, parent, lora_id);
+    r = rb_append_store(rb, hv, has_parent, pv, has_lora, lv);
     if (r < 0) { r = FAIL; goto done; }
     *n_stores += r;
     r = TAKE;
 done:
-    Py_XDECREF(h);
-    Py_XDECREF(parent);
+    Py_XDECREF(h_obj);
+    Py_XDECREF(p_obj);
     return r;
 }
 
@@ -211,8 +223,9 @@ done:
  * with published children, a cascade, go to the Python loop). */
 static int take_removed(PyObject *data, RankBatch *rb, long *n_removes, long *n_removed,
                         int closed) {
-    PyObject *raw, *hashes;
+    PyObject *raw;
     Py_ssize_t n, j;
+    int64_t one, *values = &one;
     int r;
 
     if ((r = get_item(data, K_block_hashes, &raw, 1)) != TAKE) return r;
@@ -220,37 +233,35 @@ static int take_removed(PyObject *data, RankBatch *rb, long *n_removes, long *n_
     n = PyList_GET_SIZE(raw);
     if (n == 0 || PyDict_GET_SIZE(rb->suppressed) != 0) return LEAVE;
     if (closed && n != 1) return LEAVE;
-    hashes = PyList_New(n);
-    if (hashes == NULL) return FAIL;
-    for (j = 0; j < n; j++) {
-        PyObject *h;
-        if ((r = wire_hash(PyList_GET_ITEM(raw, j), &h)) != TAKE) {
-            Py_DECREF(hashes);
-            return r;
-        }
-        PyList_SET_ITEM(hashes, j, h);
+    if (n > 1) {
+        values = PyMem_Malloc((size_t)n * sizeof(int64_t));
+        if (values == NULL) { PyErr_NoMemory(); return FAIL; }
     }
+    for (j = 0; j < n; j++)
+        if ((r = wire_value(PyList_GET_ITEM(raw, j), &values[j])) != TAKE) goto done;
     if (closed) {
-        PyObject *h = PyList_GET_ITEM(hashes, 0), *parent;
-        int leaf = PyDict_Contains(rb->kids, h);
+        PyObject *h = PyLong_FromLongLong(values[0]), *parent;
+        int leaf;
+        if (h == NULL) { r = FAIL; goto done; }
+        leaf = PyDict_Contains(rb->kids, h);
         parent = leaf == 0 ? PyDict_GetItemWithError(rb->published, h) : NULL;
-        if (leaf < 0 || (parent == NULL && PyErr_Occurred())) { Py_DECREF(hashes); return FAIL; }
-        if (leaf || parent == NULL) { Py_DECREF(hashes); return LEAVE; }
+        if (leaf < 0 || (parent == NULL && PyErr_Occurred())) { Py_DECREF(h); r = FAIL; goto done; }
+        if (leaf || parent == NULL) { Py_DECREF(h); r = LEAVE; goto done; }
         Py_INCREF(parent);
-        if (PyDict_DelItem(rb->published, h) < 0
-            || (parent != Py_None && add_kid(rb->kids, parent, -1) < 0)) {
-            Py_DECREF(parent);
-            Py_DECREF(hashes);
-            return FAIL;
-        }
+        r = (PyDict_DelItem(rb->published, h) < 0
+             || (parent != Py_None && add_kid(rb->kids, parent, -1) < 0)) ? FAIL : TAKE;
         Py_DECREF(parent);
+        Py_DECREF(h);
+        if (r != TAKE) goto done;
     }
-    r = rb_append_removed(rb, &PyList_GET_ITEM(hashes, 0), n);
-    Py_DECREF(hashes);
-    if (r < 0) return FAIL;
+    r = rb_append_removed(rb, values, n);
+    if (r < 0) { r = FAIL; goto done; }
     *n_removes += r;
     *n_removed += n;
-    return TAKE;
+    r = TAKE;
+done:
+    if (values != &one) PyMem_Free(values);
+    return r;
 }
 
 PyDoc_STRVAR(ingest_dicts_doc,
@@ -329,7 +340,7 @@ static int key_hash(PyObject *key, int64_t *out) {
 static int v2_take_store(RankBatch *rb, PyObject *block) {
     PyObject *key = NULL, *tokens = NULL, *prev = NULL, *ordinal = NULL, *pkey = NULL;
     PyObject *h = NULL, *parent = NULL, *known;
-    int64_t hv, pv;
+    int64_t hv, pv = 0;
     Py_ssize_t j, bs = rb->block_size;
     int r = 0, new_store;
 
@@ -367,11 +378,8 @@ static int v2_take_store(RankBatch *rb, PyObject *block) {
         r = -1;
         goto done;
     }
-    for (j = 0; j < bs; j++) {
-        PyObject *t = PyList_GET_ITEM(tokens, j);
-        if (!PyLong_CheckExact(t) || !int_in_range(t, 0xFFFFFFFFULL)) goto done;
-        rb->scratch[j] = (uint32_t)PyLong_AsUnsignedLong(t);
-    }
+    for (j = 0; j < bs; j++)
+        if (!u32_value(PyList_GET_ITEM(tokens, j), &rb->scratch[j])) goto done;
     h = PyLong_FromLongLong(hv);
     if (h == NULL) goto done;
     /* Everything read; from here on the block is taken. */
@@ -384,7 +392,11 @@ static int v2_take_store(RankBatch *rb, PyObject *block) {
         r = -1;
         goto done;
     }
-    new_store = rb_append_store(rb, h, parent, Py_None);
+    if (parent != Py_None) {
+        pv = PyLong_AsLongLong(parent);
+        if (pv == -1 && PyErr_Occurred()) { r = -1; goto done; }
+    }
+    new_store = rb_append_store(rb, hv, parent != Py_None, pv, 0, 0);
     if (new_store < 0) { r = -1; goto done; }
     rb->v2_blocks_stored += 1;
     rb->v2_stores += new_store;
@@ -422,6 +434,7 @@ PyObject *RankBatch_v2_store(RankBatch *rb, PyObject *block) {
 
 PyObject *RankBatch_v2_remove(RankBatch *rb, PyObject *key) {
     PyObject *h;
+    int64_t hv;
     int r;
     if (!rb->fast_hooks || !PyBytes_CheckExact(key)) return fallback(rb->fallback_remove, key);
     h = PyDict_GetItemWithError(rb->live_keys, key);
@@ -438,8 +451,10 @@ PyObject *RankBatch_v2_remove(RankBatch *rb, PyObject *key) {
         Py_DECREF(h);
         return NULL;
     }
-    r = rb_append_removed(rb, &h, 1);
+    hv = PyLong_AsLongLong(h);
     Py_DECREF(h);
+    if (hv == -1 && PyErr_Occurred()) return NULL;
+    r = rb_append_removed(rb, &hv, 1);
     if (r < 0) return NULL;
     rb->v2_blocks_removed += 1;
     rb->v2_removes += r;

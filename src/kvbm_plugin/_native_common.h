@@ -8,6 +8,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <stdint.h>
 
 /* How a compiled loop ends for one event: taken whole; left untouched for the Python code
  * (which decides, raises or counts); or failed with a Python exception set (MemoryError-like,
@@ -46,10 +47,40 @@ static inline int str_is(PyObject *s, PyObject *want) {
 static inline int unicode_keyed(PyObject *d) {
     return DK_IS_UNICODE(((PyDictObject *)d)->ma_keys);
 }
+
+/* ``d[key]`` (borrowed) for an exact dict and an interned ``key``, found by identity: 1 found,
+ * 0 absent, -1 undecided (the caller looks it up by hash). Two interned strings are equal only
+ * if they are the same object, so when every key of a unicode-keyed table (exact str only) is
+ * interned, walking its few entries decides without hashing or comparing: the event dicts
+ * TRT-LLM's serializer builds have 3-6 keys, all literals, hence interned. Reads the same
+ * internal 3.11 header as unicode_keyed; runs no Python code. */
+static inline int interned_item(PyObject *d, PyObject *key, PyObject **out) {
+    PyDictObject *mp = (PyDictObject *)d;
+    PyDictKeysObject *dk = mp->ma_keys;
+    PyDictUnicodeEntry *ep;
+    Py_ssize_t i, n;
+    if (!DK_IS_UNICODE(dk) || mp->ma_values != NULL) return -1;
+    ep = DK_UNICODE_ENTRIES(dk);
+    n = dk->dk_nentries;
+    for (i = 0; i < n; i++) {
+        PyObject *k = ep[i].me_key;
+        if (k == key) {
+            *out = ep[i].me_value;
+            return *out != NULL;
+        }
+        if (k != NULL && !PyUnicode_CHECK_INTERNED(k)) return -1;
+    }
+    return 0;
+}
 #else
 static inline int unicode_keyed(PyObject *d) {
     (void)d;
     return 0;
+}
+
+static inline int interned_item(PyObject *d, PyObject *key, PyObject **out) {
+    (void)d, (void)key, (void)out;
+    return -1;
 }
 #endif
 
@@ -92,6 +123,26 @@ static inline int int_in_range(PyObject *v, unsigned long long max) {
         return 0;
     }
     return x >= 0 && (unsigned long long)x <= max;
+}
+
+/* The value of an exact int in [0, 2**32) into *out: 1, or 0 for anything else (never
+ * raises). Token ids fit one digit: read without a call. */
+static inline int u32_value(PyObject *v, uint32_t *out) {
+    if (!PyLong_CheckExact(v)) return 0;
+#if PY_VERSION_HEX >= 0x030C0000
+    if (PyUnstable_Long_IsCompact((PyLongObject *)v)) {
+        Py_ssize_t c = PyUnstable_Long_CompactValue((PyLongObject *)v);
+        if (c < 0 || c > 0xFFFFFFFFLL) return 0;
+        *out = (uint32_t)c;
+        return 1;
+    }
+#else
+    if (Py_SIZE(v) == 0) { *out = 0; return 1; }
+    if (Py_SIZE(v) == 1) { *out = (uint32_t)((PyLongObject *)v)->ob_digit[0]; return 1; }
+#endif
+    if (!int_in_range(v, 0xFFFFFFFFULL)) return 0;
+    *out = (uint32_t)PyLong_AsUnsignedLong(v);
+    return 1;
 }
 
 static inline int list_extend(PyObject *list, PyObject *items) {

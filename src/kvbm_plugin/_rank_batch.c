@@ -233,52 +233,61 @@ static int push_hash(RankBatch *rb, int64_t h) {
     return 0;
 }
 
-int rb_append_store(RankBatch *rb, PyObject *h, PyObject *parent, PyObject *lora) {
-    int64_t hv, pv = 0;
-    uint64_t lv = 0;
-    Py_ssize_t bs = rb->block_size, j;
+/* Extend ``last`` (a map the Python code built) with one stored block when it is that
+ * chain's previous store with the same adapter: 1 extended, 0 not, -1 error. The objects are
+ * made here only: the common path compares the open event's C values. */
+static int extend_last_store(RankBatch *rb, int64_t h, int has_parent, int64_t parent,
+                             int has_lora, uint64_t lora) {
+    PyObject *p = NULL, *l = NULL, *hv = NULL, *lh, *lt;
+    Py_ssize_t j;
+    int ext = -1;
+    p = has_parent ? PyLong_FromLongLong(parent) : Py_NewRef(Py_None);
+    l = has_lora ? PyLong_FromUnsignedLongLong(lora) : Py_NewRef(Py_None);
+    if (p == NULL || l == NULL) goto done;
+    ext = extends_stored(rb->last, p, l);
+    if (ext <= 0) goto done;
+    ext = -1;
+    lh = PyDict_GetItemWithError(rb->last, K_block_hashes);
+    lt = PyDict_GetItemWithError(rb->last, K_token_ids);
+    if (lh == NULL || lt == NULL || !PyList_CheckExact(lh) || !PyList_CheckExact(lt)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_RuntimeError, "BlockStored map lost its lists");
+        goto done;
+    }
+    hv = PyLong_FromLongLong(h);
+    if (hv == NULL || PyList_Append(lh, hv) < 0) goto done;
+    for (j = 0; j < rb->block_size; j++) {
+        PyObject *t = PyLong_FromUnsignedLong(rb->scratch[j]);
+        if (t == NULL || PyList_Append(lt, t) < 0) { Py_XDECREF(t); goto done; }
+        Py_DECREF(t);
+    }
+    ext = 1;
+done:
+    Py_XDECREF(p);
+    Py_XDECREF(l);
+    Py_XDECREF(hv);
+    return ext;
+}
+
+int rb_append_store(RankBatch *rb, int64_t h, int has_parent, int64_t parent, int has_lora,
+                    uint64_t lora) {
+    Py_ssize_t bs = rb->block_size;
     int ext;
-    hv = PyLong_AsLongLong(h);
-    if (hv == -1 && PyErr_Occurred()) return -1;
-    if (parent != Py_None) {
-        pv = PyLong_AsLongLong(parent);
-        if (pv == -1 && PyErr_Occurred()) return -1;
-    }
-    if (lora != Py_None) {
-        lv = PyLong_AsUnsignedLongLong(lora);
-        if (lv == (uint64_t)-1 && PyErr_Occurred()) return -1;
-    }
     if (rb->last != Py_None) {
-        ext = extends_stored(rb->last, parent, lora);
-        if (ext < 0) return -1;
-        if (ext) {
-            PyObject *lh = PyDict_GetItemWithError(rb->last, K_block_hashes);
-            PyObject *lt = PyDict_GetItemWithError(rb->last, K_token_ids);
-            if (lh == NULL || lt == NULL || !PyList_CheckExact(lh) || !PyList_CheckExact(lt)) {
-                if (!PyErr_Occurred())
-                    PyErr_SetString(PyExc_RuntimeError, "BlockStored map lost its lists");
-                return -1;
-            }
-            if (PyList_Append(lh, h) < 0) return -1;
-            for (j = 0; j < bs; j++) {
-                PyObject *t = PyLong_FromUnsignedLong(rb->scratch[j]);
-                if (t == NULL || PyList_Append(lt, t) < 0) { Py_XDECREF(t); return -1; }
-                Py_DECREF(t);
-            }
-            return 0;
-        }
+        ext = extend_last_store(rb, h, has_parent, parent, has_lora, lora);
+        if (ext != 0) return ext < 0 ? -1 : 0;
     }
-    ext = rb->open == OPEN_STORED && parent != Py_None && rb->n_hashes > 0
-          && rb->hashes[rb->n_hashes - 1] == pv && rb->has_lora == (lora != Py_None)
-          && (!rb->has_lora || rb->lora == lv);
+    ext = rb->open == OPEN_STORED && has_parent && rb->n_hashes > 0
+          && rb->hashes[rb->n_hashes - 1] == parent && rb->has_lora == has_lora
+          && (!has_lora || rb->lora == lora);
     if (!ext) {
         if (open_event(rb, OPEN_STORED) < 0) return -1;
-        rb->has_parent = parent != Py_None;
-        rb->parent = pv;
-        rb->has_lora = lora != Py_None;
-        rb->lora = lv;
+        rb->has_parent = has_parent;
+        rb->parent = parent;
+        rb->has_lora = has_lora;
+        rb->lora = lora;
     }
-    if (push_hash(rb, hv) < 0
+    if (push_hash(rb, h) < 0
         || rb_grow((void **)&rb->tokens, &rb->cap_tokens, rb->n_tokens + bs, sizeof(uint32_t)) < 0)
         return -1;
     memcpy(rb->tokens + rb->n_tokens, rb->scratch, (size_t)bs * sizeof(uint32_t));
@@ -286,7 +295,7 @@ int rb_append_store(RankBatch *rb, PyObject *h, PyObject *parent, PyObject *lora
     return !ext;
 }
 
-int rb_append_removed(RankBatch *rb, PyObject *const *hashes, Py_ssize_t n) {
+int rb_append_removed(RankBatch *rb, const int64_t *hashes, Py_ssize_t n) {
     Py_ssize_t j;
     int ext, fresh = 0;
     if (rb->last != Py_None) {
@@ -299,8 +308,11 @@ int rb_append_removed(RankBatch *rb, PyObject *const *hashes, Py_ssize_t n) {
                     PyErr_SetString(PyExc_RuntimeError, "BlockRemoved map lost its list");
                 return -1;
             }
-            for (j = 0; j < n; j++)
-                if (PyList_Append(lh, hashes[j]) < 0) return -1;
+            for (j = 0; j < n; j++) {
+                PyObject *h = PyLong_FromLongLong(hashes[j]);
+                if (h == NULL || PyList_Append(lh, h) < 0) { Py_XDECREF(h); return -1; }
+                Py_DECREF(h);
+            }
             return 0;
         }
     }
@@ -308,10 +320,10 @@ int rb_append_removed(RankBatch *rb, PyObject *const *hashes, Py_ssize_t n) {
         if (open_event(rb, OPEN_REMOVED) < 0) return -1;
         fresh = 1;
     }
-    for (j = 0; j < n; j++) {
-        int64_t v = PyLong_AsLongLong(hashes[j]);
-        if ((v == -1 && PyErr_Occurred()) || push_hash(rb, v) < 0) return -1;
-    }
+    if (rb_grow((void **)&rb->hashes, &rb->cap_hashes, rb->n_hashes + n, sizeof(int64_t)) < 0)
+        return -1;
+    memcpy(rb->hashes + rb->n_hashes, hashes, (size_t)n * sizeof(int64_t));
+    rb->n_hashes += n;
     return fresh;
 }
 

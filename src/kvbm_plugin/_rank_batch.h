@@ -47,15 +47,16 @@ int rank_batch_ready(void);
 /* ``*buf`` holds at least ``need`` items of ``item`` bytes (grown by doubling). */
 int rb_grow(void **buf, Py_ssize_t *cap, Py_ssize_t need, size_t item);
 
-/* Append one stored block (its token ids in rb->scratch) to the batch, coalescing as the
- * Python code does: onto ``last`` (a map) or onto the open event when it is this chain's
- * previous store with the same adapter. ``h``/``parent``/``lora`` are exact ints (or None),
- * ``parent`` and ``h`` int64, ``lora`` u64. Returns 1 for a new store, 0 extended, -1 error. */
-int rb_append_store(RankBatch *rb, PyObject *h, PyObject *parent, PyObject *lora);
+/* Append one stored block (wire hash ``h``, its token ids in rb->scratch) to the batch,
+ * coalescing as the Python code does: onto ``last`` (a map) or onto the open event when it is
+ * this chain's previous store with the same adapter (``lora``, u64, when ``has_lora``).
+ * Returns 1 for a new store, 0 extended, -1 error. */
+int rb_append_store(RankBatch *rb, int64_t h, int has_parent, int64_t parent, int has_lora,
+                    uint64_t lora);
 
-/* Append removed hashes (exact ints, int64) to the batch, coalescing like the Python code.
+/* Append removed wire hashes to the batch, coalescing like the Python code.
  * Returns 1 for a new removal event, 0 extended, -1 error. */
-int rb_append_removed(RankBatch *rb, PyObject *const *hashes, Py_ssize_t n);
+int rb_append_removed(RankBatch *rb, const int64_t *hashes, Py_ssize_t n);
 
 /* The V2 hooks' fast path (RankBatch methods; _event_sink_c.c). */
 PyObject *RankBatch_v2_store(RankBatch *rb, PyObject *block);
