@@ -22,16 +22,21 @@ rate-limited.
 
 ``ingest`` has two loops with one behaviour: the Python loop (the reference) and, when the
 extension was built, a compiled loop (``_event_sink_c.c``) that takes the decode steady state
-(one-block stores, removals) and hands every other event to the Python loop. The compiled loop
-also keeps its maps and lists out of the cyclic garbage collector (they hold no containers), so
-batches waiting for the publisher thread cost the engine thread's collections nothing; the V2
-hooks build their new maps through the same module for the same reason.
+(one-block stores, removals) and hands every other event to the Python loop. With the
+extension, each rank's batch is compiled too (``_rank_batch.c``, the compiled form of
+:class:`_Rank`): the events the compiled code takes are written straight into their wire bytes
+(an ``events.EncodedEvents`` run in an ``events.EncodedBatch``), so no Python object is made,
+encoded or freed per event or token; the V2 hooks' common calls (a full block, the removal of
+a published one) are taken by the batch's own C methods, installed on the sink in place of the
+Python hooks. A publisher that does not take encoded batches, and an ``on_flush`` observer,
+get every event as its map.
 
 Threads: ``ingest`` and ``flush`` take one short lock (never held across I/O), so buffered
 events may arrive on TRT-LLM's KV-event dispatch thread while the leader flushes on the executor
 thread. The V2 hooks take no lock (per-block budget ~1 us): TRT-LLM calls them on the executor
-thread, the thread that flushes. Nothing here blocks on I/O: the publisher's ``publish`` only
-enqueues. No torch or TensorRT-LLM import.
+thread, the thread that flushes. Nothing here waits on I/O: the publisher's ``publish`` hands
+the batch over without waiting (see :mod:`kvbm_plugin.publisher`). No torch or TensorRT-LLM
+import.
 """
 
 from __future__ import annotations
@@ -740,7 +745,8 @@ class KvEventSink:
         """Publish this iteration's batch (one per rank with events); nothing when empty.
 
         Called by the leader once per engine iteration (from ``build_connector_meta``) on the
-        executor thread. Never blocks: the publisher enqueues. Returns False if any batch was
+        executor thread. Never blocks: the publisher hands the batch over without waiting
+        (:class:`~kvbm_plugin.publisher.ZmqEventPublisher`). Returns False if any batch was
         lost (counted in ``batches_lost``; consumers see a seq gap). Never raises, even when a
         publisher does.
         """

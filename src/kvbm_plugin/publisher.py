@@ -4,8 +4,8 @@
 output; defined in :mod:`kvbm_plugin.publisher_base`, which the registry sees too, and
 re-exported here); implementations are found by name in the ``kvbm_plugin.publishers`` entry
 points and built by :func:`create_publisher`. ``publish`` is called on TensorRT-LLM's executor
-thread, so it never blocks: it reserves the batch's sequence number and hands the batch to a
-bounded queue.
+thread, so it never blocks: the ZMQ publisher builds the payload and hands it to ZMQ with a
+non-blocking send (or, without a GIL-holding send, to a bounded queue for its thread).
 """
 
 from __future__ import annotations
