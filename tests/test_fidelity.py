@@ -574,6 +574,27 @@ def test_without_block_hashes_tier_events_use_trtllms_names_in_passthrough(make_
         for h, tokens in names[medium].items():
             assert names["GPU"].get(h) == tokens, (medium, h)  # the same name, same block
     assert engine.stats().kv_mismatches == 0
+    assert engine.leader.event_sink.on_flush is not None
+
+
+def test_with_block_hashes_the_leader_learns_no_names_from_events(make_engine) -> None:
+    """Where TRT-LLM hands RequestData.block_hashes over, nothing watches the published
+    batches (learning names from them costs the executor thread more than publishing), and
+    the tier events still use TRT-LLM's hashes."""
+    engine = make_engine(num_gpu_blocks=16, env=tiers(host=8))
+    rec = Recorder()
+    engine.leader.event_sink._publisher = rec
+    engine.leader._tier_events._publisher = rec
+    for k in range(3):
+        engine.submit(prompt(20 + k, 25), 1)
+        engine.run_until_idle()
+    engine.leader.flush_events()
+    assert engine.leader.event_sink.on_flush is None
+    gpu = {h for batch in rec.batches for ev in batch
+           if ev["type"] == "BlockStored" and ev["medium"] == "GPU" for h in ev["block_hashes"]}
+    cpu = {h for batch in rec.batches for ev in batch
+           if ev["type"] == "BlockStored" and ev["medium"] == "CPU" for h in ev["block_hashes"]}
+    assert cpu and cpu <= gpu
 
 
 def test_multimodal_inputs_scope_the_tier_keys(make_engine) -> None:

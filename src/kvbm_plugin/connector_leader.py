@@ -185,7 +185,10 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                 block_size=self._block_size,
                 tier_events=getattr(llm_args, "kvbm_plugin_tier_events", None))
             self.event_sink = parts.event_sink
-            self.event_sink.on_flush = self._names.observe
+            # on_flush (BlockNames.observe) is attached at the first request without
+            # RequestData.block_hashes: where TRT-LLM hands the hashes over it is never needed,
+            # and it costs the executor thread more than publishing (the sink decodes each
+            # batch for it and it keys every stored block by its tokens).
             self.consolidator = parts.consolidator
             self._tier_events = parts.tier_events
             self._register_metrics()
@@ -535,6 +538,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             state.event_hashes = list(hashes)  # cumulative chain for the full blocks
         elif not self._names_from_events and len(state.tokens) >= self._block_size:
             self._names_from_events = True  # no block_hashes: learn TRT-LLM's from events
+            self.event_sink.on_flush = self._names.observe
         valid = rd.computed_position + rd.num_scheduled_tokens
         if not state.reported and state.match_base is not None:
             # The first report subtracts connector-loaded tokens from computed_position.
