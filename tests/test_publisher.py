@@ -16,6 +16,7 @@ import pytest
 import zmq
 from _kvwire import BlockRemoved, decode, free_port, join_sub, recv, wait_until
 
+from kvbm_plugin import publisher as publisher_module
 from kvbm_plugin.consolidator_config import (
     ConfigError,
     Endpoint,
@@ -23,7 +24,6 @@ from kvbm_plugin.consolidator_config import (
     load_consolidator_config,
     parse_endpoint,
 )
-from kvbm_plugin import publisher as publisher_module
 from kvbm_plugin.events import END_SEQ
 from kvbm_plugin.publisher import (
     ZmqEventPublisher,
