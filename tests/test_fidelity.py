@@ -227,7 +227,7 @@ class NestingV2EventManager:
 def test_nested_v2_hooks_publish_each_block_once_and_every_hash_is_removable() -> None:
     from types import SimpleNamespace
 
-    from kvbm_plugin.event_sink import attach_event_source
+    from kvbm_plugin.event_source import attach_event_source
 
     rec = Recorder()
     sink = KvEventSink(rec, block_size=2, strict=True)

@@ -1,20 +1,6 @@
-/* Compiled fast path of event_sink.py (module kvbm_plugin._event_sink_c): a rank's batch that
- * encodes the common events straight into their wire bytes.
- *
- * RankBatch is the compiled form of event_sink._Rank: the same attributes (events, last,
- * suppressed, live, live_keys, published, kids), plus one "open" event held as C arrays
- * (hashes, token ids). The events this module takes (TensorRT-LLM's decode steady state:
- * one-block full stores, removals of valid hashes, from the buffered dicts or the V2 hooks)
- * extend the open event while they coalesce as the Python code would coalesce them; when one
- * does not, the open event is written out as its msgpack bytes (the bytes msgspec makes of the
- * map the Python code builds) wrapped in a msgspec.Raw, which the publisher's encoder copies
- * as it is. So neither the engine thread nor the publisher thread builds, encodes or frees a
- * Python object per token.
- *
- * The Python code stays the reference and handles every other event. Before it reads or
- * changes the batch (the ``events`` or ``last`` attribute), the open event is turned into the
- * map it stands for (``last``), so both loops coalesce alike; ``take()`` (flush) writes it out
- * as bytes. Tests run both implementations on the same input and compare the published bytes.
+/* Compiled fast path of event_sink.py (module kvbm_plugin._event_sink_c): the loops that fill
+ * a rank's compiled batch (RankBatch, _rank_batch.c, which writes the events it is given as
+ * their wire bytes; see there).
  *
  * ingest_dicts() takes the buffered event dicts that need no decision beyond the common case;
  * at the first event it does not take, it stops and returns that event's index: the Python

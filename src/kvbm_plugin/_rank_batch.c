@@ -4,10 +4,13 @@
  * The events the compiled loops take extend one "open" event, kept as C arrays, while they
  * coalesce as the Python code would coalesce them; when one does not, the open event is
  * written out as its msgpack bytes (exactly what msgspec makes of the map the Python code
- * builds: the smallest int forms, fixstr keys, keys in the map's order) wrapped in a
- * msgspec.Raw, which the publisher's encoder copies as it is. The Python code reads and
- * extends the batch through ``events`` and ``last``, which first turn the open event into its
- * map; ``take()`` (flush) writes it out as bytes.
+ * builds: the smallest int forms, fixstr keys, keys in the map's order) at the end of a run of
+ * such bytes. A run becomes one events.EncodedEvents item of the batch (an EncodedBatch list)
+ * when the Python code next touches the batch or the batch is taken, and the publisher copies
+ * it into the payload as it is (events.batch_payload). So neither the engine thread nor a
+ * publisher thread makes, encodes or frees a Python object per event or token. The Python code
+ * reads and extends the batch through ``events`` and ``last``, which first turn the open event
+ * into its map; ``take()`` (flush) writes it out as bytes.
  */
 
 #include "_rank_batch.h"

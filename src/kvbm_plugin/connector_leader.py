@@ -453,7 +453,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
 
     def _attach_event_source(self) -> None:
         """Find the engine's KV cache manager through the calling PyExecutor's frames and tee
-        its KV events into the sink (see ``event_sink.attach_event_source``). Executor thread,
+        its KV events into the sink (see ``event_source.attach_event_source``). Executor thread,
         first iterations only; frame inspection, no I/O."""
         self._attach_attempts += 1
         manager = find_kv_cache_manager()
@@ -470,7 +470,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                     "them with event_sink.ingest)", EVENTS_SOURCE)
             self._event_source_problem = "no KV cache manager found"
             return
-        from kvbm_plugin.event_sink import attach_event_source
+        from kvbm_plugin.event_source import attach_event_source
 
         try:
             self.event_source = attach_event_source(

@@ -1,0 +1,237 @@
+"""How an event sink receives a live TensorRT-LLM KV cache manager's events.
+
+:func:`attach_event_source` tees the manager, without patching TensorRT-LLM (only the one
+manager instance's attributes are wrapped): KVCacheManagerV2's event-sink hooks are forwarded
+to the sink as they are called; the buffered path (``get_latest_events``) is drained every
+iteration or only copied from TRT-LLM's own readers (``DYN_KVBM_KV_EVENTS_SOURCE``, see
+docs/event_sources.md). The leader attaches once it finds the manager and polls the returned
+:class:`EventSource` once per iteration on the executor thread, before ``sink.flush()``.
+No torch or TensorRT-LLM import.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin.event_sink import KvEventSink
+from kvbm_plugin.events import WireFormatError
+
+logger = logging.getLogger(__name__)
+
+V2_HOOKS: tuple[str, ...] = (
+    "add_created_event", "add_stored_event", "add_stored_block_event_from_block",
+    "add_stored_life_cycle_event_from_block", "add_removed_event",
+    "add_removed_life_cycle_event", "add_updated_event", "set_layer_group_window_sizes",
+)
+
+
+class EventSource:
+    """How a sink receives a KV cache manager's events; made by :func:`attach_event_source`.
+
+    ``kind`` is ``"v2-hooks"`` or ``"buffered"``. The leader calls :meth:`poll` once per
+    iteration before ``sink.flush()`` (executor thread) and :meth:`detach` at teardown.
+    """
+
+    def __init__(self, kind: str, poll: Callable[[], int], detach: Callable[[], None],
+                 mode: str = "tap", drains: Callable[[], bool] = lambda: False) -> None:
+        self.kind = kind
+        self.mode = mode  # DYN_KVBM_KV_EVENTS_SOURCE as applied: auto | drain | tap
+        self._drains = drains
+        self._poll = poll
+        self._detach = detach
+        self._detached = False
+
+    @property
+    def drains(self) -> bool:
+        """Whether :meth:`poll` drains TRT-LLM's buffer now (``auto`` stops once another
+        reader appeared; V2 hooks and ``tap`` never drain)."""
+        return not self._detached and self._drains()
+
+    def describe(self) -> str:
+        """One line for the start-up log and ``doctor``."""
+        if self.kind == "v2-hooks":
+            return "KVCacheManagerV2 event hooks (never drains TRT-LLM's queue)"
+        if self.mode == "tap":
+            return ("buffered get_latest_events, tap: copies what TRT-LLM's own readers drain, "
+                    "never drains")
+        if self.mode == "drain":
+            return "buffered get_latest_events, drain: drained every iteration"
+        return ("buffered get_latest_events, auto: " + (
+            "draining every iteration until another reader appears" if self.drains
+            else "another reader appeared; tapping what it drains"))
+
+    def poll(self) -> int:
+        """Drain events the manager buffered (buffered kind with drain=True); returns count."""
+        return 0 if self._detached else self._poll()
+
+    def detach(self) -> None:
+        """Remove the tee; idempotent."""
+        if not self._detached:
+            self._detached = True
+            self._detach()
+
+
+def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
+                        serialize: Callable[[Any], list[dict[str, Any]]] | None = None,
+                        drain: bool = True, mode: str | None = None) -> EventSource:
+    """Make ``sink`` receive the events of a live TRT-LLM KV cache manager, without patching
+    TensorRT-LLM (only the one manager instance's attributes are wrapped).
+
+    Called once by the leader after the executor built its KV cache manager (executor thread).
+
+    - KVCacheManagerV2 (``kv_cache_manager.event_manager`` has the V2 hooks; exists when
+      ``kv_cache_config.event_buffer_max_size > 0``): each hook of that event-manager instance
+      is wrapped so the call goes to TRT-LLM's manager first, then to the sink. TRT-LLM's own
+      pull path (``LLM.get_kv_cache_events``, ``/kv_cache_events``) keeps working; every rank
+      (also each attention-DP rank) sees its own events before any gather.
+    - Buffered path (released versions: ``kv_cache_manager.get_latest_events(timeout_ms)``):
+      that method is wrapped so that whoever drains the buffer (TRT-LLM's KV-event dispatch
+      thread, or :meth:`EventSource.poll`) also feeds the sink. ``serialize`` turns the C++
+      event objects into dicts (``tensorrt_llm._utils.KVCacheEventSerializer.serialize``;
+      dicts pass through). ``mode`` (``DYN_KVBM_KV_EVENTS_SOURCE``) says whether ``poll``
+      drains the buffer too: ``drain`` always (the plugin gets events even when nothing else
+      asks for them, and events drained that way no longer reach TRT-LLM's own pull API);
+      ``tap`` never (only what TRT-LLM's own readers drain is seen, and nothing is taken from
+      them); ``auto`` drains until the wrapped getter is called by anyone else, then taps.
+      ``drain=False`` is the older spelling of ``mode="tap"``. The tee runs on the caller's
+      thread (TRT-LLM's KV-event dispatch thread): ``sink.ingest`` takes one short lock.
+
+    Raises ValueError naming what is missing when neither path is available.
+    """
+    event_manager = getattr(kv_cache_manager, "event_manager", None)
+    if event_manager is not None and hasattr(event_manager, "add_stored_block_event_from_block"):
+        return _tee_v2(event_manager, sink)
+    get_latest = getattr(kv_cache_manager, "get_latest_events", None)
+    if get_latest is None or hasattr(kv_cache_manager, "add_stored_block_event_from_block"):
+        raise ValueError(
+            f"{type(kv_cache_manager).__name__} exposes neither a V2 event manager "
+            "(.event_manager with add_stored_block_event_from_block) nor get_latest_events: "
+            "set kv_cache_config.event_buffer_max_size > 0 and enable_block_reuse=True so that "
+            "TensorRT-LLM produces KV cache events")
+    # The buffered getter exists whether or not the buffer does; with size 0 it would return
+    # nothing forever, so say so instead of publishing an empty stream.
+    size = getattr(kv_cache_manager, "event_buffer_max_size", None)
+    if isinstance(size, int) and size <= 0:
+        raise ValueError(f"kv_cache_config.event_buffer_max_size={size}: TensorRT-LLM buffers no "
+                         "KV cache events; set it > 0 (e.g. 1024, as `kvbm-plugin yaml` does)")
+    if mode is None:
+        mode = "drain" if drain else "tap"
+    if mode not in ("auto", "drain", "tap"):
+        raise ValueError(f"attach_event_source: mode={mode!r} is not auto | drain | tap")
+    return _tee_buffered(kv_cache_manager, get_latest, sink, serialize, mode)
+
+
+def _tee_v2(event_manager: Any, sink: KvEventSink) -> EventSource:
+    wrapped: list[str] = []
+    log = RateLimitedLog(logger)
+    # TRT-LLM's V2 event manager calls its own hooks from inside each other (the life-cycle
+    # hook calls stored-from-block, which calls add_stored_event, through ``self``, so through
+    # these instance attributes). Only the outermost call per thread is observed: one store
+    # per block, under the hash of the outermost call, which is the hash later removed.
+    nesting = threading.local()
+
+    for name in V2_HOOKS:
+        original = getattr(event_manager, name, None)
+        if original is None:
+            continue
+        ours = getattr(sink, name)
+
+        def tee(*args: Any, _orig: Any = original, _ours: Any = ours, _name: str = name,
+                **kwargs: Any) -> Any:
+            if getattr(nesting, "active", False):
+                return _orig(*args, **kwargs)  # called by another hook: TRT-LLM's only
+            nesting.active = True
+            try:
+                result = _orig(*args, **kwargs)
+            finally:
+                nesting.active = False
+            try:
+                _ours(*args, **kwargs)
+            except Exception as exc:  # the caller is TRT-LLM's KV cache manager: never break it
+                if not isinstance(exc, WireFormatError):  # those were counted by the sink
+                    sink._count_lost_input(1)
+                log.log(logging.ERROR, "v2-hook", "attach_event_source: KvEventSink.%s "
+                        "failed, event not published: %s: %s", _name, type(exc).__name__, exc)
+            return result
+
+        setattr(event_manager, name, tee)  # instance attribute: shadows the class method
+        wrapped.append(name)
+    # The window map was set while the manager was built, before we attached.
+    sizes = getattr(event_manager, "_window_size_by_layer_group", None)
+    if isinstance(sizes, Mapping) and sizes:
+        sink.set_layer_group_window_sizes(sizes)
+
+    def detach() -> None:
+        for name in wrapped:
+            event_manager.__dict__.pop(name, None)
+
+    return EventSource("v2-hooks", lambda: 0, detach, "tap")
+
+
+def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSink,
+                  serialize: Callable[[Any], list[dict[str, Any]]] | None,
+                  mode: str) -> EventSource:
+    log = RateLimitedLog(logger)
+    ours = threading.local()  # set while poll() itself calls the getter
+    state = {"others": mode == "tap"}  # True once anyone else read (auto: stop draining)
+
+    def feed(raw: Any) -> None:
+        if not raw:
+            return
+        items = list(raw)
+        if not isinstance(items[0], Mapping):
+            if serialize is None:
+                sink._count_lost_input(len(items))
+                log.log(logging.ERROR, "serialize", "attach_event_source: %d KV events are %s "
+                        "objects, not dicts, and no serialize= was given; pass "
+                        "tensorrt_llm._utils.KVCacheEventSerializer.serialize", len(items),
+                        type(items[0]).__name__)
+                return
+            try:
+                items = serialize(items)
+            except Exception as exc:
+                sink._count_lost_input(len(items))
+                log.log(logging.ERROR, "serialize-failed", "attach_event_source: serializing "
+                        "%d KV events failed, not published (counted as malformed): %s: %s",
+                        len(items), type(exc).__name__, exc)
+                return
+        sink.ingest(items)
+
+    def tee(*args: Any, **kwargs: Any) -> Any:
+        if not state["others"] and not getattr(ours, "polling", False):
+            state["others"] = True  # a plain store, read by the executor thread (GIL)
+            if mode == "auto":
+                logger.info("kvbm_plugin: another reader of TensorRT-LLM's KV events appeared "
+                            "(%s); no longer draining, publishing what it drains",
+                            threading.current_thread().name)
+        raw = get_latest(*args, **kwargs)
+        try:
+            feed(raw)
+        except Exception:  # the caller is TRT-LLM's thread: never break its pull path
+            logger.exception("attach_event_source: feeding KV events to the sink failed")
+        return raw
+
+    manager.get_latest_events = tee
+
+    def drains() -> bool:
+        return mode == "drain" or (mode == "auto" and not state["others"])
+
+    def poll() -> int:
+        if not drains():
+            return 0
+        ours.polling = True
+        try:
+            raw = manager.get_latest_events(0)
+        finally:
+            ours.polling = False
+        return len(raw) if raw else 0
+
+    def detach() -> None:
+        if getattr(manager, "__dict__", {}).get("get_latest_events") is tee:
+            del manager.get_latest_events
+
+    return EventSource("buffered", poll, detach, mode, drains)
