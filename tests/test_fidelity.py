@@ -547,18 +547,24 @@ def test_no_kv_cache_manager_warns_once_at_the_first_iteration(caplog) -> None:
 
 # ---------------------------------------------------------------- 6. one name per block
 
+def _run_recorded(engine: Any, seeds: range) -> Recorder:
+    """Record the leader's GPU-tier and tier events while one request per seed runs."""
+    rec = Recorder()
+    engine.leader.event_sink._publisher = rec
+    engine.leader._tier_events._publisher = rec
+    for seed in seeds:
+        engine.submit(prompt(seed, 25), 1)
+        engine.run_until_idle()
+    return rec
+
+
 def test_without_block_hashes_tier_events_use_trtllms_names_in_passthrough(make_engine) -> None:
     """No RequestData.block_hashes (TRT-LLM <= 1.2.x, V2): the leader learns TRT-LLM's hash
     of each block from the GPU-tier events it publishes, and its CPU/DISK events use it, so a
     router that keeps one entry per hash holds one name per block across media."""
     engine = make_engine(num_gpu_blocks=16, env=tiers(host=8, disk=64),
                          provide_block_hashes=False)
-    rec = Recorder()
-    engine.leader.event_sink._publisher = rec
-    engine.leader._tier_events._publisher = rec
-    for k in range(4):
-        engine.submit(prompt(10 + k, 25), 1)
-        engine.run_until_idle()
+    rec = _run_recorded(engine, seeds=range(10, 14))
     engine.submit(prompt(10, 25), 1)  # back from the tiers
     engine.run_until_idle()
     engine.leader.flush_events()
@@ -582,12 +588,7 @@ def test_with_block_hashes_the_leader_learns_no_names_from_events(make_engine) -
     batches (learning names from them costs the executor thread more than publishing), and
     the tier events still use TRT-LLM's hashes."""
     engine = make_engine(num_gpu_blocks=16, env=tiers(host=8))
-    rec = Recorder()
-    engine.leader.event_sink._publisher = rec
-    engine.leader._tier_events._publisher = rec
-    for k in range(3):
-        engine.submit(prompt(20 + k, 25), 1)
-        engine.run_until_idle()
+    rec = _run_recorded(engine, seeds=range(20, 23))
     engine.leader.flush_events()
     assert engine.leader.event_sink.on_flush is None
     gpu = {h for batch in rec.batches for ev in batch
