@@ -82,9 +82,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "points (zmq, null).", "publisher"),
     EnvVar(BUFFER_STEPS, "10000", "Batches kept for replay.", "publisher"),
     EnvVar(HWM, "100000", "ZMQ send high-water mark (messages).", "publisher"),
-    EnvVar(MAX_QUEUE_SIZE, "100000", "Batches queued between the engine thread and the "
-           "publisher thread; a full queue loses a batch visibly (seq gap, counted).",
-           "publisher"),
+    EnvVar(MAX_QUEUE_SIZE, "100000", "Batches queued for a publisher thread, where the "
+           "publisher sends on one (only where libzmq cannot be called keeping the GIL; by "
+           "default batches are sent on the engine thread and nothing is queued); a full queue "
+           "loses a batch visibly (seq gap, counted).", "publisher"),
     EnvVar(TOPIC, "", "ZMQ topic frame of every message.", "publisher"),
     EnvVar(WINDOW_SIZE, None, "Attention window whose events are published (sliding-window "
            "models); unset = the largest window.", "publisher"),
