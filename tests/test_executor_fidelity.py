@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from _engines import OFF, prompt, tiers
+from _kvwire import wait_until
 
 from kvbm_plugin import connector_leader
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
@@ -168,6 +169,11 @@ def test_draining_event_source_starves_trtllm_event_reader(make_engine) -> None:
     assert got < produced  # starved: the plugin drained the rest
 
 
+def _wait_reader_has(reader: Any, produced: int) -> None:
+    """Until TRT-LLM's reader (its dispatch thread) has taken ``produced`` events."""
+    wait_until(lambda: len(reader.events()) >= produced, what=f"the reader's {produced} events")
+
+
 def test_trtllm_event_reader_gets_every_event_when_nobody_else_drains(make_engine) -> None:
     """Control for the test above: the reader itself loses nothing."""
     engine = make_engine(env={**OFF, "DYN_KVBM_KV_EVENTS_SOURCE": "off"},
@@ -176,9 +182,7 @@ def test_trtllm_event_reader_gets_every_event_when_nobody_else_drains(make_engin
         engine.submit(prompt(20 + k, 13), 2)
     engine.run_until_idle()
     produced = engine.kv_cache_manager.produced
-    deadline = time.monotonic() + 10
-    while len(engine.event_reader.events()) < produced and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_reader_has(engine.event_reader, produced)
     assert produced > 0 and len(engine.event_reader.events()) == produced
 
 
@@ -193,9 +197,7 @@ def test_tap_source_leaves_every_event_to_trtllm_reader_and_still_publishes_them
     engine.run_until_idle()
     produced = engine.kv_cache_manager.produced
     reader = engine.event_reader
-    deadline = time.monotonic() + 10
-    while len(reader.events()) < produced and time.monotonic() < deadline:
-        time.sleep(0.01)
+    _wait_reader_has(reader, produced)
     assert produced > 0 and len(reader.events()) == produced
     assert engine.leader.event_sink.stats()["events_in"] == produced
 
