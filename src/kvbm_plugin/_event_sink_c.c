@@ -325,10 +325,10 @@ static int key_hash(PyObject *key, int64_t *out) {
  * reads the same ones again when the call goes to it). 1: taken, 0: the Python hook's. */
 static int v2_take_store(RankBatch *rb, PyObject *block) {
     PyObject *key = NULL, *tokens = NULL, *prev = NULL, *ordinal = NULL, *pkey = NULL;
-    PyObject *h = NULL, *parent = NULL, *known;
+    PyObject *h = NULL, *known;
     int64_t hv, pv = 0;
     Py_ssize_t j, bs = rb->block_size;
-    int r = 0, new_store;
+    int r = 0, new_store, has_parent = 0;
 
     key = PyObject_GetAttr(block, A_key);
     if (key == NULL || !key_hash(key, &hv)) goto done;
@@ -343,19 +343,20 @@ static int v2_take_store(RankBatch *rb, PyObject *block) {
     if (ordinal != NULL && !PyLong_CheckExact(ordinal)) goto done;
     if (ordinal == NULL || PyLong_AsLong(ordinal) == -1) {
         if (PyErr_Occurred()) goto done;
-        parent = Py_NewRef(Py_None);
     } else {
+        /* The parent's wire hash: the one published for its key, else its key's. */
+        PyObject *published;
         pkey = PyObject_GetAttr(prev, A_key);
         if (pkey == NULL) goto done;
-        parent = PyDict_GetItemWithError(rb->live_keys, pkey);
-        if (parent != NULL) {
-            if (!PyLong_CheckExact(parent)) { parent = NULL; goto done; }
-            Py_INCREF(parent);
-        } else {
-            if (PyErr_Occurred() || !key_hash(pkey, &pv)) goto done;
-            parent = PyLong_FromLongLong(pv);
-            if (parent == NULL) goto done;
+        published = PyDict_GetItemWithError(rb->live_keys, pkey);
+        if (published != NULL) {
+            if (!PyLong_CheckExact(published)) goto done;
+            pv = PyLong_AsLongLong(published);
+            if (pv == -1 && PyErr_Occurred()) goto done;
+        } else if (PyErr_Occurred() || !key_hash(pkey, &pv)) {
+            goto done;
         }
+        has_parent = 1;
     }
     /* The list is re-read here: nothing since its length check ran Python code on it, but
      * the attribute reads in between may have. */
@@ -378,11 +379,7 @@ static int v2_take_store(RankBatch *rb, PyObject *block) {
         r = -1;
         goto done;
     }
-    if (parent != Py_None) {
-        pv = PyLong_AsLongLong(parent);
-        if (pv == -1 && PyErr_Occurred()) { r = -1; goto done; }
-    }
-    new_store = rb_append_store(rb, hv, parent != Py_None, pv, 0, 0);
+    new_store = rb_append_store(rb, hv, has_parent, pv, 0, 0);
     if (new_store < 0) { r = -1; goto done; }
     rb->v2_blocks_stored += 1;
     rb->v2_stores += new_store;
@@ -399,7 +396,6 @@ done:
     Py_XDECREF(ordinal);
     Py_XDECREF(pkey);
     Py_XDECREF(h);
-    Py_XDECREF(parent);
     return r;
 }
 
