@@ -56,7 +56,9 @@ from kvbm_plugin.events import (
     MAX_DP_RANKS,
     MEDIUM_GPU,
     U32_MAX,
+    EncodedBatch,
     WireFormatError,
+    event_count,
     events_as_maps,
     to_signed_int64,
 )
@@ -756,23 +758,28 @@ class KvEventSink:
         observer = self.on_flush
         for rank, events in pending:
             publisher = self._rank_publishers.get(rank, self._publisher)
-            if (observer is not None or not publisher.accepts_encoded_events) \
-                    and self._native is not None:
-                events = events_as_maps(events)
+            # The compiled batch's encoded runs are decoded at most once, only for a reader of
+            # maps; a publisher that takes them gets them as they are.
+            maps = events
+            if type(events) is EncodedBatch and (observer is not None
+                                                 or not publisher.accepts_encoded_events):
+                maps = events_as_maps(events)
             if observer is not None:
                 try:
-                    observer(rank, events)
+                    observer(rank, maps)
                 except Exception as exc:  # an observer must not cost the batch
                     self._log.log(logging.ERROR, "observer", "KvEventSink: on_flush observer "
                                   "raised %s: %s", type(exc).__name__, exc)
+            if not publisher.accepts_encoded_events:
+                events = maps
             try:
                 published = publisher.publish(events, data_parallel_rank=rank)
             except Exception as exc:  # a transport plugin breaking the never-raise contract
                 published = False
                 self._log.log(logging.ERROR, "publish-error", "KvEventSink: %s.publish raised "
                               "%s: %s; batch of %d events for dp rank %d lost",
-                              type(publisher).__name__, type(exc).__name__, exc, len(events),
-                              rank)
+                              type(publisher).__name__, type(exc).__name__, exc,
+                              event_count(events), rank)
             if published:
                 self._c["batches_published"] += 1
             else:
