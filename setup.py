@@ -6,13 +6,13 @@ its pure-Python reference loops (``kvbm-plugin doctor`` says which are in use).
 
 from setuptools import Extension, setup
 
-_COMMON = ["src/kvbm_plugin/_native_common.h"]
-_SINK = [*_COMMON, "src/kvbm_plugin/_rank_batch.h"]
+_COMMON = ["src/kvbm_plugin/_util/native_common.h"]
+_SINK = [*_COMMON, "src/kvbm_plugin/gpu_events/_rank_batch.h"]
 
 setup(ext_modules=[
-    Extension("kvbm_plugin._event_sink_c",
-              ["src/kvbm_plugin/_event_sink_c.c", "src/kvbm_plugin/_rank_batch.c"],
+    Extension("kvbm_plugin.gpu_events._sink_c",
+              ["src/kvbm_plugin/gpu_events/_sink_c.c", "src/kvbm_plugin/gpu_events/_rank_batch.c"],
               depends=_SINK, optional=True),
-    Extension("kvbm_plugin._consolidator_c", ["src/kvbm_plugin/_consolidator_c.c"],
+    Extension("kvbm_plugin.consolidator._core_c", ["src/kvbm_plugin/consolidator/_core_c.c"],
               depends=_COMMON, optional=True),
 ])

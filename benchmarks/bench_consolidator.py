@@ -32,13 +32,13 @@ import msgpack
 import zmq
 
 from benchmarks._table import Row, print_table
-from kvbm_plugin.consolidator import KvEventConsolidator
+from kvbm_plugin.consolidator.service import KvEventConsolidator
 from kvbm_plugin.consolidator_config import (
     EVENTS_ENDPOINT,
     OUTPUT_ENDPOINT,
     load_consolidator_config,
 )
-from kvbm_plugin.events import decode_message
+from kvbm_plugin.wire.events import decode_message
 
 CHAINS = 4  # stored chains per iteration
 CHAIN_LEN = 16  # blocks per chain

@@ -71,11 +71,11 @@ import msgspec
 import zmq
 
 from benchmarks._table import Row, print_table
-from kvbm_plugin import _native
+from kvbm_plugin._util import native as _native
 from kvbm_plugin.consolidator_config import Endpoint, PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.events import encode_payload
-from kvbm_plugin.publisher import NullEventPublisher, ZmqEventPublisher
+from kvbm_plugin.wire.events import encode_payload
+from kvbm_plugin.wire.publisher import NullEventPublisher, ZmqEventPublisher
 
 BLOCK_SIZE = 32
 PER_ITER = 64

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 
 from benchmarks._table import Row, print_table
-from kvbm_plugin.connector_meta import (
+from kvbm_plugin.connector.meta import (
     HOST,
     ConnectorMetadata,
     LoadCopy,

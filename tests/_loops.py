@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvbm_plugin import _native
+from kvbm_plugin._util import native as _native
 from kvbm_plugin.consolidator_config import NATIVE
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvbm_plugin.chat_workload import AccuracyTally, SteadyChat, TurnWaves
+from kvbm_plugin.tools.chat_workload import AccuracyTally, SteadyChat, TurnWaves
 
 
 def test_tally_splits_agreement_over_and_under_estimates() -> None:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from _kvwire import free_port
 
-from kvbm_plugin import cli
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.doctor import main_doctor
+from kvbm_plugin.tools import cli
+from kvbm_plugin.tools.doctor import main_doctor
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("demo", "yaml", "doctor", "env", "subscribe", "consolidate", "sidecar")
@@ -33,7 +33,7 @@ def test_help_lists_every_command(capsys) -> None:
 
 @pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_has_help(command: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "kvbm_plugin.cli", command, "--help"],
+    result = subprocess.run([sys.executable, "-m", "kvbm_plugin.tools.cli", command, "--help"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "usage:" in result.stdout
@@ -96,7 +96,7 @@ def test_doctor_ok_with_free_ports(monkeypatch, capsys) -> None:
     assert checks["consolidator config"]["status"] == "ok"
     assert checks["TensorRT-LLM"]["status"] in ("warn", "ok")
     assert checks["torch"]["status"] == "ok"
-    from kvbm_plugin import _native
+    from kvbm_plugin._util import native as _native
 
     in_use = _native.describe()[0]  # built at install and not switched off (DYN_KVBM_NATIVE)
     assert checks["compiled fast paths"]["status"] == ("ok" if in_use else "warn")
@@ -130,7 +130,7 @@ def test_doctor_fails_on_busy_port(monkeypatch, capsys) -> None:
 
 
 def test_doctor_require_trtllm(monkeypatch, capsys) -> None:
-    from kvbm_plugin import _trtllm_compat
+    from kvbm_plugin.connector import trtllm_compat as _trtllm_compat
 
     if _trtllm_compat.COMPAT.installed:
         pytest.skip("TensorRT-LLM is installed here")

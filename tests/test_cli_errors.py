@@ -31,7 +31,7 @@ def _env(**variables: str) -> dict[str, str]:
 
 def _run(args: list[str], env: dict[str, str] | None = None,
          timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvbm_plugin.cli", *args],
+    return subprocess.run([sys.executable, "-m", "kvbm_plugin.tools.cli", *args],
                           env=_env() if env is None else env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -121,7 +121,7 @@ def test_sidecar_the_readme_way_gets_past_its_options(tmp_path: Path) -> None:
     assert "--block-size" in command and "--url" in command
     args = [a.replace("http://host:port", "http://127.0.0.1:9") for a in command[1:]]
     args = [a if a != "N" else "16" for a in args]
-    proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.cli", *args],
+    proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.tools.cli", *args],
                             env=_env(**{cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/gpu"}),
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -188,7 +188,7 @@ def test_a_signal_during_the_demo_ends_it_cleanly(tmp_path: Path, signum: int, s
     """Ctrl-C is one line and status 130; SIGTERM exits 143; both leave no traceback and no
     ``kvbm-demo-*`` directory behind."""
     with _children_take_ctrl_c():
-        proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.cli", "demo",
+        proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.tools.cli", "demo",
                                  "--no-progress", "--sessions", "32", "--turns", "8"],
                                 env=_env(TMPDIR=str(tmp_path)), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.PIPE, text=True)
@@ -247,7 +247,7 @@ def test_doctor_covers_every_variable() -> None:
 @pytest.mark.parametrize("variable", list(BAD_VALUES) + list(BAD_VALUES_ELSEWHERE))
 def test_doctor_refuses_a_bad_value_of_every_variable(monkeypatch, capsys,
                                                       variable: str) -> None:
-    from kvbm_plugin.doctor import main_doctor
+    from kvbm_plugin.tools.doctor import main_doctor
 
     for var in cc.ENV_VARS:
         monkeypatch.delenv(var.name, raising=False)
@@ -263,7 +263,7 @@ def test_doctor_refuses_a_bad_value_of_every_variable(monkeypatch, capsys,
 @pytest.mark.parametrize("variable", list(BAD_VALUES))
 def test_standalone_commands_validate_every_variable_they_read(monkeypatch, capsys, command: str,
                                                                variable: str) -> None:
-    from kvbm_plugin import cli
+    from kvbm_plugin.tools import cli
 
     for var in cc.ENV_VARS:
         monkeypatch.delenv(var.name, raising=False)
@@ -288,7 +288,7 @@ def test_ctrl_c_while_torch_loads_waits_for_the_import_then_interrupts() -> None
                     signal.raise_signal(signal.SIGINT)
                 return None
 
-        from kvbm_plugin import cli
+        from kvbm_plugin.tools import cli
         sys.meta_path.insert(0, CtrlCWhenTorchLoads())
         status = cli.main(["demo", "--no-progress"])
         print("torch" in sys.modules, status)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from kvbm_plugin import _trtllm_compat
+from kvbm_plugin.connector import trtllm_compat as _trtllm_compat
 
 NEW_PATH = "tensorrt_llm._torch.pyexecutor.connectors.kv_cache_connector"
 OLD_PATH = "tensorrt_llm._torch.pyexecutor.kv_cache_connector"

@@ -346,7 +346,7 @@ def test_copy_that_cannot_be_issued_fails_its_ops_and_finishes_ids(make_engine,
 
 
 def test_reports_from_ranks_outside_the_group_or_for_unknown_ops_are_rejected() -> None:
-    from kvbm_plugin.connector_meta import OpReport, find_hub
+    from kvbm_plugin.connector.meta import OpReport, find_hub
 
     leader = KvbmConnectorLeader(LlmArgs(KvCacheConfig(4), ParallelConfig(0, 2),
                                          kvbm_plugin_env=tiers(host=8),
@@ -370,7 +370,7 @@ def test_reports_from_ranks_outside_the_group_or_for_unknown_ops_are_rejected() 
 
 def test_worker_shutdown_runs_disk_writes_queued_by_the_last_transfer_job(make_engine,
                                                                         monkeypatch) -> None:
-    from kvbm_plugin.connector_meta import DISK, ConnectorMetadata, SaveOp
+    from kvbm_plugin.connector.meta import DISK, ConnectorMetadata, SaveOp
 
     engine = make_engine(num_gpu_blocks=16, env=tiers(disk=16))
     engine.submit(prompt(32, 9), 1)
@@ -424,7 +424,7 @@ def test_prompt_blocks_are_hashed_once_per_request(monkeypatch) -> None:
 def test_a_bad_mpi_rank_variable_is_named(monkeypatch) -> None:
     from types import SimpleNamespace
 
-    from kvbm_plugin._llm_args import parallel_of
+    from kvbm_plugin.connector.llm_args import parallel_of
 
     monkeypatch.delenv("OMPI_COMM_WORLD_RANK", raising=False)
     monkeypatch.setenv("PMI_RANK", "one")

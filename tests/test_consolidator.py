@@ -23,7 +23,7 @@ import msgpack
 import pytest
 import zmq
 
-from kvbm_plugin.consolidator import KvEventConsolidator, main_consolidate
+from kvbm_plugin.consolidator.service import KvEventConsolidator
 from kvbm_plugin.consolidator_config import (
     EVENTS_ENDPOINT,
     OUTPUT_ENDPOINT,
@@ -33,8 +33,9 @@ from kvbm_plugin.consolidator_config import (
     PublisherSettings,
     load_consolidator_config,
 )
-from kvbm_plugin.events import END_SEQ, EventBatch, decode_message, encode_seq
-from kvbm_plugin.publisher import NullEventPublisher, create_publisher
+from kvbm_plugin.tools.consolidate import main_consolidate
+from kvbm_plugin.wire.events import END_SEQ, EventBatch, decode_message, encode_seq
+from kvbm_plugin.wire.publisher import NullEventPublisher, create_publisher
 
 BS = 4
 U64 = 1 << 64
@@ -474,14 +475,14 @@ def test_an_ext_value_loses_only_its_own_event(ipc_dir, start, raw_rank):
 def test_bogus_dp_ranks_are_refused_and_keep_no_state(ipc_dir, start, raw_rank, caplog):
     """A payload naming a dp rank outside 0..max_dp_ranks-1 is dropped, counted and logged
     (rate-limited); no per-rank state is kept for it, however many distinct ranks arrive."""
-    from kvbm_plugin.events import MAX_DP_RANKS
+    from kvbm_plugin.wire.events import MAX_DP_RANKS
 
     config = make_config(ipc_dir, replay=False)
     raw = raw_rank(config)
     consolidator = start(config)
     raw.wait_subscribed()
     bogus = 300
-    with caplog.at_level(logging.WARNING, logger="kvbm_plugin.consolidator"):
+    with caplog.at_level(logging.WARNING, logger="kvbm_plugin.consolidator.service"):
         for i in range(bogus):
             raw.send(i, [stored([10], None, [1])], dp_rank=MAX_DP_RANKS + i)
         raw.send(bogus, [stored([1], None, [1])], dp_rank=MAX_DP_RANKS - 1)
@@ -646,7 +647,7 @@ def test_shutdown_is_idempotent_and_bounded(ipc_dir, raw_rank, caplog):
     consolidator.shutdown(3.0)
     assert time.monotonic() - began < 4.0
     assert consolidator.stats()["registrations"] == 1  # applied before the thread stopped
-    with caplog.at_level(logging.WARNING, logger="kvbm_plugin.consolidator"):
+    with caplog.at_level(logging.WARNING, logger="kvbm_plugin.consolidator.service"):
         consolidator.register_remove("CPU", 0, [1])  # after shutdown: dropped, never raises
     assert consolidator.stats()["registrations_dropped"] == 1
     assert "remove registration after shutdown dropped" in caplog.text
@@ -744,7 +745,7 @@ def test_consolidate_command_runs_until_sigterm(ipc_dir):
     env = dict(os.environ, DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR="false")
     env.pop(EVENTS_ENDPOINT, None)
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from kvbm_plugin.consolidator import "
+        [sys.executable, "-c", "import sys; from kvbm_plugin.tools.consolidate import "
          "main_consolidate; sys.exit(main_consolidate(sys.argv[1:]))",
          "--num-ranks", "2", "--events-endpoint", f"ipc://{ipc_dir}/ev",
          "--output-endpoint", f"ipc://{ipc_dir}/out"],
@@ -1052,7 +1053,7 @@ def test_a_reconnection_to_the_same_publisher_replays_what_was_missed(ipc_dir, s
 
 def test_output_a_threaded_publisher_loses_later_is_counted_lost(ipc_dir, raw_rank,
                                                                   expect_errors):
-    from kvbm_plugin.publisher import ZmqEventPublisher
+    from kvbm_plugin.wire.publisher import ZmqEventPublisher
 
     config = make_config(ipc_dir, replay=False)
     raw_rank(config)

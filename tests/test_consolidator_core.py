@@ -17,14 +17,14 @@ from _strict_router import StrictRouter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbm_plugin.consolidator import (
+from kvbm_plugin.consolidator.service import (
     SOURCE_ENGINE,
     SOURCE_TIERS,
     ConsolidatorCore,
     UnknownDpRankError,
     UnknownMediumError,
 )
-from kvbm_plugin.events import MAX_DP_RANKS, WireFormatError, encode_payload, to_signed_int64
+from kvbm_plugin.wire.events import MAX_DP_RANKS, WireFormatError, encode_payload, to_signed_int64
 
 BS = 2
 MASK = (1 << 64) - 1

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import kvbm_plugin.connector_worker as worker_mod
-from kvbm_plugin.connector_meta import (
+from kvbm_plugin.connector.meta import (
     HOST,
     ConnectorMetadata,
     SaveOp,

@@ -8,9 +8,9 @@ from typing import Any
 
 from _kvwire import free_port
 
-from kvbm_plugin import chat_workload, demo
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.router_view import RouterView, TreeSubscriber
+from kvbm_plugin.tools import chat_workload, demo
+from kvbm_plugin.tools.router_view import RouterView, TreeSubscriber
 
 SMALL = ["--sessions", "6", "--turns", "3", "--system-tokens", "64", "--gpu-blocks", "24",
          "--host-blocks", "16", "--disk-blocks", "64", "--no-progress"]

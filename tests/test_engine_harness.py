@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from kvbm_plugin.events import to_unsigned_u64
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.testing.fake_trtllm import SchedulerOutput
+from kvbm_plugin.wire.events import to_unsigned_u64
 
 
 def test_consolidated_view_equals_gpu_host_disk_truth(tmp_path) -> None:

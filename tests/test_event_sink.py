@@ -13,9 +13,9 @@ from _loops import both_implementations
 
 from kvbm_plugin.consolidator_config import Endpoint, PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink, radix_key_hash
-from kvbm_plugin.event_source import attach_event_source
-from kvbm_plugin.events import WireFormatError
-from kvbm_plugin.publisher import EventPublisher, ZmqEventPublisher
+from kvbm_plugin.gpu_events.source import attach_event_source
+from kvbm_plugin.wire.events import WireFormatError
+from kvbm_plugin.wire.publisher import EventPublisher, ZmqEventPublisher
 
 U64 = 1 << 64
 
@@ -34,7 +34,7 @@ class Capture(EventPublisher):
 
     def publish(self, events: Sequence[dict[str, Any]], data_parallel_rank: int | None = None
                 ) -> bool:
-        from kvbm_plugin.events import encode_payload
+        from kvbm_plugin.wire.events import encode_payload
 
         batch = decode(encode_payload(1.0, events, data_parallel_rank or 0))
         self.batches.append((batch.data_parallel_rank, batch.events))
@@ -558,7 +558,7 @@ def test_dp_ranks_beyond_the_bound_are_refused_and_counted(caplog: pytest.LogCap
 
 
 def test_the_default_rank_bound() -> None:
-    from kvbm_plugin.events import MAX_DP_RANKS
+    from kvbm_plugin.wire.events import MAX_DP_RANKS
 
     sink = KvEventSink(Capture(), block_size=2)
     sink.ingest([removed(1, rank=MAX_DP_RANKS - 1), removed(1, rank=MAX_DP_RANKS)])

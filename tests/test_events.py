@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kvbm_plugin.events import (
+from kvbm_plugin.wire.events import (
     END_SEQ,
     BlockRemoved,
     BlockStored,

@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 from _engines import OFF, prompt, tiers
 
-from kvbm_plugin._salt import cache_salt_id, salt_extra_key
-from kvbm_plugin.consolidator import SOURCE_ENGINE, SOURCE_TIERS, ConsolidatorCore
+from kvbm_plugin.consolidator.service import SOURCE_ENGINE, SOURCE_TIERS, ConsolidatorCore
 from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink, radix_key_hash
-from kvbm_plugin.events import to_signed_int64
-from kvbm_plugin.publisher import EventPublisher
 from kvbm_plugin.testing.engine import SimulatedEngine
 from kvbm_plugin.testing.fake_trtllm import LlmRequest
+from kvbm_plugin.wire.events import to_signed_int64
+from kvbm_plugin.wire.identity import cache_salt_id, salt_extra_key
+from kvbm_plugin.wire.publisher import EventPublisher
 
 BS = 4
 
@@ -135,7 +135,7 @@ def stored(h: Any, parent: Any = None, tokens: list[int] | None = None,
 
 @pytest.mark.parametrize("native", [True, False])
 def test_per_block_lora_and_multimodal_keys_reach_the_wire(native: bool) -> None:
-    from kvbm_plugin import _native
+    from kvbm_plugin._util import native as _native
 
     if native and _native.loops("event_sink", {}) is None:
         pytest.skip("compiled loops not built")
@@ -175,7 +175,7 @@ def test_two_adapters_blocks_with_the_same_tokens_are_two_blocks() -> None:
 
 @pytest.mark.parametrize("native", [True, False])
 def test_hex_string_hashes_map_like_v2_radix_keys(native: bool) -> None:
-    from kvbm_plugin import _native
+    from kvbm_plugin._util import native as _native
 
     if native and _native.loops("event_sink", {}) is None:
         pytest.skip("compiled loops not built")
@@ -227,7 +227,7 @@ class NestingV2EventManager:
 def test_nested_v2_hooks_publish_each_block_once_and_every_hash_is_removable() -> None:
     from types import SimpleNamespace
 
-    from kvbm_plugin.event_source import attach_event_source
+    from kvbm_plugin.gpu_events.source import attach_event_source
 
     rec = Recorder()
     sink = KvEventSink(rec, block_size=2, strict=True)
@@ -621,7 +621,7 @@ def test_sidecar_publishes_hex_string_hashes_as_v2_radix_keys() -> None:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from kvbm_plugin.consolidator_config import load_consolidator_config
-    from kvbm_plugin.sidecar import run_sidecar
+    from kvbm_plugin.tools.sidecar import run_sidecar
 
     key1, key2 = bytes(range(3, 35)), bytes(range(100, 132))
     body = json.dumps([
@@ -676,7 +676,7 @@ def test_sidecar_publishes_hex_string_hashes_as_v2_radix_keys() -> None:
 def test_salt_spellings_map_to_one_id_and_odd_values_still_isolate() -> None:
     from types import SimpleNamespace
 
-    from kvbm_plugin._salt import request_scope, salt_of
+    from kvbm_plugin.wire.identity import request_scope, salt_of
 
     sid = cache_salt_id("tenant-a")
     assert salt_of(SimpleNamespace(cache_salt_id=sid)) == salt_of(

@@ -11,7 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvbm_plugin.consolidator import KvEventConsolidator
+from kvbm_plugin.connector.assembly import EventPath, TierEventPublisher, assemble_event_path
+from kvbm_plugin.consolidator.service import KvEventConsolidator
 from kvbm_plugin.consolidator_config import (
     EVENTS_ENDPOINT,
     OUTPUT_ENDPOINT,
@@ -20,7 +21,6 @@ from kvbm_plugin.consolidator_config import (
     load_consolidator_config,
 )
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.leader_assembly import EventPath, TierEventPublisher, assemble_event_path
 
 BS = 4
 

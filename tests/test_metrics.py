@@ -5,8 +5,8 @@ from __future__ import annotations
 import socket
 import urllib.request
 
+from kvbm_plugin.connector.metrics import Metrics
 from kvbm_plugin.consolidator_config import MetricsSettings
-from kvbm_plugin.metrics import Metrics
 
 
 def test_stats_sources_become_counters_and_gauges() -> None:
@@ -58,7 +58,7 @@ def test_engine_run_exports_component_counters_and_transfer_histograms(tmp_path)
            "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": "16",
            "DYN_KVBM_DISK_CACHE_DIR": str(tmp_path / "disk"),
            "DYN_KVBM_METRICS": "1", "DYN_KVBM_METRICS_PORT": str(port)}
-    from kvbm_plugin.metrics import get_metrics
+    from kvbm_plugin.connector.metrics import get_metrics
 
     engine = SimulatedEngine(EngineConfig(num_gpu_blocks=12, env=env, tp_size=2))
     try:

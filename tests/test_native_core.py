@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbm_plugin import _native
-from kvbm_plugin.consolidator import SOURCE_ENGINE, SOURCE_TIERS, ConsolidatorCore
-from kvbm_plugin.events import MAX_DP_RANKS, WireFormatError
+from kvbm_plugin._util import native as _native
+from kvbm_plugin.consolidator.service import SOURCE_ENGINE, SOURCE_TIERS, ConsolidatorCore
+from kvbm_plugin.wire.events import MAX_DP_RANKS, WireFormatError
 
 BS = 2
 WRAPS_TO_2 = ((1 << 64) + 2) // 3  # 3 * this = 2**64 + 2: 2 in a wrapping 64-bit product

@@ -20,17 +20,17 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvbm_plugin import _native
+from kvbm_plugin._util import native as _native
 from kvbm_plugin.consolidator_config import NATIVE, ConfigError, PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink, radix_key_hash
-from kvbm_plugin.events import (
+from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
     EncodedEvents,
     WireFormatError,
     encode_payload,
     events_as_maps,
 )
-from kvbm_plugin.publisher import EventPublisher
+from kvbm_plugin.wire.publisher import EventPublisher
 
 BS = 2  # block size: small, so partial and oversized blocks are easy to draw
 HASHES = [0, 1, 2, 3, 5, (1 << 63) - 1, 1 << 63, (1 << 64) - 1, -1, -(1 << 63),
@@ -208,7 +208,7 @@ def run(native: bool, calls: list[tuple[list[Any], bool]], window: int | None,
 
 
 needs_native = pytest.mark.skipif(_native.loops("event_sink", {}) is None,
-                                  reason="kvbm_plugin._event_sink_c was not built")
+                                  reason="kvbm_plugin.gpu_events._sink_c was not built")
 
 
 @needs_native

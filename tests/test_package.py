@@ -14,8 +14,8 @@ import importlib_metadata
 import pytest
 
 import kvbm_plugin
-from kvbm_plugin.publisher import EventPublisher, NullEventPublisher
-from kvbm_plugin.registry import PUBLISHERS_GROUP, load_group
+from kvbm_plugin._util.plugins import PUBLISHERS_GROUP, load_group
+from kvbm_plugin.wire.publisher import EventPublisher, NullEventPublisher
 
 
 def _run(code: str) -> str:
@@ -26,8 +26,8 @@ def _run(code: str) -> str:
 
 def test_import_does_not_pull_torch_or_trtllm() -> None:
     out = _run("""
-        import sys, kvbm_plugin, kvbm_plugin.consolidator_config, kvbm_plugin.events
-        import kvbm_plugin.publisher, kvbm_plugin.registry, kvbm_plugin.cli
+        import sys, kvbm_plugin, kvbm_plugin.consolidator_config, kvbm_plugin.wire.events
+        import kvbm_plugin.wire.publisher, kvbm_plugin._util.plugins, kvbm_plugin.tools.cli
         print(sorted(m for m in ("torch", "tensorrt_llm") if m in sys.modules))
     """)
     assert out == "[]"
@@ -38,22 +38,23 @@ def test_consolidator_core_imports_neither_zmq_nor_torch() -> None:
     """The pure dedup core stays free of sockets and the data path: importing it alone (a fresh
     interpreter) loads no zmq, torch or TensorRT-LLM module."""
     out = _run("""
-        import sys, kvbm_plugin.consolidator_core
+        import sys, kvbm_plugin.consolidator.core
         print(sorted({m.split(".")[0] for m in sys.modules} & {"zmq", "torch", "tensorrt_llm"}))
     """)
     assert out == "[]"
 
 
 def test_consolidator_is_the_public_face_of_its_core() -> None:
-    """``kvbm_plugin.consolidator`` re-exports the core's names as the very same objects."""
-    from kvbm_plugin import consolidator, consolidator_core
+    """``kvbm_plugin.consolidator.service`` re-exports the core's names as the very same objects."""
+    from kvbm_plugin.consolidator import core as consolidator_core
+    from kvbm_plugin.consolidator import service as consolidator
 
     for name in consolidator_core.__all__:
         assert getattr(consolidator, name) is getattr(consolidator_core, name), name
         assert name in consolidator.__all__, name
 
 
-@pytest.mark.parametrize("first", ["kvbm_plugin.publisher", "kvbm_plugin.registry"])
+@pytest.mark.parametrize("first", ["kvbm_plugin.wire.publisher", "kvbm_plugin._util.plugins"])
 def test_publisher_and_registry_import_in_either_order(first: str) -> None:
     """Either module imported first in a fresh interpreter works, and the other then builds and
     checks publishers: the entry points load and resolve to subclasses of the one interface."""
@@ -61,9 +62,9 @@ def test_publisher_and_registry_import_in_either_order(first: str) -> None:
         import importlib, sys
         importlib.import_module({first!r})
         from kvbm_plugin.consolidator_config import PublisherSettings
-        from kvbm_plugin.publisher import EventPublisher, NullEventPublisher, create_publisher
-        from kvbm_plugin.registry import PUBLISHERS_GROUP, load_group
-        import kvbm_plugin.publisher_base as base
+        from kvbm_plugin.wire.publisher import EventPublisher, NullEventPublisher, create_publisher
+        from kvbm_plugin._util.plugins import PUBLISHERS_GROUP, load_group
+        import kvbm_plugin.wire.publisher_base as base
         plugins = load_group(PUBLISHERS_GROUP)
         assert EventPublisher is base.EventPublisher
         assert all(issubclass(p.obj, base.EventPublisher) for p in plugins.values())
@@ -77,15 +78,15 @@ def test_publisher_and_registry_import_in_either_order(first: str) -> None:
 
 def test_registry_checks_publishers_without_importing_the_publisher_module() -> None:
     """The registry sees the publisher interface without a circle: finding the base type of
-    the publishers group imports neither ``kvbm_plugin.publisher`` nor zmq."""
+    the publishers group imports neither ``kvbm_plugin.wire.publisher`` nor zmq."""
     out = _run("""
         import sys
-        from kvbm_plugin import registry
+        from kvbm_plugin._util import plugins as registry
         base = registry._base_type(registry.PUBLISHERS_GROUP)
         print(base.__module__, base.__name__,
-              sorted(m for m in ("kvbm_plugin.publisher", "zmq") if m in sys.modules))
+              sorted(m for m in ("kvbm_plugin.wire.publisher", "zmq") if m in sys.modules))
     """)
-    assert out == "kvbm_plugin.publisher_base EventPublisher []"
+    assert out == "kvbm_plugin.wire.publisher_base EventPublisher []"
 
 def test_top_level_exports_resolve_like_trtllm_loads_them() -> None:
     out = _run("""
@@ -93,7 +94,10 @@ def test_top_level_exports_resolve_like_trtllm_loads_them() -> None:
         module = importlib.import_module("kvbm_plugin")
         leader = getattr(module, "KvbmConnectorLeader")
         worker = getattr(module, "KvbmConnectorWorker")
-        from kvbm_plugin._trtllm_compat import KvCacheConnectorScheduler, KvCacheConnectorWorker
+        from kvbm_plugin.connector.trtllm_compat import (
+            KvCacheConnectorScheduler,
+            KvCacheConnectorWorker,
+        )
         print(issubclass(leader, KvCacheConnectorScheduler),
               issubclass(worker, KvCacheConnectorWorker))
     """)
@@ -113,8 +117,8 @@ def test_unknown_attribute_is_attribute_error() -> None:
 def test_builtin_publishers_come_from_this_distribution_entry_points() -> None:
     eps = {ep.name: ep.value for ep in importlib_metadata.entry_points(group=PUBLISHERS_GROUP)
            if ep.dist is not None and ep.dist.name == "kvbm-plugin"}
-    assert eps == {"zmq": "kvbm_plugin.publisher:ZmqEventPublisher",
-                   "null": "kvbm_plugin.publisher:NullEventPublisher"}
+    assert eps == {"zmq": "kvbm_plugin.wire.publisher:ZmqEventPublisher",
+                   "null": "kvbm_plugin.wire.publisher:NullEventPublisher"}
     plugins = load_group(PUBLISHERS_GROUP, refresh=True)
     assert plugins["null"].obj is NullEventPublisher
     assert issubclass(plugins["zmq"].obj, EventPublisher)
@@ -148,7 +152,7 @@ def test_sdist_carries_its_tests_benchmarks_docs_and_license(tmp_path: Path) -> 
     linked = set(re.findall(r"\]\(((?!https?://)[^)#]+)\)", readme))
     required = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")} \
         | {str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py")} \
-        | linked | {"LICENSE", "README.md", "setup.py", "src/kvbm_plugin/_native_common.h"}
+        | linked | {"LICENSE", "README.md", "setup.py", "src/kvbm_plugin/_util/native_common.h"}
     assert {"tests/conftest.py", "tests/_kvwire.py", "tests/_loops.py",
             "docs/event_sources.md"} <= required
     assert sorted(required - names) == []

@@ -16,7 +16,6 @@ import pytest
 import zmq
 from _kvwire import BlockRemoved, decode, free_port, join_sub, recv, wait_until
 
-from kvbm_plugin import publisher as publisher_module
 from kvbm_plugin.consolidator_config import (
     ConfigError,
     Endpoint,
@@ -24,8 +23,9 @@ from kvbm_plugin.consolidator_config import (
     load_consolidator_config,
     parse_endpoint,
 )
-from kvbm_plugin.events import END_SEQ
-from kvbm_plugin.publisher import (
+from kvbm_plugin.wire import publisher as publisher_module
+from kvbm_plugin.wire.events import END_SEQ
+from kvbm_plugin.wire.publisher import (
     ZmqEventPublisher,
     create_publisher,
     gil_holding_sender,
@@ -515,7 +515,7 @@ class _ScriptedRouter:
 def test_replay_server_caps_answers_in_progress_and_refuses_the_rest() -> None:
     from collections import deque
 
-    from kvbm_plugin._replay_server import ReplayServer
+    from kvbm_plugin.wire.replay_server import ReplayServer
 
     buffer = deque((seq, b"p%d" % seq) for seq in range(10))
     server = ReplayServer("test", b"", max_active=1, max_waiting=1, batches_per_call=4,
@@ -541,7 +541,7 @@ def test_replay_server_caps_answers_in_progress_and_refuses_the_rest() -> None:
 def test_replay_server_refuses_while_too_many_peers_stopped_reading() -> None:
     from collections import deque
 
-    from kvbm_plugin._replay_server import ReplayServer
+    from kvbm_plugin.wire.replay_server import ReplayServer
 
     buffer = deque((seq, b"p%d" % seq) for seq in range(10))
     server = ReplayServer("test", b"", max_active=2, max_stalled=1, batches_per_call=4,

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from kvbm_plugin._util.plugins import PUBLISHERS_GROUP, PluginLoadError, get_plugin, load_group
 from kvbm_plugin.consolidator_config import PublisherSettings
-from kvbm_plugin.publisher import create_publisher
-from kvbm_plugin.registry import PUBLISHERS_GROUP, PluginLoadError, get_plugin, load_group
+from kvbm_plugin.wire.publisher import create_publisher
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def fake_dist(tmp_path: Path, monkeypatch) -> Iterator[callable]:
 
 
 GOOD_SOURCE = """
-from kvbm_plugin.publisher import NullEventPublisher
+from kvbm_plugin.wire.publisher import NullEventPublisher
 class Custom(NullEventPublisher):
     pass
 def not_a_class():

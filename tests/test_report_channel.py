@@ -11,7 +11,7 @@ import pytest
 import zmq
 from _kvwire import free_port
 
-from kvbm_plugin.connector_meta import (
+from kvbm_plugin.connector.meta import (
     ERR_NONE,
     CompletionHub,
     OpReport,
@@ -55,7 +55,7 @@ def test_reports_from_another_process_reach_the_hub_and_garbage_does_not_stop_it
             rogue.connect(f"tcp://127.0.0.1:{port}")
             rogue.send(b"\x80\x04not a report")  # e.g. a pickle: must be refused, not loaded
         code = textwrap.dedent(f"""
-            from kvbm_plugin.connector_meta import OpReport, ZmqReportSender
+            from kvbm_plugin.connector.meta import OpReport, ZmqReportSender
             sender = ZmqReportSender("tcp://127.0.0.1:{port}")
             reports = [OpReport(op, 1, op % 7 != 0, 0 if op % 7 else 1,
                                 (op, op * 10) if op % 2 else None) for op in range(50)]
@@ -94,7 +94,7 @@ def test_a_process_that_exits_right_after_close_still_delivers_its_reports(tmp_p
     endpoint = f"ipc://{tmp_path}/reports"
     code = textwrap.dedent(f"""
         import sys
-        from kvbm_plugin.connector_meta import OpReport, ZmqReportSender
+        from kvbm_plugin.connector.meta import OpReport, ZmqReportSender
         sender = ZmqReportSender({endpoint!r})
         sender.put_many([OpReport(op, 1, True) for op in range(10)])
         print("sent", flush=True)
@@ -124,12 +124,12 @@ def test_a_process_that_exits_right_after_close_still_delivers_its_reports(tmp_p
 
 def test_close_with_no_leader_gives_up_after_its_timeout_with_a_warning(tmp_path,
                                                                          caplog) -> None:
-    from kvbm_plugin.connector_meta import ZmqReportSender
+    from kvbm_plugin.connector.meta import ZmqReportSender
 
     sender = ZmqReportSender(f"ipc://{tmp_path}/nobody")
     sender.put(OpReport(1, 1, True))
     began = time.monotonic()
-    with caplog.at_level("WARNING", logger="kvbm_plugin.connector_meta"):
+    with caplog.at_level("WARNING", logger="kvbm_plugin.connector.meta"):
         sender.close(timeout=0.2)
     assert time.monotonic() - began < 30  # bounded, though nobody ever took the report
     assert "not delivered to ipc://" in caplog.text

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvbm_plugin.events import (
+from kvbm_plugin.tools.router_view import RouterView, TreeSubscriber
+from kvbm_plugin.wire.events import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
     encode_batch,
 )
-from kvbm_plugin.router_view import RouterView, TreeSubscriber
 
 BS = 2
 
@@ -200,7 +200,7 @@ def test_subscribe_tree_prints_summaries_and_rule_counts(ctx, tmp_path, capsys) 
 
     import zmq
 
-    from kvbm_plugin.subscribe import main_subscribe
+    from kvbm_plugin.tools.subscribe import main_subscribe
 
     endpoint = f"ipc://{tmp_path}/tree"
     pub = ctx.socket(zmq.PUB)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgpack
 
-from kvbm_plugin._saferepr import saferepr
+from kvbm_plugin._util.saferepr import saferepr
 
 
 def test_deep_nesting_huge_ints_and_long_values_are_bounded() -> None:

@@ -13,9 +13,15 @@ import zmq
 from _kvwire import BlockRemoved, BlockStored, decode, free_port, recv, wait_until
 
 from kvbm_plugin.consolidator_config import PublisherSettings, load_consolidator_config
-from kvbm_plugin.events import encode_payload
-from kvbm_plugin.publisher import EventPublisher
-from kvbm_plugin.sidecar import build_sink, check_event, fetch_events, main_sidecar, run_sidecar
+from kvbm_plugin.tools.sidecar import (
+    build_sink,
+    check_event,
+    fetch_events,
+    main_sidecar,
+    run_sidecar,
+)
+from kvbm_plugin.wire.events import encode_payload
+from kvbm_plugin.wire.publisher import EventPublisher
 
 
 class FakeServe:
@@ -202,7 +208,7 @@ def test_sidecar_survives_a_truncated_response() -> None:
 def test_the_sidecar_stream_is_prefix_closed() -> None:
     """trtllm-serve's events go straight to routers: a store under a parent the stream never
     published, and the removal of a block it never published, are dropped (counted)."""
-    from kvbm_plugin.publisher import NullEventPublisher
+    from kvbm_plugin.wire.publisher import NullEventPublisher
 
     config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port())})
     sink = build_sink(config, block_size=2,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.publisher import EventPublisher
+from kvbm_plugin.wire.publisher import EventPublisher
 
 BS = 2
 U64 = 1 << 64

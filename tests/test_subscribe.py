@@ -13,7 +13,8 @@ import msgpack
 import pytest
 import zmq
 
-from kvbm_plugin.events import (
+from kvbm_plugin.tools.subscribe import StreamSubscriber, as_json, describe
+from kvbm_plugin.wire.events import (
     END_SEQ,
     AllBlocksCleared,
     BlockRemoved,
@@ -22,7 +23,6 @@ from kvbm_plugin.events import (
     encode_batch,
     encode_seq,
 )
-from kvbm_plugin.subscribe import StreamSubscriber, as_json, describe
 
 
 def _store(h: int, parent: int | None = None) -> BlockStored:
@@ -379,7 +379,7 @@ def test_replay_answers_without_a_topic_frame_are_understood(ctx, xpub, tmp_path
 
 
 def test_subscribe_command_json_is_strict(ctx, xpub, capsys) -> None:
-    from kvbm_plugin.subscribe import main_subscribe
+    from kvbm_plugin.tools.subscribe import main_subscribe
 
     pub, endpoint = xpub
     nan_batch = [b"", encode_seq(0), msgpack.packb([float("nan"), [], 0])]

@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvbm_plugin._util.plugins import TIERS_GROUP, get_plugin
 from kvbm_plugin.consolidator_config import ConfigError
-from kvbm_plugin.registry import TIERS_GROUP, get_plugin
 from kvbm_plugin.tiers.base import TierFullError, TierIndex, TierSpec, block_keys, chain_key
 from kvbm_plugin.tiers.disk import DiskTier
 from kvbm_plugin.tiers.host import HostTier

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
-from kvbm_plugin.hostcopy import HostCopier, split_spans
 from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, LlmArgs, ParallelConfig
+from kvbm_plugin.tiers.copies import HostCopier, split_spans
 
 
 @given(st.lists(st.integers(min_value=0, max_value=5000), max_size=12),

@@ -7,7 +7,7 @@ constructor (a thread-pool thread, concurrently with the worker's). Per iteratio
   broadcast to every rank. Host/disk hits beyond ``n``; pins them.
 * ``update_state_after_alloc(request, block_ids)``: rank 0 only; binds the hits to device blocks.
 * ``build_connector_meta(scheduler_output)``: once per iteration; the returned
-  :class:`~kvbm_plugin.connector_meta.ConnectorMetadata` is pickled to every rank. Also flushes
+  :class:`~kvbm_plugin.connector.meta.ConnectorMetadata` is pickled to every rank. Also flushes
   the GPU-tier event sink (one batch per iteration) and applies workers' completion reports.
 * ``request_finished(request, block_ids)``: once per terminated request (finished or aborted).
 
@@ -29,16 +29,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbm_plugin import _llm_args
-from kvbm_plugin._ratelimit import RateLimitedLog
-from kvbm_plugin._salt import lora_of, request_scope, salt_extra_key, salt_of
-from kvbm_plugin._trtllm_compat import (
-    KvCacheConnectorScheduler,
-    find_kv_cache_manager,
-    kv_event_serializer,
-)
-from kvbm_plugin.block_names import BlockNames
-from kvbm_plugin.connector_meta import (
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin.connector import llm_args as _llm_args
+from kvbm_plugin.connector.assembly import TierEventPublisher as TierEventPublisher  # re-exported
+from kvbm_plugin.connector.assembly import assemble_event_path
+from kvbm_plugin.connector.meta import (
     DISK,
     ERR_CORRUPT,
     HOST,
@@ -54,6 +49,12 @@ from kvbm_plugin.connector_meta import (
     open_hub,
     pool_layout,
 )
+from kvbm_plugin.connector.metrics import get_metrics
+from kvbm_plugin.connector.trtllm_compat import (
+    KvCacheConnectorScheduler,
+    find_kv_cache_manager,
+    kv_event_serializer,
+)
 from kvbm_plugin.consolidator_config import (
     CPU_CACHE_GB,
     DISK_CACHE_GB,
@@ -65,10 +66,7 @@ from kvbm_plugin.consolidator_config import (
     load_tier_settings,
     should_enable_consolidator,
 )
-from kvbm_plugin.events import MEDIUM_CPU, MEDIUM_DISK
-from kvbm_plugin.leader_assembly import TierEventPublisher as TierEventPublisher  # re-exported
-from kvbm_plugin.leader_assembly import assemble_event_path
-from kvbm_plugin.metrics import get_metrics
+from kvbm_plugin.gpu_events.block_names import BlockNames
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
     TIER_HOST,
@@ -79,6 +77,8 @@ from kvbm_plugin.tiers.base import (
     block_path,
     stat_signature,
 )
+from kvbm_plugin.wire.events import MEDIUM_CPU, MEDIUM_DISK
+from kvbm_plugin.wire.identity import lora_of, request_scope, salt_extra_key, salt_of
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         """Called once on rank 0, on a thread-pool thread concurrently with the worker's
         constructor; waits on nothing. Reads the DYN_KVBM_* settings (ConfigError names a bad
         variable), opens the completion hub, and has
-        :func:`~kvbm_plugin.leader_assembly.assemble_event_path` build this rank's GPU-tier
+        :func:`~kvbm_plugin.connector.assembly.assemble_event_path` build this rank's GPU-tier
         publisher and event sink and, when enabled, the in-process consolidator that receives
         every tier change."""
         super().__init__(llm_args)
@@ -470,7 +470,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                     "them with event_sink.ingest)", EVENTS_SOURCE)
             self._event_source_problem = "no KV cache manager found"
             return
-        from kvbm_plugin.event_source import attach_event_source
+        from kvbm_plugin.gpu_events.source import attach_event_source
 
         try:
             self.event_source = attach_event_source(

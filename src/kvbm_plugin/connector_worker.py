@@ -3,7 +3,7 @@
 Every method below is called by TensorRT-LLM's ``KvCacheConnectorManager`` on the rank's
 executor (event-loop) thread, in this order per iteration:
 
-* ``bind_connector_meta(meta)``: the leader's :class:`~kvbm_plugin.connector_meta.ConnectorMetadata`
+* ``bind_connector_meta(meta)``: the leader's :class:`~kvbm_plugin.connector.meta.ConnectorMetadata`
   for this iteration (same object on every rank).
 * ``start_load_kv(stream)``: enqueue onboarding (host → device, disk → host staging → device).
 * ``wait_for_layer_load`` / ``save_kv_layer`` per decoder layer (forward hooks, enqueue time).
@@ -33,10 +33,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from kvbm_plugin import _llm_args
-from kvbm_plugin._ratelimit import RateLimitedLog
-from kvbm_plugin._trtllm_compat import KvCacheConnectorWorker
-from kvbm_plugin.connector_meta import (
+from kvbm_plugin._util.plugins import TIERS_GROUP, get_plugin
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin.connector import llm_args as _llm_args
+from kvbm_plugin.connector.meta import (
     DISK,
     ERR_CORRUPT,
     ERR_FAILED,
@@ -53,12 +53,12 @@ from kvbm_plugin.connector_meta import (
     find_hub,
     publish_pool_layout,
 )
+from kvbm_plugin.connector.metrics import get_metrics
+from kvbm_plugin.connector.trtllm_compat import KvCacheConnectorWorker
 from kvbm_plugin.consolidator_config import load_tier_settings
-from kvbm_plugin.events import MEDIUM_CPU, MEDIUM_DISK
-from kvbm_plugin.hostcopy import HostCopier
-from kvbm_plugin.metrics import get_metrics
-from kvbm_plugin.registry import TIERS_GROUP, get_plugin
 from kvbm_plugin.tiers.base import OffloadTier, TierSpec
+from kvbm_plugin.tiers.copies import HostCopier
+from kvbm_plugin.wire.events import MEDIUM_CPU, MEDIUM_DISK
 
 if TYPE_CHECKING:
     import torch

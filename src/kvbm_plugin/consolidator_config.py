@@ -32,6 +32,10 @@ class EnvVar:
     group: str
 
 
+# Entry-point groups through which publishers and offload tiers are registered (pyproject.toml).
+PUBLISHERS_GROUP: Final = "kvbm_plugin.publishers"
+TIERS_GROUP: Final = "kvbm_plugin.tiers"
+
 ENABLE_CONSOLIDATOR = "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR"
 CONSOLIDATOR_MODE = "DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE"
 TRTLLM_ZMQ_PORT = "DYN_KVBM_TRTLLM_ZMQ_PORT"
@@ -322,10 +326,11 @@ class ConsolidatorConfig:
 def check_publisher_name(kind: str) -> None:
     """Start-up's check of ``DYN_KVBM_KV_EVENTS_PUBLISHER``: a name registered in the
     ``kvbm_plugin.publishers`` entry points. Raises ConfigError naming the variable for an
-    unknown name, PluginLoadError for an entry point that cannot be loaded at all."""
-    from kvbm_plugin.registry import PUBLISHERS_GROUP, load_group
+    unknown name. Only names are read here (nothing is imported): the publisher factory loads
+    and type-checks the entry point, and names a broken one."""
+    import importlib_metadata
 
-    known = load_group(PUBLISHERS_GROUP)
+    known = {ep.name for ep in importlib_metadata.entry_points(group=PUBLISHERS_GROUP)}
     if kind not in known:
         raise ConfigError(f"{PUBLISHER}={kind!r} is not a registered publisher; known: "
                           + (", ".join(sorted(known)) or "none")

@@ -21,7 +21,7 @@ not published at all). Every drop is counted in :meth:`KvEventSink.stats` and lo
 rate-limited.
 
 ``ingest`` has two loops with one behaviour: the Python loop (the reference) and, when the
-extension was built, a compiled loop (``_event_sink_c.c``) that takes the decode steady state
+extension was built, a compiled loop (``gpu_events/_sink_c.c``) that takes the decode steady state
 (one-block stores, removals) and hands every other event to the Python loop. With the
 extension, each rank's batch is compiled too (``_rank_batch.c``, the compiled form of
 :class:`_Rank`): the events the compiled code takes are written straight into their wire bytes
@@ -35,7 +35,7 @@ Threads: ``ingest`` and ``flush`` take one short lock (never held across I/O), s
 events may arrive on TRT-LLM's KV-event dispatch thread while the leader flushes on the executor
 thread. The V2 hooks take no lock (per-block budget ~1 us): TRT-LLM calls them on the executor
 thread, the thread that flushes. Nothing here waits on I/O: the publisher's ``publish`` hands
-the batch over without waiting (see :mod:`kvbm_plugin.publisher`). No torch or TensorRT-LLM
+the batch over without waiting (see :mod:`kvbm_plugin.wire.publisher`). No torch or TensorRT-LLM
 import.
 """
 
@@ -49,10 +49,9 @@ from functools import partial
 from operator import itemgetter
 from typing import Any
 
-from kvbm_plugin import _native
-from kvbm_plugin._ratelimit import RateLimitedLog
-from kvbm_plugin._salt import salt_extra_key, salt_of
-from kvbm_plugin.events import (
+from kvbm_plugin._util import native as _native
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
     MEDIUM_GPU,
     U32_MAX,
@@ -62,7 +61,8 @@ from kvbm_plugin.events import (
     events_as_maps,
     to_signed_int64,
 )
-from kvbm_plugin.publisher import EventPublisher, WireEvent
+from kvbm_plugin.wire.identity import salt_extra_key, salt_of
+from kvbm_plugin.wire.publisher import EventPublisher, WireEvent
 
 logger = logging.getLogger(__name__)
 
@@ -748,7 +748,7 @@ class KvEventSink:
 
         Called by the leader once per engine iteration (from ``build_connector_meta``) on the
         executor thread. Never blocks: the publisher hands the batch over without waiting
-        (:class:`~kvbm_plugin.publisher.ZmqEventPublisher`). Returns False if any batch was
+        (:class:`~kvbm_plugin.wire.publisher.ZmqEventPublisher`). Returns False if any batch was
         lost (counted in ``batches_lost``; consumers see a seq gap). Never raises, even when a
         publisher does.
         """

@@ -14,7 +14,7 @@ from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbm_plugin._salt import cache_salt_id
+from kvbm_plugin.wire.identity import cache_salt_id
 
 _U64 = (1 << 64) - 1
 

@@ -18,8 +18,7 @@ import threading
 import zlib
 from typing import TYPE_CHECKING
 
-from kvbm_plugin._ratelimit import RateLimitedLog
-from kvbm_plugin.events import MEDIUM_DISK
+from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
     OffloadTier,
@@ -28,6 +27,7 @@ from kvbm_plugin.tiers.base import (
     block_path,
     stat_signature,
 )
+from kvbm_plugin.wire.events import MEDIUM_DISK
 
 if TYPE_CHECKING:
     import torch

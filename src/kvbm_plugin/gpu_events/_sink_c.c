@@ -1,4 +1,4 @@
-/* Compiled fast path of event_sink.py (module kvbm_plugin._event_sink_c): the loops that fill
+/* Compiled fast path of event_sink.py (module kvbm_plugin.gpu_events._sink_c): the loops that fill
  * a rank's compiled batch (RankBatch, _rank_batch.c, which writes the events it is given as
  * their wire bytes; see there).
  *
@@ -449,12 +449,12 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "kvbm_plugin._event_sink_c",
+    PyModuleDef_HEAD_INIT, "kvbm_plugin.gpu_events._sink_c",
     "Compiled batch and ingest loop of KvEventSink (optional; event_sink.py holds the "
     "reference).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__event_sink_c(void) {
+PyMODINIT_FUNC PyInit__sink_c(void) {
     PyObject *module;
     if (intern_wire_keys() < 0) return NULL;
     INTERN(K_data, "data");

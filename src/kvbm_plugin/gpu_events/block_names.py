@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvbm_plugin.events import to_unsigned_u64
+from kvbm_plugin.wire.events import to_unsigned_u64
 
 AMBIGUOUS = -1  # one (parent, tokens) seen under two hashes (e.g. salts the events hide)
 

@@ -1,5 +1,5 @@
 /* RankBatch: one data-parallel rank's batch and state, the compiled form of event_sink._Rank
- * (see _rank_batch.h and the module comment of _event_sink_c.c).
+ * (see _rank_batch.h and the module comment of _sink_c.c).
  *
  * The events the compiled loops take extend one "open" event, kept as C arrays, while they
  * coalesce as the Python code would coalesce them; when one does not, the open event is
@@ -19,7 +19,7 @@
 #include <structmember.h>
 
 static PyObject *S_GPU;
-static PyObject *EncodedEventsType, *EncodedBatchType; /* from kvbm_plugin.events */
+static PyObject *EncodedEventsType, *EncodedBatchType; /* from kvbm_plugin.wire.events */
 
 /* ---- msgpack writer (the forms msgspec writes: smallest int form, fixstr keys) ------------ */
 
@@ -493,7 +493,7 @@ static PyMemberDef RankBatch_members[] = {
 
 PyTypeObject RankBatchType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvbm_plugin._event_sink_c.RankBatch",
+    .tp_name = "kvbm_plugin.gpu_events._sink_c.RankBatch",
     .tp_doc = "One data-parallel rank's batch and state (compiled form of event_sink._Rank).",
     .tp_basicsize = sizeof(RankBatch),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
@@ -511,7 +511,7 @@ int rank_batch_ready(void) {
     PyObject *events;
     if (intern_wire_keys() < 0 || (S_GPU = PyUnicode_InternFromString("GPU")) == NULL)
         return -1;
-    events = PyImport_ImportModule("kvbm_plugin.events");
+    events = PyImport_ImportModule("kvbm_plugin.wire.events");
     if (events == NULL) return -1;
     EncodedEventsType = PyObject_GetAttrString(events, "EncodedEvents");
     EncodedBatchType = EncodedEventsType == NULL ? NULL

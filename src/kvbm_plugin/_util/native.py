@@ -1,10 +1,10 @@
 """The optional compiled fast paths, behind one switch.
 
-``_event_sink_c.c`` (KvEventSink's ingest loop) and ``_consolidator_c.c`` (ConsolidatorCore's
-dedup loops) are built at install time where a C compiler is available (``setup.py`` marks them
-optional). Each is the compiled form of loops whose Python reference stays in Python
-(``event_sink.py``, ``consolidator_core.py``), and the tests run both on the same input and
-compare. ``DYN_KVBM_NATIVE=0`` selects the Python loops. No torch or TensorRT-LLM import.
+``gpu_events/_sink_c.c`` (KvEventSink's ingest loop) and ``consolidator/_core_c.c``
+(ConsolidatorCore's dedup loops) are built at install time where a C compiler is available
+(``setup.py`` marks them optional). Each is the compiled form of loops whose Python reference
+stays in Python (``event_sink.py``, ``consolidator/core.py``), and the tests run both on the
+same input and compare. ``DYN_KVBM_NATIVE=0`` selects the Python loops. No torch or TensorRT-LLM import.
 """
 
 from __future__ import annotations
@@ -12,22 +12,24 @@ from __future__ import annotations
 import importlib
 from collections.abc import Mapping
 from types import ModuleType
+from typing import Final
 
 from kvbm_plugin.consolidator_config import NATIVE, native_enabled
 
 
 def _load(name: str) -> ModuleType | None:
     try:
-        return importlib.import_module(f"kvbm_plugin.{name}")
+        return importlib.import_module(name)
     except ImportError:  # installed without a C compiler
         return None
 
 
-# What was built, keyed by <name> of its module kvbm_plugin._<name>_c.
-_built: dict[str, ModuleType | None] = {
-    "event_sink": _load("_event_sink_c"),
-    "consolidator": _load("_consolidator_c"),
+# What was built, keyed by the component whose compiled loops the module holds.
+_MODULES: Final = {
+    "event_sink": "kvbm_plugin.gpu_events._sink_c",
+    "consolidator": "kvbm_plugin.consolidator._core_c",
 }
+_built: dict[str, ModuleType | None] = {name: _load(mod) for name, mod in _MODULES.items()}
 
 
 def loops(module: str, env: Mapping[str, str] | None = None) -> ModuleType | None:
@@ -49,7 +51,7 @@ def choose(module: str, native: bool | None, owner: str) -> ModuleType | None:
         return None
     compiled = loops(module, None if native is None else {})
     if native and compiled is None:
-        raise ValueError(f"{owner}: native=True but kvbm_plugin._{module}_c was not built")
+        raise ValueError(f"{owner}: native=True but {_MODULES[module]} was not built")
     return compiled
 
 

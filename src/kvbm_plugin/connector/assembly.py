@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.consolidator_config import EVENTS_ENDPOINT, TRTLLM_ZMQ_PORT, ConsolidatorConfig
-from kvbm_plugin.events import BlockRemoved, BlockStored
+from kvbm_plugin.wire.events import BlockRemoved, BlockStored
 
 if TYPE_CHECKING:
-    from kvbm_plugin.consolidator import KvEventConsolidator
+    from kvbm_plugin.consolidator.service import KvEventConsolidator
     from kvbm_plugin.event_sink import KvEventSink
 
 logger = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     running behind.
     """
     from kvbm_plugin.event_sink import KvEventSink
-    from kvbm_plugin.publisher import NullEventPublisher, create_publisher
+    from kvbm_plugin.wire.publisher import NullEventPublisher, create_publisher
 
     if config.gpu_events is not None:
         publisher = create_publisher(config.publisher, config.publish_endpoint(dp_rank),
@@ -116,7 +116,7 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
                            window_size=config.publisher.window_size,
                            data_parallel_rank=dp_rank, prefix_closed=True)
         if consolidate:
-            from kvbm_plugin.consolidator import KvEventConsolidator
+            from kvbm_plugin.consolidator.service import KvEventConsolidator
 
             consolidator = KvEventConsolidator(config)
             consolidator.start()

@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from kvbm_plugin._reconnect import BACK, LOST, ConnectionWatch
-from kvbm_plugin._saferepr import saferepr
+from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.consolidator_config import ConfigError, parse_endpoint
-from kvbm_plugin.events import (
+from kvbm_plugin.wire.events import (
     END_SEQ,
     MEDIA,
     AllBlocksCleared,
@@ -35,6 +34,7 @@ from kvbm_plugin.events import (
     encode_seq,
     to_signed_int64,
 )
+from kvbm_plugin.wire.reconnect import BACK, LOST, ConnectionWatch
 
 
 @dataclass
@@ -353,7 +353,7 @@ def as_json(batch: EventBatch) -> str:
 
 
 def main_subscribe(argv: Sequence[str] | None = None) -> int:
-    from kvbm_plugin.cli import ArgumentParser  # one-line usage errors, like every command
+    from kvbm_plugin.tools.cli import ArgumentParser  # one-line usage errors, like every command
 
     parser = ArgumentParser(
         prog="kvbm-plugin subscribe",
@@ -423,9 +423,9 @@ def _add_tree_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run_tree(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """``subscribe --tree``: a :class:`~kvbm_plugin.router_view.TreeSubscriber` on the stream,
+    """``subscribe --tree``: a :class:`~kvbm_plugin.tools.router_view.TreeSubscriber` on the stream,
     its summary printed every ``--interval`` seconds and at exit."""
-    from kvbm_plugin.router_view import LazyTreeSubscriber
+    from kvbm_plugin.tools.router_view import LazyTreeSubscriber
 
     if args.block_size is not None and args.block_size < 1:
         parser.error(f"--block-size must be >= 1, got {args.block_size}")

@@ -1,11 +1,11 @@
 """The event-publisher interface, apart from its implementations and from plugin discovery.
 
 :class:`EventPublisher` is what every publisher implements (the built-in ones in
-:mod:`kvbm_plugin.publisher`, third-party ones through the ``kvbm_plugin.publishers`` entry
-points). It lives here, below both :mod:`kvbm_plugin.publisher` (which builds publishers by name
-through the registry) and :mod:`kvbm_plugin.registry` (which checks every entry point against
-it), so neither imports the other's module to see it. Callers import it from
-:mod:`kvbm_plugin.publisher`, which re-exports it. No zmq, torch or TensorRT-LLM import.
+:mod:`kvbm_plugin.wire.publisher`, third-party ones through the ``kvbm_plugin.publishers`` entry
+points). It lives here, below both :mod:`kvbm_plugin.wire.publisher` (which builds publishers
+by name through the registry) and :mod:`kvbm_plugin._util.plugins` (which checks every
+entry point against it), so neither imports the other's module to see it. Callers import it from
+:mod:`kvbm_plugin.wire.publisher`, which re-exports it. No zmq, torch or TensorRT-LLM import.
 """
 
 from __future__ import annotations

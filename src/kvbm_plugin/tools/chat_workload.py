@@ -10,7 +10,7 @@ iterations.
   ``sessions`` sessions are open at any time, each lasts a random number of turns, then ends
   and a new session (of a random tenant) takes its place.
 * :class:`RouterProbe` — lets the event streams settle to the point a router would have them,
-  and asks a :class:`~kvbm_plugin.router_view.RouterView` how many tokens of a prompt it
+  and asks a :class:`~kvbm_plugin.tools.router_view.RouterView` how many tokens of a prompt it
   would say are cached.
 * :func:`drive` — the submission loop. The router keeps the queue: a request is handed to the
   engine only when no other request waits there (as a router with a busy threshold holds
@@ -35,8 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbm_plugin._salt import cache_salt_id, salt_extra_key
-from kvbm_plugin.router_view import RouterView, TreeSubscriber
+from kvbm_plugin.tools.router_view import RouterView, TreeSubscriber
+from kvbm_plugin.wire.identity import cache_salt_id, salt_extra_key
 
 
 @dataclass

@@ -34,9 +34,9 @@ from collections.abc import Sequence
 
 import zmq
 
-from kvbm_plugin._ratelimit import RateLimitedLog
-from kvbm_plugin._saferepr import saferepr
-from kvbm_plugin.events import END_SEQ
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin._util.saferepr import saferepr
+from kvbm_plugin.wire.events import END_SEQ
 
 logger = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")

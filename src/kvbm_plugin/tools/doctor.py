@@ -86,7 +86,7 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
     leader's and the workers'), so a value start-up would refuse fails here too: the publisher
     name against the registered entry points, the disk directory (a file, or a directory that
     cannot be created or written), every number, switch and endpoint."""
-    from kvbm_plugin.registry import PluginLoadError
+    from kvbm_plugin._util.plugins import PluginLoadError
 
     checks: list[Check] = []
     try:
@@ -113,7 +113,7 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
 
     checks.append(_events_source_check())
 
-    from kvbm_plugin import _native
+    from kvbm_plugin._util import native as _native
 
     try:
         in_use, detail = _native.describe()
@@ -121,7 +121,7 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
     except cc.ConfigError as exc:
         checks.append(Check("compiled fast paths", "fail", str(exc)))
 
-    from kvbm_plugin._trtllm_compat import COMPAT
+    from kvbm_plugin.connector.trtllm_compat import COMPAT
 
     if COMPAT.error:
         checks.append(Check("TensorRT-LLM", "fail",
@@ -145,7 +145,7 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
     except Exception as exc:
         checks.append(Check("torch", "fail", f"{type(exc).__name__}: {exc}"))
 
-    from kvbm_plugin.registry import PUBLISHERS_GROUP, TIERS_GROUP, load_group
+    from kvbm_plugin._util.plugins import PUBLISHERS_GROUP, TIERS_GROUP, load_group
 
     for group in (PUBLISHERS_GROUP, TIERS_GROUP):
         try:
@@ -159,7 +159,7 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
 
 
 def main_doctor(argv: Sequence[str] | None = None) -> int:
-    from kvbm_plugin.cli import ArgumentParser
+    from kvbm_plugin.tools.cli import ArgumentParser
 
     parser = ArgumentParser(prog="kvbm-plugin doctor",
                                      description="Check env vars, ports, TensorRT-LLM, torch/CUDA "

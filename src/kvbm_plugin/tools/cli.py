@@ -60,15 +60,15 @@ def _cmd_env(args: argparse.Namespace) -> int:
 
 # Commands whose options are parsed by the module that implements them (imported on use).
 FORWARDED: dict[str, tuple[str, str]] = {
-    "demo": ("kvbm_plugin.demo:main_demo",
+    "demo": ("kvbm_plugin.tools.demo:main_demo",
              "run the simulated engine end to end (TP=2, host+disk tiers, consolidator)"),
-    "doctor": ("kvbm_plugin.doctor:main_doctor",
+    "doctor": ("kvbm_plugin.tools.doctor:main_doctor",
                "check env vars, ports, TensorRT-LLM, torch/CUDA and entry points"),
-    "subscribe": ("kvbm_plugin.subscribe:main_subscribe",
+    "subscribe": ("kvbm_plugin.tools.subscribe:main_subscribe",
                   "print a live KV-event stream (gap detection, optional replay, --json, --tree)"),
-    "consolidate": ("kvbm_plugin.consolidator:main_consolidate",
+    "consolidate": ("kvbm_plugin.tools.consolidate:main_consolidate",
                     "run the consolidator standalone"),
-    "sidecar": ("kvbm_plugin.sidecar:main_sidecar",
+    "sidecar": ("kvbm_plugin.tools.sidecar:main_sidecar",
                 "publish trtllm-serve's /kv_cache_events per attention-DP rank"),
 }
 
@@ -112,8 +112,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     command = args_list[0] if args_list and args_list[0] in FORWARDED else None
     prog = f"kvbm-plugin {command}" if command else "kvbm-plugin"
+    from kvbm_plugin._util.plugins import PluginLoadError
     from kvbm_plugin.consolidator_config import ConfigError
-    from kvbm_plugin.registry import PluginLoadError
 
     try:
         if command is not None:
@@ -137,8 +137,8 @@ def _one_line(prog: str, message: str) -> None:
 
 
 if __name__ == "__main__":
-    # ``python -m kvbm_plugin.cli``: run the imported module's main, so that the exception
+    # ``python -m kvbm_plugin.tools.cli``: run the imported module's main, so that the exception
     # classes the commands raise (UsageError) are the ones main() catches, not __main__'s copies.
-    from kvbm_plugin.cli import main as _main
+    from kvbm_plugin.tools.cli import main as _main
 
     raise SystemExit(_main())

@@ -24,8 +24,8 @@ from typing import Any
 
 import zmq
 
-from kvbm_plugin._ratelimit import RateLimitedLog
-from kvbm_plugin._saferepr import saferepr
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.consolidator_config import (
     ConfigError,
     ConsolidatorConfig,
@@ -34,7 +34,7 @@ from kvbm_plugin.consolidator_config import (
     load_consolidator_config,
 )
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.publisher import EventPublisher, create_publisher
+from kvbm_plugin.wire.publisher import EventPublisher, create_publisher
 
 logger = logging.getLogger(__name__)
 
@@ -247,8 +247,8 @@ def main_sidecar(argv: Sequence[str] | None = None) -> int:
     A bad option or variable is one line on stderr and exit status 2; publishers that cannot
     bind (a busy port) one line and status 1.
     """
-    from kvbm_plugin.cli import ArgumentParser
     from kvbm_plugin.consolidator_config import native_enabled
+    from kvbm_plugin.tools.cli import ArgumentParser
 
     parser = ArgumentParser(
         prog="kvbm-plugin sidecar",

@@ -30,8 +30,9 @@ Two layers:
   (the longest of them: a tree holds a block only with all its ancestors, so a position
   covered by some medium's tree is covered with its whole prefix).
 
-* :class:`TreeSubscriber` — the thin adapter: a :class:`~kvbm_plugin.subscribe.StreamSubscriber`
-  (decoding, gap detection, replay) that also feeds every batch it applies, in order, to a
+* :class:`TreeSubscriber` — the thin adapter: a
+  :class:`~kvbm_plugin.tools.subscribe.StreamSubscriber` (decoding, gap detection, replay)
+  that also feeds every batch it applies, in order, to a
   :class:`RouterView` under the subscriber's endpoint as the worker name. It sees events as the
   project's tolerant decoder returns them: a medium alias (``cpu``, ``CPU_PINNED``) arrives
   already normalised, where a router would not index it, and an unknown medium makes the whole
@@ -39,7 +40,8 @@ Two layers:
   matter for streams other than ours, which publish ``GPU``/``CPU``/``DISK``.
 
 Who calls it: ``kvbm-plugin subscribe --tree``, the demo and the benchmarks' router-accuracy
-measurement (:mod:`kvbm_plugin.chat_workload`). Not thread-safe: one thread applies and queries.
+measurement (:mod:`kvbm_plugin.tools.chat_workload`). Not thread-safe: one thread applies and
+queries.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvbm_plugin.events import (
+from kvbm_plugin.tools.subscribe import StreamSubscriber
+from kvbm_plugin.wire.events import (
     MEDIA,
     MEDIUM_GPU,
     AllBlocksCleared,
@@ -56,7 +59,6 @@ from kvbm_plugin.events import (
     BlockStored,
     EventBatch,
 )
-from kvbm_plugin.subscribe import StreamSubscriber
 
 # Counters that mean the stream broke a rule a strict router relies on: each is a warning (or a
 # silently lost prefix) in a real router's log. ``cut_blocks`` and the informational counters

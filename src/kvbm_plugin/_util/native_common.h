@@ -1,4 +1,4 @@
-/* Shared by the compiled fast paths (_event_sink_c.c, _consolidator_c.c): each is the compiled
+/* Shared by the compiled fast paths (_sink_c.c, consolidator/_core_c.c): each is the compiled
  * form of loops whose Python reference lives in the module of the same name, and the tests run
  * both on the same input and compare. CPython API only, plus one read of a dict's key-table
  * kind on CPython 3.11 (see unicode_keyed). */

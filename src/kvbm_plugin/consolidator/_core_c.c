@@ -1,5 +1,5 @@
 /* Compiled fast paths of consolidator_core.py: ConsolidatorCore in dedup mode (module
- * kvbm_plugin._consolidator_c).
+ * kvbm_plugin.consolidator._core_c).
  *
  * The per-block loops of the dedup core: a chain of stored blocks (_store_chain), a removal
  * (_removed), and a whole batch's common events (apply_events). They work on the core's own
@@ -16,7 +16,7 @@
  * a lora_name other than None or a str, a token count that does not fit the arithmetic).
  */
 
-#include "_native_common.h"
+#include "../_util/native_common.h"
 
 enum { B_IDENT, B_PUB, B_WIRE, B_PARENT, B_CHILDREN, B_TOTAL, B_COUNTS, B_ALIAS_SLOT,
        B_ALIAS_EXT, B_MORE_ALIASES, B_LEN };
@@ -980,12 +980,12 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "kvbm_plugin._consolidator_c",
+    PyModuleDef_HEAD_INIT, "kvbm_plugin.consolidator._core_c",
     "Compiled dedup loops of ConsolidatorCore (optional; consolidator_core.py holds the reference).",
     -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__consolidator_c(void) {
+PyMODINIT_FUNC PyInit__core_c(void) {
     if (intern_wire_keys() < 0) return NULL;
     INTERN(K_blocks_attr, "blocks");
     INTERN(K_known_attr, "known");

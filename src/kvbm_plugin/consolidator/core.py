@@ -1,4 +1,5 @@
-"""The consolidator's pure core: the dedup state machine behind :mod:`kvbm_plugin.consolidator`.
+"""The consolidator's pure core: the dedup state machine behind
+:mod:`kvbm_plugin.consolidator.service`.
 
 :class:`ConsolidatorCore` has no sockets, no threads and no clock, and imports neither zmq nor
 torch. It takes GPU-tier wire events (per dp rank) and offload-tier registrations, and emits
@@ -6,13 +7,15 @@ output wire events per dp rank. Everything the router sees is decided here, so e
 is unit-testable in milliseconds.
 
 Who calls what: one owner drives a core, on one thread — the socket shell
-:class:`~kvbm_plugin.consolidator.KvEventConsolidator` on its ingest thread (decoded GPU-tier
-batches through :meth:`ConsolidatorCore.apply_events`, queued tier registrations through
+:class:`~kvbm_plugin.consolidator.service.KvEventConsolidator` on its ingest thread
+(decoded GPU-tier batches through :meth:`ConsolidatorCore.apply_events`, queued tier
+registrations through
 :meth:`ConsolidatorCore.store` / :meth:`ConsolidatorCore.remove` /
 :meth:`ConsolidatorCore.clear`, then :meth:`ConsolidatorCore.take_output` to publish), or a
-test. Callers import these names from :mod:`kvbm_plugin.consolidator`, which re-exports them.
+test. Callers import these names from :mod:`kvbm_plugin.consolidator.service`, which
+re-exports them.
 
-The dedup block loops also exist compiled (``_consolidator_c.c``, used when built): the Python
+The dedup block loops also exist compiled (``consolidator/_core_c.c``, used when built): the Python
 loops here are their reference, the tests compare the two, and everything the compiled loops do
 not take (clears, passthrough mode, unusual or malformed input) runs here. The compiled loops
 read and write this module's block and :class:`_Rank` layouts directly, so the two stay in step.
@@ -53,9 +56,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from kvbm_plugin import _native
+from kvbm_plugin._util import native as _native
 from kvbm_plugin.consolidator_config import ConsolidatorMode
-from kvbm_plugin.events import (
+from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
     MEDIA,
     MEDIUM_GPU,
@@ -63,7 +66,7 @@ from kvbm_plugin.events import (
     WireFormatError,
     normalize_medium,
 )
-from kvbm_plugin.publisher_base import WireEvent
+from kvbm_plugin.wire.publisher_base import WireEvent
 
 __all__ = [
     "SOURCE_ENGINE",

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
-from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin._util.ratelimit import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 

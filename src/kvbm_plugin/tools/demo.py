@@ -26,8 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.cli import ArgumentParser, UsageError
-from kvbm_plugin.events import to_signed_int64
+from kvbm_plugin.tools.cli import ArgumentParser, UsageError
+from kvbm_plugin.wire.events import to_signed_int64
 
 # The demo's tenants: sessions alternate between them (cache salts).
 _TENANTS = ("tenant-a", "tenant-b")
@@ -161,8 +161,8 @@ def _load_engine_modules() -> None:
     try:
         import torch  # noqa: F401
 
-        import kvbm_plugin.subscribe  # noqa: F401
         import kvbm_plugin.testing.engine  # noqa: F401
+        import kvbm_plugin.tools.subscribe  # noqa: F401
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -247,9 +247,9 @@ def _served_endpoints(config: cc.ConsolidatorConfig) -> list[tuple[str, str]]:
 def run_demo(args: argparse.Namespace) -> int:
     import torch
 
-    from kvbm_plugin.chat_workload import RouterProbe, drive
-    from kvbm_plugin.router_view import RouterView, TreeSubscriber
     from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
+    from kvbm_plugin.tools.chat_workload import RouterProbe, drive
+    from kvbm_plugin.tools.router_view import RouterView, TreeSubscriber
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available on this machine", file=sys.stderr)
@@ -310,7 +310,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _workload(args: argparse.Namespace):  # noqa: ANN202
     """Turn waves by default; a steady multi-tenant chat with --duration or --requests."""
-    from kvbm_plugin.chat_workload import SteadyChat, TurnWaves
+    from kvbm_plugin.tools.chat_workload import SteadyChat, TurnWaves
 
     if args.duration is None and args.requests is None:
         # Sessions alternate between two tenants sharing the system prompt; their cache salts
@@ -564,7 +564,7 @@ def _check_options(args: argparse.Namespace) -> None:
 
 def main_demo(argv: Sequence[str] | None = None) -> int:
     """``kvbm-plugin demo``. Bad options raise UsageError, a bad DYN_KVBM_* value ConfigError
-    (one line and exit status 2 through :func:`kvbm_plugin.cli.main`); SIGTERM and Ctrl-C end
+    (one line and exit status 2 through :func:`kvbm_plugin.tools.cli.main`); SIGTERM and Ctrl-C end
     the run through its clean-up."""
     args = build_parser().parse_args(argv)
     _check_options(args)

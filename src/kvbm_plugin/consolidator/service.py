@@ -2,14 +2,14 @@
 
 Two layers, one concept, in two modules:
 
-* :class:`ConsolidatorCore` (module :mod:`kvbm_plugin.consolidator_core`, re-exported here with
+* :class:`ConsolidatorCore` (module :mod:`kvbm_plugin.consolidator.core`, re-exported here with
   its source ids and errors) — the pure state machine: no sockets, no threads, no clock, no zmq.
   It takes GPU-tier wire events (per dp rank) and offload-tier registrations, and emits output
   wire events per dp rank; everything the router sees is decided there. Its module docstring
-  holds the semantics, and its dedup loops have a compiled form (``_consolidator_c.c``).
+  holds the semantics, and its dedup loops have a compiled form (``consolidator/_core_c.c``).
 * :class:`KvEventConsolidator` (this module) — the socket shell around one core: a SUB per
   rank's GPU-tier publisher, a DEALER per rank's replay endpoint, one ingest thread that
-  decodes, applies and flushes, and an :class:`~kvbm_plugin.publisher.EventPublisher` for the
+  decodes, applies and flushes, and an :class:`~kvbm_plugin.wire.publisher.EventPublisher` for the
   output (the built-in ZMQ one in its inline mode, run by the ingest thread itself). The shell
   only moves bytes, orders batches (sequence checks, replays, resyncs) and queues registrations.
 
@@ -24,8 +24,8 @@ Who calls what:
 * The leader's host and disk tiers call :meth:`~KvEventConsolidator.register_store`,
   :meth:`~KvEventConsolidator.register_remove` and :meth:`~KvEventConsolidator.register_clear`
   from whatever thread moves blocks; each call only appends to a queue.
-* ``kvbm-plugin consolidate`` runs :func:`main_consolidate` for engines whose GPU-tier events
-  come from elsewhere (TRT-LLM's or vLLM's own publisher).
+* ``kvbm-plugin consolidate`` (:mod:`kvbm_plugin.tools.consolidate`) runs it for engines
+  whose GPU-tier events come from elsewhere (TRT-LLM's or vLLM's own publisher).
 """
 
 from __future__ import annotations
@@ -35,8 +35,6 @@ import contextlib
 import logging
 import math
 import os
-import signal
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -45,27 +43,20 @@ from typing import Any, Final
 import msgpack
 import zmq
 
-from kvbm_plugin._ratelimit import RateLimitedLog
-from kvbm_plugin._reconnect import BACK, LOST, ConnectionWatch
-from kvbm_plugin._saferepr import saferepr
-from kvbm_plugin.consolidator_config import (
-    ENABLE_CONSOLIDATOR,
-    EVENTS_ENDPOINT,
-    OUTPUT_ENDPOINT,
-    OUTPUT_REPLAY_ENDPOINT,
-    REPLAY_ENDPOINT,
-    ConfigError,
-    ConsolidatorConfig,
-    load_consolidator_config,
-)
-from kvbm_plugin.consolidator_core import (  # re-exported: this module is the public face
+from kvbm_plugin._util.plugins import PUBLISHERS_GROUP, get_plugin
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin._util.saferepr import saferepr
+from kvbm_plugin.consolidator.core import (  # re-exported: this module is the public face
     SOURCE_ENGINE,
     SOURCE_TIERS,
     ConsolidatorCore,
     UnknownDpRankError,
     UnknownMediumError,
 )
-from kvbm_plugin.events import (
+from kvbm_plugin.consolidator_config import (
+    ConsolidatorConfig,
+)
+from kvbm_plugin.wire.events import (
     END_SEQ,
     MAX_DP_RANKS,
     WireFormatError,
@@ -73,8 +64,8 @@ from kvbm_plugin.events import (
     encode_seq,
     normalize_medium,
 )
-from kvbm_plugin.publisher import EventPublisher, ZmqEventPublisher, create_publisher
-from kvbm_plugin.registry import PUBLISHERS_GROUP, get_plugin
+from kvbm_plugin.wire.publisher import EventPublisher, ZmqEventPublisher, create_publisher
+from kvbm_plugin.wire.reconnect import BACK, LOST, ConnectionWatch
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +76,6 @@ __all__ = [
     "UnknownDpRankError",
     "ConsolidatorCore",
     "KvEventConsolidator",
-    "main_consolidate",
 ]
 
 
@@ -146,7 +136,7 @@ _Registration = tuple[Any, ...]  # (kind, medium, dp_rank, ...) built by registe
 class KvEventConsolidator:
     """The consolidator with its sockets: GPU-tier SUBs in, one publisher out.
 
-    Built by the leader (or :func:`main_consolidate`) from a :class:`ConsolidatorConfig`.
+    Built by the leader (or ``kvbm-plugin consolidate``) from a :class:`ConsolidatorConfig`.
     ``publisher``: the output (default: ``create_publisher(config.publisher, config.output,
     config.output_replay)``, shut down by :meth:`shutdown`; one passed in stays its owner's).
     The built-in ZMQ publisher is created on the ingest thread in its inline mode: the thread
@@ -212,7 +202,7 @@ class KvEventConsolidator:
         """Start the ingest thread (which creates the built-in output publisher; another kind is
         created here); returns once the sockets exist.
 
-        Called once by the leader at bring-up (or by main_consolidate). Raises what socket
+        Called once by the leader at bring-up (or by `kvbm-plugin consolidate`). Raises what socket
         setup raised, after closing whatever it had opened.
         """
         with self._lock:
@@ -902,84 +892,3 @@ class KvEventConsolidator:
 def _check_hash(value: int) -> None:
     if type(value) is not int or not -(1 << 63) <= value < (1 << 64):
         raise ValueError(f"block hash {value!r} is not a signed or unsigned 64-bit integer")
-
-
-# ====================================================================== standalone command
-
-
-def main_consolidate(argv: list[str] | None = None) -> int:
-    """``kvbm-plugin consolidate``: run the consolidator until SIGINT/SIGTERM.
-
-    Reads the DYN_KVBM_* variables like the leader does, each validated before anything starts
-    (the consolidator switch too, though asking for the command runs it whatever its value);
-    the options override them. Runs in the foreground on the main thread (which only waits for
-    a signal).
-    """
-    from kvbm_plugin.cli import ArgumentParser
-    from kvbm_plugin.consolidator_config import (
-        CONSOLIDATOR_MODE,
-        consolidator_enabled,
-        native_enabled,
-    )
-
-    parser = ArgumentParser(
-        prog="kvbm-plugin consolidate",
-        description="De-duplicate the per-rank GPU-tier KV-event streams into one stream.")
-    parser.add_argument("--num-ranks", type=int, default=1,
-                        help="number of GPU-tier publishers (attention-DP ranks); default 1")
-    parser.add_argument("--mode", choices=("dedup", "passthrough"),
-                        help="override DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE")
-    parser.add_argument("--events-endpoint", help=f"override {EVENTS_ENDPOINT} (rank 0's)")
-    parser.add_argument("--replay-endpoint", help=f"override {REPLAY_ENDPOINT} (rank 0's)")
-    parser.add_argument("--output-endpoint", help=f"override {OUTPUT_ENDPOINT}")
-    parser.add_argument("--output-replay-endpoint", help=f"override {OUTPUT_REPLAY_ENDPOINT}")
-    parser.add_argument("--log-level", default="INFO", type=str.upper,
-                        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
-                        help="log level (default INFO)")
-    args = parser.parse_args(argv)
-    if args.num_ranks < 1:
-        parser.error(f"argument --num-ranks: {args.num_ranks} must be >= 1")
-    logging.basicConfig(level=args.log_level,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    env = dict(os.environ)
-    for value, name in ((args.mode, CONSOLIDATOR_MODE), (args.events_endpoint, EVENTS_ENDPOINT),
-                        (args.replay_endpoint, REPLAY_ENDPOINT),
-                        (args.output_endpoint, OUTPUT_ENDPOINT),
-                        (args.output_replay_endpoint, OUTPUT_REPLAY_ENDPOINT)):
-        if value is not None:
-            env[name] = value
-    try:
-        consolidator_enabled(env)  # validated, then overridden: the command always runs it
-        native_enabled(env)  # read by the core's loops
-        env[ENABLE_CONSOLIDATOR] = "true"
-        config = load_consolidator_config(env, num_ranks=args.num_ranks,
-                                          require_gpu_events=True)
-    except ConfigError as exc:
-        print(f"kvbm-plugin consolidate: {exc}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    consolidator = KvEventConsolidator(config)
-    try:
-        consolidator.start()
-    except (zmq.ZMQError, ConfigError, OSError) as exc:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        print(f"kvbm-plugin consolidate: cannot start: {exc}", file=sys.stderr)
-        return 1
-    inputs = ", ".join(config.publish_endpoint(r).connect for r in range(config.num_ranks))
-    logger.info("KV event consolidator started (%s): %s -> %s", config.mode, inputs,
-                config.output.bind)
-    try:
-        while not stop.wait(1.0):
-            pass
-    finally:
-        consolidator.shutdown()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        logger.info("KV event consolidator stopped: %s", consolidator.stats())
-    return 0

@@ -1,7 +1,7 @@
 """Event publishers: the transport that carries wire-format batches to consumers.
 
 ``EventPublisher`` is the interface (one per stream: a rank's GPU tier, or the consolidated
-output; defined in :mod:`kvbm_plugin.publisher_base`, which the registry sees too, and
+output; defined in :mod:`kvbm_plugin.wire.publisher_base`, which the registry sees too, and
 re-exported here); implementations are found by name in the ``kvbm_plugin.publishers`` entry
 points and built by :func:`create_publisher`. ``publish`` is called on TensorRT-LLM's executor
 thread, so it never blocks: the ZMQ publisher builds the payload and hands it to ZMQ with a
@@ -26,13 +26,9 @@ from typing import Any
 
 import zmq
 
-from kvbm_plugin._ratelimit import RateLimitedLog
-from kvbm_plugin._replay_server import (  # parse_replay_request: re-exported
-    PEER_HWM,
-    ReplayServer,
-    parse_replay_request,
-)
-from kvbm_plugin._saferepr import saferepr
+from kvbm_plugin._util.plugins import PUBLISHERS_GROUP, get_plugin
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.consolidator_config import (
     EVENTS_ENDPOINT,
     TRTLLM_ZMQ_PORT,
@@ -40,15 +36,19 @@ from kvbm_plugin.consolidator_config import (
     Endpoint,
     PublisherSettings,
 )
-from kvbm_plugin.events import (
+from kvbm_plugin.wire.events import (
     EncodedBatch,
     EncodedEvents,
     batch_payload,
     event_count,
     payload_encoder,
 )
-from kvbm_plugin.publisher_base import EventPublisher, WireEvent  # re-exported
-from kvbm_plugin.registry import PUBLISHERS_GROUP, get_plugin
+from kvbm_plugin.wire.publisher_base import EventPublisher, WireEvent  # re-exported
+from kvbm_plugin.wire.replay_server import (  # parse_replay_request: re-exported
+    PEER_HWM,
+    ReplayServer,
+    parse_replay_request,
+)
 
 logger = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
@@ -199,7 +199,7 @@ class ZmqEventPublisher(EventPublisher):
     the publisher thread sleeps between drains of the queue, so that batches arriving
     meanwhile cost one wake-up; the most such a batch waits before it is encoded),
     ``replay_stall_s`` (a replay answer whose requester reads nothing for this long is
-    dropped; see :mod:`kvbm_plugin._replay_server` for the other replay bounds).
+    dropped; see :mod:`kvbm_plugin.wire.replay_server` for the other replay bounds).
 
     Idle, the publisher thread uses no CPU: when a timed sleep found no batch and no replay
     answer is in progress, it sleeps until ``publish`` wakes it through a wake-up fd

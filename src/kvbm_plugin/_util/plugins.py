@@ -1,5 +1,7 @@
 """Extension points: event publishers and offload tiers, discovered through entry points.
 
+Called at start-up (leader, worker, consolidator, ``doctor``) on the calling thread.
+
 Built-ins are registered by this package's own entry points (see pyproject.toml), exactly as a
 third-party distribution would register its own. A broken entry point is an error that names the
 distribution, the group and the entry point; there is no silent fallback.
@@ -7,16 +9,21 @@ distribution, the group and the entry point; there is no silent fallback.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import importlib_metadata
 
-from kvbm_plugin.publisher_base import EventPublisher
+from kvbm_plugin.consolidator_config import PUBLISHERS_GROUP, TIERS_GROUP
 
-PUBLISHERS_GROUP = "kvbm_plugin.publishers"
-TIERS_GROUP = "kvbm_plugin.tiers"
+# Each group's base class, named as "module", "class" and imported only when the group is
+# loaded: this module sits below the wings that define them (wire, tiers).
+_BASES: Final = {
+    PUBLISHERS_GROUP: ("kvbm_plugin.wire.publisher_base", "EventPublisher"),
+    TIERS_GROUP: ("kvbm_plugin.tiers.base", "OffloadTier"),
+}
 
 
 class PluginLoadError(RuntimeError):
@@ -39,13 +46,10 @@ def _describe(ep: importlib_metadata.EntryPoint) -> tuple[str, str]:
 
 
 def _base_type(group: str) -> type:
-    if group == PUBLISHERS_GROUP:
-        return EventPublisher
-    if group == TIERS_GROUP:
-        from kvbm_plugin.tiers.base import OffloadTier
-
-        return OffloadTier
-    raise PluginLoadError(f"unknown entry-point group {group!r}")
+    if group not in _BASES:
+        raise PluginLoadError(f"unknown entry-point group {group!r}")
+    module, name = _BASES[group]
+    return getattr(importlib.import_module(module), name)
 
 
 _cache: dict[str, dict[str, Plugin]] = {}

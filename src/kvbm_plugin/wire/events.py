@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from kvbm_plugin._saferepr import saferepr
+from kvbm_plugin._util.saferepr import saferepr
 
 try:  # msgspec is the faster encoder (~4x on a 128-event batch) and writes identical bytes
     import msgspec as _msgspec

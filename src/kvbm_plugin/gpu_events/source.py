@@ -16,9 +16,9 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvbm_plugin._ratelimit import RateLimitedLog
+from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.events import WireFormatError
+from kvbm_plugin.wire.events import WireFormatError
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,12 @@
 /* The compiled batch of one data-parallel rank (RankBatch, the compiled form of
  * event_sink._Rank): the open event kept as C arrays and written out as its wire bytes.
  * Defined in _rank_batch.c; the loops that fill it (the buffered dicts, the V2 hooks) are in
- * _event_sink_c.c. One extension module, kvbm_plugin._event_sink_c, holds both. */
+ * _sink_c.c. One extension module, kvbm_plugin.gpu_events._sink_c, holds both. */
 
 #ifndef KVBM_RANK_BATCH_H
 #define KVBM_RANK_BATCH_H
 
-#include "_native_common.h"
+#include "../_util/native_common.h"
 
 #include <stdint.h>
 
@@ -58,7 +58,7 @@ int rb_append_store(RankBatch *rb, int64_t h, int has_parent, int64_t parent, in
  * Returns 1 for a new removal event, 0 extended, -1 error. */
 int rb_append_removed(RankBatch *rb, const int64_t *hashes, Py_ssize_t n);
 
-/* The V2 hooks' fast path (RankBatch methods; _event_sink_c.c). */
+/* The V2 hooks' fast path (RankBatch methods; _sink_c.c). */
 PyObject *RankBatch_v2_store(RankBatch *rb, PyObject *block);
 PyObject *RankBatch_v2_remove(RankBatch *rb, PyObject *key);
 

@@ -1,0 +1,133 @@
+"""The package's layout: no import circle, no wing importing a wing above it, no oversized file.
+
+Reads the source with :mod:`ast` (nothing is imported), so every import counts: module-level,
+inside functions and under ``TYPE_CHECKING`` alike.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "kvbm_plugin"
+
+# Bottom to top. A module may import its own wing and any wing below it, never one above.
+# The faces (top-level modules) each take the place their imports give them.
+RANKS: dict[str, int] = {
+    "consolidator_config": 0,  # settings: the standard library only
+    "_util": 1,
+    "wire": 2,
+    "tiers": 3,
+    "consolidator": 3,
+    "event_sink": 4,
+    "gpu_events": 5,
+    "connector": 6,
+    "connector_leader": 7,
+    "connector_worker": 7,
+    "__init__": 8,
+    "testing": 9,
+    "tools": 10,
+}
+MAX_LINES = 800
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every kvbm_plugin module ``path`` names in an import statement."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = _module_name(path) if path.name == "__init__.py" \
+        else _module_name(path).rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("kvbm_plugin"))
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            if not base.startswith("kvbm_plugin"):
+                continue
+            for alias in node.names:
+                candidate = f"{base}.{alias.name}"
+                found.add(candidate if _exists(candidate) else base)
+    return {m for m in found if m != "kvbm_plugin"}
+
+
+def _exists(module: str) -> bool:
+    rel = Path(*module.split(".")[1:])
+    return (SRC / rel).with_suffix(".py").exists() or (SRC / rel / "__init__.py").exists()
+
+
+def _graph() -> dict[str, set[str]]:
+    graph = {}
+    for path in SRC.rglob("*.py"):
+        name = _module_name(path)
+        graph[name] = {m for m in _imports(path) if _exists(m) and m != name}
+    return graph
+
+
+def _wing(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_wing_has_a_rank() -> None:
+    wings = {_wing(m) for m in _graph()}
+    assert wings <= set(RANKS), sorted(wings - set(RANKS))
+
+
+def test_no_wing_imports_a_wing_above_it() -> None:
+    upward = sorted(f"{mod} -> {dep}" for mod, deps in _graph().items() for dep in deps
+                    if RANKS[_wing(dep)] > RANKS[_wing(mod)])
+    assert not upward, upward
+
+
+def test_no_import_circle() -> None:
+    graph = _graph()
+    # A package's __init__ is entered before any of its modules: count that edge too.
+    for mod in list(graph):
+        parent = mod.rpartition(".")[0]
+        if parent and parent in graph and parent != "kvbm_plugin":
+            graph[mod] = graph[mod] | {parent}
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(start: str) -> None:
+        stack = [(start, iter(sorted(graph[start])))]
+        path = [start]
+        state[start] = 1
+        while stack:
+            node, deps = stack[-1]
+            for dep in deps:
+                if state.get(dep) == 1:
+                    cycles.append(path[path.index(dep):] + [dep])
+                elif dep not in state:
+                    state[dep] = 1
+                    path.append(dep)
+                    stack.append((dep, iter(sorted(graph[dep]))))
+                    break
+            else:
+                state[node] = 2
+                stack.pop()
+                path.pop()
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod)
+    assert not cycles, cycles
+
+
+@pytest.mark.parametrize("suffix", [".py", ".c", ".h"])
+def test_no_file_past_the_size_guide(suffix: str) -> None:
+    big = {str(p.relative_to(SRC)): n for p in SRC.rglob(f"*{suffix}")
+           if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not big, big
