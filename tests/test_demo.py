@@ -176,7 +176,7 @@ def _subscriber_joins_late(monkeypatch, after_polls: int) -> None:
     """The demo's subscriber connects only at its ``after_polls``-th poll: what a PUB socket
     sends before a subscription reaches it is dropped, as under load when the I/O threads are
     slow to pass the subscription on."""
-    from kvbm_plugin.tools.subscribe import StreamSubscriber
+    from kvbm_plugin.wire.subscriber import StreamSubscriber
 
     init, poll = StreamSubscriber.__post_init__, StreamSubscriber.poll
 
@@ -208,7 +208,7 @@ def test_demo_subscriber_that_joins_late_replays_what_it_missed(monkeypatch, cap
 
 def test_demo_fails_on_a_gap_in_the_stream_even_when_replay_fills_it(monkeypatch,
                                                                      capsys) -> None:
-    from kvbm_plugin.tools.subscribe import StreamSubscriber
+    from kvbm_plugin.wire.subscriber import StreamSubscriber
 
     accept = StreamSubscriber._accept
     dropped: list[int] = []

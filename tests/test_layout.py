@@ -1,7 +1,7 @@
 """The package's layout: no import circle, no wing importing a wing above it, no oversized file.
 
-Reads the source with :mod:`ast` (nothing is imported), so every import counts: module-level,
-inside functions and under ``TYPE_CHECKING`` alike.
+Reads the source with :mod:`ast` (nothing is imported), so every import counts, module-level and
+inside functions alike, except those under ``if TYPE_CHECKING:``: annotations only, never run.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ RANKS: dict[str, int] = {
     "wire": 2,
     "tiers": 3,
     "consolidator": 3,
-    "event_sink": 4,
-    "gpu_events": 5,
+    "gpu_events": 4,
+    "event_sink": 5,
     "connector": 6,
     "connector_leader": 7,
     "connector_worker": 7,
@@ -46,7 +46,12 @@ def _imports(path: Path) -> set[str]:
     package = _module_name(path) if path.name == "__init__.py" \
         else _module_name(path).rpartition(".")[0]
     found: set[str] = set()
+    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                   and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+                   for stmt in node.body for n in ast.walk(stmt)}
     for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("kvbm_plugin"))
         elif isinstance(node, ast.ImportFrom):

@@ -13,7 +13,6 @@ import msgpack
 import pytest
 import zmq
 
-from kvbm_plugin.tools.subscribe import StreamSubscriber, as_json, describe
 from kvbm_plugin.wire.events import (
     END_SEQ,
     AllBlocksCleared,
@@ -23,6 +22,7 @@ from kvbm_plugin.wire.events import (
     encode_batch,
     encode_seq,
 )
+from kvbm_plugin.wire.subscriber import StreamSubscriber, as_json, describe
 
 
 def _store(h: int, parent: int | None = None) -> BlockStored:

@@ -24,7 +24,7 @@ rate-limited.
 extension was built, a compiled loop (``gpu_events/_sink_c.c``) that takes the decode steady state
 (one-block stores, removals) and hands every other event to the Python loop. With the
 extension, each rank's batch is compiled too (``_rank_batch.c``, the compiled form of
-:class:`_Rank`): the events the compiled code takes are written straight into their wire bytes
+:class:`Rank`): the events the compiled code takes are written straight into their wire bytes
 (an ``events.EncodedEvents`` run in an ``events.EncodedBatch``), so no Python object is made,
 encoded or freed per event or token; the V2 hooks' common calls (a full block, the removal of
 a published one) are taken by the batch's own C methods, installed on the sink in place of the
@@ -43,25 +43,32 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from operator import itemgetter
 from typing import Any
 
 from kvbm_plugin._util import native as _native
 from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin.gpu_events.fields import (
+    REMOVED,
+    STORED,
+    block_extra_keys,
+    is_scoped,
+    parse_lora_id,
+    parse_token_ids,
+    signed_hash,
+)
+from kvbm_plugin.gpu_events.rank import Rank, native_rank_type
+from kvbm_plugin.gpu_events.v2_hooks import V2Hooks
 from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
     MEDIUM_GPU,
-    U32_MAX,
     EncodedBatch,
     WireFormatError,
     event_count,
     events_as_maps,
-    to_signed_int64,
 )
-from kvbm_plugin.wire.identity import salt_extra_key, salt_of
 from kvbm_plugin.wire.publisher import EventPublisher, WireEvent
 
 logger = logging.getLogger(__name__)
@@ -75,148 +82,9 @@ _INT_ONLY = {int}
 # normally removed soon; the cap only guards against a producer that never removes them.
 _MAX_SUPPRESSED = 1 << 20
 
-_STORED = "BlockStored"
-_REMOVED = "BlockRemoved"
 
 
-def _signed(value: Any, what: str) -> int:
-    """Wire form (signed int64) of a TRT-LLM hash given as u64 (or already signed), or as a
-    hex string (V2 events with ``v2_sha256`` hashing: the radix key's hex, same rule as
-    :func:`radix_key_hash`, so the buffered and the hook path name a block alike)."""
-    if type(value) is not int:
-        if isinstance(value, str):
-            return _hex_hash(value, what)
-        raise WireFormatError(f"{what} is not an integer: {value!r}")
-    return to_signed_int64(value, what)
-
-
-def _token_ids(tokens: Sequence[Any]) -> list[int]:
-    """The ``token_id`` of each TRT-LLM token dict, each checked to be a u32 integer.
-
-    Called before a store touches the batch, so a bad token leaves the batch as it was.
-    """
-    ids = list(map(_token_id, tokens))
-    if ids and (set(map(type, ids)) != _INT_ONLY or min(ids) < 0 or max(ids) > U32_MAX):
-        bad = next(t for t in ids if type(t) is not int or not 0 <= t <= U32_MAX)
-        raise WireFormatError(f"stored.blocks[].tokens[].token_id is not a u32 integer: "
-                              f"{bad!r:.100}")
-    return ids
-
-
-def _lora_id(value: Any) -> int | None:
-    """The published ``lora_id`` of a TRT-LLM store: None for no LoRA (TRT-LLM sends 0 or
-    None), else the u64 task id; anything else raises (it would fail the encoder later and take
-    the whole batch with it)."""
-    if value is None:
-        return None
-    if type(value) is not int or not 0 <= value < _U64:
-        raise WireFormatError(f"stored.lora_id is not None or a u64 integer: {value!r:.100}")
-    return value or None
-
-
-def _hex_hash(value: str, what: str) -> int:
-    try:
-        return radix_key_hash(bytes.fromhex(value[:16]))
-    except ValueError:
-        raise WireFormatError(f"{what} is not an integer or a hex key of >= 8 bytes: "
-                              f"{value!r}") from None
-
-
-def radix_key_hash(key: bytes | bytearray | memoryview) -> int:
-    """Wire hash of a V2 radix key: its first 8 bytes, big-endian, read as signed int64."""
-    if len(key) < 8:
-        raise WireFormatError(f"radix block key has {len(key)} bytes, need >= 8: {bytes(key)!r}")
-    return int.from_bytes(key[:8], "big", signed=True)
-
-
-def _any_hash(value: Any, what: str) -> int:
-    """Wire hash of a V2 hook hash argument: bytes key, hex-string key, or int."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return radix_key_hash(value)
-    return _signed(value, what)
-
-
-def _scoped(block: Mapping[str, Any]) -> bool:
-    """Whether a stored block carries a per-block LoRA id, multimodal keys or a cache salt."""
-    return (block.get("lora_id") is not None or bool(block.get("mm_keys"))
-            or block.get("cache_salt") is not None or block.get("cache_salt_id") is not None)
-
-
-def _extra_keys(block: Any) -> list[Any] | None:
-    """The wire ``extra_keys`` entry of one stored block: its multimodal keys (the hash of each
-    ``mm_keys`` item) and its cache salt, or None when it has neither. Dict blocks (buffered
-    events) or ``KVCacheStoredBlockData`` objects (V2 ``add_stored_event``)."""
-    mm = block.get("mm_keys") if isinstance(block, Mapping) else getattr(block, "mm_keys", None)
-    keys: list[Any] = []
-    for item in mm or ():
-        if isinstance(item, Mapping):
-            item = item.get("hash")
-        elif isinstance(item, (tuple, list)) and item:
-            item = item[0]
-        if isinstance(item, (bytes, bytearray)):
-            item = bytes(item).hex()
-        if item is not None:
-            keys.append(str(item))
-    salt = salt_of(block)
-    if salt is not None:
-        keys.append(salt_extra_key(salt))
-    return keys or None
-
-
-@dataclass
-class _Rank:
-    """Per data-parallel rank: the batch being built and the hashes never published."""
-
-    events: list[WireEvent] = field(default_factory=list)
-    last: WireEvent | None = None  # last event appended, for coalescing (None after a flush)
-    suppressed: dict[int, None] = field(default_factory=dict)  # unpublished: partial/filtered
-    # V2 path: published and not yet removed, both ways (wire hash -> radix key or None).
-    live: dict[int, bytes | None] = field(default_factory=dict)
-    live_keys: dict[bytes, int] = field(default_factory=dict)
-    # Buffered path: the prefix-closed published state (wire hash -> parent wire hash, and
-    # parent -> number of published children). A store under an unpublished parent is dropped,
-    # a removal of a block never published too, and a removal of a block with published
-    # children removes those first (TensorRT-LLM never sends either; lost events could).
-    published: dict[int, int | None] = field(default_factory=dict)
-    kids: dict[int, int] = field(default_factory=dict)
-
-    def unpublish(self, h: int) -> None:
-        """Forget published block ``h`` (it has no published child) and its parent's link."""
-        parent = self.published.pop(h)
-        if parent is not None:
-            kids = self.kids
-            if kids[parent] == 1:
-                del kids[parent]
-            else:
-                kids[parent] -= 1
-
-    @property
-    def pending(self) -> int:
-        """Events in the batch (any thread: reads, never changes it)."""
-        return len(self.events)
-
-    def take(self) -> list[WireEvent]:
-        """The batch, handed over; a new one starts (flush)."""
-        events = self.events
-        self.events = []
-        self.last = None
-        return events
-
-
-_native_rank_types: dict[Any, type] = {}
-
-
-def _native_rank_type(module: Any) -> type:
-    """``_Rank``'s compiled form (``RankBatch``: the open event kept as C arrays and written out
-    as wire bytes), with the methods it shares with ``_Rank``."""
-    cls = _native_rank_types.get(module)
-    if cls is None:
-        cls = _native_rank_types[module] = type(
-            "_NativeRank", (module.RankBatch,), {"__slots__": (), "unpublish": _Rank.unpublish})
-    return cls
-
-
-class KvEventSink:
+class KvEventSink(V2Hooks):
     """Filters and batches one executor's GPU-tier KV events for a publisher.
 
     Built by the leader (one per rank whose KV cache manager it watches) or by the sidecar.
@@ -263,18 +131,18 @@ class KvEventSink:
         self._routing_groups: frozenset[int] | None = None
         self._strict = strict
         # Keep the buffered path's output prefix-closed (the leader and the sidecar, whose
-        # streams a router may read directly): see _Rank.published.
+        # streams a router may read directly): see Rank.published.
         self._prefix_closed = prefix_closed
         self._owns_publisher = owns_publisher
         # The compiled batch and ingest loop, when built (None: the Python ones alone).
         module = _native.choose("event_sink", native, "KvEventSink")
         self._native: Callable[..., tuple[Any, ...]] | None = (
             None if module is None else module.ingest_dicts)
-        self._rank_type: Callable[[], _Rank] = (
-            _Rank if module is None else partial(_native_rank_type(module), block_size))
+        self._rank_type: Callable[[], Rank] = (
+            Rank if module is None else partial(native_rank_type(module), block_size))
         self._lock = threading.Lock()
         rs = self._rank_type()
-        self._ranks: dict[int, _Rank] = {data_parallel_rank: rs}
+        self._ranks: dict[int, Rank] = {data_parallel_rank: rs}
         if module is not None:
             # The V2 hooks' fast path: the compiled batch takes the common calls itself (no
             # Python frame per block) and hands any other to the Python hook.
@@ -334,8 +202,8 @@ class KvEventSink:
     def _ingest_locked(self, events: Iterable[Mapping[str, Any]]) -> None:
         """The Python ingest loop (lock held): the reference for the compiled fast path."""
         # Hot path: locals only (the routing window too; refreshed when it changes), hashes
-        # converted inline (same rule as _signed: u64 -> two's complement, anything else
-        # outside the int64 range goes to _signed, which raises), the one-block store and the
+        # converted inline (same rule as signed: u64 -> two's complement, anything else
+        # outside the int64 range goes to signed, which raises), the one-block store and the
         # one-hash removal (TRT-LLM's decode steady state) built directly; every other case
         # goes through the helper methods.
         c = self._c
@@ -343,7 +211,7 @@ class KvEventSink:
         i64_max = _I64_MAX
         i64_min = _I64_MIN
         u64 = _U64
-        token_ids = _token_ids
+        token_ids = parse_token_ids
         n_in = n_stores = n_stored = n_removes = n_removed = 0
         ranks = self._ranks
         default_rs = ranks[self.data_parallel_rank]
@@ -387,24 +255,24 @@ class KvEventSink:
                         blocks = data["blocks"]
                         block = blocks[0] if len(blocks) == 1 else None
                         if block is not None and len(tokens := block["tokens"]) == bs \
-                                and not _scoped(block):
+                                and not is_scoped(block):
                             # The common decode case: one full block.
                             h = block["block_hash"]
                             if type(h) is not int or not i64_min <= h <= i64_max:
                                 if type(h) is int and i64_max < h < u64:
                                     h -= u64
                                 else:
-                                    h = _signed(h, "stored.blocks[].block_hash")
+                                    h = signed_hash(h, "stored.blocks[].block_hash")
                             parent = data.get("parent_hash")
                             if parent is not None and (type(parent) is not int
                                                        or not i64_min <= parent <= i64_max):
                                 if type(parent) is int and i64_max < parent < u64:
                                     parent -= u64
                                 else:
-                                    parent = _signed(parent, "stored.parent_hash")
+                                    parent = signed_hash(parent, "stored.parent_hash")
                             lora_id = data.get("lora_id")
                             if lora_id is not None:
-                                lora_id = _lora_id(lora_id)
+                                lora_id = parse_lora_id(lora_id)
                             # Every field read and checked: only now may the batch change.
                             ids = token_ids(tokens)
                             published = rs.published
@@ -414,7 +282,7 @@ class KvEventSink:
                                 continue
                             last = rs.last
                             if (last is not None and parent is not None
-                                    and last["type"] == _STORED
+                                    and last["type"] == STORED
                                     and last["block_hashes"][-1] == parent
                                     and last["lora_id"] == lora_id):
                                 last["block_hashes"].append(h)
@@ -422,7 +290,7 @@ class KvEventSink:
                             else:
                                 n_stores += 1
                                 last = rs.last = {
-                                    "type": _STORED, "block_hashes": [h],
+                                    "type": STORED, "block_hashes": [h],
                                     "parent_block_hash": parent,
                                     "token_ids": ids,
                                     "block_size": bs, "lora_id": lora_id,
@@ -444,13 +312,13 @@ class KvEventSink:
                                 if type(h) is int and i64_max < h < u64:
                                     h -= u64
                                 else:
-                                    h = _signed(h, "removed.block_hashes[]")
+                                    h = signed_hash(h, "removed.block_hashes[]")
                             hashes = [h]
                         else:
                             hashes = []
                             for h in raw:
                                 if type(h) is not int or not i64_min <= h <= i64_max:
-                                    h = _signed(h, "removed.block_hashes[]")
+                                    h = signed_hash(h, "removed.block_hashes[]")
                                 hashes.append(h)
                         last = rs.last
                         if rs.suppressed or not hashes or closed and (
@@ -459,13 +327,13 @@ class KvEventSink:
                             continue
                         if closed:
                             rs.unpublish(h)
-                        if last is not None and last["type"] == _REMOVED:
+                        if last is not None and last["type"] == REMOVED:
                             last["block_hashes"].extend(hashes)
                             n_removed += len(hashes)
                         else:
                             n_removes += 1
                             n_removed += len(hashes)
-                            last = rs.last = {"type": _REMOVED, "block_hashes": hashes,
+                            last = rs.last = {"type": REMOVED, "block_hashes": hashes,
                                               "medium": MEDIUM_GPU}
                             rs.events.append(last)
                     elif kind == "updated":
@@ -502,15 +370,15 @@ class KvEventSink:
             return True
         return False
 
-    def _dict_stored(self, rs: _Rank, data: Mapping[str, Any], bs: int) -> None:
+    def _dict_stored(self, rs: Rank, data: Mapping[str, Any], bs: int) -> None:
         # The whole event is read and checked first: a malformed one changes nothing (neither
         # the batch nor the suppressed set).
         parent = data.get("parent_hash")
         if parent is not None:
-            parent = _signed(parent, "stored.parent_hash")
+            parent = signed_hash(parent, "stored.parent_hash")
         blocks = data["blocks"]
         # LoRA id: per block in newer serializers, else per event (TRT-LLM uses 0 for none).
-        event_lora = _lora_id(data.get("lora_id"))
+        event_lora = parse_lora_id(data.get("lora_id"))
         hashes: list[int] = []
         tokens: list[int] = []
         loras: list[int | None] = []
@@ -519,19 +387,19 @@ class KvEventSink:
         oversized = 0
         for i, block in enumerate(blocks):
             btok = block["tokens"]
-            h = _signed(block["block_hash"], "stored.blocks[].block_hash")
+            h = signed_hash(block["block_hash"], "stored.blocks[].block_hash")
             if len(btok) != bs:
                 if len(btok) > bs:
                     oversized = len(btok)
                 # The run stops here; this block and any after it are never published.
                 unpublished.append(h)
-                unpublished.extend(_signed(later["block_hash"], "stored.blocks[].block_hash")
+                unpublished.extend(signed_hash(later["block_hash"], "stored.blocks[].block_hash")
                                    for later in blocks[i + 1:])
                 break
             hashes.append(h)
-            tokens.extend(_token_ids(btok))
-            loras.append(_lora_id(block["lora_id"]) if "lora_id" in block else event_lora)
-            extras.append(_extra_keys(block))
+            tokens.extend(parse_token_ids(btok))
+            loras.append(parse_lora_id(block["lora_id"]) if "lora_id" in block else event_lora)
+            extras.append(block_extra_keys(block))
         if unpublished:
             if oversized:
                 self._log.log(logging.ERROR, "oversized", "KvEventSink: stored block %d has %d "
@@ -551,7 +419,7 @@ class KvEventSink:
 
     # ---- shared batch building (lock held) -------------------------------------------------
 
-    def _new_rank(self, rank: Any) -> _Rank | None:
+    def _new_rank(self, rank: Any) -> Rank | None:
         """State for a dp rank seen for the first time, or None when the rank is refused
         (counted and logged; raised when strict): ranks are kept for the sink's lifetime, so
         only those the configuration allows get one."""
@@ -570,7 +438,7 @@ class KvEventSink:
         rs = self._ranks[rank] = self._rank_type()
         return rs
 
-    def _store(self, rs: _Rank, hashes: list[int], parent: int | None, tokens: list[Any],
+    def _store(self, rs: Rank, hashes: list[int], parent: int | None, tokens: list[Any],
                lora_id: Any = None, extras: list[Any] | None = None, *,
                closed: bool = True) -> None:
         """Append a stored chain to the batch. ``closed`` (the buffered path): keep the stream
@@ -617,26 +485,26 @@ class KvEventSink:
             # Blocks with extra keys (multimodal, cache salt) keep them on the wire, one entry
             # per block; such an event is never extended (neither loop appends a key list).
             c["stores"] += 1
-            rs.events.append({"type": _STORED, "block_hashes": hashes,
+            rs.events.append({"type": STORED, "block_hashes": hashes,
                               "parent_block_hash": parent, "token_ids": tokens,
                               "block_size": self.block_size, "lora_id": lora_id,
                               "medium": MEDIUM_GPU, "lora_name": None, "extra_keys": extras})
             rs.last = None
             return
         last = rs.last
-        if (last is not None and last["type"] == _STORED and parent is not None
+        if (last is not None and last["type"] == STORED and parent is not None
                 and last["block_hashes"][-1] == parent and last["lora_id"] == lora_id):
             last["block_hashes"].extend(hashes)
             last["token_ids"].extend(tokens)
             return
         c["stores"] += 1
-        ev = {"type": _STORED, "block_hashes": hashes, "parent_block_hash": parent,
+        ev = {"type": STORED, "block_hashes": hashes, "parent_block_hash": parent,
               "token_ids": tokens, "block_size": self.block_size, "lora_id": lora_id,
               "medium": MEDIUM_GPU, "lora_name": None}
         rs.events.append(ev)
         rs.last = ev
 
-    def _remove(self, rs: _Rank, hashes: Iterable[int], *, track_live: bool) -> None:
+    def _remove(self, rs: Rank, hashes: Iterable[int], *, track_live: bool) -> None:
         suppressed = rs.suppressed
         live = rs.live
         out: list[int] = []
@@ -666,15 +534,15 @@ class KvEventSink:
             return
         c["blocks_removed"] += len(out)
         last = rs.last
-        if last is not None and last["type"] == _REMOVED:
+        if last is not None and last["type"] == REMOVED:
             last["block_hashes"].extend(out)  # consecutive removals: one event, same order
             return
         c["removes"] += 1
-        ev = {"type": _REMOVED, "block_hashes": out, "medium": MEDIUM_GPU}
+        ev = {"type": REMOVED, "block_hashes": out, "medium": MEDIUM_GPU}
         rs.events.append(ev)
         rs.last = ev
 
-    def _cascade(self, rs: _Rank, h: int) -> list[int]:
+    def _cascade(self, rs: Rank, h: int) -> list[int]:
         """Unpublish the published descendants of ``h`` (about to be removed), children before
         parents; their own later removals are then dropped as unknown. One scan of the
         published blocks: only an engine that removes a parent before its children gets
@@ -701,7 +569,7 @@ class KvEventSink:
         self._c["cascade_removes"] += len(order)
         return order
 
-    def _suppress(self, rs: _Rank, h: int) -> None:
+    def _suppress(self, rs: Rank, h: int) -> None:
         suppressed = rs.suppressed
         suppressed[h] = None
         if len(suppressed) > _MAX_SUPPRESSED:
@@ -840,236 +708,3 @@ class KvEventSink:
                     publisher.shutdown(timeout)
 
     close = shutdown
-
-    # ---- KVCacheManagerV2 event-sink hooks (duck typed) -------------------------------------
-    # Called by V2's radix tree / storage manager on the executor thread (directly, when the
-    # sink stands in for V2's KVCacheEventManager, or through attach_event_source's tee). They
-    # take no lock (the per-block cost budget is ~1 us): hooks and flush share the executor
-    # thread. Only ``ingest`` may run on another thread (the buffered-path tee).
-
-    @property
-    def dropped_event_count(self) -> int:
-        """Batches the publisher lost (V2 manager property name)."""
-        return self._c["batches_lost"] + self._lost_by_publishers()
-
-    @property
-    def queue_high_watermark(self) -> int:
-        """Publisher queue high-water mark (V2 manager property name)."""
-        return int(self._publisher.stats().get("queue_high_water", 0))
-
-    def set_layer_group_window_sizes(self, window_sizes: Mapping[int, int]) -> None:
-        """V2 hook: window per layer group; picks the routing group(s) (largest or configured)."""
-        sizes = {int(k): int(v) for k, v in window_sizes.items()}
-        with self._lock:
-            if not sizes:
-                self._routing_groups = None
-                self._routing_changed()
-                return
-            target = self._configured_window
-            if target is None or target not in sizes.values():
-                if target is not None:
-                    self._log.log(logging.ERROR, "window-missing", "KvEventSink: configured "
-                                  "window_size %d is none of the layer-group windows %s; "
-                                  "publishing the largest", target, sorted(set(sizes.values())))
-                target = max(sizes.values())
-            self._window = target
-            self._routing_groups = frozenset(g for g, w in sizes.items() if w == target)
-            self._routing_changed()
-
-    def set_routing_layer_group(self, layer_group_id: int) -> None:
-        """V2 hook: publish exactly this layer group."""
-        with self._lock:
-            self._routing_groups = frozenset((int(layer_group_id),))
-            self._routing_changed()
-
-    def _routing_changed(self) -> None:
-        """The compiled V2 hooks take calls only while every layer group is published (the
-        Python hooks filter by group)."""
-        if self._native is not None:
-            self._ranks[self.data_parallel_rank].fast_hooks = self._routing_groups is None
-
-    def add_created_event(self, num_blocks_per_cache_level: Sequence[int],
-                          layer_group_ids: Sequence[int] | None = None) -> None:
-        """V2 hook: pool created; counted (the wire format has no such event)."""
-        self._c["created_events"] += 1
-
-    def add_stored_block_event_from_block(self, block: Any) -> None:
-        """V2 hook: one radix block became reusable (``.key``, ``.tokens``, ``.prev``).
-
-        Executor thread, once per block. Published when full and held by a routing layer group
-        (per ``block.storage`` when the window map is known); coalesced with its parent when
-        that was the previous event. Like every V2 hook it takes no lock: TRT-LLM calls the
-        hooks and the leader calls ``flush`` on the same (executor) thread.
-        """
-        try:
-            groups = self._routing_groups
-            if groups is not None and not self._held_by(block, groups):
-                rs = self._ranks[self.data_parallel_rank]
-                self._suppress(rs, radix_key_hash(block.key))
-                self._c["window_filtered"] += 1
-                return
-            self._v2_store(block)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            self._malformed(exc, block)
-
-    def add_stored_life_cycle_event_from_block(self, block: Any, life_cycle_id: int) -> None:
-        """V2 hook: a block gained a page in layer group ``life_cycle_id``."""
-        try:
-            groups = self._routing_groups
-            if groups is not None and int(life_cycle_id) not in groups:
-                self._c["window_filtered"] += 1
-                return
-            self._v2_store(block)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            self._malformed(exc, block)
-
-    @staticmethod
-    def _held_by(block: Any, groups: frozenset[int]) -> bool:
-        storage = getattr(block, "storage", None)
-        if storage is None:
-            return True  # no per-group information: do not guess a filter
-        n = len(storage)
-        for g in groups:
-            if g < n:
-                ref = storage[g]
-                if ref is not None and ref() is not None:
-                    return True
-        return False
-
-    def _v2_store(self, block: Any) -> None:
-        rs = self._ranks[self.data_parallel_rank]
-        k = block.key
-        live_keys = rs.live_keys
-        if k in live_keys:
-            return  # already published (another layer group of the same block)
-        h = int.from_bytes(k[:8], "big", signed=True) if len(k) >= 8 else radix_key_hash(k)
-        tokens = block.tokens
-        if len(tokens) != self.block_size:
-            self._suppress(rs, h)
-            self._c["partial_blocks_suppressed"] += 1
-            return
-        prev = block.prev
-        if getattr(prev, "ordinal", -1) == -1:
-            parent = None
-        else:
-            pk = prev.key
-            parent = live_keys.get(pk)
-            if parent is None:
-                parent = radix_key_hash(pk)
-        if rs.suppressed:
-            rs.suppressed.pop(h, None)
-        live_keys[k] = h
-        rs.live[h] = k
-        c = self._c
-        c["blocks_stored"] += 1
-        last = rs.last
-        if (last is not None and parent is not None and last["type"] == _STORED
-                and last["block_hashes"][-1] == parent and last["lora_id"] is None):
-            last["block_hashes"].append(h)
-            last["token_ids"].extend(tokens)
-            return
-        c["stores"] += 1
-        last = rs.last = {"type": _STORED, "block_hashes": [h], "parent_block_hash": parent,
-                          "token_ids": list(tokens), "block_size": self.block_size,
-                          "lora_id": None, "medium": MEDIUM_GPU, "lora_name": None}
-        rs.events.append(last)
-
-    def add_stored_event(self, parent_hash: Any, blocks: Sequence[Any],
-                         layer_group_id: int | None = None) -> None:
-        """V2 hook: stored blocks as ``KVCacheStoredBlockData`` (``.block_hash``, ``.tokens``)."""
-        try:
-            groups = self._routing_groups
-            if groups is not None and layer_group_id is not None and \
-                    int(layer_group_id) not in groups:
-                self._c["window_filtered"] += len(blocks)
-                return
-            rs = self._ranks[self.data_parallel_rank]
-            parent = None if parent_hash is None else _any_hash(parent_hash, "parent_hash")
-            hashes: list[int] = []
-            tokens: list[Any] = []
-            extras: list[Any] = []  # per-block mm_keys / cache_salt (KVCacheStoredBlockData)
-            for i, b in enumerate(blocks):
-                h = _any_hash(b.block_hash, "block_hash")
-                btok = b.tokens
-                if len(btok) != self.block_size:
-                    for later in blocks[i:]:
-                        self._suppress(rs, _any_hash(later.block_hash, "block_hash"))
-                    self._c["partial_blocks_suppressed"] += len(blocks) - i
-                    break
-                hashes.append(h)
-                tokens.extend(t.token_id if hasattr(t, "token_id") else t for t in btok)
-                extras.append(_extra_keys(b))
-            if hashes:
-                for h in hashes:
-                    rs.suppressed.pop(h, None)
-                    rs.live.setdefault(h, None)
-                self._store(rs, hashes, parent, tokens, None, extras, closed=False)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            self._malformed(exc, blocks)
-
-    def add_removed_event(self, block_hashes: Any) -> None:
-        """V2 hook: blocks left the pool (bytes key, hex key, int, or an iterable of them)."""
-        try:
-            rs = self._ranks[self.data_parallel_rank]
-            if type(block_hashes) is bytes:
-                # Fast path: one radix key that we published.
-                h = rs.live_keys.pop(block_hashes, None)
-                if h is not None:
-                    rs.live.pop(h, None)
-                    c = self._c
-                    c["blocks_removed"] += 1
-                    last = rs.last
-                    if last is not None and last["type"] == _REMOVED:
-                        last["block_hashes"].append(h)
-                    else:
-                        c["removes"] += 1
-                        last = rs.last = {"type": _REMOVED, "block_hashes": [h],
-                                          "medium": MEDIUM_GPU}
-                        rs.events.append(last)
-                    return
-                block_hashes = (block_hashes,)
-            elif isinstance(block_hashes, (bytes, bytearray, memoryview, str, int)):
-                block_hashes = (block_hashes,)
-            hashes = [_any_hash(item, "removed block hash") for item in block_hashes]
-            self._remove(rs, hashes, track_live=True)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            self._malformed(exc, block_hashes)
-
-    def add_removed_life_cycle_event(self, block_hash: Any, life_cycle_id: int) -> None:
-        """V2 hook: a block lost its page in one layer group."""
-        try:
-            groups = self._routing_groups
-            if groups is not None and int(life_cycle_id) not in groups:
-                self._c["window_removes_filtered"] += 1
-                return
-            h = _any_hash(block_hash, "removed block hash")
-            self._remove(self._ranks[self.data_parallel_rank], (h,), track_live=True)
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            self._malformed(exc, block_hash)
-
-    def add_updated_event(self, block_hash: Any, *, cache_level: Any = None,
-                          priority: Any = None, layer_group_id: int | None = None) -> None:
-        """V2 hook: cache level / priority changed; counted, not published."""
-        self._c["updated_events"] += 1
-
-    def flush_iteration_events(self) -> None:
-        """V2 hook: TRT-LLM's per-iteration flush; publishes like :meth:`flush`."""
-        self.flush()
-
-    def get_latest_events(self, timeout_ms: float | None = None,
-                          max_events: int | None = None) -> list[Any]:
-        """V2 pull API: always ``[]``; events are pushed to the publisher instead."""
-        return []
-
-    def discard_events(self) -> None:
-        """V2 hook: drop pending events (counted and logged; removals included)."""
-        with self._lock:
-            n = 0
-            for rs in self._ranks.values():
-                n += len(rs.events)
-                rs.events = []
-                rs.last = None
-            self._c["discarded_events"] += n
-        if n:
-            self._log.log(logging.WARNING, "discard", "KvEventSink: discard_events dropped %d "
-                          "pending events", n)

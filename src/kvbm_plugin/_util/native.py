@@ -4,7 +4,8 @@
 (ConsolidatorCore's dedup loops) are built at install time where a C compiler is available
 (``setup.py`` marks them optional). Each is the compiled form of loops whose Python reference
 stays in Python (``event_sink.py``, ``consolidator/core.py``), and the tests run both on the
-same input and compare. ``DYN_KVBM_NATIVE=0`` selects the Python loops. No torch or TensorRT-LLM import.
+same input and compare. ``DYN_KVBM_NATIVE=0`` selects the Python loops. No torch or TensorRT-LLM
+import.
 """
 
 from __future__ import annotations

@@ -14,11 +14,13 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
-from kvbm_plugin.event_sink import KvEventSink
 from kvbm_plugin.wire.events import WireFormatError
+
+if TYPE_CHECKING:
+    from kvbm_plugin.event_sink import KvEventSink
 
 logger = logging.getLogger(__name__)
 

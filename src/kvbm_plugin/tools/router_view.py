@@ -31,7 +31,7 @@ Two layers:
   covered by some medium's tree is covered with its whole prefix).
 
 * :class:`TreeSubscriber` — the thin adapter: a
-  :class:`~kvbm_plugin.tools.subscribe.StreamSubscriber` (decoding, gap detection, replay)
+  :class:`~kvbm_plugin.wire.subscriber.StreamSubscriber` (decoding, gap detection, replay)
   that also feeds every batch it applies, in order, to a
   :class:`RouterView` under the subscriber's endpoint as the worker name. It sees events as the
   project's tolerant decoder returns them: a medium alias (``cpu``, ``CPU_PINNED``) arrives
@@ -50,7 +50,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvbm_plugin.tools.subscribe import StreamSubscriber
 from kvbm_plugin.wire.events import (
     MEDIA,
     MEDIUM_GPU,
@@ -59,6 +58,7 @@ from kvbm_plugin.wire.events import (
     BlockStored,
     EventBatch,
 )
+from kvbm_plugin.wire.subscriber import StreamSubscriber
 
 # Counters that mean the stream broke a rule a strict router relies on: each is a warning (or a
 # silently lost prefix) in a real router's log. ``cut_blocks`` and the informational counters

@@ -1,0 +1,105 @@
+"""Reading TensorRT-LLM's KV-event fields: hashes, token ids, LoRA ids, extra keys.
+
+Called by the event sink (:mod:`kvbm_plugin.event_sink`) on whichever thread feeds it, per
+event or block; pure functions, no state, no torch or TensorRT-LLM import.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from operator import itemgetter
+from typing import Any
+
+from kvbm_plugin.wire.events import U32_MAX, WireFormatError, to_signed_int64
+from kvbm_plugin.wire.identity import salt_extra_key, salt_of
+
+_U64 = 1 << 64
+_I64_MAX = (1 << 63) - 1
+_I64_MIN = -(1 << 63)
+_token_id = itemgetter("token_id")
+_INT_ONLY = {int}
+STORED = "BlockStored"
+REMOVED = "BlockRemoved"
+
+def signed_hash(value: Any, what: str) -> int:
+    """Wire form (signed int64) of a TRT-LLM hash given as u64 (or already signed), or as a
+    hex string (V2 events with ``v2_sha256`` hashing: the radix key's hex, same rule as
+    :func:`radix_key_hash`, so the buffered and the hook path name a block alike)."""
+    if type(value) is not int:
+        if isinstance(value, str):
+            return parse_hex_hash(value, what)
+        raise WireFormatError(f"{what} is not an integer: {value!r}")
+    return to_signed_int64(value, what)
+
+
+def parse_token_ids(tokens: Sequence[Any]) -> list[int]:
+    """The ``token_id`` of each TRT-LLM token dict, each checked to be a u32 integer.
+
+    Called before a store touches the batch, so a bad token leaves the batch as it was.
+    """
+    ids = list(map(_token_id, tokens))
+    if ids and (set(map(type, ids)) != _INT_ONLY or min(ids) < 0 or max(ids) > U32_MAX):
+        bad = next(t for t in ids if type(t) is not int or not 0 <= t <= U32_MAX)
+        raise WireFormatError(f"stored.blocks[].tokens[].token_id is not a u32 integer: "
+                              f"{bad!r:.100}")
+    return ids
+
+
+def parse_lora_id(value: Any) -> int | None:
+    """The published ``lora_id`` of a TRT-LLM store: None for no LoRA (TRT-LLM sends 0 or
+    None), else the u64 task id; anything else raises (it would fail the encoder later and take
+    the whole batch with it)."""
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value < _U64:
+        raise WireFormatError(f"stored.lora_id is not None or a u64 integer: {value!r:.100}")
+    return value or None
+
+
+def parse_hex_hash(value: str, what: str) -> int:
+    try:
+        return radix_key_hash(bytes.fromhex(value[:16]))
+    except ValueError:
+        raise WireFormatError(f"{what} is not an integer or a hex key of >= 8 bytes: "
+                              f"{value!r}") from None
+
+
+def radix_key_hash(key: bytes | bytearray | memoryview) -> int:
+    """Wire hash of a V2 radix key: its first 8 bytes, big-endian, read as signed int64."""
+    if len(key) < 8:
+        raise WireFormatError(f"radix block key has {len(key)} bytes, need >= 8: {bytes(key)!r}")
+    return int.from_bytes(key[:8], "big", signed=True)
+
+
+def parse_hash(value: Any, what: str) -> int:
+    """Wire hash of a V2 hook hash argument: bytes key, hex-string key, or int."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return radix_key_hash(value)
+    return signed_hash(value, what)
+
+
+def is_scoped(block: Mapping[str, Any]) -> bool:
+    """Whether a stored block carries a per-block LoRA id, multimodal keys or a cache salt."""
+    return (block.get("lora_id") is not None or bool(block.get("mm_keys"))
+            or block.get("cache_salt") is not None or block.get("cache_salt_id") is not None)
+
+
+def block_extra_keys(block: Any) -> list[Any] | None:
+    """The wire ``extra_keys`` entry of one stored block: its multimodal keys (the hash of each
+    ``mm_keys`` item) and its cache salt, or None when it has neither. Dict blocks (buffered
+    events) or ``KVCacheStoredBlockData`` objects (V2 ``add_stored_event``)."""
+    mm = block.get("mm_keys") if isinstance(block, Mapping) else getattr(block, "mm_keys", None)
+    keys: list[Any] = []
+    for item in mm or ():
+        if isinstance(item, Mapping):
+            item = item.get("hash")
+        elif isinstance(item, (tuple, list)) and item:
+            item = item[0]
+        if isinstance(item, (bytes, bytearray)):
+            item = bytes(item).hex()
+        if item is not None:
+            keys.append(str(item))
+    salt = salt_of(block)
+    if salt is not None:
+        keys.append(salt_extra_key(salt))
+    return keys or None
