@@ -150,7 +150,7 @@ def test_sdist_carries_its_tests_benchmarks_docs_and_license(tmp_path: Path) -> 
     readme = (ROOT / "README.md").read_text()
     assert (ROOT / ".ci" / "run").exists() <= (".ci/run" in names)
     linked = set(re.findall(r"\]\(((?!https?://)[^)#]+)\)", readme))
-    required = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("*.py")} \
+    required = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")} \
         | {str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("*.py")} \
         | linked | {"LICENSE", "README.md", "setup.py", "src/kvbm_plugin/_util/native_common.h"}
     assert {"tests/conftest.py", "tests/_kvwire.py", "tests/_loops.py",

@@ -18,7 +18,7 @@ from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.tools import cli
 from kvbm_plugin.tools.doctor import main_doctor
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = ("demo", "yaml", "doctor", "env", "subscribe", "consolidate", "sidecar")
 
 

@@ -2,7 +2,7 @@
 
 These need a CUDA device and are skipped without one (CI has none); the same logic is covered
 on CPU with stand-in events in test_transfer_paths.py. Run on a GPU machine with
-``python -m pytest tests/test_cuda_paths.py``.
+``python -m pytest tests/tiers/test_cuda_paths.py``.
 """
 
 from __future__ import annotations

@@ -115,7 +115,7 @@ def test_consolidate_without_a_port_asks_for_the_port_not_the_consolidator_switc
 def test_sidecar_the_readme_way_gets_past_its_options(tmp_path: Path) -> None:
     """README's sidecar line, with the endpoint it needs: nothing to complain about until it
     polls (stopped right after start-up by SIGTERM)."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     line = next(x for x in readme.splitlines() if "`kvbm-plugin sidecar --url" in x)
     command = line.split("`")[1].split()
     assert "--block-size" in command and "--url" in command
