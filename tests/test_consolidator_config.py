@@ -72,7 +72,8 @@ def test_bad_port_values(text: str) -> None:
 def test_port_whitespace_trimmed_and_per_rank() -> None:
     config = load_consolidator_config({cc.TRTLLM_ZMQ_PORT: " 20081 "}, num_ranks=4)
     assert [config.publish_endpoint(r).bind for r in range(4)] == [
-        "tcp://*:20081", "tcp://*:20082", "tcp://*:20083", "tcp://*:20084"]
+        "tcp://127.0.0.1:20081", "tcp://127.0.0.1:20082", "tcp://127.0.0.1:20083",
+        "tcp://127.0.0.1:20084"]
     assert config.publish_endpoint(3).connect == "tcp://127.0.0.1:20084"
 
 
@@ -85,7 +86,7 @@ def test_base_plus_highest_rank_must_fit() -> None:
 def test_output_is_leader_port_plus_1000_and_host_used_for_connect() -> None:
     config = load_consolidator_config(
         {**BASE, cc.LEADER_ZMQ_PUB_PORT: "56101", cc.LEADER_ZMQ_HOST: "10.0.0.7"})
-    assert config.output.bind == "tcp://*:57101"
+    assert config.output.bind == "tcp://10.0.0.7:57101"  # binds where connectors connect
     assert config.output.connect == "tcp://10.0.0.7:57101"
     assert config.publish_endpoint(0).connect == "tcp://10.0.0.7:20081"
     assert load_consolidator_config(BASE).output.port == 57001
@@ -100,7 +101,26 @@ def test_scheme_by_prefix_not_substring() -> None:
     endpoint = cc.parse_endpoint("X", "tcp://ipc-host:5557", default_host="127.0.0.1")
     assert endpoint.scheme == "tcp" and endpoint.host == "ipc-host" and endpoint.port == 5557
     assert endpoint.for_rank(1).connect == "tcp://ipc-host:5558"
-    assert endpoint.bind == "tcp://*:5557"
+    assert endpoint.bind == "tcp://ipc-host:5557"
+
+
+@pytest.mark.parametrize(("text", "bind", "connect", "everywhere"), [
+    ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557", False),
+    ("tcp://10.1.2.3:5557", "tcp://10.1.2.3:5557", "tcp://10.1.2.3:5557", False),
+    ("tcp://*:5557", "tcp://*:5557", "tcp://h:5557", True),
+    ("tcp://0.0.0.0:5557", "tcp://*:5557", "tcp://h:5557", True),
+    ("tcp://[::]:5557", "tcp://*:5557", "tcp://h:5557", True),
+    ("tcp://[::1]:5557", "tcp://[::1]:5557", "tcp://[::1]:5557", False),
+    ("5557", "tcp://h:5557", "tcp://h:5557", False),
+])
+def test_tcp_binds_the_host_the_endpoint_names(text: str, bind: str, connect: str,
+                                               everywhere: bool) -> None:
+    """A tcp endpoint listens on the interface it names; only ``*`` means every interface. A
+    bare port binds the host connectors are told to connect to."""
+    endpoint = cc.parse_endpoint("X", text, default_host="h")
+    assert (endpoint.bind, endpoint.connect, endpoint.every_interface) == (bind, connect,
+                                                                           everywhere)
+    assert endpoint.for_rank(2).bind == bind.replace("5557", "5559")
 
 
 def test_ipc_and_inproc_get_dp_suffix(tmp_path) -> None:
@@ -128,8 +148,8 @@ def test_bad_endpoints_rejected_clearly(text: str) -> None:
 def test_bare_port_endpoint() -> None:
     config = load_consolidator_config({cc.EVENTS_ENDPOINT: "31000", cc.REPLAY_ENDPOINT: "32000"},
                                       num_ranks=2)
-    assert config.publish_endpoint(1).bind == "tcp://*:31001"
-    assert config.replay_endpoint(1).bind == "tcp://*:32001"  # type: ignore[union-attr]
+    assert config.publish_endpoint(1).bind == "tcp://127.0.0.1:31001"
+    assert config.replay_endpoint(1).bind == "tcp://127.0.0.1:32001"  # type: ignore[union-attr]
 
 
 def test_collision_between_ranks_publish_and_replay() -> None:

@@ -193,8 +193,11 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             self._tier_events = parts.tier_events
             self._register_metrics()
             if self._par.tp_size > 1 and not _llm_args.in_process(llm_args):
-                self._receiver = ZmqReportReceiver(self._hub,
-                                                   f"tcp://*:{_llm_args.leader_port(self._env)}")
+                # Bound where the workers connect (DYN_KVBM_LEADER_ZMQ_HOST), not on every
+                # interface: anyone who reaches the port can feed the leader reports.
+                self._receiver = ZmqReportReceiver(
+                    self._hub, f"tcp://{_llm_args.leader_host(self._env)}:"
+                    f"{_llm_args.leader_port(self._env)}")
         except BaseException:
             self.shutdown()
             raise

@@ -71,8 +71,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            f"{EVENTS_ENDPOINT} is set.", "consolidator"),
     EnvVar(LEADER_ZMQ_PUB_PORT, "56001", "KVBM leader port; the consolidated output binds "
            "this + 1000.", "consolidator"),
-    EnvVar(LEADER_ZMQ_HOST, "127.0.0.1", "Host the consolidator connects to for the GPU-tier "
-           "streams.", "consolidator"),
+    EnvVar(LEADER_ZMQ_HOST, "127.0.0.1", "Host the consolidator and the TP workers connect to; "
+           "sockets given by a bare port bind it (default: loopback only; tcp://*:PORT listens on "
+           "every interface).", "consolidator"),
     EnvVar(EVENTS_ENDPOINT, None, "Base endpoint of the GPU-tier publishers instead of "
            f"{TRTLLM_ZMQ_PORT}: tcp://host:port, ipc://path or inproc://name (rank r: port + r, "
            "or suffix _dp{r}).", "consolidator"),
@@ -176,7 +177,11 @@ def parse_port(name: str, value: str) -> int:
 class Endpoint:
     """A ZMQ endpoint family: a base from which each rank's bind and connect addresses derive.
 
-    tcp: rank r uses ``port + r``; ipc/inproc: rank r uses ``address + "_dp{r}"``.
+    tcp: rank r uses ``port + r``; ipc/inproc: rank r uses ``address + "_dp{r}"``. A tcp socket
+    binds the interface its endpoint names (``bind_host``), so ``tcp://127.0.0.1:P`` listens on
+    loopback only; ``*`` (also written ``0.0.0.0`` or ``::``) is every interface. The streams
+    carry prompts' token ids and the replay sockets answer anyone who connects: nothing binds
+    every interface unless the endpoint says ``*``.
     """
 
     scheme: Literal["tcp", "ipc", "inproc"]
@@ -184,6 +189,7 @@ class Endpoint:
     host: str = "127.0.0.1"  # tcp: where connectors connect
     port: int = 0  # tcp base port
     source: str = ""  # variable the endpoint came from, for error messages
+    bind_host: str = ""  # tcp: the interface to bind ("*" = every one); "" = ``host``
 
     def for_rank(self, rank: int) -> Endpoint:
         if self.scheme == "tcp":
@@ -191,20 +197,26 @@ class Endpoint:
             if port > 65535:
                 raise ConfigError(f"{self.source}: port {self.port} + rank {rank} = {port} "
                                   "exceeds 65535")
-            return Endpoint("tcp", host=self.host, port=port, source=self.source)
+            return Endpoint("tcp", host=self.host, port=port, source=self.source,
+                            bind_host=self.bind_host)
         return Endpoint(self.scheme, address=f"{self.address}_dp{rank}", source=self.source)
 
     @property
     def bind(self) -> str:
         if self.scheme == "tcp":
-            return f"tcp://*:{self.port}"
+            return f"tcp://{_url_host(self.bind_host or self.host)}:{self.port}"
         return f"{self.scheme}://{self.address}"
 
     @property
     def connect(self) -> str:
         if self.scheme == "tcp":
-            return f"tcp://{self.host}:{self.port}"
+            return f"tcp://{_url_host(self.host)}:{self.port}"
         return f"{self.scheme}://{self.address}"
+
+    @property
+    def every_interface(self) -> bool:
+        """Whether the socket listens on every interface (tcp ``*``), not one host."""
+        return self.scheme == "tcp" and self.bind_host == "*"
 
     @property
     def key(self) -> tuple[str, str | int]:
@@ -212,14 +224,25 @@ class Endpoint:
         return (self.scheme, self.port if self.scheme == "tcp" else self.address)
 
 
+_EVERY_INTERFACE: Final = frozenset({"*", "0.0.0.0", "::", "[::]"})
+
+
+def _url_host(host: str) -> str:
+    """``host`` as it stands in a tcp URL: an IPv6 literal in brackets."""
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
 def parse_endpoint(name: str, value: str, *, default_host: str) -> Endpoint:
     """Parse ``tcp://host:port``, ``ipc://path``, ``inproc://name`` or a bare port number.
 
-    The scheme is decided by prefix only, so ``tcp://ipc-host:5557`` is tcp.
+    The scheme is decided by prefix only, so ``tcp://ipc-host:5557`` is tcp. A bare port binds
+    and connects ``default_host``; ``tcp://*:port`` binds every interface and connects
+    ``default_host``; ``tcp://host:port`` binds and connects ``host``.
     """
     text = value.strip()
     if text.isdigit():
-        return Endpoint("tcp", host=default_host, port=parse_port(name, text), source=name)
+        return Endpoint("tcp", host=default_host, port=parse_port(name, text), source=name,
+                        bind_host=default_host)
     if text.startswith("tcp://"):
         rest = text[len("tcp://"):]
         host, sep, port_text = rest.rpartition(":")
@@ -229,9 +252,10 @@ def parse_endpoint(name: str, value: str, *, default_host: str) -> Endpoint:
             raise ConfigError(f"{name}={value!r}: tcp endpoint has no numeric port "
                               f"({port_text!r})")
         port = parse_port(name, port_text)
-        if host in ("*", "0.0.0.0", "[::]", "::"):
-            host = default_host
-        return Endpoint("tcp", host=host.strip("[]"), port=port, source=name)
+        if host in _EVERY_INTERFACE:
+            return Endpoint("tcp", host=default_host, port=port, source=name, bind_host="*")
+        host = host.strip("[]")
+        return Endpoint("tcp", host=host, port=port, source=name, bind_host=host)
     for scheme in ("ipc", "inproc"):
         prefix = f"{scheme}://"
         if text.startswith(prefix):

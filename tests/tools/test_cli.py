@@ -104,6 +104,18 @@ def test_doctor_ok_with_free_ports(monkeypatch, capsys) -> None:
     assert code == 0, [c for c in checks.values() if c["status"] == "fail"]
 
 
+def test_doctor_says_which_sockets_are_open_to_every_interface(monkeypatch, capsys) -> None:
+    port = free_port()
+    monkeypatch.setenv(cc.EVENTS_ENDPOINT, f"tcp://127.0.0.1:{port}")
+    monkeypatch.setenv(cc.OUTPUT_ENDPOINT, f"tcp://*:{free_port()}")
+    main_doctor(["--json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    ours = checks[f"rank 0 GPU-tier publisher tcp://127.0.0.1:{port}"]
+    assert ours["status"] == "ok" and "every interface" not in ours["detail"]
+    output = next(c for name, c in checks.items() if name.startswith("consolidated output tcp"))
+    assert output["status"] == "warn" and "every interface" in output["detail"]
+
+
 def test_doctor_fails_on_bad_env(monkeypatch, capsys) -> None:
     monkeypatch.setenv(cc.ENABLE_CONSOLIDATOR, "perhaps")
     assert main_doctor([]) == 1

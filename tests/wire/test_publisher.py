@@ -228,7 +228,7 @@ def test_replay_buffer_is_bounded(tcp, publishers) -> None:
 
 def test_tcp_host_named_ipc_host(ctx, publishers) -> None:
     port = free_port()
-    endpoint = parse_endpoint("X", f"tcp://ipc-host:{port}", default_host="127.0.0.1")
+    endpoint = parse_endpoint("X", f"tcp://*:{port}", default_host="ipc-host")
     assert endpoint.scheme == "tcp" and endpoint.host == "ipc-host"
     pub = ZmqEventPublisher(PublisherSettings(), endpoint)
     publishers.append(pub)

@@ -40,7 +40,9 @@ def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings)
     if config.output_replay is not None:
         endpoints.append(("consolidated output replay", config.output_replay))
     if metrics.enabled:
-        endpoints.append(("metrics", cc.Endpoint("tcp", port=metrics.port, source=cc.METRICS_PORT)))
+        # prometheus_client's HTTP server listens on every interface (scraped from elsewhere).
+        endpoints.append(("metrics", cc.Endpoint("tcp", port=metrics.port, source=cc.METRICS_PORT,
+                                                 bind_host="*")))
     checks = []
     for role, endpoint in endpoints:
         if endpoint.scheme == "tcp":
@@ -50,8 +52,13 @@ def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings)
             problem = None if os.access(directory, os.W_OK) else f"{directory} is not writable"
         else:
             problem = None
-        checks.append(Check(f"{role} {endpoint.bind}", "fail" if problem else "ok",
-                            problem or "free"))
+        if problem:
+            checks.append(Check(f"{role} {endpoint.bind}", "fail", problem))
+        elif endpoint.every_interface:
+            checks.append(Check(f"{role} {endpoint.bind}", "warn", "free; open to every "
+                                "interface: anyone who reaches this host can connect"))
+        else:
+            checks.append(Check(f"{role} {endpoint.bind}", "ok", "free"))
     return checks
 
 
