@@ -11,6 +11,7 @@ dies: PR_SET_PDEATHSIG).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -33,10 +34,8 @@ def _pipe(a: socket.socket, b: socket.socket) -> None:
         pass
     finally:
         for s in (a, b):
-            try:
+            with contextlib.suppress(OSError):
                 s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 
 
 def _serve(path: str, port: int) -> None:
