@@ -12,6 +12,13 @@ reused (GPU hit plus tokens onboarded from host and disk); see
 
 Targets: >= 99 % of prompt tokens agree; 0 router-rule warnings. Run in dedup mode (the
 default) and in passthrough mode (per-medium trees; any tier = the longest of them).
+
+``--real``: NVIDIA Dynamo's own indexer (``pip install '.[interop]'``; root, for its private
+network namespace, see tests/interop/_indexer.py) subscribes to the consolidated stream too and
+is asked the same question at the same moment, through its ``/query`` (the tenant's cache salt
+as ``cache_salt``: the namespace the plugin publishes, ``identity.salt_namespace``). Before each
+answer the probe waits (up to 2 s) until the indexer holds as many blocks as the view: it
+applies events asynchronously and says nothing of how far it got.
 """
 
 from __future__ import annotations
@@ -19,16 +26,44 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from benchmarks._table import Row, print_table
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.tools.chat_workload import RouterProbe, SteadyChat, drive
 from kvbm_plugin.tools.router_view import RouterView, TreeSubscriber
+from kvbm_plugin.wire.identity import cache_salt_id, salt_namespace
 
 BLOCK_SIZE = 4
 
 
-def measure(requests: int, mode: str, seed: int = 7) -> dict[str, float]:
+def _real_indexer(tmp: str, config: cc.ConsolidatorConfig, view: RouterView):  # noqa: ANN202
+    """Dynamo's indexer on the consolidated stream, and the probe's question to it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "interop"))
+    from _indexer import Indexer, unavailable  # noqa: PLC0415 - test helper, optional
+
+    reason = unavailable()
+    if reason is not None:
+        raise SystemExit(f"--real: {reason}")
+    idx = Indexer(Path(tmp))
+    assert config.output_replay is not None
+    idx.register(1, config.output.connect, config.output_replay.connect, BLOCK_SIZE)
+
+    def held() -> int:
+        return sum(len(v) for v in idx.held().values())
+
+    def ask(prompt: list[int], salt: str | None) -> int:
+        want = sum(view.blocks().values())
+        deadline = time.monotonic() + 2.0
+        while held() != want and time.monotonic() < deadline:
+            time.sleep(0.002)  # poll interval: the indexer applies events asynchronously
+        ns = None if salt is None else salt_namespace(cache_salt_id(salt))
+        return idx.cached_tokens(prompt, cache_salt=ns)
+
+    return idx, ask
+
+
+def measure(requests: int, mode: str, seed: int = 7, real: bool = False) -> dict[str, float]:
     """One run; returns the tally and counters as plain numbers."""
     import torch
 
@@ -50,16 +85,22 @@ def measure(requests: int, mode: str, seed: int = 7) -> dict[str, float]:
             dtype=torch.float32, env=env, vocab_size=30000))
         subscriber = TreeSubscriber(config.output.connect, config.output_replay.connect,
                                     start_seq=0, view=RouterView(BLOCK_SIZE))
-        probe = RouterProbe(engine, subscriber)
+        idx = ask = None
+        if real:
+            idx, ask = _real_indexer(tmp, config, subscriber.view)
+        probe = RouterProbe(engine, subscriber, external=ask)
         workload = SteadyChat(tenants=6, sessions=12, max_turns=6, system_tokens=16,
                               user_tokens=8, gen_tokens=2, max_context=72, seed=seed)
         started = time.perf_counter()
         try:
             result = drive(engine, probe, workload, max_requests=requests, timeout_s=3600)
             stats = engine.stats()
+            real_warnings = len(idx.warnings()) if idx is not None else 0
         finally:
             subscriber.close()
             engine.shutdown()
+            if idx is not None:
+                idx.close()
         seconds = time.perf_counter() - started
     tally = result.tally
     counts = subscriber.view.counts
@@ -74,16 +115,26 @@ def measure(requests: int, mode: str, seed: int = 7) -> dict[str, float]:
         "tier_share": (stats.host_hit_tokens + stats.disk_hit_tokens)
         / max(1, stats.prompt_tokens),
         "settle_timeouts": float(probe.settle_timeouts),
+        "real_agreement": result.external_tally.agreement if real else float("nan"),
+        "real_warnings": float(real_warnings),
     }
 
 
-def run(quick: bool = False) -> list[Row]:
+def run(quick: bool = False, real: bool = False) -> list[Row]:
     """Dedup mode on 10,000 requests (``quick``: 600), passthrough on a fifth as many."""
     rows: list[Row] = []
     for mode, requests in (("dedup", 600 if quick else 10_000),
                            ("passthrough", 200 if quick else 2_000)):
-        m = measure(requests, mode)
+        m = measure(requests, mode, real=real)
         name = f"router[{mode}, {int(m['requests'])} req]"
+        if real:
+            rows += [
+                Row(name, "prompt tokens Dynamo's indexer and engine agree on",
+                    m["real_agreement"] * 100, "%", None, ">= 99 %",
+                    m["real_agreement"] >= 0.99),
+                Row(name, "Dynamo indexer warnings", m["real_warnings"], "", None, "0",
+                    m["real_warnings"] == 0),
+            ]
         rows += [
             Row(name, "prompt tokens router and engine agree on", m["agreement"] * 100, "%",
                 None, ">= 99 %", m["agreement"] >= 0.99),
@@ -102,4 +153,4 @@ def run(quick: bool = False) -> list[Row]:
 
 
 if __name__ == "__main__":
-    print_table(run(quick="--quick" in sys.argv))
+    print_table(run(quick="--quick" in sys.argv, real="--real" in sys.argv))

@@ -69,6 +69,7 @@ from kvbm_plugin.wire.events import (
     event_count,
     events_as_maps,
 )
+from kvbm_plugin.wire.identity import lora_name, salt_of_extra_keys
 from kvbm_plugin.wire.publisher import EventPublisher, WireEvent
 
 logger = logging.getLogger(__name__)
@@ -294,7 +295,7 @@ class KvEventSink(V2Hooks):
                                     "parent_block_hash": parent,
                                     "token_ids": ids,
                                     "block_size": bs, "lora_id": lora_id,
-                                    "medium": MEDIUM_GPU, "lora_name": None}
+                                    "medium": MEDIUM_GPU, "lora_name": lora_name(lora_id)}
                                 rs.events.append(last)
                             if closed:
                                 published[h] = parent
@@ -408,10 +409,12 @@ class KvEventSink(V2Hooks):
             for h in unpublished:
                 self._suppress(rs, h)
             self._c["partial_blocks_suppressed"] += len(unpublished)
-        # One store per run of one adapter; the chain goes on across runs.
+        # One store per run of one adapter and cache salt (a router reads both per event);
+        # the chain goes on across runs.
+        salts = [salt_of_extra_keys(e) for e in extras]
         start = 0
         for end in range(1, len(hashes) + 1):
-            if end == len(hashes) or loras[end] != loras[start]:
+            if end == len(hashes) or loras[end] != loras[start] or salts[end] != salts[start]:
                 self._store(rs, hashes[start:end], parent, tokens[start * bs:end * bs],
                             loras[start], extras[start:end])
                 parent = hashes[end - 1]
@@ -488,7 +491,8 @@ class KvEventSink(V2Hooks):
             rs.events.append({"type": STORED, "block_hashes": hashes,
                               "parent_block_hash": parent, "token_ids": tokens,
                               "block_size": self.block_size, "lora_id": lora_id,
-                              "medium": MEDIUM_GPU, "lora_name": None, "extra_keys": extras})
+                              "medium": MEDIUM_GPU, "lora_name": lora_name(lora_id),
+                              "extra_keys": extras})
             rs.last = None
             return
         last = rs.last
@@ -500,7 +504,7 @@ class KvEventSink(V2Hooks):
         c["stores"] += 1
         ev = {"type": STORED, "block_hashes": hashes, "parent_block_hash": parent,
               "token_ids": tokens, "block_size": self.block_size, "lora_id": lora_id,
-              "medium": MEDIUM_GPU, "lora_name": None}
+              "medium": MEDIUM_GPU, "lora_name": lora_name(lora_id)}
         rs.events.append(ev)
         rs.last = ev
 

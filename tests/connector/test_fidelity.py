@@ -149,7 +149,9 @@ def test_per_block_lora_and_multimodal_keys_reach_the_wire(native: bool) -> None
     events = rec.batches[0]
     assert [e["block_hashes"] for e in events] == [[1], [2], [3], [4], [5]]
     assert [e["lora_id"] for e in events] == [7, 8, None, None, None]
-    assert events[2]["extra_keys"] == [["0123456789abcdef0011"]]
+    assert [e["lora_name"] for e in events] == ["lora-7", "lora-8", None, None, None]
+    # not a 64-hex digest: the offset-tagged pair, which a router does not ignore
+    assert events[2]["extra_keys"] == [[["0123456789abcdef0011", 4]]]
     assert events[3]["extra_keys"] == [[salt_extra_key(cache_salt_id("tenant-a"))]]
     assert "extra_keys" not in events[4]
 

@@ -510,9 +510,10 @@ def test_a_store_with_a_bad_lora_id_is_rejected(lora_id: Any, expect_errors) -> 
     assert cap.batches == [(0, [
         GOOD_100,
         BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[1, 1], block_size=2,
-                    lora_id=5, medium="GPU", lora_name=None),
+                    lora_id=5, medium="GPU", lora_name="lora-5"),
+        # task id 0 is adapter 0, not the base model: its own event, under its name
         BlockStored(block_hashes=[8], parent_block_hash=7, token_ids=[1, 1], block_size=2,
-                    lora_id=None, medium="GPU", lora_name=None)])]
+                    lora_id=0, medium="GPU", lora_name="lora-0")])]
     assert sink.stats()["malformed_events"] == 2
     assert expect_errors.wait_for("malformed KV event not published")
 

@@ -133,7 +133,8 @@ def event(draw: st.DrawFn) -> Any:
         if lora != "absent":
             data["lora_id"] = lora
         for block in data["blocks"]:  # newer serializers: LoRA, multimodal keys, salt per block
-            extra = draw(st.sampled_from(["none"] * 6 + ["lora", "mm", "salt", "empty-mm"]))
+            extra = draw(st.sampled_from(["none"] * 6 + ["lora", "mm", "salt", "salt-id",
+                                                         "empty-mm"]))
             if extra == "lora":
                 block["lora_id"] = draw(st.sampled_from([None, 0, 4]))
             elif extra == "mm":
@@ -141,6 +142,8 @@ def event(draw: st.DrawFn) -> Any:
                                      "start_offset": 1}]
             elif extra == "salt":
                 block["cache_salt"] = draw(st.sampled_from([None, "tenant-a"]))
+            elif extra == "salt-id":  # the C++ request's spelling of the salt
+                block["cache_salt_id"] = draw(st.sampled_from([None, 0, 7, (1 << 64) - 1]))
             elif extra == "empty-mm":
                 block["mm_keys"] = []
         if draw(st.integers(0, 19)) == 0:

@@ -66,6 +66,7 @@ from kvbm_plugin.wire.events import (
     WireFormatError,
     normalize_medium,
 )
+from kvbm_plugin.wire.identity import lora_name as wire_lora_name
 from kvbm_plugin.wire.publisher_base import WireEvent
 
 __all__ = [
@@ -94,9 +95,17 @@ _UNKNOWN_PARENT: Final = 0x6B76626D5F706172
 
 
 def _plain_key(value: Any) -> bool:
-    """An ``extra_keys`` item the consolidator keeps: str, bytes or an int in 64 bits."""
+    """An ``extra_keys`` item the consolidator keeps: str, bytes, an int in 64 bits, or an
+    ``(identifier, offset)`` pair (a multimodal key in vLLM's offset-tagged form)."""
     t = type(value)
+    if t is list or t is tuple:
+        return (len(value) == 2 and type(value[0]) is str and type(value[1]) is int
+                and -(1 << 63) <= value[1] < (1 << 64))
     return t is str or t is bytes or (t is int and -(1 << 63) <= value < (1 << 64))
+
+
+def _hashable_entry(entry: Any) -> tuple[Any, ...]:
+    return tuple(tuple(k) if type(k) is list else k for k in entry)
 
 
 def _slot(source: int, tier: int) -> int:
@@ -482,8 +491,8 @@ class ConsolidatorCore:
             raise WireFormatError(f"BlockStored has {len(tokens)} token ids for {n} blocks "
                                   f"of {block_size}")
         scope = None
-        if extra_keys is not None or lora_id:
-            scope = self._scopes(lora_id, extra_keys, n)
+        if extra_keys is not None or lora_id is not None or lora_name is not None:
+            scope = self._scopes(lora_id, lora_name, extra_keys, n)
         if not tokens:
             self._store_hash_only(rank, slot, hashes)
         else:
@@ -494,24 +503,27 @@ class ConsolidatorCore:
         self._n_store_blocks_in += n
 
     @staticmethod
-    def _scopes(lora_id: Any, extra_keys: Any, n: int) -> list[Any]:
-        """Per block, what besides tokens names its content: (LoRA id, extra keys); two
-        adapters' or two salts' blocks with the same tokens are different blocks."""
+    def _scopes(lora_id: Any, lora_name: Any, extra_keys: Any, n: int) -> list[Any]:
+        """Per block, what besides tokens names its content: (adapter, extra keys); two
+        adapters' or two salts' blocks with the same tokens are different blocks. The adapter
+        is what a router reads, its ``lora_name`` (else the name its ``lora_id`` goes out
+        under); task id 0 is an adapter, apart from the base model."""
+        lora = lora_name if lora_name is not None else wire_lora_name(lora_id)
         if extra_keys is None:
-            return [(lora_id or None, None)] * n
+            return [(lora, None)] * n
         if not isinstance(extra_keys, (list, tuple)) or len(extra_keys) != n:
             raise WireFormatError(f"BlockStored extra_keys must be a list of one entry per "
                                   f"block ({n}): {extra_keys!r:.100}")
         out = []
         for entry in extra_keys:
             if entry is None:
-                out.append((lora_id or None, None))
+                out.append((lora, None))
                 continue
             if type(entry) not in (list, tuple) or not all(map(_plain_key, entry)):
                 # Refused here like any odd value: the output encoder must take what we keep.
                 raise WireFormatError(f"BlockStored extra_keys entry is not a list of strings, "
                                       f"bytes or 64-bit integers: {entry!r:.100}")
-            out.append((lora_id or None, tuple(entry)))
+            out.append((lora, _hashable_entry(entry)))
         return out
 
     @staticmethod

@@ -13,13 +13,13 @@
  * GIL throughout. The dict walk reads only exact lists, str and int, and exact dicts whose
  * keys are all exact str (a key of another type could run its own __eq__ during a lookup and
  * free what is held borrowed; such an event goes to the Python loop). A store is checked whole
- * (token ids u32, lora_id None or u64) before the batch changes.
+ * (token ids u32; an adapter's store goes to the Python loop) before the batch changes.
  */
 
 #include "_rank_batch.h"
 
 static PyObject *K_data, *K_window_size, *K_attention_dp_rank, *K_blocks, *K_tokens, *K_token_id,
-    *K_block_hash, *K_parent_hash, *A_key, *A_tokens, *A_prev, *A_ordinal;
+    *K_block_hash, *K_parent_hash, *K_cache_salt_id, *A_key, *A_tokens, *A_prev, *A_ordinal;
 static PyObject *S_stored, *S_removed;
 
 /* getattr(o, name) that tells an absent attribute (0, *out NULL) from an error (-1). */
@@ -132,8 +132,7 @@ static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed
     PyObject *blocks, *block, *tokens, *raw, *parent, *lora_id, *h_obj = NULL, *p_obj = NULL;
     Py_ssize_t j, bs = rb->block_size;
     int64_t hv, pv = 0;
-    uint64_t lv = 0;
-    int r, has_parent, has_lora = 0;
+    int r, has_parent;
 
     if ((r = get_item(data, K_blocks, &blocks, 1)) != TAKE) return r;
     if (!PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != 1) return LEAVE;
@@ -143,25 +142,23 @@ static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed
     if (!PyList_CheckExact(tokens) || PyList_GET_SIZE(tokens) != bs) return LEAVE;
     if ((r = get_item(block, K_block_hash, &raw, 1)) != TAKE) return r;
     {
-        /* Per-block LoRA, multimodal keys or cache salt (newer serializers): the Python loop
-         * turns them into lora_id / extra_keys. */
+        /* Per-block LoRA, multimodal keys or cache salt, as a string or as its id (newer
+         * serializers): the Python loop turns them into lora_id / lora_name / extra_keys. */
         PyObject *v;
         if ((r = get_item(block, K_lora_id, &v, 0)) != TAKE) return r;
         if (v != NULL && v != Py_None) return LEAVE;
         if ((r = get_item(block, K_cache_salt, &v, 0)) != TAKE) return r;
+        if (v != NULL && v != Py_None) return LEAVE;
+        if ((r = get_item(block, K_cache_salt_id, &v, 0)) != TAKE) return r;
         if (v != NULL && v != Py_None) return LEAVE;
         if ((r = get_item(block, K_mm_keys, &v, 0)) != TAKE) return r;
         if (v != NULL && v != Py_None && !(PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0))
             return LEAVE;
     }
     if ((r = get_item(data, K_lora_id, &lora_id, 0)) != TAKE) return r;
-    /* ``data.get("lora_id") or None``, for the values TRT-LLM sends (None or an int). */
-    if (lora_id != NULL && lora_id != Py_None) {
-        if (!PyLong_CheckExact(lora_id) || !int_in_range(lora_id, ULLONG_MAX)) return LEAVE;
-        lv = PyLong_AsUnsignedLongLong(lora_id);
-        if (lv == (uint64_t)-1 && PyErr_Occurred()) return FAIL;
-        has_lora = lv != 0;
-    }
+    /* A store of an adapter (task id 0 included) goes out with its lora_name, which the
+     * Python loop writes: only base-model stores are taken here. */
+    if (lora_id != NULL && lora_id != Py_None) return LEAVE;
     if ((r = get_item(data, K_parent_hash, &parent, 0)) != TAKE) return r;
     has_parent = parent != NULL && parent != Py_None;
     if (has_parent && (r = wire_value(parent, &pv)) != TAKE) return r;
@@ -194,7 +191,7 @@ static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed
         r = FAIL;
         goto done;
     }
-    r = rb_append_store(rb, hv, has_parent, pv, has_lora, lv);
+    r = rb_append_store(rb, hv, has_parent, pv, 0, 0);
     if (r < 0) { r = FAIL; goto done; }
     *n_stores += r;
     r = TAKE;
@@ -465,6 +462,7 @@ PyMODINIT_FUNC PyInit__sink_c(void) {
     INTERN(K_token_id, "token_id");
     INTERN(K_block_hash, "block_hash");
     INTERN(K_parent_hash, "parent_hash");
+    INTERN(K_cache_salt_id, "cache_salt_id");
     INTERN(A_key, "key");
     INTERN(A_tokens, "tokens");
     INTERN(A_prev, "prev");

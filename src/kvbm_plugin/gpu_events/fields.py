@@ -18,6 +18,7 @@ _I64_MAX = (1 << 63) - 1
 _I64_MIN = -(1 << 63)
 _token_id = itemgetter("token_id")
 _INT_ONLY = {int}
+_HEX = frozenset("0123456789abcdefABCDEF")
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
 
@@ -46,14 +47,16 @@ def parse_token_ids(tokens: Sequence[Any]) -> list[int]:
 
 
 def parse_lora_id(value: Any) -> int | None:
-    """The published ``lora_id`` of a TRT-LLM store: None for no LoRA (TRT-LLM sends 0 or
-    None), else the u64 task id; anything else raises (it would fail the encoder later and take
-    the whole batch with it)."""
+    """The published ``lora_id`` of a TRT-LLM store: None for the base model, else the u64
+    task id, 0 included (TensorRT-LLM's ``KVCacheStoredBlockData.loraId`` is a
+    ``std::optional``: absent means no adapter, 0 is adapter 0; see
+    :func:`kvbm_plugin.wire.identity.lora_of`); anything else raises (it would fail the encoder
+    later and take the whole batch with it)."""
     if value is None:
         return None
     if type(value) is not int or not 0 <= value < _U64:
         raise WireFormatError(f"stored.lora_id is not None or a u64 integer: {value!r:.100}")
-    return value or None
+    return value
 
 
 def parse_hex_hash(value: str, what: str) -> int:
@@ -84,6 +87,17 @@ def is_scoped(block: Mapping[str, Any]) -> bool:
             or block.get("cache_salt") is not None or block.get("cache_salt_id") is not None)
 
 
+def mm_extra_key(digest: str, offset: Any = 0) -> Any:
+    """A multimodal key in a form a router mixes into the block's content key (Dynamo,
+    ``lib/kv-router/src/zmq_wire/extra_keys.rs``): TensorRT-LLM's 32-byte digest as its 64 hex
+    digits, as vLLM writes it; any other identifier as an ``[identifier, start_offset]`` pair
+    (vLLM 0.19's offset-tagged form), since a bare string of another shape is ignored there
+    and the block would read as text-only."""
+    if len(digest) == 64 and all(c in _HEX for c in digest):
+        return digest.lower()
+    return [digest, offset if type(offset) is int and 0 <= offset < _U64 else 0]
+
+
 def block_extra_keys(block: Any) -> list[Any] | None:
     """The wire ``extra_keys`` entry of one stored block: its multimodal keys (the hash of each
     ``mm_keys`` item) and its cache salt, or None when it has neither. Dict blocks (buffered
@@ -91,14 +105,15 @@ def block_extra_keys(block: Any) -> list[Any] | None:
     mm = block.get("mm_keys") if isinstance(block, Mapping) else getattr(block, "mm_keys", None)
     keys: list[Any] = []
     for item in mm or ():
+        offset: Any = 0
         if isinstance(item, Mapping):
-            item = item.get("hash")
+            item, offset = item.get("hash"), item.get("start_offset", 0)
         elif isinstance(item, (tuple, list)) and item:
-            item = item[0]
+            item, offset = item[0], (item[1] if len(item) > 1 else 0)
         if isinstance(item, (bytes, bytearray)):
             item = bytes(item).hex()
         if item is not None:
-            keys.append(str(item))
+            keys.append(mm_extra_key(str(item), offset))
     salt = salt_of(block)
     if salt is not None:
         keys.append(salt_extra_key(salt))

@@ -119,8 +119,13 @@ class RouterProbe:
     replay endpoint, ``start_seq=0``)."""
 
     def __init__(self, engine: Any, subscriber: TreeSubscriber, settle_timeout: float = 10.0,
-                 poll: Callable[[int], Any] | None = None) -> None:
+                 poll: Callable[[int], Any] | None = None,
+                 external: Callable[[list[int], str | None], int] | None = None) -> None:
         self.engine = engine
+        # Another router asked the same question at the same moment (e.g. NVIDIA Dynamo's own
+        # indexer: prompt and the tenant's cache salt in, cached tokens out); :func:`drive`
+        # keeps its own tally for it.
+        self.external = external
         self.subscriber = subscriber
         self.settle_timeout = settle_timeout
         # How to poll the subscriber (e.g. through a wrapper that watches its gaps)
@@ -328,6 +333,7 @@ class DriveResult:
     submitted: int = 0
     finished: int = 0
     tally: AccuracyTally = field(default_factory=AccuracyTally)
+    external_tally: AccuracyTally = field(default_factory=AccuracyTally)  # probe.external's
     stopped_by: str = "workload"  # "workload", "requests" or "duration"
 
 
@@ -346,6 +352,7 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
     running: dict[int, tuple[ChatRequest, int]] = {}  # engine id -> (request, router answer)
     late: dict[int, int] = {}  # engine id -> under-estimated tokens shown after scheduling
     waiting: int | None = None  # the engine id handed over and not yet scheduled
+    external: dict[int, int] = {}  # session -> probe.external's latest answer for its request
 
     def may_submit() -> bool:
         if max_requests is not None and result.submitted >= max_requests:
@@ -364,6 +371,9 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
                 if probe is not None:
                     probe.settle()
                     predicted = probe.predict(request.prompt, request.salt)
+                    if probe.external is not None:
+                        external[request.session] = probe.external(request.prompt,
+                                                                   request.salt)
                 req_id = engine.submit(request.prompt, request.gen_tokens,
                                        cache_salt=request.salt)
                 running[req_id] = (request, predicted)
@@ -375,6 +385,8 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
             probe.settle()
             request, _ = running[waiting]
             running[waiting] = (request, probe.predict(request.prompt, request.salt))
+            if probe.external is not None:
+                external[request.session] = probe.external(request.prompt, request.salt)
         if not running and (workload.exhausted() or not may_submit()):
             return result
         if engine.step() == 0:
@@ -396,6 +408,10 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
             result.finished += 1
             result.tally.add(len(request.prompt), predicted, res.gpu_hit_tokens,
                              res.host_hit_tokens, res.disk_hit_tokens, late.pop(req_id, 0))
+            if request.session in external:
+                result.external_tally.add(len(request.prompt), external.pop(request.session),
+                                          res.gpu_hit_tokens, res.host_hit_tokens,
+                                          res.disk_hit_tokens)
             workload.finished(request, res.tokens)
         if on_step is not None:
             on_step(result)

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import msgpack
 
 from kvbm_plugin._util.saferepr import saferepr
+from kvbm_plugin.wire.identity import lora_name
 
 try:  # msgspec is the faster encoder (~4x on a 128-event batch) and writes identical bytes
     import msgspec as _msgspec
@@ -103,7 +104,8 @@ class BlockStored:
     lora_name: str | None = None
     # vLLM's per-block extra hash keys (multimodal keys, cache salt), one entry (a list, or
     # None) per block; the field comes last and is left out of the map when None, as vLLM's
-    # msgspec encoder omits defaults.
+    # msgspec encoder omits defaults. A salted block's entry holds the salt as the item
+    # identity.salt_extra_key makes (a router reads the first entry's).
     extra_keys: list[Any] | None = None
 
     def to_wire(self) -> dict[str, Any]:
@@ -116,7 +118,10 @@ class BlockStored:
             "block_size": self.block_size,
             "lora_id": self.lora_id,
             "medium": self.medium,
-            "lora_name": self.lora_name,
+            # A router keys an adapter's blocks by lora_name and ignores lora_id: an adapter's
+            # block always carries its name (see identity.lora_name).
+            "lora_name": (self.lora_name if self.lora_name is not None
+                          else lora_name(self.lora_id)),
         }
         if self.extra_keys is not None:
             wire["extra_keys"] = [None if k is None else list(k) for k in self.extra_keys]

@@ -70,14 +70,19 @@ def salt_of(obj: Any) -> int | None:
 
 
 def lora_of(obj: Any) -> int | None:
-    """The LoRA task id of a request-like object, or None (0 and None mean no adapter)."""
+    """The LoRA task id of a request-like object, or None for the base model.
+
+    Task id 0 is an adapter like any other: TensorRT-LLM's ``BlockKey`` holds the task id as
+    ``std::optional<LoraTaskIdType>`` and mixes it into every block hash whenever it is set
+    (``cpp/tensorrt_llm/batch_manager/blockKey.cpp``, ``BlockKeyHasher::hash``), 0 included;
+    only an absent id means the base model.
+    """
     lora = getattr(obj, "lora_task_id", None)
     if lora is None:
         lora = getattr(obj, "py_lora_task_id", None)
     if lora is None or isinstance(lora, bool):
         return None
-    lora = int(lora)
-    return lora or None
+    return int(lora) & _U64
 
 
 def multimodal_of(obj: Any) -> str | None:
@@ -113,6 +118,51 @@ def request_scope(obj: Any) -> str | None:
     return ",".join(parts)
 
 
+# How a router reads a block's identity from a ``BlockStored`` event (NVIDIA Dynamo,
+# ``lib/kv-router/src/zmq_wire/extra_keys.rs`` and ``deserialize.rs``, ai-dynamo-runtime 1.6.1):
+# its content key mixes the token ids with ``lora_name``, a cache namespace and multimodal
+# hashes. The namespace is a top-level ``cache_salt`` (map-form events only) or, in either form,
+# an item ``"dynamo-cache-salt:<namespace>"`` in the event's FIRST ``extra_keys`` entry; any
+# other bare string there is ignored (it would make two tenants' blocks one block). ``lora_id``
+# is ignored. vLLM's own decoder (``vllm/distributed/kv_events.py``: ``extra_keys`` is a list of
+# tuples of any items, unknown map keys ignored) accepts the tagged item as it is, so the salt
+# travels as that item in every salted block's entry, the first included: it needs no field
+# outside vLLM's list and reads the same in map and array form.
+SALT_TAG = "dynamo-cache-salt:"
+LORA_NAME_PREFIX = "lora-"
+
+
+def salt_namespace(salt: int) -> str:
+    """The cache namespace a router keys a salted block by: the salt id (see
+    :func:`cache_salt_id`) as 16 lowercase hex digits. A router's query names a tenant by the
+    same string (Dynamo's ``/query`` body: ``"cache_salt": salt_namespace(id)``)."""
+    return f"{salt & _U64:016x}"
+
+
 def salt_extra_key(salt: int) -> str:
-    """The ``extra_keys`` entry naming a cache salt on the wire (one per salted block)."""
-    return f"salt:{salt & _U64:016x}"
+    """The ``extra_keys`` item naming a cache salt on the wire (in every salted block's
+    entry): ``"dynamo-cache-salt:<salt_namespace>"``."""
+    return SALT_TAG + salt_namespace(salt)
+
+
+def salt_of_extra_keys(entry: Any) -> str | None:
+    """The cache namespace an ``extra_keys`` entry names (the text after :data:`SALT_TAG` in
+    its first tagged string item), or None."""
+    if not isinstance(entry, (list, tuple)):
+        return None
+    for item in entry:
+        if isinstance(item, str) and item.startswith(SALT_TAG) and len(item) > len(SALT_TAG):
+            return item[len(SALT_TAG):]
+    return None
+
+
+def lora_name(task_id: int | None) -> str | None:
+    """The ``lora_name`` a block of LoRA task ``task_id`` goes out under: ``"lora-<task id>"``
+    (None for the base model).
+
+    TensorRT-LLM names an adapter to its KV cache only by its task id (``LoRARequest``'s
+    ``lora_int_id``, ``tensorrt_llm/executor/request.py``; the C++ request and its KV events
+    carry ``lora_task_id`` / ``lora_id`` alone), so the name is derived from the id, the same on
+    every stream and medium; TensorRT-LLM's own tests spell adapter 0 ``LoRARequest("lora-0",
+    0, ...)``. A router's query names the adapter the same way."""
+    return None if task_id is None else f"{LORA_NAME_PREFIX}{int(task_id) & _U64}"

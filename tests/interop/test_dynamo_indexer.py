@@ -1,0 +1,124 @@
+"""The plugin's streams, fed to NVIDIA Dynamo's real KV indexer (tests/interop/_indexer.py).
+
+The simulated engine (real leader, worker, tiers, event sink and consolidator) runs chat turns;
+the indexer subscribes to the GPU-tier stream (worker 1) and the consolidated stream (worker 2)
+with their replay endpoints. Each test asserts that the indexer logged no warning (no event it
+could not decode or apply: an unknown parent, an unknown removal, a bad batch) and that what it
+holds is exactly what the GPU pool and the tiers hold: the GPU pool on worker 1; on worker 2
+the union of GPU pool and tiers (dedup) or each medium on its own tier (passthrough).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _indexer import Indexer
+
+from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
+from kvbm_plugin.tools.chat_workload import TurnWaves, drive
+from kvbm_plugin.wire.events import to_signed_int64
+from kvbm_plugin.wire.identity import cache_salt_id, salt_namespace
+
+BS = 4
+GPU_WORKER, CONSOLIDATED_WORKER = 1, 2
+
+
+def _env(tmp: Path, mode: str) -> dict[str, str]:
+    return {
+        cc.ENABLE_CONSOLIDATOR: "true", cc.CONSOLIDATOR_MODE: mode,
+        cc.EVENTS_ENDPOINT: f"ipc://{tmp}/gpu", cc.REPLAY_ENDPOINT: f"ipc://{tmp}/gpu-r",
+        cc.OUTPUT_ENDPOINT: f"ipc://{tmp}/out", cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tmp}/out-r",
+        cc.CPU_CACHE_NUM_BLOCKS: "24", cc.DISK_CACHE_NUM_BLOCKS: "48",
+        cc.DISK_CACHE_DIR: f"{tmp}/disk",
+    }
+
+
+def _register(indexer: Indexer, config: Any) -> None:
+    indexer.register(GPU_WORKER, config.publish_endpoint(0).connect,
+                     config.replay_endpoint(0).connect, BS)
+    indexer.register(CONSOLIDATED_WORKER, config.output.connect, config.output_replay.connect,
+                     BS)
+
+
+def _expected(engine: SimulatedEngine, mode: str) -> dict[tuple[int, int, str], set[int]]:
+    truth = {medium: {to_signed_int64(h) for h in per_rank[0]}
+             for medium, per_rank in engine.resident_blocks().items()}
+    out = {(GPU_WORKER, 0, "GPU"): truth["GPU"]}
+    if mode == "dedup":
+        out[(CONSOLIDATED_WORKER, 0, "GPU")] = set().union(*truth.values())
+    else:
+        out.update({(CONSOLIDATED_WORKER, 0, m): hashes for m, hashes in truth.items()})
+    return {k: v for k, v in out.items() if v}
+
+
+def _run(indexer: Indexer, tmp: Path, *, mode: str = "dedup", tp: int = 1,
+         salts: tuple[str, ...] = (), late_join: bool = False) -> SimulatedEngine:
+    env = _env(tmp, mode)
+    config = cc.load_consolidator_config(env)
+    engine = SimulatedEngine(EngineConfig(
+        num_layers=1, num_kv_heads=2, head_dim=4, tokens_per_block=BS, num_gpu_blocks=32,
+        tp_size=tp, max_num_tokens=128, max_batch_size=4, dtype=torch.float32, env=env,
+        vocab_size=30000))
+    try:
+        if not late_join:
+            _register(indexer, config)
+        workload = TurnWaves(sessions=4, turns=4, system_tokens=16, user_tokens=8,
+                             gen_tokens=3, seed=5, salts=salts)
+        drive(engine, None, workload, timeout_s=120)
+        if late_join:
+            # Joined after every batch so far: the next batch shows the indexer the gap, and
+            # the replay buffers fill it from seq 0.
+            _register(indexer, config)
+            drive(engine, None, TurnWaves(sessions=2, turns=1, system_tokens=16, user_tokens=8,
+                                          gen_tokens=3, seed=6, salts=salts), timeout_s=60)
+        engine.leader.flush_events()
+        assert engine.leader.consolidator.wait_idle(10)
+        expected = _expected(engine, mode)
+        assert expected, "the workload left nothing cached"
+        indexer.wait_for(lambda: indexer.held() == expected, "held == truth")
+        assert indexer.warnings() == []
+        return engine
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("mode", ["dedup", "passthrough"])
+def test_the_indexer_holds_what_the_engine_holds(indexer: Indexer, tmp_path: Path,
+                                                 mode: str) -> None:
+    _run(indexer, tmp_path, mode=mode)
+
+
+def test_tensor_parallel_2(indexer: Indexer, tmp_path: Path) -> None:
+    _run(indexer, tmp_path, tp=2, mode="passthrough")
+
+
+def test_two_tenants_sharing_a_system_prompt_stay_apart(indexer: Indexer,
+                                                        tmp_path: Path) -> None:
+    salts = ("tenant-a", "tenant-b")
+    engine = _run(indexer, tmp_path, salts=salts)
+    assert engine.stats().prompt_tokens
+    # Each tenant's system prompt is held under its own namespace, and only there.
+    first = next(iter(indexer.held().values()))
+    assert first
+    system = _system_prompt(salts)
+    for salt in salts:
+        assert indexer.cached_tokens(system, cache_salt=salt_namespace(
+            cache_salt_id(salt))) == len(system)
+    assert indexer.cached_tokens(system) == 0
+
+
+def _system_prompt(salts: tuple[str, ...]) -> list[int]:
+    workload = TurnWaves(sessions=4, turns=4, system_tokens=16, user_tokens=8, gen_tokens=3,
+                         seed=5, salts=salts)
+    request = workload.next_request()
+    assert request is not None
+    return request.prompt[:16]
+
+
+def test_a_late_join_is_repaired_by_replay(indexer: Indexer, tmp_path: Path) -> None:
+    _run(indexer, tmp_path, mode="passthrough", late_join=True)
+    assert indexer.count("Replay complete") >= 2  # both streams were replayed from seq 0
