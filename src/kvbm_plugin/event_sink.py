@@ -193,14 +193,15 @@ class KvEventSink(V2Hooks):
             rs = self._ranks[self.data_parallel_rank]
             start = 0
             while True:
-                (stop, n_in, n_stores, n_stored, n_removes, n_removed,
-                 n_partial) = native(events, start, rs, self._window, self._prefix_closed)
+                (stop, n_in, n_stores, n_stored, n_removes, n_removed, n_partial,
+                 n_unknown) = native(events, start, rs, self._window, self._prefix_closed)
                 c["events_in"] += n_in
                 c["stores"] += n_stores
                 c["blocks_stored"] += n_stored
                 c["removes"] += n_removes
                 c["blocks_removed"] += n_removed
                 c["partial_removes_suppressed"] += n_partial
+                c["unknown_removes_suppressed"] += n_unknown
                 if stop >= len(events):  # re-read: a caller's key object may change the list
                     return
                 self._ingest_locked((events[stop],))
@@ -549,26 +550,27 @@ class KvEventSink(V2Hooks):
         rs.last = ev
 
     def _cascade(self, rs: Rank, h: int) -> list[int]:
-        """Unpublish the published descendants of ``h`` (about to be removed), children before
-        parents; their own later removals are then dropped as unknown. O(descendants): the
-        walk follows ``kids`` down from ``h`` and touches no other block (only an engine that
-        removes a parent before its children gets here; TensorRT-LLM frees descendants
-        first). Iterative: a chain of any length."""
+        """Unpublish the published descendants of ``h`` (about to be removed), each after all
+        of its own descendants (the reverse of a walk down from ``h``); their own later
+        removals are then dropped as unknown. O(descendants): the walk follows ``kids`` down
+        from ``h`` and touches no other block (only an engine that removes a parent before its
+        children gets here; TensorRT-LLM frees descendants first). Iterative: a chain of any
+        length."""
         published, kids = rs.published, rs.kids
         order: list[int] = []
-        stack = [(h, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if expanded:
-                if node != h:
-                    order.append(node)
-                continue
-            stack.append((node, True))
-            stack.extend((child, False) for child in children(kids, node))
-        for node in order:
-            del published[node]
-            kids.pop(node, None)
+        stack = list(children(kids, h))
         kids.pop(h, None)
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            del published[node]
+            below = kids.pop(node, None)
+            if below is not None:
+                if type(below) is set:
+                    stack.extend(below)
+                else:
+                    stack.append(below)
+        order.reverse()
         self._c["cascade_removes"] += len(order)
         return order
 

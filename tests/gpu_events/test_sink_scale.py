@@ -205,9 +205,10 @@ def test_block_names_evict_their_oldest_without_walking_the_tables() -> None:
 @pytest.mark.parametrize("closed", [True, False])
 def test_removals_stay_compiled_while_partial_blocks_are_suppressed(
         closed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With a partial block suppressed, single-hash removals of published leaves (prefix-closed)
-    and multi-hash removals mixing suppressed and published hashes (open stream) are taken by
-    the compiled loop, which drops and counts the suppressed ones as the Python loop does."""
+    """With a partial block suppressed, single-hash removals of published leaves and of a hash
+    never published (prefix-closed) and multi-hash removals mixing suppressed and published
+    hashes (open stream) are taken by the compiled loop, which drops and counts the
+    suppressed and unknown ones as the Python loop does."""
     rec = Recorder()
     sink = KvEventSink(rec, block_size=BS, window_size=64, native=True, prefix_closed=closed)
     python_events: list[Any] = []
@@ -217,7 +218,7 @@ def test_removals_stay_compiled_while_partial_blocks_are_suppressed(
     sink.ingest([stored(None, 1, 2, 3), stored(None, 9, n_tokens=1), stored(None, 8)])
     assert len(python_events) == 2  # the multi-block and the partial store
     python_events.clear()
-    removals = ([removed(3), removed(9), removed(2)] if closed
+    removals = ([removed(3), removed(9), removed(2), removed(77)] if closed
                 else [removed(3, 9), removed(2, 5)])
     sink.ingest(removals)
     assert python_events == []
@@ -226,7 +227,9 @@ def test_removals_stay_compiled_while_partial_blocks_are_suppressed(
                               "block_hashes": [3, 2] if closed else [3, 2, 5],
                               "medium": "GPU"}
     assert sink._ranks[0].suppressed == {}
-    assert sink.stats()["partial_removes_suppressed"] == 1
+    stats = sink.stats()
+    assert stats["partial_removes_suppressed"] == 1
+    assert stats["unknown_removes_suppressed"] == (1 if closed else 0)
 
 
 # ---- discard_events --------------------------------------------------------------------------

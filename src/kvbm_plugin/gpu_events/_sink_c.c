@@ -223,24 +223,61 @@ done:
     return r;
 }
 
-/* Whether wire hash ``v`` is suppressed (an unpublished partial or filtered block); with
- * ``drop``, forget it when it is. 1 yes, 0 no, -1 error. */
-static int take_suppressed(RankBatch *rb, int64_t v, int drop) {
+/* Forget wire hash ``v`` when it is suppressed (an unpublished partial or filtered block):
+ * 1 it was, 0 not, -1 error. */
+static int take_suppressed(RankBatch *rb, int64_t v) {
     PyObject *h = PyLong_FromLongLong(v);
     int r;
     if (h == NULL) return -1;
     r = PyDict_Contains(rb->suppressed, h);
-    if (r == 1 && drop && PyDict_DelItem(rb->suppressed, h) < 0) r = -1;
+    if (r == 1 && PyDict_DelItem(rb->suppressed, h) < 0) r = -1;
+    Py_DECREF(h);
+    return r;
+}
+
+/* The prefix-closed state's part of removing wire hash ``v``, in KvEventSink._remove's
+ * order: a suppressed hash is forgotten (``n_partial``), an unpublished one dropped
+ * (``n_unknown``), a published leaf unpublished; a block with published children (a cascade)
+ * is the Python loop's. TAKE with *n_out 1 when the removal is published. */
+static int closed_removal(RankBatch *rb, int64_t v, int any_suppressed, long *n_partial,
+                          long *n_unknown, Py_ssize_t *n_out) {
+    PyObject *h = PyLong_FromLongLong(v), *parent;
+    int r;
+    *n_out = 0;
+    if (h == NULL) return FAIL;
+    if (any_suppressed) {
+        r = PyDict_Contains(rb->suppressed, h);
+        if (r == 1) {
+            r = PyDict_DelItem(rb->suppressed, h) < 0 ? FAIL : TAKE;
+            if (r == TAKE) *n_partial += 1;
+            goto done;
+        }
+        if (r < 0) { r = FAIL; goto done; }
+    }
+    r = PyDict_Contains(rb->kids, h);
+    if (r != 0) { r = r < 0 ? FAIL : LEAVE; goto done; }
+    parent = PyDict_GetItemWithError(rb->published, h);
+    if (parent == NULL) {
+        if (PyErr_Occurred()) { r = FAIL; goto done; }
+        *n_unknown += 1; /* never published, or gone in a cascade */
+        r = TAKE;
+        goto done;
+    }
+    Py_INCREF(parent);
+    r = (PyDict_DelItem(rb->published, h) < 0
+         || (parent != Py_None && drop_child(rb->kids, parent, h) < 0)) ? FAIL : TAKE;
+    Py_DECREF(parent);
+    if (r == TAKE) *n_out = 1;
+done:
     Py_DECREF(h);
     return r;
 }
 
 /* One "removed" event of valid hashes. A suppressed hash is forgotten and counted in
  * ``n_partial`` (its block was never published), as KvEventSink._remove does. With
- * ``closed``: one hash only, suppressed or a published leaf (several hashes, an unpublished
- * one, or one with published children, a cascade, go to the Python loop). */
+ * ``closed``: one hash only (several go to the Python loop); see closed_removal. */
 static int take_removed(PyObject *data, RankBatch *rb, long *n_removes, long *n_removed,
-                        long *n_partial, int closed) {
+                        long *n_partial, long *n_unknown, int closed) {
     PyObject *raw;
     Py_ssize_t n, j, kept;
     int64_t one, *values = &one;
@@ -259,30 +296,13 @@ static int take_removed(PyObject *data, RankBatch *rb, long *n_removes, long *n_
         if ((r = wire_value(PyList_GET_ITEM(raw, j), &values[j])) != TAKE) goto done;
     any_suppressed = PyDict_GET_SIZE(rb->suppressed) != 0;
     if (closed) {
-        PyObject *h, *parent;
-        int leaf;
-        if (any_suppressed) {
-            r = take_suppressed(rb, values[0], 1);
-            if (r < 0) { r = FAIL; goto done; }
-            if (r == 1) { *n_partial += 1; r = TAKE; goto done; }
-        }
-        h = PyLong_FromLongLong(values[0]);
-        if (h == NULL) { r = FAIL; goto done; }
-        leaf = PyDict_Contains(rb->kids, h);
-        parent = leaf == 0 ? PyDict_GetItemWithError(rb->published, h) : NULL;
-        if (leaf < 0 || (parent == NULL && PyErr_Occurred())) { Py_DECREF(h); r = FAIL; goto done; }
-        if (leaf || parent == NULL) { Py_DECREF(h); r = LEAVE; goto done; }
-        Py_INCREF(parent);
-        r = (PyDict_DelItem(rb->published, h) < 0
-             || (parent != Py_None && drop_child(rb->kids, parent, h) < 0)) ? FAIL : TAKE;
-        Py_DECREF(parent);
-        Py_DECREF(h);
-        if (r != TAKE) goto done;
+        r = closed_removal(rb, values[0], any_suppressed, n_partial, n_unknown, &n);
+        if (r != TAKE || n == 0) goto done;
     } else if (any_suppressed) {
         /* Every hash was read: from here on the event is taken. One at a time, in order, as
          * the Python loop does (a hash listed twice is suppressed once). */
         for (j = kept = 0; j < n; j++) {
-            r = take_suppressed(rb, values[j], 1);
+            r = take_suppressed(rb, values[j]);
             if (r < 0) { r = FAIL; goto done; }
             if (r == 1) *n_partial += 1;
             else values[kept++] = values[j];
@@ -303,12 +323,13 @@ done:
 
 PyDoc_STRVAR(ingest_dicts_doc,
 "ingest_dicts(events, start, rank, window, closed)\n"
-"    -> (stop, n_in, n_stores, n_stored, n_removes, n_removed, n_partial)\n\n"
+"    -> (stop, n_in, n_stores, n_stored, n_removes, n_removed, n_partial, n_unknown)\n\n"
 "Take events[start:] into ``rank`` (a RankBatch) until the first event the Python loop must\n"
 "handle; ``stop`` is its index (len(events) when all were taken). ``window`` is the published\n"
 "attention window (None = not known yet); ``closed``: keep the rank's prefix-closed published\n"
 "state (``published``/``kids``, updated for the events taken). ``n_partial``: removed hashes\n"
-"that were suppressed (never published), forgotten and not published.");
+"that were suppressed (never published), forgotten and not published; ``n_unknown``: with\n"
+"``closed``, removed hashes not published (dropped).");
 
 static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
     PyObject *events, *window;
@@ -316,6 +337,7 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
     Py_ssize_t start, i, n;
     int closed;
     long n_in = 0, n_stores = 0, n_stored = 0, n_removes = 0, n_removed = 0, n_partial = 0;
+    long n_unknown = 0;
 
     if (!PyArg_ParseTuple(args, "O!nO!Op", &PyList_Type, &events, &start, &RankBatchType,
                           &rb, &window, &closed))
@@ -347,7 +369,7 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
             r = take_stored(data, rb, &n_stores, closed);
             if (r == TAKE) n_stored += 1;
         } else if (str_is(kind, S_removed)) {
-            r = take_removed(data, rb, &n_removes, &n_removed, &n_partial, closed);
+            r = take_removed(data, rb, &n_removes, &n_removed, &n_partial, &n_unknown, closed);
         } else {
             break;
         }
@@ -356,8 +378,8 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
         if (r == LEAVE) break;
         n_in += 1;
     }
-    return Py_BuildValue("nllllll", i, n_in, n_stores, n_stored, n_removes, n_removed,
-                         n_partial);
+    return Py_BuildValue("nlllllll", i, n_in, n_stores, n_stored, n_removes, n_removed,
+                         n_partial, n_unknown);
 }
 
 /* ---- the V2 hooks' fast path ---------------------------------------------------------- */
