@@ -99,7 +99,7 @@ class KvEventSink(V2Hooks):
     refused (counted in ``unknown_dp_rank_events``, logged): each rank costs state kept for the
     sink's lifetime. ``max_suppressed`` caps the unpublished (partial or filtered) hashes
     remembered per rank so that their removals are dropped; past it the oldest is forgotten
-    in O(1) (counted in ``suppressed_evicted``; its removal would then be published).
+    in O(1) (counted in ``suppressed_evicted``).
     """
 
     def __init__(self, publisher: EventPublisher, *, block_size: int,

@@ -101,6 +101,8 @@ def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
       them); ``auto`` drains until the wrapped getter is called by anyone else, then taps.
       ``drain=False`` is the older spelling of ``mode="tap"``. The tee runs on the caller's
       thread (TRT-LLM's KV-event dispatch thread): ``sink.ingest`` takes one short lock.
+      Each drain is ingested before the next drain starts, whoever drains (see
+      ``_tee_buffered``): what reaches the sink is in the buffer's order.
 
     Raises ValueError naming what is missing when neither path is available.
     """
