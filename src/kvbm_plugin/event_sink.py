@@ -59,7 +59,7 @@ from kvbm_plugin.gpu_events.fields import (
     parse_token_ids,
     signed_hash,
 )
-from kvbm_plugin.gpu_events.rank import Rank, native_rank_type
+from kvbm_plugin.gpu_events.rank import Rank, add_child, children, native_rank_type
 from kvbm_plugin.gpu_events.v2_hooks import V2Hooks
 from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
@@ -98,7 +98,9 @@ class KvEventSink(V2Hooks):
     shuts them down unless ``owns_publisher=False``. An ``attention_dp_rank`` other than
     ``data_parallel_rank``, a key of ``rank_publishers`` or one below ``max_dp_ranks`` is
     refused (counted in ``unknown_dp_rank_events``, logged): each rank costs state kept for the
-    sink's lifetime.
+    sink's lifetime. ``max_suppressed`` caps the unpublished (partial or filtered) hashes
+    remembered per rank so that their removals are dropped; past it the oldest is forgotten
+    in O(1) (counted in ``suppressed_evicted``).
     """
 
     def __init__(self, publisher: EventPublisher, *, block_size: int,
@@ -106,7 +108,7 @@ class KvEventSink(V2Hooks):
                  rank_publishers: Mapping[int, EventPublisher] | None = None,
                  strict: bool = False, owns_publisher: bool = True,
                  native: bool | None = None, max_dp_ranks: int = MAX_DP_RANKS,
-                 prefix_closed: bool = False) -> None:
+                 prefix_closed: bool = False, max_suppressed: int = _MAX_SUPPRESSED) -> None:
         if type(block_size) is not int or block_size <= 0:
             raise ValueError(f"KvEventSink: block_size={block_size!r} must be a positive integer")
         if window_size is not None and (type(window_size) is not int or window_size <= 0):
@@ -118,6 +120,10 @@ class KvEventSink(V2Hooks):
         if type(max_dp_ranks) is not int or max_dp_ranks < 1:
             raise ValueError(f"KvEventSink: max_dp_ranks={max_dp_ranks!r} must be an integer "
                              ">= 1")
+        if type(max_suppressed) is not int or max_suppressed < 1:
+            raise ValueError(f"KvEventSink: max_suppressed={max_suppressed!r} must be an "
+                             "integer >= 1")
+        self._max_suppressed = max_suppressed
         # attention_dp_rank values below this are accepted (and our own, and those with a
         # publisher); any other would get state kept for the sink's lifetime.
         self._max_dp_ranks = max_dp_ranks
@@ -188,13 +194,15 @@ class KvEventSink(V2Hooks):
             rs = self._ranks[self.data_parallel_rank]
             start = 0
             while True:
-                (stop, n_in, n_stores, n_stored, n_removes,
-                 n_removed) = native(events, start, rs, self._window, self._prefix_closed)
+                (stop, n_in, n_stores, n_stored, n_removes, n_removed, n_partial,
+                 n_unknown) = native(events, start, rs, self._window, self._prefix_closed)
                 c["events_in"] += n_in
                 c["stores"] += n_stores
                 c["blocks_stored"] += n_stored
                 c["removes"] += n_removes
                 c["blocks_removed"] += n_removed
+                c["partial_removes_suppressed"] += n_partial
+                c["unknown_removes_suppressed"] += n_unknown
                 if stop >= len(events):  # re-read: a caller's key object may change the list
                     return
                 self._ingest_locked((events[stop],))
@@ -300,8 +308,7 @@ class KvEventSink(V2Hooks):
                             if closed:
                                 published[h] = parent
                                 if parent is not None:
-                                    kids = rs.kids
-                                    kids[parent] = kids.get(parent, 0) + 1
+                                    add_child(rs.kids, parent, h)
                             n_stored += 1
                         else:
                             self._dict_stored(rs, data, bs)
@@ -480,7 +487,7 @@ class KvEventSink(V2Hooks):
             for h in hashes:
                 published[h] = p
                 if p is not None:
-                    kids[p] = kids.get(p, 0) + 1
+                    add_child(kids, p, h)
                 p = h
         c = self._c
         c["blocks_stored"] += len(hashes)
@@ -547,37 +554,32 @@ class KvEventSink(V2Hooks):
         rs.last = ev
 
     def _cascade(self, rs: Rank, h: int) -> list[int]:
-        """Unpublish the published descendants of ``h`` (about to be removed), children before
-        parents; their own later removals are then dropped as unknown. One scan of the
-        published blocks: only an engine that removes a parent before its children gets
-        here (TensorRT-LLM frees descendants first)."""
+        """Unpublish the published descendants of ``h`` (about to be removed), each after all
+        of its own descendants (the reverse of a walk down from ``h``); their own later
+        removals are then dropped as unknown. O(descendants): the walk follows ``kids`` down
+        from ``h`` and touches no other block (only an engine that removes a parent before its
+        children gets here; TensorRT-LLM frees descendants first). Iterative: a chain of any
+        length."""
         published, kids = rs.published, rs.kids
-        children: dict[int, list[int]] = {}
-        for child, parent in published.items():
-            if parent is not None:
-                children.setdefault(parent, []).append(child)
         order: list[int] = []
-        stack = [(h, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if expanded:
-                if node != h:
-                    order.append(node)
-                continue
-            stack.append((node, True))
-            stack.extend((child, False) for child in children.get(node, ()))
-        for node in order:
-            del published[node]
-            kids.pop(node, None)
+        stack = list(children(kids, h))
         kids.pop(h, None)
+        while stack:
+            node = stack.pop()
+            order.append(node)
+            del published[node]
+            below = kids.pop(node, None)
+            if below is not None:
+                if type(below) is set:
+                    stack.extend(below)
+                else:
+                    stack.append(below)
+        order.reverse()
         self._c["cascade_removes"] += len(order)
         return order
 
     def _suppress(self, rs: Rank, h: int) -> None:
-        suppressed = rs.suppressed
-        suppressed[h] = None
-        if len(suppressed) > _MAX_SUPPRESSED:
-            suppressed.pop(next(iter(suppressed)))
+        if rs.suppress(h, self._max_suppressed):
             self._c["suppressed_evicted"] += 1
 
     def _count_lost_input(self, n: int) -> None:
@@ -608,7 +610,7 @@ class KvEventSink(V2Hooks):
                                  "outside the ranks this sink accepts")
             rs.events.append({"type": "AllBlocksCleared"})
             rs.last = None
-            rs.suppressed.clear()
+            rs.forget_suppressed()
             rs.live.clear()
             rs.live_keys.clear()
             rs.published.clear()

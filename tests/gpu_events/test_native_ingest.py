@@ -437,7 +437,8 @@ class Raises:
 def v2_calls(draw: st.DrawFn) -> list[tuple[str, Any]]:
     """V2 hook traffic: chains of full blocks (so stores and removals coalesce), the same
     block again (another layer group), partial blocks, removals of published, unknown and
-    odd keys, odd tokens and keys, layer-group routing switched on and off, flushes."""
+    odd keys, odd tokens and keys, layer-group routing switched on and off, flushes and
+    discards."""
     blocks: list[Any] = [ROOT]
     calls: list[tuple[str, Any]] = []
     for i in range(draw(st.integers(1, 40))):
@@ -471,8 +472,10 @@ def v2_calls(draw: st.DrawFn) -> list[tuple[str, Any]]:
                                                            None, 1.5]))))
         elif pick < 18:
             calls.append(("route", draw(st.sampled_from([None, 0, 1]))))
-        else:
+        elif pick < 19:
             calls.append(("flush", None))
+        else:
+            calls.append(("discard", None))
     return calls
 
 
@@ -489,6 +492,8 @@ def run_v2(native: bool, calls: list[tuple[str, Any]]) -> tuple[list[bytes], dic
                 sink.set_layer_group_window_sizes({})
             else:
                 sink.set_routing_layer_group(arg)
+        elif kind == "discard":
+            sink.discard_events()
         else:
             sink.flush_iteration_events()
     sink.flush()

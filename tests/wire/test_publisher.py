@@ -424,6 +424,62 @@ def test_an_event_that_cannot_be_encoded_is_dropped_alone(ctx, tcp, publishers, 
     assert expect_errors.wait_for("1 of 3 events cannot be encoded and were dropped")
 
 
+class _ContendedLock:
+    """A lock that says when a second thread has to wait for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.waited = threading.Event()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self.waited.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_thread_mode_queues_batches_of_two_callers_in_seq_order(tcp, publishers) -> None:
+    """``sends="thread"`` with two publishing threads: the caller that reserved the earlier
+    seq is caught between reserving it and queueing the batch while the other publishes; the
+    queue, and so the wire, must still hold the seqs in order."""
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], sends="thread")
+    publishers.append(pub)
+    lock = pub._send_lock = _ContendedLock()  # type: ignore[assignment]
+    queued: list[int] = []
+    first_in = threading.Event()
+    second_in = threading.Event()
+    put = pub._queue.put_nowait
+
+    def put_nowait(item: Any) -> None:
+        if threading.current_thread().name == "first":
+            first_in.set()
+            # Hold here until the second caller either queues (its seq overtaking ours) or
+            # waits for us: whichever the publisher allows.
+            deadline = time.monotonic() + 10
+            while not (second_in.is_set() or lock.waited.is_set()):
+                assert time.monotonic() < deadline, "second caller neither queued nor waited"
+                second_in.wait(0.005)
+        else:
+            second_in.set()
+        queued.append(item[0])
+        put(item)
+
+    pub._queue.put_nowait = put_nowait  # type: ignore[method-assign]
+    first = threading.Thread(target=pub.publish, args=([removed(1)],), name="first")
+    second = threading.Thread(target=pub.publish, args=([removed(2)],), name="second")
+    first.start()
+    assert first_in.wait(10)
+    second.start()
+    first.join(10)
+    second.join(10)
+    del pub._queue.put_nowait  # shutdown queues its stop marker through the plain method
+    assert queued == [0, 1]
+    wait_until(lambda: len(pub._buffer) == 2, what="both sent")
+    assert [seq for seq, _ in pub._buffer] == [0, 1]
+
+
 def test_sink_counts_a_batch_the_publisher_thread_lost_as_lost(tcp, publishers,
                                                                expect_errors) -> None:
     from kvbm_plugin.event_sink import KvEventSink

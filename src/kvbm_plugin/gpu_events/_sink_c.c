@@ -5,8 +5,8 @@
  * ingest_dicts() takes the buffered event dicts that need no decision beyond the common case;
  * at the first event it does not take, it stops and returns that event's index: the Python
  * loop handles that event (window changes, created, updated, partial blocks, other ranks,
- * suppressed removals, malformed input) and calls back for the rest. An event is either taken
- * whole or left untouched. RankBatch.v2_store / v2_remove are the V2 hooks' fast path; any
+ * cascades, malformed input) and calls back for the rest; removals of suppressed (partial)
+ * blocks are taken here too. An event is either taken whole or left untouched. RankBatch.v2_store / v2_remove are the V2 hooks' fast path; any
  * other call goes to the Python hook (``fallback_store`` / ``fallback_remove``).
  *
  * Called with the sink's lock held (ingest) or on the executor thread (V2 hooks). Holds the
@@ -107,22 +107,41 @@ static int wire_value(PyObject *h, int64_t *out) {
     return TAKE;
 }
 
-/* kids[parent] += delta (exact dict of exact ints), deleting the entry at 0. */
-static int add_kid(PyObject *kids, PyObject *parent, long delta) {
-    PyObject *v = PyDict_GetItemWithError(kids, parent), *nv;
-    long n = 0;
-    if (v == NULL && PyErr_Occurred()) return -1;
-    if (v != NULL) {
-        n = PyLong_AsLong(v);
-        if (n == -1 && PyErr_Occurred()) return -1;
+/* Record published ``child`` under ``parent`` in ``kids`` (exact dict: parent -> its one
+ * child's hash, or the set of them when there are more), as rank.add_child does. */
+static int add_child(PyObject *kids, PyObject *parent, PyObject *child) {
+    PyObject *cur = PyDict_GetItemWithError(kids, parent), *both;
+    int r;
+    if (cur == NULL) return PyErr_Occurred() ? -1 : PyDict_SetItem(kids, parent, child);
+    if (PySet_CheckExact(cur)) return PySet_Add(cur, child);
+    both = PySet_New(NULL);
+    if (both == NULL) return -1;
+    r = (PySet_Add(both, cur) < 0 || PySet_Add(both, child) < 0)
+        ? -1 : PyDict_SetItem(kids, parent, both);
+    Py_DECREF(both);
+    return r;
+}
+
+/* Forget ``child`` (a leaf) under ``parent`` in ``kids``, as Rank.unpublish does: a set left
+ * with one child goes back to the one-child form. */
+static int drop_child(PyObject *kids, PyObject *parent, PyObject *child) {
+    PyObject *cur = PyDict_GetItemWithError(kids, parent), *it, *one;
+    int r;
+    if (cur == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, parent);
+        return -1;
     }
-    n += delta;
-    if (n <= 0) return v == NULL ? 0 : PyDict_DelItem(kids, parent);
-    nv = PyLong_FromLong(n);
-    if (nv == NULL) return -1;
-    n = PyDict_SetItem(kids, parent, nv);
-    Py_DECREF(nv);
-    return (int)n;
+    if (!PySet_CheckExact(cur)) return PyDict_DelItem(kids, parent);
+    if (PySet_Discard(cur, child) < 0) return -1;
+    if (PySet_GET_SIZE(cur) != 1) return 0;
+    it = PyObject_GetIter(cur);
+    if (it == NULL) return -1;
+    one = PyIter_Next(it);
+    Py_DECREF(it);
+    if (one == NULL) return -1;
+    r = PyDict_SetItem(kids, parent, one);
+    Py_DECREF(one);
+    return r;
 }
 
 /* One "stored" event (``data`` exact dict). ``closed``: keep the rank's prefix-closed state;
@@ -187,7 +206,7 @@ static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed
     }
     /* Everything read; from here on the event is taken. */
     if (closed && (PyDict_SetItem(rb->published, h_obj, p_obj) < 0
-                   || (has_parent && add_kid(rb->kids, p_obj, 1) < 0))) {
+                   || (has_parent && add_child(rb->kids, p_obj, h_obj) < 0))) {
         r = FAIL;
         goto done;
     }
@@ -201,20 +220,70 @@ done:
     return r;
 }
 
-/* One "removed" event of valid hashes; ``suppressed`` non-empty means Python must check each
- * hash. With ``closed``: one published leaf only (several hashes, an unpublished one, or one
- * with published children, a cascade, go to the Python loop). */
-static int take_removed(PyObject *data, RankBatch *rb, long *n_removes, long *n_removed,
-                        int closed) {
-    PyObject *raw;
-    Py_ssize_t n, j;
-    int64_t one, *values = &one;
+/* Forget wire hash ``v`` when it is suppressed (an unpublished partial or filtered block):
+ * 1 it was, 0 not, -1 error. */
+static int take_suppressed(RankBatch *rb, int64_t v) {
+    PyObject *h = PyLong_FromLongLong(v);
     int r;
+    if (h == NULL) return -1;
+    r = PyDict_Contains(rb->suppressed, h);
+    if (r == 1 && PyDict_DelItem(rb->suppressed, h) < 0) r = -1;
+    Py_DECREF(h);
+    return r;
+}
+
+/* The prefix-closed state's part of removing wire hash ``v``, in KvEventSink._remove's
+ * order: a suppressed hash is forgotten (``n_partial``), an unpublished one dropped
+ * (``n_unknown``), a published leaf unpublished; a block with published children (a cascade)
+ * is the Python loop's. TAKE with *n_out 1 when the removal is published. */
+static int closed_removal(RankBatch *rb, int64_t v, int any_suppressed, long *n_partial,
+                          long *n_unknown, Py_ssize_t *n_out) {
+    PyObject *h = PyLong_FromLongLong(v), *parent;
+    int r;
+    *n_out = 0;
+    if (h == NULL) return FAIL;
+    if (any_suppressed) {
+        r = PyDict_Contains(rb->suppressed, h);
+        if (r == 1) {
+            r = PyDict_DelItem(rb->suppressed, h) < 0 ? FAIL : TAKE;
+            if (r == TAKE) *n_partial += 1;
+            goto done;
+        }
+        if (r < 0) { r = FAIL; goto done; }
+    }
+    r = PyDict_Contains(rb->kids, h);
+    if (r != 0) { r = r < 0 ? FAIL : LEAVE; goto done; }
+    parent = PyDict_GetItemWithError(rb->published, h);
+    if (parent == NULL) {
+        if (PyErr_Occurred()) { r = FAIL; goto done; }
+        *n_unknown += 1; /* never published, or gone in a cascade */
+        r = TAKE;
+        goto done;
+    }
+    Py_INCREF(parent);
+    r = (PyDict_DelItem(rb->published, h) < 0
+         || (parent != Py_None && drop_child(rb->kids, parent, h) < 0)) ? FAIL : TAKE;
+    Py_DECREF(parent);
+    if (r == TAKE) *n_out = 1;
+done:
+    Py_DECREF(h);
+    return r;
+}
+
+/* One "removed" event of valid hashes. A suppressed hash is forgotten and counted in
+ * ``n_partial`` (its block was never published), as KvEventSink._remove does. With
+ * ``closed``: one hash only (several go to the Python loop); see closed_removal. */
+static int take_removed(PyObject *data, RankBatch *rb, long *n_removes, long *n_removed,
+                        long *n_partial, long *n_unknown, int closed) {
+    PyObject *raw;
+    Py_ssize_t n, j, kept;
+    int64_t one, *values = &one;
+    int r, any_suppressed;
 
     if ((r = get_item(data, K_block_hashes, &raw, 1)) != TAKE) return r;
     if (!PyList_CheckExact(raw)) return LEAVE;
     n = PyList_GET_SIZE(raw);
-    if (n == 0 || PyDict_GET_SIZE(rb->suppressed) != 0) return LEAVE;
+    if (n == 0) return LEAVE;
     if (closed && n != 1) return LEAVE;
     if (n > 1) {
         values = PyMem_Malloc((size_t)n * sizeof(int64_t));
@@ -222,21 +291,23 @@ static int take_removed(PyObject *data, RankBatch *rb, long *n_removes, long *n_
     }
     for (j = 0; j < n; j++)
         if ((r = wire_value(PyList_GET_ITEM(raw, j), &values[j])) != TAKE) goto done;
+    any_suppressed = PyDict_GET_SIZE(rb->suppressed) != 0;
     if (closed) {
-        PyObject *h = PyLong_FromLongLong(values[0]), *parent;
-        int leaf;
-        if (h == NULL) { r = FAIL; goto done; }
-        leaf = PyDict_Contains(rb->kids, h);
-        parent = leaf == 0 ? PyDict_GetItemWithError(rb->published, h) : NULL;
-        if (leaf < 0 || (parent == NULL && PyErr_Occurred())) { Py_DECREF(h); r = FAIL; goto done; }
-        if (leaf || parent == NULL) { Py_DECREF(h); r = LEAVE; goto done; }
-        Py_INCREF(parent);
-        r = (PyDict_DelItem(rb->published, h) < 0
-             || (parent != Py_None && add_kid(rb->kids, parent, -1) < 0)) ? FAIL : TAKE;
-        Py_DECREF(parent);
-        Py_DECREF(h);
-        if (r != TAKE) goto done;
+        r = closed_removal(rb, values[0], any_suppressed, n_partial, n_unknown, &n);
+        if (r != TAKE || n == 0) goto done;
+    } else if (any_suppressed) {
+        /* Every hash was read: from here on the event is taken. One at a time, in order, as
+         * the Python loop does (a hash listed twice is suppressed once). */
+        for (j = kept = 0; j < n; j++) {
+            r = take_suppressed(rb, values[j]);
+            if (r < 0) { r = FAIL; goto done; }
+            if (r == 1) *n_partial += 1;
+            else values[kept++] = values[j];
+        }
+        n = kept;
     }
+    r = TAKE;
+    if (n == 0) goto done;
     r = rb_append_removed(rb, values, n);
     if (r < 0) { r = FAIL; goto done; }
     *n_removes += r;
@@ -249,18 +320,21 @@ done:
 
 PyDoc_STRVAR(ingest_dicts_doc,
 "ingest_dicts(events, start, rank, window, closed)\n"
-"    -> (stop, n_in, n_stores, n_stored, n_removes, n_removed)\n\n"
+"    -> (stop, n_in, n_stores, n_stored, n_removes, n_removed, n_partial, n_unknown)\n\n"
 "Take events[start:] into ``rank`` (a RankBatch) until the first event the Python loop must\n"
 "handle; ``stop`` is its index (len(events) when all were taken). ``window`` is the published\n"
 "attention window (None = not known yet); ``closed``: keep the rank's prefix-closed published\n"
-"state (``published``/``kids``, updated for the events taken).");
+"state (``published``/``kids``, updated for the events taken). ``n_partial``: removed hashes\n"
+"that were suppressed (never published), forgotten and not published; ``n_unknown``: with\n"
+"``closed``, removed hashes not published (dropped).");
 
 static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
     PyObject *events, *window;
     RankBatch *rb;
     Py_ssize_t start, i, n;
     int closed;
-    long n_in = 0, n_stores = 0, n_stored = 0, n_removes = 0, n_removed = 0;
+    long n_in = 0, n_stores = 0, n_stored = 0, n_removes = 0, n_removed = 0, n_partial = 0;
+    long n_unknown = 0;
 
     if (!PyArg_ParseTuple(args, "O!nO!Op", &PyList_Type, &events, &start, &RankBatchType,
                           &rb, &window, &closed))
@@ -292,7 +366,7 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
             r = take_stored(data, rb, &n_stores, closed);
             if (r == TAKE) n_stored += 1;
         } else if (str_is(kind, S_removed)) {
-            r = take_removed(data, rb, &n_removes, &n_removed, closed);
+            r = take_removed(data, rb, &n_removes, &n_removed, &n_partial, &n_unknown, closed);
         } else {
             break;
         }
@@ -301,7 +375,8 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
         if (r == LEAVE) break;
         n_in += 1;
     }
-    return Py_BuildValue("nlllll", i, n_in, n_stores, n_stored, n_removes, n_removed);
+    return Py_BuildValue("nlllllll", i, n_in, n_stores, n_stored, n_removes, n_removed,
+                         n_partial, n_unknown);
 }
 
 /* ---- the V2 hooks' fast path ---------------------------------------------------------- */

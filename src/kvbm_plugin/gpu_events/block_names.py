@@ -5,7 +5,9 @@ KVCacheManagerV2), the connector is never told which hash TensorRT-LLM gives a b
 events name each stored block with its parent's hash and its tokens, though, and a request's
 blocks form the same chain. :class:`BlockNames` remembers ``(parent hash, tokens) -> hash`` from
 the events the leader publishes, walks a request's chain through it, and lets the leader name its
-host/disk copies by TensorRT-LLM's hash, so a router sees one name per block across media.
+host/disk copies by TensorRT-LLM's hash, so a router sees one name per block across media. Both
+tables are bounded; at the bound the oldest entry is forgotten in O(1) (see
+:mod:`kvbm_plugin.gpu_events.bounded`).
 
 Called by the leader on the executor thread only (the event sink's ``on_flush`` runs where the
 leader flushes). Pure Python, bounded memory.
@@ -16,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from kvbm_plugin.gpu_events.bounded import EvictionOrder
 from kvbm_plugin.wire.events import to_unsigned_u64
 
 AMBIGUOUS = -1  # one (parent, tokens) seen under two hashes (e.g. salts the events hide)
@@ -29,6 +32,9 @@ class BlockNames:
         self._max = max_entries
         self._by_content: dict[tuple[int | None, tuple[int, ...]], int] = {}
         self._by_key: dict[int, int] = {}  # the plugin's content key -> TRT-LLM's hash
+        # Insertion order of each table (entries leave only by eviction, so it is exact).
+        self._content_order = EvictionOrder()
+        self._key_order = EvictionOrder()
 
     def __bool__(self) -> bool:
         return bool(self._by_content)
@@ -36,6 +42,8 @@ class BlockNames:
     def observe(self, rank: int, events: Sequence[dict[str, Any]]) -> None:
         """``KvEventSink.on_flush``: remember each stored block's hash (u64). O(blocks)."""
         known = self._by_content
+        order = self._content_order
+        cap = self._max
         for ev in events:
             if ev.get("type") != "BlockStored" or not ev.get("token_ids"):
                 continue
@@ -49,8 +57,9 @@ class BlockNames:
                 old = known.get(k)
                 if old is None:
                     known[k] = h
-                    if len(known) > self._max:
-                        known.pop(next(iter(known)))  # the oldest first
+                    order.added(known, k)
+                    if len(known) > cap:
+                        order.evict_oldest(known)  # the oldest first
                 elif old != h:
                     known[k] = AMBIGUOUS
                 parent = h
@@ -67,9 +76,15 @@ class BlockNames:
             if h is None or h == AMBIGUOUS:
                 return
             learned.append(h)
-            self._by_key[keys[i]] = h
-            if len(self._by_key) > self._max:
-                self._by_key.pop(next(iter(self._by_key)))
+            by_key = self._by_key
+            key = keys[i]
+            if key not in by_key:
+                by_key[key] = h
+                self._key_order.added(by_key, key)
+                if len(by_key) > self._max:
+                    self._key_order.evict_oldest(by_key)
+            else:
+                by_key[key] = h  # keeps its place, as a dict does
             i += 1
 
     def hash_of_key(self, key: int) -> int | None:

@@ -101,6 +101,8 @@ def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
       them); ``auto`` drains until the wrapped getter is called by anyone else, then taps.
       ``drain=False`` is the older spelling of ``mode="tap"``. The tee runs on the caller's
       thread (TRT-LLM's KV-event dispatch thread): ``sink.ingest`` takes one short lock.
+      Each drain is ingested before the next drain starts, whoever drains (see
+      ``_tee_buffered``): what reaches the sink is in the buffer's order.
 
     Raises ValueError naming what is missing when neither path is available.
     """
@@ -177,9 +179,23 @@ def _tee_v2(event_manager: Any, sink: KvEventSink) -> EventSource:
 def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSink,
                   serialize: Callable[[Any], list[dict[str, Any]]] | None,
                   mode: str) -> EventSource:
+    """The buffered tee. Its drainers may run at once: :meth:`EventSource.poll` on the
+    executor thread and TensorRT-LLM's own readers, which call
+    ``PyExecutor.get_latest_kv_cache_events`` -> ``get_latest_events(0)`` from worker threads
+    (``tensorrt_llm/executor/base_worker.py`` ``fetch_kv_cache_events``, run through
+    ``asyncio.to_thread`` by ``rpc_worker_mixin.py`` ``fetch_kv_cache_events_async``,
+    TensorRT-LLM @2d06866f). Each call takes the events queued so far (the C++ buffer is
+    swapped out under its own mutex), so two drainers hold consecutive slices of the stream;
+    fed to the sink in the order they finish, a "remove X" could overtake its "store X" and
+    leave X published for good. ``order`` makes each drain and its ingest one step: a reader
+    waits for a poll in progress (a zero-timeout drain plus one short ingest); the poll never
+    waits for a reader (whose getter may block up to its own timeout): when a reader holds
+    the step, the poll skips this iteration, as that reader is draining anyway."""
     log = RateLimitedLog(logger)
     ours = threading.local()  # set while poll() itself calls the getter
     state = {"others": mode == "tap"}  # True once anyone else read (auto: stop draining)
+    # Reentrant: poll() holds it across manager.get_latest_events, which is this tee.
+    order = threading.RLock()
 
     def feed(raw: Any) -> None:
         if not raw:
@@ -210,11 +226,12 @@ def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSin
                 logger.info("kvbm_plugin: another reader of TensorRT-LLM's KV events appeared "
                             "(%s); no longer draining, publishing what it drains",
                             threading.current_thread().name)
-        raw = get_latest(*args, **kwargs)
-        try:
-            feed(raw)
-        except Exception:  # the caller is TRT-LLM's thread: never break its pull path
-            logger.exception("attach_event_source: feeding KV events to the sink failed")
+        with order:  # what is drained is ingested before anyone drains again
+            raw = get_latest(*args, **kwargs)
+            try:
+                feed(raw)
+            except Exception:  # the caller is TRT-LLM's thread: never break its pull path
+                logger.exception("attach_event_source: feeding KV events to the sink failed")
         return raw
 
     manager.get_latest_events = tee
@@ -225,11 +242,18 @@ def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSin
     def poll() -> int:
         if not drains():
             return 0
-        ours.polling = True
+        if not order.acquire(blocking=False):
+            return 0  # a reader is draining (and feeding) right now: never wait for it
         try:
-            raw = manager.get_latest_events(0)
+            if not drains():  # auto: a reader appeared between the check and the step
+                return 0
+            ours.polling = True
+            try:
+                raw = manager.get_latest_events(0)
+            finally:
+                ours.polling = False
         finally:
-            ours.polling = False
+            order.release()
         return len(raw) if raw else 0
 
     def detach() -> None:

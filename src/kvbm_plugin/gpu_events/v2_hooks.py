@@ -18,7 +18,7 @@ from kvbm_plugin.gpu_events.fields import (
     parse_hash,
     radix_key_hash,
 )
-from kvbm_plugin.wire.events import MEDIUM_GPU
+from kvbm_plugin.wire.events import MEDIUM_GPU, event_count
 
 
 class V2Hooks:
@@ -246,13 +246,16 @@ class V2Hooks:
         return []
 
     def discard_events(self) -> None:
-        """V2 hook: drop pending events (counted and logged; removals included)."""
+        """V2 hook: drop pending events (counted and logged; removals included).
+
+        Each rank's batch is taken as :meth:`flush` takes it and thrown away: the compiled
+        batch then starts a new batch of its own kind (a plain list put in its place would
+        carry its later encoded runs to the publisher as items of a list, which is no event),
+        and an encoded run counts as the events it holds."""
         with self._lock:
             n = 0
             for rs in self._ranks.values():
-                n += len(rs.events)
-                rs.events = []
-                rs.last = None
+                n += event_count(rs.take())
             self._c["discarded_events"] += n
         if n:
             self._log.log(logging.WARNING, "discard", "KvEventSink: discard_events dropped %d "

@@ -167,9 +167,10 @@ class ZmqEventPublisher(EventPublisher):
       (``benchmarks/bench_event_sink.py``). Where the GIL-holding send is unavailable (libzmq
       not identifiable), ``"caller"`` falls back to ``"thread"``: pyzmq's own send releases
       the GIL, and getting it back could make the executor thread wait a switch interval.
-    - ``"thread"``: ``publish`` reserves the batch's seq, then ``put_nowait``s it into a bounded
-      queue; one daemon thread creates, binds, uses and closes both sockets: it encodes each
-      batch, sends it, keeps it in the bounded replay buffer and answers replay requests.
+    - ``"thread"``: ``publish`` reserves the batch's seq and ``put_nowait``s it into a bounded
+      queue under one lock (so callers on several threads queue in seq order); one daemon
+      thread creates, binds, uses and closes both sockets: it encodes each batch, sends it,
+      keeps it in the bounded replay buffer and answers replay requests.
       Live sends keep the GIL there too: with pyzmq's GIL-releasing send, each frame made the
       thread wait up to a switch interval (5 ms) to get the GIL back from a busy executor
       thread, and the queue backed up.
@@ -248,7 +249,7 @@ class ZmqEventPublisher(EventPublisher):
         self.accepts_encoded_events = True
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_steps)
-        self._seq = itertools.count()  # next() is atomic under the GIL: seq reserved at accept
+        self._seq = itertools.count()  # reserved at accept (sends="thread": under _send_lock)
         self._closed = False
         self._close_lock = threading.Lock()
         self._stopping = threading.Event()
@@ -348,27 +349,38 @@ class ZmqEventPublisher(EventPublisher):
                 self._accepted += 1
                 return self._send_batch(pub, encode, (next(self._seq), time.time(), events,
                                                       rank))
-        seq = next(self._seq)
-        if self._inline:
+        if self._inline:  # one caller thread at a time (class doc)
+            seq = next(self._seq)
             self._accepted += 1
             pub, encode = self._pub, self._encode
             assert pub is not None and encode is not None  # open until shutdown closes them
             return self._send_batch(pub, encode, (seq, time.time(), events, rank))
-        try:
-            self._queue.put_nowait((seq, time.time(), events, rank))
-        except queue.Full:
-            self._lost_queue_full += 1
+        # The seq is reserved and the batch queued in one step: with two callers, a batch
+        # given a later seq must never be queued (so sent) first. The lock is held across the
+        # non-blocking put only.
+        with self._send_lock:
+            seq = next(self._seq)
+            try:
+                self._queue.put_nowait((seq, time.time(), events, rank))
+            except queue.Full:
+                self._lost_queue_full += 1
+                full = True
+            else:
+                full = False
+                self._accepted += 1
+                depth = self._queue.qsize()
+                if depth > self._queue_high_water:
+                    self._queue_high_water = depth
+                wake = self._asleep
+                if wake:
+                    self._asleep = False
+        if full:
             self._log.log(logging.WARNING, "queue-full", "%s: queue full (%d batches), batch "
                           "seq %d lost; consumers see a gap", type(self).__name__,
                           self.settings.max_queue_size, seq)
             return False
-        self._accepted += 1
-        if self._asleep:  # the first batch after an idle spell: wake the publisher thread
-            self._asleep = False
+        if wake:  # the first batch after an idle spell: wake the publisher thread
             self._wake()
-        depth = self._queue.qsize()
-        if depth > self._queue_high_water:
-            self._queue_high_water = depth
         return True
 
     def _wake(self) -> None:
