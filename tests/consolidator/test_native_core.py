@@ -149,7 +149,8 @@ def state(core: ConsolidatorCore) -> dict[int, Any]:
             [{h: b[0] for h, b in m.items()} for m in rank.held],
             {h: b[0] for h, b in rank.published.items()},
             rank.visible,
-            [{k: (e[0][0], e[1:]) for k, e in group.items()} for group in rank.hidden],
+            [({k: (e[0][0], e[1:]) for k, e in group.entries.items()}, group.waiting,
+              group.by_source) for group in rank.hidden],
             {k for k in rank.orphans if k in rank.blocks},
         )
     return out
