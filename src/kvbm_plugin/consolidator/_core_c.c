@@ -59,6 +59,8 @@ static PyObject *new_block(PyObject *ident, PyObject *pub, PyObject *parent, PyO
     PyList_SET_ITEM(block, B_MORE_ALIASES, Py_None);
     Py_INCREF(Py_None);
     PyList_SET_ITEM(block, B_KIDS, Py_None);
+    Py_INCREF(zero);
+    PyList_SET_ITEM(block, B_HELD_BACK, zero);
     /* A block refers only to older blocks (its parent) and to ints: never part of a cycle.
      * Blocks live as long as some tier holds them; untracked, the collector never walks them. */
     PyObject_GC_UnTrack(block);
@@ -157,10 +159,16 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
         if (n > 1 && seen == NULL) goto fail;
         for (i = 0; i < n && !leave; i++) {
             PyObject *ext = PyList_GET_ITEM(hashes, i), *old, *mine;
-            if (any_back) {
+            if (any_back) { /* a new block is neither held back nor waited for */
                 PyObject *ident = PyList_GET_ITEM(idents, i);
-                int back = PyDict_Contains(hidden, ident);
-                if (back == 0) back = PyDict_Contains(waiting, ident);
+                PyObject *existing = PyDict_GetItemWithError(blocks, ident);
+                int back = 0;
+                if (existing == NULL && PyErr_Occurred()) { Py_XDECREF(seen); goto fail; }
+                if (existing != NULL) {
+                    back = is_block(existing) ? is_held_back(existing) : -1;
+                    if (back == 0 && PyDict_GET_SIZE(waiting) > 0)
+                        back = PyDict_Contains(waiting, ident);
+                }
                 if (back < 0) { Py_XDECREF(seen); goto fail; }
                 if (back) { leave = 1; break; }
             }
@@ -556,8 +564,8 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
                 r = LEAVE;
                 goto done;
             }
-            if (PyDict_GET_SIZE(hidden) > 0) { /* held back, so not published: the same */
-                int back = PyDict_Contains(hidden, PyList_GET_ITEM(found, B_IDENT));
+            { /* held back, so not published: the same */
+                int back = is_held_back(found);
                 if (back < 0) goto done;
                 if (back) { r = LEAVE; goto done; }
             }

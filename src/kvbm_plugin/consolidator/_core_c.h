@@ -12,7 +12,7 @@
 #include "../_util/native_common.h"
 
 enum { B_IDENT, B_PUB, B_WIRE, B_PARENT, B_CHILDREN, B_TOTAL, B_COUNTS, B_ALIAS_SLOT,
-       B_ALIAS_EXT, B_MORE_ALIASES, B_KIDS, B_LEN };
+       B_ALIAS_EXT, B_MORE_ALIASES, B_KIDS, B_HELD_BACK, B_LEN };
 
 /* Counter deltas of the compiled event paths, in ConsolidatorCore._add_counts' order. */
 enum { N_STORES_IN, N_STORE_BLOCKS_IN, N_UNKNOWN_PARENTS, N_DUPLICATES, N_STORES_OUT,
@@ -112,6 +112,13 @@ static inline PyObject *slot_map(PyObject *list, Py_ssize_t index) {
 /* Attribute ``name`` of the rank's group-0 HeldBack (rank.hidden[0].<name>), an exact dict
  * (new reference). */
 PyObject *held_back_map(PyObject *rank, PyObject *name);
+
+/* 1 when ``block`` is held back (its B_HELD_BACK count is not 0), 0 when not, -1 on error. */
+static inline int is_held_back(PyObject *block) {
+    Py_ssize_t n;
+    if (int_field(block, B_HELD_BACK, &n) < 0) return -1;
+    return n != 0;
+}
 
 /* The slot an event's medium names (through the Python code's medium cache) and its hashes in
  * u64 form (new list), or LEAVE: a medium spelling not seen yet, a hash that is not an int. */

@@ -13,12 +13,12 @@
 #include "_core_c.h"
 
 const char remove_dedup_doc[] =
-"remove_dedup(blocks, known, held, published, hashes, hidden, orphans)\n"
+"remove_dedup(blocks, known, held, published, hashes, orphans)\n"
 "    -> (wires, unknown, stop)\n\n"
 "The dedup block loop of ConsolidatorCore._removed on the same structures, for hashes[:stop]:\n"
 "the published (signed) hashes now resident nowhere, and how many hashes the slot did not\n"
-"hold. ``stop`` < len(hashes): hashes[stop] would cascade or reaches a block in ``hidden``\n"
-"(the held-back entries), and nothing of it or after it has changed.";
+"hold. ``stop`` < len(hashes): hashes[stop] would cascade or reaches a held-back block, and\n"
+"nothing of it or after it has changed.";
 
 int core_remove_ready(void) { return intern_wire_keys(); }
 
@@ -76,9 +76,11 @@ static int collect(PyObject *blocks, PyObject *known, PyObject *published, PyObj
         named = PyDict_GetItemWithError(published, pub);
         if (named == NULL && PyErr_Occurred()) goto fail;
         if (named == block && PyDict_DelItem(published, pub) < 0) goto fail;
-        if (PySet_GET_SIZE(orphans) > 0 && PySet_Discard(orphans, ident) < 0) goto fail;
         parent = PyList_GET_ITEM(block, B_PARENT);
-        if (parent == Py_None) break;
+        if (parent == Py_None) { /* only a root block can be an orphan */
+            if (PySet_GET_SIZE(orphans) > 0 && PySet_Discard(orphans, ident) < 0) goto fail;
+            break;
+        }
         if (!is_block(parent) || add_to(parent, B_CHILDREN, -1, NULL) < 0
             || drop_kid(parent, ident) < 0 || int_field(parent, B_TOTAL, &parent_total) < 0)
             goto fail;
@@ -94,10 +96,10 @@ fail:
 }
 
 /* The dedup block loop of _removed for hashes[:*stop]: the signed hashes now resident nowhere
- * (new list). ``hidden``: the rank's held-back entries (group 0). */
+ * (new list). */
 static PyObject *remove_loop(PyObject *blocks, PyObject *known, PyObject *held,
-                             PyObject *published, PyObject *hashes, PyObject *hidden,
-                             PyObject *orphans, Py_ssize_t *unknown_out, Py_ssize_t *stop) {
+                             PyObject *published, PyObject *hashes, PyObject *orphans,
+                             Py_ssize_t *unknown_out, Py_ssize_t *stop) {
     PyObject *wires, *block;
     Py_ssize_t i, n, unknown = 0;
 
@@ -119,8 +121,7 @@ static PyObject *remove_loop(PyObject *blocks, PyObject *known, PyObject *held,
         if (total <= 1) {
             /* It goes: with children it cascades, held back it was never published; either
              * way the Python loop decides it from here. */
-            int back = PyDict_GET_SIZE(hidden) > 0
-                ? PyDict_Contains(hidden, PyList_GET_ITEM(block, B_IDENT)) : 0;
+            int back = is_held_back(block);
             if (back < 0) goto fail;
             if (children > 0 || back) break;
         }
@@ -148,15 +149,14 @@ fail:
 }
 
 PyObject *remove_dedup(PyObject *module, PyObject *args) {
-    PyObject *blocks, *known, *held, *published, *hashes, *hidden, *orphans, *wires;
+    PyObject *blocks, *known, *held, *published, *hashes, *orphans, *wires;
     Py_ssize_t unknown = 0, stop = 0;
 
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!O!", &PyDict_Type, &blocks, &PyList_Type, &known,
+    if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!", &PyDict_Type, &blocks, &PyList_Type, &known,
                           &PyDict_Type, &held, &PyDict_Type, &published, &PyList_Type, &hashes,
-                          &PyDict_Type, &hidden, &PySet_Type, &orphans))
+                          &PySet_Type, &orphans))
         return NULL;
-    wires = remove_loop(blocks, known, held, published, hashes, hidden, orphans, &unknown,
-                        &stop);
+    wires = remove_loop(blocks, known, held, published, hashes, orphans, &unknown, &stop);
     if (wires == NULL) return NULL;
     return Py_BuildValue("Nnn", wires, unknown, stop);
 }
@@ -164,8 +164,8 @@ PyObject *remove_dedup(PyObject *module, PyObject *args) {
 int removed_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject *cache,
                 PyObject *remove_rest, Py_ssize_t *cnt) {
     PyObject *raw_hashes, *medium, *hashes = NULL, *blocks = NULL, *known = NULL, *held = NULL;
-    PyObject *published = NULL, *out = NULL, *last = NULL, *wires = NULL, *hidden = NULL;
-    PyObject *orphans = NULL, *held_slot;
+    PyObject *published = NULL, *out = NULL, *last = NULL, *wires = NULL, *orphans = NULL;
+    PyObject *held_slot;
     Py_ssize_t slot_index, unknown = 0, nw, stop = 0;
     int r;
 
@@ -182,9 +182,8 @@ int removed_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject *cache
     out = PyObject_GetAttr(rank, K_out_attr);
     last = PyObject_GetAttr(rank, K_last_remove_attr);
     orphans = PyObject_GetAttr(rank, K_orphans_attr);
-    hidden = held_back_map(rank, K_entries_attr);
     if (blocks == NULL || known == NULL || held == NULL || published == NULL || out == NULL
-        || last == NULL || orphans == NULL || hidden == NULL)
+        || last == NULL || orphans == NULL)
         goto done;
     held_slot = slot_map(held, slot_index);
     if (held_slot == NULL) goto done;
@@ -196,8 +195,7 @@ int removed_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject *cache
     }
     cnt[N_REMOVES_IN] += 1;
     cnt[N_REMOVE_BLOCKS_IN] += PyList_GET_SIZE(hashes);
-    wires = remove_loop(blocks, known, held_slot, published, hashes, hidden, orphans, &unknown,
-                        &stop);
+    wires = remove_loop(blocks, known, held_slot, published, hashes, orphans, &unknown, &stop);
     if (wires == NULL) goto done;
     if (stop < PyList_GET_SIZE(hashes)) { /* a cascade or a held-back block: Python's turn */
         PyObject *rest = PyObject_CallFunction(remove_rest, "OOOnO", rank, held_slot, hashes,
@@ -252,6 +250,5 @@ done:
     Py_XDECREF(out);
     Py_XDECREF(last);
     Py_XDECREF(orphans);
-    Py_XDECREF(hidden);
     return r;
 }

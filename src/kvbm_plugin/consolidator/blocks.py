@@ -62,7 +62,10 @@ MORE_ALIASES: Final = 9  # further (slot, hash) pairs, or None
 # child's identity (the common case, a chain), or an insertion-ordered dict of identities.
 # A walk of a block's descendants (a cascade) costs what they are, not what the rank holds.
 KIDS: Final = 10
-BLOCK_LEN: Final = 11
+# In how many medium groups the block is held back (dedup: 0 or 1; see held_back.py): what the
+# compiled loops read to leave a held-back block to the Python code without a lookup.
+HELD_BACK: Final = 11
+BLOCK_LEN: Final = 12
 Block = list  # one block of one dp rank, alive while resident somewhere or a parent
 
 

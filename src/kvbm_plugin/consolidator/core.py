@@ -54,6 +54,7 @@ from kvbm_plugin._util import native as _native
 from kvbm_plugin.consolidator.blocks import (
     CHILDREN,
     COUNTS,
+    HELD_BACK,
     I64_MAX,
     IDENT,
     KIDS,
@@ -467,7 +468,7 @@ class ConsolidatorCore(PrefixClosure):
         held_back = rank.hidden[group]
         hidden = held_back.entries
         if native is not None and not unknown_parent \
-                and (parent is None or (parent[TOTAL] and parent[IDENT] not in hidden)):
+                and (parent is None or (parent[TOTAL] and not parent[HELD_BACK])):
             result = native.store_chain(
                 rank, blocks, known, held, published, out, hashes, tokens, bs, parent,
                 pident, parent_wire, slot, lora_id, lora_name, medium, group, self._fresh_pub,
@@ -510,7 +511,7 @@ class ConsolidatorCore(PrefixClosure):
                 if pub in published:
                     pub = self._fresh_pub(published, ext, ident)
                 block = [ident, pub, pub - U64 if pub > I64_MAX else pub, parent, 0, 0,
-                         None if dedup else [0, 0, 0], slot, ext, None, None]
+                         None if dedup else [0, 0, 0], slot, ext, None, None, 0]
                 published[pub] = block
                 blocks[ident] = block
                 known[ext] = block
@@ -698,8 +699,7 @@ class ConsolidatorCore(PrefixClosure):
         # block; the Python loop takes the rest.
         if self._native is not None:
             wires, unknown, stop = self._native.remove_dedup(
-                rank.blocks, rank.known, rank.held[slot], rank.published, hashes,
-                rank.hidden[0].entries, rank.orphans)
+                rank.blocks, rank.known, rank.held[slot], rank.published, hashes, rank.orphans)
         else:
             wires, unknown, stop = [], 0, 0
         if stop < len(hashes):

@@ -32,6 +32,7 @@ from typing import Any, Final
 from kvbm_plugin.consolidator.blocks import (
     CHILDREN,
     COUNTS,
+    HELD_BACK,
     IDENT,
     PARENT,
     TOTAL,
@@ -81,6 +82,7 @@ class HeldBack:
         block = entry[0]
         ident = block[IDENT]
         self.entries[ident] = entry
+        block[HELD_BACK] += 1
         parent = block[PARENT]
         if parent is not None:
             waiting = self.waiting.get(parent[IDENT])
@@ -93,6 +95,7 @@ class HeldBack:
     def pop(self, ident: int) -> HeldBackEntry:
         """Stop holding ``ident`` back (it is published now, or resident nowhere)."""
         entry = self.entries.pop(ident)
+        entry[0][HELD_BACK] -= 1
         source = entry[_SOURCE]
         if source is not None:
             self.by_source[source] -= 1
