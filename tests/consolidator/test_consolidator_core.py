@@ -798,7 +798,7 @@ def test_stats_read_a_snapshot_of_the_dp_ranks() -> None:
 
     class AddsARankWhenRead:
         visible = 0
-        hidden: list[dict[int, Any]] = []
+        hidden: list[Any] = []
 
         @property
         def blocks(self) -> dict[int, Any]:

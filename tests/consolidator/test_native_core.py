@@ -149,7 +149,8 @@ def state(core: ConsolidatorCore) -> dict[int, Any]:
             [{h: b[0] for h, b in m.items()} for m in rank.held],
             {h: b[0] for h, b in rank.published.items()},
             rank.visible,
-            [{k: (e[0][0], e[1:]) for k, e in group.items()} for group in rank.hidden],
+            [({k: (e[0][0], e[1:]) for k, e in group.entries.items()}, group.waiting,
+              group.by_source) for group in rank.hidden],
             {k for k in rank.orphans if k in rank.blocks},
         )
     return out
@@ -202,7 +203,7 @@ SCENARIOS = {
     "published hash clash": [
         ("store", (0, stored([7], [9, 9]))), ("register", ("CPU", 0, 7, None, [8, 8]))],
     # Prefix closure: a middle block removed first cascades its descendants (Python), and
-    # while a block is held back every event is decided by the Python code.
+    # events touching a held-back block are decided by the Python code.
     "middle block removed, descendants cascade": [
         ("store", (0, stored([1, 2, 3], [1, 1, 2, 2, 3, 3]))),
         ("batch", (0, [removed([2]), stored([4], [4, 4], parent=3), removed([3])])),
@@ -216,6 +217,29 @@ SCENARIOS = {
         ("store", (0, stored([1], [1, 1])))],
     # A hash repeated along one chain: the compiled loop leaves the chain to Python.
     "hash repeated along a chain": [("store", (0, stored([1, 1], [0, 0, 0, 0])))],
+    # While a block is held back the compiled loops go on; a removal reaching a held-back
+    # block, or one that cascades, is finished by the Python loop from that hash on.
+    "removal stops at a held-back block": [
+        ("store", (0, stored([5], [5, 5], parent=99))),
+        ("store", (0, stored([1, 2], [1, 1, 2, 2]))),
+        ("batch", (0, [removed([2, 5, 1]), stored([7], [7, 7])]))],
+    "removal cascades part-way through its event": [
+        ("store", (0, stored([1, 2, 3], [1, 1, 2, 2, 3, 3]))),
+        ("store", (0, stored([4], [4, 4]))),
+        ("batch", (0, [removed([4, 1, 3]), stored([6], [6, 6])]))],
+    "stores under and beside a held-back block": [
+        ("store", (0, stored([5], [5, 5], parent=99))),
+        ("batch", (0, [stored([6], [6, 6], parent=5), stored([7, 8], [7, 7, 8, 8]),
+                       stored([9], [9, 9], parent=8)]))],
+    # Adapter task 0 is an adapter: its block is not the base model's block of the same
+    # tokens, whichever loop takes the store (a falsy lora_id must not read as "none").
+    "adapter 0 beside the base model": [
+        ("batch", (0, [stored([1], [5, 6]), {**stored([2], [5, 6]), "lora_id": 0},
+                       {**stored([3], [5, 6]), "lora_name": "lora-7"}]))],
+    "a cut chain stored again": [
+        ("store", (0, stored([1, 2, 3], [1, 1, 2, 2, 3, 3]))), ("remove", (0, removed([1]))),
+        ("store", (0, stored([1], [1, 1]))),
+        ("batch", (0, [stored([1, 2, 3], [1, 1, 2, 2, 3, 3]), stored([4], [4, 4], parent=3)]))],
 }
 
 

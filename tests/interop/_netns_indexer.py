@@ -38,13 +38,14 @@ def _pipe(a: socket.socket, b: socket.socket) -> None:
                 s.shutdown(socket.SHUT_RDWR)
 
 
-def _serve(path: str, port: int) -> None:
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(64)
+def _serve(server: socket.socket, port: int) -> None:
     while True:
         client, _ = server.accept()
-        upstream = socket.create_connection(("127.0.0.1", port))
+        try:
+            upstream = socket.create_connection(("127.0.0.1", port))
+        except OSError:
+            client.close()  # the test sees the connection drop, the proxy goes on
+            continue
         threading.Thread(target=_pipe, args=(client, upstream), daemon=True).start()
         threading.Thread(target=_pipe, args=(upstream, client), daemon=True).start()
 
@@ -76,7 +77,11 @@ def main() -> int:
                 print("indexer /health never answered", flush=True)
                 return 1
             time.sleep(0.02)  # poll interval for the child's start-up, not synchronisation
-        threading.Thread(target=_serve, args=(path, port), daemon=True).start()
+        # Listening before "ready" is printed: the test connects as soon as it reads it.
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(path)
+        server.listen(64)
+        threading.Thread(target=_serve, args=(server, port), daemon=True).start()
         print("ready", flush=True)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         sys.stdin.read()  # until the test closes the pipe (or SIGTERM)

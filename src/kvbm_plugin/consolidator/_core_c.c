@@ -1,13 +1,15 @@
-/* Compiled fast paths of consolidator_core.py: ConsolidatorCore in dedup mode (module
- * kvbm_plugin.consolidator._core_c).
+/* Compiled fast paths of consolidator/core.py: ConsolidatorCore in dedup mode (module
+ * kvbm_plugin.consolidator._core_c; its removal loops are in _core_remove.c).
  *
  * The per-block loops of the dedup core: a chain of stored blocks (_store_chain), a removal
  * (_removed), and a whole batch's common events (apply_events). They work on the core's own
- * Python structures (the rank's dicts and the block lists, layout B_* below, the same as
- * consolidator_core.py's _IDENT ...), so the Python code and these take turns on one state. The
- * rare branches call back into the Python core (a derived published hash, a second alias, a
- * release of the hash's previous block). Called on the consolidator's ingest thread only,
- * with the GIL held throughout.
+ * Python structures (the rank's dicts and the block lists, layout B_* in _core_c.h, the same
+ * as consolidator/blocks.py's IDENT ...), so the Python code and these take turns on one
+ * state. The rare branches call back into the Python core (a derived published hash, a second
+ * alias, a release of the hash's previous block, the rest of a removal that cascades). They
+ * run whatever is held back: an event touching a held-back block (or the parent one waits
+ * for) is the Python code's. Called on the consolidator's ingest thread only, with the GIL
+ * held throughout.
  *
  * Input events are read only through lookups that run no Python code: an event map whose keys
  * are not all exact str, a medium that is not an exact str, a token that is not an exact int
@@ -16,33 +18,7 @@
  * a lora_name other than None or a str, a token count that does not fit the arithmetic).
  */
 
-#include "../_util/native_common.h"
-
-enum { B_IDENT, B_PUB, B_WIRE, B_PARENT, B_CHILDREN, B_TOTAL, B_COUNTS, B_ALIAS_SLOT,
-       B_ALIAS_EXT, B_MORE_ALIASES, B_LEN };
-
-static int is_block(PyObject *b) {
-    if (PyList_CheckExact(b) && PyList_GET_SIZE(b) == B_LEN) return 1;
-    PyErr_Format(PyExc_TypeError, "consolidator block is not a %d-item list", (int)B_LEN);
-    return 0;
-}
-
-/* block[index] += delta (an int field); the new value in *value. */
-static int add_to(PyObject *block, int index, Py_ssize_t delta, Py_ssize_t *value) {
-    Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(block, index));
-    PyObject *v;
-    if (n == -1 && PyErr_Occurred()) return -1;
-    v = PyLong_FromSsize_t(n + delta);
-    if (v == NULL) return -1;
-    PyList_SetItem(block, index, v); /* steals v, releases the old value */
-    if (value != NULL) *value = n + delta;
-    return 0;
-}
-
-static int int_field(PyObject *block, int index, Py_ssize_t *value) {
-    *value = PyLong_AsSsize_t(PyList_GET_ITEM(block, index));
-    return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
-}
+#include "_core_c.h"
 
 /* Signed int64 form of a u64 published hash. */
 static PyObject *wire_of(PyObject *pub) {
@@ -81,6 +57,10 @@ static PyObject *new_block(PyObject *ident, PyObject *pub, PyObject *parent, PyO
     PyList_SET_ITEM(block, B_ALIAS_EXT, ext);
     Py_INCREF(Py_None);
     PyList_SET_ITEM(block, B_MORE_ALIASES, Py_None);
+    Py_INCREF(Py_None);
+    PyList_SET_ITEM(block, B_KIDS, Py_None);
+    Py_INCREF(zero);
+    PyList_SET_ITEM(block, B_HELD_BACK, zero);
     /* A block refers only to older blocks (its parent) and to ints: never part of a cycle.
      * Blocks live as long as some tier holds them; untracked, the collector never walks them. */
     PyObject_GC_UnTrack(block);
@@ -101,11 +81,13 @@ static PyObject *stored_run(PyObject *wire, PyObject *parent_wire, PyObject *blo
 PyDoc_STRVAR(store_chain_doc,
 "store_chain(rank, blocks, known, held, published, out, hashes, tokens, block_size,\n"
 "            parent, pident, parent_wire, slot, lora_id, lora_name, medium, group,\n"
-"            fresh_pub, add_alias, release) -> (visible, duplicates, runs, run_blocks) | None\n\n"
-"The block loop of ConsolidatorCore._store_chain in dedup mode, on the same structures.\n"
+"            fresh_pub, add_alias, release, held_back)\n"
+"    -> (visible, duplicates, runs, run_blocks) | None\n\n"
+"The block loop of ConsolidatorCore._store_chain in dedup mode, on the same structures\n"
+"(``held_back``: the rank's HeldBack of group 0).\n"
 "Identities are computed first (a token that is not a u32 int raises TypeError before\n"
 "anything changed). None, with nothing changed, when a hash of the chain would release\n"
-"another block.");
+"another block, or a block of the chain is held back or waited for by a held-back one.");
 
 /* The chain loop shared by store_chain and stored_one (arguments as store_chain's). */
 static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObject *held,
@@ -114,7 +96,7 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
                        PyObject *parent_wire, PyObject *slot, PyObject *lora_id,
                        PyObject *lora_name, PyObject *medium, PyObject *group,
                        PyObject *fresh_pub, PyObject *add_alias, PyObject *release,
-                       int *mutated) {
+                       PyObject *hidden, PyObject *waiting, int *mutated) {
     PyObject *idents = NULL, *runs = NULL, *block = NULL, *run = NULL, *run_hashes = NULL;
     PyObject *result = NULL;
     Py_ssize_t *firsts = NULL, n, bs, i, nruns = 0, run_end = -1, visible = 0, dups = 0;
@@ -168,14 +150,28 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
         }
     }
     /* Pass 1b, read-only: a hash the slot holds for other content, or one repeated along the
-     * chain, releases a block mid-chain (a source reusing one hash); that chain is left to the
-     * Python loop (None), which keeps the output prefix-closed through the release. */
+     * chain, releases a block mid-chain (a source reusing one hash); a block of the chain that
+     * is held back, or that a held-back block waits for, is published or released through the
+     * prefix-closure code. Such a chain is left to the Python loop (None). */
     {
         PyObject *seen = n > 1 ? PySet_New(NULL) : NULL;
-        int leave = 0;
+        int leave = 0, any_back = PyDict_GET_SIZE(hidden) > 0;
         if (n > 1 && seen == NULL) goto fail;
         for (i = 0; i < n && !leave; i++) {
             PyObject *ext = PyList_GET_ITEM(hashes, i), *old, *mine;
+            if (any_back) { /* a new block is neither held back nor waited for */
+                PyObject *ident = PyList_GET_ITEM(idents, i);
+                PyObject *existing = PyDict_GetItemWithError(blocks, ident);
+                int back = 0;
+                if (existing == NULL && PyErr_Occurred()) { Py_XDECREF(seen); goto fail; }
+                if (existing != NULL) {
+                    back = is_block(existing) ? is_held_back(existing) : -1;
+                    if (back == 0 && PyDict_GET_SIZE(waiting) > 0)
+                        back = PyDict_Contains(waiting, ident);
+                }
+                if (back < 0) { Py_XDECREF(seen); goto fail; }
+                if (back) { leave = 1; break; }
+            }
             old = PyDict_GetItemWithError(held, ext);
             if (old == NULL && PyErr_Occurred()) { Py_XDECREF(seen); goto fail; }
             if (old != NULL) {
@@ -224,7 +220,8 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
             if (block == NULL || PyDict_SetItem(published, pub, block) < 0
                 || PyDict_SetItem(blocks, ident, block) < 0
                 || PyDict_SetItem(known, ext, block) < 0
-                || (parent != Py_None && add_to(parent, B_CHILDREN, 1, NULL) < 0)) {
+                || (parent != Py_None && (add_to(parent, B_CHILDREN, 1, NULL) < 0
+                                          || add_kid(parent, ident) < 0))) {
                 Py_DECREF(pub);
                 goto fail_parent;
             }
@@ -325,26 +322,40 @@ done:
 static PyObject *store_chain(PyObject *module, PyObject *args) {
     PyObject *rank, *blocks, *known, *held, *published, *out, *hashes, *tokens, *bs_obj;
     PyObject *parent, *pident, *parent_wire, *slot, *lora_id, *lora_name, *medium, *group;
-    PyObject *fresh_pub, *add_alias, *release;
+    PyObject *fresh_pub, *add_alias, *release, *held_back, *hidden, *waiting;
+    PyObject *result;
 
-    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!O!OOOOOOOOOOO", &rank, &PyDict_Type,
+    if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!O!OOOOOOOOOOOO", &rank, &PyDict_Type,
                           &blocks, &PyDict_Type, &known, &PyDict_Type, &held, &PyDict_Type,
                           &published, &PyList_Type, &out, &PyList_Type, &hashes,
                           &PyList_Type, &tokens, &PyLong_Type, &bs_obj,
                           &parent, &pident, &parent_wire, &slot, &lora_id, &lora_name,
-                          &medium, &group, &fresh_pub, &add_alias, &release))
+                          &medium, &group, &fresh_pub, &add_alias, &release, &held_back))
         return NULL;
-    int mutated = 0;
-    return chain(rank, blocks, known, held, published, out, hashes, tokens, bs_obj, parent,
-                 pident, parent_wire, slot, lora_id, lora_name, medium, group, fresh_pub,
-                 add_alias, release, &mutated);
+    hidden = PyObject_GetAttr(held_back, K_entries_attr);
+    waiting = PyObject_GetAttr(held_back, K_waiting_attr);
+    if (hidden == NULL || waiting == NULL || !PyDict_CheckExact(hidden)
+        || !PyDict_CheckExact(waiting)) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "consolidator held-back maps are not dicts");
+        result = NULL;
+    } else {
+        int mutated = 0;
+        result = chain(rank, blocks, known, held, published, out, hashes, tokens, bs_obj,
+                       parent, pident, parent_wire, slot, lora_id, lora_name, medium, group,
+                       fresh_pub, add_alias, release, hidden, waiting, &mutated);
+    }
+    Py_XDECREF(hidden);
+    Py_XDECREF(waiting);
+    return result;
 }
 
-/* Set once by consolidator_core.py (core_constants): its _ROOT, _UNKNOWN_PARENT, len(MEDIA),
+/* Set once by consolidator/core.py (core_constants): its _ROOT, _UNKNOWN_PARENT, len(MEDIA),
  * MEDIUM_GPU and the rank attribute names. */
-static PyObject *C_root, *C_unknown_parent, *C_gpu, *C_zero;
-static Py_ssize_t C_media;
-static PyObject *K_blocks_attr, *K_known_attr, *K_held_attr, *K_published_attr, *K_out_attr;
+PyObject *C_root, *C_unknown_parent, *C_gpu, *C_zero;
+Py_ssize_t C_media;
+PyObject *K_blocks_attr, *K_known_attr, *K_held_attr, *K_published_attr, *K_out_attr,
+    *K_last_remove_attr, *K_hidden_attr, *K_entries_attr, *K_waiting_attr, *K_orphans_attr;
 
 PyDoc_STRVAR(core_constants_doc,
 "core_constants(root, unknown_parent, num_media, medium_gpu)\n\n"
@@ -366,12 +377,6 @@ static PyObject *core_constants(PyObject *module, PyObject *args) {
     Py_RETURN_NONE;
 }
 
-/* raw.get(key) (borrowed, NULL when absent) for an exact dict; -1 on error. */
-static int field(PyObject *raw, PyObject *key, PyObject **out) {
-    *out = PyDict_GetItemWithError(raw, key);
-    return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
-}
-
 /* u64 form of an exact int (new reference), as ``value & (2**64 - 1)``; the int itself when it
  * already is one. */
 static PyObject *u64_of(PyObject *h) {
@@ -390,28 +395,22 @@ static PyObject *u64_of(PyObject *h) {
 
 static PyObject *u64_hashes(PyObject *module, PyObject *values);
 
-/* Counter deltas of the compiled event paths, in ConsolidatorCore._add_counts' order. */
-enum { N_STORES_IN, N_STORE_BLOCKS_IN, N_UNKNOWN_PARENTS, N_DUPLICATES, N_STORES_OUT,
-       N_STORE_BLOCKS_OUT, N_REMOVES_IN, N_REMOVE_BLOCKS_IN, N_UNKNOWN_REMOVES, N_REMOVES_OUT,
-       N_REMOVE_BLOCKS_OUT, N_VISIBLE, N_COUNTS };
-
-static PyObject *K_last_remove_attr, *K_hidden_attr;
-
-/* 1 when the rank holds a block back in dedup group 0 (rank.hidden[0] non-empty): prefix
- * closure is then decided by the Python code, event by event; 0 when empty; -1 on error. */
-static int holds_back(PyObject *rank) {
-    PyObject *hidden = PyObject_GetAttr(rank, K_hidden_attr), *group;
-    int r;
-    if (hidden == NULL) return -1;
-    if (!PyList_CheckExact(hidden) || PyList_GET_SIZE(hidden) < 1
-        || !PyDict_CheckExact(group = PyList_GET_ITEM(hidden, 0))) {
+PyObject *held_back_map(PyObject *rank, PyObject *name) {
+    PyObject *hidden = PyObject_GetAttr(rank, K_hidden_attr), *map;
+    if (hidden == NULL) return NULL;
+    if (!PyList_CheckExact(hidden) || PyList_GET_SIZE(hidden) < 1) {
         Py_DECREF(hidden);
-        PyErr_SetString(PyExc_TypeError, "consolidator rank.hidden is not a list of dicts");
-        return -1;
+        PyErr_SetString(PyExc_TypeError, "consolidator rank.hidden is not a list");
+        return NULL;
     }
-    r = PyDict_GET_SIZE(group) > 0;
+    map = PyObject_GetAttr(PyList_GET_ITEM(hidden, 0), name);
     Py_DECREF(hidden);
-    return r;
+    if (map != NULL && !PyDict_CheckExact(map)) {
+        Py_DECREF(map);
+        PyErr_SetString(PyExc_TypeError, "consolidator held-back map is not a dict");
+        return NULL;
+    }
+    return map;
 }
 
 static PyObject *counts_tuple(const Py_ssize_t *cnt) {
@@ -446,24 +445,7 @@ static int cached_tier(PyObject *cache, PyObject *medium, Py_ssize_t *tier) {
     return (*tier == -1 && PyErr_Occurred()) ? FAIL : TAKE;
 }
 
-/* rank.<name>[index] (borrowed; the rank keeps its lists alive), checked to be a dict. */
-static PyObject *slot_map(PyObject *list, Py_ssize_t index) {
-    PyObject *m;
-    if (!PyList_CheckExact(list) || index < 0 || index >= PyList_GET_SIZE(list)) {
-        PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
-        return NULL;
-    }
-    m = PyList_GET_ITEM(list, index);
-    if (!PyDict_CheckExact(m)) {
-        PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
-        return NULL;
-    }
-    return m;
-}
-
-/* The slot an event's medium names (through the Python code's medium cache) and its hashes in
- * u64 form (new list), or LEAVE: a medium spelling not seen yet, a hash that is not an int. */
-static int event_slot_hashes(PyObject *raw_hashes, PyObject *medium, PyObject *source,
+int event_slot_hashes(PyObject *raw_hashes, PyObject *medium, PyObject *source,
                              PyObject *cache, Py_ssize_t *slot_index, PyObject **hashes) {
     Py_ssize_t tier;
     int r;
@@ -487,7 +469,8 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
     PyObject *raw_hashes, *raw_parent, *bs_obj, *tokens, *medium, *lora_id, *lora_name;
     PyObject *hashes = NULL, *parent_ext = NULL, *slot = NULL, *blocks = NULL, *known = NULL;
     PyObject *held = NULL, *published = NULL, *out = NULL, *parent = Py_None, *pident = NULL;
-    PyObject *parent_wire = NULL, *counts = NULL, *known_slot, *held_slot;
+    PyObject *parent_wire = NULL, *counts = NULL, *known_slot, *held_slot, *hidden = NULL;
+    PyObject *waiting = NULL;
     Py_ssize_t bs, n, slot_index, unknown_parents = 0, run_info[4];
     int r = FAIL, mutated = 0;
 
@@ -528,14 +511,12 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
     if (lora_id == NULL) lora_id = Py_None;
     if (lora_name == NULL) lora_name = Py_None;
     {
-        /* A LoRA id or extra keys are part of the identity: the Python code decides. */
+        /* An adapter (task id 0 included) or extra keys are part of the identity: the
+         * Python code decides. */
         PyObject *extra;
-        int truthy;
         if (field(raw, K_extra_keys, &extra) < 0) goto done;
         if (extra != NULL && extra != Py_None) { r = LEAVE; goto done; }
-        truthy = lora_id == Py_None ? 0 : PyObject_IsTrue(lora_id);
-        if (truthy < 0) goto done;
-        if (truthy) { r = LEAVE; goto done; }
+        if (lora_id != Py_None || lora_name != Py_None) { r = LEAVE; goto done; }
     }
     slot = PyLong_FromSsize_t(slot_index);
     blocks = PyObject_GetAttr(rank, K_blocks_attr);
@@ -543,8 +524,10 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
     held = PyObject_GetAttr(rank, K_held_attr);
     published = PyObject_GetAttr(rank, K_published_attr);
     out = PyObject_GetAttr(rank, K_out_attr);
+    hidden = held_back_map(rank, K_entries_attr);
+    waiting = hidden == NULL ? NULL : held_back_map(rank, K_waiting_attr);
     if (slot == NULL || blocks == NULL || known == NULL || held == NULL || published == NULL
-        || out == NULL)
+        || out == NULL || waiting == NULL)
         goto done;
     known_slot = slot_map(known, slot_index);
     held_slot = known_slot == NULL ? NULL : slot_map(held, slot_index);
@@ -579,6 +562,11 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
                 r = LEAVE;
                 goto done;
             }
+            { /* held back, so not published: the same */
+                int back = is_held_back(found);
+                if (back < 0) goto done;
+                if (back) { r = LEAVE; goto done; }
+            }
             parent = found;
             pident = PyList_GET_ITEM(found, B_IDENT);
             Py_INCREF(pident);
@@ -592,7 +580,7 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
     }
     counts = chain(rank, blocks, known_slot, held_slot, published, out, hashes, tokens, bs_obj,
                    parent, pident, parent_wire, slot, lora_id, lora_name, C_gpu, C_zero,
-                   fresh_pub, add_alias, release, &mutated);
+                   fresh_pub, add_alias, release, hidden, waiting, &mutated);
     if (counts == Py_None) { /* a hash released mid-chain: the Python code decides */
         r = LEAVE;
         goto done;
@@ -632,121 +620,14 @@ done:
     Py_XDECREF(out);
     Py_XDECREF(pident);
     Py_XDECREF(parent_wire);
-    return r;
-}
-
-static PyObject *remove_loop(PyObject *blocks, PyObject *known, PyObject *held,
-                             PyObject *published, PyObject *hashes, Py_ssize_t *unknown);
-
-/* 1 when removing ``hashes`` from the slot ``held`` would leave a block resident nowhere while
- * it still has live children (a parent removed before its descendants: the Python code
- * cascades the removal), 0 when not, -1 on error. Read-only. */
-static int would_cascade(PyObject *held, PyObject *hashes) {
-    Py_ssize_t i, n = PyList_GET_SIZE(hashes);
-    for (i = 0; i < n; i++) {
-        PyObject *block = PyDict_GetItemWithError(held, PyList_GET_ITEM(hashes, i));
-        Py_ssize_t total, children;
-        if (block == NULL) {
-            if (PyErr_Occurred()) return -1;
-            continue;
-        }
-        if (!is_block(block) || int_field(block, B_TOTAL, &total) < 0
-            || int_field(block, B_CHILDREN, &children) < 0)
-            return -1;
-        if (total <= 1 && children > 0) return 1;
-    }
-    return 0;
-}
-
-/* ConsolidatorCore._removed (dedup) + _emit_removes for one BlockRemoved map, or LEAVE. */
-static int removed_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject *cache,
-                       Py_ssize_t *cnt) {
-    PyObject *raw_hashes, *medium, *hashes = NULL, *blocks = NULL, *known = NULL, *held = NULL;
-    PyObject *published = NULL, *out = NULL, *last = NULL, *wires = NULL, *held_slot;
-    Py_ssize_t slot_index, unknown = 0, nw;
-    int r;
-
-    if (field(raw, K_block_hashes, &raw_hashes) < 0 || field(raw, K_medium, &medium) < 0)
-        return FAIL;
-    if (raw_hashes == NULL || !PyList_CheckExact(raw_hashes)) return LEAVE;
-    if ((r = event_slot_hashes(raw_hashes, medium, source, cache, &slot_index, &hashes)) != TAKE)
-        return r;
-    r = FAIL;
-    blocks = PyObject_GetAttr(rank, K_blocks_attr);
-    known = PyObject_GetAttr(rank, K_known_attr);
-    held = PyObject_GetAttr(rank, K_held_attr);
-    published = PyObject_GetAttr(rank, K_published_attr);
-    out = PyObject_GetAttr(rank, K_out_attr);
-    last = PyObject_GetAttr(rank, K_last_remove_attr);
-    if (blocks == NULL || known == NULL || held == NULL || published == NULL || out == NULL
-        || last == NULL)
-        goto done;
-    held_slot = slot_map(held, slot_index);
-    if (held_slot == NULL) goto done;
-    if (!PyDict_CheckExact(blocks) || !PyList_CheckExact(known)
-        || !PyDict_CheckExact(published) || !PyList_CheckExact(out)) {
-        PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
-        goto done;
-    }
-    {
-        int cascade = would_cascade(held_slot, hashes);
-        if (cascade < 0) goto done;
-        if (cascade) {
-            r = LEAVE;
-            goto done;
-        }
-    }
-    cnt[N_REMOVES_IN] += 1;
-    cnt[N_REMOVE_BLOCKS_IN] += PyList_GET_SIZE(hashes);
-    wires = remove_loop(blocks, known, held_slot, published, hashes, &unknown);
-    if (wires == NULL) goto done;
-    cnt[N_UNKNOWN_REMOVES] += unknown;
-    nw = PyList_GET_SIZE(wires);
-    if (nw) {
-        /* _emit_removes: extend the BlockRemoved being built, else start one. */
-        Py_ssize_t nout = PyList_GET_SIZE(out);
-        PyObject *last_medium = NULL;
-        cnt[N_VISIBLE] -= nw;
-        cnt[N_REMOVE_BLOCKS_OUT] += nw;
-        if (last != Py_None && nout > 0 && PyList_GET_ITEM(out, nout - 1) == last
-            && PyDict_CheckExact(last)) {
-            last_medium = PyDict_GetItemWithError(last, K_medium);
-            if (last_medium == NULL && PyErr_Occurred()) goto done;
-        }
-        if (last_medium != NULL && str_is(last_medium, C_gpu)) {
-            PyObject *lh = PyDict_GetItemWithError(last, K_block_hashes);
-            if (lh == NULL || !PyList_CheckExact(lh)) {
-                if (!PyErr_Occurred())
-                    PyErr_SetString(PyExc_TypeError, "BlockRemoved map lost its list");
-                goto done;
-            }
-            if (list_extend(lh, wires) < 0) goto done;
-        } else {
-            PyObject *ev = removed_map(wires, C_gpu);
-            if (ev == NULL || PyList_Append(out, ev) < 0
-                || PyObject_SetAttr(rank, K_last_remove_attr, ev) < 0) {
-                Py_XDECREF(ev);
-                goto done;
-            }
-            Py_DECREF(ev);
-            cnt[N_REMOVES_OUT] += 1;
-        }
-    }
-    r = TAKE;
-done:
-    Py_XDECREF(wires);
-    Py_XDECREF(hashes);
-    Py_XDECREF(blocks);
-    Py_XDECREF(known);
-    Py_XDECREF(held);
-    Py_XDECREF(published);
-    Py_XDECREF(out);
-    Py_XDECREF(last);
+    Py_XDECREF(hidden);
+    Py_XDECREF(waiting);
     return r;
 }
 
 PyDoc_STRVAR(apply_events_doc,
-"apply_events(rank, events, start, source, medium_cache, fresh_pub, add_alias, release)\n"
+"apply_events(rank, events, start, source, medium_cache, fresh_pub, add_alias, release,\n"
+"             remove_rest)\n"
 "    -> (stop, counts, error)\n\n"
 "ConsolidatorCore.apply_event for events[start:] (dedup mode) until the first event the\n"
 "Python code must decide (stop is its index; len(events) when all were taken). ``error``:\n"
@@ -754,13 +635,13 @@ PyDoc_STRVAR(apply_events_doc,
 "then counts as consumed. ``counts``: the counter deltas of every event taken.");
 
 static PyObject *apply_events(PyObject *module, PyObject *args) {
-    PyObject *rank, *events, *source, *cache, *fresh_pub, *add_alias, *release;
+    PyObject *rank, *events, *source, *cache, *fresh_pub, *add_alias, *release, *remove_rest;
     PyObject *counts, *error = Py_None;
     Py_ssize_t start, i, n, cnt[N_COUNTS] = {0};
 
-    if (!PyArg_ParseTuple(args, "OO!nO!O!OOO", &rank, &PyList_Type, &events, &start,
+    if (!PyArg_ParseTuple(args, "OO!nO!O!OOOO", &rank, &PyList_Type, &events, &start,
                           &PyLong_Type, &source, &PyDict_Type, &cache, &fresh_pub, &add_alias,
-                          &release))
+                          &release, &remove_rest))
         return NULL;
     n = PyList_GET_SIZE(events);
     for (i = start < 0 ? 0 : start; i < n; i++) {
@@ -776,18 +657,10 @@ static PyObject *apply_events(PyObject *module, PyObject *args) {
             if (PyErr_Occurred()) goto failed;
             break;
         }
-        {
-            int back = holds_back(rank);
-            if (back != 0) {
-                Py_DECREF(ev);
-                if (back < 0) goto failed;
-                break; /* a block is held back: the Python code decides from here */
-            }
-        }
         if (str_is(kind, S_BlockStored))
             r = stored_one(rank, ev, source, cache, fresh_pub, add_alias, release, cnt);
         else if (str_is(kind, S_BlockRemoved))
-            r = removed_one(rank, ev, source, cache, cnt);
+            r = removed_one(rank, ev, source, cache, remove_rest, cnt);
         else
             r = LEAVE;
         Py_DECREF(ev);
@@ -817,126 +690,6 @@ failed:
         }
         return Py_BuildValue("nNN", i, counts, value);
     }
-}
-
-/* known[slot].get(ext) is block -> del known[slot][ext] */
-static int forget_alias(PyObject *known, PyObject *slot, PyObject *ext, PyObject *block) {
-    Py_ssize_t index = PyLong_AsSsize_t(slot);
-    PyObject *slot_map, *named;
-    if (index == -1 && PyErr_Occurred()) return -1;
-    if (index < 0 || index >= PyList_GET_SIZE(known)) {
-        PyErr_Format(PyExc_IndexError, "consolidator slot %zd out of range", index);
-        return -1;
-    }
-    slot_map = PyList_GET_ITEM(known, index);
-    if (!PyDict_CheckExact(slot_map)) {
-        PyErr_SetString(PyExc_TypeError, "consolidator known[slot] is not a dict");
-        return -1;
-    }
-    named = PyDict_GetItemWithError(slot_map, ext);
-    if (named == NULL) return PyErr_Occurred() ? -1 : 0;
-    return named == block ? PyDict_DelItem(slot_map, ext) : 0;
-}
-
-/* The dedup block loop of _removed: the signed hashes now resident nowhere (new list). */
-static PyObject *remove_loop(PyObject *blocks, PyObject *known, PyObject *held,
-                             PyObject *published, PyObject *hashes, Py_ssize_t *unknown_out) {
-    PyObject *wires, *block = NULL;
-    Py_ssize_t i, n, unknown = 0;
-
-    wires = PyList_New(0);
-    if (wires == NULL) return NULL;
-    n = PyList_GET_SIZE(hashes);
-    for (i = 0; i < n; i++) {
-        PyObject *ext = PyList_GET_ITEM(hashes, i);
-        Py_ssize_t total;
-        block = PyDict_GetItemWithError(held, ext);
-        if (block == NULL) {
-            if (PyErr_Occurred()) goto fail;
-            unknown += 1;
-            continue;
-        }
-        Py_INCREF(block); /* owned: the dicts below may drop every other reference */
-        if (PyDict_DelItem(held, ext) < 0 || !is_block(block)
-            || add_to(block, B_TOTAL, -1, &total) < 0)
-            goto fail_block;
-        if (total) {
-            Py_DECREF(block);
-            continue;
-        }
-        if (PyList_Append(wires, PyList_GET_ITEM(block, B_WIRE)) < 0) goto fail_block;
-        for (;;) { /* resident nowhere and no child: forget it, then maybe its parent */
-            PyObject *more, *parent, *pub, *named;
-            Py_ssize_t children, parent_total;
-            if (int_field(block, B_CHILDREN, &children) < 0) goto fail_block;
-            if (children) break;
-            if (PyDict_DelItem(blocks, PyList_GET_ITEM(block, B_IDENT)) < 0
-                || forget_alias(known, PyList_GET_ITEM(block, B_ALIAS_SLOT),
-                                PyList_GET_ITEM(block, B_ALIAS_EXT), block) < 0)
-                goto fail_block;
-            more = PyList_GET_ITEM(block, B_MORE_ALIASES);
-            if (more != Py_None) {
-                Py_ssize_t j;
-                if (!PyList_CheckExact(more)) {
-                    PyErr_SetString(PyExc_TypeError, "consolidator aliases are not a list");
-                    goto fail_block;
-                }
-                for (j = 0; j < PyList_GET_SIZE(more); j++) {
-                    PyObject *alias = PyList_GET_ITEM(more, j);
-                    if (!PyTuple_CheckExact(alias) || PyTuple_GET_SIZE(alias) != 2) {
-                        PyErr_SetString(PyExc_TypeError, "consolidator alias is not a pair");
-                        goto fail_block;
-                    }
-                    if (forget_alias(known, PyTuple_GET_ITEM(alias, 0),
-                                     PyTuple_GET_ITEM(alias, 1), block) < 0)
-                        goto fail_block;
-                }
-            }
-            pub = PyList_GET_ITEM(block, B_PUB);
-            named = PyDict_GetItemWithError(published, pub);
-            if (named == NULL && PyErr_Occurred()) goto fail_block;
-            if (named == block && PyDict_DelItem(published, pub) < 0) goto fail_block;
-            parent = PyList_GET_ITEM(block, B_PARENT);
-            if (parent == Py_None) break;
-            if (!is_block(parent) || add_to(parent, B_CHILDREN, -1, NULL) < 0
-                || int_field(parent, B_TOTAL, &parent_total) < 0)
-                goto fail_block;
-            if (parent_total) break;
-            Py_INCREF(parent);
-            Py_SETREF(block, parent);
-        }
-        Py_DECREF(block);
-    }
-    *unknown_out = unknown;
-    return wires;
-fail_block:
-    Py_DECREF(block);
-fail:
-    Py_DECREF(wires);
-    return NULL;
-}
-
-PyDoc_STRVAR(remove_dedup_doc,
-"remove_dedup(blocks, known, held, published, hashes) -> (wires, unknown) | None\n\n"
-"The dedup block loop of ConsolidatorCore._removed on the same structures: the published\n"
-"(signed) hashes that are now resident nowhere, and how many hashes the slot did not hold;\n"
-"None (nothing changed) when a block would go while it has live children (a cascade).");
-
-static PyObject *remove_dedup(PyObject *module, PyObject *args) {
-    PyObject *blocks, *known, *held, *published, *hashes, *wires;
-    Py_ssize_t unknown = 0;
-
-    if (!PyArg_ParseTuple(args, "O!O!O!O!O!", &PyDict_Type, &blocks, &PyList_Type, &known,
-                          &PyDict_Type, &held, &PyDict_Type, &published, &PyList_Type, &hashes))
-        return NULL;
-    switch (would_cascade(held, hashes)) {
-    case -1: return NULL;
-    case 1: Py_RETURN_NONE; /* the Python loop cascades the removal */
-    default: break;
-    }
-    wires = remove_loop(blocks, known, held, published, hashes, &unknown);
-    if (wires == NULL) return NULL;
-    return Py_BuildValue("Nn", wires, unknown);
 }
 
 PyDoc_STRVAR(u64_hashes_doc,
@@ -972,7 +725,7 @@ static PyObject *u64_hashes(PyObject *module, PyObject *values) {
 
 static PyMethodDef methods[] = {
     {"store_chain", store_chain, METH_VARARGS, store_chain_doc},
-    {"remove_dedup", remove_dedup, METH_VARARGS, remove_dedup_doc},
+    {"remove_dedup", remove_dedup, METH_VARARGS, (char *)remove_dedup_doc},
     {"u64_hashes", u64_hashes, METH_O, u64_hashes_doc},
     {"apply_events", apply_events, METH_VARARGS, apply_events_doc},
     {"core_constants", core_constants, METH_VARARGS, core_constants_doc},
@@ -981,7 +734,7 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "kvbm_plugin.consolidator._core_c",
-    "Compiled dedup loops of ConsolidatorCore (optional; consolidator_core.py holds the reference).",
+    "Compiled dedup loops of ConsolidatorCore (optional; consolidator/core.py holds the reference).",
     -1, methods,
 };
 
@@ -994,6 +747,10 @@ PyMODINIT_FUNC PyInit__core_c(void) {
     INTERN(K_out_attr, "out");
     INTERN(K_last_remove_attr, "last_remove");
     INTERN(K_hidden_attr, "hidden");
+    INTERN(K_entries_attr, "entries");
+    INTERN(K_waiting_attr, "waiting");
+    INTERN(K_orphans_attr, "orphans");
+    if (core_remove_ready() < 0) return NULL;
     if ((C_zero = PyLong_FromLong(0)) == NULL) return NULL;
     return PyModule_Create(&module_def);
 }

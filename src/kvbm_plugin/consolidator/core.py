@@ -18,7 +18,9 @@ re-exports them.
 The dedup block loops also exist compiled (``consolidator/_core_c.c``, used when built): the Python
 loops here are their reference, the tests compare the two, and everything the compiled loops do
 not take (clears, passthrough mode, unusual or malformed input) runs here. The compiled loops
-read and write this module's block and :class:`_Rank` layouts directly, so the two stay in step.
+read and write the block and ``_Rank`` layouts of :mod:`~kvbm_plugin.consolidator.blocks`
+directly, so the two stay in step. What input is accepted is checked in
+:mod:`~kvbm_plugin.consolidator.inputs`.
 
 Semantics (dedup mode, the default):
 
@@ -37,18 +39,10 @@ Semantics (dedup mode, the default):
   leaves it, so each tier's events are forwarded with their own medium.
 * **Clear** from one (source, tier) drops only that residency; downstream gets the REMOVEs this
   implies, or one ``AllBlocksCleared`` when nothing is left for that dp rank.
-* **Prefix-closed output**, whatever the sources send (a strict router skips a store whose
-  parent it does not hold and cuts a subtree at a removed block): a block is published (per
-  medium in passthrough) only while its parent is, so the output holds the prefix-closed part
-  of what is resident. A block that becomes resident under a parent that is not published is
-  *held back* (kept with its tokens, counted ``held_back_stores``) and published, after its
-  parent, when the parent is (``released_stores``). A block stored under a parent hash no
-  source knows is held back for good (until removed): its parent can never be published.
-  When a published block stops being resident while descendants are still resident (an
-  engine that evicts a middle block), the descendants are removed first, in the same output
-  event, and counted (``cascade_removes``); they come back when a source stores them again
-  (their tokens are not kept). The tiers and TensorRT-LLM's own pool are prefix-closed, so
-  with them nothing is ever held back or cascaded.
+* **Prefix-closed output**, whatever the sources send: a block is published (per medium in
+  passthrough) only while its parent is. Blocks are held back, released and cascaded as
+  :mod:`kvbm_plugin.consolidator.held_back` describes (that module holds this half of the
+  core); the block layout and per-rank maps are in :mod:`kvbm_plugin.consolidator.blocks`.
 """
 
 from __future__ import annotations
@@ -57,16 +51,40 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from kvbm_plugin._util import native as _native
+from kvbm_plugin.consolidator.blocks import (
+    CHILDREN,
+    COUNTS,
+    HELD_BACK,
+    I64_MAX,
+    IDENT,
+    KIDS,
+    MASK,
+    MORE_ALIASES,
+    PARENT,
+    ROOT,
+    SOURCE_ENGINE,
+    SOURCE_TIERS,
+    TIER_INDEX,
+    TOTAL,
+    U64,
+    UNKNOWN_PARENT,
+    WIRE,
+    Block,
+    _Rank,
+    collect,
+    slot_of,
+    wire_hash,
+)
+from kvbm_plugin.consolidator.held_back import DEFAULT_MAX_HELD_BACK, HeldBack, PrefixClosure
+from kvbm_plugin.consolidator.inputs import scopes, stored_fields, u64_hashes
 from kvbm_plugin.consolidator_config import ConsolidatorMode
 from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
     MEDIA,
     MEDIUM_GPU,
-    U32_MAX,
     WireFormatError,
     normalize_medium,
 )
-from kvbm_plugin.wire.identity import lora_name as wire_lora_name
 from kvbm_plugin.wire.publisher_base import WireEvent
 
 __all__ = [
@@ -77,49 +95,6 @@ __all__ = [
     "ConsolidatorCore",
 ]
 
-# Sources of residency. The engine's GPU-tier stream is one source whatever medium its events
-# carry; the registration API (the leader's host and disk tiers) is the other.
-SOURCE_ENGINE: Final = 0
-SOURCE_TIERS: Final = 1
-_SOURCE_NAMES: Final = ("engine", "tiers")
-_TIER_INDEX: Final = {medium: i for i, medium in enumerate(MEDIA)}  # GPU 0, CPU 1, DISK 2
-_NUM_SLOTS: Final = len(_SOURCE_NAMES) * len(MEDIA)  # a slot is one (source, tier)
-
-_MASK: Final = (1 << 64) - 1
-_I64_MAX: Final = (1 << 63) - 1
-_U64: Final = 1 << 64
-_ROOT: Final = 0  # parent identity of a root block
-# Salt of the parent identity of a block whose parent hash no source knows: such a block must
-# not be confused with a root block carrying the same tokens.
-_UNKNOWN_PARENT: Final = 0x6B76626D5F706172
-
-
-def _plain_key(value: Any) -> bool:
-    """An ``extra_keys`` item the consolidator keeps: str, bytes, an int in 64 bits, or an
-    ``(identifier, offset)`` pair (a multimodal key in vLLM's offset-tagged form)."""
-    t = type(value)
-    if t is list or t is tuple:
-        return (len(value) == 2 and type(value[0]) is str and type(value[1]) is int
-                and -(1 << 63) <= value[1] < (1 << 64))
-    return t is str or t is bytes or (t is int and -(1 << 63) <= value < (1 << 64))
-
-
-def _hashable_entry(entry: Any) -> tuple[Any, ...]:
-    return tuple(tuple(k) if type(k) is list else k for k in entry)
-
-
-def _slot(source: int, tier: int) -> int:
-    return source * len(MEDIA) + tier
-
-
-def _slot_name(slot: int) -> str:
-    return f"{_SOURCE_NAMES[slot // len(MEDIA)]}/{MEDIA[slot % len(MEDIA)]}"
-
-
-def _wire_hash(value: int) -> int:
-    """Signed int64 wire form of a u64 hash (the form every output event carries)."""
-    return value - _U64 if value > _I64_MAX else value
-
 
 class UnknownMediumError(WireFormatError):
     """An event's medium is none of the known names or aliases (never guessed as GPU)."""
@@ -129,67 +104,16 @@ class UnknownDpRankError(WireFormatError):
     """A data-parallel rank the core refuses (not below its ``max_dp_ranks``)."""
 
 
-_INT_ONLY: Final = {int}
-
-
-# A block is a plain list (creating one is several times cheaper than an object, and the ingest
-# hot path creates one per stored block). Layout, by index:
-_IDENT: Final = 0  # content-chain identity (the key in _Rank.blocks)
-_PUB: Final = 1  # published hash, u64: the first external hash seen (unless it clashed)
-_WIRE: Final = 2  # the published hash as signed int64, what the output carries
-_PARENT: Final = 3  # parent block or None; kept alive by this block's entry in _CHILDREN
-_CHILDREN: Final = 4  # live blocks whose parent this is
-_TOTAL: Final = 5  # (slot, external hash) holdings; 0 = resident nowhere
-_COUNTS: Final = 6  # passthrough only: holdings per medium [GPU, CPU, DISK]; None in dedup
-_ALIAS_SLOT: Final = 7  # the first external hash that names this block: its slot...
-_ALIAS_EXT: Final = 8  # ...and the hash (most blocks have exactly one)
-_MORE_ALIASES: Final = 9  # further (slot, hash) pairs, or None
-Block = list  # one block of one dp rank, alive while resident somewhere or a parent
-
-
-# A held-back block: (block, its tokens or None, block_size, lora_id, lora_name, its
-# extra_keys entry or None). Tokens are
-# None for a block whose parent was unpublished after it (a cascade): it is published again
-# only by a later store that brings its tokens.
-_HeldBack = tuple[Block, "list[int] | None", int, Any, Any, Any]  # ..., the block's extra_keys
-
-
-class _Rank:
-    """All state of one dp rank; dp ranks never share blocks."""
-
-    __slots__ = ("blocks", "known", "held", "published", "out", "visible", "last_remove",
-                 "hidden", "orphans")
-
-    def __init__(self) -> None:
-        self.blocks: dict[int, Block] = {}  # identity -> block
-        # Per slot: external hash -> block, for every alias of a live block (parent lookups
-        # must work after a tier evicted the parent while a child still lives).
-        self.known: list[dict[int, Block]] = [{} for _ in range(_NUM_SLOTS)]
-        # Per slot: external hashes that slot holds now -> block (the residency itself).
-        self.held: list[dict[int, Block]] = [{} for _ in range(_NUM_SLOTS)]
-        self.published: dict[int, Block] = {}  # published u64 hash -> block
-        self.out: list[dict[str, Any]] = []  # output wire events not yet taken
-        # Downstream-visible units: blocks (dedup) or (block, medium) pairs (passthrough).
-        self.visible = 0
-        self.last_remove: dict[str, Any] | None = None  # the BlockRemoved being extended
-        # Per medium group (dedup: group 0 only): identity -> held-back block, resident in
-        # that group but not published because its parent is not. Empty in normal operation;
-        # the compiled loops run only while group 0's is empty.
-        self.hidden: list[dict[int, _HeldBack]] = [{} for _ in MEDIA]
-        # Identities of blocks stored under a parent hash no source knew: never published.
-        self.orphans: set[int] = set()
-
-
 _CORE_COUNTERS: Final = (
     "stores_in", "store_blocks_in", "removes_in", "remove_blocks_in", "clears_in",
     "duplicate_stores", "unknown_removes", "unknown_parents", "hash_conflicts",
     "hash_only_stores_dropped", "resyncs", "unknown_dp_ranks_refused", "held_back_stores",
-    "released_stores", "cascade_removes",
+    "released_stores", "held_back_dropped", "cascade_removes",
     "stores_out", "store_blocks_out", "removes_out", "remove_blocks_out", "clears_out",
 )
 
 
-class ConsolidatorCore:
+class ConsolidatorCore(PrefixClosure):
     """The pure consolidation state machine (see the module docstring for the semantics).
 
     Not thread-safe: one owner calls it (the shell's ingest thread, or a test). Every mutator
@@ -199,16 +123,25 @@ class ConsolidatorCore:
     Every dp rank gets state kept for the core's lifetime, so only ranks below
     ``max_dp_ranks`` are accepted: anything for another rank raises
     :class:`UnknownDpRankError`, counted in ``unknown_dp_ranks_refused``.
+
+    ``max_held_back``: the most blocks one source's stores may hold back per dp rank (and per
+    medium in passthrough); a store past it is refused and counted (``held_back_dropped``,
+    see :mod:`kvbm_plugin.consolidator.held_back`).
     """
 
     def __init__(self, mode: ConsolidatorMode = "dedup", *, native: bool | None = None,
-                 max_dp_ranks: int = MAX_DP_RANKS) -> None:
+                 max_dp_ranks: int = MAX_DP_RANKS,
+                 max_held_back: int = DEFAULT_MAX_HELD_BACK) -> None:
         if mode not in ("dedup", "passthrough"):
             raise ValueError(f"{type(self).__name__}: mode {mode!r} is not dedup | passthrough")
         if type(max_dp_ranks) is not int or max_dp_ranks < 1:
             raise ValueError(f"{type(self).__name__}: max_dp_ranks={max_dp_ranks!r} must be an "
                              "integer >= 1")
+        if type(max_held_back) is not int or max_held_back < 0:
+            raise ValueError(f"{type(self).__name__}: max_held_back={max_held_back!r} must be "
+                             "an integer >= 0")
         self.max_dp_ranks: Final = max_dp_ranks
+        self.max_held_back: Final = max_held_back
         self.mode: Final = mode
         self._dedup = mode == "dedup"
         # The compiled dedup block loops (None: the Python ones). ``native`` as for KvEventSink:
@@ -217,7 +150,7 @@ class ConsolidatorCore:
         module = _native.choose("consolidator", native, type(self).__name__)
         self._native = module if self._dedup else None
         if self._native is not None:
-            self._native.core_constants(_ROOT, _UNKNOWN_PARENT, len(MEDIA), MEDIUM_GPU)
+            self._native.core_constants(ROOT, UNKNOWN_PARENT, len(MEDIA), MEDIUM_GPU)
         self._ranks: dict[int, _Rank] = {}
         for name in _CORE_COUNTERS:
             setattr(self, "_n_" + name, 0)
@@ -288,14 +221,13 @@ class ConsolidatorCore:
         i = 0
         while i < len(events):  # re-read: a caller's key object may change the list
             rank = self._ranks.get(dp_rank)
-            # The compiled loops run while nothing is held back (always, with prefix-closed
-            # sources); they leave to the Python code every event that would hold a block back
-            # or cascade a removal.
-            if native is not None and rank is not None and type(events) is list \
-                    and not rank.hidden[0]:
+            # The compiled loops run whatever is held back; they leave to the Python code each
+            # store that touches a held-back block or its parent, and finish a removal that
+            # reaches one or would cascade through :meth:`_remove_rest`.
+            if native is not None and rank is not None and type(events) is list:
                 stop, counts, error = native.apply_events(
                     rank, events, i, SOURCE_ENGINE, self._medium_cache, self._fresh_pub,
-                    self._add_alias, self._release)
+                    self._add_alias, self._release, self._remove_rest)
                 self._add_counts(rank, counts)
                 applied += stop - i
                 i = stop
@@ -338,7 +270,7 @@ class ConsolidatorCore:
         """``(source, tier)`` holds nothing any more; ``tier=None``: every tier of ``source``."""
         if tier is None:
             for index in range(len(MEDIA)):
-                self._clear_slot(self._rank(dp_rank), _slot(source, index))
+                self._clear_slot(self._rank(dp_rank), slot_of(source, index))
         else:
             self._cleared(dp_rank, source, tier)
 
@@ -351,7 +283,7 @@ class ConsolidatorCore:
         self._n_resyncs += 1
         rank = self._rank(dp_rank)
         for index in range(len(MEDIA)):
-            self._clear_slot(rank, _slot(SOURCE_ENGINE, index))
+            self._clear_slot(rank, slot_of(SOURCE_ENGINE, index))
 
     def take_output(self) -> dict[int, list[WireEvent]]:
         """The output events since the last call, per dp rank, in order; then forgets them."""
@@ -383,20 +315,20 @@ class ConsolidatorCore:
         if rank is None:
             return set()
         if self._dedup:
-            hidden = rank.hidden[0]
-            return {b[_WIRE] for b in rank.blocks.values()
-                    if b[_TOTAL] and b[_IDENT] not in hidden}
-        index = _TIER_INDEX[normalize_medium(medium)]
-        hidden = rank.hidden[index]
-        return {b[_WIRE] for b in rank.blocks.values()
-                if b[_COUNTS][index] and b[_IDENT] not in hidden}
+            hidden = rank.hidden[0].entries
+            return {b[WIRE] for b in rank.blocks.values()
+                    if b[TOTAL] and b[IDENT] not in hidden}
+        index = TIER_INDEX[normalize_medium(medium)]
+        hidden = rank.hidden[index].entries
+        return {b[WIRE] for b in rank.blocks.values()
+                if b[COUNTS][index] and b[IDENT] not in hidden}
 
     def resident_in(self, source: int, tier: str, dp_rank: int) -> set[int]:
         """External hashes (u64) that ``(source, tier)`` holds now, for tests."""
         rank = self._ranks.get(dp_rank)
         if rank is None:
             return set()
-        return set(rank.held[_slot(source, _TIER_INDEX[normalize_medium(tier)])])
+        return set(rank.held[slot_of(source, TIER_INDEX[normalize_medium(tier)])])
 
     def stats(self) -> dict[str, int]:
         """Counters plus current sizes; cheap enough for a metrics scrape."""
@@ -407,7 +339,15 @@ class ConsolidatorCore:
         out["blocks_tracked"] = sum(len(r.blocks) for r in ranks)
         out["blocks_visible"] = sum(r.visible for r in ranks)
         out["blocks_held_back"] = sum(len(h) for r in ranks for h in r.hidden)
+        for source, name in enumerate(("engine", "tiers")):
+            out[f"blocks_held_back_{name}"] = sum(h.by_source[source] for r in ranks
+                                                  for h in r.hidden)
         return out
+
+    @property
+    def held_back_dropped(self) -> int:
+        """Stores refused at the held-back bound so far (the shell logs when it grows)."""
+        return self._n_held_back_dropped  # type: ignore[attr-defined, no-any-return]
 
     # ------------------------------------------------------------------ internals
 
@@ -417,7 +357,8 @@ class ConsolidatorCore:
             if not self.admit_dp_rank(dp_rank):
                 raise UnknownDpRankError(f"data_parallel_rank {dp_rank!r:.100} is not an int in "
                                          f"0..{self.max_dp_ranks - 1}")
-            rank = self._ranks[dp_rank] = _Rank()
+            limit = self.max_held_back
+            rank = self._ranks[dp_rank] = _Rank([HeldBack(limit) for _ in MEDIA])
         return rank
 
     def _tier(self, medium: Any) -> int:
@@ -426,7 +367,7 @@ class ConsolidatorCore:
         except (KeyError, TypeError):
             pass
         try:
-            index = _TIER_INDEX[normalize_medium(medium)]
+            index = TIER_INDEX[normalize_medium(medium)]
         except WireFormatError as exc:
             raise UnknownMediumError(str(exc)) from None
         if isinstance(medium, str) and len(self._medium_cache) < 64:
@@ -434,20 +375,7 @@ class ConsolidatorCore:
         return index
 
     def _hashes(self, value: Any, what: str) -> list[int]:
-        native = self._native
-        if native is not None and type(value) is list:
-            out = native.u64_hashes(value)
-            if out is not None:
-                return out  # else a non-integer: the Python loop below names it
-        if not isinstance(value, (list, tuple)):
-            raise WireFormatError(f"{what} is not a list: {value!r:.200}")
-        # msgpack yields only ints in [-2**63, 2**64): masking is the exact u64 form. The type
-        # test drops bools and anything else that is not a hash; a shorter result means one.
-        out = [h & _MASK for h in value if type(h) is int]
-        if len(out) != len(value):
-            bad = next(h for h in value if type(h) is not int)
-            raise WireFormatError(f"{what} holds a non-integer hash: {bad!r:.100}")
-        return out
+        return u64_hashes(value, what, self._native)
 
     def _group(self, slot: int) -> int:
         return 0 if self._dedup else slot % len(MEDIA)
@@ -460,31 +388,8 @@ class ConsolidatorCore:
                 lora_name: Any, extra_keys: Any = None) -> None:
         # Validate everything before the first mutation, so a bad event changes nothing.
         hashes = self._hashes(hashes_raw, "BlockStored block_hashes")
-        if parent_raw is not None:
-            if type(parent_raw) is not int:
-                raise WireFormatError(f"BlockStored parent_block_hash is not an integer: "
-                                      f"{parent_raw!r:.100}")
-            parent_raw &= _MASK
-        if type(block_size) is not int or block_size <= 0:
-            raise WireFormatError(f"BlockStored block_size is invalid: {block_size!r:.100}")
-        if type(tokens) is not list:
-            if not isinstance(tokens, (list, tuple)):
-                raise WireFormatError(f"BlockStored token_ids is not a list: {tokens!r:.100}")
-            tokens = list(tokens)
-        # Anything the output encoder or the router cannot take is refused here, with its own
-        # event only (accepted, it would fail the encoder and lose the whole output batch).
-        if tokens and (set(map(type, tokens)) != _INT_ONLY or min(tokens) < 0
-                       or max(tokens) > U32_MAX):
-            bad = next(t for t in tokens if type(t) is not int or not 0 <= t <= U32_MAX)
-            raise WireFormatError(f"BlockStored token_ids holds a value that is not a u32 "
-                                  f"integer: {bad!r:.100}")
-        if lora_id is not None and (type(lora_id) is not int or not 0 <= lora_id < _U64):
-            raise WireFormatError(f"BlockStored lora_id is not None or a u64 integer: "
-                                  f"{lora_id!r:.100}")
-        if lora_name is not None and type(lora_name) is not str:
-            raise WireFormatError(f"BlockStored lora_name is not None or a string: "
-                                  f"{lora_name!r:.100}")
-        slot = _slot(source, self._tier(medium))
+        parent_raw, tokens = stored_fields(parent_raw, tokens, block_size, lora_id, lora_name)
+        slot = slot_of(source, self._tier(medium))
         rank = self._rank(dp_rank)
         n = len(hashes)
         if len(tokens) != n * block_size and tokens:
@@ -492,7 +397,7 @@ class ConsolidatorCore:
                                   f"of {block_size}")
         scope = None
         if extra_keys is not None or lora_id is not None or lora_name is not None:
-            scope = self._scopes(lora_id, lora_name, extra_keys, n)
+            scope = scopes(lora_id, lora_name, extra_keys, n)
         if not tokens:
             self._store_hash_only(rank, slot, hashes)
         else:
@@ -501,30 +406,6 @@ class ConsolidatorCore:
         # Counted once applied (an unhashable token raises before anything changed).
         self._n_stores_in += 1
         self._n_store_blocks_in += n
-
-    @staticmethod
-    def _scopes(lora_id: Any, lora_name: Any, extra_keys: Any, n: int) -> list[Any]:
-        """Per block, what besides tokens names its content: (adapter, extra keys); two
-        adapters' or two salts' blocks with the same tokens are different blocks. The adapter
-        is what a router reads, its ``lora_name`` (else the name its ``lora_id`` goes out
-        under); task id 0 is an adapter, apart from the base model."""
-        lora = lora_name if lora_name is not None else wire_lora_name(lora_id)
-        if extra_keys is None:
-            return [(lora, None)] * n
-        if not isinstance(extra_keys, (list, tuple)) or len(extra_keys) != n:
-            raise WireFormatError(f"BlockStored extra_keys must be a list of one entry per "
-                                  f"block ({n}): {extra_keys!r:.100}")
-        out = []
-        for entry in extra_keys:
-            if entry is None:
-                out.append((lora, None))
-                continue
-            if type(entry) not in (list, tuple) or not all(map(_plain_key, entry)):
-                # Refused here like any odd value: the output encoder must take what we keep.
-                raise WireFormatError(f"BlockStored extra_keys entry is not a list of strings, "
-                                      f"bytes or 64-bit integers: {entry!r:.100}")
-            out.append((lora, _hashable_entry(entry)))
-        return out
 
     @staticmethod
     def _resolve(rank: _Rank, slot: int, ext: int) -> Block | None:
@@ -572,25 +453,29 @@ class ConsolidatorCore:
         out = rank.out
         parent: Block | None = None
         parent_wire: int | None = None
-        pident = _ROOT
+        pident = ROOT
         unknown_parent = False
         if parent_ext is not None:
             parent = self._resolve(rank, slot, parent_ext)
             if parent is None:
                 unknown_parent = True  # counted once the chain is applied
-                pident = hash((_UNKNOWN_PARENT, parent_ext))
-                parent_wire = _wire_hash(parent_ext)
+                pident = hash((UNKNOWN_PARENT, parent_ext))
+                parent_wire = wire_hash(parent_ext)
             else:
-                pident = parent[_IDENT]
-                parent_wire = parent[_WIRE]
+                pident = parent[IDENT]
+                parent_wire = parent[WIRE]
         native = self._native if scope is None else None  # the compiled loop knows no scope
-        if native is not None and not unknown_parent and not rank.hidden[0] \
-                and (parent is None or parent[_TOTAL]):
+        held_back = rank.hidden[group]
+        hidden = held_back.entries
+        if native is not None and not unknown_parent \
+                and (parent is None or (parent[TOTAL] and not parent[HELD_BACK])):
             result = native.store_chain(
                 rank, blocks, known, held, published, out, hashes, tokens, bs, parent,
                 pident, parent_wire, slot, lora_id, lora_name, medium, group, self._fresh_pub,
-                self._add_alias, self._release)
-            if result is not None:  # None: a hash released mid-chain, decided below
+                self._add_alias, self._release, held_back)
+            # None: a hash released mid-chain, or a block of the chain held back or waited
+            # for by a held-back child; decided below.
+            if result is not None:
                 visible, duplicates, n_runs, n_run_blocks = result
                 rank.visible += visible
                 self._n_duplicate_stores += duplicates
@@ -615,7 +500,8 @@ class ConsolidatorCore:
         run_hashes: list[int] = []
         run_end = -1
         i = 0
-        hidden = rank.hidden[group]
+        source = slot // len(MEDIA)
+        refused: list[Block] = []  # held back past the bound: collected after the loop
         if unknown_parent:
             rank.orphans.add(idents[0])  # never published: its parent never can be
         for ext, ident in zip(hashes, idents, strict=True):
@@ -624,13 +510,20 @@ class ConsolidatorCore:
                 pub = ext
                 if pub in published:
                     pub = self._fresh_pub(published, ext, ident)
-                block = [ident, pub, pub - _U64 if pub > _I64_MAX else pub, parent, 0, 0,
-                         None if dedup else [0, 0, 0], slot, ext, None]
+                block = [ident, pub, pub - U64 if pub > I64_MAX else pub, parent, 0, 0,
+                         None if dedup else [0, 0, 0], slot, ext, None, None, 0]
                 published[pub] = block
                 blocks[ident] = block
                 known[ext] = block
                 if parent is not None:
-                    parent[_CHILDREN] += 1
+                    parent[CHILDREN] += 1
+                    kids = parent[KIDS]  # blocks.add_kid, inline
+                    if kids is None:
+                        parent[KIDS] = ident
+                    elif type(kids) is dict:
+                        kids[ident] = None
+                    else:
+                        parent[KIDS] = {kids: None, ident: None}
             elif known_get(ext) is not block:
                 self._add_alias(rank, block, slot, ext)
             old = held_get(ext)
@@ -638,12 +531,12 @@ class ConsolidatorCore:
                 self._n_duplicate_stores += 1
             else:
                 held[ext] = block
-                total = block[_TOTAL] + 1
-                block[_TOTAL] = total
+                total = block[TOTAL] + 1
+                block[TOTAL] = total
                 if dedup:
                     newly = total == 1
                 else:
-                    counts = block[_COUNTS]
+                    counts = block[COUNTS]
                     counts[group] += 1
                     newly = counts[group] == 1
                 if old is not None:
@@ -654,37 +547,45 @@ class ConsolidatorCore:
                     # back, so a cascade from ``old`` (maybe its parent) does not unpublish a
                     # block that was never published.
                     if newly:
-                        hidden[ident] = (block, None, bs, lora_id, lora_name, None)
+                        held_back.hold((block, None, bs, lora_id, lora_name, None, None))
                     self._release(rank, old, group, medium)
                     if newly:
-                        del hidden[ident]
+                        held_back.pop(ident)
                 if newly and not self._parent_shown(rank, block, group):
                     # Held back (with its tokens) until its parent is published.
                     newly = False
-                    hidden[ident] = (block, tokens[i * bs:(i + 1) * bs], bs, lora_id,
-                                     lora_name, None if extra_keys is None else extra_keys[i])
-                    self._n_held_back_stores += 1
+                    if held_back.hold((block, tokens[i * bs:(i + 1) * bs], bs, lora_id,
+                                       lora_name,
+                                       None if extra_keys is None else extra_keys[i], source)):
+                        self._n_held_back_stores += 1
+                    else:  # the source is at its bound: this holding is refused
+                        del held[ext]
+                        block[TOTAL] -= 1
+                        if not dedup:
+                            block[COUNTS][group] -= 1
+                        self._n_held_back_dropped += 1
+                        refused.append(block)
                 if newly:
                     rank.visible += 1
                     if run_end == i and out[-1] is runs[-1][0]:
-                        run_hashes.append(block[_WIRE])
+                        run_hashes.append(block[WIRE])
                     else:
-                        run_hashes = [block[_WIRE]]
+                        run_hashes = [block[WIRE]]
                         run = {"type": "BlockStored", "block_hashes": run_hashes,
                                "parent_block_hash": (parent_wire if parent is None
-                                                     else parent[_WIRE]),
+                                                     else parent[WIRE]),
                                "token_ids": None, "block_size": bs, "lora_id": lora_id,
                                "medium": medium, "lora_name": lora_name}
                         out.append(run)
                         runs.append((run, i))
                     run_end = i + 1
-                    if hidden:
+                    if held_back.waiting:
                         self._release_children(rank, block, group, medium)
             if hidden and ident in hidden and hidden[ident][1] is None:
                 # Held back since a cascade, tokens unknown: this store brings them.
                 entry = hidden[ident]
                 if self._parent_shown(rank, block, group):
-                    del hidden[ident]
+                    held_back.pop(ident)
                     self._publish(rank, block, tokens[i * bs:(i + 1) * bs], bs, lora_id,
                                   lora_name, None if extra_keys is None else extra_keys[i],
                                   medium)
@@ -692,9 +593,13 @@ class ConsolidatorCore:
                     self._release_children(rank, block, group, medium)
                 else:
                     hidden[ident] = (entry[0], tokens[i * bs:(i + 1) * bs], bs, lora_id,
-                                     lora_name, None if extra_keys is None else extra_keys[i])
+                                     lora_name, None if extra_keys is None else extra_keys[i],
+                                     entry[6])
             parent = block
             i += 1
+        for block in reversed(refused):  # deepest first: a refused parent goes after its child
+            if blocks_get(block[IDENT]) is block:
+                collect(rank, block)
         if runs:
             self._n_stores_out += len(runs)
             for event, first in runs:
@@ -716,7 +621,7 @@ class ConsolidatorCore:
         salt = 1
         pub = ext
         while pub in published:
-            pub = hash((ext, ident, salt)) & _MASK
+            pub = hash((ext, ident, salt)) & MASK
             salt += 1
         return pub
 
@@ -727,7 +632,7 @@ class ConsolidatorCore:
         held = rank.held[slot]
         for ext in hashes:
             block = self._resolve(rank, slot, ext)
-            if block is None or not (block[_TOTAL] if self._dedup else block[_COUNTS][group]):
+            if block is None or not (block[TOTAL] if self._dedup else block[COUNTS][group]):
                 self._n_hash_only_stores_dropped += 1
                 continue
             old = held.get(ext)
@@ -740,152 +645,42 @@ class ConsolidatorCore:
             if rank.known[slot].get(ext) is not block:
                 self._add_alias(rank, block, slot, ext)
             held[ext] = block
-            block[_TOTAL] += 1
+            block[TOTAL] += 1
             if not self._dedup:
-                block[_COUNTS][group] += 1
+                block[COUNTS][group] += 1
 
     @staticmethod
     def _add_alias(rank: _Rank, block: Block, slot: int, ext: int) -> None:
         rank.known[slot][ext] = block
-        if block[_MORE_ALIASES] is None:
-            block[_MORE_ALIASES] = [(slot, ext)]
+        if block[MORE_ALIASES] is None:
+            block[MORE_ALIASES] = [(slot, ext)]
         else:
-            block[_MORE_ALIASES].append((slot, ext))
+            block[MORE_ALIASES].append((slot, ext))
 
     def _release(self, rank: _Rank, block: Block, group: int, medium: str) -> None:
         """One holding of ``block`` in medium group ``group`` ended (already out of ``held``)."""
-        block[_TOTAL] -= 1
+        block[TOTAL] -= 1
         if self._dedup:
-            gone = block[_TOTAL] == 0
+            gone = block[TOTAL] == 0
         else:
-            counts = block[_COUNTS]
+            counts = block[COUNTS]
             counts[group] -= 1
             gone = counts[group] == 0
         if gone:
-            hidden = rank.hidden[group]
-            if hidden and block[_IDENT] in hidden:
-                del hidden[block[_IDENT]]  # held back: never published, nothing to undo
+            held_back = rank.hidden[group]
+            if held_back.entries and block[IDENT] in held_back.entries:
+                held_back.pop(block[IDENT])  # held back: never published, nothing to undo
             else:
-                wires = self._cascade(rank, block, group) if block[_CHILDREN] else []
-                wires.append(block[_WIRE])
+                wires = self._cascade(rank, block, group) if block[CHILDREN] else []
+                wires.append(block[WIRE])
                 rank.visible -= len(wires)
                 self._emit_removes(rank, wires, medium)
-        if block[_TOTAL] == 0 and block[_CHILDREN] == 0:
-            self._collect(rank, block)
-
-    # ---- prefix closure (see the module docstring); rare paths, never the compiled ones ----
-
-    def _shown(self, rank: _Rank, block: Block, group: int) -> bool:
-        """Whether ``block`` is published in medium group ``group``."""
-        held = block[_TOTAL] if self._dedup else block[_COUNTS][group]
-        return bool(held) and block[_IDENT] not in rank.hidden[group]
-
-    def _parent_shown(self, rank: _Rank, block: Block, group: int) -> bool:
-        """Whether ``block`` may be published: a root, or its parent is published."""
-        parent = block[_PARENT]
-        if parent is None:
-            return block[_IDENT] not in rank.orphans
-        return self._shown(rank, parent, group)
-
-    def _publish(self, rank: _Rank, block: Block, tokens: list[int], bs: int, lora_id: Any,
-                 lora_name: Any, extra: Any, medium: str) -> None:
-        """STORE one held-back block whose parent is published now (``extra``: the block's
-        ``extra_keys`` entry, or None)."""
-        parent = block[_PARENT]
-        event = {"type": "BlockStored", "block_hashes": [block[_WIRE]],
-                 "parent_block_hash": None if parent is None else parent[_WIRE],
-                 "token_ids": tokens, "block_size": bs, "lora_id": lora_id,
-                 "medium": medium, "lora_name": lora_name}
-        if extra is not None:
-            event["extra_keys"] = [extra]
-        rank.out.append(event)
-        rank.last_remove = None
-        rank.visible += 1
-        self._n_stores_out += 1
-        self._n_store_blocks_out += 1
-
-    def _release_children(self, rank: _Rank, block: Block, group: int, medium: str) -> None:
-        """Publish the held-back descendants of ``block`` (just published), parents first.
-        A scan of the held-back blocks per level: they exist only with misbehaving sources."""
-        hidden = rank.hidden[group]
-        stack = [block]
-        while stack and hidden:
-            parent = stack.pop()
-            ready = [entry for entry in hidden.values()
-                     if entry[0][_PARENT] is parent and entry[1] is not None]
-            for child, tokens, bs, lora_id, lora_name, extra in ready:
-                del hidden[child[_IDENT]]
-                self._publish(rank, child, tokens, bs, lora_id, lora_name,  # type: ignore[arg-type]
-                              extra, medium)
-                self._n_released_stores += 1
-                stack.append(child)
-
-    def _cascade(self, rank: _Rank, block: Block, group: int) -> list[int]:
-        """``block`` (published, with live children) is about to be unpublished: hold back
-        its published descendants (tokens unknown) and return their wire hashes, children
-        before parents, for the same REMOVE event. One scan of the rank's blocks: this
-        happens only when a source removes a block before its descendants."""
-        children: dict[int, list[Block]] = {}
-        for candidate in rank.blocks.values():
-            parent = candidate[_PARENT]
-            if parent is not None:
-                children.setdefault(id(parent), []).append(candidate)
-        hidden = rank.hidden[group]
-        wires: list[int] = []
-        stack: list[tuple[Block, bool]] = [(block, False)]
-        while stack:
-            node, expanded = stack.pop()
-            if expanded:
-                if node is not block:
-                    wires.append(node[_WIRE])
-                    hidden[node[_IDENT]] = (node, None, 0, None, None, None)
-                continue
-            stack.append((node, True))
-            for child in children.get(id(node), ()):
-                if self._shown(rank, child, group):
-                    stack.append((child, False))
-        self._n_cascade_removes += len(wires)
-        return wires
-
-    def _emit_removes(self, rank: _Rank, wires: list[int], medium: str) -> None:
-        last = rank.last_remove
-        out = rank.out
-        if last is not None and out and out[-1] is last and last["medium"] == medium:
-            last["block_hashes"].extend(wires)
-        else:
-            out.append({"type": "BlockRemoved", "block_hashes": wires, "medium": medium})
-            rank.last_remove = out[-1]
-            self._n_removes_out += 1
-        self._n_remove_blocks_out += len(wires)
-
-    @staticmethod
-    def _collect(rank: _Rank, block: Block | None) -> None:
-        """Forget blocks resident nowhere with no live child, walking up the chain."""
-        blocks = rank.blocks
-        known = rank.known
-        published = rank.published
-        while block is not None and block[_TOTAL] == 0 and block[_CHILDREN] == 0:
-            del blocks[block[_IDENT]]
-            slot_map = known[block[_ALIAS_SLOT]]
-            if slot_map.get(block[_ALIAS_EXT]) is block:
-                del slot_map[block[_ALIAS_EXT]]
-            if block[_MORE_ALIASES] is not None:
-                for slot, ext in block[_MORE_ALIASES]:
-                    slot_map = known[slot]
-                    if slot_map.get(ext) is block:
-                        del slot_map[ext]
-            if published.get(block[_PUB]) is block:
-                del published[block[_PUB]]
-            if rank.orphans:
-                rank.orphans.discard(block[_IDENT])
-            parent = block[_PARENT]
-            if parent is not None:
-                parent[_CHILDREN] -= 1
-            block = parent
+        if block[TOTAL] == 0 and block[CHILDREN] == 0:
+            collect(rank, block)
 
     def _removed(self, dp_rank: int, source: int, hashes_raw: Any, medium: Any) -> None:
         hashes = self._hashes(hashes_raw, "BlockRemoved block_hashes")
-        slot = _slot(source, self._tier(medium))
+        slot = slot_of(source, self._tier(medium))
         rank = self._rank(dp_rank)
         self._n_removes_in += 1
         self._n_remove_blocks_in += len(hashes)
@@ -899,36 +694,46 @@ class ConsolidatorCore:
                 else:
                     self._release(rank, block, group, MEDIA[group])
             return
-        # Dedup: the blocks now resident nowhere, one output event per call.
-        result = None
-        if self._native is not None and not rank.hidden[0]:
-            # None: a removal would cascade; the Python loop below decides it.
-            result = self._native.remove_dedup(rank.blocks, rank.known, rank.held[slot],
-                                               rank.published, hashes)
-        if result is not None:
-            wires, unknown = result
+        # Dedup: the blocks now resident nowhere, one output event per call. The compiled
+        # loop takes the hashes up to the first one that would cascade or reaches a held-back
+        # block; the Python loop takes the rest.
+        if self._native is not None:
+            wires, unknown, stop = self._native.remove_dedup(
+                rank.blocks, rank.known, rank.held[slot], rank.published, hashes, rank.orphans)
         else:
-            wires, unknown = [], 0
-            hidden = rank.hidden[0]
-            for ext in hashes:
-                block = held_pop(ext, None)
-                if block is None:
-                    unknown += 1
-                    continue
-                block[_TOTAL] -= 1
-                if not block[_TOTAL]:
-                    if hidden and block[_IDENT] in hidden:
-                        del hidden[block[_IDENT]]  # held back: nothing was published
-                    else:
-                        if block[_CHILDREN]:
-                            wires += self._cascade(rank, block, 0)
-                        wires.append(block[_WIRE])
-                    self._collect(rank, block)
+            wires, unknown, stop = [], 0, 0
+        if stop < len(hashes):
+            unknown += self._remove_rest(rank, rank.held[slot], hashes, stop, wires)
         if unknown:
             self._n_unknown_removes += unknown
         if wires:
             rank.visible -= len(wires)
             self._emit_removes(rank, wires, MEDIUM_GPU)
+
+    def _remove_rest(self, rank: _Rank, held: dict[int, Block], hashes: list[int],
+                     start: int, wires: list[int]) -> int:
+        """The dedup removal loop for ``hashes[start:]`` of one event whose blocks leave the
+        slot ``held``: appends to ``wires`` the (signed) hashes now resident nowhere, returns
+        how many hashes the slot did not hold. Called by :meth:`_removed`, and by the compiled
+        loop where it stopped (a cascade, a held-back block)."""
+        unknown = 0
+        held_pop = held.pop
+        hidden = rank.hidden[0].entries
+        for index in range(start, len(hashes)):
+            block = held_pop(hashes[index], None)
+            if block is None:
+                unknown += 1
+                continue
+            block[TOTAL] -= 1
+            if not block[TOTAL]:
+                if hidden and block[IDENT] in hidden:
+                    rank.hidden[0].pop(block[IDENT])  # held back: nothing was published
+                else:
+                    if block[CHILDREN]:
+                        wires += self._cascade(rank, block, 0)
+                    wires.append(block[WIRE])
+                collect(rank, block)
+        return unknown
 
     def _cleared(self, dp_rank: int, source: int, medium: Any) -> None:
         rank = self._rank(dp_rank)
@@ -937,9 +742,9 @@ class ConsolidatorCore:
             # AllBlocksCleared carries no medium on the wire: the engine stream clears every
             # tier it reported.
             for index in range(len(MEDIA)):
-                self._clear_slot(rank, _slot(source, index))
+                self._clear_slot(rank, slot_of(source, index))
         else:
-            self._clear_slot(rank, _slot(source, self._tier(medium)))
+            self._clear_slot(rank, slot_of(source, self._tier(medium)))
 
     def _clear_slot(self, rank: _Rank, slot: int) -> None:
         held = rank.held[slot]
@@ -953,7 +758,7 @@ class ConsolidatorCore:
             node: Block | None = block
             while node is not None and id(node) not in depth:
                 path.append(node)
-                node = node[_PARENT]
+                node = node[PARENT]
             base = 0 if node is None else depth[id(node)]
             for step in reversed(path):
                 base += 1

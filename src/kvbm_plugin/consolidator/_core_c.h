@@ -1,0 +1,138 @@
+/* Shared by the two translation units of the compiled consolidator loops (one extension,
+ * kvbm_plugin.consolidator._core_c): _core_c.c (the module, the stores, a whole batch) and
+ * _core_remove.c (the removals). The block layout and the helpers both need.
+ *
+ * The layout is the Python core's (consolidator/blocks.py): B_* mirrors its IDENT ... KIDS.
+ * Called on the consolidator's ingest thread only, with the GIL held throughout.
+ */
+
+#ifndef KVBM_CORE_C_H
+#define KVBM_CORE_C_H
+
+#include "../_util/native_common.h"
+
+enum { B_IDENT, B_PUB, B_WIRE, B_PARENT, B_CHILDREN, B_TOTAL, B_COUNTS, B_ALIAS_SLOT,
+       B_ALIAS_EXT, B_MORE_ALIASES, B_KIDS, B_HELD_BACK, B_LEN };
+
+/* Counter deltas of the compiled event paths, in ConsolidatorCore._add_counts' order. */
+enum { N_STORES_IN, N_STORE_BLOCKS_IN, N_UNKNOWN_PARENTS, N_DUPLICATES, N_STORES_OUT,
+       N_STORE_BLOCKS_OUT, N_REMOVES_IN, N_REMOVE_BLOCKS_IN, N_UNKNOWN_REMOVES, N_REMOVES_OUT,
+       N_REMOVE_BLOCKS_OUT, N_VISIBLE, N_COUNTS };
+
+/* Set by _core_c.c: the Python core's constants (core_constants) and the rank's attribute
+ * names, interned at import. */
+extern PyObject *C_root, *C_unknown_parent, *C_gpu, *C_zero;
+extern Py_ssize_t C_media;
+extern PyObject *K_blocks_attr, *K_known_attr, *K_held_attr, *K_published_attr, *K_out_attr,
+    *K_last_remove_attr, *K_hidden_attr, *K_entries_attr, *K_waiting_attr, *K_orphans_attr;
+
+static inline int is_block(PyObject *b) {
+    if (PyList_CheckExact(b) && PyList_GET_SIZE(b) == B_LEN) return 1;
+    PyErr_Format(PyExc_TypeError, "consolidator block is not a %d-item list", (int)B_LEN);
+    return 0;
+}
+
+/* block[index] += delta (an int field); the new value in *value. */
+static inline int add_to(PyObject *block, int index, Py_ssize_t delta, Py_ssize_t *value) {
+    Py_ssize_t n = PyLong_AsSsize_t(PyList_GET_ITEM(block, index));
+    PyObject *v;
+    if (n == -1 && PyErr_Occurred()) return -1;
+    v = PyLong_FromSsize_t(n + delta);
+    if (v == NULL) return -1;
+    PyList_SetItem(block, index, v); /* steals v, releases the old value */
+    if (value != NULL) *value = n + delta;
+    return 0;
+}
+
+static inline int int_field(PyObject *block, int index, Py_ssize_t *value) {
+    *value = PyLong_AsSsize_t(PyList_GET_ITEM(block, index));
+    return (*value == -1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* blocks.add_kid: record ``ident`` as a new child of ``parent`` (B_KIDS: None, one child's
+ * identity, or a dict of identities). */
+static inline int add_kid(PyObject *parent, PyObject *ident) {
+    PyObject *kids = PyList_GET_ITEM(parent, B_KIDS), *d;
+    if (kids == Py_None) {
+        Py_INCREF(ident);
+        PyList_SetItem(parent, B_KIDS, ident);
+        return 0;
+    }
+    if (PyDict_CheckExact(kids)) return PyDict_SetItem(kids, ident, Py_None);
+    d = PyDict_New();
+    if (d == NULL || PyDict_SetItem(d, kids, Py_None) < 0
+        || PyDict_SetItem(d, ident, Py_None) < 0) {
+        Py_XDECREF(d);
+        return -1;
+    }
+    PyList_SetItem(parent, B_KIDS, d); /* steals d, releases the one child's identity */
+    return 0;
+}
+
+/* blocks.drop_kid: forget the collected child ``ident`` of ``parent``. */
+static inline int drop_kid(PyObject *parent, PyObject *ident) {
+    PyObject *kids = PyList_GET_ITEM(parent, B_KIDS);
+    int same;
+    if (PyDict_CheckExact(kids)) {
+        int has = PyDict_Contains(kids, ident);
+        if (has < 0 || (has && PyDict_DelItem(kids, ident) < 0)) return -1;
+        if (PyDict_GET_SIZE(kids) > 0) return 0;
+    } else if (kids == Py_None) {
+        return 0;
+    } else {
+        same = PyObject_RichCompareBool(kids, ident, Py_EQ); /* two ints: no Python code */
+        if (same <= 0) return same;
+    }
+    Py_INCREF(Py_None);
+    PyList_SetItem(parent, B_KIDS, Py_None);
+    return 0;
+}
+
+/* raw.get(key) (borrowed, NULL when absent) for an exact dict; -1 on error. */
+static inline int field(PyObject *raw, PyObject *key, PyObject **out) {
+    *out = PyDict_GetItemWithError(raw, key);
+    return (*out == NULL && PyErr_Occurred()) ? -1 : 0;
+}
+
+/* rank.<name>[index] (borrowed; the rank keeps its lists alive), checked to be a dict. */
+static inline PyObject *slot_map(PyObject *list, Py_ssize_t index) {
+    PyObject *m;
+    if (!PyList_CheckExact(list) || index < 0 || index >= PyList_GET_SIZE(list)) {
+        PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
+        return NULL;
+    }
+    m = PyList_GET_ITEM(list, index);
+    if (!PyDict_CheckExact(m)) {
+        PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
+        return NULL;
+    }
+    return m;
+}
+
+/* Attribute ``name`` of the rank's group-0 HeldBack (rank.hidden[0].<name>), an exact dict
+ * (new reference). */
+PyObject *held_back_map(PyObject *rank, PyObject *name);
+
+/* 1 when ``block`` is held back (its B_HELD_BACK count is not 0), 0 when not, -1 on error. */
+static inline int is_held_back(PyObject *block) {
+    Py_ssize_t n;
+    if (int_field(block, B_HELD_BACK, &n) < 0) return -1;
+    return n != 0;
+}
+
+/* The slot an event's medium names (through the Python code's medium cache) and its hashes in
+ * u64 form (new list), or LEAVE: a medium spelling not seen yet, a hash that is not an int. */
+int event_slot_hashes(PyObject *raw_hashes, PyObject *medium, PyObject *source,
+                      PyObject *cache, Py_ssize_t *slot_index, PyObject **hashes);
+
+/* _core_remove.c. ConsolidatorCore._removed (dedup) + _emit_removes for one BlockRemoved map
+ * (TAKE), or LEAVE with nothing changed; ``remove_rest`` is ConsolidatorCore._remove_rest. */
+int removed_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject *cache,
+                PyObject *remove_rest, Py_ssize_t *cnt);
+/* The module function remove_dedup and its docstring. */
+PyObject *remove_dedup(PyObject *module, PyObject *args);
+extern const char remove_dedup_doc[];
+/* Interns the wire keys for _core_remove.c's own copy (native_common.h's are per unit). */
+int core_remove_ready(void);
+
+#endif
