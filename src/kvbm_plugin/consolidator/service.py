@@ -65,7 +65,7 @@ from kvbm_plugin.wire.events import (
     normalize_medium,
 )
 from kvbm_plugin.wire.publisher import EventPublisher, ZmqEventPublisher, create_publisher
-from kvbm_plugin.wire.reconnect import BACK, LOST, ConnectionWatch
+from kvbm_plugin.wire.reconnect import BACK, JOINED, LOST, ConnectionWatch
 
 logger = logging.getLogger(__name__)
 
@@ -414,11 +414,8 @@ class KvEventConsolidator:
                 self._ready.set()  # start() waits for this
             return
         self._ready.set()
-        for stream in streams:
-            if stream.dealer is not None:
-                # Catch up on what the rank published before we joined (or before our
-                # subscription took effect): everything its replay buffer still holds.
-                self._request_replay(stream, 0, startup=True)
+        # Each stream catches up on what its rank published before our subscription took
+        # effect once its SUB has reached the publisher (JOINED, _on_connection_event).
         by_socket = {s.sub: s for s in streams}
         by_dealer = {s.dealer: s for s in streams if s.dealer is not None}
         self._poller, self._by_dealer = poller, by_dealer
@@ -659,7 +656,16 @@ class KvEventConsolidator:
             self._by_dealer[stream.dealer] = stream
 
     def _on_connection_event(self, stream: _Stream, event: str) -> None:
-        """The rank's SUB lost its publisher, or reached one again (ingest thread)."""
+        """The rank's SUB reached its publisher for the first time, lost it, or reached one
+        again (ingest thread)."""
+        if event == JOINED:
+            # Our subscription is on its way only now: what the rank published before reached
+            # us nowhere live, and the stream may stay quiet after it, so no later seq would
+            # show the gap. Everything its replay buffer still holds is asked for now (a live
+            # batch that came first has already started that replay).
+            if stream.dealer is not None and not stream.seen and stream.replay is None:
+                self._request_replay(stream, stream.expected, startup=True)
+            return
         if event == LOST:
             stream.anchor = stream.last_applied()
             return
