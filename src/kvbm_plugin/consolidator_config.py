@@ -228,7 +228,11 @@ def parse_endpoint(name: str, value: str, *, default_host: str) -> Endpoint:
         if not port_text.isdigit():
             raise ConfigError(f"{name}={value!r}: tcp endpoint has no numeric port "
                               f"({port_text!r})")
-        port = parse_port(name, port_text)
+        try:
+            port = parse_port(name, port_text)
+        except ConfigError:  # named with the whole endpoint, not the port alone
+            raise ConfigError(f"{name}={value!r}: port {port_text} is out of range "
+                              "(1..65535)") from None
         if host in ("*", "0.0.0.0", "[::]", "::"):
             host = default_host
         return Endpoint("tcp", host=host.strip("[]"), port=port, source=name)
