@@ -55,9 +55,9 @@ def _port_after_a_run_with_a_subscriber() -> int:
 
 def test_a_port_in_time_wait_is_free_as_zmq_binds_it() -> None:
     port = _port_after_a_run_with_a_subscriber()
-    with socket.socket() as plain:  # a probe without SO_REUSEADDR is refused meanwhile
-        with pytest.raises(OSError):
-            plain.bind(("0.0.0.0", port))
+    # A probe without SO_REUSEADDR is refused meanwhile.
+    with socket.socket() as plain, pytest.raises(OSError):
+        plain.bind(("0.0.0.0", port))
     assert doctor._port_free(port) is None
     context = zmq.Context()
     pub = context.socket(zmq.PUB)

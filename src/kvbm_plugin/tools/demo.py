@@ -270,7 +270,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 env=env, vocab_size=30000, overlap_scheduler=not args.no_overlap,
                 processes=args.processes))
         except cc.ConfigError as exc:
-            if isinstance(exc.__cause__, (zmq.ZMQError, OSError)):
+            if isinstance(exc.__cause__ or exc.__context__, (zmq.ZMQError, OSError)) \
+                    or "cannot bind" in str(exc):
                 # A socket the run needs is taken: the machine's state, not the options.
                 raise CommandFailed(f"cannot start: {exc}") from exc
             raise
