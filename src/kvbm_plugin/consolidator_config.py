@@ -251,7 +251,11 @@ def parse_endpoint(name: str, value: str, *, default_host: str) -> Endpoint:
         if not port_text.isdigit():
             raise ConfigError(f"{name}={value!r}: tcp endpoint has no numeric port "
                               f"({port_text!r})")
-        port = parse_port(name, port_text)
+        try:
+            port = parse_port(name, port_text)
+        except ConfigError:  # named with the whole endpoint, not the port alone
+            raise ConfigError(f"{name}={value!r}: port {port_text} is out of range "
+                              "(1..65535)") from None
         if host in _EVERY_INTERFACE:
             return Endpoint("tcp", host=default_host, port=port, source=name, bind_host="*")
         host = host.strip("[]")

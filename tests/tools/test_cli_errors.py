@@ -70,6 +70,20 @@ CASES = {
         [cc.ENABLE_CONSOLIDATOR, "'maybe'"]),
     "consolidate bad ranks": (
         ["consolidate", "--num-ranks", "0"], {cc.TRTLLM_ZMQ_PORT: PORT}, 2, ["--num-ranks", "0"]),
+    "subscribe negative count": (["subscribe", "ipc:///tmp/x", "--count", "-1"], {}, 2,
+                                 ["--count", "-1"]),
+    "subscribe negative from-seq": (
+        ["subscribe", "ipc:///tmp/x", "--replay", "ipc:///tmp/y", "--from-seq", "-1"], {}, 2,
+        ["--from-seq", "-1"]),
+    "subscribe json with tree": (["subscribe", "ipc:///tmp/x", "--json", "--tree"], {}, 2,
+                                 ["--json", "--tree"]),
+    "subscribe port out of range": (["subscribe", "tcp://127.0.0.1:70000"], {}, 2,
+                                    ["'tcp://127.0.0.1:70000'", "port 70000"]),
+    "consolidate bad endpoint option": (
+        ["consolidate", "--events-endpoint", "tcp://:x"], {cc.TRTLLM_ZMQ_PORT: PORT}, 2,
+        ["--events-endpoint='tcp://:x'"]),
+    "sidecar not a url": (["sidecar", "--url", "not-a-url", "--block-size", "16"],
+                          {cc.TRTLLM_ZMQ_PORT: PORT}, 2, ["--url", "'not-a-url'"]),
     "sidecar zero interval": (
         ["sidecar", "--url", "http://127.0.0.1:9", "--block-size", "16", "--interval", "0"],
         {cc.TRTLLM_ZMQ_PORT: PORT}, 2, ["--interval", "0"]),
@@ -128,7 +142,7 @@ def test_sidecar_the_readme_way_gets_past_its_options(tmp_path: Path) -> None:
         _wait_for(lambda: (tmp_path / "gpu_dp0").exists() or proc.poll() is not None)
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
         assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
     finally:
         if proc.poll() is None:
@@ -300,3 +314,92 @@ def test_ctrl_c_while_torch_loads_waits_for_the_import_then_interrupts() -> None
     assert [x for x in result.stderr.splitlines() if "kvbm-plugin" in x] == [
         "kvbm-plugin demo: interrupted"]
     assert "Traceback" not in result.stderr
+
+
+def test_consolidate_names_its_option_not_the_variable_it_overrides() -> None:
+    line = _assert_one_line(_run(["consolidate", "--events-endpoint", "tcp://:x"],
+                                 _env(**{cc.TRTLLM_ZMQ_PORT: PORT})), 2)
+    assert cc.EVENTS_ENDPOINT not in line
+
+
+def test_demo_without_cuda_names_the_command() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    line = _assert_one_line(_run(["demo", "--device", "cuda", "--no-progress"]), 2)
+    assert line.startswith("kvbm-plugin demo: --device cuda")
+
+
+def test_an_expired_demo_timeout_is_one_line_and_status_1() -> None:
+    result = _run(["demo", "--no-progress", "--timeout", "0.05"])
+    line = _assert_one_line(result, 1, "--timeout 0.05")
+    assert line.startswith("kvbm-plugin demo: the run did not finish")
+
+
+@pytest.mark.parametrize("command", ["demo", "consolidate", "sidecar"])
+def test_a_busy_port_is_status_1_in_every_command(command: str) -> None:
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        args = {"demo": ["demo", "--no-progress"], "consolidate": ["consolidate"],
+                "sidecar": ["sidecar", "--url", "http://127.0.0.1:9", "--block-size", "16"]}
+        variables = {"demo": {cc.OUTPUT_ENDPOINT: f"tcp://127.0.0.1:{port}"},
+                     "consolidate": {cc.TRTLLM_ZMQ_PORT: PORT,
+                                     cc.OUTPUT_ENDPOINT: f"tcp://127.0.0.1:{port}"},
+                     "sidecar": {cc.TRTLLM_ZMQ_PORT: port}}
+        result = _run(args[command], _env(**variables[command]))
+    assert "Traceback" not in result.stderr, result.stderr
+    assert result.returncode == 1, (result.returncode, result.stderr)
+    assert port in result.stderr
+
+
+def _started(command: str, tmp_path: Path) -> tuple[list[str], dict[str, str], object]:
+    """A long-running command, its environment, and when it has installed its signal
+    handlers (what it wrote or bound by then)."""
+    if command == "subscribe":
+        return (["subscribe", f"ipc://{tmp_path}/nobody"], _env(),
+                lambda proc, err: "nothing answers" in err)
+    if command == "consolidate":
+        return (["consolidate", "--log-level", "INFO"],
+                _env(**{cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/gpu",
+                        cc.OUTPUT_ENDPOINT: f"ipc://{tmp_path}/out"}),
+                lambda proc, err: "consolidator started" in err)
+    return (["sidecar", "--url", "http://127.0.0.1:9", "--block-size", "16"],
+            _env(**{cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/gpu"}),
+            lambda proc, err: (tmp_path / "gpu_dp0").exists())
+
+
+@pytest.mark.parametrize("command", ["subscribe", "consolidate", "sidecar"])
+@pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_ends_every_long_running_command_with_its_status(
+        tmp_path: Path, command: str, signum: int, status: int) -> None:
+    import selectors
+
+    args, env, ready = _started(command, tmp_path)
+    with _children_take_ctrl_c():
+        proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.tools.cli", *args],
+                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+    err = ""
+    try:
+        assert proc.stderr is not None
+        os.set_blocking(proc.stderr.fileno(), False)
+        selector = selectors.DefaultSelector()
+        selector.register(proc.stderr, selectors.EVENT_READ)
+        deadline = time.monotonic() + 60
+        while not ready(proc, err):
+            assert proc.poll() is None, err
+            assert time.monotonic() < deadline, err
+            if selector.select(0.05):
+                err += proc.stderr.read() or ""
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == status
+        os.set_blocking(proc.stderr.fileno(), True)
+        err += proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "Traceback" not in err, err

@@ -222,3 +222,46 @@ def test_demo_fails_on_a_gap_in_the_stream_even_when_replay_fills_it(monkeypatch
     monkeypatch.setattr(StreamSubscriber, "_accept", drop_seq_5_once)
     assert demo.main_demo(SMALL) == 1
     assert "[FAIL] no gaps, no losses: 1 gaps, 0 lost" in capsys.readouterr().out
+
+
+def test_every_tp_gets_kv_heads_it_can_split_and_tp_3_runs(capsys) -> None:
+    assert [demo.kv_heads(tp) for tp in (1, 2, 3, 4, 5, 8)] == [4, 4, 6, 4, 5, 8]
+    assert demo.main_demo([*SMALL, "--tp", "3"]) == 0
+    assert "TP=3" in capsys.readouterr().out
+
+
+def test_a_run_of_first_turns_only_is_not_a_tier_reuse_failure(monkeypatch, capsys) -> None:
+    monkeypatch.setenv("DYN_KVBM_CPU_CACHE_GB", "abc")
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "false")
+    assert demo.main_demo(["--requests", "10", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "[PASS] prefixes reused from tiers: not exercised" in out
+    assert ("ignores DYN_KVBM_CPU_CACHE_GB, DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR "
+            "(use --tiers") in out
+
+
+def test_the_demo_names_every_plugin_variable_it_ignores(tmp_path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    environ = {"DYN_KVBM_CPU_CACHE_GB": "abc", "DYN_KVBM_DISK_CACHE_DIR": str(a_file),
+               "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false", "DYN_KVBM_NATIVE": "1",
+               "DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT": "tcp://*:57001", "HOME": "/root"}
+    assert demo.overridden_variables(environ) == [
+        "DYN_KVBM_CPU_CACHE_GB", "DYN_KVBM_DISK_CACHE_DIR",
+        "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR"]
+
+
+def test_rank_processes_print_no_numpy_warning() -> None:
+    import subprocess
+
+    result = subprocess.run([sys.executable, "-m", "kvbm_plugin.tools.cli", "demo", *SMALL,
+                             "--processes"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "NumPy" not in result.stderr, result.stderr
+
+
+def test_demo_help_shows_every_default() -> None:
+    parser = demo.build_parser()
+    for action in parser._actions:
+        if action.default not in (None, False) and action.dest != "help":
+            assert "default" in (action.help or ""), action.option_strings

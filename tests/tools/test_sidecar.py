@@ -276,3 +276,36 @@ def test_an_out_of_range_token_id_drops_that_event_only(serve: FakeServe) -> Non
     assert published == [[1], [2]]
     assert check_event(bad) is not None and "64 bits" in check_event(bad)
     assert check_event([1]) is not None and check_event(stored(1, 0)) is None
+
+
+@pytest.mark.parametrize(("status", "gives_up"), [(501, True), (404, True), (503, False)])
+def test_sidecar_gives_up_on_a_status_no_retry_can_change(status: int, gives_up: bool) -> None:
+    from kvbm_plugin.tools.sidecar import SidecarGaveUp
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server API
+            self.send_response(status)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            return None
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port()),
+                                       "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(free_port())})
+    try:
+        if gives_up:
+            with pytest.raises(SidecarGaveUp, match=f"HTTP {status}"):
+                run_sidecar(url, config, block_size=2, interval=0.001,
+                            stop_event=StopAfter(50))
+        else:  # a server that is starting or restarting: retried
+            result = run_sidecar(url, config, block_size=2, interval=0.001,
+                                 stop_event=StopAfter(3))
+            assert result["polls"] == 3 and result["poll_errors"] == 3
+    finally:
+        server.shutdown()
+        server.server_close()

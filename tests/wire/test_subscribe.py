@@ -406,3 +406,67 @@ def test_subscribe_command_json_is_strict(ctx, xpub, capsys) -> None:
         raise AssertionError(f"{name} is not JSON")
 
     assert json.loads(lines[0], parse_constant=reject)["ts"] is None
+
+
+def test_a_late_join_without_replay_says_where_it_joined_not_a_gap(ctx, xpub, capsys) -> None:
+    from kvbm_plugin.tools.subscribe import join_note
+
+    pub, endpoint = xpub
+    sub = _connect(ctx, pub, endpoint)
+    try:
+        pub.send_multipart(_frames(5, [_store(6, 5)]))  # batches 0..4 went out before we came
+        _poll_until(sub, lambda: sub.stats.batches == 1)
+        assert sub.stats.gaps == 0 and sub.stats.missing_batches == 0
+        assert sub.stats.joined_at_seq == 5 and sub.stats.history_missing == 5
+        note = join_note(sub.stats, None)
+        assert note is not None and "joined the stream at seq 5" in note
+        assert "the 5 batches before it are not here" in note
+        assert "--replay ENDPOINT --from-seq 0" in note
+    finally:
+        sub.close()
+
+
+def test_a_replayed_join_that_missed_nothing_reports_no_gap(ctx, xpub, tmp_path) -> None:
+    pub, endpoint = xpub
+    replay_endpoint = f"ipc://{tmp_path}/replay-join"
+    server = _ReplayServer(ctx, replay_endpoint)
+    server.buffer = {0: _frames(0, [_store(1)]), 1: _frames(1, [_store(2, 1)])}
+    sub = StreamSubscriber(endpoint, replay_endpoint, context=ctx, start_seq=0)
+    try:
+        assert pub.poll(10_000)
+        pub.recv()
+        pub.send_multipart(_frames(2, [_store(3, 2)]))
+        _poll_until(sub, lambda: sub.stats.batches == 3)
+        assert sub.stats.gaps == 0 and sub.stats.missing_batches == 0
+        assert sub.stats.history_missing == 0 and sub.stats.replayed_batches == 2
+        assert sub.held == {(0, 1), (0, 2), (0, 3)}
+    finally:
+        sub.close()
+        server.close()
+
+
+def test_a_quiet_stream_s_history_arrives_once_connected(ctx, xpub, tmp_path) -> None:
+    """Nothing live comes after the join: the history is asked for once the SUB reached the
+    publisher, not when a later batch shows the gap (it never would)."""
+    _, endpoint = xpub
+    replay_endpoint = f"ipc://{tmp_path}/replay-quiet"
+    server = _ReplayServer(ctx, replay_endpoint)
+    server.buffer = {0: _frames(0, [_store(1)]), 1: _frames(1, [_store(2, 1)])}
+    sub = StreamSubscriber(endpoint, replay_endpoint, context=ctx, start_seq=0)
+    try:
+        _poll_until(sub, lambda: sub.stats.batches == 2)
+        assert sub.connected and sub.held == {(0, 1), (0, 2)} and sub.stats.gaps == 0
+    finally:
+        sub.close()
+        server.close()
+
+
+def test_nothing_at_the_endpoint_is_said_within_seconds(monkeypatch, tmp_path, capsys) -> None:
+    from kvbm_plugin.tools import subscribe
+
+    monkeypatch.setattr(subscribe, "NOTHING_THERE_S", 0.3)
+    started = time.monotonic()
+    assert subscribe.main_subscribe([f"ipc://{tmp_path}/nobody", "--duration", "1"]) == 0
+    assert time.monotonic() - started < 10
+    err = capsys.readouterr().err
+    assert f"nothing answers at ipc://{tmp_path}/nobody" in err

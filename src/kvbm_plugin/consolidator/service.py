@@ -374,11 +374,8 @@ class KvEventConsolidator(StreamIngest):
                 self._ready.set()  # start() waits for this
             return
         self._ready.set()
-        for stream in streams:
-            if stream.dealer is not None:
-                # Catch up on what the rank published before we joined (or before our
-                # subscription took effect): everything its replay buffer still holds.
-                self._request_replay(stream, 0, startup=True)
+        # Each stream catches up on what its rank published before our subscription took
+        # effect once its SUB has reached the publisher (JOINED, _on_connection_event).
         by_socket = {s.sub: s for s in streams}
         by_dealer = {s.dealer: s for s in streams if s.dealer is not None}
         self._poller, self._by_dealer = poller, by_dealer

@@ -28,7 +28,7 @@ from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.consolidator.core import ConsolidatorCore, UnknownMediumError
 from kvbm_plugin.consolidator_config import ConsolidatorConfig
 from kvbm_plugin.wire.events import END_SEQ, WireFormatError, decode_seq, encode_seq
-from kvbm_plugin.wire.reconnect import BACK, LOST, ConnectionWatch
+from kvbm_plugin.wire.reconnect import BACK, JOINED, LOST, ConnectionWatch
 
 
 class _Replay:
@@ -199,7 +199,16 @@ class StreamIngest:
             self._by_dealer[stream.dealer] = stream
 
     def _on_connection_event(self, stream: _Stream, event: str) -> None:
-        """The rank's SUB lost its publisher, or reached one again (ingest thread)."""
+        """The rank's SUB reached its publisher for the first time, lost it, or reached one
+        again (ingest thread)."""
+        if event == JOINED:
+            # Our subscription is on its way only now: what the rank published before reached
+            # us nowhere live, and the stream may stay quiet after it, so no later seq would
+            # show the gap. Everything its replay buffer still holds is asked for now (a live
+            # batch that came first has already started that replay).
+            if stream.dealer is not None and not stream.seen and stream.replay is None:
+                self._request_replay(stream, stream.expected, startup=True)
+            return
         if event == LOST:
             stream.anchor = stream.last_applied()
             return

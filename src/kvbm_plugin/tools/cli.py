@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import NoReturn
@@ -32,6 +34,52 @@ kv_connector_config:
 class UsageError(Exception):
     """An option has a value the command cannot use. :func:`main` prints the message (which
     names the option and the value) as one line and exits with status 2."""
+
+
+class CommandFailed(Exception):
+    """The command could not do its work (an endpoint already in use, a URL that can never
+    answer). :func:`main` prints the message as one line and exits with status 1."""
+
+
+# Exit statuses, the same for every command.
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+
+def signal_status(signum: int) -> int:
+    """The exit status of a command stopped by ``signum``: 128 + its number, as a shell
+    reports a process killed by it (Ctrl-C/SIGINT 130, SIGTERM 143)."""
+    return 128 + signum
+
+
+class SignalStop:
+    """SIGINT and SIGTERM set :attr:`event` (a long-running command's loop ends and cleans up)
+    and remember which came, for :attr:`status`. Installed by the command on the main thread
+    with :meth:`install`; :meth:`restore` puts the previous handlers back."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+        self.event.set()
+
+    def install(self) -> SignalStop:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous = {}
+
+    @property
+    def status(self) -> int:
+        """0 while no signal came, else :func:`signal_status` of the first one."""
+        return EXIT_OK if self.signum is None else signal_status(self.signum)
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -102,10 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``kvbm-plugin``. A configuration or usage error (ConfigError, UsageError)
-    ends as one line on stderr and exit status 2, an entry point that cannot be loaded
-    (PluginLoadError) as one line and status 1, Ctrl-C as one line and status 130; never a
-    traceback for those."""
+    """Entry point of ``kvbm-plugin``. Exit statuses, the same for every command: 0 done (the
+    demo: every check passed; doctor: no problem); 1 a runtime failure (CommandFailed: an
+    endpoint in use, a URL that can never answer; PluginLoadError: an entry point that cannot
+    be loaded; a failed demo check or doctor problem); 2 a bad option or variable
+    (ConfigError, UsageError); 130 Ctrl-C; 143 SIGTERM. Each error is one line on stderr,
+    never a traceback."""
     # Our own process: torch's CPU wheels warn at import when NumPy is absent, which the plugin
     # does not use; keep that line out of the demo's and doctor's output.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -122,13 +172,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except (ConfigError, UsageError) as exc:
         _one_line(prog, str(exc))
-        return 2
-    except PluginLoadError as exc:
+        return EXIT_USAGE
+    except (PluginLoadError, CommandFailed) as exc:
         _one_line(prog, str(exc))
-        return 1
+        return EXIT_FAILED
     except KeyboardInterrupt:
         _one_line(prog, "interrupted")
-        return 130
+        return signal_status(signal.SIGINT)
 
 
 def _one_line(prog: str, message: str) -> None:

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
-from typing import Any
 
 import zmq
 
@@ -27,14 +24,16 @@ from kvbm_plugin.consolidator_config import (
     consolidator_enabled,
     load_consolidator_config,
     native_enabled,
+    parse_endpoint,
 )
-from kvbm_plugin.tools.cli import ArgumentParser
+from kvbm_plugin.tools.cli import EXIT_FAILED, EXIT_USAGE, ArgumentParser, SignalStop
 
 logger = logging.getLogger("kvbm_plugin.consolidator.service")
 
 
 def main_consolidate(argv: list[str] | None = None) -> int:
-    """``kvbm-plugin consolidate``: run the consolidator until SIGINT/SIGTERM.
+    """``kvbm-plugin consolidate``: run the consolidator until SIGINT/SIGTERM (exit status 130
+    and 143: see :func:`kvbm_plugin.tools.cli.main` for every status).
 
     Reads the DYN_KVBM_* variables like the leader does, each validated before anything starts
     (the consolidator switch too, though asking for the command runs it whatever its value);
@@ -61,11 +60,18 @@ def main_consolidate(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     env = dict(os.environ)
-    for value, name in ((args.mode, CONSOLIDATOR_MODE), (args.events_endpoint, EVENTS_ENDPOINT),
-                        (args.replay_endpoint, REPLAY_ENDPOINT),
-                        (args.output_endpoint, OUTPUT_ENDPOINT),
-                        (args.output_replay_endpoint, OUTPUT_REPLAY_ENDPOINT)):
+    if args.mode is not None:
+        env[CONSOLIDATOR_MODE] = args.mode
+    for value, name, option in (
+            (args.events_endpoint, EVENTS_ENDPOINT, "--events-endpoint"),
+            (args.replay_endpoint, REPLAY_ENDPOINT, "--replay-endpoint"),
+            (args.output_endpoint, OUTPUT_ENDPOINT, "--output-endpoint"),
+            (args.output_replay_endpoint, OUTPUT_REPLAY_ENDPOINT, "--output-replay-endpoint")):
         if value is not None:
+            try:  # a bad option is named as the option, not as the variable it overrides
+                parse_endpoint(option, value, default_host="127.0.0.1")
+            except ConfigError as exc:
+                parser.error(str(exc))
             env[name] = value
     try:
         consolidator_enabled(env)  # validated, then overridden: the command always runs it
@@ -75,30 +81,23 @@ def main_consolidate(argv: list[str] | None = None) -> int:
                                           require_gpu_events=True)
     except ConfigError as exc:
         print(f"kvbm-plugin consolidate: {exc}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return EXIT_USAGE
+    stop = SignalStop().install()
     consolidator = KvEventConsolidator(config)
     try:
         consolidator.start()
     except (zmq.ZMQError, ConfigError, OSError) as exc:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        stop.restore()
         print(f"kvbm-plugin consolidate: cannot start: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     inputs = ", ".join(config.publish_endpoint(r).connect for r in range(config.num_ranks))
     logger.info("KV event consolidator started (%s): %s -> %s", config.mode, inputs,
                 config.output.bind)
     try:
-        while not stop.wait(1.0):
+        while not stop.event.wait(1.0):
             pass
     finally:
         consolidator.shutdown()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        stop.restore()
         logger.info("KV event consolidator stopped: %s", consolidator.stats())
-    return 0
+    return stop.status

@@ -25,8 +25,10 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import zmq
+
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.tools.cli import ArgumentParser, UsageError
+from kvbm_plugin.tools.cli import ArgumentParser, CommandFailed, UsageError
 from kvbm_plugin.wire.events import to_signed_int64
 
 # The demo's tenants: sessions alternate between them (cache salts).
@@ -170,34 +172,6 @@ def _load_engine_modules() -> None:
         signal.raise_signal(held[0])  # now handled by the handler in place (SIGINT: Ctrl-C)
 
 
-class _JoiningSubscriber:
-    """The demo's subscriber of the consolidated stream, telling the gap of joining late from a
-    gap in the stream.
-
-    The subscriber connects while the engine is already up, and a PUB socket drops what it
-    sends before the subscription has reached it, which takes the I/O threads an unbounded
-    time on a loaded machine. The subscriber starts at seq 0, so the first message it does
-    receive (seq > 0) is a gap it fills from the replay socket, as a router that joins late
-    would. That one gap is the subscriber's, not the stream's; any later gap, or any batch the
-    replay could not recover, fails the run.
-    """
-
-    def __init__(self, subscriber) -> None:  # noqa: ANN001
-        self.subscriber = subscriber
-        self.joined_late = False
-
-    def poll(self, timeout_ms: int) -> None:
-        stats = self.subscriber.stats
-        before_batches, before_gaps = stats.batches, stats.gaps
-        self.subscriber.poll(timeout_ms)
-        if before_batches == 0 and stats.gaps > before_gaps:
-            self.joined_late = True  # the first gap of this poll is the join
-
-    @property
-    def stream_gaps(self) -> int:
-        return self.subscriber.stats.gaps - self.joined_late
-
-
 def _demo_env(tmp: str, args: argparse.Namespace) -> dict[str, str]:
     """Endpoints as ipc paths in a private temp dir: no port can collide on the user's machine."""
     env = {
@@ -215,6 +189,26 @@ def _demo_env(tmp: str, args: argparse.Namespace) -> dict[str, str]:
         env[cc.DISK_CACHE_NUM_BLOCKS] = str(args.disk_blocks)
         env[cc.DISK_CACHE_DIR] = f"{tmp}/disk"
     return _with_user_endpoints(env, cc.user_endpoint_settings())
+
+
+def overridden_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """The plugin's variables set in ``environ`` (default ``os.environ``) that the demo does
+    not honour: it sizes its tiers, places its disk directory and runs its consolidator from
+    its options; only the socket-placing variables and DYN_KVBM_NATIVE are taken over."""
+    import os
+
+    environ = dict(os.environ) if environ is None else environ
+    kept = set(cc.ENDPOINT_VARS) | {cc.NATIVE}
+    known = {v.name for v in cc.ENV_VARS}
+    return sorted(name for name in environ if name in known and name not in kept)
+
+
+def _say_overridden(environ: dict[str, str] | None = None) -> None:
+    names = overridden_variables(environ)
+    if names:
+        print("note: the demo sets its own tiers and consolidator and ignores "
+              + ", ".join(names) + " (use --tiers, --host-blocks, --disk-blocks, --mode)",
+              flush=True)
 
 
 def _with_user_endpoints(env: dict[str, str], user: dict[str, str]) -> dict[str, str]:
@@ -252,32 +246,42 @@ def run_demo(args: argparse.Namespace) -> int:
     from kvbm_plugin.tools.router_view import RouterView, TreeSubscriber
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("--device cuda: CUDA is not available on this machine", file=sys.stderr)
-        return 2
-    workload = _workload(args)
+        raise UsageError("--device cuda: CUDA is not available on this machine (torch "
+                         f"{torch.__version__}); use --device cpu")
+    workload = _FollowUps(_workload(args))
     steady = args.duration is not None or args.requests is not None
     total = args.requests or (0 if steady else args.sessions * args.turns)
     started = time.monotonic()
     watch = _ErrorWatch()
+    _say_overridden()
+    if args.processes:
+        _quiet_rank_processes()
     with watch.watching(), tempfile.TemporaryDirectory(prefix="kvbm-demo-") as tmp:
         env = _demo_env(tmp, args)
         config = cc.load_consolidator_config(env)
         for role, where in _served_endpoints(config):
             print(f"serving {role}: {where}", flush=True)
-        engine = SimulatedEngine(EngineConfig(
-            num_layers=args.layers, num_kv_heads=4, head_dim=16,
-            tokens_per_block=args.block_size, num_gpu_blocks=args.gpu_blocks,
-            tp_size=args.tp, max_num_tokens=512, max_batch_size=8, device=args.device,
-            dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
-            env=env, vocab_size=30000, overlap_scheduler=not args.no_overlap,
-            processes=args.processes))
+        try:
+            engine = SimulatedEngine(EngineConfig(
+                num_layers=args.layers, num_kv_heads=kv_heads(args.tp), head_dim=16,
+                tokens_per_block=args.block_size, num_gpu_blocks=args.gpu_blocks,
+                tp_size=args.tp, max_num_tokens=512, max_batch_size=8, device=args.device,
+                dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
+                env=env, vocab_size=30000, overlap_scheduler=not args.no_overlap,
+                processes=args.processes))
+        except cc.ConfigError as exc:
+            if isinstance(exc.__cause__ or exc.__context__, (zmq.ZMQError, OSError)) \
+                    or "cannot bind" in str(exc):
+                # A socket the run needs is taken: the machine's state, not the options.
+                raise CommandFailed(f"cannot start: {exc}") from exc
+            raise
+        workload.engine = engine
         subscriber = TreeSubscriber(
             config.output.connect,
             None if config.output_replay is None else config.output_replay.connect,
             start_seq=0, view=RouterView(args.block_size))
-        joining = _JoiningSubscriber(subscriber)
         probe = RouterProbe(engine, subscriber, settle_timeout=args.settle_timeout,
-                            poll=joining.poll)
+                            poll=subscriber.poll)
         progress = _Progress(total, enabled=not args.no_progress)
 
         def on_step(done) -> None:  # noqa: ANN001
@@ -291,11 +295,21 @@ def run_demo(args: argparse.Namespace) -> int:
                             f"router agrees on {done.tally.agreement:.1%}")
 
         try:
-            result = drive(engine, probe, workload, max_requests=args.requests,
-                           duration_s=args.duration,
-                           timeout_s=args.timeout + (args.duration or 0.0), on_step=on_step)
+            try:
+                result = drive(engine, probe, workload, max_requests=args.requests,
+                               duration_s=args.duration,
+                               timeout_s=args.timeout + (args.duration or 0.0),
+                               on_step=on_step)
+            except TimeoutError:
+                stats = engine.stats()
+                raise CommandFailed(
+                    f"the run did not finish within --timeout {args.timeout:g} s"
+                    + (f" (after --duration {args.duration:g} s)" if args.duration else "")
+                    + f": {stats.requests_finished} of {stats.requests_submitted} requests "
+                    "finished; raise --timeout or shrink the run (--sessions, --turns, "
+                    "--requests)") from None
             progress.update(result.finished, "draining event streams", force=True)
-            checks, summary = _settle_and_check(engine, joining, args)
+            checks, summary = _settle_and_check(engine, subscriber, args, workload)
             router_checks, router_summary = _router_report(result, probe)
             checks += router_checks
             summary += router_summary
@@ -306,6 +320,29 @@ def run_demo(args: argparse.Namespace) -> int:
         checks.append(_failure_check(engine, watch))  # after shutdown: its errors count too
     _print_summary(summary, checks, time.monotonic() - started)
     return 0 if all(c.ok for c in checks) else 1
+
+
+# KV heads of the simulated model: TRT-LLM splits them evenly over the TP ranks, so the demo
+# gives every --tp a multiple of it (4 for TP 1, 2 and 4; 6 for TP 3; TP for TP > 4).
+BASE_KV_HEADS = 4
+
+
+def kv_heads(tp: int) -> int:
+    """The simulated model's KV heads for ``tp`` ranks: the smallest multiple of ``tp`` that
+    is at least :data:`BASE_KV_HEADS`."""
+    return tp * -(-BASE_KV_HEADS // tp)
+
+
+# torch's CPU wheels warn at import when NumPy is absent; the plugin does not use NumPy.
+NUMPY_WARNING = "ignore:Failed to initialize NumPy"
+
+
+def _quiet_rank_processes() -> None:
+    """Rank processes (``--processes``, spawned) start with the interpreter's -W options,
+    which ``multiprocessing`` passes on from ``sys.warnoptions``: the NumPy warning the CLI
+    filters in its own process is filtered in theirs too, before they import torch."""
+    if NUMPY_WARNING not in sys.warnoptions:
+        sys.warnoptions.append(NUMPY_WARNING)
 
 
 def _workload(args: argparse.Namespace):  # noqa: ANN202
@@ -353,10 +390,16 @@ def _router_report(result, probe) -> tuple[list[Check], list[tuple[str, str]]]: 
     return checks, summary
 
 
-def _settle_and_check(engine, joining: _JoiningSubscriber,  # noqa: ANN001, ANN202
-                      args: argparse.Namespace):
-    """Flush the last GPU events, wait until the subscriber has everything, then compare."""
-    subscriber = joining.subscriber
+def _settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN001, ANN202
+                      workload: _FollowUps):
+    """Flush the last GPU events, wait until the subscriber has everything, then compare.
+
+    The subscriber connects while the engine is already up, and a PUB socket drops what it
+    sends before the subscription has reached it (which takes the I/O threads an unbounded
+    time on a loaded machine). It starts at seq 0, so it fetches what it missed from the
+    replay socket, as a router that joins late would: that catch-up is the join, not a gap
+    (``stats.gaps`` counts only holes after it); history the replay no longer held fails the
+    run like a lost batch."""
     engine.leader.flush_events()  # events of the last iteration (TRT-LLM: next iteration)
     consolidator = engine.leader.consolidator
     truth = engine.resident_blocks()
@@ -372,11 +415,11 @@ def _settle_and_check(engine, joining: _JoiningSubscriber,  # noqa: ANN001, ANN2
     deadline = time.monotonic() + args.settle_timeout
     while time.monotonic() < deadline:
         consolidator.wait_idle(0.2)
-        joining.poll(20)
+        subscriber.poll(20)
         published = consolidator.stats()["batches_out"]
         if subscriber.next_seq == published and view() == expected:
             break
-    joining.poll(50)
+    subscriber.poll(50)
     stats = engine.stats()
     sink = engine.leader.event_sink.stats()
     cons = consolidator.stats()
@@ -384,7 +427,8 @@ def _settle_and_check(engine, joining: _JoiningSubscriber,  # noqa: ANN001, ANN2
     blocks_in = cons["store_blocks_in"] + cons["remove_blocks_in"]
     blocks_out = cons["store_blocks_out"] + cons["remove_blocks_out"]
     prompt = max(1, stats.prompt_tokens)
-    lost = sink["publisher_lost_batches"] + cons["output_lost"] + sub.missing_batches
+    lost = (sink["publisher_lost_batches"] + cons["output_lost"] + sub.missing_batches
+            + sub.history_missing)
     summary = [
         ("requests", f"{stats.requests_finished} finished / {stats.requests_submitted} "
                      f"submitted, {stats.iterations} engine iterations, TP={args.tp}"
@@ -407,9 +451,9 @@ def _settle_and_check(engine, joining: _JoiningSubscriber,  # noqa: ANN001, ANN2
                                 f"{cons['remove_blocks_out']} block removes, "
                                 f"{cons['batches_out']} batches"),
         ("suppressed by dedup", f"{blocks_in - blocks_out} of {blocks_in} block events"),
-        ("gaps / losses", f"{joining.stream_gaps} gaps, {lost} batches lost"
+        ("gaps / losses", f"{sub.gaps} gaps, {lost} batches lost"
                           + (f" (joined late: {sub.replayed_batches} batches replayed)"
-                             if joining.joined_late else "")),
+                             if sub.replayed_batches and not sub.gaps else "")),
         ("subscriber view", f"{len(view())} blocks held; truth {len(expected)} "
                             f"(GPU {len(truth['GPU'][0])}, host {len(truth['CPU'][0])}, "
                             f"disk {len(truth['DISK'][0])})"),
@@ -419,9 +463,9 @@ def _settle_and_check(engine, joining: _JoiningSubscriber,  # noqa: ANN001, ANN2
               f"{stats.requests_finished}/{stats.requests_submitted}"),
         Check("onboarded KV bytes exact", stats.kv_mismatches == 0,
               f"{stats.kv_mismatches} mismatching blocks"),
-        _tier_reuse_check(args, stats, sink),
-        Check("no gaps, no losses", joining.stream_gaps == 0 and lost == 0,
-              f"{joining.stream_gaps} gaps, {lost} lost"),
+        _tier_reuse_check(args, stats, workload),
+        Check("no gaps, no losses", sub.gaps == 0 and lost == 0,
+              f"{sub.gaps} gaps, {lost} lost"),
         Check("no duplicate STORE, no unknown REMOVE, parents first",
               sub.duplicate_stores == 0 and sub.unknown_removes == 0 and sub.orphan_stores == 0,
               f"{sub.duplicate_stores} duplicate, {sub.unknown_removes} unknown, "
@@ -432,18 +476,49 @@ def _settle_and_check(engine, joining: _JoiningSubscriber,  # noqa: ANN001, ANN2
     return checks, summary
 
 
-def _tier_reuse_check(args: argparse.Namespace, stats, sink: dict) -> Check:  # noqa: ANN001
-    """Tiers must serve evicted prefixes, when the run gives them the chance: a later turn and a
-    GPU pool that evicted something."""
+def _tier_reuse_check(args: argparse.Namespace, stats, workload: _FollowUps) -> Check:  # noqa: ANN001
+    """Tiers must serve evicted prefixes when the run gave them the chance: a session's later
+    turn handed out after the GPU pool had evicted a block. (A run of first turns only, e.g.
+    ``--requests`` up to ``--sessions``, re-sends no history: nothing to serve.)"""
     name = "prefixes reused from tiers"
     reused = stats.host_hit_tokens + stats.disk_hit_tokens
     detail = f"host {stats.host_hit_tokens} + disk {stats.disk_hit_tokens} tokens"
     if "none" in args.tiers.split(","):
         return Check(name, True, "not exercised (--tiers none)")
-    if args.turns < 2 or sink["blocks_removed"] == 0:
-        return Check(name, True, f"not exercised (one turn, or the GPU pool never evicted); "
-                                 f"{detail}")
-    return Check(name, reused > 0, detail)
+    if workload.after_eviction == 0:
+        return Check(name, True, "not exercised (no later turn came after the GPU pool "
+                                 f"evicted a block); {detail}")
+    return Check(name, reused > 0, f"{detail} ({workload.after_eviction} later turns after "
+                                   "a GPU eviction)")
+
+
+class _FollowUps:
+    """The demo's workload, counting the requests that continue a session (a later turn,
+    re-sending its history) handed out after the GPU pool first evicted a block: only those
+    can find a prefix in a tier that the GPU no longer holds. Same interface as the workload
+    it wraps (:func:`kvbm_plugin.tools.chat_workload.drive` calls it)."""
+
+    def __init__(self, workload) -> None:  # noqa: ANN001
+        self._workload = workload
+        self._sessions: set[int] = set()
+        self.engine = None  # set by run_demo once the engine is up
+        self.after_eviction = 0
+
+    def __getattr__(self, name: str):  # noqa: ANN204
+        return getattr(self._workload, name)
+
+    def next_request(self):  # noqa: ANN201
+        request = self._workload.next_request()
+        if request is None:
+            return None
+        if request.session in self._sessions and self._evicted():
+            self.after_eviction += 1
+        self._sessions.add(request.session)
+        return request
+
+    def _evicted(self) -> bool:
+        sink = self.engine.leader.event_sink if self.engine is not None else None
+        return sink is not None and sink.stats()["blocks_removed"] > 0
 
 
 def _bytes(n: int) -> str:
@@ -483,20 +558,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
     parser.add_argument("--layers", type=int, default=4,
                         help="transformer layers of the simulated KV cache (default 4)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    parser.add_argument("--gpu-blocks", type=int, default=64, help="GPU pool size in blocks")
-    parser.add_argument("--host-blocks", type=int, default=96, help="host tier size in blocks")
-    parser.add_argument("--disk-blocks", type=int, default=512, help="disk tier size in blocks")
+    parser.add_argument("--block-size", type=int, default=16,
+                        help="tokens per block (default %(default)s)")
+    parser.add_argument("--gpu-blocks", type=int, default=64,
+                        help="GPU pool size in blocks (default %(default)s)")
+    parser.add_argument("--host-blocks", type=int, default=96,
+                        help="host tier size in blocks (default %(default)s)")
+    parser.add_argument("--disk-blocks", type=int, default=512,
+                        help="disk tier size in blocks (default %(default)s)")
     parser.add_argument("--tiers", default="host,disk",
-                        help="offload tiers: host,disk | host | disk | none")
+                        help="offload tiers: host,disk | host | disk | none "
+                             "(default %(default)s)")
     parser.add_argument("--mode", choices=("dedup", "passthrough"), default="dedup",
                         help="consolidator mode (default dedup)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the simulated GPU pool lives: cpu, or cuda for a real "
                              "device with pinned host tier and side streams (default cpu)")
-    parser.add_argument("--timeout", type=float, default=120.0, help="give up after seconds")
+    parser.add_argument("--timeout", type=float, default=120.0,
+                        help="give up after this many seconds (default %(default)s; with "
+                             "--duration: that long after it)")
     parser.add_argument("--settle-timeout", type=float, default=20.0,
-                        help="seconds to wait for the subscriber to catch up at the end")
+                        help="seconds to wait for the subscriber to catch up at the end "
+                             "(default %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run TRT-LLM's plain executor loop instead of the overlap "

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -19,13 +21,120 @@ class Check:
 
 
 def _port_free(port: int) -> str | None:
-    """None when ``port`` can be bound on all interfaces now, else the reason."""
+    """None when ``port`` can be bound on all interfaces now, else the reason.
+
+    Probed the way the real bind happens: libzmq's TCP listener sets SO_REUSEADDR before it
+    binds on every system but Windows (zeromq/libzmq src/tcp_listener.cpp,
+    ``tcp_listener_t::create_socket``), so a port whose last connections are still in
+    TIME_WAIT (for a minute after any run with a subscriber) binds fine and is free here too;
+    a port another socket listens on is still refused."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        if os.name != "nt":
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("0.0.0.0", port))
         except OSError as exc:
             return exc.strerror or str(exc)
     return None
+
+
+def _ipc_problem(address: str) -> str | None:
+    """Why an ipc socket cannot be bound at ``address`` (its directory), or None."""
+    directory = os.path.dirname(os.path.abspath(address)) or "."
+    if not os.path.isdir(directory):
+        return f"{directory} does not exist" if not os.path.lexists(directory) \
+            else f"{directory} is not a directory"
+    if not os.access(directory, os.W_OK | os.X_OK):
+        return f"{directory} is not writable"
+    return None
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.1f} GiB"
+
+
+def _memory_bytes() -> tuple[int, int] | None:
+    """(MemTotal, MemAvailable) in bytes from /proc/meminfo, or None where there is none."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            fields = dict(line.split(":", 1) for line in meminfo if ":" in line)
+        return (int(fields["MemTotal"].split()[0]) * 1024,
+                int(fields["MemAvailable"].split()[0]) * 1024)
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def _write_probe(directory: str) -> str | None:
+    """Why no file can be written in ``directory`` (tried for real: permission bits do not
+    tell for /proc, a read-only mount or a full disk), or None. The probe file is removed."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".kvbm-doctor-"):
+            pass
+    except OSError as exc:
+        return f"cannot write a file in {directory}: {exc.strerror or exc}"
+    return None
+
+
+def _tier_checks(tiers: cc.TierSettings) -> list[Check]:
+    """Offload off, or each tier against what this machine has: host cache in GiB against
+    its memory, disk cache against the free space of its directory, which must take files."""
+    if not tiers.host_enabled and not tiers.disk_enabled:
+        return [Check("offload tiers", "warn",
+                      f"none configured ({cc.CPU_CACHE_GB} / {cc.CPU_CACHE_NUM_BLOCKS}, "
+                      f"{cc.DISK_CACHE_GB} / {cc.DISK_CACHE_NUM_BLOCKS} unset or 0): offload "
+                      "is off, the plugin only publishes GPU-tier events")]
+    checks: list[Check] = []
+    if tiers.host_enabled:
+        checks.append(_host_check(tiers))
+    if tiers.disk_enabled:
+        checks.append(_disk_check(tiers))
+    return checks
+
+
+def _host_check(tiers: cc.TierSettings) -> Check:
+    if tiers.cpu_num_blocks:
+        return Check("host tier", "ok", f"{cc.CPU_CACHE_NUM_BLOCKS}={tiers.cpu_num_blocks} "
+                     "blocks (their size is the engine's: not compared with memory here)")
+    want = tiers.cpu_cache_gb * (1 << 30)
+    memory = _memory_bytes()
+    if memory is None:
+        return Check("host tier", "warn", f"{cc.CPU_CACHE_GB}={tiers.cpu_cache_gb:g}: this "
+                     "machine's memory is unknown (no /proc/meminfo)")
+    total, available = memory
+    detail = (f"{cc.CPU_CACHE_GB}={tiers.cpu_cache_gb:g} ({_gib(want)} pinned host memory); "
+              f"this machine has {_gib(total)}, {_gib(available)} available")
+    if want >= total:
+        return Check("host tier", "fail", detail + ": more than the machine has")
+    if want > available:
+        return Check("host tier", "warn", detail + ": more than is available now")
+    return Check("host tier", "ok", detail)
+
+
+def _disk_check(tiers: cc.TierSettings) -> Check:
+    directory = tiers.disk_cache_dir
+    if directory is None:
+        where = tempfile.gettempdir()
+        named = f"{cc.DISK_CACHE_DIR} unset: a temporary directory under {where}"
+    else:
+        where = os.path.abspath(directory)
+        named = f"{cc.DISK_CACHE_DIR}={directory!r}"
+    existing = where
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    problem = _write_probe(existing)
+    if problem is not None:
+        return Check("disk tier", "fail", f"{named}: {problem}")
+    created = "" if existing == where else f" (created at start-up under {existing})"
+    if tiers.disk_num_blocks:
+        return Check("disk tier", "ok", f"{named}{created}; {cc.DISK_CACHE_NUM_BLOCKS}="
+                     f"{tiers.disk_num_blocks} blocks (their size is the engine's)")
+    want = tiers.disk_cache_gb * (1 << 30)
+    free = shutil.disk_usage(existing).free
+    detail = (f"{named}{created}; {cc.DISK_CACHE_GB}={tiers.disk_cache_gb:g} "
+              f"({_gib(want)}), {_gib(free)} free there")
+    if want > free:
+        return Check("disk tier", "fail", detail + ": more than the free space")
+    return Check("disk tier", "ok", detail)
 
 
 def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings) -> list[Check]:
@@ -48,8 +157,7 @@ def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings)
         if endpoint.scheme == "tcp":
             problem = _port_free(endpoint.port)
         elif endpoint.scheme == "ipc":
-            directory = os.path.dirname(os.path.abspath(endpoint.address)) or "."
-            problem = None if os.access(directory, os.W_OK) else f"{directory} is not writable"
+            problem = _ipc_problem(endpoint.address)
         else:
             problem = None
         if problem:
@@ -103,14 +211,20 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
     except (cc.ConfigError, PluginLoadError) as exc:
         config = None
         checks.append(Check("consolidator config", "fail", str(exc)))
+    # The event source has its own check below (what it means, not only its value).
+    tiers: cc.TierSettings | None = None
     for name, loader in (("publisher settings", cc.load_publisher_settings),
                          ("tier settings", cc.load_tier_settings),
-                         ("metrics settings", cc.load_metrics_settings),
-                         ("GPU-tier event source", cc.load_events_source)):
+                         ("metrics settings", cc.load_metrics_settings)):
         try:
-            checks.append(Check(name, "ok", repr(loader())))
+            value = loader()
+            checks.append(Check(name, "ok", repr(value)))
+            if isinstance(value, cc.TierSettings):
+                tiers = value
         except (cc.ConfigError, PluginLoadError) as exc:
             checks.append(Check(name, "fail", str(exc)))
+    if tiers is not None:
+        checks.extend(_tier_checks(tiers))
     if config is not None:
         try:
             metrics = cc.load_metrics_settings()
@@ -136,8 +250,9 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
                             f"{COMPAT.error}"))
     elif not COMPAT.installed:
         checks.append(Check("TensorRT-LLM", "fail" if require_trtllm else "warn",
-                            "not installed (pip install 'kvbm-plugin[trtllm]' "
-                            "--extra-index-url https://pypi.nvidia.com); stand-in base classes"))
+                            "not installed (from the plugin's checkout: pip install "
+                            "'.[trtllm]' --extra-index-url https://pypi.nvidia.com); stand-in "
+                            "base classes"))
     else:
         checks.append(Check("TensorRT-LLM", "ok",
                             f"{COMPAT.trtllm_version}, connector API from {COMPAT.module}"))

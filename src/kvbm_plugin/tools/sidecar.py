@@ -14,10 +14,11 @@ from __future__ import annotations
 import http.client
 import json
 import logging
-import signal
 import sys
 import threading
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -184,6 +185,38 @@ def build_sink(config: ConsolidatorConfig, *, block_size: int,
                        rank_publishers=publishers, prefix_closed=True)
 
 
+# HTTP statuses that no retry can change: the server does not offer POST /kv_cache_events
+# (or refuses us for good). Others (5xx but 501/505, 408, 429) and connection errors are
+# retried: a server that is starting or restarting answers them for a while.
+PERMANENT_HTTP_STATUSES = frozenset({400, 401, 403, 404, 405, 410, 501, 505})
+
+
+class SidecarGaveUp(Exception):
+    """``POST {url}/kv_cache_events`` can never succeed: raised by :func:`run_sidecar`."""
+
+
+def check_url(url: str) -> str | None:
+    """Why ``url`` can never be polled (not http(s)://host[:port]), or None."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return f"--url {url!r} is not an http:// or https:// URL with a host"
+    try:
+        parts.port  # noqa: B018 - raises ValueError for a port out of range or not a number
+    except ValueError as exc:
+        return f"--url {url!r}: {exc}"
+    return None
+
+
+def _permanent(exc: Exception) -> str | None:
+    """Why the failed poll ``exc`` will fail the same way every time, or None."""
+    if isinstance(exc, urllib.error.HTTPError) and exc.code in PERMANENT_HTTP_STATUSES:
+        return f"HTTP {exc.code} {exc.reason}"
+    if isinstance(exc, ValueError) and not isinstance(exc, http.client.HTTPException) \
+            and str(exc).startswith("unknown url type"):
+        return str(exc)
+    return None
+
+
 def run_sidecar(url: str, config: ConsolidatorConfig, *, block_size: int,
                 interval: float = 0.1, stop_event: threading.Event,
                 publisher_factory: PublisherFactory | None = None,
@@ -192,8 +225,9 @@ def run_sidecar(url: str, config: ConsolidatorConfig, *, block_size: int,
 
     Runs on the calling thread. Each poll: fetch, ingest (events with an ``attention_dp_rank``
     outside ``0..num_ranks-1`` are counted and logged, not published), one flush. HTTP errors
-    are counted (``poll_errors``) and retried at the next interval. Publishers are shut down on
-    return.
+    are counted (``poll_errors``) and retried at the next interval, except those no retry can
+    change (:data:`PERMANENT_HTTP_STATUSES`, a URL of an unknown type): SidecarGaveUp names it.
+    Publishers are shut down on return.
     """
     if interval <= 0:
         raise ConfigError(f"sidecar interval={interval!r} must be > 0 seconds")
@@ -208,6 +242,11 @@ def run_sidecar(url: str, config: ConsolidatorConfig, *, block_size: int,
             except (OSError, ValueError, http.client.HTTPException) as exc:
                 # HTTPException: e.g. IncompleteRead, a response cut short (not an OSError).
                 errors += 1
+                why = _permanent(exc)
+                if why is not None:
+                    raise SidecarGaveUp(f"POST {url}/kv_cache_events answered {why}; no "
+                                        "retry can change that (is --url trtllm-serve's base "
+                                        "URL?)") from exc
                 log.log(logging.WARNING, "poll", "sidecar: POST %s/kv_cache_events failed: %s",
                         url, exc)
                 events = []
@@ -244,11 +283,12 @@ def run_sidecar(url: str, config: ConsolidatorConfig, *, block_size: int,
 def main_sidecar(argv: Sequence[str] | None = None) -> int:
     """``kvbm-plugin sidecar``: argparse front end of :func:`run_sidecar` (env from DYN_KVBM_*).
 
-    A bad option or variable is one line on stderr and exit status 2; publishers that cannot
-    bind (a busy port) one line and status 1.
+    A bad option or variable (a URL that is not http(s)://host) is one line on stderr and exit
+    status 2; publishers that cannot bind (a busy port) or a URL that answers what no retry can
+    change (HTTP 404, 501, ...) one line and status 1; SIGINT 130, SIGTERM 143.
     """
     from kvbm_plugin.consolidator_config import native_enabled
-    from kvbm_plugin.tools.cli import ArgumentParser
+    from kvbm_plugin.tools.cli import EXIT_FAILED, EXIT_USAGE, ArgumentParser, SignalStop
 
     parser = ArgumentParser(
         prog="kvbm-plugin sidecar",
@@ -269,25 +309,28 @@ def main_sidecar(argv: Sequence[str] | None = None) -> int:
         parser.error(f"argument --interval: {args.interval} must be a number of seconds > 0")
     if args.num_ranks < 1:
         parser.error(f"argument --num-ranks: {args.num_ranks} must be >= 1")
+    bad_url = check_url(args.url)
+    if bad_url is not None:
+        parser.error(bad_url)
     try:
         native_enabled()  # read by the event sink's loops
         config = load_consolidator_config(num_ranks=args.num_ranks, require_gpu_events=True)
     except ConfigError as exc:
         print(f"kvbm-plugin sidecar: {exc}", file=sys.stderr)
-        return 2
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set())
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+        return EXIT_USAGE
+    stop = SignalStop().install()
     try:
         stats = run_sidecar(args.url, config, block_size=args.block_size,
-                            interval=args.interval, stop_event=stop)
+                            interval=args.interval, stop_event=stop.event)
+    except SidecarGaveUp as exc:
+        print(f"kvbm-plugin sidecar: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except (ConfigError, zmq.ZMQError, OSError) as exc:
         # At start-up only (the poll loop counts its errors): a publisher that cannot bind.
         print(f"kvbm-plugin sidecar: cannot start the GPU-tier publishers (endpoints from "
               f"{config.publish_endpoint(0).source}): {exc}", file=sys.stderr)
-        return 1
+        return EXIT_FAILED
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        stop.restore()
     logger.info("sidecar stopped: %s", stats)
-    return 0
+    return stop.status

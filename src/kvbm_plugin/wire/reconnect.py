@@ -19,10 +19,15 @@ import contextlib
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["LOST", "BACK", "ConnectionWatch"]
+__all__ = ["LOST", "BACK", "JOINED", "ConnectionWatch"]
 
 LOST = "lost"  # the connection to the publisher closed
 BACK = "back"  # a connection was made again after one was lost
+# The first handshake with a publisher completed: the subscription is on its way. What the
+# publisher sent before it arrived reached no one live; a consumer with a replay endpoint asks
+# for it now (a consumer that waited for a later live batch to show the gap would wait forever
+# when the stream goes quiet).
+JOINED = "joined"
 
 
 class ConnectionWatch:
@@ -35,12 +40,14 @@ class ConnectionWatch:
     def __init__(self, sock: zmq.Socket) -> None:
         self._watched = sock
         self.socket: zmq.Socket = sock.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self._lost = False
+        self.joined = False  # a handshake with a publisher has completed
 
     def events(self) -> list[str]:
-        """The events since the last call, in order: :data:`LOST` and :data:`BACK` (the first
-        connection is not reported; a BACK always follows a LOST)."""
+        """The events since the last call, in order: :data:`JOINED` once, at the first
+        completed handshake, then :data:`LOST` and :data:`BACK` (the first connection is not
+        a BACK; a BACK always follows a LOST)."""
         out: list[str] = []
         while True:
             try:
@@ -55,6 +62,9 @@ class ConnectionWatch:
             elif event == zmq.EVENT_CONNECTED and self._lost:
                 self._lost = False
                 out.append(BACK)
+            elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED and not self.joined:
+                self.joined = True
+                out.append(JOINED)
 
     def close(self) -> None:
         """Stop monitoring and close the monitor socket; idempotent."""

@@ -29,7 +29,7 @@ from kvbm_plugin.wire.events import (
     encode_seq,
     to_signed_int64,
 )
-from kvbm_plugin.wire.reconnect import BACK, LOST, ConnectionWatch
+from kvbm_plugin.wire.reconnect import BACK, JOINED, LOST, ConnectionWatch
 
 __all__ = ["StreamSubscriber", "SubscriberStats", "as_json", "describe"]
 
@@ -41,9 +41,14 @@ class SubscriberStats:
     stores: int = 0
     removes: int = 0
     clears: int = 0
-    gaps: int = 0  # gap occurrences
-    missing_batches: int = 0  # batches not received and not recovered by replay
+    gaps: int = 0  # gap occurrences in the stream after the subscriber joined it
+    missing_batches: int = 0  # batches of those gaps that replay did not recover
     replayed_batches: int = 0
+    # The first seq received live, and how many batches before it (from ``start_seq``, or
+    # from seq 0 without one) were neither received nor replayed: history the subscriber
+    # missed by joining late, which is not a fault of the stream.
+    joined_at_seq: int | None = None
+    history_missing: int = 0
     malformed: int = 0
     duplicate_stores: int = 0  # STORE for a block already held (a producer bug)
     unknown_removes: int = 0  # REMOVE for a block not held (a producer bug)
@@ -57,9 +62,13 @@ class StreamSubscriber:
     """Connects a SUB to ``endpoint`` (and a DEALER to ``replay_endpoint`` if given).
 
     ``held`` maps ``(dp_rank, signed hash)`` for every block the stream says is stored, as a
-    router would index it. ``start_seq`` (e.g. 0) makes a first message with a later seq a gap
-    to replay, so batches published before the subscription took effect are not missed.
-    Not thread-safe: one thread polls.
+    router would index it. ``start_seq`` (e.g. 0) asks the replay endpoint for the batches
+    from that seq once the SUB has reached the publisher (and again when a first live message
+    comes with a later seq), so batches published before the subscription took effect are not
+    missed. That catch-up is the join, not a gap: ``stats.gaps`` counts only holes in the
+    stream after it; what the join could not recover is ``stats.history_missing`` (without
+    ``start_seq``: every batch before the first one received). Not thread-safe: one thread
+    polls.
 
     A message that cannot be decoded is counted in ``stats.malformed`` (``last_malformed``
     says why) and skipped. A restarted publisher (its seq starts again at 0) is noticed when
@@ -98,6 +107,13 @@ class StreamSubscriber:
         self._anchor: tuple[int, bytes] | None = None  # the last applied, when the link broke
         # Seqs [first, last] the latest replay applied: the same batches may still arrive live.
         self._replayed: tuple[int, int] | None = None
+        self._started = False  # a batch has been applied (the join is over)
+
+    @property
+    def connected(self) -> bool:
+        """True once the SUB has completed a handshake with a publisher at ``endpoint``
+        (learnt in :meth:`poll`)."""
+        return self._watch.joined
 
     def close(self) -> None:
         self._watch.close()
@@ -137,7 +153,15 @@ class StreamSubscriber:
         last batch applied that the publisher is the same one, and recover what was missed."""
         out: list[EventBatch] = []
         for event in self._watch.events():
-            if event == LOST:
+            if event == JOINED:
+                # The subscription is on its way only now: ask for what came before it, so a
+                # quiet stream's history arrives without waiting for a live batch.
+                if not self._started and self.next_seq is not None \
+                        and self._dealer is not None:
+                    out.extend(self._replay(self.next_seq, None)[0])
+                    if out:
+                        self._started = True
+            elif event == LOST:
                 self._anchor = self._last_applied()
             elif event == BACK:
                 self.stats.reconnects += 1
@@ -155,6 +179,10 @@ class StreamSubscriber:
         """Apply one live batch (replaying a gap before it); ``payload`` (its raw bytes) lets
         a later replay check that the publisher is still the same one."""
         out: list[EventBatch] = []
+        if self.stats.joined_at_seq is None and batch.seq is not None:
+            self.stats.joined_at_seq = batch.seq
+            if self.next_seq is None and not self._started:
+                self.stats.history_missing += batch.seq  # no start_seq: nothing asked back
         if batch.seq is not None and self.next_seq is not None:
             if batch.seq < self.next_seq:
                 replayed = self._replayed
@@ -163,13 +191,20 @@ class StreamSubscriber:
                 # Live seqs only go up: a lower one is a restarted publisher's new stream.
                 self._restarted()
             if batch.seq > self.next_seq:
-                self.stats.gaps += 1
+                joining = not self._started  # the catch-up of a join, not a hole
+                if not joining:
+                    self.stats.gaps += 1
                 start, restarts = self.next_seq, self.stats.restarts
                 recovered = self._replay_checked(start, batch.seq, self._last_applied())
                 if self.stats.restarts != restarts:  # the new stream is counted from 0
                     start = 0
-                self.stats.missing_batches += (batch.seq - start) - len(recovered)
+                lost = (batch.seq - start) - len(recovered)
+                if joining:
+                    self.stats.history_missing += lost
+                else:
+                    self.stats.missing_batches += lost
                 out.extend(recovered)
+        self._started = True
         self.apply(batch)
         out.append(batch)
         if batch.seq is not None:
