@@ -14,11 +14,11 @@ Targets: >= 99 % of prompt tokens agree; 0 router-rule warnings. Run in dedup mo
 default) and in passthrough mode (per-medium trees; any tier = the longest of them).
 
 ``--real``: NVIDIA Dynamo's own indexer (``pip install '.[interop]'``; root, for its private
-network namespace, see tests/interop/_indexer.py) subscribes to the consolidated stream too and
-is asked the same question at the same moment, through its ``/query`` (the tenant's cache salt
-as ``cache_salt``: the namespace the plugin publishes, ``identity.salt_namespace``). Before each
-answer the probe waits (up to 2 s) until the indexer holds as many blocks as the view: it
-applies events asynchronously and says nothing of how far it got.
+network namespace, see kvbm_plugin.tools.dynamo_indexer) subscribes to the consolidated stream
+too and is asked the same question at the same moment, through its ``/query`` (the tenant's
+cache salt as ``cache_salt``: the namespace the plugin publishes, ``identity.salt_namespace``).
+Before each answer the probe waits (up to 2 s) until the indexer holds as many blocks as the
+view: it applies events asynchronously and says nothing of how far it got.
 """
 
 from __future__ import annotations
@@ -31,36 +31,21 @@ from pathlib import Path
 from benchmarks._table import Row, print_table
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.tools.chat_workload import RouterProbe, SteadyChat, drive
+from kvbm_plugin.tools.dynamo_indexer import Indexer, ask_like_the_view, unavailable
 from kvbm_plugin.tools.router_view import RouterView, TreeSubscriber
-from kvbm_plugin.wire.identity import cache_salt_id, salt_namespace
 
 BLOCK_SIZE = 4
 
 
 def _real_indexer(tmp: str, config: cc.ConsolidatorConfig, view: RouterView):  # noqa: ANN202
     """Dynamo's indexer on the consolidated stream, and the probe's question to it."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "interop"))
-    from _indexer import Indexer, unavailable  # noqa: PLC0415 - test helper, optional
-
     reason = unavailable()
     if reason is not None:
         raise SystemExit(f"--real: {reason}")
     idx = Indexer(Path(tmp))
     assert config.output_replay is not None
     idx.register(1, config.output.connect, config.output_replay.connect, BLOCK_SIZE)
-
-    def held() -> int:
-        return sum(len(v) for v in idx.held().values())
-
-    def ask(prompt: list[int], salt: str | None) -> int:
-        want = sum(view.blocks().values())
-        deadline = time.monotonic() + 2.0
-        while held() != want and time.monotonic() < deadline:
-            time.sleep(0.002)  # poll interval: the indexer applies events asynchronously
-        ns = None if salt is None else salt_namespace(cache_salt_id(salt))
-        return idx.cached_tokens(prompt, cache_salt=ns)
-
-    return idx, ask
+    return idx, ask_like_the_view(idx, lambda: sum(view.blocks().values()))
 
 
 def measure(requests: int, mode: str, seed: int = 7, real: bool = False) -> dict[str, float]:
@@ -112,6 +97,7 @@ def measure(requests: int, mode: str, seed: int = 7, real: bool = False) -> dict
         "warnings": float(counts.warnings), "skipped_stores": float(counts.skipped_stores),
         "cut_subtrees": float(counts.cut_subtrees),
         "unknown_removes": float(counts.unknown_removes),
+        "alias_blocks": float(counts.alias_blocks),
         "tier_share": (stats.host_hit_tokens + stats.disk_hit_tokens)
         / max(1, stats.prompt_tokens),
         "settle_timeouts": float(probe.settle_timeouts),
@@ -145,7 +131,8 @@ def run(quick: bool = False, real: bool = False) -> list[Row]:
             Row(name, "under-estimated, shown right after the scheduling iteration (info)",
                 m["under_late"] * 100, "%"),
             *(Row(name, f"of the warnings: {rule} (info)", m[rule], "")
-              for rule in ("cut_subtrees", "skipped_stores", "unknown_removes") if m[rule]),
+              for rule in ("cut_subtrees", "skipped_stores", "unknown_removes", "alias_blocks")
+              if m[rule]),
             Row(name, "prompt tokens served by host/disk (info)", m["tier_share"] * 100, "%"),
             Row(name, "run time (info)", m["seconds"], "s"),
         ]

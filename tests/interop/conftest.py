@@ -6,7 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _indexer import Indexer, unavailable
+
+from kvbm_plugin.tools.dynamo_indexer import Indexer, unavailable
 
 
 @pytest.fixture

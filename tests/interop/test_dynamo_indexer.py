@@ -1,4 +1,4 @@
-"""The plugin's streams, fed to NVIDIA Dynamo's real KV indexer (tests/interop/_indexer.py).
+"""The plugin's streams, fed to NVIDIA Dynamo's real KV indexer (kvbm_plugin.tools.dynamo_indexer).
 
 The simulated engine (real leader, worker, tiers, event sink and consolidator) runs chat turns;
 the indexer subscribes to the GPU-tier stream (worker 1) and the consolidated stream (worker 2)
@@ -15,11 +15,11 @@ from typing import Any
 
 import pytest
 import torch
-from _indexer import Indexer
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.tools.chat_workload import TurnWaves, drive
+from kvbm_plugin.tools.dynamo_indexer import Indexer
 from kvbm_plugin.wire.events import to_signed_int64
 from kvbm_plugin.wire.identity import cache_salt_id, salt_namespace
 
@@ -64,7 +64,7 @@ def _settled(engine: SimulatedEngine, indexer: Indexer, mode: str, *, timeout: f
     assert expected, "the workload left nothing cached"
     try:
         indexer.wait_for(lambda: indexer.held() == expected, "held == truth", timeout=timeout)
-    except AssertionError:
+    except TimeoutError:
         if required:
             raise
         return False

@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 import zmq
-from _indexer import Indexer
 
 from kvbm_plugin._util import native as _native
 from kvbm_plugin.event_sink import KvEventSink
+from kvbm_plugin.tools.dynamo_indexer import Indexer
 from kvbm_plugin.wire.events import encode_payload, encode_seq
 from kvbm_plugin.wire.identity import cache_salt_id, salt_namespace
 from kvbm_plugin.wire.publisher import EventPublisher, PublisherSettings

@@ -12,6 +12,7 @@ from kvbm_plugin.wire.events import (
     EventBatch,
     encode_batch,
 )
+from kvbm_plugin.wire.identity import SALT_TAG
 
 BS = 2
 
@@ -62,12 +63,13 @@ def test_a_store_with_an_unknown_parent_is_skipped_whole() -> None:
     assert view.counts.warnings == 1
 
 
-def test_a_parent_in_another_medium_does_not_count() -> None:
+def test_a_lower_tier_checks_no_parent_but_an_orphan_there_is_counted() -> None:
     view = view_of(batch(None, store([1], None), store([2], 1, medium="CPU")))
-    assert view.counts.skipped_stores == 1
-    assert view.match(toks(1, 2))[0].blocks_by_medium == {"GPU": 1, "CPU": 0}
-    assert view.by_medium == {"CPU": {"skipped_stores": 1, "skipped_blocks": 1}}
-    assert "  CPU: skipped_stores 1" in view.summary_lines()
+    assert view.counts.skipped_stores == 0 and view.counts.tier_orphan_stores == 1
+    # the host tier continues from the device prefix: "this tier or a faster one"
+    assert view.match(toks(1, 2))[0].blocks_by_medium == {"GPU": 1, "CPU": 2}
+    assert view.by_medium == {"CPU": {"tier_orphan_stores": 1}}
+    assert "  CPU: tier_orphan_stores 1" in view.summary_lines()
 
 
 def test_removing_a_block_cuts_its_subtree() -> None:
@@ -76,10 +78,20 @@ def test_removing_a_block_cuts_its_subtree() -> None:
     assert view.counts.cut_subtrees == 1 and view.counts.cut_blocks == 2
     assert view.cached_tokens(toks(1, 2, 3)) == BS
     assert view.blocks() == {("w", 0, "GPU"): 1}
-    # later events about the cut blocks are what a router logs
+    # the cut children's hashes stay the worker's: a store under one is accepted silently
+    # and never shown, a removal of one passes
     view.apply_batch(batch(2, BlockRemoved([3]), store([5], 4, blocks=[5])), "w")
-    assert view.counts.unknown_removes == 1 and view.counts.skipped_stores == 1
-    assert view.counts.warnings == 3
+    assert view.counts.unknown_removes == 0 and view.counts.skipped_stores == 0
+    assert view.counts.unreachable_stores == 1
+    assert view.blocks() == {("w", 0, "GPU"): 1}
+    assert view.counts.warnings == 2
+
+
+def test_a_cut_edge_forgets_its_rest() -> None:
+    view = view_of(batch(None, store([1, 2, 3], None)), batch(None, BlockRemoved([2])),
+                   batch(None, store([4], 3, blocks=[4]), BlockRemoved([3])))
+    assert view.counts.cut_subtrees == 1
+    assert view.counts.skipped_stores == 1 and view.counts.unknown_removes == 1
 
 
 def test_removing_a_leaf_is_no_warning_and_an_unknown_removal_is() -> None:
@@ -153,11 +165,46 @@ def test_any_tier_is_the_longest_prefix_over_media_and_workers_are_separate() ->
     assert view.cached_tokens(toks(1, 2, 3), worker="b") == 2 * BS
 
 
-def test_same_tokens_under_two_hashes_both_match_and_removal_keeps_the_other() -> None:
+def test_a_second_name_for_held_content_is_an_alias() -> None:
     view = view_of(batch(None, store([1], None), store([11], None, blocks=[1]),
-                         store([2], 11, blocks=[2])),
+                         store([2], 11, blocks=[2])))
+    assert view.counts.alias_blocks == 1 and view.counts.skipped_stores == 1
+    assert view.held() == {(0, 1, "GPU")}  # shown under the first name
+    view.apply_batch(batch(1, BlockRemoved([11])), "w")
+    assert view.counts.alias_removes == 1 and view.cached_tokens(toks(1)) == BS
+    view.apply_batch(batch(2, BlockRemoved([1])), "w")  # the first name ends both
+    assert view.cached_tokens(toks(1)) == 0
+
+
+def test_workers_share_one_name_per_content() -> None:
+    view = RouterView(BS)
+    view.apply_batch(batch(0, store([1, 2], None)), "a")
+    view.apply_batch(batch(0, store([21, 22], None, blocks=[1, 2])), "b")
+    assert view.held("b") == {(0, 1, "GPU"), (0, 2, "GPU")}
+    assert view.cached_tokens(toks(1, 2), worker="b") == 2 * BS
+    view.apply_batch(batch(1, store([23], 22, blocks=[3])), "b")
+    assert view.counts.skipped_stores == 1
+
+
+def test_a_re_stored_hash_moves() -> None:
+    view = view_of(batch(None, store([1], None)), batch(None, store([1], None, blocks=[2])),
                    batch(None, BlockRemoved([1])))
-    assert view.cached_tokens(toks(1, 2)) == 2 * BS
+    assert view.counts.duplicate_stores == 1
+    # the removal took the new position; the old one stays matched
+    assert view.cached_tokens(toks(1)) == BS and view.cached_tokens(toks(2)) == 0
+
+
+def test_media_map_to_tiers_as_a_router_maps_them() -> None:
+    events = [store([1], None, medium="DEVICE"), store([2], None, blocks=[2], medium="CPU_PINNED"),
+              store([3], None, blocks=[3], medium="NVME"),
+              store([4], None, blocks=[4], medium="REMOTE"),
+              store([5], None, blocks=[5], medium="gpu")]
+    view = RouterView(BS)
+    for e in events:
+        view.apply_event(e, "w")
+    assert view.blocks() == {("w", 0, "GPU"): 1, ("w", 0, "CPU"): 1, ("w", 0, "DISK"): 1,
+                             ("w", 0, "EXTERNAL"): 1}
+    assert view.counts.unknown_medium == 1
 
 
 def test_summary_names_trees_and_rules() -> None:
@@ -232,9 +279,37 @@ def test_subscribe_tree_prints_summaries_and_rule_counts(ctx, tmp_path, capsys) 
     assert "skipped_stores" in final
 
 
-def test_extra_keys_scope_a_block_to_its_tenant() -> None:
-    salted = BlockStored([1, 2], None, toks(1, 2), BS, extra_keys=[["salt:a"], ["salt:a"]])
+def test_a_namespace_scopes_a_block_to_its_tenant() -> None:
+    salted = BlockStored([1, 2], None, toks(1, 2), BS,
+                         extra_keys=[[SALT_TAG + "a"], [SALT_TAG + "a"]])
     view = view_of(batch(None, salted, store([3], None, blocks=[1])))
-    assert view.cached_tokens(toks(1, 2), extra_keys=[["salt:a"], ["salt:a"]]) == 2 * BS
-    assert view.cached_tokens(toks(1, 2), extra_keys=[["salt:b"], ["salt:b"]]) == 0
+    assert view.cached_tokens(toks(1, 2), namespace="a") == 2 * BS
+    assert view.cached_tokens(toks(1, 2), extra_keys=[[SALT_TAG + "a"]]) == 2 * BS
+    assert view.cached_tokens(toks(1, 2), namespace="b") == 0
     assert view.cached_tokens(toks(1, 2)) == BS  # the unsalted copy of block 1 only
+    assert view.counts.warnings == 0
+
+
+def test_only_the_first_entry_names_the_namespace() -> None:
+    view = view_of(batch(None, BlockStored([1, 2], None, toks(1, 2), BS,
+                                           extra_keys=[[SALT_TAG + "a"], None])))
+    assert view.cached_tokens(toks(1, 2), namespace="a") == 2 * BS
+
+
+@pytest.mark.parametrize("second", [
+    {"extra_keys": [["salt:a"]]},  # a bare string is not a namespace
+    {"lora_id": 7},  # a router ignores lora_id
+])
+def test_identity_a_router_ignores_makes_an_alias(second: dict) -> None:
+    view = view_of(batch(None, store([1], None),
+                         BlockStored([2], None, toks(1), BS, **second)))
+    assert view.counts.alias_blocks == 1
+
+
+@pytest.mark.parametrize("second", [
+    {"lora_name": "lora-7"}, {"extra_keys": [["ab" * 32]]}, {"extra_keys": [[[5, 0]]]},
+])
+def test_lora_name_and_multimodal_hashes_are_content(second: dict) -> None:
+    view = view_of(batch(None, store([1], None),
+                         BlockStored([2], None, toks(1), BS, **second)))
+    assert view.counts.alias_blocks == 0 and len(view.held()) == 2

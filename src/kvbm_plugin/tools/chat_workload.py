@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvbm_plugin.tools.router_view import RouterView, TreeSubscriber
-from kvbm_plugin.wire.identity import cache_salt_id, salt_extra_key
+from kvbm_plugin.wire.identity import cache_salt_id, salt_namespace
 
 
 @dataclass
@@ -197,12 +197,9 @@ class RouterProbe:
 
     def predict(self, prompt: list[int], salt: str | None = None) -> int:
         """Tokens of ``prompt`` the router view says are cached (any tier), for a request with
-        cache salt ``salt`` (named per block as the event sink publishes it)."""
-        extra = None
-        if salt is not None:
-            n = len(prompt) // self.view.block_size
-            extra = [[salt_extra_key(cache_salt_id(salt))]] * n
-        return self.view.cached_tokens(prompt, extra_keys=extra)
+        cache salt ``salt`` (its namespace as the event sink publishes it)."""
+        namespace = None if salt is None else salt_namespace(cache_salt_id(salt))
+        return self.view.cached_tokens(prompt, namespace=namespace)
 
 
 class TurnWaves:

@@ -248,6 +248,12 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: CUDA is not available on this machine (torch "
                          f"{torch.__version__}); use --device cpu")
+    if args.real_router:
+        from kvbm_plugin.tools.dynamo_indexer import unavailable
+
+        reason = unavailable()
+        if reason is not None:
+            raise UsageError(f"--real-router: NVIDIA Dynamo's indexer cannot run here: {reason}")
     workload = _FollowUps(_workload(args))
     steady = args.duration is not None or args.requests is not None
     total = args.requests or (0 if steady else args.sessions * args.turns)
@@ -280,8 +286,9 @@ def run_demo(args: argparse.Namespace) -> int:
             config.output.connect,
             None if config.output_replay is None else config.output_replay.connect,
             start_seq=0, view=RouterView(args.block_size))
+        real = _real_router(args, tmp, config, subscriber.view) if args.real_router else None
         probe = RouterProbe(engine, subscriber, settle_timeout=args.settle_timeout,
-                            poll=subscriber.poll)
+                            poll=subscriber.poll, external=None if real is None else real[1])
         progress = _Progress(total, enabled=not args.no_progress)
 
         def on_step(done) -> None:  # noqa: ANN001
@@ -313,10 +320,16 @@ def run_demo(args: argparse.Namespace) -> int:
             router_checks, router_summary = _router_report(result, probe)
             checks += router_checks
             summary += router_summary
+            if real is not None:
+                real_checks, real_summary = _real_router_report(result, real[0])
+                checks += real_checks
+                summary += real_summary
         finally:
             progress.close()
             subscriber.close()
             engine.shutdown()
+            if real is not None:
+                real[0].close()
         checks.append(_failure_check(engine, watch))  # after shutdown: its errors count too
     _print_summary(summary, checks, time.monotonic() - started)
     return 0 if all(c.ok for c in checks) else 1
@@ -385,6 +398,38 @@ def _router_report(result, probe) -> tuple[list[Check], list[tuple[str, str]]]: 
               f"{counts.warnings} ({'; '.join(rules)})"),
         Check(f"router agrees with engine reuse on >= {ROUTER_AGREEMENT_TARGET:.0%} of prompt "
               "tokens", tally.agreement >= ROUTER_AGREEMENT_TARGET,
+              f"{tally.agreement:.2%} over {tally.requests} requests"),
+    ]
+    return checks, summary
+
+
+def _real_router(args: argparse.Namespace, tmp: str, config: cc.ConsolidatorConfig,
+                 view):  # noqa: ANN001, ANN202
+    """NVIDIA Dynamo's own indexer on the consolidated stream, and the probe's question to it
+    (kvbm_plugin.tools.dynamo_indexer)."""
+    from pathlib import Path
+
+    from kvbm_plugin.tools.dynamo_indexer import Indexer, ask_like_the_view
+
+    indexer = Indexer(Path(tmp))
+    indexer.register(1, config.output.connect,
+                     None if config.output_replay is None else config.output_replay.connect,
+                     args.block_size)
+    return indexer, ask_like_the_view(indexer, lambda: sum(view.blocks().values()))
+
+
+def _real_router_report(result, indexer):  # noqa: ANN001, ANN202
+    """The same question put to NVIDIA Dynamo's indexer: its agreement and its warnings."""
+    tally = result.external_tally
+    warnings = indexer.warnings()
+    summary = [("Dynamo indexer", f"{sum(len(v) for v in indexer.held().values())} blocks "
+                                  f"held; {len(warnings)} warnings"),
+               ("Dynamo indexer accuracy", tally.describe())]
+    checks = [
+        Check("Dynamo indexer warnings 0", not warnings,
+              f"{len(warnings)}" + (f" (first: {warnings[0][-160:]})" if warnings else "")),
+        Check(f"Dynamo indexer agrees with engine reuse on >= {ROUTER_AGREEMENT_TARGET:.0%} of "
+              "prompt tokens", tally.agreement >= ROUTER_AGREEMENT_TARGET,
               f"{tally.agreement:.2%} over {tally.requests} requests"),
     ]
     return checks, summary
@@ -581,6 +626,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to wait for the subscriber to catch up at the end "
                              "(default %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--real-router", action="store_true",
+                        help="also ask NVIDIA Dynamo's own KV indexer (pip install "
+                             "'kvbm-plugin[interop]'; root, for its private network namespace) "
+                             "how many blocks each request matches, and report its agreement")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run TRT-LLM's plain executor loop instead of the overlap "
                              "scheduler (TRT-LLM's default)")

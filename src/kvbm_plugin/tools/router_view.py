@@ -1,70 +1,102 @@
-"""A strict router's view of KV-event streams: radix trees, the rules a router applies, and the
-question a router asks ("how many tokens of this prompt are cached on this worker?").
+"""A strict router's view of KV-event streams: the trees a router keeps, the rules it applies,
+and the question it asks ("how many tokens of this prompt are cached on this worker?").
 
 Two layers:
 
-* :class:`RouterView` — pure and socket-free. It applies decoded batches the way a strict
-  KV-aware router's indexer does (the rules of NVIDIA Dynamo's radix tree; llm-d's are close),
-  counts every rule it had to apply (:class:`RuleCounts`) and answers prefix queries. Per
-  ``(worker, dp rank, medium)`` it keeps a tree keyed by published block hashes:
+* :class:`RouterView` — pure and socket-free. It applies decoded batches the way NVIDIA
+  Dynamo's KV indexer does (ai-dynamo-runtime 1.6.1, ``--threads 1``; the trees and their rules
+  are in :mod:`kvbm_plugin.tools.router_tree`), counts every rule it had to apply
+  (:class:`RuleCounts`) and answers prefix queries. In short:
 
-  - a batch whose ``seq`` is not greater than the last applied one for that worker is dropped
-    (``stale_batches``); a forward jump is counted as a gap (``gaps``) and the batch is applied;
-  - a store whose medium is not ``GPU``/``CPU``/``DISK`` (case-sensitive) is not indexed
-    (``unknown_medium``), nor one whose ``block_size`` differs from the router's or whose
-    ``token_ids`` are not ``len(block_hashes) * block_size`` long (``size_mismatch``);
+  - a block is keyed by its *content*: its token ids mixed only with ``lora_name``, the cache
+    namespace (a top-level ``cache_salt``, or the ``dynamo-cache-salt:`` item in the first
+    block's ``extra_keys``) and its multimodal hashes (64-hex strings or ``(id, offset)`` pairs
+    in its ``extra_keys``); ``lora_id`` and any other item are ignored;
+  - the device tier is one tree shared by every worker and dp rank: one published hash per
+    content position, the first one stored wins; a later store of the same content under
+    another hash is an alias (accepted silently; a store under an alias is skipped as if its
+    parent were missing, removing an alias does nothing, removing the first hash ends the
+    alias's coverage too); a re-store of a held hash at another position moves it;
+  - a store whose parent the worker and dp rank does not hold is skipped whole
+    (``skipped_stores``: Dynamo's "Failed to find parent block"); removing a block the worker
+    does not hold is ``unknown_removes`` ("Failed to find block to remove");
+  - lower tiers (host, disk, external) are flat maps keyed by parent hash and content, with
+    no parent check; media map to tiers as Dynamo maps them (``GPU``/``DEVICE`` device;
+    ``CPU``, ``CPU_PINNED``, ``CPU_TIER1`` host; ``CPU_TIER2``, ``DISK``, ``NVME`` disk;
+    ``EXTERNAL``, ``NETWORK``, ``REMOTE``, ``SHARED`` external); any other medium is not
+    indexed (``unknown_medium``; Dynamo drops it silently);
   - a store that repeats a hash within the event (its parent counts) is dropped
-    (``duplicate_hash_drops``);
-  - a store whose parent is not in that tree is skipped whole (``skipped_stores``);
-  - a store of a hash the tree already holds keeps the existing node (``duplicate_stores``);
-  - removing a block not in the tree is a warning (``unknown_removes``); removing one with
-    descendants cuts its subtree (``cut_subtrees``, ``cut_blocks``);
-  - ``AllBlocksCleared`` clears only that worker's dp rank (every medium).
+    (``duplicate_hash_drops``), and so is one whose ``block_size`` differs from the router's or
+    that has too few ``token_ids`` (``size_mismatch``);
+  - ``AllBlocksCleared`` clears only that worker's dp rank;
+  - a batch whose ``seq`` is not above the last applied one for that worker is dropped
+    (``stale_batches``); a forward jump is counted as a gap (``gaps``) and the batch applied.
 
-  Queries key on the *content* of each block (a hash of its token ids, as the router hashes
-  the u32 tokens with xxh3; only this view queries its keys, so Python's hash of the token
-  tuple serves) together with the block's ``extra_keys`` entry when the stream carries one (a
-  cache salt, multimodal keys: blocks of two tenants with the same tokens are not the same
-  block; a query names its salt through the same entries), walking the prompt's full blocks
-  from the root: the answer is a contiguous prefix, per medium and, across media, "any tier"
-  (the longest of them: a tree holds a block only with all its ancestors, so a position
-  covered by some medium's tree is covered with its whole prefix).
+  Dynamo applies aliases, moved hashes, cut subtrees and re-stores silently, each a block a
+  router then matches wrongly or can no longer remove; the view counts them as warnings too
+  (``alias_blocks``, ``alias_removes``, ``duplicate_stores``, ``cut_subtrees``,
+  ``unreachable_stores``), and so are a lower-tier store under a parent that tier does not
+  hold for the worker and a lower-tier removal of a block it does not hold
+  (``tier_orphan_stores``, ``tier_unknown_removes``: each medium's stream is prefix-closed on
+  its own). A stream that is prefix-closed, names each content path once and has no gap
+  triggers none.
+
+  Queries walk the prompt's full blocks by content from the root: the device tree first, then
+  each lower tier continuing from the worker's prefix in that tier or a faster one (Dynamo's
+  ``cpu``/``disk`` answers); "any tier" is the longest of them.
 
 * :class:`TreeSubscriber` — the thin adapter: a
   :class:`~kvbm_plugin.wire.subscriber.StreamSubscriber` (decoding, gap detection, replay)
-  that also feeds every batch it applies, in order, to a
-  :class:`RouterView` under the subscriber's endpoint as the worker name. It sees events as the
-  project's tolerant decoder returns them: a medium alias (``cpu``, ``CPU_PINNED``) arrives
-  already normalised, where a router would not index it, and an unknown medium makes the whole
-  message malformed (counted by the subscriber) rather than one event unindexed. Both only
-  matter for streams other than ours, which publish ``GPU``/``CPU``/``DISK``.
+  that also feeds every batch it applies, in order, to a :class:`RouterView` under the
+  subscriber's endpoint as the worker name. It sees events as the project's tolerant decoder
+  returns them: a medium alias (``cpu``, ``CPU_PINNED``) arrives already normalised, where a
+  router would not index a lower-case one, and an unknown medium makes the whole message
+  malformed (counted by the subscriber) rather than one event unindexed. Both only matter for
+  streams other than ours, which publish ``GPU``/``CPU``/``DISK``.
 
-Who calls it: ``kvbm-plugin subscribe --tree``, the demo and the benchmarks' router-accuracy
-measurement (:mod:`kvbm_plugin.tools.chat_workload`). Not thread-safe: one thread applies and
-queries.
+Who calls it: ``kvbm-plugin subscribe --tree``, the demo, the benchmarks' router-accuracy
+measurement (:mod:`kvbm_plugin.tools.chat_workload`) and the tests' stream checks. It is
+checked against Dynamo's own indexer by tests/interop/test_router_differential.py. Not
+thread-safe: one thread applies and queries.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvbm_plugin.tools.router_tree import PARENT_MISSING, DeviceTree, LowerTier, Worker
 from kvbm_plugin.wire.events import (
-    MEDIA,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     EventBatch,
 )
+from kvbm_plugin.wire.identity import salt_of_extra_keys
 from kvbm_plugin.wire.subscriber import StreamSubscriber
 
-# Counters that mean the stream broke a rule a strict router relies on: each is a warning (or a
-# silently lost prefix) in a real router's log. ``cut_blocks`` and the informational counters
-# are not in the sum.
-WARNING_RULES = ("skipped_stores", "unknown_removes", "cut_subtrees", "duplicate_hash_drops",
-                 "duplicate_stores", "stale_batches", "gaps", "unknown_medium", "size_mismatch")
+# Counters that mean the stream broke a rule a strict router relies on: each is a warning, or a
+# block a router silently matches wrongly or cannot remove. The informational counters are not
+# in the sum.
+WARNING_RULES = ("skipped_stores", "unknown_removes", "alias_blocks", "alias_removes",
+                 "duplicate_stores", "cut_subtrees", "unreachable_stores",
+                 "tier_orphan_stores", "tier_unknown_removes",
+                 "duplicate_hash_drops", "stale_batches", "gaps", "unknown_medium",
+                 "size_mismatch")
+
+# Medium names a router indexes, and the tier each goes to (Dynamo's storage tiers, named as
+# our streams name the media).
+MEDIUM_TIERS = {
+    "GPU": "GPU", "DEVICE": "GPU",
+    "CPU": "CPU", "CPU_PINNED": "CPU", "CPU_TIER1": "CPU",
+    "CPU_TIER2": "DISK", "DISK": "DISK", "NVME": "DISK",
+    "EXTERNAL": "EXTERNAL", "NETWORK": "EXTERNAL", "REMOTE": "EXTERNAL", "SHARED": "EXTERNAL",
+}
+TIER_ORDER = ("GPU", "CPU", "DISK", "EXTERNAL")  # fastest first
+_MM_HEX = re.compile(r"[0-9a-fA-F]{64}")
 
 
 @dataclass
@@ -75,18 +107,23 @@ class RuleCounts:
     stores: int = 0
     removes: int = 0
     clears: int = 0
-    skipped_stores: int = 0  # store events skipped whole: parent not in the tree
+    skipped_stores: int = 0  # store events skipped whole: parent not held (Dynamo warns)
     skipped_blocks: int = 0  # blocks in those events
-    unknown_removes: int = 0  # removed hashes the tree did not hold
-    cut_subtrees: int = 0  # removals of a block that still had descendants
-    cut_blocks: int = 0  # descendants made unreachable by those removals
+    unknown_removes: int = 0  # removed hashes the worker did not hold (Dynamo warns)
+    alias_blocks: int = 0  # blocks stored under a second name for held content (silent)
+    alias_removes: int = 0  # removals of such a second name: no effect (silent)
+    duplicate_stores: int = 0  # stored hashes the worker already held (a re-store or a move)
+    cut_subtrees: int = 0  # removals of a block the worker still had descendants of
+    cut_blocks: int = 0  # of the worker's blocks, made unreachable by those removals
+    unreachable_stores: int = 0  # stores under a cut-off block: accepted, never matched
+    tier_orphan_stores: int = 0  # lower-tier stores under a parent not held there (silent)
+    tier_unknown_removes: int = 0  # lower-tier removals of a block not held there (silent)
     duplicate_hash_drops: int = 0  # store events that repeated a hash (parent included)
-    duplicate_stores: int = 0  # stored hashes the tree already held
     stale_batches: int = 0  # seq not above the last applied one: dropped
     gaps: int = 0  # forward seq jumps
     missing_batches: int = 0  # batches those jumps skipped
-    unknown_medium: int = 0  # events whose medium is not GPU/CPU/DISK: not indexed
-    size_mismatch: int = 0  # stores with another block_size or a wrong token count
+    unknown_medium: int = 0  # events whose medium a router does not index
+    size_mismatch: int = 0  # stores with another block_size or too few token ids
 
     @property
     def warnings(self) -> int:
@@ -97,59 +134,47 @@ class RuleCounts:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
-class _Node:
-    """One block in one tree: its published hash, parent, content key and children."""
-
-    __slots__ = ("block_hash", "parent", "key", "children")
-
-    def __init__(self, block_hash: int | None, parent: _Node | None, key: int) -> None:
-        self.block_hash = block_hash
-        self.parent = parent
-        self.key = key
-        # content key -> {published hash -> node}: two streams may publish the same tokens
-        # under different hashes; a query matches either.
-        self.children: dict[int, dict[int, _Node]] = {}
-
-
-class _Tree:
-    """The radix tree of one (worker, dp rank, medium)."""
-
-    __slots__ = ("root", "nodes")
-
-    def __init__(self) -> None:
-        self.root = _Node(None, None, 0)
-        self.nodes: dict[int, _Node] = {}
-
-    def depth(self, keys: Sequence[int]) -> int:
-        """How many of ``keys`` (content keys of a prompt's blocks) match from the root."""
-        frontier = [self.root]
-        for i, key in enumerate(keys):
-            nxt = [child for node in frontier for child in node.children.get(key, {}).values()]
-            if not nxt:
-                return i
-            frontier = nxt
-        return len(keys)
+def _mm_items(entry: Any) -> tuple[Any, ...]:
+    """The multimodal hashes a router reads from one block's ``extra_keys`` entry."""
+    if not isinstance(entry, (list, tuple)):
+        return ()
+    out: list[Any] = []
+    for item in entry:
+        if isinstance(item, str) and _MM_HEX.fullmatch(item):
+            out.append(item.lower())
+        elif (isinstance(item, (list, tuple)) and len(item) == 2
+              and all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
+            out.append((item[0], item[1]))
+    return tuple(out)
 
 
-def content_key(tokens: Sequence[int], extra: Sequence[Any] | None = None) -> int:
-    """The key of one block: its token ids and its ``extra_keys`` entry (cache salt, multimodal
-    keys), stable within a process (only this view compares it)."""
-    return hash((tuple(tokens), None if not extra else tuple(extra)))
+def content_key(tokens: Sequence[int], *, lora_name: str | None = None,
+                namespace: str | None = None, mm: Sequence[Any] = ()) -> Hashable:
+    """The key a router gives one block: its token ids mixed with ``lora_name``, the cache
+    namespace and its multimodal hashes. Stable within a process (only this view compares
+    it)."""
+    return hash((tuple(tokens), lora_name, namespace, tuple(mm)))
 
 
 def block_keys(tokens: Sequence[int], block_size: int,
-               extra_keys: Sequence[Sequence[Any] | None] | None = None) -> list[int]:
+               extra_keys: Sequence[Sequence[Any] | None] | None = None, *,
+               namespace: str | None = None, lora_name: str | None = None) -> list[Hashable]:
     """Content keys of the full blocks of ``tokens`` (a trailing partial block is not keyed, as
-    a router hashes only full blocks); ``extra_keys``: one entry per block, or None."""
+    a router hashes only full blocks). ``extra_keys``: one entry per block, or None; the
+    namespace is ``namespace`` or else the one the first entry names."""
+    if namespace is None and extra_keys:
+        namespace = salt_of_extra_keys(extra_keys[0])
     n = len(tokens) // block_size
-    return [content_key(tokens[i * block_size:(i + 1) * block_size],
-                        None if extra_keys is None or i >= len(extra_keys) else extra_keys[i])
+    return [content_key(tokens[i * block_size:(i + 1) * block_size], lora_name=lora_name,
+                        namespace=namespace,
+                        mm=_mm_items(extra_keys[i]) if extra_keys and i < len(extra_keys)
+                        else ())
             for i in range(n)]
 
 
 @dataclass
 class PrefixMatch:
-    """A query's answer for one (worker, dp rank): matched blocks per medium and any tier."""
+    """A query's answer for one (worker, dp rank): matched blocks per tier and any tier."""
 
     worker: str
     dp_rank: int
@@ -167,8 +192,8 @@ class PrefixMatch:
 
 @dataclass
 class RouterView:
-    """Radix trees per (worker, dp rank, medium) as a strict router keeps them; see the module
-    docstring for the rules. ``block_size`` is the router's block size."""
+    """The trees a strict router keeps, fed decoded batches; see the module docstring for the
+    rules. ``block_size`` is the router's block size."""
 
     block_size: int
     counts: RuleCounts = field(default_factory=RuleCounts)
@@ -177,30 +202,35 @@ class RouterView:
         if type(self.block_size) is not int or self.block_size <= 0:
             raise ValueError(f"RouterView: block_size={self.block_size!r} must be a positive "
                              "integer")
-        self._trees: dict[tuple[str, int, str], _Tree] = {}
+        self.device = DeviceTree()
+        self.lower: dict[str, LowerTier] = {t: LowerTier() for t in TIER_ORDER[1:]}
         self._last_seq: dict[str, int] = {}
-        # medium -> rule -> count, for the per-event rules (where a stream broke them)
+        # tier -> rule -> count, for the per-event rules (where a stream broke them)
         self.by_medium: dict[str, dict[str, int]] = {}
 
     def _bump(self, medium: str, rule: str, n: int = 1) -> None:
+        if n <= 0:
+            return
         setattr(self.counts, rule, getattr(self.counts, rule) + n)
         per = self.by_medium.setdefault(medium, {})
         per[rule] = per.get(rule, 0) + n
 
     # ------------------------------------------------------------------ applying events
 
-    def apply_batch(self, batch: EventBatch, worker: str = "") -> bool:
+    def apply_batch(self, batch: EventBatch, worker: str = "", stream: str | None = None) -> bool:
         """Apply one decoded batch from ``worker``'s stream; False when the seq watermark
-        dropped it."""
+        dropped it. ``stream`` names the seq stream when a worker has several (one per dp
+        rank, as Dynamo registers them); by default it is the worker's one."""
+        stream = worker if stream is None else stream
         if batch.seq is not None:
-            last = self._last_seq.get(worker)
+            last = self._last_seq.get(stream)
             if last is not None and batch.seq <= last:
                 self.counts.stale_batches += 1
                 return False
             if last is not None and batch.seq > last + 1:
                 self.counts.gaps += 1
                 self.counts.missing_batches += batch.seq - last - 1
-            self._last_seq[worker] = batch.seq
+            self._last_seq[stream] = batch.seq
         self.counts.batches += 1
         rank = batch.data_parallel_rank or 0
         for event in batch.events:
@@ -209,141 +239,189 @@ class RouterView:
 
     def apply_event(self, event: Any, worker: str = "", dp_rank: int = 0) -> None:
         """Apply one decoded event (no seq rule: that is per batch)."""
+        w = (worker, dp_rank)
         if isinstance(event, BlockStored):
-            self._store(event, worker, dp_rank)
+            self._store(event, w)
         elif isinstance(event, BlockRemoved):
-            self._remove(event, worker, dp_rank)
+            self._remove(event, w)
         elif isinstance(event, AllBlocksCleared):
             self.counts.clears += 1
-            for key in [k for k in self._trees if k[0] == worker and k[1] == dp_rank]:
-                del self._trees[key]
+            self.device.clear(w)
+            for tier in self.lower.values():
+                tier.clear(w)
 
-    def _tree(self, worker: str, dp_rank: int, medium: str) -> _Tree:
-        key = (worker, dp_rank, medium)
-        tree = self._trees.get(key)
-        if tree is None:
-            tree = self._trees[key] = _Tree()
-        return tree
-
-    def _store(self, event: BlockStored, worker: str, dp_rank: int) -> None:
-        c = self.counts
-        c.stores += 1
-        medium = MEDIUM_GPU if event.medium is None else event.medium
-        if medium not in MEDIA:
+    def _tier(self, medium: Any) -> str | None:
+        tier = MEDIUM_TIERS.get(MEDIUM_GPU if medium is None else medium)
+        if tier is None:
             self._bump(str(medium), "unknown_medium")
+        return tier
+
+    def _store(self, event: BlockStored, w: Worker) -> None:
+        self.counts.stores += 1
+        tier = self._tier(event.medium)
+        if tier is None:
             return
-        hashes = event.block_hashes
+        hashes = list(event.block_hashes)
         bs = self.block_size
-        if event.block_size != bs or len(event.token_ids) != len(hashes) * bs:
-            self._bump(medium, "size_mismatch")
+        if event.block_size != bs or len(event.token_ids) < len(hashes) * bs:
+            self._bump(tier, "size_mismatch")
             return
-        named = list(hashes) if event.parent_block_hash is None else \
-            [event.parent_block_hash, *hashes]
+        parent = event.parent_block_hash
+        named = hashes if parent is None else [parent, *hashes]
         if len(set(named)) != len(named):
-            self._bump(medium, "duplicate_hash_drops")
+            self._bump(tier, "duplicate_hash_drops")
             return
-        tree = self._tree(worker, dp_rank, medium)
-        if event.parent_block_hash is None:
-            parent = tree.root
-        else:
-            found = tree.nodes.get(event.parent_block_hash)
-            if found is None:
-                self._bump(medium, "skipped_stores")
-                self._bump(medium, "skipped_blocks", len(hashes))
-                return
-            parent = found
+        extra = event.extra_keys
+        namespace = getattr(event, "cache_salt", None)
+        if namespace is None and extra:
+            namespace = salt_of_extra_keys(extra[0])
         tokens = event.token_ids
-        extra = getattr(event, "extra_keys", None)
-        for i, h in enumerate(hashes):
-            existing = tree.nodes.get(h)
-            if existing is not None:
-                self._bump(medium, "duplicate_stores")
-                parent = existing
-                continue
-            key = content_key(tokens[i * bs:(i + 1) * bs],
-                              None if extra is None or i >= len(extra) else extra[i])
-            node = _Node(h, parent, key)
-            parent.children.setdefault(key, {})[h] = node
-            tree.nodes[h] = node
-            parent = node
-
-    def _remove(self, event: BlockRemoved, worker: str, dp_rank: int) -> None:
-        self.counts.removes += 1
-        medium = MEDIUM_GPU if event.medium is None else event.medium
-        if medium not in MEDIA:
-            self._bump(str(medium), "unknown_medium")
+        blocks = [(content_key(tokens[i * bs:(i + 1) * bs], lora_name=event.lora_name,
+                               namespace=namespace,
+                               mm=_mm_items(extra[i]) if extra and i < len(extra) else ()), h)
+                  for i, h in enumerate(hashes)]
+        if tier != "GPU":
+            notes = self.lower[tier].store(w, parent, blocks)
+            self._bump(tier, "tier_orphan_stores", notes["orphan"])
+            self._bump(tier, "duplicate_stores", notes["duplicate"])
+            self._bump(tier, "alias_blocks", notes["alias"])
             return
-        tree = self._trees.get((worker, dp_rank, medium))
-        for h in event.block_hashes:
-            node = None if tree is None else tree.nodes.get(h)
-            if node is None:
-                self._bump(medium, "unknown_removes")
-                continue
-            assert tree is not None and node.parent is not None
-            siblings = node.parent.children[node.key]
-            del siblings[h]
-            if not siblings:
-                del node.parent.children[node.key]
-            del tree.nodes[h]
-            if node.children:
-                self._bump(medium, "cut_subtrees")
-                self._bump(medium, "cut_blocks", self._drop_subtree(tree, node))
+        tree = self.device
+        lookup = tree.lookup.get(w, {})
+        held_before = sum(h in lookup for h in hashes)
+        parent_node = None if parent is None else lookup.get(parent)
+        if tree.store(w, parent, blocks) == PARENT_MISSING:
+            self._bump(tier, "skipped_stores")
+            self._bump(tier, "skipped_blocks", len(hashes))
+            return
+        self._bump(tier, "duplicate_stores", held_before)
+        if parent_node is not None and not _reachable(tree, parent_node):
+            self._bump(tier, "unreachable_stores")
+            return
+        aliases = 0
+        for _, h in blocks:
+            at = tree.lookup[w].get(h)
+            if at is not None and h not in at.index:
+                aliases += 1
+        self._bump(tier, "alias_blocks", aliases)
 
-    @staticmethod
-    def _drop_subtree(tree: _Tree, node: _Node) -> int:
-        """Forget every descendant of ``node``; returns how many there were."""
-        dropped = 0
-        stack = [child for group in node.children.values() for child in group.values()]
-        while stack:
-            child = stack.pop()
-            del tree.nodes[child.block_hash]  # type: ignore[arg-type]
-            dropped += 1
-            stack.extend(c for group in child.children.values() for c in group.values())
-        node.children.clear()
-        return dropped
+    def _remove(self, event: BlockRemoved, w: Worker) -> None:
+        self.counts.removes += 1
+        tier = self._tier(event.medium)
+        if tier is None:
+            return
+        hashes = list(event.block_hashes)
+        if tier != "GPU":
+            notes = self.lower[tier].remove(w, hashes)
+            self._bump(tier, "tier_unknown_removes", notes["unknown"])
+            self._bump(tier, "cut_subtrees", notes["cut"])
+            return
+        tree = self.device
+        lookup = tree.lookup.get(w, {})
+        removing = set(hashes)
+        aliases = cut = cut_blocks = 0
+        for h in hashes:
+            node = lookup.get(h)
+            pos = None if node is None else node.index.get(h)
+            if node is None:
+                continue
+            if pos is None:
+                aliases += 1
+                continue
+            covered = node.covered(w)
+            if pos >= covered:
+                continue
+            # What the worker keeps below this block, unless the same event removes it too.
+            after = [x for _, x in node.edge[pos + 1:covered] if x not in removing]
+            below = (sum(_covered_below(c, w, removing) for c in node.children.values())
+                     if w in node.full else 0)
+            if after or below:
+                cut += 1
+                cut_blocks += len(after) + below
+        self._bump(tier, "unknown_removes", tree.remove(w, hashes))
+        self._bump(tier, "alias_removes", aliases)
+        self._bump(tier, "cut_subtrees", cut)
+        self._bump(tier, "cut_blocks", cut_blocks)
 
     # ------------------------------------------------------------------ queries
 
     def match(self, tokens: Sequence[int],
-              extra_keys: Sequence[Sequence[Any] | None] | None = None) -> list[PrefixMatch]:
-        """Per (worker, dp rank) the prompt's cached prefix in blocks, per medium and any tier;
-        ``extra_keys``: the prompt's per-block extra keys (e.g. its cache salt), as published."""
-        keys = block_keys(tokens, self.block_size, extra_keys)
-        out: dict[tuple[str, int], PrefixMatch] = {}
-        for (worker, rank, medium), tree in self._trees.items():
-            m = out.get((worker, rank))
-            if m is None:
-                m = out[(worker, rank)] = PrefixMatch(worker, rank, {}, self.block_size)
-            m.blocks_by_medium[medium] = tree.depth(keys)
-        return list(out.values())
+              extra_keys: Sequence[Sequence[Any] | None] | None = None, *,
+              namespace: str | None = None,
+              lora_name: str | None = None) -> list[PrefixMatch]:
+        """Per (worker, dp rank) the prompt's cached prefix in blocks, per tier (each tier
+        counting itself and the faster ones, from the device prefix on) and any tier.
+        ``namespace``/``lora_name``: the request's cache namespace and adapter as the wire
+        names them (or the namespace in ``extra_keys``' first entry, as published)."""
+        keys = block_keys(tokens, self.block_size, extra_keys, namespace=namespace,
+                          lora_name=lora_name)
+        device = self.device.match(keys) if keys else {}
+        workers = set(device) | {w for tier in self.lower.values()
+                                 for ws in (e[1] for e in tier.entries.values()) for w in ws}
+        out = []
+        for w in sorted(workers):
+            path = device.get(w, [])
+            by_medium = {"GPU": len(path)} if w in device else {}
+            faster: list[LowerTier] = []
+            for name in TIER_ORDER[1:]:
+                tier = self.lower[name]
+                faster.append(tier)
+                if not any(w in e[1] for e in tier.entries.values()):
+                    continue
+                depth = len(path)
+                prev = path[-1] if path else None
+                while depth < len(keys):
+                    h = next((x for t in faster
+                              if (x := t.holds(w, prev, keys[depth])) is not None), None)
+                    if h is None:
+                        break
+                    prev = h
+                    depth += 1
+                by_medium[name] = depth
+            out.append(PrefixMatch(w[0], w[1], by_medium, self.block_size))
+        return out
 
     def cached_tokens(self, tokens: Sequence[int], worker: str | None = None,
                       dp_rank: int | None = None,
-                      extra_keys: Sequence[Sequence[Any] | None] | None = None) -> int:
+                      extra_keys: Sequence[Sequence[Any] | None] | None = None, *,
+                      namespace: str | None = None, lora_name: str | None = None) -> int:
         """Tokens of ``tokens`` a router would say are cached (any tier) on the best matching
         worker/dp rank, or on the given one."""
         best = 0
-        for m in self.match(tokens, extra_keys):
+        for m in self.match(tokens, extra_keys, namespace=namespace, lora_name=lora_name):
             if (worker is None or m.worker == worker) and (dp_rank is None or
                                                            m.dp_rank == dp_rank):
                 best = max(best, m.tokens)
         return best
 
+    def edges(self) -> dict[tuple[str, int, str], set[tuple[int | None, int]]]:
+        """``(parent hash, hash)`` of every block held, per (worker, dp rank, tier): what
+        Dynamo's ``/dump`` shows (a node under the first hash stored for its content)."""
+        out: dict[tuple[str, int, str], set[tuple[int | None, int]]] = {}
+        for w, held in self.device.edges().items():
+            out[(w[0], w[1], "GPU")] = held
+        for name, tier in self.lower.items():
+            for w, held in tier.edges().items():
+                out[(w[0], w[1], name)] = held
+        return out
+
     def blocks(self) -> dict[tuple[str, int, str], int]:
-        """Blocks held per (worker, dp rank, medium)."""
-        return {key: len(tree.nodes) for key, tree in self._trees.items()}
+        """Blocks held per (worker, dp rank, tier)."""
+        return {key: len(held) for key, held in self.edges().items() if held}
 
     def held(self, worker: str | None = None) -> set[tuple[int, int, str]]:
-        """``(dp rank, published hash as held, medium)`` of every block in the trees."""
-        return {(rank, h, medium) for (w, rank, medium), tree in self._trees.items()
-                if worker is None or w == worker for h in tree.nodes}
+        """``(dp rank, hash as shown, tier)`` of every block held (by ``worker``, or any)."""
+        return {(rank, h, tier) for (w, rank, tier), held in self.edges().items()
+                if worker is None or w == worker for _, h in held}
 
     def summary_lines(self) -> list[str]:
         """Per tree: blocks and roots; then the rule counts (non-zero ones, warnings first)."""
         lines = []
-        for (worker, rank, medium), tree in sorted(self._trees.items()):
-            roots = sum(len(g) for g in tree.root.children.values())
-            lines.append(f"tree {worker or '-'} dp={rank} {medium}: {len(tree.nodes)} blocks, "
+        for (worker, rank, medium), held in sorted(self.edges().items()):
+            if not held:
+                continue
+            roots = sum(parent is None for parent, _ in held)
+            lines.append(f"tree {worker or '-'} dp={rank} {medium}: {len(held)} blocks, "
                          f"{roots} roots")
         c = self.counts
         lines.append(f"rule warnings: {c.warnings}" + "".join(
@@ -356,6 +434,25 @@ class RouterView:
                      f"{c.clears} clears; {c.skipped_blocks} blocks in skipped stores, "
                      f"{c.cut_blocks} blocks cut, {c.missing_batches} batches missing")
         return lines
+
+
+def _reachable(tree: DeviceTree, node: Any) -> bool:
+    """Whether ``node`` still hangs from the tree's root (a cut drops whole subtrees)."""
+    while node.parent is not None:
+        if node.parent.children.get(node.edge[0][0]) is not node:
+            return False
+        node = node.parent
+    return node is tree.root
+
+
+def _covered_below(node: Any, w: Worker, removing: set[int]) -> int:
+    """Blocks the worker covers in ``node``'s subtree, other than those in ``removing``."""
+    total, stack = 0, [node]
+    while stack:
+        n = stack.pop()
+        total += sum(h not in removing for _, h in n.edge[:n.covered(w)])
+        stack.extend(n.children.values())
+    return total
 
 
 class TreeSubscriber(StreamSubscriber):
@@ -407,5 +504,5 @@ class LazyTreeSubscriber(TreeSubscriber):
         return [size, *self.view.summary_lines()]
 
 
-__all__ = ["WARNING_RULES", "LazyTreeSubscriber", "PrefixMatch", "RouterView", "RuleCounts",
-           "TreeSubscriber", "apply_all", "block_keys", "content_key"]
+__all__ = ["MEDIUM_TIERS", "WARNING_RULES", "LazyTreeSubscriber", "PrefixMatch", "RouterView",
+           "RuleCounts", "TreeSubscriber", "apply_all", "block_keys", "content_key"]

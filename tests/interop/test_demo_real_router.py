@@ -1,0 +1,35 @@
+"""``kvbm-plugin demo --real-router``: NVIDIA Dynamo's own indexer asked beside the view."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbm_plugin.tools import demo, dynamo_indexer
+
+SMALL = ["--sessions", "4", "--turns", "3", "--system-tokens", "32", "--user-tokens", "16",
+         "--gen-tokens", "4", "--layers", "1", "--block-size", "4", "--gpu-blocks", "24",
+         "--host-blocks", "16", "--disk-blocks", "48", "--tp", "1", "--no-progress"]
+
+
+def test_without_the_indexer_the_option_says_why_and_exits_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvbm_plugin.tools import cli
+
+    monkeypatch.setattr(dynamo_indexer, "unavailable", lambda: "not installed (test)")
+    assert cli.main(["demo", *SMALL, "--real-router"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["kvbm-plugin demo: --real-router: NVIDIA Dynamo's indexer cannot run here: "
+                   "not installed (test)"]
+
+
+@pytest.mark.parametrize("mode", [[], ["--duration", "3", "--tenants", "2", "--max-context", "96"]])
+def test_the_real_indexer_agrees_with_the_engine(capsys: pytest.CaptureFixture[str],
+                                                 mode: list[str]) -> None:
+    reason = dynamo_indexer.unavailable()
+    if reason is not None:
+        pytest.skip(reason)
+    assert demo.main_demo([*SMALL, *mode, "--real-router"]) == 0
+    out = capsys.readouterr().out
+    assert "[PASS] Dynamo indexer warnings 0: 0" in out
+    assert "[PASS] Dynamo indexer agrees with engine reuse on >= 99% of prompt tokens" in out
+    assert "[PASS] router rule warnings 0" in out
