@@ -642,8 +642,8 @@ class StrKey(str):
 @pytest.mark.parametrize("where", ["event", "data", "block", "token"])
 def test_a_str_subclass_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_both_loops(
         where: str, expect_errors) -> None:
-    """A str-subclass key (the dict's key table is then not all-exact-str, so the compiled
-    loop's O(1) all-str-keys test must say no) whose ``__eq__`` wrecks the batch and the dicts
+    """A str-subclass key (the dict's keys are then not all exact str, so the compiled loop's
+    key test must say no) whose ``__eq__`` wrecks the batch and the dicts
     the compiled loop would hold borrowed: it leaves the event to the Python loop; both loops
     agree."""
     _both(lambda: _wrecking_stream(where, StrKey))
