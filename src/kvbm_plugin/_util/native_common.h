@@ -47,24 +47,28 @@ static inline int str_dict_item(PyObject *d, PyObject *key, PyObject **out) {
     return 1;
 }
 
-/* d[key] (borrowed) for an exact dict, found by walking its entries up to ``key``: 1 found, 0
- * absent, -1 a key before it that is not an exact str (no error set; the caller leaves the
- * event to the Python code). Compares only exact str keys, so it runs no Python code; for the
- * small dicts read for one key (a token's id), cheaper than a key check and a lookup. ``key``
- * is interned, as are the literal keys of the dicts read, so the identity test usually
- * decides; an equal str that is another object is still found. */
+/* d[key] (borrowed) for an exact dict, found in the walk that checks its keys (see
+ * str_keys_only): 1 found, 0 absent, -1 a key that is not an exact str (no error set; the
+ * caller leaves the event to the Python code). For the small dicts read for one key (a
+ * token's id), cheaper than the check and a lookup. ``key`` is interned, as are the literal
+ * keys of the dicts read, so the identity test usually decides; an equal str that is another
+ * object is still found. */
 static inline int str_keyed_item(PyObject *d, PyObject *key, PyObject **out) {
     Py_ssize_t pos = 0, len = PyUnicode_GET_LENGTH(key), left = PyDict_GET_SIZE(d);
     PyObject *k, *v;
+    int found = 0;
     while (left-- > 0 && PyDict_Next(d, &pos, &k, &v)) {
-        if (k != key) {
-            if (!PyUnicode_CheckExact(k)) return -1;
-            if (PyUnicode_GET_LENGTH(k) != len || PyUnicode_Compare(k, key) != 0) continue;
+        if (k == key) {
+            *out = v;
+            found = 1;
+        } else if (!PyUnicode_CheckExact(k)) {
+            return -1;
+        } else if (!found && PyUnicode_GET_LENGTH(k) == len && PyUnicode_Compare(k, key) == 0) {
+            *out = v;
+            found = 1;
         }
-        *out = v;
-        return 1;
     }
-    return 0;
+    return found;
 }
 
 /* Whether an exact int lies in [0, max]; never raises. */
