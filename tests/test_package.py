@@ -158,3 +158,22 @@ def test_sdist_carries_its_tests_benchmarks_docs_and_license(tmp_path: Path) -> 
     assert sorted(required - names) == []
     assert "License-Expression: Apache-2.0" in pkg_info
     assert "Apache License" in (ROOT / "LICENSE").read_text()
+
+
+# What reaches into the interpreter's internals: the internal headers (Py_BUILD_CORE), private
+# functions (_Py...), and the fields of dict and int objects.
+_PRIVATE_C_API = re.compile(r"\bPy_BUILD_CORE\b|\binternal/|\bpycore_|\b_Py[A-Za-z]"
+                            r"|\b(?:ob_digit|ma_keys|ma_values|dk_[a-z_]+|DK_[A-Z_]+)\b")
+
+
+def test_compiled_loops_use_only_the_public_cpython_api() -> None:
+    """The compiled loops build on every CPython the package supports (``requires-python``)
+    and on the next one: no internal header, no private function, no object's fields."""
+    root = ROOT / "src" / "kvbm_plugin"
+    sources = sorted([*root.rglob("*.c"), *root.rglob("*.h")])
+    assert len(sources) >= 4, sources
+    found = [f"{path.relative_to(root)}:{number}: {line.strip()}"
+             for path in sources
+             for number, line in enumerate(path.read_text().splitlines(), 1)
+             if _PRIVATE_C_API.search(line)]
+    assert found == []

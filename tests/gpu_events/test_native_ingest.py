@@ -341,10 +341,10 @@ def json_traffic(draw: st.DrawFn) -> list[Any]:
                 min_size=1, max_size=4), st.integers(0, 1 << 32))
 def test_dicts_whose_keys_are_not_interned_run_the_same_in_both_loops(
         calls: list[tuple[list[Any], str]], seed: int) -> None:
-    """The compiled loop finds a key by identity when every key of the dict is interned (the
-    serializer's literals); JSON-decoded events (trtllm-serve, the sidecar's input) have keys
-    that are equal but not interned, and a dict may mix both: the same output as the Python
-    loop either way, and the same as for the dicts as built."""
+    """The compiled loop matches a token's key by identity before it compares characters (the
+    serializer's literal keys are interned); JSON-decoded events (trtllm-serve, the sidecar's
+    input) have keys that are equal but not interned, and a dict may mix both: the same output
+    as the Python loop either way, and the same as for the dicts as built."""
     import json
     import random
 
@@ -650,8 +650,8 @@ class StrKey(str):
 @pytest.mark.parametrize("where", ["event", "data", "block", "token"])
 def test_a_str_subclass_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_both_loops(
         where: str, expect_errors) -> None:
-    """A str-subclass key (the dict's key table is then not all-exact-str, so the compiled
-    loop's O(1) all-str-keys test must say no) whose ``__eq__`` wrecks the batch and the dicts
+    """A str-subclass key (the dict's keys are then not all exact str, so the compiled loop's
+    key test must say no) whose ``__eq__`` wrecks the batch and the dicts
     the compiled loop would hold borrowed: it leaves the event to the Python loop; both loops
     agree."""
     _both(lambda: _wrecking_stream(where, StrKey))

@@ -4,8 +4,9 @@
 (ConsolidatorCore's dedup loops) are built at install time where a C compiler is available
 (``setup.py`` marks them optional). Each is the compiled form of loops whose Python reference
 stays in Python (``event_sink.py``, ``consolidator/core.py``), and the tests run both on the
-same input and compare. ``DYN_KVBM_NATIVE=0`` selects the Python loops. No torch or TensorRT-LLM
-import.
+same input and compare. They use only CPython's public API (its unstable tier's compact-int
+reads on 3.12 and later), so they build on every CPython the package supports.
+``DYN_KVBM_NATIVE=0`` selects the Python loops. No torch or TensorRT-LLM import.
 """
 
 from __future__ import annotations

@@ -37,51 +37,16 @@ static int optional_attr(PyObject *o, PyObject *name, PyObject **out) {
 
 /* ---- the buffered dicts --------------------------------------------------------------- */
 
-/* Borrowed d[key] (NULL if absent) for an exact dict; LEAVE if absent and required. */
+/* Borrowed d[key] (NULL if absent) for an exact dict of exact str keys; LEAVE if absent and
+ * required. */
 static int get_item(PyObject *d, PyObject *key, PyObject **out, int required) {
-    PyObject *v = NULL;
-    int found = interned_item(d, key, &v);
-    if (found >= 0) {
-        if (!found && required) return LEAVE;
-        *out = found ? v : NULL;
-        return TAKE;
-    }
-    v = PyDict_GetItemWithError(d, key);
-    if (v == NULL) {
-        if (PyErr_Occurred()) return FAIL;
+    int found = str_dict_item(d, key, out);
+    if (found < 0) return FAIL;
+    if (found == 0) {
         if (required) return LEAVE;
+        *out = NULL;
     }
-    *out = v;
     return TAKE;
-}
-
-/* d[key] (borrowed) for an exact dict, found by walking its entries: 1 found, 0 absent, -1 a
- * key that is not an exact str (the event goes to the Python loop). One pass both checks the
- * keys (see str_keys_only) and finds the value, for the small dicts read once per token. */
-static int str_keyed_item(PyObject *d, PyObject *key, PyObject **out) {
-    Py_ssize_t pos = 0, len = PyUnicode_GET_LENGTH(key), left = PyDict_GET_SIZE(d);
-    PyObject *k, *v;
-    int found = 0;
-    if (unicode_keyed(d)) { /* only exact str keys: a lookup runs no Python code */
-        int found = interned_item(d, key, &v);
-        if (found >= 0) {
-            if (found) *out = v;
-            return found;
-        }
-        v = PyDict_GetItemWithError(d, key);
-        if (v == NULL) return PyErr_Occurred() ? -1 : 0;
-        *out = v;
-        return 1;
-    }
-    while (left-- > 0 && PyDict_Next(d, &pos, &k, &v)) {
-        if (!PyUnicode_CheckExact(k)) return -1;
-        if (!found && (k == key || (PyUnicode_GET_LENGTH(k) == len
-                                    && PyUnicode_Compare(k, key) == 0))) {
-            *out = v;
-            found = 1;
-        }
-    }
-    return found;
 }
 
 /* The wire hash (signed int64) of an exact int given as int64 or u64, into *out. */
