@@ -42,13 +42,13 @@ engine thread's time per block (stored + removed blocks) of one iteration, media
 input and for the V2 hooks, on the same fresh input.
 
 As information, the same end-to-end runs for both publishers on the whole stream built up front
-(cold input, as these rows were measured before), fed back to back; they also give the received
+(cold input: the whole stream built up front), fed back to back; they also give the received
 rates (fed from a generator, the gaps between messages would be the generator's). The received
 rate measures the subscriber as much as the publisher: the receiver's decoding bounds it, and
 its own decode rate on our payloads (in this process, one core) is reported beside it as the
 ceiling any publisher can reach here.
 
-Ours runs with the compiled ingest loop when it was built (``kvbm_plugin._event_sink_c``); the
+Ours runs with the compiled ingest loop when it was built (``kvbm_plugin.gpu_events._sink_c``); the
 Python loop is measured too, as information, and is the baseline of the executor-cost row.
 """
 

@@ -30,9 +30,9 @@ def _run_one(name: str, kwargs: dict[str, Any], conn: Any) -> None:
 def run_all(quick: bool = False, device: str = "cpu") -> list[Row]:
     """Each benchmark in a fresh interpreter: what one leaves behind must not bias the next.
 
-    (Measured: right after the event-sink benchmark, whose stream is a few hundred MB of dicts,
-    the consolidator ran about 25 % slower in the same interpreter until a full
-    ``gc.collect()``; collections during its run cost nothing measurable.)
+    (Right after the event-sink benchmark, whose stream is a few hundred MB of dicts, the
+    consolidator runs about 25 % slower in the same interpreter until a full ``gc.collect()``;
+    collections during its run cost nothing measurable.)
     """
     rows: list[Row] = []
     spawn = mp.get_context("spawn")

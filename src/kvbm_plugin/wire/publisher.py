@@ -160,9 +160,9 @@ class ZmqEventPublisher(EventPublisher):
       mark rather than wait, so the call never waits. A lock serialises callers on different
       threads (the socket is single-threaded); it is held only across that non-blocking
       hand-off. Replay requests are answered by a background thread that owns the ROUTER and
-      reads a snapshot of the replay buffer. Why: a hand-off to a publisher thread cost more
+      reads a snapshot of the replay buffer. Why: a hand-off to a publisher thread costs more
       than the send itself. That thread sleeps between engine iterations, and waking it for
-      each batch cost ~70-150 us of CPU per batch here (cold caches after the pause), against
+      each batch costs ~70-150 us of CPU per batch (cold caches after the pause), against
       ~20 us for building and sending the batch on the executor thread, whose caches are warm
       (``benchmarks/bench_event_sink.py``). Where the GIL-holding send is unavailable (libzmq
       not identifiable), ``"caller"`` falls back to ``"thread"``: pyzmq's own send releases
@@ -171,9 +171,9 @@ class ZmqEventPublisher(EventPublisher):
       queue under one lock (so callers on several threads queue in seq order); one daemon
       thread creates, binds, uses and closes both sockets: it encodes each batch, sends it,
       keeps it in the bounded replay buffer and answers replay requests.
-      Live sends keep the GIL there too: with pyzmq's GIL-releasing send, each frame made the
-      thread wait up to a switch interval (5 ms) to get the GIL back from a busy executor
-      thread, and the queue backed up.
+      Live sends keep the GIL there too: with pyzmq's GIL-releasing send, each frame can make
+      the thread wait up to a switch interval (5 ms) to get the GIL back from a busy executor
+      thread, and the queue backs up.
     - A batch lost anywhere (queue full, encode error, send error, publisher closed) keeps its
       reserved seq, so every consumer sees a gap; each loss is counted and logged rate-limited.
 

@@ -1,8 +1,8 @@
 """The replay side of a publisher: answers ``[start seq]`` requests on a ROUTER, with bounds.
 
 A replay answer is every buffered batch from ``start`` on, then the END_SEQ marker (vLLM's
-protocol). Answering a request in one go queued the whole buffer in ZMQ for a peer that might
-never read it: 100 such requesters grew a publisher by 1.7 GB and slowed the live stream. So
+protocol). An answer sent in one go would queue the whole buffer in ZMQ for a peer that may
+never read it (100 such requesters hold 100 copies of the buffer and slow the live stream), so
 answers are sent bit by bit, never blocking:
 
 * the ROUTER's per-peer send queue is :data:`PEER_HWM` messages (set by the publisher), and
