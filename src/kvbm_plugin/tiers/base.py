@@ -739,6 +739,9 @@ class TierSpec:
     rank: int  # this worker's rank (disk files live under rank{rank}/)
     pin_memory: bool = False  # page-locked host memory (CUDA pools)
     directory: str | None = None  # disk tier base directory
+    # Model and layout identity (model name, tokens per block, TP size, ...): what the bytes of
+    # a disk block mean beyond dtype and shape; written into every disk file's header.
+    identity: str = ""
 
 
 @dataclass(frozen=True)
