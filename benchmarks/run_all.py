@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._table import Row, print_table  # noqa: E402
 
-BENCHMARKS = ("bench_event_sink", "bench_consolidator", "bench_transfer", "bench_router_accuracy")
+BENCHMARKS = ("bench_event_sink", "bench_consolidator", "bench_transfer", "bench_router_accuracy",
+              "bench_tiers")
 
 
 def _run_one(name: str, kwargs: dict[str, Any], conn: Any) -> None:
