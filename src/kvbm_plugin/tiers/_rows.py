@@ -119,26 +119,31 @@ class LeafOrder:
             self._slots.append(array("i", (slot,)))
             lasts.append(tick)
             return
-        i = bisect_left(lasts, tick)
-        if i == len(lasts):  # the newest: the end of the last run
-            i -= 1
-            ticks, slots = self._ticks[i], self._slots[i]
+        if tick > lasts[-1]:  # the newest (a touch, a commit): the end of the last run
+            i = len(lasts) - 1
+            ticks = self._ticks[i]
             ticks.append(tick)
-            slots.append(slot)
+            self._slots[i].append(slot)
             lasts[i] = tick
-        else:
-            ticks, slots = self._ticks[i], self._slots[i]
+        else:  # an entry evictable again at its own age
+            i = bisect_left(lasts, tick)
+            ticks = self._ticks[i]
             j = bisect_left(ticks, tick)
             ticks.insert(j, tick)
-            slots.insert(j, slot)
+            self._slots[i].insert(j, slot)
         if len(ticks) > 2 * self.LOAD:
-            half = len(ticks) // 2
-            self._ticks.insert(i + 1, ticks[half:])
-            self._slots.insert(i + 1, slots[half:])
-            del ticks[half:]
-            del slots[half:]
-            lasts.insert(i + 1, lasts[i])
-            lasts[i] = ticks[-1]
+            self._split(i)
+
+    def _split(self, i: int) -> None:
+        """Cut run ``i`` in two halves (bounds every insertion's move)."""
+        ticks, slots, lasts = self._ticks[i], self._slots[i], self._lasts
+        half = len(ticks) // 2
+        self._ticks.insert(i + 1, ticks[half:])
+        self._slots.insert(i + 1, slots[half:])
+        del ticks[half:]
+        del slots[half:]
+        lasts.insert(i + 1, lasts[i])
+        lasts[i] = ticks[-1]
 
     def remove(self, tick: int) -> None:
         """Remove the item with ``tick`` (present)."""

@@ -459,7 +459,7 @@ class TierIndex:
 
     def commit(self, key: int, signatures: dict[int, Signature] | None = None) -> TierEntry:
         """Mark ``key`` resident: every rank reported its bytes written."""
-        slot = self._find(key)
+        slot = self._table.find(key) if 0 <= key <= _U64_MASK else -1
         if slot < 0:
             raise KeyError(key)
         flags = self._flags[slot]
@@ -477,7 +477,9 @@ class TierIndex:
                 column[2 * slot] = size
                 column[2 * slot + 1] = mtime
         self._touch(slot)
-        return self._view(slot)
+        ref = self._views.get(slot)
+        view = ref() if ref is not None else None
+        return view if view is not None else self._view(slot)
 
     def discard(self, key: int) -> list[TierEntry]:
         """Forget ``key`` and its descendants in this tier, freeing their slots (a failed write,
@@ -671,11 +673,14 @@ class TierIndex:
 
     def _remove(self, slot: int) -> TierEntry:
         """Take ``slot``'s entry (a leaf now) out of the tier; returns it detached."""
-        view = self._detach(slot)
+        ref = self._views.pop(slot, None)
+        view = ref() if ref is not None else None
         if view is None:
             view = TierEntry(self, slot)
-            view._snap = self._snapshot(slot)
-        self._dequeue(slot)
+        view._snap = self._snapshot(slot)
+        flags = self._flags[slot]
+        if flags & _QUEUED:
+            self._order.remove(self._tick[slot])
         parent = self._parent[slot]
         if parent >= 0:
             prev, nxt = self._prev[slot], self._next[slot]
@@ -688,23 +693,28 @@ class TierIndex:
             if self._child[parent] < 0:
                 self._offer(parent)  # its last child left: a leaf again, at its own age
         self._table.delete(self._key[slot])
-        flags = self._flags[slot]
         if flags & _RESIDENT:
             self._resident -= 1
         if flags & _ODD_TOKENS:
             del self._odd_tokens[slot]
-        self._release_scope(self._scope[slot])
-        self._scope[slot] = 0
+        if self._scope[slot]:
+            self._release_scope(self._scope[slot])
+            self._scope[slot] = 0
         self._flags[slot] = 0
         self._used -= 1
         return view
 
     def _touch(self, slot: int) -> None:
-        if self._flags[slot] & _QUEUED:
-            self._dequeue(slot)
+        flags = self._flags[slot]
+        if flags & _QUEUED:
+            self._order.remove(self._tick[slot])
+            flags &= ~_QUEUED
         self._clock += 1
-        self._tick[slot] = self._clock
-        self._offer(slot)
+        tick = self._tick[slot] = self._clock
+        if flags & _RESIDENT and not self._pins[slot] and self._child[slot] < 0:
+            self._order.add(tick, slot)  # the newest: appended
+            flags |= _QUEUED
+        self._flags[slot] = flags
 
     def _offer(self, slot: int) -> None:
         """Queue ``slot`` in the eviction order if it is evictable now."""
