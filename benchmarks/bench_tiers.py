@@ -196,7 +196,8 @@ def _drive_leader(n: int, directory: str) -> tuple[Any, int]:
     )
 
     bs = len(TOKENS)
-    group = f"bench-tiers-{os.getpid()}"
+    group = f"bench-tiers-{os.getpid()}-{n}"
+    os.makedirs(directory, exist_ok=True)
     env = {"DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS": str(n),
            "DYN_KVBM_DISK_CACHE_DIR": os.path.join(directory, "disk"),
            "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "true",
@@ -239,6 +240,10 @@ def bench_leader_heap(n: int) -> list[Row]:
     go of it (retained bytes: an object counts where it is kept, not where it was made)."""
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="kvbm-bench-tiers-") as tmp:
+        # A small drive first: the modules a leader imports on its way are not per block.
+        warm, _ = _drive_leader(REQUEST_BLOCKS, os.path.join(tmp, "warm"))
+        warm.shutdown()
+        del warm
         gc.collect()
         tracemalloc.start()
         try:
