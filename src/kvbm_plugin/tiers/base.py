@@ -506,13 +506,15 @@ class TierIndex:
         return gone
 
     def resident_entries(self) -> list[TierEntry]:
+        """A copy of every resident entry as it is now (detached views: introspection and
+        tests; they hold no place in the tier and change nothing)."""
         flags = self._flags
-        return [self._view(s) for s in range(len(flags)) if flags[s] & _RESIDENT]
+        return [self._copy(s) for s in range(len(flags)) if flags[s] & _RESIDENT]
 
     def entries(self) -> list[TierEntry]:
-        """Every entry, pending or resident (tests and invariant checks)."""
+        """A copy of every entry, pending or resident (tests and invariant checks)."""
         flags = self._flags
-        return [self._view(s) for s in range(len(flags)) if flags[s] & _USED]
+        return [self._copy(s) for s in range(len(flags)) if flags[s] & _USED]
 
     def clear(self) -> None:
         for slot in list(self._views):
@@ -544,6 +546,11 @@ class TierIndex:
             for dead in [s for s, r in views.items() if r() is None]:
                 del views[dead]
             self._views_purge_at = 2 * len(views) + 64
+        return view
+
+    def _copy(self, slot: int) -> TierEntry:
+        view = TierEntry(self, slot)
+        view._snap = self._snapshot(slot)
         return view
 
     def _detach(self, slot: int) -> TierEntry | None:
