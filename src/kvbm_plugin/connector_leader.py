@@ -77,6 +77,7 @@ from kvbm_plugin.tiers.base import (
     block_path,
     stat_signature,
 )
+from kvbm_plugin.tiers.disk import claim_directory
 from kvbm_plugin.wire.events import MEDIUM_CPU, MEDIUM_DISK
 from kvbm_plugin.wire.identity import lora_of, request_scope, salt_extra_key, salt_of
 
@@ -141,6 +142,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         self._layout: TierLayout | None = None
         self._disk_dir: str | None = None
         self._own_disk_dir = False
+        self._disk_claim: Any = None  # this engine's claim on DYN_KVBM_DISK_CACHE_DIR
         self._reqs: dict[int, _Request] = {}
         self._ops: dict[int, _Op] = {}
         self._next_op = 1
@@ -180,6 +182,10 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
 
         self._hub = open_hub(self._group)
         try:
+            if self._tier_settings.disk_enabled and self._tier_settings.disk_cache_dir:
+                # One engine per directory: another one's slot files would be overwritten.
+                self._disk_claim = claim_directory(self._tier_settings.disk_cache_dir,
+                                                   self._dp_rank)
             parts = assemble_event_path(
                 config, consolidate=consolidate, dp_rank=self._dp_rank,
                 block_size=self._block_size,
@@ -844,5 +850,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         if self.event_sink is not None:
             self.event_sink.shutdown(timeout)
         close_hub(self._group)
+        if self._disk_claim is not None:
+            self._disk_claim.release()
         if self._own_disk_dir and self._disk_dir and os.path.isdir(self._disk_dir):
             shutil.rmtree(self._disk_dir, ignore_errors=True)

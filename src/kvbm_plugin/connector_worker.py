@@ -116,6 +116,10 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         self._group = _llm_args.group_of(llm_args, self._env)
         self._tier_settings = load_tier_settings(self._env)
         self._block_size = _llm_args.block_size_of(llm_args)
+        # What disk block bytes mean beyond dtype and shape (BaseLlmArgs.model, TRT-LLM
+        # tensorrt_llm/llmapi/llm_args.py): written into, and checked in, every file header.
+        self._disk_identity = (f"model={getattr(llm_args, 'model', '')};"
+                               f"tokens_per_block={self._block_size};tp={self._par.tp_size}")
         self._pool: torch.Tensor | None = None
         # One view per block of the device pool and of the host tier, made once: building two
         # views per copied block on every batch cost ~2 us per block on the transfer thread.
@@ -343,7 +347,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                          layout.host_blocks, host_capacity)
         if layout.disk_blocks and self._disk is None and self._pool is not None:
             spec = TierSpec(layout.disk_blocks, tuple(self._pool.shape[1:]), self._pool.dtype,
-                            self._rank, directory=layout.disk_dir)
+                            self._rank, directory=layout.disk_dir,
+                            identity=self._disk_identity)
             self._disk = get_plugin(TIERS_GROUP, "disk")(spec)
 
     # ------------------------------------------------------------------ completion

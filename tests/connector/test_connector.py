@@ -237,7 +237,7 @@ class Recorder:
     def _check_bytes(self, tier: str, block_hash: int) -> None:
         leader = self.engine.leader
         index = leader._host if tier == "CPU" else leader._disk
-        entry = next(e for e in index._by_key.values() if e.event_hash == block_hash)
+        entry = next(e for e in index.entries() if e.event_hash == block_hash)
         for w in self.engine.workers:
             if tier == "CPU":
                 ok = w._host.keys[entry.slot] == entry.key

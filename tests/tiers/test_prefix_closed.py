@@ -110,6 +110,9 @@ def test_tier_index_evicts_the_lru_leaf_and_stays_prefix_closed(seed: int, capac
             for k in subtree:
                 del model[k]
         assert {e.key for e in index.entries()} == set(model)
+        # The eviction order holds the evictable entries and nothing else (no stale items).
+        assert index.evictable() == sum(1 for k, e in model.items()
+                                        if e.resident and not e.pins and leaf(k))
         for entry in index.entries():
             assert entry.parent_key is None or index.get(entry.parent_key) is not None
             if entry.resident and entry.parent_key is not None:

@@ -18,13 +18,16 @@ is stored next to it as ``event_hash`` and is what the tier events advertise.
 from __future__ import annotations
 
 import hashlib
-import heapq
 import os
 import struct
+import weakref
 from abc import ABC, abstractmethod
+from array import array
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from kvbm_plugin.tiers._rows import KeyTable, LeafOrder
 
 if TYPE_CHECKING:
     import torch
@@ -79,21 +82,152 @@ def stat_signature(path: str) -> Signature | None:
 # Leader side
 # --------------------------------------------------------------------------------------------
 
-@dataclass(slots=True)
-class TierEntry:
-    """One block in one tier, as the leader sees it."""
+# Row flags (TierIndex._flags)
+_USED = 1  # the slot holds an entry
+_RESIDENT = 2  # every rank reported the bytes written
+_QUEUED = 4  # in the leaf order: resident, unpinned, no child
+_EH_NEG = 8  # event_hash is negative (stored as its 64-bit two's complement)
+_PEH_NEG = 16  # parent_event_hash likewise
+_PEH_NONE = 32  # parent_event_hash is None
+_ODD_TOKENS = 64  # token ids kept in TierIndex._odd_tokens (not the flat column)
 
-    key: int  # content key (chain over token ids)
-    slot: int  # slot number every rank uses
-    event_hash: int  # the hash KV events advertise (TRT-LLM's u64 when known)
-    parent_event_hash: int | None  # event hash of the previous block of the chain
-    token_ids: tuple[int, ...]  # the block's tokens, for the tier STORE registration
-    parent_key: int | None = None  # content key of the previous block (None: a root block)
-    resident: bool = False  # True once every rank reported the bytes written
-    pins: int = 0  # in-flight reads from this slot; a pinned entry is never evicted
-    tick: int = 0  # last use (the index's clock); the LRU order
-    signatures: dict[int, Signature] = field(default_factory=dict)  # disk: rank -> signature
-    scope: tuple[int | None, int | None] = (None, None)  # (LoRA id, salt id), for tier events
+# Where a detached TierEntry keeps each value (TierEntry._snap)
+_S_KEY = 0
+_S_EVENT_HASH = 1
+_S_PARENT_EVENT_HASH = 2
+_S_TOKEN_IDS = 3
+_S_PARENT_KEY = 4
+_S_RESIDENT = 5
+_S_PINS = 6
+_S_TICK = 7
+_S_SIGNATURES = 8
+_S_SCOPE = 9
+
+_I64_MIN = -(1 << 63)
+_SIG_MAX = (1 << 63) - 1
+
+
+def _u64(value: int, what: str) -> tuple[int, bool]:
+    """``value`` (a signed or unsigned 64-bit hash) as (u64 bits, negative)."""
+    if 0 <= value <= _U64_MASK:
+        return value, False
+    if _I64_MIN <= value < 0:
+        return value & _U64_MASK, True
+    raise ValueError(f"{what} {value!r} is not a 64-bit hash")
+
+
+class TierEntry:
+    """One block in one tier, as the leader sees it: a view of the index's row for it.
+
+    The index hands out one view per live entry at a time (``index.get(k) is entry`` holds
+    while the entry is in the tier and someone keeps the view). Writable: ``event_hash``,
+    ``parent_event_hash`` and ``scope``. Once the entry leaves the tier (evicted, discarded)
+    the view is detached: it keeps the values it had, and changing them touches no tier.
+    """
+
+    __slots__ = ("_index", "slot", "_snap", "__weakref__")
+
+    def __init__(self, index: TierIndex, slot: int) -> None:
+        self._index = index
+        self.slot = slot  # slot number every rank uses
+        self._snap: list[Any] | None = None  # the values (_S_*), once detached
+
+    def __repr__(self) -> str:
+        state = "detached" if self._snap is not None else self._index.name
+        return (f"TierEntry({state}, key={self.key:#x}, slot={self.slot}, "
+                f"event_hash={self.event_hash:#x}, resident={self.resident}, pins={self.pins})")
+
+    @property
+    def key(self) -> int:
+        """Content key (chain over token ids)."""
+        if self._snap is not None:
+            return self._snap[_S_KEY]
+        return self._index._key[self.slot]
+
+    @property
+    def event_hash(self) -> int:
+        """The hash KV events advertise (TRT-LLM's when known)."""
+        if self._snap is not None:
+            return self._snap[_S_EVENT_HASH]
+        return self._index._event_hash(self.slot)
+
+    @event_hash.setter
+    def event_hash(self, value: int) -> None:
+        if self._snap is not None:
+            self._snap[_S_EVENT_HASH] = value
+        else:
+            self._index._set_event_hash(self.slot, value)
+
+    @property
+    def parent_event_hash(self) -> int | None:
+        """Event hash of the previous block of the chain (None: a root block)."""
+        if self._snap is not None:
+            return self._snap[_S_PARENT_EVENT_HASH]
+        return self._index._parent_event_hash(self.slot)
+
+    @parent_event_hash.setter
+    def parent_event_hash(self, value: int | None) -> None:
+        if self._snap is not None:
+            self._snap[_S_PARENT_EVENT_HASH] = value
+        else:
+            self._index._set_parent_event_hash(self.slot, value)
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The block's tokens, for the tier STORE registration."""
+        if self._snap is not None:
+            return tuple(self._snap[_S_TOKEN_IDS])
+        return self._index._tokens(self.slot)
+
+    @property
+    def parent_key(self) -> int | None:
+        """Content key of the previous block (None: a root block)."""
+        if self._snap is not None:
+            return self._snap[_S_PARENT_KEY]
+        parent = self._index._parent[self.slot]
+        return None if parent < 0 else self._index._key[parent]
+
+    @property
+    def resident(self) -> bool:
+        """True once every rank reported the bytes written."""
+        if self._snap is not None:
+            return self._snap[_S_RESIDENT]
+        return bool(self._index._flags[self.slot] & _RESIDENT)
+
+    @property
+    def pins(self) -> int:
+        """In-flight reads from this slot; a pinned entry is never evicted."""
+        if self._snap is not None:
+            return self._snap[_S_PINS]
+        return self._index._pins[self.slot]
+
+    @property
+    def tick(self) -> int:
+        """Last use (the index's clock); the LRU order."""
+        if self._snap is not None:
+            return self._snap[_S_TICK]
+        return self._index._tick[self.slot]
+
+    @property
+    def signatures(self) -> dict[int, Signature]:
+        """Disk: rank -> (size, mtime_ns) of that rank's file, as written (a copy)."""
+        if self._snap is not None:
+            return dict(self._snap[_S_SIGNATURES])
+        return self._index._signatures(self.slot)
+
+    @property
+    def scope(self) -> tuple[int | None, int | None]:
+        """(LoRA id, salt id), for tier events."""
+        if self._snap is not None:
+            return self._snap[_S_SCOPE]
+        return self._index._scopes[self._index._scope[self.slot]]
+
+    @scope.setter
+    def scope(self, value: tuple[int | None, int | None]) -> None:
+        if self._snap is not None:
+            self._snap[_S_SCOPE] = value
+        else:
+            self._index._set_scope(self.slot, value)
 
 
 class TierFullError(RuntimeError):
@@ -113,70 +247,126 @@ class TierIndex:
     (TensorRT-LLM matches a prefix contiguously) and every tier's event stream is prefix-closed.
 
     **Eviction** takes the least recently used leaf that is resident and unpinned (pending
-    entries, a write in flight, are implicitly pinned). Evictable entries sit in a heap keyed by
-    their last use; an entry's key is pushed again whenever it may have become evictable (used,
-    committed, unpinned, its last child left), and stale heap items are skipped when popped:
-    O(log n) amortised per operation, no scan of the tier.
+    entries, a write in flight, are implicitly pinned). The evictable leaves, and only they,
+    sit in a :class:`~._rows.LeafOrder` keyed by last use: an entry leaves it when it is used,
+    pinned, gains a child or goes, and re-enters at its own age when it becomes evictable again
+    (committed, unpinned, its last child left). Nothing stale is ever skipped: an eviction is
+    two bisections and a move of a few KB, after a million-block chain as after ten blocks.
+
+    **Rows, not objects.** Per block the index keeps a row of ``array`` columns indexed by slot
+    (key, hashes, parent and sibling links, tick, pins, tokens as int32, disk signatures) and
+    one bucket of a :class:`~._rows.KeyTable`: about 150 bytes for a 16-token block and no
+    Python object the garbage collector would traverse. :class:`TierEntry` objects are views,
+    made on demand.
     """
 
-    __slots__ = ("name", "capacity", "_by_key", "_children", "_heap", "_clock", "_free",
-                 "_resident", "evictions")
+    __slots__ = ("name", "capacity", "evictions", "_table", "_order", "_clock", "_free",
+                 "_used", "_resident", "_width", "_key", "_eh", "_peh", "_flags", "_parent",
+                 "_child", "_next", "_prev", "_tick", "_pins", "_scope", "_tok", "_sig",
+                 "_odd_tokens", "_scopes", "_scope_ids", "_scope_refs", "_scope_free",
+                 "_views", "_views_purge_at")
 
     def __init__(self, name: TierName, capacity: int) -> None:
         if capacity < 0:
             raise ValueError(f"{name} tier capacity {capacity} must be >= 0")
+        if capacity >= 1 << 31:
+            raise ValueError(f"{name} tier capacity {capacity} must be < 2**31 blocks")
         self.name: TierName = name
         self.capacity = capacity
-        self._by_key: dict[int, TierEntry] = {}
-        # parent key -> keys of the entries (pending or resident) whose parent it is
-        self._children: dict[int, set[int]] = {}
-        self._heap: list[tuple[int, int]] = []  # (tick, key) of possibly evictable entries
-        self._clock = 0
-        self._free: list[int] = list(range(capacity - 1, -1, -1))
-        self._resident = 0
         self.evictions = 0
+        self._width = -1  # tokens per block: set by the first reservation
+        # slot -> the live view handed out for it (dead references purged in bulk)
+        self._views: dict[int, weakref.ref[TierEntry]] = {}
+        self._views_purge_at = 64
+        self._init_rows()
+
+    def _init_rows(self) -> None:
+        self._key: array[int] = array("Q")
+        self._eh: array[int] = array("Q")
+        self._peh: array[int] = array("Q")
+        self._flags: array[int] = array("B")
+        self._parent: array[int] = array("i")  # parent's slot, -1: a root block
+        self._child: array[int] = array("i")  # first child's slot, -1: a leaf
+        self._next: array[int] = array("i")  # next / previous sibling's slot, -1: none
+        self._prev: array[int] = array("i")
+        self._tick: array[int] = array("Q")
+        self._pins: array[int] = array("I")
+        self._scope: array[int] = array("I")  # index into _scopes
+        self._tok: array[int] = array("i")  # _width token ids per slot
+        self._sig: dict[int, array[int]] = {}  # rank -> (size, mtime_ns) per slot, size -1: none
+        self._odd_tokens: dict[int, tuple[int, ...]] = {}  # slot -> tokens the column can't hold
+        self._scopes: list[tuple[int | None, int | None] | None] = [(None, None)]
+        self._scope_ids: dict[tuple[int | None, int | None], int] = {(None, None): 0}
+        self._scope_refs: list[int] = [0]
+        self._scope_free: list[int] = []
+        self._table = KeyTable(self.capacity, self._key)
+        self._order = LeafOrder()
+        self._clock = 0
+        self._free: array[int] = array("i")  # freed slots, reused last-in first-out
+        self._used = 0
+        self._resident = 0
 
     def __repr__(self) -> str:
-        return (f"TierIndex({self.name!r}, capacity={self.capacity}, used={len(self._by_key)}, "
+        return (f"TierIndex({self.name!r}, capacity={self.capacity}, used={self._used}, "
                 f"resident={self._resident})")
 
     def __len__(self) -> int:
-        return len(self._by_key)
+        return self._used
 
     def __contains__(self, key: int) -> bool:
-        return key in self._by_key
+        return self._find(key) >= 0
 
     def get(self, key: int) -> TierEntry | None:
         """The entry for ``key``, pending or resident."""
-        return self._by_key.get(key)
+        slot = self._find(key)
+        return None if slot < 0 else self._view(slot)
 
     def lookup(self, key: int) -> TierEntry | None:
         """The resident entry for ``key`` (and mark it most recently used), or None."""
-        entry = self._by_key.get(key)
-        if entry is None or not entry.resident:
+        slot = self._find(key)
+        if slot < 0 or not self._flags[slot] & _RESIDENT:
             return None
-        self._touch(entry)
-        return entry
+        self._touch(slot)
+        return self._view(slot)
 
     def pin(self, entry: TierEntry) -> None:
-        entry.pins += 1
+        if entry._snap is not None:  # left the tier: nothing of the tier to hold
+            entry._snap[_S_PINS] += 1
+            return
+        slot = self._own(entry)
+        self._dequeue(slot)
+        self._pins[slot] += 1
 
     def unpin(self, entry: TierEntry) -> None:
         if entry.pins <= 0:
             raise RuntimeError(f"{self.name} tier: unpin of unpinned block {entry.key:#x}")
-        entry.pins -= 1
-        if entry.pins == 0:
-            self._offer(entry)
+        if entry._snap is not None:
+            entry._snap[_S_PINS] -= 1
+            return
+        slot = self._own(entry)
+        self._pins[slot] -= 1
+        self._offer(slot)
 
     def children_of(self, key: int) -> set[int]:
         """Keys of this tier's entries whose parent is ``key`` (a copy)."""
-        return set(self._children.get(key, ()))
+        slot = self._find(key)
+        kids: set[int] = set()
+        child = self._child[slot] if slot >= 0 else -1
+        while child >= 0:
+            kids.add(self._key[child])
+            child = self._next[child]
+        return kids
 
     def is_leaf(self, key: int) -> bool:
-        return not self._children.get(key)
+        slot = self._find(key)
+        return slot < 0 or self._child[slot] < 0
 
     def can_reserve(self) -> bool:
-        return bool(self._free) or self._victim(pop=False) is not None
+        return bool(self._free) or len(self._key) < self.capacity or len(self._order) > 0
+
+    def evictable(self) -> int:
+        """How many entries could be evicted now (resident, unpinned leaves)."""
+        return len(self._order)
 
     def reserve(self, key: int, event_hash: int, parent_event_hash: int | None,
                 token_ids: Sequence[int], parent_key: int | None = None,
@@ -185,140 +375,371 @@ class TierIndex:
 
         Returns ``(entry, evicted)``; the caller must register the eviction's REMOVE before the
         metadata that reuses the slot leaves the leader. Raises TierFullError when nothing can be
-        evicted. ``key`` must not be present; ``parent_key`` (None for a root block) must be
-        (pending or resident): a tier never holds an orphan. The parent is linked before a
-        victim is chosen, so the eviction can never take it.
+        evicted. ``key`` (a u64) must not be present; ``parent_key`` (None for a root block) must
+        be (pending or resident): a tier never holds an orphan. The parent leaves the eviction
+        order before a victim is chosen, so the eviction can never take it.
         """
-        if key in self._by_key:
+        if not 0 <= key <= _U64_MASK:
+            raise ValueError(f"{self.name} tier: content key {key!r} is not a u64")
+        find = self._table.find
+        if find(key) >= 0:
             raise RuntimeError(f"{self.name} tier: block {key:#x} is already present")
-        if parent_key is not None and parent_key not in self._by_key:
-            raise ValueError(f"{self.name} tier: parent {parent_key:#x} of block {key:#x} is "
-                             "not in the tier (a tier holds prefix-closed chains only)")
-        self._link(key, parent_key)
+        if parent_key is None:
+            parent = -1
+        else:
+            parent = find(parent_key) if 0 <= parent_key <= _U64_MASK else -1
+            if parent < 0:
+                raise ValueError(f"{self.name} tier: parent {parent_key:#x} of block {key:#x} "
+                                 "is not in the tier (a tier holds prefix-closed chains only)")
+        if 0 <= event_hash <= _U64_MASK:
+            eh, flags = event_hash, _USED
+        else:
+            eh, _ = _u64(event_hash, "event_hash")
+            flags = _USED | _EH_NEG
+        if parent_event_hash is None:
+            peh, flags = 0, flags | _PEH_NONE
+        elif 0 <= parent_event_hash <= _U64_MASK:
+            peh = parent_event_hash
+        else:
+            peh, _ = _u64(parent_event_hash, "parent_event_hash")
+            flags |= _PEH_NEG
         evicted: TierEntry | None = None
         if self._free:
             slot = self._free.pop()
+        elif len(self._key) < self.capacity:
+            slot = self._grow()
         else:
-            evicted = self._victim(pop=True)
-            if evicted is None:
-                self._unlink(key, parent_key)
+            if parent >= 0:
+                self._dequeue(parent)  # about to gain a child: not a victim
+            victim = self._order.first()
+            if victim < 0:
+                if parent >= 0:
+                    self._offer(parent)
                 raise TierFullError(f"{self.name} tier: all {self.capacity} slots are pending, "
                                     "pinned or parents of other blocks")
-            self._remove(evicted)
+            evicted = self._remove(victim)
             self.evictions += 1
-            slot = evicted.slot
-        entry = TierEntry(key, slot, event_hash, parent_event_hash, tuple(token_ids),
-                          parent_key)
-        self._by_key[key] = entry
-        return entry, evicted
+            slot = victim
+        self._key[slot] = key
+        self._eh[slot] = eh
+        self._peh[slot] = peh
+        self._tick[slot] = 0
+        self._pins[slot] = 0
+        self._scope[slot] = 0
+        self._child[slot] = -1
+        self._parent[slot] = parent
+        self._prev[slot] = -1
+        if parent >= 0:
+            if self._flags[parent] & _QUEUED:
+                self._dequeue(parent)
+            first = self._child[parent]
+            self._next[slot] = first
+            if first >= 0:
+                self._prev[first] = slot
+            self._child[parent] = slot
+        else:
+            self._next[slot] = -1
+        if self._sig:
+            for sig in self._sig.values():
+                sig[2 * slot] = -1
+        width = self._width
+        if width > 0 and len(token_ids) == width:
+            try:
+                self._tok[slot * width:(slot + 1) * width] = array("i", token_ids)
+            except (OverflowError, TypeError):
+                flags |= _ODD_TOKENS
+        elif not self._store_tokens(slot, token_ids):
+            flags |= _ODD_TOKENS
+        if flags & _ODD_TOKENS:
+            self._odd_tokens[slot] = tuple(token_ids)
+        self._flags[slot] = flags
+        self._table.insert(key, slot)
+        self._used += 1
+        return self._view(slot), evicted
 
     def commit(self, key: int, signatures: dict[int, Signature] | None = None) -> TierEntry:
         """Mark ``key`` resident: every rank reported its bytes written."""
-        entry = self._by_key[key]
-        if not entry.resident:
-            entry.resident = True
+        slot = self._table.find(key) if 0 <= key <= _U64_MASK else -1
+        if slot < 0:
+            raise KeyError(key)
+        flags = self._flags[slot]
+        if not flags & _RESIDENT:
+            self._flags[slot] = flags | _RESIDENT
             self._resident += 1
         if signatures:
-            entry.signatures.update(signatures)
-        self._touch(entry)
-        return entry
+            for rank, (size, mtime) in signatures.items():
+                if not (0 <= size <= _SIG_MAX and 0 <= mtime <= _SIG_MAX):
+                    raise ValueError(f"{self.name} tier: signature {(size, mtime)!r} of rank "
+                                     f"{rank} is not two non-negative int64s")
+                column = self._sig.get(rank)
+                if column is None:
+                    column = self._sig[rank] = array("q", (-1, 0)) * len(self._key)
+                column[2 * slot] = size
+                column[2 * slot + 1] = mtime
+        self._touch(slot)
+        ref = self._views.get(slot)
+        view = ref() if ref is not None else None
+        return view if view is not None else self._view(slot)
 
     def discard(self, key: int) -> list[TierEntry]:
         """Forget ``key`` and its descendants in this tier, freeing their slots (a failed write,
-        a corrupt or stale block). Returns the entries forgotten, children before parents; the
-        caller registers a REMOVE for each resident one. Empty when ``key`` is absent."""
-        entry = self._by_key.get(key)
-        if entry is None:
+        a corrupt or stale block). Returns the entries forgotten (detached), children before
+        parents; the caller registers a REMOVE for each resident one. Empty when ``key`` is
+        absent."""
+        slot = self._find(key)
+        if slot < 0:
             return []
-        order: list[TierEntry] = []
-        stack = [(entry, False)]
-        while stack:  # iterative post-order: a long chain must not hit the recursion limit
-            node, expanded = stack.pop()
-            if expanded:
-                order.append(node)
-                continue
-            stack.append((node, True))
-            for child in self._children.get(node.key, ()):
-                stack.append((self._by_key[child], False))
-        for node in order:
-            self._remove(node)
-            self._free.append(node.slot)
-        return order
+        preorder: list[int] = []
+        stack = [slot]
+        child_of, next_of = self._child, self._next
+        while stack:  # iterative: a long chain must not hit the recursion limit
+            node = stack.pop()
+            preorder.append(node)
+            child = child_of[node]
+            while child >= 0:
+                stack.append(child)
+                child = next_of[child]
+        gone: list[TierEntry] = []
+        for node in reversed(preorder):  # every descendant before its ancestors
+            gone.append(self._remove(node))
+            self._free.append(node)
+        return gone
 
     def resident_entries(self) -> list[TierEntry]:
-        return [e for e in self._by_key.values() if e.resident]
+        """A copy of every resident entry as it is now (detached views: introspection and
+        tests; they hold no place in the tier and change nothing)."""
+        flags = self._flags
+        return [self._copy(s) for s in range(len(flags)) if flags[s] & _RESIDENT]
 
     def entries(self) -> list[TierEntry]:
-        """Every entry, pending or resident (tests and invariant checks)."""
-        return list(self._by_key.values())
+        """A copy of every entry, pending or resident (tests and invariant checks)."""
+        flags = self._flags
+        return [self._copy(s) for s in range(len(flags)) if flags[s] & _USED]
 
     def clear(self) -> None:
-        self._by_key.clear()
-        self._children.clear()
-        self._heap.clear()
-        self._resident = 0
-        self._free = list(range(self.capacity - 1, -1, -1))
+        for slot in list(self._views):
+            self._detach(slot)
+        self._init_rows()
 
     # ---- internals ---------------------------------------------------------------------
 
-    def _link(self, key: int, parent_key: int | None) -> None:
-        if parent_key is not None:
-            kids = self._children.get(parent_key)
-            if kids is None:
-                self._children[parent_key] = {key}
+    def _find(self, key: int) -> int:
+        return self._table.find(key) if 0 <= key <= _U64_MASK else -1
+
+    def _own(self, entry: TierEntry) -> int:
+        if entry._index is not self:
+            raise ValueError(f"{self.name} tier: {entry!r} belongs to another tier")
+        return entry.slot
+
+    def _view(self, slot: int) -> TierEntry:
+        views = self._views
+        ref = views.get(slot)
+        if ref is not None:
+            view = ref()
+            if view is not None:
+                return view
+        view = TierEntry(self, slot)
+        views[slot] = weakref.ref(view)
+        if len(views) > self._views_purge_at:
+            # Views live as long as the leader holds them (an op in flight, a load's plan):
+            # drop the references that died, amortised O(1) per view made.
+            for dead in [s for s, r in views.items() if r() is None]:
+                del views[dead]
+            self._views_purge_at = 2 * len(views) + 64
+        return view
+
+    def _copy(self, slot: int) -> TierEntry:
+        view = TierEntry(self, slot)
+        view._snap = self._snapshot(slot)
+        return view
+
+    def _detach(self, slot: int) -> TierEntry | None:
+        """Freeze the live view of ``slot`` (if any) with its current values."""
+        ref = self._views.pop(slot, None)
+        view = ref() if ref is not None else None
+        if view is not None:
+            view._snap = self._snapshot(slot)
+        return view
+
+    def _snapshot(self, slot: int) -> list[Any]:
+        flags = self._flags[slot]
+        parent = self._parent[slot]
+        eh = self._eh[slot]
+        if flags & _PEH_NONE:
+            peh = None
+        else:
+            peh = self._peh[slot]
+            if flags & _PEH_NEG:
+                peh -= 1 << 64
+        if flags & _ODD_TOKENS:
+            tokens: Any = self._odd_tokens[slot]
+        else:
+            width = max(self._width, 0)
+            tokens = self._tok[slot * width:(slot + 1) * width]  # a tuple when read
+        return [self._key[slot], eh - (1 << 64) if flags & _EH_NEG else eh, peh, tokens,
+                None if parent < 0 else self._key[parent], bool(flags & _RESIDENT),
+                self._pins[slot], self._tick[slot],
+                self._signatures(slot) if self._sig else {}, self._scopes[self._scope[slot]]]
+
+    def _grow(self) -> int:
+        """A never-used slot: one more row in every column."""
+        slot = len(self._key)
+        for column in (self._key, self._eh, self._peh, self._tick):
+            column.append(0)
+        for column in (self._parent, self._child, self._next, self._prev):
+            column.append(-1)
+        self._flags.append(0)
+        self._pins.append(0)
+        self._scope.append(0)
+        if self._width > 0:
+            self._tok.extend(_ZEROS[:self._width] if self._width <= len(_ZEROS)
+                             else array("i", bytes(4 * self._width)))
+        for sig in self._sig.values():
+            sig.extend(_NO_SIG)
+        return slot
+
+    def _store_tokens(self, slot: int, token_ids: Sequence[int]) -> bool:
+        """Put the tokens in the flat int32 column; False when they do not fit it."""
+        if self._width < 0:
+            self._width = len(token_ids)
+            self._tok.extend(array("i", bytes(4 * self._width * len(self._key))))
+        width = self._width
+        if len(token_ids) != width or width == 0:
+            return width == 0 and not token_ids
+        try:
+            row = array("i", token_ids)
+        except (OverflowError, TypeError):
+            return False
+        self._tok[slot * width:(slot + 1) * width] = row
+        return True
+
+    def _tokens(self, slot: int) -> tuple[int, ...]:
+        if self._flags[slot] & _ODD_TOKENS:
+            return self._odd_tokens[slot]
+        width = max(self._width, 0)
+        return tuple(self._tok[slot * width:(slot + 1) * width])
+
+    def _event_hash(self, slot: int) -> int:
+        value = self._eh[slot]
+        return value - (1 << 64) if self._flags[slot] & _EH_NEG else value
+
+    def _set_event_hash(self, slot: int, value: int) -> None:
+        bits, negative = _u64(value, "event_hash")
+        self._eh[slot] = bits
+        self._flags[slot] = (self._flags[slot] & ~_EH_NEG) | (_EH_NEG if negative else 0)
+
+    def _parent_event_hash(self, slot: int) -> int | None:
+        flags = self._flags[slot]
+        if flags & _PEH_NONE:
+            return None
+        value = self._peh[slot]
+        return value - (1 << 64) if flags & _PEH_NEG else value
+
+    def _set_parent_event_hash(self, slot: int, value: int | None) -> None:
+        flags = self._flags[slot] & ~(_PEH_NEG | _PEH_NONE)
+        if value is None:
+            self._peh[slot] = 0
+            flags |= _PEH_NONE
+        else:
+            bits, negative = _u64(value, "parent_event_hash")
+            self._peh[slot] = bits
+            flags |= _PEH_NEG if negative else 0
+        self._flags[slot] = flags
+
+    def _signatures(self, slot: int) -> dict[int, Signature]:
+        return {rank: (column[2 * slot], column[2 * slot + 1])
+                for rank, column in self._sig.items() if column[2 * slot] >= 0}
+
+    def _set_scope(self, slot: int, scope: tuple[int | None, int | None]) -> None:
+        """Scopes are interned (one per distinct (LoRA, salt), counted by use)."""
+        sid = self._scope_ids.get(scope)
+        if sid is None:
+            scope = (scope[0], scope[1])
+            if self._scope_free:
+                sid = self._scope_free.pop()
+                self._scopes[sid] = scope
+                self._scope_refs[sid] = 0
             else:
-                kids.add(key)
+                sid = len(self._scopes)
+                self._scopes.append(scope)
+                self._scope_refs.append(0)
+            self._scope_ids[scope] = sid
+        if sid:
+            self._scope_refs[sid] += 1
+        self._release_scope(self._scope[slot])
+        self._scope[slot] = sid
 
-    def _unlink(self, key: int, parent_key: int | None) -> None:
-        if parent_key is None:
-            return
-        kids = self._children.get(parent_key)
-        if kids is None:
-            return
-        kids.discard(key)
-        if not kids:
-            del self._children[parent_key]
-            parent = self._by_key.get(parent_key)
-            if parent is not None:
+    def _release_scope(self, sid: int) -> None:
+        if sid:
+            self._scope_refs[sid] -= 1
+            if self._scope_refs[sid] == 0:
+                scope = self._scopes[sid]
+                del self._scope_ids[scope]  # type: ignore[arg-type]
+                self._scopes[sid] = None
+                self._scope_free.append(sid)
+
+    def _remove(self, slot: int) -> TierEntry:
+        """Take ``slot``'s entry (a leaf now) out of the tier; returns it detached."""
+        ref = self._views.pop(slot, None)
+        view = ref() if ref is not None else None
+        if view is None:
+            view = TierEntry(self, slot)
+        view._snap = self._snapshot(slot)
+        flags = self._flags[slot]
+        if flags & _QUEUED:
+            self._order.remove(self._tick[slot])
+        parent = self._parent[slot]
+        if parent >= 0:
+            prev, nxt = self._prev[slot], self._next[slot]
+            if prev >= 0:
+                self._next[prev] = nxt
+            else:
+                self._child[parent] = nxt
+            if nxt >= 0:
+                self._prev[nxt] = prev
+            if self._child[parent] < 0:
                 self._offer(parent)  # its last child left: a leaf again, at its own age
-
-    def _remove(self, entry: TierEntry) -> None:
-        del self._by_key[entry.key]
-        if entry.resident:
+        self._table.delete(self._key[slot])
+        if flags & _RESIDENT:
             self._resident -= 1
-        self._unlink(entry.key, entry.parent_key)
+        if flags & _ODD_TOKENS:
+            del self._odd_tokens[slot]
+        if self._scope[slot]:
+            self._release_scope(self._scope[slot])
+            self._scope[slot] = 0
+        self._flags[slot] = 0
+        self._used -= 1
+        return view
 
-    def _touch(self, entry: TierEntry) -> None:
+    def _touch(self, slot: int) -> None:
+        flags = self._flags[slot]
+        if flags & _QUEUED:
+            self._order.remove(self._tick[slot])
+            flags &= ~_QUEUED
         self._clock += 1
-        entry.tick = self._clock
-        self._offer(entry)
+        tick = self._tick[slot] = self._clock
+        if flags & _RESIDENT and not self._pins[slot] and self._child[slot] < 0:
+            self._order.add(tick, slot)  # the newest: appended
+            flags |= _QUEUED
+        self._flags[slot] = flags
 
-    def _offer(self, entry: TierEntry) -> None:
-        """Push ``entry`` on the heap if it is evictable now (stale items are skipped later)."""
-        if entry.resident and entry.pins == 0 and entry.key not in self._children:
-            heapq.heappush(self._heap, (entry.tick, entry.key))
-            if len(self._heap) > 2 * len(self._by_key) + 64:
-                self._compact()
+    def _offer(self, slot: int) -> None:
+        """Queue ``slot`` in the eviction order if it is evictable now."""
+        flags = self._flags[slot]
+        if (flags & (_RESIDENT | _QUEUED)) == _RESIDENT and not self._pins[slot] \
+                and self._child[slot] < 0:
+            self._order.add(self._tick[slot], slot)
+            self._flags[slot] = flags | _QUEUED
 
-    def _compact(self) -> None:
-        self._heap = [(e.tick, e.key) for e in self._by_key.values()
-                      if e.resident and e.pins == 0 and e.key not in self._children]
-        heapq.heapify(self._heap)
+    def _dequeue(self, slot: int) -> None:
+        flags = self._flags[slot]
+        if flags & _QUEUED:
+            self._order.remove(self._tick[slot])
+            self._flags[slot] = flags & ~_QUEUED
 
-    def _victim(self, *, pop: bool) -> TierEntry | None:
-        """The least recently used evictable leaf (taken off the heap when ``pop``)."""
-        heap = self._heap
-        while heap:
-            tick, key = heap[0]
-            entry = self._by_key.get(key)
-            if (entry is None or entry.tick != tick or not entry.resident or entry.pins
-                    or key in self._children):
-                heapq.heappop(heap)  # stale: re-pushed whenever it becomes evictable again
-                continue
-            if pop:
-                heapq.heappop(heap)
-            return entry
-        return None
+
+_ZEROS = array("i", bytes(4 * 64))
+_NO_SIG = array("q", (-1, 0))
 
 
 # --------------------------------------------------------------------------------------------
@@ -335,6 +756,9 @@ class TierSpec:
     rank: int  # this worker's rank (disk files live under rank{rank}/)
     pin_memory: bool = False  # page-locked host memory (CUDA pools)
     directory: str | None = None  # disk tier base directory
+    # Model and layout identity (model name, tokens per block, TP size, ...): what the bytes of
+    # a disk block mean beyond dtype and shape; written into every disk file's header.
+    identity: str = ""
 
 
 @dataclass(frozen=True)
