@@ -13,7 +13,6 @@ from typing import Any
 import msgpack
 import pytest
 from _loops import both_implementations
-from _strict_router import StrictRouter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -24,7 +23,14 @@ from kvbm_plugin.consolidator.service import (
     UnknownDpRankError,
     UnknownMediumError,
 )
-from kvbm_plugin.wire.events import MAX_DP_RANKS, WireFormatError, encode_payload, to_signed_int64
+from kvbm_plugin.tools.router_view import WARNING_RULES, RouterView
+from kvbm_plugin.wire.events import (
+    MAX_DP_RANKS,
+    WireFormatError,
+    decode_event,
+    encode_payload,
+    to_signed_int64,
+)
 
 BS = 2
 MASK = (1 << 64) - 1
@@ -134,15 +140,18 @@ def engine_remove(core: ConsolidatorCore, dp: int, paths: Iterable[Path],
                           "medium": medium})
 
 
-def tier_store(core: ConsolidatorCore, tier: str, dp: int, path: Path) -> None:
-    """A tier registers the last block of ``path`` (host: hash A unsigned; disk: hash B)."""
-    h = hash_a if tier == "CPU" else hash_b
+def tier_store(core: ConsolidatorCore, tier: str, dp: int, path: Path,
+               one_hash: bool = False) -> None:
+    """A tier registers the last block of ``path`` (host: hash A unsigned; disk: hash B, or
+    hash A with ``one_hash``, as tiers that carry the engine's hash do)."""
+    h = hash_a if tier == "CPU" or one_hash else hash_b
     core.store(SOURCE_TIERS, tier, dp, [h(path)], h(path[:-1]) if len(path) > 1 else None,
                tokens_of(path), BS)
 
 
-def tier_remove(core: ConsolidatorCore, tier: str, dp: int, paths: Iterable[Path]) -> None:
-    h = hash_a if tier == "CPU" else hash_b
+def tier_remove(core: ConsolidatorCore, tier: str, dp: int, paths: Iterable[Path],
+                one_hash: bool = False) -> None:
+    h = hash_a if tier == "CPU" or one_hash else hash_b
     core.remove(SOURCE_TIERS, tier, dp, [h(p) for p in paths])
 
 
@@ -663,10 +672,11 @@ class Model:
 
 
 def apply_op(core: ConsolidatorCore, model: Model, op: tuple[Any, ...],
-             closed: bool = True) -> None:
+             closed: bool = True, one_hash: bool = False) -> None:
     """Apply ``op`` to the core and the model. ``closed``: the source is prefix-closed, as the
     tiers and TensorRT-LLM's pool are (it removes a block only after its descendants);
-    otherwise a removal may take any block."""
+    otherwise a removal may take any block. ``one_hash``: the disk tier names blocks by the
+    engine's hash too (else by its own algorithm)."""
     kind, dp = op[0], op[1]
     if kind == "store":
         _, _, slot, path, start = op
@@ -680,7 +690,7 @@ def apply_op(core: ConsolidatorCore, model: Model, op: tuple[Any, ...],
         else:
             tier = "CPU" if slot == "host" else "DISK"
             for i in range(start, len(path)):  # tiers register block by block
-                tier_store(core, tier, dp, path[:i + 1])
+                tier_store(core, tier, dp, path[:i + 1], one_hash)
                 held.add(path[:i + 1])
     elif kind == "remove":
         _, _, slot, paths = op
@@ -696,7 +706,7 @@ def apply_op(core: ConsolidatorCore, model: Model, op: tuple[Any, ...],
         if slot.startswith("engine"):
             engine_remove(core, dp, paths, medium=slot[7:])
         else:
-            tier_remove(core, "CPU" if slot == "host" else "DISK", dp, paths)
+            tier_remove(core, "CPU" if slot == "host" else "DISK", dp, paths, one_hash)
         model.slot(dp, slot).difference_update(paths)
     elif kind == "clear":
         slot = op[2]
@@ -751,26 +761,39 @@ def closure(paths: set[Path]) -> set[Path]:
     return {p for p in paths if all(p[:i] in paths for i in range(1, len(p)))}
 
 
+def apply_output(view: RouterView, output: dict[int, list[dict[str, Any]]]) -> None:
+    """Feed one flush of the core's output (wire maps per dp rank) to the router model."""
+    for dp, events in output.items():
+        for event in events:
+            view.apply_event(decode_event(event), "consolidator", dp)
+
+
+def rule_warnings(view: RouterView) -> dict[str, int]:
+    """The router rules the output broke, by name (none for a prefix-closed stream)."""
+    return {rule: n for rule in WARNING_RULES if (n := getattr(view.counts, rule))}
+
+
 @pytest.mark.parametrize("mode", ["dedup", "passthrough"])
 @settings(max_examples=300, deadline=None)
 @given(ops=st.lists(OPS, min_size=1, max_size=40))
 def test_property_output_is_prefix_closed_whatever_the_sources_send(mode, ops):
     """Sources that remove any block, parents before children included (300 examples x up to
-    40 operations, each a batch): after every batch a strict router model of the output never
-    sees a store under a parent it does not hold, a removal of a block it does not hold or
-    that still has descendants, nor a removal in another medium than its store; what it
-    holds is resident, and nothing is left once every source is cleared."""
+    40 operations, each a batch; every source names a block by the engine's hash, as tiers
+    that carry TensorRT-LLM's hash do): after every batch the router model of the output
+    (:class:`RouterView`, Dynamo's indexer's rules) never sees a store under a parent it does
+    not hold, a removal of a block it does not hold or that still has descendants, a re-store
+    of a held block, nor a removal in another medium than its store (each a rule warning);
+    what it holds is resident, and nothing is left once every source is cleared."""
     core, model = ConsolidatorCore(mode), Model()
-    router = StrictRouter()
+    router = RouterView(BS)
     consumer = Consumer(mode == "passthrough")
     media = ("GPU", "CPU", "DISK") if mode == "passthrough" else ("GPU",)
     for op in ops:
-        apply_op(core, model, op, closed=False)
+        apply_op(core, model, op, closed=False, one_hash=True)
         out = core.take_output()
-        for dp, events in out.items():
-            router.apply(dp, events)
+        apply_output(router, out)
         consumer.apply(out)
-        assert router.violations == []
+        assert rule_warnings(router) == {}
         for dp in (0, 1):
             for medium in media:
                 shown = consumer.paths(dp, medium)
@@ -778,14 +801,15 @@ def test_property_output_is_prefix_closed_whatever_the_sources_send(mode, ops):
                                         else ("GPU", "CPU", "DISK"))
                 assert shown <= closure(wanted)
                 assert shown == closure(shown)
+                held = router.edges().get(("consolidator", dp, medium), set())
+                assert {h for _, h in held} == {hash_a(p)
+                                                  for p in shown}
     for dp in (0, 1):
         for slot in SLOTS:
-            apply_op(core, model, ("clear", dp, slot))
-    out = core.take_output()
-    for dp, events in out.items():
-        router.apply(dp, events)
-    assert router.violations == []
-    assert all(not tree.parent for tree in router.trees.values())
+            apply_op(core, model, ("clear", dp, slot), one_hash=True)
+    apply_output(router, core.take_output())
+    assert rule_warnings(router) == {}
+    assert router.blocks() == {}
     assert core.stats()["blocks_tracked"] == 0 and core.stats()["blocks_held_back"] == 0
 
 

@@ -1,8 +1,9 @@
 """Prefix-closed tiers and GPU stream: every block a tier or the GPU pool keeps can be reused.
 
 A tier never holds a block whose parent is resident nowhere; the tiers and the simulated
-executor's GPU pool evict leaves first, and their event streams, read by a strict radix-tree
-router model, never store under an unknown parent nor remove a parent before its descendants.
+executor's GPU pool evict leaves first, and their event streams, read by the router model
+(:class:`~kvbm_plugin.tools.router_view.RouterView`), never store under an unknown parent
+nor remove a parent before its descendants.
 """
 
 from __future__ import annotations
@@ -12,12 +13,13 @@ import random
 from typing import Any
 
 import pytest
-from _strict_router import StrictRouter, StrictTree
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.tiers.base import TierFullError, TierIndex
+from kvbm_plugin.tools.router_view import WARNING_RULES, RouterView
+from kvbm_plugin.wire.events import BlockRemoved, BlockStored
 
 OFF = {"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false"}
 
@@ -141,23 +143,29 @@ def test_a_pinned_leaf_keeps_its_chain_and_the_parent_is_evicted_after_its_child
 
 
 class _TierRecorder:
-    """Stands where the consolidator stands: feeds the leader's tier registrations to a strict
-    router model (one tree per medium)."""
+    """Stands where the consolidator stands: feeds the leader's tier registrations to the
+    router model (:class:`RouterView`: one flat map per lower tier, each checked for
+    prefix closure on its own)."""
 
-    def __init__(self) -> None:
-        self.router = StrictRouter()
+    def __init__(self, router: RouterView) -> None:
+        self.router = router
 
     def register_store(self, tier: str, dp_rank: int, block_hash: int, parent_hash: int | None,
                        token_ids: Any, block_size: int) -> None:
-        self.router.apply(dp_rank, [{"type": "BlockStored", "block_hashes": [block_hash],
-                                     "parent_block_hash": parent_hash, "medium": tier}])
+        self.router.apply_event(BlockStored([block_hash], parent_hash, list(token_ids),
+                                            block_size, medium=tier), "engine", dp_rank)
 
     def register_remove(self, tier: str, dp_rank: int, block_hashes: Any) -> None:
-        self.router.apply(dp_rank, [{"type": "BlockRemoved", "block_hashes": list(block_hashes),
-                                     "medium": tier}])
+        self.router.apply_event(BlockRemoved(list(block_hashes), medium=tier), "engine",
+                                dp_rank)
 
     def register_clear(self, tier: str, dp_rank: int) -> None:
         raise AssertionError("no tier is cleared in this test")
+
+
+def rule_warnings(view: RouterView) -> dict[str, int]:
+    """The router rules the streams broke, by name (none for prefix-closed streams)."""
+    return {rule: n for rule in WARNING_RULES if (n := getattr(view.counts, rule))}
 
 
 def _gpu_stream(engine: SimulatedEngine) -> list[dict[str, Any]]:
@@ -173,15 +181,25 @@ def _gpu_stream(engine: SimulatedEngine) -> list[dict[str, Any]]:
     return log
 
 
-def _apply_gpu(tree: StrictTree, events: list[dict[str, Any]]) -> list[str]:
-    problems: list[str] = []
+def _apply_gpu(router: RouterView, block_size: int, events: list[dict[str, Any]],
+               partial: set[int]) -> None:
+    """Feed the GPU pool's events (TensorRT-LLM's form) to the router's device tree, full
+    blocks only, as the event sink publishes them (a partial block, always a chain's last, is
+    remembered in ``partial`` and its removal skipped)."""
     for data in events:
         if data["type"] == "stored":
-            problems += tree.store([b["block_hash"] for b in data["blocks"]], data["parent_hash"])
+            blocks = [b for b in data["blocks"] if len(b["tokens"]) == block_size]
+            partial.update(b["block_hash"] for b in data["blocks"][len(blocks):])
+            if blocks:
+                router.apply_event(BlockStored(
+                    [b["block_hash"] for b in blocks], data["parent_hash"],
+                    [t["token_id"] for b in blocks for t in b["tokens"]], block_size), "engine")
         elif data["type"] == "removed":
-            problems += tree.remove(data["block_hashes"])
+            gone = [h for h in data["block_hashes"] if h not in partial]
+            partial.difference_update(data["block_hashes"])
+            if gone:
+                router.apply_event(BlockRemoved(gone), "engine")
     events.clear()
-    return problems
 
 
 def _check_closed(engine: SimulatedEngine) -> None:
@@ -236,7 +254,8 @@ def test_tiers_and_gpu_pool_stay_prefix_closed_under_random_workloads(
     """6 random multi-turn workloads x 350 engine iterations (2,100 steps), tiers under eviction
     pressure: after every iteration every tier-resident block's parent is resident somewhere,
     each tier is prefix-closed on its own, and the GPU pool's and the tiers' event streams are
-    clean for a strict router (one tree per medium), ending equal to what each holds."""
+    clean for the router model (no rule warning: no store under a parent it does not hold, no
+    unknown or cutting removal, no re-store or alias), ending equal to what each holds."""
     if not host and not disk:
         host = 6
     env = dict(OFF)
@@ -244,27 +263,33 @@ def test_tiers_and_gpu_pool_stay_prefix_closed_under_random_workloads(
         env["DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"] = str(host)
     if disk:
         env["DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"] = str(disk)
-    recorder = _TierRecorder()
+    router = RouterView(8)  # the block size is the engine's; set below
+    recorder = _TierRecorder(router)
     rng = random.Random(seed)
     engine = SimulatedEngine(EngineConfig(num_gpu_blocks=20, max_num_tokens=24, max_batch_size=4,
                                           env=env, tier_events=recorder))
     try:
         gpu_events = _gpu_stream(engine)
-        gpu_tree = StrictTree()
+        router.block_size = bs = engine.block_size
+        partial: set[int] = set()
         prompts: list[list[int]] = []
         live: list[int] = []
         for _ in range(350):
             _workload_step(rng, engine, prompts, live)
             _check_closed(engine)
-            assert _apply_gpu(gpu_tree, gpu_events) == []
-            assert recorder.router.violations == []
+            _apply_gpu(router, bs, gpu_events, partial)
+            assert rule_warnings(router) == {}, router.by_medium
         engine.run_until_idle(timeout_s=60)
         _check_closed(engine)
-        assert _apply_gpu(gpu_tree, gpu_events) == []
-        assert set(gpu_tree.parent) == set(engine.pool.hash_of.values())
-        assert recorder.router.violations == []
-        assert recorder.router.held(0, "CPU") == engine.leader.resident_hashes("host")
-        assert recorder.router.held(0, "DISK") == engine.leader.resident_hashes("disk")
+        _apply_gpu(router, bs, gpu_events, partial)
+        assert rule_warnings(router) == {}
+
+        def held(tier: str) -> set[int]:
+            return {h for _, h in router.edges().get(("engine", 0, tier), set())}
+
+        assert held("GPU") == set(engine.pool.hash_of.values()) - partial
+        assert held("CPU") == engine.leader.resident_hashes("host")
+        assert held("DISK") == engine.leader.resident_hashes("disk")
         assert engine.stats().kv_mismatches == 0
         # A load job with disk copies only (no host copy) runs without a worker error.
         assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
