@@ -25,8 +25,9 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
@@ -49,7 +50,12 @@ from kvbm_plugin.connector.meta import (
     open_hub,
     pool_layout,
 )
+from kvbm_plugin.connector.keeper import IdleKeeper, locked
 from kvbm_plugin.connector.metrics import get_metrics
+from kvbm_plugin.connector.lifetime import request_gone, request_handle
+from kvbm_plugin.connector.naming import BlockNaming, name_inputs
+from kvbm_plugin.connector.requests import Op as _Op
+from kvbm_plugin.connector.requests import RequestState as _Request
 from kvbm_plugin.connector.trtllm_compat import (
     KvCacheConnectorScheduler,
     find_kv_cache_manager,
@@ -66,7 +72,6 @@ from kvbm_plugin.consolidator_config import (
     load_tier_settings,
     should_enable_consolidator,
 )
-from kvbm_plugin.gpu_events.block_names import BlockNames
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
     TIER_HOST,
@@ -83,40 +88,6 @@ from kvbm_plugin.wire.identity import lora_of, request_scope, salt_extra_key, sa
 logger = logging.getLogger(__name__)
 
 _MEDIUM = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_DISK}
-
-
-@dataclass
-class _Request:
-    """What the leader knows about one request (rank 0 only)."""
-
-    req_id: int
-    salt: str | None = None  # reuse scope (cache salt, LoRA) mixed into every tier key
-    scope: tuple[int | None, int | None] = (None, None)  # (LoRA id, salt id) for tier events
-    tokens: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)  # content keys of full blocks
-    event_hashes: list[int] = field(default_factory=list)  # RequestData.block_hashes
-    learned: list[int] = field(default_factory=list)  # TRT-LLM's hashes seen in GPU events
-    offload_next: int = 0  # first block index not yet considered for offload
-    valid_tokens: int = 0  # tokens whose KV exists after the last scheduled forward
-    match_base: int | None = None  # device-computed + connector-loaded tokens at match time
-    plan: list[tuple[int, str, TierEntry]] = field(default_factory=list)  # (block idx, tier, e)
-    load_pending: bool = False  # update_state_after_alloc bound a load; not yet in metadata
-    load: LoadOp | None = None
-    reported: bool = False  # seen in a SchedulerOutput
-    saves_inflight: set[int] = field(default_factory=set)
-    loads_inflight: set[int] = field(default_factory=set)
-    finished: bool = False
-
-
-@dataclass
-class _Op:
-    kind: str  # "save" | "demote" | "load"
-    tier: str  # the tier written (save/demote) or read (load)
-    key: int
-    req_id: int | None
-    entry: TierEntry | None = None  # the entry written (save/demote) or read (load)
-    reports: dict[int, OpReport] = field(default_factory=dict)
 
 
 class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, valid-type]
@@ -147,6 +118,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         self._iteration = 0
         self._pending_loads: list[LoadOp] = []
         self._pending_demotes: list[DemoteOp] = []
+        self._fences: list[int] = []  # terminated requests with loads in flight (next metadata)
         self._closed = False
         self._receiver: ZmqReportReceiver | None = None
         self.consolidator: Any = None
@@ -157,8 +129,6 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         self._event_source_problem = "not attached yet"
         self._attach_attempts = 0
         self._tier_events: Any = None
-        self._names = BlockNames(self._block_size)  # TRT-LLM's hashes, from its events
-        self._names_from_events = False  # RequestData without block_hashes seen
         self._fallback_serializer = _llm_args.event_serializer_of(llm_args)
         self._stats = dict.fromkeys((
             "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
@@ -166,8 +136,18 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             "demotes_failed", "loads_failed", "corrupt_blocks", "stale_disk_blocks",
             "tier_full_skips", "host_evictions", "disk_evictions", "reports_rejected",
             "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
-            "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped"), 0)
+            "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
+            "tier_stores_held", "tier_stores_unnamed_dropped", "requests_terminated_silently",
+            "saves_discarded_terminated"), 0)
+        self._naming = BlockNaming(self._block_size, self._stats)
+        # Committed tier blocks whose TRT-LLM name is not known yet: advertised once it is
+        # (in commit order, parents first), never under a second name. Bounded.
+        self._held: dict[tuple[str, int], TierEntry] = {}
         self._log = RateLimitedLog(logger)
+        # Every hook and the idle keeper's tick run under this lock (connector.keeper).
+        self._lock = threading.RLock()
+        self._last_call = time.monotonic()
+        self._keeper: IdleKeeper | None = None
 
         config = load_consolidator_config(self._env, num_ranks=1)
         self._events_source = load_events_source(self._env)
@@ -198,6 +178,22 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         except BaseException:
             self.shutdown()
             raise
+        self._keeper = IdleKeeper(self._idle_tick, self._lock, lambda: self._last_call,
+                                  self.IDLE_PERIOD_S, f"kvbm-leader-keeper-r{self._dp_rank}")
+
+    # While TRT-LLM's loop blocks, reports and events are published within ~2x this (s).
+    IDLE_PERIOD_S = 0.1
+
+    def _idle_tick(self) -> None:
+        """The idle keeper's work (its thread, under the lock): apply completed reports,
+        publish the GPU-tier events TRT-LLM produced (drain mode drains them, tap publishes
+        what its readers took) and the tier changes; advertise held blocks named meanwhile."""
+        self._reap_terminated(executor_thread=False)  # before its saves' reports count
+        self._apply_reports()
+        self._sync_gpu_events()
+        flush = getattr(self._tier_events, "flush", None)
+        if flush is not None:
+            flush()
 
     def _register_metrics(self) -> None:
         """Expose the leader's, the sink's (with its publisher's) and the consolidator's
@@ -274,12 +270,14 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         only) and register the REMOVEs of the resident ones, children first."""
         gone = index.discard(entry.key)
         self._stats["cascade_drops"] += max(0, len(gone) - 1)
-        hashes = [e.event_hash for e in gone if e.resident]
+        hashes = [e.event_hash for e in gone
+                  if e.resident and self._held.pop((index.name, e.key), None) is None]
         if hashes:
             self._tier_events.register_remove(_MEDIUM[index.name], self._dp_rank, hashes)
 
     # ------------------------------------------------------------------ TRT-LLM hooks
 
+    @locked
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """Called once per new context request on rank 0 during allocation (result broadcast).
@@ -290,7 +288,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         nothing matches or ``num_computed_tokens`` is not block-aligned. At least one prompt
         token is always left to compute. Matched blocks are pinned until loaded.
         """
-        if not self._names_from_events:
+        if not self._naming.learning:
             # Where TRT-LLM's hashes are learned from its events, reports wait for the next
             # build_connector_meta, whose first step reads those events (this call runs inside
             # TRT-LLM's allocation and must not drain them).
@@ -306,7 +304,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         # The C++ request carries the salt as cache_salt_id only; newer Python requests also
         # as cache_salt. Either way it scopes every key, as it scopes TRT-LLM's own.
         salt = request_scope(request)
-        state = _Request(req_id, salt=salt, scope=(lora_of(request), salt_of(request)))
+        state = _Request(req_id, salt=salt, scope=(lora_of(request), salt_of(request)),
+                         name_inputs=name_inputs(request), handle=request_handle(request))
         self._reqs[req_id] = state
         bs = self._block_size
         if num_computed_tokens < 0 or num_computed_tokens % bs:
@@ -334,6 +333,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             self._stats["matched_host_tokens" if tier == TIER_HOST else "matched_disk_tokens"] += bs
         return n, True
 
+    @locked
     def cancel_load(self, request: Any, start: int, end: int) -> None:
         """Called on rank 0 by TensorRT-LLM's KVCacheManagerV2 (current main) when the runtime
         will not consume tokens ``[start, end)`` of an offer: a tail it could not reserve
@@ -386,6 +386,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         # The first report subtracts only what the runtime counted as loaded.
         state.match_base = (kept[-1][0] + 1) * bs if kept else None
 
+    @locked
     def commit_new_matched_tokens(self, request: Any, num_tokens: int,
                                   load_kv_async: bool) -> None:
         """The runtime's side of an offer (current main splits the query from this commit):
@@ -399,6 +400,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         if first + num_tokens < offered_end:
             self.cancel_load(request, first + max(0, int(num_tokens)), offered_end)
 
+    @locked
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         """Called on rank 0 right after allocation with the request's device block ids. Binds
         each matched tier block to its device block; the load goes into the next metadata."""
@@ -419,11 +421,16 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         state.load = LoadOp(state.req_id, tuple(copies))
         self._pending_loads.append(state.load)
 
+    @locked
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
         """Called once per iteration on rank 0 after allocation. Applies completion reports,
         flushes the iteration's GPU-tier events, and returns the loads bound since the last call
         plus offloads (device block → tier slot) for every block that became full this
         iteration and is in no tier yet. Walks ``new_requests`` and ``cached_requests``."""
+        self._reap_terminated(scheduled=frozenset(
+            rd.request_id for rd in (*scheduler_output.new_requests,
+                                     *scheduler_output.cached_requests)))
+        # (reaped before the reports: a terminated request's saves are never committed)
         self._sync_gpu_events()
         self._apply_reports()
         layout = self._ensure_tiers()
@@ -434,7 +441,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             state = self._reqs.get(rd.request_id)
             if state is None:
                 state = self._reqs[rd.request_id] = _Request(
-                    rd.request_id, salt=request_scope(rd), scope=(lora_of(rd), salt_of(rd)))
+                    rd.request_id, salt=request_scope(rd), scope=(lora_of(rd), salt_of(rd)),
+                    name_inputs=name_inputs(rd))
             elif state.salt is None and not state.reported:
                 self._adopt_scope(state, rd)
             self._absorb(state, rd)
@@ -442,7 +450,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                 self._schedule_saves(state, first_tier, saves)
         self.flush_events()
         meta = ConnectorMetadata(self._iteration, layout, tuple(self._pending_loads),
-                                 tuple(self._pending_demotes), tuple(saves))
+                                 tuple(self._pending_demotes), tuple(saves),
+                                 tuple(self._fences))
+        self._fences = []
         self._pending_loads = []
         self._pending_demotes = []
         return meta
@@ -493,6 +503,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             return f"{EVENTS_SOURCE}=off: none from this process"
         return self._event_source_problem
 
+    @locked
     def flush_events(self) -> None:
         """Publish this iteration's GPU-tier batch and hand queued tier events on.
 
@@ -510,12 +521,13 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         if flush is not None:
             flush()
 
+    @locked
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         """Called once on rank 0 when a request terminates (finished or aborted), result
         broadcast. True while offloads that read its device blocks are not yet reported by
         every rank: TRT-LLM then keeps the blocks until every worker's ``get_finished`` returns
         the id (workers count failed copies as finished)."""
-        if self._names_from_events:
+        if self._naming.learning:
             self._sync_gpu_events()
         self._apply_reports()
         state = self._reqs.get(int(request.request_id))
@@ -536,9 +548,11 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         hashes = getattr(rd, "block_hashes", None)
         if hashes:
             state.event_hashes = list(hashes)  # cumulative chain for the full blocks
-        elif not self._names_from_events and len(state.tokens) >= self._block_size:
-            self._names_from_events = True  # no block_hashes: learn TRT-LLM's from events
-            self.event_sink.on_flush = self._names.observe
+        elif not self._naming.learning and len(state.tokens) >= self._block_size:
+            # No block_hashes: learn TRT-LLM's names from its events (for requests whose hash
+            # cannot be computed, and as the cross-check of those computed).
+            self._naming.learning = True
+            self.event_sink.on_flush = self._naming.names.observe
         valid = rd.computed_position + rd.num_scheduled_tokens
         if not state.reported and state.match_base is not None:
             # The first report subtracts connector-loaded tokens from computed_position.
@@ -559,52 +573,96 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             state.salt = salt
             state.scope = (lora_of(rd), salt_of(rd))
             state.keys = []  # rehashed under the salt by _absorb
+            state.name_inputs = name_inputs(rd)
+            state.computed = []
 
     def _event_hash(self, state: _Request, index: int) -> int:
-        """The hash the tier events name block ``index`` by: TRT-LLM's (from
-        ``RequestData.block_hashes``, else learned from its GPU-tier events), so a router sees
-        one name per block across media; the plugin's content key only while TRT-LLM's is not
-        known yet (re-checked when the block's STORE is registered)."""
-        if index < len(state.event_hashes):
-            return int(state.event_hashes[index])
-        if index >= len(state.learned) and not state.event_hashes:
-            self._names.extend(state.tokens, state.keys, state.learned)
-        if index < len(state.learned):
-            return state.learned[index]
-        return state.keys[index]
+        """The hash the tier events name block ``index`` by: TRT-LLM's (see
+        :mod:`kvbm_plugin.connector.naming`); the plugin's content key only as a placeholder
+        while TRT-LLM's is not known (such a block's STORE is held back until it is)."""
+        h = self._naming.hash_of(state, index)
+        return state.keys[index] if h is None else h
 
     # -------------------------------------------------- TRT-LLM's block hashes, learned
 
     def _sync_gpu_events(self) -> None:
         """Publish TRT-LLM's events produced since the last call and learn the hashes they
-        name, so tier STOREs registered next use TRT-LLM's hash for each block. Executor
-        thread, outside TRT-LLM's allocation callback (``get_num_new_matched_tokens`` runs
-        inside it and never drains)."""
+        name, then advertise the held tier blocks whose names are known now. Outside
+        TRT-LLM's allocation callback (``get_num_new_matched_tokens`` runs inside it and
+        never drains)."""
         if self.event_source is not None:
             self.event_source.poll()
             self.event_sink.flush()
-            self._refresh_learned()
-
-    def _refresh_learned(self) -> None:
-        """TRT-LLM's hashes for every request whose hashes TRT-LLM did not hand over."""
-        if not self._names:
-            return
-        for state in self._reqs.values():
-            if not state.event_hashes and len(state.learned) < len(state.keys):
-                self._names.extend(state.tokens, state.keys, state.learned)
+            self._naming.refresh(self._reqs.values())
+        if self._held:
+            self._release_held()
 
     def _rename_provisional(self, entry: TierEntry) -> None:
         """Before a block's tier STORE is announced: if it was reserved under the plugin's
         content key (TRT-LLM's hash unknown then) and TRT-LLM's is known now, use that."""
+        names = self._naming.names
         if entry.event_hash == entry.key:
-            h = self._names.hash_of_key(entry.key)
+            h = names.hash_of_key(entry.key)
             if h is not None:
                 entry.event_hash = h
         parent = entry.parent_event_hash
-        if parent is not None:
-            h = self._names.hash_of_key(parent)
+        if parent is not None and parent == entry.parent_key:
+            h = names.hash_of_key(parent)
             if h is not None:
                 entry.parent_event_hash = h
+
+    def _named(self, entry: TierEntry) -> bool:
+        """Whether ``entry`` and its parent carry TRT-LLM's names (not placeholders)."""
+        return entry.event_hash != entry.key and (
+            entry.parent_key is None or entry.parent_event_hash != entry.parent_key)
+
+    def _announce(self, index: TierIndex, entry: TierEntry) -> None:
+        """Register the tier STORE of a committed, named block (its parent is advertised)."""
+        # The scope only when there is one: a recorder written for the plain six-argument
+        # call keeps working for unscoped blocks.
+        lora, salt = entry.scope
+        scope: dict[str, Any] = {}
+        if lora is not None:
+            scope["lora_id"] = lora
+        if salt is not None:
+            scope["extra_keys"] = (salt_extra_key(salt),)
+        self._tier_events.register_store(
+            _MEDIUM[index.name], self._dp_rank, entry.event_hash, entry.parent_event_hash,
+            entry.token_ids, self._block_size, **scope)
+
+    # Held tier STOREs at most (the oldest is dropped from its tier past it, never named twice).
+    MAX_HELD = 4096
+
+    def _hold_or_announce(self, index: TierIndex, entry: TierEntry) -> None:
+        self._rename_provisional(entry)
+        parent_held = entry.parent_key is not None and (index.name, entry.parent_key) in \
+            self._held
+        if self._named(entry) and not parent_held:
+            self._announce(index, entry)
+            return
+        self._held[(index.name, entry.key)] = entry
+        self._stats["tier_stores_held"] += 1
+        while len(self._held) > self.MAX_HELD:
+            (tier, _), oldest = next(iter(self._held.items()))
+            self._stats["tier_stores_unnamed_dropped"] += 1
+            self._log.log(logging.WARNING, "unnamed", "kvbm_plugin: %d tier blocks wait for "
+                          "TensorRT-LLM's name; the oldest leaves the %s tier unadvertised",
+                          len(self._held), tier)
+            self._drop(self._host if tier == TIER_HOST else self._disk, oldest)  # type: ignore[arg-type]
+
+    def _release_held(self) -> None:
+        """Advertise held blocks whose names are known now, in commit order (parents first)."""
+        for (tier, key), entry in list(self._held.items()):
+            index = self._host if tier == TIER_HOST else self._disk
+            if index is None or index.get(key) is not entry:
+                self._held.pop((tier, key), None)
+                continue
+            self._rename_provisional(entry)
+            if not self._named(entry) or (entry.parent_key is not None
+                                          and (tier, entry.parent_key) in self._held):
+                continue
+            del self._held[(tier, key)]
+            self._announce(index, entry)
 
     def _schedule_saves(self, state: _Request, index: TierIndex, saves: list[SaveOp]) -> None:
         """Offload the request's newly full blocks into ``index`` (the first tier), in chain
@@ -662,9 +720,11 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         entry.scope = scope
         if evicted is not None:
             self._stats["host_evictions" if index.name == TIER_HOST else "disk_evictions"] += 1
-            # REMOVE before the metadata that reuses the slot leaves this method's caller.
-            self._tier_events.register_remove(_MEDIUM[index.name], self._dp_rank,
-                                              [evicted.event_hash])
+            # REMOVE before the metadata that reuses the slot leaves this method's caller (none
+            # for a block that was never advertised).
+            if self._held.pop((index.name, evicted.key), None) is None:
+                self._tier_events.register_remove(_MEDIUM[index.name], self._dp_rank,
+                                                  [evicted.event_hash])
             if index.name == TIER_HOST and self._disk is not None \
                     and evicted.key not in self._disk:
                 self._demote(evicted)
@@ -737,7 +797,13 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             kind = op.kind + "s"
             # Still the entry this op wrote (not forgotten meanwhile with an ancestor, nor
             # replaced by a later reservation of the same block in another slot).
-            if index is not None and op.entry is not None and index.get(op.key) is op.entry:
+            if op.tainted:
+                ok = False
+                self._stats["saves_discarded_terminated"] += 1
+                if index is not None and op.entry is not None \
+                        and index.get(op.key) is op.entry:
+                    self._drop(index, op.entry)
+            elif index is not None and op.entry is not None and index.get(op.key) is op.entry:
                 parent = index.get(op.entry.parent_key) \
                     if op.entry.parent_key is not None else None
                 if ok and (op.entry.parent_key is None
@@ -747,18 +813,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                     signatures = {r.rank: r.signature for r in op.reports.values()
                                   if r.signature is not None}
                     entry = index.commit(op.key, signatures)
-                    self._rename_provisional(entry)
-                    # The scope only when there is one: a recorder written for the plain
-                    # six-argument call keeps working for unscoped blocks.
-                    lora, salt = entry.scope
-                    scope: dict[str, Any] = {}
-                    if lora is not None:
-                        scope["lora_id"] = lora
-                    if salt is not None:
-                        scope["extra_keys"] = (salt_extra_key(salt),)
-                    self._tier_events.register_store(
-                        _MEDIUM[index.name], self._dp_rank, entry.event_hash,
-                        entry.parent_event_hash, entry.token_ids, self._block_size, **scope)
+                    self._hold_or_announce(index, entry)
                 else:
                     # Never advertised: no REMOVE for it; descendants written after it go too.
                     if ok:
@@ -786,6 +841,43 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                 and not state.loads_inflight:
             self._forget(state)
 
+    def _reap_terminated(self, executor_thread: bool = True,
+                         scheduled: frozenset[int] = frozenset()) -> None:
+        """Forget the requests TRT-LLM terminated without calling ``request_finished`` (a
+        cancel, an error: ``py_executor.py`` @ 0004396720054 calls it only for finished
+        requests), seen by the request object's own state (``is_finished``) or its death.
+        A request in this build's scheduler output (``scheduled``) is alive by definition.
+        Once per build (executor thread) and per idle tick (death only); O(tracked)."""
+        for state in list(self._reqs.values()):
+            if state.finished or state.req_id in scheduled or not request_gone(state.handle,
+                                                  executor_thread=executor_thread):
+                continue
+            self._stats["requests_terminated_silently"] += 1
+            state.finished = True
+            state.handle = None
+            if state.load is not None and state.load in self._pending_loads:
+                # Bound, never sent: no copy goes out (the id still finishes on every rank).
+                for op_id in list(state.loads_inflight):
+                    op = self._ops.pop(op_id, None)
+                    index = self._host if op is not None and op.tier == TIER_HOST \
+                        else self._disk
+                    if op is not None and op.entry is not None and op.entry.pins > 0 \
+                            and index is not None:
+                        index.unpin(op.entry)
+                state.loads_inflight.clear()
+                i = self._pending_loads.index(state.load)
+                self._pending_loads[i] = state.load = LoadOp(state.req_id, ())
+            elif state.loads_inflight:
+                self._fences.append(state.req_id)  # its blocks may be reused now
+            for op_id in state.saves_inflight:
+                op = self._ops.get(op_id)
+                if op is not None:
+                    op.tainted = True
+            if not state.saves_inflight and not state.loads_inflight:
+                self._forget(state)
+            else:
+                self._release_plan(state)
+
     def _release_plan(self, state: _Request) -> None:
         if state.load is None:
             for _, tier, entry in state.plan:
@@ -804,11 +896,17 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
     def resident_hashes(self, tier: str) -> set[int]:
         """Event hashes resident (advertised) in ``tier`` ("host"/"disk"); tests and demo."""
         index = self._host if tier == TIER_HOST else self._disk
-        return {e.event_hash for e in index.resident_entries()} if index is not None else set()
+        if index is None:
+            return set()
+        return {e.event_hash for e in index.resident_entries()
+                if (index.name, e.key) not in self._held}
 
     def stats(self) -> dict[str, int]:
         out = dict(self._stats)
         out["ops_inflight"] = len(self._ops)
+        out["requests_tracked"] = len(self._reqs)
+        out["tier_stores_waiting_for_name"] = len(self._held)
+        out["idle_ticks"] = self._keeper.ticks if self._keeper is not None else 0
         out["host_used"] = len(self._host) if self._host is not None else 0
         out["disk_used"] = len(self._disk) if self._disk is not None else 0
         out["reports_malformed"] = self._receiver.malformed if self._receiver is not None else 0
@@ -821,6 +919,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         if self._closed:
             return
         self._closed = True
+        if self._keeper is not None:
+            self._keeper.stop(timeout)
         metrics = get_metrics()
         for component in ("leader", "event_sink", "consolidator"):
             metrics.unregister_stats(component, dp_rank=str(self._dp_rank))

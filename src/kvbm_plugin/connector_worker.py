@@ -133,6 +133,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         self._save_inflight: dict[int, int] = {}
         self._load_inflight: dict[int, int] = {}
         self._loads_done: set[int] = set()
+        self._fenced: set[int] = set()  # loads of terminated requests: never written now
         self._save_waiting: set[int] = set()  # ids passed in finished_gen_req_ids
         self._load_waiting: dict[int, float] = {}  # ids passed in started_loading_req_ids
         self._pending_save_meta: ConnectorMetadata | None = None  # bound, saves not enqueued
@@ -154,7 +155,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         self._stats = {"bytes_offloaded": 0, "bytes_onboarded": 0, "bytes_demoted": 0,
                        "blocks_offloaded": 0, "blocks_onboarded": 0, "blocks_demoted": 0,
                        "ops_failed": 0, "corrupt_blocks": 0, "copies_issued": 0,
-                       "jobs_failed": 0}
+                       "jobs_failed": 0, "loads_fenced": 0}
         self._block_bytes = 0
 
     # ------------------------------------------------------------------ bring-up
@@ -249,6 +250,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         if not isinstance(metadata, ConnectorMetadata):
             return
         self._apply_layout(metadata.layout)
+        if metadata.fences:
+            self._fence(metadata.fences)
         with self._lock:
             for op in metadata.saves:
                 self._save_inflight[op.req_id] = self._save_inflight.get(op.req_id, 0) + 1
@@ -259,6 +262,26 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                     self._loads_done.add(load.req_id)
         if metadata.saves or metadata.demotes:
             self._pending_save_meta = metadata
+
+    def _fence(self, req_ids: Sequence[int]) -> None:
+        """TRT-LLM freed these requests' blocks (a cancel during an async load): no copy into
+        them may start from now on, and the started ones must end before this iteration's
+        forward or loads can write a reused block. Executor thread; waits at most
+        ``OP_TIMEOUT_S`` (a started copy is one block, or one batch of host copies)."""
+        deadline = time.monotonic() + OP_TIMEOUT_S
+        with self._lock:
+            self._fenced.update(req_ids)
+        while True:
+            with self._lock:
+                busy = [r for r in req_ids if self._load_inflight.get(r, 0) > 0]
+            if not busy:
+                break
+            if time.monotonic() > deadline:
+                logger.error("rank %d: loads of terminated requests %s still running after "
+                             "%.0f s", self._rank, busy, OP_TIMEOUT_S)
+                break
+            time.sleep(0.0002)  # a started copy: one block or one batch
+        self._count(loads_fenced=len(req_ids))
 
     def start_load_kv(self, stream: Any) -> None:
         """Called every iteration on every rank after ``bind_connector_meta``, before the forward
@@ -526,8 +549,13 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         assert self._pool is not None
         host_copies: list[tuple[LoadCopy, int]] = []
         for load in loads:
+            with self._lock:
+                fenced = load.req_id in self._fenced
             for copy in load.copies:
-                if copy.tier == HOST and self._host is not None \
+                if fenced:  # TRT-LLM freed the blocks: never write them
+                    self._report(copy.op_id, False, ERR_FAILED)
+                    self._load_terminal(load.req_id)
+                elif copy.tier == HOST and self._host is not None \
                         and 0 <= copy.slot < self._host.capacity:
                     host_copies.append((copy, load.req_id))
                 elif copy.tier == DISK and self._disk is not None:
@@ -688,7 +716,11 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         ok, error = False, ERR_FAILED
         started = time.perf_counter()
         try:
-            if disk is not None and pool is not None and staging is not None \
+            with self._lock:
+                fenced = req_id in self._fenced
+            if fenced:
+                pass  # TRT-LLM freed the blocks: never write them
+            elif disk is not None and pool is not None and staging is not None \
                     and 0 <= copy.slot < disk.capacity:
                 if disk.read(copy.slot, copy.key, staging):
                     ok = self._staging_to_device(staging, copy.device_block)
