@@ -30,12 +30,14 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvbm_plugin._util.plugins import TIERS_GROUP, get_plugin
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector import llm_args as _llm_args
+from kvbm_plugin.connector.copy_runs import count_down as _count_down
+from kvbm_plugin.connector.copy_runs import runs as _runs
 from kvbm_plugin.connector.meta import (
     DISK,
     ERR_CORRUPT,
@@ -72,33 +74,6 @@ LOAD_ORPHAN_TIMEOUT_S = 120.0  # a loading id with no LoadOp seen is returned af
 COPY_BATCH_BYTES = 64 << 20  # host copies complete and report in batches of about this size
 
 _T = TypeVar("_T")
-
-
-def _runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Coalesce (src, dst) index pairs into runs ``(src0, dst0, n)`` where both advance by 1."""
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in sorted(pairs, key=lambda p: p[1]):
-        if runs:
-            s0, d0, n = runs[-1]
-            if src == s0 + n and dst == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((src, dst, 1))
-    return runs
-
-
-def _count_down(inflight: dict[int, int], req_ids: Sequence[int]) -> list[int]:
-    """One terminal op per id in ``req_ids``; returns the ids with none left in flight.
-    Callers hold the worker's lock."""
-    drained: list[int] = []
-    for req_id in req_ids:
-        left = inflight.get(req_id, 0) - 1
-        if left > 0:
-            inflight[req_id] = left
-        else:
-            inflight.pop(req_id, None)
-            drained.append(req_id)
-    return drained
 
 
 class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-type]

@@ -169,7 +169,9 @@ class RouterProbe:
             # Before the engine's first iteration the leader has not found the KV cache manager
             # yet (it looks from inside the iteration): there is nothing to publish, and a
             # search from here would fail (and use up one of its attempts).
-            leader.flush_events()
+            # What the leader's idle keeper publishes within its period while the engine
+            # waits for this request, without waiting for it.
+            leader.publish_now()
         now = time.monotonic()
         deadline = now + self.settle_timeout
         seen, since = self.subscriber.stats.batches, now
