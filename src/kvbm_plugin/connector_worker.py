@@ -698,7 +698,10 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             elif disk is not None and pool is not None and staging is not None \
                     and 0 <= copy.slot < disk.capacity:
                 if disk.read(copy.slot, copy.key, staging):
-                    ok = self._staging_to_device(staging, copy.device_block)
+                    with self._lock:  # a fence that arrived during the read wins
+                        fenced = req_id in self._fenced
+                    if not fenced:
+                        ok = self._staging_to_device(staging, copy.device_block)
                 else:
                     error = ERR_CORRUPT
                     self._count(corrupt_blocks=1)

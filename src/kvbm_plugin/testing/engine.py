@@ -658,7 +658,8 @@ class SimulatedEngine:
         (generated ones and a trailing partial block included; nothing of a request that never
         computed past an async load), then released last block first."""
         bs = self.block_size
-        valid = r.computed if r.state != LOADING else r.n_device
+        # uniqueTokens.size() - 1 tokens: the last sampled token has no KV yet
+        valid = min(r.computed, len(r.tokens) - 1) if r.state != LOADING else r.n_device
         if valid:
             n_full = valid // bs
             hashes = self._hashes(r, n_full)
