@@ -69,6 +69,11 @@ class SimKVCacheManager:
             self._ready.clear()
         return out
 
+    def readable(self) -> int:
+        """Events readable and not drained yet (no draining; tests)."""
+        with self._cond:
+            return len(self._ready)
+
     def wait_readable(self, timeout_s: float) -> bool:
         """Block until events are readable (no draining); the dispatch reader's wake-up."""
         with self._cond:
