@@ -108,9 +108,10 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         self._save_inflight: dict[int, int] = {}
         self._load_inflight: dict[int, int] = {}
         self._loads_done: set[int] = set()
-        self._fenced: set[int] = set()  # loads of terminated requests: never written now
-        self._save_waiting: set[int] = set()  # ids passed in finished_gen_req_ids
-        self._load_waiting: dict[int, float] = {}  # ids passed in started_loading_req_ids
+        self._fenced: set[int] = set()  # requests whose queued loads must never write
+        self._writing: dict[int, int] = {}  # request -> its copies writing device blocks now
+        self._save_waiting: set[int] = set()  # ids given as finished_gen_req_ids
+        self._load_waiting: dict[int, float] = {}  # ... as started_loading_req_ids, since
         self._pending_save_meta: ConnectorMetadata | None = None  # bound, saves not enqueued
         self._reporter: Any = None
         self._report_warned = False
@@ -239,23 +240,21 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             self._pending_save_meta = metadata
 
     def _fence(self, req_ids: Sequence[int]) -> None:
-        """TRT-LLM freed these requests' blocks (a cancel during an async load): no copy into
-        them may start from now on, and the started ones must end before this iteration's
-        forward or loads can write a reused block. Executor thread; waits at most
-        ``OP_TIMEOUT_S`` (a started copy is one block, or one batch of host copies)."""
+        """TRT-LLM freed these requests' blocks (a cancel during an async load): queued copies
+        into them never write; the ones writing now (a disk block, a host batch) end before
+        this pass's forward or loads. Executor thread; at most ``OP_TIMEOUT_S``."""
         deadline = time.monotonic() + OP_TIMEOUT_S
-        with self._lock:
-            self._fenced.update(req_ids)
+        with self._lock:  # ids whose loads all ended already need nothing
+            self._fenced.update(r for r in req_ids if self._load_inflight.get(r, 0) > 0)
         while True:
             with self._lock:
-                busy = [r for r in req_ids if self._load_inflight.get(r, 0) > 0]
-            if not busy:
+                busy = [r for r in req_ids if self._writing.get(r, 0) > 0]
+            if not busy or time.monotonic() > deadline:
                 break
-            if time.monotonic() > deadline:
-                logger.error("rank %d: loads of terminated requests %s still running after "
-                             "%.0f s", self._rank, busy, OP_TIMEOUT_S)
-                break
-            time.sleep(0.0002)  # a started copy: one block or one batch
+            time.sleep(0.0002)  # a copy in progress: one block or one batch
+        if busy:
+            logger.error("rank %d: loads of terminated requests %s still writing after %.0f s",
+                         self._rank, busy, OP_TIMEOUT_S)
         self._count(loads_fenced=len(req_ids))
 
     def start_load_kv(self, stream: Any) -> None:
@@ -398,6 +397,11 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                 return None
         return self._reporter
 
+    def _written(self, req_ids: Sequence[int]) -> None:
+        """Copies of ``req_ids`` (one per entry) stopped writing device blocks."""
+        with self._lock:
+            _count_down(self._writing, req_ids)
+
     def _save_terminal(self, req_id: int) -> None:
         self._save_terminal_all((req_id,))
 
@@ -410,7 +414,9 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
 
     def _load_terminal_all(self, req_ids: Sequence[int]) -> None:
         with self._lock:
-            self._loads_done.update(_count_down(self._load_inflight, req_ids))
+            drained = _count_down(self._load_inflight, req_ids)
+            self._loads_done.update(drained)
+            self._fenced.difference_update(drained)  # nothing of theirs is left to write
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -526,6 +532,10 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         for load in loads:
             with self._lock:
                 fenced = load.req_id in self._fenced
+                if not fenced:  # its host copies write from now until their done()
+                    n_host = sum(c.tier == HOST for c in load.copies)
+                    if n_host:
+                        self._writing[load.req_id] = self._writing.get(load.req_id, 0) + n_host
             for copy in load.copies:
                 if fenced:  # TRT-LLM freed the blocks: never write them
                     self._report(copy.op_id, False, ERR_FAILED)
@@ -536,6 +546,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                 elif copy.tier == DISK and self._disk is not None:
                     self._disk_jobs.put(("load", copy, load.req_id))
                 else:
+                    if copy.tier == HOST:
+                        self._written((load.req_id,))
                     self._report(copy.op_id, False, ERR_FAILED)
                     self._load_terminal(load.req_id)
         for chunk in self._chunked(host_copies):
@@ -553,6 +565,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
 
         def done(ok: bool) -> None:
             results = [(copy.op_id, ok and keys_ok[copy.op_id]) for copy, _ in host_copies]
+            self._written([req_id for _, req_id in host_copies])
             self._report_all(results)
             self._load_terminal_all([req_id for _, req_id in host_copies])
             moved = sum(good for _, good in results)
@@ -700,8 +713,13 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                 if disk.read(copy.slot, copy.key, staging):
                     with self._lock:  # a fence that arrived during the read wins
                         fenced = req_id in self._fenced
+                        if not fenced:
+                            self._writing[req_id] = self._writing.get(req_id, 0) + 1
                     if not fenced:
-                        ok = self._staging_to_device(staging, copy.device_block)
+                        try:
+                            ok = self._staging_to_device(staging, copy.device_block)
+                        finally:
+                            self._written((req_id,))
                 else:
                     error = ERR_CORRUPT
                     self._count(corrupt_blocks=1)

@@ -86,5 +86,7 @@ def test_a_cancelled_load_never_writes_into_a_reused_block(make_engine, monkeypa
         assert torch.all(worker._pool[b] == POISON), f"block {b} written after reuse"
     assert worker.stats()["loads_fenced"] >= 1
     engine.run_until_idle()
+    engine.submit(prompt(10, 5), 1)  # its pass releases a request that was still saving
+    engine.run_until_idle()
     assert engine.result(keep_busy).state == "done"
     assert engine.stats().kv_mismatches == 0

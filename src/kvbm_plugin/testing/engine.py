@@ -162,6 +162,7 @@ class _Req:
     reported_blocks: int = 0
     reserved: int = 0
     context_stored: bool = False  # store_context_blocks ran for the prompt
+    chain: list[int] = field(default_factory=list)  # V1 hashes of full blocks so far
     host_finished: bool = False  # the request object is finished (its last token arrived)
     mismatches: int = 0
     llm_request: LlmRequest | None = None
@@ -192,6 +193,7 @@ class SimulatedEngine:
         self._ids = itertools.count(1)
         self._aborts: set[int] = set()  # cancels not yet fetched by the loop
         self._canceled: set[int] = set()  # PyExecutor.canceled_req_ids
+        self._live: dict[int, _Req] = {}  # requests not done, in submission order
         # overlap: the batch whose samples are not processed yet, as (request, its token
         # count after that batch's sampling, whether that sampling finished it)
         self._previous: list[tuple[_Req, int, bool]] = []
@@ -279,6 +281,7 @@ class SimulatedEngine:
         self._reqs[req_id] = _Req(req_id, list(prompt_tokens), max_new_tokens, cache_salt,
                                   tokens=list(prompt_tokens), host_len=len(prompt_tokens))
         self._order.append(req_id)
+        self._live[req_id] = self._reqs[req_id]
         self._stats.requests_submitted += 1
         return req_id
 
@@ -317,13 +320,17 @@ class SimulatedEngine:
         """Whether TRT-LLM's loop runs another pass: an active request (scheduled, loading) or
         a queued one; otherwise it blocks in the request queue."""
         return bool(self._order) or any(r.state in (CONTEXT, GENERATION, LOADING)
-                                         for r in self._reqs.values())
+                                         for r in self._live.values())
 
     def idle(self) -> bool:
         """Blocked for the next request, every transfer terminal and applied by the leader."""
         assert self.leader is not None
         return (not self.active() and all(r.idle() for r in self.ranks)
                 and self.leader.stats()["ops_inflight"] == 0)
+
+    def state(self, req_id: int) -> str:
+        """The request's state (cheaper than :meth:`result`)."""
+        return self._reqs[req_id].state
 
     def result(self, req_id: int) -> RequestResult:
         r = self._reqs[req_id]
@@ -458,7 +465,7 @@ class SimulatedEngine:
         budget = cfg.max_num_tokens
         batch: list[tuple[_Req, int]] = []
         new: list[_Req] = []
-        for r in self._reqs.values():
+        for r in self._live.values():
             if len(batch) >= cfg.max_batch_size or budget <= 0:
                 break
             if r.state == GENERATION:
@@ -558,13 +565,15 @@ class SimulatedEngine:
         return batch
 
     def _hashes(self, r: _Req, n_blocks: int) -> list[int]:
-        out: list[int] = []
-        parent = None
-        for i in range(n_blocks):
-            parent = trtllm_block_hash(parent, r.tokens[i * self.block_size:(i + 1) *
-                                                        self.block_size], r.salt)
-            out.append(parent)
-        return out
+        """TRT-LLM's V1 hashes of the first ``n_blocks`` full blocks (the chain is kept: a
+        request's tokens only grow)."""
+        bs = self.block_size
+        chain = r.chain
+        while len(chain) < n_blocks:
+            i = len(chain)
+            chain.append(trtllm_block_hash(chain[-1] if chain else None,
+                                           r.tokens[i * bs:(i + 1) * bs], r.salt))
+        return chain[:n_blocks]
 
     def _ensure_blocks(self, r: _Req, tokens: int) -> None:
         while len(r.blocks) * self.block_size < tokens:
@@ -579,6 +588,10 @@ class SimulatedEngine:
         token when the batch is processed; nothing is stored for reuse here."""
         out: list[tuple[_Req, int, bool]] = []
         for r, n in batch:
+            if r.state not in (CONTEXT, GENERATION):
+                # finished meanwhile (overlap: _send_kv_async of the previous batch ran)
+                out.append((r, len(r.tokens), False))
+                continue
             if r.state == CONTEXT:
                 self._stats.computed_prefill_tokens += n
             r.computed += n
@@ -636,6 +649,7 @@ class SimulatedEngine:
             if r.state == WAITING:
                 self._order.remove(req_id)
                 r.state = DONE
+                del self._live[req_id]
             else:
                 self._free(r)
         self._canceled.clear()
@@ -674,6 +688,7 @@ class SimulatedEngine:
         self._outstanding -= r.reserved
         r.reserved = 0
         r.state = DONE
+        self._live.pop(r.id, None)
         r.llm_request = None  # TRT-LLM drops the request object (the leader sees it die)
         self.kv_cache_connector_manager.forget(r.id)
 

@@ -392,7 +392,8 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
                 late[waiting] = max(0, min(reused, probe.predict(request.prompt, request.salt))
                                     - predicted)
             waiting = None
-        for req_id in [i for i in running if engine.result(i).state == "done"]:
+        # A saving request has its answer (its blocks wait for the next pass's get_finished).
+        for req_id in [i for i in running if engine.state(i) in ("done", "saving")]:
             request, predicted = running.pop(req_id)
             res = engine.result(req_id)
             result.finished += 1
