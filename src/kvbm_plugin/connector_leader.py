@@ -138,6 +138,15 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
 
         config = load_consolidator_config(self._env, num_ranks=1)
         self._events_source = load_events_source(self._env)
+        self._native_events = _llm_args.native_kv_events(llm_args)
+        if self._native_events and self._events_source != "off":
+            # TRT-LLM publishes the GPU tier itself: a second stream would name every block
+            # twice (and its pull API is empty anyway).
+            logger.warning("kvbm_plugin: TensorRT-LLM's own KV-event publisher is on "
+                           "(kv_cache_config.kv_events_config); the plugin publishes no "
+                           "GPU-tier stream (%s=%s ignored), only its offload tiers",
+                           EVENTS_SOURCE, self._events_source)
+            self._events_source = "off"
         if self._events_source == "off":
             self._attach_attempts = self._MAX_ATTACH_ATTEMPTS  # never look for the manager
         logger.info("kvbm_plugin: GPU-tier KV event source %s=%s%s", EVENTS_SOURCE,
@@ -418,6 +427,9 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         """Where GPU-tier events come from now, in words (logged at attach time)."""
         if self.event_source is not None:
             return self.event_source.describe()
+        if self._native_events:
+            return ("TensorRT-LLM's own publisher (kv_cache_config.kv_events_config): none "
+                    "from the plugin")
         if self._events_source == "off":
             return f"{EVENTS_SOURCE}=off: none from this process"
         return self._event_source_problem

@@ -93,3 +93,14 @@ def event_serializer_of(llm_args: Any) -> Any:
     """The test hook ``kvbm_plugin_event_serializer`` (a callable list-of-events → list of
     dicts), or None."""
     return getattr(llm_args, "kvbm_plugin_event_serializer", None)
+
+
+def native_kv_events(llm_args: Any) -> bool:
+    """Whether TensorRT-LLM's own streaming KV-event publisher is configured
+    (``kv_cache_config.kv_events_config``, TensorRT-LLM PR #17023, merged 2026-07-29: each
+    rank publishes its GPU blocks over ZMQ at ``base_port + rank`` and the pull API returns
+    ``[]``). Present and not switched off (``enabled``/``enable`` False) counts as on."""
+    config = getattr(getattr(llm_args, "kv_cache_config", None), "kv_events_config", None)
+    if config is None or config is False:
+        return False
+    return all(getattr(config, flag, None) is not False for flag in ("enabled", "enable"))

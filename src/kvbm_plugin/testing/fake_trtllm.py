@@ -81,6 +81,7 @@ class KvCacheConfig:
     tokens_per_block: int
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = False
+    kv_events_config: Any = None  # TRT-LLM's own streaming publisher (PR #17023)
 
 
 @dataclass
