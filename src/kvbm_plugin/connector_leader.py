@@ -88,6 +88,7 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         publisher and event sink and, when enabled, the in-process consolidator that receives
         every tier change."""
         super().__init__(llm_args)
+        _llm_args.refuse_layer_groups(llm_args)
         self._env = _llm_args.env_of(llm_args)
         self._par = _llm_args.parallel_of(llm_args)
         self._block_size = _llm_args.block_size_of(llm_args)

@@ -84,6 +84,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         constructor on rank 0. Reads settings only; allocates nothing until
         ``register_kv_caches``; never waits on the leader."""
         super().__init__(llm_args)
+        _llm_args.refuse_layer_groups(llm_args)
         self._env = _llm_args.env_of(llm_args)
         self._metrics = get_metrics()
         self._par = _llm_args.parallel_of(llm_args)

@@ -82,6 +82,7 @@ class KvCacheConfig:
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = False
     kv_events_config: Any = None  # TRT-LLM's own streaming publisher (PR #17023)
+    max_attention_window: list[int] | None = None  # several windows: VSWA
 
 
 @dataclass
