@@ -1,38 +1,36 @@
 """A simulated TensorRT-LLM executor that drives the real KvbmConnectorLeader/Worker.
 
-It follows TRT-LLM's PyExecutor and KvCacheConnectorManager, where they touch the connector
-(NVIDIA/TensorRT-LLM, ``tensorrt_llm/_torch/pyexecutor/``: ``py_executor.py``@9521caf4 for the
-overlap loop being the default (``disable_overlap_scheduler``), ``get_latest_kv_cache_events``
-and the per-iteration ``flush_iteration_events``; the connector call sites in
-``_executor_loop`` / ``_executor_loop_overlap`` / ``_kv_connector_start_batch`` /
-``_kv_connector_terminate_requests`` and ``resource_manager.py``'s
-``KVCacheManager.prepare_resources`` as of cf44a1cc; ``kv_cache_connector.py``@00fdcbff5ad8 for
-the manager):
+It follows TRT-LLM's PyExecutor and KvCacheConnectorManager where they touch the connector:
+``py_executor.py`` @ 0004396720054 (``_executor_loop`` and ``_executor_loop_overlap``, the
+default), ``resource_manager.py`` (``add_sequence_batch``, the report after
+``maybe_fit_token_budget``), ``connectors/kv_cache_connector.py`` @ 035ab91cad04 for the
+manager. :meth:`SimulatedEngine.step` lists the order of one pass.
 
 * bring-up: per rank a ``ThreadPoolExecutor(2)`` builds the worker (and, on rank 0, the leader)
   concurrently; ``register_forward_pass_callable``; ``register_kv_caches``. With
   ``processes=True`` ranks 1.. are child processes that report completions over ZMQ
   (``testing.processes``).
-* per iteration: capacity scheduling (guaranteed-no-evict); for a new request a device prefix
-  match, ``get_num_new_matched_tokens`` through the connector manager, allocation of the WHOLE
-  prompt (V1 ``add_sequence(prompt_len)`` on the first context chunk) and
-  ``update_state_after_alloc`` with all prompt blocks; chunked prefill then computes the prompt
-  over several iterations; generation requests get one block slot per token (``add_token``).
-  ``build_scheduler_output`` (``testing.connector_manager``: ``external_loads`` cleared every
-  build, async-loading requests skipped), then ``_kv_connector_start_batch``:
-  ``handle_metadata`` → ``_run_on_leader(lambda: build_connector_meta(...))``, bound on every
-  rank, ``start_load_kv``; the forward with ``wait_for_layer_load``/``save_kv_layer`` around each
-  layer and the forward-pass callable; ``wait_for_save``; sampling; termination
-  (``request_finished``); ``flush_iteration_events``; ``get_finished`` on every rank, acting on
-  an id once every rank returned it.
-* the overlap scheduler (``overlap_scheduler=True``, TRT-LLM's default): the tokens sampled in
-  iteration N reach the requests (and so the connector's ``RequestData``) only after the forward
-  of N+1; a request that sampled its last token in N is scheduled once more in N+1 and
-  terminated after that forward; a last iteration without a forward processes the final batch
-  (one more ``get_finished`` call than forward passes).
-* KV events are C++-like objects (``testing.kv_events``), readable only after the iteration's
+* idle: with nothing active and nothing queued the loop blocks in its request queue, so no
+  connector call is made at all; completion reports are then applied by the leader's keeper.
+* admission: capacity (guaranteed-no-evict) and the device prefix match, then every new
+  request's ``get_num_new_matched_tokens`` before any ``update_state_after_alloc`` (with all
+  prompt blocks: V1 allocates the whole prompt at the first chunk), the token-budget trim,
+  the report (``build_scheduler_output``: ``external_loads`` cleared every build, requests that
+  start an async load left out), then the building ``handle_metadata`` (only when a batch was
+  prepared), ``take_scheduled_requests_pending_load``, ``start_load_kv``, the forward with
+  ``wait_for_layer_load``/``save_kv_layer`` and ``wait_for_save``.
+* termination: ``request_finished`` only for finished requests, from ``_send_kv_async``;
+  cancels in ``_handle_canceled_requests`` free the blocks at once (also during an async load)
+  without any connector call; GPU blocks are stored in ``update_resources`` once a prompt is
+  computed (overlap: one pass later, after that pass's build) and at release (generated and a
+  trailing partial block); ``get_finished`` every pass.
+* the overlap scheduler: the tokens sampled in pass N reach the requests (and the connector's
+  ``RequestData``) only after the forward of N+1; a request that sampled its last token in N
+  is scheduled once more in N+1 and terminated after that forward.
+* KV events are C++-like objects (``testing.kv_events``), readable only after the pass's
   ``flush_iteration_events``; with ``trtllm_event_reader=True`` TRT-LLM's KV-event dispatch
-  thread reads them concurrently, as ``LLM.get_kv_cache_events`` does.
+  thread reads them concurrently, as ``LLM.get_kv_cache_events`` does. Block hashes are
+  TRT-LLM's V1 hashes (``connector.block_hash``).
 
 The GPU pool reuses prefixes, evicts LRU leaf blocks, and records TRT-LLM-shaped KV events
 (unsigned hashes, partial blocks, removals). The forward writes ``f(position, layer, kv, head,
