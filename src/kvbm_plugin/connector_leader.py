@@ -20,19 +20,19 @@ Never imports torch.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import shutil
-import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+import threading
+import time
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector import llm_args as _llm_args
 from kvbm_plugin.connector.assembly import TierEventPublisher as TierEventPublisher  # re-exported
 from kvbm_plugin.connector.assembly import assemble_event_path
+from kvbm_plugin.connector.keeper import IdleKeeper, locked
+from kvbm_plugin.connector.lifetime import request_gone, request_handle
 from kvbm_plugin.connector.meta import (
     DISK,
     ERR_CORRUPT,
@@ -41,86 +41,44 @@ from kvbm_plugin.connector.meta import (
     DemoteOp,
     LoadCopy,
     LoadOp,
-    OpReport,
     SaveOp,
     TierLayout,
     ZmqReportReceiver,
     close_hub,
     open_hub,
-    pool_layout,
 )
 from kvbm_plugin.connector.metrics import get_metrics
+from kvbm_plugin.connector.naming import BlockNaming, name_inputs
+from kvbm_plugin.connector.requests import Op as _Op
+from kvbm_plugin.connector.requests import RequestState as _Request
+from kvbm_plugin.connector.tier_book import TierBookkeeping
 from kvbm_plugin.connector.trtllm_compat import (
     KvCacheConnectorScheduler,
     find_kv_cache_manager,
     kv_event_serializer,
 )
 from kvbm_plugin.consolidator_config import (
-    CPU_CACHE_GB,
-    DISK_CACHE_GB,
     EVENTS_SOURCE,
-    ConfigError,
     load_consolidator_config,
     load_events_source,
     load_metrics_settings,
     load_tier_settings,
     should_enable_consolidator,
 )
-from kvbm_plugin.gpu_events.block_names import BlockNames
 from kvbm_plugin.tiers.base import (
-    TIER_DISK,
     TIER_HOST,
     TierEntry,
-    TierFullError,
     TierIndex,
     block_keys,
-    block_path,
-    stat_signature,
 )
 from kvbm_plugin.tiers.disk import claim_directory
-from kvbm_plugin.wire.events import MEDIUM_CPU, MEDIUM_DISK
-from kvbm_plugin.wire.identity import lora_of, request_scope, salt_extra_key, salt_of
+from kvbm_plugin.wire.identity import lora_of, request_scope, salt_of
 
 logger = logging.getLogger(__name__)
 
-_MEDIUM = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_DISK}
 
 
-@dataclass
-class _Request:
-    """What the leader knows about one request (rank 0 only)."""
-
-    req_id: int
-    salt: str | None = None  # reuse scope (cache salt, LoRA) mixed into every tier key
-    scope: tuple[int | None, int | None] = (None, None)  # (LoRA id, salt id) for tier events
-    tokens: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
-    keys: list[int] = field(default_factory=list)  # content keys of full blocks
-    event_hashes: list[int] = field(default_factory=list)  # RequestData.block_hashes
-    learned: list[int] = field(default_factory=list)  # TRT-LLM's hashes seen in GPU events
-    offload_next: int = 0  # first block index not yet considered for offload
-    valid_tokens: int = 0  # tokens whose KV exists after the last scheduled forward
-    match_base: int | None = None  # device-computed + connector-loaded tokens at match time
-    plan: list[tuple[int, str, TierEntry]] = field(default_factory=list)  # (block idx, tier, e)
-    load_pending: bool = False  # update_state_after_alloc bound a load; not yet in metadata
-    load: LoadOp | None = None
-    reported: bool = False  # seen in a SchedulerOutput
-    saves_inflight: set[int] = field(default_factory=set)
-    loads_inflight: set[int] = field(default_factory=set)
-    finished: bool = False
-
-
-@dataclass
-class _Op:
-    kind: str  # "save" | "demote" | "load"
-    tier: str  # the tier written (save/demote) or read (load)
-    key: int
-    req_id: int | None
-    entry: TierEntry | None = None  # the entry written (save/demote) or read (load)
-    reports: dict[int, OpReport] = field(default_factory=dict)
-
-
-class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, valid-type]
+class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: ignore[misc, valid-type]
     """Scheduler-side connector; runs on rank 0 (TP) and owns the tier index and events."""
 
     def __init__(self, llm_args: Any) -> None:
@@ -131,6 +89,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         publisher and event sink and, when enabled, the in-process consolidator that receives
         every tier change."""
         super().__init__(llm_args)
+        _llm_args.refuse_layer_groups(llm_args)
         self._env = _llm_args.env_of(llm_args)
         self._par = _llm_args.parallel_of(llm_args)
         self._block_size = _llm_args.block_size_of(llm_args)
@@ -149,6 +108,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         self._iteration = 0
         self._pending_loads: list[LoadOp] = []
         self._pending_demotes: list[DemoteOp] = []
+        self._fences: list[int] = []  # terminated requests with loads in flight (next metadata)
         self._closed = False
         self._receiver: ZmqReportReceiver | None = None
         self.consolidator: Any = None
@@ -159,8 +119,6 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         self._event_source_problem = "not attached yet"
         self._attach_attempts = 0
         self._tier_events: Any = None
-        self._names = BlockNames(self._block_size)  # TRT-LLM's hashes, from its events
-        self._names_from_events = False  # RequestData without block_hashes seen
         self._fallback_serializer = _llm_args.event_serializer_of(llm_args)
         self._stats = dict.fromkeys((
             "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
@@ -168,11 +126,30 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             "demotes_failed", "loads_failed", "corrupt_blocks", "stale_disk_blocks",
             "tier_full_skips", "host_evictions", "disk_evictions", "reports_rejected",
             "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
-            "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped"), 0)
+            "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
+            "tier_stores_held", "tier_stores_unnamed_dropped", "requests_terminated_silently",
+            "saves_discarded_terminated"), 0)
+        self._naming = BlockNaming(self._block_size, self._stats)
+        # Committed tier blocks whose TRT-LLM name is not known yet: advertised once it is
+        # (in commit order, parents first), never under a second name. Bounded.
+        self._held: dict[tuple[str, int], TierEntry] = {}
         self._log = RateLimitedLog(logger)
+        # Every hook and the idle keeper's tick run under this lock (connector.keeper).
+        self._lock = threading.RLock()
+        self._last_call = time.monotonic()
+        self._keeper: IdleKeeper | None = None
 
         config = load_consolidator_config(self._env, num_ranks=1)
         self._events_source = load_events_source(self._env)
+        self._native_events = _llm_args.native_kv_events(llm_args)
+        if self._native_events and self._events_source != "off":
+            # TRT-LLM publishes the GPU tier itself: a second stream would name every block
+            # twice (and its pull API is empty anyway).
+            logger.warning("kvbm_plugin: TensorRT-LLM's own KV-event publisher is on "
+                           "(kv_cache_config.kv_events_config); the plugin publishes no "
+                           "GPU-tier stream (%s=%s ignored), only its offload tiers",
+                           EVENTS_SOURCE, self._events_source)
+            self._events_source = "off"
         if self._events_source == "off":
             self._attach_attempts = self._MAX_ATTACH_ATTEMPTS  # never look for the manager
         logger.info("kvbm_plugin: GPU-tier KV event source %s=%s%s", EVENTS_SOURCE,
@@ -207,6 +184,22 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         except BaseException:
             self.shutdown()
             raise
+        self._keeper = IdleKeeper(self._idle_tick, self._lock, lambda: self._last_call,
+                                  self.IDLE_PERIOD_S, f"kvbm-leader-keeper-r{self._dp_rank}")
+
+    # While TRT-LLM's loop blocks, reports and events are published within ~2x this (s).
+    IDLE_PERIOD_S = 0.1
+
+    def _idle_tick(self) -> None:
+        """The idle keeper's work (its thread, under the lock): apply completed reports,
+        publish the GPU-tier events TRT-LLM produced (drain mode drains them, tap publishes
+        what its readers took) and the tier changes; advertise held blocks named meanwhile."""
+        self._reap_terminated(executor_thread=False)  # before its saves' reports count
+        self._apply_reports()
+        self._sync_gpu_events()
+        flush = getattr(self._tier_events, "flush", None)
+        if flush is not None:
+            flush()
 
     def _register_metrics(self) -> None:
         """Expose the leader's, the sink's (with its publisher's) and the consolidator's
@@ -220,75 +213,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             metrics.register_stats("consolidator", self.consolidator.stats, dp_rank=rank)
         metrics.serve(load_metrics_settings(self._env))
 
-    # ------------------------------------------------------------------ tiers
-
-    def _ensure_tiers(self) -> TierLayout:
-        """Size the tier indexes on first use (rank 0's worker has registered the pool by then:
-        TRT-LLM calls register_kv_caches before the first iteration)."""
-        if self._layout is not None:
-            return self._layout
-        settings = self._tier_settings
-        layout = pool_layout(self._group)
-        bytes_per_block = layout[1] if layout else 0
-        needs_bytes = ((settings.host_enabled and not settings.cpu_num_blocks)
-                       or (settings.disk_enabled and not settings.disk_num_blocks))
-        if needs_bytes and not bytes_per_block:
-            raise ConfigError(f"{CPU_CACHE_GB}/{DISK_CACHE_GB} need the block size in bytes, but "
-                              "no worker registered a KV pool in this process; set "
-                              "DYN_KVBM_*_OVERRIDE_NUM_BLOCKS instead")
-        host_blocks = settings.host_blocks(bytes_per_block) if settings.host_enabled else 0
-        disk_blocks = settings.disk_blocks(bytes_per_block) if settings.disk_enabled else 0
-        if host_blocks:
-            self._host = TierIndex(TIER_HOST, host_blocks)
-        if disk_blocks:
-            self._disk = TierIndex(TIER_DISK, disk_blocks)
-            if settings.disk_cache_dir:
-                self._disk_dir = settings.disk_cache_dir
-            else:
-                self._disk_dir = tempfile.mkdtemp(prefix="kvbm-plugin-disk-")
-                self._own_disk_dir = True
-                atexit.register(shutil.rmtree, self._disk_dir, True)
-        self._layout = TierLayout(host_blocks, disk_blocks, self._disk_dir)
-        return self._layout
-
-    def _lookup(self, key: int) -> tuple[str, TierEntry] | None:
-        if self._host is not None:
-            entry = self._host.lookup(key)
-            if entry is not None:
-                return TIER_HOST, entry
-        if self._disk is not None:
-            entry = self._disk.lookup(key)
-            if entry is not None:
-                if self._disk_intact(entry):
-                    return TIER_DISK, entry
-                self._stats["stale_disk_blocks"] += 1
-                self._drop(self._disk, entry)
-        return None
-
-    def _disk_intact(self, entry: TierEntry) -> bool:
-        """Every rank's file still has the size and mtime it had when written: one stat() per
-        rank, no data read (a rewritten, truncated or deleted file fails it; bit rot is caught
-        by the workers' checksum)."""
-        assert self._disk_dir is not None
-        for rank in range(self._par.tp_size):
-            expected = entry.signatures.get(rank)
-            if expected is None:
-                continue  # that rank's worker is on another host; its checksum still guards
-            if stat_signature(block_path(self._disk_dir, rank, entry.slot)) != expected:
-                return False
-        return True
-
-    def _drop(self, index: TierIndex, entry: TierEntry) -> None:
-        """Forget a block and its descendants in ``index`` (a tier holds prefix-closed chains
-        only) and register the REMOVEs of the resident ones, children first."""
-        gone = index.discard(entry.key)
-        self._stats["cascade_drops"] += max(0, len(gone) - 1)
-        hashes = [e.event_hash for e in gone if e.resident]
-        if hashes:
-            self._tier_events.register_remove(_MEDIUM[index.name], self._dp_rank, hashes)
-
     # ------------------------------------------------------------------ TRT-LLM hooks
 
+    @locked
     def get_num_new_matched_tokens(self, request: Any,
                                    num_computed_tokens: int) -> tuple[int, bool]:
         """Called once per new context request on rank 0 during allocation (result broadcast).
@@ -299,7 +226,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         nothing matches or ``num_computed_tokens`` is not block-aligned. At least one prompt
         token is always left to compute. Matched blocks are pinned until loaded.
         """
-        if not self._names_from_events:
+        if not self._naming.learning:
             # Where TRT-LLM's hashes are learned from its events, reports wait for the next
             # build_connector_meta, whose first step reads those events (this call runs inside
             # TRT-LLM's allocation and must not drain them).
@@ -315,7 +242,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         # The C++ request carries the salt as cache_salt_id only; newer Python requests also
         # as cache_salt. Either way it scopes every key, as it scopes TRT-LLM's own.
         salt = request_scope(request)
-        state = _Request(req_id, salt=salt, scope=(lora_of(request), salt_of(request)))
+        state = _Request(req_id, salt=salt, scope=(lora_of(request), salt_of(request)),
+                         name_inputs=name_inputs(request), handle=request_handle(request))
         self._reqs[req_id] = state
         bs = self._block_size
         if num_computed_tokens < 0 or num_computed_tokens % bs:
@@ -343,6 +271,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             self._stats["matched_host_tokens" if tier == TIER_HOST else "matched_disk_tokens"] += bs
         return n, True
 
+    @locked
     def cancel_load(self, request: Any, start: int, end: int) -> None:
         """Called on rank 0 by TensorRT-LLM's KVCacheManagerV2 (current main) when the runtime
         will not consume tokens ``[start, end)`` of an offer: a tail it could not reserve
@@ -395,6 +324,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         # The first report subtracts only what the runtime counted as loaded.
         state.match_base = (kept[-1][0] + 1) * bs if kept else None
 
+    @locked
     def commit_new_matched_tokens(self, request: Any, num_tokens: int,
                                   load_kv_async: bool) -> None:
         """The runtime's side of an offer (current main splits the query from this commit):
@@ -408,6 +338,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         if first + num_tokens < offered_end:
             self.cancel_load(request, first + max(0, int(num_tokens)), offered_end)
 
+    @locked
     def update_state_after_alloc(self, request: Any, block_ids: list[int]) -> None:
         """Called on rank 0 right after allocation with the request's device block ids. Binds
         each matched tier block to its device block; the load goes into the next metadata."""
@@ -428,11 +359,16 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         state.load = LoadOp(state.req_id, tuple(copies))
         self._pending_loads.append(state.load)
 
+    @locked
     def build_connector_meta(self, scheduler_output: Any) -> ConnectorMetadata:
         """Called once per iteration on rank 0 after allocation. Applies completion reports,
         flushes the iteration's GPU-tier events, and returns the loads bound since the last call
         plus offloads (device block → tier slot) for every block that became full this
         iteration and is in no tier yet. Walks ``new_requests`` and ``cached_requests``."""
+        self._reap_terminated(scheduled=frozenset(
+            rd.request_id for rd in (*scheduler_output.new_requests,
+                                     *scheduler_output.cached_requests)))
+        # (reaped before the reports: a terminated request's saves are never committed)
         self._sync_gpu_events()
         self._apply_reports()
         layout = self._ensure_tiers()
@@ -443,7 +379,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             state = self._reqs.get(rd.request_id)
             if state is None:
                 state = self._reqs[rd.request_id] = _Request(
-                    rd.request_id, salt=request_scope(rd), scope=(lora_of(rd), salt_of(rd)))
+                    rd.request_id, salt=request_scope(rd), scope=(lora_of(rd), salt_of(rd)),
+                    name_inputs=name_inputs(rd))
             elif state.salt is None and not state.reported:
                 self._adopt_scope(state, rd)
             self._absorb(state, rd)
@@ -451,7 +388,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                 self._schedule_saves(state, first_tier, saves)
         self.flush_events()
         meta = ConnectorMetadata(self._iteration, layout, tuple(self._pending_loads),
-                                 tuple(self._pending_demotes), tuple(saves))
+                                 tuple(self._pending_demotes), tuple(saves),
+                                 tuple(self._fences))
+        self._fences = []
         self._pending_loads = []
         self._pending_demotes = []
         return meta
@@ -498,10 +437,14 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         """Where GPU-tier events come from now, in words (logged at attach time)."""
         if self.event_source is not None:
             return self.event_source.describe()
+        if self._native_events:
+            return ("TensorRT-LLM's own publisher (kv_cache_config.kv_events_config): none "
+                    "from the plugin")
         if self._events_source == "off":
             return f"{EVENTS_SOURCE}=off: none from this process"
         return self._event_source_problem
 
+    @locked
     def flush_events(self) -> None:
         """Publish this iteration's GPU-tier batch and hand queued tier events on.
 
@@ -519,12 +462,20 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         if flush is not None:
             flush()
 
+    @locked
+    def publish_now(self) -> None:
+        """The idle keeper's tick, at once: apply the completed reports, publish GPU-tier
+        events and tier changes. For a caller that would otherwise wait for the keeper (the
+        demo's router probe); any thread. Never looks for the KV cache manager."""
+        self._idle_tick()
+
+    @locked
     def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
         """Called once on rank 0 when a request terminates (finished or aborted), result
         broadcast. True while offloads that read its device blocks are not yet reported by
         every rank: TRT-LLM then keeps the blocks until every worker's ``get_finished`` returns
         the id (workers count failed copies as finished)."""
-        if self._names_from_events:
+        if self._naming.learning:
             self._sync_gpu_events()
         self._apply_reports()
         state = self._reqs.get(int(request.request_id))
@@ -545,9 +496,11 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         hashes = getattr(rd, "block_hashes", None)
         if hashes:
             state.event_hashes = list(hashes)  # cumulative chain for the full blocks
-        elif not self._names_from_events and len(state.tokens) >= self._block_size:
-            self._names_from_events = True  # no block_hashes: learn TRT-LLM's from events
-            self.event_sink.on_flush = self._names.observe
+        elif not self._naming.learning and len(state.tokens) >= self._block_size:
+            # No block_hashes: learn TRT-LLM's names from its events (for requests whose hash
+            # cannot be computed, and as the cross-check of those computed).
+            self._naming.learning = True
+            self.event_sink.on_flush = self._naming.names.observe
         valid = rd.computed_position + rd.num_scheduled_tokens
         if not state.reported and state.match_base is not None:
             # The first report subtracts connector-loaded tokens from computed_position.
@@ -568,52 +521,29 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             state.salt = salt
             state.scope = (lora_of(rd), salt_of(rd))
             state.keys = []  # rehashed under the salt by _absorb
+            state.name_inputs = name_inputs(rd)
+            state.computed = []
 
     def _event_hash(self, state: _Request, index: int) -> int:
-        """The hash the tier events name block ``index`` by: TRT-LLM's (from
-        ``RequestData.block_hashes``, else learned from its GPU-tier events), so a router sees
-        one name per block across media; the plugin's content key only while TRT-LLM's is not
-        known yet (re-checked when the block's STORE is registered)."""
-        if index < len(state.event_hashes):
-            return int(state.event_hashes[index])
-        if index >= len(state.learned) and not state.event_hashes:
-            self._names.extend(state.tokens, state.keys, state.learned)
-        if index < len(state.learned):
-            return state.learned[index]
-        return state.keys[index]
+        """The hash the tier events name block ``index`` by: TRT-LLM's (see
+        :mod:`kvbm_plugin.connector.naming`); the plugin's content key only as a placeholder
+        while TRT-LLM's is not known (such a block's STORE is held back until it is)."""
+        h = self._naming.hash_of(state, index)
+        return state.keys[index] if h is None else h
 
     # -------------------------------------------------- TRT-LLM's block hashes, learned
 
     def _sync_gpu_events(self) -> None:
         """Publish TRT-LLM's events produced since the last call and learn the hashes they
-        name, so tier STOREs registered next use TRT-LLM's hash for each block. Executor
-        thread, outside TRT-LLM's allocation callback (``get_num_new_matched_tokens`` runs
-        inside it and never drains)."""
+        name, then advertise the held tier blocks whose names are known now. Outside
+        TRT-LLM's allocation callback (``get_num_new_matched_tokens`` runs inside it and
+        never drains)."""
         if self.event_source is not None:
             self.event_source.poll()
             self.event_sink.flush()
-            self._refresh_learned()
-
-    def _refresh_learned(self) -> None:
-        """TRT-LLM's hashes for every request whose hashes TRT-LLM did not hand over."""
-        if not self._names:
-            return
-        for state in self._reqs.values():
-            if not state.event_hashes and len(state.learned) < len(state.keys):
-                self._names.extend(state.tokens, state.keys, state.learned)
-
-    def _rename_provisional(self, entry: TierEntry) -> None:
-        """Before a block's tier STORE is announced: if it was reserved under the plugin's
-        content key (TRT-LLM's hash unknown then) and TRT-LLM's is known now, use that."""
-        if entry.event_hash == entry.key:
-            h = self._names.hash_of_key(entry.key)
-            if h is not None:
-                entry.event_hash = h
-        parent = entry.parent_event_hash
-        if parent is not None:
-            h = self._names.hash_of_key(parent)
-            if h is not None:
-                entry.parent_event_hash = h
+            self._naming.refresh(self._reqs.values())
+        if self._held:
+            self._release_held()
 
     def _schedule_saves(self, state: _Request, index: TierIndex, saves: list[SaveOp]) -> None:
         """Offload the request's newly full blocks into ``index`` (the first tier), in chain
@@ -659,54 +589,6 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             self._stats["saves_scheduled"] += 1
             state.offload_next += 1
 
-    def _reserve(self, index: TierIndex, key: int, event_hash: int, parent: int | None,
-                 tokens: Sequence[int], parent_key: int | None,
-                 scope: tuple[int | None, int | None] = (None, None)) -> TierEntry | None:
-        """A pending slot in ``index`` (``parent_key`` must be in it) for a block of ``scope``
-        (LoRA, salt); an evicted host block is demoted to disk."""
-        try:
-            entry, evicted = index.reserve(key, event_hash, parent, tokens, parent_key)
-        except TierFullError:
-            return None
-        entry.scope = scope
-        if evicted is not None:
-            self._stats["host_evictions" if index.name == TIER_HOST else "disk_evictions"] += 1
-            # REMOVE before the metadata that reuses the slot leaves this method's caller.
-            self._tier_events.register_remove(_MEDIUM[index.name], self._dp_rank,
-                                              [evicted.event_hash])
-            if index.name == TIER_HOST and self._disk is not None \
-                    and evicted.key not in self._disk:
-                self._demote(evicted)
-        return entry
-
-    def _demote(self, evicted: TierEntry) -> None:
-        """Demote an evicted host block to disk, keeping the disk tier prefix-closed: the
-        ancestors the disk lacks are copied there too, root first, in the same job (they stay
-        in the host tier as well). The host tier evicts leaves only, so every ancestor of
-        ``evicted`` is resident in host and can be read before this job's saves reuse slots."""
-        assert self._host is not None and self._disk is not None
-        chain = [evicted]
-        parent_key = evicted.parent_key
-        while parent_key is not None and parent_key not in self._disk:
-            ancestor = self._host.get(parent_key)
-            if ancestor is None or not ancestor.resident:
-                self._stats["demotes_skipped"] += 1  # not expected: the host chain is closed
-                return
-            chain.append(ancestor)
-            parent_key = ancestor.parent_key
-        for source in reversed(chain):
-            target = self._reserve(self._disk, source.key, source.event_hash,
-                                   source.parent_event_hash, source.token_ids, source.parent_key,
-                                   source.scope)
-            if target is None:
-                self._stats["demotes_skipped"] += 1  # disk full of pending/pinned blocks
-                return
-            op_id = self._new_op("demote", TIER_DISK, source.key, None, target)
-            self._pending_demotes.append(DemoteOp(op_id, source.slot, target.slot, source.key))
-            self._stats["demotes_scheduled"] += 1
-            if source is not evicted:
-                self._stats["chain_demotes"] += 1
-
     def _new_op(self, kind: str, tier: str, key: int, req_id: int | None,
                 entry: TierEntry | None = None) -> int:
         op_id = self._next_op
@@ -746,7 +628,13 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
             kind = op.kind + "s"
             # Still the entry this op wrote (not forgotten meanwhile with an ancestor, nor
             # replaced by a later reservation of the same block in another slot).
-            if index is not None and op.entry is not None and index.get(op.key) is op.entry:
+            if op.tainted:
+                ok = False
+                self._stats["saves_discarded_terminated"] += 1
+                if index is not None and op.entry is not None \
+                        and index.get(op.key) is op.entry:
+                    self._drop(index, op.entry)
+            elif index is not None and op.entry is not None and index.get(op.key) is op.entry:
                 parent = index.get(op.entry.parent_key) \
                     if op.entry.parent_key is not None else None
                 if ok and (op.entry.parent_key is None
@@ -756,18 +644,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                     signatures = {r.rank: r.signature for r in op.reports.values()
                                   if r.signature is not None}
                     entry = index.commit(op.key, signatures)
-                    self._rename_provisional(entry)
-                    # The scope only when there is one: a recorder written for the plain
-                    # six-argument call keeps working for unscoped blocks.
-                    lora, salt = entry.scope
-                    scope: dict[str, Any] = {}
-                    if lora is not None:
-                        scope["lora_id"] = lora
-                    if salt is not None:
-                        scope["extra_keys"] = (salt_extra_key(salt),)
-                    self._tier_events.register_store(
-                        _MEDIUM[index.name], self._dp_rank, entry.event_hash,
-                        entry.parent_event_hash, entry.token_ids, self._block_size, **scope)
+                    self._hold_or_announce(index, entry)
                 else:
                     # Never advertised: no REMOVE for it; descendants written after it go too.
                     if ok:
@@ -795,6 +672,43 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
                 and not state.loads_inflight:
             self._forget(state)
 
+    def _reap_terminated(self, executor_thread: bool = True,
+                         scheduled: frozenset[int] = frozenset()) -> None:
+        """Forget the requests TRT-LLM terminated without calling ``request_finished`` (a
+        cancel, an error: ``py_executor.py`` @ 0004396720054 calls it only for finished
+        requests), seen by the request object's own state (``is_finished``) or its death.
+        A request in this build's scheduler output (``scheduled``) is alive by definition.
+        Once per build (executor thread) and per idle tick (death only); O(tracked)."""
+        for state in list(self._reqs.values()):
+            if state.finished or state.req_id in scheduled or not request_gone(state.handle,
+                                                  executor_thread=executor_thread):
+                continue
+            self._stats["requests_terminated_silently"] += 1
+            state.finished = True
+            state.handle = None
+            if state.load is not None and state.load in self._pending_loads:
+                # Bound, never sent: no copy goes out (the id still finishes on every rank).
+                for op_id in list(state.loads_inflight):
+                    op = self._ops.pop(op_id, None)
+                    index = self._host if op is not None and op.tier == TIER_HOST \
+                        else self._disk
+                    if op is not None and op.entry is not None and op.entry.pins > 0 \
+                            and index is not None:
+                        index.unpin(op.entry)
+                state.loads_inflight.clear()
+                i = self._pending_loads.index(state.load)
+                self._pending_loads[i] = state.load = LoadOp(state.req_id, ())
+            elif state.loads_inflight:
+                self._fences.append(state.req_id)  # its blocks may be reused now
+            for op_id in state.saves_inflight:
+                op = self._ops.get(op_id)
+                if op is not None:
+                    op.tainted = True
+            if not state.saves_inflight and not state.loads_inflight:
+                self._forget(state)
+            else:
+                self._release_plan(state)
+
     def _release_plan(self, state: _Request) -> None:
         if state.load is None:
             for _, tier, entry in state.plan:
@@ -813,11 +727,17 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
     def resident_hashes(self, tier: str) -> set[int]:
         """Event hashes resident (advertised) in ``tier`` ("host"/"disk"); tests and demo."""
         index = self._host if tier == TIER_HOST else self._disk
-        return {e.event_hash for e in index.resident_entries()} if index is not None else set()
+        if index is None:
+            return set()
+        return {e.event_hash for e in index.resident_entries()
+                if (index.name, e.key) not in self._held}
 
     def stats(self) -> dict[str, int]:
         out = dict(self._stats)
         out["ops_inflight"] = len(self._ops)
+        out["requests_tracked"] = len(self._reqs)
+        out["tier_stores_waiting_for_name"] = len(self._held)
+        out["idle_ticks"] = self._keeper.ticks if self._keeper is not None else 0
         out["host_used"] = len(self._host) if self._host is not None else 0
         out["disk_used"] = len(self._disk) if self._disk is not None else 0
         out["reports_malformed"] = self._receiver.malformed if self._receiver is not None else 0
@@ -830,6 +750,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc, vali
         if self._closed:
             return
         self._closed = True
+        if self._keeper is not None:
+            self._keeper.stop(timeout)
         metrics = get_metrics()
         for component in ("leader", "event_sink", "consolidator"):
             metrics.unregister_stats(component, dp_rank=str(self._dp_rank))

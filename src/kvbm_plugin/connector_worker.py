@@ -30,12 +30,15 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin._util.plugins import TIERS_GROUP, get_plugin
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector import llm_args as _llm_args
+from kvbm_plugin.connector.copy_runs import chunked as _chunked
+from kvbm_plugin.connector.copy_runs import count_down as _count_down
+from kvbm_plugin.connector.copy_runs import runs as _runs
 from kvbm_plugin.connector.meta import (
     DISK,
     ERR_CORRUPT,
@@ -71,34 +74,6 @@ OP_TIMEOUT_S = 60.0  # an op whose copy has not completed by then is failed (GPU
 LOAD_ORPHAN_TIMEOUT_S = 120.0  # a loading id with no LoadOp seen is returned after this
 COPY_BATCH_BYTES = 64 << 20  # host copies complete and report in batches of about this size
 
-_T = TypeVar("_T")
-
-
-def _runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """Coalesce (src, dst) index pairs into runs ``(src0, dst0, n)`` where both advance by 1."""
-    runs: list[tuple[int, int, int]] = []
-    for src, dst in sorted(pairs, key=lambda p: p[1]):
-        if runs:
-            s0, d0, n = runs[-1]
-            if src == s0 + n and dst == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((src, dst, 1))
-    return runs
-
-
-def _count_down(inflight: dict[int, int], req_ids: Sequence[int]) -> list[int]:
-    """One terminal op per id in ``req_ids``; returns the ids with none left in flight.
-    Callers hold the worker's lock."""
-    drained: list[int] = []
-    for req_id in req_ids:
-        left = inflight.get(req_id, 0) - 1
-        if left > 0:
-            inflight[req_id] = left
-        else:
-            inflight.pop(req_id, None)
-            drained.append(req_id)
-    return drained
 
 
 class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-type]
@@ -109,6 +84,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         constructor on rank 0. Reads settings only; allocates nothing until
         ``register_kv_caches``; never waits on the leader."""
         super().__init__(llm_args)
+        _llm_args.refuse_layer_groups(llm_args)
         self._env = _llm_args.env_of(llm_args)
         self._metrics = get_metrics()
         self._par = _llm_args.parallel_of(llm_args)
@@ -116,10 +92,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         self._group = _llm_args.group_of(llm_args, self._env)
         self._tier_settings = load_tier_settings(self._env)
         self._block_size = _llm_args.block_size_of(llm_args)
-        # What disk block bytes mean beyond dtype and shape (BaseLlmArgs.model, TRT-LLM
-        # tensorrt_llm/llmapi/llm_args.py): written into, and checked in, every file header.
-        self._disk_identity = (f"model={getattr(llm_args, 'model', '')};"
-                               f"tokens_per_block={self._block_size};tp={self._par.tp_size}")
+        self._disk_identity = _llm_args.disk_identity(llm_args, self._block_size,
+                                                      self._par.tp_size)
         self._pool: torch.Tensor | None = None
         # One view per block of the device pool and of the host tier, made once: building two
         # views per copied block on every batch cost ~2 us per block on the transfer thread.
@@ -137,8 +111,10 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         self._save_inflight: dict[int, int] = {}
         self._load_inflight: dict[int, int] = {}
         self._loads_done: set[int] = set()
-        self._save_waiting: set[int] = set()  # ids passed in finished_gen_req_ids
-        self._load_waiting: dict[int, float] = {}  # ids passed in started_loading_req_ids
+        self._fenced: set[int] = set()  # requests whose queued loads must never write
+        self._writing: dict[int, int] = {}  # request -> its copies writing device blocks now
+        self._save_waiting: set[int] = set()  # ids given as finished_gen_req_ids
+        self._load_waiting: dict[int, float] = {}  # ... as started_loading_req_ids, since
         self._pending_save_meta: ConnectorMetadata | None = None  # bound, saves not enqueued
         self._reporter: Any = None
         self._report_warned = False
@@ -158,7 +134,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         self._stats = {"bytes_offloaded": 0, "bytes_onboarded": 0, "bytes_demoted": 0,
                        "blocks_offloaded": 0, "blocks_onboarded": 0, "blocks_demoted": 0,
                        "ops_failed": 0, "corrupt_blocks": 0, "copies_issued": 0,
-                       "jobs_failed": 0}
+                       "jobs_failed": 0, "loads_fenced": 0}
         self._block_bytes = 0
 
     # ------------------------------------------------------------------ bring-up
@@ -253,6 +229,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         if not isinstance(metadata, ConnectorMetadata):
             return
         self._apply_layout(metadata.layout)
+        if metadata.fences:
+            self._fence(metadata.fences)
         with self._lock:
             for op in metadata.saves:
                 self._save_inflight[op.req_id] = self._save_inflight.get(op.req_id, 0) + 1
@@ -263,6 +241,24 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                     self._loads_done.add(load.req_id)
         if metadata.saves or metadata.demotes:
             self._pending_save_meta = metadata
+
+    def _fence(self, req_ids: Sequence[int]) -> None:
+        """TRT-LLM freed these requests' blocks (a cancel during an async load): queued copies
+        into them never write; the ones writing now (a disk block, a host batch) end before
+        this pass's forward or loads. Executor thread; at most ``OP_TIMEOUT_S``."""
+        deadline = time.monotonic() + OP_TIMEOUT_S
+        with self._lock:  # ids whose loads all ended already need nothing
+            self._fenced.update(r for r in req_ids if self._load_inflight.get(r, 0) > 0)
+        while True:
+            with self._lock:
+                busy = [r for r in req_ids if self._writing.get(r, 0) > 0]
+            if not busy or time.monotonic() > deadline:
+                break
+            time.sleep(0.0002)  # a copy in progress: one block or one batch
+        if busy:
+            logger.error("rank %d: loads of terminated requests %s still writing after %.0f s",
+                         self._rank, busy, OP_TIMEOUT_S)
+        self._count(loads_fenced=len(req_ids))
 
     def start_load_kv(self, stream: Any) -> None:
         """Called every iteration on every rank after ``bind_connector_meta``, before the forward
@@ -405,6 +401,11 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                 return None
         return self._reporter
 
+    def _written(self, req_ids: Sequence[int]) -> None:
+        """Copies of ``req_ids`` (one per entry) stopped writing device blocks."""
+        with self._lock:
+            _count_down(self._writing, req_ids)
+
     def _save_terminal(self, req_id: int) -> None:
         self._save_terminal_all((req_id,))
 
@@ -417,7 +418,9 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
 
     def _load_terminal_all(self, req_ids: Sequence[int]) -> None:
         with self._lock:
-            self._loads_done.update(_count_down(self._load_inflight, req_ids))
+            drained = _count_down(self._load_inflight, req_ids)
+            self._loads_done.update(drained)
+            self._fenced.difference_update(drained)  # nothing of theirs is left to write
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -531,16 +534,27 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         assert self._pool is not None
         host_copies: list[tuple[LoadCopy, int]] = []
         for load in loads:
+            with self._lock:
+                fenced = load.req_id in self._fenced
+                if not fenced:  # its host copies write from now until their done()
+                    n_host = sum(c.tier == HOST for c in load.copies)
+                    if n_host:
+                        self._writing[load.req_id] = self._writing.get(load.req_id, 0) + n_host
             for copy in load.copies:
-                if copy.tier == HOST and self._host is not None \
+                if fenced:  # TRT-LLM freed the blocks: never write them
+                    self._report(copy.op_id, False, ERR_FAILED)
+                    self._load_terminal(load.req_id)
+                elif copy.tier == HOST and self._host is not None \
                         and 0 <= copy.slot < self._host.capacity:
                     host_copies.append((copy, load.req_id))
                 elif copy.tier == DISK and self._disk is not None:
                     self._disk_jobs.put(("load", copy, load.req_id))
                 else:
+                    if copy.tier == HOST:
+                        self._written((load.req_id,))
                     self._report(copy.op_id, False, ERR_FAILED)
                     self._load_terminal(load.req_id)
-        for chunk in self._chunked(host_copies):
+        for chunk in _chunked(host_copies, self._copy_batch_blocks):
             self._load_from_host(chunk)
 
     def _load_from_host(self, host_copies: Sequence[tuple[LoadCopy, int]]) -> None:
@@ -555,6 +569,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
 
         def done(ok: bool) -> None:
             results = [(copy.op_id, ok and keys_ok[copy.op_id]) for copy, _ in host_copies]
+            self._written([req_id for _, req_id in host_copies])
             self._report_all(results)
             self._load_terminal_all([req_id for _, req_id in host_copies])
             moved = sum(good for _, good in results)
@@ -562,12 +577,6 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                         copies_issued=len(copies))
 
         self._issue(copies, None, done, "onboard")
-
-    def _chunked(self, items: Sequence[_T]) -> Iterator[Sequence[_T]]:
-        """A job's host copies in batches of ``_copy_batch_blocks`` (0: one batch)."""
-        step = self._copy_batch_blocks or len(items) or 1  # no items: no batch (and no 0 step)
-        for start in range(0, len(items), step):
-            yield items[start:start + step]
 
     def _run_saves(self, meta: ConnectorMetadata, fwd_event: Any) -> None:
         assert self._pool is not None
@@ -584,7 +593,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             else:
                 self._report(op.op_id, False, ERR_FAILED)
                 self._save_terminal(op.req_id)
-        for chunk in self._chunked(host_ops):
+        for chunk in _chunked(host_ops, self._copy_batch_blocks):
             self._save_to_host(chunk, fwd_event)
 
     def _save_to_host(self, host_ops: Sequence[SaveOp], fwd_event: Any) -> None:
@@ -693,10 +702,22 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         ok, error = False, ERR_FAILED
         started = time.perf_counter()
         try:
-            if disk is not None and pool is not None and staging is not None \
+            with self._lock:
+                fenced = req_id in self._fenced
+            if fenced:
+                pass  # TRT-LLM freed the blocks: never write them
+            elif disk is not None and pool is not None and staging is not None \
                     and 0 <= copy.slot < disk.capacity:
                 if disk.read(copy.slot, copy.key, staging):
-                    ok = self._staging_to_device(staging, copy.device_block)
+                    with self._lock:  # a fence that arrived during the read wins
+                        fenced = req_id in self._fenced
+                        if not fenced:
+                            self._writing[req_id] = self._writing.get(req_id, 0) + 1
+                    if not fenced:
+                        try:
+                            ok = self._staging_to_device(staging, copy.device_block)
+                        finally:
+                            self._written((req_id,))
                 else:
                     error = ERR_CORRUPT
                     self._count(corrupt_blocks=1)

@@ -137,12 +137,17 @@ def test_abort_mid_transfer_still_finishes_every_id(make_engine, monkeypatch) ->
         engine.step()  # three 8-token chunks: six offloads queued behind a slow disk
     engine.abort(victim)
     engine.step()
-    assert engine._reqs[victim].state == "saving"  # request_finished said True
+    # TRT-LLM frees a cancelled request's blocks at once and never calls request_finished for
+    # it; the leader learns it from the request object and never commits saves that may have
+    # read reused blocks.
+    assert engine._reqs[victim].state == "done"
     release.set()
     engine.run_until_idle(timeout_s=30)
-    assert engine._reqs[victim].state == "done"
     assert engine.stats().requests_aborted == 1
-    assert engine.leader.stats()["ops_inflight"] == 0
+    stats = engine.leader.stats()
+    assert stats["ops_inflight"] == 0 and stats["requests_tracked"] == 0
+    assert stats["requests_terminated_silently"] == 1
+    assert stats["saves_discarded_terminated"] > 0
 
 
 def test_abort_while_loading_finishes(make_engine, monkeypatch) -> None:
@@ -337,6 +342,10 @@ def test_copy_that_cannot_be_issued_fails_its_ops_and_finishes_ids(make_engine,
     recorder = Recorder()
     engine = make_engine(num_gpu_blocks=16, env=tiers(host=16), tier_events=recorder)
     req = engine.submit(prompt(31, 21), 1)
+    engine.run_until_idle(timeout_s=10)
+    # a request still saving when the loop went idle is released by the next pass's
+    # get_finished (TRT-LLM's loop makes none while idle)
+    engine.submit(prompt(32, 2), 1)  # no full block: nothing to offload
     engine.run_until_idle(timeout_s=10)
     assert engine._reqs[req].state == "done"
     assert engine.leader.stats()["saves_failed"] == 5

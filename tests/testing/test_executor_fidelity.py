@@ -112,7 +112,8 @@ def test_frame_walk_crosses_the_connector_manager_frames(make_engine, monkeypatc
             frame = frame.f_back
         frame = frame.f_back if frame is not None else None
         while frame is not None:
-            names.append(frame.f_code.co_name)
+            if not frame.f_code.co_filename.endswith("keeper.py"):  # the leader's own lock
+                names.append(frame.f_code.co_name)
             if getattr(frame.f_locals.get("self"), "kv_cache_manager", None) is not None:
                 break
             frame = frame.f_back
@@ -123,8 +124,10 @@ def test_frame_walk_crosses_the_connector_manager_frames(make_engine, monkeypatc
     engine = make_engine(env=OFF)
     engine.submit(prompt(3, 9), 1)
     engine.run_until_idle()
-    assert chains and chains[0] == ["<lambda>", "_run_on_leader", "handle_metadata",
-                                    "_kv_connector_start_batch"]
+    # The building handle_metadata is called by the loop itself (``_executor_loop`` /
+    # ``_executor_loop_overlap`` @ 0004396720054; ``step`` here), before
+    # ``_kv_connector_start_batch`` calls it again as a no-op.
+    assert chains and chains[0] == ["<lambda>", "_run_on_leader", "handle_metadata", "step"]
     assert engine.leader.event_source is not None
 
 
@@ -230,7 +233,7 @@ def test_auto_source_stops_draining_once_trtllm_reader_reads(make_engine) -> Non
 # --------------------------------------------------------------------------- overlap
 
 
-def test_overlap_scheduler_lags_terminates_late_and_calls_get_finished_once_more(
+def test_overlap_scheduler_lags_and_terminates_one_pass_late(
         make_engine) -> None:
     results = {}
     for overlap in (False, True):
@@ -246,7 +249,9 @@ def test_overlap_scheduler_lags_terminates_late_and_calls_get_finished_once_more
     (fin0, fwd0, gf0, gen0, tok0), (fin1, fwd1, gf1, gen1, tok1) = results[False], results[True]
     assert tok0 == tok1 and len(tok0) == 12  # same tokens either way
     assert fwd0 == 3 and fwd1 == 4  # the overlap loop runs the finished request once more
-    assert gf0 == fwd0 and gf1 == fwd1 + 1  # one get_finished more than forward passes
+    # one get_finished per pass; the request terminates in the extra pass's
+    # _process_previous_batch, after which the loop blocks (no pass without a forward)
+    assert gf0 == fwd0 and gf1 == fwd1
     assert fin0[0][0] == 3 and fin1[0][0] == 4  # terminated one iteration later
     # the first generation step: without overlap the sampled token is reported; with overlap
     # the request object does not have it yet (computed_position lags by one)

@@ -93,3 +93,37 @@ def event_serializer_of(llm_args: Any) -> Any:
     """The test hook ``kvbm_plugin_event_serializer`` (a callable list-of-events → list of
     dicts), or None."""
     return getattr(llm_args, "kvbm_plugin_event_serializer", None)
+
+
+def native_kv_events(llm_args: Any) -> bool:
+    """Whether TensorRT-LLM's own streaming KV-event publisher is configured
+    (``kv_cache_config.kv_events_config``, TensorRT-LLM PR #17023, merged 2026-07-29: each
+    rank publishes its GPU blocks over ZMQ at ``base_port + rank`` and the pull API returns
+    ``[]``). Present and not switched off (``enabled``/``enable`` False) counts as on."""
+    config = getattr(getattr(llm_args, "kv_cache_config", None), "kv_events_config", None)
+    if config is None or config is False:
+        return False
+    return all(getattr(config, flag, None) is not False for flag in ("enabled", "enable"))
+
+
+def refuse_layer_groups(llm_args: Any) -> None:
+    """Refuse, at construction, a model whose KV cache has more than one layer group: a
+    variable sliding window (``kv_cache_config.max_attention_window`` with several distinct
+    windows: VSWA) or a hybrid model. The plugin keys one block per position across all layers
+    (``update_state_after_alloc`` / ``request_finished`` with flat block ids; TensorRT-LLM's
+    per-group API ``update_state_after_alloc_by_layer_group`` is not implemented), so it must
+    never serve one group's block into another. ConfigError names the windows."""
+    windows = getattr(getattr(llm_args, "kv_cache_config", None), "max_attention_window", None)
+    if isinstance(windows, (list, tuple)) and len({int(w) for w in windows}) > 1:
+        raise ConfigError(
+            f"kvbm_plugin: kv_cache_config.max_attention_window={list(windows)!r} gives this "
+            f"model {len(set(windows))} KV layer groups (variable sliding window); the plugin "
+            "supports one layer group only (no update_state_after_alloc_by_layer_group / "
+            "request_finished_by_layer_group): run without the connector or with one window")
+
+
+def disk_identity(llm_args: Any, block_size: int, tp_size: int) -> str:
+    """What disk block bytes mean beyond dtype and shape, written into and checked in every
+    disk file's header: the model (``BaseLlmArgs.model``, TensorRT-LLM
+    ``tensorrt_llm/llmapi/llm_args.py``), tokens per block and the TP size."""
+    return f"model={getattr(llm_args, 'model', '')};tokens_per_block={block_size};tp={tp_size}"

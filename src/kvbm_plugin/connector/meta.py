@@ -106,9 +106,14 @@ class ConnectorMetadata:
     loads: tuple[LoadOp, ...] = ()
     demotes: tuple[DemoteOp, ...] = ()  # executed before ``saves`` on every rank
     saves: tuple[SaveOp, ...] = ()
+    # Requests TensorRT-LLM terminated without telling the connector (a cancel; upstream frees
+    # their blocks at once, even during an async load, and may hand them to another request):
+    # every rank drops their unstarted copies into device blocks and waits, in
+    # bind_connector_meta, for the started ones, before this iteration's forward or loads.
+    fences: tuple[int, ...] = ()
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.demotes or self.saves)
+        return not (self.loads or self.demotes or self.saves or self.fences)
 
 
 @dataclass(frozen=True, slots=True)

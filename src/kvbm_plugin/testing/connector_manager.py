@@ -66,12 +66,25 @@ class SimKvCacheConnectorManager:
         """Rank 0 only, no broadcast."""
         self.scheduler.update_state_after_alloc(request, block_ids)
 
+    def pending_load_ids(self) -> set[int]:
+        """Requests whose async load started in this pass (``new_async_requests.loading``)."""
+        return set(self.new_loading)
+
+    def take_scheduled_requests_pending_load(self, scheduled: Sequence[int]) -> set[int]:
+        """The scheduled requests that wait for an async load and leave the batch (called
+        after the building ``handle_metadata``, as ``_kv_connector_start_batch`` does)."""
+        return set(scheduled) & set(self.new_loading)
+
     def build_scheduler_output(self, entries: Sequence[tuple[int, RequestData]]) -> None:
         """``entries``: (request id, RequestData with the cumulative-delta fields filled and
         ``computed_position`` as TRT-LLM reads it from the request) for the scheduled batch,
-        async-loading requests already left out by the caller."""
+        after the token-budget trim; requests that start an async load this pass are left
+        out, as upstream."""
         output = SchedulerOutput()
+        loading = set(self.new_loading)
         for req_id, data in entries:
+            if req_id in loading:
+                continue
             if req_id in self.external_loads:
                 data.computed_position -= self.external_loads[req_id]
             if req_id in self._reported:
@@ -84,9 +97,11 @@ class SimKvCacheConnectorManager:
 
     def handle_metadata(self) -> None:
         """``build_connector_meta`` on rank 0 through ``_run_on_leader``; the pickled result is
-        bound on every rank."""
-        output = self._scheduler_output if self._scheduler_output is not None \
-            else SchedulerOutput()
+        bound on every rank. Returns at once when no scheduler output was built this pass
+        (``kv_cache_connector.py`` @ 035ab91cad04: ``if self._scheduler_output is None``)."""
+        output = self._scheduler_output
+        if output is None:
+            return  # no batch was prepared this pass: no build, no bind (upstream)
         metadata = self._run_on_leader(lambda: self.scheduler.build_connector_meta(output))
         self._scheduler_output = None
         self.metadata_builds += 1

@@ -1,38 +1,36 @@
 """A simulated TensorRT-LLM executor that drives the real KvbmConnectorLeader/Worker.
 
-It follows TRT-LLM's PyExecutor and KvCacheConnectorManager, where they touch the connector
-(NVIDIA/TensorRT-LLM, ``tensorrt_llm/_torch/pyexecutor/``: ``py_executor.py``@9521caf4 for the
-overlap loop being the default (``disable_overlap_scheduler``), ``get_latest_kv_cache_events``
-and the per-iteration ``flush_iteration_events``; the connector call sites in
-``_executor_loop`` / ``_executor_loop_overlap`` / ``_kv_connector_start_batch`` /
-``_kv_connector_terminate_requests`` and ``resource_manager.py``'s
-``KVCacheManager.prepare_resources`` as of cf44a1cc; ``kv_cache_connector.py``@00fdcbff5ad8 for
-the manager):
+It follows TRT-LLM's PyExecutor and KvCacheConnectorManager where they touch the connector:
+``py_executor.py`` @ 0004396720054 (``_executor_loop`` and ``_executor_loop_overlap``, the
+default), ``resource_manager.py`` (``add_sequence_batch``, the report after
+``maybe_fit_token_budget``), ``connectors/kv_cache_connector.py`` @ 035ab91cad04 for the
+manager. :meth:`SimulatedEngine.step` lists the order of one pass.
 
 * bring-up: per rank a ``ThreadPoolExecutor(2)`` builds the worker (and, on rank 0, the leader)
   concurrently; ``register_forward_pass_callable``; ``register_kv_caches``. With
   ``processes=True`` ranks 1.. are child processes that report completions over ZMQ
   (``testing.processes``).
-* per iteration: capacity scheduling (guaranteed-no-evict); for a new request a device prefix
-  match, ``get_num_new_matched_tokens`` through the connector manager, allocation of the WHOLE
-  prompt (V1 ``add_sequence(prompt_len)`` on the first context chunk) and
-  ``update_state_after_alloc`` with all prompt blocks; chunked prefill then computes the prompt
-  over several iterations; generation requests get one block slot per token (``add_token``).
-  ``build_scheduler_output`` (``testing.connector_manager``: ``external_loads`` cleared every
-  build, async-loading requests skipped), then ``_kv_connector_start_batch``:
-  ``handle_metadata`` → ``_run_on_leader(lambda: build_connector_meta(...))``, bound on every
-  rank, ``start_load_kv``; the forward with ``wait_for_layer_load``/``save_kv_layer`` around each
-  layer and the forward-pass callable; ``wait_for_save``; sampling; termination
-  (``request_finished``); ``flush_iteration_events``; ``get_finished`` on every rank, acting on
-  an id once every rank returned it.
-* the overlap scheduler (``overlap_scheduler=True``, TRT-LLM's default): the tokens sampled in
-  iteration N reach the requests (and so the connector's ``RequestData``) only after the forward
-  of N+1; a request that sampled its last token in N is scheduled once more in N+1 and
-  terminated after that forward; a last iteration without a forward processes the final batch
-  (one more ``get_finished`` call than forward passes).
-* KV events are C++-like objects (``testing.kv_events``), readable only after the iteration's
+* idle: with nothing active and nothing queued the loop blocks in its request queue, so no
+  connector call is made at all; completion reports are then applied by the leader's keeper.
+* admission: capacity (guaranteed-no-evict) and the device prefix match, then every new
+  request's ``get_num_new_matched_tokens`` before any ``update_state_after_alloc`` (with all
+  prompt blocks: V1 allocates the whole prompt at the first chunk), the token-budget trim,
+  the report (``build_scheduler_output``: ``external_loads`` cleared every build, requests that
+  start an async load left out), then the building ``handle_metadata`` (only when a batch was
+  prepared), ``take_scheduled_requests_pending_load``, ``start_load_kv``, the forward with
+  ``wait_for_layer_load``/``save_kv_layer`` and ``wait_for_save``.
+* termination: ``request_finished`` only for finished requests, from ``_send_kv_async``;
+  cancels in ``_handle_canceled_requests`` free the blocks at once (also during an async load)
+  without any connector call; GPU blocks are stored in ``update_resources`` once a prompt is
+  computed (overlap: one pass later, after that pass's build) and at release (generated and a
+  trailing partial block); ``get_finished`` every pass.
+* the overlap scheduler: the tokens sampled in pass N reach the requests (and the connector's
+  ``RequestData``) only after the forward of N+1; a request that sampled its last token in N
+  is scheduled once more in N+1 and terminated after that forward.
+* KV events are C++-like objects (``testing.kv_events``), readable only after the pass's
   ``flush_iteration_events``; with ``trtllm_event_reader=True`` TRT-LLM's KV-event dispatch
-  thread reads them concurrently, as ``LLM.get_kv_cache_events`` does.
+  thread reads them concurrently, as ``LLM.get_kv_cache_events`` does. Block hashes are
+  TRT-LLM's V1 hashes (``connector.block_hash``).
 
 The GPU pool reuses prefixes, evicts LRU leaf blocks, and records TRT-LLM-shaped KV events
 (unsigned hashes, partial blocks, removals). The forward writes ``f(position, layer, kv, head,
@@ -47,7 +45,6 @@ import itertools
 import socket
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -69,6 +66,7 @@ from kvbm_plugin.testing.fake_trtllm import (
     cache_salt_id,
     trtllm_block_hash,
 )
+from kvbm_plugin.testing.gpu_pool import GpuPool
 from kvbm_plugin.testing.kv_events import (
     DEFAULT_EVENT_BUFFER_MAX_SIZE,
     KvEventDispatchReader,
@@ -161,173 +159,11 @@ class _Req:
     reported_tokens: int = 0
     reported_blocks: int = 0
     reserved: int = 0
-    stored_blocks: int = 0  # full blocks stored for reuse in the GPU pool
+    context_stored: bool = False  # store_context_blocks ran for the prompt
+    chain: list[int] = field(default_factory=list)  # V1 hashes of full blocks so far
+    host_finished: bool = False  # the request object is finished (its last token arrived)
     mismatches: int = 0
     llm_request: LlmRequest | None = None
-
-
-class _GpuPool:
-    """Block allocation with prefix reuse and leaf-first LRU eviction; records TRT-LLM KV events.
-
-    Follows TensorRT-LLM's ``WindowBlockManager`` (cpp/tensorrt_llm/batch_manager/
-    kvCacheManager.cpp and evictionPolicy.cpp, read at revision 002ba6a7cc5e):
-
-    * Stored blocks form a radix tree (``parent_of``/``children``). ``storeBlocks`` walks the
-      tree from the root along the sequence's block keys; a block whose key is already cached is
-      traversed (not stored twice) and the first missing one and everything after it are
-      inserted under the last match, in one ``stored`` event: a block is stored only under a
-      cached parent.
-    * A request that reuses a cached block only claims it (takes it out of the free queue); its
-      cached children stay cached and nothing is emitted.
-    * A sequence's blocks are released last block first, so within one release the leaf enters
-      the LRU free queue before its parent, and the queue's front is a leaf.
-    * ``getFreeBlock`` takes the queue's front and frees all its cached descendants first
-      (``freeChildren``, post-order: children before parents), emitting a removal for each and
-      then for the block itself; consecutive removals coalesce into one ``removed`` event.
-    The GPU-tier stream is therefore prefix-closed: a parent is never removed while a
-    descendant stays stored.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, window: int) -> None:
-        self.block_size = block_size
-        self.window = window
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
-        self.cached: OrderedDict[int, None] = OrderedDict()  # refcount 0, reusable, LRU first
-        self.refs: dict[int, int] = {}
-        self.by_hash: dict[int, int] = {}
-        self.hash_of: dict[int, int] = {}
-        self.parent_of: dict[int, int | None] = {}
-        self.children: dict[int, set[int]] = {}  # stored block -> its stored children
-        self.full: set[int] = set()  # blocks stored with a full block of tokens
-        self.events: list[dict[str, Any]] = []
-        self._event_id = itertools.count()
-        self._emit({"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]})
-
-    def _emit(self, data: dict[str, Any]) -> None:
-        self.events.append({"event_id": next(self._event_id), "window_size": self.window,
-                            "data": data})
-
-    def get_latest_events(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
-        """Drain the buffered events, like TRT-LLM's ``KVCacheManager.get_latest_events``
-        (already serialized to dicts)."""
-        out, self.events = self.events, []
-        return out
-
-    def match(self, hashes: list[int]) -> list[int]:
-        out = []
-        for h in hashes:
-            b = self.by_hash.get(h)
-            if b is None or b not in self.full:
-                break
-            out.append(b)
-        return out
-
-    def available(self) -> int:
-        return len(self.free) + len(self.cached)
-
-    def acquire(self, block: int) -> None:
-        """Claim a cached block for reuse (upstream ``claimBlock``): children stay cached."""
-        self.refs[block] = self.refs.get(block, 0) + 1
-        self.cached.pop(block, None)
-
-    def alloc(self) -> int:
-        if not self.free:
-            victim = next(iter(self.cached))  # LRU front; a leaf unless children are in use
-            self._free_subtree(victim)
-        block = self.free.pop()
-        self.refs[block] = 1
-        return block
-
-    def _free_subtree(self, root: int) -> None:
-        """Upstream ``freeChildren``: unstore ``root`` and its descendants, children first,
-        in one coalesced ``removed`` event. Unused blocks return to the free list; a block
-        still in use (a request holds it) stays allocated as a private, unstored block."""
-        order: list[int] = []
-        stack = [(root, False)]
-        while stack:
-            block, expanded = stack.pop()
-            if expanded:
-                order.append(block)
-                continue
-            stack.append((block, True))
-            stack.extend((child, False) for child in self.children.get(block, ()))
-        removed: list[int] = []
-        for block in order:
-            removed.append(self.hash_of.pop(block))
-            del self.by_hash[removed[-1]]
-            parent = self.parent_of.pop(block, None)
-            if parent is not None:
-                siblings = self.children[parent]
-                siblings.discard(block)
-                if not siblings:
-                    del self.children[parent]
-            self.children.pop(block, None)
-            self.full.discard(block)
-            if block in self.cached:
-                del self.cached[block]
-                self.free.append(block)
-        if self.events and self.events[-1]["data"]["type"] == "removed":
-            self.events[-1]["data"]["block_hashes"].extend(removed)  # upstream coalescing
-        else:
-            self._emit({"type": "removed", "block_hashes": removed})
-
-    def release(self, block: int) -> None:
-        self.refs[block] -= 1
-        if self.refs[block] == 0:
-            del self.refs[block]
-            if block in self.hash_of:
-                self.cached[block] = None
-            else:
-                self.free.append(block)
-
-    def store_blocks(self, blocks: list[int], keys: list[tuple[int, list[int]]],
-                     first: int = 0, cache_salt: str | None = None) -> None:
-        """Upstream ``storeBlocks`` for a sequence's blocks ``blocks[i]`` with block keys
-        ``keys[i] = (hash, tokens)`` (the last may be partial), of which ``first..`` are new.
-
-        The walk starts at the deepest ``first`` whose parent is still cached (usually
-        ``first`` itself: the parent was stored in an earlier iteration); cached keys are
-        traversed and the rest inserted under the last match, as one ``stored`` event. A
-        salted block's event carries ``cache_salt`` per block, as newer TRT-LLM's do.
-        """
-        n = min(len(blocks), len(keys))
-        while first > 0 and keys[first - 1][0] not in self.by_hash:
-            first -= 1  # the parent left the tree: it is stored again, from this sequence
-        parent: int | None = self.by_hash[keys[first - 1][0]] if first else None
-        first_parent = parent
-        stored: list[dict[str, Any]] = []
-        for i in range(first, n):
-            h, tokens = keys[i]
-            cached = self.by_hash.get(h)
-            if cached is not None and not stored:
-                parent = first_parent = cached  # traverse the cached prefix
-                continue
-            block = blocks[i]
-            if cached is not None or block in self.hash_of:
-                break  # cannot happen for one sequence's own chain; never store twice
-            self.by_hash[h] = block
-            self.hash_of[block] = h
-            self.parent_of[block] = parent
-            if parent is not None:
-                self.children.setdefault(parent, set()).add(block)
-            if len(tokens) == self.block_size:
-                self.full.add(block)
-            stored.append({
-                "type": "stored_block", "block_hash": h,
-                "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0}
-                           for t in tokens],
-                "cache_level": 0, "priority": 35})
-            if cache_salt is not None:
-                stored[-1]["cache_salt"] = cache_salt
-            parent = block
-        if stored:
-            self._emit({"type": "stored", "blocks": stored, "parent_hash":
-                        None if first_parent is None else self.hash_of[first_parent]})
-
-    def resident_full_hashes(self) -> set[int]:
-        return {self.hash_of[b] for b in self.full}
-
-
 
 
 def _free_tcp_port() -> int:
@@ -353,12 +189,14 @@ class SimulatedEngine:
         self._reqs: dict[int, _Req] = {}
         self._order: list[int] = []  # FIFO of waiting request ids
         self._ids = itertools.count(1)
-        self._aborts: set[int] = set()
+        self._aborts: set[int] = set()  # cancels not yet fetched by the loop
+        self._canceled: set[int] = set()  # PyExecutor.canceled_req_ids
+        self._live: dict[int, _Req] = {}  # requests not done, in submission order
         # overlap: the batch whose samples are not processed yet, as (request, its token
         # count after that batch's sampling, whether that sampling finished it)
         self._previous: list[tuple[_Req, int, bool]] = []
         self._outstanding = 0  # reserved blocks not yet allocated
-        self.pool = _GpuPool(cfg.num_gpu_blocks, bs, cfg.max_seq_len)
+        self.pool = GpuPool(cfg.num_gpu_blocks, bs, cfg.max_seq_len)
         # PyExecutor keeps its KV cache manager here; the leader finds it through the frames of
         # build_connector_meta's caller, as it does in TensorRT-LLM.
         self.kv_cache_manager = SimKVCacheManager(self.pool, cfg.event_buffer_max_size)
@@ -441,6 +279,7 @@ class SimulatedEngine:
         self._reqs[req_id] = _Req(req_id, list(prompt_tokens), max_new_tokens, cache_salt,
                                   tokens=list(prompt_tokens), host_len=len(prompt_tokens))
         self._order.append(req_id)
+        self._live[req_id] = self._reqs[req_id]
         self._stats.requests_submitted += 1
         return req_id
 
@@ -450,39 +289,46 @@ class SimulatedEngine:
 
     def run_until_idle(self, *, max_iterations: int = 1_000_000,
                        timeout_s: float = 60.0) -> None:
-        """Step until every request is done and every transfer is reported; raises
-        TimeoutError naming what is still pending.
+        """Step until TRT-LLM's loop would block for the next request (no active request, an
+        empty queue), then wait until every transfer is reported and applied by the leader;
+        raises TimeoutError naming what is still pending.
 
-        TRT-LLM makes no connector call while nothing is scheduled, so completion reports that
-        arrive after the last batch would wait for the next request's iteration; a step with
-        no request left runs :meth:`settle`, which stands for that iteration."""
+        While blocked, TRT-LLM makes no connector call at all; completion reports that arrive
+        then are applied by the leader's own idle keeper (see the leader), as in a real
+        deployment. A request whose offloads are still saving keeps its GPU blocks until a
+        later iteration's ``get_finished`` (the next request's), as upstream."""
         deadline = time.monotonic() + timeout_s
         for _ in range(max_iterations):
-            if self.idle():
-                return
+            if not self.active():
+                break
             if self.step() == 0:
                 time.sleep(0.0005)  # nothing to compute: waiting for transfer threads
             if time.monotonic() > deadline:
                 break
+        while time.monotonic() <= deadline:
+            if self.idle():
+                return
+            time.sleep(0.001)  # the leader's keeper thread applies the reports
         pending = {r.id: r.state for r in self._reqs.values() if r.state != DONE}
         assert self.leader is not None
         raise TimeoutError(f"engine not idle: requests {pending}, leader "
                            f"{self.leader.stats()}, ranks {[r.stats() for r in self.ranks]}")
 
-    def settle(self) -> None:
-        """The connector calls of an iteration with nothing to compute (what the next
-        request's iteration does first): the leader applies the workers' reports and publishes
-        the events flushed so far; every rank binds the metadata and starts its loads."""
-        self._kv_connector_start_batch()
-        for rank in self.ranks:
-            rank.start_iteration([])
-        for rank in self.ranks:
-            rank.finish_iteration()
+    def active(self) -> bool:
+        """Whether TRT-LLM's loop runs another pass: an active request (scheduled, loading) or
+        a queued one; otherwise it blocks in the request queue."""
+        return bool(self._order) or any(r.state in (CONTEXT, GENERATION, LOADING)
+                                         for r in self._live.values())
 
     def idle(self) -> bool:
+        """Blocked for the next request, every transfer terminal and applied by the leader."""
         assert self.leader is not None
-        return (not self._has_work() and all(r.idle() for r in self.ranks)
+        return (not self.active() and all(r.idle() for r in self.ranks)
                 and self.leader.stats()["ops_inflight"] == 0)
+
+    def state(self, req_id: int) -> str:
+        """The request's state (cheaper than :meth:`result`)."""
+        return self._reqs[req_id].state
 
     def result(self, req_id: int) -> RequestResult:
         r = self._reqs[req_id]
@@ -528,64 +374,96 @@ class SimulatedEngine:
 
     # ------------------------------------------------------------------ the loop
 
-    def _has_work(self) -> bool:
-        return bool(self._previous) or any(r.state != DONE for r in self._reqs.values())
-
     def step(self) -> int:
-        """One executor iteration; returns the number of tokens the forward pass computed.
+        """One pass of TRT-LLM's executor loop; returns the tokens the forward computed.
 
-        The plain loop (``_executor_loop``) processes the batch it just ran; the overlap loop
-        (``_executor_loop_overlap``) processes the previous iteration's batch after this
-        iteration's forward. With no request left it only runs :meth:`settle`."""
-        if not self._has_work() and not self._aborts:
-            self.settle()
+        ``_executor_loop`` (``overlap_scheduler=False``) and ``_executor_loop_overlap`` (the
+        default) of ``py_executor.py`` @ 0004396720054, where they touch the connector:
+
+        1. nothing active and nothing queued: the loop blocks in the request queue, so no
+           connector call is made at all (returns 0 here);
+        2. cancel ids are collected at fetch; scheduling; ``prepare_resources`` only when a
+           batch was scheduled (``can_queue``): every new request's
+           ``get_num_new_matched_tokens`` (inside ``add_sequence_batch``), then every
+           ``update_state_after_alloc``, then the token-budget trim, then the connector report;
+        3. ``handle_metadata`` (builds only when a report was made), then, with a batch,
+           ``take_scheduled_requests_pending_load``, ``handle_metadata`` again (a no-op) and
+           ``start_load_kv``; the forward with the layer hooks and ``wait_for_save``;
+        4. plain loop, for this batch: ``_update_requests``; ``_send_kv_async``
+           (``request_finished`` for the finished requests only); ``_handle_canceled_requests``
+           (blocks freed at once, also during an async load); ``_handle_responses``
+           (termination frees the blocks: ``releaseBlocks`` stores every block, generated and
+           a trailing partial one included); ``update_resources`` (``store_context_blocks``
+           for prompts done); ``flush_iteration_events``. Overlap loop: the same for the
+           PREVIOUS batch, ``_update_requests`` + ``_send_kv_async`` after this forward and
+           the rest in ``_process_previous_batch`` after this batch's sampling, so a prompt's
+           blocks are stored one pass later, after that pass's build;
+        5. every pass: ``get_finished`` (``_kv_connector_terminate_requests``).
+        """
+        if not self.active():
             return 0
         self._stats.iterations += 1
-        self._process_aborts()
-        batch, admitted = self._schedule()
+        self._canceled.update(self._aborts)  # _handle_special_queue_items
+        self._aborts.clear()
+        batch, new = self._schedule()
+        can_queue = bool(batch)
+        manager = self.kv_cache_connector_manager
+        if can_queue:
+            batch = self._prepare_resources(batch, new)
+        manager.handle_metadata()
         computed = 0
         ran: list[tuple[_Req, int, bool]] = []
-        if batch or admitted:  # can_queue: the scheduled batch includes loading requests
-            self._prepare_resources(batch)
-            self._kv_connector_start_batch()
+        if can_queue:
+            loading = manager.take_scheduled_requests_pending_load([r.id for r, _ in batch])
+            batch = [(r, n) for r, n in batch if r.id not in loading]
+            manager.handle_metadata()  # _kv_connector_start_batch: nothing left to build
             items: BatchItems = [(r.computed, r.tokens[r.computed:r.computed + n],
                                   list(r.blocks)) for r, n in batch]
             for rank in reversed(self.ranks):  # other processes first: ranks run concurrently
                 rank.start_iteration(items)
             for rank in self.ranks:
                 rank.finish_iteration()
-            if batch:
+            can_queue = bool(batch)
+            if can_queue:
                 self._stats.forward_passes += 1
                 computed = sum(n for _, n in batch)
-                ran = self._sample(batch)
         if self.config.overlap_scheduler:
-            processed, self._previous = self._previous, ran
-        else:
-            processed = ran
-        if processed:
-            self._process_batch(processed)
-        # Upstream flushes only in iterations that update resources; an iteration that only
-        # admitted loading requests would carry its events (evictions) into the next one. Here
-        # every iteration flushes, so an iteration's events are final once it returned.
-        self.kv_cache_manager.flush_iteration_events()
+            previous = self._previous
+            if previous:
+                self._update_requests(previous)
+                self._send_kv_async(previous)
+            if can_queue:
+                ran = self._sample(batch)
+            if previous:
+                self._process_batch(previous)
+            self._previous = ran if can_queue else []
+        elif can_queue:
+            ran = self._sample(batch)
+            self._update_requests(ran)
+            self._send_kv_async(ran)
+            self._process_batch(ran)
         self._kv_connector_terminate_requests()
         return computed
 
-    def _kv_connector_start_batch(self) -> None:
-        """``PyExecutor._kv_connector_start_batch``: async-loading requests are already out of
-        the batch; ``handle_metadata`` (build on rank 0, bind on every rank); each rank's
-        ``start_load_kv`` runs as the first step of its iteration."""
-        self.kv_cache_connector_manager.handle_metadata()
+    def _process_batch(self, processed: list[tuple[_Req, int, bool]]) -> None:
+        """``_handle_canceled_requests``, ``_handle_responses``, ``update_resources`` and
+        ``_add_kv_cache_events`` for a processed batch."""
+        self._handle_canceled_requests()
+        for r, _, _ in processed:
+            if r.state in (CONTEXT, GENERATION, LOADING) and (r.host_finished or r.aborted):
+                self._free(r)
+        self._update_resources(processed)
+        self.kv_cache_manager.flush_iteration_events()
 
-    def _schedule(self) -> tuple[list[tuple[_Req, int]], bool]:
-        """Running requests first, then admissions; returns the batch to compute and whether
-        any request was admitted (an admitted request that loads asynchronously is scheduled
-        but leaves the batch before the forward)."""
+    def _schedule(self) -> tuple[list[tuple[_Req, int]], list[_Req]]:
+        """Running requests first, then admissions (guaranteed-no-evict: the whole sequence's
+        blocks, minus a device prefix match, must be free); returns the batch with each
+        request's scheduled tokens and the newly admitted requests. No connector call."""
         cfg = self.config
         budget = cfg.max_num_tokens
         batch: list[tuple[_Req, int]] = []
-        admitted = False
-        for r in self._reqs.values():
+        new: list[_Req] = []
+        for r in self._live.values():
             if len(batch) >= cfg.max_batch_size or budget <= 0:
                 break
             if r.state == GENERATION:
@@ -597,47 +475,18 @@ class SimulatedEngine:
                 budget -= n
         while self._order and len(batch) < cfg.max_batch_size and budget > 0:
             r = self._reqs[self._order[0]]
-            if not self._admit(r):
+            if not self._reserve(r):
                 break
             self._order.pop(0)
-            admitted = True
-            if r.state == CONTEXT:
-                n = min(len(r.prompt) - r.computed, budget)
-                batch.append((r, n))
-                budget -= n
-        return batch, admitted
+            new.append(r)
+            n = min(len(r.prompt) - r.computed, budget)  # trimmed after the connector match
+            batch.append((r, n))
+            budget -= n
+        return batch, new
 
-    def _prepare_resources(self, batch: list[tuple[_Req, int]]) -> None:
-        """``KVCacheManager.prepare_resources``: a block slot per generated token, then
-        ``build_scheduler_output`` from what the request objects show."""
-        bs = self.block_size
-        for r, n in batch:
-            self._ensure_blocks(r, r.computed + n)
-        entries: list[tuple[int, RequestData]] = []
-        for r, n in batch:
-            visible = r.tokens[:r.host_len]
-            hashes = self._hashes(r, len(visible) // bs) if self.config.provide_block_hashes \
-                else []
-            # context: context_current_position; generation: len(tokens) - 1 (upstream)
-            position = r.computed if r.state == CONTEXT else r.host_len - 1
-            entries.append((r.id, RequestData(
-                r.id, visible[r.reported_tokens:], r.blocks[r.reported_blocks:], position, n,
-                hashes, cache_salt=r.salt)))
-            r.reported_tokens, r.reported_blocks = len(visible), len(r.blocks)
-        self.kv_cache_connector_manager.build_scheduler_output(entries)
-
-    def _hashes(self, r: _Req, n_blocks: int) -> list[int]:
-        out: list[int] = []
-        parent = None
-        for i in range(n_blocks):
-            parent = trtllm_block_hash(parent, r.tokens[i * self.block_size:(i + 1) *
-                                                        self.block_size], r.salt)
-            out.append(parent)
-        return out
-
-    def _admit(self, r: _Req) -> bool:
-        """Guaranteed-no-evict admission, device prefix match, connector match, allocation of
-        the whole prompt (``add_sequence``), ``update_state_after_alloc`` (rank 0)."""
+    def _reserve(self, r: _Req) -> bool:
+        """The capacity check and the device prefix match of C++ ``addSequence``
+        (``loadOrAllocateBlocks``)."""
         bs = self.block_size
         total = -(-(len(r.prompt) + r.max_new) // bs)
         hashes = self._hashes(r, (len(r.prompt) - 1) // bs)
@@ -653,31 +502,76 @@ class SimulatedEngine:
         r.n_device = r.computed = len(matched) * bs
         r.reserved = need
         self._outstanding += need
-        # The C++ request the connector sees carries the salt as its id only.
-        r.llm_request = LlmRequest(r.id, list(r.tokens), cache_salt_id=(
-            None if r.salt is None else cache_salt_id(r.salt)))
-        r.llm_request.context_current_position = r.computed
-        assert self.leader is not None
-        manager = self.kv_cache_connector_manager
-        before = self.leader.stats()
-        n_conn = manager.get_num_new_matched_tokens(r.llm_request, r.computed)
-        load_async = manager.is_loading(r.id)
-        if r.computed + n_conn >= len(r.prompt):
-            raise RuntimeError(f"connector matched the whole prompt of request {r.id}")
-        after = self.leader.stats()
-        r.host_hit = after["matched_host_tokens"] - before["matched_host_tokens"]
-        r.disk_hit = after["matched_disk_tokens"] - before["matched_disk_tokens"]
-        r.n_loaded = n_conn
-        r.computed += n_conn
-        r.llm_request.context_current_position = r.computed
-        self._ensure_blocks(r, len(r.prompt))
-        manager.update_state_after_alloc(r.llm_request, list(r.blocks))
-        self._stats.prompt_tokens += len(r.prompt)
-        self._stats.gpu_hit_tokens += r.n_device
-        self._stats.host_hit_tokens += r.host_hit
-        self._stats.disk_hit_tokens += r.disk_hit
-        r.state = LOADING if n_conn and load_async else CONTEXT
+        r.state = CONTEXT
         return True
+
+    def _prepare_resources(self, batch: list[tuple[_Req, int]],
+                           new: list[_Req]) -> list[tuple[_Req, int]]:
+        """``KVCacheManager.prepare_resources`` + ``ResourceManager.prepare_resources``:
+        ``add_sequence_batch`` (every new request's connector query, then the allocation of
+        its whole prompt), then ``update_state_after_alloc`` per new request, a block slot per
+        generated token, the token-budget trim and the connector report."""
+        manager = self.kv_cache_connector_manager
+        assert self.leader is not None
+        matched: dict[int, tuple[int, bool]] = {}
+        for r in new:  # inside C++ add_sequence_batch: every query first
+            # The C++ request the connector sees carries the salt as its id only.
+            r.llm_request = LlmRequest(r.id, list(r.tokens), cache_salt_id=(
+                None if r.salt is None else cache_salt_id(r.salt)))
+            r.llm_request.context_current_position = r.computed
+            before = self.leader.stats()
+            n_conn = manager.get_num_new_matched_tokens(r.llm_request, r.computed)
+            if r.computed + n_conn >= len(r.prompt):
+                raise RuntimeError(f"connector matched the whole prompt of request {r.id}")
+            after = self.leader.stats()
+            r.host_hit = after["matched_host_tokens"] - before["matched_host_tokens"]
+            r.disk_hit = after["matched_disk_tokens"] - before["matched_disk_tokens"]
+            matched[r.id] = (n_conn, manager.is_loading(r.id))
+            r.n_loaded = n_conn
+            r.computed += n_conn
+            r.llm_request.context_current_position = r.computed
+            self._ensure_blocks(r, len(r.prompt))
+        for r in new:  # after the C++ batch: the Python loop
+            assert r.llm_request is not None
+            manager.update_state_after_alloc(r.llm_request, list(r.blocks))
+            self._stats.prompt_tokens += len(r.prompt)
+            self._stats.gpu_hit_tokens += r.n_device
+            self._stats.host_hit_tokens += r.host_hit
+            self._stats.disk_hit_tokens += r.disk_hit
+            n_conn, load_async = matched[r.id]
+            r.state = LOADING if n_conn and load_async else CONTEXT
+        for r, n in batch:
+            if r.state == GENERATION:
+                self._ensure_blocks(r, r.computed + n)
+        # maybe_fit_token_budget: the chunks scheduled before the match shrink to what is left
+        batch = [(r, min(n, len(r.prompt) - r.computed) if r.state in (CONTEXT, LOADING)
+                  else n) for r, n in batch]
+        bs = self.block_size
+        entries: list[tuple[int, RequestData]] = []
+        for r, n in batch:
+            visible = r.tokens[:r.host_len]
+            hashes = self._hashes(r, len(visible) // bs) if self.config.provide_block_hashes \
+                else []
+            # context: context_current_position; generation: len(tokens) - 1 (upstream)
+            position = r.computed if r.state in (CONTEXT, LOADING) else r.host_len - 1
+            entries.append((r.id, RequestData(
+                r.id, visible[r.reported_tokens:], r.blocks[r.reported_blocks:], position, n,
+                hashes, cache_salt=r.salt)))
+            if r.id not in manager.pending_load_ids():
+                r.reported_tokens, r.reported_blocks = len(visible), len(r.blocks)
+        manager.build_scheduler_output(entries)
+        return batch
+
+    def _hashes(self, r: _Req, n_blocks: int) -> list[int]:
+        """TRT-LLM's V1 hashes of the first ``n_blocks`` full blocks (the chain is kept: a
+        request's tokens only grow)."""
+        bs = self.block_size
+        chain = r.chain
+        while len(chain) < n_blocks:
+            i = len(chain)
+            chain.append(trtllm_block_hash(chain[-1] if chain else None,
+                                           r.tokens[i * bs:(i + 1) * bs], r.salt))
+        return chain[:n_blocks]
 
     def _ensure_blocks(self, r: _Req, tokens: int) -> None:
         while len(r.blocks) * self.block_size < tokens:
@@ -687,22 +581,18 @@ class SimulatedEngine:
                 self._outstanding -= 1
 
     def _sample(self, batch: list[tuple[_Req, int]]) -> list[tuple[_Req, int, bool]]:
-        """After the forward (device side): positions computed, full blocks stored for reuse,
-        a token sampled where a sequence ended (``_update_request_states``: context →
-        generation). The host sees the token when the batch is processed."""
-        bs = self.block_size
+        """After the forward (device side): positions computed, a token sampled where a
+        sequence ended (``_update_request_states``: context → generation). The host sees the
+        token when the batch is processed; nothing is stored for reuse here."""
         out: list[tuple[_Req, int, bool]] = []
         for r, n in batch:
+            if r.state not in (CONTEXT, GENERATION):
+                # finished meanwhile (overlap: _send_kv_async of the previous batch ran)
+                out.append((r, len(r.tokens), False))
+                continue
             if r.state == CONTEXT:
                 self._stats.computed_prefill_tokens += n
             r.computed += n
-            full = r.computed // bs
-            if full > r.stored_blocks:
-                hashes = self._hashes(r, full)
-                self.pool.store_blocks(r.blocks, [(hashes[i], r.tokens[i * bs:(i + 1) * bs])
-                                                  for i in range(full)], r.stored_blocks,
-                                       r.salt)
-            r.stored_blocks = max(r.stored_blocks, full)
             finished_now = False
             if r.computed >= len(r.tokens):  # end of context, or a decode step
                 if not r.device_done:  # the overlap loop's extra step samples nothing kept
@@ -715,76 +605,102 @@ class SimulatedEngine:
             out.append((r, len(r.tokens), finished_now))
         return out
 
-    def _process_batch(self, sampled: list[tuple[_Req, int, bool]]) -> None:
-        """``_update_requests`` + ``_handle_responses``: the tokens sampled in that batch reach
-        the request objects; requests that batch finished terminate."""
+    def _update_requests(self, sampled: list[tuple[_Req, int, bool]]) -> None:
+        """``_update_requests``: the tokens sampled in that batch reach the request objects;
+        a request whose last token arrived is finished (``is_finished``)."""
         for r, length, finished in sampled:
             if r.state not in (CONTEXT, GENERATION):
-                continue  # aborted meanwhile
+                continue  # terminated meanwhile
             r.host_len = max(r.host_len, length)
             if finished:
-                self._terminate(r)
+                r.host_finished = True
+                if r.llm_request is not None:
+                    r.llm_request.is_finished = True
 
-    def _process_aborts(self) -> None:
-        for req_id in sorted(self._aborts):
+    def _send_kv_async(self, sampled: list[tuple[_Req, int, bool]]) -> None:
+        """``_save_kv_to_connector_async``: ``request_finished`` for the batch's finished
+        requests (never for a cancelled one), with the request's cache block ids; True keeps
+        the blocks until ``get_finished`` returns the id everywhere."""
+        for r, _, _ in sampled:
+            if not r.host_finished or r.aborted or r.state not in (CONTEXT, GENERATION):
+                continue
+            r.mismatches = self._verify(r)
+            self._stats.kv_mismatches += r.mismatches
+            self._stats.requests_finished += 1
+            assert r.llm_request is not None
+            if self.kv_cache_connector_manager.request_finished(r.llm_request,
+                                                                list(r.blocks)):
+                r.state = SAVING  # leaves active_requests (DISAGG_CONTEXT_TRANS_IN_PROGRESS)
+
+    def _handle_canceled_requests(self) -> None:
+        """``_handle_canceled_requests``: a cancelled request is finished at once (no
+        transceiver: nothing is waited for, not even an async load) and terminated by the
+        same pass's ``_handle_responses``; a queued one leaves the queue."""
+        for req_id in sorted(self._canceled):
             r = self._reqs.get(req_id)
             if r is None or r.state in (DONE, SAVING):
-                self._aborts.discard(req_id)
                 continue
-            if r.state == LOADING:
-                r.aborted = True  # terminated once its load is reported everywhere
-                continue
-            self._aborts.discard(req_id)
             r.aborted = True
             self._stats.requests_aborted += 1
+            if r.llm_request is not None:
+                r.llm_request.is_finished = True
             if r.state == WAITING:
                 self._order.remove(req_id)
                 r.state = DONE
+                del self._live[req_id]
             else:
-                self._terminate(r)
+                self._free(r)
+        self._canceled.clear()
 
-    def _terminate(self, r: _Req) -> None:
+    def _update_resources(self, processed: list[tuple[_Req, int, bool]]) -> None:
+        """``KVCacheManager.update_resources``: ``store_context_blocks`` for each request of
+        the batch whose prompt is computed (the full blocks of the prompt, one STORE)."""
         bs = self.block_size
-        r.mismatches = self._verify(r)
-        self._stats.kv_mismatches += r.mismatches
-        if r.computed % bs and r.computed // bs < len(r.blocks):
-            # TRT-LLM stores the last partial block for reuse too (partial event).
-            i = r.computed // bs
-            hashes = self._hashes(r, i)
-            tokens = r.tokens[i * bs:r.computed]
-            partial = trtllm_block_hash(hashes[-1] if hashes else None, tokens, r.salt)
-            keys = [(hashes[j], r.tokens[j * bs:(j + 1) * bs]) for j in range(i)]
-            self.pool.store_blocks(r.blocks, [*keys, (partial, tokens)], i, r.salt)
-        assert r.llm_request is not None
-        saving = self.kv_cache_connector_manager.request_finished(r.llm_request,
-                                                                  list(r.blocks))
-        if not r.aborted:
-            self._stats.requests_finished += 1
-        if saving:
-            r.state = SAVING
-        else:
-            self._free(r)
+        for r, _, _ in processed:
+            if r.context_stored or r.state == DONE or r.computed < len(r.prompt):
+                continue
+            r.context_stored = True
+            full = len(r.prompt) // bs
+            hashes = self._hashes(r, full)
+            self.pool.store_blocks(r.blocks, [(hashes[i], r.tokens[i * bs:(i + 1) * bs])
+                                              for i in range(full)], 0, r.salt)
 
     def _free(self, r: _Req) -> None:
+        """``free_resources`` → C++ ``releaseBlocks``: every block with KV is stored for reuse
+        (generated ones and a trailing partial block included; nothing of a request that never
+        computed past an async load), then released last block first."""
+        bs = self.block_size
+        # uniqueTokens.size() - 1 tokens: the last sampled token has no KV yet
+        valid = min(r.computed, len(r.tokens) - 1) if r.state != LOADING else r.n_device
+        if valid:
+            n_full = valid // bs
+            hashes = self._hashes(r, n_full)
+            keys = [(hashes[j], r.tokens[j * bs:(j + 1) * bs]) for j in range(n_full)]
+            if valid % bs and n_full < len(r.blocks):
+                tokens = r.tokens[n_full * bs:valid]
+                keys.append((trtllm_block_hash(hashes[-1] if hashes else None, tokens, r.salt),
+                             tokens))
+            self.pool.store_blocks(r.blocks, keys, 0, r.salt)
         for b in reversed(r.blocks):  # last block first, as TRT-LLM's releaseBlocks
             self.pool.release(b)
         self._outstanding -= r.reserved
         r.reserved = 0
         r.state = DONE
+        self._live.pop(r.id, None)
+        r.llm_request = None  # TRT-LLM drops the request object (the leader sees it die)
         self.kv_cache_connector_manager.forget(r.id)
 
     def _kv_connector_terminate_requests(self) -> None:
-        """``get_finished`` on every rank; act on ids every rank returned."""
+        """``get_finished`` on every rank; act on ids every rank returned: a saved request is
+        terminated (its blocks released), a loaded one is scheduled from now on."""
         done_saving, done_loading = self.kv_cache_connector_manager.get_finished()
         for req_id in done_saving:
-            self._free(self._reqs[req_id])
+            r = self._reqs[req_id]
+            if r.state == SAVING:
+                self._free(r)
         for req_id in sorted(done_loading):
             r = self._reqs[req_id]
-            if r.aborted:
-                self._aborts.discard(req_id)
-                self._stats.requests_aborted += 1
-                self._terminate(r)
-            else:
+            if r.state == LOADING:
                 r.state = CONTEXT
 
     def _verify(self, r: _Req) -> int:

@@ -8,31 +8,25 @@ parts of ``TorchLlmArgs`` the leader and worker read.
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvbm_plugin.connector.block_hash import v1_block_hash
 from kvbm_plugin.wire.identity import cache_salt_id
 
 _U64 = (1 << 64) - 1
 
 
 def trtllm_block_hash(parent: int | None, tokens: list[int],
-                      salt: str | int | None = None) -> int:
-    """An unsigned 64-bit chained block hash, like TRT-LLM's ``v1_block_key`` (not equal to
-    it): depends on the parent hash, the token count, the tokens and the cache salt. As in
-    TRT-LLM's ``hash_v1_block_key`` the salt enters as its id (``cache_salt_id``; a string
-    salt is converted first) and only into the first block; later blocks inherit it through
-    the parent hash."""
-    h = hashlib.sha256()
-    h.update(struct.pack("<QI", 0 if parent is None else parent & _U64, len(tokens)))
-    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    if salt is not None and parent is None:
-        sid = cache_salt_id(salt) if isinstance(salt, str) else int(salt) & _U64
-        h.update(struct.pack("<Q", sid))
-    return int.from_bytes(h.digest()[:8], "little")
+                      salt: str | int | None = None, lora_task_id: int | None = None) -> int:
+    """TRT-LLM's V1 block hash (``BlockKeyHasher``, see ``connector.block_hash``) of a block
+    of ``tokens`` under ``parent``. The salt enters as the C++ ``cacheSaltID`` of the
+    revisions whose request carries ``cache_salt_id`` (a string salt is converted with
+    ``cache_salt_id`` first), into the first block only; the LoRA task id into every block."""
+    sid = None if salt is None else (cache_salt_id(salt) if isinstance(salt, str)
+                                     else int(salt) & _U64)
+    return v1_block_hash(tokens, parent, salt=sid, lora_task_id=lora_task_id)
 
 
 @dataclass
@@ -75,6 +69,7 @@ class LlmRequest:
         self.cache_salt_id = cache_salt_id
         self.lora_task_id = lora_task_id
         self.is_generation_only_request = False
+        self.is_finished = False  # set by the executor when the request finished or was cancelled
         self.context_current_position = 0
 
     def get_tokens(self, beam: int) -> list[int]:
@@ -86,6 +81,8 @@ class KvCacheConfig:
     tokens_per_block: int
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = False
+    kv_events_config: Any = None  # TRT-LLM's own streaming publisher (PR #17023)
+    max_attention_window: list[int] | None = None  # several windows: VSWA
 
 
 @dataclass

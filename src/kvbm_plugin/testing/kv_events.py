@@ -32,7 +32,7 @@ DEFAULT_EVENT_BUFFER_MAX_SIZE = 10_000
 class SimKVCacheManager:
     """The event surface of TRT-LLM's ``KVCacheManager`` over the simulated block pool.
 
-    The pool (``engine._GpuPool``) records an iteration's events as dicts in ``pool.events``;
+    The pool (``gpu_pool.GpuPool``) records an iteration's events as dicts in ``pool.events``;
     :meth:`flush_iteration_events` (executor thread, end of iteration) turns them into C++-like
     event objects and makes them readable. :meth:`get_latest_events` may be called from any
     thread (the executor thread, the dispatch thread).
@@ -68,6 +68,11 @@ class SimKVCacheManager:
             out = list(self._ready)
             self._ready.clear()
         return out
+
+    def readable(self) -> int:
+        """Events readable and not drained yet (no draining; tests)."""
+        with self._cond:
+            return len(self._ready)
 
     def wait_readable(self, timeout_s: float) -> bool:
         """Block until events are readable (no draining); the dispatch reader's wake-up."""

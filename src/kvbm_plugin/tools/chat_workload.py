@@ -174,7 +174,9 @@ class RouterProbe:
             # Before the engine's first iteration the leader has not found the KV cache manager
             # yet (it looks from inside the iteration): there is nothing to publish, and a
             # search from here would fail (and use up one of its attempts).
-            leader.flush_events()
+            # What the leader's idle keeper publishes within its period while the engine
+            # waits for this request, without waiting for it.
+            leader.publish_now()
         now = time.monotonic()
         deadline = now + self.settle_timeout
         seen, since = self.subscriber.stats.batches, now
@@ -399,7 +401,8 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
                 late[waiting] = max(0, min(reused, probe.predict(request.prompt, request.salt))
                                     - predicted)
             waiting = None
-        for req_id in [i for i in running if engine.result(i).state == "done"]:
+        # A saving request has its answer (its blocks wait for the next pass's get_finished).
+        for req_id in [i for i in running if engine.state(i) in ("done", "saving")]:
             request, predicted = running.pop(req_id)
             res = engine.result(req_id)
             result.finished += 1

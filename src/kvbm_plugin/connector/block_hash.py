@@ -1,0 +1,140 @@
+"""TensorRT-LLM's V1 block hash, computed from what the connector sees.
+
+Where ``RequestData.block_hashes`` is absent (TensorRT-LLM releases up to 1.2.x and every
+KVCacheManagerV2), the leader still has to name a tier copy of a block by the hash TensorRT-LLM's
+KV cache manager gives it, or a router sees one block under two names. That hash is a pure
+function of the block's tokens, its parent's hash, the request's cache salt and LoRA task id
+(and multimodal keys, prompt-tuning extra ids), so the leader computes it here.
+
+Bit-exact port of ``BlockKeyHasher::hash`` (NVIDIA/TensorRT-LLM
+``cpp/tensorrt_llm/batch_manager/blockKey.cpp``, read at 0bd2980d75e7 where the salt is the
+``cacheSaltID`` u64, and at stored file 71072996115 where it is ``std::hash<std::string>`` of
+the ``cacheSalt`` string) and of its ``hash32Mix`` / ``hash64Mix`` helpers, as upstream's own
+Python form has them (``tensorrt_llm/runtime/kv_cache_hash.py::hash_v1_block_key`` @
+991de58c52ac). All arithmetic is modulo 2**64; ``hash32Mix`` wraps its ``value + 0x9E3779B9``
+to 32 bits before widening (both operands are ``uint32_t`` in C++).
+
+* the seed is ``len(tokens) ^ (parent * C1)``; the root's parent hash is 0;
+* the salt is mixed into the first block of a sequence only (``parent == 0``);
+* every token id is mixed as its low 32 bits (two's complement for negative ids), followed by
+  its extra id when the request has prompt-tuning extra ids;
+* a LoRA task id is mixed into EVERY block when set (task id 0 included: ``std::optional``);
+* each multimodal key: its 32-byte hash as eight little-endian 32-bit words, then its start
+  offset as u64.
+
+:func:`std_string_hash` is libstdc++'s ``std::hash<std::string>`` (``_Hash_bytes`` with seed
+0xc70f6907, the Linux build TensorRT-LLM ships), the salt of the newest revision.
+
+Pure Python, no TRT-LLM import; called by the leader on the executor thread and by the
+simulated executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+_U32 = (1 << 32) - 1
+_U64 = (1 << 64) - 1
+_K32 = 0x045D9F3B
+_C1 = 0xBF58476D1CE4E5B9
+_C2 = 0x94D049BB133111EB
+_GOLDEN = 0x9E3779B9
+
+
+def hash32_mix(value: int, seed: int) -> int:
+    """``hash32Mix``: a 32-bit avalanche of ``value`` combined into the u64 ``seed``."""
+    a = value & _U32
+    a = (((a >> 16) ^ a) * _K32) & _U32
+    a = (((a >> 16) ^ a) * _K32) & _U32
+    a = (a >> 16) ^ a
+    t = (a + _GOLDEN) & _U32
+    return (seed ^ ((t + ((seed << 6) & _U64) + (seed >> 2)) & _U64)) & _U64
+
+
+def hash64_mix(value: int, seed: int) -> int:
+    """``hash64Mix``: splitmix64's finaliser of ``value`` combined into the u64 ``seed``."""
+    b = value & _U64
+    b = ((b ^ (b >> 30)) * _C1) & _U64
+    b = ((b ^ (b >> 27)) * _C2) & _U64
+    b = b ^ (b >> 31)
+    return (seed ^ ((b + _GOLDEN + ((seed << 6) & _U64) + (seed >> 2)) & _U64)) & _U64
+
+
+def v1_block_hash(tokens: Sequence[int], parent: int | None = None, *,
+                  salt: int | None = None, lora_task_id: int | None = None,
+                  extra_ids: Sequence[int] | None = None,
+                  mm_keys: Iterable[tuple[bytes, int]] = ()) -> int:
+    """The u64 hash TensorRT-LLM's V1 KV cache manager gives a block of ``tokens`` under
+    ``parent`` (None or 0: the first block). ``salt``: the u64 the C++ mixes (``cacheSaltID``,
+    or :func:`std_string_hash` of the salt string). ``extra_ids``: one per token when the
+    request has prompt-tuning extra ids. ``mm_keys``: (32-byte hash, start offset) per
+    multimodal item overlapping the block."""
+    p = 0 if parent is None else parent & _U64
+    seed = (len(tokens) ^ ((p * _C1) & _U64)) & _U64
+    if p == 0 and salt is not None:
+        seed = hash64_mix(salt, seed)
+    if extra_ids is None:
+        for t in tokens:
+            seed = hash32_mix(t, seed)
+    else:
+        if len(extra_ids) != len(tokens):
+            raise ValueError(f"v1_block_hash: extra_ids has {len(extra_ids)} entries for "
+                             f"{len(tokens)} tokens")
+        for t, e in zip(tokens, extra_ids, strict=True):
+            seed = hash64_mix(e, hash32_mix(t, seed))
+    if lora_task_id is not None:
+        seed = hash64_mix(lora_task_id, seed)
+    for digest, offset in mm_keys:
+        if len(digest) != 32:
+            raise ValueError(f"v1_block_hash: a multimodal key hash has {len(digest)} bytes, "
+                             "not 32")
+        for i in range(0, 32, 4):
+            seed = hash32_mix(int.from_bytes(digest[i:i + 4], "little"), seed)
+        seed = hash64_mix(offset, seed)
+    return seed
+
+
+def v1_chain(tokens: Sequence[int], block_size: int, *, start: int = 0,
+             parent: int | None = None, salt: int | None = None,
+             lora_task_id: int | None = None) -> list[int]:
+    """Hashes of the full blocks ``start..`` of ``tokens``, chained from ``parent`` (the hash
+    of block ``start - 1``; None at the root). Text tokens only."""
+    out: list[int] = []
+    for i in range(start, len(tokens) // block_size):
+        parent = v1_block_hash(tokens[i * block_size:(i + 1) * block_size], parent,
+                               salt=salt, lora_task_id=lora_task_id)
+        out.append(parent)
+    return out
+
+
+def mm_hash_bytes(parts: Sequence[int]) -> bytes:
+    """The 32-byte multimodal hash the C++ builds from 8 int32 hash parts (``makeHashArray``:
+    each part big-endian)."""
+    if len(parts) != 8:
+        raise ValueError(f"mm_hash_bytes: {len(parts)} hash parts, not 8")
+    return b"".join((p & _U32).to_bytes(4, "big") for p in parts)
+
+
+_MUL = 0xC6A4A7935BD1E995
+_STD_SEED = 0xC70F6907
+
+
+def _shift_mix(v: int) -> int:
+    return v ^ (v >> 47)
+
+
+def std_string_hash(text: str | bytes) -> int:
+    """libstdc++'s ``std::hash<std::string>`` (``std::_Hash_bytes(data, len, 0xc70f6907)``,
+    the 64-bit MurmurHash2 variant in libstdc++-v3/libsupc++/hash_bytes.cc)."""
+    data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+    n = len(data)
+    h = (_STD_SEED ^ ((n * _MUL) & _U64)) & _U64
+    end = n - n % 8
+    for i in range(0, end, 8):
+        w = int.from_bytes(data[i:i + 8], "little")
+        w = (_shift_mix((w * _MUL) & _U64) * _MUL) & _U64
+        h = ((h ^ w) * _MUL) & _U64
+    if n % 8:
+        h = ((h ^ int.from_bytes(data[end:], "little")) * _MUL) & _U64
+    h = (_shift_mix(h) * _MUL) & _U64
+    return _shift_mix(h)

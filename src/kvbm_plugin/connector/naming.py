@@ -1,0 +1,177 @@
+"""The name (hash) a tier event gives each block: TensorRT-LLM's, never a second one.
+
+A router must see one name per block across media, so the leader's host/disk STOREs carry the
+hash TensorRT-LLM's KV cache manager gives the same block on the GPU. In order of preference:
+
+1. ``RequestData.block_hashes``, where TensorRT-LLM hands them over (PR #14806 and later);
+2. the V1 block hash the leader computes itself (:mod:`kvbm_plugin.connector.block_hash`)
+   from the request's tokens, cache salt and LoRA task id: every text-only request of the
+   V1 manager. Which salt the C++ mixes differs by revision (``cacheSaltID`` or
+   ``std::hash`` of the string), so each input rule (no scope; salt id; salt string; with
+   LoRA) is used only once TensorRT-LLM's own GPU STORE events carried a hash computed under
+   it (a 64-bit equality: the rule is confirmed); a rule whose hash differs from the event's
+   for a block whose parent agreed is refuted for good (``block_name_mismatches``, logged);
+3. the hash learned from TensorRT-LLM's own GPU-tier STORE events
+   (:class:`~kvbm_plugin.gpu_events.block_names.BlockNames`).
+
+A block whose name is none of these yet (a multimodal or prompt-tuning request, a
+KVCacheManagerV2, a distrusted hasher) is held back by the leader until it is learned (bounded;
+see ``KvbmConnectorLeader``). Called under the leader's lock (executor thread or the leader's
+idle keeper thread). Pure Python.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin.connector.block_hash import std_string_hash, v1_chain
+from kvbm_plugin.connector.requests import RequestState
+from kvbm_plugin.gpu_events.block_names import BlockNames
+
+logger = logging.getLogger(__name__)
+
+_U64 = (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class NameInputs:
+    """What TensorRT-LLM's V1 hasher mixes beyond the tokens, read from a request object."""
+
+    salt: int | None  # the u64 the C++ mixes into the first block
+    lora: int | None  # the LoRA task id (0 is an adapter too), mixed into every block
+    why_not: str | None = None  # why the hash cannot be computed (None: it can)
+    salt_kind: str = "id"  # "id": cache_salt_id as is; "string": std::hash of cache_salt
+
+
+def name_inputs(obj: Any) -> NameInputs:
+    """The V1 hasher's inputs on a request-like object (C++ ``LlmRequest`` or
+    ``RequestData``). The salt is ``cache_salt_id`` where the object carries it (the revisions
+    whose ``BlockKey`` holds ``cacheSaltID``), else ``std::hash`` of the ``cache_salt`` string
+    (the revisions whose ``BlockKey`` holds the string)."""
+    if getattr(obj, "multimodal_hashes", None):
+        return NameInputs(None, None, "multimodal inputs")
+    if getattr(obj, "input_token_extra_ids", None) is not None:
+        return NameInputs(None, None, "prompt-tuning extra ids")
+    sid = getattr(obj, "cache_salt_id", None)
+    salt: int | None = None
+    kind = "id"
+    if isinstance(sid, int) and not isinstance(sid, bool):
+        salt = sid & _U64
+    elif sid is not None:
+        return NameInputs(None, None, f"unreadable cache_salt_id {sid!r}")
+    else:
+        text = getattr(obj, "cache_salt", None)
+        if text is None:
+            text = getattr(obj, "py_cache_salt", None)
+        if text is not None:
+            salt = std_string_hash(text if isinstance(text, (str, bytes)) else str(text))
+            kind = "string"
+    lora = getattr(obj, "lora_task_id", None)
+    if lora is None:
+        lora = getattr(obj, "py_lora_task_id", None)
+    if lora is not None and (isinstance(lora, bool) or not isinstance(lora, int)):
+        return NameInputs(None, None, f"unreadable lora_task_id {lora!r}")
+    return NameInputs(salt, lora, salt_kind=kind)
+
+
+def rule_of(inputs: NameInputs) -> tuple[str, bool]:
+    """The input rule a computed hash depends on: (salt spelling, LoRA set)."""
+    salt = "none" if inputs.salt is None else inputs.salt_kind
+    return salt, inputs.lora is not None
+
+
+class BlockNaming:
+    """TRT-LLM's hash of a request's block ``i``: handed over, computed or learned."""
+
+    def __init__(self, block_size: int, stats: dict[str, int]) -> None:
+        self._bs = block_size
+        self._stats = stats
+        for name in ("block_name_mismatches", "block_names_computed",
+                     "block_name_rules_confirmed"):
+            stats.setdefault(name, 0)
+        self.names = BlockNames(block_size)  # learned from GPU-tier events
+        self.learning = False  # the sink feeds self.names (no block_hashes seen)
+        self.confirmed: set[tuple[str, bool]] = set()
+        self.refuted: set[tuple[str, bool]] = set()
+        self._log = RateLimitedLog(logger)
+
+    @property
+    def trusted(self) -> bool:
+        """No computed hash was ever refuted by TRT-LLM's events."""
+        return not self.refuted
+
+    def _rule(self, state: RequestState) -> tuple[str, bool] | None:
+        inputs: NameInputs | None = state.name_inputs
+        if inputs is None or inputs.why_not is not None:
+            return None
+        rule = rule_of(inputs)
+        return None if rule in self.refuted else rule
+
+    def hash_of(self, state: RequestState, index: int) -> int | None:
+        """TRT-LLM's hash of block ``index`` of ``state``, or None while unknown."""
+        if index < len(state.event_hashes):
+            return int(state.event_hashes[index])
+        rule = self._rule(state)
+        if rule is not None:
+            self._compute(state, index + 1)
+            if rule in self.confirmed and index < len(state.computed):
+                return state.computed[index]
+        if self.learning and index >= len(state.learned) and not state.event_hashes:
+            self.names.extend(state.tokens, state.keys, state.learned)
+        if index < len(state.learned):
+            return state.learned[index]
+        return None
+
+    def _compute(self, state: RequestState, n_blocks: int) -> None:
+        done = len(state.computed)
+        n = min(n_blocks, len(state.tokens) // self._bs)
+        if n <= done:
+            return
+        inputs: NameInputs = state.name_inputs
+        state.computed.extend(v1_chain(
+            state.tokens[:n * self._bs], self._bs, start=done,
+            parent=state.computed[-1] if done else None, salt=inputs.salt,
+            lora_task_id=inputs.lora))
+        self._stats["block_names_computed"] += n - done
+
+    def refresh(self, states: Iterable[RequestState]) -> None:
+        """Learn from the events published so far (requests without block_hashes); confirm or
+        refute the rules the computed hashes were made under."""
+        if not self.names:
+            return
+        for state in states:
+            if state.event_hashes or len(state.learned) >= len(state.keys):
+                continue
+            self.names.extend(state.tokens, state.keys, state.learned)
+            rule = self._rule(state)
+            if rule is None:
+                continue
+            self._compute(state, len(state.learned))
+            self._check(state, rule)
+
+    def _check(self, state: RequestState, rule: tuple[str, bool]) -> None:
+        learned, computed = state.learned, state.computed
+        for i in range(min(len(learned), len(computed))):
+            if learned[i] == computed[i]:
+                if rule not in self.confirmed:
+                    self.confirmed.add(rule)
+                    self._stats["block_name_rules_confirmed"] += 1
+            elif i and learned[i - 1] == computed[i - 1]:
+                # Same parent, other hash: the hasher differs (a root-block difference may
+                # be another scope's block with the same tokens, so it proves nothing).
+                self._refute(state, rule, i)
+                return
+
+    def _refute(self, state: RequestState, rule: tuple[str, bool], index: int) -> None:
+        self.refuted.add(rule)
+        self.confirmed.discard(rule)
+        self._stats["block_name_mismatches"] += 1
+        self._log.log(logging.ERROR, "mismatch", "kvbm_plugin: TensorRT-LLM named block %d of "
+                      "request %d %d, the leader computed %d: this TensorRT-LLM hashes blocks "
+                      "differently (rule %s); offload-tier events of such requests now wait "
+                      "for the names its GPU events carry", index, state.req_id,
+                      state.learned[index], state.computed[index], rule)

@@ -1,0 +1,61 @@
+"""The leader's bookkeeping records: one :class:`RequestState` per request TensorRT-LLM
+scheduled, one :class:`Op` per tier transfer in flight.
+
+Owned by ``KvbmConnectorLeader`` on rank 0 (each attention-DP rank's leader has its own); read
+and written under the leader's lock only (the executor thread's hooks and the leader's idle
+keeper thread). Pure data, no behaviour.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbm_plugin.connector.meta import LoadOp, OpReport
+from kvbm_plugin.tiers.base import TierEntry
+
+
+@dataclass
+class RequestState:
+    """What the leader knows about one request."""
+
+    req_id: int
+    salt: str | None = None  # reuse scope (cache salt, LoRA) mixed into every tier key
+    scope: tuple[int | None, int | None] = (None, None)  # (LoRA id, salt id) for tier events
+    tokens: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # content keys of full blocks
+    event_hashes: list[int] = field(default_factory=list)  # RequestData.block_hashes
+    # TRT-LLM's V1 block hashes computed by the leader (connector.block_hash), and the inputs
+    # they are computed from (None: cannot be computed for this request).
+    computed: list[int] = field(default_factory=list)
+    name_inputs: Any = None
+    learned: list[int] = field(default_factory=list)  # TRT-LLM's hashes seen in GPU events
+    offload_next: int = 0  # first block index not yet considered for offload
+    valid_tokens: int = 0  # tokens whose KV exists after the last scheduled forward
+    match_base: int | None = None  # device-computed + connector-loaded tokens at match time
+    plan: list[tuple[int, str, TierEntry]] = field(default_factory=list)  # (block idx, tier, e)
+    load: LoadOp | None = None
+    reported: bool = False  # seen in a SchedulerOutput
+    saves_inflight: set[int] = field(default_factory=set)
+    loads_inflight: set[int] = field(default_factory=set)
+    finished: bool = False
+    # The request object's life: a weak reference where the object allows one (see
+    # connector.lifetime); the leader forgets a request TensorRT-LLM dropped without telling.
+    handle: Any = None
+    last_seen: int = 0  # the leader's iteration that last saw this request scheduled
+
+
+@dataclass
+class Op:
+    """One transfer: "save" | "demote" write ``tier``; "load" reads it."""
+
+    kind: str
+    tier: str
+    key: int
+    req_id: int | None
+    entry: TierEntry | None = None  # the entry written (save/demote) or read (load)
+    reports: dict[int, OpReport] = field(default_factory=dict)
+    # A save of a request TRT-LLM terminated without telling (its blocks may be reused before
+    # the copy read them): never committed.
+    tainted: bool = False

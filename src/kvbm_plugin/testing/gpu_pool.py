@@ -1,0 +1,173 @@
+"""The simulated engine's GPU block pool: TensorRT-LLM's V1 block manager where it matters to
+the connector (prefix reuse, leaf-first LRU eviction, the KV events it records).
+
+Used by :class:`~kvbm_plugin.testing.engine.SimulatedEngine` on its executor thread only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from typing import Any
+
+
+class GpuPool:
+    """Block allocation with prefix reuse and leaf-first LRU eviction; records TRT-LLM KV events.
+
+    Follows TensorRT-LLM's ``WindowBlockManager`` (cpp/tensorrt_llm/batch_manager/
+    kvCacheManager.cpp and evictionPolicy.cpp, read at revision 002ba6a7cc5e):
+
+    * Stored blocks form a radix tree (``parent_of``/``children``). ``storeBlocks`` walks the
+      tree from the root along the sequence's block keys; a block whose key is already cached is
+      traversed (not stored twice) and the first missing one and everything after it are
+      inserted under the last match, in one ``stored`` event: a block is stored only under a
+      cached parent.
+    * A request that reuses a cached block only claims it (takes it out of the free queue); its
+      cached children stay cached and nothing is emitted.
+    * A sequence's blocks are released last block first, so within one release the leaf enters
+      the LRU free queue before its parent, and the queue's front is a leaf.
+    * ``getFreeBlock`` takes the queue's front and frees all its cached descendants first
+      (``freeChildren``, post-order: children before parents), emitting a removal for each and
+      then for the block itself; consecutive removals coalesce into one ``removed`` event.
+    The GPU-tier stream is therefore prefix-closed: a parent is never removed while a
+    descendant stays stored.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, window: int) -> None:
+        self.block_size = block_size
+        self.window = window
+        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.cached: OrderedDict[int, None] = OrderedDict()  # refcount 0, reusable, LRU first
+        self.refs: dict[int, int] = {}
+        self.by_hash: dict[int, int] = {}
+        self.hash_of: dict[int, int] = {}
+        self.parent_of: dict[int, int | None] = {}
+        self.children: dict[int, set[int]] = {}  # stored block -> its stored children
+        self.full: set[int] = set()  # blocks stored with a full block of tokens
+        self.events: list[dict[str, Any]] = []
+        self._event_id = itertools.count()
+        self._emit({"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]})
+
+    def _emit(self, data: dict[str, Any]) -> None:
+        self.events.append({"event_id": next(self._event_id), "window_size": self.window,
+                            "data": data})
+
+    def get_latest_events(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
+        """Drain the buffered events, like TRT-LLM's ``KVCacheManager.get_latest_events``
+        (already serialized to dicts)."""
+        out, self.events = self.events, []
+        return out
+
+    def match(self, hashes: list[int]) -> list[int]:
+        out = []
+        for h in hashes:
+            b = self.by_hash.get(h)
+            if b is None or b not in self.full:
+                break
+            out.append(b)
+        return out
+
+    def available(self) -> int:
+        return len(self.free) + len(self.cached)
+
+    def acquire(self, block: int) -> None:
+        """Claim a cached block for reuse (upstream ``claimBlock``): children stay cached."""
+        self.refs[block] = self.refs.get(block, 0) + 1
+        self.cached.pop(block, None)
+
+    def alloc(self) -> int:
+        if not self.free:
+            victim = next(iter(self.cached))  # LRU front; a leaf unless children are in use
+            self._free_subtree(victim)
+        block = self.free.pop()
+        self.refs[block] = 1
+        return block
+
+    def _free_subtree(self, root: int) -> None:
+        """Upstream ``freeChildren``: unstore ``root`` and its descendants, children first,
+        in one coalesced ``removed`` event. Unused blocks return to the free list; a block
+        still in use (a request holds it) stays allocated as a private, unstored block."""
+        order: list[int] = []
+        stack = [(root, False)]
+        while stack:
+            block, expanded = stack.pop()
+            if expanded:
+                order.append(block)
+                continue
+            stack.append((block, True))
+            stack.extend((child, False) for child in self.children.get(block, ()))
+        removed: list[int] = []
+        for block in order:
+            removed.append(self.hash_of.pop(block))
+            del self.by_hash[removed[-1]]
+            parent = self.parent_of.pop(block, None)
+            if parent is not None:
+                siblings = self.children[parent]
+                siblings.discard(block)
+                if not siblings:
+                    del self.children[parent]
+            self.children.pop(block, None)
+            self.full.discard(block)
+            if block in self.cached:
+                del self.cached[block]
+                self.free.append(block)
+        if self.events and self.events[-1]["data"]["type"] == "removed":
+            self.events[-1]["data"]["block_hashes"].extend(removed)  # upstream coalescing
+        else:
+            self._emit({"type": "removed", "block_hashes": removed})
+
+    def release(self, block: int) -> None:
+        self.refs[block] -= 1
+        if self.refs[block] == 0:
+            del self.refs[block]
+            if block in self.hash_of:
+                self.cached[block] = None
+            else:
+                self.free.append(block)
+
+    def store_blocks(self, blocks: list[int], keys: list[tuple[int, list[int]]],
+                     first: int = 0, cache_salt: str | None = None) -> None:
+        """Upstream ``storeBlocks`` for a sequence's blocks ``blocks[i]`` with block keys
+        ``keys[i] = (hash, tokens)`` (the last may be partial), of which ``first..`` are new.
+
+        The walk starts at the deepest ``first`` whose parent is still cached (usually
+        ``first`` itself: the parent was stored in an earlier iteration); cached keys are
+        traversed and the rest inserted under the last match, as one ``stored`` event. A
+        salted block's event carries ``cache_salt`` per block, as newer TRT-LLM's do.
+        """
+        n = min(len(blocks), len(keys))
+        while first > 0 and keys[first - 1][0] not in self.by_hash:
+            first -= 1  # the parent left the tree: it is stored again, from this sequence
+        parent: int | None = self.by_hash[keys[first - 1][0]] if first else None
+        first_parent = parent
+        stored: list[dict[str, Any]] = []
+        for i in range(first, n):
+            h, tokens = keys[i]
+            cached = self.by_hash.get(h)
+            if cached is not None and not stored:
+                parent = first_parent = cached  # traverse the cached prefix
+                continue
+            block = blocks[i]
+            if cached is not None or block in self.hash_of:
+                break  # cannot happen for one sequence's own chain; never store twice
+            self.by_hash[h] = block
+            self.hash_of[block] = h
+            self.parent_of[block] = parent
+            if parent is not None:
+                self.children.setdefault(parent, set()).add(block)
+            if len(tokens) == self.block_size:
+                self.full.add(block)
+            stored.append({
+                "type": "stored_block", "block_hash": h,
+                "tokens": [{"type": "unique_token", "token_id": t, "token_extra_id": 0}
+                           for t in tokens],
+                "cache_level": 0, "priority": 35})
+            if cache_salt is not None:
+                stored[-1]["cache_salt"] = cache_salt
+            parent = block
+        if stored:
+            self._emit({"type": "stored", "blocks": stored, "parent_hash":
+                        None if first_parent is None else self.hash_of[first_parent]})
+
+    def resident_full_hashes(self) -> set[int]:
+        return {self.hash_of[b] for b in self.full}

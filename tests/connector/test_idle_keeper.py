@@ -1,0 +1,112 @@
+"""While TensorRT-LLM's loop blocks (no connector call at all), the leader's idle keeper keeps
+the router's view live: completed offloads are registered and published, and the GPU-tier
+events TensorRT-LLM produced are published, within 1 s."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from _engines import prompt, tiers
+from _kvwire import wait_until
+
+from kvbm_plugin.tiers.disk import DiskTier
+
+BOUND_S = 1.0  # the promise: at most this long after the transfer completed
+
+
+class TierRecorder:
+    def __init__(self) -> None:
+        self.stores: list[tuple[str, int, float]] = []
+
+    def register_store(self, tier, dp_rank, block_hash, parent_hash, token_ids, block_size,
+                       **scope: Any) -> None:
+        self.stores.append((tier, block_hash, time.monotonic()))
+
+    def register_remove(self, tier, dp_rank, block_hashes) -> None:
+        return None
+
+    def register_clear(self, tier, dp_rank) -> None:
+        return None
+
+
+def test_offloads_completed_while_the_engine_idles_are_published_within_a_second(
+        make_engine, monkeypatch) -> None:
+    original = DiskTier.write
+    release = threading.Event()
+    written = threading.Event()
+
+    def held_write(self, slot, key, block):
+        release.wait(30)
+        try:
+            return original(self, slot, key, block)
+        finally:
+            written.set()
+
+    monkeypatch.setattr(DiskTier, "write", held_write)
+    rec = TierRecorder()
+    engine = make_engine(num_gpu_blocks=32, env=tiers(disk=64), tier_events=rec)
+    engine.submit(prompt(3, 17), 1)
+    while engine.active():
+        engine.step()
+    # TRT-LLM now blocks in its request queue: not a single connector call from here on
+    builds = engine.kv_cache_connector_manager.metadata_builds
+    calls = engine.kv_cache_connector_manager.get_finished_calls
+    assert rec.stores == []
+    release.set()
+    assert written.wait(10)
+    done = time.monotonic()
+    wait_until(lambda: len(rec.stores) == 4, 10, "the offloads' DISK STOREs")
+    assert rec.stores[-1][2] - done <= BOUND_S
+    assert {tier for tier, _, _ in rec.stores} == {"DISK"}
+    assert engine.kv_cache_connector_manager.metadata_builds == builds
+    assert engine.kv_cache_connector_manager.get_finished_calls == calls
+    assert engine.leader.stats()["idle_ticks"] > 0
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_gpu_events_of_the_last_pass_are_published_while_the_engine_idles(
+        make_engine, overlap) -> None:
+    engine = make_engine(env=tiers(host=16), overlap_scheduler=overlap)
+    sink = engine.leader.event_sink
+    engine.submit(prompt(4, 17), 1)
+    while engine.active():
+        engine.step()
+    # the release STORE was flushed in the last pass, after its build: only the keeper can
+    # publish it now
+    assert engine.kv_cache_manager.readable() > 0
+    accepted = sink.stats()["batches_published"]
+    idle_since = time.monotonic()
+    wait_until(lambda: engine.kv_cache_manager.readable() == 0
+               and sink.stats()["pending_events"] == 0, 10, "the last pass's events published")
+    assert time.monotonic() - idle_since <= BOUND_S
+    assert sink.stats()["batches_published"] > accepted
+
+
+def test_trtllms_own_publisher_on_means_no_second_gpu_tier_stream(caplog) -> None:
+    from types import SimpleNamespace
+
+    from kvbm_plugin.connector_leader import KvbmConnectorLeader
+    from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, LlmArgs, ParallelConfig
+
+    config = KvCacheConfig(4, kv_events_config=SimpleNamespace(publisher="zmq"))
+    leader = KvbmConnectorLeader(LlmArgs(config, ParallelConfig(0, 1),
+                                         kvbm_plugin_env=tiers(host=8),
+                                         kvbm_plugin_group="native-events"))
+    try:
+        assert "TensorRT-LLM's own publisher" in leader.event_source_status
+        assert any("own KV-event publisher is on" in r.message for r in caplog.records)
+        leader.flush_events()
+        assert leader.event_source is None  # never attached: nothing drained or published
+    finally:
+        leader.shutdown()
+    off = KvCacheConfig(4, kv_events_config=SimpleNamespace(enabled=False))
+    leader = KvbmConnectorLeader(LlmArgs(off, ParallelConfig(0, 1),
+                                         kvbm_plugin_env=tiers(host=8),
+                                         kvbm_plugin_group="native-events-off"))
+    try:
+        assert "own publisher" not in leader.event_source_status
+    finally:
+        leader.shutdown()
