@@ -480,10 +480,7 @@ def test_jobs_split_into_copy_batches_move_every_block_exactly(make_engine) -> N
 
 def test_a_job_with_no_host_copies_has_no_copy_batch() -> None:
     """A load served only from disk (no host copies) must not fail the job."""
-    from types import SimpleNamespace
+    from kvbm_plugin.connector.copy_runs import chunked
 
-    from kvbm_plugin.connector_worker import KvbmConnectorWorker
-
-    unbatched = SimpleNamespace(_copy_batch_blocks=0)
-    assert list(KvbmConnectorWorker._chunked(unbatched, [])) == []
-    assert list(KvbmConnectorWorker._chunked(unbatched, [1, 2])) == [[1, 2]]
+    assert list(chunked([], 0)) == []
+    assert list(chunked([1, 2], 0)) == [[1, 2]]

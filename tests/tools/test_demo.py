@@ -97,14 +97,14 @@ def test_demo_with_the_disk_tier_alone_has_no_failed_transfer_job(capsys) -> Non
 
 def test_demo_fails_its_check_when_a_transfer_job_fails(monkeypatch, capsys,
                                                          expect_errors) -> None:
-    from kvbm_plugin.connector_worker import KvbmConnectorWorker
+    import kvbm_plugin.connector_worker as worker
 
-    def chunked_with_zero_step(self, items):  # what the worker did before the fix
-        step = self._copy_batch_blocks or len(items)
+    def chunked_with_zero_step(items, batch):  # a batching step of 0 for an empty job
+        step = batch or len(items)
         for start in range(0, len(items), step):
             yield items[start:start + step]
 
-    monkeypatch.setattr(KvbmConnectorWorker, "_chunked", chunked_with_zero_step)
+    monkeypatch.setattr(worker, "_chunked", chunked_with_zero_step)
     assert demo.main_demo([*SMALL, "--tiers", "disk"]) == 1
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "clean run" in x)
