@@ -170,6 +170,17 @@ class RouterProbe:
         only learns so, as a router would, from the next batch, so waiting longer is useless)."""
         self.settles += 1
         leader = self.engine.leader
+        now = time.monotonic()
+        deadline = now + self.settle_timeout
+        # A request is answered while its offloads may still be copying (TensorRT-LLM frees
+        # its blocks at a later pass). A copy that completes between this question and the
+        # next build is a tier block no router can know of yet, though the engine may reuse
+        # it: the question waits (bounded) for the copies in flight, on the workers' own
+        # threads, so that it is asked of what the leader will have published.
+        workers = getattr(self.engine, "workers", ())
+        while any(w.stats().get("saves_inflight", 0) for w in workers) \
+                and time.monotonic() < deadline:
+            self._poll(1)  # waits on the socket, not a sleep
         if leader.event_source is not None:
             # Before the engine's first iteration the leader has not found the KV cache manager
             # yet (it looks from inside the iteration): there is nothing to publish, and a
@@ -178,7 +189,6 @@ class RouterProbe:
             # waits for this request, without waiting for it.
             leader.publish_now()
         now = time.monotonic()
-        deadline = now + self.settle_timeout
         seen, since = self.subscriber.stats.batches, now
         while True:
             self._poll(0)
