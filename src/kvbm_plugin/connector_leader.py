@@ -13,7 +13,7 @@ constructor (a thread-pool thread, concurrently with the worker's). Per iteratio
 
 Tier bookkeeping (:class:`~kvbm_plugin.tiers.base.TierIndex`) lives here only; workers learn slots
 from the metadata. A tier STORE is registered only after every rank reported the op that wrote
-the bytes (see connector_meta: the get_finished intersection rule, applied per op); a REMOVE is
+the bytes (see connector/meta.py: the get_finished intersection rule, applied per op); a REMOVE is
 registered when the leader evicts a block, before the metadata that reuses its slot exists.
 Never imports torch.
 """
@@ -401,8 +401,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
 
     def _attach_event_source(self) -> None:
         """Find the engine's KV cache manager through the calling PyExecutor's frames and tee
-        its KV events into the sink (see ``event_source.attach_event_source``). Executor thread,
-        first iterations only; frame inspection, no I/O."""
+        its KV events into the sink (see ``gpu_events.source.attach_event_source``). Executor
+        thread, first iterations only; frame inspection, no I/O."""
         self._attach_attempts += 1
         manager = find_kv_cache_manager()
         if manager is None:

@@ -3,7 +3,7 @@
 On a real TP>1 deployment every rank is its own MPI process: rank 0 holds the scheduler (the
 leader) and a worker; ranks 1.. hold only a worker, receive the leader's metadata as a pickled
 broadcast and send their completion reports to the leader over ZMQ
-(``DYN_KVBM_LEADER_ZMQ_PUB_PORT``, see connector_meta). :class:`RemoteRank` reproduces that:
+(``DYN_KVBM_LEADER_ZMQ_PUB_PORT``, see connector/meta.py). :class:`RemoteRank` reproduces that:
 a ``multiprocessing`` child (spawn start method, nothing inherited) builds its own
 ``KvbmConnectorWorker`` and pool shard, gets the pickled metadata and the forward's work over a
 pipe, runs the iteration's worker calls in TRT-LLM's order, and answers ``get_finished``.
