@@ -403,3 +403,18 @@ def test_a_signal_ends_every_long_running_command_with_its_status(
             proc.kill()
             proc.wait()
     assert "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("command", [["env"], ["env", "--json"], ["yaml"], ["doctor"]])
+def test_a_reader_that_closed_stdout_ends_the_command_quietly(command: list[str]) -> None:
+    """``kvbm-plugin env | head``: the pipe's reader is gone before the command writes (its read
+    end closed first, so the write fails every time); no traceback, status 141."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "kvbm_plugin.tools.cli", *command],
+                              stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write_end)
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+    assert proc.returncode == 141

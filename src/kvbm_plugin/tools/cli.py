@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -154,8 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo: every check passed; doctor: no problem); 1 a runtime failure (CommandFailed: an
     endpoint in use, a URL that can never answer; PluginLoadError: an entry point that cannot
     be loaded; a failed demo check or doctor problem); 2 a bad option or variable
-    (ConfigError, UsageError); 130 Ctrl-C; 143 SIGTERM. Each error is one line on stderr,
-    never a traceback."""
+    (ConfigError, UsageError); 130 Ctrl-C; 141 a reader that closed stdout early; 143 SIGTERM.
+    Each error is one line on stderr, never a traceback."""
     # Our own process: torch's CPU wheels warn at import when NumPy is absent, which the plugin
     # does not use; keep that line out of the demo's and doctor's output.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -167,9 +168,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         if command is not None:
-            return _run_forwarded(command, args_list[1:])
-        args = build_parser().parse_args(args_list)
-        return args.func(args)
+            status = _run_forwarded(command, args_list[1:])
+        else:
+            args = build_parser().parse_args(args_list)
+            status = args.func(args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        # The reader closed our stdout (``kvbm-plugin env | head``): what it wanted it has.
+        # Nothing more may reach the closed pipe, not even the flush at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return signal_status(signal.SIGPIPE)
     except (ConfigError, UsageError) as exc:
         _one_line(prog, str(exc))
         return EXIT_USAGE
