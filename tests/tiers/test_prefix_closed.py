@@ -16,10 +16,18 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvbm_plugin.consolidator_config import PublisherSettings
+from kvbm_plugin.event_sink import KvEventSink
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.tiers.base import TierFullError, TierIndex
 from kvbm_plugin.tools.router_view import WARNING_RULES, RouterView
-from kvbm_plugin.wire.events import BlockRemoved, BlockStored
+from kvbm_plugin.wire.events import (
+    BlockRemoved,
+    BlockStored,
+    decode_event,
+    events_as_maps,
+)
+from kvbm_plugin.wire.publisher_base import EventPublisher
 
 OFF = {"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false"}
 
@@ -181,24 +189,41 @@ def _gpu_stream(engine: SimulatedEngine) -> list[dict[str, Any]]:
     return log
 
 
-def _apply_gpu(router: RouterView, block_size: int, events: list[dict[str, Any]],
-               partial: set[int]) -> None:
-    """Feed the GPU pool's events (TensorRT-LLM's form) to the router's device tree, full
-    blocks only, as the event sink publishes them (a partial block, always a chain's last, is
-    remembered in ``partial`` and its removal skipped)."""
-    for data in events:
-        if data["type"] == "stored":
-            blocks = [b for b in data["blocks"] if len(b["tokens"]) == block_size]
-            partial.update(b["block_hash"] for b in data["blocks"][len(blocks):])
-            if blocks:
-                router.apply_event(BlockStored(
-                    [b["block_hash"] for b in blocks], data["parent_hash"],
-                    [t["token_id"] for b in blocks for t in b["tokens"]], block_size), "engine")
-        elif data["type"] == "removed":
-            gone = [h for h in data["block_hashes"] if h not in partial]
-            partial.difference_update(data["block_hashes"])
-            if gone:
-                router.apply_event(BlockRemoved(gone), "engine")
+class _Published(EventPublisher):
+    """Keeps what the event sink publishes, as wire maps."""
+
+    def __init__(self) -> None:
+        super().__init__(PublisherSettings())
+        self.events: list[dict[str, Any]] = []
+
+    def publish(self, events: Any, data_parallel_rank: int | None = None) -> bool:
+        self.events.extend(events_as_maps(events))
+        return True
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        pass
+
+
+def _tier_warnings(view: RouterView) -> dict[str, dict[str, int]]:
+    """The router rules the tiers' streams broke, per medium. The GPU-tier stream's own
+    prefix closure is the event sink's (tests/gpu_events/test_sink_prefix_closed.py); here the
+    GPU tree is what the tiers' blocks hang from, and is compared with the pool at the end."""
+    return {medium: {r: n for r, n in rules.items() if r in WARNING_RULES and n}
+            for medium, rules in view.by_medium.items()
+            if medium != "GPU" and any(n for r, n in rules.items() if r in WARNING_RULES)}
+
+
+def _apply_gpu(router: RouterView, sink: KvEventSink, published: _Published,
+               events: list[dict[str, Any]]) -> None:
+    """Feed the GPU pool's events (TensorRT-LLM's form) through the plugin's event sink, and
+    what it publishes to the router's device tree: the GPU-tier stream a router reads (full
+    blocks only; a removal whose block still has published children after those children)."""
+    sink.ingest([{"event_id": i, "data": data, "window_size": 4096}
+                 for i, data in enumerate(events)])
+    sink.flush()
+    for raw in published.events:
+        router.apply_event(decode_event(raw), "engine")
+    published.events.clear()
     events.clear()
 
 
@@ -271,23 +296,27 @@ def test_tiers_and_gpu_pool_stay_prefix_closed_under_random_workloads(
     try:
         gpu_events = _gpu_stream(engine)
         router.block_size = bs = engine.block_size
-        partial: set[int] = set()
+        published = _Published()
+        sink = KvEventSink(published, block_size=bs, strict=True)
         prompts: list[list[int]] = []
         live: list[int] = []
         for _ in range(350):
             _workload_step(rng, engine, prompts, live)
             _check_closed(engine)
-            _apply_gpu(router, bs, gpu_events, partial)
-            assert rule_warnings(router) == {}, router.by_medium
+            _apply_gpu(router, sink, published, gpu_events)
+            assert _tier_warnings(router) == {}, router.by_medium
         engine.run_until_idle(timeout_s=60)
         _check_closed(engine)
-        _apply_gpu(router, bs, gpu_events, partial)
-        assert rule_warnings(router) == {}
+        _apply_gpu(router, sink, published, gpu_events)
+        assert _tier_warnings(router) == {}, router.by_medium
 
         def held(tier: str) -> set[int]:
             return {h for _, h in router.edges().get(("engine", 0, tier), set())}
 
-        assert held("GPU") == set(engine.pool.hash_of.values()) - partial
+        pool = engine.pool
+        u64 = (1 << 64) - 1
+        assert {h & u64 for h in held("GPU")} == {pool.hash_of[b] & u64 for b in pool.full
+                                                 if b in pool.hash_of}
         assert held("CPU") == engine.leader.resident_hashes("host")
         assert held("DISK") == engine.leader.resident_hashes("disk")
         assert engine.stats().kv_mismatches == 0
