@@ -229,9 +229,22 @@ def _unsalted(steps: list[Step]) -> list[Step]:
 def _one_store_lost(steps: list[Step]) -> list[Step]:
     """The consolidated stream without its first batch that stores a block with a child."""
     for i, (stream, events) in enumerate(steps):
-        if stream[0] == 2 and any(isinstance(e, BlockStored) for e in events) and i > 3:
+        if stream[0] != 2 or i <= 3:
+            continue
+        def device_stores(batch: list[Any]) -> list[BlockStored]:
+            return [e for e in batch if isinstance(e, BlockStored)
+                    and (e.medium or "GPU") == "GPU"]  # lower tiers check no parent
+
+        stored = {h for e in device_stores(events) for h in e.block_hashes}
+        later = [e for later_stream, batch in steps[i + 1:] if later_stream == stream
+                 for e in device_stores(batch)]
+        # Only a batch with a device block that a later store names as parent and no later
+        # store brings back: what the recording holds depends on the engine's threads, and a
+        # lost leaf, or one stored again, breaks nothing.
+        again = {h for e in later for h in e.block_hashes}
+        if any(e.parent_block_hash in stored - again for e in later):
             return steps[:i] + steps[i + 1:]
-    raise AssertionError("no store batch to lose")
+    raise AssertionError("no store batch with a later child to lose")
 
 
 @pytest.mark.parametrize("mode", ["dedup", "passthrough"])
