@@ -171,11 +171,6 @@ class _TierRecorder:
         raise AssertionError("no tier is cleared in this test")
 
 
-def rule_warnings(view: RouterView) -> dict[str, int]:
-    """The router rules the streams broke, by name (none for prefix-closed streams)."""
-    return {rule: n for rule in WARNING_RULES if (n := getattr(view.counts, rule))}
-
-
 def _gpu_stream(engine: SimulatedEngine) -> list[dict[str, Any]]:
     """Every event the simulated GPU pool emits, as it emits it (before the sink)."""
     log: list[dict[str, Any]] = []

@@ -130,6 +130,11 @@ class RuleCounts:
         """The sum of the rules a well-formed, prefix-closed, gap-free stream never triggers."""
         return sum(getattr(self, name) for name in WARNING_RULES)
 
+    def broken(self) -> dict[str, int]:
+        """The warning rules that applied, by name, with their counts (empty for a
+        well-formed, prefix-closed, gap-free stream)."""
+        return {name: n for name in WARNING_RULES if (n := getattr(self, name))}
+
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
