@@ -1,7 +1,7 @@
 """Every environment variable kvbm_plugin reads, parsed and validated in one place.
 
 ``ENV_VARS`` is the single source of truth: the code reads variables only through it, the
-README's table is checked against it by a test, and ``kvbm-plugin env`` prints it.
+table in docs/operations.md is checked against it by a test, and ``kvbm-plugin env`` prints it.
 
 Nothing here imports torch or TensorRT-LLM; it runs at CLI start-up and in the leader's
 constructor.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -60,6 +61,22 @@ METRICS = "DYN_KVBM_METRICS"
 METRICS_PORT = "DYN_KVBM_METRICS_PORT"
 NATIVE = "DYN_KVBM_NATIVE"
 EVENTS_SOURCE = "DYN_KVBM_KV_EVENTS_SOURCE"
+SHARED_TIER = "DYN_KVBM_SHARED_TIER"
+SHARED_MODEL_KEY = "DYN_KVBM_SHARED_MODEL_KEY"
+SHARED_NAMESPACE = "DYN_KVBM_SHARED_NAMESPACE"
+SHARED_ADDRESS = "DYN_KVBM_SHARED_ADDRESS"
+SHARED_PROTOCOL = "DYN_KVBM_SHARED_PROTOCOL"
+SHARED_DEVICE = "DYN_KVBM_SHARED_DEVICE"
+SHARED_METADATA_SERVER = "DYN_KVBM_SHARED_METADATA_SERVER"
+SHARED_SEGMENT_GB = "DYN_KVBM_SHARED_SEGMENT_GB"
+SHARED_BUFFER_GB = "DYN_KVBM_SHARED_BUFFER_GB"
+SHARED_PEERS = "DYN_KVBM_SHARED_PEERS"
+SHARED_ANNOUNCE_ENDPOINT = "DYN_KVBM_SHARED_ANNOUNCE_ENDPOINT"
+SHARED_TRACKED_BLOCKS = "DYN_KVBM_SHARED_TRACKED_BLOCKS"
+SHARED_QUEUE_BLOCKS = "DYN_KVBM_SHARED_QUEUE_BLOCKS"
+SHARED_LEASE_S = "DYN_KVBM_SHARED_LEASE_S"
+SHARED_LOAD_MARGIN_S = "DYN_KVBM_SHARED_LOAD_MARGIN_S"
+MOONCAKE_CONFIG_PATH = "MOONCAKE_CONFIG_PATH"
 
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(ENABLE_CONSOLIDATOR, "true", "Run the de-duplicating consolidator in the leader "
@@ -112,6 +129,39 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "drains; `drain` always drains; `tap` never drains (copies what others read); "
            "`off` publishes none (sidecar or another publisher serves them). V2 hooks never "
            "drain.", "publisher"),
+    EnvVar(SHARED_TIER, None, "Shared tier (G4) behind the host tier, by name in the "
+           "kvbm_plugin.tiers entry points (mooncake, redis); unset = none.", "shared tier"),
+    EnvVar(SHARED_MODEL_KEY, None, "Names the model (and its weights) in every shared-tier "
+           "key; required with a shared tier: engines share blocks only under the same key.",
+           "shared tier"),
+    EnvVar(SHARED_NAMESPACE, "kvbm", "First part of every shared-tier key.", "shared tier"),
+    EnvVar(SHARED_ADDRESS, None, "The store: Mooncake master host:port, or a Redis URL "
+           "(redis://host:port, unix:///path). Required unless "
+           f"{MOONCAKE_CONFIG_PATH} names it.", "shared tier"),
+    EnvVar(SHARED_PROTOCOL, "tcp", "Mooncake transfer protocol (tcp, rdma).", "shared tier"),
+    EnvVar(SHARED_DEVICE, "", "Mooncake RDMA device names (protocol rdma).", "shared tier"),
+    EnvVar(SHARED_METADATA_SERVER, "P2PHANDSHAKE", "Mooncake metadata server "
+           "(P2PHANDSHAKE needs none).", "shared tier"),
+    EnvVar(SHARED_SEGMENT_GB, "1", "GiB of this process's memory each worker contributes to "
+           "the Mooncake pool (0 = none).", "shared tier"),
+    EnvVar(SHARED_BUFFER_GB, "0.25", "GiB of each worker's Mooncake transfer buffer.",
+           "shared tier"),
+    EnvVar(SHARED_PEERS, "", "Comma-separated announcement endpoints of the other engines "
+           "sharing the store: their writes become loadable here.", "shared tier"),
+    EnvVar(SHARED_ANNOUNCE_ENDPOINT, None, "Where this leader announces its shared-tier "
+           f"writes; unset = {LEADER_ZMQ_PUB_PORT} + 2000.", "shared tier"),
+    EnvVar(SHARED_TRACKED_BLOCKS, "100000", "Shared-tier blocks the leader tracks, keeps "
+           "leased and advertises (least recently used dropped first).", "shared tier"),
+    EnvVar(SHARED_QUEUE_BLOCKS, "1024", "Shared-tier writes a worker queues; more are dropped "
+           "(counted).", "shared tier"),
+    EnvVar(SHARED_LEASE_S, "10", "How long the store keeps a block after a read "
+           "(Mooncake's -default_kv_lease_ttl, in s); leases are renewed well within it.",
+           "shared tier"),
+    EnvVar(SHARED_LOAD_MARGIN_S, "3", "A shared block is offered only while its lease has at "
+           "least this long (s) to run.", "shared tier"),
+    EnvVar(MOONCAKE_CONFIG_PATH, None, "Mooncake client JSON (the file TensorRT-LLM's and "
+           "vLLM's Mooncake connectors read); its values fill the unset DYN_KVBM_SHARED_* "
+           "variables.", "shared tier"),
 )
 ENV_VARS_BY_NAME: dict[str, EnvVar] = {var.name: var for var in ENV_VARS}
 
@@ -322,6 +372,33 @@ def _blocks(override: int | None, gib: float, bytes_per_block: int, gib_name: st
 
 
 @dataclass(frozen=True)
+class SharedSettings:
+    """The shared tier (G4): which store, where, and the names every key carries.
+
+    Read by the leader (directory, announcements) and by every worker (its store client)."""
+
+    store: str  # entry-point name in kvbm_plugin.tiers (mooncake, redis)
+    model_key: str
+    namespace: str = "kvbm"
+    address: str = ""
+    protocol: str = "tcp"
+    device: str = ""
+    metadata_server: str = "P2PHANDSHAKE"
+    segment_bytes: int = 1 << 30
+    buffer_bytes: int = 1 << 28
+    peers: tuple[str, ...] = ()
+    announce_endpoint: str | None = None  # None: tcp://LEADER_ZMQ_HOST:(leader port + 2000)
+    tracked_blocks: int = 100000
+    queue_blocks: int = 1024
+    lease_s: float = 10.0
+    load_margin_s: float = 3.0
+
+
+# Key parts are joined with "/": a model key or namespace must not contain one.
+_KEY_PART = re.compile(r"[A-Za-z0-9._:@+=-]{1,200}")
+
+
+@dataclass(frozen=True)
 class MetricsSettings:
     enabled: bool = False
     port: int = 6880
@@ -428,6 +505,59 @@ def load_tier_settings(env: Mapping[str, str] | None = None) -> TierSettings:
     if settings.disk_enabled and settings.disk_cache_dir is not None:
         check_disk_cache_dir(settings.disk_cache_dir)
     return settings
+
+
+def load_shared_settings(env: Mapping[str, str] | None = None) -> SharedSettings | None:
+    """The shared tier's settings, or None when DYN_KVBM_SHARED_TIER is unset; raises
+    ConfigError naming the variable and value (a shared tier without a model key included)."""
+    env = os.environ if env is None else env
+    store = (_raw(env, SHARED_TIER) or "").strip().lower()
+    if not store or store in _FALSE:
+        return None
+
+    def part(name: str) -> str:
+        value = (_raw(env, name) or "").strip()
+        if not _KEY_PART.fullmatch(value):
+            raise ConfigError(f"{name}={env.get(name)!r}: expected 1-200 characters of "
+                              "A-Z a-z 0-9 . _ : @ + = - (it is part of every shared-tier key)")
+        return value
+
+    if _raw(env, SHARED_MODEL_KEY) is None:
+        raise ConfigError(f"{SHARED_TIER}={env.get(SHARED_TIER)!r} needs {SHARED_MODEL_KEY}: a "
+                          "name for the model and its weights (e.g. llama-3.1-8b-instruct@rev), "
+                          "so that engines of another model never load these blocks")
+    peers = tuple(p.strip() for p in (_raw(env, SHARED_PEERS) or "").split(",") if p.strip())
+    for peer in peers:
+        if not peer.startswith(_SCHEMES):
+            raise ConfigError(f"{SHARED_PEERS}: {peer!r} is not a tcp://, ipc:// or inproc:// "
+                              "endpoint")
+    lease = parse_float(SHARED_LEASE_S, _raw(env, SHARED_LEASE_S) or "")
+    margin = parse_float(SHARED_LOAD_MARGIN_S, _raw(env, SHARED_LOAD_MARGIN_S) or "")
+    if not 0 < margin < lease:
+        raise ConfigError(f"{SHARED_LOAD_MARGIN_S}={margin!r} must be above 0 and below "
+                          f"{SHARED_LEASE_S}={lease!r}")
+    announce = _raw(env, SHARED_ANNOUNCE_ENDPOINT)
+    return SharedSettings(
+        store=store,
+        model_key=part(SHARED_MODEL_KEY),
+        namespace=part(SHARED_NAMESPACE),
+        address=(_raw(env, SHARED_ADDRESS) or "").strip(),
+        protocol=(_raw(env, SHARED_PROTOCOL) or "tcp").strip(),
+        device=(_raw(env, SHARED_DEVICE) or "").strip(),
+        metadata_server=(_raw(env, SHARED_METADATA_SERVER) or "P2PHANDSHAKE").strip(),
+        segment_bytes=int(parse_float(SHARED_SEGMENT_GB, _raw(env, SHARED_SEGMENT_GB) or "")
+                          * (1 << 30)),
+        buffer_bytes=int(parse_float(SHARED_BUFFER_GB, _raw(env, SHARED_BUFFER_GB) or "")
+                         * (1 << 30)),
+        peers=peers,
+        announce_endpoint=announce.strip() if announce else None,
+        tracked_blocks=parse_int(SHARED_TRACKED_BLOCKS, _raw(env, SHARED_TRACKED_BLOCKS) or "",
+                                 minimum=1),
+        queue_blocks=parse_int(SHARED_QUEUE_BLOCKS, _raw(env, SHARED_QUEUE_BLOCKS) or "",
+                               minimum=1),
+        lease_s=lease,
+        load_margin_s=margin,
+    )
 
 
 def load_metrics_settings(env: Mapping[str, str] | None = None) -> MetricsSettings:

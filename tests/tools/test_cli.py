@@ -56,9 +56,9 @@ def test_env_lists_every_variable(capsys) -> None:
     assert names == [v.name for v in cc.ENV_VARS]
 
 
-def test_readme_env_table_matches_the_source_of_truth() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert cc.env_table_markdown() in readme
+def test_operations_env_table_matches_the_source_of_truth() -> None:
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert cc.env_table_markdown() in operations
 
 
 def test_ci_runs_the_readme_test_command() -> None:

@@ -1,0 +1,76 @@
+"""SharedStore: the interface of one process's client of a shared KV store.
+
+One instance per worker process (its rank's reads and writes) and one in the leader (existence
+checks and lease renewal). Every method may do network I/O and is called from the caller's
+background threads only, never from TensorRT-LLM's executor thread. Methods never raise for a
+store-side failure: each returns per-key codes (below), so one bad key costs no batch.
+
+Buffers are ``(address, size)`` pairs of memory the caller owns and keeps alive for the call
+(a tensor's ``data_ptr()``; a ``bytearray`` through ``ctypes``); a store that transfers
+zero-copy needs them registered first (:meth:`SharedStore.register`).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, ClassVar, Final
+
+if TYPE_CHECKING:
+    from kvbm_plugin.consolidator_config import SharedSettings
+
+# Per-key result codes (besides the byte counts of get_into).
+OK: Final = 0
+MISSING: Final = -1  # no such object (never written, evicted, its owner's segment gone)
+UNAVAILABLE: Final = -2  # the store cannot be reached (or the circuit breaker is open)
+FULL: Final = -3  # no room now (eviction has not caught up, or everything is leased)
+FAILED: Final = -4  # anything else (a transfer error, a short read, bad parameters)
+CODE_NAMES: Final = {OK: "ok", MISSING: "missing", UNAVAILABLE: "unavailable", FULL: "full",
+                     FAILED: "failed"}
+
+Buffer = tuple[int, int]  # (address, size)
+
+
+class SharedStore(ABC):
+    """A store client (see the module docstring). Registered as a ``kvbm_plugin.tiers``
+    entry point; constructed with the shared-tier settings, it connects in ``__init__`` and
+    raises ``ConfigError`` (naming the variable) for unusable settings."""
+
+    name: ClassVar[str] = "shared"
+
+    @abstractmethod
+    def __init__(self, settings: SharedSettings) -> None: ...
+
+    @property
+    def lease_s(self) -> float | None:
+        """How long a successful :meth:`exists` keeps an object from eviction, or None when
+        the store grants no lease (then a block can vanish between a check and a read)."""
+        return None
+
+    def register(self, address: int, size: int) -> None:  # noqa: B027 - optional hook
+        """Make ``[address, address + size)`` usable for zero-copy transfers."""
+
+    def unregister(self, address: int) -> None:  # noqa: B027 - optional hook
+        """Undo :meth:`register`."""
+
+    @abstractmethod
+    def exists(self, keys: Sequence[str]) -> list[int]:
+        """Per key: 1 present (leased for :attr:`lease_s` where the store leases), 0 absent,
+        or a negative code."""
+
+    @abstractmethod
+    def put(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[int]:
+        """Write each buffer under its key: :data:`OK` (also when the key was there: keys name
+        content, so the bytes are the same) or a negative code."""
+
+    @abstractmethod
+    def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[int]:
+        """Read each object into its buffer: the bytes read, or a negative code
+        (:data:`MISSING`, :data:`FAILED` for an object larger than its buffer)."""
+
+    @abstractmethod
+    def health(self) -> str | None:
+        """None when the store answers, else why not; returns within about a second."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Disconnect; idempotent."""
