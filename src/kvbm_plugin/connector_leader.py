@@ -29,6 +29,7 @@ from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector import llm_args as _llm_args
+from kvbm_plugin.connector import native_events as _native
 from kvbm_plugin.connector.assembly import TierEventPublisher as TierEventPublisher  # re-exported
 from kvbm_plugin.connector.assembly import assemble_event_path
 from kvbm_plugin.connector.keeper import IdleKeeper, locked
@@ -139,22 +140,17 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         self._last_call = time.monotonic()
         self._keeper: IdleKeeper | None = None
 
-        config = load_consolidator_config(self._env, num_ranks=1)
         self._events_source = load_events_source(self._env)
-        self._native_events = _llm_args.native_kv_events(llm_args)
-        if self._native_events and self._events_source != "off":
-            # TRT-LLM publishes the GPU tier itself: a second stream would name every block
-            # twice (and its pull API is empty anyway).
-            logger.warning("kvbm_plugin: TensorRT-LLM's own KV-event publisher is on "
-                           "(kv_cache_config.kv_events_config); the plugin publishes no "
-                           "GPU-tier stream (%s=%s ignored), only its offload tiers",
-                           EVENTS_SOURCE, self._events_source)
-            self._events_source = "off"
-        if self._events_source == "off":
+        # TRT-LLM's own streaming publisher: a second GPU-tier stream would name every block
+        # twice (and its pull API is empty); the consolidator reads TRT-LLM's stream instead.
+        self._native = _native.native_publisher(llm_args)
+        self._native_feed = _native.NativeNameFeed()  # its stored blocks: the tiers' names
+        self._host_name = _llm_args.leader_host(self._env)
+        self._config = config = load_consolidator_config(
+            self._env, num_ranks=1,
+            gpu_streams=_native.native_streams(self._native, self._dp_rank, self._host_name))
+        if self._native is not None or self._events_source == "off":
             self._attach_attempts = self._MAX_ATTACH_ATTEMPTS  # never look for the manager
-        logger.info("kvbm_plugin: GPU-tier KV event source %s=%s%s", EVENTS_SOURCE,
-                    self._events_source, " (no GPU-tier events from this process)"
-                    if self._events_source == "off" else "")
         consolidate = config.enabled and should_enable_consolidator(llm_args, self._env)
 
         self._hub = open_hub(self._group)
@@ -166,7 +162,9 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
             parts = assemble_event_path(
                 config, consolidate=consolidate, dp_rank=self._dp_rank,
                 block_size=self._block_size,
-                tier_events=getattr(llm_args, "kvbm_plugin_tier_events", None))
+                tier_events=getattr(llm_args, "kvbm_plugin_tier_events", None),
+                own_gpu_stream=self._native is None,
+                engine_observer=self._native_feed.observe if self._native else None)
             self.event_sink = parts.event_sink
             # on_flush (BlockNames.observe) is attached at the first request without
             # RequestData.block_hashes: where TRT-LLM hands the hashes over it is never needed,
@@ -174,6 +172,10 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
             # batch for it and it keys every stored block by its tokens).
             self.consolidator = parts.consolidator
             self._tier_events = parts.tier_events
+            odd = self._native is not None and not (self._native.streams and consolidate)
+            logger.log(logging.WARNING if odd else logging.INFO, "kvbm_plugin: GPU-tier KV "
+                       "events: %s%s", self.event_source_status, "" if consolidate else
+                       "; no consolidator: the offload tiers' events go out on their own")
             self._register_metrics()
             if self._par.tp_size > 1 and not _llm_args.in_process(llm_args):
                 # Bound where the workers connect (DYN_KVBM_LEADER_ZMQ_HOST), not on every
@@ -437,11 +439,11 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         """Where GPU-tier events come from now, in words (logged at attach time)."""
         if self.event_source is not None:
             return self.event_source.describe()
-        if self._native_events:
-            return ("TensorRT-LLM's own publisher (kv_cache_config.kv_events_config): none "
-                    "from the plugin")
-        if self._events_source == "off":
-            return f"{EVENTS_SOURCE}=off: none from this process"
+        if self._native is not None or self._events_source == "off":
+            own = self._config.publish_endpoint(self._dp_rank).bind \
+                if self._config.gpu_events is not None else None
+            return _native.gpu_source_line(self._native, self._events_source, own, self._dp_rank,
+                                   self._host_name)
         return self._event_source_problem
 
     @locked
@@ -541,6 +543,11 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         if self.event_source is not None:
             self.event_source.poll()
             self.event_sink.flush()
+            self._naming.refresh(self._reqs.values())
+        batches = self._native_feed.drain()
+        if batches:  # TRT-LLM's own stream, as the consolidator received it
+            for rank, events in batches:
+                self._naming.names.observe(rank, events)
             self._naming.refresh(self._reqs.values())
         if self._held:
             self._release_held()
@@ -742,6 +749,7 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         out["disk_used"] = len(self._disk) if self._disk is not None else 0
         out["reports_malformed"] = self._receiver.malformed if self._receiver is not None else 0
         out["tier_batches_lost"] = getattr(self._tier_events, "lost_batches", 0)
+        out["native_batches_unread"] = self._native_feed.dropped
         return out
 
     def shutdown(self, timeout: float = 5.0) -> None:

@@ -416,6 +416,30 @@ class ConsolidatorConfig:
     output: Endpoint
     output_replay: Endpoint | None
     publisher: PublisherSettings = field(default_factory=PublisherSettings)
+    # The GPU-tier streams the consolidator reads when they are not the plugin's own per-rank
+    # publishers: (dp rank, endpoint, replay endpoint) of each, e.g. TensorRT-LLM's own
+    # streaming publisher (kv_cache_config.kv_events_config). Empty: ranks 0..num_ranks-1 at
+    # publish_endpoint / replay_endpoint.
+    gpu_streams: tuple[tuple[int, Endpoint, Endpoint | None], ...] = ()
+
+    def stream_ranks(self) -> list[int]:
+        """The dp ranks whose GPU-tier streams the consolidator subscribes to."""
+        if self.gpu_streams:
+            return [rank for rank, _, _ in self.gpu_streams]
+        return list(range(self.num_ranks))
+
+    def stream_endpoint(self, rank: int) -> Endpoint:
+        """Where the consolidator connects for dp rank ``rank``'s GPU-tier stream."""
+        for stream_rank, endpoint, _ in self.gpu_streams:
+            if stream_rank == rank:
+                return endpoint
+        return self.publish_endpoint(rank)
+
+    def stream_replay(self, rank: int) -> Endpoint | None:
+        for stream_rank, _, replay in self.gpu_streams:
+            if stream_rank == rank:
+                return replay
+        return self.replay_endpoint(rank)
 
     def publish_endpoint(self, rank: int) -> Endpoint:
         """The endpoint rank ``rank``'s GPU-tier publisher binds (and the consolidator joins)."""
@@ -597,6 +621,7 @@ def consolidator_enabled(env: Mapping[str, str] | None = None) -> bool:
 def load_consolidator_config(
     env: Mapping[str, str] | None = None, *, num_ranks: int = 1,
     require_gpu_events: bool = False,
+    gpu_streams: tuple[tuple[int, Endpoint, Endpoint | None], ...] = (),
 ) -> ConsolidatorConfig:
     """Read and validate every consolidator/publisher variable for ``num_ranks`` ranks.
 
@@ -604,7 +629,9 @@ def load_consolidator_config(
     GPU-tier port while the consolidator is on and any two sockets sharing a port or path.
     ``require_gpu_events``: the caller needs the GPU-tier endpoint whatever the consolidator
     switch says (``kvbm-plugin consolidate``, ``kvbm-plugin sidecar``); the error for a
-    missing endpoint then does not point at the switch.
+    missing endpoint then does not point at the switch. ``gpu_streams``: the GPU-tier streams
+    come from elsewhere (TensorRT-LLM's own publisher), so no plugin GPU-tier endpoint is
+    required; their ports count in the collision check.
     """
     env = os.environ if env is None else env
     if num_ranks < 1:
@@ -634,7 +661,7 @@ def load_consolidator_config(
             f"the GPU-tier publishers' endpoint is not set: set "
             f"{TRTLLM_ZMQ_PORT} to their base port (rank r binds base + r, e.g. "
             f"{TRTLLM_ZMQ_PORT}=20081) or {EVENTS_ENDPOINT} (tcp://host:port, ipc://path)")
-    if enabled and gpu_events is None:
+    if enabled and gpu_events is None and not gpu_streams:
         raise ConfigError(
             f"{ENABLE_CONSOLIDATOR} is on but {TRTLLM_ZMQ_PORT} is not set: set it to the base "
             f"port of the per-rank GPU-tier publishers (e.g. {TRTLLM_ZMQ_PORT}=20081), or set "
@@ -657,6 +684,7 @@ def load_consolidator_config(
         output=output,
         output_replay=optional_endpoint(OUTPUT_REPLAY_ENDPOINT),
         publisher=load_publisher_settings(env),
+        gpu_streams=tuple(gpu_streams),
     )
     _check_collisions(config, leader_port)
     return config
@@ -695,6 +723,10 @@ def _check_collisions(config: ConsolidatorConfig, leader_port: int) -> None:
         replay = config.replay_endpoint(rank)
         if replay is not None:
             claim(replay, f"rank {rank} GPU-tier replay endpoint")
+    for rank, endpoint, replay in config.gpu_streams:
+        claim(endpoint, f"rank {rank} GPU-tier stream")
+        if replay is not None:
+            claim(replay, f"rank {rank} GPU-tier stream replay")
     claim(config.output, "consolidated output endpoint")
     if config.output_replay is not None:
         claim(config.output_replay, "consolidated output replay endpoint")

@@ -83,30 +83,3 @@ def test_gpu_events_of_the_last_pass_are_published_while_the_engine_idles(
                and sink.stats()["pending_events"] == 0, 10, "the last pass's events published")
     assert time.monotonic() - idle_since <= BOUND_S
     assert sink.stats()["batches_published"] > accepted
-
-
-def test_trtllms_own_publisher_on_means_no_second_gpu_tier_stream(caplog) -> None:
-    from types import SimpleNamespace
-
-    from kvbm_plugin.connector_leader import KvbmConnectorLeader
-    from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, LlmArgs, ParallelConfig
-
-    config = KvCacheConfig(4, kv_events_config=SimpleNamespace(publisher="zmq"))
-    leader = KvbmConnectorLeader(LlmArgs(config, ParallelConfig(0, 1),
-                                         kvbm_plugin_env=tiers(host=8),
-                                         kvbm_plugin_group="native-events"))
-    try:
-        assert "TensorRT-LLM's own publisher" in leader.event_source_status
-        assert any("own KV-event publisher is on" in r.message for r in caplog.records)
-        leader.flush_events()
-        assert leader.event_source is None  # never attached: nothing drained or published
-    finally:
-        leader.shutdown()
-    off = KvCacheConfig(4, kv_events_config=SimpleNamespace(enabled=False))
-    leader = KvbmConnectorLeader(LlmArgs(off, ParallelConfig(0, 1),
-                                         kvbm_plugin_env=tiers(host=8),
-                                         kvbm_plugin_group="native-events-off"))
-    try:
-        assert "own publisher" not in leader.event_source_status
-    finally:
-        leader.shutdown()

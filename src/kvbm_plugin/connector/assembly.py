@@ -85,7 +85,8 @@ class EventPath:
 
 
 def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_rank: int,
-                        block_size: int, tier_events: Any = None) -> EventPath:
+                        block_size: int, tier_events: Any = None, own_gpu_stream: bool = True,
+                        engine_observer: Any = None) -> EventPath:
     """Build the leader's event path from its validated ``config``: this rank's GPU-tier
     publisher (``config.publisher`` by name; a NullEventPublisher, said once, when no endpoint
     is configured) and the prefix-closed event sink in front of it; when ``consolidate``, the
@@ -93,21 +94,29 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     simulated engine's recorder); otherwise the consolidator, or a :class:`TierEventPublisher`
     on the rank's publisher.
 
+    ``own_gpu_stream`` False: TensorRT-LLM publishes the GPU tier itself (its streaming
+    publisher); with the consolidator on, this rank binds no publisher at all (the consolidator
+    reads ``config.gpu_streams``, and ``engine_observer`` sees each of their batches, see
+    ``KvEventConsolidator``), without it the rank's publisher carries the tiers' events only.
+
     What it started is shut down again when a later step raises, so a failure leaves nothing
     running behind.
     """
     from kvbm_plugin.event_sink import KvEventSink
     from kvbm_plugin.wire.publisher import NullEventPublisher, create_publisher
 
-    if config.gpu_events is not None:
+    if not own_gpu_stream and consolidate:
+        publisher = NullEventPublisher(config.publisher)  # the sink never publishes here
+    elif config.gpu_events is not None:
         publisher = create_publisher(config.publisher, config.publish_endpoint(dp_rank),
                                      config.replay_endpoint(dp_rank), dp_rank)
     else:
         # Only reachable with the consolidator off (the config requires an endpoint
         # otherwise): say once that nothing is published, rather than stay silent.
-        logger.warning("kvbm_plugin: no KV-event endpoint configured (%s / %s): GPU-tier "
-                       "and offload-tier events are counted but not published",
-                       TRTLLM_ZMQ_PORT, EVENTS_ENDPOINT)
+        logger.warning("kvbm_plugin: no KV-event endpoint configured (%s / %s): %s are "
+                       "counted but not published", TRTLLM_ZMQ_PORT, EVENTS_ENDPOINT,
+                       "GPU-tier and offload-tier events" if own_gpu_stream
+                       else "offload-tier events")
         publisher = NullEventPublisher(config.publisher)
     sink: KvEventSink | None = None
     consolidator: KvEventConsolidator | None = None
@@ -118,7 +127,7 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
         if consolidate:
             from kvbm_plugin.consolidator.service import KvEventConsolidator
 
-            consolidator = KvEventConsolidator(config)
+            consolidator = KvEventConsolidator(config, engine_observer=engine_observer)
             consolidator.start()
             if tier_events is None:
                 tier_events = consolidator

@@ -95,17 +95,6 @@ def event_serializer_of(llm_args: Any) -> Any:
     return getattr(llm_args, "kvbm_plugin_event_serializer", None)
 
 
-def native_kv_events(llm_args: Any) -> bool:
-    """Whether TensorRT-LLM's own streaming KV-event publisher is configured
-    (``kv_cache_config.kv_events_config``, TensorRT-LLM PR #17023, merged 2026-07-29: each
-    rank publishes its GPU blocks over ZMQ at ``base_port + rank`` and the pull API returns
-    ``[]``). Present and not switched off (``enabled``/``enable`` False) counts as on."""
-    config = getattr(getattr(llm_args, "kv_cache_config", None), "kv_events_config", None)
-    if config is None or config is False:
-        return False
-    return all(getattr(config, flag, None) is not False for flag in ("enabled", "enable"))
-
-
 def refuse_layer_groups(llm_args: Any) -> None:
     """Refuse, at construction, a model whose KV cache has more than one layer group: a
     variable sliding window (``kv_cache_config.max_attention_window`` with several distinct

@@ -38,7 +38,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import zmq
@@ -83,6 +83,7 @@ _SHELL_COUNTERS: Final = (
     "replay_failures",
     "unfillable_gaps", "registrations", "registration_errors", "registrations_dropped",
     "batches_out", "events_out", "output_lost", "ingest_errors", "message_errors",
+    "observer_errors",
 )
 
 _Registration = tuple[Any, ...]  # (kind, medium, dp_rank, ...) built by register_*
@@ -103,14 +104,18 @@ class KvEventConsolidator(StreamIngest):
     published as soon as it is applied. ``start_timeout``: the most :meth:`start` waits for the
     ingest thread's sockets. ``max_held_back``: the core's bound on what one source's stores
     hold back per dp rank (see :mod:`kvbm_plugin.consolidator.held_back`); what it refuses is
-    counted (``held_back_dropped``) and logged, rate-limited.
+    counted (``held_back_dropped``) and logged, rate-limited. ``engine_observer``: called on
+    the ingest thread with ``(dp_rank, raw event maps)`` of every GPU-tier batch applied (the
+    leader learns TensorRT-LLM's block names from them where TensorRT-LLM publishes the GPU
+    tier itself); cheap and thread-safe, its exceptions counted (``observer_errors``).
     """
 
     def __init__(self, config: ConsolidatorConfig, *, publisher: EventPublisher | None = None,
                  context: zmq.Context | None = None, replay_timeout: float = 2.0,
                  max_pending: int = 10000, flush_every: int = 16,
                  start_timeout: float = 10.0,
-                 max_held_back: int = DEFAULT_MAX_HELD_BACK) -> None:
+                 max_held_back: int = DEFAULT_MAX_HELD_BACK,
+                 engine_observer: Callable[[int, list[Any]], None] | None = None) -> None:
         if type(flush_every) is not int or flush_every < 1:
             raise ValueError(f"{type(self).__name__}: flush_every={flush_every!r} must be an "
                              "int >= 1")
@@ -118,6 +123,7 @@ class KvEventConsolidator(StreamIngest):
             raise ValueError(f"{type(self).__name__}: start_timeout={start_timeout!r} must be "
                              "> 0 seconds")
         self._start_timeout = start_timeout
+        self.engine_observer = engine_observer
         self.config: Final = config
         # Ranks the configuration names are always accepted, and as many as any attention-DP
         # deployment has (one stream may carry several dp ranks); beyond that a payload's
@@ -349,7 +355,7 @@ class KvEventConsolidator(StreamIngest):
                 self._publisher = inline
                 if inline.replay_socket is not None:
                     poller.register(inline.replay_socket, zmq.POLLIN)
-            for rank in range(self.config.num_ranks):
+            for rank in self.config.stream_ranks():
                 stream = _Stream(rank)
                 streams.append(stream)
                 sub = self._ctx.socket(zmq.SUB)
@@ -359,7 +365,7 @@ class KvEventConsolidator(StreamIngest):
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
                 stream.watch = ConnectionWatch(sub)
                 poller.register(stream.watch.socket, zmq.POLLIN)
-                sub.connect(self.config.publish_endpoint(rank).connect)
+                sub.connect(self.config.stream_endpoint(rank).connect)
                 poller.register(sub, zmq.POLLIN)
                 stream.dealer = self._open_dealer(stream, poller)
             poller.register(self._wake_r, zmq.POLLIN)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -88,9 +89,12 @@ class StreamIngest:
     _replay_timeout: float
     _max_pending: int
     _loop_failures: int
+    # Called on the ingest thread with (dp rank, the batch's raw event maps) after each GPU-tier
+    # batch was applied; must be cheap and thread-safe (the leader queues them for itself).
+    engine_observer: Callable[[int, list[Any]], None] | None = None
 
     def _open_dealer(self, stream: _Stream, poller: zmq.Poller) -> zmq.Socket | None:
-        endpoint = self.config.replay_endpoint(stream.rank)
+        endpoint = self.config.stream_replay(stream.rank)
         if endpoint is None:
             return None
         dealer = self._ctx.socket(zmq.DEALER)
@@ -377,6 +381,14 @@ class StreamIngest:
                                           lambda exc: self._bad_event(stream, exc))
         self._n_batches_applied += 1
         self._n_events_applied += applied
+        observer = self.engine_observer
+        if observer is not None:
+            try:
+                observer(dp_rank, batch[1])
+            except Exception as exc:  # the observer's bug must not cost the stream a batch
+                self._n_observer_errors += 1
+                self._log.log(logging.ERROR, "observer", "rank %d: engine_observer raised "
+                              "%s: %s", stream.rank, type(exc).__name__, saferepr(str(exc)))
 
     def _bad_message(self, stream: _Stream, exc: WireFormatError) -> None:
         self._n_malformed += 1

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 
+from kvbm_plugin.connector.native_events import native_publisher
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
 from kvbm_plugin.consolidator_config import LEADER_ZMQ_PUB_PORT
@@ -74,6 +75,7 @@ from kvbm_plugin.testing.kv_events import (
 )
 from kvbm_plugin.testing.kvmodel import BatchItems, KvModel, model_kwargs
 from kvbm_plugin.testing.processes import LocalRank, RemoteRank
+from kvbm_plugin.testing.trtllm_stream import SimStreamingKVCacheManager
 
 
 @dataclass
@@ -104,6 +106,9 @@ class EngineConfig:
     processes: bool = False
     kv_factor: int = 2  # 1: MLA (one latent per token)
     kv_cache_dtype: str = "auto"  # "fp8": FP8 values in an int8-stored pool
+    # kv_cache_config.kv_events_config (fake_trtllm.KVEventsConfig): when enabled, TRT-LLM's
+    # own streaming publisher sends the GPU tier (testing.trtllm_stream), the pull API is empty
+    kv_events_config: Any = None
 
 
 @dataclass
@@ -199,7 +204,12 @@ class SimulatedEngine:
         self.pool = GpuPool(cfg.num_gpu_blocks, bs, cfg.max_seq_len)
         # PyExecutor keeps its KV cache manager here; the leader finds it through the frames of
         # build_connector_meta's caller, as it does in TensorRT-LLM.
-        self.kv_cache_manager = SimKVCacheManager(self.pool, cfg.event_buffer_max_size)
+        native = native_publisher({"kv_cache_config": {"kv_events_config":
+                                                        cfg.kv_events_config}})
+        self.kv_cache_manager: SimKVCacheManager | SimStreamingKVCacheManager = (
+            SimKVCacheManager(self.pool, cfg.event_buffer_max_size) if native is None
+            else SimStreamingKVCacheManager(self.pool, cfg.kv_events_config, native,
+                                            block_size=bs))
         self._closed = False
         self.event_reader: KvEventDispatchReader | None = None
         env = dict(cfg.env)
@@ -208,7 +218,8 @@ class SimulatedEngine:
         self.env = env
 
         def args(rank: int) -> LlmArgs:
-            return LlmArgs(KvCacheConfig(bs), ParallelConfig(rank, cfg.tp_size),
+            return LlmArgs(KvCacheConfig(bs, kv_events_config=cfg.kv_events_config),
+                           ParallelConfig(rank, cfg.tp_size),
                            tensor_parallel_size=cfg.tp_size, kvbm_plugin_env=dict(env),
                            kvbm_plugin_group=self._group,
                            kvbm_plugin_inprocess=not cfg.processes,
@@ -253,6 +264,8 @@ class SimulatedEngine:
                     rank.shutdown(5.0)
             if self.leader is not None:
                 self.leader.shutdown(5.0)
+            if isinstance(self.kv_cache_manager, SimStreamingKVCacheManager):
+                self.kv_cache_manager.shutdown(5.0)
             raise
         self.workers: list[KvbmConnectorWorker] = [
             r.worker for r in self.ranks if isinstance(r, LocalRank)]
@@ -365,6 +378,8 @@ class SimulatedEngine:
             rank.shutdown(timeout)
         if self.leader is not None:
             self.leader.shutdown(timeout)
+        if isinstance(self.kv_cache_manager, SimStreamingKVCacheManager):
+            self.kv_cache_manager.shutdown(timeout)
 
     def __enter__(self) -> SimulatedEngine:
         return self

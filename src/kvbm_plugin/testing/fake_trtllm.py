@@ -77,11 +77,26 @@ class LlmRequest:
 
 
 @dataclass
+class KVEventsConfig:
+    """``tensorrt_llm.llmapi.KVEventsConfig``: TensorRT-LLM's own streaming publisher, with
+    upstream's defaults (llm-api reference page KVEventsConfig; PR #17023)."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # None: "zmq" when enabled
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+
+@dataclass
 class KvCacheConfig:
     tokens_per_block: int
     enable_block_reuse: bool = True
     enable_partial_reuse: bool = False
-    kv_events_config: Any = None  # TRT-LLM's own streaming publisher (PR #17023)
+    kv_events_config: Any = None  # KVEventsConfig: TRT-LLM's own streaming publisher
     max_attention_window: list[int] | None = None  # several windows: VSWA
 
 
