@@ -120,6 +120,7 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         self._event_source_problem = "not attached yet"
         self._attach_attempts = 0
         self._tier_events: Any = None
+        self._name_reader: Any = None  # reads TRT-LLM's own stream for names (no consolidator)
         self._fallback_serializer = _llm_args.event_serializer_of(llm_args)
         self._stats = dict.fromkeys((
             "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
@@ -164,7 +165,9 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
                 block_size=self._block_size,
                 tier_events=getattr(llm_args, "kvbm_plugin_tier_events", None),
                 own_gpu_stream=self._native is None,
-                engine_observer=self._native_feed.observe if self._native else None)
+                engine_observer=self._native_feed.observe if self._native else None,
+                engine_topic=self._native.topic if self._native else "")
+            self._name_reader = parts.name_reader
             self.event_sink = parts.event_sink
             # on_flush (BlockNames.observe) is attached at the first request without
             # RequestData.block_hashes: where TRT-LLM hands the hashes over it is never needed,
@@ -765,6 +768,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
             metrics.unregister_stats(component, dp_rank=str(self._dp_rank))
         if self._receiver is not None:
             self._receiver.close(timeout)
+        if self._name_reader is not None:
+            self._name_reader.stop(timeout)
         if self.event_source is not None:
             self.event_source.poll()  # the last iteration's events
             self.event_source.detach()

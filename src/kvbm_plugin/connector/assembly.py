@@ -82,11 +82,12 @@ class EventPath:
     event_sink: KvEventSink  # owns this rank's GPU-tier publisher
     consolidator: KvEventConsolidator | None  # started; None when not enabled
     tier_events: Any  # the register_store/remove/clear target of the leader's tiers
+    name_reader: Any = None  # NativeNameReader: TRT-LLM's stream read for names (no consolidator)
 
 
 def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_rank: int,
                         block_size: int, tier_events: Any = None, own_gpu_stream: bool = True,
-                        engine_observer: Any = None) -> EventPath:
+                        engine_observer: Any = None, engine_topic: str = "") -> EventPath:
     """Build the leader's event path from its validated ``config``: this rank's GPU-tier
     publisher (``config.publisher`` by name; a NullEventPublisher, said once, when no endpoint
     is configured) and the prefix-closed event sink in front of it; when ``consolidate``, the
@@ -97,7 +98,9 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     ``own_gpu_stream`` False: TensorRT-LLM publishes the GPU tier itself (its streaming
     publisher); with the consolidator on, this rank binds no publisher at all (the consolidator
     reads ``config.gpu_streams``, and ``engine_observer`` sees each of their batches, see
-    ``KvEventConsolidator``), without it the rank's publisher carries the tiers' events only.
+    ``KvEventConsolidator``), without it the rank's publisher carries the tiers' events only
+    and a :class:`~kvbm_plugin.connector.native_events.NativeNameReader` (topic
+    ``engine_topic``) hands TensorRT-LLM's batches to ``engine_observer``.
 
     What it started is shut down again when a later step raises, so a failure leaves nothing
     running behind.
@@ -120,6 +123,7 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
         publisher = NullEventPublisher(config.publisher)
     sink: KvEventSink | None = None
     consolidator: KvEventConsolidator | None = None
+    reader: Any = None
     try:
         sink = KvEventSink(publisher, block_size=block_size,
                            window_size=config.publisher.window_size,
@@ -133,6 +137,11 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
                 tier_events = consolidator
         elif tier_events is None:
             tier_events = TierEventPublisher(publisher, block_size, dp_rank)
+        if not consolidate and engine_observer is not None and config.gpu_streams:
+            from kvbm_plugin.connector.native_events import NativeNameReader
+
+            rank, stream, _ = config.gpu_streams[0]
+            reader = NativeNameReader(stream, engine_topic, engine_observer, rank)
     except BaseException:
         if consolidator is not None:
             consolidator.shutdown()
@@ -142,4 +151,4 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
         else:
             publisher.shutdown()
         raise
-    return EventPath(sink, consolidator, tier_events)
+    return EventPath(sink, consolidator, tier_events, reader)

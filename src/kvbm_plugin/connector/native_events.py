@@ -222,3 +222,53 @@ def _names_a_block(event: Any) -> bool:
     return (type(size) is int and size > 0 and isinstance(tokens, list)
             and isinstance(hashes, list) and len(tokens) == size * len(hashes)
             and all(type(h) is int for h in hashes) and (parent is None or type(parent) is int))
+
+
+class NativeNameReader:
+    """Reads TensorRT-LLM's stream of one rank for the names alone, where no consolidator
+    does (``DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR=false``): its own thread
+    (``kvbm-native-names-r<rank>``) owns a SUB at ``endpoint`` and hands each batch's events
+    to ``observe`` (a :class:`NativeNameFeed`'s). Built and stopped by the leader (through
+    ``connector.assembly``); it never touches TensorRT-LLM state and holds no lock. A payload
+    it cannot decode is counted (``malformed``) and skipped."""
+
+    def __init__(self, endpoint: Endpoint, topic: str, observe: Any, rank: int) -> None:
+        import threading
+
+        import zmq
+
+        self._observe = observe
+        self._rank = rank
+        self.malformed = 0
+        self._stop = threading.Event()
+        self._sub = zmq.Context.instance().socket(zmq.SUB)
+        self._sub.setsockopt(zmq.LINGER, 0)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sub.connect(endpoint.connect)
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"kvbm-native-names-r{rank}")
+        self._thread.start()
+
+    def _run(self) -> None:
+        import msgpack
+
+        try:
+            while not self._stop.is_set():
+                if not self._sub.poll(100):
+                    continue
+                frames = self._sub.recv_multipart()
+                try:
+                    batch = msgpack.unpackb(frames[-1], raw=False, strict_map_key=False)
+                    events = batch[1]
+                    rank = batch[2] if len(batch) > 2 and type(batch[2]) is int else self._rank
+                except Exception:  # not msgpack [ts, events, dp_rank]
+                    self.malformed += 1
+                    continue
+                if isinstance(events, list):
+                    self._observe(rank, events)
+        finally:
+            self._sub.close(0)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)

@@ -9,8 +9,15 @@ import socket
 import tempfile
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.connector.native_events import (
+    NativePublisher,
+    gpu_source_line,
+    native_publisher,
+    native_streams,
+)
 
 
 @dataclass
@@ -139,6 +146,10 @@ def _disk_check(tiers: cc.TierSettings) -> Check:
 
 def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings) -> list[Check]:
     endpoints: list[tuple[str, cc.Endpoint]] = []
+    for rank, stream, replay in config.gpu_streams:  # bound by TRT-LLM: free before it starts
+        endpoints.append((f"rank {rank} TensorRT-LLM publisher", stream))
+        if replay is not None:
+            endpoints.append((f"rank {rank} TensorRT-LLM replay", replay))
     for rank in range(config.num_ranks):
         if config.gpu_events is not None:
             endpoints.append((f"rank {rank} GPU-tier publisher", config.publish_endpoint(rank)))
@@ -183,12 +194,16 @@ _SOURCE_DETAIL = {
 }
 
 
-def _events_source_check() -> Check:
+def _events_source_check(native: NativePublisher | None = None) -> Check:
     """Which GPU-tier event source the leader will use, and what the engine must provide."""
     try:
         source = cc.load_events_source()
     except cc.ConfigError as exc:
         return Check("KV event source", "fail", str(exc))
+    if native is not None:
+        return Check("KV event source", "ok", f"{cc.EVENTS_SOURCE}={source}: not used: with "
+                     "kv_cache_config.kv_events_config on, TensorRT-LLM's pull API is empty "
+                     "and the leader reads no TensorRT-LLM events")
     detail = (f"{cc.EVENTS_SOURCE}={source}: {_SOURCE_DETAIL[source]}. The leader finds "
               "TRT-LLM's KV cache manager as PyExecutor.kv_cache_manager in its caller's "
               "frames at the first iteration and warns once when there is none (an executor "
@@ -196,16 +211,76 @@ def _events_source_check() -> Check:
     return Check("KV event source", "ok", detail)
 
 
-def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
+def _llm_options(path: str | None) -> tuple[Any, Check | None]:
+    """The engine's LLM-API options (the YAML or JSON file ``trtllm-serve`` takes as
+    ``--extra_llm_api_options``), or None; a fail Check when the file cannot be read."""
+    if path is None:
+        return None, None
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as exc:
+        return None, Check("LLM-API options", "fail", f"--llm-api-options {path}: {exc}")
+    try:
+        return json.loads(text), None
+    except ValueError:
+        pass
+    try:
+        import yaml  # type: ignore[import-untyped]  # TensorRT-LLM's own dependency
+    except ImportError:
+        return None, Check("LLM-API options", "fail", f"--llm-api-options {path} is not JSON, "
+                           "and PyYAML (to read YAML) is not installed")
+    try:
+        return yaml.safe_load(text), None
+    except yaml.YAMLError as exc:
+        return None, Check("LLM-API options", "fail", f"--llm-api-options {path}: {exc}")
+
+
+def _gpu_source_check(config: cc.ConsolidatorConfig | None, native: NativePublisher | None,
+                      options: Any, num_ranks: int) -> Check:
+    """Which GPU-tier source the leader will use (the words of its start-up log)."""
+    host = (os.environ.get(cc.LEADER_ZMQ_HOST) or "127.0.0.1").strip()
+    try:
+        source = cc.load_events_source()
+    except cc.ConfigError:
+        source = "auto"  # reported by the KV event source check
+    own = (config.publish_endpoint(0).bind if config is not None
+           and config.gpu_events is not None else None)
+    detail = gpu_source_line(native, source, own, 0, host)
+    if native is not None and native.streams and num_ranks > 1:
+        detail += "; " + ", ".join(f"rank {r} at {native.connect_endpoint(r, host).connect}"
+                                   for r in range(1, num_ranks))
+    if options is None:
+        detail += (". Whether TensorRT-LLM publishes the GPU tier itself "
+                   "(kv_cache_config.kv_events_config) is not known here: pass "
+                   "--llm-api-options with the engine's options file")
+    usable = native.streams if native is not None else (own is not None or source == "off")
+    return Check("GPU-tier KV events", "ok" if usable else "warn", detail)
+
+
+def run_checks(num_ranks: int, require_trtllm: bool,
+               llm_api_options: str | None = None) -> list[Check]:
     """Every check, in order. The settings are read by the loaders start-up itself uses (the
     leader's and the workers'), so a value start-up would refuse fails here too: the publisher
     name against the registered entry points, the disk directory (a file, or a directory that
-    cannot be created or written), every number, switch and endpoint."""
+    cannot be created or written), every number, switch and endpoint. ``llm_api_options``:
+    the engine's options file, read for TensorRT-LLM's own KV-event publisher."""
     from kvbm_plugin._util.plugins import PluginLoadError
 
     checks: list[Check] = []
+    options, problem = _llm_options(llm_api_options)
+    native: NativePublisher | None = None
+    if problem is not None:
+        checks.append(problem)
+    elif options is not None:
+        try:
+            native = native_publisher(options)
+        except cc.ConfigError as exc:
+            checks.append(Check("LLM-API options", "fail", str(exc)))
+    host = (os.environ.get(cc.LEADER_ZMQ_HOST) or "127.0.0.1").strip()
+    streams = tuple(s for r in range(num_ranks) for s in native_streams(native, r, host))
     try:
-        config = cc.load_consolidator_config(num_ranks=num_ranks)
+        config = cc.load_consolidator_config(num_ranks=num_ranks, gpu_streams=streams)
         checks.append(Check("consolidator config", "ok",
                             f"enabled={config.enabled} mode={config.mode} ranks={num_ranks}"))
     except (cc.ConfigError, PluginLoadError) as exc:
@@ -232,7 +307,8 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
             metrics = cc.MetricsSettings()
         checks.extend(_endpoint_checks(config, metrics))
 
-    checks.append(_events_source_check())
+    checks.append(_events_source_check(native))
+    checks.append(_gpu_source_check(config, native, options, num_ranks))
 
     from kvbm_plugin._util import native as _native
 
@@ -291,10 +367,14 @@ def main_doctor(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--require-trtllm", action="store_true",
                         help="treat a missing TensorRT-LLM as a failure")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument("--llm-api-options", metavar="PATH",
+                        help="the engine's LLM-API options (YAML/JSON, as trtllm-serve "
+                             "--extra_llm_api_options): read for TensorRT-LLM's own KV-event "
+                             "publisher (kv_cache_config.kv_events_config)")
     args = parser.parse_args(argv)
     if args.num_ranks < 1:
         parser.error(f"argument --num-ranks: {args.num_ranks} must be >= 1")
-    checks = run_checks(args.num_ranks, args.require_trtllm)
+    checks = run_checks(args.num_ranks, args.require_trtllm, args.llm_api_options)
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
