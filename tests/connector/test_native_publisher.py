@@ -224,3 +224,40 @@ def test_doctor_names_the_gpu_tier_source(tmp_path, capsys, monkeypatch) -> None
     assert "the plugin's own publisher, rank 0 at tcp://127.0.0.1:5800 " \
         "(DYN_KVBM_KV_EVENTS_SOURCE=auto)" in checks["GPU-tier KV events"]["detail"]
 
+
+
+def test_an_attention_dp_ranks_consolidator_reads_that_ranks_stream(tmp_path) -> None:
+    from kvbm_plugin.connector.native_events import native_streams
+    from kvbm_plugin.consolidator.service import KvEventConsolidator
+    from kvbm_plugin.consolidator_config import load_consolidator_config
+    from kvbm_plugin.testing.trtllm_stream import SimZmqEventPublisher
+
+    events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/trt",
+                            replay_endpoint=f"ipc://{tmp_path}/trt-replay")
+    native = native_publisher(_args(events))
+    streams = native_streams(native, 2, "127.0.0.1")
+    assert streams[0][0] == 2 and streams[0][1].connect == f"ipc://{tmp_path}/trt_dp2"
+    config = load_consolidator_config(
+        {"DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT": f"ipc://{tmp_path}/out",
+         "DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_ENDPOINT": f"ipc://{tmp_path}/out-replay"},
+        gpu_streams=streams)
+    publisher = SimZmqEventPublisher(events, native, 2)  # binds trt_dp2, as TRT-LLM's rank 2
+    h = wire_hash(radix_key(11))
+    publisher.publish(encode_batch(1.0, [{"type": "BlockStored", "block_hashes": [h],
+                                          "parent_block_hash": None,
+                                          "token_ids": [1, 2, 3, 4]}], 4, 2))
+    consolidator = KvEventConsolidator(config)
+    consolidator.start()
+    sub = StreamSubscriber(f"ipc://{tmp_path}/out", f"ipc://{tmp_path}/out-replay",
+                           start_seq=0)
+    try:
+        def held() -> bool:  # the batch sent before anyone subscribed comes from the replay
+            for batch in sub.poll(20):
+                sub.apply(batch)
+            return sub.held == {(2, h)}
+
+        wait_until(held, 10, "rank 2's block in the consolidated stream, dp rank kept")
+    finally:
+        sub.close()
+        consolidator.shutdown()
+        publisher.shutdown()
