@@ -261,3 +261,17 @@ def test_an_attention_dp_ranks_consolidator_reads_that_ranks_stream(tmp_path) ->
         sub.close()
         consolidator.shutdown()
         publisher.shutdown()
+
+
+def test_tensorrt_llms_ports_count_in_the_collision_check() -> None:
+    from kvbm_plugin.connector.native_events import native_streams
+    from kvbm_plugin.consolidator_config import load_consolidator_config
+
+    native = native_publisher(_args(KVEventsConfig(enable_kv_cache_events=True,
+                                                   endpoint="tcp://*:57001")))
+    streams = native_streams(native, 0, "127.0.0.1")
+    # the consolidated output's default port (leader port 56001 + 1000) is TRT-LLM's here
+    with pytest.raises(ConfigError, match=r"consolidated output endpoint .* collides with "
+                                          r"rank 0 GPU-tier stream from kv_cache_config"):
+        load_consolidator_config({"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "true"},
+                                 gpu_streams=streams)
