@@ -275,3 +275,45 @@ def test_tensorrt_llms_ports_count_in_the_collision_check() -> None:
                                           r"rank 0 GPU-tier stream from kv_cache_config"):
         load_consolidator_config({"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "true"},
                                  gpu_streams=streams)
+
+
+def test_the_standalone_consolidator_reads_tensorrt_llms_stream(tmp_path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from kvbm_plugin.testing.trtllm_stream import SimZmqEventPublisher
+
+    events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/trt",
+                            replay_endpoint=f"ipc://{tmp_path}/trt-replay")
+    options = tmp_path / "options.json"
+    options.write_text(json.dumps({"kv_cache_config": {"kv_events_config": {
+        "enable_kv_cache_events": True, "endpoint": events.endpoint,
+        "replay_endpoint": events.replay_endpoint}}}))
+    publisher = SimZmqEventPublisher(events, native_publisher(_args(events)), 0)
+    h = wire_hash(radix_key(5))
+    publisher.publish(encode_batch(1.0, [{"type": "BlockStored", "block_hashes": [h],
+                                          "parent_block_hash": None,
+                                          "token_ids": [9, 8, 7, 6]}], 4, 0))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbm_plugin.tools.cli", "consolidate", "--llm-api-options",
+         str(options), "--output-endpoint", f"ipc://{tmp_path}/out",
+         "--output-replay-endpoint", f"ipc://{tmp_path}/out-replay"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    sub = StreamSubscriber(f"ipc://{tmp_path}/out", f"ipc://{tmp_path}/out-replay",
+                           start_seq=0)
+    try:
+        def held() -> bool:
+            for batch in sub.poll(20):
+                sub.apply(batch)
+            return sub.held == {(0, h)}
+
+        wait_until(held, 20, "TRT-LLM's block through `kvbm-plugin consolidate`")
+    finally:
+        sub.close()
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+        publisher.shutdown()
+    assert f"started (dedup): ipc://{tmp_path}/trt ->" in out

@@ -9,14 +9,17 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from typing import Any
 
 import zmq
 
+from kvbm_plugin.connector.native_events import native_publisher, native_streams
 from kvbm_plugin.consolidator.service import KvEventConsolidator
 from kvbm_plugin.consolidator_config import (
     CONSOLIDATOR_MODE,
     ENABLE_CONSOLIDATOR,
     EVENTS_ENDPOINT,
+    LEADER_ZMQ_HOST,
     OUTPUT_ENDPOINT,
     OUTPUT_REPLAY_ENDPOINT,
     REPLAY_ENDPOINT,
@@ -27,6 +30,7 @@ from kvbm_plugin.consolidator_config import (
     parse_endpoint,
 )
 from kvbm_plugin.tools.cli import EXIT_FAILED, EXIT_USAGE, ArgumentParser, SignalStop
+from kvbm_plugin.tools.doctor import read_llm_api_options
 
 logger = logging.getLogger("kvbm_plugin.consolidator.service")
 
@@ -51,6 +55,10 @@ def main_consolidate(argv: list[str] | None = None) -> int:
     parser.add_argument("--replay-endpoint", help=f"override {REPLAY_ENDPOINT} (rank 0's)")
     parser.add_argument("--output-endpoint", help=f"override {OUTPUT_ENDPOINT}")
     parser.add_argument("--output-replay-endpoint", help=f"override {OUTPUT_REPLAY_ENDPOINT}")
+    parser.add_argument("--llm-api-options", metavar="PATH",
+                        help="the engine's LLM-API options (YAML/JSON): where its "
+                             "kv_cache_config.kv_events_config turns TensorRT-LLM's own "
+                             "publisher on, subscribe to that publisher's per-rank endpoints")
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
                         help="log level (default INFO)")
@@ -77,8 +85,14 @@ def main_consolidate(argv: list[str] | None = None) -> int:
         consolidator_enabled(env)  # validated, then overridden: the command always runs it
         native_enabled(env)  # read by the core's loops
         env[ENABLE_CONSOLIDATOR] = "true"
+        streams: tuple[Any, ...] = ()
+        if args.llm_api_options is not None:
+            native = native_publisher(read_llm_api_options(args.llm_api_options))
+            host = (env.get(LEADER_ZMQ_HOST) or "127.0.0.1").strip()
+            streams = tuple(s for r in range(args.num_ranks)
+                            for s in native_streams(native, r, host))
         config = load_consolidator_config(env, num_ranks=args.num_ranks,
-                                          require_gpu_events=True)
+                                          require_gpu_events=not streams, gpu_streams=streams)
     except ConfigError as exc:
         print(f"kvbm-plugin consolidate: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -90,7 +104,7 @@ def main_consolidate(argv: list[str] | None = None) -> int:
         stop.restore()
         print(f"kvbm-plugin consolidate: cannot start: {exc}", file=sys.stderr)
         return EXIT_FAILED
-    inputs = ", ".join(config.publish_endpoint(r).connect for r in range(config.num_ranks))
+    inputs = ", ".join(config.stream_endpoint(r).connect for r in config.stream_ranks())
     logger.info("KV event consolidator started (%s): %s -> %s", config.mode, inputs,
                 config.output.bind)
     try:

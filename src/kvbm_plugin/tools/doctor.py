@@ -18,6 +18,7 @@ from kvbm_plugin.connector.native_events import (
     native_publisher,
     native_streams,
 )
+from kvbm_plugin.consolidator_config import ConfigError
 
 
 @dataclass
@@ -211,29 +212,28 @@ def _events_source_check(native: NativePublisher | None = None) -> Check:
     return Check("KV event source", "ok", detail)
 
 
-def _llm_options(path: str | None) -> tuple[Any, Check | None]:
-    """The engine's LLM-API options (the YAML or JSON file ``trtllm-serve`` takes as
-    ``--extra_llm_api_options``), or None; a fail Check when the file cannot be read."""
-    if path is None:
-        return None, None
+def read_llm_api_options(path: str) -> Any:
+    """The engine's LLM-API options file (YAML or JSON, what ``trtllm-serve`` takes as
+    ``--extra_llm_api_options``), parsed; ConfigError names the file and the problem. Used by
+    ``doctor`` and ``consolidate`` (``--llm-api-options``)."""
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
     except OSError as exc:
-        return None, Check("LLM-API options", "fail", f"--llm-api-options {path}: {exc}")
+        raise ConfigError(f"--llm-api-options {path}: {exc.strerror or exc}") from None
     try:
-        return json.loads(text), None
+        return json.loads(text)
     except ValueError:
         pass
     try:
         import yaml  # type: ignore[import-untyped]  # TensorRT-LLM's own dependency
     except ImportError:
-        return None, Check("LLM-API options", "fail", f"--llm-api-options {path} is not JSON, "
-                           "and PyYAML (to read YAML) is not installed")
+        raise ConfigError(f"--llm-api-options {path} is not JSON, and PyYAML (to read YAML) "
+                          "is not installed") from None
     try:
-        return yaml.safe_load(text), None
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        return None, Check("LLM-API options", "fail", f"--llm-api-options {path}: {exc}")
+        raise ConfigError(f"--llm-api-options {path}: {exc}") from None
 
 
 def _gpu_source_check(config: cc.ConsolidatorConfig | None, native: NativePublisher | None,
@@ -268,12 +268,11 @@ def run_checks(num_ranks: int, require_trtllm: bool,
     from kvbm_plugin._util.plugins import PluginLoadError
 
     checks: list[Check] = []
-    options, problem = _llm_options(llm_api_options)
+    options: Any = None
     native: NativePublisher | None = None
-    if problem is not None:
-        checks.append(problem)
-    elif options is not None:
+    if llm_api_options is not None:
         try:
+            options = read_llm_api_options(llm_api_options)
             native = native_publisher(options)
         except cc.ConfigError as exc:
             checks.append(Check("LLM-API options", "fail", str(exc)))
