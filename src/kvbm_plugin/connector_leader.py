@@ -142,8 +142,7 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         self._keeper: IdleKeeper | None = None
 
         self._events_source = load_events_source(self._env)
-        # TRT-LLM's own streaming publisher: a second GPU-tier stream would name every block
-        # twice (and its pull API is empty); the consolidator reads TRT-LLM's stream instead.
+        # TRT-LLM's own streaming publisher: no second GPU-tier stream; we consolidate its own.
         self._native = _native.native_publisher(llm_args)
         self._native_feed = _native.NativeNameFeed()  # its stored blocks: the tiers' names
         self._host_name = _llm_args.leader_host(self._env)
@@ -175,10 +174,7 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
             # batch for it and it keys every stored block by its tokens).
             self.consolidator = parts.consolidator
             self._tier_events = parts.tier_events
-            odd = self._native is not None and not (self._native.streams and consolidate)
-            logger.log(logging.WARNING if odd else logging.INFO, "kvbm_plugin: GPU-tier KV "
-                       "events: %s%s", self.event_source_status, "" if consolidate else
-                       "; no consolidator: the offload tiers' events go out on their own")
+            _native.log_gpu_source(logger, self._native, self._source_line(), consolidate)
             self._register_metrics()
             if self._par.tp_size > 1 and not _llm_args.in_process(llm_args):
                 # Bound where the workers connect (DYN_KVBM_LEADER_ZMQ_HOST), not on every
@@ -443,11 +439,13 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         if self.event_source is not None:
             return self.event_source.describe()
         if self._native is not None or self._events_source == "off":
-            own = self._config.publish_endpoint(self._dp_rank).bind \
-                if self._config.gpu_events is not None else None
-            return _native.gpu_source_line(self._native, self._events_source, own, self._dp_rank,
-                                   self._host_name)
+            return self._source_line()
         return self._event_source_problem
+
+    def _source_line(self) -> str:
+        """The configured GPU-tier source, in words (start-up log, ``doctor``'s wording)."""
+        return _native.gpu_source_line(self._native, self._events_source, self._config,
+                                       self._dp_rank, self._host_name)
 
     @locked
     def flush_events(self) -> None:

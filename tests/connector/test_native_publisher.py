@@ -179,7 +179,8 @@ def test_a_leader_without_tensorrt_llms_stream_keeps_its_own(caplog) -> None:
     for events, own in ((KVEventsConfig(), True),
                         (KVEventsConfig(enable_kv_cache_events=True, publisher="null"), False)):
         args = _args(events)
-        args.kvbm_plugin_env = tiers(host=8)
+        port = free_port()
+        args.kvbm_plugin_env = tiers(host=8, DYN_KVBM_TRTLLM_ZMQ_PORT=str(port))
         args.kvbm_plugin_group = f"native-{own}"
         leader = KvbmConnectorLeader(args)
         try:
@@ -187,6 +188,9 @@ def test_a_leader_without_tensorrt_llms_stream_keeps_its_own(caplog) -> None:
             if own:  # enable_kv_cache_events=False: TRT-LLM's buffered path, ours to read
                 assert "TensorRT-LLM's own publisher" not in status
                 assert leader._attach_attempts == 0
+                line = (f"GPU-tier KV events: the plugin's own publisher (rank 0 at "
+                        f"tcp://127.0.0.1:{port}; DYN_KVBM_KV_EVENTS_SOURCE=auto)")
+                assert any(line in r.getMessage() for r in caplog.records)
             else:
                 assert "publisher='null'" in status and "no process publishes" in status
                 warned = [r for r in caplog.records if r.levelno == logging.WARNING
@@ -221,8 +225,8 @@ def test_doctor_names_the_gpu_tier_source(tmp_path, capsys, monkeypatch) -> None
     monkeypatch.setenv("DYN_KVBM_TRTLLM_ZMQ_PORT", "5800")
     main_doctor(["--json"])
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
-    assert "the plugin's own publisher, rank 0 at tcp://127.0.0.1:5800 " \
-        "(DYN_KVBM_KV_EVENTS_SOURCE=auto)" in checks["GPU-tier KV events"]["detail"]
+    assert "the plugin's own publisher (rank 0 at tcp://127.0.0.1:5800; " \
+        "DYN_KVBM_KV_EVENTS_SOURCE=auto)" in checks["GPU-tier KV events"]["detail"]
 
 
 

@@ -165,11 +165,12 @@ def native_streams(native: NativePublisher | None, dp_rank: int,
              native.connect_replay(dp_rank, host)),)
 
 
-def gpu_source_line(native: NativePublisher | None, events_source: str,
-                    own_endpoint: str | None, rank: int, host: str) -> str:
+def gpu_source_line(native: NativePublisher | None, events_source: str, config: Any,
+                    rank: int, host: str) -> str:
     """Which GPU-tier source is in use, in words (the leader's start-up log and
     ``event_source_status``, ``kvbm-plugin doctor``): TensorRT-LLM's publisher at which
-    endpoint, the plugin's own (where, and under which DYN_KVBM_KV_EVENTS_SOURCE), or none."""
+    endpoint, the plugin's own (where, under which DYN_KVBM_KV_EVENTS_SOURCE), or none.
+    ``config``: the ConsolidatorConfig (the plugin's own endpoint), or None."""
     from kvbm_plugin.consolidator_config import EVENTS_SOURCE
 
     if native is not None:
@@ -177,8 +178,21 @@ def gpu_source_line(native: NativePublisher | None, events_source: str,
                 f"({EVENTS_SOURCE}={events_source} not used)")
     if events_source == "off":
         return f"none from the plugin ({EVENTS_SOURCE}=off)"
-    where = own_endpoint or "no endpoint configured (counted, not published)"
-    return f"the plugin's own publisher, rank {rank} at {where} ({EVENTS_SOURCE}={events_source})"
+    if config is None or config.gpu_events is None:
+        where = "no endpoint configured: counted, not published"
+    else:
+        where = f"rank {rank} at {config.publish_endpoint(rank).bind}"
+    return f"the plugin's own publisher ({where}; {EVENTS_SOURCE}={events_source})"
+
+
+def log_gpu_source(log: Any, native: NativePublisher | None, line: str,
+                   consolidate: bool) -> None:
+    """The leader's start-up line about its GPU-tier source: a warning where TensorRT-LLM's
+    stream is not merged (``publisher='null'``, or no consolidator)."""
+    odd = native is not None and not (native.streams and consolidate)
+    log.log(30 if odd else 20, "kvbm_plugin: GPU-tier KV events: %s%s", line,
+            "" if consolidate else "; no consolidator: the offload tiers' events go out on "
+            "their own")
 
 
 class NativeNameFeed:

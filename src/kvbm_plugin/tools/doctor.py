@@ -244,9 +244,7 @@ def _gpu_source_check(config: cc.ConsolidatorConfig | None, native: NativePublis
         source = cc.load_events_source()
     except cc.ConfigError:
         source = "auto"  # reported by the KV event source check
-    own = (config.publish_endpoint(0).bind if config is not None
-           and config.gpu_events is not None else None)
-    detail = gpu_source_line(native, source, own, 0, host)
+    detail = gpu_source_line(native, source, config, 0, host)
     if native is not None and native.streams and num_ranks > 1:
         detail += "; " + ", ".join(f"rank {r} at {native.connect_endpoint(r, host).connect}"
                                    for r in range(1, num_ranks))
@@ -254,7 +252,8 @@ def _gpu_source_check(config: cc.ConsolidatorConfig | None, native: NativePublis
         detail += (". Whether TensorRT-LLM publishes the GPU tier itself "
                    "(kv_cache_config.kv_events_config) is not known here: pass "
                    "--llm-api-options with the engine's options file")
-    usable = native.streams if native is not None else (own is not None or source == "off")
+    usable = native.streams if native is not None else (
+        source == "off" or (config is not None and config.gpu_events is not None))
     return Check("GPU-tier KV events", "ok" if usable else "warn", detail)
 
 
