@@ -142,7 +142,7 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         self._keeper: IdleKeeper | None = None
 
         self._events_source = load_events_source(self._env)
-        # TRT-LLM's own streaming publisher: no second GPU-tier stream; we consolidate its own.
+        # TRT-LLM's own streaming publisher: no second GPU-tier stream; its own is consolidated.
         self._native = _native.native_publisher(llm_args)
         self._native_feed = _native.NativeNameFeed()  # its stored blocks: the tiers' names
         self._host_name = _llm_args.leader_host(self._env)
