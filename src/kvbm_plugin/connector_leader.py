@@ -72,6 +72,7 @@ from kvbm_plugin.tiers.base import (
     block_keys,
 )
 from kvbm_plugin.tiers.disk import claim_directory
+from kvbm_plugin.wire.events import to_signed_int64
 from kvbm_plugin.wire.identity import lora_of, request_scope, salt_of
 
 logger = logging.getLogger(__name__)
@@ -507,6 +508,11 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
             valid = max(valid, state.match_base + rd.num_scheduled_tokens)
         state.reported = True
         state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
+        if not state.root_named and self.event_sink is not None:
+            root = self._naming.root_hash(state)  # the sink names its adapter's stores by it
+            if root is not None:
+                state.root_named = True
+                self.event_sink.name_lora_root(to_signed_int64(root), state.scope[0])
         bs = self._block_size
         if len(state.keys) < len(state.tokens) // bs:
             state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),

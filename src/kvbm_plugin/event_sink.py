@@ -59,6 +59,7 @@ from kvbm_plugin.gpu_events.fields import (
     parse_token_ids,
     signed_hash,
 )
+from kvbm_plugin.gpu_events.lora_names import LoraNames
 from kvbm_plugin.gpu_events.rank import Rank, add_child, children, native_rank_type
 from kvbm_plugin.gpu_events.v2_hooks import V2Hooks
 from kvbm_plugin.wire.events import (
@@ -171,6 +172,9 @@ class KvEventSink(V2Hooks):
             "unknown_dp_rank_events", "orphan_stores_dropped", "duplicate_stores_dropped",
             "cascade_removes",
         ), 0)
+        # The adapter of stores whose events name none (TensorRT-LLM's serializer writes no
+        # lora_id): named by the leader, written into the events before the loops read them.
+        self._lora = LoraNames(self._c)
 
     # ---- dict input (buffered path) -------------------------------------------------------
 
@@ -184,6 +188,8 @@ class KvEventSink(V2Hooks):
         """
         native = self._native
         with self._lock:
+            if self._lora.active:
+                events = self._lora.annotate(list(events), self.data_parallel_rank)
             if native is None or type(events) is not list:
                 self._ingest_locked(events)
                 return
@@ -427,6 +433,15 @@ class KvEventSink(V2Hooks):
                 parent = hashes[end - 1]
                 start = end
 
+    def name_lora_root(self, block_hash: int, lora_task_id: int | None) -> None:
+        """TensorRT-LLM's (wire) hash of a request's first block and the request's LoRA task
+        id (None: the base model); see :mod:`kvbm_plugin.gpu_events.lora_names`.
+
+        Called by the leader (executor thread) for each request once its first block is full,
+        before TensorRT-LLM can store it. O(1), one short lock."""
+        with self._lock:
+            self._lora.name_root(block_hash, lora_task_id)
+
     # ---- shared batch building (lock held) -------------------------------------------------
 
     def _new_rank(self, rank: Any) -> Rank | None:
@@ -615,6 +630,7 @@ class KvEventSink(V2Hooks):
             rs.live_keys.clear()
             rs.published.clear()
             rs.kids.clear()
+            self._lora.clear(rank)
             self._c["cleared"] += 1
 
     def flush(self) -> bool:

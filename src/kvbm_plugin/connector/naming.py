@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
-from kvbm_plugin.connector.block_hash import std_string_hash, v1_chain
+from kvbm_plugin.connector.block_hash import std_string_hash, v1_block_hash, v1_chain
 from kvbm_plugin.connector.requests import RequestState
 from kvbm_plugin.gpu_events.block_names import BlockNames
 
@@ -125,6 +125,21 @@ class BlockNaming:
         if index < len(state.learned):
             return state.learned[index]
         return None
+
+    def root_hash(self, state: RequestState) -> int | None:
+        """TRT-LLM's hash of the request's first block, as best known (for the event sink's
+        LoRA names, :mod:`kvbm_plugin.gpu_events.lora_names`): handed over, else the V1 hash
+        under the request's inputs, confirmed or not (a wrong one names no block the events
+        store: that chain is then counted as unnamed, never misnamed); None when neither."""
+        if state.event_hashes:
+            return int(state.event_hashes[0])
+        if state.computed:
+            return state.computed[0]
+        inputs: NameInputs | None = state.name_inputs
+        if inputs is None or inputs.why_not is not None or len(state.tokens) < self._bs:
+            return None
+        return v1_block_hash(state.tokens[:self._bs], None, salt=inputs.salt,
+                             lora_task_id=inputs.lora)
 
     def _compute(self, state: RequestState, n_blocks: int) -> None:
         done = len(state.computed)
