@@ -1,7 +1,10 @@
 """LoRA requests through the simulated engine: the GPU-tier stream names every adapter block
 by its adapter although TensorRT-LLM's serialized events carry no ``lora_id`` (the leader
 names each request's first block to the event sink), with TensorRT-LLM's block hashes handed
-over (``RequestData.block_hashes``) and computed by the leader (releases without them)."""
+over (``RequestData.block_hashes``) and computed by the leader (releases without them); and
+the leader names the host-tier copies by TensorRT-LLM's hashes in both cases (without
+``block_hashes`` it learns them from the GPU-tier events, whose first blocks are the same
+tokens under three scopes)."""
 
 from __future__ import annotations
 
@@ -35,9 +38,10 @@ def chain(tokens: list[int], lora: int | None) -> list[int]:
 
 
 def record(tmp: Path, provide_block_hashes: bool,
-           prompts: list[tuple[list[int], int | None]]) -> tuple[list[Any], dict[str, int]]:
+           prompts: list[tuple[list[int], int | None]]
+           ) -> tuple[list[Any], dict[str, int], dict[str, int]]:
     env = {cc.ENABLE_CONSOLIDATOR: "false", cc.EVENTS_ENDPOINT: f"ipc://{tmp}/gpu",
-           cc.REPLAY_ENDPOINT: f"ipc://{tmp}/gpu-r"}
+           cc.REPLAY_ENDPOINT: f"ipc://{tmp}/gpu-r", cc.CPU_CACHE_NUM_BLOCKS: "64"}
     config = cc.load_consolidator_config(env)
     engine = SimulatedEngine(EngineConfig(
         num_layers=1, num_kv_heads=2, head_dim=4, tokens_per_block=BS, num_gpu_blocks=64,
@@ -55,7 +59,7 @@ def record(tmp: Path, provide_block_hashes: bool,
         while sub.next_seq != sink.stats()["publisher_batches_published"]:
             assert time.monotonic() < deadline, (sub.next_seq, sink.stats())
             events.extend(e for b in sub.poll(20) for e in b.events)
-        return events, sink.stats()
+        return events, sink.stats(), engine.leader.stats()
     finally:
         sub.close()
         engine.shutdown()
@@ -66,7 +70,7 @@ def test_every_adapter_block_goes_out_under_its_adapter(tmp_path: Path,
                                                         provide_block_hashes: bool) -> None:
     prompts = [(SYSTEM + [200 + i], lora) for lora in SCOPES for i in range(2)]
     prompts.append((SYSTEM + [300, 301, 302, 303, 304], 1))  # one adapter's own prompt
-    events, stats = record(tmp_path, provide_block_hashes, prompts)
+    events, stats, leader = record(tmp_path, provide_block_hashes, prompts)
     published: dict[int, Any] = {}
     for e in events:
         if isinstance(e, BlockStored):
@@ -80,3 +84,6 @@ def test_every_adapter_block_goes_out_under_its_adapter(tmp_path: Path,
     assert stats["lora_named_blocks"] > 0
     assert stats["lora_unnamed_blocks"] == 0
     assert stats["orphan_stores_dropped"] == 0
+    assert leader["saves_committed"] > 0
+    assert leader["tier_stores_waiting_for_name"] == 0  # every host copy named, none twice
+    assert leader["block_name_mismatches"] == 0

@@ -132,3 +132,21 @@ def test_bounded_maps_count_what_they_forget() -> None:
     assert counters["lora_names_evicted"] == 2
     with pytest.raises(ValueError, match="max_entries=0"):
         LoraNames({}, max_entries=0)
+
+
+def test_block_names_learn_each_adapter_apart() -> None:
+    from kvbm_plugin.gpu_events.block_names import BlockNames
+
+    sink, _ = sink_with(prefix_closed=True)
+    learned_by: dict[Any, list[int]] = {}
+    names_ = BlockNames(2)
+    sink.on_flush = names_.observe
+    for root, task in ((100, None), (200, 0), (300, 1)):
+        sink.name_lora_root(root, task)
+    sink.ingest([stored(None, (h, SYS), (h + 1, [13, 14])) for h in (100, 200, 300)])
+    sink.flush()
+    for task in (None, 0, 1):
+        learned_by[task] = []
+        names_.extend(SYS + [13, 14], [7, 8], learned_by[task], task)
+    # The same tokens under three scopes: three chains, each learned whole.
+    assert learned_by == {None: [100, 101], 0: [200, 201], 1: [300, 301]}

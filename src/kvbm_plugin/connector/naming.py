@@ -121,7 +121,7 @@ class BlockNaming:
             if rule in self.confirmed and index < len(state.computed):
                 return state.computed[index]
         if self.learning and index >= len(state.learned) and not state.event_hashes:
-            self.names.extend(state.tokens, state.keys, state.learned)
+            self.names.extend(state.tokens, state.keys, state.learned, state.scope[0])
         if index < len(state.learned):
             return state.learned[index]
         return None
@@ -161,7 +161,7 @@ class BlockNaming:
         for state in states:
             if state.event_hashes or len(state.learned) >= len(state.keys):
                 continue
-            self.names.extend(state.tokens, state.keys, state.learned)
+            self.names.extend(state.tokens, state.keys, state.learned, state.scope[0])
             rule = self._rule(state)
             if rule is None:
                 continue
