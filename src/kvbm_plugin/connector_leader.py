@@ -72,7 +72,6 @@ from kvbm_plugin.tiers.base import (
     block_keys,
 )
 from kvbm_plugin.tiers.disk import claim_directory
-from kvbm_plugin.wire.events import to_signed_int64
 from kvbm_plugin.wire.identity import lora_of, request_scope, salt_of
 
 logger = logging.getLogger(__name__)
@@ -244,7 +243,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         # as cache_salt. Either way it scopes every key, as it scopes TRT-LLM's own.
         salt = request_scope(request)
         state = _Request(req_id, salt=salt, scope=(lora_of(request), salt_of(request)),
-                         name_inputs=name_inputs(request), handle=request_handle(request))
+                         name_inputs=name_inputs(request), handle=request_handle(request),
+                         lora_root_pending=True)
         self._reqs[req_id] = state
         bs = self._block_size
         if num_computed_tokens < 0 or num_computed_tokens % bs:
@@ -508,11 +508,7 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
             valid = max(valid, state.match_base + rd.num_scheduled_tokens)
         state.reported = True
         state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
-        if not state.root_named and self.event_sink is not None:
-            root = self._naming.root_hash(state)  # the sink names its adapter's stores by it
-            if root is not None:
-                state.root_named = True
-                self.event_sink.name_lora_root(to_signed_int64(root), state.scope[0])
+        self._naming.name_root(state, self.event_sink)  # the sink's LoRA names
         bs = self._block_size
         if len(state.keys) < len(state.tokens) // bs:
             state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),

@@ -15,7 +15,11 @@ Rules applied on the way (see the event-sink issue): only full blocks are publis
 run stops at its first partial block, and that block's later removal is suppressed); only the
 routing attention window is published (the largest, unless configured); consecutive stored
 blocks of one chain are coalesced into one ``BlockStored``; order is preserved; ``created`` and
-``updated`` are counted, never turned into stores or removes. Removals are never dropped except
+``updated`` are counted, never turned into stores or removes; a store whose event names no
+LoRA adapter (TensorRT-LLM's serializer writes no ``lora_id``) takes the adapter the leader
+named for its chain (:meth:`KvEventSink.name_lora_root`, :mod:`kvbm_plugin.gpu_events.lora_names`:
+once an adapter was seen, a chain nobody named is withheld and counted). Removals are never
+dropped except
 by the partial-block rule (and, for sliding-window models, when they belong to a window that is
 not published at all). Every drop is counted in :meth:`KvEventSink.stats` and logged
 rate-limited.

@@ -31,6 +31,7 @@ from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector.block_hash import std_string_hash, v1_block_hash, v1_chain
 from kvbm_plugin.connector.requests import RequestState
 from kvbm_plugin.gpu_events.block_names import BlockNames
+from kvbm_plugin.wire.events import to_signed_int64
 
 logger = logging.getLogger(__name__)
 
@@ -140,6 +141,18 @@ class BlockNaming:
             return None
         return v1_block_hash(state.tokens[:self._bs], None, salt=inputs.salt,
                              lora_task_id=inputs.lora)
+
+    def name_root(self, state: RequestState, sink: Any) -> None:
+        """Tell the event sink (``KvEventSink.name_lora_root``) the request's first-block hash
+        and LoRA task id, once, as soon as the hash is known; a request whose adapter the
+        leader did not read from its object (``lora_root_pending`` unset) is never named.
+        Called by the leader for each reported request (``build_connector_meta``)."""
+        if not state.lora_root_pending or sink is None:
+            return
+        root = self.root_hash(state)
+        if root is not None:
+            state.lora_root_pending = False
+            sink.name_lora_root(to_signed_int64(root), state.scope[0])
 
     def _compute(self, state: RequestState, n_blocks: int) -> None:
         done = len(state.computed)
