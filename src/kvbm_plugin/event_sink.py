@@ -19,9 +19,8 @@ blocks of one chain are coalesced into one ``BlockStored``; order is preserved; 
 LoRA adapter (TensorRT-LLM's serializer writes no ``lora_id``) takes the adapter the leader
 named for its chain (:meth:`KvEventSink.name_lora_root`, :mod:`kvbm_plugin.gpu_events.lora_names`:
 once an adapter was seen, a chain nobody named is withheld and counted). Removals are never
-dropped except
-by the partial-block rule (and, for sliding-window models, when they belong to a window that is
-not published at all). Every drop is counted in :meth:`KvEventSink.stats` and logged
+dropped except by the partial-block rule (and, for sliding-window models, when they belong to a
+window that is not published at all). Every drop is counted in :meth:`KvEventSink.stats` and logged
 rate-limited.
 
 ``ingest`` has two loops with one behaviour: the Python loop (the reference) and, when the
