@@ -44,6 +44,14 @@ logger = logging.getLogger(__name__)
 
 UNNAMED = -1  # a published-state marker: a block whose adapter is not known (not published)
 _MISSING = object()
+_I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
+
+
+def _wire(value: Any, what: str) -> int:
+    """The wire (signed int64) form of a hash; the common in-range int without a call."""
+    if type(value) is int and _I64_MIN <= value <= _I64_MAX:
+        return value
+    return signed_hash(value, what)
 COUNTERS = ("lora_named_blocks", "lora_unnamed_blocks", "lora_unnamed_removes",
             "lora_names_evicted")
 
@@ -71,6 +79,7 @@ class LoraNames:
         self._blocks: dict[int, dict[int, int]] = {}
         self._orders: dict[int, EvictionOrder] = {}
         self.active = False  # an adapter was seen: events are annotated from now on
+        self.annotated = 0  # events the last annotate() wrote an adapter into
         self._log = RateLimitedLog(logger)
 
     def name_root(self, h: int, task_id: int | None) -> None:
@@ -99,6 +108,7 @@ class LoraNames:
         unnamed stores and their removals left out. Malformed events pass as they are (the
         sink's loops count them)."""
         out: list[Any] = []
+        self.annotated = 0
         for ev in events:
             try:
                 data = ev["data"]
@@ -139,24 +149,34 @@ class LoraNames:
         blocks = data["blocks"]
         if not blocks:
             return ev
-        hashes = [signed_hash(b["block_hash"], "stored.blocks[].block_hash") for b in blocks]
         event_lora = data.get("lora_id")
-        if event_lora is not None or any(b.get("lora_id") is not None for b in blocks):
+        named = event_lora is not None
+        if not named:
+            for b in blocks:
+                if b.get("lora_id") is not None:
+                    named = True
+                    break
+        if named:
             # The event names its adapter itself (a serializer that writes it): remembered for
             # the stores under these blocks that may not.
-            for h, b in zip(hashes, blocks, strict=True):
+            for b in blocks:
                 task = b.get("lora_id", event_lora)
                 if type(task) is int:
-                    self._record(rank, [h], task)
+                    self._record(rank, [_wire(b["block_hash"], "stored.blocks[].block_hash")],
+                                 task)
             return ev
         parent = data.get("parent_hash")
         if parent is not None:
-            task: Any = self._blocks.get(rank, {}).get(
-                signed_hash(parent, "stored.parent_hash"))  # absent: a base-model parent
+            known = self._blocks.get(rank)
+            if not known:
+                return ev  # no adapter block on this rank: a base-model parent
+            task: Any = known.get(_wire(parent, "stored.parent_hash"))
         else:
-            task = self._roots.get(hashes[0], _MISSING)
+            task = self._roots.get(_wire(blocks[0]["block_hash"], "stored.blocks[].block_hash"),
+                                   _MISSING)
         if task is None:
-            return ev  # the base model's
+            return ev  # the base model's (absent parent: a base-model block)
+        hashes = [_wire(b["block_hash"], "stored.blocks[].block_hash") for b in blocks]
         if task is _MISSING or task == UNNAMED:
             self._record(rank, hashes, UNNAMED)
             c = self._c
@@ -165,11 +185,12 @@ class LoraNames:
                           "of an unknown LoRA adapter or the base model (TensorRT-LLM's events "
                           "name none, and the leader named no request's first block %d) not "
                           "published (lora_unnamed_blocks=%d)", hashes[:4],
-                          hashes[0] if parent is None else signed_hash(parent, "parent"),
+                          hashes[0] if parent is None else _wire(parent, "parent"),
                           c["lora_unnamed_blocks"])
             return None
         self._record(rank, hashes, task)
         self._c["lora_named_blocks"] += len(hashes)
+        self.annotated += 1
         return {**ev, "data": {**data, "lora_id": task}}
 
     def _removed(self, ev: Mapping[str, Any], data: Mapping[str, Any], rank: Any) -> Any:
@@ -179,7 +200,7 @@ class LoraNames:
         raw = data["block_hashes"]
         kept: list[Any] = []
         for value in raw:
-            if blocks.pop(signed_hash(value, "removed.block_hashes[]"), None) != UNNAMED:
+            if blocks.pop(_wire(value, "removed.block_hashes[]"), None) != UNNAMED:
                 kept.append(value)
         if len(kept) == len(raw):
             return ev
