@@ -193,10 +193,6 @@ class KvEventSink(V2Hooks):
         with self._lock:
             if self._lora.active:
                 events = self._lora.annotate(list(events), self.data_parallel_rank)
-                if 2 * self._lora.annotated > len(events):
-                    # Mostly adapter stores, each the Python loop's: one pass there costs less
-                    # than a stop of the compiled loop at each of them.
-                    native = None
             if native is None or type(events) is not list:
                 self._ingest_locked(events)
                 return

@@ -79,7 +79,6 @@ class LoraNames:
         self._blocks: dict[int, dict[int, int]] = {}
         self._orders: dict[int, EvictionOrder] = {}
         self.active = False  # an adapter was seen: events are annotated from now on
-        self.annotated = 0  # events the last annotate() wrote an adapter into
         self._log = RateLimitedLog(logger)
 
     def name_root(self, h: int, task_id: int | None) -> None:
@@ -108,7 +107,6 @@ class LoraNames:
         unnamed stores and their removals left out. Malformed events pass as they are (the
         sink's loops count them)."""
         out: list[Any] = []
-        self.annotated = 0
         for ev in events:
             try:
                 data = ev["data"]
@@ -190,7 +188,6 @@ class LoraNames:
             return None
         self._record(rank, hashes, task)
         self._c["lora_named_blocks"] += len(hashes)
-        self.annotated += 1
         return {**ev, "data": {**data, "lora_id": task}}
 
     def _removed(self, ev: Mapping[str, Any], data: Mapping[str, Any], rank: Any) -> Any:
