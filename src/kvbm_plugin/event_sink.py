@@ -177,7 +177,8 @@ class KvEventSink(V2Hooks):
         ), 0)
         # The adapter of stores whose events name none (TensorRT-LLM's serializer writes no
         # lora_id): named by the leader, written into the events before the loops read them.
-        self._lora = LoraNames(self._c)
+        self._lora = LoraNames(self._c, accepts_rank=lambda rank: type(rank) is int and (
+            0 <= rank < self._max_dp_ranks or rank in self._rank_publishers))
 
     # ---- dict input (buffered path) -------------------------------------------------------
 

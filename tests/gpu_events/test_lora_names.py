@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 from _loops import both_implementations
-from test_event_sink import removed, sink_with, stored
+from test_event_sink import Capture, removed, sink_with, stored
 
+from kvbm_plugin.event_sink import KvEventSink
 from kvbm_plugin.gpu_events.lora_names import LoraNames
 
 ingest_loop = both_implementations("event_sink")  # every test: compiled and Python loops
@@ -122,6 +123,15 @@ def test_dp_ranks_keep_their_own_adapter_blocks() -> None:
                       if type(e).__name__ == "BlockStored"] for rank, evs in cap.batches}
     assert by_rank[0] == [([200, 201], "lora-0")]
     assert by_rank[1] == [([200], "lora-0")]
+
+
+def test_a_refused_dp_rank_gets_no_adapter_map() -> None:
+    # Not strict: a refused rank is counted, not raised.
+    sink = KvEventSink(Capture(), block_size=2, prefix_closed=True, max_dp_ranks=2)
+    sink.name_lora_root(200, 0)
+    sink.ingest([stored(None, (200, SYS), rank=5), stored(None, (200, SYS), rank=1)])
+    assert sink.stats()["unknown_dp_rank_events"] == 1
+    assert set(sink._lora._blocks) == {1}  # state only for the ranks the sink keeps
 
 
 def test_bounded_maps_count_what_they_forget() -> None:

@@ -32,7 +32,7 @@ TensorRT-LLM's KV-event dispatch thread). O(1) per event and per removed hash; b
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
@@ -52,6 +52,8 @@ def _wire(value: Any, what: str) -> int:
     if type(value) is int and _I64_MIN <= value <= _I64_MAX:
         return value
     return signed_hash(value, what)
+
+
 COUNTERS = ("lora_named_blocks", "lora_unnamed_blocks", "lora_unnamed_removes",
             "lora_names_evicted")
 
@@ -60,18 +62,22 @@ class LoraNames:
     """Root names from the leader; the adapter of each stored adapter block, per dp rank.
 
     ``counters`` is the sink's counter dict (the :data:`COUNTERS` keys are added);
+    ``accepts_rank`` says whether the sink keeps state for an event's ``attention_dp_rank``
+    (an event of a refused rank passes as it is: the sink counts it, and no map is made);
     ``max_entries`` bounds each map (the oldest entry is forgotten in O(1), counted in
     ``lora_names_evicted``: a forgotten block's later children would be taken for the base
     model's, so the bound is far above any GPU pool's block count).
     """
 
-    def __init__(self, counters: dict[str, int], max_entries: int = 1 << 20) -> None:
+    def __init__(self, counters: dict[str, int], max_entries: int = 1 << 20,
+                 accepts_rank: Callable[[Any], bool] = lambda rank: rank == 0) -> None:
         if type(max_entries) is not int or max_entries < 1:
             raise ValueError(f"LoraNames: max_entries={max_entries!r} must be an integer >= 1")
         self._c = counters
         for name in COUNTERS:
             counters.setdefault(name, 0)
         self._max = max_entries
+        self._accepts_rank = accepts_rank
         self._roots: dict[int, int | None] = {}  # wire hash of a first block -> task id
         self._roots_order = EvictionOrder()
         # Per dp rank: wire hash of a published (or withheld) adapter block -> task id, or
@@ -114,6 +120,9 @@ class LoraNames:
                 rank = ev.get("attention_dp_rank")
                 if rank is None:
                     rank = default_rank
+                elif rank != default_rank and not self._accepts_rank(rank):
+                    out.append(ev)
+                    continue
                 if kind == "stored":
                     ev = self._stored(ev, data, rank)
                 elif kind == "removed":
