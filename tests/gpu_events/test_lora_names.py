@@ -160,3 +160,19 @@ def test_block_names_learn_each_adapter_apart() -> None:
         names_.extend(SYS + [13, 14], [7, 8], learned_by[task], task)
     # The same tokens under three scopes: three chains, each learned whole.
     assert learned_by == {None: [100, 101], 0: [200, 201], 1: [300, 301]}
+
+
+def test_v2_stored_block_data_names_its_adapter() -> None:
+    from types import SimpleNamespace
+
+    def block(h: int, tokens: list[int], lora: int | None) -> SimpleNamespace:
+        return SimpleNamespace(block_hash=h, tokens=[SimpleNamespace(token_id=t) for t in tokens],
+                               lora_id=lora, mm_keys=None, cache_salt=None)
+
+    sink, cap = sink_with()
+    sink.add_stored_event(None, [block(100, SYS, None), block(101, [13, 14], None)])
+    sink.add_stored_event(None, [block(200, SYS, 0), block(201, [13, 14], 0)])
+    sink.add_stored_event(300, [block(301, [13, 14], 1)])
+    sink.flush()
+    assert names(cap) == {100: (None, None), 101: (None, None), 200: (0, "lora-0"),
+                          201: (0, "lora-0"), 301: (1, "lora-1")}
