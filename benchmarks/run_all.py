@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._table import Row, print_table  # noqa: E402
 
-BENCHMARKS = ("bench_event_sink", "bench_sink_scale", "bench_consolidator",
+BENCHMARKS = ("bench_event_sink", "bench_sink_scale", "bench_lora_names", "bench_consolidator",
               "bench_consolidator_scale", "bench_tiers", "bench_transfer", "bench_router_accuracy")
 
 

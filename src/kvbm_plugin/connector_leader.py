@@ -244,7 +244,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         # as cache_salt. Either way it scopes every key, as it scopes TRT-LLM's own.
         salt = request_scope(request)
         state = _Request(req_id, salt=salt, scope=(lora_of(request), salt_of(request)),
-                         name_inputs=name_inputs(request), handle=request_handle(request))
+                         name_inputs=name_inputs(request), handle=request_handle(request),
+                         lora_root_pending=True)
         self._reqs[req_id] = state
         bs = self._block_size
         if num_computed_tokens < 0 or num_computed_tokens % bs:
@@ -510,6 +511,7 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
             valid = max(valid, state.match_base + rd.num_scheduled_tokens)
         state.reported = True
         state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
+        self._naming.name_root(state, self.event_sink)  # the sink's LoRA names
         bs = self._block_size
         if len(state.keys) < len(state.tokens) // bs:
             state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),

@@ -15,9 +15,12 @@ Rules applied on the way (see the event-sink issue): only full blocks are publis
 run stops at its first partial block, and that block's later removal is suppressed); only the
 routing attention window is published (the largest, unless configured); consecutive stored
 blocks of one chain are coalesced into one ``BlockStored``; order is preserved; ``created`` and
-``updated`` are counted, never turned into stores or removes. Removals are never dropped except
-by the partial-block rule (and, for sliding-window models, when they belong to a window that is
-not published at all). Every drop is counted in :meth:`KvEventSink.stats` and logged
+``updated`` are counted, never turned into stores or removes; a store whose event names no
+LoRA adapter (TensorRT-LLM's serializer writes no ``lora_id``) takes the adapter the leader
+named for its chain (:meth:`KvEventSink.name_lora_root`, :mod:`kvbm_plugin.gpu_events.lora_names`:
+once an adapter was seen, a chain nobody named is withheld and counted). Removals are never
+dropped except by the partial-block rule (and, for sliding-window models, when they belong to a
+window that is not published at all). Every drop is counted in :meth:`KvEventSink.stats` and logged
 rate-limited.
 
 ``ingest`` has two loops with one behaviour: the Python loop (the reference) and, when the
@@ -59,6 +62,7 @@ from kvbm_plugin.gpu_events.fields import (
     parse_token_ids,
     signed_hash,
 )
+from kvbm_plugin.gpu_events.lora_names import LoraNames
 from kvbm_plugin.gpu_events.rank import Rank, add_child, children, native_rank_type
 from kvbm_plugin.gpu_events.v2_hooks import V2Hooks
 from kvbm_plugin.wire.events import (
@@ -171,6 +175,10 @@ class KvEventSink(V2Hooks):
             "unknown_dp_rank_events", "orphan_stores_dropped", "duplicate_stores_dropped",
             "cascade_removes",
         ), 0)
+        # The adapter of stores whose events name none (TensorRT-LLM's serializer writes no
+        # lora_id): named by the leader, written into the events before the loops read them.
+        self._lora = LoraNames(self._c, accepts_rank=lambda rank: type(rank) is int and (
+            0 <= rank < self._max_dp_ranks or rank in self._rank_publishers))
 
     # ---- dict input (buffered path) -------------------------------------------------------
 
@@ -184,6 +192,8 @@ class KvEventSink(V2Hooks):
         """
         native = self._native
         with self._lock:
+            if self._lora.active:
+                events = self._lora.annotate(list(events), self.data_parallel_rank)
             if native is None or type(events) is not list:
                 self._ingest_locked(events)
                 return
@@ -427,6 +437,15 @@ class KvEventSink(V2Hooks):
                 parent = hashes[end - 1]
                 start = end
 
+    def name_lora_root(self, block_hash: int, lora_task_id: int | None) -> None:
+        """TensorRT-LLM's (wire) hash of a request's first block and the request's LoRA task
+        id (None: the base model); see :mod:`kvbm_plugin.gpu_events.lora_names`.
+
+        Called by the leader (executor thread) for each request once its first block is full,
+        before TensorRT-LLM can store it. O(1), one short lock."""
+        with self._lock:
+            self._lora.name_root(block_hash, lora_task_id)
+
     # ---- shared batch building (lock held) -------------------------------------------------
 
     def _new_rank(self, rank: Any) -> Rank | None:
@@ -615,6 +634,7 @@ class KvEventSink(V2Hooks):
             rs.live_keys.clear()
             rs.published.clear()
             rs.kids.clear()
+            self._lora.clear(rank)
             self._c["cleared"] += 1
 
     def flush(self) -> bool:

@@ -312,6 +312,19 @@ def test_passthrough_mode_forwards_tier_media(ipc_dir, start, raw_rank):
     assert sorted(media) == ["CPU", "GPU"]
 
 
+@pytest.mark.parametrize("mode", ["dedup", "passthrough"])
+def test_a_tier_store_names_its_adapter_as_a_router_reads_it(ipc_dir, start, mode):
+    config = make_config(ipc_dir, replay=False, mode=mode)
+    consolidator = start(config)
+    consolidator.register_store("CPU", 0, 1, None, toks(1), BS, lora_id=0)
+    consolidator.register_store("CPU", 0, 2, None, toks(1), BS)
+    wait_for(lambda: consolidator.stats()["registrations"] == 2)
+    assert consolidator.wait_idle(10.0)
+    names = {h: (e.lora_id, e.lora_name) for b in read_output(config) for e in b.events
+             for h in e.block_hashes}
+    assert names == {1: (0, "lora-0"), 2: (None, None)}  # task id 0 is an adapter
+
+
 # ---------------------------------------------------------------------- gaps
 
 

@@ -190,8 +190,8 @@ def test_block_names_evict_their_oldest_without_walking_the_tables() -> None:
         names.observe(0, [{"type": "BlockStored", "block_hashes": [h], "parent_block_hash": None,
                            "token_ids": [h, 0], "block_size": BS}])
     assert len(names._by_content) == 50
-    assert dict.get(names._by_content, (None, (200, 0))) == 200
-    assert dict.get(names._by_content, (None, (150, 0))) is None
+    assert dict.get(names._by_content, (None, (200, 0), None)) == 200
+    assert dict.get(names._by_content, (None, (150, 0), None)) is None
     for base in (1000, 2000):  # two keys per named block: 100 keys for a table of 50
         for h in range(151, 201):
             learned: list[int] = []

@@ -1,9 +1,10 @@
-"""LoRA adapters and cache salts as NVIDIA Dynamo's real indexer reads them: the event sink's
-wire events (both ingest loops), encoded by the plugin's codec, fed to the indexer.
+"""LoRA adapters and cache salts as NVIDIA Dynamo's real indexer reads them.
 
-TensorRT-LLM's simulated engine runs no adapters, so these events are TensorRT-LLM-shaped
+The hand-made test feeds the event sink (both ingest loops) TensorRT-LLM-shaped
 ``stored``/``removed`` dicts with a per-event ``lora_id`` (task ids 0 and 7) and per-block
-``cache_salt_id`` (the C++ request's salt), as the sink receives them.
+``cache_salt_id`` (the C++ request's salt), and the indexer the wire events out of it. The
+engine tests (tests/interop/test_dynamo_lora_engine.py) run LoRA requests through the simulated
+engine, whose serialized events carry no ``lora_id`` at all, as upstream's.
 """
 
 from __future__ import annotations

@@ -28,9 +28,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
-from kvbm_plugin.connector.block_hash import std_string_hash, v1_chain
+from kvbm_plugin.connector.block_hash import std_string_hash, v1_block_hash, v1_chain
 from kvbm_plugin.connector.requests import RequestState
 from kvbm_plugin.gpu_events.block_names import BlockNames
+from kvbm_plugin.wire.events import to_signed_int64
 
 logger = logging.getLogger(__name__)
 
@@ -121,10 +122,37 @@ class BlockNaming:
             if rule in self.confirmed and index < len(state.computed):
                 return state.computed[index]
         if self.learning and index >= len(state.learned) and not state.event_hashes:
-            self.names.extend(state.tokens, state.keys, state.learned)
+            self.names.extend(state.tokens, state.keys, state.learned, state.scope[0])
         if index < len(state.learned):
             return state.learned[index]
         return None
+
+    def root_hash(self, state: RequestState) -> int | None:
+        """TRT-LLM's hash of the request's first block, as best known (for the event sink's
+        LoRA names, :mod:`kvbm_plugin.gpu_events.lora_names`): handed over, else the V1 hash
+        under the request's inputs, confirmed or not (a wrong one names no block the events
+        store: that chain is then counted as unnamed, never misnamed); None when neither."""
+        if state.event_hashes:
+            return int(state.event_hashes[0])
+        if state.computed:
+            return state.computed[0]
+        inputs: NameInputs | None = state.name_inputs
+        if inputs is None or inputs.why_not is not None or len(state.tokens) < self._bs:
+            return None
+        return v1_block_hash(state.tokens[:self._bs], None, salt=inputs.salt,
+                             lora_task_id=inputs.lora)
+
+    def name_root(self, state: RequestState, sink: Any) -> None:
+        """Tell the event sink (``KvEventSink.name_lora_root``) the request's first-block hash
+        and LoRA task id, once, as soon as the hash is known; a request whose adapter the
+        leader did not read from its object (``lora_root_pending`` unset) is never named.
+        Called by the leader for each reported request (``build_connector_meta``)."""
+        if not state.lora_root_pending or sink is None:
+            return
+        root = self.root_hash(state)
+        if root is not None:
+            state.lora_root_pending = False
+            sink.name_lora_root(to_signed_int64(root), state.scope[0])
 
     def _compute(self, state: RequestState, n_blocks: int) -> None:
         done = len(state.computed)
@@ -146,7 +174,7 @@ class BlockNaming:
         for state in states:
             if state.event_hashes or len(state.learned) >= len(state.keys):
                 continue
-            self.names.extend(state.tokens, state.keys, state.learned)
+            self.names.extend(state.tokens, state.keys, state.learned, state.scope[0])
             rule = self._rule(state)
             if rule is None:
                 continue

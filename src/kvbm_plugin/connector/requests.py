@@ -31,6 +31,9 @@ class RequestState:
     computed: list[int] = field(default_factory=list)
     name_inputs: Any = None
     learned: list[int] = field(default_factory=list)  # TRT-LLM's hashes seen in GPU events
+    # The event sink is still to be told its first block's hash and LoRA adapter: only for a
+    # request whose object the leader read the adapter from (RequestData names none).
+    lora_root_pending: bool = False
     offload_next: int = 0  # first block index not yet considered for offload
     valid_tokens: int = 0  # tokens whose KV exists after the last scheduled forward
     match_base: int | None = None  # device-computed + connector-loaded tokens at match time

@@ -62,6 +62,7 @@ from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
     normalize_medium,
 )
+from kvbm_plugin.wire.identity import lora_name
 from kvbm_plugin.wire.publisher import EventPublisher, ZmqEventPublisher, create_publisher
 from kvbm_plugin.wire.reconnect import ConnectionWatch
 
@@ -520,8 +521,10 @@ class KvEventConsolidator(StreamIngest):
             try:
                 kind, medium, dp_rank = item[0], item[1], item[2]
                 if kind == "store":
+                    # The adapter named as the GPU-tier stream names it (a router reads
+                    # lora_name, never lora_id): one identity for a block on every medium.
                     core.store(SOURCE_TIERS, medium, dp_rank, [item[3]], item[4], item[5],
-                               item[6], item[7], None, item[8])
+                               item[6], item[7], lora_name(item[7]), item[8])
                 elif kind == "remove":
                     core.remove(SOURCE_TIERS, medium, dp_rank, item[3])
                 else:

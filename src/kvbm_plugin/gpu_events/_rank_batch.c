@@ -106,13 +106,23 @@ int rb_grow(void **buf, Py_ssize_t *cap, Py_ssize_t need, size_t item) {
     return 0;
 }
 
+/* An adapter's ``lora_name`` as msgpack (identity.lora_name: "lora-<task id>", at most 25
+ * characters, a fixstr). */
+static unsigned char *w_lora_name(unsigned char *p, uint64_t lora) {
+    char buf[32];
+    int n = snprintf(buf, sizeof buf, "lora-%llu", (unsigned long long)lora);
+    *p++ = (unsigned char)(0xa0 | n);
+    memcpy(p, buf, (size_t)n);
+    return p + n;
+}
+
 /* Write the open event out, as the msgpack of the map the Python code builds for it, at the
  * end of the run of encoded events. */
 static int seal_run(RankBatch *rb) {
     Py_ssize_t nh = rb->n_hashes, nt = rb->n_tokens, j;
     unsigned char *p;
     if (rb->open == OPEN_NONE) return 0;
-    if (rb_grow((void **)&rb->run, &rb->cap_run, rb->n_run + 160 + 9 * nh + 5 * nt, 1) < 0)
+    if (rb_grow((void **)&rb->run, &rb->cap_run, rb->n_run + 192 + 9 * nh + 5 * nt, 1) < 0)
         return -1;
     p = (unsigned char *)rb->run + rb->n_run;
     if (rb->open == OPEN_STORED) {
@@ -132,7 +142,7 @@ static int seal_run(RankBatch *rb) {
         if (rb->has_lora) p = w_uint(p, rb->lora); else *p++ = NIL;
         W_STR(p, "medium"); W_STR(p, "GPU");
         W_STR(p, "lora_name");
-        *p++ = NIL;
+        if (rb->has_lora) p = w_lora_name(p, rb->lora); else *p++ = NIL;
     } else {
         *p++ = 0x83;
         W_STR(p, "type"); W_STR(p, "BlockRemoved");
@@ -168,7 +178,8 @@ static int flush_run(RankBatch *rb) {
 /* The open event as the map the Python code builds (new reference, untracked: it holds only
  * str, int and None and its two int lists). */
 static PyObject *open_as_map(RankBatch *rb) {
-    PyObject *hashes = NULL, *tokens = NULL, *parent = NULL, *lora = NULL, *ev = NULL;
+    PyObject *hashes = NULL, *tokens = NULL, *parent = NULL, *lora = NULL, *name = NULL;
+    PyObject *ev = NULL;
     Py_ssize_t j;
     hashes = PyList_New(rb->n_hashes);
     if (hashes == NULL) goto done;
@@ -192,13 +203,16 @@ static PyObject *open_as_map(RankBatch *rb) {
     PyObject_GC_UnTrack(tokens);
     parent = rb->has_parent ? PyLong_FromLongLong(rb->parent) : Py_NewRef(Py_None);
     lora = rb->has_lora ? PyLong_FromUnsignedLongLong(rb->lora) : Py_NewRef(Py_None);
-    if (parent == NULL || lora == NULL) goto done;
-    ev = stored_map(hashes, parent, tokens, rb->block_size_obj, lora, S_GPU, Py_None);
+    name = rb->has_lora ? PyUnicode_FromFormat("lora-%llu", (unsigned long long)rb->lora)
+                        : Py_NewRef(Py_None);
+    if (parent == NULL || lora == NULL || name == NULL) goto done;
+    ev = stored_map(hashes, parent, tokens, rb->block_size_obj, lora, S_GPU, name);
 done:
     Py_XDECREF(hashes);
     Py_XDECREF(tokens);
     Py_XDECREF(parent);
     Py_XDECREF(lora);
+    Py_XDECREF(name);
     if (ev != NULL) PyObject_GC_UnTrack(ev);
     return ev;
 }

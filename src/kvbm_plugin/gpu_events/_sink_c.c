@@ -116,7 +116,8 @@ static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed
     PyObject *blocks, *block, *tokens, *raw, *parent, *lora_id, *h_obj = NULL, *p_obj = NULL;
     Py_ssize_t j, bs = rb->block_size;
     int64_t hv, pv = 0;
-    int r, has_parent;
+    int r, has_parent, has_lora;
+    unsigned long long lora = 0;
 
     if ((r = get_item(data, K_blocks, &blocks, 1)) != TAKE) return r;
     if (!PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != 1) return LEAVE;
@@ -140,9 +141,17 @@ static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed
             return LEAVE;
     }
     if ((r = get_item(data, K_lora_id, &lora_id, 0)) != TAKE) return r;
-    /* A store of an adapter (task id 0 included) goes out with its lora_name, which the
-     * Python loop writes: only base-model stores are taken here. */
-    if (lora_id != NULL && lora_id != Py_None) return LEAVE;
+    /* An adapter's store (task id 0 included; an event-level u64 task id, as the LoRA names
+     * write it) goes out with its lora_name; any other lora_id is the Python loop's. */
+    has_lora = lora_id != NULL && lora_id != Py_None;
+    if (has_lora) {
+        if (!PyLong_CheckExact(lora_id)) return LEAVE;
+        lora = PyLong_AsUnsignedLongLong(lora_id);
+        if (lora == (unsigned long long)-1 && PyErr_Occurred()) {
+            PyErr_Clear(); /* negative or too large: the Python loop reports it */
+            return LEAVE;
+        }
+    }
     if ((r = get_item(data, K_parent_hash, &parent, 0)) != TAKE) return r;
     has_parent = parent != NULL && parent != Py_None;
     if (has_parent && (r = wire_value(parent, &pv)) != TAKE) return r;
@@ -175,7 +184,7 @@ static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed
         r = FAIL;
         goto done;
     }
-    r = rb_append_store(rb, hv, has_parent, pv, 0, 0);
+    r = rb_append_store(rb, hv, has_parent, pv, has_lora, (uint64_t)lora);
     if (r < 0) { r = FAIL; goto done; }
     *n_stores += r;
     r = TAKE;

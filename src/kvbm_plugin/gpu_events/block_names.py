@@ -3,8 +3,11 @@
 Where ``RequestData.block_hashes`` is absent (released versions up to 1.2.x, and every
 KVCacheManagerV2), the connector is never told which hash TensorRT-LLM gives a block. Its GPU-tier
 events name each stored block with its parent's hash and its tokens, though, and a request's
-blocks form the same chain. :class:`BlockNames` remembers ``(parent hash, tokens) -> hash`` from
-the events the leader publishes, walks a request's chain through it, and lets the leader name its
+blocks form the same chain. :class:`BlockNames` remembers ``(parent hash, tokens, LoRA task id)
+-> hash`` from
+the events the leader publishes (the task id as the event sink names it,
+:mod:`kvbm_plugin.gpu_events.lora_names`: two adapters' first blocks with the same tokens are
+two entries), walks a request's chain through it, and lets the leader name its
 host/disk copies by TensorRT-LLM's hash, so a router sees one name per block across media. Both
 tables are bounded; at the bound the oldest entry is forgotten in O(1) (see
 :mod:`kvbm_plugin.gpu_events.bounded`).
@@ -25,12 +28,13 @@ AMBIGUOUS = -1  # one (parent, tokens) seen under two hashes (e.g. salts the eve
 
 
 class BlockNames:
-    """``(parent hash, tokens) -> hash`` from stored GPU events, and content key -> hash."""
+    """``(parent hash, tokens, LoRA task id) -> hash`` from stored GPU events, and content key
+    -> hash."""
 
     def __init__(self, block_size: int, max_entries: int = 1 << 20) -> None:
         self._block_size = block_size
         self._max = max_entries
-        self._by_content: dict[tuple[int | None, tuple[int, ...]], int] = {}
+        self._by_content: dict[tuple[int | None, tuple[int, ...], int | None], int] = {}
         self._by_key: dict[int, int] = {}  # the plugin's content key -> TRT-LLM's hash
         # Insertion order of each table (entries leave only by eviction, so it is exact).
         self._content_order = EvictionOrder()
@@ -51,9 +55,10 @@ class BlockNames:
             tokens = ev["token_ids"]
             parent = ev["parent_block_hash"]
             parent = None if parent is None else to_unsigned_u64(parent)
+            lora = ev.get("lora_id")
             for j, h in enumerate(ev["block_hashes"]):
                 h = to_unsigned_u64(h)
-                k = (parent, tuple(tokens[j * bs:(j + 1) * bs]))
+                k = (parent, tuple(tokens[j * bs:(j + 1) * bs]), lora)
                 old = known.get(k)
                 if old is None:
                     known[k] = h
@@ -64,15 +69,18 @@ class BlockNames:
                     known[k] = AMBIGUOUS
                 parent = h
 
-    def extend(self, tokens: Sequence[int], keys: Sequence[int], learned: list[int]) -> None:
+    def extend(self, tokens: Sequence[int], keys: Sequence[int], learned: list[int],
+               lora: int | None = None) -> None:
         """Extend ``learned`` (TRT-LLM's hashes of a request's first blocks) along the
         request's full blocks as far as the events named them; each block's content key
-        (``keys[i]``) is mapped to its hash for :meth:`rename`."""
+        (``keys[i]``) is mapped to its hash for :meth:`rename`. ``lora``: the request's LoRA
+        task id (None: the base model)."""
         bs = self._block_size
         known = self._by_content
         i = len(learned)
         while i < len(keys):
-            h = known.get((learned[i - 1] if i else None, tuple(tokens[i * bs:(i + 1) * bs])))
+            h = known.get((learned[i - 1] if i else None, tuple(tokens[i * bs:(i + 1) * bs]),
+                           lora))
             if h is None or h == AMBIGUOUS:
                 return
             learned.append(h)

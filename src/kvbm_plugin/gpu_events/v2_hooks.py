@@ -16,6 +16,7 @@ from kvbm_plugin.gpu_events.fields import (
     STORED,
     block_extra_keys,
     parse_hash,
+    parse_lora_id,
     radix_key_hash,
 )
 from kvbm_plugin.wire.events import MEDIUM_GPU, event_count
@@ -160,7 +161,9 @@ class V2Hooks:
 
     def add_stored_event(self, parent_hash: Any, blocks: Sequence[Any],
                          layer_group_id: int | None = None) -> None:
-        """V2 hook: stored blocks as ``KVCacheStoredBlockData`` (``.block_hash``, ``.tokens``)."""
+        """V2 hook: stored blocks as ``KVCacheStoredBlockData`` (``.block_hash``, ``.tokens``,
+        and ``.lora_id``, the C++ ``loraId``: a LoRA task id goes out as the block's
+        ``lora_name``, task 0 included)."""
         try:
             groups = self._routing_groups
             if groups is not None and layer_group_id is not None and \
@@ -172,6 +175,7 @@ class V2Hooks:
             hashes: list[int] = []
             tokens: list[Any] = []
             extras: list[Any] = []  # per-block mm_keys / cache_salt (KVCacheStoredBlockData)
+            loras: list[int | None] = []
             for i, b in enumerate(blocks):
                 h = parse_hash(b.block_hash, "block_hash")
                 btok = b.tokens
@@ -183,11 +187,19 @@ class V2Hooks:
                 hashes.append(h)
                 tokens.extend(t.token_id if hasattr(t, "token_id") else t for t in btok)
                 extras.append(block_extra_keys(b))
+                loras.append(parse_lora_id(getattr(b, "lora_id", None)))
             if hashes:
                 for h in hashes:
                     rs.suppressed.pop(h, None)
                     rs.live.setdefault(h, None)
-                self._store(rs, hashes, parent, tokens, None, extras, closed=False)
+                bs = self.block_size
+                start = 0  # one store per run of one adapter; the chain goes on across runs
+                for end in range(1, len(hashes) + 1):
+                    if end == len(hashes) or loras[end] != loras[start]:
+                        self._store(rs, hashes[start:end], parent, tokens[start * bs:end * bs],
+                                    loras[start], extras[start:end], closed=False)
+                        parent = hashes[end - 1]
+                        start = end
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             self._malformed(exc, blocks)
 

@@ -30,7 +30,10 @@ manager. :meth:`SimulatedEngine.step` lists the order of one pass.
 * KV events are C++-like objects (``testing.kv_events``), readable only after the pass's
   ``flush_iteration_events``; with ``trtllm_event_reader=True`` TRT-LLM's KV-event dispatch
   thread reads them concurrently, as ``LLM.get_kv_cache_events`` does. Block hashes are
-  TRT-LLM's V1 hashes (``connector.block_hash``).
+  TRT-LLM's V1 hashes (``connector.block_hash``) under the request's cache salt and LoRA task
+  id (``submit(lora_task_id=...)``; task 0 is an adapter): an adapter's blocks are its own in
+  the pool, and their serialized events name no adapter (upstream's serializer writes no
+  ``lora_id``).
 
 The GPU pool reuses prefixes, evicts LRU leaf blocks, and records TRT-LLM-shaped KV events
 (unsigned hashes, partial blocks, removals). The forward writes ``f(position, layer, kv, head,
@@ -149,6 +152,7 @@ class _Req:
     prompt: list[int]
     max_new: int
     salt: str | None
+    lora: int | None = None  # the LoRA task id (0 is an adapter too); None: the base model
     tokens: list[int] = field(default_factory=list)  # every token the device has
     host_len: int = 0  # tokens the request object shows (lags by one with overlap)
     state: str = WAITING
@@ -278,8 +282,13 @@ class SimulatedEngine:
     # ------------------------------------------------------------------ public API
 
     def submit(self, prompt_tokens: list[int], max_new_tokens: int = 1, *,
-               cache_salt: str | None = None) -> int:
-        """Queue a request; returns its id."""
+               cache_salt: str | None = None, lora_task_id: int | None = None) -> int:
+        """Queue a request; returns its id. ``lora_task_id``: the request's LoRA adapter, as
+        TensorRT-LLM's ``LoRARequest.lora_int_id`` (task id 0 is an adapter like any other);
+        None for the base model."""
+        if lora_task_id is not None and (type(lora_task_id) is not int
+                                         or not 0 <= lora_task_id < 1 << 64):
+            raise ValueError(f"lora_task_id={lora_task_id!r} is not None or a u64 integer")
         if len(prompt_tokens) < 1 or max_new_tokens < 1:
             raise ValueError("a request needs at least one prompt token and one new token")
         needed = -(-(len(prompt_tokens) + max_new_tokens) // self.block_size)
@@ -290,6 +299,7 @@ class SimulatedEngine:
                              f"num_gpu_blocks={self.config.num_gpu_blocks}")
         req_id = next(self._ids)
         self._reqs[req_id] = _Req(req_id, list(prompt_tokens), max_new_tokens, cache_salt,
+                                  lora_task_id,
                                   tokens=list(prompt_tokens), host_len=len(prompt_tokens))
         self._order.append(req_id)
         self._live[req_id] = self._reqs[req_id]
@@ -532,7 +542,7 @@ class SimulatedEngine:
         for r in new:  # inside C++ add_sequence_batch: every query first
             # The C++ request the connector sees carries the salt as its id only.
             r.llm_request = LlmRequest(r.id, list(r.tokens), cache_salt_id=(
-                None if r.salt is None else cache_salt_id(r.salt)))
+                None if r.salt is None else cache_salt_id(r.salt)), lora_task_id=r.lora)
             r.llm_request.context_current_position = r.computed
             before = self.leader.stats()
             n_conn = manager.get_num_new_matched_tokens(r.llm_request, r.computed)
@@ -585,7 +595,7 @@ class SimulatedEngine:
         while len(chain) < n_blocks:
             i = len(chain)
             chain.append(trtllm_block_hash(chain[-1] if chain else None,
-                                           r.tokens[i * bs:(i + 1) * bs], r.salt))
+                                           r.tokens[i * bs:(i + 1) * bs], r.salt, r.lora))
         return chain[:n_blocks]
 
     def _ensure_blocks(self, r: _Req, tokens: int) -> None:
@@ -678,7 +688,7 @@ class SimulatedEngine:
             full = len(r.prompt) // bs
             hashes = self._hashes(r, full)
             self.pool.store_blocks(r.blocks, [(hashes[i], r.tokens[i * bs:(i + 1) * bs])
-                                              for i in range(full)], 0, r.salt)
+                                              for i in range(full)], 0, r.salt, r.lora)
 
     def _free(self, r: _Req) -> None:
         """``free_resources`` → C++ ``releaseBlocks``: every block with KV is stored for reuse
@@ -693,9 +703,9 @@ class SimulatedEngine:
             keys = [(hashes[j], r.tokens[j * bs:(j + 1) * bs]) for j in range(n_full)]
             if valid % bs and n_full < len(r.blocks):
                 tokens = r.tokens[n_full * bs:valid]
-                keys.append((trtllm_block_hash(hashes[-1] if hashes else None, tokens, r.salt),
-                             tokens))
-            self.pool.store_blocks(r.blocks, keys, 0, r.salt)
+                keys.append((trtllm_block_hash(hashes[-1] if hashes else None, tokens, r.salt,
+                                               r.lora), tokens))
+            self.pool.store_blocks(r.blocks, keys, 0, r.salt, r.lora)
         for b in reversed(r.blocks):  # last block first, as TRT-LLM's releaseBlocks
             self.pool.release(b)
         self._outstanding -= r.reserved

@@ -159,7 +159,9 @@ class KVCacheStoredBlockData:
     tokens: list[UniqueToken]
     cache_level: int = 0
     priority: int = 35
-    lora_id: int | None = None  # present in C++; upstream's serializer does not write it
+    # C++ ``loraId`` (cpp/include/tensorrt_llm/executor/executor.h @ 879039f6); upstream's
+    # serializer does not write it
+    lora_id: int | None = None
     mm_keys: list[Any] | None = None  # newer revisions (serialized when present)
     cache_salt: str | None = None  # newer revisions (serialized when present)
 

@@ -126,14 +126,18 @@ class GpuPool:
                 self.free.append(block)
 
     def store_blocks(self, blocks: list[int], keys: list[tuple[int, list[int]]],
-                     first: int = 0, cache_salt: str | None = None) -> None:
+                     first: int = 0, cache_salt: str | None = None,
+                     lora_task_id: int | None = None) -> None:
         """Upstream ``storeBlocks`` for a sequence's blocks ``blocks[i]`` with block keys
         ``keys[i] = (hash, tokens)`` (the last may be partial), of which ``first..`` are new.
 
         The walk starts at the deepest ``first`` whose parent is still cached (usually
         ``first`` itself: the parent was stored in an earlier iteration); cached keys are
         traversed and the rest inserted under the last match, as one ``stored`` event. A
-        salted block's event carries ``cache_salt`` per block, as newer TRT-LLM's do.
+        salted block's event carries ``cache_salt`` per block, as newer TRT-LLM's do. A LoRA
+        block's record carries its task id as ``lora_id``, as the C++ ``KVCacheStoredBlockData``
+        does (``loraId``); TensorRT-LLM's serializer leaves it out of the dicts (see
+        ``fake_trtllm.KVCacheEventSerializer``).
         """
         n = min(len(blocks), len(keys))
         while first > 0 and keys[first - 1][0] not in self.by_hash:
@@ -164,6 +168,8 @@ class GpuPool:
                 "cache_level": 0, "priority": 35})
             if cache_salt is not None:
                 stored[-1]["cache_salt"] = cache_salt
+            if lora_task_id is not None:
+                stored[-1]["lora_id"] = lora_task_id
             parent = block
         if stored:
             self._emit({"type": "stored", "blocks": stored, "parent_hash":
