@@ -1,0 +1,109 @@
+"""Shared-tier configuration: MOONCAKE_CONFIG_PATH filling the unset variables (a conflict
+named), the store chosen by entry point, and the stores' start-up errors. No server needed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin._util.plugins import TIERS_GROUP, get_plugin
+from kvbm_plugin.consolidator_config import ConfigError, load_shared_settings
+from kvbm_plugin.tiers.shared.factory import store_class
+from kvbm_plugin.tiers.shared.mooncake import MooncakeStore, apply_mooncake_config
+from kvbm_plugin.tiers.shared.redis_store import RedisStore, redis_url
+
+BASE_ENV = {cc.SHARED_TIER: "mooncake", cc.SHARED_MODEL_KEY: "m"}
+CONFIG = {"local_hostname": "10.0.0.7", "metadata_server": "P2PHANDSHAKE",
+          "global_segment_size": "2gb", "local_buffer_size": 536870912, "protocol": "rdma",
+          "device_name": "mlx5_0", "master_server_address": "10.0.0.1:50051"}
+
+
+def _resolve(tmp_path: Path, config: object, **env: str) -> cc.SharedSettings:
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(config))
+    full = {**BASE_ENV, cc.MOONCAKE_CONFIG_PATH: str(path), **env}
+    settings = load_shared_settings(full)
+    assert settings is not None
+    return apply_mooncake_config(settings, full)
+
+
+def test_the_file_fills_every_unset_variable(tmp_path: Path) -> None:
+    settings = _resolve(tmp_path, CONFIG)
+    assert (settings.address, settings.metadata_server, settings.protocol, settings.device,
+            settings.local_hostname) == ("10.0.0.1:50051", "P2PHANDSHAKE", "rdma", "mlx5_0",
+                                         "10.0.0.7")
+    assert settings.segment_bytes == 2 << 30 and settings.buffer_bytes == 512 << 20
+
+
+def test_a_variable_that_agrees_with_the_file_is_fine(tmp_path: Path) -> None:
+    settings = _resolve(tmp_path, CONFIG, **{cc.SHARED_ADDRESS: "10.0.0.1:50051",
+                                              cc.SHARED_SEGMENT_GB: "2"})
+    assert settings.address == "10.0.0.1:50051" and settings.segment_bytes == 2 << 30
+
+
+@pytest.mark.parametrize(("variable", "value", "key"), [
+    (cc.SHARED_ADDRESS, "10.0.0.2:50051", "master_server_address"),
+    (cc.SHARED_PROTOCOL, "tcp", "protocol"),
+    (cc.SHARED_SEGMENT_GB, "1", "global_segment_size"),
+    (cc.SHARED_BUFFER_GB, "0.25", "local_buffer_size"),
+])
+def test_a_conflict_names_both(tmp_path: Path, variable: str, value: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=f"{variable}='{value}' conflicts with {key}=.* in "
+                       f"{cc.MOONCAKE_CONFIG_PATH}="):
+        _resolve(tmp_path, CONFIG, **{variable: value})
+
+
+def test_without_the_file_nothing_changes() -> None:
+    settings = load_shared_settings(BASE_ENV)
+    assert settings is not None and apply_mooncake_config(settings, BASE_ENV) is settings
+
+
+@pytest.mark.parametrize("config", ["not json", "[1, 2]", {"global_segment_size": "lots"}])
+def test_an_unusable_file_names_the_variable(tmp_path: Path, config: object) -> None:
+    path = tmp_path / "mooncake.json"
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    env = {**BASE_ENV, cc.MOONCAKE_CONFIG_PATH: str(path)}
+    settings = load_shared_settings(env)
+    assert settings is not None
+    with pytest.raises(ConfigError, match=cc.MOONCAKE_CONFIG_PATH):
+        apply_mooncake_config(settings, env)
+
+
+def test_a_missing_file_names_the_variable(tmp_path: Path) -> None:
+    env = {**BASE_ENV, cc.MOONCAKE_CONFIG_PATH: str(tmp_path / "absent.json")}
+    settings = load_shared_settings(env)
+    assert settings is not None
+    with pytest.raises(ConfigError, match=f"{cc.MOONCAKE_CONFIG_PATH}=.*absent.json"):
+        MooncakeStore(settings, env=env)
+
+
+def test_the_store_is_chosen_by_entry_point() -> None:
+    assert get_plugin(TIERS_GROUP, "mooncake") is MooncakeStore
+    assert get_plugin(TIERS_GROUP, "redis") is RedisStore
+    assert store_class("redis") is RedisStore
+    with pytest.raises(ConfigError, match=f"{cc.SHARED_TIER}='host' names .*HostTier, an "
+                       "offload tier, not a shared store"):
+        store_class("host")
+    with pytest.raises(ConfigError, match=f"{cc.SHARED_TIER}='s3': no entry point named 's3'"):
+        store_class("s3")
+
+
+def test_mooncake_settings_are_checked_before_connecting() -> None:
+    with pytest.raises(ConfigError, match=f"{cc.SHARED_ADDRESS} is unset"):
+        MooncakeStore(cc.SharedSettings(store="mooncake", model_key="m"), env={})
+    with pytest.raises(ConfigError, match=cc.SHARED_METRICS_ADDRESS):
+        MooncakeStore(cc.SharedSettings(store="mooncake", model_key="m", address="h:1",
+                                        metrics_address="h"), env={})
+    with pytest.raises(ConfigError, match=f"{cc.SHARED_SEGMENT_GB}: 1048576 bytes"):
+        MooncakeStore(cc.SharedSettings(store="mooncake", model_key="m", address="h:1",
+                                        segment_bytes=1 << 20), env={})
+
+
+@pytest.mark.parametrize(("address", "url"), [
+    ("redis://h:6379/2", "redis://h:6379/2"), ("h:6379", "redis://h:6379"),
+    ("/run/redis.sock", "unix:///run/redis.sock"), ("unix:///tmp/r.sock", "unix:///tmp/r.sock")])
+def test_redis_addresses(address: str, url: str) -> None:
+    assert redis_url(address) == url
