@@ -107,3 +107,15 @@ def test_mooncake_settings_are_checked_before_connecting() -> None:
     ("/run/redis.sock", "unix:///run/redis.sock"), ("unix:///tmp/r.sock", "unix:///tmp/r.sock")])
 def test_redis_addresses(address: str, url: str) -> None:
     assert redis_url(address) == url
+
+
+def test_a_store_that_cannot_run_fails_under_kvbm_require_shared(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from _require import VARIABLE, unavailable
+
+    monkeypatch.setenv(VARIABLE, "1")
+    with pytest.raises(pytest.fail.Exception, match=f"{VARIABLE}=1 and no binary"):
+        unavailable("no binary")
+    monkeypatch.delenv(VARIABLE)
+    with pytest.raises(pytest.skip.Exception, match="no binary"):
+        unavailable("no binary")

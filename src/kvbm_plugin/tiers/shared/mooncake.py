@@ -190,13 +190,14 @@ def master_http(metrics_address: str, path: str, timeout_s: float = PROBE_TIMEOU
 
 
 def master_http_health(metrics_address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """None when the master's ``/health`` says it serves, else why not."""
+    """None when the master's ``/health`` says it serves, else why not (naming the variable)."""
+    where = f"{cc.SHARED_METRICS_ADDRESS}={metrics_address!r}: GET /health"
     try:
         body = json.loads(master_http(metrics_address, "/health", timeout_s))
     except (OSError, ValueError) as exc:
-        return f"GET http://{metrics_address}/health: {exc}"
+        return f"{where}: {exc}"
     if not (isinstance(body, dict) and body.get("service_ready")):
-        return f"GET http://{metrics_address}/health: not serving: {body!r:.200}"
+        return f"{where}: not serving: {body!r:.200}"
     return None
 
 
