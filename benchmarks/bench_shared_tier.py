@@ -4,7 +4,7 @@ Another engine's worker (a peer process with its own Mooncake client and segment
 blocks; this process onboards them the way a worker's reader thread does, through
 ``GuardedStore(MooncakeStore).get_into`` (one batch into a registered staging arena), and the
 same blocks through a raw Mooncake ``get_into`` loop and a raw ``batch_get_into`` on the same
-client and buffers. Paired rounds (the order alternates), ratio per round, median and spread.
+client and buffers. Paired rounds (the order rotates), ratio per round, median and spread.
 
 * **Onboard**: ours / raw ``get_into`` loop throughput, target >= 0.8x (ours / raw batch is
   printed too: the cost of the layer itself).
@@ -138,8 +138,9 @@ def _onboard(guarded: Any, raw: Any, keys: list[str], arena: _Arena, rounds: int
     raw_loop()
     raw_batch()
     vs_loop, vs_batch, t_ours, t_loop = [], [], [], []
+    variants = (ours, raw_batch, raw_loop)
     for r in range(rounds):
-        order = (ours, raw_loop, raw_batch) if r % 2 else (raw_batch, raw_loop, ours)
+        order = variants[r % 3:] + variants[:r % 3]  # each position equally often
         times = {fn.__name__: fn() for fn in order}
         vs_loop.append(times["raw_loop"] / times["ours"])  # throughput ratio ours / raw
         vs_batch.append(times["raw_batch"] / times["ours"])
@@ -257,7 +258,7 @@ def run(quick: bool = False, blocks: int | None = None, block_mib: int = 2) -> l
     from kvbm_plugin.tiers.shared.mooncake import MooncakeStore
 
     n = blocks or (16 if quick else 64)
-    rounds = 3 if quick else 7
+    rounds = 3 if quick else 9
     block = block_mib << 20
     with tempfile.TemporaryDirectory(prefix="bench-shared-") as tmp:
         master = MooncakeMaster(tmp).start()

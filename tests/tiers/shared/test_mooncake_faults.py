@@ -38,9 +38,13 @@ def test_master_stopped_and_restarted(mooncake_master: Any, mooncake_store_facto
     # The first call pays Mooncake's reconnect attempt (or returns -900 at once); from the
     # call that opens the breaker on, nothing waits on the dead master.
     deadline = time.monotonic() + 30
+    took = []
     while guarded.available:
         assert time.monotonic() < deadline, "the breaker never opened"
+        started = time.monotonic()
         assert guarded.exists(keys) == [UNAVAILABLE] * 4
+        took.append(time.monotonic() - started)
+    assert len(took) <= 3 and sum(t > 1.0 for t in took) <= 1, took  # one slow call at most
     started = time.monotonic()
     for _ in range(50):
         assert guarded.exists(keys) == [UNAVAILABLE] * 4

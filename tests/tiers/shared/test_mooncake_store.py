@@ -214,3 +214,28 @@ def test_a_bad_address_names_the_variable(address: str) -> None:
     with pytest.raises(ConfigError, match=cc.SHARED_ADDRESS):
         MooncakeStore(cc.SharedSettings(store="mooncake", model_key="m", address=address),
                       env={})
+
+
+def test_threads_share_one_client(mooncake_master: Any, mooncake_store_factory: Any) -> None:
+    """A worker's writer and reader threads call one client at once: every byte lands."""
+    import threading
+
+    store = mooncake_store_factory(mooncake_master)
+    threads, per = 4, 16
+    keys = [_keys(per, salt=f"thread{t}") for t in range(threads)]
+    arenas = [Arena(2 * per, BLOCK) for _ in range(threads)]
+    results: dict[int, tuple[list[int], list[int], bool]] = {}
+
+    def work(t: int) -> None:
+        arena = arenas[t]
+        put = store.put(keys[t], _fill(arena, keys[t]))
+        got = store.get_into(keys[t], [arena.buffer(per + i) for i in range(per)])
+        exact = all(arena.read(per + i) == payload(k, BLOCK) for i, k in enumerate(keys[t]))
+        results[t] = (put, got, exact)
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert results == {t: ([OK] * per, [BLOCK] * per, True) for t in range(threads)}
