@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -119,3 +120,63 @@ def test_a_store_that_cannot_run_fails_under_kvbm_require_shared(
     monkeypatch.delenv(VARIABLE)
     with pytest.raises(pytest.skip.Exception, match="no binary"):
         unavailable("no binary")
+
+
+THIRD_PARTY = """
+from kvbm_plugin.tiers.shared.store import SharedStore
+class Carrier(SharedStore):
+    name = "carrier"
+    def __init__(self, settings):
+        self.settings = settings
+    def exists(self, keys):
+        return [0] * len(keys)
+    def put(self, keys, buffers):
+        return [0] * len(keys)
+    def get_into(self, keys, buffers):
+        return [-1] * len(keys)
+    def health(self):
+        return None
+class NotAStore:
+    pass
+"""
+
+
+@pytest.fixture
+def tier_dist(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """An installed-looking distribution with entry points in the tiers group."""
+    import sys
+
+    from kvbm_plugin._util.plugins import load_group
+
+    def make(entry_points: str) -> None:
+        (tmp_path / "thirdparty_store.py").write_text(THIRD_PARTY)
+        info = tmp_path / "thirdparty_store-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: thirdparty-store\n"
+                                       "Version: 1.0\n")
+        (info / "entry_points.txt").write_text(f"[{TIERS_GROUP}]\n{entry_points}\n")
+        monkeypatch.syspath_prepend(str(tmp_path))
+        load_group(TIERS_GROUP, refresh=True)
+
+    yield make
+    monkeypatch.undo()
+    sys.modules.pop("thirdparty_store", None)
+    load_group(TIERS_GROUP, refresh=True)
+
+
+def test_a_third_party_store_is_opened_behind_the_breaker(tier_dist: Any) -> None:
+    from kvbm_plugin.tiers.shared.breaker import GuardedStore
+    from kvbm_plugin.tiers.shared.factory import open_store
+
+    tier_dist("carrier = thirdparty_store:Carrier")
+    store = open_store(cc.SharedSettings(store="carrier", model_key="m"))
+    assert isinstance(store, GuardedStore) and store.store.name == "carrier"
+    assert store.get_into(["k"], [(0, 1)]) == [-1] and store.stats()["get_into_missing"] == 1
+
+
+def test_an_entry_point_that_is_neither_tier_nor_store_fails(tier_dist: Any) -> None:
+    from kvbm_plugin._util.plugins import PluginLoadError
+
+    with pytest.raises(PluginLoadError, match="not a subclass of kvbm_plugin.tiers.base."
+                       "OffloadTier or kvbm_plugin.tiers.shared.store.SharedStore"):
+        tier_dist("odd = thirdparty_store:NotAStore")

@@ -4,13 +4,11 @@ client, the read lease against eviction, a full pool, and start-up errors."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import _peer
 import pytest
 from _payload import Arena, payload
 
@@ -106,12 +104,9 @@ def test_two_processes_read_each_others_writes(mooncake_master: Any,
     arena = Arena(12, BLOCK)
     store.register(arena.address, arena.nbytes)
     assert store.put(mine, _fill(arena, mine)) == [OK] * 6
-    peer = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("_peer.py")), "mooncake",
-         mooncake_master.address, json.dumps(theirs), json.dumps(mine), str(BLOCK)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    peer = _peer.start("mooncake", mooncake_master.address, theirs, mine, BLOCK)
     try:
-        report = json.loads(peer.stdout.readline() or "{}")
+        report = _peer.report(peer)
         assert report == {"put": [OK] * 6, "read": [BLOCK] * 6, "exact": True}
         # The peer's blocks live in its own segment: read over the transfer engine.
         assert store.exists(theirs) == [1] * 6

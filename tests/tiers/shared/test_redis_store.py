@@ -4,13 +4,11 @@ restarted behind the circuit breaker, and start-up errors."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import _peer
 import pytest
 from _payload import Arena, payload
 
@@ -82,12 +80,9 @@ def test_two_processes_read_each_others_writes(redis_server: Any,
     mine, theirs = _keys(4), _keys(4, salt="mm:ab")
     arena = Arena(8, BLOCK)
     assert store.put(mine, _fill(arena, mine)) == [OK] * 4
-    peer = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("_peer.py")), "redis",
-         redis_server.unix_address, json.dumps(theirs), json.dumps(mine), str(BLOCK)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    peer = _peer.start("redis", redis_server.unix_address, theirs, mine, BLOCK)
     try:
-        report = json.loads(peer.stdout.readline() or "{}")
+        report = _peer.report(peer)
         assert report == {"put": [OK] * 4, "read": [BLOCK] * 4, "exact": True}
     finally:
         peer.stdin.close()
