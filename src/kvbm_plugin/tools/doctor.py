@@ -147,6 +147,10 @@ def _mooncake_summary(metrics_address: str) -> str:
     parts = [m.group(0).strip() for pattern in (r"Mem Storage: [^|]+", r"Keys: [^|]+",
                                                 r"Clients: \d+")
              if (m := re.search(pattern, line))]
+    evicted = re.search(r"^master_evicted_key_count (\S+)$",
+                        master_http(metrics_address, "/metrics"), re.M)
+    if evicted:
+        parts.append(f"evicted keys: {float(evicted.group(1)):.0f}")
     return "; ".join(parts) or line[:200]
 
 

@@ -63,6 +63,7 @@ def test_a_master_reports_its_pool(monkeypatch: pytest.MonkeyPatch,
     check = checks["shared tier (mooncake)"]
     assert check["status"] == "ok", check
     assert "Mem Storage: 0 B / 16.00 MB" in check["detail"] and "Clients: 1" in check["detail"]
+    assert "evicted keys: 0" in check["detail"]
     # Without the metrics address: reachable, and told where the pool's report is.
     monkeypatch.delenv(cc.SHARED_METRICS_ADDRESS)
     check2 = doctor._shared_check()
