@@ -69,6 +69,8 @@ log = logging.getLogger(__name__)
 EXTRA_HINT = ("pip install 'kvbm-plugin[mooncake]' (mooncake-transfer-engine-non-cuda; a GPU "
               "machine uses mooncake-transfer-engine) and Debian's libibverbs1")
 FULL_RETRY_DELAY_S = 0.02
+# The transports Mooncake's transfer engine names (mooncake-wheel/mooncake/mooncake_config.py).
+PROTOCOLS = ("tcp", "rdma", "nvmeof", "nvlink", "nvlink_intra", "hip", "barex", "cxl", "ascend")
 MIN_SEGMENT_BYTES = 16 << 20  # smaller segments fail setup (client_buffer_allocation.cpp)
 MAX_SEGMENT_BYTES = 1 << 40
 PROBE_TIMEOUT_S = 1.0
@@ -249,6 +251,9 @@ class MooncakeStore(SharedStore):
                 <= MAX_SEGMENT_BYTES:
             raise ConfigError(f"{cc.SHARED_SEGMENT_GB}: {settings.segment_bytes} bytes; Mooncake "
                               "takes 0 (no segment) or 16 MiB .. 1 TiB")
+        if settings.protocol not in PROTOCOLS:
+            raise ConfigError(f"{cc.SHARED_PROTOCOL}={settings.protocol!r}: Mooncake transfers "
+                              f"over {', '.join(PROTOCOLS)}")
         client_type, self._config_type = import_client()
         problem = probe_tcp(self._host, self._port)
         if problem is not None:
