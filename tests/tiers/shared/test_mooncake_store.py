@@ -243,3 +243,28 @@ def test_threads_share_one_client(mooncake_master: Any, mooncake_store_factory: 
     for w in workers:
         w.join(60)
     assert results == {t: ([OK] * per, [BLOCK] * per, True) for t in range(threads)}
+
+
+def test_a_killed_writers_blocks_fail_then_miss(mooncake_master_factory: Any,
+                                                mooncake_store_factory: Any) -> None:
+    """The blocks live in their writer's segment: the writer killed, they still look present
+    until the master drops its segment (-client_ttl), but every read fails (FAILED, never
+    bytes); then they are MISSING."""
+    master = mooncake_master_factory(client_ttl_s=2)
+    store = mooncake_store_factory(master)
+    theirs = _keys(3, salt="killed")
+    peer = _peer.start("mooncake", master.address, theirs, [], BLOCK)
+    try:
+        assert _peer.report(peer)["put"] == [OK] * 3
+    finally:
+        peer.kill()
+        peer.wait(30)
+    arena = Arena(3, BLOCK)
+    codes = store.get_into(theirs, [arena.buffer(i) for i in range(3)])
+    assert codes == [FAILED] * 3 and arena.read(0) == bytes(BLOCK)  # -800 TRANSFER_FAIL
+    deadline = time.monotonic() + 30
+    while store.exists(theirs) != [0] * 3:
+        assert time.monotonic() < deadline, "the dead writer's segment was never dropped"
+        assert set(store.get_into(theirs[:1], [arena.buffer(0)])) <= {FAILED, MISSING}
+        time.sleep(0.1)  # the master drops a silent client after -client_ttl (2 s here)
+    assert store.get_into(theirs, [arena.buffer(i) for i in range(3)]) == [MISSING] * 3
