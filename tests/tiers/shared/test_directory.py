@@ -51,6 +51,18 @@ def test_lookup_offers_nothing_while_the_store_is_unavailable() -> None:
     assert d.lookup(block.digest) == block
 
 
+def test_an_inner_block_is_never_dropped_even_when_least_recently_used() -> None:
+    d = directory(capacity=3)
+    a, b = chain(2)
+    [c] = chain(1, first_token=500)
+    [e] = chain(1, first_token=600)
+    admit(d, [a, b, c])
+    for block in (a, b, c):  # a used least recently, but b's parent
+        assert d.lookup(block.digest) is not None
+    assert admit(d, [e]).evicted == [b]
+    assert d.is_tracked(a.digest)
+
+
 def test_blocks_round_trip_every_field() -> None:
     d = directory()
     root = SharedBlock(b"\x01" * 16, None, -5, None, (1, 2, 3, 4), 7, ("salt-x",))
@@ -89,7 +101,9 @@ def test_lru_never_drops_a_pinned_block() -> None:
     [e] = chain(1, first_token=400)
     admit(d, [a, b])
     assert d.pin(a.digest)
-    assert admit(d, [c]).evicted == [b]  # a is older, but pinned
+    assert d.lookup(a.digest) == a  # looked up again while pinned (another request)
+    assert d.lookup(b.digest) == b  # a is the least recently used now
+    assert admit(d, [c]).evicted == [b]  # a is pinned
     assert d.pin(c.digest)
     result = admit(d, [e])  # everything pinned: refused, nothing dropped
     assert result.evicted == [] and result.refused == [(e, "full")]
