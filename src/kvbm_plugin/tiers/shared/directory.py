@@ -150,7 +150,8 @@ class SharedDirectory:
     """
 
     __slots__ = ("capacity", "lease_s", "margin_s", "pending_limit", "_clock", "_lock",
-                 "_available", "_table", "_order", "_tick", "_lo", "_hi", "_eh", "_peh",
+                 "_available", "_available_source", "_table", "_order", "_tick", "_lo",
+                 "_hi", "_eh", "_peh",
                  "_flags", "_parent", "_child", "_next", "_prev", "_last", "_pins", "_scope",
                  "_deadline", "_tok", "_width", "_odd_tokens", "_scopes", "_scope_ids",
                  "_scope_refs", "_scope_free", "_free", "_used", "_heap", "_heap_seq",
@@ -175,6 +176,7 @@ class SharedDirectory:
         self._clock = clock
         self._lock = threading.Lock()
         self._available = True
+        self._available_source: Callable[[], bool] | None = None
         self._lo: array[int] = array("Q")  # digest bytes 0..7 (the table's key), little-endian
         self._hi: array[int] = array("Q")  # digest bytes 8..15
         self._eh: array[int] = array("Q")
@@ -229,7 +231,8 @@ class SharedDirectory:
             if slot < 0:
                 n["misses"] += 1
                 return None
-            if not self._available:
+            source = self._available_source
+            if not self._available or (source is not None and not source()):
                 n["unavailable"] += 1
                 return None
             if self._deadline[slot] - now < self.margin_s:
@@ -301,9 +304,16 @@ class SharedDirectory:
         """The agent's view of the store: while False nothing is offered."""
         self._available = bool(available)
 
+    def set_available_source(self, source: Callable[[], bool] | None) -> None:
+        """A second say on availability, asked at every lookup (no I/O, no lock: e.g. the
+        circuit breaker's ``available``, which another thread's failed call may open first)."""
+        self._available_source = source
+
     @property
     def available(self) -> bool:
-        return self._available
+        """The agent's view and the source's (see :meth:`set_available_source`)."""
+        source = self._available_source
+        return self._available and (source is None or bool(source()))
 
     @property
     def clock(self) -> Callable[[], float]:
