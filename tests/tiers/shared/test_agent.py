@@ -70,7 +70,7 @@ def test_renewal_keeps_a_leased_block_offerable_past_one_lease(
         leader.sweep()
         assert store.evict_unleased() == []  # the store kept it: its lease was renewed
         assert leader.directory.lookup(block.digest) == block
-    assert leader.stat("renewals") == 4
+    assert leader.stat("renewed") == 4
     assert leader.removed == []
 
 
@@ -90,7 +90,7 @@ def test_a_pinned_block_keeps_being_renewed(store: MemoryStore, clock: Clock) ->
             evicted = store.evict_unleased()  # b's objects go once their check's lease ends
             assert not set(leader.keys(a)) & set(evicted)
             assert leader.directory.lookup(a.digest) == a
-        assert leader.stat("renewals") == 4
+        assert leader.stat("renewed") == 4
         leader.directory.unpin(a.digest)
         leader.commit([b])
         leader.wait_stat("dropped_lru", 1)
@@ -125,7 +125,7 @@ def test_store_down_nothing_offered_renewals_fail_blocks_dropped_at_their_deadli
     leader.sweep()  # start + PERIOD
     assert not leader.agent.available
     assert leader.directory.lookup(blocks[0].digest) is None
-    assert leader.stat("renewals_failed") >= 1 and leader.stat("renewals") == 0
+    assert leader.stat("renewals_failed") >= 1 and leader.stat("renewed") == 0
     assert leader.removed == []  # still leased in the store: kept, not offered
     clock.now = start + LEASE - MARGIN - 0.01
     leader.settle()
@@ -257,7 +257,7 @@ def test_a_peer_announcement_is_confirmed_then_stored_on_the_other_leader(
     assert b.stored == blocks
     for block in blocks:
         assert b.directory.lookup(block.digest) == block
-    assert b.stat("announced") == 0  # never forwarded
+    assert b.stat("announced") == 0 and b.stat("confirmed_own") == 0  # never forwarded
     assert a.stat("own_ignored") >= 1 and a.stat("heard") == 0
     # B writes the next block of the chain: A learns it the same way.
     [more] = chain(1, first_token=500, parent=blocks[-1])
@@ -326,14 +326,14 @@ def test_with_a_real_master_a_block_one_client_wrote_is_confirmed_by_another_age
         for block in blocks:
             a.agent.committed(block)
         b.wait_stat("confirmed_heard", 2)
-        assert a.stat("confirmed") == 2 and b.stored == blocks
+        assert a.stat("confirmed_own") == 2 and b.stored == blocks
         for block in blocks:
             assert b.directory.lookup(block.digest) == block
         # What B was offered it can read, byte for byte, through its own client.
         out = Arena(len(keys), page)
         assert reader.get_into(keys, [out.buffer(i) for i in range(len(keys))]) == [page] * 4
         assert [out.read(i) for i in range(len(keys))] == [payload(k, page) for k in keys]
-        b.wait_stat("renewals", 2)  # a real renewal a period later
+        b.wait_stat("renewed", 2)  # a real renewal a period later
     finally:
         a.agent.close()
         b.agent.close()

@@ -64,9 +64,10 @@ _PROBE_DIGEST: Final = bytes(16)
 logger = logging.getLogger(__name__)
 
 _COUNTERS: Final = (
-    "committed", "commits_known", "commits_refused", "confirmed", "confirmed_heard",
+    "committed", "commits_known", "commits_refused", "confirmed", "confirmed_own",
+    "confirmed_heard",
     "confirm_absent", "confirm_failed", "confirm_gave_up", "heard_queued", "heard_known",
-    "renewal_sweeps", "renewals", "renewals_failed", "renewals_skipped", "store_calls",
+    "renewal_sweeps", "renewed", "renewals_failed", "renewals_skipped", "store_calls",
     "store_errors", "probes", "callback_errors", "unavailable_periods",
     "wakes_handled")
 
@@ -180,8 +181,14 @@ class SharedAgent:
         return self._directory.available
 
     def stats(self) -> dict[str, int]:
-        """The agent's counts, its announcer's (announced, heard, bad_announcements, lost, ...)
-        and the directory's drops (dropped_absent, dropped_expired, dropped_lru)."""
+        """Every count (any thread): ``committed`` (own commits queued), ``confirmed`` (blocks
+        made resident: ``confirmed_own`` + ``confirmed_heard``), ``confirm_absent`` /
+        ``confirm_failed`` / ``confirm_gave_up``, ``renewed`` (lease renewals, per block;
+        also as ``renewals``), ``renewals_failed``, ``renewal_sweeps``, ``store_calls``,
+        ``store_errors`` (calls with a failed key), ``unavailable_periods``; the announcer's
+        (``announced``, ``heard``, ``bad_announcements``, ``lost``, ``subscriptions``, ...);
+        the directory's drops (``dropped_absent``, ``dropped_expired``, ``dropped_lru``,
+        ``dropped_descendants``) and sizes (``resident``, ``pending``, ``pinned``)."""
         out = dict(self._n)
         out.update(self._announcer.stats())
         d = self._directory.stats()
@@ -189,6 +196,7 @@ class SharedAgent:
                     "resident", "pending", "pinned", "refused_orphan", "refused_full",
                     "refused_collision", "refused_pending_full"):
             out[key] = d[key]
+        out["renewals"] = out["renewed"]  # the design note's name for it
         out["available"] = int(self._directory.available)
         return out
 
@@ -321,9 +329,10 @@ class SharedAgent:
         result = directory.admit(present, start + self.lease_s)
         self._report_removed(result.evicted)
         announce: list[SharedBlock] = []
+        self._n["confirmed"] += len(result.resident)
         for block in result.resident:
             if block.digest in own:
-                self._n["confirmed"] += 1
+                self._n["confirmed_own"] += 1
                 announce.append(block)
             else:
                 self._n["confirmed_heard"] += 1
@@ -378,7 +387,7 @@ class SharedAgent:
                 elif any(c == UNAVAILABLE for c in mine):
                     unavailable += 1
             failed = len(digests) - len(renewed) - len(absent)
-            self._n["renewals"] += directory.renew(renewed, start + self.lease_s)
+            self._n["renewed"] += directory.renew(renewed, start + self.lease_s)
             self._n["renewals_failed"] += failed
             if absent:
                 self._report_removed(directory.drop(absent, "absent"))
