@@ -1,6 +1,8 @@
 """KvbmConnectorLeader: TensorRT-LLM's connector scheduler; decides what moves where.
 
-Runs on rank 0 only (TRT-LLM builds the scheduler there), on the executor thread, except the
+Runs on rank 0 only (TRT-LLM builds the scheduler there), or under attention DP on every rank
+(one leader per rank, each with its own requests, tiers, consolidator and worker: TRT-LLM's
+``SchedulerOutput.attention_dp_rank`` names it), on the executor thread, except the
 constructor (a thread-pool thread, concurrently with the worker's). Per iteration TRT-LLM calls:
 
 * ``get_num_new_matched_tokens(request, n)``: once per new request, during allocation; result
@@ -25,6 +27,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
@@ -80,6 +83,12 @@ logger = logging.getLogger(__name__)
 
 class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: ignore[misc, valid-type]
     """Scheduler-side connector; runs on rank 0 (TP) and owns the tier index and events."""
+
+    # Attention DP: every rank's leader is local to its rank (its requests, block ids, tiers,
+    # completion reports from its own worker only; its consolidated output at its own
+    # endpoint). TRT-LLM's opt-in (connectors/kv_cache_connector.py @ 035ab91cad04:
+    # validate_attention_dp; _run_on_leader runs locally, get_finished needs no allgather).
+    supports_attention_dp = True
 
     def __init__(self, llm_args: Any) -> None:
         """Called once on rank 0, on a thread-pool thread concurrently with the worker's
@@ -139,7 +148,9 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         self._last_call = time.monotonic()
         self._keeper: IdleKeeper | None = None
 
-        config = load_consolidator_config(self._env, num_ranks=1)
+        par = self._par
+        config = load_consolidator_config(self._env, num_ranks=par.dp_size,
+                                          attention_dp=par.attention_dp)
         self._events_source = load_events_source(self._env)
         self._native_events = _llm_args.native_kv_events(llm_args)
         if self._native_events and self._events_source != "off":
@@ -150,6 +161,9 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
                            "GPU-tier stream (%s=%s ignored), only its offload tiers",
                            EVENTS_SOURCE, self._events_source)
             self._events_source = "off"
+        if par.attention_dp and par.dp_rank:  # never read: see assemble_event_path
+            self._event_source_problem = _llm_args.GATHERED_TO_RANK_0.format(par.dp_rank)
+            self._attach_attempts = self._MAX_ATTACH_ATTEMPTS
         if self._events_source == "off":
             self._attach_attempts = self._MAX_ATTACH_ATTEMPTS  # never look for the manager
         logger.info("kvbm_plugin: GPU-tier KV event source %s=%s%s", EVENTS_SOURCE,
@@ -166,7 +180,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
             parts = assemble_event_path(
                 config, consolidate=consolidate, dp_rank=self._dp_rank,
                 block_size=self._block_size,
-                tier_events=getattr(llm_args, "kvbm_plugin_tier_events", None))
+                tier_events=getattr(llm_args, "kvbm_plugin_tier_events", None),
+                dp_size=par.dp_size)
             self.event_sink = parts.event_sink
             # on_flush (BlockNames.observe) is attached at the first request without
             # RequestData.block_hashes: where TRT-LLM hands the hashes over it is never needed,
@@ -180,7 +195,7 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
                 # interface: anyone who reaches the port can feed the leader reports.
                 self._receiver = ZmqReportReceiver(
                     self._hub, f"tcp://{_llm_args.leader_host(self._env)}:"
-                    f"{_llm_args.leader_port(self._env)}")
+                    f"{_llm_args.report_port(self._env, par)}")
         except BaseException:
             self.shutdown()
             raise
@@ -211,7 +226,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
             metrics.register_stats("event_sink", self.event_sink.stats, dp_rank=rank)
         if self.consolidator is not None:
             metrics.register_stats("consolidator", self.consolidator.stats, dp_rank=rank)
-        metrics.serve(load_metrics_settings(self._env))
+        settings = load_metrics_settings(self._env)  # attention DP: + dp rank (one per process)
+        metrics.serve(replace(settings, port=settings.port + self._dp_rank))
 
     # ------------------------------------------------------------------ TRT-LLM hooks
 
@@ -431,6 +447,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
             logger.warning("kvbm_plugin: GPU-tier events unavailable: %s", exc)
             return
         logger.info("kvbm_plugin: GPU-tier events attached: %s", self.event_source_status)
+        if self._par.attention_dp and self.event_source.kind == "v2-hooks":
+            logger.warning(_llm_args.V2_UNDER_ATTENTION_DP)
 
     @property
     def event_source_status(self) -> str:
@@ -496,7 +514,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         hashes = getattr(rd, "block_hashes", None)
         if hashes:
             state.event_hashes = list(hashes)  # cumulative chain for the full blocks
-        elif not self._naming.learning and len(state.tokens) >= self._block_size:
+        elif not self._naming.learning and len(state.tokens) >= self._block_size \
+                and self.event_sink is not None:
             # No block_hashes: learn TRT-LLM's names from its events (for requests whose hash
             # cannot be computed, and as the cross-check of those computed).
             self._naming.learning = True

@@ -13,7 +13,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
 logger = logging.getLogger(__name__)
@@ -416,6 +416,17 @@ class ConsolidatorConfig:
     output: Endpoint
     output_replay: Endpoint | None
     publisher: PublisherSettings = field(default_factory=PublisherSettings)
+    ranks: tuple[int, ...] | None = None  # GPU-tier streams subscribed; None: all
+
+    def stream_ranks(self) -> tuple[int, ...]:
+        return tuple(range(self.num_ranks)) if self.ranks is None else self.ranks
+
+    def for_dp_rank(self, r: int) -> ConsolidatorConfig:
+        """Attention-DP rank ``r``'s own consolidator: rank r's GPU-tier stream in, rank r's
+        output out (``Endpoint.for_rank``: by default LEADER_ZMQ_PUB_PORT + 1000 + r)."""
+        replay = self.output_replay
+        return replace(self, ranks=(r,), output=self.output.for_rank(r),
+                       output_replay=None if replay is None else replay.for_rank(r))
 
     def publish_endpoint(self, rank: int) -> Endpoint:
         """The endpoint rank ``rank``'s GPU-tier publisher binds (and the consolidator joins)."""
@@ -596,7 +607,7 @@ def consolidator_enabled(env: Mapping[str, str] | None = None) -> bool:
 
 def load_consolidator_config(
     env: Mapping[str, str] | None = None, *, num_ranks: int = 1,
-    require_gpu_events: bool = False,
+    require_gpu_events: bool = False, attention_dp: bool = False,
 ) -> ConsolidatorConfig:
     """Read and validate every consolidator/publisher variable for ``num_ranks`` ranks.
 
@@ -604,7 +615,8 @@ def load_consolidator_config(
     GPU-tier port while the consolidator is on and any two sockets sharing a port or path.
     ``require_gpu_events``: the caller needs the GPU-tier endpoint whatever the consolidator
     switch says (``kvbm-plugin consolidate``, ``kvbm-plugin sidecar``); the error for a
-    missing endpoint then does not point at the switch.
+    missing endpoint then does not point at the switch. ``attention_dp``: the ``num_ranks``
+    ranks each have their own leader, whose sockets the check covers too.
     """
     env = os.environ if env is None else env
     if num_ranks < 1:
@@ -658,8 +670,30 @@ def load_consolidator_config(
         output_replay=optional_endpoint(OUTPUT_REPLAY_ENDPOINT),
         publisher=load_publisher_settings(env),
     )
-    _check_collisions(config, leader_port)
+    _check_collisions(config, leader_port, dp_rank_sockets(env, num_ranks) if attention_dp
+                      else None)
     return config
+
+
+def dp_rank_sockets(env: Mapping[str, str], dp_size: int) -> list[tuple[int, str, Endpoint]]:
+    """``(dp rank, role, endpoint)`` of each attention-DP rank's own leader sockets, by the
+    rule of every per-rank socket (``Endpoint.for_rank``, rank r = base + r): reports at
+    LEADER_ZMQ_PUB_PORT + r (bound only by a group spanning processes, never under attention
+    DP), shared-tier announcements at SHARED_ANNOUNCE_ENDPOINT or LEADER_ZMQ_PUB_PORT + 2000
+    (+ r), metrics at METRICS_PORT + r (each where enabled)."""
+    host = (_raw(env, LEADER_ZMQ_HOST) or "127.0.0.1").strip()
+    port = parse_port(LEADER_ZMQ_PUB_PORT, _raw(env, LEADER_ZMQ_PUB_PORT) or "")
+    bases = [("completion-report port", Endpoint("tcp", host=host, port=port,
+                                                  source=LEADER_ZMQ_PUB_PORT))]
+    if (_raw(env, SHARED_TIER) or "").strip().lower() not in ("", *_FALSE):
+        text = _raw(env, SHARED_ANNOUNCE_ENDPOINT)
+        bases.append(("shared-tier announce endpoint", parse_endpoint(
+            SHARED_ANNOUNCE_ENDPOINT, text, default_host=host) if text else Endpoint(
+            "tcp", host=host, port=port + 2000, source=f"{LEADER_ZMQ_PUB_PORT}+2000")))
+    if parse_bool(METRICS, _raw(env, METRICS) or "false"):
+        bases.append(("metrics port", Endpoint("tcp", host=host, port=parse_port(
+            METRICS_PORT, _raw(env, METRICS_PORT) or ""), source=METRICS_PORT)))
+    return [(r, role, base.for_rank(r)) for r in range(dp_size) for role, base in bases]
 
 
 # The variables that place sockets: what ``kvbm-plugin demo`` takes from the user's environment
@@ -675,11 +709,13 @@ def user_endpoint_settings(env: Mapping[str, str] | None = None) -> dict[str, st
     return {name: env[name] for name in ENDPOINT_VARS if env.get(name, "").strip()}
 
 
-def _check_collisions(config: ConsolidatorConfig, leader_port: int) -> None:
-    """Refuse any two sockets of any rank that would bind the same port or ipc/inproc path."""
-    owners: dict[tuple[str, str | int], str] = {
-        ("tcp", leader_port): f"{LEADER_ZMQ_PUB_PORT} (KVBM leader port {leader_port})",
-    }
+def _check_collisions(config: ConsolidatorConfig, leader_port: int,
+                      dp_sockets: list[tuple[int, str, Endpoint]] | None = None) -> None:
+    """Refuse any two sockets of any rank that would bind the same port or ipc/inproc path
+    (``dp_sockets``: attention DP, with one consolidated output per rank)."""
+    owners: dict[tuple[str, str | int], str] = {}
+    if dp_sockets is None:
+        owners[("tcp", leader_port)] = f"{LEADER_ZMQ_PUB_PORT} (KVBM leader port {leader_port})"
 
     def claim(endpoint: Endpoint, role: str) -> None:
         previous = owners.get(endpoint.key)
@@ -695,9 +731,18 @@ def _check_collisions(config: ConsolidatorConfig, leader_port: int) -> None:
         replay = config.replay_endpoint(rank)
         if replay is not None:
             claim(replay, f"rank {rank} GPU-tier replay endpoint")
-    claim(config.output, "consolidated output endpoint")
-    if config.output_replay is not None:
-        claim(config.output_replay, "consolidated output replay endpoint")
+    if dp_sockets is None:
+        claim(config.output, "consolidated output endpoint")
+        if config.output_replay is not None:
+            claim(config.output_replay, "consolidated output replay endpoint")
+        return
+    for rank in range(config.num_ranks):
+        ranked = config.for_dp_rank(rank)
+        claim(ranked.output, f"dp rank {rank} consolidated output endpoint")
+        if ranked.output_replay is not None:
+            claim(ranked.output_replay, f"dp rank {rank} consolidated output replay endpoint")
+    for rank, role, endpoint in dp_sockets:
+        claim(endpoint, f"dp rank {rank} {role}")
 
 
 def _connector_module(arg: Any) -> str | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -66,6 +67,10 @@ class TierBookkeeping:
             self._disk = TierIndex(TIER_DISK, disk_blocks)
             if settings.disk_cache_dir:
                 self._disk_dir = settings.disk_cache_dir
+                if self._par.attention_dp:
+                    # Each attention-DP rank's own share: its slot files never meet another's.
+                    self._disk_dir = os.path.join(self._disk_dir, f"dp{self._dp_rank}")
+                    os.makedirs(self._disk_dir, exist_ok=True)
             else:
                 self._disk_dir = tempfile.mkdtemp(prefix="kvbm-plugin-disk-")
                 self._own_disk_dir = True

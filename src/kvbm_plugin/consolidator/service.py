@@ -349,7 +349,7 @@ class KvEventConsolidator(StreamIngest):
                 self._publisher = inline
                 if inline.replay_socket is not None:
                     poller.register(inline.replay_socket, zmq.POLLIN)
-            for rank in range(self.config.num_ranks):
+            for rank in self.config.stream_ranks():
                 stream = _Stream(rank)
                 streams.append(stream)
                 sub = self._ctx.socket(zmq.SUB)
