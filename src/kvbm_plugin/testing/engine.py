@@ -104,6 +104,10 @@ class EngineConfig:
     processes: bool = False
     kv_factor: int = 2  # 1: MLA (one latent per token)
     kv_cache_dtype: str = "auto"  # "fp8": FP8 values in an int8-stored pool
+    # Attention-DP ranks (TRT-LLM's enable_attention_dp with tp_size of them): this engine is
+    # rank dp_rank's own executor; testing.adp.AttentionDpEngine runs every rank.
+    attention_dp: int = 1
+    dp_rank: int = 0
 
 
 @dataclass
@@ -166,6 +170,10 @@ class _Req:
     llm_request: LlmRequest | None = None
 
 
+# Request ids of attention-DP rank r start at 1 + r * this (TRT-LLM's ids are global).
+REQUEST_ID_STRIDE = 1 << 40
+
+
 def _free_tcp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -182,13 +190,18 @@ class SimulatedEngine:
                              f"tp_size={cfg.tp_size}")
         if cfg.processes and cfg.tp_size < 2:
             raise ValueError(f"processes=True needs tp_size > 1 (got tp_size={cfg.tp_size})")
+        adp = cfg.attention_dp > 1
+        if adp and (cfg.tp_size != 1 or not 0 <= cfg.dp_rank < cfg.attention_dp):
+            raise ValueError(f"attention_dp={cfg.attention_dp} runs one rank per engine: "
+                             f"tp_size must be 1 (got {cfg.tp_size}), dp_rank "
+                             f"{cfg.dp_rank} below attention_dp")
         self.device = torch.device(cfg.device)
         self.block_size = bs = cfg.tokens_per_block
         self._group = f"sim-{uuid.uuid4().hex[:12]}"
         self._stats = EngineStats()
         self._reqs: dict[int, _Req] = {}
         self._order: list[int] = []  # FIFO of waiting request ids
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1 + cfg.dp_rank * REQUEST_ID_STRIDE)  # unique over ranks
         self._aborts: set[int] = set()  # cancels not yet fetched by the loop
         self._canceled: set[int] = set()  # PyExecutor.canceled_req_ids
         self._live: dict[int, _Req] = {}  # requests not done, in submission order
@@ -199,7 +212,9 @@ class SimulatedEngine:
         self.pool = GpuPool(cfg.num_gpu_blocks, bs, cfg.max_seq_len)
         # PyExecutor keeps its KV cache manager here; the leader finds it through the frames of
         # build_connector_meta's caller, as it does in TensorRT-LLM.
-        self.kv_cache_manager = SimKVCacheManager(self.pool, cfg.event_buffer_max_size)
+        self.kv_cache_manager = SimKVCacheManager(
+            self.pool, cfg.event_buffer_max_size, attention_dp_rank=cfg.dp_rank if adp else None,
+            attention_dp_size=cfg.attention_dp)
         self._closed = False
         self.event_reader: KvEventDispatchReader | None = None
         env = dict(cfg.env)
@@ -208,8 +223,10 @@ class SimulatedEngine:
         self.env = env
 
         def args(rank: int) -> LlmArgs:
-            return LlmArgs(KvCacheConfig(bs), ParallelConfig(rank, cfg.tp_size),
-                           tensor_parallel_size=cfg.tp_size, kvbm_plugin_env=dict(env),
+            parallel = (ParallelConfig(cfg.dp_rank, cfg.attention_dp, enable_attention_dp=True)
+                        if adp else ParallelConfig(rank, cfg.tp_size))
+            return LlmArgs(KvCacheConfig(bs), parallel, tensor_parallel_size=parallel.tp_size,
+                           kvbm_plugin_env=dict(env),
                            kvbm_plugin_group=self._group,
                            kvbm_plugin_inprocess=not cfg.processes,
                            kvbm_plugin_tier_events=cfg.tier_events if rank == 0 else None,
@@ -346,9 +363,10 @@ class SimulatedEngine:
         """The truth per medium and dp rank: full blocks in the GPU pool, advertised host and
         disk blocks (unsigned u64 hashes)."""
         assert self.leader is not None
-        return {"GPU": {0: self.pool.resident_full_hashes()},
-                "CPU": {0: self.leader.resident_hashes("host")},
-                "DISK": {0: self.leader.resident_hashes("disk")}}
+        r = self.config.dp_rank
+        return {"GPU": {r: self.pool.resident_full_hashes()},
+                "CPU": {r: self.leader.resident_hashes("host")},
+                "DISK": {r: self.leader.resident_hashes("disk")}}
 
     def get_latest_kv_cache_events(self) -> list[Any]:
         """``PyExecutor.get_latest_kv_cache_events``: drains the KV cache manager's readable
