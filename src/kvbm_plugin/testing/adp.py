@@ -20,8 +20,8 @@ processes). Called from one thread (the caller's), like the single engine.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
+import shutil
 import tempfile
 import threading
 import time
@@ -247,6 +247,11 @@ class AttentionDpEngine:
         self._where: dict[int, int] = {}  # request id -> dp rank
 
     @property
+    def workers(self) -> list[Any]:
+        """Rank 0's workers (the others live in their processes)."""
+        return self.rank0.workers
+
+    @property
     def leader(self) -> Any:
         """Rank 0's leader (it publishes every rank's GPU-tier stream)."""
         return self.rank0.leader
@@ -376,10 +381,7 @@ class AttentionDpEngine:
         self._close_local()
         if self.ranks:
             self.ranks[0].shutdown(timeout)
-        try:
-            os.rmdir(self._tmp)
-        except OSError:
-            pass
+        shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> AttentionDpEngine:
         return self

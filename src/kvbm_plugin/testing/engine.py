@@ -275,7 +275,12 @@ class SimulatedEngine:
             r.worker for r in self.ranks if isinstance(r, LocalRank)]
         self.kv_pools: list[torch.Tensor] = [
             r.pool for r in self.ranks if isinstance(r, LocalRank)]
-        self.kv_cache_connector_manager = SimKvCacheConnectorManager(self.leader, self.ranks)
+        try:
+            self.kv_cache_connector_manager = SimKvCacheConnectorManager(
+                self.leader, self.ranks, attention_dp_rank=cfg.dp_rank if adp else None)
+        except BaseException:
+            self.shutdown(5.0)
+            raise
         if cfg.trtllm_event_reader:
             self.event_reader = KvEventDispatchReader(self, self.kv_cache_manager)
 
