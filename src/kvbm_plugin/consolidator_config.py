@@ -87,7 +87,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "binds base + r). Required when the consolidator is on, unless "
            f"{EVENTS_ENDPOINT} is set.", "consolidator"),
     EnvVar(LEADER_ZMQ_PUB_PORT, "56001", "KVBM leader port; the consolidated output binds "
-           "this + 1000.", "consolidator"),
+           "this + 1000 (attention-DP rank r: + 1000 + r).", "consolidator"),
     EnvVar(LEADER_ZMQ_HOST, "127.0.0.1", "Host the consolidator and the TP workers connect to; "
            "sockets given by a bare port bind it (default: loopback only; tcp://*:PORT listens on "
            "every interface).", "consolidator"),
@@ -97,7 +97,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(REPLAY_ENDPOINT, None, "Base endpoint of the GPU-tier replay ROUTER sockets "
            "(same per-rank rule); unset = no replay.", "consolidator"),
     EnvVar(OUTPUT_ENDPOINT, None, "Endpoint of the consolidated output instead of "
-           f"{LEADER_ZMQ_PUB_PORT} + 1000.", "consolidator"),
+           f"{LEADER_ZMQ_PUB_PORT} + 1000 (attention-DP rank r: port + r, or suffix _dp{{r}}).",
+           "consolidator"),
     EnvVar(OUTPUT_REPLAY_ENDPOINT, None, "Replay ROUTER endpoint of the consolidated output; "
            "unset = no replay.", "consolidator"),
     EnvVar(PUBLISHER, "zmq", "Event transport, by name in the kvbm_plugin.publishers entry "
