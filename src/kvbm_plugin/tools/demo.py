@@ -343,7 +343,8 @@ def run_demo(args: argparse.Namespace) -> int:
                     "--requests)") from None
             progress.update(result.finished, "draining event streams", force=True)
             if adp:
-                checks, summary = demo_adp.settle_and_check(engine, subscribers, args, probe)
+                checks, summary = demo_adp.settle_and_check(engine, subscribers, args, probe,
+                                                            Check)
                 checks.insert(2, _tier_reuse_check(args, engine.stats(), workload))
             else:
                 checks, summary = _settle_and_check(engine, subscriber, args, workload)

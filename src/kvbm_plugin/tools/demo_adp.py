@@ -114,10 +114,9 @@ def subscribers_for(config: cc.ConsolidatorConfig, size: int, view: RouterView
 
 
 def settle_and_check(engine: Any, subscribers: list[TreeSubscriber], args: Any,
-                     probe: AdpRouterProbe) -> tuple[list[Any], list[tuple[str, str]]]:
+                     probe: AdpRouterProbe, Check: Any  # noqa: N803 (the demo's check type)
+                     ) -> tuple[list[Any], list[tuple[str, str]]]:
     """The last events out, every rank's view against its truth; (checks, summary)."""
-    from kvbm_plugin.tools.demo import Check
-
     probe.settle()
     truth = engine.resident_blocks()
     if args.mode == "dedup":
