@@ -1,8 +1,7 @@
 """KvbmConnectorLeader: TensorRT-LLM's connector scheduler; decides what moves where.
 
 Runs on rank 0 only (TRT-LLM builds the scheduler there), or under attention DP on every rank
-(one leader per rank, each with its own requests, tiers, consolidator and worker: TRT-LLM's
-``SchedulerOutput.attention_dp_rank`` names it), on the executor thread, except the
+(its own requests, tiers, consolidator and worker), on the executor thread, except the
 constructor (a thread-pool thread, concurrently with the worker's). Per iteration TRT-LLM calls:
 
 * ``get_num_new_matched_tokens(request, n)``: once per new request, during allocation; result
@@ -54,6 +53,7 @@ from kvbm_plugin.connector.metrics import get_metrics
 from kvbm_plugin.connector.naming import BlockNaming, name_inputs
 from kvbm_plugin.connector.requests import Op as _Op
 from kvbm_plugin.connector.requests import RequestState as _Request
+from kvbm_plugin.connector.stream_names import StreamNames
 from kvbm_plugin.connector.tier_book import TierBookkeeping
 from kvbm_plugin.connector.trtllm_compat import (
     KvCacheConnectorScheduler,
@@ -80,14 +80,11 @@ from kvbm_plugin.wire.identity import lora_of, request_scope, salt_of
 logger = logging.getLogger(__name__)
 
 
-
 class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: ignore[misc, valid-type]
     """Scheduler-side connector; runs on rank 0 (TP) and owns the tier index and events."""
 
-    # Attention DP: every rank's leader is local to its rank (its requests, block ids, tiers,
-    # completion reports from its own worker only; its consolidated output at its own
-    # endpoint). TRT-LLM's opt-in (connectors/kv_cache_connector.py @ 035ab91cad04:
-    # validate_attention_dp; _run_on_leader runs locally, get_finished needs no allgather).
+    # Attention DP: each rank's leader is local to it (connectors/kv_cache_connector.py @
+    # 035ab91cad04, validate_attention_dp: no broadcast, no allgather in get_finished).
     supports_attention_dp = True
 
     def __init__(self, llm_args: Any) -> None:
@@ -161,9 +158,10 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
                            "GPU-tier stream (%s=%s ignored), only its offload tiers",
                            EVENTS_SOURCE, self._events_source)
             self._events_source = "off"
-        if par.attention_dp and par.dp_rank:  # never read: see assemble_event_path
+        if par.attention_dp and par.dp_rank:  # no sink, never read: see assemble_event_path
             self._event_source_problem = _llm_args.GATHERED_TO_RANK_0.format(par.dp_rank)
-            self._attach_attempts = self._MAX_ATTACH_ATTEMPTS
+        self._stream_names = StreamNames.for_rank(par, config, self._naming.names,
+                                                  self._events_source)
         if self._events_source == "off":
             self._attach_attempts = self._MAX_ATTACH_ATTEMPTS  # never look for the manager
         logger.info("kvbm_plugin: GPU-tier KV event source %s=%s%s", EVENTS_SOURCE,
@@ -514,12 +512,12 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         hashes = getattr(rd, "block_hashes", None)
         if hashes:
             state.event_hashes = list(hashes)  # cumulative chain for the full blocks
-        elif not self._naming.learning and len(state.tokens) >= self._block_size \
-                and self.event_sink is not None:
+        elif not self._naming.learning and len(state.tokens) >= self._block_size:
             # No block_hashes: learn TRT-LLM's names from its events (for requests whose hash
             # cannot be computed, and as the cross-check of those computed).
             self._naming.learning = True
-            self.event_sink.on_flush = self._naming.names.observe
+            if self.event_sink is not None:  # else: self._stream_names observes
+                self.event_sink.on_flush = self._naming.names.observe
         valid = rd.computed_position + rd.num_scheduled_tokens
         if not state.reported and state.match_base is not None:
             # The first report subtracts connector-loaded tokens from computed_position.
@@ -557,9 +555,12 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         name, then advertise the held tier blocks whose names are known now. Outside
         TRT-LLM's allocation callback (``get_num_new_matched_tokens`` runs inside it and
         never drains)."""
-        if self.event_source is not None:
-            self.event_source.poll()
-            self.event_sink.flush()
+        if self.event_source is not None or self._stream_names is not None:
+            if self._stream_names is not None:  # attention DP, rank > 0
+                self._stream_names.poll()
+            else:
+                self.event_source.poll()
+                self.event_sink.flush()
             self._naming.refresh(self._reqs.values())
         if self._held:
             self._release_held()
@@ -791,6 +792,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         if self.event_sink is not None:
             self.event_sink.shutdown(timeout)
         close_hub(self._group)
+        if self._stream_names is not None:
+            self._stream_names.close()
         if self._disk_claim is not None:
             self._disk_claim.release()
         if self._own_disk_dir and self._disk_dir and os.path.isdir(self._disk_dir):

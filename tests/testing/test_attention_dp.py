@@ -31,10 +31,13 @@ def _prompt(rank: int, turn: int) -> list[int]:
     return [100 * rank + i for i in range(6 * BS)] + [5000 + 10 * turn + rank, 7, 9]
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_attention_dp_ranks_in_processes(tmp_path, ranks: int) -> None:
+# Without RequestData.block_hashes (TensorRT-LLM <= 1.2.x, every KVCacheManagerV2) a rank > 0
+# learns its blocks' names from its own stream, which rank 0 publishes.
+@pytest.mark.parametrize(("ranks", "block_hashes"), [(2, True), (4, True), (2, False)])
+def test_attention_dp_ranks_in_processes(tmp_path, ranks: int, block_hashes: bool) -> None:
     config = EngineConfig(attention_dp=ranks, processes=True, env=_env(tmp_path),
-                          tokens_per_block=BS, num_gpu_blocks=12)
+                          tokens_per_block=BS, num_gpu_blocks=12,
+                          provide_block_hashes=block_hashes)
     with AttentionDpEngine(config) as engine:
         subscribers = subscribers_for(
             cc.load_consolidator_config(config.env, num_ranks=ranks, attention_dp=True),
@@ -56,8 +59,10 @@ def test_attention_dp_ranks_in_processes(tmp_path, ranks: int) -> None:
                 # Rank r's output carries rank r only, and exactly what rank r's tiers hold.
                 want = {(r, to_signed_int64(h)) for per_rank in truth.values()
                         for h in per_rank[r]}
-                assert want and subscriber.held == want, r
+                assert truth["GPU"][r] and truth["CPU"][r] and subscriber.held == want, r
                 leader = engine.call(r, "leader_stats")
+                # Every tier copy went out under TensorRT-LLM's name (none waits for one).
+                assert leader["tier_stores_waiting_for_name"] == 0, leader
                 # Each leader waited for its own worker only: every op completed.
                 assert leader["ops_inflight"] == 0 and leader["saves_committed"] > 0, leader
                 assert leader["reports_rejected"] == 0

@@ -128,6 +128,14 @@ class TierBookkeeping:
             h = names.hash_of_key(parent)
             if h is not None:
                 entry.parent_event_hash = h
+        if entry.event_hash == entry.key and (
+                entry.parent_event_hash != entry.parent_key if entry.parent_key is not None
+                else entry.scope == (None, None)):  # a scoped root: its tokens are not enough
+            # Named by its GPU event after its request was forgotten (its event can come
+            # later than the request's end: attention DP ranks > 0 read it off their stream).
+            h = names.hash_of_content(entry.parent_event_hash, entry.token_ids)
+            if h is not None:
+                entry.event_hash = h
 
     def _named(self, entry: TierEntry) -> bool:
         """Whether ``entry`` and its parent carry TRT-LLM's names (not placeholders)."""
