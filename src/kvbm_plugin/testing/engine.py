@@ -27,6 +27,9 @@ manager. :meth:`SimulatedEngine.step` lists the order of one pass.
 * the overlap scheduler: the tokens sampled in pass N reach the requests (and the connector's
   ``RequestData``) only after the forward of N+1; a request that sampled its last token in N
   is scheduled once more in N+1 and terminated after that forward.
+* attention DP (``attention_dp`` > 1): this engine is one rank's own executor, with its own
+  manager (``enable_attention_dp``), leader and worker; ``testing.adp.AttentionDpEngine`` runs
+  every rank and gathers their KV events onto rank 0.
 * KV events are C++-like objects (``testing.kv_events``), readable only after the pass's
   ``flush_iteration_events``; with ``trtllm_event_reader=True`` TRT-LLM's KV-event dispatch
   thread reads them concurrently, as ``LLM.get_kv_cache_events`` does. Block hashes are
