@@ -33,9 +33,12 @@ def _prompt(rank: int, turn: int) -> list[int]:
 
 # Without RequestData.block_hashes (TensorRT-LLM <= 1.2.x, every KVCacheManagerV2) a rank > 0
 # learns its blocks' names from its own stream, which rank 0 publishes.
-@pytest.mark.parametrize(("ranks", "block_hashes"), [(2, True), (4, True), (2, False)])
-def test_attention_dp_ranks_in_processes(tmp_path, ranks: int, block_hashes: bool) -> None:
-    config = EngineConfig(attention_dp=ranks, processes=True, env=_env(tmp_path),
+# (processes=False: every rank's engine in this process, exchanging events in memory.)
+@pytest.mark.parametrize(("ranks", "block_hashes", "processes"),
+                         [(2, True, True), (4, True, True), (2, False, True), (2, True, False)])
+def test_attention_dp_ranks_in_processes(tmp_path, ranks: int, block_hashes: bool,
+                                         processes: bool) -> None:
+    config = EngineConfig(attention_dp=ranks, processes=processes, env=_env(tmp_path),
                           tokens_per_block=BS, num_gpu_blocks=12,
                           provide_block_hashes=block_hashes)
     with AttentionDpEngine(config) as engine:
