@@ -240,7 +240,7 @@ class AttentionDpEngine:
                         engine.kv_cache_manager, self.rank0.kv_cache_manager.receive_gathered,
                         self.GATHER_PERIOD_S))
         except BaseException:
-            for rank in remote:
+            for rank in (*remote, *self.ranks):
                 rank.shutdown(5.0)
             self._close_local()
             raise
