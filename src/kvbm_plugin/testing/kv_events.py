@@ -23,7 +23,8 @@ Attention DP (``cpp/tensorrt_llm/batch_manager/kvCacheEventManager.cpp``, stored
 thread on each rank runs every ``attention_dp_events_gather_period_ms`` (default 5), and on a
 rank other than 0 takes (serialises and clears) its whole readable queue and sends it to
 rank 0, which appends it to its own. Only rank 0's ``get_latest_events`` therefore returns
-every rank's events; a second reader of another rank's queue would race the exchange thread.
+every rank's events (appended past the bound, which the next local flush applies); a second
+reader of another rank's queue would race the exchange thread.
 :class:`AttentionDpGather` is that thread; :attr:`SimKVCacheManager.reads` counts reads of a
 queue that is gathered away, which must stay 0.
 """
@@ -74,18 +75,19 @@ class SimKVCacheManager:
         self.produced += len(objects)
         self._append(objects)
 
-    def _append(self, objects: list[Any]) -> None:
+    def _append(self, objects: list[Any], bounded: bool = True) -> None:
         with self._cond:
             self._ready.extend(objects)
-            while len(self._ready) > self.event_buffer_max_size:
+            while bounded and len(self._ready) > self.event_buffer_max_size:
                 self._ready.popleft()
                 self.dropped += 1
             self._cond.notify_all()
 
     def receive_gathered(self, objects: list[Any]) -> None:
-        """Rank 0: another rank's events, appended by the exchange (any thread)."""
+        """Rank 0: another rank's events, appended by the exchange (any thread). Upstream
+        inserts them past the bound; the next local flush drops the oldest."""
         self.gathered_in += len(objects)
-        self._append(objects)
+        self._append(objects, bounded=False)
 
     def take_for_gather(self) -> list[Any]:
         """A rank other than 0: the exchange thread's take (the whole readable queue)."""
