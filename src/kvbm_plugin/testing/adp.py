@@ -62,9 +62,13 @@ def _rank_view(engine: SimulatedEngine, name: str, args: tuple[Any, ...]) -> Any
         return engine.kv_cache_manager.reads
     if name == "worker_saves_inflight":
         return sum(w.stats().get("saves_inflight", 0) for w in engine.workers)
+    if name == "workers_idle":
+        return all(w.idle() for w in engine.workers)
     if name == "submit":
         return engine.submit(args[0], args[1], cache_salt=args[2])
-    if name in ("step", "state", "result", "stats", "active", "idle",
+    if name == "step":  # (tokens computed, whether the rank has work after the pass)
+        return engine.step(dummy=args[0]), engine.active()
+    if name in ("state", "result", "stats", "active", "idle",
                 "resident_blocks", "abort"):
         return getattr(engine, name)(*args)
     raise ValueError(f"unknown rank call {name!r}")
@@ -75,15 +79,15 @@ class _LocalDpRank:
 
     def __init__(self, engine: SimulatedEngine) -> None:
         self.engine = engine
-        self._step_result = 0
+        self._step_result: tuple[int, bool] = (0, False)
 
     def call(self, name: str, *args: Any) -> Any:
         return _rank_view(self.engine, name, args)
 
-    def start_step(self) -> None:
-        self._step_result = self.engine.step()
+    def start_step(self, dummy: bool) -> None:
+        self._step_result = _rank_view(self.engine, "step", (dummy,))
 
-    def finish_step(self) -> int:
+    def finish_step(self) -> tuple[int, bool]:
         return self._step_result
 
     def shutdown(self, timeout: float) -> None:
@@ -124,11 +128,12 @@ class _RemoteDpRank:
         self._conn.send((name, args))
         return self._reply()
 
-    def start_step(self) -> None:
-        self._conn.send(("step", ()))
+    def start_step(self, dummy: bool) -> None:
+        self._conn.send(("step", (dummy,)))
 
-    def finish_step(self) -> int:
-        return int(self._reply())
+    def finish_step(self) -> tuple[int, bool]:
+        computed, active = self._reply()
+        return int(computed), bool(active)
 
     def shutdown(self, timeout: float) -> None:
         if self._closed:
@@ -245,6 +250,7 @@ class AttentionDpEngine:
             self._close_local()
             raise
         self._where: dict[int, int] = {}  # request id -> dp rank
+        self._busy = [False] * n  # each rank has work (as of its last pass or a submit)
 
     @property
     def workers(self) -> list[Any]:
@@ -285,16 +291,22 @@ class AttentionDpEngine:
         req_id = int(self.ranks[dp_rank].call("submit", prompt_tokens, max_new_tokens,
                                               cache_salt))
         self._where[req_id] = dp_rank
+        self._busy[dp_rank] = True
         return req_id
 
     def rank_of(self, req_id: int) -> int:
         return req_id // REQUEST_ID_STRIDE
 
     def step(self) -> int:
-        """One pass of every rank's loop, concurrently (other processes first)."""
+        """One pass of every rank's loop, concurrently (other processes first). While any rank
+        has work every rank runs the pass, an idle one with a dummy request (upstream's
+        ``_pad_attention_dp_dummy_request``); with none the loops block."""
+        dummy = any(self._busy)
         for rank in reversed(self.ranks):
-            rank.start_step()
-        return sum(rank.finish_step() for rank in self.ranks)
+            rank.start_step(dummy)
+        results = [rank.finish_step() for rank in self.ranks]
+        self._busy = [active for _, active in results]
+        return sum(computed for computed, _ in results)
 
     def state(self, req_id: int) -> str:
         state = str(self.ranks[self.rank_of(req_id)].call("state", req_id))

@@ -400,8 +400,10 @@ class SimulatedEngine:
 
     # ------------------------------------------------------------------ the loop
 
-    def step(self) -> int:
+    def step(self, *, dummy: bool = False) -> int:
         """One pass of TRT-LLM's executor loop; returns the tokens the forward computed.
+        ``dummy``: attention DP, another rank has work (:meth:`_dummy_pass` when this one has
+        none).
 
         ``_executor_loop`` (``overlap_scheduler=False``) and ``_executor_loop_overlap`` (the
         default) of ``py_executor.py`` @ 0004396720054, where they touch the connector:
@@ -427,7 +429,7 @@ class SimulatedEngine:
         5. every pass: ``get_finished`` (``_kv_connector_terminate_requests``).
         """
         if not self.active():
-            return 0
+            return self._dummy_pass() if dummy else 0
         self._stats.iterations += 1
         self._canceled.update(self._aborts)  # _handle_special_queue_items
         self._aborts.clear()
@@ -470,6 +472,24 @@ class SimulatedEngine:
             self._process_batch(ran)
         self._kv_connector_terminate_requests()
         return computed
+
+    def _dummy_pass(self) -> int:
+        """An attention-DP rank without work while another has some: TRT-LLM pads it with a
+        dummy request (``py_executor.py`` ``_pad_attention_dp_dummy_request``) and runs the
+        pass. The connector manager skips the dummy (``kv_cache_connector.py`` @
+        035ab91cad04), so the build gets an empty report and binds empty metadata; the pass
+        still flushes the KV events and calls ``get_finished``."""
+        self._stats.iterations += 1
+        manager = self.kv_cache_connector_manager
+        manager.build_scheduler_output([])
+        manager.handle_metadata()
+        for rank in reversed(self.ranks):
+            rank.start_iteration([])
+        for rank in self.ranks:
+            rank.finish_iteration()
+        self._process_batch([])
+        self._kv_connector_terminate_requests()
+        return 0
 
     def _process_batch(self, processed: list[tuple[_Req, int, bool]]) -> None:
         """``_handle_canceled_requests``, ``_handle_responses``, ``update_resources`` and

@@ -345,7 +345,7 @@ def run_demo(args: argparse.Namespace) -> int:
             if adp:
                 checks, summary = demo_adp.settle_and_check(engine, subscribers, args, probe,
                                                             Check)
-                checks.insert(2, _tier_reuse_check(args, engine.stats(), workload))
+                checks.insert(2, demo_adp.tier_reuse_check(args, engine, probe, Check))
             else:
                 checks, summary = _settle_and_check(engine, subscriber, args, workload)
             router_checks, router_summary = _router_report(result, probe)

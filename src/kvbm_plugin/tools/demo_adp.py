@@ -31,6 +31,9 @@ class AdpRouterProbe(RouterProbe):
                          poll=self._poll_all)
         self.subscribers = subscribers
         self._routed: dict[int, int] = {}  # dp rank -> requests routed there
+        # Requests whose rank's GPU pool held less of the prompt than the view said the rank
+        # caches: the tiers were expected to serve the rest.
+        self.tier_opportunities = 0
 
     def _poll_all(self, timeout_ms: int) -> None:
         for i, subscriber in enumerate(self.subscribers):
@@ -61,7 +64,7 @@ class AdpRouterProbe(RouterProbe):
         rank's tier changes published; then wait for the view (see RouterProbe.settle)."""
         engine = self.engine
         deadline = time.monotonic() + self.settle_timeout
-        while any(engine.call(r, "worker_saves_inflight") for r in range(engine.size)) \
+        while not all(engine.call(r, "workers_idle") for r in range(engine.size)) \
                 and time.monotonic() < deadline:
             self._poll(1)
         while not engine.gathered() and time.monotonic() < deadline:
@@ -97,7 +100,22 @@ class AdpRouterProbe(RouterProbe):
         best = max(range(self.engine.size), key=lambda r: (
             self.predict(prompt, salt, r), -self._routed.get(r, 0), -r))
         self._routed[best] = self._routed.get(best, 0) + 1
+        if self.predict(prompt, salt, best) > self._gpu_prefix(prompt, salt, best):
+            self.tier_opportunities += 1
         return best
+
+    def _gpu_prefix(self, prompt: list[int], salt: str | None, rank: int) -> int:
+        """Tokens of ``prompt``'s leading full blocks in ``rank``'s GPU pool now."""
+        from kvbm_plugin.testing.fake_trtllm import trtllm_block_hash
+
+        bs = self.view.block_size
+        gpu = self.engine.call(rank, "resident_blocks")["GPU"][rank]
+        parent = None
+        for i in range(len(prompt) // bs):
+            parent = trtllm_block_hash(parent, prompt[i * bs:(i + 1) * bs], salt)
+            if parent not in gpu:
+                return i * bs
+        return len(prompt) // bs * bs
 
 
 def subscribers_for(config: cc.ConsolidatorConfig, size: int, view: RouterView
@@ -111,6 +129,23 @@ def subscribers_for(config: cc.ConsolidatorConfig, size: int, view: RouterView
             None if ranked.output_replay is None else ranked.output_replay.connect,
             start_seq=0, view=view))
     return out
+
+
+def tier_reuse_check(args: Any, engine: Any, probe: AdpRouterProbe, Check: Any  # noqa: N803
+                     ) -> Any:
+    """The tiers stored blocks, and served some wherever the router counted on them (a
+    KV-aware router keeps a session on a rank whose GPU still holds it, so an eviction alone
+    is no reason to expect tier hits)."""
+    name = "prefixes reused from tiers"
+    if "none" in args.tiers.split(","):
+        return Check(name, True, "not exercised (--tiers none)")
+    stats = engine.stats()
+    reused = stats.host_hit_tokens + stats.disk_hit_tokens
+    saved = sum(engine.call(r, "leader_stats")["saves_committed"] for r in range(engine.size))
+    ok = saved > 0 and (probe.tier_opportunities == 0 or reused > 0)
+    return Check(name, ok, f"host {stats.host_hit_tokens} + disk {stats.disk_hit_tokens} "
+                           f"tokens; {probe.tier_opportunities} requests routed to a rank whose "
+                           f"tiers held more of the prompt than its GPU; {saved} blocks saved")
 
 
 def settle_and_check(engine: Any, subscribers: list[TreeSubscriber], args: Any,
