@@ -93,3 +93,24 @@ def test_unsupported_connector_is_refused_under_attention_dp(tmp_path, monkeypat
     monkeypatch.setattr(KvbmConnectorLeader, "supports_attention_dp", False)
     with pytest.raises(NotImplementedError, match="supports_attention_dp"):
         AttentionDpEngine(EngineConfig(attention_dp=2, env=_env(tmp_path), tokens_per_block=BS))
+
+
+def test_an_idle_rank_runs_dummy_passes_while_another_works(tmp_path) -> None:
+    """TensorRT-LLM pads an attention-DP rank without requests with a dummy while another rank
+    has work (``_pad_attention_dp_dummy_request``); the connector sees empty metadata, and the
+    rank's passes flush its KV events and call ``get_finished``. With no work anywhere the
+    loops block: no pass at all."""
+    config = EngineConfig(attention_dp=2, env=_env(tmp_path), tokens_per_block=BS)
+    with AttentionDpEngine(config) as engine:
+        idle = engine.ranks[1].engine  # type: ignore[union-attr]
+        manager = idle.kv_cache_connector_manager
+        engine.submit(_prompt(0, 0), 3, dp_rank=0)
+        engine.run_until_idle()
+        builds, finished_calls = manager.metadata_builds, manager.get_finished_calls
+        assert builds > 0 and finished_calls >= builds
+        assert idle.leader.stats()["requests_tracked"] == 0
+        assert idle.workers[0].get_connector_meta().is_empty()
+        passes = idle.stats().iterations
+        for _ in range(3):
+            engine.step()
+        assert (manager.metadata_builds, idle.stats().iterations) == (builds, passes)
