@@ -17,6 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvbm_plugin"
 # The faces (top-level modules) each take the place their imports give them.
 RANKS: dict[str, int] = {
     "consolidator_config": 0,  # settings: the standard library only
+    "shared_settings": 0,
     "_util": 1,
     "wire": 2,
     "tiers": 3,

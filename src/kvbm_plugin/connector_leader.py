@@ -1,6 +1,7 @@
 """KvbmConnectorLeader: TensorRT-LLM's connector scheduler; decides what moves where.
 
-Runs on rank 0 only (TRT-LLM builds the scheduler there), on the executor thread, except the
+Runs on rank 0 only (TRT-LLM builds the scheduler there), or under attention DP on every rank
+(its own requests, tiers, consolidator and worker), on the executor thread, except the
 constructor (a thread-pool thread, concurrently with the worker's). Per iteration TRT-LLM calls:
 
 * ``get_num_new_matched_tokens(request, n)``: once per new request, during allocation; result
@@ -25,6 +26,7 @@ import os
 import shutil
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
@@ -32,6 +34,7 @@ from kvbm_plugin.connector import llm_args as _llm_args
 from kvbm_plugin.connector import native_events as _native
 from kvbm_plugin.connector.assembly import TierEventPublisher as TierEventPublisher  # re-exported
 from kvbm_plugin.connector.assembly import assemble_event_path
+from kvbm_plugin.connector.gpu_feed import GpuEventFeed
 from kvbm_plugin.connector.keeper import IdleKeeper, locked
 from kvbm_plugin.connector.lifetime import request_gone, request_handle
 from kvbm_plugin.connector.meta import (
@@ -52,14 +55,12 @@ from kvbm_plugin.connector.metrics import get_metrics
 from kvbm_plugin.connector.naming import BlockNaming, name_inputs
 from kvbm_plugin.connector.requests import Op as _Op
 from kvbm_plugin.connector.requests import RequestState as _Request
+from kvbm_plugin.connector.stream_names import StreamNames
 from kvbm_plugin.connector.tier_book import TierBookkeeping
 from kvbm_plugin.connector.trtllm_compat import (
     KvCacheConnectorScheduler,
-    find_kv_cache_manager,
-    kv_event_serializer,
 )
 from kvbm_plugin.consolidator_config import (
-    EVENTS_SOURCE,
     load_consolidator_config,
     load_events_source,
     load_metrics_settings,
@@ -78,9 +79,12 @@ from kvbm_plugin.wire.identity import lora_of, request_scope, salt_of
 logger = logging.getLogger(__name__)
 
 
-
-class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: ignore[misc, valid-type]
+class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorScheduler):  # type: ignore[misc, valid-type]
     """Scheduler-side connector; runs on rank 0 (TP) and owns the tier index and events."""
+
+    # Attention DP: each rank's leader is local to it (connectors/kv_cache_connector.py @
+    # 035ab91cad04, validate_attention_dp: no broadcast, no allgather in get_finished).
+    supports_attention_dp = True
 
     def __init__(self, llm_args: Any) -> None:
         """Called once on rank 0, on a thread-pool thread concurrently with the worker's
@@ -141,14 +145,20 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         self._last_call = time.monotonic()
         self._keeper: IdleKeeper | None = None
 
+        par = self._par
         self._events_source = load_events_source(self._env)
         # TRT-LLM's own streaming publisher: no second GPU-tier stream; its own is consolidated.
         self._native = _native.native_publisher(llm_args)
         self._native_feed = _native.NativeNameFeed()  # its stored blocks: the tiers' names
         self._host_name = _llm_args.leader_host(self._env)
         self._config = config = load_consolidator_config(
-            self._env, num_ranks=1,
+            self._env, num_ranks=par.dp_size, attention_dp=par.attention_dp,
             gpu_streams=_native.native_streams(self._native, self._dp_rank, self._host_name))
+        if par.attention_dp and par.dp_rank:  # no sink, never read: see assemble_event_path
+            self._event_source_problem = _llm_args.GATHERED_TO_RANK_0.format(par.dp_rank)
+        self._stream_names = StreamNames.for_rank(
+            par, config, self._naming.names,
+            "off" if self._native is not None else self._events_source)
         if self._native is not None or self._events_source == "off":
             self._attach_attempts = self._MAX_ATTACH_ATTEMPTS  # never look for the manager
         consolidate = config.enabled and should_enable_consolidator(llm_args, self._env)
@@ -165,7 +175,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
                 tier_events=getattr(llm_args, "kvbm_plugin_tier_events", None),
                 own_gpu_stream=self._native is None,
                 engine_observer=self._native_feed.observe if self._native else None,
-                engine_topic=self._native.topic if self._native else "")
+                engine_topic=self._native.topic if self._native else "",
+                dp_size=par.dp_size)
             self._name_reader = parts.name_reader
             self.event_sink = parts.event_sink
             # on_flush (BlockNames.observe) is attached at the first request without
@@ -181,7 +192,7 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
                 # interface: anyone who reaches the port can feed the leader reports.
                 self._receiver = ZmqReportReceiver(
                     self._hub, f"tcp://{_llm_args.leader_host(self._env)}:"
-                    f"{_llm_args.leader_port(self._env)}")
+                    f"{_llm_args.report_port(self._env, par)}")
         except BaseException:
             self.shutdown()
             raise
@@ -212,7 +223,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
             metrics.register_stats("event_sink", self.event_sink.stats, dp_rank=rank)
         if self.consolidator is not None:
             metrics.register_stats("consolidator", self.consolidator.stats, dp_rank=rank)
-        metrics.serve(load_metrics_settings(self._env))
+        settings = load_metrics_settings(self._env)  # attention DP: + dp rank (one per process)
+        metrics.serve(replace(settings, port=settings.port + self._dp_rank))
 
     # ------------------------------------------------------------------ TRT-LLM hooks
 
@@ -401,71 +413,6 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
     # the first iteration in every TRT-LLM version; the margin covers unusual call stacks).
     _MAX_ATTACH_ATTEMPTS = 8
 
-    def _attach_event_source(self) -> None:
-        """Find the engine's KV cache manager through the calling PyExecutor's frames and tee
-        its KV events into the sink (see ``gpu_events.source.attach_event_source``). Executor
-        thread, first iterations only; frame inspection, no I/O."""
-        self._attach_attempts += 1
-        manager = find_kv_cache_manager()
-        if manager is None:
-            if self._attach_attempts == 1:
-                # Said at the first iteration, once: the executor that calls us holds no KV
-                # cache manager we can find (e.g. TRT-LLM's coroutine executor); later
-                # iterations keep looking quietly, and say so if one turns up.
-                logger.warning(
-                    "kvbm_plugin: no KV cache manager with events found in the executor's call "
-                    "stack (an executor without self.kv_cache_manager, e.g. PyExecutorCoro?); "
-                    "GPU-tier events are not published from this process until one is found "
-                    "(set %s=off and run `kvbm-plugin sidecar` against trtllm-serve, or push "
-                    "them with event_sink.ingest)", EVENTS_SOURCE)
-            self._event_source_problem = "no KV cache manager found"
-            return
-        from kvbm_plugin.gpu_events.source import attach_event_source
-
-        try:
-            self.event_source = attach_event_source(
-                manager, self.event_sink,
-                serialize=kv_event_serializer() or self._fallback_serializer,
-                mode=self._events_source)
-        except ValueError as exc:
-            self._attach_attempts = self._MAX_ATTACH_ATTEMPTS
-            self._event_source_problem = f"unavailable: {exc}"
-            logger.warning("kvbm_plugin: GPU-tier events unavailable: %s", exc)
-            return
-        logger.info("kvbm_plugin: GPU-tier events attached: %s", self.event_source_status)
-
-    @property
-    def event_source_status(self) -> str:
-        """Where GPU-tier events come from now, in words (logged at attach time)."""
-        if self.event_source is not None:
-            return self.event_source.describe()
-        if self._native is not None or self._events_source == "off":
-            return self._source_line()
-        return self._event_source_problem
-
-    def _source_line(self) -> str:
-        """The configured GPU-tier source, in words (start-up log, ``doctor``'s wording)."""
-        return _native.gpu_source_line(self._native, self._events_source, self._config,
-                                       self._dp_rank, self._host_name)
-
-    @locked
-    def flush_events(self) -> None:
-        """Publish this iteration's GPU-tier batch and hand queued tier events on.
-
-        Called by ``build_connector_meta`` once per iteration (executor thread, rank 0 / each
-        attention-DP rank); also callable when the engine is idle to push out the events of the
-        last iteration. Drains the engine's event buffer without waiting; no I/O here.
-        """
-        if self.event_sink is not None:
-            if self.event_source is None and self._attach_attempts < self._MAX_ATTACH_ATTEMPTS:
-                self._attach_event_source()
-            if self.event_source is not None:
-                self.event_source.poll()
-            self.event_sink.flush()
-        flush = getattr(self._tier_events, "flush", None)
-        if flush is not None:
-            flush()
-
     @locked
     def publish_now(self) -> None:
         """The idle keeper's tick, at once: apply the completed reports, publish GPU-tier
@@ -504,7 +451,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
             # No block_hashes: learn TRT-LLM's names from its events (for requests whose hash
             # cannot be computed, and as the cross-check of those computed).
             self._naming.learning = True
-            self.event_sink.on_flush = self._naming.names.observe
+            if self.event_sink is not None:  # else: self._stream_names observes
+                self.event_sink.on_flush = self._naming.names.observe
         valid = rd.computed_position + rd.num_scheduled_tokens
         if not state.reported and state.match_base is not None:
             # The first report subtracts connector-loaded tokens from computed_position.
@@ -537,23 +485,6 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         return state.keys[index] if h is None else h
 
     # -------------------------------------------------- TRT-LLM's block hashes, learned
-
-    def _sync_gpu_events(self) -> None:
-        """Publish TRT-LLM's events produced since the last call and learn the hashes they
-        name, then advertise the held tier blocks whose names are known now. Outside
-        TRT-LLM's allocation callback (``get_num_new_matched_tokens`` runs inside it and
-        never drains)."""
-        if self.event_source is not None:
-            self.event_source.poll()
-            self.event_sink.flush()
-            self._naming.refresh(self._reqs.values())
-        batches = self._native_feed.drain()
-        if batches:  # TRT-LLM's own stream, as the consolidator received it
-            for rank, events in batches:
-                self._naming.names.observe(rank, events)
-            self._naming.refresh(self._reqs.values())
-        if self._held:
-            self._release_held()
 
     def _schedule_saves(self, state: _Request, index: TierIndex, saves: list[SaveOp]) -> None:
         """Offload the request's newly full blocks into ``index`` (the first tier), in chain
@@ -785,6 +716,8 @@ class KvbmConnectorLeader(TierBookkeeping, KvCacheConnectorScheduler):  # type: 
         if self.event_sink is not None:
             self.event_sink.shutdown(timeout)
         close_hub(self._group)
+        if self._stream_names is not None:
+            self._stream_names.close()
         if self._disk_claim is not None:
             self._disk_claim.release()
         if self._own_disk_dir and self._disk_dir and os.path.isdir(self._disk_dir):

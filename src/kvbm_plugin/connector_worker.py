@@ -79,6 +79,10 @@ COPY_BATCH_BYTES = 64 << 20  # host copies complete and report in batches of abo
 class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-type]
     """Worker-side connector; runs on every rank, holds this rank's head shard of each block."""
 
+    # Attention DP: transfers, endpoints and reports are the rank's own (its leader waits for
+    # it alone; connectors/kv_cache_connector.py @ 035ab91cad04, validate_attention_dp).
+    supports_attention_dp = True
+
     def __init__(self, llm_args: Any) -> None:
         """Called once per rank on a thread-pool thread, concurrently with the leader's
         constructor on rank 0. Reads settings only; allocates nothing until
@@ -88,7 +92,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         self._env = _llm_args.env_of(llm_args)
         self._metrics = get_metrics()
         self._par = _llm_args.parallel_of(llm_args)
-        self._rank = self._par.rank
+        self._rank = self._par.tp_rank  # in its group (attention DP: rank 0 of its own)
         self._group = _llm_args.group_of(llm_args, self._env)
         self._tier_settings = load_tier_settings(self._env)
         self._block_size = _llm_args.block_size_of(llm_args)
@@ -391,7 +395,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             elif self._par.tp_size > 1:
                 env = self._env
                 self._reporter = ZmqReportSender(
-                    f"tcp://{_llm_args.leader_host(env)}:{_llm_args.leader_port(env)}")
+                    f"tcp://{_llm_args.leader_host(env)}:{_llm_args.report_port(env, self._par)}")
             else:
                 if not self._report_warned:
                     logger.error("rank %d: no leader found for group %r; tier blocks "

@@ -11,9 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
 logger = logging.getLogger(__name__)
@@ -89,7 +88,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "binds base + r). Required when the consolidator is on, unless "
            f"{EVENTS_ENDPOINT} is set.", "consolidator"),
     EnvVar(LEADER_ZMQ_PUB_PORT, "56001", "KVBM leader port; the consolidated output binds "
-           "this + 1000.", "consolidator"),
+           "this + 1000 (attention-DP rank r: + 1000 + r).", "consolidator"),
     EnvVar(LEADER_ZMQ_HOST, "127.0.0.1", "Host the consolidator and the TP workers connect to; "
            "sockets given by a bare port bind it (default: loopback only; tcp://*:PORT listens on "
            "every interface).", "consolidator"),
@@ -99,7 +98,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(REPLAY_ENDPOINT, None, "Base endpoint of the GPU-tier replay ROUTER sockets "
            "(same per-rank rule); unset = no replay.", "consolidator"),
     EnvVar(OUTPUT_ENDPOINT, None, "Endpoint of the consolidated output instead of "
-           f"{LEADER_ZMQ_PUB_PORT} + 1000.", "consolidator"),
+           f"{LEADER_ZMQ_PUB_PORT} + 1000 (attention-DP rank r: port + r, or suffix _dp{{r}}).",
+           "consolidator"),
     EnvVar(OUTPUT_REPLAY_ENDPOINT, None, "Replay ROUTER endpoint of the consolidated output; "
            "unset = no replay.", "consolidator"),
     EnvVar(PUBLISHER, "zmq", "Event transport, by name in the kvbm_plugin.publishers entry "
@@ -380,35 +380,6 @@ def _blocks(override: int | None, gib: float, bytes_per_block: int, gib_name: st
 
 
 @dataclass(frozen=True)
-class SharedSettings:
-    """The shared tier (G4): which store, where, and the names every key carries.
-
-    Read by the leader (directory, announcements) and by every worker (its store client)."""
-
-    store: str  # entry-point name in kvbm_plugin.tiers (mooncake, redis)
-    model_key: str
-    namespace: str = "kvbm"
-    address: str = ""
-    protocol: str = "tcp"
-    device: str = ""
-    metadata_server: str = "P2PHANDSHAKE"
-    metrics_address: str = ""  # Mooncake master's HTTP metrics host:port; "" = not known
-    local_hostname: str = ""  # "" = the local address that reaches the master
-    segment_bytes: int = 1 << 30
-    buffer_bytes: int = 1 << 28
-    peers: tuple[str, ...] = ()
-    announce_endpoint: str | None = None  # None: tcp://LEADER_ZMQ_HOST:(leader port + 2000)
-    tracked_blocks: int = 100000
-    queue_blocks: int = 1024
-    lease_s: float = 10.0
-    load_margin_s: float = 3.0
-
-
-# Key parts are joined with "/": a model key or namespace must not contain one.
-_KEY_PART = re.compile(r"[A-Za-z0-9._:@+=-]{1,200}")
-
-
-@dataclass(frozen=True)
 class MetricsSettings:
     enabled: bool = False
     port: int = 6880
@@ -431,12 +402,15 @@ class ConsolidatorConfig:
     # streaming publisher (kv_cache_config.kv_events_config). Empty: ranks 0..num_ranks-1 at
     # publish_endpoint / replay_endpoint.
     gpu_streams: tuple[tuple[int, Endpoint, Endpoint | None], ...] = ()
+    ranks: tuple[int, ...] | None = None  # the dp ranks subscribed (attention DP); None: all
 
-    def stream_ranks(self) -> list[int]:
+    def stream_ranks(self) -> tuple[int, ...]:
         """The dp ranks whose GPU-tier streams the consolidator subscribes to."""
         if self.gpu_streams:
-            return [rank for rank, _, _ in self.gpu_streams]
-        return list(range(self.num_ranks))
+            found = tuple(rank for rank, _, _ in self.gpu_streams)
+        else:
+            found = tuple(range(self.num_ranks))
+        return found if self.ranks is None else tuple(r for r in found if r in self.ranks)
 
     def stream_endpoint(self, rank: int) -> Endpoint:
         """Where the consolidator connects for dp rank ``rank``'s GPU-tier stream."""
@@ -450,6 +424,13 @@ class ConsolidatorConfig:
             if stream_rank == rank:
                 return replay
         return self.replay_endpoint(rank)
+
+    def for_dp_rank(self, r: int) -> ConsolidatorConfig:
+        """Attention-DP rank ``r``'s own consolidator: rank r's GPU-tier stream in, rank r's
+        output out (``Endpoint.for_rank``: by default LEADER_ZMQ_PUB_PORT + 1000 + r)."""
+        replay = self.output_replay
+        return replace(self, ranks=(r,), output=self.output.for_rank(r),
+                       output_replay=None if replay is None else replay.for_rank(r))
 
     def publish_endpoint(self, rank: int) -> Endpoint:
         """The endpoint rank ``rank``'s GPU-tier publisher binds (and the consolidator joins)."""
@@ -541,64 +522,6 @@ def load_tier_settings(env: Mapping[str, str] | None = None) -> TierSettings:
     return settings
 
 
-def load_shared_settings(env: Mapping[str, str] | None = None) -> SharedSettings | None:
-    """The shared tier's settings, or None when DYN_KVBM_SHARED_TIER is unset; raises
-    ConfigError naming the variable and value (a shared tier without a model key included)."""
-    env = os.environ if env is None else env
-    store = (_raw(env, SHARED_TIER) or "").strip().lower()
-    if not store or store in _FALSE:
-        return None
-
-    def part(name: str) -> str:
-        value = (_raw(env, name) or "").strip()
-        if not _KEY_PART.fullmatch(value):
-            raise ConfigError(f"{name}={env.get(name)!r}: expected 1-200 characters of "
-                              "A-Z a-z 0-9 . _ : @ + = - (it is part of every shared-tier key)")
-        return value
-
-    if _raw(env, SHARED_MODEL_KEY) is None:
-        raise ConfigError(f"{SHARED_TIER}={env.get(SHARED_TIER)!r} needs {SHARED_MODEL_KEY}: a "
-                          "name for the model and its weights (e.g. llama-3.1-8b-instruct@rev), "
-                          "so that engines of another model never load these blocks")
-    peers = tuple(p.strip() for p in (_raw(env, SHARED_PEERS) or "").split(",") if p.strip())
-    for peer in peers:
-        if not peer.startswith(_SCHEMES):
-            raise ConfigError(f"{SHARED_PEERS}={env.get(SHARED_PEERS)!r}: {peer!r} is not a "
-                              "tcp://, ipc:// or inproc:// endpoint")
-    lease = parse_float(SHARED_LEASE_S, _raw(env, SHARED_LEASE_S) or "")
-    margin = parse_float(SHARED_LOAD_MARGIN_S, _raw(env, SHARED_LOAD_MARGIN_S) or "")
-    if not 0 < margin < lease:
-        raise ConfigError(f"{SHARED_LOAD_MARGIN_S}={margin!r} must be above 0 and below "
-                          f"{SHARED_LEASE_S}={lease!r}")
-    announce = _raw(env, SHARED_ANNOUNCE_ENDPOINT)
-    if announce is not None and not announce.strip().startswith(_SCHEMES):
-        raise ConfigError(f"{SHARED_ANNOUNCE_ENDPOINT}={announce!r} is not a tcp://, ipc:// or "
-                          "inproc:// endpoint")
-    return SharedSettings(
-        store=store,
-        model_key=part(SHARED_MODEL_KEY),
-        namespace=part(SHARED_NAMESPACE),
-        address=(_raw(env, SHARED_ADDRESS) or "").strip(),
-        protocol=(_raw(env, SHARED_PROTOCOL) or "tcp").strip(),
-        device=(_raw(env, SHARED_DEVICE) or "").strip(),
-        metadata_server=(_raw(env, SHARED_METADATA_SERVER) or "P2PHANDSHAKE").strip(),
-        metrics_address=(_raw(env, SHARED_METRICS_ADDRESS) or "").strip(),
-        local_hostname=(_raw(env, SHARED_LOCAL_HOSTNAME) or "").strip(),
-        segment_bytes=int(parse_float(SHARED_SEGMENT_GB, _raw(env, SHARED_SEGMENT_GB) or "")
-                          * (1 << 30)),
-        buffer_bytes=int(parse_float(SHARED_BUFFER_GB, _raw(env, SHARED_BUFFER_GB) or "")
-                         * (1 << 30)),
-        peers=peers,
-        announce_endpoint=announce.strip() if announce else None,
-        tracked_blocks=parse_int(SHARED_TRACKED_BLOCKS, _raw(env, SHARED_TRACKED_BLOCKS) or "",
-                                 minimum=1),
-        queue_blocks=parse_int(SHARED_QUEUE_BLOCKS, _raw(env, SHARED_QUEUE_BLOCKS) or "",
-                               minimum=1),
-        lease_s=lease,
-        load_margin_s=margin,
-    )
-
-
 def load_metrics_settings(env: Mapping[str, str] | None = None) -> MetricsSettings:
     env = os.environ if env is None else env
     return MetricsSettings(
@@ -635,7 +558,7 @@ def consolidator_enabled(env: Mapping[str, str] | None = None) -> bool:
 
 def load_consolidator_config(
     env: Mapping[str, str] | None = None, *, num_ranks: int = 1,
-    require_gpu_events: bool = False,
+    require_gpu_events: bool = False, attention_dp: bool = False,
     gpu_streams: tuple[tuple[int, Endpoint, Endpoint | None], ...] = (),
 ) -> ConsolidatorConfig:
     """Read and validate every consolidator/publisher variable for ``num_ranks`` ranks.
@@ -644,9 +567,10 @@ def load_consolidator_config(
     GPU-tier port while the consolidator is on and any two sockets sharing a port or path.
     ``require_gpu_events``: the caller needs the GPU-tier endpoint whatever the consolidator
     switch says (``kvbm-plugin consolidate``, ``kvbm-plugin sidecar``); the error for a
-    missing endpoint then does not point at the switch. ``gpu_streams``: the GPU-tier streams
-    come from elsewhere (TensorRT-LLM's own publisher), so no plugin GPU-tier endpoint is
-    required; their ports count in the collision check.
+    missing endpoint then does not point at the switch. ``attention_dp``: the ``num_ranks``
+    ranks each have their own leader, whose sockets the check covers too. ``gpu_streams``: the
+    GPU-tier streams come from elsewhere (TensorRT-LLM's own publisher), so no plugin GPU-tier
+    endpoint is required; their ports count in the collision check.
     """
     env = os.environ if env is None else env
     if num_ranks < 1:
@@ -701,8 +625,30 @@ def load_consolidator_config(
         publisher=load_publisher_settings(env),
         gpu_streams=tuple(gpu_streams),
     )
-    _check_collisions(config, leader_port)
+    _check_collisions(config, leader_port, dp_rank_sockets(env, num_ranks) if attention_dp
+                      else None)
     return config
+
+
+def dp_rank_sockets(env: Mapping[str, str], dp_size: int) -> list[tuple[int, str, Endpoint]]:
+    """``(dp rank, role, endpoint)`` of each attention-DP rank's own leader sockets, by the
+    rule of every per-rank socket (``Endpoint.for_rank``, rank r = base + r): reports at
+    LEADER_ZMQ_PUB_PORT + r (bound only by a group spanning processes, never under attention
+    DP), shared-tier announcements at SHARED_ANNOUNCE_ENDPOINT or LEADER_ZMQ_PUB_PORT + 2000
+    (+ r), metrics at METRICS_PORT + r (each where enabled)."""
+    host = (_raw(env, LEADER_ZMQ_HOST) or "127.0.0.1").strip()
+    port = parse_port(LEADER_ZMQ_PUB_PORT, _raw(env, LEADER_ZMQ_PUB_PORT) or "")
+    bases = [("completion-report port", Endpoint("tcp", host=host, port=port,
+                                                  source=LEADER_ZMQ_PUB_PORT))]
+    if (_raw(env, SHARED_TIER) or "").strip().lower() not in ("", *_FALSE):
+        text = _raw(env, SHARED_ANNOUNCE_ENDPOINT)
+        bases.append(("shared-tier announce endpoint", parse_endpoint(
+            SHARED_ANNOUNCE_ENDPOINT, text, default_host=host) if text else Endpoint(
+            "tcp", host=host, port=port + 2000, source=f"{LEADER_ZMQ_PUB_PORT}+2000")))
+    if parse_bool(METRICS, _raw(env, METRICS) or "false"):
+        bases.append(("metrics port", Endpoint("tcp", host=host, port=parse_port(
+            METRICS_PORT, _raw(env, METRICS_PORT) or ""), source=METRICS_PORT)))
+    return [(r, role, base.for_rank(r)) for r in range(dp_size) for role, base in bases]
 
 
 # The variables that place sockets: what ``kvbm-plugin demo`` takes from the user's environment
@@ -718,11 +664,13 @@ def user_endpoint_settings(env: Mapping[str, str] | None = None) -> dict[str, st
     return {name: env[name] for name in ENDPOINT_VARS if env.get(name, "").strip()}
 
 
-def _check_collisions(config: ConsolidatorConfig, leader_port: int) -> None:
-    """Refuse any two sockets of any rank that would bind the same port or ipc/inproc path."""
-    owners: dict[tuple[str, str | int], str] = {
-        ("tcp", leader_port): f"{LEADER_ZMQ_PUB_PORT} (KVBM leader port {leader_port})",
-    }
+def _check_collisions(config: ConsolidatorConfig, leader_port: int,
+                      dp_sockets: list[tuple[int, str, Endpoint]] | None = None) -> None:
+    """Refuse any two sockets of any rank that would bind the same port or ipc/inproc path
+    (``dp_sockets``: attention DP, with one consolidated output per rank)."""
+    owners: dict[tuple[str, str | int], str] = {}
+    if dp_sockets is None:
+        owners[("tcp", leader_port)] = f"{LEADER_ZMQ_PUB_PORT} (KVBM leader port {leader_port})"
 
     def claim(endpoint: Endpoint, role: str) -> None:
         previous = owners.get(endpoint.key)
@@ -742,9 +690,18 @@ def _check_collisions(config: ConsolidatorConfig, leader_port: int) -> None:
         claim(endpoint, f"rank {rank} GPU-tier stream")
         if replay is not None:
             claim(replay, f"rank {rank} GPU-tier stream replay")
-    claim(config.output, "consolidated output endpoint")
-    if config.output_replay is not None:
-        claim(config.output_replay, "consolidated output replay endpoint")
+    if dp_sockets is None:
+        claim(config.output, "consolidated output endpoint")
+        if config.output_replay is not None:
+            claim(config.output_replay, "consolidated output replay endpoint")
+        return
+    for rank in range(config.num_ranks):
+        ranked = config.for_dp_rank(rank)
+        claim(ranked.output, f"dp rank {rank} consolidated output endpoint")
+        if ranked.output_replay is not None:
+            claim(ranked.output_replay, f"dp rank {rank} consolidated output replay endpoint")
+    for rank, role, endpoint in dp_sockets:
+        claim(endpoint, f"dp rank {rank} {role}")
 
 
 def _connector_module(arg: Any) -> str | None:

@@ -692,6 +692,12 @@ class KvEventSink(V2Hooks):
                 total += int(publisher.stats().get("lost_after_accept", 0))
         return total
 
+    def rank_batches_published(self, rank: int) -> int:
+        """Batches dp rank ``rank``'s publisher (``rank_publishers``, else the sink's own)
+        published; any thread (a consumer checking it has all of one rank's stream)."""
+        publisher = self._rank_publishers.get(rank, self._publisher)
+        return int(publisher.stats().get("batches_published", 0))
+
     def stats(self) -> dict[str, int]:
         """Sink counters plus the publisher's (prefixed ``publisher_``); any thread.
 

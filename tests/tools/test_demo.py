@@ -48,6 +48,18 @@ def test_demo_with_ranks_in_processes(capsys) -> None:
         demo.main_demo([*SMALL, "--tp", "1", "--processes"])
 
 
+@pytest.mark.parametrize("extra", [[], ["--no-overlap", "--mode", "passthrough"]])
+def test_demo_under_attention_dp(capsys, extra: list[str]) -> None:
+    """Every rank its own process; the router view over every rank's output agrees."""
+    assert demo.main_demo([*SMALL, "--attention-dp", "2", *extra]) == 0
+    out = capsys.readouterr().out
+    assert "attention DP 2 ranks (rank processes)" in out and "all checks passed" in out
+    assert "consolidated events, dp rank 1" in out
+    assert "reads per rank 1..: [0]" in out and "router rule warnings 0: 0" in out
+    with pytest.raises(UsageError, match="--attention-dp 2 runs one rank per process"):
+        demo.main_demo([*SMALL, "--attention-dp", "2", "--tp", "2"])
+
+
 def test_demo_fails_when_the_subscriber_view_is_wrong(monkeypatch, capsys) -> None:
     from kvbm_plugin.testing.engine import SimulatedEngine
 

@@ -79,7 +79,9 @@ class TierEventPublisher:
 class EventPath:
     """The parts :func:`assemble_event_path` built; the leader owns them from then on."""
 
-    event_sink: KvEventSink  # owns this rank's GPU-tier publisher
+    # owns this rank's GPU-tier publisher (under attention DP, rank 0's owns every rank's);
+    # None on an attention-DP rank other than 0, whose GPU-tier events rank 0 publishes
+    event_sink: KvEventSink | None
     consolidator: KvEventConsolidator | None  # started; None when not enabled
     tier_events: Any  # the register_store/remove/clear target of the leader's tiers
     name_reader: Any = None  # NativeNameReader: TRT-LLM's stream read for names (no consolidator)
@@ -87,7 +89,8 @@ class EventPath:
 
 def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_rank: int,
                         block_size: int, tier_events: Any = None, own_gpu_stream: bool = True,
-                        engine_observer: Any = None, engine_topic: str = "") -> EventPath:
+                        engine_observer: Any = None, engine_topic: str = "",
+                        dp_size: int = 1) -> EventPath:
     """Build the leader's event path from its validated ``config``: this rank's GPU-tier
     publisher (``config.publisher`` by name; a NullEventPublisher, said once, when no endpoint
     is configured) and the prefix-closed event sink in front of it; when ``consolidate``, the
@@ -102,12 +105,25 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     and a :class:`~kvbm_plugin.connector.native_events.NativeNameReader` (topic
     ``engine_topic``) hands TensorRT-LLM's batches to ``engine_observer``.
 
+    Attention DP (``dp_size`` > 1): TensorRT-LLM's C++ KV cache manager gathers every rank's
+    events onto rank 0, each tagged ``attention_dp_rank`` (``kvCacheEventManager.cpp``,
+    ``exchangeAttentionDpThread``: ranks other than 0 serialise and clear their queue every
+    ``attention_dp_events_gather_period_ms``). So rank 0's sink publishes every rank's batches,
+    each on that rank's endpoint (``publish_endpoint(r)``: base + r) with its dp rank, and the
+    other ranks' leaders build no GPU-tier publisher and never read their queue (a second
+    reader would race the gather). Each rank's consolidator is its own
+    (``config.for_dp_rank``): it subscribes to its rank's stream only.
+
     What it started is shut down again when a later step raises, so a failure leaves nothing
     running behind.
     """
     from kvbm_plugin.event_sink import KvEventSink
     from kvbm_plugin.wire.publisher import NullEventPublisher, create_publisher
 
+    if dp_size > 1:
+        config = config.for_dp_rank(dp_rank)
+        if dp_rank != 0:
+            return _other_dp_rank_path(config, consolidate, tier_events, engine_observer)
     if not own_gpu_stream and consolidate:
         publisher = NullEventPublisher(config.publisher)  # the sink never publishes here
     elif config.gpu_events is not None:
@@ -124,10 +140,16 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     sink: KvEventSink | None = None
     consolidator: KvEventConsolidator | None = None
     reader: Any = None
+    others: dict[int, Any] = {}
     try:
+        if own_gpu_stream and config.gpu_events is not None:
+            for rank in range(1, dp_size):  # attention DP: rank 0 publishes every rank
+                others[rank] = create_publisher(config.publisher, config.publish_endpoint(rank),
+                                                config.replay_endpoint(rank), rank)
         sink = KvEventSink(publisher, block_size=block_size,
                            window_size=config.publisher.window_size,
-                           data_parallel_rank=dp_rank, prefix_closed=True)
+                           data_parallel_rank=dp_rank, prefix_closed=True,
+                           rank_publishers=others or None)
         if consolidate:
             from kvbm_plugin.consolidator.service import KvEventConsolidator
 
@@ -149,6 +171,31 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
             sink.flush()
             sink.shutdown()
         else:
-            publisher.shutdown()
+            for own in (publisher, *others.values()):
+                own.shutdown()
         raise
     return EventPath(sink, consolidator, tier_events, reader)
+
+
+def _other_dp_rank_path(config: ConsolidatorConfig, consolidate: bool,
+                        tier_events: Any, engine_observer: Any = None) -> EventPath:
+    """An attention-DP rank other than 0: no GPU-tier publisher (rank 0 publishes this rank's
+    GPU-tier stream, see :func:`assemble_event_path`), its own consolidator. Its tier events
+    have no stream of their own without a consolidator, so that is refused."""
+    from kvbm_plugin.consolidator_config import ENABLE_CONSOLIDATOR, ConfigError
+
+    if not consolidate and tier_events is None:
+        raise ConfigError(
+            f"attention DP rank {config.stream_ranks()[0]}: {ENABLE_CONSOLIDATOR} is off, but "
+            "this rank's offload-tier events then have no stream (rank 0 publishes every "
+            f"rank's GPU-tier stream); turn {ENABLE_CONSOLIDATOR} on (each rank's consolidated "
+            "output carries its tiers and GPU blocks)")
+    consolidator = None
+    if consolidate:
+        from kvbm_plugin.consolidator.service import KvEventConsolidator
+
+        consolidator = KvEventConsolidator(config, engine_observer=engine_observer)
+        consolidator.start()
+        if tier_events is None:
+            tier_events = consolidator
+    return EventPath(None, consolidator, tier_events)

@@ -25,9 +25,25 @@ from kvbm_plugin.consolidator_config import (
 
 @dataclass(frozen=True)
 class Parallel:
+    """Where this process stands. Under attention DP (``mapping.enable_attention_dp``) every
+    rank is its own group of one: its leader schedules its own requests and waits for its own
+    worker's reports only (``connectors/kv_cache_connector.py`` @ 035ab91cad04: no broadcast,
+    no allgather in ``get_finished``; "each request has one local worker"), while TensorRT-LLM's
+    mapping still reports ``tp_size`` = the number of attention-DP ranks."""
+
     rank: int  # this process's global rank
     tp_size: int  # ranks that hold a shard of every block (all must report an op)
     dp_rank: int  # attention-DP rank stamped on events (0 without attention DP)
+    dp_size: int = 1  # attention-DP ranks (1 without attention DP)
+
+    @property
+    def attention_dp(self) -> bool:
+        return self.dp_size > 1
+
+    @property
+    def tp_rank(self) -> int:
+        """This rank's place in its group (what its completion reports carry)."""
+        return 0 if self.attention_dp else self.rank
 
 
 def env_of(llm_args: Any) -> Mapping[str, str]:
@@ -65,20 +81,46 @@ def parallel_of(llm_args: Any) -> Parallel:
         adp = False
     if tp < 1 or not rank >= 0:
         raise ConfigError(f"invalid parallel mapping: rank={rank}, tp_size={tp}")
-    return Parallel(rank=rank, tp_size=tp, dp_rank=rank if adp else 0)
+    if adp and tp > 1:
+        # dp_size = tp_size under attention DP, and the TP rank is the DP rank (py_executor.py
+        # @ 0004396720054, _agreed_need_adjustment); attention is not sharded within a rank.
+        if rank >= tp:
+            raise ConfigError(f"invalid attention-DP mapping: rank={rank}, tp_size={tp}")
+        return Parallel(rank=rank, tp_size=1, dp_rank=rank, dp_size=tp)
+    return Parallel(rank=rank, tp_size=tp, dp_rank=0)
 
 
 def group_of(llm_args: Any, env: Mapping[str, str]) -> str:
-    """Names the leader/worker group: the leader port (one leader per port per host)."""
+    """Names the leader/worker group: the leader port (one leader per port per host), and
+    under attention DP the dp rank (each rank is a group of its own)."""
     group = getattr(llm_args, "kvbm_plugin_group", None)
     if group:
         return str(group)
-    return f"port{leader_port(env)}"
+    par = parallel_of(llm_args)
+    return f"port{leader_port(env)}" + (f"-dp{par.dp_rank}" if par.attention_dp else "")
 
 
 def leader_port(env: Mapping[str, str]) -> int:
     value = env.get(LEADER_ZMQ_PUB_PORT) or "56001"
     return parse_port(LEADER_ZMQ_PUB_PORT, value)
+
+
+# Attention DP, buffered path: TensorRT-LLM's C++ event manager gathers each rank's KV events
+# onto rank 0 (kvCacheEventManager.cpp, exchangeAttentionDpThread, every
+# attention_dp_events_gather_period_ms); a second reader of a rank's queue would race it.
+GATHERED_TO_RANK_0 = ("attention-DP rank {}: TensorRT-LLM gathers this rank's KV events onto "
+                      "rank 0, whose leader publishes them on this rank's endpoint")
+# The V2 hooks run on the rank that owns the blocks, before any gather: rank 0's leader sees
+# its own rank's events only.
+V2_UNDER_ATTENTION_DP = ("kvbm_plugin: KVCacheManagerV2 under attention DP: only dp rank 0's "
+                         "GPU-tier events are published (the V2 hooks of the other ranks are "
+                         "not gathered onto rank 0); every rank's offload tiers are published")
+
+
+def report_port(env: Mapping[str, str], par: Parallel) -> int:
+    """Where a group's workers in other processes send completion reports: the leader port,
+    + dp rank under attention DP (``consolidator_config.dp_rank_sockets``)."""
+    return leader_port(env) + par.dp_rank
 
 
 def leader_host(env: Mapping[str, str]) -> str:

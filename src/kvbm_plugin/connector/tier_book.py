@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Sequence
@@ -66,6 +67,10 @@ class TierBookkeeping:
             self._disk = TierIndex(TIER_DISK, disk_blocks)
             if settings.disk_cache_dir:
                 self._disk_dir = settings.disk_cache_dir
+                if self._par.attention_dp:
+                    # Each attention-DP rank's own share: its slot files never meet another's.
+                    self._disk_dir = os.path.join(self._disk_dir, f"dp{self._dp_rank}")
+                    os.makedirs(self._disk_dir, exist_ok=True)
             else:
                 self._disk_dir = tempfile.mkdtemp(prefix="kvbm-plugin-disk-")
                 self._own_disk_dir = True
@@ -123,6 +128,14 @@ class TierBookkeeping:
             h = names.hash_of_key(parent)
             if h is not None:
                 entry.parent_event_hash = h
+        if entry.event_hash == entry.key and (
+                entry.parent_event_hash != entry.parent_key if entry.parent_key is not None
+                else entry.scope == (None, None)):  # a scoped root: its tokens are not enough
+            # Named by its GPU event after its request was forgotten (its event can come
+            # later than the request's end: attention DP ranks > 0 read it off their stream).
+            h = names.hash_of_content(entry.parent_event_hash, entry.token_ids, entry.scope[0])
+            if h is not None:
+                entry.event_hash = h
 
     def _named(self, entry: TierEntry) -> bool:
         """Whether ``entry`` and its parent carry TRT-LLM's names (not placeholders)."""

@@ -98,3 +98,11 @@ class BlockNames:
     def hash_of_key(self, key: int) -> int | None:
         """TRT-LLM's hash of the block with content key ``key``, when learned."""
         return self._by_key.get(key)
+
+    def hash_of_content(self, parent: int | None, tokens: Sequence[int],
+                        lora: int | None = None) -> int | None:
+        """TRT-LLM's hash of the block of ``tokens`` of LoRA task ``lora`` (None: the base
+        model) under TRT-LLM's ``parent`` hash (None: a root block), when an event named it
+        and nothing else was named so."""
+        h = self._by_content.get((parent, tuple(tokens), lora))
+        return None if h is None or h == AMBIGUOUS else h

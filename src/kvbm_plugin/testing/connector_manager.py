@@ -13,7 +13,11 @@ NVIDIA/TensorRT-LLM@00fdcbff5ad8; the same logic moved to
   report's ``computed_position``, and then clears ``external_loads`` (every build): a request
   whose async load finishes later therefore first appears with its full position;
 * ``get_finished`` calls every rank's worker, then acts on an id only once every rank returned
-  it (the ``mpi_allgather`` intersection).
+  it (the ``mpi_allgather`` intersection);
+* attention DP (``enable_attention_dp``, ``connectors/kv_cache_connector.py`` @ 035ab91cad04):
+  both classes must declare ``supports_attention_dp = True`` (``validate_attention_dp``), every
+  rank has its own manager and scheduler, ``_run_on_leader`` runs locally (no broadcast), and
+  ``build_scheduler_output`` names the rank (``SchedulerOutput.attention_dp_rank``).
 
 Called only from the engine's executor thread.
 """
@@ -30,7 +34,16 @@ from kvbm_plugin.testing.fake_trtllm import RequestData, SchedulerOutput
 class SimKvCacheConnectorManager:
     """Connector state across ranks: the scheduler (rank 0) and every rank's worker."""
 
-    def __init__(self, scheduler: Any, ranks: Sequence[Any]) -> None:
+    def __init__(self, scheduler: Any, ranks: Sequence[Any], *,
+                 attention_dp_rank: int | None = None) -> None:
+        if attention_dp_rank is not None:
+            for connector in (scheduler, *(getattr(r, "worker", None) for r in ranks)):
+                if connector is not None and \
+                        getattr(type(connector), "supports_attention_dp", False) is not True:
+                    raise NotImplementedError(
+                        "The connector must declare supports_attention_dp=True and implement "
+                        "owner-local scheduling/transfers against a shared pool.")
+        self.attention_dp_rank = attention_dp_rank
         self.scheduler = scheduler
         self.ranks = list(ranks)
         self.external_loads: dict[int, int] = {}
@@ -44,7 +57,10 @@ class SimKvCacheConnectorManager:
         self.metadata_builds = 0
 
     def _run_on_leader(self, f: Callable[[], Any]) -> Any:
-        """Run on rank 0 and broadcast: every rank gets its own unpickled copy."""
+        """Run on rank 0 and broadcast: every rank gets its own unpickled copy (attention DP:
+        locally, no broadcast)."""
+        if self.attention_dp_rank is not None:
+            return f()
         return pickle.loads(pickle.dumps(f()))
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> int:
@@ -80,7 +96,7 @@ class SimKvCacheConnectorManager:
         ``computed_position`` as TRT-LLM reads it from the request) for the scheduled batch,
         after the token-budget trim; requests that start an async load this pass are left
         out, as upstream."""
-        output = SchedulerOutput()
+        output = SchedulerOutput(attention_dp_rank=self.attention_dp_rank)
         loading = set(self.new_loading)
         for req_id, data in entries:
             if req_id in loading:

@@ -27,6 +27,9 @@ manager. :meth:`SimulatedEngine.step` lists the order of one pass.
 * the overlap scheduler: the tokens sampled in pass N reach the requests (and the connector's
   ``RequestData``) only after the forward of N+1; a request that sampled its last token in N
   is scheduled once more in N+1 and terminated after that forward.
+* attention DP (``attention_dp`` > 1): this engine is one rank's own executor, with its own
+  manager (``enable_attention_dp``), leader and worker; ``testing.adp.AttentionDpEngine`` runs
+  every rank and gathers their KV events onto rank 0.
 * KV events are C++-like objects (``testing.kv_events``), readable only after the pass's
   ``flush_iteration_events``; with ``trtllm_event_reader=True`` TRT-LLM's KV-event dispatch
   thread reads them concurrently, as ``LLM.get_kv_cache_events`` does. Block hashes are
@@ -112,6 +115,10 @@ class EngineConfig:
     # kv_cache_config.kv_events_config (fake_trtllm.KVEventsConfig): when enabled, TRT-LLM's
     # own streaming publisher sends the GPU tier (testing.trtllm_stream), the pull API is empty
     kv_events_config: Any = None
+    # Attention-DP ranks (TRT-LLM's enable_attention_dp with tp_size of them): this engine is
+    # rank dp_rank's own executor; testing.adp.AttentionDpEngine runs every rank.
+    attention_dp: int = 1
+    dp_rank: int = 0
 
 
 @dataclass
@@ -175,6 +182,10 @@ class _Req:
     llm_request: LlmRequest | None = None
 
 
+# Request ids of attention-DP rank r start at 1 + r * this (TRT-LLM's ids are global).
+REQUEST_ID_STRIDE = 1 << 40
+
+
 def _free_tcp_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -191,13 +202,18 @@ class SimulatedEngine:
                              f"tp_size={cfg.tp_size}")
         if cfg.processes and cfg.tp_size < 2:
             raise ValueError(f"processes=True needs tp_size > 1 (got tp_size={cfg.tp_size})")
+        adp = cfg.attention_dp > 1
+        if adp and (cfg.tp_size != 1 or not 0 <= cfg.dp_rank < cfg.attention_dp):
+            raise ValueError(f"attention_dp={cfg.attention_dp} runs one rank per engine: "
+                             f"tp_size must be 1 (got {cfg.tp_size}), dp_rank "
+                             f"{cfg.dp_rank} below attention_dp")
         self.device = torch.device(cfg.device)
         self.block_size = bs = cfg.tokens_per_block
         self._group = f"sim-{uuid.uuid4().hex[:12]}"
         self._stats = EngineStats()
         self._reqs: dict[int, _Req] = {}
         self._order: list[int] = []  # FIFO of waiting request ids
-        self._ids = itertools.count(1)
+        self._ids = itertools.count(1 + cfg.dp_rank * REQUEST_ID_STRIDE)  # unique over ranks
         self._aborts: set[int] = set()  # cancels not yet fetched by the loop
         self._canceled: set[int] = set()  # PyExecutor.canceled_req_ids
         self._live: dict[int, _Req] = {}  # requests not done, in submission order
@@ -211,7 +227,9 @@ class SimulatedEngine:
         native = native_publisher({"kv_cache_config": {"kv_events_config":
                                                         cfg.kv_events_config}})
         self.kv_cache_manager: SimKVCacheManager | SimStreamingKVCacheManager = (
-            SimKVCacheManager(self.pool, cfg.event_buffer_max_size) if native is None
+            SimKVCacheManager(self.pool, cfg.event_buffer_max_size,
+                              attention_dp_rank=cfg.dp_rank if adp else None,
+                              attention_dp_size=cfg.attention_dp) if native is None
             else SimStreamingKVCacheManager(self.pool, cfg.kv_events_config, native,
                                             block_size=bs))
         self._closed = False
@@ -222,9 +240,10 @@ class SimulatedEngine:
         self.env = env
 
         def args(rank: int) -> LlmArgs:
-            return LlmArgs(KvCacheConfig(bs, kv_events_config=cfg.kv_events_config),
-                           ParallelConfig(rank, cfg.tp_size),
-                           tensor_parallel_size=cfg.tp_size, kvbm_plugin_env=dict(env),
+            parallel = (ParallelConfig(cfg.dp_rank, cfg.attention_dp, enable_attention_dp=True)
+                        if adp else ParallelConfig(rank, cfg.tp_size))
+            return LlmArgs(KvCacheConfig(bs, kv_events_config=cfg.kv_events_config), parallel,
+                           tensor_parallel_size=parallel.tp_size, kvbm_plugin_env=dict(env),
                            kvbm_plugin_group=self._group,
                            kvbm_plugin_inprocess=not cfg.processes,
                            kvbm_plugin_tier_events=cfg.tier_events if rank == 0 else None,
@@ -275,7 +294,12 @@ class SimulatedEngine:
             r.worker for r in self.ranks if isinstance(r, LocalRank)]
         self.kv_pools: list[torch.Tensor] = [
             r.pool for r in self.ranks if isinstance(r, LocalRank)]
-        self.kv_cache_connector_manager = SimKvCacheConnectorManager(self.leader, self.ranks)
+        try:
+            self.kv_cache_connector_manager = SimKvCacheConnectorManager(
+                self.leader, self.ranks, attention_dp_rank=cfg.dp_rank if adp else None)
+        except BaseException:
+            self.shutdown(5.0)
+            raise
         if cfg.trtllm_event_reader:
             self.event_reader = KvEventDispatchReader(self, self.kv_cache_manager)
 
@@ -369,9 +393,10 @@ class SimulatedEngine:
         """The truth per medium and dp rank: full blocks in the GPU pool, advertised host and
         disk blocks (unsigned u64 hashes)."""
         assert self.leader is not None
-        return {"GPU": {0: self.pool.resident_full_hashes()},
-                "CPU": {0: self.leader.resident_hashes("host")},
-                "DISK": {0: self.leader.resident_hashes("disk")}}
+        r = self.config.dp_rank
+        return {"GPU": {r: self.pool.resident_full_hashes()},
+                "CPU": {r: self.leader.resident_hashes("host")},
+                "DISK": {r: self.leader.resident_hashes("disk")}}
 
     def get_latest_kv_cache_events(self) -> list[Any]:
         """``PyExecutor.get_latest_kv_cache_events``: drains the KV cache manager's readable
@@ -399,8 +424,10 @@ class SimulatedEngine:
 
     # ------------------------------------------------------------------ the loop
 
-    def step(self) -> int:
+    def step(self, *, dummy: bool = False) -> int:
         """One pass of TRT-LLM's executor loop; returns the tokens the forward computed.
+        ``dummy``: attention DP, another rank has work (:meth:`_dummy_pass` when this one has
+        none).
 
         ``_executor_loop`` (``overlap_scheduler=False``) and ``_executor_loop_overlap`` (the
         default) of ``py_executor.py`` @ 0004396720054, where they touch the connector:
@@ -426,7 +453,7 @@ class SimulatedEngine:
         5. every pass: ``get_finished`` (``_kv_connector_terminate_requests``).
         """
         if not self.active():
-            return 0
+            return self._dummy_pass() if dummy else 0
         self._stats.iterations += 1
         self._canceled.update(self._aborts)  # _handle_special_queue_items
         self._aborts.clear()
@@ -469,6 +496,24 @@ class SimulatedEngine:
             self._process_batch(ran)
         self._kv_connector_terminate_requests()
         return computed
+
+    def _dummy_pass(self) -> int:
+        """An attention-DP rank without work while another has some: TRT-LLM pads it with a
+        dummy request (``py_executor.py`` ``_pad_attention_dp_dummy_request``) and runs the
+        pass. The connector manager skips the dummy (``kv_cache_connector.py`` @
+        035ab91cad04), so the build gets an empty report and binds empty metadata; the pass
+        still flushes the KV events and calls ``get_finished``."""
+        self._stats.iterations += 1
+        manager = self.kv_cache_connector_manager
+        manager.build_scheduler_output([])
+        manager.handle_metadata()
+        for rank in reversed(self.ranks):
+            rank.start_iteration([])
+        for rank in self.ranks:
+            rank.finish_iteration()
+        self._process_batch([])
+        self._kv_connector_terminate_requests()
+        return 0
 
     def _process_batch(self, processed: list[tuple[_Req, int, bool]]) -> None:
         """``_handle_canceled_requests``, ``_handle_responses``, ``update_resources`` and

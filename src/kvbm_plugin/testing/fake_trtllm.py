@@ -112,9 +112,10 @@ class Mapping:
 class ParallelConfig:
     rank: int
     tp_size: int
+    enable_attention_dp: bool = False  # tp_size is then the number of attention-DP ranks
 
     def to_mapping(self) -> Mapping:
-        return Mapping(self.rank, self.tp_size, self.tp_size)
+        return Mapping(self.rank, self.tp_size, self.tp_size, self.enable_attention_dp)
 
 
 @dataclass

@@ -207,11 +207,17 @@ class RouterProbe:
                 return False
             self._poll(1)  # waits on the socket, not a sleep
 
-    def predict(self, prompt: list[int], salt: str | None = None) -> int:
-        """Tokens of ``prompt`` the router view says are cached (any tier), for a request with
-        cache salt ``salt`` (its namespace as the event sink publishes it)."""
+    def predict(self, prompt: list[int], salt: str | None = None,
+                dp_rank: int | None = None) -> int:
+        """Tokens of ``prompt`` the router view says are cached (any tier) on ``dp_rank``
+        (None: any), for a request with cache salt ``salt`` (its namespace as the event sink
+        publishes it)."""
         namespace = None if salt is None else salt_namespace(cache_salt_id(salt))
-        return self.view.cached_tokens(prompt, namespace=namespace)
+        return self.view.cached_tokens(prompt, namespace=namespace, dp_rank=dp_rank)
+
+    def route(self, prompt: list[int], salt: str | None = None) -> int | None:
+        """The dp rank a KV-aware router sends the request to (None: the engine has one)."""
+        return None
 
 
 class TurnWaves:
@@ -362,6 +368,7 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
     late: dict[int, int] = {}  # engine id -> under-estimated tokens shown after scheduling
     waiting: int | None = None  # the engine id handed over and not yet scheduled
     external: dict[int, int] = {}  # session -> probe.external's latest answer for its request
+    ranks: dict[int, int | None] = {}  # engine id -> the dp rank the probe routed it to
 
     def may_submit() -> bool:
         if max_requests is not None and result.submitted >= max_requests:
@@ -377,15 +384,20 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
             request = workload.next_request()
             if request is not None:
                 predicted = 0
+                routed: dict[str, int] = {}
                 if probe is not None:
                     probe.settle()
-                    predicted = probe.predict(request.prompt, request.salt)
+                    rank = probe.route(request.prompt, request.salt)
+                    if rank is not None:
+                        routed["dp_rank"] = rank
+                    predicted = probe.predict(request.prompt, request.salt, rank)
                     if probe.external is not None:
                         external[request.session] = probe.external(request.prompt,
                                                                    request.salt)
                 req_id = engine.submit(request.prompt, request.gen_tokens,
-                                       cache_salt=request.salt)
+                                       cache_salt=request.salt, **routed)
                 running[req_id] = (request, predicted)
+                ranks[req_id] = routed.get("dp_rank")
                 waiting = req_id
                 result.submitted += 1
         elif waiting is not None and probe is not None:
@@ -393,7 +405,8 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
             # iteration that schedules it.
             probe.settle()
             request, _ = running[waiting]
-            running[waiting] = (request, probe.predict(request.prompt, request.salt))
+            running[waiting] = (request, probe.predict(request.prompt, request.salt,
+                                                       ranks.get(waiting)))
             if probe.external is not None:
                 external[request.session] = probe.external(request.prompt, request.salt)
         if not running and (workload.exhausted() or not may_submit()):
@@ -408,12 +421,13 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
                 # Diagnosis of an under-estimate: did the events the engine acted on in this
                 # iteration reach the view right after it?
                 probe.settle()
-                late[waiting] = max(0, min(reused, probe.predict(request.prompt, request.salt))
-                                    - predicted)
+                late[waiting] = max(0, min(reused, probe.predict(
+                    request.prompt, request.salt, ranks.get(waiting))) - predicted)
             waiting = None
         # A saving request has its answer (its blocks wait for the next pass's get_finished).
         for req_id in [i for i in running if engine.state(i) in ("done", "saving")]:
             request, predicted = running.pop(req_id)
+            ranks.pop(req_id, None)
             res = engine.result(req_id)
             result.finished += 1
             result.tally.add(len(request.prompt), predicted, res.gpu_hit_tokens,

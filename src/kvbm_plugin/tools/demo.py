@@ -224,15 +224,21 @@ def _with_user_endpoints(env: dict[str, str], user: dict[str, str]) -> dict[str,
     return env
 
 
-def _served_endpoints(config: cc.ConsolidatorConfig) -> list[tuple[str, str]]:
+def _served_endpoints(config: cc.ConsolidatorConfig,
+                      attention_dp: bool = False) -> list[tuple[str, str]]:
     """What the demo serves, as a router should register it (connect addresses)."""
     out = []
     for rank in range(config.num_ranks):
         replay = config.replay_endpoint(rank)
         out.append((f"GPU-tier events, dp rank {rank}", config.publish_endpoint(rank).connect
                     + ("" if replay is None else f"  (replay {replay.connect})")))
-    out.append(("consolidated events", config.output.connect + (
-        "" if config.output_replay is None else f"  (replay {config.output_replay.connect})")))
+    outputs = [(f"consolidated events, dp rank {r}", config.for_dp_rank(r))
+               for r in range(config.num_ranks)] if attention_dp \
+        else [("consolidated events", config)]
+    for role, ranked in outputs:
+        out.append((role, ranked.output.connect + ("" if ranked.output_replay is None
+                                                   else f"  (replay "
+                                                   f"{ranked.output_replay.connect})")))
     return out
 
 
@@ -260,21 +266,28 @@ def run_demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
     watch = _ErrorWatch()
     _say_overridden()
-    if args.processes:
+    if args.processes or args.attention_dp > 1:
         _quiet_rank_processes()
+    adp = args.attention_dp > 1
     with watch.watching(), tempfile.TemporaryDirectory(prefix="kvbm-demo-") as tmp:
         env = _demo_env(tmp, args)
-        config = cc.load_consolidator_config(env)
-        for role, where in _served_endpoints(config):
+        config = cc.load_consolidator_config(env, num_ranks=args.attention_dp, attention_dp=adp)
+        for role, where in _served_endpoints(config, adp):
             print(f"serving {role}: {where}", flush=True)
         try:
-            engine = SimulatedEngine(EngineConfig(
+            engine_config = EngineConfig(
                 num_layers=args.layers, num_kv_heads=kv_heads(args.tp), head_dim=16,
                 tokens_per_block=args.block_size, num_gpu_blocks=args.gpu_blocks,
                 tp_size=args.tp, max_num_tokens=512, max_batch_size=8, device=args.device,
                 dtype=torch.bfloat16 if args.device == "cuda" else torch.float32,
                 env=env, vocab_size=30000, overlap_scheduler=not args.no_overlap,
-                processes=args.processes))
+                processes=args.processes or adp, attention_dp=args.attention_dp)
+            if adp:  # every rank its own process, as TensorRT-LLM runs attention DP
+                from kvbm_plugin.testing.adp import AttentionDpEngine
+
+                engine = AttentionDpEngine(engine_config)
+            else:
+                engine = SimulatedEngine(engine_config)
         except cc.ConfigError as exc:
             if isinstance(exc.__cause__ or exc.__context__, (zmq.ZMQError, OSError)) \
                     or "cannot bind" in str(exc):
@@ -282,13 +295,26 @@ def run_demo(args: argparse.Namespace) -> int:
                 raise CommandFailed(f"cannot start: {exc}") from exc
             raise
         workload.engine = engine
-        subscriber = TreeSubscriber(
-            config.output.connect,
-            None if config.output_replay is None else config.output_replay.connect,
-            start_seq=0, view=RouterView(args.block_size))
-        real = _real_router(args, tmp, config, subscriber.view) if args.real_router else None
-        probe = RouterProbe(engine, subscriber, settle_timeout=args.settle_timeout,
-                            poll=subscriber.poll, external=None if real is None else real[1])
+        if adp:
+            from kvbm_plugin.tools import demo_adp
+
+            subscribers = demo_adp.subscribers_for(config, args.attention_dp,
+                                                   RouterView(args.block_size))
+            subscriber = subscribers[0]
+            probe: RouterProbe = demo_adp.AdpRouterProbe(engine, subscribers,
+                                                         settle_timeout=args.settle_timeout)
+            real = None
+        else:
+            subscriber = TreeSubscriber(
+                config.output.connect,
+                None if config.output_replay is None else config.output_replay.connect,
+                start_seq=0, view=RouterView(args.block_size))
+            subscribers = [subscriber]
+            real = _real_router(args, tmp, config, subscriber.view) if args.real_router \
+                else None
+            probe = RouterProbe(engine, subscriber, settle_timeout=args.settle_timeout,
+                                poll=subscriber.poll,
+                                external=None if real is None else real[1])
         progress = _Progress(total, enabled=not args.no_progress)
 
         def on_step(done) -> None:  # noqa: ANN001
@@ -316,7 +342,12 @@ def run_demo(args: argparse.Namespace) -> int:
                     "finished; raise --timeout or shrink the run (--sessions, --turns, "
                     "--requests)") from None
             progress.update(result.finished, "draining event streams", force=True)
-            checks, summary = _settle_and_check(engine, subscriber, args, workload)
+            if adp:
+                checks, summary = demo_adp.settle_and_check(engine, subscribers, args, probe,
+                                                            Check)
+                checks.insert(2, demo_adp.tier_reuse_check(args, engine, probe, Check))
+            else:
+                checks, summary = _settle_and_check(engine, subscriber, args, workload)
             router_checks, router_summary = _router_report(result, probe)
             checks += router_checks
             summary += router_summary
@@ -326,7 +357,8 @@ def run_demo(args: argparse.Namespace) -> int:
                 summary += real_summary
         finally:
             progress.close()
-            subscriber.close()
+            for each in subscribers:
+                each.close()
             engine.shutdown()
             if real is not None:
                 real[0].close()
@@ -600,7 +632,11 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokens generated per turn (default 16)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the random chat workload (default 0)")
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks (default 2)")
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel ranks (default 2; 1 with --attention-dp)")
+    parser.add_argument("--attention-dp", type=int, default=1, metavar="N",
+                        help="attention-DP ranks, each its own process with its own leader, "
+                             "tiers and consolidated output (default 1: none)")
     parser.add_argument("--layers", type=int, default=4,
                         help="transformer layers of the simulated KV cache (default 4)")
     parser.add_argument("--block-size", type=int, default=16,
@@ -654,7 +690,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_options(args: argparse.Namespace) -> None:
     """Every option the run would trip on later, as one UsageError naming the option."""
+    if args.attention_dp > 1 and args.tp not in (None, 1):
+        raise UsageError(f"--attention-dp {args.attention_dp} runs one rank per process with "
+                         f"TP 1 inside each (TensorRT-LLM's mapping), got --tp {args.tp}")
+    if args.attention_dp > 1 and args.real_router:
+        raise UsageError("--real-router is not available with --attention-dp")
+    if args.tp is None:
+        args.tp = 1 if args.attention_dp > 1 else 2
     for name in ("sessions", "turns", "system_tokens", "user_tokens", "gen_tokens", "tp",
+                 "attention_dp",
                  "layers", "block_size", "gpu_blocks", "host_blocks", "disk_blocks",
                  "tenants", "max_context"):
         if getattr(args, name) < 1:

@@ -19,6 +19,7 @@ from kvbm_plugin.connector.native_events import (
     native_streams,
 )
 from kvbm_plugin.consolidator_config import ConfigError
+from kvbm_plugin.shared_settings import load_shared_settings
 
 
 @dataclass
@@ -168,7 +169,7 @@ def _shared_check() -> Check:
     import dataclasses
 
     try:
-        settings = cc.load_shared_settings()
+        settings = load_shared_settings()
     except cc.ConfigError as exc:
         return Check("shared tier", "fail", str(exc))
     if settings is None:

@@ -13,7 +13,8 @@ from _kvwire import wait_until
 from _shared_blocks import Clock, chain
 from _shared_leader import LEASE, Leader
 
-from kvbm_plugin.consolidator_config import ConfigError, SharedSettings
+from kvbm_plugin.consolidator_config import ConfigError
+from kvbm_plugin.shared_settings import SharedSettings
 from kvbm_plugin.testing.memory_store import MemoryStore
 from kvbm_plugin.tiers.shared.announce import (
     AnnouncementError,

@@ -11,7 +11,8 @@ import pytest
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin._util.plugins import TIERS_GROUP, get_plugin
-from kvbm_plugin.consolidator_config import ConfigError, load_shared_settings
+from kvbm_plugin.consolidator_config import ConfigError
+from kvbm_plugin.shared_settings import SharedSettings, load_shared_settings
 from kvbm_plugin.tiers.shared.factory import store_class
 from kvbm_plugin.tiers.shared.mooncake import MooncakeStore, apply_mooncake_config
 from kvbm_plugin.tiers.shared.redis_store import RedisStore, redis_url
@@ -22,7 +23,7 @@ CONFIG = {"local_hostname": "10.0.0.7", "metadata_server": "P2PHANDSHAKE",
           "device_name": "mlx5_0", "master_server_address": "10.0.0.1:50051"}
 
 
-def _resolve(tmp_path: Path, config: object, **env: str) -> cc.SharedSettings:
+def _resolve(tmp_path: Path, config: object, **env: str) -> SharedSettings:
     path = tmp_path / "mooncake.json"
     path.write_text(json.dumps(config))
     full = {**BASE_ENV, cc.MOONCAKE_CONFIG_PATH: str(path), **env}
@@ -94,12 +95,12 @@ def test_the_store_is_chosen_by_entry_point() -> None:
 
 def test_mooncake_settings_are_checked_before_connecting() -> None:
     with pytest.raises(ConfigError, match=f"{cc.SHARED_ADDRESS} is unset"):
-        MooncakeStore(cc.SharedSettings(store="mooncake", model_key="m"), env={})
+        MooncakeStore(SharedSettings(store="mooncake", model_key="m"), env={})
     with pytest.raises(ConfigError, match=cc.SHARED_METRICS_ADDRESS):
-        MooncakeStore(cc.SharedSettings(store="mooncake", model_key="m", address="h:1",
+        MooncakeStore(SharedSettings(store="mooncake", model_key="m", address="h:1",
                                         metrics_address="h"), env={})
     with pytest.raises(ConfigError, match=f"{cc.SHARED_SEGMENT_GB}: 1048576 bytes"):
-        MooncakeStore(cc.SharedSettings(store="mooncake", model_key="m", address="h:1",
+        MooncakeStore(SharedSettings(store="mooncake", model_key="m", address="h:1",
                                         segment_bytes=1 << 20), env={})
 
 
@@ -169,7 +170,7 @@ def test_a_third_party_store_is_opened_behind_the_breaker(tier_dist: Any) -> Non
     from kvbm_plugin.tiers.shared.factory import open_store
 
     tier_dist("carrier = thirdparty_store:Carrier")
-    store = open_store(cc.SharedSettings(store="carrier", model_key="m"))
+    store = open_store(SharedSettings(store="carrier", model_key="m"))
     assert isinstance(store, GuardedStore) and store.store.name == "carrier"
     assert store.get_into(["k"], [(0, 1)]) == [-1] and store.stats()["get_into_missing"] == 1
 

@@ -15,6 +15,7 @@ from _require import unavailable
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.consolidator_config import ConfigError
+from kvbm_plugin.shared_settings import SharedSettings
 from kvbm_plugin.tiers.shared.keys import SharedLayout, chain_digests
 from kvbm_plugin.tiers.shared.store import FAILED, FULL, MISSING, OK
 
@@ -206,7 +207,7 @@ def test_no_master_is_a_config_error_at_once(tmp_path: Path) -> None:
     started = time.monotonic()
     with pytest.raises(ConfigError, match=f"{cc.SHARED_ADDRESS}='{address}': no Mooncake "
                        "master answers there"):
-        MooncakeStore(cc.SharedSettings(store="mooncake", model_key="m", address=address),
+        MooncakeStore(SharedSettings(store="mooncake", model_key="m", address=address),
                       env={})
     assert time.monotonic() - started < 3  # not setup()'s 90 s of retries
 
@@ -216,7 +217,7 @@ def test_a_bad_address_names_the_variable(address: str) -> None:
     from kvbm_plugin.tiers.shared.mooncake import MooncakeStore
 
     with pytest.raises(ConfigError, match=cc.SHARED_ADDRESS):
-        MooncakeStore(cc.SharedSettings(store="mooncake", model_key="m", address=address),
+        MooncakeStore(SharedSettings(store="mooncake", model_key="m", address=address),
                       env={})
 
 

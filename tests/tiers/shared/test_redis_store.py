@@ -15,6 +15,7 @@ from _require import unavailable
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.consolidator_config import ConfigError
+from kvbm_plugin.shared_settings import SharedSettings
 from kvbm_plugin.tiers.shared.breaker import GuardedStore
 from kvbm_plugin.tiers.shared.keys import SharedLayout, chain_digests
 from kvbm_plugin.tiers.shared.store import FAILED, FULL, MISSING, OK, UNAVAILABLE
@@ -169,6 +170,6 @@ def test_no_server_is_a_config_error(tmp_path: Path) -> None:
 
     address = f"unix://{tmp_path}/none.sock"
     with pytest.raises(ConfigError, match=f"{cc.SHARED_ADDRESS}='{address}': no Redis server"):
-        RedisStore(cc.SharedSettings(store="redis", model_key="m", address=address))
+        RedisStore(SharedSettings(store="redis", model_key="m", address=address))
     with pytest.raises(ConfigError, match=f"{cc.SHARED_ADDRESS} is unset"):
-        RedisStore(cc.SharedSettings(store="redis", model_key="m", address=""))
+        RedisStore(SharedSettings(store="redis", model_key="m", address=""))

@@ -35,7 +35,7 @@ from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.tiers.shared.directory import SharedBlock, check_block
 
 if TYPE_CHECKING:
-    from kvbm_plugin.consolidator_config import SharedSettings
+    from kvbm_plugin.shared_settings import SharedSettings
 
 __all__ = ["AnnouncementError", "Announcer", "announce_endpoint", "decode", "encode"]
 

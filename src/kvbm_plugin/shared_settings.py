@@ -1,0 +1,126 @@
+"""The shared tier's settings (DYN_KVBM_SHARED_*), read and validated in one place.
+
+The variables themselves are in :data:`kvbm_plugin.consolidator_config.ENV_VARS` with every
+other one. Read by the leader's and every worker's constructor and by ``kvbm-plugin doctor``,
+on the calling thread. Standard library only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvbm_plugin.consolidator_config import (
+    _FALSE,
+    _SCHEMES,
+    SHARED_ADDRESS,
+    SHARED_ANNOUNCE_ENDPOINT,
+    SHARED_BUFFER_GB,
+    SHARED_DEVICE,
+    SHARED_LEASE_S,
+    SHARED_LOAD_MARGIN_S,
+    SHARED_LOCAL_HOSTNAME,
+    SHARED_METADATA_SERVER,
+    SHARED_METRICS_ADDRESS,
+    SHARED_MODEL_KEY,
+    SHARED_NAMESPACE,
+    SHARED_PEERS,
+    SHARED_PROTOCOL,
+    SHARED_QUEUE_BLOCKS,
+    SHARED_SEGMENT_GB,
+    SHARED_TIER,
+    SHARED_TRACKED_BLOCKS,
+    ConfigError,
+    _raw,
+    parse_float,
+    parse_int,
+)
+
+
+@dataclass(frozen=True)
+class SharedSettings:
+    """The shared tier (G4): which store, where, and the names every key carries.
+
+    Read by the leader (directory, announcements) and by every worker (its store client)."""
+
+    store: str  # entry-point name in kvbm_plugin.tiers (mooncake, redis)
+    model_key: str
+    namespace: str = "kvbm"
+    address: str = ""
+    protocol: str = "tcp"
+    device: str = ""
+    metadata_server: str = "P2PHANDSHAKE"
+    metrics_address: str = ""  # Mooncake master's HTTP metrics host:port; "" = not known
+    local_hostname: str = ""  # "" = the local address that reaches the master
+    segment_bytes: int = 1 << 30
+    buffer_bytes: int = 1 << 28
+    peers: tuple[str, ...] = ()
+    announce_endpoint: str | None = None  # None: tcp://LEADER_ZMQ_HOST:(leader port + 2000)
+    tracked_blocks: int = 100000
+    queue_blocks: int = 1024
+    lease_s: float = 10.0
+    load_margin_s: float = 3.0
+
+
+# Key parts are joined with "/": a model key or namespace must not contain one.
+_KEY_PART = re.compile(r"[A-Za-z0-9._:@+=-]{1,200}")
+
+
+def load_shared_settings(env: Mapping[str, str] | None = None) -> SharedSettings | None:
+    """The shared tier's settings, or None when DYN_KVBM_SHARED_TIER is unset; raises
+    ConfigError naming the variable and value (a shared tier without a model key included)."""
+    env = os.environ if env is None else env
+    store = (_raw(env, SHARED_TIER) or "").strip().lower()
+    if not store or store in _FALSE:
+        return None
+
+    def part(name: str) -> str:
+        value = (_raw(env, name) or "").strip()
+        if not _KEY_PART.fullmatch(value):
+            raise ConfigError(f"{name}={env.get(name)!r}: expected 1-200 characters of "
+                              "A-Z a-z 0-9 . _ : @ + = - (it is part of every shared-tier key)")
+        return value
+
+    if _raw(env, SHARED_MODEL_KEY) is None:
+        raise ConfigError(f"{SHARED_TIER}={env.get(SHARED_TIER)!r} needs {SHARED_MODEL_KEY}: a "
+                          "name for the model and its weights (e.g. llama-3.1-8b-instruct@rev), "
+                          "so that engines of another model never load these blocks")
+    peers = tuple(p.strip() for p in (_raw(env, SHARED_PEERS) or "").split(",") if p.strip())
+    for peer in peers:
+        if not peer.startswith(_SCHEMES):
+            raise ConfigError(f"{SHARED_PEERS}={env.get(SHARED_PEERS)!r}: {peer!r} is not a "
+                              "tcp://, ipc:// or inproc:// endpoint")
+    lease = parse_float(SHARED_LEASE_S, _raw(env, SHARED_LEASE_S) or "")
+    margin = parse_float(SHARED_LOAD_MARGIN_S, _raw(env, SHARED_LOAD_MARGIN_S) or "")
+    if not 0 < margin < lease:
+        raise ConfigError(f"{SHARED_LOAD_MARGIN_S}={margin!r} must be above 0 and below "
+                          f"{SHARED_LEASE_S}={lease!r}")
+    announce = _raw(env, SHARED_ANNOUNCE_ENDPOINT)
+    if announce is not None and not announce.strip().startswith(_SCHEMES):
+        raise ConfigError(f"{SHARED_ANNOUNCE_ENDPOINT}={announce!r} is not a tcp://, ipc:// or "
+                          "inproc:// endpoint")
+    return SharedSettings(
+        store=store,
+        model_key=part(SHARED_MODEL_KEY),
+        namespace=part(SHARED_NAMESPACE),
+        address=(_raw(env, SHARED_ADDRESS) or "").strip(),
+        protocol=(_raw(env, SHARED_PROTOCOL) or "tcp").strip(),
+        device=(_raw(env, SHARED_DEVICE) or "").strip(),
+        metadata_server=(_raw(env, SHARED_METADATA_SERVER) or "P2PHANDSHAKE").strip(),
+        metrics_address=(_raw(env, SHARED_METRICS_ADDRESS) or "").strip(),
+        local_hostname=(_raw(env, SHARED_LOCAL_HOSTNAME) or "").strip(),
+        segment_bytes=int(parse_float(SHARED_SEGMENT_GB, _raw(env, SHARED_SEGMENT_GB) or "")
+                          * (1 << 30)),
+        buffer_bytes=int(parse_float(SHARED_BUFFER_GB, _raw(env, SHARED_BUFFER_GB) or "")
+                         * (1 << 30)),
+        peers=peers,
+        announce_endpoint=announce.strip() if announce else None,
+        tracked_blocks=parse_int(SHARED_TRACKED_BLOCKS, _raw(env, SHARED_TRACKED_BLOCKS) or "",
+                                 minimum=1),
+        queue_blocks=parse_int(SHARED_QUEUE_BLOCKS, _raw(env, SHARED_QUEUE_BLOCKS) or "",
+                               minimum=1),
+        lease_s=lease,
+        load_margin_s=margin,
+    )
