@@ -272,6 +272,25 @@ def test_compiled_blocks_stay_out_of_the_cyclic_collector() -> None:
     assert all(gc.is_tracked(b) for b in python._ranks[0].blocks.values())
 
 
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native)])
+def test_a_hash_within_int64_is_one_int_object_per_block(native: bool) -> None:
+    """The published hash and its wire form are the same object when they are equal (a
+    second int per block would be heap per block); a hash above INT64_MAX gets its signed
+    form."""
+    from kvbm_plugin.consolidator.blocks import PUB, WIRE
+
+    core = ConsolidatorCore(native=native)
+    core.store(SOURCE_TIERS, "DISK", 0, [12345678901234567, (1 << 64) - 3], None,
+               [1, 2, 3, 4], BS)
+    core.apply_event(0, {"type": "BlockStored", "block_hashes": [98765432109876543],
+                         "parent_block_hash": None, "token_ids": [5, 6], "block_size": BS,
+                         "medium": "GPU"})
+    blocks = {b[PUB]: b for b in core._ranks[0].blocks.values()}
+    assert blocks[12345678901234567][WIRE] is blocks[12345678901234567][PUB]
+    assert blocks[98765432109876543][WIRE] is blocks[98765432109876543][PUB]
+    assert blocks[(1 << 64) - 3][WIRE] == -3
+
+
 def test_passthrough_mode_keeps_the_python_loops() -> None:
     assert ConsolidatorCore("passthrough", native=None)._native is None
 
