@@ -140,8 +140,8 @@ class TierIndex:
     """
 
     __slots__ = ("name", "capacity", "evictions", "keeps_tokens", "_table", "_order", "_clock",
-                 "_free", "_used", "_resident", "_width", "_key", "_eh", "_peh", "_flags", "_parent",
-                 "_child", "_next", "_prev", "_tick", "_pins", "_scope", "_tok", "_sig",
+                 "_free", "_used", "_resident", "_width", "_key", "_eh", "_peh", "_flags",
+                 "_parent", "_child", "_next", "_prev", "_tick", "_pins", "_scope", "_tok", "_sig",
                  "_odd_tokens", "_scopes", "_scope_ids", "_scope_refs", "_scope_free",
                  "_views", "_views_purge_at")
 
