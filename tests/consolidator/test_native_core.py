@@ -291,6 +291,31 @@ def test_a_hash_within_int64_is_one_int_object_per_block(native: bool) -> None:
     assert blocks[(1 << 64) - 3][WIRE] == -3
 
 
+@needs_native
+def test_compiled_blocks_are_compact_and_free_a_long_chain_without_recursion() -> None:
+    """A compiled core's blocks: the list layout's items in one 96-byte object (a list of 12
+    items costs 152), read and written like the list; a chain of 300,000 of them (each
+    holding its parent) is freed in a loop: recursion that deep would overflow the C stack."""
+    import sys
+
+    from kvbm_plugin.consolidator.blocks import BLOCK_LEN, HELD_BACK, PARENT, TOTAL
+
+    core = ConsolidatorCore(native=True)
+    n = 300_000
+    core.store(SOURCE_TIERS, "DISK", 0, list(range(1, n + 1)), None, [7] * n, 1)
+    leaf = core._ranks[0].held[5][n]
+    assert type(leaf) is not list and len(leaf) == BLOCK_LEN and sys.getsizeof(leaf) <= 96
+    assert leaf[TOTAL] == 1 and leaf[PARENT] is core._ranks[0].held[5][n - 1]
+    leaf[HELD_BACK] += 1
+    assert leaf[HELD_BACK] == 1 and leaf[-1] == 1 and list(leaf[-2:]) == [None, 1]
+    leaf[HELD_BACK] -= 1
+    with pytest.raises(IndexError):
+        leaf[BLOCK_LEN]  # noqa: B018 - the item raises
+    with pytest.raises(OverflowError):
+        leaf[TOTAL] = 1 << 40
+    del leaf, core  # frees the whole chain, leaf first
+
+
 def test_passthrough_mode_keeps_the_python_loops() -> None:
     assert ConsolidatorCore("passthrough", native=None)._native is None
 

@@ -3,9 +3,9 @@
  *
  * The per-block loops of the dedup core: a chain of stored blocks (_store_chain), a removal
  * (_removed), and a whole batch's common events (apply_events). They work on the core's own
- * Python structures (the rank's dicts and the block lists, layout B_* in _core_c.h, the same
- * as consolidator/blocks.py's IDENT ...), so the Python code and these take turns on one
- * state. The rare branches call back into the Python core (a derived published hash, a second
+ * Python structures (the rank's dicts and the blocks: compiled Blocks of _core_block.c, whose
+ * items B_* in _core_c.h are consolidator/blocks.py's IDENT ...), so the Python code and these
+ * take turns on one state. The rare branches call back into the Python core (a derived published hash, a second
  * alias, a release of the hash's previous block, the rest of a removal that cascades). They
  * run whatever is held back: an event touching a held-back block (or the parent one waits
  * for) is the Python code's. Called on the consolidator's ingest thread only, with the GIL
@@ -35,41 +35,16 @@ static PyObject *wire_of(PyObject *pub) {
 
 static PyObject *new_block(PyObject *ident, PyObject *pub, PyObject *parent, PyObject *slot,
                            PyObject *ext) {
-    PyObject *wire = wire_of(pub), *block, *zero;
+    PyObject *wire = wire_of(pub), *block;
     if (wire == NULL) return NULL;
-    block = PyList_New(B_LEN);
-    zero = PyLong_FromLong(0);
-    if (block == NULL || zero == NULL) {
-        Py_XDECREF(block);
-        Py_XDECREF(zero);
-        Py_DECREF(wire);
-        return NULL;
+    {
+        PyObject *items[B_LEN] = {ident, pub, wire, parent, C_zero, C_zero, Py_None, slot, ext,
+                                  Py_None, Py_None, C_zero};
+        block = new_block_of(items);
     }
-    Py_INCREF(ident);
-    PyList_SET_ITEM(block, B_IDENT, ident);
-    Py_INCREF(pub);
-    PyList_SET_ITEM(block, B_PUB, pub);
-    PyList_SET_ITEM(block, B_WIRE, wire);
-    Py_INCREF(parent);
-    PyList_SET_ITEM(block, B_PARENT, parent);
-    Py_INCREF(zero);
-    PyList_SET_ITEM(block, B_CHILDREN, zero);
-    PyList_SET_ITEM(block, B_TOTAL, zero);
-    Py_INCREF(Py_None);
-    PyList_SET_ITEM(block, B_COUNTS, Py_None);
-    Py_INCREF(slot);
-    PyList_SET_ITEM(block, B_ALIAS_SLOT, slot);
-    Py_INCREF(ext);
-    PyList_SET_ITEM(block, B_ALIAS_EXT, ext);
-    Py_INCREF(Py_None);
-    PyList_SET_ITEM(block, B_MORE_ALIASES, Py_None);
-    Py_INCREF(Py_None);
-    PyList_SET_ITEM(block, B_KIDS, Py_None);
-    Py_INCREF(zero);
-    PyList_SET_ITEM(block, B_HELD_BACK, zero);
-    /* A block refers only to older blocks (its parent) and to ints: never part of a cycle.
-     * Blocks live as long as some tier holds them; untracked, the collector never walks them. */
-    PyObject_GC_UnTrack(block);
+    Py_DECREF(wire);
+    /* A block refers only to older blocks (its parent) and to ints: never part of a cycle,
+     * and not a collector type (see _core_block.c). */
     return block;
 }
 
@@ -265,7 +240,7 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
                 Py_DECREF(r);
             }
             if (total == 1) {
-                PyObject *wire = PyList_GET_ITEM(block, B_WIRE);
+                PyObject *wire = BLOCK(block)->wire;
                 Py_ssize_t nout = PyList_GET_SIZE(out);
                 visible += 1;
                 if (run_end == i && run != NULL && nout > 0
@@ -273,7 +248,7 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
                     if (PyList_Append(run_hashes, wire) < 0) goto fail_parent;
                 } else {
                     PyObject *pw = parent == Py_None ? parent_wire
-                                                     : PyList_GET_ITEM(parent, B_WIRE);
+                                                     : BLOCK(parent)->wire;
                     PyObject *ev = stored_run(wire, pw, bs_obj, lora_id, medium, lora_name);
                     if (ev == NULL) goto fail_parent;
                     if (PyList_Append(out, ev) < 0 || PyList_Append(runs, ev) < 0) {
@@ -574,9 +549,9 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
                 if (back) { r = LEAVE; goto done; }
             }
             parent = found;
-            pident = PyList_GET_ITEM(found, B_IDENT);
+            pident = BLOCK(found)->ident;
             Py_INCREF(pident);
-            parent_wire = PyList_GET_ITEM(found, B_WIRE);
+            parent_wire = BLOCK(found)->wire;
             Py_INCREF(parent_wire);
         } else {
             /* A parent no source knows: the store is held back, by the Python code. */
@@ -758,5 +733,16 @@ PyMODINIT_FUNC PyInit__core_c(void) {
     INTERN(K_orphans_attr, "orphans");
     if (core_remove_ready() < 0) return NULL;
     if ((C_zero = PyLong_FromLong(0)) == NULL) return NULL;
-    return PyModule_Create(&module_def);
+    if (PyType_Ready(&Block_Type) < 0) return NULL;
+    {
+        PyObject *module = PyModule_Create(&module_def);
+        if (module == NULL) return NULL;
+        Py_INCREF(&Block_Type);
+        if (PyModule_AddObject(module, "Block", (PyObject *)&Block_Type) < 0) {
+            Py_DECREF(&Block_Type);
+            Py_DECREF(module);
+            return NULL;
+        }
+        return module;
+    }
 }

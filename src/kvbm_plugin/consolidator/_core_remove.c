@@ -23,10 +23,8 @@ const char remove_dedup_doc[] =
 int core_remove_ready(void) { return intern_wire_keys(); }
 
 /* known[slot].get(ext) is block -> del known[slot][ext] */
-static int forget_alias(PyObject *known, PyObject *slot, PyObject *ext, PyObject *block) {
-    Py_ssize_t index = PyLong_AsSsize_t(slot);
+static int forget_alias(PyObject *known, Py_ssize_t index, PyObject *ext, PyObject *block) {
     PyObject *slot_map, *named;
-    if (index == -1 && PyErr_Occurred()) return -1;
     if (index < 0 || index >= PyList_GET_SIZE(known)) {
         PyErr_Format(PyExc_IndexError, "consolidator slot %zd out of range", index);
         return -1;
@@ -46,15 +44,14 @@ static int forget_alias(PyObject *known, PyObject *slot, PyObject *ext, PyObject
 static int collect(PyObject *blocks, PyObject *known, PyObject *published, PyObject *orphans,
                    PyObject *block) {
     for (;;) { /* resident nowhere and no child: forget it, then maybe its parent */
-        PyObject *more, *parent, *pub, *named, *ident = PyList_GET_ITEM(block, B_IDENT);
+        PyObject *more, *parent, *pub, *named, *ident = BLOCK(block)->ident;
         Py_ssize_t children, parent_total;
         if (int_field(block, B_CHILDREN, &children) < 0) goto fail;
         if (children) break;
         if (PyDict_DelItem(blocks, ident) < 0
-            || forget_alias(known, PyList_GET_ITEM(block, B_ALIAS_SLOT),
-                            PyList_GET_ITEM(block, B_ALIAS_EXT), block) < 0)
+            || forget_alias(known, BLOCK(block)->alias_slot, BLOCK(block)->alias_ext, block) < 0)
             goto fail;
-        more = PyList_GET_ITEM(block, B_MORE_ALIASES);
+        more = BLOCK(block)->more_aliases;
         if (more != Py_None) {
             Py_ssize_t j;
             if (!PyList_CheckExact(more)) {
@@ -67,16 +64,19 @@ static int collect(PyObject *blocks, PyObject *known, PyObject *published, PyObj
                     PyErr_SetString(PyExc_TypeError, "consolidator alias is not a pair");
                     goto fail;
                 }
-                if (forget_alias(known, PyTuple_GET_ITEM(alias, 0),
-                                 PyTuple_GET_ITEM(alias, 1), block) < 0)
-                    goto fail;
+                {
+                    Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(alias, 0));
+                    if ((slot == -1 && PyErr_Occurred())
+                        || forget_alias(known, slot, PyTuple_GET_ITEM(alias, 1), block) < 0)
+                        goto fail;
+                }
             }
         }
-        pub = PyList_GET_ITEM(block, B_PUB);
+        pub = BLOCK(block)->pub;
         named = PyDict_GetItemWithError(published, pub);
         if (named == NULL && PyErr_Occurred()) goto fail;
         if (named == block && PyDict_DelItem(published, pub) < 0) goto fail;
-        parent = PyList_GET_ITEM(block, B_PARENT);
+        parent = BLOCK(block)->parent;
         if (parent == Py_None) { /* only a root block can be an orphan */
             if (PySet_GET_SIZE(orphans) > 0 && PySet_Discard(orphans, ident) < 0) goto fail;
             break;
@@ -134,7 +134,7 @@ static PyObject *remove_loop(PyObject *blocks, PyObject *known, PyObject *held,
             Py_DECREF(block);
             continue;
         }
-        if (PyList_Append(wires, PyList_GET_ITEM(block, B_WIRE)) < 0) {
+        if (PyList_Append(wires, BLOCK(block)->wire) < 0) {
             Py_DECREF(block);
             goto fail;
         }

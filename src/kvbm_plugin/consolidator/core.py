@@ -151,6 +151,8 @@ class ConsolidatorCore(PrefixClosure):
         self._native = module if self._dedup else None
         if self._native is not None:
             self._native.core_constants(ROOT, UNKNOWN_PARENT, len(MEDIA), MEDIUM_GPU)
+        # Where the compiled loops run, every block is their compact Block (blocks.py).
+        self._make_block = None if self._native is None else self._native.Block
         self._ranks: dict[int, _Rank] = {}
         for name in _CORE_COUNTERS:
             setattr(self, "_n_" + name, 0)
@@ -465,6 +467,7 @@ class ConsolidatorCore(PrefixClosure):
                 pident = parent[IDENT]
                 parent_wire = parent[WIRE]
         native = self._native if scope is None else None  # the compiled loop knows no scope
+        make_block = self._make_block
         held_back = rank.hidden[group]
         hidden = held_back.entries
         if native is not None and not unknown_parent \
@@ -510,8 +513,13 @@ class ConsolidatorCore(PrefixClosure):
                 pub = ext
                 if pub in published:
                     pub = self._fresh_pub(published, ext, ident)
-                block = [ident, pub, pub - U64 if pub > I64_MAX else pub, parent, 0, 0,
-                         None if dedup else [0, 0, 0], slot, ext, None, None, 0]
+                wire = pub - U64 if pub > I64_MAX else pub
+                if make_block is None:
+                    block = [ident, pub, wire, parent, 0, 0, None if dedup else [0, 0, 0], slot,
+                             ext, None, None, 0]
+                else:  # the compiled loops' compact block (dedup only), same items
+                    block = make_block(ident, pub, wire, parent, 0, 0, None, slot, ext, None,
+                                       None, 0)
                 published[pub] = block
                 blocks[ident] = block
                 known[ext] = block
