@@ -143,11 +143,14 @@ def state(core: ConsolidatorCore) -> dict[int, Any]:
 
     out = {}
     for dp, rank in core._ranks.items():
+        # Invariant: no two live blocks publish one hash.
+        assert len({b[1] for b in rank.blocks.values()}) == len(rank.blocks)
         out[dp] = (
             {k: show(b) for k, b in rank.blocks.items()},
             [{h: b[0] for h, b in m.items()} for m in rank.known],
             [{h: b[0] for h, b in m.items()} for m in rank.held],
-            {h: b[0] for h, b in rank.published.items()},
+            {b[1]: b[0] for b in rank.blocks.values()},  # published hash -> identity
+            {h: b[0] for h, b in rank.unlisted.items()},
             rank.visible,
             [({k: (e[0][0], e[1:]) for k, e in group.entries.items()}, group.waiting,
               group.by_source) for group in rank.hidden],

@@ -60,7 +60,7 @@ static PyObject *stored_run(PyObject *wire, PyObject *parent_wire, PyObject *blo
 }
 
 PyDoc_STRVAR(store_chain_doc,
-"store_chain(rank, blocks, known, held, published, out, hashes, tokens, block_size,\n"
+"store_chain(rank, blocks, known, held, unlisted, out, hashes, tokens, block_size,\n"
 "            parent, pident, parent_wire, slot, lora_id, lora_name, medium, group,\n"
 "            fresh_pub, add_alias, release, held_back)\n"
 "    -> (visible, duplicates, runs, run_blocks) | None\n\n"
@@ -71,8 +71,9 @@ PyDoc_STRVAR(store_chain_doc,
 "another block, or a block of the chain is held back or waited for by a held-back one.");
 
 /* The chain loop shared by store_chain and stored_one (arguments as store_chain's). */
-static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObject *held,
-                       PyObject *published, PyObject *out, PyObject *hashes, PyObject *tokens,
+static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known_list,
+                       PyObject *known, PyObject *held,
+                       PyObject *unlisted, PyObject *out, PyObject *hashes, PyObject *tokens,
                        PyObject *bs_obj, PyObject *parent, PyObject *pident,
                        PyObject *parent_wire, PyObject *slot, PyObject *lora_id,
                        PyObject *lora_name, PyObject *medium, PyObject *group,
@@ -192,14 +193,17 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
             PyObject *pub;
             int taken;
             if (PyErr_Occurred()) goto fail_parent;
-            taken = PyDict_Contains(published, ext);
+            taken = pub_taken(known_list, unlisted, ext);
             if (taken < 0) goto fail_parent;
-            pub = taken ? PyObject_CallFunctionObjArgs(fresh_pub, published, ext, ident, NULL)
+            pub = taken ? PyObject_CallFunctionObjArgs(fresh_pub, rank, ext, ident, NULL)
                         : (Py_INCREF(ext), ext);
             if (pub == NULL) goto fail_parent;
             block = new_block(ident, pub, parent, slot, ext);
-            if (block == NULL || PyDict_SetItem(published, pub, block) < 0
+            /* A derived hash is listed (no known map names the block by it); a block this
+             * slot named by its published hash before is listed from now on. */
+            if (block == NULL || (pub != ext && PyDict_SetItem(unlisted, pub, block) < 0)
                 || PyDict_SetItem(blocks, ident, block) < 0
+                || list_overwritten(known, unlisted, ext) < 0
                 || PyDict_SetItem(known, ext, block) < 0
                 || (parent != Py_None && (add_to(parent, B_CHILDREN, 1, NULL) < 0
                                           || add_kid(parent, ident) < 0))) {
@@ -301,33 +305,35 @@ done:
 }
 
 static PyObject *store_chain(PyObject *module, PyObject *args) {
-    PyObject *rank, *blocks, *known, *held, *published, *out, *hashes, *tokens, *bs_obj;
+    PyObject *rank, *blocks, *known, *held, *unlisted, *out, *hashes, *tokens, *bs_obj;
     PyObject *parent, *pident, *parent_wire, *slot, *lora_id, *lora_name, *medium, *group;
-    PyObject *fresh_pub, *add_alias, *release, *held_back, *hidden, *waiting;
+    PyObject *fresh_pub, *add_alias, *release, *held_back, *hidden, *waiting, *known_list;
     PyObject *result;
 
     if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!O!OOOOOOOOOOOO", &rank, &PyDict_Type,
                           &blocks, &PyDict_Type, &known, &PyDict_Type, &held, &PyDict_Type,
-                          &published, &PyList_Type, &out, &PyList_Type, &hashes,
+                          &unlisted, &PyList_Type, &out, &PyList_Type, &hashes,
                           &PyList_Type, &tokens, &PyLong_Type, &bs_obj,
                           &parent, &pident, &parent_wire, &slot, &lora_id, &lora_name,
                           &medium, &group, &fresh_pub, &add_alias, &release, &held_back))
         return NULL;
     hidden = PyObject_GetAttr(held_back, K_entries_attr);
     waiting = PyObject_GetAttr(held_back, K_waiting_attr);
-    if (hidden == NULL || waiting == NULL || !PyDict_CheckExact(hidden)
-        || !PyDict_CheckExact(waiting)) {
+    known_list = PyObject_GetAttr(rank, K_known_attr);
+    if (hidden == NULL || waiting == NULL || known_list == NULL || !PyDict_CheckExact(hidden)
+        || !PyDict_CheckExact(waiting) || !PyList_CheckExact(known_list)) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "consolidator held-back maps are not dicts");
+            PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
         result = NULL;
     } else {
         int mutated = 0;
-        result = chain(rank, blocks, known, held, published, out, hashes, tokens, bs_obj,
-                       parent, pident, parent_wire, slot, lora_id, lora_name, medium, group,
-                       fresh_pub, add_alias, release, hidden, waiting, &mutated);
+        result = chain(rank, blocks, known_list, known, held, unlisted, out, hashes, tokens,
+                       bs_obj, parent, pident, parent_wire, slot, lora_id, lora_name, medium,
+                       group, fresh_pub, add_alias, release, hidden, waiting, &mutated);
     }
     Py_XDECREF(hidden);
     Py_XDECREF(waiting);
+    Py_XDECREF(known_list);
     return result;
 }
 
@@ -335,7 +341,7 @@ static PyObject *store_chain(PyObject *module, PyObject *args) {
  * MEDIUM_GPU and the rank attribute names. */
 PyObject *C_root, *C_unknown_parent, *C_gpu, *C_zero;
 Py_ssize_t C_media;
-PyObject *K_blocks_attr, *K_known_attr, *K_held_attr, *K_published_attr, *K_out_attr,
+PyObject *K_blocks_attr, *K_known_attr, *K_held_attr, *K_unlisted_attr, *K_out_attr,
     *K_last_remove_attr, *K_hidden_attr, *K_entries_attr, *K_waiting_attr, *K_orphans_attr;
 
 PyDoc_STRVAR(core_constants_doc,
@@ -449,7 +455,7 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
                       Py_ssize_t *cnt) {
     PyObject *raw_hashes, *raw_parent, *bs_obj, *tokens, *medium, *lora_id, *lora_name;
     PyObject *hashes = NULL, *parent_ext = NULL, *slot = NULL, *blocks = NULL, *known = NULL;
-    PyObject *held = NULL, *published = NULL, *out = NULL, *parent = Py_None, *pident = NULL;
+    PyObject *held = NULL, *unlisted = NULL, *out = NULL, *parent = Py_None, *pident = NULL;
     PyObject *parent_wire = NULL, *counts = NULL, *known_slot, *held_slot, *hidden = NULL;
     PyObject *waiting = NULL;
     Py_ssize_t bs, n, slot_index, unknown_parents = 0, run_info[4];
@@ -503,17 +509,17 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
     blocks = PyObject_GetAttr(rank, K_blocks_attr);
     known = PyObject_GetAttr(rank, K_known_attr);
     held = PyObject_GetAttr(rank, K_held_attr);
-    published = PyObject_GetAttr(rank, K_published_attr);
+    unlisted = PyObject_GetAttr(rank, K_unlisted_attr);
     out = PyObject_GetAttr(rank, K_out_attr);
     hidden = held_back_map(rank, K_entries_attr);
     waiting = hidden == NULL ? NULL : held_back_map(rank, K_waiting_attr);
-    if (slot == NULL || blocks == NULL || known == NULL || held == NULL || published == NULL
+    if (slot == NULL || blocks == NULL || known == NULL || held == NULL || unlisted == NULL
         || out == NULL || waiting == NULL)
         goto done;
     known_slot = slot_map(known, slot_index);
     held_slot = known_slot == NULL ? NULL : slot_map(held, slot_index);
     if (held_slot == NULL) goto done;
-    if (!PyDict_CheckExact(blocks) || !PyDict_CheckExact(published) || !PyList_CheckExact(out)) {
+    if (!PyDict_CheckExact(blocks) || !PyDict_CheckExact(unlisted) || !PyList_CheckExact(out)) {
         PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
         goto done;
     }
@@ -559,8 +565,8 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
             goto done;
         }
     }
-    counts = chain(rank, blocks, known_slot, held_slot, published, out, hashes, tokens, bs_obj,
-                   parent, pident, parent_wire, slot, lora_id, lora_name, C_gpu, C_zero,
+    counts = chain(rank, blocks, known, known_slot, held_slot, unlisted, out, hashes, tokens,
+                   bs_obj, parent, pident, parent_wire, slot, lora_id, lora_name, C_gpu, C_zero,
                    fresh_pub, add_alias, release, hidden, waiting, &mutated);
     if (counts == Py_None) { /* a hash released mid-chain: the Python code decides */
         r = LEAVE;
@@ -597,7 +603,7 @@ done:
     Py_XDECREF(blocks);
     Py_XDECREF(known);
     Py_XDECREF(held);
-    Py_XDECREF(published);
+    Py_XDECREF(unlisted);
     Py_XDECREF(out);
     Py_XDECREF(pident);
     Py_XDECREF(parent_wire);
@@ -724,7 +730,7 @@ PyMODINIT_FUNC PyInit__core_c(void) {
     INTERN(K_blocks_attr, "blocks");
     INTERN(K_known_attr, "known");
     INTERN(K_held_attr, "held");
-    INTERN(K_published_attr, "published");
+    INTERN(K_unlisted_attr, "unlisted");
     INTERN(K_out_attr, "out");
     INTERN(K_last_remove_attr, "last_remove");
     INTERN(K_hidden_attr, "hidden");

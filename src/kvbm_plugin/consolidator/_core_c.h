@@ -24,7 +24,7 @@ enum { N_STORES_IN, N_STORE_BLOCKS_IN, N_UNKNOWN_PARENTS, N_DUPLICATES, N_STORES
  * names, interned at import. */
 extern PyObject *C_root, *C_unknown_parent, *C_gpu, *C_zero;
 extern Py_ssize_t C_media;
-extern PyObject *K_blocks_attr, *K_known_attr, *K_held_attr, *K_published_attr, *K_out_attr,
+extern PyObject *K_blocks_attr, *K_known_attr, *K_held_attr, *K_unlisted_attr, *K_out_attr,
     *K_last_remove_attr, *K_hidden_attr, *K_entries_attr, *K_waiting_attr, *K_orphans_attr;
 
 /* _core_block.c: the block of a core that runs these loops (consolidator/blocks.py's list
@@ -103,6 +103,48 @@ static inline int drop_kid(PyObject *parent, PyObject *ident) {
     Py_INCREF(Py_None);
     Py_SETREF(BLOCK(parent)->kids, Py_None);
     return 0;
+}
+
+/* blocks.pub_taken: 1 when a live block publishes ``pub`` (a known map names one by it that
+ * publishes it, or rank.unlisted has it), 0 when none does, -1 on error. */
+static inline int pub_taken(PyObject *known_list, PyObject *unlisted, PyObject *pub) {
+    Py_ssize_t j;
+    if (PyDict_GET_SIZE(unlisted) > 0) {
+        int has = PyDict_Contains(unlisted, pub);
+        if (has != 0) return has;
+    }
+    for (j = 0; j < PyList_GET_SIZE(known_list); j++) {
+        PyObject *m = PyList_GET_ITEM(known_list, j), *b;
+        if (!PyDict_CheckExact(m)) {
+            PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
+            return -1;
+        }
+        if (PyDict_GET_SIZE(m) == 0) continue;
+        b = PyDict_GetItemWithError(m, pub);
+        if (b == NULL) {
+            if (PyErr_Occurred()) return -1;
+            continue;
+        }
+        if (!is_block(b)) return -1;
+        if (BLOCK(b)->pub == pub) return 1;
+        {
+            int same = PyObject_RichCompareBool(BLOCK(b)->pub, pub, Py_EQ); /* two ints */
+            if (same != 0) return same;
+        }
+    }
+    return 0;
+}
+
+/* blocks.set_known's first half, before ``known[ext]`` names another block: the block it
+ * names now is listed in ``unlisted`` when ``ext`` is its published hash. */
+static inline int list_overwritten(PyObject *known, PyObject *unlisted, PyObject *ext) {
+    PyObject *old = PyDict_GetItemWithError(known, ext);
+    int same;
+    if (old == NULL) return PyErr_Occurred() ? -1 : 0;
+    if (!is_block(old)) return -1;
+    same = PyObject_RichCompareBool(BLOCK(old)->pub, ext, Py_EQ); /* two ints */
+    if (same <= 0) return same;
+    return PyDict_SetItem(unlisted, ext, old);
 }
 
 /* raw.get(key) (borrowed, NULL when absent) for an exact dict; -1 on error. */
