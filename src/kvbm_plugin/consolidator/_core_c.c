@@ -5,8 +5,9 @@
  * (_removed), and a whole batch's common events (apply_events). They work on the core's own
  * Python structures (the rank's dicts and the blocks: compiled Blocks of _core_block.c, whose
  * items B_* in _core_c.h are consolidator/blocks.py's IDENT ...), so the Python code and these
- * take turns on one state. The rare branches call back into the Python core (a derived published hash, a second
- * alias, a release of the hash's previous block, the rest of a removal that cascades). They
+ * take turns on one state. The rare branches call back into the Python core (a derived
+ * published hash, a second alias, a release of the hash's previous block, the rest of a
+ * removal that cascades). They
  * run whatever is held back: an event touching a held-back block (or the parent one waits
  * for) is the Python code's. Called on the consolidator's ingest thread only, with the GIL
  * held throughout.

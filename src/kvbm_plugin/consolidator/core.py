@@ -517,12 +517,9 @@ class ConsolidatorCore(PrefixClosure):
                 if pub_taken(rank, pub):
                     pub = self._fresh_pub(rank, ext, ident)
                 wire = pub - U64 if pub > I64_MAX else pub
-                if make_block is None:
-                    block = [ident, pub, wire, parent, 0, 0, None if dedup else [0, 0, 0], slot,
-                             ext, None, None, 0]
-                else:  # the compiled loops' compact block (dedup only), same items
-                    block = make_block(ident, pub, wire, parent, 0, 0, None, slot, ext, None,
-                                       None, 0)
+                block = [ident, pub, wire, parent, 0, 0, None if dedup else [0, 0, 0], slot, ext,
+                         None, None, 0] if make_block is None else make_block(
+                    ident, pub, wire, parent, 0, 0, None, slot, ext, None, None, 0)  # dedup
                 if pub != ext:  # a derived hash: no known map names the block by it
                     unlisted[pub] = block
                 blocks[ident] = block
