@@ -104,7 +104,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(PUBLISHER, "zmq", "Event transport, by name in the kvbm_plugin.publishers entry "
            "points (zmq, null).", "publisher"),
     EnvVar(BUFFER_STEPS, "10000", "Batches kept for replay.", "publisher"),
-    EnvVar(BUFFER_BYTES, str(32 << 20), "Payload bytes kept for replay, at most (the oldest "
+    EnvVar(BUFFER_BYTES, str(16 << 20), "Payload bytes kept for replay, at most (the oldest "
            "batches leave first; the newest batch is always kept): bounds the replay "
            "buffer's heap whatever the batches' size.", "publisher"),
     EnvVar(HWM, "100000", "ZMQ send high-water mark (messages).", "publisher"),
@@ -332,7 +332,7 @@ class PublisherSettings:
 
     kind: str = "zmq"
     buffer_steps: int = 10000
-    buffer_bytes: int = 32 << 20  # payload bytes kept for replay, at most
+    buffer_bytes: int = 16 << 20  # payload bytes kept for replay, at most
     hwm: int = 100000
     max_queue_size: int = 100000
     topic: str = ""
