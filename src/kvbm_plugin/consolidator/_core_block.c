@@ -110,6 +110,11 @@ static PyObject *block_as_list(PyObject *self) {
 
 static PyObject *block_subscript(PyObject *self, PyObject *key) {
     PyObject *list, *out;
+    if (PyLong_CheckExact(key)) { /* the Python core's own reads: block[TOTAL] */
+        Py_ssize_t i = PyLong_AsSsize_t(key);
+        if (i == -1 && PyErr_Occurred()) return NULL;
+        return block_item(self, i < 0 ? i + B_LEN : i);
+    }
     if (PyIndex_Check(key)) {
         Py_ssize_t i = PyNumber_AsSsize_t(key, PyExc_IndexError);
         if (i == -1 && PyErr_Occurred()) return NULL;
@@ -125,6 +130,11 @@ static PyObject *block_subscript(PyObject *self, PyObject *key) {
 
 static int block_ass_subscript(PyObject *self, PyObject *key, PyObject *value) {
     Py_ssize_t i;
+    if (PyLong_CheckExact(key)) {
+        i = PyLong_AsSsize_t(key);
+        if (i == -1 && PyErr_Occurred()) return -1;
+        return block_ass_item(self, i < 0 ? i + B_LEN : i, value);
+    }
     if (!PyIndex_Check(key)) {
         PyErr_SetString(PyExc_TypeError, "consolidator block indices must be integers");
         return -1;
@@ -169,6 +179,31 @@ static void block_dealloc(PyObject *self) {
         parent = next;
     }
     Py_XDECREF(parent);
+}
+
+PyObject *new_dedup_block(PyObject *ident, PyObject *pub, PyObject *wire, PyObject *parent,
+                          int slot, PyObject *ext) {
+    BlockObject *b = PyObject_New(BlockObject, &Block_Type);
+    if (b == NULL) return NULL;
+    Py_INCREF(ident);
+    b->ident = ident;
+    Py_INCREF(pub);
+    b->pub = pub;
+    Py_INCREF(wire);
+    b->wire = wire;
+    Py_INCREF(parent);
+    b->parent = parent;
+    Py_INCREF(Py_None);
+    b->counts = Py_None;
+    Py_INCREF(ext);
+    b->alias_ext = ext;
+    Py_INCREF(Py_None);
+    b->more_aliases = Py_None;
+    Py_INCREF(Py_None);
+    b->kids = Py_None;
+    b->children = b->total = b->held_back = 0;
+    b->alias_slot = slot;
+    return (PyObject *)b;
 }
 
 PyObject *new_block_of(PyObject *const *items) {

@@ -36,13 +36,12 @@ static PyObject *wire_of(PyObject *pub) {
 
 static PyObject *new_block(PyObject *ident, PyObject *pub, PyObject *parent, PyObject *slot,
                            PyObject *ext) {
-    PyObject *wire = wire_of(pub), *block;
+    PyObject *wire, *block;
+    long slot_index = PyLong_AsLong(slot);
+    if (slot_index == -1 && PyErr_Occurred()) return NULL;
+    wire = wire_of(pub);
     if (wire == NULL) return NULL;
-    {
-        PyObject *items[B_LEN] = {ident, pub, wire, parent, C_zero, C_zero, Py_None, slot, ext,
-                                  Py_None, Py_None, C_zero};
-        block = new_block_of(items);
-    }
+    block = new_dedup_block(ident, pub, wire, parent, (int)slot_index, ext);
     Py_DECREF(wire);
     /* A block refers only to older blocks (its parent) and to ints: never part of a cycle,
      * and not a collector type (see _core_block.c). */

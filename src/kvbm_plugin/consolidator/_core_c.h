@@ -37,6 +37,9 @@ typedef struct {
 extern PyTypeObject Block_Type;
 /* A new Block of B_LEN items in list order (borrowed), or NULL with an exception set. */
 PyObject *new_block_of(PyObject *const *items);
+/* A new dedup-mode Block with no holding, child or alias yet (the arguments borrowed). */
+PyObject *new_dedup_block(PyObject *ident, PyObject *pub, PyObject *wire, PyObject *parent,
+                          int slot, PyObject *ext);
 
 #define BLOCK(b) ((BlockObject *)(b))
 
