@@ -70,7 +70,8 @@ PyDoc_STRVAR(store_chain_doc,
 "anything changed). None, with nothing changed, when a hash of the chain would release\n"
 "another block, or a block of the chain is held back or waited for by a held-back one.");
 
-/* The chain loop shared by store_chain and stored_one (arguments as store_chain's). */
+/* The chain loop shared by store_chain and stored_one (arguments as store_chain's, and
+ * ``known_list``: every slot's known map, rank.known, for blocks.pub_taken). */
 static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known_list,
                        PyObject *known, PyObject *held,
                        PyObject *unlisted, PyObject *out, PyObject *hashes, PyObject *tokens,
