@@ -700,12 +700,14 @@ class ZmqEventPublisher(EventPublisher):
         bound. Called where the batch is sent (the caller's or the publisher thread); the
         replay thread reads snapshots (``list(deque)``, atomic under the GIL)."""
         buffer = self._buffer
+        size = self._buffered_bytes + len(payload)
         if len(buffer) == buffer.maxlen:  # append drops the oldest: its bytes leave too
-            self._buffered_bytes -= len(buffer[0][1])
+            size -= len(buffer[0][1])
         buffer.append((seq, payload))
-        self._buffered_bytes += len(payload)
-        while self._buffered_bytes > self._buffer_bytes and len(buffer) > 1:
-            self._buffered_bytes -= len(buffer.popleft()[1])
+        if size > self._buffer_bytes:
+            while size > self._buffer_bytes and len(buffer) > 1:
+                size -= len(buffer.popleft()[1])
+        self._buffered_bytes = size
 
     def _encode_salvaged(self, encode: Callable[[Any], bytes], seq: int, ts: float,
                          events: Sequence[WireEvent], rank: int
