@@ -14,6 +14,7 @@ setup(ext_modules=[
               ["src/kvbm_plugin/gpu_events/_sink_c.c", "src/kvbm_plugin/gpu_events/_rank_batch.c"],
               depends=_SINK, optional=True),
     Extension("kvbm_plugin.consolidator._core_c", ["src/kvbm_plugin/consolidator/_core_c.c",
-                                                   "src/kvbm_plugin/consolidator/_core_remove.c"],
+                                                   "src/kvbm_plugin/consolidator/_core_remove.c",
+                                                   "src/kvbm_plugin/consolidator/_core_block.c"],
               depends=[*_COMMON, "src/kvbm_plugin/consolidator/_core_c.h"], optional=True),
 ])

@@ -14,8 +14,10 @@
   a whole :class:`KvbmConnectorLeader` (disk tier of 1M blocks, in-process consolidator, as
   deployed) driven through 1M offloaded blocks: requests of 64 blocks, TensorRT-LLM's hashes
   handed over in ``RequestData.block_hashes``, every save reported done by a simulated worker.
-  Printed by component (file that allocated). The block-name table, used only where
-  TensorRT-LLM hands no hashes over, is measured on its own at the same size.
+  Printed by component: what each frees when the leader lets go of it (the tier index, the
+  consolidator's output replay buffer, the consolidator's blocks and maps, ...). The
+  block-name table, used only where TensorRT-LLM hands no hashes over, is measured on its own
+  at the same size.
 
     python benchmarks/bench_tiers.py [--quick]
 """
@@ -235,6 +237,12 @@ def _drive_leader(n: int, directory: str) -> tuple[Any, int]:
     return leader, rid
 
 
+def _replay_bytes() -> int:
+    from kvbm_plugin.consolidator_config import load_publisher_settings
+
+    return load_publisher_settings().buffer_bytes
+
+
 def bench_leader_heap(n: int) -> list[Row]:
     """The leader's heap after the drive, then what each component frees when the leader lets
     go of it (retained bytes: an object counts where it is kept, not where it was made)."""
@@ -265,8 +273,22 @@ def bench_leader_heap(n: int) -> list[Row]:
                 gc.collect()
                 shares[name] = held - tracemalloc.get_traced_memory()[0]
 
+            def clear_replay() -> None:  # the consolidator's output replay buffer
+                publisher = getattr(leader.consolidator, "_publisher", None)
+                buffer = getattr(publisher, "_buffer", None)
+                if buffer is not None:
+                    buffer.clear()
+
             drop("tier index (tiers/)", "_disk")
-            drop("consolidator (consolidator/)", "consolidator", "_tier_events")
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0]
+            clear_replay()
+            gc.collect()
+            shares["consolidator's output replay buffer (at most "
+                   f"{_replay_bytes() / 2**20:g} MiB of payload)"] = \
+                held - tracemalloc.get_traced_memory()[0]
+            drop("consolidator's blocks and maps (consolidator/)", "consolidator",
+                 "_tier_events")
             drop("block-name table (gpu_events/block_names.py)", "_names")
             drop("leader's per-request state (connector_leader.py)", "_reqs", "_ops")
             shares["everything else (sink, publisher, sockets, ...)"] = total - sum(

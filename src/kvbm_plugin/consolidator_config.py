@@ -47,6 +47,7 @@ OUTPUT_ENDPOINT = "DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT"
 OUTPUT_REPLAY_ENDPOINT = "DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_ENDPOINT"
 PUBLISHER = "DYN_KVBM_KV_EVENTS_PUBLISHER"
 BUFFER_STEPS = "DYN_KVBM_KV_EVENTS_BUFFER_STEPS"
+BUFFER_BYTES = "DYN_KVBM_KV_EVENTS_BUFFER_BYTES"
 HWM = "DYN_KVBM_KV_EVENTS_HWM"
 MAX_QUEUE_SIZE = "DYN_KVBM_KV_EVENTS_MAX_QUEUE_SIZE"
 TOPIC = "DYN_KVBM_KV_EVENTS_TOPIC"
@@ -105,6 +106,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(PUBLISHER, "zmq", "Event transport, by name in the kvbm_plugin.publishers entry "
            "points (zmq, null).", "publisher"),
     EnvVar(BUFFER_STEPS, "10000", "Batches kept for replay.", "publisher"),
+    EnvVar(BUFFER_BYTES, str(16 << 20), "Payload bytes kept for replay, at most (the oldest "
+           "batches leave first; the newest batch is always kept): bounds the replay "
+           "buffer's heap whatever the batches' size.", "publisher"),
     EnvVar(HWM, "100000", "ZMQ send high-water mark (messages).", "publisher"),
     EnvVar(MAX_QUEUE_SIZE, "100000", "Batches queued for a publisher thread, where the "
            "publisher sends on one (only where libzmq cannot be called keeping the GIL; by "
@@ -331,10 +335,12 @@ def parse_endpoint(name: str, value: str, *, default_host: str) -> Endpoint:
 
 @dataclass(frozen=True)
 class PublisherSettings:
-    """How a publisher queues, buffers and frames batches (vLLM's defaults)."""
+    """How a publisher queues, buffers and frames batches (vLLM's defaults; ``buffer_bytes``,
+    a byte bound on the replay buffer, is this project's)."""
 
     kind: str = "zmq"
     buffer_steps: int = 10000
+    buffer_bytes: int = 16 << 20  # payload bytes kept for replay, at most
     hwm: int = 100000
     max_queue_size: int = 100000
     topic: str = ""
@@ -489,6 +495,7 @@ def load_publisher_settings(env: Mapping[str, str] | None = None) -> PublisherSe
     return PublisherSettings(
         kind=kind,
         buffer_steps=parse_int(BUFFER_STEPS, _raw(env, BUFFER_STEPS) or "", minimum=1),
+        buffer_bytes=parse_int(BUFFER_BYTES, _raw(env, BUFFER_BYTES) or "", minimum=1),
         hwm=parse_int(HWM, _raw(env, HWM) or "", minimum=1),
         max_queue_size=parse_int(MAX_QUEUE_SIZE, _raw(env, MAX_QUEUE_SIZE) or "", minimum=1),
         topic=env.get(TOPIC, ENV_VARS_BY_NAME[TOPIC].default or ""),

@@ -433,6 +433,27 @@ def test_hash_clash_between_sources_gets_a_derived_hash(core, consumer):
     assert consumer.paths(0) == {(1,)}
 
 
+def test_a_published_hash_no_source_names_any_more_is_still_not_reused(core, consumer):
+    """Block A publishes 77; the engine reuses 77 for other content B (A stays, held by the
+    host tier under its own hash), then B goes: no source names A by 77 any more, yet A still
+    publishes it, so a third content stored under 77 gets a derived hash."""
+    core.store(SOURCE_ENGINE, "GPU", 0, [77], None, [1, 101], BS)  # A publishes 77
+    core.store(SOURCE_TIERS, "CPU", 0, [5], None, [1, 101], BS)  # A, also held by the host
+    core.store(SOURCE_ENGINE, "GPU", 0, [77], None, [2, 102], BS)  # B: a derived hash
+    core.remove(SOURCE_ENGINE, "GPU", 0, [77])  # B goes
+    core.store(SOURCE_TIERS, "DISK", 0, [77], None, [3, 103], BS)  # C
+    step(core, consumer)
+    assert consumer.paths(0) == {(1,), (3,)}
+    visible = core.visible_hashes(0)
+    assert len(visible) == 2 and 77 in visible
+    assert core.stats()["hash_conflicts"] == 2
+    core.remove(SOURCE_TIERS, "CPU", 0, [5])  # A goes: 77 is free again
+    core.store(SOURCE_ENGINE, "GPU", 0, [77], None, [4, 104], BS)
+    step(core, consumer)
+    assert consumer.paths(0) == {(3,), (4,)} and 77 in core.visible_hashes(0)
+    assert core.stats()["hash_conflicts"] == 2
+
+
 def test_slot_reusing_a_hash_for_new_content_replaces_the_old_block(core, consumer):
     core.store(SOURCE_ENGINE, "GPU", 0, [5], None, [1, 101], BS)
     core.store(SOURCE_ENGINE, "GPU", 0, [5], None, [2, 102], BS)

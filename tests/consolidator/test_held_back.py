@@ -142,7 +142,8 @@ def test_the_cascade_walks_only_live_children(native: bool) -> None:
     (event,) = core.take_output()[0]
     assert event["block_hashes"][-1] == 1 and sorted(event["block_hashes"][:-1]) == [2, 4]
     rank = core._ranks[0]
-    assert set(rank.hidden[0].entries) == {rank.published[2][0], rank.published[4][0]}
+    published = {b[1]: b for b in rank.blocks.values()}
+    assert set(rank.hidden[0].entries) == {published[2][0], published[4][0]}
 
 
 @needs_native

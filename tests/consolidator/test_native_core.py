@@ -143,11 +143,14 @@ def state(core: ConsolidatorCore) -> dict[int, Any]:
 
     out = {}
     for dp, rank in core._ranks.items():
+        # Invariant: no two live blocks publish one hash.
+        assert len({b[1] for b in rank.blocks.values()}) == len(rank.blocks)
         out[dp] = (
             {k: show(b) for k, b in rank.blocks.items()},
             [{h: b[0] for h, b in m.items()} for m in rank.known],
             [{h: b[0] for h, b in m.items()} for m in rank.held],
-            {h: b[0] for h, b in rank.published.items()},
+            {b[1]: b[0] for b in rank.blocks.values()},  # published hash -> identity
+            {h: b[0] for h, b in rank.unlisted.items()},
             rank.visible,
             [({k: (e[0][0], e[1:]) for k, e in group.entries.items()}, group.waiting,
               group.by_source) for group in rank.hidden],
@@ -270,6 +273,50 @@ def test_compiled_blocks_stay_out_of_the_cyclic_collector() -> None:
         core.apply_event(0, dict(event))
     assert not any(gc.is_tracked(b) for b in compiled._ranks[0].blocks.values())
     assert all(gc.is_tracked(b) for b in python._ranks[0].blocks.values())
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native)])
+def test_a_hash_within_int64_is_one_int_object_per_block(native: bool) -> None:
+    """The published hash and its wire form are the same object when they are equal (a
+    second int per block would be heap per block); a hash above INT64_MAX gets its signed
+    form."""
+    from kvbm_plugin.consolidator.blocks import PUB, WIRE
+
+    core = ConsolidatorCore(native=native)
+    core.store(SOURCE_TIERS, "DISK", 0, [12345678901234567, (1 << 64) - 3], None,
+               [1, 2, 3, 4], BS)
+    core.apply_event(0, {"type": "BlockStored", "block_hashes": [98765432109876543],
+                         "parent_block_hash": None, "token_ids": [5, 6], "block_size": BS,
+                         "medium": "GPU"})
+    blocks = {b[PUB]: b for b in core._ranks[0].blocks.values()}
+    assert blocks[12345678901234567][WIRE] is blocks[12345678901234567][PUB]
+    assert blocks[98765432109876543][WIRE] is blocks[98765432109876543][PUB]
+    assert blocks[(1 << 64) - 3][WIRE] == -3
+
+
+@needs_native
+def test_compiled_blocks_are_compact_and_free_a_long_chain_without_recursion() -> None:
+    """A compiled core's blocks: the list layout's items in one 96-byte object (a list of 12
+    items costs 152), read and written like the list; a chain of 300,000 of them (each
+    holding its parent) is freed in a loop: recursion that deep would overflow the C stack."""
+    import sys
+
+    from kvbm_plugin.consolidator.blocks import BLOCK_LEN, HELD_BACK, PARENT, TOTAL
+
+    core = ConsolidatorCore(native=True)
+    n = 300_000
+    core.store(SOURCE_TIERS, "DISK", 0, list(range(1, n + 1)), None, [7] * n, 1)
+    leaf = core._ranks[0].held[5][n]
+    assert type(leaf) is not list and len(leaf) == BLOCK_LEN and sys.getsizeof(leaf) <= 96
+    assert leaf[TOTAL] == 1 and leaf[PARENT] is core._ranks[0].held[5][n - 1]
+    leaf[HELD_BACK] += 1
+    assert leaf[HELD_BACK] == 1 and leaf[-1] == 1 and list(leaf[-2:]) == [None, 1]
+    leaf[HELD_BACK] -= 1
+    with pytest.raises(IndexError):
+        leaf[BLOCK_LEN]  # noqa: B018 - the item raises
+    with pytest.raises(OverflowError):
+        leaf[TOTAL] = 1 << 40
+    del leaf, core  # frees the whole chain, leaf first
 
 
 def test_passthrough_mode_keeps_the_python_loops() -> None:

@@ -44,6 +44,31 @@ def test_index_lru_evicts_oldest_unpinned_and_never_pinned_or_pending() -> None:
     assert evicted is not None and evicted.key == 3
 
 
+def test_an_index_without_kept_tokens_holds_them_until_dropped() -> None:
+    """``keep_tokens=False`` (the leader's disk tier): a block's tokens are there until its
+    STORE is registered, then dropped: no token column, nothing per block at rest."""
+    index = TierIndex("disk", 4, keep_tokens=False)
+    tokens = list(range(70000, 70016))
+    a, _ = index.reserve(1, 11, None, tokens)
+    b, _ = index.reserve(2, 12, 11, tokens[::-1], parent_key=1)
+    assert a.token_ids == tuple(tokens) and b.token_ids == tuple(tokens[::-1])
+    index.commit(1)
+    a.drop_tokens()
+    with pytest.raises(LookupError, match="dropped"):
+        a.token_ids  # noqa: B018 - the property raises
+    assert b.token_ids == tuple(tokens[::-1])  # another entry keeps its own
+    b.drop_tokens()
+    assert len(index._tok) == 0 and not index._odd_tokens
+    evicted = index.discard(2)[0]
+    assert evicted.token_ids == ()  # a detached view of a dropped entry: nothing kept
+    c, _ = index.reserve(3, 13, None, tokens)  # a reused slot has its own tokens again
+    assert c.token_ids == tuple(tokens)
+    kept = TierIndex("host", 4)
+    d, _ = kept.reserve(1, 11, None, tokens)
+    d.drop_tokens()  # an index that keeps tokens keeps them (demotions read them)
+    assert d.token_ids == tuple(tokens)
+
+
 def test_index_discard_frees_slot_and_lookup_ignores_pending() -> None:
     index = TierIndex("disk", 1)
     entry, _ = index.reserve(7, 70, None, [0])

@@ -230,6 +230,7 @@ BAD_VALUES = {
     cc.LEADER_ZMQ_PUB_PORT: "abc", cc.LEADER_ZMQ_HOST: "a host", cc.EVENTS_ENDPOINT: "udp://x",
     cc.REPLAY_ENDPOINT: "udp://x", cc.OUTPUT_ENDPOINT: "udp://x",
     cc.OUTPUT_REPLAY_ENDPOINT: "udp://x", cc.PUBLISHER: "kafka", cc.BUFFER_STEPS: "0",
+    cc.BUFFER_BYTES: "1k",
     cc.HWM: "-1", cc.MAX_QUEUE_SIZE: "many", cc.WINDOW_SIZE: "0", cc.NATIVE: "perhaps",
 }
 STANDALONE = {

@@ -226,6 +226,27 @@ def test_replay_buffer_is_bounded(tcp, publishers) -> None:
     assert [s for s, _ in list(pub._buffer)] == [7, 8, 9]
 
 
+def test_replay_buffer_is_bounded_in_bytes(tcp, publishers) -> None:
+    """Past the byte bound the oldest batches leave the replay buffer (the newest always
+    stays), and the bytes counted are those of the batches kept."""
+    probe = ZmqEventPublisher(PublisherSettings(buffer_bytes=1), tcp[0], None)
+    publishers.append(probe)
+    probe.publish([removed(0)])
+    probe.publish([removed(1)])
+    wait_until(lambda: probe.stats()["batches_published"] == 2, what="published")
+    assert [s for s, _ in list(probe._buffer)] == [1]  # larger than the bound: kept alone
+    one = probe.stats()["replay_bytes_buffered"]
+    assert one == len(probe._buffer[0][1]) > 1
+    pub = ZmqEventPublisher(PublisherSettings(buffer_bytes=3 * one + one // 2), tcp[1], None)
+    publishers.append(pub)
+    for i in range(10):
+        pub.publish([removed(i)])
+    wait_until(lambda: pub.stats()["batches_published"] == 10, what="published")
+    kept = list(pub._buffer)
+    assert [s for s, _ in kept] == [7, 8, 9]
+    assert pub.stats()["replay_bytes_buffered"] == sum(len(p) for _, p in kept) == 3 * one
+
+
 def test_tcp_host_named_ipc_host(ctx, publishers) -> None:
     port = free_port()
     endpoint = parse_endpoint("X", f"tcp://*:{port}", default_host="ipc-host")
@@ -285,7 +306,7 @@ def test_shutdown_drains_is_idempotent_and_frees_the_port(ctx, tcp) -> None:
     again.shutdown()
 
 
-@pytest.mark.parametrize("field", ["buffer_steps", "hwm", "max_queue_size"])
+@pytest.mark.parametrize("field", ["buffer_steps", "buffer_bytes", "hwm", "max_queue_size"])
 @pytest.mark.parametrize("value", [0, -1])
 def test_non_positive_settings_rejected(tcp, field, value) -> None:
     settings = PublisherSettings(**{field: value})

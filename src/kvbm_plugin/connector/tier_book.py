@@ -64,7 +64,9 @@ class TierBookkeeping:
         if host_blocks:
             self._host = TierIndex(TIER_HOST, host_blocks)
         if disk_blocks:
-            self._disk = TierIndex(TIER_DISK, disk_blocks)
+            # Nothing copies a disk block to another tier: its tokens are needed only until its
+            # STORE is registered (64 B per block of a 16-token block at rest otherwise).
+            self._disk = TierIndex(TIER_DISK, disk_blocks, keep_tokens=False)
             if settings.disk_cache_dir:
                 self._disk_dir = settings.disk_cache_dir
                 if self._par.attention_dp:
@@ -155,6 +157,7 @@ class TierBookkeeping:
         self._tier_events.register_store(
             MEDIUM[index.name], self._dp_rank, entry.event_hash, entry.parent_event_hash,
             entry.token_ids, self._block_size, **scope)
+        entry.drop_tokens()  # a no-op where the index keeps them (the host tier: demotions)
 
     # Held tier STOREs at most (the oldest is dropped from its tier past it, never named twice).
     MAX_HELD = 4096

@@ -3,10 +3,11 @@
  *
  * The per-block loops of the dedup core: a chain of stored blocks (_store_chain), a removal
  * (_removed), and a whole batch's common events (apply_events). They work on the core's own
- * Python structures (the rank's dicts and the block lists, layout B_* in _core_c.h, the same
- * as consolidator/blocks.py's IDENT ...), so the Python code and these take turns on one
- * state. The rare branches call back into the Python core (a derived published hash, a second
- * alias, a release of the hash's previous block, the rest of a removal that cascades). They
+ * Python structures (the rank's dicts and the blocks: compiled Blocks of _core_block.c, whose
+ * items B_* in _core_c.h are consolidator/blocks.py's IDENT ...), so the Python code and these
+ * take turns on one state. The rare branches call back into the Python core (a derived
+ * published hash, a second alias, a release of the hash's previous block, the rest of a
+ * removal that cascades). They
  * run whatever is held back: an event touching a held-back block (or the parent one waits
  * for) is the Python code's. Called on the consolidator's ingest thread only, with the GIL
  * held throughout.
@@ -20,50 +21,30 @@
 
 #include "_core_c.h"
 
-/* Signed int64 form of a u64 published hash. */
+/* Signed int64 form of a u64 published hash (new reference): ``pub`` itself when it is not
+ * above INT64_MAX, as the Python loop's ``pub - U64 if pub > I64_MAX else pub`` (one int
+ * object per block instead of two). */
 static PyObject *wire_of(PyObject *pub) {
     unsigned long long u = PyLong_AsUnsignedLongLong(pub);
     if (u == (unsigned long long)-1 && PyErr_Occurred()) return NULL;
+    if (u <= (unsigned long long)LLONG_MAX) {
+        Py_INCREF(pub);
+        return pub;
+    }
     return PyLong_FromLongLong((long long)u);
 }
 
 static PyObject *new_block(PyObject *ident, PyObject *pub, PyObject *parent, PyObject *slot,
                            PyObject *ext) {
-    PyObject *wire = wire_of(pub), *block, *zero;
+    PyObject *wire, *block;
+    long slot_index = PyLong_AsLong(slot);
+    if (slot_index == -1 && PyErr_Occurred()) return NULL;
+    wire = wire_of(pub);
     if (wire == NULL) return NULL;
-    block = PyList_New(B_LEN);
-    zero = PyLong_FromLong(0);
-    if (block == NULL || zero == NULL) {
-        Py_XDECREF(block);
-        Py_XDECREF(zero);
-        Py_DECREF(wire);
-        return NULL;
-    }
-    Py_INCREF(ident);
-    PyList_SET_ITEM(block, B_IDENT, ident);
-    Py_INCREF(pub);
-    PyList_SET_ITEM(block, B_PUB, pub);
-    PyList_SET_ITEM(block, B_WIRE, wire);
-    Py_INCREF(parent);
-    PyList_SET_ITEM(block, B_PARENT, parent);
-    Py_INCREF(zero);
-    PyList_SET_ITEM(block, B_CHILDREN, zero);
-    PyList_SET_ITEM(block, B_TOTAL, zero);
-    Py_INCREF(Py_None);
-    PyList_SET_ITEM(block, B_COUNTS, Py_None);
-    Py_INCREF(slot);
-    PyList_SET_ITEM(block, B_ALIAS_SLOT, slot);
-    Py_INCREF(ext);
-    PyList_SET_ITEM(block, B_ALIAS_EXT, ext);
-    Py_INCREF(Py_None);
-    PyList_SET_ITEM(block, B_MORE_ALIASES, Py_None);
-    Py_INCREF(Py_None);
-    PyList_SET_ITEM(block, B_KIDS, Py_None);
-    Py_INCREF(zero);
-    PyList_SET_ITEM(block, B_HELD_BACK, zero);
-    /* A block refers only to older blocks (its parent) and to ints: never part of a cycle.
-     * Blocks live as long as some tier holds them; untracked, the collector never walks them. */
-    PyObject_GC_UnTrack(block);
+    block = new_dedup_block(ident, pub, wire, parent, (int)slot_index, ext);
+    Py_DECREF(wire);
+    /* A block refers only to older blocks (its parent) and to ints: never part of a cycle,
+     * and not a collector type (see _core_block.c). */
     return block;
 }
 
@@ -79,7 +60,7 @@ static PyObject *stored_run(PyObject *wire, PyObject *parent_wire, PyObject *blo
 }
 
 PyDoc_STRVAR(store_chain_doc,
-"store_chain(rank, blocks, known, held, published, out, hashes, tokens, block_size,\n"
+"store_chain(rank, blocks, known, held, unlisted, out, hashes, tokens, block_size,\n"
 "            parent, pident, parent_wire, slot, lora_id, lora_name, medium, group,\n"
 "            fresh_pub, add_alias, release, held_back)\n"
 "    -> (visible, duplicates, runs, run_blocks) | None\n\n"
@@ -89,9 +70,11 @@ PyDoc_STRVAR(store_chain_doc,
 "anything changed). None, with nothing changed, when a hash of the chain would release\n"
 "another block, or a block of the chain is held back or waited for by a held-back one.");
 
-/* The chain loop shared by store_chain and stored_one (arguments as store_chain's). */
-static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObject *held,
-                       PyObject *published, PyObject *out, PyObject *hashes, PyObject *tokens,
+/* The chain loop shared by store_chain and stored_one (arguments as store_chain's, and
+ * ``known_list``: every slot's known map, rank.known, for blocks.pub_taken). */
+static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known_list,
+                       PyObject *known, PyObject *held,
+                       PyObject *unlisted, PyObject *out, PyObject *hashes, PyObject *tokens,
                        PyObject *bs_obj, PyObject *parent, PyObject *pident,
                        PyObject *parent_wire, PyObject *slot, PyObject *lora_id,
                        PyObject *lora_name, PyObject *medium, PyObject *group,
@@ -211,14 +194,17 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
             PyObject *pub;
             int taken;
             if (PyErr_Occurred()) goto fail_parent;
-            taken = PyDict_Contains(published, ext);
+            taken = pub_taken(known_list, unlisted, ext);
             if (taken < 0) goto fail_parent;
-            pub = taken ? PyObject_CallFunctionObjArgs(fresh_pub, published, ext, ident, NULL)
+            pub = taken ? PyObject_CallFunctionObjArgs(fresh_pub, rank, ext, ident, NULL)
                         : (Py_INCREF(ext), ext);
             if (pub == NULL) goto fail_parent;
             block = new_block(ident, pub, parent, slot, ext);
-            if (block == NULL || PyDict_SetItem(published, pub, block) < 0
+            /* A derived hash is listed (no known map names the block by it); a block this
+             * slot named by its published hash before is listed from now on. */
+            if (block == NULL || (pub != ext && PyDict_SetItem(unlisted, pub, block) < 0)
                 || PyDict_SetItem(blocks, ident, block) < 0
+                || list_overwritten(known, unlisted, ext) < 0
                 || PyDict_SetItem(known, ext, block) < 0
                 || (parent != Py_None && (add_to(parent, B_CHILDREN, 1, NULL) < 0
                                           || add_kid(parent, ident) < 0))) {
@@ -259,7 +245,7 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
                 Py_DECREF(r);
             }
             if (total == 1) {
-                PyObject *wire = PyList_GET_ITEM(block, B_WIRE);
+                PyObject *wire = BLOCK(block)->wire;
                 Py_ssize_t nout = PyList_GET_SIZE(out);
                 visible += 1;
                 if (run_end == i && run != NULL && nout > 0
@@ -267,7 +253,7 @@ static PyObject *chain(PyObject *rank, PyObject *blocks, PyObject *known, PyObje
                     if (PyList_Append(run_hashes, wire) < 0) goto fail_parent;
                 } else {
                     PyObject *pw = parent == Py_None ? parent_wire
-                                                     : PyList_GET_ITEM(parent, B_WIRE);
+                                                     : BLOCK(parent)->wire;
                     PyObject *ev = stored_run(wire, pw, bs_obj, lora_id, medium, lora_name);
                     if (ev == NULL) goto fail_parent;
                     if (PyList_Append(out, ev) < 0 || PyList_Append(runs, ev) < 0) {
@@ -320,33 +306,35 @@ done:
 }
 
 static PyObject *store_chain(PyObject *module, PyObject *args) {
-    PyObject *rank, *blocks, *known, *held, *published, *out, *hashes, *tokens, *bs_obj;
+    PyObject *rank, *blocks, *known, *held, *unlisted, *out, *hashes, *tokens, *bs_obj;
     PyObject *parent, *pident, *parent_wire, *slot, *lora_id, *lora_name, *medium, *group;
-    PyObject *fresh_pub, *add_alias, *release, *held_back, *hidden, *waiting;
+    PyObject *fresh_pub, *add_alias, *release, *held_back, *hidden, *waiting, *known_list;
     PyObject *result;
 
     if (!PyArg_ParseTuple(args, "OO!O!O!O!O!O!O!O!OOOOOOOOOOOO", &rank, &PyDict_Type,
                           &blocks, &PyDict_Type, &known, &PyDict_Type, &held, &PyDict_Type,
-                          &published, &PyList_Type, &out, &PyList_Type, &hashes,
+                          &unlisted, &PyList_Type, &out, &PyList_Type, &hashes,
                           &PyList_Type, &tokens, &PyLong_Type, &bs_obj,
                           &parent, &pident, &parent_wire, &slot, &lora_id, &lora_name,
                           &medium, &group, &fresh_pub, &add_alias, &release, &held_back))
         return NULL;
     hidden = PyObject_GetAttr(held_back, K_entries_attr);
     waiting = PyObject_GetAttr(held_back, K_waiting_attr);
-    if (hidden == NULL || waiting == NULL || !PyDict_CheckExact(hidden)
-        || !PyDict_CheckExact(waiting)) {
+    known_list = PyObject_GetAttr(rank, K_known_attr);
+    if (hidden == NULL || waiting == NULL || known_list == NULL || !PyDict_CheckExact(hidden)
+        || !PyDict_CheckExact(waiting) || !PyList_CheckExact(known_list)) {
         if (!PyErr_Occurred())
-            PyErr_SetString(PyExc_TypeError, "consolidator held-back maps are not dicts");
+            PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
         result = NULL;
     } else {
         int mutated = 0;
-        result = chain(rank, blocks, known, held, published, out, hashes, tokens, bs_obj,
-                       parent, pident, parent_wire, slot, lora_id, lora_name, medium, group,
-                       fresh_pub, add_alias, release, hidden, waiting, &mutated);
+        result = chain(rank, blocks, known_list, known, held, unlisted, out, hashes, tokens,
+                       bs_obj, parent, pident, parent_wire, slot, lora_id, lora_name, medium,
+                       group, fresh_pub, add_alias, release, hidden, waiting, &mutated);
     }
     Py_XDECREF(hidden);
     Py_XDECREF(waiting);
+    Py_XDECREF(known_list);
     return result;
 }
 
@@ -354,7 +342,7 @@ static PyObject *store_chain(PyObject *module, PyObject *args) {
  * MEDIUM_GPU and the rank attribute names. */
 PyObject *C_root, *C_unknown_parent, *C_gpu, *C_zero;
 Py_ssize_t C_media;
-PyObject *K_blocks_attr, *K_known_attr, *K_held_attr, *K_published_attr, *K_out_attr,
+PyObject *K_blocks_attr, *K_known_attr, *K_held_attr, *K_unlisted_attr, *K_out_attr,
     *K_last_remove_attr, *K_hidden_attr, *K_entries_attr, *K_waiting_attr, *K_orphans_attr;
 
 PyDoc_STRVAR(core_constants_doc,
@@ -468,7 +456,7 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
                       Py_ssize_t *cnt) {
     PyObject *raw_hashes, *raw_parent, *bs_obj, *tokens, *medium, *lora_id, *lora_name;
     PyObject *hashes = NULL, *parent_ext = NULL, *slot = NULL, *blocks = NULL, *known = NULL;
-    PyObject *held = NULL, *published = NULL, *out = NULL, *parent = Py_None, *pident = NULL;
+    PyObject *held = NULL, *unlisted = NULL, *out = NULL, *parent = Py_None, *pident = NULL;
     PyObject *parent_wire = NULL, *counts = NULL, *known_slot, *held_slot, *hidden = NULL;
     PyObject *waiting = NULL;
     Py_ssize_t bs, n, slot_index, unknown_parents = 0, run_info[4];
@@ -522,17 +510,17 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
     blocks = PyObject_GetAttr(rank, K_blocks_attr);
     known = PyObject_GetAttr(rank, K_known_attr);
     held = PyObject_GetAttr(rank, K_held_attr);
-    published = PyObject_GetAttr(rank, K_published_attr);
+    unlisted = PyObject_GetAttr(rank, K_unlisted_attr);
     out = PyObject_GetAttr(rank, K_out_attr);
     hidden = held_back_map(rank, K_entries_attr);
     waiting = hidden == NULL ? NULL : held_back_map(rank, K_waiting_attr);
-    if (slot == NULL || blocks == NULL || known == NULL || held == NULL || published == NULL
+    if (slot == NULL || blocks == NULL || known == NULL || held == NULL || unlisted == NULL
         || out == NULL || waiting == NULL)
         goto done;
     known_slot = slot_map(known, slot_index);
     held_slot = known_slot == NULL ? NULL : slot_map(held, slot_index);
     if (held_slot == NULL) goto done;
-    if (!PyDict_CheckExact(blocks) || !PyDict_CheckExact(published) || !PyList_CheckExact(out)) {
+    if (!PyDict_CheckExact(blocks) || !PyDict_CheckExact(unlisted) || !PyList_CheckExact(out)) {
         PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
         goto done;
     }
@@ -568,9 +556,9 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
                 if (back) { r = LEAVE; goto done; }
             }
             parent = found;
-            pident = PyList_GET_ITEM(found, B_IDENT);
+            pident = BLOCK(found)->ident;
             Py_INCREF(pident);
-            parent_wire = PyList_GET_ITEM(found, B_WIRE);
+            parent_wire = BLOCK(found)->wire;
             Py_INCREF(parent_wire);
         } else {
             /* A parent no source knows: the store is held back, by the Python code. */
@@ -578,8 +566,8 @@ static int stored_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject 
             goto done;
         }
     }
-    counts = chain(rank, blocks, known_slot, held_slot, published, out, hashes, tokens, bs_obj,
-                   parent, pident, parent_wire, slot, lora_id, lora_name, C_gpu, C_zero,
+    counts = chain(rank, blocks, known, known_slot, held_slot, unlisted, out, hashes, tokens,
+                   bs_obj, parent, pident, parent_wire, slot, lora_id, lora_name, C_gpu, C_zero,
                    fresh_pub, add_alias, release, hidden, waiting, &mutated);
     if (counts == Py_None) { /* a hash released mid-chain: the Python code decides */
         r = LEAVE;
@@ -616,7 +604,7 @@ done:
     Py_XDECREF(blocks);
     Py_XDECREF(known);
     Py_XDECREF(held);
-    Py_XDECREF(published);
+    Py_XDECREF(unlisted);
     Py_XDECREF(out);
     Py_XDECREF(pident);
     Py_XDECREF(parent_wire);
@@ -743,7 +731,7 @@ PyMODINIT_FUNC PyInit__core_c(void) {
     INTERN(K_blocks_attr, "blocks");
     INTERN(K_known_attr, "known");
     INTERN(K_held_attr, "held");
-    INTERN(K_published_attr, "published");
+    INTERN(K_unlisted_attr, "unlisted");
     INTERN(K_out_attr, "out");
     INTERN(K_last_remove_attr, "last_remove");
     INTERN(K_hidden_attr, "hidden");
@@ -752,5 +740,16 @@ PyMODINIT_FUNC PyInit__core_c(void) {
     INTERN(K_orphans_attr, "orphans");
     if (core_remove_ready() < 0) return NULL;
     if ((C_zero = PyLong_FromLong(0)) == NULL) return NULL;
-    return PyModule_Create(&module_def);
+    if (PyType_Ready(&Block_Type) < 0) return NULL;
+    {
+        PyObject *module = PyModule_Create(&module_def);
+        if (module == NULL) return NULL;
+        Py_INCREF(&Block_Type);
+        if (PyModule_AddObject(module, "Block", (PyObject *)&Block_Type) < 0) {
+            Py_DECREF(&Block_Type);
+            Py_DECREF(module);
+            return NULL;
+        }
+        return module;
+    }
 }

@@ -13,7 +13,7 @@
 #include "_core_c.h"
 
 const char remove_dedup_doc[] =
-"remove_dedup(blocks, known, held, published, hashes, orphans)\n"
+"remove_dedup(blocks, known, held, unlisted, hashes, orphans)\n"
 "    -> (wires, unknown, stop)\n\n"
 "The dedup block loop of ConsolidatorCore._removed on the same structures, for hashes[:stop]:\n"
 "the published (signed) hashes now resident nowhere, and how many hashes the slot did not\n"
@@ -23,10 +23,8 @@ const char remove_dedup_doc[] =
 int core_remove_ready(void) { return intern_wire_keys(); }
 
 /* known[slot].get(ext) is block -> del known[slot][ext] */
-static int forget_alias(PyObject *known, PyObject *slot, PyObject *ext, PyObject *block) {
-    Py_ssize_t index = PyLong_AsSsize_t(slot);
+static int forget_alias(PyObject *known, Py_ssize_t index, PyObject *ext, PyObject *block) {
     PyObject *slot_map, *named;
-    if (index == -1 && PyErr_Occurred()) return -1;
     if (index < 0 || index >= PyList_GET_SIZE(known)) {
         PyErr_Format(PyExc_IndexError, "consolidator slot %zd out of range", index);
         return -1;
@@ -43,18 +41,17 @@ static int forget_alias(PyObject *known, PyObject *slot, PyObject *ext, PyObject
 
 /* blocks.collect for ``block`` (owned; resident nowhere): forget it and each parent it leaves
  * resident nowhere with no child. Consumes the reference. */
-static int collect(PyObject *blocks, PyObject *known, PyObject *published, PyObject *orphans,
+static int collect(PyObject *blocks, PyObject *known, PyObject *unlisted, PyObject *orphans,
                    PyObject *block) {
     for (;;) { /* resident nowhere and no child: forget it, then maybe its parent */
-        PyObject *more, *parent, *pub, *named, *ident = PyList_GET_ITEM(block, B_IDENT);
+        PyObject *more, *parent, *pub, *named, *ident = BLOCK(block)->ident;
         Py_ssize_t children, parent_total;
         if (int_field(block, B_CHILDREN, &children) < 0) goto fail;
         if (children) break;
         if (PyDict_DelItem(blocks, ident) < 0
-            || forget_alias(known, PyList_GET_ITEM(block, B_ALIAS_SLOT),
-                            PyList_GET_ITEM(block, B_ALIAS_EXT), block) < 0)
+            || forget_alias(known, BLOCK(block)->alias_slot, BLOCK(block)->alias_ext, block) < 0)
             goto fail;
-        more = PyList_GET_ITEM(block, B_MORE_ALIASES);
+        more = BLOCK(block)->more_aliases;
         if (more != Py_None) {
             Py_ssize_t j;
             if (!PyList_CheckExact(more)) {
@@ -67,16 +64,21 @@ static int collect(PyObject *blocks, PyObject *known, PyObject *published, PyObj
                     PyErr_SetString(PyExc_TypeError, "consolidator alias is not a pair");
                     goto fail;
                 }
-                if (forget_alias(known, PyTuple_GET_ITEM(alias, 0),
-                                 PyTuple_GET_ITEM(alias, 1), block) < 0)
-                    goto fail;
+                {
+                    Py_ssize_t slot = PyLong_AsSsize_t(PyTuple_GET_ITEM(alias, 0));
+                    if ((slot == -1 && PyErr_Occurred())
+                        || forget_alias(known, slot, PyTuple_GET_ITEM(alias, 1), block) < 0)
+                        goto fail;
+                }
             }
         }
-        pub = PyList_GET_ITEM(block, B_PUB);
-        named = PyDict_GetItemWithError(published, pub);
-        if (named == NULL && PyErr_Occurred()) goto fail;
-        if (named == block && PyDict_DelItem(published, pub) < 0) goto fail;
-        parent = PyList_GET_ITEM(block, B_PARENT);
+        pub = BLOCK(block)->pub;
+        if (PyDict_GET_SIZE(unlisted) > 0) {
+            named = PyDict_GetItemWithError(unlisted, pub);
+            if (named == NULL && PyErr_Occurred()) goto fail;
+            if (named == block && PyDict_DelItem(unlisted, pub) < 0) goto fail;
+        }
+        parent = BLOCK(block)->parent;
         if (parent == Py_None) { /* only a root block can be an orphan */
             if (PySet_GET_SIZE(orphans) > 0 && PySet_Discard(orphans, ident) < 0) goto fail;
             break;
@@ -98,7 +100,7 @@ fail:
 /* The dedup block loop of _removed for hashes[:*stop]: the signed hashes now resident nowhere
  * (new list). */
 static PyObject *remove_loop(PyObject *blocks, PyObject *known, PyObject *held,
-                             PyObject *published, PyObject *hashes, PyObject *orphans,
+                             PyObject *unlisted, PyObject *hashes, PyObject *orphans,
                              Py_ssize_t *unknown_out, Py_ssize_t *stop) {
     PyObject *wires, *block;
     Py_ssize_t i, n, unknown = 0;
@@ -134,11 +136,11 @@ static PyObject *remove_loop(PyObject *blocks, PyObject *known, PyObject *held,
             Py_DECREF(block);
             continue;
         }
-        if (PyList_Append(wires, PyList_GET_ITEM(block, B_WIRE)) < 0) {
+        if (PyList_Append(wires, BLOCK(block)->wire) < 0) {
             Py_DECREF(block);
             goto fail;
         }
-        if (collect(blocks, known, published, orphans, block) < 0) goto fail;
+        if (collect(blocks, known, unlisted, orphans, block) < 0) goto fail;
     }
     *unknown_out = unknown;
     *stop = i;
@@ -149,14 +151,14 @@ fail:
 }
 
 PyObject *remove_dedup(PyObject *module, PyObject *args) {
-    PyObject *blocks, *known, *held, *published, *hashes, *orphans, *wires;
+    PyObject *blocks, *known, *held, *unlisted, *hashes, *orphans, *wires;
     Py_ssize_t unknown = 0, stop = 0;
 
     if (!PyArg_ParseTuple(args, "O!O!O!O!O!O!", &PyDict_Type, &blocks, &PyList_Type, &known,
-                          &PyDict_Type, &held, &PyDict_Type, &published, &PyList_Type, &hashes,
+                          &PyDict_Type, &held, &PyDict_Type, &unlisted, &PyList_Type, &hashes,
                           &PySet_Type, &orphans))
         return NULL;
-    wires = remove_loop(blocks, known, held, published, hashes, orphans, &unknown, &stop);
+    wires = remove_loop(blocks, known, held, unlisted, hashes, orphans, &unknown, &stop);
     if (wires == NULL) return NULL;
     return Py_BuildValue("Nnn", wires, unknown, stop);
 }
@@ -164,7 +166,7 @@ PyObject *remove_dedup(PyObject *module, PyObject *args) {
 int removed_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject *cache,
                 PyObject *remove_rest, Py_ssize_t *cnt) {
     PyObject *raw_hashes, *medium, *hashes = NULL, *blocks = NULL, *known = NULL, *held = NULL;
-    PyObject *published = NULL, *out = NULL, *last = NULL, *wires = NULL, *orphans = NULL;
+    PyObject *unlisted = NULL, *out = NULL, *last = NULL, *wires = NULL, *orphans = NULL;
     PyObject *held_slot;
     Py_ssize_t slot_index, unknown = 0, nw, stop = 0;
     int r;
@@ -178,24 +180,24 @@ int removed_one(PyObject *rank, PyObject *raw, PyObject *source, PyObject *cache
     blocks = PyObject_GetAttr(rank, K_blocks_attr);
     known = PyObject_GetAttr(rank, K_known_attr);
     held = PyObject_GetAttr(rank, K_held_attr);
-    published = PyObject_GetAttr(rank, K_published_attr);
+    unlisted = PyObject_GetAttr(rank, K_unlisted_attr);
     out = PyObject_GetAttr(rank, K_out_attr);
     last = PyObject_GetAttr(rank, K_last_remove_attr);
     orphans = PyObject_GetAttr(rank, K_orphans_attr);
-    if (blocks == NULL || known == NULL || held == NULL || published == NULL || out == NULL
+    if (blocks == NULL || known == NULL || held == NULL || unlisted == NULL || out == NULL
         || last == NULL || orphans == NULL)
         goto done;
     held_slot = slot_map(held, slot_index);
     if (held_slot == NULL) goto done;
     if (!PyDict_CheckExact(blocks) || !PyList_CheckExact(known)
-        || !PyDict_CheckExact(published) || !PyList_CheckExact(out)
+        || !PyDict_CheckExact(unlisted) || !PyList_CheckExact(out)
         || !PySet_CheckExact(orphans)) {
         PyErr_SetString(PyExc_TypeError, "unexpected consolidator rank layout");
         goto done;
     }
     cnt[N_REMOVES_IN] += 1;
     cnt[N_REMOVE_BLOCKS_IN] += PyList_GET_SIZE(hashes);
-    wires = remove_loop(blocks, known, held_slot, published, hashes, orphans, &unknown, &stop);
+    wires = remove_loop(blocks, known, held_slot, unlisted, hashes, orphans, &unknown, &stop);
     if (wires == NULL) goto done;
     if (stop < PyList_GET_SIZE(hashes)) { /* a cascade or a held-back block: Python's turn */
         PyObject *rest = PyObject_CallFunction(remove_rest, "OOOnO", rank, held_slot, hashes,
@@ -246,7 +248,7 @@ done:
     Py_XDECREF(blocks);
     Py_XDECREF(known);
     Py_XDECREF(held);
-    Py_XDECREF(published);
+    Py_XDECREF(unlisted);
     Py_XDECREF(out);
     Py_XDECREF(last);
     Py_XDECREF(orphans);

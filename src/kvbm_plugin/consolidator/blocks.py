@@ -46,7 +46,10 @@ def wire_hash(value: int) -> int:
 
 
 # A block is a plain list (creating one is several times cheaper than an object, and the ingest
-# hot path creates one per stored block). Layout, by index:
+# hot path creates one per stored block), or, in a core that runs the compiled loops, their
+# ``Block`` (``consolidator/_core_block.c``): the same items at the same indices, read and
+# written the same way, in one allocation of 96 bytes instead of a list's 152, with the four
+# counters (CHILDREN, TOTAL, ALIAS_SLOT, HELD_BACK) as machine ints. Layout, by index:
 IDENT: Final = 0  # content-chain identity (the key in _Rank.blocks)
 PUB: Final = 1  # published hash, u64: the first external hash seen (unless it clashed)
 WIRE: Final = 2  # the published hash as signed int64, what the output carries
@@ -66,7 +69,7 @@ KIDS: Final = 10
 # compiled loops read to leave a held-back block to the Python code without a lookup.
 HELD_BACK: Final = 11
 BLOCK_LEN: Final = 12
-Block = list  # one block of one dp rank, alive while resident somewhere or a parent
+Block = list  # one block of one dp rank (or a compiled Block), alive while resident or a parent
 
 
 def add_kid(parent: Block, ident: int) -> None:
@@ -104,7 +107,7 @@ def kids_of(blocks: dict[int, Block], block: Block) -> list[Block]:
 class _Rank:
     """All state of one dp rank; dp ranks never share blocks."""
 
-    __slots__ = ("blocks", "known", "held", "published", "out", "visible", "last_remove",
+    __slots__ = ("blocks", "known", "held", "unlisted", "out", "visible", "last_remove",
                  "hidden", "orphans")
 
     def __init__(self, hidden: list[HeldBack]) -> None:
@@ -114,7 +117,11 @@ class _Rank:
         self.known: list[dict[int, Block]] = [{} for _ in range(NUM_SLOTS)]
         # Per slot: external hashes that slot holds now -> block (the residency itself).
         self.held: list[dict[int, Block]] = [{} for _ in range(NUM_SLOTS)]
-        self.published: dict[int, Block] = {}  # published u64 hash -> block
+        # Published u64 hash -> block, only for the blocks the known maps do not find by it:
+        # a derived hash, or a first alias that another block's store took over. Every other
+        # block publishes its first external hash, which known[ALIAS_SLOT] maps to it (see
+        # pub_taken): no map entry per block for the published hashes. Empty in normal use.
+        self.unlisted: dict[int, Block] = {}
         self.out: list[dict[str, Any]] = []  # output wire events not yet taken
         # Downstream-visible units: blocks (dedup) or (block, medium) pairs (passthrough).
         self.visible = 0
@@ -126,11 +133,35 @@ class _Rank:
         self.orphans: set[int] = set()
 
 
+def pub_taken(rank: _Rank, pub: int) -> bool:
+    """Whether a live block of ``rank`` publishes the u64 hash ``pub``: one the known maps
+    name by it and that publishes it, or one in ``rank.unlisted`` (the compiled loops'
+    ``pub_taken`` does the same)."""
+    if pub in rank.unlisted:
+        return True
+    for known in rank.known:
+        if known:
+            block = known.get(pub)
+            if block is not None and block[PUB] == pub:
+                return True
+    return False
+
+
+def set_known(rank: _Rank, slot: int, ext: int, block: Block) -> None:
+    """``known[slot][ext] = block``; a block the map named by its published hash before is
+    listed in ``rank.unlisted`` from then on (the compiled loops do the same)."""
+    known = rank.known[slot]
+    old = known.get(ext)
+    if old is not None and old is not block and old[PUB] == ext:
+        rank.unlisted[ext] = old
+    known[ext] = block
+
+
 def collect(rank: _Rank, block: Block | None) -> None:
     """Forget blocks resident nowhere with no live child, walking up the chain."""
     blocks = rank.blocks
     known = rank.known
-    published = rank.published
+    unlisted = rank.unlisted
     while block is not None and block[TOTAL] == 0 and block[CHILDREN] == 0:
         ident = block[IDENT]
         del blocks[ident]
@@ -142,8 +173,8 @@ def collect(rank: _Rank, block: Block | None) -> None:
                 slot_map = known[slot]
                 if slot_map.get(ext) is block:
                     del slot_map[ext]
-        if published.get(block[PUB]) is block:
-            del published[block[PUB]]
+        if unlisted and unlisted.get(block[PUB]) is block:
+            del unlisted[block[PUB]]
         if rank.orphans:
             rank.orphans.discard(ident)
         parent = block[PARENT]

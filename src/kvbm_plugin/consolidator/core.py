@@ -61,6 +61,7 @@ from kvbm_plugin.consolidator.blocks import (
     MASK,
     MORE_ALIASES,
     PARENT,
+    PUB,
     ROOT,
     SOURCE_ENGINE,
     SOURCE_TIERS,
@@ -72,6 +73,8 @@ from kvbm_plugin.consolidator.blocks import (
     Block,
     _Rank,
     collect,
+    pub_taken,
+    set_known,
     slot_of,
     wire_hash,
 )
@@ -151,6 +154,8 @@ class ConsolidatorCore(PrefixClosure):
         self._native = module if self._dedup else None
         if self._native is not None:
             self._native.core_constants(ROOT, UNKNOWN_PARENT, len(MEDIA), MEDIUM_GPU)
+        # Where the compiled loops run, every block is their compact Block (blocks.py).
+        self._make_block = None if self._native is None else self._native.Block
         self._ranks: dict[int, _Rank] = {}
         for name in _CORE_COUNTERS:
             setattr(self, "_n_" + name, 0)
@@ -446,7 +451,7 @@ class ConsolidatorCore(PrefixClosure):
         known_get = known.get
         held = rank.held[slot]
         held_get = held.get
-        published = rank.published
+        unlisted = rank.unlisted
         dedup = self._dedup
         group = 0 if dedup else slot % len(MEDIA)
         medium = MEDIUM_GPU if dedup else MEDIA[group]
@@ -465,12 +470,13 @@ class ConsolidatorCore(PrefixClosure):
                 pident = parent[IDENT]
                 parent_wire = parent[WIRE]
         native = self._native if scope is None else None  # the compiled loop knows no scope
+        make_block = self._make_block
         held_back = rank.hidden[group]
         hidden = held_back.entries
         if native is not None and not unknown_parent \
                 and (parent is None or (parent[TOTAL] and not parent[HELD_BACK])):
             result = native.store_chain(
-                rank, blocks, known, held, published, out, hashes, tokens, bs, parent,
+                rank, blocks, known, held, unlisted, out, hashes, tokens, bs, parent,
                 pident, parent_wire, slot, lora_id, lora_name, medium, group, self._fresh_pub,
                 self._add_alias, self._release, held_back)
             # None: a hash released mid-chain, or a block of the chain held back or waited
@@ -508,12 +514,18 @@ class ConsolidatorCore(PrefixClosure):
             block = blocks_get(ident)
             if block is None:
                 pub = ext
-                if pub in published:
-                    pub = self._fresh_pub(published, ext, ident)
-                block = [ident, pub, pub - U64 if pub > I64_MAX else pub, parent, 0, 0,
-                         None if dedup else [0, 0, 0], slot, ext, None, None, 0]
-                published[pub] = block
+                if pub_taken(rank, pub):
+                    pub = self._fresh_pub(rank, ext, ident)
+                wire = pub - U64 if pub > I64_MAX else pub
+                block = [ident, pub, wire, parent, 0, 0, None if dedup else [0, 0, 0], slot, ext,
+                         None, None, 0] if make_block is None else make_block(
+                    ident, pub, wire, parent, 0, 0, None, slot, ext, None, None, 0)  # dedup
+                if pub != ext:  # a derived hash: no known map names the block by it
+                    unlisted[pub] = block
                 blocks[ident] = block
+                old = known_get(ext)  # blocks.set_known, inline
+                if old is not None and old[PUB] == ext:
+                    unlisted[ext] = old
                 known[ext] = block
                 if parent is not None:
                     parent[CHILDREN] += 1
@@ -613,14 +625,14 @@ class ConsolidatorCore(PrefixClosure):
                     event["token_ids"] = tokens[first * bs:(first + count) * bs]
             rank.last_remove = None
 
-    def _fresh_pub(self, published: dict[int, Block], ext: int, ident: int) -> int:
+    def _fresh_pub(self, rank: _Rank, ext: int, ident: int) -> int:
         """A published hash for a block whose first external hash another live block already
         publishes (a source whose hash ignores something the content chain sees): derived,
         unused, so the consumer never sees one hash for two blocks."""
         self._n_hash_conflicts += 1
         salt = 1
         pub = ext
-        while pub in published:
+        while pub_taken(rank, pub):
             pub = hash((ext, ident, salt)) & MASK
             salt += 1
         return pub
@@ -651,7 +663,7 @@ class ConsolidatorCore(PrefixClosure):
 
     @staticmethod
     def _add_alias(rank: _Rank, block: Block, slot: int, ext: int) -> None:
-        rank.known[slot][ext] = block
+        set_known(rank, slot, ext, block)
         if block[MORE_ALIASES] is None:
             block[MORE_ALIASES] = [(slot, ext)]
         else:
@@ -699,7 +711,7 @@ class ConsolidatorCore(PrefixClosure):
         # block; the Python loop takes the rest.
         if self._native is not None:
             wires, unknown, stop = self._native.remove_dedup(
-                rank.blocks, rank.known, rank.held[slot], rank.published, hashes, rank.orphans)
+                rank.blocks, rank.known, rank.held[slot], rank.unlisted, hashes, rank.orphans)
         else:
             wires, unknown, stop = [], 0, 0
         if stop < len(hashes):

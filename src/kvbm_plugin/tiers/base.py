@@ -27,6 +27,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from kvbm_plugin.tiers._entry import (  # TierEntry is re-exported
+    _EH_NEG,
+    _NO_TOKENS,
+    _ODD_TOKENS,
+    _PEH_NEG,
+    _PEH_NONE,
+    _QUEUED,
+    _RESIDENT,
+    _S_PINS,
+    _USED,
+    TierEntry,
+)
 from kvbm_plugin.tiers._rows import KeyTable, LeafOrder
 
 if TYPE_CHECKING:
@@ -82,27 +94,6 @@ def stat_signature(path: str) -> Signature | None:
 # Leader side
 # --------------------------------------------------------------------------------------------
 
-# Row flags (TierIndex._flags)
-_USED = 1  # the slot holds an entry
-_RESIDENT = 2  # every rank reported the bytes written
-_QUEUED = 4  # in the leaf order: resident, unpinned, no child
-_EH_NEG = 8  # event_hash is negative (stored as its 64-bit two's complement)
-_PEH_NEG = 16  # parent_event_hash likewise
-_PEH_NONE = 32  # parent_event_hash is None
-_ODD_TOKENS = 64  # token ids kept in TierIndex._odd_tokens (not the flat column)
-
-# Where a detached TierEntry keeps each value (TierEntry._snap)
-_S_KEY = 0
-_S_EVENT_HASH = 1
-_S_PARENT_EVENT_HASH = 2
-_S_TOKEN_IDS = 3
-_S_PARENT_KEY = 4
-_S_RESIDENT = 5
-_S_PINS = 6
-_S_TICK = 7
-_S_SIGNATURES = 8
-_S_SCOPE = 9
-
 _I64_MIN = -(1 << 63)
 _SIG_MAX = (1 << 63) - 1
 
@@ -114,120 +105,6 @@ def _u64(value: int, what: str) -> tuple[int, bool]:
     if _I64_MIN <= value < 0:
         return value & _U64_MASK, True
     raise ValueError(f"{what} {value!r} is not a 64-bit hash")
-
-
-class TierEntry:
-    """One block in one tier, as the leader sees it: a view of the index's row for it.
-
-    The index hands out one view per live entry at a time (``index.get(k) is entry`` holds
-    while the entry is in the tier and someone keeps the view). Writable: ``event_hash``,
-    ``parent_event_hash`` and ``scope``. Once the entry leaves the tier (evicted, discarded)
-    the view is detached: it keeps the values it had, and changing them touches no tier.
-    """
-
-    __slots__ = ("_index", "slot", "_snap", "__weakref__")
-
-    def __init__(self, index: TierIndex, slot: int) -> None:
-        self._index = index
-        self.slot = slot  # slot number every rank uses
-        self._snap: list[Any] | None = None  # the values (_S_*), once detached
-
-    def __repr__(self) -> str:
-        state = "detached" if self._snap is not None else self._index.name
-        return (f"TierEntry({state}, key={self.key:#x}, slot={self.slot}, "
-                f"event_hash={self.event_hash:#x}, resident={self.resident}, pins={self.pins})")
-
-    @property
-    def key(self) -> int:
-        """Content key (chain over token ids)."""
-        if self._snap is not None:
-            return self._snap[_S_KEY]
-        return self._index._key[self.slot]
-
-    @property
-    def event_hash(self) -> int:
-        """The hash KV events advertise (TRT-LLM's when known)."""
-        if self._snap is not None:
-            return self._snap[_S_EVENT_HASH]
-        return self._index._event_hash(self.slot)
-
-    @event_hash.setter
-    def event_hash(self, value: int) -> None:
-        if self._snap is not None:
-            self._snap[_S_EVENT_HASH] = value
-        else:
-            self._index._set_event_hash(self.slot, value)
-
-    @property
-    def parent_event_hash(self) -> int | None:
-        """Event hash of the previous block of the chain (None: a root block)."""
-        if self._snap is not None:
-            return self._snap[_S_PARENT_EVENT_HASH]
-        return self._index._parent_event_hash(self.slot)
-
-    @parent_event_hash.setter
-    def parent_event_hash(self, value: int | None) -> None:
-        if self._snap is not None:
-            self._snap[_S_PARENT_EVENT_HASH] = value
-        else:
-            self._index._set_parent_event_hash(self.slot, value)
-
-    @property
-    def token_ids(self) -> tuple[int, ...]:
-        """The block's tokens, for the tier STORE registration."""
-        if self._snap is not None:
-            return tuple(self._snap[_S_TOKEN_IDS])
-        return self._index._tokens(self.slot)
-
-    @property
-    def parent_key(self) -> int | None:
-        """Content key of the previous block (None: a root block)."""
-        if self._snap is not None:
-            return self._snap[_S_PARENT_KEY]
-        parent = self._index._parent[self.slot]
-        return None if parent < 0 else self._index._key[parent]
-
-    @property
-    def resident(self) -> bool:
-        """True once every rank reported the bytes written."""
-        if self._snap is not None:
-            return self._snap[_S_RESIDENT]
-        return bool(self._index._flags[self.slot] & _RESIDENT)
-
-    @property
-    def pins(self) -> int:
-        """In-flight reads from this slot; a pinned entry is never evicted."""
-        if self._snap is not None:
-            return self._snap[_S_PINS]
-        return self._index._pins[self.slot]
-
-    @property
-    def tick(self) -> int:
-        """Last use (the index's clock); the LRU order."""
-        if self._snap is not None:
-            return self._snap[_S_TICK]
-        return self._index._tick[self.slot]
-
-    @property
-    def signatures(self) -> dict[int, Signature]:
-        """Disk: rank -> (size, mtime_ns) of that rank's file, as written (a copy)."""
-        if self._snap is not None:
-            return dict(self._snap[_S_SIGNATURES])
-        return self._index._signatures(self.slot)
-
-    @property
-    def scope(self) -> tuple[int | None, int | None]:
-        """(LoRA id, salt id), for tier events."""
-        if self._snap is not None:
-            return self._snap[_S_SCOPE]
-        return self._index._scopes[self._index._scope[self.slot]]
-
-    @scope.setter
-    def scope(self, value: tuple[int | None, int | None]) -> None:
-        if self._snap is not None:
-            self._snap[_S_SCOPE] = value
-        else:
-            self._index._set_scope(self.slot, value)
 
 
 class TierFullError(RuntimeError):
@@ -257,16 +134,18 @@ class TierIndex:
     (key, hashes, parent and sibling links, tick, pins, tokens as int32, disk signatures) and
     one bucket of a :class:`~._rows.KeyTable`: about 150 bytes for a 16-token block and no
     Python object the garbage collector would traverse. :class:`TierEntry` objects are views,
-    made on demand.
+    made on demand. ``keep_tokens=False`` (the leader's disk tier: nothing copies its blocks
+    to another tier) keeps a block's tokens only until :meth:`TierEntry.drop_tokens`, called
+    once its STORE is registered: no token column, 64 bytes less per 16-token block.
     """
 
-    __slots__ = ("name", "capacity", "evictions", "_table", "_order", "_clock", "_free",
-                 "_used", "_resident", "_width", "_key", "_eh", "_peh", "_flags", "_parent",
-                 "_child", "_next", "_prev", "_tick", "_pins", "_scope", "_tok", "_sig",
+    __slots__ = ("name", "capacity", "evictions", "keeps_tokens", "_table", "_order", "_clock",
+                 "_free", "_used", "_resident", "_width", "_key", "_eh", "_peh", "_flags",
+                 "_parent", "_child", "_next", "_prev", "_tick", "_pins", "_scope", "_tok", "_sig",
                  "_odd_tokens", "_scopes", "_scope_ids", "_scope_refs", "_scope_free",
                  "_views", "_views_purge_at")
 
-    def __init__(self, name: TierName, capacity: int) -> None:
+    def __init__(self, name: TierName, capacity: int, *, keep_tokens: bool = True) -> None:
         if capacity < 0:
             raise ValueError(f"{name} tier capacity {capacity} must be >= 0")
         if capacity >= 1 << 31:
@@ -274,7 +153,11 @@ class TierIndex:
         self.name: TierName = name
         self.capacity = capacity
         self.evictions = 0
-        self._width = -1  # tokens per block: set by the first reservation
+        # An index that keeps tokens only until announced (``keep_tokens=False``: the leader's
+        # disk tier, whose blocks nothing copies elsewhere) has no token column (width 0):
+        # each entry's tokens wait in _odd_tokens until TierEntry.drop_tokens.
+        self.keeps_tokens = keep_tokens
+        self._width = -1 if keep_tokens else 0  # tokens per block: set by the first reservation
         # slot -> the live view handed out for it (dead references purged in bulk)
         self._views: dict[int, weakref.ref[TierEntry]] = {}
         self._views_purge_at = 64
@@ -614,10 +497,20 @@ class TierIndex:
         return True
 
     def _tokens(self, slot: int) -> tuple[int, ...]:
-        if self._flags[slot] & _ODD_TOKENS:
+        flags = self._flags[slot]
+        if flags & _ODD_TOKENS:
             return self._odd_tokens[slot]
+        if flags & _NO_TOKENS:
+            raise LookupError(f"{self.name} tier: the token ids of block {self._key[slot]:#x} "
+                              "were dropped once its STORE was registered")
         width = max(self._width, 0)
         return tuple(self._tok[slot * width:(slot + 1) * width])
+
+    def _drop_tokens(self, slot: int) -> None:
+        flags = self._flags[slot]
+        if not self.keeps_tokens and flags & _ODD_TOKENS:
+            del self._odd_tokens[slot]
+            self._flags[slot] = (flags & ~_ODD_TOKENS) | _NO_TOKENS
 
     def _event_hash(self, slot: int) -> int:
         value = self._eh[slot]

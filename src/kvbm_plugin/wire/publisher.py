@@ -216,7 +216,7 @@ class ZmqEventPublisher(EventPublisher):
                  poll_interval: float = 0.001, inline: bool = False,
                  replay_stall_s: float = 2.0, sends: str = "caller") -> None:
         super().__init__(settings, endpoint, replay_endpoint, data_parallel_rank)
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
+        for name in ("buffer_steps", "buffer_bytes", "hwm", "max_queue_size"):
             value = getattr(settings, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"{type(self).__name__}: settings.{name}={value!r} must be a "
@@ -249,6 +249,10 @@ class ZmqEventPublisher(EventPublisher):
         self.accepts_encoded_events = True
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_steps)
+        # Payload bytes in _buffer, kept <= settings.buffer_bytes (the newest batch always
+        # stays): a step bound alone lets large batches hold hundreds of MB for replay.
+        self._buffered_bytes = 0
+        self._buffer_bytes = settings.buffer_bytes
         self._seq = itertools.count()  # reserved at accept (sends="thread": under _send_lock)
         self._closed = False
         self._close_lock = threading.Lock()
@@ -537,6 +541,7 @@ class ZmqEventPublisher(EventPublisher):
             "queue_high_water": self._queue_high_water,
             "queue_depth": self._queue.qsize(),
             "replay_buffered": len(self._buffer),
+            "replay_bytes_buffered": self._buffered_bytes,
         }
 
     # ---- publisher thread -----------------------------------------------------------------
@@ -672,7 +677,7 @@ class ZmqEventPublisher(EventPublisher):
                 return False
         seq_frame = _SEQ.pack(seq)
         # Buffered even if the live send fails: a replay can then fill the live gap.
-        self._buffer.append((seq, payload))
+        self._keep_for_replay(seq, payload)
         send_live = self._send_live
         try:
             if send_live is not None and type(payload) is bytes:
@@ -689,6 +694,20 @@ class ZmqEventPublisher(EventPublisher):
         self._published += 1
         self._events_published += event_count(events)
         return True
+
+    def _keep_for_replay(self, seq: int, payload: bytes) -> None:
+        """Append one batch to the replay buffer, then drop the oldest ones past the byte
+        bound. Called where the batch is sent (the caller's or the publisher thread); the
+        replay thread reads snapshots (``list(deque)``, atomic under the GIL)."""
+        buffer = self._buffer
+        size = self._buffered_bytes + len(payload)
+        if len(buffer) == buffer.maxlen:  # append drops the oldest: its bytes leave too
+            size -= len(buffer[0][1])
+        buffer.append((seq, payload))
+        if size > self._buffer_bytes:
+            while size > self._buffer_bytes and len(buffer) > 1:
+                size -= len(buffer.popleft()[1])
+        self._buffered_bytes = size
 
     def _encode_salvaged(self, encode: Callable[[Any], bytes], seq: int, ts: float,
                          events: Sequence[WireEvent], rank: int
