@@ -511,7 +511,7 @@ class ConsolidatorCore(PrefixClosure):
                 if pub in published:
                     pub = self._fresh_pub(published, ext, ident)
                 block = [ident, pub, pub - U64 if pub > I64_MAX else pub, parent, 0, 0,
-                         None if dedup else [0, 0, 0], slot, ext, None, None, 0]
+                         None if dedup else [0] * len(MEDIA), slot, ext, None, None, 0]
                 published[pub] = block
                 blocks[ident] = block
                 known[ext] = block

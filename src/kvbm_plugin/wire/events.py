@@ -29,12 +29,18 @@ except ImportError:  # pragma: no cover - msgspec is a declared dependency
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"
-MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
+# The shared tier (a store every engine reads): Dynamo's KV router maps EXTERNAL (and its
+# aliases below) to its external storage tier, scored like disk, as a continuation of the
+# advertising worker's prefix (ai-dynamo 1.6.1, lib/kv-router: StorageTier from the medium).
+MEDIUM_EXTERNAL = "EXTERNAL"
+MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL)
 
 _MEDIUM_ALIASES = {
     "GPU": MEDIUM_GPU, "DEVICE": MEDIUM_GPU,
     "CPU": MEDIUM_CPU, "CPU_PINNED": MEDIUM_CPU, "CPU_TIER1": MEDIUM_CPU,
     "DISK": MEDIUM_DISK, "CPU_TIER2": MEDIUM_DISK, "STORAGE": MEDIUM_DISK, "NVME": MEDIUM_DISK,
+    "EXTERNAL": MEDIUM_EXTERNAL, "NETWORK": MEDIUM_EXTERNAL, "REMOTE": MEDIUM_EXTERNAL,
+    "SHARED": MEDIUM_EXTERNAL,
 }
 
 # Data-parallel ranks a stream may name: 0 .. MAX_DP_RANKS - 1 (or the configured count, when
@@ -83,7 +89,7 @@ def to_unsigned_u64(value: int) -> int:
 
 
 def normalize_medium(value: Any) -> str:
-    """Canonical medium (GPU/CPU/DISK) for a case-insensitive name or alias."""
+    """Canonical medium (GPU/CPU/DISK/EXTERNAL) for a case-insensitive name or alias."""
     if isinstance(value, bytes):
         value = value.decode("utf-8", "replace")
     if isinstance(value, str):
