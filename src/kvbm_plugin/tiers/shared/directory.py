@@ -1,0 +1,697 @@
+"""The leader's shared-tier directory: which blocks of the shared store this engine can load now.
+
+Who calls what, on which thread:
+
+* TensorRT-LLM's executor thread (rank 0's leader, at match and load time): :meth:`lookup`,
+  :meth:`pin`, :meth:`unpin`, :meth:`is_tracked`, ``len()``, :meth:`stats`. Each is a table
+  probe under a short lock: no I/O, no allocation proportional to the directory.
+* The :class:`~.agent.SharedAgent` thread (same process), which keeps the directory true by
+  asking the store: everything else (:meth:`enqueue`, :meth:`take_pending`, :meth:`admit`,
+  :meth:`renew`, :meth:`drop`, :meth:`expire`, :meth:`renewal_chunk`, :meth:`set_available`).
+  The agent calls the store between these calls, never under the lock.
+
+**Two kinds of tracked blocks.** A *pending* block was committed here (every rank reported its
+put) or announced by another engine and awaits the agent's ``exists()`` check; a *resident*
+block passed it: its object is in the store on every rank, leased until ``deadline``
+(``exists()`` call start + ``lease_s``). Only resident blocks take a slot and are advertised.
+
+**Offerable** (what :meth:`lookup` answers): resident, ``deadline - now >= margin_s`` and the
+store available. So a block promised to a load keeps its lease for at least ``margin_s``, and a
+pinned block keeps being renewed while the load runs.
+
+**Prefix-closed.** A block is resident only while its parent (``parent_digest``) is, or it is a
+root (``parent_digest`` None): :meth:`admit` refuses an orphan, :meth:`drop` and
+:meth:`expire` take a block's descendants with it, and bounding (``capacity``) drops the least
+recently used *leaf* that is not pinned. So every block this leader advertises is loadable
+together with its whole prefix.
+
+**Rows, not objects.** Per resident block the directory keeps one row of ``array`` columns
+indexed by slot (digest halves, event hashes, tree links, last use, pins, deadline, tokens as
+int32) and one bucket of a :class:`~kvbm_plugin.tiers._rows.KeyTable` keyed by the digest's
+first 8 bytes (the other 8 are compared on every probe): about 200 bytes per 16-token block,
+and no per-block Python object for the garbage collector. :class:`SharedBlock` values are made
+on demand.
+"""
+
+from __future__ import annotations
+
+import heapq
+import struct
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvbm_plugin.tiers._rows import KeyTable, LeafOrder
+from kvbm_plugin.tiers.shared.keys import DIGEST_BYTES
+
+__all__ = ["Admitted", "SharedBlock", "SharedDirectory", "check_block"]
+
+_U64: Final = (1 << 64) - 1
+_I64_MIN: Final = -(1 << 63)
+_HALVES: Final = struct.Struct("<QQ")
+
+# Row flags.
+_USED: Final = 1
+_QUEUED: Final = 2  # in the LRU order (an unpinned leaf)
+_EH_NEG: Final = 4  # the event hash was given signed (negative)
+_PEH_NONE: Final = 8
+_PEH_NEG: Final = 16
+_ODD_TOKENS: Final = 32  # tokens kept in the side table (another length, or beyond int32)
+
+
+@dataclass(frozen=True, slots=True)
+class SharedBlock:
+    """One block of the shared tier: what the consolidator needs to advertise it (a STORE of
+    medium EXTERNAL) and what an announcement carries to the other engines."""
+
+    digest: bytes  # 16 bytes, keys.content_digest: the object key's content part
+    parent_digest: bytes | None  # None: the first block of a prompt
+    event_hash: int  # TensorRT-LLM's block hash (signed or unsigned 64-bit)
+    parent_event_hash: int | None
+    token_ids: tuple[int, ...]
+    lora_id: int | None
+    extra_keys: tuple | None  # as the consolidator takes them (salt item, multimodal keys)
+
+
+def check_block(block: Any) -> SharedBlock:
+    """``block`` if it is a well-formed :class:`SharedBlock`, else ValueError naming the field
+    and its value (an announcement from the network, a caller's bug)."""
+    if not isinstance(block, SharedBlock):
+        raise ValueError(f"not a SharedBlock: {type(block).__name__}")
+    if not isinstance(block.digest, bytes) or len(block.digest) != DIGEST_BYTES:
+        raise ValueError(f"digest {block.digest!r:.60} is not {DIGEST_BYTES} bytes")
+    parent = block.parent_digest
+    if parent is not None and (not isinstance(parent, bytes) or len(parent) != DIGEST_BYTES):
+        raise ValueError(f"parent_digest {parent!r:.60} is not None or {DIGEST_BYTES} bytes")
+    if parent == block.digest:
+        raise ValueError(f"parent_digest equals digest {block.digest.hex()}")
+    _check_hash("event_hash", block.event_hash)
+    if block.parent_event_hash is not None:
+        _check_hash("parent_event_hash", block.parent_event_hash)
+    tokens = block.token_ids
+    if not isinstance(tokens, tuple) or not tokens:
+        raise ValueError(f"token_ids {tokens!r:.60} is not a non-empty tuple")
+    for token in tokens:
+        if type(token) is not int or not _I64_MIN <= token <= _U64 >> 1:
+            raise ValueError(f"token_ids: {token!r:.40} is not an int64")
+    lora = block.lora_id
+    if lora is not None and (type(lora) is not int or not _I64_MIN <= lora <= _U64 >> 1):
+        raise ValueError(f"lora_id {lora!r:.40} is not None or an int64")
+    extra = block.extra_keys
+    if extra is not None:
+        if not isinstance(extra, tuple):
+            raise ValueError(f"extra_keys {extra!r:.60} is not None or a tuple")
+        try:
+            hash(extra)
+        except TypeError:
+            raise ValueError(f"extra_keys {extra!r:.60} is not hashable") from None
+    return block
+
+
+def _check_hash(field: str, value: Any) -> None:
+    if type(value) is not int or not _I64_MIN <= value <= _U64:
+        raise ValueError(f"{field} {value!r:.40} is not a signed or unsigned 64-bit hash")
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """What :meth:`SharedDirectory.admit` did with each block of a batch."""
+
+    resident: list[SharedBlock]  # now resident, in the order given (parents first)
+    known: list[SharedBlock]  # were resident already (deadline renewed)
+    waiting: list[SharedBlock]  # parent still pending: still pending, to be checked again
+    refused: list[tuple[SharedBlock, str]]  # dropped from pending, with why
+    evicted: list[SharedBlock]  # least recently used leaves dropped to make room
+
+
+class SharedDirectory:
+    """Residency of shared-tier blocks as the leader knows it (see the module docstring).
+
+    ``capacity``: the most resident blocks (``DYN_KVBM_SHARED_TRACKED_BLOCKS``); ``lease_s``:
+    how long an ``exists()`` keeps an object from eviction; ``margin_s``: the lease a block
+    must have left to be offered; ``clock``: seconds, monotonic (the agent's deadlines are on
+    it); ``pending_limit``: the most blocks awaiting their check (more are refused, counted).
+    """
+
+    __slots__ = ("capacity", "lease_s", "margin_s", "pending_limit", "_clock", "_lock",
+                 "_available", "_table", "_order", "_tick", "_lo", "_hi", "_eh", "_peh",
+                 "_flags", "_parent", "_child", "_next", "_prev", "_last", "_pins", "_scope",
+                 "_deadline", "_tok", "_width", "_odd_tokens", "_scopes", "_scope_ids",
+                 "_scope_refs", "_scope_free", "_free", "_used", "_heap", "_heap_seq",
+                 "_pending", "_queue", "_ghost_pins", "_pinned", "_n")
+
+    def __init__(self, capacity: int, lease_s: float, margin_s: float,
+                 clock: Callable[[], float] = time.monotonic, *,
+                 pending_limit: int = 65536) -> None:
+        if not 1 <= capacity < 1 << 31:
+            raise ValueError(f"SharedDirectory capacity {capacity!r} must be 1..2**31-1 blocks")
+        if not lease_s > 0:
+            raise ValueError(f"SharedDirectory lease_s {lease_s!r} must be > 0")
+        if not 0 <= margin_s < lease_s:
+            raise ValueError(f"SharedDirectory margin_s {margin_s!r} must be >= 0 and below "
+                             f"lease_s {lease_s!r}")
+        if pending_limit < 1:
+            raise ValueError(f"SharedDirectory pending_limit {pending_limit!r} must be >= 1")
+        self.capacity: Final = capacity
+        self.lease_s: Final = float(lease_s)
+        self.margin_s: Final = float(margin_s)
+        self.pending_limit: Final = pending_limit
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._available = True
+        self._lo: array[int] = array("Q")  # digest bytes 0..7 (the table's key), little-endian
+        self._hi: array[int] = array("Q")  # digest bytes 8..15
+        self._eh: array[int] = array("Q")
+        self._peh: array[int] = array("Q")
+        self._flags: array[int] = array("B")
+        self._parent: array[int] = array("i")  # parent's slot, -1: a root
+        self._child: array[int] = array("i")  # first child's slot, -1: a leaf
+        self._next: array[int] = array("i")  # siblings
+        self._prev: array[int] = array("i")
+        self._last: array[int] = array("Q")  # tick of last use (the LRU order's key)
+        self._pins: array[int] = array("I")
+        self._scope: array[int] = array("I")  # index into _scopes: (lora_id, extra_keys)
+        self._deadline: array[float] = array("d")
+        self._tok: array[int] = array("i")  # _width tokens per slot
+        self._width = -1  # tokens per block, set by the first block admitted
+        self._odd_tokens: dict[int, tuple[int, ...]] = {}
+        self._scopes: list[tuple[int | None, tuple | None] | None] = [(None, None)]
+        self._scope_ids: dict[tuple[int | None, tuple | None], int] = {(None, None): 0}
+        self._scope_refs: list[int] = [0]
+        self._scope_free: list[int] = []
+        self._table = KeyTable(capacity, self._lo)
+        self._order = LeafOrder()
+        self._tick = 0
+        self._free: array[int] = array("i")
+        self._used = 0
+        # Deadline batches: (deadline, seq, slots given that deadline). A slot whose deadline
+        # changed since is skipped when its batch comes due.
+        self._heap: list[tuple[float, int, array[int]]] = []
+        self._heap_seq = 0
+        # Pending: digest -> (block, own, tries); _queue orders the digests to check.
+        self._pending: dict[bytes, tuple[SharedBlock, bool, int]] = {}
+        self._queue: deque[bytes] = deque()
+        # Pins of blocks dropped while pinned: their unpins must not unpin a later entry.
+        self._ghost_pins: dict[bytes, int] = {}
+        self._pinned = 0  # resident blocks with pins
+        self._n = dict.fromkeys(
+            ("lookups", "hits", "misses", "late", "unavailable", "pins", "pin_misses",
+             "unpins", "admitted", "refused_orphan", "refused_full", "refused_collision",
+             "refused_pending_full", "dropped_lru", "dropped_absent", "dropped_expired",
+             "dropped_descendants", "renewed"), 0)
+
+    # ---- executor thread -------------------------------------------------------------
+
+    def lookup(self, digest: bytes) -> SharedBlock | None:
+        """The block if it can be offered for a load now (resident, ``margin_s`` of lease
+        left, store available), marking it most recently used; else None."""
+        now = self._clock()
+        n = self._n
+        with self._lock:
+            n["lookups"] += 1
+            slot = self._find(digest)
+            if slot < 0:
+                n["misses"] += 1
+                return None
+            if not self._available:
+                n["unavailable"] += 1
+                return None
+            if self._deadline[slot] - now < self.margin_s:
+                n["late"] += 1
+                return None
+            n["hits"] += 1
+            self._touch(slot)
+            return self._block(slot, digest)
+
+    def pin(self, digest: bytes) -> bool:
+        """Keep the resident block from being dropped as least recently used (it is renewed
+        as long as it is present) until :meth:`unpin`. False if it is not resident (dropped
+        since the lookup): nothing was pinned."""
+        with self._lock:
+            slot = self._find(digest)
+            if slot < 0:
+                self._n["pin_misses"] += 1
+                return False
+            self._n["pins"] += 1
+            self._dequeue(slot)
+            if not self._pins[slot]:
+                self._pinned += 1
+            self._pins[slot] += 1
+            return True
+
+    def unpin(self, digest: bytes) -> None:
+        """Undo one successful :meth:`pin` (the load was reported). A block dropped meanwhile
+        (absent, expired) is no longer here: its pin is just forgotten."""
+        with self._lock:
+            self._n["unpins"] += 1
+            ghost = self._ghost_pins.get(digest)
+            if ghost is not None:
+                if ghost <= 1:
+                    del self._ghost_pins[digest]
+                else:
+                    self._ghost_pins[digest] = ghost - 1
+                return
+            slot = self._find(digest)
+            if slot < 0 or self._pins[slot] == 0:
+                raise RuntimeError(f"SharedDirectory.unpin of block {digest.hex()} that is not "
+                                   "pinned")
+            self._pins[slot] -= 1
+            if not self._pins[slot]:
+                self._pinned -= 1
+                self._offer(slot)
+
+    def is_tracked(self, digest: bytes) -> bool:
+        """Resident, or pending (awaiting the agent's check)."""
+        with self._lock:
+            return digest in self._pending or self._find(digest) >= 0
+
+    def __len__(self) -> int:
+        """Resident blocks."""
+        return self._used
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            out = dict(self._n)
+            out["resident"] = self._used
+            out["pending"] = len(self._pending)
+            out["pinned"] = self._pinned
+            out["capacity"] = self.capacity
+            out["available"] = int(self._available)
+        return out
+
+    # ---- agent thread ----------------------------------------------------------------
+
+    def set_available(self, available: bool) -> None:
+        """The agent's view of the store: while False nothing is offered."""
+        self._available = bool(available)
+
+    @property
+    def available(self) -> bool:
+        return self._available
+
+    def enqueue(self, block: SharedBlock, own: bool) -> bool:
+        """Add ``block`` (checked: :func:`check_block`) to the pending blocks; ``own``: written
+        by this engine (else announced by another). False when it is tracked already, or the
+        pending blocks are at ``pending_limit`` (counted)."""
+        with self._lock:
+            digest = block.digest
+            if digest in self._pending or self._find(digest) >= 0:
+                return False
+            if len(self._pending) >= self.pending_limit:
+                self._n["refused_pending_full"] += 1
+                return False
+            self._pending[digest] = (block, own, 0)
+            self._queue.append(digest)
+            return True
+
+    def take_pending(self, limit: int) -> list[tuple[SharedBlock, bool, int]]:
+        """Up to ``limit`` pending blocks to check, oldest first, as (block, own, tries).
+        They stay pending (tracked) until :meth:`admit` or :meth:`forget` settles them."""
+        out = []
+        with self._lock:
+            queue, pending = self._queue, self._pending
+            while queue and len(out) < limit:
+                item = pending.get(queue.popleft())
+                if item is not None:
+                    out.append(item)
+        return out
+
+    def has_pending(self) -> bool:
+        return bool(self._queue)
+
+    def requeue(self, block: SharedBlock, own: bool, tries: int) -> None:
+        """Check a pending block again later (``tries`` so far)."""
+        with self._lock:
+            if block.digest in self._pending:
+                self._pending[block.digest] = (block, own, tries)
+                self._queue.append(block.digest)
+
+    def forget(self, digests: Iterable[bytes]) -> None:
+        """Settle pending blocks without admitting them (absent in the store, failed checks)."""
+        with self._lock:
+            for digest in digests:
+                self._pending.pop(digest, None)
+
+    def admit(self, blocks: Sequence[SharedBlock], deadline: float) -> Admitted:
+        """Make checked blocks resident with ``deadline``, parents first: a block whose parent
+        is pending waits; one whose parent is neither pending nor resident is refused (an
+        orphan). At capacity, the least recently used unpinned leaf is dropped (``evicted``);
+        with none, the block is refused."""
+        resident: list[SharedBlock] = []
+        known: list[SharedBlock] = []
+        waiting: list[SharedBlock] = []
+        refused: list[tuple[SharedBlock, str]] = []
+        evicted: list[SharedBlock] = []
+        slots = array("i")
+        n = self._n
+        with self._lock:
+            todo = list(blocks)
+            while todo:
+                later: list[SharedBlock] = []
+                for block in todo:
+                    digest = block.digest
+                    slot = self._find(digest)
+                    if slot >= 0:
+                        self._pending.pop(digest, None)
+                        self._deadline[slot] = max(self._deadline[slot], deadline)
+                        slots.append(slot)
+                        known.append(block)
+                        continue
+                    if digest not in self._pending:
+                        continue  # settled meanwhile (admitted twice in one batch)
+                    parent = -1
+                    if block.parent_digest is not None:
+                        parent = self._find(block.parent_digest)
+                        if parent < 0:
+                            if block.parent_digest in self._pending:
+                                later.append(block)
+                            else:
+                                del self._pending[digest]
+                                n["refused_orphan"] += 1
+                                refused.append((block, "orphan"))
+                            continue
+                    why, victim = self._insert(block, parent, deadline)
+                    if victim is not None:
+                        evicted.append(victim)
+                    del self._pending[digest]
+                    if why:
+                        n[f"refused_{why}"] += 1
+                        refused.append((block, why))
+                        continue
+                    slots.append(self._find(digest))
+                    resident.append(block)
+                if len(later) == len(todo):  # no parent of these became resident
+                    waiting.extend(later)
+                    break
+                todo = later
+            n["admitted"] += len(resident)
+            n["dropped_lru"] += len(evicted)
+            self._schedule(deadline, slots)
+        return Admitted(resident, known, waiting, refused, evicted)
+
+    def renewal_chunk(self, cursor: int, limit: int) -> tuple[int, list[bytes]]:
+        """Digests of up to ``limit`` resident blocks from slot ``cursor`` on, and the cursor
+        to continue from (the renewal sweep walks the slots in chunks, taking the lock once
+        per chunk). An empty list: the sweep is done."""
+        out: list[bytes] = []
+        with self._lock:
+            flags, lo, hi = self._flags, self._lo, self._hi
+            end = len(flags)
+            pack = _HALVES.pack
+            while cursor < end and len(out) < limit:
+                if flags[cursor] & _USED:
+                    out.append(pack(lo[cursor], hi[cursor]))
+                cursor += 1
+        return cursor, out
+
+    def renew(self, digests: Iterable[bytes], deadline: float) -> int:
+        """Extend the leases of these resident blocks to ``deadline`` (an ``exists()`` found
+        them on every rank); returns how many were resident."""
+        slots = array("i")
+        with self._lock:
+            for digest in digests:
+                slot = self._find(digest)
+                if slot >= 0:
+                    if deadline > self._deadline[slot]:
+                        self._deadline[slot] = deadline
+                    slots.append(slot)
+            self._n["renewed"] += len(slots)
+            self._schedule(deadline, slots)
+        return len(slots)
+
+    def drop(self, digests: Iterable[bytes], why: str = "absent") -> list[SharedBlock]:
+        """Drop these resident blocks (``why``: "absent" in the store on some rank, or
+        "expired") with their descendants; returns the blocks dropped, every descendant
+        before its ancestors (REMOVE order for a prefix-closed stream)."""
+        with self._lock:
+            return self._drop_many((self._find(d) for d in digests), why)
+
+    def expire(self, now: float | None = None) -> list[SharedBlock]:
+        """Drop (with descendants) every resident block that can no longer be offered
+        (``deadline - margin_s <= now``): its lease was not renewed in time."""
+        now = self._clock() if now is None else now
+        due: list[int] = []
+        with self._lock:
+            heap, deadlines, flags, margin = self._heap, self._deadline, self._flags, self.margin_s
+            while heap and heap[0][0] - margin <= now:
+                deadline, _, slots = heapq.heappop(heap)
+                due.extend(s for s in slots if flags[s] & _USED and deadlines[s] == deadline)
+            return self._drop_many(due, "expired")
+
+    def next_expiry(self) -> float | None:
+        """When :meth:`expire` next has something to check (clock time), or None."""
+        with self._lock:
+            return self._heap[0][0] - self.margin_s if self._heap else None
+
+    def blocks(self) -> list[SharedBlock]:
+        """Every resident block, parents before children (introspection, tests, a replay of
+        the directory to a new consumer)."""
+        with self._lock:
+            out: list[SharedBlock] = []
+            stack = [s for s in range(len(self._flags))
+                     if self._flags[s] & _USED and self._parent[s] < 0]
+            while stack:
+                slot = stack.pop()
+                out.append(self._block(slot))
+                child = self._child[slot]
+                while child >= 0:
+                    stack.append(child)
+                    child = self._next[child]
+            return out
+
+    def deadline_of(self, digest: bytes) -> float | None:
+        """The lease deadline of a resident block, or None (tests, introspection)."""
+        with self._lock:
+            slot = self._find(digest)
+            return None if slot < 0 else self._deadline[slot]
+
+    # ---- internals (under the lock) ---------------------------------------------------
+
+    def _find(self, digest: bytes) -> int:
+        try:
+            lo, hi = _HALVES.unpack(digest)
+        except (struct.error, TypeError):
+            return -1
+        slot = self._table.find(lo)
+        return slot if slot >= 0 and self._hi[slot] == hi else -1
+
+    def _block(self, slot: int, digest: bytes | None = None) -> SharedBlock:
+        flags = self._flags[slot]
+        eh = self._eh[slot]
+        if flags & _EH_NEG:
+            eh -= 1 << 64
+        if flags & _PEH_NONE:
+            peh = None
+        else:
+            peh = self._peh[slot]
+            if flags & _PEH_NEG:
+                peh -= 1 << 64
+        parent = self._parent[slot]
+        if flags & _ODD_TOKENS:
+            tokens = self._odd_tokens[slot]
+        else:
+            width = self._width
+            tokens = tuple(self._tok[slot * width:(slot + 1) * width])
+        scope = self._scopes[self._scope[slot]]
+        assert scope is not None
+        return SharedBlock(
+            digest if digest is not None else _HALVES.pack(self._lo[slot], self._hi[slot]),
+            None if parent < 0 else _HALVES.pack(self._lo[parent], self._hi[parent]),
+            eh, peh, tokens, scope[0], scope[1])
+
+    def _insert(self, block: SharedBlock, parent: int, deadline: float,
+                ) -> tuple[str, SharedBlock | None]:
+        """Put ``block`` (absent; its parent at slot ``parent`` or -1) in a row. Returns
+        (why refused or "", the block evicted for room or None)."""
+        lo, hi = _HALVES.unpack(block.digest)
+        if self._table.find(lo) >= 0:  # another digest with the same first 8 bytes
+            return "collision", None
+        victim: SharedBlock | None = None
+        if self._free:
+            slot = self._free.pop()
+        elif len(self._lo) < self.capacity:
+            slot = self._grow()
+        else:
+            if parent >= 0:
+                self._dequeue(parent)  # about to gain a child: not a victim
+            slot = self._order.first()
+            if slot < 0:
+                if parent >= 0:
+                    self._offer(parent)
+                return "full", None
+            victim = self._block(slot)
+            self._remove(slot)
+        flags = _USED
+        eh = block.event_hash
+        if eh < 0:
+            eh, flags = eh & _U64, flags | _EH_NEG
+        peh = block.parent_event_hash
+        if peh is None:
+            peh, flags = 0, flags | _PEH_NONE
+        elif peh < 0:
+            peh, flags = peh & _U64, flags | _PEH_NEG
+        self._lo[slot] = lo
+        self._hi[slot] = hi
+        self._eh[slot] = eh
+        self._peh[slot] = peh
+        self._pins[slot] = 0
+        self._deadline[slot] = deadline
+        self._child[slot] = -1
+        self._parent[slot] = parent
+        self._prev[slot] = -1
+        self._next[slot] = -1
+        if parent >= 0:
+            self._dequeue(parent)
+            first = self._child[parent]
+            self._next[slot] = first
+            if first >= 0:
+                self._prev[first] = slot
+            self._child[parent] = slot
+        if not self._store_tokens(slot, block.token_ids):
+            flags |= _ODD_TOKENS
+            self._odd_tokens[slot] = tuple(block.token_ids)
+        self._scope[slot] = self._intern((block.lora_id, block.extra_keys))
+        self._flags[slot] = flags
+        self._table.insert(lo, slot)
+        self._used += 1
+        self._touch(slot)
+        return "", victim
+
+    def _grow(self) -> int:
+        slot = len(self._lo)
+        for column in (self._lo, self._hi, self._eh, self._peh, self._last):
+            column.append(0)
+        for column in (self._parent, self._child, self._next, self._prev):
+            column.append(-1)
+        self._flags.append(0)
+        self._pins.append(0)
+        self._scope.append(0)
+        self._deadline.append(0.0)
+        if self._width > 0:
+            self._tok.extend(array("i", bytes(4 * self._width)))
+        return slot
+
+    def _store_tokens(self, slot: int, tokens: Sequence[int]) -> bool:
+        """Tokens into the int32 column; False when they do not fit it (side table)."""
+        if self._width < 0:
+            self._width = len(tokens)
+            self._tok.extend(array("i", bytes(4 * self._width * len(self._lo))))
+        width = self._width
+        if len(tokens) != width:
+            return False
+        try:
+            self._tok[slot * width:(slot + 1) * width] = array("i", tokens)
+        except OverflowError:
+            return False
+        return True
+
+    def _intern(self, scope: tuple[int | None, tuple | None]) -> int:
+        """Scopes (LoRA id, extra keys) are shared by every block of a tenant: one copy each,
+        counted by use."""
+        sid = self._scope_ids.get(scope)
+        if sid is None:
+            if self._scope_free:
+                sid = self._scope_free.pop()
+                self._scopes[sid] = scope
+                self._scope_refs[sid] = 0
+            else:
+                sid = len(self._scopes)
+                self._scopes.append(scope)
+                self._scope_refs.append(0)
+            self._scope_ids[scope] = sid
+        if sid:
+            self._scope_refs[sid] += 1
+        return sid
+
+    def _release_scope(self, sid: int) -> None:
+        if sid:
+            self._scope_refs[sid] -= 1
+            if self._scope_refs[sid] == 0:
+                scope = self._scopes[sid]
+                assert scope is not None
+                del self._scope_ids[scope]
+                self._scopes[sid] = None
+                self._scope_free.append(sid)
+
+    def _drop_many(self, slots: Iterable[int], why: str) -> list[SharedBlock]:
+        gone: list[SharedBlock] = []
+        n = self._n
+        for slot in slots:
+            if slot < 0 or not self._flags[slot] & _USED:
+                continue  # not resident, or dropped already as a descendant
+            subtree: list[int] = []
+            stack = [slot]
+            while stack:  # iterative: a long chain must not hit the recursion limit
+                node = stack.pop()
+                subtree.append(node)
+                child = self._child[node]
+                while child >= 0:
+                    stack.append(child)
+                    child = self._next[child]
+            for node in reversed(subtree):  # descendants before their ancestors
+                block = self._block(node)
+                if self._pins[node]:
+                    self._ghost_pins[block.digest] = \
+                        self._ghost_pins.get(block.digest, 0) + self._pins[node]
+                self._remove(node)
+                self._free.append(node)
+                gone.append(block)
+            n[f"dropped_{why}"] += 1
+            n["dropped_descendants"] += len(subtree) - 1
+        return gone
+
+    def _remove(self, slot: int) -> None:
+        """Take ``slot``'s row (a leaf now) out; the caller frees the slot or reuses it."""
+        flags = self._flags[slot]
+        if flags & _QUEUED:
+            self._order.remove(self._last[slot])
+        parent = self._parent[slot]
+        if parent >= 0:
+            prev, nxt = self._prev[slot], self._next[slot]
+            if prev >= 0:
+                self._next[prev] = nxt
+            else:
+                self._child[parent] = nxt
+            if nxt >= 0:
+                self._prev[nxt] = prev
+            if self._child[parent] < 0:
+                self._offer(parent)  # a leaf again, at its own age
+        self._table.delete(self._lo[slot])
+        if flags & _ODD_TOKENS:
+            del self._odd_tokens[slot]
+        self._release_scope(self._scope[slot])
+        self._scope[slot] = 0
+        if self._pins[slot]:
+            self._pinned -= 1
+            self._pins[slot] = 0
+        self._flags[slot] = 0
+        self._used -= 1
+
+    def _touch(self, slot: int) -> None:
+        self._dequeue(slot)
+        self._tick += 1
+        self._last[slot] = self._tick
+        self._offer(slot)
+
+    def _offer(self, slot: int) -> None:
+        """Queue ``slot`` in the LRU order if it is an unpinned leaf."""
+        flags = self._flags[slot]
+        if flags & (_USED | _QUEUED) == _USED and not self._pins[slot] \
+                and self._child[slot] < 0:
+            self._order.add(self._last[slot], slot)
+            self._flags[slot] = flags | _QUEUED
+
+    def _dequeue(self, slot: int) -> None:
+        flags = self._flags[slot]
+        if flags & _QUEUED:
+            self._order.remove(self._last[slot])
+            self._flags[slot] = flags & ~_QUEUED
+
+    def _schedule(self, deadline: float, slots: array[int]) -> None:
+        if slots:
+            self._heap_seq += 1
+            heapq.heappush(self._heap, (deadline, self._heap_seq, slots))
