@@ -82,7 +82,7 @@ def test_registry_checks_publishers_without_importing_the_publisher_module() -> 
     out = _run("""
         import sys
         from kvbm_plugin._util import plugins as registry
-        base = registry._base_type(registry.PUBLISHERS_GROUP)
+        (base,) = registry._base_types(registry.PUBLISHERS_GROUP)
         print(base.__module__, base.__name__,
               sorted(m for m in ("kvbm_plugin.wire.publisher", "zmq") if m in sys.modules))
     """)

@@ -68,6 +68,8 @@ SHARED_ADDRESS = "DYN_KVBM_SHARED_ADDRESS"
 SHARED_PROTOCOL = "DYN_KVBM_SHARED_PROTOCOL"
 SHARED_DEVICE = "DYN_KVBM_SHARED_DEVICE"
 SHARED_METADATA_SERVER = "DYN_KVBM_SHARED_METADATA_SERVER"
+SHARED_METRICS_ADDRESS = "DYN_KVBM_SHARED_METRICS_ADDRESS"
+SHARED_LOCAL_HOSTNAME = "DYN_KVBM_SHARED_LOCAL_HOSTNAME"
 SHARED_SEGMENT_GB = "DYN_KVBM_SHARED_SEGMENT_GB"
 SHARED_BUFFER_GB = "DYN_KVBM_SHARED_BUFFER_GB"
 SHARED_PEERS = "DYN_KVBM_SHARED_PEERS"
@@ -142,6 +144,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(SHARED_DEVICE, "", "Mooncake RDMA device names (protocol rdma).", "shared tier"),
     EnvVar(SHARED_METADATA_SERVER, "P2PHANDSHAKE", "Mooncake metadata server "
            "(P2PHANDSHAKE needs none).", "shared tier"),
+    EnvVar(SHARED_METRICS_ADDRESS, None, "The Mooncake master's HTTP metrics host:port (its "
+           "-metrics_port): health checks and `doctor` read /health and /metrics/summary "
+           "there; unset = the client's own health check only.", "shared tier"),
+    EnvVar(SHARED_LOCAL_HOSTNAME, None, "The address other engines reach this process's "
+           "Mooncake segment at; unset = the local address this host uses to reach the "
+           "master.", "shared tier"),
     EnvVar(SHARED_SEGMENT_GB, "1", "GiB of this process's memory each worker contributes to "
            "the Mooncake pool (0 = none).", "shared tier"),
     EnvVar(SHARED_BUFFER_GB, "0.25", "GiB of each worker's Mooncake transfer buffer.",
@@ -384,6 +392,8 @@ class SharedSettings:
     protocol: str = "tcp"
     device: str = ""
     metadata_server: str = "P2PHANDSHAKE"
+    metrics_address: str = ""  # Mooncake master's HTTP metrics host:port; "" = not known
+    local_hostname: str = ""  # "" = the local address that reaches the master
     segment_bytes: int = 1 << 30
     buffer_bytes: int = 1 << 28
     peers: tuple[str, ...] = ()
@@ -545,6 +555,8 @@ def load_shared_settings(env: Mapping[str, str] | None = None) -> SharedSettings
         protocol=(_raw(env, SHARED_PROTOCOL) or "tcp").strip(),
         device=(_raw(env, SHARED_DEVICE) or "").strip(),
         metadata_server=(_raw(env, SHARED_METADATA_SERVER) or "P2PHANDSHAKE").strip(),
+        metrics_address=(_raw(env, SHARED_METRICS_ADDRESS) or "").strip(),
+        local_hostname=(_raw(env, SHARED_LOCAL_HOSTNAME) or "").strip(),
         segment_bytes=int(parse_float(SHARED_SEGMENT_GB, _raw(env, SHARED_SEGMENT_GB) or "")
                           * (1 << 30)),
         buffer_bytes=int(parse_float(SHARED_BUFFER_GB, _raw(env, SHARED_BUFFER_GB) or "")

@@ -1,4 +1,5 @@
-"""Extension points: event publishers and offload tiers, discovered through entry points.
+"""Extension points: event publishers, offload tiers and shared-tier stores, discovered through
+entry points.
 
 Called at start-up (leader, worker, consolidator, ``doctor``) on the calling thread.
 
@@ -18,11 +19,14 @@ import importlib_metadata
 
 from kvbm_plugin.consolidator_config import PUBLISHERS_GROUP, TIERS_GROUP
 
-# Each group's base class, named as "module", "class" and imported only when the group is
-# loaded: this module sits below the wings that define them (wire, tiers).
+# Each group's base classes (an entry point subclasses one of them), named as "module", "class"
+# and imported only when the group is loaded: this module sits below the wings that define them
+# (wire, tiers). The tiers group holds offload tiers (host, disk) and the shared tier's store
+# clients (mooncake, redis).
 _BASES: Final = {
-    PUBLISHERS_GROUP: ("kvbm_plugin.wire.publisher_base", "EventPublisher"),
-    TIERS_GROUP: ("kvbm_plugin.tiers.base", "OffloadTier"),
+    PUBLISHERS_GROUP: (("kvbm_plugin.wire.publisher_base", "EventPublisher"),),
+    TIERS_GROUP: (("kvbm_plugin.tiers.base", "OffloadTier"),
+                  ("kvbm_plugin.tiers.shared.store", "SharedStore")),
 }
 
 
@@ -45,11 +49,11 @@ def _describe(ep: importlib_metadata.EntryPoint) -> tuple[str, str]:
     return dist_name, f"{ep.name} = {ep.value}"
 
 
-def _base_type(group: str) -> type:
+def _base_types(group: str) -> tuple[type, ...]:
     if group not in _BASES:
         raise PluginLoadError(f"unknown entry-point group {group!r}")
-    module, name = _BASES[group]
-    return getattr(importlib.import_module(module), name)
+    return tuple(getattr(importlib.import_module(module), name)
+                 for module, name in _BASES[group])
 
 
 _cache: dict[str, dict[str, Plugin]] = {}
@@ -61,7 +65,7 @@ def load_group(group: str, *, refresh: bool = False) -> dict[str, Plugin]:
     with _lock:
         if not refresh and group in _cache:
             return _cache[group]
-        base = _base_type(group)
+        bases = _base_types(group)
         found: dict[str, Plugin] = {}
         for ep in importlib_metadata.entry_points(group=group):
             dist_name, spec = _describe(ep)
@@ -77,9 +81,9 @@ def load_group(group: str, *, refresh: bool = False) -> dict[str, Plugin]:
             except Exception as exc:
                 raise PluginLoadError(f"cannot import {where}: {type(exc).__name__}: {exc}") \
                     from exc
-            if not (isinstance(obj, type) and issubclass(obj, base)):
-                raise PluginLoadError(f"{where} is {obj!r}, not a subclass of "
-                                      f"{base.__module__}.{base.__qualname__}")
+            if not (isinstance(obj, type) and issubclass(obj, bases)):
+                names = " or ".join(f"{b.__module__}.{b.__qualname__}" for b in bases)
+                raise PluginLoadError(f"{where} is {obj!r}, not a subclass of {names}")
             found[ep.name] = Plugin(ep.name, group, ep.value, dist_name, obj)
         _cache[group] = found
         return found

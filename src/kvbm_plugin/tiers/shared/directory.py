@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.tiers._rows import KeyTable, LeafOrder
 from kvbm_plugin.tiers.shared.keys import DIGEST_BYTES
 
@@ -52,6 +53,7 @@ __all__ = ["Admitted", "SharedBlock", "SharedDirectory", "check_block"]
 
 _U64: Final = (1 << 64) - 1
 _I64_MIN: Final = -(1 << 63)
+_I64_MAX: Final = (1 << 63) - 1
 _HALVES: Final = struct.Struct("<QQ")
 
 # Row flags.
@@ -83,10 +85,11 @@ def check_block(block: Any) -> SharedBlock:
     if not isinstance(block, SharedBlock):
         raise ValueError(f"not a SharedBlock: {type(block).__name__}")
     if not isinstance(block.digest, bytes) or len(block.digest) != DIGEST_BYTES:
-        raise ValueError(f"digest {block.digest!r:.60} is not {DIGEST_BYTES} bytes")
+        raise ValueError(f"digest {saferepr(block.digest)} is not {DIGEST_BYTES} bytes")
     parent = block.parent_digest
     if parent is not None and (not isinstance(parent, bytes) or len(parent) != DIGEST_BYTES):
-        raise ValueError(f"parent_digest {parent!r:.60} is not None or {DIGEST_BYTES} bytes")
+        raise ValueError(f"parent_digest {saferepr(parent)} is not None or {DIGEST_BYTES} "
+                         "bytes")
     if parent == block.digest:
         raise ValueError(f"parent_digest equals digest {block.digest.hex()}")
     _check_hash("event_hash", block.event_hash)
@@ -94,27 +97,36 @@ def check_block(block: Any) -> SharedBlock:
         _check_hash("parent_event_hash", block.parent_event_hash)
     tokens = block.token_ids
     if not isinstance(tokens, tuple) or not tokens:
-        raise ValueError(f"token_ids {tokens!r:.60} is not a non-empty tuple")
+        raise ValueError(f"token_ids {saferepr(tokens)} is not a non-empty tuple")
     for token in tokens:
-        if type(token) is not int or not _I64_MIN <= token <= _U64 >> 1:
-            raise ValueError(f"token_ids: {token!r:.40} is not an int64")
+        if type(token) is not int or not _I64_MIN <= token <= _I64_MAX:
+            raise ValueError(f"token_ids: {saferepr(token)} is not an int64")
     lora = block.lora_id
-    if lora is not None and (type(lora) is not int or not _I64_MIN <= lora <= _U64 >> 1):
-        raise ValueError(f"lora_id {lora!r:.40} is not None or an int64")
+    if lora is not None and (type(lora) is not int or not _I64_MIN <= lora <= _I64_MAX):
+        raise ValueError(f"lora_id {saferepr(lora)} is not None or an int64")
     extra = block.extra_keys
-    if extra is not None:
-        if not isinstance(extra, tuple):
-            raise ValueError(f"extra_keys {extra!r:.60} is not None or a tuple")
-        try:
-            hash(extra)
-        except TypeError:
-            raise ValueError(f"extra_keys {extra!r:.60} is not hashable") from None
+    if extra is not None and not (isinstance(extra, tuple) and _plain(extra, 0)):
+        raise ValueError(f"extra_keys {saferepr(extra)} is not None or a tuple of None, "
+                         f"bool, int, float, str, bytes or such tuples ({_EXTRA_DEPTH} deep "
+                         "at most)")
     return block
+
+
+_EXTRA_DEPTH: Final = 4
+_SCALARS: Final = (type(None), bool, int, float, str, bytes)
+
+
+def _plain(value: tuple, depth: int) -> bool:
+    """A hashable tuple of scalars and such tuples, nested at most ``_EXTRA_DEPTH``."""
+    if depth >= _EXTRA_DEPTH:
+        return False
+    return all(type(v) in _SCALARS or (type(v) is tuple and _plain(v, depth + 1))
+               for v in value)
 
 
 def _check_hash(field: str, value: Any) -> None:
     if type(value) is not int or not _I64_MIN <= value <= _U64:
-        raise ValueError(f"{field} {value!r:.40} is not a signed or unsigned 64-bit hash")
+        raise ValueError(f"{field} {saferepr(value)} is not a signed or unsigned 64-bit hash")
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +305,11 @@ class SharedDirectory:
     def available(self) -> bool:
         return self._available
 
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock deadlines are on."""
+        return self._clock
+
     def enqueue(self, block: SharedBlock, own: bool) -> bool:
         """Add ``block`` (checked: :func:`check_block`) to the pending blocks; ``own``: written
         by this engine (else announced by another). False when it is tracked already, or the
@@ -312,11 +329,14 @@ class SharedDirectory:
         """Up to ``limit`` pending blocks to check, oldest first, as (block, own, tries).
         They stay pending (tracked) until :meth:`admit` or :meth:`forget` settles them."""
         out = []
+        seen: set[bytes] = set()
         with self._lock:
             queue, pending = self._queue, self._pending
             while queue and len(out) < limit:
-                item = pending.get(queue.popleft())
-                if item is not None:
+                digest = queue.popleft()
+                item = pending.get(digest)
+                if item is not None and digest not in seen:
+                    seen.add(digest)
                     out.append(item)
         return out
 

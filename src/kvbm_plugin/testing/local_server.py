@@ -1,0 +1,144 @@
+"""A private store server on loopback for tests, the demo and benchmarks: one child process,
+started, polled until it answers (with a deadline), stopped (SIGTERM, then SIGKILL).
+
+Subclassed by :mod:`.mooncake_master` and :mod:`.redis_server`. Called from the caller's thread
+(a pytest fixture, the demo's main thread); no thread of its own. The server's output goes to a
+log file in the server's directory, whose tail an error carries.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+
+class ServerError(RuntimeError):
+    """The server could not be started (missing binary, exited, not ready by the deadline)."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the kernel's choice; another process may take it
+    before the server binds it: :meth:`LocalServer.start` retries with new ports then)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def _tail(path: Path, limit: int = 2000) -> str:
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return "<no log>"
+    return data[-limit:].decode("utf-8", "replace")
+
+
+class LocalServer:
+    """One server process. Subclasses provide :meth:`_command` and :meth:`_ready`."""
+
+    kind = "server"
+    start_attempts = 3  # new ports each attempt: a port taken meanwhile is not fatal
+
+    def __init__(self, directory: str | os.PathLike[str], ready_timeout_s: float = 20.0) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.ready_timeout_s = ready_timeout_s
+        self.log_path = self.directory / f"{self.kind}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    # Subclass hooks ---------------------------------------------------------------------
+    def _command(self) -> Sequence[str]:
+        raise NotImplementedError
+
+    def _ready(self) -> bool:
+        """True once the server answers (called every few ms until the deadline)."""
+        raise NotImplementedError
+
+    def _pick_ports(self) -> None:
+        """Choose fresh ports (before a first start, and after a start that failed)."""
+
+    # Life cycle -------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> LocalServer:
+        """Start on fresh ports and return once the server answers; raises ServerError."""
+        error: ServerError | None = None
+        for _ in range(self.start_attempts):
+            self._pick_ports()
+            try:
+                self._launch()
+                return self
+            except ServerError as exc:
+                error = exc
+        assert error is not None
+        raise error
+
+    def restart(self) -> LocalServer:
+        """Start again on the same ports (after :meth:`stop` or :meth:`kill`): clients that
+        knew the old address reconnect. Raises ServerError (a port taken meanwhile too)."""
+        if self.running:
+            raise ServerError(f"{self.kind} is still running (pid {self.proc.pid})")
+        self._launch()
+        return self
+
+    def _launch(self) -> None:
+        command = list(self._command())
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n--- start: {' '.join(command)}\n".encode())
+            log.flush()
+            try:
+                self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
+                                             stderr=subprocess.STDOUT, cwd=self.directory,
+                                             start_new_session=True, env=self._env())
+            except OSError as exc:
+                raise ServerError(f"cannot run {command[0]}: {exc}") from exc
+        self.starts += 1
+        deadline = time.monotonic() + self.ready_timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise ServerError(f"{self.kind} exited with status {code} at start; log "
+                                  f"{self.log_path}:\n{_tail(self.log_path)}")
+            if self._ready():
+                return
+            if time.monotonic() >= deadline:
+                self.kill()
+                raise ServerError(f"{self.kind} not ready within {self.ready_timeout_s:g} s; "
+                                  f"log {self.log_path}:\n{_tail(self.log_path)}")
+            time.sleep(0.02)  # a readiness poll's period, bounded by the deadline above
+
+    def _env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM, then SIGKILL if it has not exited within ``timeout_s``; idempotent."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+    def kill(self) -> None:
+        """SIGKILL now (a crash, for fault tests); idempotent."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        proc.kill()
+        proc.wait()
+
+    def __enter__(self) -> LocalServer:
+        return self if self.running else self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,442 @@
+"""SharedAgent: the leader's background thread that keeps its shared-tier directory true.
+
+One per leader (rank 0's process, or each attention-DP owner), started by the leader at
+bring-up. Who calls what:
+
+* TensorRT-LLM's executor thread: :meth:`SharedAgent.committed` (every rank reported its put
+  of a block: queue it for confirmation; no I/O, one pipe write per idle period) and
+  :attr:`SharedAgent.available`. Offers are :meth:`~.directory.SharedDirectory.lookup`'s.
+* The agent's own thread (``kvbm-shared-agent``), which alone calls the store and owns the
+  announcement sockets:
+
+  - **confirm**: pending blocks (own commits, peers' announcements) are checked with one
+    batched ``exists()`` over every rank's key (:meth:`~.keys.SharedLayout.key` of each layout);
+    on all-1 a block becomes resident with ``deadline = call start + lease`` (``exists()`` leases
+    the object on Mooncake: ``MasterService::ExistKey`` calls ``GrantLease``), ``on_store`` is
+    called, and an own block is announced to the peers. A block absent on any rank is forgotten;
+    one whose check failed (store unavailable) is checked again at the next renewal sweep, at
+    most :attr:`SharedAgent.CONFIRM_TRIES` times. A block is never tracked on hearsay.
+  - **renew**: every ``lease / 3`` every resident block is checked again, batched, which renews
+    its lease; a block absent on any rank is dropped with its descendants (``on_remove``); one
+    not renewed in time is dropped (with descendants) once it can no longer be offered
+    (``deadline - margin``), so what the leader advertises is what it can load.
+  - **available**: false from a call that answered ``UNAVAILABLE`` (the circuit breaker open,
+    the store unreachable) until a later call succeeds; with nothing to renew, ``health()`` is
+    asked once per renewal period instead. While false nothing is offered.
+
+``on_store`` / ``on_remove`` run on the agent thread and must not block (they feed the
+consolidator's queue): ``on_remove`` gets each batch of dropped blocks, every descendant before
+its ancestors; an exception from either is counted and logged, never kills the thread.
+
+The thread waits on a poller (announcement sockets and a wake pipe) with a timeout to the next
+renewal or expiry: nothing sleeps, and :meth:`SharedAgent.close` wakes and joins it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import zmq
+
+from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin._util.saferepr import saferepr
+from kvbm_plugin.tiers.shared.announce import Announcer
+from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory, check_block
+from kvbm_plugin.tiers.shared.store import FAILED, MISSING, UNAVAILABLE, SharedStore
+
+if TYPE_CHECKING:
+    from kvbm_plugin.consolidator_config import SharedSettings
+    from kvbm_plugin.tiers.shared.keys import SharedLayout
+
+__all__ = ["SharedAgent"]
+
+logger = logging.getLogger(__name__)
+
+_COUNTERS: Final = (
+    "committed", "commits_known", "commits_refused", "confirmed", "confirmed_heard",
+    "confirm_absent", "confirm_failed", "confirm_gave_up", "heard_queued", "heard_known",
+    "renewal_sweeps", "renewals", "renewals_failed", "renewals_skipped", "store_calls",
+    "store_errors", "health_checks", "callback_errors", "unavailable_periods",
+    "wakes_handled")
+
+
+class SharedAgent:
+    """The leader's background thread for the shared tier (see the module docstring)."""
+
+    BATCH_BLOCKS: Final = 256  # blocks per exists() call
+    # Checks of a pending block (failed, or waiting for its parent) before it is given up; a
+    # waiting block is checked again at once the first _WAIT_TRIES times, then at each sweep
+    # like a failed one.
+    CONFIRM_TRIES: Final = 6
+    _WAIT_TRIES: Final = 3
+    _BATCHES_PER_TURN: Final = 16  # confirm batches between looks at sockets and deadlines
+
+    def __init__(self, settings: SharedSettings, store: SharedStore,
+                 layouts: Sequence[SharedLayout], directory: SharedDirectory,
+                 on_store: Callable[[SharedBlock], None],
+                 on_remove: Callable[[list[SharedBlock]], None],
+                 announce_endpoint: str | None, peers: Sequence[str], *,
+                 context: zmq.Context | None = None) -> None:
+        if not layouts:
+            raise ValueError("SharedAgent needs the layout of every TP rank (none given)")
+        prefixes: dict[str, SharedLayout] = {}
+        for layout in layouts:  # replicated pages: one key for every rank
+            prefixes.setdefault(layout.prefix(), layout)
+        self._layouts = tuple(prefixes.values())
+        lease = directory.lease_s
+        if store.lease_s is not None and store.lease_s < lease:
+            logger.warning("kvbm_plugin: the shared store leases objects for %.3g s, less than "
+                           "%s=%.3g: leases are counted from the store's", store.lease_s,
+                           cc.SHARED_LEASE_S, lease)
+            lease = store.lease_s
+        if lease <= directory.margin_s:
+            raise cc.ConfigError(f"{cc.SHARED_LOAD_MARGIN_S}={directory.margin_s!r} must be "
+                                 f"below the store's lease ({lease!r} s): nothing could be "
+                                 "offered")
+        self.settings = settings
+        self.lease_s: Final = lease
+        self.period_s: Final = lease / 3
+        self._store = store
+        self._directory = directory
+        self._clock = directory.clock
+        self._on_store = on_store
+        self._on_remove = on_remove
+        self._announcer = Announcer(announce_endpoint, peers, context=context)
+        self._n = dict.fromkeys(_COUNTERS, 0)
+        self._log = RateLimitedLog(logger)
+        self._retry: list[tuple[SharedBlock, bool, int]] = []  # checks again at the next sweep
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._open_error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._wake_pending = False
+        self._ticket_lock = threading.Lock()
+        self._wakes = 0  # the latest ticket handed out
+        self._closed = False
+        directory.set_available(False)  # until the store has answered
+
+    # ---- leader (bring-up, executor thread) -----------------------------------------
+
+    def start(self) -> None:
+        """Start the thread; returns once the announcement sockets are bound and connected and
+        the store's health was asked (about a second at most). Raises ConfigError naming the
+        endpoint when the sockets cannot be bound or connected."""
+        if self._thread is not None:
+            raise RuntimeError("SharedAgent.start called twice")
+        self._thread = threading.Thread(target=self._run, name="kvbm-shared-agent",
+                                        daemon=True)
+        self._thread.start()
+        self._ready.wait()
+        if self._open_error is not None:
+            self._thread.join()
+            self._close_pipe()
+            self._closed = True
+            raise cc.ConfigError(
+                f"shared-tier announcements: cannot bind {self._announcer.endpoint!r} "
+                f"({cc.SHARED_ANNOUNCE_ENDPOINT}, default {cc.LEADER_ZMQ_PUB_PORT} + 2000 + "
+                f"dp rank) or connect {cc.SHARED_PEERS}={','.join(self._announcer.peers)!r}: "
+                f"{self._open_error}") from self._open_error
+
+    def committed(self, block: SharedBlock) -> None:
+        """Every rank reported its put of ``block``: confirm it, then make it loadable and
+        announce it. Executor thread; never blocks. ValueError for a malformed block."""
+        check_block(block)
+        if self._closed:
+            self._n["commits_refused"] += 1
+            return
+        if self._directory.enqueue(block, True):
+            self._n["committed"] += 1
+            self.wake()
+        elif self._directory.is_tracked(block.digest):
+            self._n["commits_known"] += 1
+        else:
+            self._n["commits_refused"] += 1  # too many pending (the directory counts it)
+            self._log.log(logging.WARNING, "pending-full", "kvbm_plugin: shared-tier block %s "
+                          "not tracked: %d blocks already await their check",
+                          block.digest.hex(), self._directory.pending_limit)
+
+    @property
+    def available(self) -> bool:
+        """Whether the store answered the agent's last call (executor thread: offer or not)."""
+        return self._directory.available
+
+    def stats(self) -> dict[str, int]:
+        """The agent's counts, its announcer's (announced, heard, bad_announcements, lost, ...)
+        and the directory's drops (dropped_absent, dropped_expired, dropped_lru)."""
+        out = dict(self._n)
+        out.update(self._announcer.stats())
+        d = self._directory.stats()
+        for key in ("dropped_absent", "dropped_expired", "dropped_lru", "dropped_descendants",
+                    "resident", "pending", "pinned", "refused_orphan", "refused_full",
+                    "refused_collision", "refused_pending_full"):
+            out[key] = d[key]
+        out["available"] = int(self._directory.available)
+        return out
+
+    def wake(self) -> int:
+        """Make the thread look at its queues and clock now (a commit; a test that moved its
+        clock; close). Any thread. Returns a ticket: once :meth:`stats`' ``wakes_handled``
+        reaches it, a whole turn of the thread (hear, confirm, a sweep if due, expiry) has
+        run after this call."""
+        with self._ticket_lock:
+            self._wakes = ticket = self._wakes + 1
+        if not self._wake_pending and not self._closed:
+            self._wake_pending = True
+            with contextlib.suppress(BlockingIOError, OSError):
+                os.write(self._wake_w, b"\0")
+        return ticket
+
+    def close(self) -> None:
+        """Stop and join the thread, close the sockets; idempotent. Tracked blocks are left as
+        they are (their leases run out in the store)."""
+        if self._closed:
+            return
+        self._stop.set()
+        self._wake_pending = False
+        self.wake()
+        self._closed = True
+        if self._thread is not None:
+            self._thread.join()
+        self._close_pipe()
+
+    # ---- the agent thread ------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            self._announcer.open()
+        except BaseException as exc:  # the caller re-raises it as a ConfigError
+            self._open_error = exc
+            self._ready.set()
+            return
+        # Before start() returns: availability known, the first sweep one period from now.
+        self._check_health()
+        next_sweep = self._clock() + self.period_s
+        self._ready.set()
+        try:
+            self._loop(next_sweep)
+        except Exception:  # a bug: the tier stops confirming and renewing, loudly
+            logger.exception("kvbm_plugin: the shared-tier agent stopped; shared blocks are "
+                             "no longer confirmed or renewed and will expire")
+            self._directory.set_available(False)
+        finally:
+            self._announcer.close()
+
+    def _loop(self, next_sweep: float) -> None:
+        poller = zmq.Poller()
+        for sock in self._announcer.sockets():
+            poller.register(sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        directory, clock = self._directory, self._clock
+        while not self._stop.is_set():
+            ticket = self._drain_wake()
+            self._hear()
+            self._confirm_pending()
+            if clock() >= next_sweep:
+                start = clock()
+                self._sweep()
+                next_sweep = start + self.period_s
+            self._report_removed(directory.expire())
+            self._n["wakes_handled"] = ticket
+            if self._stop.is_set():
+                return
+            if directory.has_pending():
+                timeout = 0.0
+            else:
+                now = clock()
+                timeout = next_sweep - now
+                expiry = directory.next_expiry()
+                if expiry is not None:
+                    timeout = min(timeout, expiry - now)
+            poller.poll(max(0, int(timeout * 1000) + 1) if timeout > 0 else 0)
+
+    def _drain_wake(self) -> int:
+        """Empty the wake pipe; returns the latest ticket this turn answers. The pipe is
+        emptied before the flag is cleared: a wake after the clear writes it again, one
+        before is answered by this turn (its ticket is read after the clear)."""
+        with contextlib.suppress(BlockingIOError, OSError):
+            while os.read(self._wake_r, 4096):
+                pass
+        self._wake_pending = False
+        return self._wakes
+
+    def _hear(self) -> None:
+        for block in self._announcer.receive():
+            if self._directory.enqueue(block, False):
+                self._n["heard_queued"] += 1
+            else:
+                self._n["heard_known"] += 1
+
+    def _confirm_pending(self) -> None:
+        for _ in range(self._BATCHES_PER_TURN):
+            batch = self._directory.take_pending(self.BATCH_BLOCKS)
+            if not batch:
+                return
+            self._confirm(batch)
+
+    def _confirm(self, batch: list[tuple[SharedBlock, bool, int]]) -> None:
+        directory = self._directory
+        start = self._clock()
+        codes = self._exists([b.digest for b, _, _ in batch])
+        width = len(self._layouts)
+        present: list[SharedBlock] = []
+        own: set[bytes] = set()
+        tries_of: dict[bytes, int] = {}
+        absent: list[bytes] = []
+        for i, (block, is_own, tries) in enumerate(batch):
+            mine = codes[i * width:(i + 1) * width]
+            if all(c == 1 for c in mine):
+                present.append(block)
+                tries_of[block.digest] = tries
+                if is_own:
+                    own.add(block.digest)
+            elif any(c == 0 or c == MISSING for c in mine):
+                absent.append(block.digest)
+            else:
+                self._n["confirm_failed"] += 1
+                self._retry_later(block, is_own, tries + 1)
+        if absent:
+            self._n["confirm_absent"] += len(absent)
+            directory.forget(absent)
+        if not present:
+            return
+        result = directory.admit(present, start + self.lease_s)
+        self._report_removed(result.evicted)
+        announce: list[SharedBlock] = []
+        for block in result.resident:
+            if block.digest in own:
+                self._n["confirmed"] += 1
+                announce.append(block)
+            else:
+                self._n["confirmed_heard"] += 1
+            self._callback(self._on_store, block)
+        for block in result.waiting:
+            tries = tries_of[block.digest] + 1
+            if tries < self._WAIT_TRIES:
+                directory.requeue(block, block.digest in own, tries)
+            else:
+                self._retry_later(block, block.digest in own, tries)
+        for block, why in result.refused:
+            self._log.log(logging.WARNING, f"refused-{why}", "kvbm_plugin: shared-tier block "
+                          "%s not tracked (%s)", block.digest.hex(), why)
+        self._announcer.publish(announce)
+
+    def _retry_later(self, block: SharedBlock, own: bool, tries: int) -> None:
+        if tries >= self.CONFIRM_TRIES:
+            self._n["confirm_gave_up"] += 1
+            self._directory.forget([block.digest])
+            self._log.log(logging.WARNING, "gave-up", "kvbm_plugin: shared-tier block %s given "
+                          "up after %d checks (the store did not answer)", block.digest.hex(),
+                          tries)
+        else:
+            self._retry.append((block, own, tries))
+
+    def _sweep(self) -> None:
+        """Renew every resident block's lease (chunks of :attr:`BATCH_BLOCKS`)."""
+        directory = self._directory
+        self._n["renewal_sweeps"] += 1
+        retry, self._retry = self._retry, []
+        for block, own, tries in retry:
+            directory.requeue(block, own, tries)
+        cursor = 0
+        swept = 0
+        while not self._stop.is_set():
+            cursor, digests = directory.renewal_chunk(cursor, self.BATCH_BLOCKS)
+            if not digests:
+                break
+            swept += len(digests)
+            start = self._clock()
+            codes = self._exists(digests)
+            width = len(self._layouts)
+            renewed: list[bytes] = []
+            absent: list[bytes] = []
+            unavailable = 0
+            for i, digest in enumerate(digests):
+                mine = codes[i * width:(i + 1) * width]
+                if all(c == 1 for c in mine):
+                    renewed.append(digest)
+                elif any(c == 0 or c == MISSING for c in mine):
+                    absent.append(digest)
+                elif any(c == UNAVAILABLE for c in mine):
+                    unavailable += 1
+            failed = len(digests) - len(renewed) - len(absent)
+            self._n["renewals"] += directory.renew(renewed, start + self.lease_s)
+            self._n["renewals_failed"] += failed
+            if absent:
+                self._report_removed(directory.drop(absent, "absent"))
+            if unavailable == len(digests):
+                # The store is not answering: the rest would fail the same way; the
+                # blocks expire at their deadlines unless the next sweep renews them.
+                self._n["renewals_skipped"] += 1
+                break
+            self._hear()  # a long sweep: keep up with commits and announcements
+            self._confirm_pending()
+        if not swept:
+            self._check_health()
+
+    def _exists(self, digests: Sequence[bytes]) -> list[int]:
+        """Codes of every rank's key of each digest, in order (rank-major per block); a raising
+        or malformed call reads as FAILED for every key. Updates :attr:`available`."""
+        keys = [layout.key(d) for d in digests for layout in self._layouts]
+        self._n["store_calls"] += 1
+        try:
+            codes = list(self._store.exists(keys))
+            if len(codes) != len(keys):
+                raise ValueError(f"{len(codes)} results for {len(keys)} keys")
+        except Exception as exc:  # a store client must not raise; count it, go on
+            self._n["store_errors"] += 1
+            self._log.log(logging.WARNING, "exists-raised", "kvbm_plugin: shared store "
+                          "exists() failed: %s: %s", type(exc).__name__, saferepr(str(exc)))
+            return [FAILED] * len(keys)
+        errors = sum(1 for c in codes if c < 0 and c != MISSING)
+        if errors:
+            self._n["store_errors"] += 1
+            self._log.log(logging.WARNING, "exists-codes", "kvbm_plugin: shared store "
+                          "exists(): %d of %d keys failed (%s)", errors, len(keys),
+                          "unavailable" if UNAVAILABLE in codes else "failed")
+        self._set_available(UNAVAILABLE not in codes)
+        return codes
+
+    def _check_health(self) -> None:
+        self._n["health_checks"] += 1
+        try:
+            why = self._store.health()
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        if why is not None:
+            self._log.log(logging.WARNING, "health", "kvbm_plugin: shared store unavailable: "
+                          "%s", saferepr(why))
+        self._set_available(why is None)
+
+    def _set_available(self, available: bool) -> None:
+        if self._directory.available and not available:
+            self._n["unavailable_periods"] += 1
+        self._directory.set_available(available)
+
+    def _report_removed(self, blocks: list[SharedBlock]) -> None:
+        if blocks:
+            self._callback(self._on_remove, blocks)
+
+    def _callback(self, fn: Callable[[Any], None], arg: Any) -> None:
+        try:
+            fn(arg)
+        except Exception as exc:  # the caller's bug: counted and logged, the thread goes on
+            self._n["callback_errors"] += 1
+            self._log.log(logging.ERROR, f"callback-{getattr(fn, '__name__', '?')}",
+                          "kvbm_plugin: shared-tier callback %s raised %s: %s",
+                          getattr(fn, "__qualname__", fn), type(exc).__name__,
+                          saferepr(str(exc)))
+
+    def _close_pipe(self) -> None:
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._wake_r = self._wake_w = -1

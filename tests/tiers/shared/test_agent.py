@@ -1,0 +1,264 @@
+"""SharedAgent on a MemoryStore with a settable clock: confirmation, renewal, eviction, the store
+going down, LRU, and two leaders sharing one store."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from _kvwire import free_port, wait_until
+from _shared_blocks import Clock, chain
+from _shared_leader import LEASE, MARGIN, SETTINGS, Leader
+
+from kvbm_plugin.consolidator_config import ConfigError
+from kvbm_plugin.testing.memory_store import MemoryStore
+from kvbm_plugin.tiers.shared.agent import SharedAgent
+from kvbm_plugin.tiers.shared.directory import SharedDirectory
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(clock: Clock) -> MemoryStore:
+    return MemoryStore(lease_s=LEASE, clock=clock)
+
+
+@pytest.fixture
+def leader(store: MemoryStore, clock: Clock) -> Iterator[Leader]:
+    one = Leader(store, clock)
+    one.agent.start()
+    yield one
+    one.agent.close()
+
+
+def test_a_commit_is_confirmed_on_every_rank_then_offered_and_reported(
+        leader: Leader, store: MemoryStore, clock: Clock) -> None:
+    blocks = chain(3)
+    start = clock.now
+    leader.commit(blocks)
+    leader.wait_stat("confirmed", 3)
+    assert leader.stored == blocks  # parents first
+    for block in blocks:
+        assert leader.directory.lookup(block.digest) == block
+        assert leader.directory.deadline_of(block.digest) == start + LEASE
+        for key in leader.keys(block):  # exists() on every rank leased every object
+            assert store.lease_end(key) == start + LEASE
+    assert leader.agent.available
+
+
+def test_a_block_missing_on_one_rank_is_never_tracked(leader: Leader) -> None:
+    [block] = chain(1)
+    leader.write([block], ranks=(0,))
+    leader.agent.committed(block)
+    leader.wait_stat("confirm_absent", 1)
+    assert not leader.directory.is_tracked(block.digest)
+    assert leader.stored == [] and leader.directory.lookup(block.digest) is None
+
+
+def test_renewal_keeps_a_leased_block_offerable_past_one_lease(
+        leader: Leader, store: MemoryStore, clock: Clock) -> None:
+    [block] = chain(1)
+    leader.commit([block])
+    leader.wait_stat("confirmed", 1)
+    for _ in range(4):  # 4 periods: past the first lease
+        leader.sweep()
+        assert store.evict_unleased() == []  # the store kept it: its lease was renewed
+        assert leader.directory.lookup(block.digest) == block
+    assert leader.stat("renewals") == 4
+    assert leader.removed == []
+
+
+def test_a_pinned_block_keeps_being_renewed(store: MemoryStore, clock: Clock) -> None:
+    leader = Leader(store, clock, capacity=1)
+    leader.agent.start()
+    try:
+        [a] = chain(1, first_token=1)
+        [b] = chain(1, first_token=2)
+        leader.commit([a])
+        leader.wait_stat("confirmed", 1)
+        assert leader.directory.pin(a.digest)
+        leader.commit([b])  # no room: a is pinned
+        leader.wait_stat("refused_full", 1)
+        for _ in range(4):  # past one lease
+            leader.sweep()
+            evicted = store.evict_unleased()  # b's objects go once their check's lease ends
+            assert not set(leader.keys(a)) & set(evicted)
+            assert leader.directory.lookup(a.digest) == a
+        assert leader.stat("renewals") == 4
+        leader.directory.unpin(a.digest)
+        leader.commit([b])
+        leader.wait_stat("dropped_lru", 1)
+        assert leader.removed == [[a]] and leader.directory.lookup(b.digest) == b
+    finally:
+        leader.agent.close()
+
+
+def test_a_block_evicted_from_the_store_is_dropped_at_the_next_renewal_with_descendants(
+        leader: Leader, store: MemoryStore) -> None:
+    a, b, c = chain(3)
+    [other] = chain(1, first_token=900)
+    leader.commit([a, b, c, other])
+    leader.wait_stat("confirmed", 4)
+    store.evict([leader.keys(b)[1]])  # rank 1's object of b is gone
+    leader.sweep()
+    assert leader.removed == [[c, b]]  # descendants before ancestors, in one batch
+    assert leader.stat("dropped_absent") == 1
+    for block in (b, c):
+        assert not leader.directory.is_tracked(block.digest)
+    assert leader.directory.lookup(a.digest) == a
+    assert leader.directory.lookup(other.digest) == other
+
+
+def test_store_down_nothing_offered_renewals_fail_blocks_dropped_at_their_deadlines(
+        leader: Leader, store: MemoryStore, clock: Clock) -> None:
+    blocks = chain(2)
+    start = clock.now
+    leader.commit(blocks)
+    leader.wait_stat("confirmed", 2)
+    store.down = True
+    leader.sweep()  # start + PERIOD
+    assert not leader.agent.available
+    assert leader.directory.lookup(blocks[0].digest) is None
+    assert leader.stat("renewals_failed") >= 1 and leader.stat("renewals") == 0
+    assert leader.removed == []  # still leased in the store: kept, not offered
+    clock.now = start + LEASE - MARGIN - 0.01
+    leader.settle()
+    assert leader.removed == []
+    clock.now = start + LEASE - MARGIN  # can no longer be offered: dropped, reported
+    leader.settle()
+    assert leader.removed == [[blocks[1], blocks[0]]]
+    assert leader.stat("dropped_expired") == 1 and len(leader.directory) == 0
+    store.down = False
+    leader.sweep()  # nothing to renew: the store's health is asked
+    assert leader.agent.available
+
+
+def test_a_commit_while_the_store_is_down_is_checked_again_when_it_is_back(
+        leader: Leader, store: MemoryStore) -> None:
+    [block] = chain(1)
+    store.down = True
+    leader.commit([block])
+    leader.wait_stat("confirm_failed", 1)
+    assert leader.directory.is_tracked(block.digest)  # pending, not offered
+    assert leader.directory.lookup(block.digest) is None
+    store.down = False
+    leader.sweep()
+    leader.wait_stat("confirmed", 1)
+    assert leader.directory.lookup(block.digest) == block
+
+
+def test_least_recently_used_leaves_are_dropped_and_reported(store: MemoryStore,
+                                                             clock: Clock) -> None:
+    leader = Leader(store, clock, capacity=3)
+    leader.agent.start()
+    try:
+        a, b = chain(2)
+        [c] = chain(1, first_token=500)
+        [e] = chain(1, first_token=600)
+        leader.commit([a, b, c])
+        leader.wait_stat("confirmed", 3)
+        assert leader.directory.lookup(c.digest) is not None
+        leader.commit([e])
+        leader.wait_stat("confirmed", 4)
+        assert leader.removed == [[b]]  # the LRU leaf (a is older, but b's parent)
+        assert leader.stat("dropped_lru") == 1
+    finally:
+        leader.agent.close()
+
+
+def test_a_callback_that_raises_is_counted_and_the_agent_goes_on(
+        store: MemoryStore, clock: Clock, expect_errors) -> None:
+    calls = []
+
+    def on_store(block):
+        calls.append(block)
+        raise RuntimeError("consumer bug")
+
+    directory = SharedDirectory(10, LEASE, MARGIN, clock)
+    agent = SharedAgent(SETTINGS, store, Leader(store, clock).layouts, directory, on_store,
+                        lambda blocks: None, None, ())
+    agent.start()
+    try:
+        a, b = chain(2)
+        for block in (a, b):
+            for key in Leader(store, clock).keys(block):
+                store.put_bytes(key, b"x")
+            agent.committed(block)
+        wait_until(lambda: agent.stats()["confirmed"] == 2, 10, "both confirmed")
+        assert calls == [a, b] and agent.stats()["callback_errors"] == 2
+    finally:
+        agent.close()
+    assert expect_errors.wait_for("consumer bug")
+
+
+def test_an_endpoint_that_cannot_be_bound_is_a_config_error(store: MemoryStore,
+                                                           clock: Clock) -> None:
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    first = Leader(store, clock, endpoint=endpoint)
+    first.agent.start()
+    try:
+        second = Leader(store, clock, endpoint=endpoint)  # the port is taken
+        with pytest.raises(ConfigError, match="SHARED_ANNOUNCE_ENDPOINT") as caught:
+            second.agent.start()
+        assert endpoint in str(caught.value)
+        second.agent.close()  # nothing left to close: no error either
+    finally:
+        first.agent.close()
+
+
+def test_a_bad_block_from_the_leader_is_a_value_error(leader: Leader) -> None:
+    [block] = chain(1)
+    with pytest.raises(ValueError, match="digest"):
+        leader.agent.committed(type(block)(b"x", None, 1, None, (1,), None, None))
+
+
+def test_close_is_clean_and_idempotent(store: MemoryStore, clock: Clock) -> None:
+    leader = Leader(store, clock)
+    leader.agent.start()
+    leader.agent.close()
+    leader.agent.close()
+    [block] = chain(1)
+    leader.agent.committed(block)  # after close: counted, nothing queued
+    assert leader.stat("commits_refused") == 1
+
+
+# ---- two leaders, one store ------------------------------------------------------------
+
+@pytest.fixture
+def pair(store: MemoryStore, clock: Clock, tmp_path: Path) -> Iterator[tuple[Leader, Leader]]:
+    ep_a, ep_b = f"ipc://{tmp_path}/a.ipc", f"ipc://{tmp_path}/b.ipc"
+    # Both list both endpoints, as one deployment-wide list would: a leader ignores itself.
+    a = Leader(store, clock, endpoint=ep_a, peers=(ep_a, ep_b))
+    b = Leader(store, clock, endpoint=ep_b, peers=(ep_a, ep_b))
+    a.agent.start()
+    b.agent.start()
+    try:
+        for one in (a, b):  # each XPUB saw both SUBs (the other's and its own)
+            one.wait_stat("subscriptions", 2)
+        yield a, b
+    finally:
+        a.agent.close()
+        b.agent.close()
+
+
+def test_a_peer_announcement_is_confirmed_then_stored_on_the_other_leader(
+        pair: tuple[Leader, Leader], store: MemoryStore) -> None:
+    a, b = pair
+    blocks = chain(3)
+    a.commit(blocks)
+    a.wait_stat("announced", 3)
+    b.wait_stat("confirmed_heard", 3)
+    assert b.stored == blocks
+    for block in blocks:
+        assert b.directory.lookup(block.digest) == block
+    assert b.stat("announced") == 0  # never forwarded
+    assert a.stat("own_ignored") >= 1 and a.stat("heard") == 0
+    # B writes the next block of the chain: A learns it the same way.
+    [more] = chain(1, first_token=500, parent=blocks[-1])
+    b.commit([more])
+    a.wait_stat("confirmed_heard", 1)
+    assert a.stored == [*blocks, more]

@@ -1,0 +1,216 @@
+"""MooncakeStore against a private mooncake_master on loopback: byte-exact round trips, two
+processes, placement in the writer's own segment, foreign keys, the leader's segment-less
+client, the read lease against eviction, a full pool, and start-up errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from _payload import Arena, payload
+
+from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.consolidator_config import ConfigError
+from kvbm_plugin.tiers.shared.keys import SharedLayout, chain_digests
+from kvbm_plugin.tiers.shared.store import FAILED, FULL, MISSING, OK
+
+BLOCK = 64 << 10
+LAYOUT = SharedLayout("kvbm", "test-model", 2, 0, 0, 32, BLOCK, "bfloat16", "v1pool")
+
+
+def _keys(n: int, layout: SharedLayout = LAYOUT, salt: str | None = None) -> list[str]:
+    tokens = list(range(n * layout.tokens_per_block))
+    return [layout.key(d) for d in chain_digests(tokens, layout.tokens_per_block, salt)]
+
+
+def _fill(arena: Arena, keys: list[str], start: int = 0) -> list[tuple[int, int]]:
+    for i, key in enumerate(keys):
+        arena.write(start + i, payload(key, arena.size))
+    return [arena.buffer(start + i) for i in range(len(keys))]
+
+
+def test_round_trip_is_byte_exact(mooncake_master: Any, mooncake_store_factory: Any) -> None:
+    store = mooncake_store_factory(mooncake_master)
+    keys = _keys(8)
+    src, dst = Arena(8, BLOCK), Arena(9, BLOCK)
+    store.register(src.address, src.nbytes)
+    store.register(dst.address, dst.nbytes)
+    assert store.put(keys, _fill(src, keys)) == [OK] * 8
+    assert store.exists(keys + ["absent"]) == [1] * 8 + [0]
+    got = store.get_into(keys + [LAYOUT.key(b"\x01" * 16)], [dst.buffer(i) for i in range(9)])
+    assert got == [BLOCK] * 8 + [MISSING]
+    assert [dst.read(i) for i in range(8)] == [payload(k, BLOCK) for k in keys]
+    assert dst.read(8) == bytes(BLOCK)  # a miss writes nothing
+    # A second put of a key keeps the first bytes (keys name content) and is OK.
+    src.write(0, bytes(BLOCK))
+    assert store.put(keys[:1], [src.buffer(0)]) == [OK]
+    assert store.get_into(keys[:1], [dst.buffer(0)]) == [BLOCK]
+    assert dst.read(0) == payload(keys[0], BLOCK)
+    assert store.lease_s == store.settings.lease_s
+    assert store.health() is None
+
+
+def test_a_read_of_another_size_is_failed(mooncake_master: Any, mooncake_store_factory: Any,
+                                          expect_errors: Any) -> None:
+    store = mooncake_store_factory(mooncake_master)
+    key = _keys(1)[0]
+    arena = Arena(2, BLOCK)
+    assert store.put([key], _fill(arena, [key])) == [OK]
+    big, small = Arena(1, 2 * BLOCK), Arena(1, BLOCK // 2)
+    assert store.get_into([key], [big.buffer(0)]) == [FAILED]
+    assert store.get_into([key], [small.buffer(0)]) == [FAILED]
+    assert store.stats()["size_mismatches"] == 1
+    assert expect_errors.wait_for("expected 131072")
+
+
+def test_another_layouts_key_never_loads(mooncake_master: Any,
+                                         mooncake_store_factory: Any) -> None:
+    """Blocks written under one model key (or shard, dtype) miss for every other layout."""
+    store = mooncake_store_factory(mooncake_master)
+    keys = _keys(4)
+    arena = Arena(5, BLOCK)
+    assert store.put(keys, _fill(arena, keys)) == [OK] * 4
+    others = [SharedLayout("kvbm", "other-model", 2, 0, 0, 32, BLOCK, "bfloat16", "v1pool"),
+              LAYOUT.for_rank(1),
+              SharedLayout("kvbm", "test-model", 2, 0, 0, 32, BLOCK, "float16", "v1pool")]
+    for other in others:
+        foreign = _keys(4, other)
+        assert store.exists(foreign) == [0] * 4
+        assert store.get_into(foreign[:1], [arena.buffer(4)]) == [MISSING]
+    assert store.exists(_keys(4, salt="salt:1")) == [0] * 4
+
+
+def test_writes_stay_in_the_writers_segment(mooncake_master: Any,
+                                            mooncake_store_factory: Any) -> None:
+    """preferred_segment: another client leaving (its segment unmounted) loses none of them
+    (Mooncake places objects on a random segment otherwise)."""
+    writer = mooncake_store_factory(mooncake_master)
+    other = mooncake_store_factory(mooncake_master)
+    keys = _keys(12)
+    arena = Arena(13, BLOCK)
+    assert writer.put(keys, _fill(arena, keys)) == [OK] * 12
+    other.close()
+    assert writer.exists(keys) == [1] * 12
+    assert writer.get_into(keys, [arena.buffer(12)] * 12) == [BLOCK] * 12
+
+
+def test_two_processes_read_each_others_writes(mooncake_master: Any,
+                                               mooncake_store_factory: Any) -> None:
+    store = mooncake_store_factory(mooncake_master)
+    mine, theirs = _keys(6), _keys(6, salt="lora:3")
+    arena = Arena(12, BLOCK)
+    store.register(arena.address, arena.nbytes)
+    assert store.put(mine, _fill(arena, mine)) == [OK] * 6
+    peer = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("_peer.py")), "mooncake",
+         mooncake_master.address, json.dumps(theirs), json.dumps(mine), str(BLOCK)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        report = json.loads(peer.stdout.readline() or "{}")
+        assert report == {"put": [OK] * 6, "read": [BLOCK] * 6, "exact": True}
+        # The peer's blocks live in its own segment: read over the transfer engine.
+        assert store.exists(theirs) == [1] * 6
+        assert store.get_into(theirs, [arena.buffer(6 + i) for i in range(6)]) == [BLOCK] * 6
+        assert [arena.read(6 + i) for i in range(6)] == [payload(k, BLOCK) for k in theirs]
+    finally:
+        peer.stdin.close()
+        assert peer.wait(30) == 0
+
+
+def test_the_leaders_client_has_no_segment(mooncake_master: Any,
+                                           mooncake_store_factory: Any) -> None:
+    """A client of 0 segment bytes and no buffer checks and reads; the pool is the workers'."""
+    worker = mooncake_store_factory(mooncake_master, segment_bytes=16 << 20)
+    leader = mooncake_store_factory(mooncake_master, segment_bytes=0, buffer_bytes=0)
+    keys = _keys(3)
+    arena = Arena(4, BLOCK)
+    assert worker.put(keys, _fill(arena, keys)) == [OK] * 3
+    assert leader.exists(keys) == [1] * 3
+    assert leader.get_into(keys[:1], [arena.buffer(3)]) == [BLOCK]
+    assert "16.00 MB" in mooncake_master.summary()  # the worker's segment only
+
+
+def test_a_leased_block_survives_a_full_pool(mooncake_master_factory: Any,
+                                             mooncake_store_factory: Any) -> None:
+    """A block re-checked every lease/3 outlives a pool filled many times over; one checked
+    once is evicted after its lease ran out, like the unleased ones."""
+    lease_s = 1.0
+    master = mooncake_master_factory(lease_ms=int(lease_s * 1000))
+    store = mooncake_store_factory(master, segment_bytes=16 << 20, lease_s=lease_s,
+                                   load_margin_s=0.3)
+    layout = SharedLayout("kvbm", "test-model", 1, 0, 0, 32, 4 * BLOCK, "bfloat16", "v1pool")
+    kept, once = _keys(2, layout, salt="pinned")
+    arena = Arena(3, 4 * BLOCK)
+    assert store.put([kept, once], _fill(arena, [kept, once])) == [OK, OK]
+    assert store.exists([kept, once]) == [1, 1]
+    fill = _keys(4000, layout, salt="fill")
+    renewed = time.monotonic()
+    first_fill_gone = once_gone = False
+    deadline = time.monotonic() + 30
+    i = 0
+    while not (once_gone and first_fill_gone):
+        assert time.monotonic() < deadline, "the once-checked block was never evicted"
+        arena.write(2, payload(fill[i % len(fill)], arena.size))
+        assert store.put([fill[i % len(fill)]], [arena.buffer(2)])[0] in (OK, FULL)
+        i += 1
+        if time.monotonic() - renewed >= lease_s / 3:
+            renewed = time.monotonic()
+            result = store.exists([kept, fill[0]])
+            assert result[0] == 1, f"the leased block was evicted after {i} puts"
+            first_fill_gone = first_fill_gone or result[1] == 0
+            once_gone = store.exists([once])[0] == 0 if i % 5 == 0 else once_gone
+    assert i > 4 * 64  # the pool (64 blocks) was filled several times over
+    assert store.get_into([kept], [arena.buffer(0)]) == [arena.size]
+    assert arena.read(0) == payload(kept, arena.size)
+
+
+def test_a_pool_whose_blocks_are_all_leased_is_full(mooncake_master: Any,
+                                                    mooncake_store_factory: Any) -> None:
+    """Nothing evictable: the put is retried once, then reported FULL (counted)."""
+    store = mooncake_store_factory(mooncake_master, segment_bytes=16 << 20)
+    layout = SharedLayout("kvbm", "test-model", 1, 0, 0, 32, 4 * BLOCK, "bfloat16", "v1pool")
+    keys = _keys(80, layout, salt="full")
+    arena = Arena(1, 4 * BLOCK)
+    written = []
+    for key in keys:
+        arena.write(0, payload(key, arena.size))
+        code = store.put([key], [arena.buffer(0)])[0]
+        if code == OK:
+            written.append(key)
+            store.exists([key])  # leased for 10 s (Mooncake's default): never evicted here
+        else:
+            assert code == FULL
+            break
+    else:
+        pytest.fail("a 16 MiB segment took 80 blocks of 256 KiB")
+    assert 48 <= len(written) <= 64
+    assert store.stats()["full_retries"] >= 1
+    assert store.exists(written) == [1] * len(written)
+
+
+def test_no_master_is_a_config_error_at_once(tmp_path: Path) -> None:
+    pytest.importorskip("mooncake.store")
+    from kvbm_plugin.testing.local_server import free_port
+    from kvbm_plugin.tiers.shared.mooncake import MooncakeStore
+
+    address = f"127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=f"{cc.SHARED_ADDRESS}='{address}': no Mooncake "
+                       "master answers there"):
+        MooncakeStore(cc.SharedSettings(store="mooncake", model_key="m", address=address),
+                      env={})
+    assert time.monotonic() - started < 3  # not setup()'s 90 s of retries
+
+
+@pytest.mark.parametrize("address", ["", "nohost", "host:0", "host:http", ":50051"])
+def test_a_bad_address_names_the_variable(address: str) -> None:
+    from kvbm_plugin.tiers.shared.mooncake import MooncakeStore
+
+    with pytest.raises(ConfigError, match=cc.SHARED_ADDRESS):
+        MooncakeStore(cc.SharedSettings(store="mooncake", model_key="m", address=address),
+                      env={})
