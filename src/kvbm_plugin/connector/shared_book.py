@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -64,7 +65,8 @@ MATCHED_STAT: Final = {TIER_HOST: "matched_host_tokens", TIER_DISK: "matched_dis
 SHARED_STATS: Final = (
     "matched_shared_tokens", "shared_saves_scheduled", "shared_saves_committed",
     "shared_saves_failed", "shared_saves_unnamed", "shared_saves_skipped_unavailable",
-    "shared_loads_failed", "shared_stores_registered", "shared_removes_registered")
+    "shared_loads_failed", "shared_stores_registered", "shared_removes_registered",
+    "shared_agent_start_failed")
 # Finished shared writes that wait for their host copy's name, at most (older ones are given up,
 # counted as shared_saves_unnamed: their host copy left the tier unannounced).
 MAX_WAITING = 4096
@@ -139,6 +141,8 @@ class SharedBook:
     _group: str
     _tier_settings: Any
     _new_op: Any
+    _lock: Any
+    _closed: bool
 
     def _init_shared(self) -> None:
         """Constructor (thread-pool thread): settings, the leader's store client and the
@@ -148,6 +152,7 @@ class SharedBook:
         self._shared_dir: SharedDirectory | None = None
         self._shared_pins: SharedPins | None = None
         self._shared_agent: Any = None
+        self._shared_starter: threading.Thread | None = None
         self._shared_events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._shared_writes: dict[int, _SharedWrite] = {}  # op id -> write
         self._shared_by_key: dict[int, _SharedWrite] = {}  # host key -> write
@@ -168,10 +173,12 @@ class SharedBook:
         self._shared_store = open_store(settings, segment_bytes=0)
 
     def _start_shared(self) -> None:
-        """First tier sizing (executor thread, once): the agent, with every rank's key layout
-        derived from rank 0's (same page size on every TP rank)."""
+        """Once rank 0's worker published its key layout (first tier sizing, or an idle tick):
+        start the agent on a thread of its own (it binds its sockets and asks the store's
+        health, up to about a second: never on the executor thread), with every rank's key
+        layout derived from rank 0's (the same page size on every TP rank)."""
         settings = self._shared_settings
-        if settings is None or self._shared_agent is not None:
+        if settings is None or self._shared_starter is not None:
             return
         layout = shared_layout(self._group)
         if layout is None:
@@ -181,13 +188,35 @@ class SharedBook:
         endpoint = settings.announce_endpoint or (
             f"tcp://{_llm_args.leader_host(self._env)}:"
             f"{_llm_args.leader_port(self._env) + 2000 + self._dp_rank}")
-        self._shared_agent = agent_class()(
-            settings, self._shared_store, layouts, self._shared_dir,
-            on_store=lambda block: self._shared_events.put(("store", block)),
-            on_remove=lambda blocks: self._shared_events.put(("remove", blocks)),
-            announce_endpoint=endpoint, peers=settings.peers)
-        self._shared_agent.start()
-        get_metrics().register_stats("shared", self._shared_stats, dp_rank=str(self._dp_rank))
+        self._shared_starter = threading.Thread(
+            target=self._run_agent, args=(settings, layouts, endpoint),
+            name=f"kvbm-shared-start-r{self._dp_rank}", daemon=True)
+        self._shared_starter.start()
+
+    def _run_agent(self, settings: Any, layouts: list[Any], endpoint: str) -> None:
+        """The starter thread: build and start the agent; the leader offers and writes shared
+        blocks from the moment it is set."""
+        try:
+            agent = agent_class()(
+                settings, self._shared_store, layouts, self._shared_dir,
+                on_store=lambda block: self._shared_events.put(("store", block)),
+                on_remove=lambda blocks: self._shared_events.put(("remove", blocks)),
+                announce_endpoint=endpoint, peers=settings.peers)
+            agent.start()
+        except Exception as exc:
+            with self._lock:
+                self._stats["shared_agent_start_failed"] += 1
+            logger.error("kvbm_plugin: the shared tier (%s=%s) is off for this engine: its "
+                         "agent did not start (announcements on %s): %s", SHARED_TIER,
+                         settings.store, endpoint, exc)
+            return
+        with self._lock:
+            if self._closed:
+                agent.close()
+                return
+            self._shared_agent = agent
+            get_metrics().register_stats("shared", self._shared_stats,
+                                         dp_rank=str(self._dp_rank))
 
     @property
     def shared_enabled(self) -> bool:
@@ -319,9 +348,10 @@ class SharedBook:
         agent as soon as rank 0's worker published its layout, so an idle engine already
         learns the blocks the others announce."""
         if self._shared_agent is None:
-            if self._shared_settings is None or shared_layout(self._group) is None:
-                return
-            self._start_shared()
+            if self._shared_starter is None and self._shared_settings is not None \
+                    and shared_layout(self._group) is not None:
+                self._start_shared()
+            return
         events = self._shared_events
         while True:
             try:
@@ -369,7 +399,11 @@ class SharedBook:
         return out
 
     def _shared_close(self, timeout: float) -> None:
-        """Leader shutdown: stop the agent, register what it changed last, close the client."""
+        """Leader shutdown (outside the leader's lock, after the idle keeper stopped): stop the
+        agent, register what it changed last, close the client."""
+        starter = self._shared_starter
+        if starter is not None:  # (shutdown runs outside the lock the starter takes)
+            starter.join(timeout)
         if self._shared_agent is not None:
             get_metrics().unregister_stats("shared", dp_rank=str(self._dp_rank))
             self._shared_agent.close()

@@ -34,7 +34,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from kvbm_plugin._util.plugins import TIERS_GROUP, get_plugin
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector.meta import ERR_FAILED, ERR_NONE, LoadCopy, SharedSaveOp
 from kvbm_plugin.consolidator_config import SharedSettings, load_shared_settings
@@ -57,14 +56,15 @@ DEVICE_COPY_TIMEOUT_S = 60.0
 
 def open_store(settings: SharedSettings, *, segment_bytes: int | None = None) -> SharedStore:
     """A new client of the store ``settings.store`` names (its ``kvbm_plugin.tiers`` entry
-    point), behind the circuit breaker. ``segment_bytes`` overrides the memory this client
-    contributes to the pool (the leader's client contributes none). Connects: called at
-    bring-up, never on the executor thread."""
-    from kvbm_plugin.tiers.shared.breaker import GuardedStore
+    point), behind the circuit breaker (``tiers.shared.factory``). ``segment_bytes=0``: the
+    leader's client, which contributes no memory to the pool and transfers nothing. Connects:
+    called at bring-up, never on the executor thread."""
+    from kvbm_plugin.tiers.shared.factory import open_store as factory_open
 
     if segment_bytes is not None:
-        settings = replace(settings, segment_bytes=segment_bytes)
-    return GuardedStore(get_plugin(TIERS_GROUP, settings.store)(settings))
+        settings = replace(settings, segment_bytes=segment_bytes,
+                           buffer_bytes=settings.buffer_bytes if segment_bytes else 0)
+    return factory_open(settings)
 
 
 def worker_layout(settings: SharedSettings, pool: torch.Tensor, world: int, rank: int,
