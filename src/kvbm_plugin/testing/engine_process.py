@@ -64,7 +64,8 @@ class EngineProcess:
 
     def settle(self, timeout_s: float = 30.0) -> dict[str, int]:
         """Wait until every write-through is committed and the agent confirmed what it
-        was told (a full turn of its thread), then publish; returns the leader's stats."""
+        was told (a full turn of its thread), then publish and wait until the consolidator
+        applied everything; returns the leader's stats (and ``consolidated_batches_out``)."""
         return self.call("settle", timeout_s)
 
     def stats(self) -> dict[str, Any]:
@@ -111,9 +112,21 @@ def _settle(engine: Any, timeout_s: float) -> dict[str, int]:
         _wait(lambda: agent.stats()["wakes_handled"] >= ticket
               and agent.stats()["pending"] == 0, "the agent's checks", timeout_s)
     leader.publish_now()
-    if leader.consolidator is not None:
-        leader.consolidator.wait_idle(timeout_s)
-    return leader.stats()
+    out = dict(leader.stats())
+    consolidator, sink = leader.consolidator, leader.event_sink
+    if consolidator is not None and sink is not None:
+        def upstream_done() -> bool:  # every GPU-tier batch reached the consolidator, applied
+            st = sink.stats()
+            if st["publisher_batches_accepted"] != (st["publisher_batches_published"]
+                                                    + st["publisher_lost_batches"]):
+                return False
+            cons = consolidator.stats()
+            return cons["messages_received"] + cons["replayed_batches"] >= \
+                st["publisher_batches_published"] and consolidator.wait_idle(0)
+
+        _wait(upstream_done, "the consolidator to apply every batch", timeout_s)
+        out["consolidated_batches_out"] = consolidator.stats()["batches_out"]
+    return out
 
 
 def _engine_main(conn: Any, config: dict[str, Any]) -> None:
@@ -182,6 +195,7 @@ def _run(engine: Any, requests: list[list[Any]], timeout_s: float) -> list[dict[
         out.append({"request_id": req, "state": result.state,
                     "finished": result.state in ("done", "saving"),
                     "kv_mismatches": result.kv_mismatches, "gpu_hit": result.gpu_hit_tokens,
+                    "tokens": list(result.tokens),
                     **{tier: after[f"matched_{tier}_tokens"] - before[f"matched_{tier}_tokens"]
                        for tier in ("host", "disk", "shared")}})
     return out
