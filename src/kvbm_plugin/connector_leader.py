@@ -637,7 +637,7 @@ class KvbmConnectorLeader(TierBookkeeping, SharedBook, KvCacheConnectorScheduler
         index = self._index_of(op.tier)
         state = self._reqs.get(op.req_id) if op.req_id is not None else None
         if op.kind == "shared_save":
-            self._shared_save_done(op_id, ok)
+            self._shared_save_done(op_id, op, ok)
         elif op.kind in ("save", "demote"):
             kind = op.kind + "s"
             # Still the entry this op wrote (not forgotten meanwhile with an ancestor, nor

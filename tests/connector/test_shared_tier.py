@@ -57,9 +57,12 @@ def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) ->
         time.sleep(0.002)
 
 
-@pytest.fixture
-def shared(monkeypatch: pytest.MonkeyPatch, make_engine: Any) -> SimpleNamespace:
-    """One store, one announcement bus; ``engine(**env)`` builds an engine on both."""
+@pytest.fixture(params=["bus"])
+def shared(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, make_engine: Any,
+           tmp_path: Any) -> SimpleNamespace:
+    """One store; ``engine(**env)`` builds an engine on it. ``bus``: the stand-in agents of
+    one announcement bus; ``real``: SharedAgent, each engine announcing on an ipc endpoint and
+    subscribed to every engine built before it."""
     ns = SimpleNamespace(store=MemoryStore(lease_s=10.0), bus=Bus(), clients=[],
                          fail_put_keys=None)
 
@@ -79,10 +82,19 @@ def shared(monkeypatch: pytest.MonkeyPatch, make_engine: Any) -> SimpleNamespace
         return client
 
     monkeypatch.setattr(shared_io, "open_store", open_store)
-    monkeypatch.setattr(shared_book, "agent_class", lambda: functools.partial(BusAgent, ns.bus))
+    real = request.param == "real"
+    if not real:
+        monkeypatch.setattr(shared_book, "agent_class",
+                            lambda: functools.partial(BusAgent, ns.bus))
+    endpoints: list[str] = []
 
     def engine(host: int = 64, gpu: int = 32, **extra: str) -> Any:
         rec = TierRecorder()
+        if real:
+            endpoint = f"ipc://{tmp_path}/announce-{len(endpoints)}"
+            extra = {cc.SHARED_ANNOUNCE_ENDPOINT: endpoint,
+                     cc.SHARED_PEERS: ",".join(endpoints), **extra}
+            endpoints.append(endpoint)
         env = tiers(host=host, **{cc.SHARED_TIER: "memory", cc.SHARED_MODEL_KEY: "test-model",
                                    **extra})
         eng = make_engine(num_gpu_blocks=gpu, tp_size=2, tokens_per_block=BS, env=env,
@@ -101,14 +113,23 @@ def agent(engine: Any) -> BusAgent:
     return engine.leader._shared_agent
 
 
+def agent_idle(eng: Any) -> bool:
+    a = agent(eng)
+    if a is None or eng.leader.stats()["shared_writes_inflight"]:
+        return False
+    if isinstance(a, BusAgent):
+        return a.idle()
+    ticket = a.wake()
+    wait_for(lambda: a.stats()["wakes_handled"] >= ticket, "a turn of the agent")
+    return a.stats()["pending"] == 0
+
+
 def settle(*engines: Any, resident: int | None = None) -> None:
     """Every engine idle, every agent done confirming, each change registered."""
     for eng in engines:
         eng.run_until_idle()
     for eng in engines:
-        wait_for(lambda e=eng: agent(e) is not None and agent(e).idle()
-                 and e.leader.stats()["shared_writes_inflight"] == 0,
-                 "the agent and the write-throughs")
+        wait_for(lambda e=eng: agent_idle(e), "the agent and the write-throughs")
         if resident is not None:
             wait_for(lambda e=eng: len(e.leader._shared_dir) >= resident,
                      f"{resident} resident blocks")
@@ -121,7 +142,7 @@ def run(engine: Any, tokens: list[int], salt: str | None = None) -> Any:
     engine.run_until_idle()
     after = engine.leader.stats()
     result = engine.result(req)
-    assert result.state == "done" and result.kv_mismatches == 0
+    assert result.state in ("done", "saving") and result.kv_mismatches == 0
     return SimpleNamespace(result=result, **{
         k: after[k] - before[k] for k in ("matched_host_tokens", "matched_shared_tokens",
                                           "matched_disk_tokens")})
@@ -231,7 +252,7 @@ def test_a_dropped_write_is_counted_and_never_advertised(shared) -> None:
     dropped = sum(r.stats()["shared_writes_dropped"] for r in a.ranks)
     assert dropped > 0
     stats = a.leader.stats()
-    assert stats["shared_saves_failed"] > 0
+    assert stats["shared_saves_failed"] >= stats["shared_writes_dropped"] > 0
     committed = {blk.digest for blk in agent(a).committed_blocks}
     digests = chain_digests(system, BS, None)
     assert len(committed) < len(digests)
@@ -267,3 +288,87 @@ def test_an_adapter_never_matches_the_base_models_blocks(shared, lora) -> None:
     assert b.leader.get_num_new_matched_tokens(base, 0) == (4 * BS, True)
     b.leader.request_finished(base, [])  # releases the pins of the unbound plan
     assert b.leader._shared_dir.stats()["pinned"] == 0
+
+
+# ------------------------------------------------------------------ faults, with SharedAgent
+
+real_agents = pytest.mark.parametrize("shared", ["real"], indirect=True)
+
+
+@real_agents
+def test_the_real_agents_carry_a_prefix_across_engines(shared) -> None:
+    a = shared.engine()
+    b = shared.engine()  # subscribed to A's announcements
+    system = prompt(30, 5 * BS)
+    run(a, system + prompt(31, 2))
+    settle(a)
+    wait_for(lambda: len(b.leader._shared_dir) >= 5, "B to confirm A's blocks")
+    settle(b)
+    assert run(b, system + prompt(32, 2)).matched_shared_tokens == 5 * BS
+    assert b.recorder.hashes("EXTERNAL") >= {blk.event_hash
+                                             for blk in a.leader._shared_dir.blocks()}
+
+
+@real_agents
+def test_eviction_between_match_and_load_cannot_take_a_leased_block(shared) -> None:
+    a = shared.engine()
+    b = shared.engine()
+    system = prompt(33, 4 * BS)
+    run(a, system + prompt(34, 2))
+    settle(a)
+    wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's blocks")
+    tokens = system + prompt(35, 2)
+    request = LlmRequest(30_000, tokens)
+    assert b.leader.get_num_new_matched_tokens(request, 0) == (4 * BS, True)
+    # The store evicts whatever it may now: the confirmed (leased) objects stay.
+    assert not [k for k in shared.store.evict_unleased() if "/w2r" in k
+                and any(d.hex() in k for d in chain_digests(system, BS, None))]
+    b.leader.request_finished(request, [])
+    assert run(b, tokens).matched_shared_tokens == 4 * BS
+    assert b.stats().kv_mismatches == 0
+
+
+@real_agents
+def test_a_promised_load_whose_object_is_gone_fails_counted(shared, expect_errors) -> None:
+    a = shared.engine()
+    b = shared.engine()
+    system = prompt(36, 4 * BS)
+    run(a, system + prompt(37, 2))
+    settle(a)
+    wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's blocks")
+    digests = chain_digests(system, BS, None)
+    # What a master restart does: every object gone at once, leases or not.
+    shared.store.evict([k for k in shared.store.keys()
+                        if any(d.hex() in k for d in digests[2:])])
+    before = b.leader.stats()
+    b.submit(system + prompt(38, 2), 2)
+    b.run_until_idle()
+    after = b.leader.stats()
+    assert after["shared_loads_failed"] - before["shared_loads_failed"] == 2
+    assert after["loads_failed"] - before["loads_failed"] == 2
+    assert sum(r.stats()["shared_loads_failed"] for r in b.ranks) == 4  # 2 blocks x 2 ranks
+    assert not expect_errors.thread_exceptions
+
+
+@real_agents
+def test_the_store_going_down_leaves_the_local_tiers_and_comes_back(shared) -> None:
+    a = shared.engine()
+    b = shared.engine()
+    shared.store.down = True
+    system = prompt(39, 4 * BS)
+    run(a, system + prompt(40, 2))  # the host tier works; every write-through fails
+    wait_for(lambda: not agent(a).available, "A's agent to see the store down")
+    got = run(a, system + prompt(41, 2))
+    assert got.result.gpu_hit_tokens + got.matched_host_tokens >= 4 * BS
+    assert got.matched_shared_tokens == 0
+    assert not a.recorder.hashes("EXTERNAL") and not b.recorder.hashes("EXTERNAL")
+    failed = a.leader.stats()["shared_saves_failed"] + \
+        a.leader.stats()["shared_saves_skipped_unavailable"]
+    assert failed > 0
+    shared.store.down = False  # the store is back: the next write-throughs land
+    wait_for(lambda: agent(a).available and agent(b).available, "the agents to see it back")
+    other = prompt(42, 4 * BS)
+    run(a, other + prompt(43, 2))
+    settle(a)
+    wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's new blocks")
+    assert run(b, other + prompt(44, 2)).matched_shared_tokens == 4 * BS

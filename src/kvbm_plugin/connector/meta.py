@@ -39,6 +39,7 @@ TIER_CODES: Final = {HOST: "host", DISK: "disk", SHARED: "shared"}
 ERR_NONE: Final = 0
 ERR_FAILED: Final = 1
 ERR_CORRUPT: Final = 2
+ERR_DROPPED: Final = 3  # a shared-tier write dropped by a full write queue (counted apart)
 
 
 @dataclass(frozen=True, slots=True)

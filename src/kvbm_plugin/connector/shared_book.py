@@ -43,8 +43,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector.meta import SharedSaveOp, shared_layout
-from kvbm_plugin.connector.metrics import get_metrics
+from kvbm_plugin.connector.meta import ERR_DROPPED, SharedSaveOp, shared_layout
 from kvbm_plugin.consolidator_config import (
     CPU_CACHE_GB,
     SHARED_TIER,
@@ -66,7 +65,7 @@ SHARED_STATS: Final = (
     "matched_shared_tokens", "shared_saves_scheduled", "shared_saves_committed",
     "shared_saves_failed", "shared_saves_unnamed", "shared_saves_skipped_unavailable",
     "shared_loads_failed", "shared_stores_registered", "shared_removes_registered",
-    "shared_agent_start_failed")
+    "shared_agent_start_failed", "shared_writes_dropped")
 # Finished shared writes that wait for their host copy's name, at most (older ones are given up,
 # counted as shared_saves_unnamed: their host copy left the tier unannounced).
 MAX_WAITING = 4096
@@ -210,13 +209,11 @@ class SharedBook:
                          "agent did not start (announcements on %s): %s", SHARED_TIER,
                          settings.store, endpoint, exc)
             return
-        with self._lock:
+        with self._lock:  # (its counters are in the leader's stats from now on)
             if self._closed:
                 agent.close()
                 return
             self._shared_agent = agent
-            get_metrics().register_stats("shared", self._shared_stats,
-                                         dp_rank=str(self._dp_rank))
 
     @property
     def shared_enabled(self) -> bool:
@@ -299,13 +296,15 @@ class SharedBook:
         if write.done:
             self._shared_commit(write)
 
-    def _shared_save_done(self, op_id: int, ok: bool) -> None:
+    def _shared_save_done(self, op_id: int, op: Any, ok: bool) -> None:
         """Every rank reported the shared save ``op_id`` (leader, under its lock)."""
         write = self._shared_writes.get(op_id)
         if write is None:
             return
         if not ok:
             self._stats["shared_saves_failed"] += 1
+            if any(r.error == ERR_DROPPED for r in op.reports.values()):
+                self._stats["shared_writes_dropped"] += 1  # a rank's write queue was full
             self._shared_forget(write)
             return
         write.done = True
@@ -405,7 +404,6 @@ class SharedBook:
         if starter is not None:  # (shutdown runs outside the lock the starter takes)
             starter.join(timeout)
         if self._shared_agent is not None:
-            get_metrics().unregister_stats("shared", dp_rank=str(self._dp_rank))
             self._shared_agent.close()
             self._shared_sync()
         if self._shared_store is not None:

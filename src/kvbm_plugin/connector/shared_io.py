@@ -35,7 +35,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
-from kvbm_plugin.connector.meta import ERR_FAILED, ERR_NONE, LoadCopy, SharedSaveOp
+from kvbm_plugin.connector.meta import ERR_DROPPED, ERR_FAILED, ERR_NONE, LoadCopy, SharedSaveOp
 from kvbm_plugin.consolidator_config import SharedSettings, load_shared_settings
 from kvbm_plugin.tiers.shared.keys import SharedLayout
 from kvbm_plugin.tiers.shared.store import CODE_NAMES, FAILED, OK
@@ -164,7 +164,7 @@ class SharedIO:
                 _log.log(logging.WARNING, f"shared-drop-{self._rank}", "rank %d: shared-tier "
                          "write queue full (%d blocks, %s); write dropped", self._rank,
                          self.settings.queue_blocks, "DYN_KVBM_SHARED_QUEUE_BLOCKS")
-                self._worker._report(follower.op_id, False, ERR_FAILED)
+                self._worker._report(follower.op_id, False, ERR_DROPPED)
                 continue
             staged.append((follower, buf))
         return staged
