@@ -137,6 +137,80 @@ def _disk_check(tiers: cc.TierSettings) -> Check:
     return Check("disk tier", "ok", detail)
 
 
+def _mooncake_summary(metrics_address: str) -> str:
+    """The pool as the master's ``/metrics/summary`` line reports it (storage, keys, clients)."""
+    import re
+
+    from kvbm_plugin.tiers.shared.mooncake import master_http
+
+    line = master_http(metrics_address, "/metrics/summary").strip()
+    parts = [m.group(0).strip() for pattern in (r"Mem Storage: [^|]+", r"Keys: [^|]+",
+                                                r"Clients: \d+")
+             if (m := re.search(pattern, line))]
+    evicted = re.search(r"^master_evicted_key_count (\S+)$",
+                        master_http(metrics_address, "/metrics"), re.M)
+    if evicted:
+        parts.append(f"evicted keys: {float(evicted.group(1)):.0f}")
+    return "; ".join(parts) or line[:200]
+
+
+def _shared_check() -> Check:
+    """The shared tier, when configured: its settings, the store reachable (a client of it
+    connected and asked, with no segment of this machine's memory), and what it reports."""
+    import dataclasses
+
+    try:
+        settings = cc.load_shared_settings()
+    except cc.ConfigError as exc:
+        return Check("shared tier", "fail", str(exc))
+    if settings is None:
+        return Check("shared tier", "ok", f"off ({cc.SHARED_TIER} unset)")
+    from kvbm_plugin._util.plugins import PluginLoadError
+    from kvbm_plugin.tiers.shared.factory import store_class
+
+    name = f"shared tier ({settings.store})"
+    try:
+        cls = store_class(settings.store)
+        if settings.store == "mooncake":
+            from kvbm_plugin.tiers.shared.mooncake import apply_mooncake_config
+
+            settings = apply_mooncake_config(settings)
+            settings = dataclasses.replace(settings, segment_bytes=0, buffer_bytes=0)
+        store = cls(settings)
+    except (cc.ConfigError, PluginLoadError) as exc:
+        return Check(name, "fail", str(exc))
+    try:
+        problem = store.health()
+        if problem is not None:
+            named = problem if "DYN_KVBM_" in problem \
+                else f"{cc.SHARED_ADDRESS}={settings.address!r}: {problem}"
+            return Check(name, "fail", named)
+        keys = f"model key {settings.model_key!r}, namespace {settings.namespace!r}"
+        if settings.store == "mooncake":
+            if not settings.metrics_address:
+                return Check(name, "ok", f"master {settings.address} answers ({keys}); set "
+                             f"{cc.SHARED_METRICS_ADDRESS} to its -metrics_port to see the pool")
+            try:
+                report = _mooncake_summary(settings.metrics_address)
+            except (OSError, ValueError) as exc:
+                return Check(name, "fail", f"{cc.SHARED_METRICS_ADDRESS}="
+                             f"{settings.metrics_address!r}: {exc}")
+            return Check(name, "ok", f"master {settings.address} serving: {report} ({keys}; "
+                         f"lease {settings.lease_s:g} s: the master's -default_kv_lease_ttl "
+                         "must match)")
+        info = getattr(store, "info", None)
+        facts = info() if callable(info) else {}
+        report = ", ".join(f"{k} {v}" for k, v in facts.items()) or "up"
+        policy = str(facts.get("maxmemory_policy", ""))
+        if policy.startswith("allkeys"):
+            return Check(name, "warn", f"{settings.address} answers: {report} ({keys}); "
+                         f"maxmemory-policy {policy} evicts without telling: a block the "
+                         "leader checked can be gone at its load (a counted failed load)")
+        return Check(name, "ok", f"{settings.address} answers: {report} ({keys})")
+    finally:
+        store.close()
+
+
 def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings) -> list[Check]:
     endpoints: list[tuple[str, cc.Endpoint]] = []
     for rank in range(config.num_ranks):
@@ -225,6 +299,7 @@ def run_checks(num_ranks: int, require_trtllm: bool) -> list[Check]:
             checks.append(Check(name, "fail", str(exc)))
     if tiers is not None:
         checks.extend(_tier_checks(tiers))
+    checks.append(_shared_check())
     if config is not None:
         try:
             metrics = cc.load_metrics_settings()

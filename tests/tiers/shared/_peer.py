@@ -9,12 +9,33 @@ client (and, for Mooncake, its segment with its writes) until stdin closes.
 from __future__ import annotations
 
 import json
+import select
+import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 from _payload import Arena, payload
 
 from kvbm_plugin.consolidator_config import SharedSettings
 from kvbm_plugin.tiers.shared.factory import store_class
+
+
+def start(store: str, address: str, put_keys: list[str], read_keys: list[str],
+          block: int) -> subprocess.Popen[str]:
+    """Run this script as a child process (the test keeps it alive, then closes its stdin)."""
+    return subprocess.Popen(
+        [sys.executable, str(Path(__file__)), store, address, json.dumps(put_keys),
+         json.dumps(read_keys), str(block)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def report(peer: subprocess.Popen[str], timeout_s: float = 60.0) -> dict[str, Any]:
+    """The child's JSON line, waited for with a deadline ({} if it exited first)."""
+    assert peer.stdout is not None
+    ready, _, _ = select.select([peer.stdout], [], [], timeout_s)
+    assert ready, f"the peer process did not report within {timeout_s:g} s"
+    return dict(json.loads(peer.stdout.readline() or "{}"))
 
 
 def main() -> int:

@@ -40,7 +40,7 @@ def chain(length: int, *, first_token: int = 100, scope: str | None = None,
     return out
 
 
-def layouts(world: int = 2, *, model_key: str = "m", namespace: str = "test",
+def layouts(world: int = 2, *, model_key: str = "m", namespace: str = "test", page: int = 64,
             ) -> list[SharedLayout]:
-    base = SharedLayout(namespace, model_key, world, 0, 0, BLOCK, 64, "bfloat16", "v1pool")
+    base = SharedLayout(namespace, model_key, world, 0, 0, BLOCK, page, "bfloat16", "v1pool")
     return [base.for_rank(r) for r in range(world)]

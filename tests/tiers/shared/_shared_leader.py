@@ -3,10 +3,13 @@ callbacks recorded."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from _kvwire import wait_until
-from _shared_blocks import Clock, layouts
+from _shared_blocks import layouts
 
 from kvbm_plugin.consolidator_config import SharedSettings
 from kvbm_plugin.tiers.shared.agent import SharedAgent
@@ -22,17 +25,19 @@ SETTINGS = SharedSettings(store="memory", model_key="m", lease_s=LEASE, load_mar
 class Leader:
     """One engine's leader: its directory, agent and what the agent reported."""
 
-    def __init__(self, store: SharedStore, clock: Clock, *, capacity: int = 100,
+    def __init__(self, store: SharedStore, clock: Callable[[], float], *, capacity: int = 100,
                  world: int = 2, endpoint: str | None = None, peers: tuple[str, ...] = (),
-                 model_key: str = "m") -> None:
+                 model_key: str = "m", lease: tuple[float, float] = (LEASE, MARGIN),
+                 page: int = 64) -> None:
         self.store = store
-        self.clock = clock
-        self.layouts = layouts(world, model_key=model_key)
-        self.directory = SharedDirectory(capacity, LEASE, MARGIN, clock)
+        self.clock: Any = clock
+        self.layouts = layouts(world, model_key=model_key, page=page)
+        self.directory = SharedDirectory(capacity, lease[0], lease[1], clock)
         self._lock = threading.Lock()
         self.stored: list[SharedBlock] = []
         self.removed: list[list[SharedBlock]] = []
-        self.agent = SharedAgent(SETTINGS, store, self.layouts, self.directory,
+        settings = dataclasses.replace(SETTINGS, lease_s=lease[0], load_margin_s=lease[1])
+        self.agent = SharedAgent(settings, store, self.layouts, self.directory,
                                  self._on_store, self._on_remove, endpoint, peers)
 
     def _on_store(self, block: SharedBlock) -> None:

@@ -8,25 +8,16 @@ wheel or binary is missing the tests skip with the reason, unless ``KVBM_REQUIRE
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from _require import unavailable
 
 from kvbm_plugin.consolidator_config import SharedSettings
 from kvbm_plugin.testing.local_server import ServerError
-
-REQUIRE = os.environ.get("KVBM_REQUIRE_SHARED") == "1"
-
-
-def unavailable(reason: str) -> None:
-    """Skip (or fail, under KVBM_REQUIRE_SHARED=1) a test whose store cannot run here."""
-    if REQUIRE:
-        pytest.fail(f"KVBM_REQUIRE_SHARED=1 and {reason}", pytrace=False)
-    pytest.skip(reason)
 
 
 def settings_for(store: str, address: str, **kw: Any) -> SharedSettings:

@@ -3,8 +3,10 @@ going down, LRU, and two leaders sharing one store."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _kvwire import free_port, wait_until
@@ -68,7 +70,7 @@ def test_renewal_keeps_a_leased_block_offerable_past_one_lease(
         leader.sweep()
         assert store.evict_unleased() == []  # the store kept it: its lease was renewed
         assert leader.directory.lookup(block.digest) == block
-    assert leader.stat("renewals") == 4
+    assert leader.stat("renewed") == 4
     assert leader.removed == []
 
 
@@ -88,7 +90,7 @@ def test_a_pinned_block_keeps_being_renewed(store: MemoryStore, clock: Clock) ->
             evicted = store.evict_unleased()  # b's objects go once their check's lease ends
             assert not set(leader.keys(a)) & set(evicted)
             assert leader.directory.lookup(a.digest) == a
-        assert leader.stat("renewals") == 4
+        assert leader.stat("renewed") == 4
         leader.directory.unpin(a.digest)
         leader.commit([b])
         leader.wait_stat("dropped_lru", 1)
@@ -123,7 +125,7 @@ def test_store_down_nothing_offered_renewals_fail_blocks_dropped_at_their_deadli
     leader.sweep()  # start + PERIOD
     assert not leader.agent.available
     assert leader.directory.lookup(blocks[0].digest) is None
-    assert leader.stat("renewals_failed") >= 1 and leader.stat("renewals") == 0
+    assert leader.stat("renewals_failed") >= 1 and leader.stat("renewed") == 0
     assert leader.removed == []  # still leased in the store: kept, not offered
     clock.now = start + LEASE - MARGIN - 0.01
     leader.settle()
@@ -133,7 +135,7 @@ def test_store_down_nothing_offered_renewals_fail_blocks_dropped_at_their_deadli
     assert leader.removed == [[blocks[1], blocks[0]]]
     assert leader.stat("dropped_expired") == 1 and len(leader.directory) == 0
     store.down = False
-    leader.sweep()  # nothing to renew: the store's health is asked
+    leader.sweep()  # nothing to renew: the store is probed
     assert leader.agent.available
 
 
@@ -255,10 +257,83 @@ def test_a_peer_announcement_is_confirmed_then_stored_on_the_other_leader(
     assert b.stored == blocks
     for block in blocks:
         assert b.directory.lookup(block.digest) == block
-    assert b.stat("announced") == 0  # never forwarded
+    assert b.stat("announced") == 0 and b.stat("confirmed_own") == 0  # never forwarded
     assert a.stat("own_ignored") >= 1 and a.stat("heard") == 0
     # B writes the next block of the chain: A learns it the same way.
     [more] = chain(1, first_token=500, parent=blocks[-1])
     b.commit([more])
     a.wait_stat("confirmed_heard", 1)
     assert a.stored == [*blocks, more]
+
+
+class _Breaker(MemoryStore):
+    """A store with a circuit breaker's ``available`` (opened by another thread's calls)."""
+
+    open = False
+
+    @property
+    def available(self) -> bool:
+        return not self.open
+
+
+def test_a_breaker_opened_by_another_thread_stops_offers_at_once(clock: Clock) -> None:
+    store = _Breaker(lease_s=LEASE, clock=clock)
+    leader = Leader(store, clock)
+    leader.agent.start()
+    try:
+        [block] = chain(1)
+        leader.commit([block])
+        leader.wait_stat("confirmed", 1)
+        assert leader.directory.lookup(block.digest) == block
+        store.open = True  # e.g. the worker's put found the store down
+        assert not leader.agent.available
+        assert leader.directory.lookup(block.digest) is None
+        store.open = False
+        assert leader.directory.lookup(block.digest) == block
+    finally:
+        leader.agent.close()
+
+
+# ---- a real Mooncake master --------------------------------------------------------------
+
+def test_with_a_real_master_a_block_one_client_wrote_is_confirmed_by_another_agent(
+        mooncake_master_factory: Any, mooncake_store_factory: Any, tmp_path: Path) -> None:
+    from _payload import Arena, payload
+
+    from kvbm_plugin.tiers.shared.breaker import GuardedStore
+
+    master = mooncake_master_factory(lease_ms=3000)
+    lease = {"lease_s": 3.0, "load_margin_s": 1.0}
+    writer = mooncake_store_factory(master, **lease)  # engine A: its worker's segment
+    reader = mooncake_store_factory(master, segment_bytes=0, **lease)  # engine B's leader
+    page = 4096
+    ep_a, ep_b = f"ipc://{tmp_path}/a.ipc", f"ipc://{tmp_path}/b.ipc"
+    a = Leader(GuardedStore(writer), time.monotonic, endpoint=ep_a, peers=(ep_b,),
+               lease=(3.0, 1.0), page=page)
+    b = Leader(GuardedStore(reader), time.monotonic, endpoint=ep_b, peers=(ep_a,),
+               lease=(3.0, 1.0), page=page)
+    a.agent.start()
+    b.agent.start()
+    try:
+        a.wait_stat("subscriptions", 1)
+        b.wait_stat("subscriptions", 1)
+        blocks = chain(2)
+        keys = [k for block in blocks for k in a.keys(block)]
+        arena = Arena(len(keys), page)
+        for i, key in enumerate(keys):
+            arena.write(i, payload(key, page))
+        assert writer.put(keys, [arena.buffer(i) for i in range(len(keys))]) == [0] * 4
+        for block in blocks:
+            a.agent.committed(block)
+        b.wait_stat("confirmed_heard", 2)
+        assert a.stat("confirmed_own") == 2 and b.stored == blocks
+        for block in blocks:
+            assert b.directory.lookup(block.digest) == block
+        # What B was offered it can read, byte for byte, through its own client.
+        out = Arena(len(keys), page)
+        assert reader.get_into(keys, [out.buffer(i) for i in range(len(keys))]) == [page] * 4
+        assert [out.read(i) for i in range(len(keys))] == [payload(k, page) for k in keys]
+        b.wait_stat("renewed", 2)  # a real renewal a period later
+    finally:
+        a.agent.close()
+        b.agent.close()

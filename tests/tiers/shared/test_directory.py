@@ -7,6 +7,8 @@ import dataclasses
 
 import pytest
 from _shared_blocks import Clock, chain
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory, check_block
 
@@ -51,6 +53,18 @@ def test_lookup_offers_nothing_while_the_store_is_unavailable() -> None:
     assert d.lookup(block.digest) == block
 
 
+def test_an_inner_block_is_never_dropped_even_when_least_recently_used() -> None:
+    d = directory(capacity=3)
+    a, b = chain(2)
+    [c] = chain(1, first_token=500)
+    [e] = chain(1, first_token=600)
+    admit(d, [a, b, c])
+    for block in (a, b, c):  # a used least recently, but b's parent
+        assert d.lookup(block.digest) is not None
+    assert admit(d, [e]).evicted == [b]
+    assert d.is_tracked(a.digest)
+
+
 def test_blocks_round_trip_every_field() -> None:
     d = directory()
     root = SharedBlock(b"\x01" * 16, None, -5, None, (1, 2, 3, 4), 7, ("salt-x",))
@@ -89,7 +103,9 @@ def test_lru_never_drops_a_pinned_block() -> None:
     [e] = chain(1, first_token=400)
     admit(d, [a, b])
     assert d.pin(a.digest)
-    assert admit(d, [c]).evicted == [b]  # a is older, but pinned
+    assert d.lookup(a.digest) == a  # looked up again while pinned (another request)
+    assert d.lookup(b.digest) == b  # a is the least recently used now
+    assert admit(d, [c]).evicted == [b]  # a is pinned
     assert d.pin(c.digest)
     result = admit(d, [e])  # everything pinned: refused, nothing dropped
     assert result.evicted == [] and result.refused == [(e, "full")]
@@ -234,3 +250,91 @@ def test_bad_arguments_name_themselves() -> None:
         SharedDirectory(1, LEASE, LEASE)
     with pytest.raises(ValueError, match="lease_s"):
         SharedDirectory(1, 0, 0)
+
+
+# ---- a random walk: prefix-closed, advertised == resident, pins respected -----------------
+
+def _tree() -> list[SharedBlock]:
+    """Two chains of 3 with a branch of 2 off each root (10 blocks)."""
+    blocks: list[SharedBlock] = []
+    for root_token in (100, 200):
+        trunk = chain(3, first_token=root_token)
+        blocks += trunk
+        blocks += chain(2, first_token=root_token + 50, parent=trunk[0])
+    return blocks
+
+
+TREE = _tree()
+BY_DIGEST = {b.digest: b for b in TREE}
+
+
+_OPS = ("admit", "admit", "admit", "lookup", "lookup", "pin", "unpin", "drop", "renew",
+        "wait")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(_OPS), st.integers(0, len(TREE) - 1)),
+                min_size=10, max_size=120))
+def test_random_operations_keep_the_directory_prefix_closed_and_advertised_exactly(
+        ops: list[tuple[str, int]]) -> None:
+    clock = Clock()
+    d = SharedDirectory(4, LEASE, MARGIN, clock)
+    advertised: dict[bytes, SharedBlock] = {}  # what a consumer of stores/removes holds
+    pins: dict[bytes, int] = {}  # pins of the resident entry, by digest
+    ghosts: dict[bytes, int] = {}  # pins of entries dropped while pinned
+
+    def removed(blocks: list[SharedBlock]) -> None:
+        for block in blocks:
+            if pins.get(block.digest):
+                ghosts[block.digest] = ghosts.get(block.digest, 0) + pins.pop(block.digest)
+            # descendants before ancestors: nothing still advertised names it as parent
+            assert not any(b.parent_digest == block.digest for b in advertised.values()
+                           if b.digest != block.digest)
+            del advertised[block.digest]
+
+    for op, i in ops:
+        block = TREE[i]
+        if op == "admit":  # the block with its prefix, as the agent admits a chain
+            path = [block]
+            while path[0].parent_digest is not None:
+                path.insert(0, BY_DIGEST[path[0].parent_digest])
+            batch = [b for b in path if d.enqueue(b, True)]
+            if batch:
+                result = d.admit(batch, clock.now + LEASE)
+                for victim in result.evicted:
+                    assert pins.get(victim.digest, 0) == 0, "a pinned block was LRU-dropped"
+                removed(result.evicted)
+                for new in result.resident:
+                    assert new.parent_digest is None or new.parent_digest in advertised
+                    advertised[new.digest] = new
+                d.forget([b.digest for b, _ in result.refused])
+                d.forget([b.digest for b in result.waiting])
+        elif op == "lookup":
+            got = d.lookup(block.digest)
+            assert (got is not None) == (block.digest in advertised)
+            assert got is None or got == block
+        elif op == "pin":
+            if d.pin(block.digest):
+                pins[block.digest] = pins.get(block.digest, 0) + 1
+        elif op == "unpin":
+            if ghosts.get(block.digest):  # an unpin is the oldest pin's: a ghost's first
+                ghosts[block.digest] -= 1
+                d.unpin(block.digest)
+            elif pins.get(block.digest):
+                pins[block.digest] -= 1
+                d.unpin(block.digest)
+        elif op == "drop":
+            removed(d.drop([block.digest]))
+        elif op == "renew":
+            d.renew([block.digest], clock.now + LEASE)
+        else:
+            clock.advance(LEASE / 4)
+            removed(d.expire())
+        resident = d.blocks()
+        assert {b.digest: b for b in resident} == advertised
+        cursor, rows = d.renewal_chunk(0, 100)  # every used row, not only those reachable
+        assert sorted(rows) == sorted(advertised)
+        for b in resident:
+            assert b.parent_digest is None or b.parent_digest in advertised
+        assert len(d) == len(advertised) <= d.capacity
+        assert d.stats()["pinned"] == sum(1 for v in pins.values() if v)

@@ -4,15 +4,14 @@ client, the read lease against eviction, a full pool, and start-up errors."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import _peer
 import pytest
 from _payload import Arena, payload
+from _require import unavailable
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.consolidator_config import ConfigError
@@ -106,12 +105,9 @@ def test_two_processes_read_each_others_writes(mooncake_master: Any,
     arena = Arena(12, BLOCK)
     store.register(arena.address, arena.nbytes)
     assert store.put(mine, _fill(arena, mine)) == [OK] * 6
-    peer = subprocess.Popen(
-        [sys.executable, str(Path(__file__).with_name("_peer.py")), "mooncake",
-         mooncake_master.address, json.dumps(theirs), json.dumps(mine), str(BLOCK)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    peer = _peer.start("mooncake", mooncake_master.address, theirs, mine, BLOCK)
     try:
-        report = json.loads(peer.stdout.readline() or "{}")
+        report = _peer.report(peer)
         assert report == {"put": [OK] * 6, "read": [BLOCK] * 6, "exact": True}
         # The peer's blocks live in its own segment: read over the transfer engine.
         assert store.exists(theirs) == [1] * 6
@@ -194,9 +190,13 @@ def test_a_pool_whose_blocks_are_all_leased_is_full(mooncake_master: Any,
 
 
 def test_no_master_is_a_config_error_at_once(tmp_path: Path) -> None:
-    pytest.importorskip("mooncake.store")
     from kvbm_plugin.testing.local_server import free_port
-    from kvbm_plugin.tiers.shared.mooncake import MooncakeStore
+    from kvbm_plugin.tiers.shared.mooncake import MooncakeStore, import_client
+
+    try:
+        import_client()
+    except ConfigError as exc:
+        unavailable(str(exc))
 
     address = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
@@ -214,3 +214,28 @@ def test_a_bad_address_names_the_variable(address: str) -> None:
     with pytest.raises(ConfigError, match=cc.SHARED_ADDRESS):
         MooncakeStore(cc.SharedSettings(store="mooncake", model_key="m", address=address),
                       env={})
+
+
+def test_threads_share_one_client(mooncake_master: Any, mooncake_store_factory: Any) -> None:
+    """A worker's writer and reader threads call one client at once: every byte lands."""
+    import threading
+
+    store = mooncake_store_factory(mooncake_master)
+    threads, per = 4, 16
+    keys = [_keys(per, salt=f"thread{t}") for t in range(threads)]
+    arenas = [Arena(2 * per, BLOCK) for _ in range(threads)]
+    results: dict[int, tuple[list[int], list[int], bool]] = {}
+
+    def work(t: int) -> None:
+        arena = arenas[t]
+        put = store.put(keys[t], _fill(arena, keys[t]))
+        got = store.get_into(keys[t], [arena.buffer(per + i) for i in range(per)])
+        exact = all(arena.read(per + i) == payload(k, BLOCK) for i, k in enumerate(keys[t]))
+        results[t] = (put, got, exact)
+
+    workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert results == {t: ([OK] * per, [BLOCK] * per, True) for t in range(threads)}

@@ -21,8 +21,10 @@ bring-up. Who calls what:
     not renewed in time is dropped (with descendants) once it can no longer be offered
     (``deadline - margin``), so what the leader advertises is what it can load.
   - **available**: false from a call that answered ``UNAVAILABLE`` (the circuit breaker open,
-    the store unreachable) until a later call succeeds; with nothing to renew, ``health()`` is
-    asked once per renewal period instead. While false nothing is offered.
+    the store unreachable) until a later call succeeds; with nothing to renew, one ``exists()``
+    of a key no block has is made per renewal period instead. A store with an ``available`` property
+    (:class:`~.breaker.GuardedStore`, whose breaker another thread's failed call may open) is
+    asked too, at every lookup. While false nothing is offered.
 
 ``on_store`` / ``on_remove`` run on the agent thread and must not block (they feed the
 consolidator's queue): ``on_remove`` gets each batch of dropped blocks, every descendant before
@@ -56,13 +58,17 @@ if TYPE_CHECKING:
 
 __all__ = ["SharedAgent"]
 
+# The digest of the probe key: blake2b never yields it for a block (odds 2**-128).
+_PROBE_DIGEST: Final = bytes(16)
+
 logger = logging.getLogger(__name__)
 
 _COUNTERS: Final = (
-    "committed", "commits_known", "commits_refused", "confirmed", "confirmed_heard",
+    "committed", "commits_known", "commits_refused", "confirmed", "confirmed_own",
+    "confirmed_heard",
     "confirm_absent", "confirm_failed", "confirm_gave_up", "heard_queued", "heard_known",
-    "renewal_sweeps", "renewals", "renewals_failed", "renewals_skipped", "store_calls",
-    "store_errors", "health_checks", "callback_errors", "unavailable_periods",
+    "renewal_sweeps", "renewed", "renewals_failed", "renewals_skipped", "store_calls",
+    "store_errors", "probes", "callback_errors", "unavailable_periods",
     "wakes_handled")
 
 
@@ -122,13 +128,18 @@ class SharedAgent:
         self._ticket_lock = threading.Lock()
         self._wakes = 0  # the latest ticket handed out
         self._closed = False
+        self._seen_available = False
         directory.set_available(False)  # until the store has answered
+        if isinstance(getattr(type(store), "available", None), property):
+            # A circuit breaker shared with this process's worker opens on its failures too.
+            guarded: Any = store
+            directory.set_available_source(lambda: bool(guarded.available))
 
     # ---- leader (bring-up, executor thread) -----------------------------------------
 
     def start(self) -> None:
         """Start the thread; returns once the announcement sockets are bound and connected and
-        the store's health was asked (about a second at most). Raises ConfigError naming the
+        the store answered a first probe (one ``exists()``). Raises ConfigError naming the
         endpoint when the sockets cannot be bound or connected."""
         if self._thread is not None:
             raise RuntimeError("SharedAgent.start called twice")
@@ -170,8 +181,14 @@ class SharedAgent:
         return self._directory.available
 
     def stats(self) -> dict[str, int]:
-        """The agent's counts, its announcer's (announced, heard, bad_announcements, lost, ...)
-        and the directory's drops (dropped_absent, dropped_expired, dropped_lru)."""
+        """Every count (any thread): ``committed`` (own commits queued), ``confirmed`` (blocks
+        made resident: ``confirmed_own`` + ``confirmed_heard``), ``confirm_absent`` /
+        ``confirm_failed`` / ``confirm_gave_up``, ``renewed`` (lease renewals, per block;
+        also as ``renewals``), ``renewals_failed``, ``renewal_sweeps``, ``store_calls``,
+        ``store_errors`` (calls with a failed key), ``unavailable_periods``; the announcer's
+        (``announced``, ``heard``, ``bad_announcements``, ``lost``, ``subscriptions``, ...);
+        the directory's drops (``dropped_absent``, ``dropped_expired``, ``dropped_lru``,
+        ``dropped_descendants``) and sizes (``resident``, ``pending``, ``pinned``)."""
         out = dict(self._n)
         out.update(self._announcer.stats())
         d = self._directory.stats()
@@ -179,6 +196,7 @@ class SharedAgent:
                     "resident", "pending", "pinned", "refused_orphan", "refused_full",
                     "refused_collision", "refused_pending_full"):
             out[key] = d[key]
+        out["renewals"] = out["renewed"]  # the design note's name for it
         out["available"] = int(self._directory.available)
         return out
 
@@ -218,7 +236,7 @@ class SharedAgent:
             self._ready.set()
             return
         # Before start() returns: availability known, the first sweep one period from now.
-        self._check_health()
+        self._probe()
         next_sweep = self._clock() + self.period_s
         self._ready.set()
         try:
@@ -311,9 +329,10 @@ class SharedAgent:
         result = directory.admit(present, start + self.lease_s)
         self._report_removed(result.evicted)
         announce: list[SharedBlock] = []
+        self._n["confirmed"] += len(result.resident)
         for block in result.resident:
             if block.digest in own:
-                self._n["confirmed"] += 1
+                self._n["confirmed_own"] += 1
                 announce.append(block)
             else:
                 self._n["confirmed_heard"] += 1
@@ -368,7 +387,7 @@ class SharedAgent:
                 elif any(c == UNAVAILABLE for c in mine):
                     unavailable += 1
             failed = len(digests) - len(renewed) - len(absent)
-            self._n["renewals"] += directory.renew(renewed, start + self.lease_s)
+            self._n["renewed"] += directory.renew(renewed, start + self.lease_s)
             self._n["renewals_failed"] += failed
             if absent:
                 self._report_removed(directory.drop(absent, "absent"))
@@ -380,7 +399,7 @@ class SharedAgent:
             self._hear()  # a long sweep: keep up with commits and announcements
             self._confirm_pending()
         if not swept:
-            self._check_health()
+            self._probe()
 
     def _exists(self, digests: Sequence[bytes]) -> list[int]:
         """Codes of every rank's key of each digest, in order (rank-major per block); a raising
@@ -405,20 +424,17 @@ class SharedAgent:
         self._set_available(UNAVAILABLE not in codes)
         return codes
 
-    def _check_health(self) -> None:
-        self._n["health_checks"] += 1
-        try:
-            why = self._store.health()
-        except Exception as exc:
-            why = f"{type(exc).__name__}: {exc}"
-        if why is not None:
-            self._log.log(logging.WARNING, "health", "kvbm_plugin: shared store unavailable: "
-                          "%s", saferepr(why))
-        self._set_available(why is None)
+    def _probe(self) -> None:
+        """With nothing to renew: one ``exists()`` of a key no block has, so availability is
+        learnt the way renewals learn it (through a circuit breaker, the call that lets it
+        probe the store and close again)."""
+        self._n["probes"] += 1
+        self._exists([_PROBE_DIGEST])
 
     def _set_available(self, available: bool) -> None:
-        if self._directory.available and not available:
+        if self._seen_available and not available:
             self._n["unavailable_periods"] += 1
+        self._seen_available = available
         self._directory.set_available(available)
 
     def _report_removed(self, blocks: list[SharedBlock]) -> None:

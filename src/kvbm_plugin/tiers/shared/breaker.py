@@ -37,7 +37,6 @@ from kvbm_plugin.tiers.shared.store import (
 )
 
 log = logging.getLogger(__name__)
-_rl = RateLimitedLog(log)
 
 _OPS = ("exists", "put", "get_into")
 
@@ -58,6 +57,7 @@ class GuardedStore(SharedStore):
         self._backoff_min = backoff_s
         self._backoff_max = max_backoff_s
         self._clock = clock
+        self._rl = RateLimitedLog(log)  # per breaker: one store's outage hides no other's
         self._lock = threading.Lock()
         self._open = False
         self._probing = False
@@ -135,8 +135,8 @@ class GuardedStore(SharedStore):
         except Exception as exc:
             with self._lock:
                 self._counts["exceptions"] += 1
-            _rl.log(logging.ERROR, f"breaker.{what}", "shared store %s %s raised %s: %s",
-                    self.store.name, what, type(exc).__name__, exc)
+            self._rl.log(logging.ERROR, f"breaker.{what}", "shared store %s %s raised %s: %s",
+                         self.store.name, what, type(exc).__name__, exc)
 
     def _admit(self) -> bool:
         """Whether this call may reach the store; while open, probes health when due."""
@@ -165,8 +165,8 @@ class GuardedStore(SharedStore):
         if problem is None:
             log.warning("shared store %s is back: circuit closed", self.store.name)
             return True
-        _rl.log(logging.WARNING, "breaker.probe", "shared store %s still unavailable (%s); "
-                "next probe in %.1f s", self.store.name, problem, self._backoff)
+        self._rl.log(logging.WARNING, "breaker.probe", "shared store %s still unavailable "
+                     "(%s); next probe in %.1f s", self.store.name, problem, self._backoff)
         return False
 
     def _run(self, op: str, fn: Callable[..., list[int]], keys: Sequence[str],
@@ -184,8 +184,8 @@ class GuardedStore(SharedStore):
         except Exception as exc:
             with self._lock:
                 self._counts["exceptions"] += 1
-            _rl.log(logging.ERROR, f"breaker.{op}", "shared store %s %s raised %s: %s",
-                    self.store.name, op, type(exc).__name__, exc)
+            self._rl.log(logging.ERROR, f"breaker.{op}", "shared store %s %s raised %s: %s",
+                         self.store.name, op, type(exc).__name__, exc)
             result = [FAILED] * n
         elapsed = self._clock() - started
         unavailable = UNAVAILABLE in result
@@ -220,8 +220,8 @@ class GuardedStore(SharedStore):
             else:
                 self._consecutive = 0
         if opened:
-            _rl.log(logging.WARNING, "breaker.open", "shared store %s unavailable (%s): circuit "
-                    "open, calls fail at once until it answers again", self.store.name,
-                    self._reason)
+            self._rl.log(logging.WARNING, "breaker.open", "shared store %s unavailable (%s): "
+                         "circuit open, calls fail at once until it answers again",
+                         self.store.name, self._reason)
         return result
 

@@ -129,6 +129,30 @@ def _check_hash(field: str, value: Any) -> None:
         raise ValueError(f"{field} {saferepr(value)} is not a signed or unsigned 64-bit hash")
 
 
+# SharedBlock's slot setters: a block made for a lookup on the executor thread is built
+# through them, half the cost of the frozen dataclass's __init__ (which sets each field with
+# object.__setattr__, i.e. through these same descriptors, one Python call each).
+_SETTERS: Final = tuple(getattr(SharedBlock, name).__set__ for name in (
+    "digest", "parent_digest", "event_hash", "parent_event_hash", "token_ids", "lora_id",
+    "extra_keys"))
+
+
+def _make_block(digest: bytes, parent_digest: bytes | None, event_hash: int,
+                parent_event_hash: int | None, token_ids: tuple[int, ...], lora_id: int | None,
+                extra_keys: tuple | None) -> SharedBlock:
+    """``SharedBlock(...)`` of fields already checked."""
+    block = object.__new__(SharedBlock)
+    s0, s1, s2, s3, s4, s5, s6 = _SETTERS
+    s0(block, digest)
+    s1(block, parent_digest)
+    s2(block, event_hash)
+    s3(block, parent_event_hash)
+    s4(block, token_ids)
+    s5(block, lora_id)
+    s6(block, extra_keys)
+    return block
+
+
 @dataclass(frozen=True, slots=True)
 class Admitted:
     """What :meth:`SharedDirectory.admit` did with each block of a batch."""
@@ -150,9 +174,10 @@ class SharedDirectory:
     """
 
     __slots__ = ("capacity", "lease_s", "margin_s", "pending_limit", "_clock", "_lock",
-                 "_available", "_table", "_order", "_tick", "_lo", "_hi", "_eh", "_peh",
+                 "_available", "_available_source", "_table", "_order", "_tick", "_lo",
+                 "_hi", "_eh", "_peh",
                  "_flags", "_parent", "_child", "_next", "_prev", "_last", "_pins", "_scope",
-                 "_deadline", "_tok", "_width", "_odd_tokens", "_scopes", "_scope_ids",
+                 "_deadline", "_tok", "_tok_row", "_width", "_odd_tokens", "_scopes", "_scope_ids",
                  "_scope_refs", "_scope_free", "_free", "_used", "_heap", "_heap_seq",
                  "_pending", "_queue", "_ghost_pins", "_pinned", "_n")
 
@@ -175,6 +200,7 @@ class SharedDirectory:
         self._clock = clock
         self._lock = threading.Lock()
         self._available = True
+        self._available_source: Callable[[], bool] | None = None
         self._lo: array[int] = array("Q")  # digest bytes 0..7 (the table's key), little-endian
         self._hi: array[int] = array("Q")  # digest bytes 8..15
         self._eh: array[int] = array("Q")
@@ -190,6 +216,7 @@ class SharedDirectory:
         self._deadline: array[float] = array("d")
         self._tok: array[int] = array("i")  # _width tokens per slot
         self._width = -1  # tokens per block, set by the first block admitted
+        self._tok_row = struct.Struct("")  # one slot's tokens (set with _width)
         self._odd_tokens: dict[int, tuple[int, ...]] = {}
         self._scopes: list[tuple[int | None, tuple | None] | None] = [(None, None)]
         self._scope_ids: dict[tuple[int | None, tuple | None], int] = {(None, None): 0}
@@ -211,7 +238,7 @@ class SharedDirectory:
         self._ghost_pins: dict[bytes, int] = {}
         self._pinned = 0  # resident blocks with pins
         self._n = dict.fromkeys(
-            ("lookups", "hits", "misses", "late", "unavailable", "pins", "pin_misses",
+            ("hits", "misses", "late", "unavailable", "pins", "pin_misses",
              "unpins", "admitted", "refused_orphan", "refused_full", "refused_collision",
              "refused_pending_full", "dropped_lru", "dropped_absent", "dropped_expired",
              "dropped_descendants", "renewed"), 0)
@@ -224,12 +251,12 @@ class SharedDirectory:
         now = self._clock()
         n = self._n
         with self._lock:
-            n["lookups"] += 1
             slot = self._find(digest)
             if slot < 0:
                 n["misses"] += 1
                 return None
-            if not self._available:
+            source = self._available_source
+            if not self._available or (source is not None and not source()):
                 n["unavailable"] += 1
                 return None
             if self._deadline[slot] - now < self.margin_s:
@@ -288,6 +315,7 @@ class SharedDirectory:
     def stats(self) -> dict[str, int]:
         with self._lock:
             out = dict(self._n)
+            out["lookups"] = out["hits"] + out["misses"] + out["late"] + out["unavailable"]
             out["resident"] = self._used
             out["pending"] = len(self._pending)
             out["pinned"] = self._pinned
@@ -301,9 +329,16 @@ class SharedDirectory:
         """The agent's view of the store: while False nothing is offered."""
         self._available = bool(available)
 
+    def set_available_source(self, source: Callable[[], bool] | None) -> None:
+        """A second say on availability, asked at every lookup (no I/O, no lock: e.g. the
+        circuit breaker's ``available``, which another thread's failed call may open first)."""
+        self._available_source = source
+
     @property
     def available(self) -> bool:
-        return self._available
+        """The agent's view and the source's (see :meth:`set_available_source`)."""
+        source = self._available_source
+        return self._available and (source is None or bool(source()))
 
     @property
     def clock(self) -> Callable[[], float]:
@@ -514,11 +549,10 @@ class SharedDirectory:
         if flags & _ODD_TOKENS:
             tokens = self._odd_tokens[slot]
         else:
-            width = self._width
-            tokens = tuple(self._tok[slot * width:(slot + 1) * width])
+            tokens = self._tok_row.unpack_from(self._tok, slot * self._tok_row.size)
         scope = self._scopes[self._scope[slot]]
         assert scope is not None
-        return SharedBlock(
+        return _make_block(
             digest if digest is not None else _HALVES.pack(self._lo[slot], self._hi[slot]),
             None if parent < 0 else _HALVES.pack(self._lo[parent], self._hi[parent]),
             eh, peh, tokens, scope[0], scope[1])
@@ -599,6 +633,7 @@ class SharedDirectory:
         """Tokens into the int32 column; False when they do not fit it (side table)."""
         if self._width < 0:
             self._width = len(tokens)
+            self._tok_row = struct.Struct(f"={self._width}i")  # native, as the array
             self._tok.extend(array("i", bytes(4 * self._width * len(self._lo))))
         width = self._width
         if len(tokens) != width:

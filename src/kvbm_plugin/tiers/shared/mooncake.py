@@ -65,7 +65,6 @@ from kvbm_plugin.tiers.shared.store import (
 )
 
 log = logging.getLogger(__name__)
-_rl = RateLimitedLog(log)
 
 EXTRA_HINT = ("pip install 'kvbm-plugin[mooncake]' (mooncake-transfer-engine-non-cuda; a GPU "
               "machine uses mooncake-transfer-engine) and Debian's libibverbs1")
@@ -191,13 +190,14 @@ def master_http(metrics_address: str, path: str, timeout_s: float = PROBE_TIMEOU
 
 
 def master_http_health(metrics_address: str, timeout_s: float = PROBE_TIMEOUT_S) -> str | None:
-    """None when the master's ``/health`` says it serves, else why not."""
+    """None when the master's ``/health`` says it serves, else why not (naming the variable)."""
+    where = f"{cc.SHARED_METRICS_ADDRESS}={metrics_address!r}: GET /health"
     try:
         body = json.loads(master_http(metrics_address, "/health", timeout_s))
     except (OSError, ValueError) as exc:
-        return f"GET http://{metrics_address}/health: {exc}"
+        return f"{where}: {exc}"
     if not (isinstance(body, dict) and body.get("service_ready")):
-        return f"GET http://{metrics_address}/health: not serving: {body!r:.200}"
+        return f"{where}: not serving: {body!r:.200}"
     return None
 
 
@@ -241,6 +241,7 @@ class MooncakeStore(SharedStore):
                               f"(or {cc.MOONCAKE_CONFIG_PATH}, a JSON with "
                               "master_server_address)")
         self.settings = settings
+        self._rl = RateLimitedLog(log)  # per client: one client's losses hide no other's
         self._host, self._port = parse_host_port(cc.SHARED_ADDRESS, settings.address)
         if settings.metrics_address:
             parse_host_port(cc.SHARED_METRICS_ADDRESS, settings.metrics_address)
@@ -307,13 +308,13 @@ class MooncakeStore(SharedStore):
             result = list(getattr(client, what)(*args))
         except Exception as exc:  # a pybind argument error: a bug here, reported per key
             self._count("errors")
-            _rl.log(logging.ERROR, f"mooncake.{what}", "Mooncake %s raised %s: %s", what,
-                    type(exc).__name__, exc)
+            self._rl.log(logging.ERROR, f"mooncake.{what}", "Mooncake %s raised %s: %s", what,
+                         type(exc).__name__, exc)
             return [FAILED] * n
         if len(result) != n:
             self._count("errors")
-            _rl.log(logging.ERROR, f"mooncake.{what}.len", "Mooncake %s returned %d results "
-                    "for %d keys", what, len(result), n)
+            self._rl.log(logging.ERROR, f"mooncake.{what}.len", "Mooncake %s returned %d results "
+                         "for %d keys", what, len(result), n)
             return [FAILED] * n
         return result
 
@@ -324,8 +325,8 @@ class MooncakeStore(SharedStore):
         rc = client.register_buffer(address, size)
         if rc != 0:
             self._count("register_failures")
-            _rl.log(logging.WARNING, "mooncake.register", "Mooncake register_buffer(%#x, %d) "
-                    "failed with code %d: transfers from it fail on rdma", address, size, rc)
+            self._rl.log(logging.WARNING, "mooncake.register", "Mooncake register_buffer(%#x, %d) "
+                         "failed with code %d: transfers from it fail on rdma", address, size, rc)
 
     def unregister(self, address: int) -> None:
         client = self._client
@@ -371,8 +372,8 @@ class MooncakeStore(SharedStore):
                 out.append(FAILED if r == -600 else mooncake_code(r))
             elif r != size:
                 self._count("size_mismatches")
-                _rl.log(logging.ERROR, "mooncake.size", "shared-tier object %s has %d bytes, "
-                        "expected %d: not loaded", key, r, size)
+                self._rl.log(logging.ERROR, "mooncake.size", "shared-tier object %s has %d bytes, "
+                             "expected %d: not loaded", key, r, size)
                 out.append(FAILED)
             else:
                 out.append(r)

@@ -41,7 +41,6 @@ from kvbm_plugin.tiers.shared.store import (
 )
 
 log = logging.getLogger(__name__)
-_rl = RateLimitedLog(log)
 
 EXTRA_HINT = "pip install 'kvbm-plugin[redis]' (the redis client)"
 CONNECT_TIMEOUT_S = 1.0
@@ -80,6 +79,8 @@ class RedisStore(SharedStore):
             raise ConfigError(f"{cc.SHARED_TIER}='redis' needs the Redis client: {EXTRA_HINT} "
                               f"({exc})") from None
         self.settings = settings
+        self._rl = RateLimitedLog(log)  # per client: one client's losses hide no other's
+        self._closed = False
         self._errors = redis.exceptions
         url = redis_url(settings.address)
         try:
@@ -104,7 +105,6 @@ class RedisStore(SharedStore):
                  ("noeviction", "volatile-lru", "volatile-lfu", "volatile-random",
                   "volatile-ttl") else "evicts without telling: a checked block may be gone "
                  "at its load")
-        self._closed = False
 
     def _pipeline(self, what: str, n: int, fill: Any) -> list[Any]:
         """Run one pipelined batch; each entry a reply or a per-key code (int < 0)."""
@@ -115,10 +115,10 @@ class RedisStore(SharedStore):
         try:
             replies = pipe.execute(raise_on_error=False)
         except (self._errors.ConnectionError, self._errors.TimeoutError) as exc:
-            _rl.log(logging.WARNING, f"redis.{what}.down", "Redis %s failed: %s", what, exc)
+            self._rl.log(logging.WARNING, f"redis.{what}.down", "Redis %s failed: %s", what, exc)
             return [UNAVAILABLE] * n
         except self._errors.RedisError as exc:
-            _rl.log(logging.ERROR, f"redis.{what}", "Redis %s failed: %s", what, exc)
+            self._rl.log(logging.ERROR, f"redis.{what}", "Redis %s failed: %s", what, exc)
             return [FAILED] * n
         out: list[Any] = []
         for reply in replies:
@@ -131,9 +131,9 @@ class RedisStore(SharedStore):
     def _code(self, what: str, error: Exception) -> int:
         if isinstance(error, (self._errors.ConnectionError, self._errors.TimeoutError)):
             return UNAVAILABLE
-        if str(error).startswith("OOM"):
+        if isinstance(error, self._errors.OutOfMemoryError):  # an "OOM ..." reply
             return FULL
-        _rl.log(logging.ERROR, f"redis.{what}.reply", "Redis %s replied %s", what, error)
+        self._rl.log(logging.ERROR, f"redis.{what}.reply", "Redis %s replied %s", what, error)
         return FAILED
 
     def exists(self, keys: Sequence[str]) -> list[int]:
@@ -179,8 +179,8 @@ class RedisStore(SharedStore):
             elif isinstance(reply, int):
                 out.append(reply)
             elif len(reply) != size:
-                _rl.log(logging.ERROR, "redis.size", "shared-tier object %s has %d bytes, "
-                        "expected %d: not loaded", key, len(reply), size)
+                self._rl.log(logging.ERROR, "redis.size", "shared-tier object %s has %d bytes, "
+                             "expected %d: not loaded", key, len(reply), size)
                 out.append(FAILED)
             else:
                 ctypes.memmove(address, reply, size)
