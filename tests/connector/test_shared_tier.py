@@ -338,8 +338,8 @@ def test_a_promised_load_whose_object_is_gone_fails_counted(shared, expect_error
     wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's blocks")
     digests = chain_digests(system, BS, None)
     # What a master restart does: every object gone at once, leases or not.
-    shared.store.evict([k for k in shared.store.keys()
-                        if any(d.hex() in k for d in digests[2:])])
+    stored = shared.store.keys()  # (a list of the object keys)
+    shared.store.evict([k for k in stored if any(d.hex() in k for d in digests[2:])])
     before = b.leader.stats()
     b.submit(system + prompt(38, 2), 2)
     b.run_until_idle()
