@@ -4,7 +4,8 @@ Runs on rank 0 only (TRT-LLM builds the scheduler there), on the executor thread
 constructor (a thread-pool thread, concurrently with the worker's). Per iteration TRT-LLM calls:
 
 * ``get_num_new_matched_tokens(request, n)``: once per new request, during allocation; result
-  broadcast to every rank. Host/disk hits beyond ``n``; pins them.
+  broadcast to every rank. Host/disk hits beyond ``n``, then shared-tier hits
+  (connector/shared_book.py); pins them.
 * ``update_state_after_alloc(request, block_ids)``: rank 0 only; binds the hits to device blocks.
 * ``build_connector_meta(scheduler_output)``: once per iteration; the returned
   :class:`~kvbm_plugin.connector.meta.ConnectorMetadata` is pickled to every rank. Also flushes

@@ -17,7 +17,8 @@ copies (whole blocks, contiguous runs coalesced into one copy, on a side stream 
 forward's event); on CUDA a completion thread sleeps on each batch's event (blocking sync, no
 polling) and reports it the moment it fires, while the transfer thread fails any batch still
 unfinished after ``OP_TIMEOUT_S``; a disk thread reads, verifies and writes block files. None
-ever makes the executor thread wait. Every op reaches a terminal state (done, failed, or timed
+ever makes the executor thread wait. The shared tier's writer and reader threads are in
+connector/shared_io.py. Every op reaches a terminal state (done, failed, or timed
 out) and is reported once to the leader (see connector/meta.py), and every request id passed to
 ``get_finished`` is eventually returned.
 """

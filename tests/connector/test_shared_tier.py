@@ -372,3 +372,10 @@ def test_the_store_going_down_leaves_the_local_tiers_and_comes_back(shared) -> N
     settle(a)
     wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's new blocks")
     assert run(b, other + prompt(44, 2)).matched_shared_tokens == 4 * BS
+
+
+def test_a_shared_tier_without_a_host_tier_is_refused_naming_both(make_engine) -> None:
+    env = tiers(disk=16, **{cc.SHARED_TIER: "memory", cc.SHARED_MODEL_KEY: "test-model"})
+    with pytest.raises(cc.ConfigError, match=f"{cc.SHARED_TIER}='memory' writes through the "
+                       f"host tier.*{cc.CPU_CACHE_GB}"):
+        make_engine(num_gpu_blocks=16, env=env)
