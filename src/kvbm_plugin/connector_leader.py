@@ -571,6 +571,8 @@ class KvbmConnectorLeader(TierBookkeeping, SharedBook, KvCacheConnectorScheduler
             if present is not None:
                 if present.resident:
                     index.lookup(key)  # refresh LRU: in use again
+                    if index is self._host:  # not in the shared tier yet: write it through
+                        self._shared_follow(state, i, present, -1, -1)
                 state.offload_next += 1
                 continue
             parent_key = state.keys[i - 1] if i else None

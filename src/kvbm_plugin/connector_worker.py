@@ -249,7 +249,7 @@ class KvbmConnectorWorker(DiskJobs, KvCacheConnectorWorker):  # type: ignore[mis
                     self._load_inflight[load.req_id] = len(load.copies)
                 else:
                     self._loads_done.add(load.req_id)
-        if metadata.saves or metadata.demotes:
+        if metadata.saves or metadata.demotes or metadata.shared_saves:
             self._pending_save_meta = metadata
 
     def _fence(self, req_ids: Sequence[int]) -> None:
@@ -609,8 +609,14 @@ class KvbmConnectorWorker(DiskJobs, KvCacheConnectorWorker):  # type: ignore[mis
             self._demote(op)
         # 2. Saves into the host pool, batched; saves straight to disk via a CPU copy.
         host_ops: list[SaveOp] = []
-        # Write-through to the shared tier: staged in the host copy batch of the same block.
-        followers = {op.after: op for op in meta.shared_saves}
+        # Write-through to the shared tier: staged from its host slot now (before this job's
+        # saves may reuse it), or in the host copy batch of the same block.
+        followers = {op.after: op for op in meta.shared_saves if op.after >= 0}
+        from_host = [op for op in meta.shared_saves if op.after < 0]
+        for op in from_host if self._shared is None else ():
+            self._report(op.op_id, False, ERR_FAILED)
+        if from_host and self._shared is not None:
+            self._shared.stage_from_host(from_host, self._host)
         for op in meta.saves:
             if op.tier == HOST and self._host is not None and 0 <= op.slot < self._host.capacity:
                 host_ops.append(op)

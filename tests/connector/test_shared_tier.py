@@ -241,7 +241,16 @@ def test_a_failed_write_on_one_rank_is_never_advertised(shared) -> None:
     assert stats["shared_saves_failed"] == stats["shared_saves_scheduled"] > 0
     assert stats["shared_saves_committed"] == 0
     assert not a.recorder.hashes("EXTERNAL") and not b.recorder.hashes("EXTERNAL")
-    assert run(b, system + prompt(18, 2)).matched_shared_tokens == 0
+    probe = LlmRequest(40_000, system + prompt(18, 2))  # asked, never computed by B
+    assert b.leader.get_num_new_matched_tokens(probe, 0) == (0, False)
+    b.leader.request_finished(probe, [])
+    # The next request using A's host copies writes them through from the host tier.
+    shared.fail_put_keys = None
+    for k in range(6):  # push A's device copies out: the prefix comes from its host tier
+        run(a, prompt(200 + k, 7 * BS))
+    assert run(a, system + prompt(45, 2)).matched_host_tokens == 4 * BS
+    settle(a, b, resident=4)
+    assert run(b, system + prompt(46, 2)).matched_shared_tokens == 4 * BS
 
 
 def test_a_dropped_write_is_counted_and_never_advertised(shared) -> None:

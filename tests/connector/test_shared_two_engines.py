@@ -142,9 +142,75 @@ def test_a_prefix_computed_by_one_engine_is_onboarded_by_the_other_byte_exact(en
         assert external(subs[0].view, "a") == {to_unsigned_u64(h) for h in a.stats()["shared"]}
         for sub in subs:
             assert sub.view.counts.warnings == 0, sub.view.counts.broken()
+        assert not a.stats()["errors"] and not b.stats()["errors"]
         # The router would send the system prompt to B as well: B holds it as EXTERNAL.
         match = {m.worker: m for m in subs[1].view.match(system + [1])}
         assert match["b"].blocks_by_medium.get("EXTERNAL", 0) == 8
     finally:
         for sub in subs:
             sub.close()
+
+
+def test_the_master_stopped_and_restarted_mid_run(engines, master) -> None:
+    a, b, envs = engines
+    sub = subscriber(envs["b"], "b")
+    try:
+        first = prompt(10, 6 * BS)
+        a.run([(first + prompt(11, 3), 2, None)])
+        a.settle()
+        wait_for(lambda: len(b.stats()["shared"]) >= 7, "B to confirm A's blocks")
+        master.stop()
+        # Both engines go on with their local tiers; every shared-tier failure is counted.
+        second = prompt(12, 6 * BS)
+        ra = a.run([(second + prompt(13, 3), 2, None), (first + prompt(14, 3), 2, None)])
+        assert all(r["finished"] and r["kv_mismatches"] == 0 for r in ra), ra
+        assert ra[1]["gpu_hit"] + ra[1]["host"] >= 6 * BS  # its own copies, not the store's
+        a.settle()
+        leader_a = a.stats()["leader"]
+        assert leader_a["shared_saves_failed"] + leader_a["shared_saves_skipped_unavailable"] > 0
+        rb = b.run([(second + prompt(15, 3), 2, None)])
+        assert rb[0]["finished"] and rb[0]["kv_mismatches"] == 0 and rb[0]["shared"] == 0
+        # B stops advertising what it can no longer load.
+        wait_for(lambda: not b.stats()["leader"]["shared_agent_available"]
+                 or not b.stats()["shared"], "B's agent to see the store gone")
+        master.restart()  # same ports; an empty pool
+        wait_for(lambda: a.stats()["leader"]["shared_agent_available"]
+                 and b.stats()["leader"]["shared_agent_available"], "the agents to reconnect",
+                 timeout=60)
+        # B's blocks of the old pool are gone from its directory and from its stream.
+        wait_for(lambda: not b.stats()["shared"], "B to drop the blocks the restart lost",
+                 timeout=60)
+        b.settle()
+
+        def advertised() -> set[int]:
+            sub.poll(20)
+            return external(sub.view, "b")
+
+        wait_for(lambda: not advertised(), "B's stream to remove them")
+        third = prompt(16, 6 * BS)
+        wait_for(lambda: a.stats()["ranks"] is not None, "A")
+        deadline = time.monotonic() + 60
+        while True:  # the workers' clients re-mount their segments within about a second
+            a.run([(third + prompt(17, 3), 2, None)])
+            a.settle()
+            if len(a.stats()["shared"]) >= 6 or time.monotonic() > deadline:
+                break
+            third = third[:-1] + [third[-1] + 1]
+        try:
+            wait_for(lambda: len(b.stats()["shared"]) >= 6, "B to confirm A's new blocks")
+        except AssertionError:
+            for eng in (a, b):
+                st = eng.stats()
+                print("DBG", eng.name, len(st["shared"]), {k: v for k, v in st["leader"].items()
+                      if k.startswith("shared_") and v}, [
+                          {k: v for k, v in r.items() if k.startswith("shared_") and v}
+                          for r in st["ranks"]], st["errors"][:3])
+            raise
+        b.settle()
+        rb = b.run([(third + prompt(18, 3), 2, None)])
+        assert rb[0]["shared"] == 6 * BS and rb[0]["kv_mismatches"] == 0
+        for eng in (a, b):
+            assert not eng.stats()["errors"], eng.stats()["errors"]
+        assert sub.view.counts.warnings == 0, sub.view.counts.broken()
+    finally:
+        sub.close()

@@ -96,15 +96,20 @@ class DemoteOp:
 class SharedSaveOp:
     """Write one block through to the shared tier, under this rank's key for ``digest``.
 
-    Rides in the metadata of the host :class:`SaveOp` ``after`` of the same block: each rank
-    copies the device block into a staging buffer in the same copy batch as that host copy, and
-    its writer thread puts the staged bytes once the batch completed (a failed host copy fails
-    this op too). Reported once per rank, like every op."""
+    Either it rides in the metadata of the host :class:`SaveOp` ``after`` of the same block:
+    each rank copies the device block into a staging buffer in the same copy batch as that host
+    copy (a failed host copy fails this op too); or (``after`` -1) the block is resident in the
+    host tier already: each rank copies host slot ``host_slot`` (which must hold ``host_key``)
+    into staging when its transfer thread takes the metadata, before that metadata's saves may
+    reuse the slot. The rank's writer thread puts the staged bytes. Reported once per rank,
+    like every op."""
 
     op_id: int
-    after: int  # the op_id of the host SaveOp of the same block, in the same metadata
-    device_block: int
+    after: int  # the op_id of the host SaveOp of the same block in this metadata, or -1
+    device_block: int  # -1 when staged from the host slot
     digest: bytes
+    host_slot: int = -1
+    host_key: int = 0
 
 
 @dataclass(frozen=True, slots=True)

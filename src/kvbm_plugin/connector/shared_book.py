@@ -140,6 +140,7 @@ class SharedBook:
     _group: str
     _tier_settings: Any
     _new_op: Any
+    _held: dict
     _lock: Any
     _closed: bool
 
@@ -260,9 +261,11 @@ class SharedBook:
 
     def _shared_follow(self, state: Any, index: int, entry: Any, host_op: int,
                        device_block: int) -> None:
-        """A host save of block ``index`` was scheduled (op ``host_op``, into ``entry``): write
-        it through to the shared tier in the same metadata, unless the shared tier has it or
-        is writing it already. Executor thread."""
+        """A host save of block ``index`` was scheduled (op ``host_op``, into ``entry``), or
+        (``host_op`` -1) the block is resident in the host tier: write it through to the
+        shared tier in the same metadata, unless the shared tier has it or is writing it
+        already. So a block whose write-through failed (the store was down) is written again
+        the next time a request uses its host copy. Executor thread."""
         agent = self._shared_agent
         if agent is None:
             return
@@ -281,7 +284,14 @@ class SharedBook:
                              state.scope)
         self._shared_writes[op_id] = write
         self._shared_by_key[entry.key] = write
-        self._pending_shared_saves.append(SharedSaveOp(op_id, host_op, device_block, digest))
+        if host_op < 0:
+            if (TIER_HOST, entry.key) not in self._held:  # announced: its name is final
+                write.name = (entry.event_hash, entry.parent_event_hash, tuple(entry.token_ids))
+            self._pending_shared_saves.append(SharedSaveOp(op_id, -1, -1, digest, entry.slot,
+                                                           entry.key))
+        else:
+            self._pending_shared_saves.append(SharedSaveOp(op_id, host_op, device_block,
+                                                           digest))
         self._stats["shared_saves_scheduled"] += 1
 
     def _shared_named(self, index: Any, entry: Any) -> None:

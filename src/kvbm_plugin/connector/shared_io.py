@@ -160,14 +160,35 @@ class SharedIO:
                 continue
             buf = self._acquire()
             if buf is None:
-                self._count(shared_writes_dropped=1)
-                _log.log(logging.WARNING, f"shared-drop-{self._rank}", "rank %d: shared-tier "
-                         "write queue full (%d blocks, %s); write dropped", self._rank,
-                         self.settings.queue_blocks, "DYN_KVBM_SHARED_QUEUE_BLOCKS")
-                self._worker._report(follower.op_id, False, ERR_DROPPED)
+                self._drop(follower)
                 continue
             staged.append((follower, buf))
         return staged
+
+    def stage_from_host(self, ops: Sequence[SharedSaveOp], host: Any) -> None:
+        """Shared saves of blocks resident in the host tier (transfer thread, when it takes
+        their metadata): each host slot is copied into a staging buffer now and queued for the
+        writer; a slot that no longer holds its block fails its op."""
+        for op in ops:
+            keys = getattr(host, "keys", None)
+            if keys is None or not 0 <= op.host_slot < len(keys) \
+                    or keys[op.host_slot] != op.host_key:
+                self._count(shared_writes_failed=1)
+                self._worker._report(op.op_id, False, ERR_FAILED)
+                continue
+            buf = self._acquire()
+            if buf is None:
+                self._drop(op)
+                continue
+            buf.copy_(host.pool[op.host_slot])
+            self.staged_done(((op, buf),), True)
+
+    def _drop(self, op: SharedSaveOp) -> None:
+        self._count(shared_writes_dropped=1)
+        _log.log(logging.WARNING, f"shared-drop-{self._rank}", "rank %d: shared-tier write "
+                 "queue full (%d blocks, %s); write dropped", self._rank,
+                 self.settings.queue_blocks, "DYN_KVBM_SHARED_QUEUE_BLOCKS")
+        self._worker._report(op.op_id, False, ERR_DROPPED)
 
     def staged_done(self, staged: Sequence[tuple[SharedSaveOp, torch.Tensor]], ok: bool) -> None:
         """The copy batch that filled ``staged`` ended (transfer or completion thread): its

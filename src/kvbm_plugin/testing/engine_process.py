@@ -130,7 +130,27 @@ def _settle(engine: Any, timeout_s: float) -> dict[str, int]:
 
 
 def _engine_main(conn: Any, config: dict[str, Any]) -> None:
-    """Child process: build the engine, then one command per message until shutdown."""
+    """Child process: build the engine, then one command per message until shutdown. Counts
+    what a run must not produce (``stats()["errors"]``): ERROR records of the plugin's
+    loggers and exceptions that escaped a thread."""
+    import logging
+    import threading
+
+    errors: list[str] = []
+
+    class _Errors(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            errors.append(f"{record.name}: {record.getMessage()}"[:300])
+
+    logging.getLogger("kvbm_plugin").addHandler(_Errors(level=logging.ERROR))
+    previous_hook = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        errors.append(f"thread {args.thread.name if args.thread else '?'}: "
+                      f"{args.exc_type.__name__}: {args.exc_value}"[:300])
+        previous_hook(args)
+
+    threading.excepthook = hook
     engine = None
     try:
         from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
@@ -162,7 +182,8 @@ def _engine_main(conn: Any, config: dict[str, Any]) -> None:
                              "ranks": [r.stats() for r in engine.ranks],
                              "resident": {k: {r: sorted(v) for r, v in per.items()}
                                           for k, per in engine.resident_blocks().items()},
-                             "shared": sorted(engine.leader.resident_shared_hashes())}
+                             "shared": sorted(engine.leader.resident_shared_hashes()),
+                             "errors": list(errors)}
                 elif kind == "block_bytes":
                     blocks = engine.block_ids(msg[1])[:msg[2]]
                     reply = [rank.block_bytes(blocks) for rank in engine.ranks]
