@@ -188,24 +188,16 @@ def test_the_master_stopped_and_restarted_mid_run(engines, master) -> None:
 
         wait_for(lambda: not advertised(), "B's stream to remove them")
         third = prompt(16, 6 * BS)
-        wait_for(lambda: a.stats()["ranks"] is not None, "A")
         deadline = time.monotonic() + 60
-        while True:  # the workers' clients re-mount their segments within about a second
+        while True:  # the workers' clients re-mount their segments about a second after the
+            # master is back: a write-through before that fails and is written again from
+            # the host copy by the next request that uses it
             a.run([(third + prompt(17, 3), 2, None)])
             a.settle()
             if len(a.stats()["shared"]) >= 6 or time.monotonic() > deadline:
                 break
             third = third[:-1] + [third[-1] + 1]
-        try:
-            wait_for(lambda: len(b.stats()["shared"]) >= 6, "B to confirm A's new blocks")
-        except AssertionError:
-            for eng in (a, b):
-                st = eng.stats()
-                print("DBG", eng.name, len(st["shared"]), {k: v for k, v in st["leader"].items()
-                      if k.startswith("shared_") and v}, [
-                          {k: v for k, v in r.items() if k.startswith("shared_") and v}
-                          for r in st["ranks"]], st["errors"][:3])
-            raise
+        wait_for(lambda: len(b.stats()["shared"]) >= 6, "B to confirm A's new blocks")
         b.settle()
         rb = b.run([(third + prompt(18, 3), 2, None)])
         assert rb[0]["shared"] == 6 * BS and rb[0]["kv_mismatches"] == 0
