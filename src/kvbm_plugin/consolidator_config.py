@@ -539,14 +539,17 @@ def load_shared_settings(env: Mapping[str, str] | None = None) -> SharedSettings
     peers = tuple(p.strip() for p in (_raw(env, SHARED_PEERS) or "").split(",") if p.strip())
     for peer in peers:
         if not peer.startswith(_SCHEMES):
-            raise ConfigError(f"{SHARED_PEERS}: {peer!r} is not a tcp://, ipc:// or inproc:// "
-                              "endpoint")
+            raise ConfigError(f"{SHARED_PEERS}={env.get(SHARED_PEERS)!r}: {peer!r} is not a "
+                              "tcp://, ipc:// or inproc:// endpoint")
     lease = parse_float(SHARED_LEASE_S, _raw(env, SHARED_LEASE_S) or "")
     margin = parse_float(SHARED_LOAD_MARGIN_S, _raw(env, SHARED_LOAD_MARGIN_S) or "")
     if not 0 < margin < lease:
         raise ConfigError(f"{SHARED_LOAD_MARGIN_S}={margin!r} must be above 0 and below "
                           f"{SHARED_LEASE_S}={lease!r}")
     announce = _raw(env, SHARED_ANNOUNCE_ENDPOINT)
+    if announce is not None and not announce.strip().startswith(_SCHEMES):
+        raise ConfigError(f"{SHARED_ANNOUNCE_ENDPOINT}={announce!r} is not a tcp://, ipc:// or "
+                          "inproc:// endpoint")
     return SharedSettings(
         store=store,
         model_key=part(SHARED_MODEL_KEY),

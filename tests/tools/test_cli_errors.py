@@ -253,9 +253,40 @@ BAD_VALUES_ELSEWHERE = {
 }
 
 
+# The shared tier's variables, each with the ones that switch the tier on (doctor reads them
+# only then). The RDMA device names, the metadata server and the local hostname take any string.
+SHARED_ON = {cc.SHARED_TIER: "mooncake", cc.SHARED_MODEL_KEY: "m",
+             cc.SHARED_ADDRESS: "127.0.0.1:1"}
+BAD_SHARED_VALUES = {
+    cc.SHARED_TIER: "s3", cc.SHARED_MODEL_KEY: "a/b", cc.SHARED_NAMESPACE: "x y",
+    cc.SHARED_ADDRESS: "nohost", cc.SHARED_PROTOCOL: "carrier-pigeon",
+    cc.SHARED_METRICS_ADDRESS: "nohost", cc.SHARED_SEGMENT_GB: "lots",
+    cc.SHARED_BUFFER_GB: "-1", cc.SHARED_PEERS: "udp://x", cc.SHARED_ANNOUNCE_ENDPOINT: "udp://x",
+    cc.SHARED_TRACKED_BLOCKS: "0", cc.SHARED_QUEUE_BLOCKS: "many", cc.SHARED_LEASE_S: "soon",
+    cc.SHARED_LOAD_MARGIN_S: "abc", cc.MOONCAKE_CONFIG_PATH: "/nonexistent/mooncake.json",
+}
+FREE_FORM_SHARED = {cc.SHARED_DEVICE, cc.SHARED_METADATA_SERVER, cc.SHARED_LOCAL_HOSTNAME}
+
+
 def test_doctor_covers_every_variable() -> None:
-    assert set(BAD_VALUES) | set(BAD_VALUES_ELSEWHERE) | {cc.TOPIC, cc.DISK_CACHE_DIR} == {
-        v.name for v in cc.ENV_VARS}
+    assert set(BAD_VALUES) | set(BAD_VALUES_ELSEWHERE) | set(BAD_SHARED_VALUES) \
+        | FREE_FORM_SHARED | {cc.TOPIC, cc.DISK_CACHE_DIR} == {v.name for v in cc.ENV_VARS}
+
+
+@pytest.mark.parametrize("variable", list(BAD_SHARED_VALUES))
+def test_doctor_refuses_a_bad_value_of_every_shared_variable(monkeypatch, capsys,
+                                                             variable: str) -> None:
+    from kvbm_plugin.tools.doctor import main_doctor
+
+    for var in cc.ENV_VARS:
+        monkeypatch.delenv(var.name, raising=False)
+    monkeypatch.setenv(cc.TRTLLM_ZMQ_PORT, PORT)
+    for name, value in {**SHARED_ON, variable: BAD_SHARED_VALUES[variable]}.items():
+        monkeypatch.setenv(name, value)
+    assert main_doctor(["--json"]) == 1
+    failed = [c for c in json.loads(capsys.readouterr().out) if c["status"] == "fail"]
+    value = BAD_SHARED_VALUES[variable]
+    assert any(f"{variable}={value!r}" in c["detail"] for c in failed), failed
 
 
 @pytest.mark.parametrize("variable", list(BAD_VALUES) + list(BAD_VALUES_ELSEWHERE))

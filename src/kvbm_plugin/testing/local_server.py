@@ -8,12 +8,14 @@ log file in the server's directory, whose tail an error carries.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 
@@ -27,6 +29,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A pre-exec hook that has Linux kill the server when the process that started it dies
+    (``prctl(PR_SET_PDEATHSIG, SIGKILL)``), so a test run killed outright leaves no server
+    behind; None elsewhere. Linux ties this to the starting *thread*: start servers from a
+    thread that outlives them (the main thread, a fixture's)."""
+    if not sys.platform.startswith("linux"):
+        return None
+
+    def hook() -> None:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+    return hook
 
 
 def _tail(path: Path, limit: int = 2000) -> str:
@@ -96,7 +112,7 @@ class LocalServer:
             try:
                 self.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log,
                                              stderr=subprocess.STDOUT, cwd=self.directory,
-                                             start_new_session=True, env=self._env())
+                                             env=self._env(), preexec_fn=_die_with_parent())
             except OSError as exc:
                 raise ServerError(f"cannot run {command[0]}: {exc}") from exc
         self.starts += 1

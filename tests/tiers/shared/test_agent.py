@@ -337,3 +337,19 @@ def test_with_a_real_master_a_block_one_client_wrote_is_confirmed_by_another_age
     finally:
         a.agent.close()
         b.agent.close()
+
+
+def test_an_agent_that_fails_drops_what_it_advertised(leader: Leader, monkeypatch,
+                                                      expect_errors) -> None:
+    blocks = chain(2)
+    leader.commit(blocks)
+    leader.wait_stat("confirmed", 2)
+
+    def broken(self: SharedDirectory) -> float | None:
+        raise RuntimeError("agent bug")
+
+    monkeypatch.setattr(SharedDirectory, "next_expiry", broken)
+    leader.agent.wake()
+    wait_until(lambda: leader.removed_flat() == [blocks[1], blocks[0]], 10, "blocks dropped")
+    assert not leader.agent.available and len(leader.directory) == 0
+    assert expect_errors.wait_for("shared-tier agent stopped")

@@ -134,33 +134,37 @@ def test_the_leaders_client_has_no_segment(mooncake_master: Any,
 def test_a_leased_block_survives_a_full_pool(mooncake_master_factory: Any,
                                              mooncake_store_factory: Any) -> None:
     """A block re-checked every lease/3 outlives a pool filled many times over; one checked
-    once is evicted after its lease ran out, like the unleased ones."""
-    lease_s = 1.0
+    once is evicted after its lease ran out, like the unleased ones. (Which blocks are still
+    there is read from the master's key list: a check through the client would lease them.)"""
+    lease_s = 2.0
     master = mooncake_master_factory(lease_ms=int(lease_s * 1000))
     store = mooncake_store_factory(master, segment_bytes=16 << 20, lease_s=lease_s,
                                    load_margin_s=0.3)
     layout = SharedLayout("kvbm", "test-model", 1, 0, 0, 32, 4 * BLOCK, "bfloat16", "v1pool")
     kept, once = _keys(2, layout, salt="pinned")
+    fill = _keys(20000, layout, salt="fill")
     arena = Arena(3, 4 * BLOCK)
     assert store.put([kept, once], _fill(arena, [kept, once])) == [OK, OK]
-    assert store.exists([kept, once]) == [1, 1]
-    fill = _keys(4000, layout, salt="fill")
     renewed = time.monotonic()
-    first_fill_gone = once_gone = False
-    deadline = time.monotonic() + 30
+    assert store.exists([kept, once]) == [1, 1]
+    deadline = time.monotonic() + 60
+    gaps = []
     i = 0
-    while not (once_gone and first_fill_gone):
-        assert time.monotonic() < deadline, "the once-checked block was never evicted"
-        arena.write(2, payload(fill[i % len(fill)], arena.size))
-        assert store.put([fill[i % len(fill)]], [arena.buffer(2)])[0] in (OK, FULL)
+    while True:
+        arena.write(2, payload(fill[i], arena.size))
+        assert store.put([fill[i]], [arena.buffer(2)])[0] in (OK, FULL)
         i += 1
         if time.monotonic() - renewed >= lease_s / 3:
+            gaps.append(round(time.monotonic() - renewed, 3))
             renewed = time.monotonic()
-            result = store.exists([kept, fill[0]])
-            assert result[0] == 1, f"the leased block was evicted after {i} puts"
-            first_fill_gone = first_fill_gone or result[1] == 0
-            once_gone = store.exists([once])[0] == 0 if i % 5 == 0 else once_gone
-    assert i > 4 * 64  # the pool (64 blocks) was filled several times over
+            assert store.exists([kept]) == [1], (f"the leased block was evicted after {i} "
+                                                 f"puts; renewal gaps {gaps} s")
+            present = set(master.keys())
+            if once not in present and fill[0] not in present and i > 4 * 64:
+                break  # the pool (64 blocks) was filled several times over
+            assert time.monotonic() < deadline, (
+                f"after {i} puts: once-checked block present {once in present}, first "
+                f"unleased block present {fill[0] in present}")
     assert store.get_into([kept], [arena.buffer(0)]) == [arena.size]
     assert arena.read(0) == payload(kept, arena.size)
 
@@ -239,3 +243,28 @@ def test_threads_share_one_client(mooncake_master: Any, mooncake_store_factory: 
     for w in workers:
         w.join(60)
     assert results == {t: ([OK] * per, [BLOCK] * per, True) for t in range(threads)}
+
+
+def test_a_killed_writers_blocks_fail_then_miss(mooncake_master_factory: Any,
+                                                mooncake_store_factory: Any) -> None:
+    """The blocks live in their writer's segment: the writer killed, they still look present
+    until the master drops its segment (-client_ttl), but every read fails (FAILED, never
+    bytes); then they are MISSING."""
+    master = mooncake_master_factory(client_ttl_s=2)
+    store = mooncake_store_factory(master)
+    theirs = _keys(3, salt="killed")
+    peer = _peer.start("mooncake", master.address, theirs, [], BLOCK)
+    try:
+        assert _peer.report(peer)["put"] == [OK] * 3
+    finally:
+        peer.kill()
+        peer.wait(30)
+    arena = Arena(3, BLOCK)
+    codes = store.get_into(theirs, [arena.buffer(i) for i in range(3)])
+    assert codes == [FAILED] * 3 and arena.read(0) == bytes(BLOCK)  # -800 TRANSFER_FAIL
+    deadline = time.monotonic() + 30
+    while store.exists(theirs) != [0] * 3:
+        assert time.monotonic() < deadline, "the dead writer's segment was never dropped"
+        assert set(store.get_into(theirs[:1], [arena.buffer(0)])) <= {FAILED, MISSING}
+        time.sleep(0.1)  # the master drops a silent client after -client_ttl (2 s here)
+    assert store.get_into(theirs, [arena.buffer(i) for i in range(3)]) == [MISSING] * 3

@@ -242,9 +242,11 @@ class SharedAgent:
         try:
             self._loop(next_sweep)
         except Exception:  # a bug: the tier stops confirming and renewing, loudly
-            logger.exception("kvbm_plugin: the shared-tier agent stopped; shared blocks are "
-                             "no longer confirmed or renewed and will expire")
+            logger.exception("kvbm_plugin: the shared-tier agent stopped; its shared blocks "
+                             "are dropped (nothing would renew their leases)")
             self._directory.set_available(False)
+            roots = [b.digest for b in self._directory.blocks() if b.parent_digest is None]
+            self._report_removed(self._directory.drop(roots, "expired"))
         finally:
             self._announcer.close()
 
@@ -452,7 +454,10 @@ class SharedAgent:
                           saferepr(str(exc)))
 
     def _close_pipe(self) -> None:
-        for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        # Forget the numbers first: a late wake() must not write into a reused descriptor.
+        fds = (self._wake_r, self._wake_w)
         self._wake_r = self._wake_w = -1
+        for fd in fds:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)

@@ -5,10 +5,11 @@ Who calls it: every worker process has one (its rank's puts and reads, from its 
 reader threads, contributing ``segment_bytes`` of its memory to the pool); the leader has one
 more in rank 0's process for existence checks and lease renewal (the shared agent's thread),
 built from ``dataclasses.replace(settings, segment_bytes=0, buffer_bytes=0)``: Mooncake 0.3.13
-accepts a client with no segment and no transfer buffer (its puts fail, its checks and reads
-work). Never called on TensorRT-LLM's executor thread. The Mooncake calls release the GIL, so a
-slow one (about 4.5 s each while the master is down) stalls only its caller; GuardedStore
-(:mod:`.breaker`) keeps it to one such call per outage.
+accepts a client with no segment and no transfer buffer (its checks and reads work; a put of
+its would land in another client's segment). A segment is 0 or at least 16 MiB (smaller ones
+fail set-up). Never called on TensorRT-LLM's executor thread. The Mooncake calls release the
+GIL, so a slow one (about 4.5 s each while the master is down) stalls only its caller;
+GuardedStore (:mod:`.breaker`) keeps it to one such call per outage.
 
 Behaviour relied on (``mooncake-transfer-engine-non-cuda`` 0.3.13.post1, checked on loopback;
 error codes from ``mooncake-store/include/types.h``, kvcache-ai/Mooncake@00aabe0):
@@ -24,7 +25,9 @@ error codes from ``mooncake-store/include/types.h``, kvcache-ai/Mooncake@00aabe0
   or renews the key's read lease (``-default_kv_lease_ttl``; :attr:`lease_s` is the operator's
   ``DYN_KVBM_SHARED_LEASE_S``, which must match it). A leased object is not evicted.
 * ``batch_get_into`` returns the object's size or a negative code; a size other than the
-  caller's buffer is a FAILED read here, never a load. Buffers are used in place; on ``tcp``
+  caller's buffer is a FAILED read here, never a load. An object whose owner was killed stays
+  listed for ``-client_ttl`` (~11 s: ``is_exist`` 1) but reads fail with -800 (TRANSFER_FAIL):
+  FAILED; once the master unmounted the segment, MISSING. Buffers are used in place; on ``tcp``
   unregistered memory works too, ``rdma`` needs :meth:`register` first.
 * glog writes several INFO lines per client to stderr: ``MC_LOG_LEVEL`` (Mooncake's own
   variable, read when the module loads) defaults to ``ERROR`` here unless the operator set it.
@@ -69,6 +72,8 @@ log = logging.getLogger(__name__)
 EXTRA_HINT = ("pip install 'kvbm-plugin[mooncake]' (mooncake-transfer-engine-non-cuda; a GPU "
               "machine uses mooncake-transfer-engine) and Debian's libibverbs1")
 FULL_RETRY_DELAY_S = 0.02
+# The transports Mooncake's transfer engine names (mooncake-wheel/mooncake/mooncake_config.py).
+PROTOCOLS = ("tcp", "rdma", "nvmeof", "nvlink", "nvlink_intra", "hip", "barex", "cxl", "ascend")
 MIN_SEGMENT_BYTES = 16 << 20  # smaller segments fail setup (client_buffer_allocation.cpp)
 MAX_SEGMENT_BYTES = 1 << 40
 PROBE_TIMEOUT_S = 1.0
@@ -249,6 +254,9 @@ class MooncakeStore(SharedStore):
                 <= MAX_SEGMENT_BYTES:
             raise ConfigError(f"{cc.SHARED_SEGMENT_GB}: {settings.segment_bytes} bytes; Mooncake "
                               "takes 0 (no segment) or 16 MiB .. 1 TiB")
+        if settings.protocol not in PROTOCOLS:
+            raise ConfigError(f"{cc.SHARED_PROTOCOL}={settings.protocol!r}: Mooncake transfers "
+                              f"over {', '.join(PROTOCOLS)}")
         client_type, self._config_type = import_client()
         problem = probe_tcp(self._host, self._port)
         if problem is not None:
