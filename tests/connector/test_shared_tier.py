@@ -87,6 +87,7 @@ def shared(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, make
         monkeypatch.setattr(shared_book, "agent_class",
                             lambda: functools.partial(BusAgent, ns.bus))
     endpoints: list[str] = []
+    built: list[Any] = []
 
     def engine(host: int = 64, gpu: int = 32, **extra: str) -> Any:
         rec = TierRecorder()
@@ -103,6 +104,11 @@ def shared(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, make
         # The agent starts at the leader's first idle tick after rank 0 registered its pool:
         # wait for it, so that this engine hears what the others announce from now on.
         wait_for(lambda: agent(eng) is not None, "the agent to start")
+        if real:  # the engines built before this one hear it... once its SUB joined theirs
+            built.append(eng)
+            for n, earlier in enumerate(built[:-1]):
+                wait_for(lambda e=earlier, n=n: agent(e).stats()["subscriptions"]
+                         >= len(built) - 1 - n, "the new engine to subscribe")
         return eng
 
     ns.engine = engine

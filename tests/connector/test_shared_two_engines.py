@@ -85,6 +85,8 @@ def engines(tmp_path: Path, master: Any) -> Iterator[tuple[Any, Any, dict]]:
             made.append(EngineProcess(name, {
                 "num_layers": 2, "num_kv_heads": 4, "head_dim": 8, "tokens_per_block": BS,
                 "num_gpu_blocks": 48, "tp_size": 2, "processes": True, "env": envs[name]}))
+        for eng in made:  # each hears every announcement of the other from now on
+            eng.wait_subscribed(1)
         yield made[0], made[1], envs
     finally:
         for eng in made:

@@ -71,6 +71,13 @@ class EngineProcess:
     def stats(self) -> dict[str, Any]:
         return self.call("stats")
 
+    def wait_subscribed(self, peers: int, timeout_s: float = 30.0) -> None:
+        """Block until ``peers`` other engines subscribed to this engine's announcements (an
+        announcement sent before a peer's subscription arrived is not delivered to it: ZMQ's
+        PUB/SUB slow joiner)."""
+        _wait(lambda: self.stats()["leader"].get("shared_agent_subscriptions", 0) >= peers,
+              f"{peers} peers to subscribe to engine {self.name}'s announcements", timeout_s)
+
     def block_bytes(self, req_id: int, n_blocks: int) -> list[list[bytes]]:
         """Per rank, the bytes of the request's first ``n_blocks`` device blocks."""
         return self.call("block_bytes", req_id, n_blocks)

@@ -167,6 +167,8 @@ def run_engines_demo(args: argparse.Namespace,
                     "num_gpu_blocks": args.gpu_blocks, "tp_size": args.tp,
                     "processes": args.processes, "device": args.device, "env": env,
                     "overlap_scheduler": not args.no_overlap}))
+            for eng in engines:  # each hears every announcement of the other from now on
+                eng.wait_subscribed(len(engines) - 1, args.settle_timeout)
             subs = [TreeSubscriber(env[cc.OUTPUT_ENDPOINT], env[cc.OUTPUT_REPLAY_ENDPOINT],
                                    start_seq=0, view=RouterView(args.block_size), worker=name)
                     for name, env in zip(NAMES, envs, strict=True)]

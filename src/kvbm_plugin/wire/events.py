@@ -29,9 +29,11 @@ except ImportError:  # pragma: no cover - msgspec is a declared dependency
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"
-# The shared tier (a store every engine reads): Dynamo's KV router maps EXTERNAL (and its
-# aliases below) to its external storage tier, scored like disk, as a continuation of the
-# advertising worker's prefix (ai-dynamo 1.6.1, lib/kv-router: StorageTier from the medium).
+# The shared tier (a store every engine reads): NVIDIA Dynamo's KV indexer (ai-dynamo-runtime
+# 1.6.1, the interop extra) holds an EXTERNAL block in its external storage tier (``/dump``'s
+# ``storage_tier`` "external") as a continuation of the advertising worker's prefix, and removes
+# it on a BlockRemoved of that medium (tests/interop/test_dynamo_external.py); NETWORK, REMOTE
+# and SHARED are the other names routers give that tier.
 MEDIUM_EXTERNAL = "EXTERNAL"
 MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL)
 
