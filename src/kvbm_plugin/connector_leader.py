@@ -5,7 +5,8 @@ Runs on rank 0 only (TRT-LLM builds the scheduler there), or under attention DP 
 constructor (a thread-pool thread, concurrently with the worker's). Per iteration TRT-LLM calls:
 
 * ``get_num_new_matched_tokens(request, n)``: once per new request, during allocation; result
-  broadcast to every rank. Host/disk hits beyond ``n``; pins them.
+  broadcast to every rank. Host/disk hits beyond ``n``, then shared-tier hits
+  (connector/shared_book.py); pins them.
 * ``update_state_after_alloc(request, block_ids)``: rank 0 only; binds the hits to device blocks.
 * ``build_connector_meta(scheduler_output)``: once per iteration; the returned
   :class:`~kvbm_plugin.connector.meta.ConnectorMetadata` is pickled to every rank. Also flushes
@@ -41,6 +42,7 @@ from kvbm_plugin.connector.meta import (
     DISK,
     ERR_CORRUPT,
     HOST,
+    SHARED,
     ConnectorMetadata,
     DemoteOp,
     LoadCopy,
@@ -55,6 +57,7 @@ from kvbm_plugin.connector.metrics import get_metrics
 from kvbm_plugin.connector.naming import BlockNaming, name_inputs
 from kvbm_plugin.connector.requests import Op as _Op
 from kvbm_plugin.connector.requests import RequestState as _Request
+from kvbm_plugin.connector.shared_book import MATCHED_STAT, TIER_SHARED, SharedBook
 from kvbm_plugin.connector.stream_names import StreamNames
 from kvbm_plugin.connector.tier_book import TierBookkeeping
 from kvbm_plugin.connector.trtllm_compat import (
@@ -68,6 +71,7 @@ from kvbm_plugin.consolidator_config import (
     should_enable_consolidator,
 )
 from kvbm_plugin.tiers.base import (
+    TIER_DISK,
     TIER_HOST,
     TierEntry,
     TierIndex,
@@ -77,9 +81,11 @@ from kvbm_plugin.tiers.disk import claim_directory
 from kvbm_plugin.wire.identity import lora_of, request_scope, salt_of
 
 logger = logging.getLogger(__name__)
+_TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
 
 
-class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorScheduler):  # type: ignore[misc, valid-type]
+class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ignore[misc]
+                          KvCacheConnectorScheduler):  # type: ignore[valid-type]
     """Scheduler-side connector; runs on rank 0 (TP) and owns the tier index and events."""
 
     # Attention DP: each rank's leader is local to it (connectors/kv_cache_connector.py @
@@ -136,6 +142,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
             "tier_stores_held", "tier_stores_unnamed_dropped", "requests_terminated_silently",
             "saves_discarded_terminated"), 0)
         self._naming = BlockNaming(self._block_size, self._stats)
+        self._init_shared()  # the shared tier's client and directory (connector/shared_book.py)
         # Committed tier blocks whose TRT-LLM name is not known yet: advertised once it is
         # (in commit order, parents first), never under a second name. Bounded.
         self._held: dict[tuple[str, int], TierEntry] = {}
@@ -277,12 +284,13 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
             tier, entry = hit
             (self._host if tier == TIER_HOST else self._disk).pin(entry)  # type: ignore[union-attr]
             state.plan.append((i, tier, entry))
+        self._shared_match(state, tokens, first + len(state.plan), last)
         n = len(state.plan) * bs
         if n == 0:
             return 0, False
         state.match_base = num_computed_tokens + n
         for _, tier, _ in state.plan:
-            self._stats["matched_host_tokens" if tier == TIER_HOST else "matched_disk_tokens"] += bs
+            self._stats[MATCHED_STAT[tier]] += bs
         return n, True
 
     @locked
@@ -319,7 +327,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
                 if copy_op is not None:  # its pin is released when the op would have been
                     self._ops.pop(copy_op, None)
                     state.loads_inflight.discard(copy_op)
-                    index_ = self._host if tier == TIER_HOST else self._disk
+                    index_ = self._index_of(tier)
                     if index_ is not None and entry.pins > 0:
                         index_.unpin(entry)
             load = LoadOp(state.req_id, tuple(c for c in state.load.copies
@@ -329,7 +337,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
         else:
             for index, tier, entry in state.plan:
                 if dropped(index):
-                    index_ = self._host if tier == TIER_HOST else self._disk
+                    index_ = self._index_of(tier)
                     if index_ is not None and entry.pins > 0:
                         index_.unpin(entry)
         kept = [item for item in state.plan if not dropped(item[0])]
@@ -364,12 +372,13 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
             if index >= len(block_ids) or block_ids[index] < 0:
                 # TRT-LLM did not allocate it: cannot load; unpin (the request still gets a
                 # LoadOp so its id finishes).
-                (self._host if tier == TIER_HOST else self._disk).unpin(entry)  # type: ignore[union-attr]
+                self._index_of(tier).unpin(entry)
                 continue
             op_id = self._new_op("load", tier, entry.key, state.req_id, entry)
             state.loads_inflight.add(op_id)
-            copies.append(LoadCopy(op_id, HOST if tier == TIER_HOST else DISK, entry.slot,
-                                   entry.key, int(block_ids[index])))
+            copies.append(LoadCopy(op_id, _TIER_CODE[tier], entry.slot, entry.key,
+                                   int(block_ids[index]),
+                                   entry.digest if tier == TIER_SHARED else None))
         state.load = LoadOp(state.req_id, tuple(copies))
         self._pending_loads.append(state.load)
 
@@ -403,8 +412,9 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
         self.flush_events()
         meta = ConnectorMetadata(self._iteration, layout, tuple(self._pending_loads),
                                  tuple(self._pending_demotes), tuple(saves),
-                                 tuple(self._fences))
+                                 tuple(self._fences), tuple(self._pending_shared_saves))
         self._fences = []
+        self._pending_shared_saves = []
         self._pending_loads = []
         self._pending_demotes = []
         return meta
@@ -474,6 +484,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
             state.salt = salt
             state.scope = (lora_of(rd), salt_of(rd))
             state.keys = []  # rehashed under the salt by _absorb
+            state.digests = []
             state.name_inputs = name_inputs(rd)
             state.computed = []
 
@@ -501,6 +512,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
             if present is not None:
                 if present.resident:
                     index.lookup(key)  # refresh LRU: in use again
+                    if index is self._host:  # not in the shared tier yet: write it through
+                        self._shared_follow(state, i, present, -1, -1)
                 state.offload_next += 1
                 continue
             parent_key = state.keys[i - 1] if i else None
@@ -527,6 +540,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
             state.saves_inflight.add(op_id)
             saves.append(SaveOp(op_id, state.req_id, int(block),
                                 HOST if index.name == TIER_HOST else DISK, entry.slot, key))
+            if index is self._host:  # write-through to the shared tier, when there is one
+                self._shared_follow(state, i, entry, op_id, int(block))
             self._stats["saves_scheduled"] += 1
             state.offload_next += 1
 
@@ -563,9 +578,11 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
 
     def _finalize(self, op_id: int, op: _Op) -> None:
         ok = all(r.ok for r in op.reports.values())
-        index = self._host if op.tier == TIER_HOST else self._disk
+        index = self._index_of(op.tier)
         state = self._reqs.get(op.req_id) if op.req_id is not None else None
-        if op.kind in ("save", "demote"):
+        if op.kind == "shared_save":
+            self._shared_save_done(op_id, op, ok)
+        elif op.kind in ("save", "demote"):
             kind = op.kind + "s"
             # Still the entry this op wrote (not forgotten meanwhile with an ancestor, nor
             # replaced by a later reservation of the same block in another slot).
@@ -603,6 +620,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
                 entry = None  # forgotten meanwhile
             if not ok:
                 self._stats["loads_failed"] += 1
+                if op.tier == TIER_SHARED:
+                    self._stats["shared_loads_failed"] += 1
                 if any(r.error == ERR_CORRUPT for r in op.reports.values()):
                     self._stats["corrupt_blocks"] += 1
                     if entry is not None and index is not None:
@@ -631,8 +650,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
                 # Bound, never sent: no copy goes out (the id still finishes on every rank).
                 for op_id in list(state.loads_inflight):
                     op = self._ops.pop(op_id, None)
-                    index = self._host if op is not None and op.tier == TIER_HOST \
-                        else self._disk
+                    index = self._index_of(op.tier) if op is not None else None
                     if op is not None and op.entry is not None and op.entry.pins > 0 \
                             and index is not None:
                         index.unpin(op.entry)
@@ -650,28 +668,12 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
             else:
                 self._release_plan(state)
 
-    def _release_plan(self, state: _Request) -> None:
-        if state.load is None:
-            for _, tier, entry in state.plan:
-                index = self._host if tier == TIER_HOST else self._disk
-                if index is not None and entry.pins > 0:
-                    index.unpin(entry)
-        state.plan = []
-
     def _forget(self, state: _Request) -> None:
         self._release_plan(state)
         if not state.loads_inflight:
             self._reqs.pop(state.req_id, None)
 
     # ------------------------------------------------------------------ introspection
-
-    def resident_hashes(self, tier: str) -> set[int]:
-        """Event hashes resident (advertised) in ``tier`` ("host"/"disk"); tests and demo."""
-        index = self._host if tier == TIER_HOST else self._disk
-        if index is None:
-            return set()
-        return {e.event_hash for e in index.resident_entries()
-                if (index.name, e.key) not in self._held}
 
     def stats(self) -> dict[str, int]:
         out = dict(self._stats)
@@ -684,6 +686,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
         out["reports_malformed"] = self._receiver.malformed if self._receiver is not None else 0
         out["tier_batches_lost"] = getattr(self._tier_events, "lost_batches", 0)
         out["native_batches_unread"] = self._native_feed.dropped
+        out.update(self._shared_stats())
         return out
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -701,6 +704,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, KvCacheConnectorSchedul
             self._receiver.close(timeout)
         if self._name_reader is not None:
             self._name_reader.stop(timeout)
+        self._shared_close(timeout)
         if self.event_source is not None:
             self.event_source.poll()  # the last iteration's events
             self.event_source.detach()

@@ -17,7 +17,8 @@ copies (whole blocks, contiguous runs coalesced into one copy, on a side stream 
 forward's event); on CUDA a completion thread sleeps on each batch's event (blocking sync, no
 polling) and reports it the moment it fires, while the transfer thread fails any batch still
 unfinished after ``OP_TIMEOUT_S``; a disk thread reads, verifies and writes block files. None
-ever makes the executor thread wait. Every op reaches a terminal state (done, failed, or timed
+ever makes the executor thread wait. The shared tier's writer and reader threads are in
+connector/shared_io.py. Every op reaches a terminal state (done, failed, or timed
 out) and is reported once to the leader (see connector/meta.py), and every request id passed to
 ``get_finished`` is eventually returned.
 """
@@ -39,29 +40,33 @@ from kvbm_plugin.connector import llm_args as _llm_args
 from kvbm_plugin.connector.copy_runs import chunked as _chunked
 from kvbm_plugin.connector.copy_runs import count_down as _count_down
 from kvbm_plugin.connector.copy_runs import runs as _runs
+from kvbm_plugin.connector.disk_jobs import DiskJobs
 from kvbm_plugin.connector.meta import (
     DISK,
-    ERR_CORRUPT,
     ERR_FAILED,
     ERR_NONE,
     HOST,
+    SHARED,
     ConnectorMetadata,
     DemoteOp,
     LoadCopy,
     LoadOp,
     OpReport,
     SaveOp,
+    SharedSaveOp,
     TierLayout,
     ZmqReportSender,
     find_hub,
     publish_pool_layout,
+    publish_shared_layout,
 )
 from kvbm_plugin.connector.metrics import get_metrics
+from kvbm_plugin.connector.shared_io import SharedIO
 from kvbm_plugin.connector.trtllm_compat import KvCacheConnectorWorker
 from kvbm_plugin.consolidator_config import load_tier_settings
 from kvbm_plugin.tiers.base import OffloadTier, TierSpec
 from kvbm_plugin.tiers.copies import HostCopier
-from kvbm_plugin.wire.events import MEDIUM_CPU, MEDIUM_DISK
+from kvbm_plugin.wire.events import MEDIUM_CPU
 
 if TYPE_CHECKING:
     import torch
@@ -76,7 +81,7 @@ COPY_BATCH_BYTES = 64 << 20  # host copies complete and report in batches of abo
 
 
 
-class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-type]
+class KvbmConnectorWorker(DiskJobs, KvCacheConnectorWorker):  # type: ignore[misc, valid-type]
     """Worker-side connector; runs on every rank, holds this rank's head shard of each block."""
 
     # Attention DP: transfers, endpoints and reports are the rank's own (its leader waits for
@@ -140,6 +145,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                        "ops_failed": 0, "corrupt_blocks": 0, "copies_issued": 0,
                        "jobs_failed": 0, "loads_fenced": 0}
         self._block_bytes = 0
+        self._shared: SharedIO | None = None  # the shared tier's I/O (connector/shared_io.py)
 
     # ------------------------------------------------------------------ bring-up
 
@@ -219,6 +225,10 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             thread = threading.Thread(target=target, name=f"{name}-r{self._rank}", daemon=True)
             thread.start()
             self._threads.append((thread, stop))
+        self._shared = SharedIO.open(self._env, kv_cache_tensor, self._cuda, self._par.tp_size,
+                                     self._rank, self._block_size, self)
+        if self._shared is not None and self._rank == 0:
+            publish_shared_layout(self._group, self._shared.layout)
 
     # ------------------------------------------------------------------ per iteration
 
@@ -243,7 +253,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                     self._load_inflight[load.req_id] = len(load.copies)
                 else:
                     self._loads_done.add(load.req_id)
-        if metadata.saves or metadata.demotes:
+        if metadata.saves or metadata.demotes or metadata.shared_saves:
             self._pending_save_meta = metadata
 
     def _fence(self, req_ids: Sequence[int]) -> None:
@@ -405,6 +415,15 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                 return None
         return self._reporter
 
+    def _begin_writing(self, req_id: int, n: int = 1) -> bool:
+        """``n`` copies of ``req_id`` start writing device blocks; False when the request is
+        fenced (TRT-LLM freed its blocks: nothing may write them)."""
+        with self._lock:
+            if req_id in self._fenced:
+                return False
+            self._writing[req_id] = self._writing.get(req_id, 0) + n
+            return True
+
     def _written(self, req_ids: Sequence[int]) -> None:
         """Copies of ``req_ids`` (one per entry) stopped writing device blocks."""
         with self._lock:
@@ -538,6 +557,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         assert self._pool is not None
         host_copies: list[tuple[LoadCopy, int]] = []
         for load in loads:
+            shared: list[LoadCopy] = []
             with self._lock:
                 fenced = load.req_id in self._fenced
                 if not fenced:  # its host copies write from now until their done()
@@ -553,11 +573,15 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                     host_copies.append((copy, load.req_id))
                 elif copy.tier == DISK and self._disk is not None:
                     self._disk_jobs.put(("load", copy, load.req_id))
+                elif copy.tier == SHARED and self._shared is not None:
+                    shared.append(copy)
                 else:
                     if copy.tier == HOST:
                         self._written((load.req_id,))
                     self._report(copy.op_id, False, ERR_FAILED)
                     self._load_terminal(load.req_id)
+            if shared:
+                self._shared.submit_load(shared, load.req_id)  # type: ignore[union-attr]
         for chunk in _chunked(host_copies, self._copy_batch_blocks):
             self._load_from_host(chunk)
 
@@ -589,6 +613,14 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             self._demote(op)
         # 2. Saves into the host pool, batched; saves straight to disk via a CPU copy.
         host_ops: list[SaveOp] = []
+        # Write-through to the shared tier: staged from its host slot now (before this job's
+        # saves may reuse it), or in the host copy batch of the same block.
+        followers = {op.after: op for op in meta.shared_saves if op.after >= 0}
+        from_host = [op for op in meta.shared_saves if op.after < 0]
+        for op in from_host if self._shared is None else ():
+            self._report(op.op_id, False, ERR_FAILED)
+        if from_host and self._shared is not None:
+            self._shared.stage_from_host(from_host, self._host)
         for op in meta.saves:
             if op.tier == HOST and self._host is not None and 0 <= op.slot < self._host.capacity:
                 host_ops.append(op)
@@ -598,21 +630,29 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                 self._report(op.op_id, False, ERR_FAILED)
                 self._save_terminal(op.req_id)
         for chunk in _chunked(host_ops, self._copy_batch_blocks):
-            self._save_to_host(chunk, fwd_event)
+            self._save_to_host(chunk, fwd_event, followers)
+        for follower in followers.values():  # its host save did not run here
+            self._report(follower.op_id, False, ERR_FAILED)
 
-    def _save_to_host(self, host_ops: Sequence[SaveOp], fwd_event: Any) -> None:
+    def _save_to_host(self, host_ops: Sequence[SaveOp], fwd_event: Any,
+                      followers: dict[int, SharedSaveOp]) -> None:
         host, pool = self._host, self._pool
         assert host is not None and pool is not None
         pool_blocks, host_blocks = self._pool_blocks, self._host_blocks
         copies = [(host_blocks[s], pool_blocks[d]) if n == 1
                   else (host.pool[s:s + n], pool[d:d + n])  # type: ignore[attr-defined]
                   for d, s, n in _runs((o.device_block, o.slot) for o in host_ops)]
+        shared = self._shared
+        staged = shared.stage(host_ops, followers) if followers and shared is not None else []
+        copies += [(buf, pool_blocks[op.device_block]) for op, buf in staged]
 
         def done(ok: bool) -> None:
             keys = host.keys  # type: ignore[attr-defined]
             for op in host_ops:
                 keys[op.slot] = op.key if ok else None
             self._report_all([(op.op_id, ok) for op in host_ops])
+            if staged:
+                shared.staged_done(staged, ok)  # type: ignore[union-attr]
             self._save_terminal_all([op.req_id for op in host_ops])
             if ok:
                 self._count(bytes_offloaded=len(host_ops) * self._block_bytes,
@@ -654,86 +694,6 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             return
         self._disk_jobs.put(("write", op.op_id, op.req_id, op.slot, op.key, staging, False))
 
-    # ------------------------------------------------------------------ disk thread
-
-    def _disk_loop(self) -> None:
-        """Owns file I/O: atomic block writes and verified reads; never touches the executor
-        thread. A disk→device load goes through one pinned staging buffer on its own stream."""
-        while True:
-            try:
-                job = self._disk_jobs.get(timeout=0.05)
-            except queue.Empty:
-                continue
-            if job[0] == "stop":
-                break
-            try:
-                if job[0] == "write":
-                    self._disk_write(*job[1:])
-                elif job[0] == "load":
-                    self._disk_load(job[1], job[2])
-            except Exception:
-                self._count(jobs_failed=1)
-                logger.exception("rank %d: disk job failed", self._rank)
-
-    def _disk_write(self, op_id: int, req_id: int | None, slot: int, key: int, block: Any,
-                    demotion: bool) -> None:
-        disk = self._disk
-        ok, signature = False, None
-        started = time.perf_counter()
-        if disk is not None and 0 <= slot < disk.capacity:
-            try:
-                result = disk.write(slot, key, block)
-                ok, signature = result.ok, result.signature
-                if not ok:
-                    _repeating.log(logging.WARNING, f"disk-write-{self._rank}", "rank %d: disk "
-                                   "write of slot %d failed: %s", self._rank, slot,
-                                   result.error)
-            except Exception:
-                logger.exception("rank %d: disk write of slot %d failed", self._rank, slot)
-        if ok:
-            self._metrics.observe_transfer("demote" if demotion else "offload", MEDIUM_DISK,
-                                           time.perf_counter() - started, self._block_bytes)
-            if demotion:
-                self._count(bytes_demoted=self._block_bytes, blocks_demoted=1)
-            else:
-                self._count(bytes_offloaded=self._block_bytes, blocks_offloaded=1)
-        self._report(op_id, ok, ERR_NONE if ok else ERR_FAILED, signature)
-        if req_id is not None:
-            self._save_terminal(req_id)
-
-    def _disk_load(self, copy: LoadCopy, req_id: int) -> None:
-        disk, pool, staging = self._disk, self._pool, self._disk_staging
-        ok, error = False, ERR_FAILED
-        started = time.perf_counter()
-        try:
-            with self._lock:
-                fenced = req_id in self._fenced
-            if fenced:
-                pass  # TRT-LLM freed the blocks: never write them
-            elif disk is not None and pool is not None and staging is not None \
-                    and 0 <= copy.slot < disk.capacity:
-                if disk.read(copy.slot, copy.key, staging):
-                    with self._lock:  # a fence that arrived during the read wins
-                        fenced = req_id in self._fenced
-                        if not fenced:
-                            self._writing[req_id] = self._writing.get(req_id, 0) + 1
-                    if not fenced:
-                        try:
-                            ok = self._staging_to_device(staging, copy.device_block)
-                        finally:
-                            self._written((req_id,))
-                else:
-                    error = ERR_CORRUPT
-                    self._count(corrupt_blocks=1)
-        except Exception:
-            logger.exception("rank %d: disk load of slot %d failed", self._rank, copy.slot)
-        if ok:
-            self._metrics.observe_transfer("onboard", MEDIUM_DISK,
-                                           time.perf_counter() - started, self._block_bytes)
-            self._count(bytes_onboarded=self._block_bytes, blocks_onboarded=1)
-        self._report(copy.op_id, ok, ERR_NONE if ok else error)
-        self._load_terminal(req_id)
-
     def _staging_to_device(self, staging: Any, device_block: int) -> bool:
         assert self._pool is not None
         if not self._cuda:
@@ -765,6 +725,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
             out = dict(self._stats)
             out["saves_inflight"] = sum(self._save_inflight.values())
             out["loads_inflight"] = sum(self._load_inflight.values())
+        if self._shared is not None:
+            out.update(self._shared.stats())
         return out
 
     def idle(self) -> bool:
@@ -772,7 +734,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         with self._lock:
             busy = bool(self._save_inflight or self._load_inflight)
         return not busy and self._jobs.empty() and self._disk_jobs.empty() \
-            and self._pending_save_meta is None
+            and self._pending_save_meta is None and (self._shared is None or self._shared.idle())
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the threads after they ran what is queued (bounded by ``timeout``; pending
@@ -791,6 +753,8 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
                 logger.warning("rank %d: %s did not stop within %.1f s", self._rank, thread.name,
                                timeout)
         self._fail_overdue_copies(math.inf)  # only left when a copy outlived the timeout
+        if self._shared is not None:  # after the transfer thread: nothing stages any more
+            self._shared.close(max(0.0, deadline - time.monotonic()))
         if self._host_copier is not None:
             self._host_copier.close()
         for tier in (self._host, self._disk):

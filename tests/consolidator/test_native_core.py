@@ -301,14 +301,16 @@ def test_compiled_blocks_are_compact_and_free_a_long_chain_without_recursion() -
     holding its parent) is freed in a loop: recursion that deep would overflow the C stack."""
     import sys
 
-    from kvbm_plugin.consolidator.blocks import BLOCK_LEN, HELD_BACK, PARENT, TOTAL
+    from kvbm_plugin.consolidator.blocks import BLOCK_LEN, HELD_BACK, PARENT, TOTAL, slot_of
+    from kvbm_plugin.wire.events import MEDIA, MEDIUM_DISK
 
     core = ConsolidatorCore(native=True)
     n = 300_000
     core.store(SOURCE_TIERS, "DISK", 0, list(range(1, n + 1)), None, [7] * n, 1)
-    leaf = core._ranks[0].held[5][n]
+    disk = slot_of(SOURCE_TIERS, MEDIA.index(MEDIUM_DISK))
+    leaf = core._ranks[0].held[disk][n]
     assert type(leaf) is not list and len(leaf) == BLOCK_LEN and sys.getsizeof(leaf) <= 96
-    assert leaf[TOTAL] == 1 and leaf[PARENT] is core._ranks[0].held[5][n - 1]
+    assert leaf[TOTAL] == 1 and leaf[PARENT] is core._ranks[0].held[disk][n - 1]
     leaf[HELD_BACK] += 1
     assert leaf[HELD_BACK] == 1 and leaf[-1] == 1 and list(leaf[-2:]) == [None, 1]
     leaf[HELD_BACK] -= 1

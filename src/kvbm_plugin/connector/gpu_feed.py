@@ -43,6 +43,7 @@ class GpuEventFeed:
     event_source: Any
 
     _release_held: Any  # connector.tier_book.TierBookkeeping
+    _shared_sync: Any  # connector.shared_book.SharedBook
 
     def _attach_event_source(self) -> None:
         """Find the engine's KV cache manager through the calling PyExecutor's frames and tee
@@ -130,3 +131,4 @@ class GpuEventFeed:
             self._naming.refresh(self._reqs.values())
         if self._held:
             self._release_held()
+        self._shared_sync()  # connector.shared_book: the shared tier's queued STOREs/REMOVEs

@@ -23,7 +23,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 
@@ -32,12 +32,14 @@ logger = logging.getLogger(__name__)
 # Tier codes in the metadata (ints keep the pickle small).
 HOST: Final = 1
 DISK: Final = 2
-TIER_CODES: Final = {HOST: "host", DISK: "disk"}
+SHARED: Final = 3  # the shared tier (connector/shared_io.py on the workers)
+TIER_CODES: Final = {HOST: "host", DISK: "disk", SHARED: "shared"}
 
 # Why an op failed (OpReport.error); CORRUPT makes the leader forget the source block.
 ERR_NONE: Final = 0
 ERR_FAILED: Final = 1
 ERR_CORRUPT: Final = 2
+ERR_DROPPED: Final = 3  # a shared-tier write dropped by a full write queue (counted apart)
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,10 +47,12 @@ class LoadCopy:
     """Copy one tier block into one device block (onboarding)."""
 
     op_id: int
-    tier: int  # HOST or DISK
-    slot: int
-    key: int  # content key the slot must hold (disk files are checked against it)
+    tier: int  # HOST, DISK or SHARED
+    slot: int  # -1 for SHARED (the store names objects by key)
+    key: int  # content key the slot must hold (disk files are checked against it); for
+    # SHARED the first 8 bytes of ``digest`` (little-endian), for logs
     device_block: int
+    digest: bytes | None = None  # SHARED: the 16-byte content digest in the object's key
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +93,26 @@ class DemoteOp:
 
 
 @dataclass(frozen=True, slots=True)
+class SharedSaveOp:
+    """Write one block through to the shared tier, under this rank's key for ``digest``.
+
+    Either it rides in the metadata of the host :class:`SaveOp` ``after`` of the same block:
+    each rank copies the device block into a staging buffer in the same copy batch as that host
+    copy (a failed host copy fails this op too); or (``after`` -1) the block is resident in the
+    host tier already: each rank copies host slot ``host_slot`` (which must hold ``host_key``)
+    into staging when its transfer thread takes the metadata, before that metadata's saves may
+    reuse the slot. The rank's writer thread puts the staged bytes. Reported once per rank,
+    like every op."""
+
+    op_id: int
+    after: int  # the op_id of the host SaveOp of the same block in this metadata, or -1
+    device_block: int  # -1 when staged from the host slot
+    digest: bytes
+    host_slot: int = -1
+    host_key: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class TierLayout:
     """Tier sizes every rank must use; identical in every metadata of one leader."""
 
@@ -111,9 +135,11 @@ class ConnectorMetadata:
     # every rank drops their unstarted copies into device blocks and waits, in
     # bind_connector_meta, for the started ones, before this iteration's forward or loads.
     fences: tuple[int, ...] = ()
+    shared_saves: tuple[SharedSaveOp, ...] = ()  # each follows one of ``saves``
 
     def is_empty(self) -> bool:
-        return not (self.loads or self.demotes or self.saves or self.fences)
+        return not (self.loads or self.demotes or self.saves or self.fences
+                    or self.shared_saves)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,6 +214,7 @@ class CompletionHub:
 
 _hubs: dict[str, CompletionHub] = {}
 _layouts: dict[str, tuple[int, int]] = {}  # group -> (device blocks, bytes per block) of rank 0
+_shared_layouts: dict[str, Any] = {}  # group -> rank 0's SharedLayout (tiers.shared.keys)
 _registry_lock = threading.Lock()
 
 
@@ -205,6 +232,7 @@ def close_hub(key: str) -> None:
     with _registry_lock:
         _hubs.pop(key, None)
         _layouts.pop(key, None)
+        _shared_layouts.pop(key, None)
 
 
 def find_hub(key: str) -> CompletionHub | None:
@@ -222,6 +250,20 @@ def publish_pool_layout(key: str, num_blocks: int, bytes_per_block: int) -> None
 def pool_layout(key: str) -> tuple[int, int] | None:
     with _registry_lock:
         return _layouts.get(key)
+
+
+def publish_shared_layout(key: str, layout: Any) -> None:
+    """Rank 0's worker tells an in-process leader the shared-tier key layout of its shard
+    (``tiers.shared.keys.SharedLayout``: page bytes, dtype), from which the leader derives
+    every rank's keys (``for_rank``): the same page size on every TP rank."""
+    with _registry_lock:
+        _shared_layouts[key] = layout
+
+
+def shared_layout(key: str) -> Any:
+    """Rank 0's published SharedLayout, or None."""
+    with _registry_lock:
+        return _shared_layouts.get(key)
 
 
 class ZmqReportReceiver:

@@ -44,6 +44,7 @@ class TierBookkeeping:
     _dp_rank: int
     _block_size: int
     _pending_demotes: list[DemoteOp]
+    _index_of: Any  # SharedBook: the index holding a plan tier's pins
 
     def _ensure_tiers(self) -> TierLayout:
         """Size the tier indexes on first use (rank 0's worker has registered the pool by then:
@@ -78,6 +79,7 @@ class TierBookkeeping:
                 self._own_disk_dir = True
                 atexit.register(shutil.rmtree, self._disk_dir, True)
         self._layout = TierLayout(host_blocks, disk_blocks, self._disk_dir)
+        self._start_shared()  # type: ignore[attr-defined]
         return self._layout
 
     def _lookup(self, key: int) -> tuple[str, TierEntry] | None:
@@ -157,6 +159,7 @@ class TierBookkeeping:
         self._tier_events.register_store(
             MEDIUM[index.name], self._dp_rank, entry.event_hash, entry.parent_event_hash,
             entry.token_ids, self._block_size, **scope)
+        self._shared_named(index, entry)  # type: ignore[attr-defined]  # write-through's name
         entry.drop_tokens()  # a no-op where the index keeps them (the host tier: demotions)
 
     # Held tier STOREs at most (the oldest is dropped from its tier past it, never named twice).
@@ -242,3 +245,19 @@ class TierBookkeeping:
             self._stats["demotes_scheduled"] += 1
             if source is not evicted:
                 self._stats["chain_demotes"] += 1
+
+    def _release_plan(self, state: Any) -> None:
+        if state.load is None:
+            for _, tier, entry in state.plan:
+                index = self._index_of(tier)
+                if index is not None and entry.pins > 0:
+                    index.unpin(entry)
+        state.plan = []
+
+    def resident_hashes(self, tier: str) -> set[int]:
+        """Event hashes resident (advertised) in ``tier`` ("host"/"disk"); tests and demo."""
+        index = self._host if tier == TIER_HOST else self._disk
+        if index is None:
+            return set()
+        return {e.event_hash for e in index.resident_entries()
+                if (index.name, e.key) not in self._held}

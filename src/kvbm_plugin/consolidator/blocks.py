@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 SOURCE_ENGINE: Final = 0
 SOURCE_TIERS: Final = 1
 SOURCE_NAMES: Final = ("engine", "tiers")
-TIER_INDEX: Final = {medium: i for i, medium in enumerate(MEDIA)}  # GPU 0, CPU 1, DISK 2
+TIER_INDEX: Final = {medium: i for i, medium in enumerate(MEDIA)}  # GPU 0 .. EXTERNAL 3
 NUM_SLOTS: Final = len(SOURCE_NAMES) * len(MEDIA)  # a slot is one (source, tier)
 
 MASK: Final = (1 << 64) - 1
@@ -56,7 +56,7 @@ WIRE: Final = 2  # the published hash as signed int64, what the output carries
 PARENT: Final = 3  # parent block or None; kept alive by this block's entry in CHILDREN
 CHILDREN: Final = 4  # how many live blocks have this one as their parent
 TOTAL: Final = 5  # (slot, external hash) holdings; 0 = resident nowhere
-COUNTS: Final = 6  # passthrough only: holdings per medium [GPU, CPU, DISK]; None in dedup
+COUNTS: Final = 6  # passthrough only: holdings per medium [GPU, CPU, DISK, EXTERNAL]; None in dedup
 ALIAS_SLOT: Final = 7  # the first external hash that names this block: its slot...
 ALIAS_EXT: Final = 8  # ...and the hash (most blocks have exactly one)
 MORE_ALIASES: Final = 9  # further (slot, hash) pairs, or None

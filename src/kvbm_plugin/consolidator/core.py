@@ -517,7 +517,8 @@ class ConsolidatorCore(PrefixClosure):
                 if pub_taken(rank, pub):
                     pub = self._fresh_pub(rank, ext, ident)
                 wire = pub - U64 if pub > I64_MAX else pub
-                block = [ident, pub, wire, parent, 0, 0, None if dedup else [0, 0, 0], slot, ext,
+                block = [ident, pub, wire, parent, 0, 0,
+                         None if dedup else [0] * len(MEDIA), slot, ext,
                          None, None, 0] if make_block is None else make_block(
                     ident, pub, wire, parent, 0, 0, None, slot, ext, None, None, 0)  # dedup
                 if pub != ext:  # a derived hash: no known map names the block by it

@@ -65,6 +65,9 @@ class LocalRank:
     def mismatches(self, computed: int, tokens: list[int], blocks: list[int]) -> int:
         return self.model.mismatches(self.pool, computed, tokens, blocks)
 
+    def block_bytes(self, blocks: list[int]) -> list[bytes]:
+        return pool_block_bytes(self.pool, blocks)
+
     def stats(self) -> dict[str, int]:
         return dict(self.worker.stats())
 
@@ -73,6 +76,17 @@ class LocalRank:
 
     def shutdown(self, timeout: float) -> None:
         self.worker.shutdown(timeout)
+
+
+def pool_block_bytes(pool: Any, blocks: list[int]) -> list[bytes]:
+    """The raw bytes of each device block of ``pool`` (tests compare them across engines)."""
+    import ctypes
+
+    out = []
+    for b in blocks:
+        block = pool[b].detach().to("cpu").contiguous()
+        out.append(ctypes.string_at(block.data_ptr(), block.numel() * block.element_size()))
+    return out
 
 
 def run_iteration(worker: Any, forward_callable: Any, model: KvModel, pool: Any,
@@ -159,6 +173,9 @@ class RemoteRank:
     def mismatches(self, computed: int, tokens: list[int], blocks: list[int]) -> int:
         return int(self._call("mismatches", computed, list(tokens), list(blocks)))
 
+    def block_bytes(self, blocks: list[int]) -> list[bytes]:
+        return list(self._call("block_bytes", list(blocks)))
+
     def stats(self) -> dict[str, int]:
         return dict(self._call("stats"))
 
@@ -222,6 +239,8 @@ def _rank_main(conn: Any, llm_args: Any, model_kwargs: dict[str, Any], num_block
                 reply = (list(saved), list(loaded))
             elif kind == "mismatches":
                 reply = model.mismatches(kv_pool, msg[1], msg[2], msg[3])
+            elif kind == "block_bytes":
+                reply = pool_block_bytes(kv_pool, msg[1])
             elif kind == "stats":
                 reply = dict(worker.stats())
             elif kind == "idle":

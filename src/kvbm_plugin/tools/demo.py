@@ -669,6 +669,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-overlap", action="store_true",
                         help="run TRT-LLM's plain executor loop instead of the overlap "
                              "scheduler (TRT-LLM's default)")
+    parser.add_argument("--engines", type=int, choices=(1, 2), default=1,
+                        help="2: two engines in processes of their own sharing a private "
+                             "mooncake_master (the shared tier; needs '.[mooncake]'), turns "
+                             "alternating between them (default 1)")
     parser.add_argument("--processes", action="store_true",
                         help="run ranks 1.. in their own processes, completion reports over "
                              "ZMQ (needs --tp > 1)")
@@ -746,4 +750,8 @@ def main_demo(argv: Sequence[str] | None = None) -> int:
     _check_options(args)
     with _sigterm_exits():
         _load_engine_modules()
+        if args.engines == 2:
+            from kvbm_plugin.tools.demo_engines import run_engines_demo
+
+            return run_engines_demo(args, _print_summary, Check)
         return run_demo(args)

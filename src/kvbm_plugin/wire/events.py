@@ -29,12 +29,20 @@ except ImportError:  # pragma: no cover - msgspec is a declared dependency
 MEDIUM_GPU = "GPU"
 MEDIUM_CPU = "CPU"
 MEDIUM_DISK = "DISK"
-MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK)
+# The shared tier (a store every engine reads): NVIDIA Dynamo's KV indexer (ai-dynamo-runtime
+# 1.6.1, the interop extra) holds an EXTERNAL block in its external storage tier (``/dump``'s
+# ``storage_tier`` "external") as a continuation of the advertising worker's prefix, and removes
+# it on a BlockRemoved of that medium (tests/interop/test_dynamo_external.py); NETWORK, REMOTE
+# and SHARED are the other names routers give that tier.
+MEDIUM_EXTERNAL = "EXTERNAL"
+MEDIA = (MEDIUM_GPU, MEDIUM_CPU, MEDIUM_DISK, MEDIUM_EXTERNAL)
 
 _MEDIUM_ALIASES = {
     "GPU": MEDIUM_GPU, "DEVICE": MEDIUM_GPU,
     "CPU": MEDIUM_CPU, "CPU_PINNED": MEDIUM_CPU, "CPU_TIER1": MEDIUM_CPU,
     "DISK": MEDIUM_DISK, "CPU_TIER2": MEDIUM_DISK, "STORAGE": MEDIUM_DISK, "NVME": MEDIUM_DISK,
+    "EXTERNAL": MEDIUM_EXTERNAL, "NETWORK": MEDIUM_EXTERNAL, "REMOTE": MEDIUM_EXTERNAL,
+    "SHARED": MEDIUM_EXTERNAL,
 }
 
 # Data-parallel ranks a stream may name: 0 .. MAX_DP_RANKS - 1 (or the configured count, when
@@ -83,7 +91,7 @@ def to_unsigned_u64(value: int) -> int:
 
 
 def normalize_medium(value: Any) -> str:
-    """Canonical medium (GPU/CPU/DISK) for a case-insensitive name or alias."""
+    """Canonical medium (GPU/CPU/DISK/EXTERNAL) for a case-insensitive name or alias."""
     if isinstance(value, bytes):
         value = value.decode("utf-8", "replace")
     if isinstance(value, str):

@@ -1,0 +1,396 @@
+"""The shared tier in the connector: match, write-through, identity, what the router is told.
+
+Two simulated engines (TP 2, ranks in-process) share one in-memory store; each has its own
+leader, host tier, directory and agent (``_shared_fakes.BusAgent``: the SharedAgent API, with
+announcements between the two agents). The engine checks every onboarded block's KV bytes
+against what the forward pass wrote (``kv_mismatches``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from _engines import prompt, tiers
+from _shared_fakes import Bus, BusAgent, Client
+
+from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.connector import shared_book, shared_io
+from kvbm_plugin.testing.fake_trtllm import LlmRequest
+from kvbm_plugin.testing.memory_store import MemoryStore
+from kvbm_plugin.tiers.base import block_keys
+from kvbm_plugin.tiers.shared.keys import chain_digests
+from kvbm_plugin.wire.identity import request_scope
+
+BS = 4
+
+
+class TierRecorder:
+    def __init__(self) -> None:
+        self.stores: list[tuple[str, int, int | None, tuple[int, ...], dict]] = []
+        self.removes: list[tuple[str, int]] = []
+
+    def register_store(self, tier, dp_rank, block_hash, parent_hash, token_ids, block_size,
+                       **scope: Any) -> None:
+        self.stores.append((tier, block_hash, parent_hash, tuple(token_ids), scope))
+
+    def register_remove(self, tier, dp_rank, block_hashes) -> None:
+        self.removes.extend((tier, h) for h in block_hashes)
+
+    def register_clear(self, tier, dp_rank) -> None:
+        return None
+
+    def hashes(self, tier: str) -> set[int]:
+        return {s[1] for s in self.stores if s[0] == tier}
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.002)
+
+
+@pytest.fixture(params=["bus"])
+def shared(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, make_engine: Any,
+           tmp_path: Any) -> SimpleNamespace:
+    """One store; ``engine(**env)`` builds an engine on it. ``bus``: the stand-in agents of
+    one announcement bus; ``real``: SharedAgent, each engine announcing on an ipc endpoint and
+    subscribed to every engine built before it."""
+    ns = SimpleNamespace(store=MemoryStore(lease_s=10.0), bus=Bus(), clients=[],
+                         fail_put_keys=None)
+
+    def open_store(settings: Any, *, segment_bytes: int | None = None) -> Client:
+        client = Client(ns.store, "leader" if segment_bytes == 0 else "worker")
+        put = client.put
+
+        def failing_put(keys, buffers):  # noqa: ANN001, ANN202
+            pattern = ns.fail_put_keys
+            if pattern is None:
+                return put(keys, buffers)
+            return [-4 if pattern in k else code
+                    for k, code in zip(keys, put(keys, buffers), strict=True)]
+
+        client.put = failing_put  # type: ignore[method-assign]
+        ns.clients.append(client)
+        return client
+
+    monkeypatch.setattr(shared_io, "open_store", open_store)
+    real = request.param == "real"
+    if not real:
+        monkeypatch.setattr(shared_book, "agent_class",
+                            lambda: functools.partial(BusAgent, ns.bus))
+    endpoints: list[str] = []
+    built: list[Any] = []
+
+    def engine(host: int = 64, gpu: int = 32, **extra: str) -> Any:
+        rec = TierRecorder()
+        if real:
+            endpoint = f"ipc://{tmp_path}/announce-{len(endpoints)}"
+            extra = {cc.SHARED_ANNOUNCE_ENDPOINT: endpoint,
+                     cc.SHARED_PEERS: ",".join(endpoints), **extra}
+            endpoints.append(endpoint)
+        env = tiers(host=host, **{cc.SHARED_TIER: "memory", cc.SHARED_MODEL_KEY: "test-model",
+                                   **extra})
+        eng = make_engine(num_gpu_blocks=gpu, tp_size=2, tokens_per_block=BS, env=env,
+                          tier_events=rec)
+        eng.recorder = rec
+        # The agent starts at the leader's first idle tick after rank 0 registered its pool:
+        # wait for it, so that this engine hears what the others announce from now on.
+        wait_for(lambda: agent(eng) is not None, "the agent to start")
+        if real:  # the engines built before this one hear it... once its SUB joined theirs
+            built.append(eng)
+            for n, earlier in enumerate(built[:-1]):
+                wait_for(lambda e=earlier, n=n: agent(e).stats()["subscriptions"]
+                         >= len(built) - 1 - n, "the new engine to subscribe")
+        return eng
+
+    ns.engine = engine
+    return ns
+
+
+def agent(engine: Any) -> BusAgent:
+    return engine.leader._shared_agent
+
+
+def agent_idle(eng: Any) -> bool:
+    a = agent(eng)
+    if a is None or eng.leader.stats()["shared_writes_inflight"]:
+        return False
+    if isinstance(a, BusAgent):
+        return a.idle()
+    ticket = a.wake()
+    wait_for(lambda: a.stats()["wakes_handled"] >= ticket, "a turn of the agent")
+    return a.stats()["pending"] == 0
+
+
+def settle(*engines: Any, resident: int | None = None) -> None:
+    """Every engine idle, every agent done confirming, each change registered."""
+    for eng in engines:
+        eng.run_until_idle()
+    for eng in engines:
+        wait_for(lambda e=eng: agent_idle(e), "the agent and the write-throughs")
+        if resident is not None:
+            wait_for(lambda e=eng: len(e.leader._shared_dir) >= resident,
+                     f"{resident} resident blocks")
+        eng.leader.publish_now()
+
+
+def run(engine: Any, tokens: list[int], salt: str | None = None) -> Any:
+    before = engine.leader.stats()
+    req = engine.submit(tokens, 2, cache_salt=salt)
+    engine.run_until_idle()
+    after = engine.leader.stats()
+    result = engine.result(req)
+    assert result.state in ("done", "saving") and result.kv_mismatches == 0
+    return SimpleNamespace(result=result, **{
+        k: after[k] - before[k] for k in ("matched_host_tokens", "matched_shared_tokens",
+                                          "matched_disk_tokens")})
+
+
+def test_a_prefix_computed_by_one_engine_is_loaded_by_the_other_with_its_bytes(shared) -> None:
+    a, b = shared.engine(), shared.engine()
+    system = prompt(1, 6 * BS)
+    run(a, system + prompt(2, 3))
+    settle(a, b, resident=6)
+    got = run(b, system + prompt(3, 3))
+    assert got.matched_shared_tokens == 6 * BS and got.matched_host_tokens == 0
+    assert b.stats().kv_mismatches == 0
+    ws = [r.stats() for r in b.ranks]
+    assert all(w["shared_loads"] == 6 and w["shared_loads_failed"] == 0 for w in ws)
+    # The objects hold exactly A's host copies (each rank's shard under its own key).
+    digests = chain_digests(system, BS, None)
+    keys = block_keys(system, BS, None)
+    for worker in a.workers:
+        layout, host = worker._shared.layout, worker._host
+        assert layout.rank == worker._rank and layout.world == 2
+        for digest, key in zip(digests, keys, strict=True):
+            block = host.pool[host.keys.index(key)]
+            assert shared.store.get_bytes(layout.key(digest)) == ctypes.string_at(
+                block.data_ptr(), layout.bytes_per_page)
+
+
+def test_the_loaded_blocks_are_byte_identical_to_the_writers(shared) -> None:
+    import torch
+
+    a, b = shared.engine(), shared.engine()
+    system = prompt(4, 5 * BS)
+    ra = run(a, system + prompt(5, 2))
+    settle(a, b, resident=5)
+    rb = run(b, system + prompt(6, 2))
+    assert rb.matched_shared_tokens == 5 * BS
+    blocks_a, blocks_b = a.block_ids(ra.result.request_id), b.block_ids(rb.result.request_id)
+    for pool_a, pool_b in zip(a.kv_pools, b.kv_pools, strict=True):
+        for i in range(5):
+            assert torch.equal(pool_a[blocks_a[i]], pool_b[blocks_b[i]])
+
+
+def test_match_takes_the_host_prefix_then_shared_blocks(shared) -> None:
+    a, b = shared.engine(), shared.engine()
+    system = prompt(7, 8 * BS)
+    run(b, system[:3 * BS] + prompt(8, 2))  # B's host tier: blocks 0..2
+    run(a, system + prompt(9, 2))  # the shared tier: blocks 0..7
+    settle(a, b, resident=8)
+    # Push B's copies out of its GPU pool (the host copies stay) so the match starts at 0.
+    for k in range(6):
+        run(b, prompt(100 + k, 7 * BS))
+    got = run(b, system + prompt(10, 2))
+    assert got.matched_host_tokens == 3 * BS
+    assert got.matched_shared_tokens == 5 * BS
+
+
+def test_a_block_is_offered_only_while_its_lease_lasts(shared) -> None:
+    short = {cc.SHARED_LEASE_S: "0.6", cc.SHARED_LOAD_MARGIN_S: "0.3"}
+    a, b = shared.engine(**short), shared.engine(**short)
+    system = prompt(11, 4 * BS)
+    run(a, system + prompt(12, 2))
+    settle(a, b, resident=4)
+    agent(b)._stop.set()  # nobody renews B's leases any more
+    agent(b)._thread.join(5)
+    digest = chain_digests(system, BS, None)[0]
+    wait_for(lambda: b.leader._shared_dir.lookup(digest) is None, "the lease to run short")
+    got = run(b, system + prompt(13, 2))
+    assert got.matched_shared_tokens == 0
+
+
+def test_the_write_through_is_committed_after_the_host_copy_under_its_name(shared) -> None:
+    a, b = shared.engine(), shared.engine()
+    system = prompt(14, 4 * BS)
+    run(a, system + prompt(15, 2))
+    settle(a, b, resident=4)
+    committed = agent(a).committed_blocks
+    host_names = a.recorder.hashes("CPU")
+    assert len(committed) == 4
+    assert {blk.event_hash for blk in committed} <= host_names
+    assert a.leader.stats()["shared_saves_committed"] == 4
+    # What each engine advertises as EXTERNAL: the blocks it can load, under the same names.
+    assert a.recorder.hashes("EXTERNAL") == {blk.event_hash for blk in committed}
+    assert b.recorder.hashes("EXTERNAL") == {blk.event_hash for blk in committed}
+    by_hash = {s[1]: s for s in b.recorder.stores if s[0] == "EXTERNAL"}
+    for blk in committed:
+        assert by_hash[blk.event_hash][2] == blk.parent_event_hash
+
+
+def test_a_failed_write_on_one_rank_is_never_advertised(shared) -> None:
+    a, b = shared.engine(), shared.engine()
+    shared.fail_put_keys = "/w2r1/"
+    system = prompt(16, 4 * BS)
+    run(a, system + prompt(17, 2))
+    settle(a, b)
+    stats = a.leader.stats()
+    assert stats["shared_saves_failed"] == stats["shared_saves_scheduled"] > 0
+    assert stats["shared_saves_committed"] == 0
+    assert not a.recorder.hashes("EXTERNAL") and not b.recorder.hashes("EXTERNAL")
+    probe = LlmRequest(40_000, system + prompt(18, 2))  # asked, never computed by B
+    assert b.leader.get_num_new_matched_tokens(probe, 0) == (0, False)
+    b.leader.request_finished(probe, [])
+    # The next request using A's host copies writes them through from the host tier.
+    shared.fail_put_keys = None
+    for k in range(6):  # push A's device copies out: the prefix comes from its host tier
+        run(a, prompt(200 + k, 7 * BS))
+    assert run(a, system + prompt(45, 2)).matched_host_tokens == 4 * BS
+    settle(a, b, resident=4)
+    assert run(b, system + prompt(46, 2)).matched_shared_tokens == 4 * BS
+
+
+def test_a_dropped_write_is_counted_and_never_advertised(shared) -> None:
+    a, b = shared.engine(**{cc.SHARED_QUEUE_BLOCKS: "1"}), shared.engine()
+    system = prompt(19, 5 * BS)
+    run(a, system + prompt(20, 2))
+    settle(a, b)
+    dropped = sum(r.stats()["shared_writes_dropped"] for r in a.ranks)
+    assert dropped > 0
+    stats = a.leader.stats()
+    assert stats["shared_saves_failed"] >= stats["shared_writes_dropped"] > 0
+    committed = {blk.digest for blk in agent(a).committed_blocks}
+    digests = chain_digests(system, BS, None)
+    assert len(committed) < len(digests)
+    # Only a prefix of the chain is advertised, and B loads no more than that prefix.
+    offered = len(b.leader._shared_dir)
+    assert b.recorder.hashes("EXTERNAL") == {blk.event_hash for blk in
+                                             b.leader._shared_dir.blocks()}
+    got = run(b, system + prompt(21, 2))
+    assert got.matched_shared_tokens == offered * BS < 5 * BS
+
+
+@pytest.mark.parametrize("writer,reader", [("t1", "t2"), ("t1", None), (None, "t1")])
+def test_tenants_never_load_each_others_blocks(shared, writer, reader) -> None:
+    a, b = shared.engine(), shared.engine()
+    system = prompt(22, 4 * BS)
+    run(a, system + prompt(23, 2), salt=writer)
+    settle(a, b, resident=4)
+    assert run(b, system + prompt(24, 2), salt=reader).matched_shared_tokens == 0
+    assert run(b, system + prompt(25, 2), salt=writer).matched_shared_tokens == 4 * BS
+
+
+@pytest.mark.parametrize("lora", [0, 1])
+def test_an_adapter_never_matches_the_base_models_blocks(shared, lora) -> None:
+    a, b = shared.engine(), shared.engine()
+    system = prompt(26, 4 * BS)
+    run(a, system + prompt(27, 2))
+    settle(a, b, resident=4)
+    tokens = system + prompt(28, 2)
+    request = LlmRequest(10_000 + lora, tokens, lora_task_id=lora)
+    assert request_scope(request) == f"lora:{lora}"
+    assert b.leader.get_num_new_matched_tokens(request, 0) == (0, False)
+    base = LlmRequest(20_000, tokens)
+    assert b.leader.get_num_new_matched_tokens(base, 0) == (4 * BS, True)
+    b.leader.request_finished(base, [])  # releases the pins of the unbound plan
+    assert b.leader._shared_dir.stats()["pinned"] == 0
+
+
+# ------------------------------------------------------------------ faults, with SharedAgent
+
+real_agents = pytest.mark.parametrize("shared", ["real"], indirect=True)
+
+
+@real_agents
+def test_the_real_agents_carry_a_prefix_across_engines(shared) -> None:
+    a = shared.engine()
+    b = shared.engine()  # subscribed to A's announcements
+    system = prompt(30, 5 * BS)
+    run(a, system + prompt(31, 2))
+    settle(a)
+    wait_for(lambda: len(b.leader._shared_dir) >= 5, "B to confirm A's blocks")
+    settle(b)
+    assert run(b, system + prompt(32, 2)).matched_shared_tokens == 5 * BS
+    assert b.recorder.hashes("EXTERNAL") >= {blk.event_hash
+                                             for blk in a.leader._shared_dir.blocks()}
+
+
+@real_agents
+def test_eviction_between_match_and_load_cannot_take_a_leased_block(shared) -> None:
+    a = shared.engine()
+    b = shared.engine()
+    system = prompt(33, 4 * BS)
+    run(a, system + prompt(34, 2))
+    settle(a)
+    wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's blocks")
+    tokens = system + prompt(35, 2)
+    request = LlmRequest(30_000, tokens)
+    assert b.leader.get_num_new_matched_tokens(request, 0) == (4 * BS, True)
+    # The store evicts whatever it may now: the confirmed (leased) objects stay.
+    assert not [k for k in shared.store.evict_unleased() if "/w2r" in k
+                and any(d.hex() in k for d in chain_digests(system, BS, None))]
+    b.leader.request_finished(request, [])
+    assert run(b, tokens).matched_shared_tokens == 4 * BS
+    assert b.stats().kv_mismatches == 0
+
+
+@real_agents
+def test_a_promised_load_whose_object_is_gone_fails_counted(shared, expect_errors) -> None:
+    a = shared.engine()
+    b = shared.engine()
+    system = prompt(36, 4 * BS)
+    run(a, system + prompt(37, 2))
+    settle(a)
+    wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's blocks")
+    digests = chain_digests(system, BS, None)
+    # What a master restart does: every object gone at once, leases or not.
+    stored = shared.store.keys()  # (a list of the object keys)
+    shared.store.evict([k for k in stored if any(d.hex() in k for d in digests[2:])])
+    before = b.leader.stats()
+    b.submit(system + prompt(38, 2), 2)
+    b.run_until_idle()
+    after = b.leader.stats()
+    assert after["shared_loads_failed"] - before["shared_loads_failed"] == 2
+    assert after["loads_failed"] - before["loads_failed"] == 2
+    assert sum(r.stats()["shared_loads_failed"] for r in b.ranks) == 4  # 2 blocks x 2 ranks
+    assert not expect_errors.thread_exceptions
+
+
+@real_agents
+def test_the_store_going_down_leaves_the_local_tiers_and_comes_back(shared) -> None:
+    a = shared.engine()
+    b = shared.engine()
+    shared.store.down = True
+    system = prompt(39, 4 * BS)
+    run(a, system + prompt(40, 2))  # the host tier works; every write-through fails
+    wait_for(lambda: not agent(a).available, "A's agent to see the store down")
+    got = run(a, system + prompt(41, 2))
+    assert got.result.gpu_hit_tokens + got.matched_host_tokens >= 4 * BS
+    assert got.matched_shared_tokens == 0
+    assert not a.recorder.hashes("EXTERNAL") and not b.recorder.hashes("EXTERNAL")
+    failed = a.leader.stats()["shared_saves_failed"] + \
+        a.leader.stats()["shared_saves_skipped_unavailable"]
+    assert failed > 0
+    shared.store.down = False  # the store is back: the next write-throughs land
+    wait_for(lambda: agent(a).available and agent(b).available, "the agents to see it back")
+    other = prompt(42, 4 * BS)
+    run(a, other + prompt(43, 2))
+    settle(a)
+    wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's new blocks")
+    assert run(b, other + prompt(44, 2)).matched_shared_tokens == 4 * BS
+
+
+def test_a_shared_tier_without_a_host_tier_is_refused_naming_both(make_engine) -> None:
+    env = tiers(disk=16, **{cc.SHARED_TIER: "memory", cc.SHARED_MODEL_KEY: "test-model"})
+    with pytest.raises(cc.ConfigError, match=f"{cc.SHARED_TIER}='memory' writes through the "
+                       f"host tier.*{cc.CPU_CACHE_GB}"):
+        make_engine(num_gpu_blocks=16, env=env)
