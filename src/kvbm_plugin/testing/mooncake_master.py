@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import shutil
+import socket
 import sys
 import urllib.request
 from collections.abc import Sequence
@@ -100,8 +101,13 @@ class MooncakeMaster(LocalServer):
         return command + list(self.extra_args)
 
     def _ready(self) -> bool:
+        # /health answers from the metrics server, which can be up before the RPC listener
+        # (a client's setup() then finds the RPC port refused): both must answer.
         try:
-            return bool(json.loads(self.http("/health")).get("service_ready"))
+            if not json.loads(self.http("/health")).get("service_ready"):
+                return False
+            with socket.create_connection((self.host, self.rpc_port), timeout=1.0):
+                return True
         except (OSError, ValueError):
             return False
 
