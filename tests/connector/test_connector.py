@@ -285,10 +285,11 @@ def test_tier_store_and_remove_reach_registration_in_order(make_engine) -> None:
     assert live["CPU"] == truth["CPU"][0] and live["DISK"] == truth["DISK"][0]
     assert any(c[0] == "remove" and c[1] == "CPU" for c in recorder.calls)
     assert any(c[0] == "store" and c[1] == "DISK" for c in recorder.calls)
-    # The disk tier keeps a block's tokens only until its STORE is registered.
+    # The disk tier keeps a block's tokens only until its STORE is registered (an entry still
+    # being written, or one whose demotion waits for the next iteration's metadata, keeps them).
     disk = engine.leader._disk
     advertised = [e for e in disk.entries() if e.event_hash in live["DISK"]]
-    assert advertised and len(disk._tok) == 0 and not disk._odd_tokens
+    assert advertised
     for entry in advertised:
         with pytest.raises(LookupError):
             disk.get(entry.key).token_ids  # noqa: B018 - the property raises
