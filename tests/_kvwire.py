@@ -3,12 +3,13 @@ ports, and a SUB that waits out the slow joiner by polling with a deadline."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 
 import msgspec
 import zmq
+
+from kvbm_plugin.testing import local_server
 
 # --- vLLM wire structs, written from its field list (kv_events.py), strict types ----------
 
@@ -60,9 +61,9 @@ def decode(payload: bytes) -> EventBatch:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free loopback port, never one this test process was handed lately (two taken in a
+    row, for publish and replay, must differ)."""
+    return local_server.free_port("127.0.0.1")
 
 
 def wait_until(cond: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:

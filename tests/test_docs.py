@@ -111,9 +111,11 @@ def test_docs_pages_exist_and_readme_links_each() -> None:
 
 
 # Lines of the demo's summary whose counts depend on thread timing (iterations, batches, and so
-# what dedup suppresses): compared with their numbers masked.
-_TIMING_DEPENDENT = ("requests", "GPU-tier events", "consolidated events", "suppressed by dedup",
-                     "subscriber view", "router view")
+# what dedup suppresses; whether a block's offload finished before the next turn asked for it,
+# and so which tier served it or whether it was computed): compared with their numbers masked.
+_TIMING_DEPENDENT = ("requests", "prefill tokens", "hit rate", "GPU-tier events",
+                     "consolidated events", "suppressed by dedup", "subscriber view",
+                     "router view")
 
 
 def _masked(line: str) -> str:
@@ -145,7 +147,8 @@ def test_readme_demo_sample_is_what_the_demo_prints(capsys) -> None:
             assert _masked(line) in {_masked(x) for x in out}, line
         else:
             assert line in out, line
-    # The prose under the sample quotes the hit rates: the same figures, rounded.
+    # The prose under the sample quotes the hit rates: the same figures, rounded, within one
+    # point (a block offloaded a little late moves 32 of ~15,000 tokens between tiers).
     numbers = {}
     for line in out:
         match = re.match(r"\s+(prefill tokens|hit rate \w+)\s+(.*)", line)
@@ -154,6 +157,10 @@ def test_readme_demo_sample_is_what_the_demo_prints(capsys) -> None:
                                                                     match.group(2))]
     prompts, _, reused = numbers["prefill tokens"]
     gpu, host, disk = (numbers[f"hit rate {t}"][0] for t in ("GPU", "host", "disk"))
-    quoted = (f"{round(100 * reused / prompts)} % of prompt tokens are reused: {round(gpu)} % "
-              f"from the GPU pool, {round(host + disk)} % onboarded from host and disk")
-    assert quoted in " ".join(README.read_text().split())
+    prose = " ".join(README.read_text().split())
+    quoted = re.search(r"(\d+) % of prompt tokens are reused: (\d+) % from the GPU pool, "
+                       r"(\d+) % onboarded from host and disk", prose)
+    assert quoted, "README's prose no longer quotes the demo's hit rates"
+    for said, measured in zip((int(x) for x in quoted.groups()),
+                              (100 * reused / prompts, gpu, host + disk), strict=True):
+        assert abs(said - measured) <= 1, (said, measured)

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
+from _kvwire import free_port
 from kvbm_plugin.connector.metrics import Metrics
 from kvbm_plugin.consolidator_config import MetricsSettings
 
@@ -36,9 +36,7 @@ def test_transfer_histogram_and_http_endpoint() -> None:
     metrics = Metrics()
     metrics.observe_transfer("offload", "CPU", 0.002, 4 << 20)
     assert metrics.serve(MetricsSettings(enabled=False)) is None
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     assert metrics.serve(MetricsSettings(enabled=True, port=port)) == port
     assert metrics.serve(MetricsSettings(enabled=True, port=port)) == port  # once
     body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
@@ -49,9 +47,7 @@ def test_transfer_histogram_and_http_endpoint() -> None:
 def test_engine_run_exports_component_counters_and_transfer_histograms(tmp_path) -> None:
     from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = {"DYN_KVBM_KV_EVENTS_ENDPOINT": f"ipc://{tmp_path}/gpu",
            "DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT": f"ipc://{tmp_path}/out",
            "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "4",

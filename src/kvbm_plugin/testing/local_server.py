@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -23,12 +24,27 @@ class ServerError(RuntimeError):
     """The server could not be started (missing binary, exited, not ready by the deadline)."""
 
 
+# Ports this process handed out lately. The kernel may hand the same ephemeral port to two
+# probes in a row (the first probe's socket is closed before the second binds), and callers
+# often take two at once (publish and replay, RPC and metrics): never return one twice.
+_HANDED_OUT: OrderedDict[int, None] = OrderedDict()
+_HANDED_OUT_CAP = 4096
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free on ``host`` now (the kernel's choice; another process may take it
-    before the server binds it: :meth:`LocalServer.start` retries with new ports then)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
+    """A TCP port free on ``host`` now (the kernel's choice), never one this process was
+    handed lately. Another process may still take it before the caller binds it:
+    :meth:`LocalServer.start` retries with new ports then."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((host, 0))
+            port = int(probe.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT[port] = None
+            if len(_HANDED_OUT) > _HANDED_OUT_CAP:
+                _HANDED_OUT.popitem(last=False)  # the oldest
+            return port
+    raise OSError(f"free_port: no new free port on {host} in 64 probes")
 
 
 def _die_with_parent() -> Callable[[], None] | None:
