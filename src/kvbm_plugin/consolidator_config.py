@@ -181,14 +181,15 @@ ENV_VARS_BY_NAME: dict[str, EnvVar] = {var.name: var for var in ENV_VARS}
 DYNAMO_CONNECTOR_MODULE = "kvbm.trtllm_integration.connector"
 PLUGIN_MODULE = "kvbm_plugin"
 
-_TRUE = frozenset({"1", "true", "on", "yes"})
-_FALSE = frozenset({"0", "false", "off", "no"})
+# The words a switch accepts, and the endpoint schemes ZMQ binds (shared_settings reads them too).
+TRUE_WORDS = frozenset({"1", "true", "on", "yes"})
+FALSE_WORDS = frozenset({"0", "false", "off", "no"})
 ConsolidatorMode = Literal["dedup", "passthrough"]
 _MODES: tuple[ConsolidatorMode, ...] = ("dedup", "passthrough")
-_SCHEMES = ("tcp://", "ipc://", "inproc://")
+ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
-def _raw(env: Mapping[str, str], name: str) -> str | None:
+def env_value(env: Mapping[str, str], name: str) -> str | None:
     """The variable's value, or its default when unset or empty."""
     value = env.get(name)
     if value is None or value.strip() == "":
@@ -199,9 +200,9 @@ def _raw(env: Mapping[str, str], name: str) -> str | None:
 def parse_bool(name: str, value: str) -> bool:
     """Parse a switch: 1/true/on/yes or 0/false/off/no, case-insensitive, trimmed."""
     text = value.strip().lower()
-    if text in _TRUE:
+    if text in TRUE_WORDS:
         return True
-    if text in _FALSE:
+    if text in FALSE_WORDS:
         return False
     raise ConfigError(f"{name}={value!r} is not a boolean; use one of 1/true/on/yes or "
                       "0/false/off/no")
@@ -330,7 +331,7 @@ def parse_endpoint(name: str, value: str, *, default_host: str) -> Endpoint:
                 raise ConfigError(f"{name}={value!r}: empty {scheme} address")
             return Endpoint(scheme, address=address, source=name)  # type: ignore[arg-type]
     raise ConfigError(f"{name}={value!r}: expected a port number or an endpoint starting with "
-                      + ", ".join(_SCHEMES))
+                      + ", ".join(ENDPOINT_SCHEMES))
 
 
 @dataclass(frozen=True)
@@ -489,15 +490,15 @@ def load_publisher_settings(env: Mapping[str, str] | None = None) -> PublisherSe
     """Publisher settings, each variable validated (the publisher name against the registered
     entry points); raises ConfigError naming the variable and value."""
     env = os.environ if env is None else env
-    window = _raw(env, WINDOW_SIZE)
-    kind = (_raw(env, PUBLISHER) or "zmq").strip()
+    window = env_value(env, WINDOW_SIZE)
+    kind = (env_value(env, PUBLISHER) or "zmq").strip()
     check_publisher_name(kind)
     return PublisherSettings(
         kind=kind,
-        buffer_steps=parse_int(BUFFER_STEPS, _raw(env, BUFFER_STEPS) or "", minimum=1),
-        buffer_bytes=parse_int(BUFFER_BYTES, _raw(env, BUFFER_BYTES) or "", minimum=1),
-        hwm=parse_int(HWM, _raw(env, HWM) or "", minimum=1),
-        max_queue_size=parse_int(MAX_QUEUE_SIZE, _raw(env, MAX_QUEUE_SIZE) or "", minimum=1),
+        buffer_steps=parse_int(BUFFER_STEPS, env_value(env, BUFFER_STEPS) or "", minimum=1),
+        buffer_bytes=parse_int(BUFFER_BYTES, env_value(env, BUFFER_BYTES) or "", minimum=1),
+        hwm=parse_int(HWM, env_value(env, HWM) or "", minimum=1),
+        max_queue_size=parse_int(MAX_QUEUE_SIZE, env_value(env, MAX_QUEUE_SIZE) or "", minimum=1),
         topic=env.get(TOPIC, ENV_VARS_BY_NAME[TOPIC].default or ""),
         window_size=None if window is None else parse_int(WINDOW_SIZE, window, minimum=1),
     )
@@ -509,14 +510,14 @@ def load_tier_settings(env: Mapping[str, str] | None = None) -> TierSettings:
     env = os.environ if env is None else env
 
     def optional_int(name: str) -> int | None:
-        value = _raw(env, name)
+        value = env_value(env, name)
         return None if value is None else parse_int(name, value, minimum=0)
 
     def optional_float(name: str) -> float:
-        value = _raw(env, name)
+        value = env_value(env, name)
         return 0.0 if value is None else parse_float(name, value)
 
-    directory = _raw(env, DISK_CACHE_DIR)
+    directory = env_value(env, DISK_CACHE_DIR)
     settings = TierSettings(
         cpu_cache_gb=optional_float(CPU_CACHE_GB),
         cpu_num_blocks=optional_int(CPU_CACHE_NUM_BLOCKS),
@@ -532,8 +533,8 @@ def load_tier_settings(env: Mapping[str, str] | None = None) -> TierSettings:
 def load_metrics_settings(env: Mapping[str, str] | None = None) -> MetricsSettings:
     env = os.environ if env is None else env
     return MetricsSettings(
-        enabled=parse_bool(METRICS, _raw(env, METRICS) or "false"),
-        port=parse_port(METRICS_PORT, _raw(env, METRICS_PORT) or ""),
+        enabled=parse_bool(METRICS, env_value(env, METRICS) or "false"),
+        port=parse_port(METRICS_PORT, env_value(env, METRICS_PORT) or ""),
     )
 
 
@@ -544,7 +545,7 @@ EVENTS_SOURCES: tuple[EventsSource, ...] = ("auto", "drain", "tap", "off")
 def load_events_source(env: Mapping[str, str] | None = None) -> EventsSource:
     """DYN_KVBM_KV_EVENTS_SOURCE, validated (ConfigError names the variable and value)."""
     env = os.environ if env is None else env
-    value = (_raw(env, EVENTS_SOURCE) or "auto").strip().lower()
+    value = (env_value(env, EVENTS_SOURCE) or "auto").strip().lower()
     if value not in EVENTS_SOURCES:
         raise ConfigError(f"{EVENTS_SOURCE}={env.get(EVENTS_SOURCE)!r}: expected one of "
                           f"{' | '.join(EVENTS_SOURCES)}")
@@ -554,13 +555,13 @@ def load_events_source(env: Mapping[str, str] | None = None) -> EventsSource:
 def native_enabled(env: Mapping[str, str] | None = None) -> bool:
     """Whether the compiled fast paths may be used (they still need to have been built)."""
     env = os.environ if env is None else env
-    return parse_bool(NATIVE, _raw(env, NATIVE) or "")
+    return parse_bool(NATIVE, env_value(env, NATIVE) or "")
 
 
 def consolidator_enabled(env: Mapping[str, str] | None = None) -> bool:
     """The env switch alone (default on)."""
     env = os.environ if env is None else env
-    return parse_bool(ENABLE_CONSOLIDATOR, _raw(env, ENABLE_CONSOLIDATOR) or "")
+    return parse_bool(ENABLE_CONSOLIDATOR, env_value(env, ENABLE_CONSOLIDATOR) or "")
 
 
 def load_consolidator_config(
@@ -583,22 +584,22 @@ def load_consolidator_config(
     if num_ranks < 1:
         raise ConfigError(f"num_ranks={num_ranks} must be >= 1")
     enabled = consolidator_enabled(env)
-    mode_text = (_raw(env, CONSOLIDATOR_MODE) or "").strip().lower()
+    mode_text = (env_value(env, CONSOLIDATOR_MODE) or "").strip().lower()
     if mode_text not in _MODES:
         raise ConfigError(f"{CONSOLIDATOR_MODE}={env.get(CONSOLIDATOR_MODE)!r} is not one of "
                           + " | ".join(_MODES))
     mode: ConsolidatorMode = "dedup" if mode_text == "dedup" else "passthrough"
-    host = (_raw(env, LEADER_ZMQ_HOST) or "127.0.0.1").strip()
+    host = (env_value(env, LEADER_ZMQ_HOST) or "127.0.0.1").strip()
     if not host or any(c in host for c in "/ ") or host.isdigit():
         raise ConfigError(f"{LEADER_ZMQ_HOST}={env.get(LEADER_ZMQ_HOST)!r} is not a host name")
 
     def optional_endpoint(name: str) -> Endpoint | None:
-        value = _raw(env, name)
+        value = env_value(env, name)
         return None if value is None else parse_endpoint(name, value, default_host=host)
 
     gpu_events = optional_endpoint(EVENTS_ENDPOINT)
     if gpu_events is None:
-        port_text = _raw(env, TRTLLM_ZMQ_PORT)
+        port_text = env_value(env, TRTLLM_ZMQ_PORT)
         if port_text is not None:
             gpu_events = Endpoint("tcp", host=host, port=parse_port(TRTLLM_ZMQ_PORT, port_text),
                                   source=TRTLLM_ZMQ_PORT)
@@ -613,7 +614,7 @@ def load_consolidator_config(
             f"port of the per-rank GPU-tier publishers (e.g. {TRTLLM_ZMQ_PORT}=20081), or set "
             f"{EVENTS_ENDPOINT}, or {ENABLE_CONSOLIDATOR}=false. There is no default: the "
             f"usual fallback ({LEADER_ZMQ_PUB_PORT}) is the KVBM leader's own port.")
-    leader_port = parse_port(LEADER_ZMQ_PUB_PORT, _raw(env, LEADER_ZMQ_PUB_PORT) or "")
+    leader_port = parse_port(LEADER_ZMQ_PUB_PORT, env_value(env, LEADER_ZMQ_PUB_PORT) or "")
     output = optional_endpoint(OUTPUT_ENDPOINT)
     if output is None:
         if leader_port + 1000 > 65535:
@@ -643,18 +644,18 @@ def dp_rank_sockets(env: Mapping[str, str], dp_size: int) -> list[tuple[int, str
     LEADER_ZMQ_PUB_PORT + r (bound only by a group spanning processes, never under attention
     DP), shared-tier announcements at SHARED_ANNOUNCE_ENDPOINT or LEADER_ZMQ_PUB_PORT + 2000
     (+ r), metrics at METRICS_PORT + r (each where enabled)."""
-    host = (_raw(env, LEADER_ZMQ_HOST) or "127.0.0.1").strip()
-    port = parse_port(LEADER_ZMQ_PUB_PORT, _raw(env, LEADER_ZMQ_PUB_PORT) or "")
+    host = (env_value(env, LEADER_ZMQ_HOST) or "127.0.0.1").strip()
+    port = parse_port(LEADER_ZMQ_PUB_PORT, env_value(env, LEADER_ZMQ_PUB_PORT) or "")
     bases = [("completion-report port", Endpoint("tcp", host=host, port=port,
                                                   source=LEADER_ZMQ_PUB_PORT))]
-    if (_raw(env, SHARED_TIER) or "").strip().lower() not in ("", *_FALSE):
-        text = _raw(env, SHARED_ANNOUNCE_ENDPOINT)
+    if (env_value(env, SHARED_TIER) or "").strip().lower() not in ("", *FALSE_WORDS):
+        text = env_value(env, SHARED_ANNOUNCE_ENDPOINT)
         bases.append(("shared-tier announce endpoint", parse_endpoint(
             SHARED_ANNOUNCE_ENDPOINT, text, default_host=host) if text else Endpoint(
             "tcp", host=host, port=port + 2000, source=f"{LEADER_ZMQ_PUB_PORT}+2000")))
-    if parse_bool(METRICS, _raw(env, METRICS) or "false"):
+    if parse_bool(METRICS, env_value(env, METRICS) or "false"):
         bases.append(("metrics port", Endpoint("tcp", host=host, port=parse_port(
-            METRICS_PORT, _raw(env, METRICS_PORT) or ""), source=METRICS_PORT)))
+            METRICS_PORT, env_value(env, METRICS_PORT) or ""), source=METRICS_PORT)))
     return [(r, role, base.for_rank(r)) for r in range(dp_size) for role, base in bases]
 
 

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvbm_plugin.consolidator_config import (
-    _FALSE,
-    _SCHEMES,
+    ENDPOINT_SCHEMES,
+    FALSE_WORDS,
     SHARED_ADDRESS,
     SHARED_ANNOUNCE_ENDPOINT,
     SHARED_BUFFER_GB,
@@ -33,7 +33,7 @@ from kvbm_plugin.consolidator_config import (
     SHARED_TIER,
     SHARED_TRACKED_BLOCKS,
     ConfigError,
-    _raw,
+    env_value,
     parse_float,
     parse_int,
 )
@@ -72,54 +72,54 @@ def load_shared_settings(env: Mapping[str, str] | None = None) -> SharedSettings
     """The shared tier's settings, or None when DYN_KVBM_SHARED_TIER is unset; raises
     ConfigError naming the variable and value (a shared tier without a model key included)."""
     env = os.environ if env is None else env
-    store = (_raw(env, SHARED_TIER) or "").strip().lower()
-    if not store or store in _FALSE:
+    store = (env_value(env, SHARED_TIER) or "").strip().lower()
+    if not store or store in FALSE_WORDS:
         return None
 
     def part(name: str) -> str:
-        value = (_raw(env, name) or "").strip()
+        value = (env_value(env, name) or "").strip()
         if not _KEY_PART.fullmatch(value):
             raise ConfigError(f"{name}={env.get(name)!r}: expected 1-200 characters of "
                               "A-Z a-z 0-9 . _ : @ + = - (it is part of every shared-tier key)")
         return value
 
-    if _raw(env, SHARED_MODEL_KEY) is None:
+    if env_value(env, SHARED_MODEL_KEY) is None:
         raise ConfigError(f"{SHARED_TIER}={env.get(SHARED_TIER)!r} needs {SHARED_MODEL_KEY}: a "
                           "name for the model and its weights (e.g. llama-3.1-8b-instruct@rev), "
                           "so that engines of another model never load these blocks")
-    peers = tuple(p.strip() for p in (_raw(env, SHARED_PEERS) or "").split(",") if p.strip())
+    peers = tuple(p.strip() for p in (env_value(env, SHARED_PEERS) or "").split(",") if p.strip())
     for peer in peers:
-        if not peer.startswith(_SCHEMES):
+        if not peer.startswith(ENDPOINT_SCHEMES):
             raise ConfigError(f"{SHARED_PEERS}={env.get(SHARED_PEERS)!r}: {peer!r} is not a "
                               "tcp://, ipc:// or inproc:// endpoint")
-    lease = parse_float(SHARED_LEASE_S, _raw(env, SHARED_LEASE_S) or "")
-    margin = parse_float(SHARED_LOAD_MARGIN_S, _raw(env, SHARED_LOAD_MARGIN_S) or "")
+    lease = parse_float(SHARED_LEASE_S, env_value(env, SHARED_LEASE_S) or "")
+    margin = parse_float(SHARED_LOAD_MARGIN_S, env_value(env, SHARED_LOAD_MARGIN_S) or "")
     if not 0 < margin < lease:
         raise ConfigError(f"{SHARED_LOAD_MARGIN_S}={margin!r} must be above 0 and below "
                           f"{SHARED_LEASE_S}={lease!r}")
-    announce = _raw(env, SHARED_ANNOUNCE_ENDPOINT)
-    if announce is not None and not announce.strip().startswith(_SCHEMES):
+    announce = env_value(env, SHARED_ANNOUNCE_ENDPOINT)
+    if announce is not None and not announce.strip().startswith(ENDPOINT_SCHEMES):
         raise ConfigError(f"{SHARED_ANNOUNCE_ENDPOINT}={announce!r} is not a tcp://, ipc:// or "
                           "inproc:// endpoint")
     return SharedSettings(
         store=store,
         model_key=part(SHARED_MODEL_KEY),
         namespace=part(SHARED_NAMESPACE),
-        address=(_raw(env, SHARED_ADDRESS) or "").strip(),
-        protocol=(_raw(env, SHARED_PROTOCOL) or "tcp").strip(),
-        device=(_raw(env, SHARED_DEVICE) or "").strip(),
-        metadata_server=(_raw(env, SHARED_METADATA_SERVER) or "P2PHANDSHAKE").strip(),
-        metrics_address=(_raw(env, SHARED_METRICS_ADDRESS) or "").strip(),
-        local_hostname=(_raw(env, SHARED_LOCAL_HOSTNAME) or "").strip(),
-        segment_bytes=int(parse_float(SHARED_SEGMENT_GB, _raw(env, SHARED_SEGMENT_GB) or "")
+        address=(env_value(env, SHARED_ADDRESS) or "").strip(),
+        protocol=(env_value(env, SHARED_PROTOCOL) or "tcp").strip(),
+        device=(env_value(env, SHARED_DEVICE) or "").strip(),
+        metadata_server=(env_value(env, SHARED_METADATA_SERVER) or "P2PHANDSHAKE").strip(),
+        metrics_address=(env_value(env, SHARED_METRICS_ADDRESS) or "").strip(),
+        local_hostname=(env_value(env, SHARED_LOCAL_HOSTNAME) or "").strip(),
+        segment_bytes=int(parse_float(SHARED_SEGMENT_GB, env_value(env, SHARED_SEGMENT_GB) or "")
                           * (1 << 30)),
-        buffer_bytes=int(parse_float(SHARED_BUFFER_GB, _raw(env, SHARED_BUFFER_GB) or "")
+        buffer_bytes=int(parse_float(SHARED_BUFFER_GB, env_value(env, SHARED_BUFFER_GB) or "")
                          * (1 << 30)),
         peers=peers,
         announce_endpoint=announce.strip() if announce else None,
-        tracked_blocks=parse_int(SHARED_TRACKED_BLOCKS, _raw(env, SHARED_TRACKED_BLOCKS) or "",
+        tracked_blocks=parse_int(SHARED_TRACKED_BLOCKS, env_value(env, SHARED_TRACKED_BLOCKS) or "",
                                  minimum=1),
-        queue_blocks=parse_int(SHARED_QUEUE_BLOCKS, _raw(env, SHARED_QUEUE_BLOCKS) or "",
+        queue_blocks=parse_int(SHARED_QUEUE_BLOCKS, env_value(env, SHARED_QUEUE_BLOCKS) or "",
                                minimum=1),
         lease_s=lease,
         load_margin_s=margin,

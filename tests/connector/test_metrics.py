@@ -5,6 +5,7 @@ from __future__ import annotations
 import urllib.request
 
 from _kvwire import free_port
+
 from kvbm_plugin.connector.metrics import Metrics
 from kvbm_plugin.consolidator_config import MetricsSettings
 
