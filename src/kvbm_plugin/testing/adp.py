@@ -19,7 +19,6 @@ processes). Called from one thread (the caller's), like the single engine.
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 import shutil
 import tempfile
@@ -30,6 +29,7 @@ from typing import Any
 
 import zmq
 
+from kvbm_plugin.testing.child import ChildProcess
 from kvbm_plugin.testing.engine import (
     REQUEST_ID_STRIDE,
     EngineConfig,
@@ -94,62 +94,30 @@ class _LocalDpRank:
         self.engine.shutdown(timeout)
 
 
-class _RemoteDpRank:
+class _RemoteDpRank(ChildProcess):
     """A rank's engine in a child process; the same interface as :class:`_LocalDpRank`."""
 
     def __init__(self, config: EngineConfig, gather_endpoint: str) -> None:
         self.rank = config.dp_rank
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_dp_rank_main, name=f"sim-dp-rank-{self.rank}",
-                                 args=(child, config, gather_endpoint), daemon=True)
-        self._proc.start()
-        child.close()
-        self._closed = False
-
-    def _reply(self) -> Any:
-        deadline = time.monotonic() + _REPLY_TIMEOUT_S
-        while not self._conn.poll(0.2):
-            if not self._proc.is_alive() and not self._conn.poll(0):
-                raise RuntimeError(f"dp rank {self.rank} process exited (code "
-                                   f"{self._proc.exitcode}) without answering")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"dp rank {self.rank} process did not answer within "
-                                   f"{_REPLY_TIMEOUT_S:.0f}s")
-        status, value = self._conn.recv()
-        if status == "error":
-            raise RuntimeError(f"dp rank {self.rank} process failed: {value}")
-        return value
+        super().__init__(f"dp rank {self.rank} process", _dp_rank_main,
+                         (config, gather_endpoint), name=f"sim-dp-rank-{self.rank}",
+                         daemon=True, reply_timeout_s=_REPLY_TIMEOUT_S)
 
     def wait_ready(self) -> None:
-        self._reply()
+        self.reply()
 
     def call(self, name: str, *args: Any) -> Any:
-        self._conn.send((name, args))
-        return self._reply()
+        return super().call(name, args)
 
     def start_step(self, dummy: bool) -> None:
-        self._conn.send(("step", (dummy,)))
+        self.send("step", (dummy,))
 
     def finish_step(self) -> tuple[int, bool]:
-        computed, active = self._reply()
+        computed, active = self.reply()
         return int(computed), bool(active)
 
     def shutdown(self, timeout: float) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._proc.is_alive():
-                self._conn.send(("shutdown", (timeout,)))
-                self._conn.poll(timeout + 5)
-        except (BrokenPipeError, EOFError, OSError):
-            pass
-        self._proc.join(timeout + 5)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        self._conn.close()
+        self.stop(("shutdown", (timeout,)), timeout + 5)
 
 
 def _dp_rank_main(conn: Any, config: EngineConfig, gather_endpoint: str) -> None:

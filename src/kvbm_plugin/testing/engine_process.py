@@ -10,52 +10,31 @@ The two-engine tests and ``kvbm-plugin demo --engines 2`` drive two of them agai
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from kvbm_plugin.testing.child import ChildProcess
 
 _REPLY_TIMEOUT_S = 180.0
 
 Request = tuple[list[int], int, str | None]  # prompt tokens, new tokens, cache salt
 
 
-class EngineProcess:
-    """The parent's handle on one engine process (calls from one thread)."""
+class EngineProcess(ChildProcess):
+    """The parent's handle on one engine process (calls from one thread); ``call(command,
+    *args)`` runs one of :func:`_engine_main`'s commands."""
 
     def __init__(self, name: str, config: Mapping[str, Any]) -> None:
         self.name = name
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_engine_main, name=f"sim-engine-{name}",
-                                 args=(child, dict(config)))  # not a daemon: it has children
-        self._proc.start()
-        child.close()
-        self._closed = False
+        super().__init__(f"engine {name}", _engine_main, (dict(config),),
+                         name=f"sim-engine-{name}", daemon=False,  # not a daemon: it has children
+                         reply_timeout_s=_REPLY_TIMEOUT_S)
         try:
-            self.info: dict[str, Any] = self._reply()  # raises the child's bring-up error
+            self.info: dict[str, Any] = self.reply()  # raises the child's bring-up error
         except BaseException:
             self.shutdown()
             raise
-
-    def _reply(self) -> Any:
-        deadline = time.monotonic() + _REPLY_TIMEOUT_S
-        while not self._conn.poll(0.2):
-            if not self._proc.is_alive() and not self._conn.poll(0):
-                raise RuntimeError(f"engine {self.name} exited (code {self._proc.exitcode}) "
-                                   "without answering")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"engine {self.name} did not answer within "
-                                   f"{_REPLY_TIMEOUT_S:.0f} s")
-        status, value = self._conn.recv()
-        if status == "error":
-            raise RuntimeError(f"engine {self.name} failed: {value}")
-        return value
-
-    def call(self, command: str, *args: Any) -> Any:
-        """Run ``command`` in the child (see :func:`_engine_main`) and return its answer."""
-        self._conn.send((command, *args))
-        return self._reply()
 
     def run(self, requests: Sequence[Request], timeout_s: float = 120.0) -> list[dict[str, Any]]:
         """Submit ``requests`` and step until idle; per request its result and the prompt
@@ -83,20 +62,7 @@ class EngineProcess:
         return self.call("block_bytes", req_id, n_blocks)
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._proc.is_alive():
-                self._conn.send(("shutdown",))
-                self._conn.poll(timeout)
-        except (BrokenPipeError, EOFError, OSError):
-            pass
-        self._proc.join(timeout)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        self._conn.close()
+        self.stop(("shutdown",), timeout)
 
 
 def _wait(predicate: Any, what: str, timeout_s: float) -> None:

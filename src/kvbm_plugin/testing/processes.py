@@ -14,13 +14,12 @@ waiting for any (ranks run concurrently) and calls them from its executor thread
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
-import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvbm_plugin.testing.child import ChildProcess
 from kvbm_plugin.testing.kvmodel import BatchItems, KvModel
 
 _REPLY_TIMEOUT_S = 120.0
@@ -107,96 +106,52 @@ def run_iteration(worker: Any, forward_callable: Any, model: KvModel, pool: Any,
     worker.wait_for_save(stream)
 
 
-class RemoteRank:
+class RemoteRank(ChildProcess):
     """A rank in a child process; the same interface as :class:`LocalRank`."""
 
     def __init__(self, rank: int, llm_args: Any, model_kwargs: Mapping[str, Any],
                  num_blocks: int) -> None:
         self.rank = rank
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_rank_main, name=f"sim-rank-{rank}",
-                                 args=(child, llm_args, dict(model_kwargs), num_blocks),
-                                 daemon=True)
-        self._proc.start()
-        child.close()
-        self._closed = False
-        self._call_pending = False
+        super().__init__(f"rank {rank} process", _rank_main,
+                         (llm_args, dict(model_kwargs), num_blocks), name=f"sim-rank-{rank}",
+                         daemon=True, reply_timeout_s=_REPLY_TIMEOUT_S)
         self._bound: bytes | None = None
 
     def wait_ready(self) -> None:
         """Block until the child built its worker and registered its pool (raises its error)."""
-        self._reply()
-
-    def _send(self, *msg: Any) -> None:
-        try:
-            self._conn.send(msg)
-        except (BrokenPipeError, ConnectionResetError) as exc:
-            raise RuntimeError(f"rank {self.rank} process exited (code "
-                               f"{self._proc.exitcode}): {exc}") from exc
-
-    def _reply(self) -> Any:
-        deadline = time.monotonic() + _REPLY_TIMEOUT_S
-        while not self._conn.poll(0.2):
-            if not self._proc.is_alive() and not self._conn.poll(0):
-                raise RuntimeError(f"rank {self.rank} process exited (code "
-                                   f"{self._proc.exitcode}) without answering")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {self.rank} process did not answer within "
-                                   f"{_REPLY_TIMEOUT_S:.0f}s")
-        status, value = self._conn.recv()
-        if status == "error":
-            raise RuntimeError(f"rank {self.rank} process failed: {value}")
-        return value
+        self.reply()
 
     def bind(self, meta_bytes: bytes) -> None:
         self._bound = meta_bytes  # sent with the iteration: one message per iteration
 
     def start_iteration(self, items: BatchItems) -> None:
         meta, self._bound = self._bound, None
-        self._send("iteration", meta, items)
+        self.send("iteration", meta, items)
 
     def finish_iteration(self) -> None:
-        self._reply()
+        self.reply()
 
     def start_get_finished(self, saving: list[int], loading: list[int]) -> None:
-        self._send("get_finished", list(saving), list(loading))
+        self.send("get_finished", list(saving), list(loading))
 
     def finish_get_finished(self) -> tuple[list[int], list[int]]:
-        saved, loaded = self._reply()
+        saved, loaded = self.reply()
         return list(saved), list(loaded)
 
-    def _call(self, *msg: Any) -> Any:
-        self._send(*msg)
-        return self._reply()
-
     def mismatches(self, computed: int, tokens: list[int], blocks: list[int]) -> int:
-        return int(self._call("mismatches", computed, list(tokens), list(blocks)))
+        return int(self.call("mismatches", computed, list(tokens), list(blocks)))
 
     def block_bytes(self, blocks: list[int]) -> list[bytes]:
-        return list(self._call("block_bytes", list(blocks)))
+        return list(self.call("block_bytes", list(blocks)))
 
     def stats(self) -> dict[str, int]:
-        return dict(self._call("stats"))
+        return dict(self.call("stats"))
 
     def idle(self) -> bool:
-        return bool(self._call("idle"))
+        return bool(self.call("idle"))
 
     def shutdown(self, timeout: float) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            if self._proc.is_alive():
-                self._send("shutdown", timeout)
-                self._conn.poll(timeout + 5)
-        except (BrokenPipeError, EOFError, OSError):
-            pass
-        self._proc.join(timeout + 5)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
-        self._conn.close()
+        self.stop(("shutdown", timeout), timeout + 5)
 
 
 def _rank_main(conn: Any, llm_args: Any, model_kwargs: dict[str, Any], num_blocks: int) -> None:
