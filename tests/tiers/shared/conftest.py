@@ -27,8 +27,36 @@ def settings_for(store: str, address: str, **kw: Any) -> SharedSettings:
     return SharedSettings(store=store, model_key="test-model", address=address, **kw)
 
 
-def _close_all(stores: list[Any]) -> None:
-    # Mooncake's close() takes 1-2 s each: close them side by side.
+def _started(server_class: Any, tmp_path: Path, prefix: str) -> Iterator[Callable[..., Any]]:
+    """The body of a server factory fixture: yields ``make(**kw)``, which starts a
+    ``server_class`` in its own tmp dir (skipping, or failing under KVBM_REQUIRE_SHARED, when
+    it cannot start), and stops every one started in teardown."""
+    servers: list[Any] = []
+
+    def make(**kw: Any) -> Any:
+        try:
+            server = server_class(tmp_path / f"{prefix}{len(servers)}", **kw)
+        except ServerError as exc:
+            unavailable(str(exc))
+        servers.append(server)
+        return server.start()
+
+    yield make
+    for server in servers:
+        server.stop()
+
+
+def _closed_after(build: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """The body of a store factory fixture: yields ``build`` keeping what it made, and
+    closes all of it in teardown, side by side (Mooncake's close() takes 1-2 s each)."""
+    stores: list[Any] = []
+
+    def make(*args: Any, **kw: Any) -> Any:
+        store = build(*args, **kw)
+        stores.append(store)
+        return store
+
+    yield make
     threads = [threading.Thread(target=s.close) for s in stores]
     for t in threads:
         t.start()
@@ -48,19 +76,7 @@ def mooncake_master_factory(tmp_path: Path) -> Iterator[Callable[..., Any]]:
     except ConfigError as exc:
         unavailable(f"Mooncake is not installed ({exc}): pip install '.[mooncake]' and "
                     "Debian's libibverbs1")
-    masters: list[Any] = []
-
-    def make(**kw: Any) -> Any:
-        try:
-            master = MooncakeMaster(tmp_path / f"master{len(masters)}", **kw)
-        except ServerError as exc:
-            unavailable(str(exc))
-        masters.append(master)
-        return master.start()
-
-    yield make
-    for master in masters:
-        master.stop()
+    yield from _started(MooncakeMaster, tmp_path, "master")
 
 
 @pytest.fixture
@@ -76,16 +92,11 @@ def mooncake_store_factory(mooncake_master_factory: Callable[..., Any]
     (before the masters stop: this fixture depends on theirs)."""
     from kvbm_plugin.tiers.shared.mooncake import MooncakeStore
 
-    stores: list[Any] = []
-
-    def make(master: Any, **kw: Any) -> MooncakeStore:
+    def build(master: Any, **kw: Any) -> MooncakeStore:
         kw.setdefault("metrics_address", master.metrics_address)
-        store = MooncakeStore(settings_for("mooncake", master.address, **kw), env={})
-        stores.append(store)
-        return store
+        return MooncakeStore(settings_for("mooncake", master.address, **kw), env={})
 
-    yield make
-    _close_all(stores)
+    yield from _closed_after(build)
 
 
 @pytest.fixture
@@ -97,19 +108,7 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., Any]]:
         unavailable(f"the redis client is not installed ({exc}): pip install '.[redis]'")
     from kvbm_plugin.testing.redis_server import RedisServer
 
-    servers: list[Any] = []
-
-    def make(**kw: Any) -> Any:
-        try:
-            server = RedisServer(tmp_path / f"redis{len(servers)}", **kw)
-        except ServerError as exc:
-            unavailable(str(exc))
-        servers.append(server)
-        return server.start()
-
-    yield make
-    for server in servers:
-        server.stop()
+    yield from _started(RedisServer, tmp_path, "redis")
 
 
 @pytest.fixture
@@ -123,12 +122,5 @@ def redis_store_factory(redis_server_factory: Callable[..., Any]
     """``make(address, **settings)``: a RedisStore; closed after the test."""
     from kvbm_plugin.tiers.shared.redis_store import RedisStore
 
-    stores: list[Any] = []
-
-    def make(address: str, **kw: Any) -> RedisStore:
-        store = RedisStore(settings_for("redis", address, **kw))
-        stores.append(store)
-        return store
-
-    yield make
-    _close_all(stores)
+    yield from _closed_after(lambda address, **kw: RedisStore(settings_for("redis", address,
+                                                                           **kw)))
