@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -67,3 +68,14 @@ def format_table(rows: Sequence[Row]) -> str:
 
 def print_table(rows: Sequence[Row]) -> None:
     print(format_table(rows))
+
+
+def quick_main(doc: str | None, run: Callable[[bool], Sequence[Row]]) -> int:
+    """The command line of a benchmark whose only option is ``--quick``: prints the table of
+    ``run(quick)`` and returns 1 when a row missed its target (``raise SystemExit(...)``)."""
+    parser = argparse.ArgumentParser(description=doc,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    rows = run(parser.parse_args().quick)
+    print_table(rows)
+    return 0 if all(r.passed is not False for r in rows) else 1

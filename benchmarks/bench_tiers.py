@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import random
@@ -39,7 +38,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._table import Row, print_table  # noqa: E402
+from benchmarks._table import Row, quick_main  # noqa: E402
 from kvbm_plugin.tiers.base import TierIndex  # noqa: E402
 
 CHAIN = 16  # blocks per chain in the store workload
@@ -345,12 +344,7 @@ def run(quick: bool = False) -> list[Row]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    rows = run(parser.parse_args().quick)
-    print_table(rows)
-    return 0 if all(r.passed is not False for r in rows) else 1
+    return quick_main(__doc__, run)
 
 
 if __name__ == "__main__":
