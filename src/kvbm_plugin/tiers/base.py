@@ -39,7 +39,7 @@ from kvbm_plugin.tiers._entry import (  # TierEntry is re-exported
     _USED,
     TierEntry,
 )
-from kvbm_plugin.tiers._rows import KeyTable, LeafOrder
+from kvbm_plugin.tiers._rows import KeyTable, LeafOrder, SlotRows
 
 if TYPE_CHECKING:
     import torch
@@ -111,7 +111,7 @@ class TierFullError(RuntimeError):
     """No slot can be freed: every entry is pending, pinned or the parent of another entry."""
 
 
-class TierIndex:
+class TierIndex(SlotRows):
     """Slot allocation, residency, pinning and leaf-first LRU for one tier; owned by the leader.
 
     Called on the executor thread of rank 0 only (TensorRT-LLM's scheduler thread), so it takes
@@ -287,22 +287,13 @@ class TierIndex:
             peh, _ = _u64(parent_event_hash, "parent_event_hash")
             flags |= _PEH_NEG
         evicted: TierEntry | None = None
-        if self._free:
-            slot = self._free.pop()
-        elif len(self._key) < self.capacity:
-            slot = self._grow()
-        else:
-            if parent >= 0:
-                self._dequeue(parent)  # about to gain a child: not a victim
-            victim = self._order.first()
-            if victim < 0:
-                if parent >= 0:
-                    self._offer(parent)
-                raise TierFullError(f"{self.name} tier: all {self.capacity} slots are pending, "
-                                    "pinned or parents of other blocks")
-            evicted = self._remove(victim)
+        slot, evict = self._claim_slot(parent, len(self._key))
+        if slot < 0:
+            raise TierFullError(f"{self.name} tier: all {self.capacity} slots are pending, "
+                                "pinned or parents of other blocks")
+        if evict:
+            evicted = self._remove(slot)
             self.evictions += 1
-            slot = victim
         self._key[slot] = key
         self._eh[slot] = eh
         self._peh[slot] = peh

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvbm_plugin._util.saferepr import saferepr
-from kvbm_plugin.tiers._rows import KeyTable, LeafOrder
+from kvbm_plugin.tiers._rows import KeyTable, LeafOrder, SlotRows
 from kvbm_plugin.tiers.shared.keys import DIGEST_BYTES
 
 __all__ = ["Admitted", "SharedBlock", "SharedDirectory", "check_block"]
@@ -170,7 +170,7 @@ class Admitted:
     evicted: list[SharedBlock]  # least recently used leaves dropped to make room
 
 
-class SharedDirectory:
+class SharedDirectory(SlotRows):
     """Residency of shared-tier blocks as the leader knows it (see the module docstring).
 
     ``capacity``: the most resident blocks (``DYN_KVBM_SHARED_TRACKED_BLOCKS``); ``lease_s``:
@@ -566,18 +566,10 @@ class SharedDirectory:
         if self._table.find(lo) >= 0:  # another digest with the same first 8 bytes
             return "collision", None
         victim: SharedBlock | None = None
-        if self._free:
-            slot = self._free.pop()
-        elif len(self._lo) < self.capacity:
-            slot = self._grow()
-        else:
-            if parent >= 0:
-                self._dequeue(parent)  # about to gain a child: not a victim
-            slot = self._order.first()
-            if slot < 0:
-                if parent >= 0:
-                    self._offer(parent)
-                return "full", None
+        slot, evict = self._claim_slot(parent, len(self._lo))
+        if slot < 0:
+            return "full", None
+        if evict:
             victim = self._block(slot)
             self._remove(slot)
         flags = _USED
