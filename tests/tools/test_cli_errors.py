@@ -194,6 +194,46 @@ def _wait_for(condition, timeout: float = 60.0) -> None:  # noqa: ANN001
         time.sleep(0.02)
 
 
+class _SignalInFinalizer:
+    """An object whose finalizer delivers ``signum``: the handler's exception is raised inside
+    ``__del__``, where Python reports it as "Exception ignored" and swallows it."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def __del__(self) -> None:
+        signal.raise_signal(self.signum)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize(("signum", "raised"), [(signal.SIGINT, KeyboardInterrupt),
+                                                (signal.SIGTERM, SystemExit)])
+def test_a_signal_whose_exception_a_finalizer_swallowed_still_ends_the_demo(
+        monkeypatch, signum: int, raised: type) -> None:  # noqa: ANN001
+    """A signal handled while a finalizer runs (a ZMQ socket collected mid-run) must still end
+    the demo, with its status, not let it run on and exit 0."""
+    from kvbm_plugin.tools import demo
+
+    update = demo._Progress.update
+    sent: list[int] = []
+
+    def update_and_signal(self, *args, **kw) -> None:  # noqa: ANN001, ANN002, ANN003
+        if not sent:
+            sent.append(signum)
+            _SignalInFinalizer(signum)  # collected at once: __del__ delivers the signal
+        update(self, *args, **kw)
+
+    monkeypatch.setattr(demo._Progress, "update", update_and_signal)
+    previous = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(raised) as caught:
+        demo.main_demo(["--no-progress", "--sessions", "8", "--turns", "4"])
+    assert sent == [signum]
+    if raised is SystemExit:
+        assert caught.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) is previous  # the demo's handlers are put back
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
 @pytest.mark.parametrize(("signum", "status", "line"),
                          [(signal.SIGINT, 130, "kvbm-plugin demo: interrupted"),
                           (signal.SIGTERM, 128 + signal.SIGTERM, None)])

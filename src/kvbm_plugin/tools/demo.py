@@ -129,24 +129,59 @@ def _failure_check(engine, watch: _ErrorWatch) -> Check:  # noqa: ANN001
     return Check("clean run (no broken transfer, no error logged, no thread died)", ok, detail)
 
 
+class _Signals:
+    """SIGINT and SIGTERM end the demo through the same path (the engine shut down, the
+    temporary directory removed) instead of killing it where it stands: the handler raises
+    KeyboardInterrupt (Ctrl-C, status 130) or SystemExit(143), and a second SIGTERM during that
+    clean-up is ignored.
+
+    An exception a handler raises can be swallowed: a signal handled while a finalizer runs
+    (a ZMQ socket's ``__del__`` during a garbage collection, a ``weakref.finalize`` callback)
+    raises inside it, and Python reports it as "Exception ignored" and goes on. So the signal
+    is also remembered, and :meth:`check` raises it again: the demo calls it between engine
+    steps, and :func:`_signals_end_the_demo` once more when the run returned normally."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def handler(self, signum: int, frame: object) -> None:
+        if self.signum is None:
+            self.signum = signum
+        if signum == signal.SIGTERM:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        self._raise(signum)
+
+    def check(self) -> None:
+        """Raise the signal that came, if one did (called where no exception is unwinding)."""
+        if self.signum is not None:
+            self._raise(self.signum)
+
+    @staticmethod
+    def _raise(signum: int) -> None:
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+
+_SIGNALS = _Signals()
+
+
 @contextmanager
-def _sigterm_exits() -> Iterator[None]:
-    """SIGTERM ends the demo through the same path as Ctrl-C (the engine shut down, the
-    temporary directory removed) instead of killing it where it stands; a second SIGTERM
-    during that clean-up is ignored. Main thread only (elsewhere signals cannot be handled)."""
+def _signals_end_the_demo() -> Iterator[None]:
+    """Install :class:`_Signals`'s handler for SIGINT and SIGTERM around the demo; main thread
+    only (elsewhere signals cannot be handled)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-
-    def on_sigterm(signum: int, frame: object) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    _SIGNALS.signum = None
+    previous = {sig: signal.signal(sig, _SIGNALS.handler)
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
+        _SIGNALS.check()  # a signal whose exception a finalizer swallowed ends it here
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _load_engine_modules() -> None:
@@ -318,6 +353,7 @@ def run_demo(args: argparse.Namespace) -> int:
         progress = _Progress(total, enabled=not args.no_progress)
 
         def on_step(done) -> None:  # noqa: ANN001
+            _SIGNALS.check()
             stats = engine.stats()
             reused = stats.gpu_hit_tokens + stats.host_hit_tokens + stats.disk_hit_tokens
             where = (f"{time.monotonic() - started:.0f}s" if steady
@@ -748,7 +784,7 @@ def main_demo(argv: Sequence[str] | None = None) -> int:
     the run through its clean-up."""
     args = build_parser().parse_args(argv)
     _check_options(args)
-    with _sigterm_exits():
+    with _signals_end_the_demo():
         _load_engine_modules()
         if args.engines == 2:
             from kvbm_plugin.tools.demo_engines import run_engines_demo
