@@ -538,6 +538,37 @@ def test_compiled_v2_hooks_write_wire_bytes_and_coalesce() -> None:
             stats["blocks_removed"]) == (1, 2, 1, 2)
 
 
+class InterruptedOnce:
+    """A V2 block whose first ``tokens`` read raises KeyboardInterrupt, as a Ctrl-C handled
+    while a property's Python code runs does; later reads answer."""
+
+    key = b"\5" * 32
+    prev = ROOT
+    ordinal = 0
+
+    def __init__(self) -> None:
+        self.reads = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        self.reads += 1
+        if self.reads == 1:
+            raise KeyboardInterrupt
+        return [1, 2]
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=needs_native), False])
+def test_an_interrupt_raised_while_a_v2_block_is_read_propagates(native: bool) -> None:
+    """A KeyboardInterrupt (or SystemExit) raised by a read is not an error of the block: it
+    reaches TensorRT-LLM's caller, and is never cleared for the fallback's second read."""
+    sink = KvEventSink(Recorder(), block_size=2, native=native)
+    block = InterruptedOnce()
+    with pytest.raises(KeyboardInterrupt):
+        sink.add_stored_block_event_from_block(block)
+    assert block.reads == 1
+    assert sink.stats()["malformed_events"] == 0
+
+
 def test_native_switch_turns_the_compiled_loops_off_and_refuses_a_non_boolean() -> None:
     """Built or not: off means the Python loops, and a bad value is an error naming it."""
     for module in ("event_sink", "consolidator"):

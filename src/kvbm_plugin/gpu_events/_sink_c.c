@@ -432,9 +432,14 @@ static int v2_take_store(RankBatch *rb, PyObject *block) {
     r = 1;
 done:
     if (r == 0 && PyErr_Occurred()) {
-        /* A read that raised goes to the Python hook, which reads again and counts it. */
-        if (PyErr_ExceptionMatches(PyExc_MemoryError)) r = -1;
-        else PyErr_Clear();
+        /* A read that raised an error goes to the Python hook, which reads again and counts
+         * it. MemoryError, and what is not an Exception (KeyboardInterrupt or SystemExit that a
+         * signal handler raised while an attribute's Python code ran), propagate. */
+        if (PyErr_ExceptionMatches(PyExc_MemoryError)
+            || !PyErr_ExceptionMatches(PyExc_Exception))
+            r = -1;
+        else
+            PyErr_Clear();
     }
     Py_XDECREF(key);
     Py_XDECREF(tokens);
