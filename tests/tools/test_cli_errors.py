@@ -224,14 +224,19 @@ def test_a_signal_whose_exception_a_finalizer_swallowed_still_ends_the_demo(
         update(self, *args, **kw)
 
     monkeypatch.setattr(demo._Progress, "update", update_and_signal)
-    previous = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(raised) as caught:
-        demo.main_demo(["--no-progress", "--sessions", "8", "--turns", "4"])
-    assert sent == [signum]
-    if raised is SystemExit:
-        assert caught.value.code == 128 + signal.SIGTERM
-    assert signal.getsignal(signal.SIGTERM) is previous  # the demo's handlers are put back
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # As in a terminal (a background job, as CI runs the suite, starts with SIGINT ignored).
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        previous = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(raised) as caught:
+            demo.main_demo(["--no-progress", "--sessions", "8", "--turns", "4"])
+        assert sent == [signum]
+        if raised is SystemExit:
+            assert caught.value.code == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is previous  # the demo's handlers put back
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 @pytest.mark.parametrize(("signum", "status", "line"),

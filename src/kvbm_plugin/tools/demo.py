@@ -174,8 +174,11 @@ def _signals_end_the_demo() -> Iterator[None]:
         yield
         return
     _SIGNALS.signum = None
+    # A signal the process was started ignoring stays ignored (a shell's background job
+    # ignores SIGINT, and Python leaves it so).
     previous = {sig: signal.signal(sig, _SIGNALS.handler)
-                for sig in (signal.SIGINT, signal.SIGTERM)}
+                for sig in (signal.SIGINT, signal.SIGTERM)
+                if signal.getsignal(sig) is not signal.SIG_IGN}
     try:
         yield
         _SIGNALS.check()  # a signal whose exception a finalizer swallowed ends it here
