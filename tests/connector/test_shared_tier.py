@@ -365,6 +365,46 @@ def test_a_promised_load_whose_object_is_gone_fails_counted(shared, expect_error
     assert not expect_errors.thread_exceptions
 
 
+def test_a_worker_whose_breaker_is_still_open_reads_what_its_leader_promised(
+        shared, monkeypatch) -> None:  # noqa: ANN001
+    """After an outage each client's circuit breaker closes on its own schedule: the leader's
+    agent can see the store back while a worker's breaker still waits for its next probe. A
+    shared load the leader promised then must still be read, not failed at once (it would
+    leave the request computing on blocks nobody filled)."""
+    from kvbm_plugin.tiers.shared.breaker import GuardedStore
+
+    plain = shared_io.open_store
+    workers: list[GuardedStore] = []
+
+    def guarded_open(settings: Any, *, segment_bytes: int | None = None) -> Any:
+        store = plain(settings, segment_bytes=segment_bytes)
+        if segment_bytes == 0:
+            return store  # the leader's agent
+        guarded = GuardedStore(store, backoff_s=3600.0)  # no probe during this test
+        workers.append(guarded)
+        return guarded
+
+    monkeypatch.setattr(shared_io, "open_store", guarded_open)
+    a = shared.engine()
+    b = shared.engine()
+    b_workers = workers[len(workers) // 2:]
+    assert len(b_workers) == 2  # TP 2
+    system = prompt(45, 4 * BS)
+    run(a, system + prompt(46, 2))
+    settle(a)
+    wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's blocks")
+    shared.store.down = True  # a blip only B's workers saw: their breakers open
+    for guarded in b_workers:
+        for _ in range(3):
+            guarded.exists(["probe"])
+        assert not guarded.available
+    shared.store.down = False
+    got = run(b, system + prompt(47, 2))  # run() checks the onboarded bytes
+    assert got.matched_shared_tokens == 4 * BS
+    assert b.leader.stats()["shared_loads_failed"] == 0
+    assert all(g.available for g in b_workers)  # the read found the store back
+
+
 @real_agents
 def test_the_store_going_down_leaves_the_local_tiers_and_comes_back(shared) -> None:
     a = shared.engine()

@@ -323,7 +323,9 @@ class SharedIO:
     def _get(self, copies: Sequence[LoadCopy], buffers: list[tuple[int, int]]) -> list[bool]:
         keys = [self.layout.key(c.digest) for c in copies]  # type: ignore[arg-type]
         try:
-            codes = self._store.get_into(keys, buffers)
+            # Promised to TensorRT-LLM already: tried even while this client's breaker
+            # is open (a failure computes on unfilled blocks; the wait is this thread's).
+            codes = self._store.get_promised(keys, buffers)
         except Exception:
             logger.exception("rank %d: shared-tier get of %d blocks raised", self._rank,
                              len(copies))

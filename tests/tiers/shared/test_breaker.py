@@ -160,3 +160,24 @@ def test_concurrent_callers_probe_once(rig: Any) -> None:
     inner.code = OK
     assert guarded.exists(["a"]) == [1]
     assert answers == [[UNAVAILABLE]] and inner.health_calls == 1
+
+
+def test_a_promised_read_goes_to_the_store_while_open_and_closes_it(rig: Any) -> None:
+    """A load the leader already promised is tried even while the circuit is open (this
+    client's breaker can still be open after the store came back; failing it at once would
+    leave the request computing on blocks nobody filled); the store answering closes it."""
+    clock, inner, guarded = rig
+    inner.code = UNAVAILABLE
+    for _ in range(3):
+        guarded.get_into(["a"], [(0, 64)])
+    assert not guarded.available
+    assert guarded.get_into(["a"], [(0, 64)]) == [UNAVAILABLE]  # an ordinary read: at once
+    calls = inner.calls
+    assert guarded.get_promised(["a"], [(0, 64)]) == [UNAVAILABLE]  # still down: tried
+    assert inner.calls == calls + 1 and not guarded.available
+    inner.code = OK
+    assert guarded.get_promised(["a", "b"], [(0, 64), (64, 64)]) == [64, 64]
+    assert guarded.available and inner.calls == calls + 2
+    assert inner.health_calls == 0  # no probe needed: the read itself answered
+    stats = guarded.stats()
+    assert stats["closed"] == 1 and stats["get_into_ok"] == 2

@@ -9,7 +9,8 @@ thread, which reads :attr:`GuardedStore.available` (no I/O, no lock held long).
 * Closed (normal): calls go to the store. The breaker opens after ``threshold`` consecutive
   calls with an UNAVAILABLE result, or at once after one call slower than ``slow_call_s`` with
   an UNAVAILABLE result (the store's own timeout has been paid: do not pay it again).
-* Open: every call returns UNAVAILABLE for every key at once. Once the backoff has passed
+* Open: every call returns UNAVAILABLE for every key at once (but :meth:`get_promised`'s, see
+  there). Once the backoff has passed
   (``backoff_s``, doubling to ``max_backoff_s``), the next caller probes :meth:`health` of the
   store on its own thread (one prober at a time; the others are answered UNAVAILABLE meanwhile);
   a healthy answer closes the breaker and that call goes through. Reconnecting is the store's
@@ -105,6 +106,14 @@ class GuardedStore(SharedStore):
     def get_into(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[int]:
         return self._run("get_into", self.store.get_into, keys, buffers)
 
+    def get_promised(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[int]:
+        """``get_into`` of blocks the leader already promised TensorRT-LLM (a load that fails
+        leaves the request computing on blocks nobody filled): goes to the store even while
+        the circuit is open. The worker's breaker can still be open when the leader's agent
+        (another client) has seen the store back, and the worker's reader thread can afford
+        the store's timeout once more; a read that finds the store answering closes it."""
+        return self._run("get_into", self.store.get_into, keys, buffers, force=True)
+
     def health(self) -> str | None:
         """The store's own answer while closed; while open, why it opened (no I/O)."""
         if self._open:
@@ -170,9 +179,9 @@ class GuardedStore(SharedStore):
         return False
 
     def _run(self, op: str, fn: Callable[..., list[int]], keys: Sequence[str],
-             *args: Any) -> list[int]:
+             *args: Any, force: bool = False) -> list[int]:
         n = len(keys)
-        if not self._admit():
+        if not force and not self._admit():
             with self._lock:
                 self._counts["short_circuited"] += 1
                 self._counts[f"{op}_calls"] += 1
@@ -189,7 +198,7 @@ class GuardedStore(SharedStore):
             result = [FAILED] * n
         elapsed = self._clock() - started
         unavailable = UNAVAILABLE in result
-        opened = False
+        opened = closed = False
         with self._lock:
             counts = self._counts
             counts[f"{op}_calls"] += 1
@@ -219,6 +228,13 @@ class GuardedStore(SharedStore):
                     counts["opened"] += 1
             else:
                 self._consecutive = 0
+                if self._open and force:  # the store answered a forced call: it is back
+                    self._open = False
+                    self._backoff = self._backoff_min
+                    counts["closed"] += 1
+                    closed = True
+        if closed:
+            log.warning("shared store %s is back: circuit closed", self.store.name)
         if opened:
             self._rl.log(logging.WARNING, "breaker.open", "shared store %s unavailable (%s): "
                          "circuit open, calls fail at once until it answers again",

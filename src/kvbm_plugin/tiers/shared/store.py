@@ -68,6 +68,11 @@ class SharedStore(ABC):
         """Read each object into its buffer: the bytes read, or a negative code
         (:data:`MISSING`, :data:`FAILED` for an object larger than its buffer)."""
 
+    def get_promised(self, keys: Sequence[str], buffers: Sequence[Buffer]) -> list[int]:
+        """``get_into`` of blocks already promised to TensorRT-LLM: a circuit breaker
+        (:class:`~.breaker.GuardedStore`) tries these even while open; a plain store reads."""
+        return self.get_into(keys, buffers)
+
     @abstractmethod
     def health(self) -> str | None:
         """None when the store answers, else why not; returns within about a second."""
