@@ -17,7 +17,7 @@ import torch
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
-from kvbm_plugin.testing.fake_trtllm import trtllm_block_hash
+from kvbm_plugin.testing.fake_trtllm import trtllm_block_chain
 from kvbm_plugin.wire.events import BlockStored, to_signed_int64
 from kvbm_plugin.wire.identity import lora_name
 from kvbm_plugin.wire.subscriber import StreamSubscriber
@@ -29,12 +29,7 @@ SCOPES = (None, 0, 1)  # the base model and LoRA task ids 0 and 1
 
 def chain(tokens: list[int], lora: int | None) -> list[int]:
     """TensorRT-LLM's V1 hashes (wire form) of the full blocks of ``tokens``."""
-    out: list[int] = []
-    parent = None
-    for i in range(len(tokens) // BS):
-        parent = trtllm_block_hash(parent, tokens[i * BS:(i + 1) * BS], None, lora)
-        out.append(to_signed_int64(parent))
-    return out
+    return [to_signed_int64(h) for h in trtllm_block_chain(tokens, BS, None, lora)]
 
 
 def record(tmp: Path, provide_block_hashes: bool,

@@ -32,7 +32,7 @@ from test_dynamo_indexer import (
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
-from kvbm_plugin.testing.fake_trtllm import trtllm_block_hash
+from kvbm_plugin.testing.fake_trtllm import trtllm_block_chain
 from kvbm_plugin.tools.dynamo_indexer import Indexer
 from kvbm_plugin.tools.router_view import RouterView
 from kvbm_plugin.wire.events import EventBatch, to_signed_int64
@@ -50,12 +50,7 @@ OWN = {scope: SYSTEM + [5000 + 100 * i + j for j in range(8)]
 
 def _chain(tokens: list[int], lora: int | None) -> list[int]:
     """TensorRT-LLM's V1 hashes (wire form) of the full blocks of ``tokens``."""
-    out: list[int] = []
-    parent = None
-    for i in range(len(tokens) // BS):
-        parent = trtllm_block_hash(parent, tokens[i * BS:(i + 1) * BS], None, lora)
-        out.append(to_signed_int64(parent))
-    return out
+    return [to_signed_int64(h) for h in trtllm_block_chain(tokens, BS, None, lora)]
 
 
 def _prefix(hashes: list[int], held: set[int]) -> int:

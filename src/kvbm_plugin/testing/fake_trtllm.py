@@ -29,6 +29,18 @@ def trtllm_block_hash(parent: int | None, tokens: list[int],
     return v1_block_hash(tokens, parent, salt=sid, lora_task_id=lora_task_id)
 
 
+
+def trtllm_block_chain(tokens: list[int], block_size: int, salt: str | int | None = None,
+                       lora_task_id: int | None = None) -> list[int]:
+    """:func:`trtllm_block_hash` of every full block of ``tokens``, each under the one before."""
+    out: list[int] = []
+    parent = None
+    for i in range(len(tokens) // block_size):
+        parent = trtllm_block_hash(parent, tokens[i * block_size:(i + 1) * block_size], salt,
+                                   lora_task_id)
+        out.append(parent)
+    return out
+
 @dataclass
 class RequestData:
     """TRT-LLM's per-request delta in a SchedulerOutput."""

@@ -188,8 +188,16 @@ class RouterProbe:
             # What the leader's idle keeper publishes within its period while the engine
             # waits for this request, without waiting for it.
             leader.publish_now()
-        now = time.monotonic()
-        seen, since = self.subscriber.stats.batches, now
+        return self._wait_caught_up(deadline)
+
+    def _batches(self) -> int:
+        """Batches the view has taken so far (progress, for the stall rule)."""
+        return self.subscriber.stats.batches
+
+    def _wait_caught_up(self, deadline: float) -> bool:
+        """Poll until :meth:`caught_up` holds twice in a row, the stream stalls (no batch for
+        ``stall_s`` with nothing left upstream) or ``deadline`` passes."""
+        seen, since = self._batches(), time.monotonic()
         while True:
             self._poll(0)
             if self.caught_up():
@@ -197,8 +205,9 @@ class RouterProbe:
                 if self.caught_up():
                     return True
             now = time.monotonic()
-            if self.subscriber.stats.batches != seen:
-                seen, since = self.subscriber.stats.batches, now
+            batches = self._batches()
+            if batches != seen:
+                seen, since = batches, now
             elif now - since >= self.stall_s and self._upstream_done():
                 self.settle_stalls += 1
                 return False

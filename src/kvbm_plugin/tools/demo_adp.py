@@ -71,29 +71,11 @@ class AdpRouterProbe(RouterProbe):
             self._poll(1)  # the exchange threads run every few ms
         for r in reversed(range(engine.size)):  # rank 0 last: it publishes the gathered events
             engine.call(r, "publish_now")
+        self.settles += 1
         return self._wait_caught_up(deadline)
 
-    def _wait_caught_up(self, deadline: float) -> bool:
-        self.settles += 1
-        seen = sum(s.stats.batches for s in self.subscribers)
-        since = time.monotonic()
-        while True:
-            self._poll(0)
-            if self.caught_up():
-                self._poll(0)
-                if self.caught_up():
-                    return True
-            now = time.monotonic()
-            batches = sum(s.stats.batches for s in self.subscribers)
-            if batches != seen:
-                seen, since = batches, now
-            elif now - since >= self.stall_s and self._upstream_done():
-                self.settle_stalls += 1
-                return False
-            if now >= deadline:
-                self.settle_timeouts += 1
-                return False
-            self._poll(1)
+    def _batches(self) -> int:
+        return sum(s.stats.batches for s in self.subscribers)
 
     def route(self, prompt: list[int], salt: str | None = None) -> int:
         """The rank whose caches hold most of the prompt (ties: fewest routed so far)."""
