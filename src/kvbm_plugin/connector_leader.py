@@ -620,6 +620,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
                 entry = None  # forgotten meanwhile
             if not ok:
                 self._stats["loads_failed"] += 1
+                if state is not None:  # recomputed where TRT-LLM asks for load errors:
+                    state.match_base = None  # its first report's position is the truth
                 if op.tier == TIER_SHARED:
                     self._stats["shared_loads_failed"] += 1
                 if any(r.error == ERR_CORRUPT for r in op.reports.values()):

@@ -41,6 +41,7 @@ from kvbm_plugin.connector.copy_runs import chunked as _chunked
 from kvbm_plugin.connector.copy_runs import count_down as _count_down
 from kvbm_plugin.connector.copy_runs import runs as _runs
 from kvbm_plugin.connector.disk_jobs import DiskJobs
+from kvbm_plugin.connector.load_errors import LoadErrors
 from kvbm_plugin.connector.meta import (
     DISK,
     ERR_FAILED,
@@ -81,7 +82,7 @@ COPY_BATCH_BYTES = 64 << 20  # host copies complete and report in batches of abo
 
 
 
-class KvbmConnectorWorker(DiskJobs, KvCacheConnectorWorker):  # type: ignore[misc, valid-type]
+class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type: ignore[misc, valid-type]
     """Worker-side connector; runs on every rank, holds this rank's head shard of each block."""
 
     # Attention DP: transfers, endpoints and reports are the rank's own (its leader waits for
@@ -143,7 +144,8 @@ class KvbmConnectorWorker(DiskJobs, KvCacheConnectorWorker):  # type: ignore[mis
         self._stats = {"bytes_offloaded": 0, "bytes_onboarded": 0, "bytes_demoted": 0,
                        "blocks_offloaded": 0, "blocks_onboarded": 0, "blocks_demoted": 0,
                        "ops_failed": 0, "corrupt_blocks": 0, "copies_issued": 0,
-                       "jobs_failed": 0, "loads_fenced": 0}
+                       "jobs_failed": 0, "loads_fenced": 0, "load_error_blocks": 0}
+        self._load_errors: set[int] = set()  # device blocks not loaded (connector/load_errors)
         self._block_bytes = 0
         self._shared: SharedIO | None = None  # the shared tier's I/O (connector/shared_io.py)
 
@@ -578,6 +580,7 @@ class KvbmConnectorWorker(DiskJobs, KvCacheConnectorWorker):  # type: ignore[mis
                 else:
                     if copy.tier == HOST:
                         self._written((load.req_id,))
+                    self._load_errors_add(load.req_id, (copy.device_block,))
                     self._report(copy.op_id, False, ERR_FAILED)
                     self._load_terminal(load.req_id)
             if shared:
@@ -598,6 +601,9 @@ class KvbmConnectorWorker(DiskJobs, KvCacheConnectorWorker):  # type: ignore[mis
         def done(ok: bool) -> None:
             results = [(copy.op_id, ok and keys_ok[copy.op_id]) for copy, _ in host_copies]
             self._written([req_id for _, req_id in host_copies])
+            for (copy, req_id), (_, good) in zip(host_copies, results, strict=True):
+                if not good:
+                    self._load_errors_add(req_id, (copy.device_block,))
             self._report_all(results)
             self._load_terminal_all([req_id for _, req_id in host_copies])
             moved = sum(good for _, good in results)

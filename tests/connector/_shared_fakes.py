@@ -48,6 +48,9 @@ class Client(SharedStore):
     def get_into(self, keys: Sequence[str], buffers: Sequence[tuple[int, int]]) -> list[int]:
         return self.store.get_into(keys, buffers)
 
+    def remove_if(self, key: str, fingerprint: str) -> int:
+        return self.store.remove_if(key, fingerprint)
+
     def health(self) -> str | None:
         return self.store.health()
 

@@ -24,6 +24,7 @@ from kvbm_plugin.connector import shared_book, shared_io
 from kvbm_plugin.testing.fake_trtllm import LlmRequest
 from kvbm_plugin.testing.memory_store import MemoryStore
 from kvbm_plugin.tiers.base import block_keys
+from kvbm_plugin.tiers.shared import frame
 from kvbm_plugin.tiers.shared.keys import chain_digests
 from kvbm_plugin.wire.identity import request_scope
 
@@ -164,7 +165,8 @@ def test_a_prefix_computed_by_one_engine_is_loaded_by_the_other_with_its_bytes(s
     assert b.stats().kv_mismatches == 0
     ws = [r.stats() for r in b.ranks]
     assert all(w["shared_loads"] == 6 and w["shared_loads_failed"] == 0 for w in ws)
-    # The objects hold exactly A's host copies (each rank's shard under its own key).
+    # The objects hold exactly A's host copies (each rank's shard under its own key), behind
+    # the 64-byte header that names the key (tiers/shared/frame.py).
     digests = chain_digests(system, BS, None)
     keys = block_keys(system, BS, None)
     for worker in a.workers:
@@ -172,7 +174,9 @@ def test_a_prefix_computed_by_one_engine_is_loaded_by_the_other_with_its_bytes(s
         assert layout.rank == worker._rank and layout.world == 2
         for digest, key in zip(digests, keys, strict=True):
             block = host.pool[host.keys.index(key)]
-            assert shared.store.get_bytes(layout.key(digest)) == ctypes.string_at(
+            stored = shared.store.get_bytes(layout.key(digest))
+            assert stored[:8] == frame.MAGIC and stored[24:40] == digest
+            assert stored[frame.HEADER_BYTES:] == ctypes.string_at(
                 block.data_ptr(), layout.bytes_per_page)
 
 

@@ -34,6 +34,7 @@ class DiskJobs:
     _block_bytes: int
     _metrics: Any
     _staging_to_device: Any  # the worker's (disk staging → device block, waited for)
+    _load_errors_add: Any  # connector/load_errors.py
 
     def _disk_loop(self) -> None:
         """Owns file I/O: atomic block writes and verified reads; never touches the executor
@@ -110,5 +111,7 @@ class DiskJobs:
             self._metrics.observe_transfer("onboard", MEDIUM_DISK,
                                            time.perf_counter() - started, self._block_bytes)
             self._count(bytes_onboarded=self._block_bytes, blocks_onboarded=1)
+        else:  # a read error, a failed check, a copy timeout (a fenced request: ignored)
+            self._load_errors_add(req_id, (copy.device_block,))
         self._report(copy.op_id, ok, ERR_NONE if ok else error)
         self._load_terminal(req_id)

@@ -13,10 +13,19 @@ iteration) when ``DYN_KVBM_SHARED_TIER`` names a store; the worker stays a thin 
   writes wait or run; one more is dropped, reported failed and counted
   (``shared_writes_dropped``), and the leader never advertises it.
 * loads: the transfer thread hands a request's shared copies to :meth:`submit_load`; the
-  reader thread reads them with one ``get_into`` batch: on a CPU pool straight into the pool's
-  blocks (the pool is registered with the store), on CUDA into registered pinned staging and
-  from there onto the device on a stream of its own. A read of another size than this rank's
-  page is a failure, never a load.
+  reader thread reads them with one ``get_into`` batch into registered staging (pinned on
+  CUDA), checks every object there (``tiers.shared.frame``: magic, layout digest, key, length,
+  checksum) and only then copies the good ones into the pool (on CUDA on a stream of its own),
+  so no byte of a refused object ever reaches the pool. A read of another size, an object that
+  fails its check or is gone is a failed load: counted (``shared_loads_short``,
+  ``shared_loads_corrupt``, ``shared_loads_failed``), logged rate-limited, and its device block
+  goes to the worker's load-error set (``get_block_ids_with_load_errors``), so TensorRT-LLM
+  recomputes the request where its version asks for that set. A refused object is removed
+  from the store if it still holds the bytes read (``SharedStore.remove_if``): the next
+  correct write of that key replaces it, so one bad writer cannot poison a key for its
+  lifetime.
+* writes carry the same header: the writer thread seals each staged block (``frame.seal``)
+  right before its ``put``.
 
 Every op is reported to the leader exactly once (through the worker's ``_report``); no store
 call ever runs on the executor thread. The store client is the ``kvbm_plugin.tiers`` entry
@@ -35,8 +44,16 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
-from kvbm_plugin.connector.meta import ERR_DROPPED, ERR_FAILED, ERR_NONE, LoadCopy, SharedSaveOp
+from kvbm_plugin.connector.meta import (
+    ERR_CORRUPT,
+    ERR_DROPPED,
+    ERR_FAILED,
+    ERR_NONE,
+    LoadCopy,
+    SharedSaveOp,
+)
 from kvbm_plugin.shared_settings import SharedSettings, load_shared_settings
+from kvbm_plugin.tiers.shared import frame
 from kvbm_plugin.tiers.shared.keys import SharedLayout
 from kvbm_plugin.tiers.shared.store import CODE_NAMES, FAILED, OK
 
@@ -80,7 +97,8 @@ class SharedIO:
     """One rank's shared-tier reads and writes (see the module docstring).
 
     ``worker`` is the rank's ``KvbmConnectorWorker``; this class calls its ``_report``,
-    ``_begin_writing``, ``_written`` and ``_load_terminal`` (thread-safe) and nothing else.
+    ``_begin_writing``, ``_written``, ``_load_errors_add`` and ``_load_terminal``
+    (thread-safe) and nothing else.
     """
 
     def __init__(self, settings: SharedSettings, store: SharedStore, layout: SharedLayout,
@@ -91,6 +109,10 @@ class SharedIO:
         self._pool = pool
         self._pool_blocks = pool.unbind(0)
         self._page = layout.bytes_per_page
+        self._object = frame.HEADER_BYTES + self._page  # what one key holds
+        self._lay = frame.layout_digest(layout)
+        # Staged payload views (pool-block shaped) -> their whole object buffer (uint8).
+        self._whole: dict[int, torch.Tensor] = {}
         self._cuda = cuda
         self._worker = worker
         self._rank = layout.rank if layout.rank is not None else 0
@@ -109,12 +131,9 @@ class SharedIO:
         self._stats = dict.fromkeys((
             "shared_writes", "shared_writes_failed", "shared_writes_dropped",
             "shared_bytes_written", "shared_loads", "shared_loads_failed",
-            "shared_loads_short", "shared_bytes_read", "shared_store_unavailable"), 0)
-        if not cuda and pool.numel():
-            # Loads land straight in the pool's blocks: register the pool's memory once.
-            storage = pool.untyped_storage()
-            self._register(storage.data_ptr(), storage.nbytes())
-        else:
+            "shared_loads_short", "shared_loads_corrupt", "shared_objects_removed",
+            "shared_bytes_read", "shared_store_unavailable"), 0)
+        if cuda:
             import torch
 
             self._stream = torch.cuda.Stream(device=pool.device)
@@ -210,18 +229,30 @@ class SharedIO:
             if self._allocated >= self.settings.queue_blocks:
                 return None
             self._allocated += 1
-        import torch
-
         try:
-            buf = torch.empty(self._pool.shape[1:], dtype=self._pool.dtype,
-                              pin_memory=self._cuda)
-            self._register(buf.data_ptr(), self._page)
+            whole = self._new_object_buffer()
         except Exception:
             with self._lock:
                 self._allocated -= 1
             logger.exception("rank %d: cannot allocate a shared-tier staging buffer", self._rank)
             return None
+        buf = self._payload(whole)
+        with self._lock:
+            self._whole[buf.data_ptr()] = whole
         return buf
+
+    def _new_object_buffer(self) -> torch.Tensor:
+        """A registered buffer of one object (header + page), pinned on CUDA."""
+        import torch
+
+        whole = torch.empty(self._object, dtype=torch.uint8, pin_memory=self._cuda)
+        self._register(whole.data_ptr(), self._object)
+        return whole
+
+    def _payload(self, whole: torch.Tensor) -> torch.Tensor:
+        """The pool-block shaped view of an object buffer's payload (64-byte aligned)."""
+        pool = self._pool
+        return whole[frame.HEADER_BYTES:].view(pool.dtype).view(pool.shape[1:])
 
     def _release(self, buf: torch.Tensor) -> None:
         with self._lock:
@@ -252,8 +283,12 @@ class SharedIO:
 
     def _put(self, batch: list[tuple[SharedSaveOp, torch.Tensor]]) -> None:
         keys = [self.layout.key(op.digest) for op, _ in batch]
+        with self._lock:
+            wholes = [self._whole[buf.data_ptr()] for _, buf in batch]
         try:
-            codes = self._store.put(keys, [(buf.data_ptr(), self._page) for _, buf in batch])
+            for (op, _), whole in zip(batch, wholes, strict=True):
+                frame.seal(whole, self.layout, op.digest, self._lay)
+            codes = self._store.put(keys, [(w.data_ptr(), self._object) for w in wholes])
         except Exception:  # a store client must not raise; if it does, the ops still end
             logger.exception("rank %d: shared-tier put of %d blocks raised", self._rank,
                              len(batch))
@@ -298,82 +333,100 @@ class SharedIO:
 
     def _load(self, copies: tuple[LoadCopy, ...], req_id: int) -> None:
         n_blocks = self._pool.shape[0]
-        results: dict[int, bool] = {}
+        results: dict[int, int] = {}  # op id -> ERR_NONE / ERR_FAILED / ERR_CORRUPT
         good = [c for c in copies if c.digest is not None and 0 <= c.device_block < n_blocks]
         for c in copies:
             if c not in good:
-                results[c.op_id] = False
-        if good:
-            if self._cuda:
-                for start in range(0, len(good), LOAD_STAGING_BLOCKS):
-                    results.update(self._load_via_staging(good[start:start + LOAD_STAGING_BLOCKS],
-                                                           req_id))
-            else:
-                results.update(self._load_into_pool(good, req_id))
+                results[c.op_id] = ERR_FAILED
+        for start in range(0, len(good), LOAD_STAGING_BLOCKS):
+            results.update(self._load_via_staging(good[start:start + LOAD_STAGING_BLOCKS],
+                                                  req_id))
         worker = self._worker
+        failed = [c.device_block for c in copies if results.get(c.op_id, ERR_FAILED)]
+        if failed:  # before the reports: the request is "loaded" only after its last one
+            worker._load_errors_add(req_id, failed)
         ok_n = 0
         for c in copies:
-            ok = results.get(c.op_id, False)
-            ok_n += ok
-            worker._report(c.op_id, ok, ERR_NONE if ok else ERR_FAILED)
+            error = results.get(c.op_id, ERR_FAILED)
+            ok_n += error == ERR_NONE
+            worker._report(c.op_id, error == ERR_NONE, error)
             worker._load_terminal(req_id)
         self._count(shared_loads=ok_n, shared_loads_failed=len(copies) - ok_n,
                     shared_bytes_read=ok_n * self._page)
 
-    def _get(self, copies: Sequence[LoadCopy], buffers: list[tuple[int, int]]) -> list[bool]:
+    def _get(self, copies: Sequence[LoadCopy], staging: list[torch.Tensor]) -> list[int]:
+        """Read each copy's object into its staging buffer and check it: per copy ERR_NONE,
+        ERR_FAILED (the store failed, the object is gone or of another size) or ERR_CORRUPT
+        (it failed its check; removed from the store if it still holds those bytes)."""
         keys = [self.layout.key(c.digest) for c in copies]  # type: ignore[arg-type]
         try:
             # Promised to TensorRT-LLM already: tried even while this client's breaker
-            # is open (a failure computes on unfilled blocks; the wait is this thread's).
-            codes = self._store.get_promised(keys, buffers)
+            # is open (a failure is a load error; the wait is this thread's).
+            codes = self._store.get_promised(keys, [(b.data_ptr(), self._object)
+                                                    for b in staging])
         except Exception:
             logger.exception("rank %d: shared-tier get of %d blocks raised", self._rank,
                              len(copies))
             codes = [FAILED] * len(copies)
         out = []
-        for code in codes:
-            ok = code == self._page
-            if not ok:
-                if code >= 0:  # another size than this rank's page: never loaded
+        for c, key, buf, code in zip(copies, keys, staging, codes, strict=True):
+            if code != self._object:
+                if code >= 0:  # another size than this rank's object: never loaded
                     self._count(shared_loads_short=1)
                     code = FAILED
                 self._note_failure("get", code)
-            out.append(ok)
+                out.append(ERR_FAILED)
+                continue
+            try:
+                frame.check(buf, c.digest, self._lay)  # type: ignore[arg-type]
+            except frame.Refusal as why:
+                self._refused(key, buf, str(why))
+                out.append(ERR_CORRUPT)
+                continue
+            out.append(ERR_NONE)
         return out
 
-    def _load_into_pool(self, copies: list[LoadCopy], req_id: int) -> dict[int, bool]:
-        """CPU pool: straight into the registered pool blocks, counted as writing them (a
-        fence for the request waits until the read returned)."""
-        worker = self._worker
-        if not worker._begin_writing(req_id, len(copies)):  # TRT-LLM freed the blocks
-            return {c.op_id: False for c in copies}
+    def _refused(self, key: str, buf: torch.Tensor, why: str) -> None:
+        """An object failed its check: count, log (rate-limited), and remove it from the store
+        if it still holds exactly these bytes, so the next correct write replaces it."""
+        self._count(shared_loads_corrupt=1)
         try:
-            blocks = self._pool_blocks
-            oks = self._get(copies, [(blocks[c.device_block].data_ptr(), self._page)
-                                     for c in copies])
-        finally:
-            worker._written([req_id] * len(copies))
-        return {c.op_id: ok for c, ok in zip(copies, oks, strict=True)}
+            code = self._store.remove_if(key, frame.fingerprint(buf))
+        except Exception:  # a store client must not raise; the object stays until evicted
+            logger.exception("rank %d: shared-tier remove_if raised", self._rank)
+            code = FAILED
+        if code == OK:
+            self._count(shared_objects_removed=1)
+        _log.log(logging.WARNING, f"shared-corrupt-{self._rank}", "rank %d: shared-tier object "
+                 "%s refused: %s; not loaded (the request recomputes where TensorRT-LLM asks "
+                 "for load errors), %s", self._rank, key, why,
+                 "removed from the store" if code == OK else
+                 f"not removed ({CODE_NAMES.get(code, code)})")
 
-    def _load_via_staging(self, copies: list[LoadCopy], req_id: int) -> dict[int, bool]:
-        """CUDA pool: store → registered pinned staging → device block (on this reader's own
-        stream, waited for here: the staging is reused by the next read)."""
-        import torch
-
+    def _load_via_staging(self, copies: list[LoadCopy], req_id: int) -> dict[int, int]:
+        """Store → registered staging (pinned on CUDA) → checked → device block: on CPU a
+        plain copy, on CUDA on this reader's own stream, waited for here (the staging is reused
+        by the next read). Only checked objects are copied; while they are, the copies count
+        as writing the request's blocks (a fence waits for them)."""
         while len(self._load_staging) < len(copies):
-            buf = torch.empty(self._pool.shape[1:], dtype=self._pool.dtype, pin_memory=True)
-            self._register(buf.data_ptr(), self._page)
-            self._load_staging.append(buf)
+            self._load_staging.append(self._new_object_buffer())
         staging = self._load_staging[:len(copies)]
-        oks = self._get(copies, [(b.data_ptr(), self._page) for b in staging])
-        todo = [(c, b) for c, b, ok in zip(copies, staging, oks, strict=True) if ok]
-        out = {c.op_id: ok for c, ok in zip(copies, oks, strict=True)}
+        errors = self._get(copies, staging)
+        out = {c.op_id: e for c, e in zip(copies, errors, strict=True)}
+        todo = [(c, self._payload(b)) for c, b, e in zip(copies, staging, errors, strict=True)
+                if e == ERR_NONE]
         if not todo:
             return out
         worker = self._worker
-        if not worker._begin_writing(req_id, len(todo)):
-            return {c.op_id: False for c in copies}
+        if not worker._begin_writing(req_id, len(todo)):  # TRT-LLM freed the blocks
+            return {c.op_id: ERR_FAILED for c in copies}
         try:
+            if not self._cuda:
+                for c, b in todo:
+                    self._pool_blocks[c.device_block].copy_(b)
+                return out
+            import torch
+
             with torch.cuda.stream(self._stream):
                 for c, b in todo:
                     self._pool_blocks[c.device_block].copy_(b, non_blocking=True)
@@ -384,7 +437,7 @@ class SharedIO:
                 if time.monotonic() > deadline:
                     # The copy may still run: later reads get staging of their own.
                     self._load_staging = []
-                    return {c.op_id: False for c in copies}
+                    return {c.op_id: ERR_FAILED for c in copies}
                 time.sleep(0.0002)
         finally:
             worker._written([req_id] * len(todo))

@@ -135,6 +135,31 @@ class SimKvCacheConnectorManager:
     def forget(self, req_id: int) -> None:
         self._reported.discard(req_id)
 
+    def handle_load_errors(self, requests: Sequence[Any], kv_cache_manager: Any) -> list[Any]:
+        """The requests among ``requests`` that use a block whose load failed on any rank.
+
+        Upstream's manager (``handle_load_errors(requests, kv_cache_manager)``, as its stored
+        test shows it: TensorRT-LLM ``tests/unittest/_torch/test_connector.py``, stored id
+        56134997080): the worker's ``get_block_ids_with_load_errors()`` is called once (here
+        on every rank, united: each rank's worker knows only its own copies); no failed block:
+        ``[]``; else each request's ``kv_cache_manager.get_cache_indices(req)`` is read, a
+        request whose indices cannot be read (already freed) is skipped, and the requests
+        holding a failed block are returned, in ``requests`` order."""
+        failed: set[int] = set()
+        for rank in self.ranks:
+            failed.update(rank.load_errors())
+        if not failed:
+            return []
+        affected = []
+        for request in requests:
+            try:
+                indices = kv_cache_manager.get_cache_indices(request)
+            except Exception:
+                continue
+            if failed.intersection(indices):
+                affected.append(request)
+        return affected
+
     def get_finished(self) -> tuple[set[int], set[int]]:
         """Every rank's ``get_finished``, then the all-rank intersection: (saved, loaded)."""
         self.get_finished_calls += 1

@@ -119,6 +119,7 @@ class EngineConfig:
     # rank dp_rank's own executor; testing.adp.AttentionDpEngine runs every rank.
     attention_dp: int = 1
     dp_rank: int = 0
+    load_errors: bool = True  # handle_load_errors (TRT-LLM revisions with it); False: older
 
 
 @dataclass
@@ -136,6 +137,7 @@ class EngineStats:
     bytes_offloaded: int = 0  # summed over ranks
     bytes_onboarded: int = 0
     kv_mismatches: int = 0  # blocks whose KV differed from the forward's values
+    recomputed_requests: int = 0  # handle_load_errors: their connector-loaded tokens redone
 
 
 @dataclass
@@ -762,8 +764,12 @@ class SimulatedEngine:
 
     def _kv_connector_terminate_requests(self) -> None:
         """``get_finished`` on every rank; act on ids every rank returned: a saved request is
-        terminated (its blocks released), a loaded one is scheduled from now on."""
-        done_saving, done_loading = self.kv_cache_connector_manager.get_finished()
+        terminated, a loaded one scheduled from now on. Then (``load_errors``, revisions with
+        it: ``connector/load_errors.py``) ``handle_load_errors`` over the live requests: each
+        one holding a block whose load failed redoes its connector-loaded tokens (its context
+        restarts at its device match) before it can compute (ranks report failures first)."""
+        manager = self.kv_cache_connector_manager
+        done_saving, done_loading = manager.get_finished()
         for req_id in done_saving:
             r = self._reqs[req_id]
             if r.state == SAVING:
@@ -772,6 +778,16 @@ class SimulatedEngine:
             r = self._reqs[req_id]
             if r.state == LOADING:
                 r.state = CONTEXT
+        if self.config.load_errors:
+            live = [r.llm_request for r in self._live.values() if r.llm_request is not None]
+            for request in manager.handle_load_errors(live, self):
+                r = self._reqs[request.request_id]
+                if r.state in (LOADING, CONTEXT) and r.computed > r.n_device:
+                    self._stats.recomputed_requests += 1
+                    r.computed, r.n_loaded = r.n_device, 0
+
+    def get_cache_indices(self, request: Any) -> list[int]:
+        return list(self._live[request.request_id].blocks)  # KeyError once freed (upstream)
 
     def _verify(self, r: _Req) -> int:
         """Blocks of ``r`` (summed over ranks) whose KV differs from what the forward wrote."""

@@ -111,6 +111,26 @@ class MemoryStore(SharedStore):
                     out.append(len(data))
             return out
 
+    def remove_if(self, key: str, fingerprint: str) -> int:
+        """Remove ``key`` if its bytes still have this SHA-1 (Redis's compare-and-delete)."""
+        import hashlib
+
+        with self._lock:
+            self.calls["remove_if"] = self.calls.get("remove_if", 0) + 1
+            if self.down:
+                return UNAVAILABLE
+            data = self._objects.get(key)
+            if data is None or hashlib.sha1(data).hexdigest() != fingerprint:
+                return MISSING
+            del self._objects[key]
+            self._leases.pop(key, None)
+            return OK
+
+    def replace_bytes(self, key: str, data: bytes) -> None:
+        """Overwrite ``key`` whatever it holds (a test's corruption of a stored object)."""
+        with self._lock:
+            self._objects[key] = bytes(data)
+
     def health(self) -> str | None:
         with self._lock:
             self.calls["health"] += 1

@@ -58,6 +58,10 @@ class LocalRank:
         saved, loaded = self.worker.get_finished(list(saving), list(loading))
         self._finished = (list(saved), list(loaded))
 
+    def load_errors(self) -> list[int]:
+        """``get_block_ids_with_load_errors`` (after this pass's ``get_finished``)."""
+        return list(self.worker.get_block_ids_with_load_errors())
+
     def finish_get_finished(self) -> tuple[list[int], list[int]]:
         return self._finished
 
@@ -116,6 +120,7 @@ class RemoteRank(ChildProcess):
                          (llm_args, dict(model_kwargs), num_blocks), name=f"sim-rank-{rank}",
                          daemon=True, reply_timeout_s=_REPLY_TIMEOUT_S)
         self._bound: bytes | None = None
+        self._load_errors: list[int] = []
 
     def wait_ready(self) -> None:
         """Block until the child built its worker and registered its pool (raises its error)."""
@@ -135,8 +140,12 @@ class RemoteRank(ChildProcess):
         self.send("get_finished", list(saving), list(loading))
 
     def finish_get_finished(self) -> tuple[list[int], list[int]]:
-        saved, loaded = self.reply()
+        saved, loaded, self._load_errors = self.reply()  # one message: errors come along
         return list(saved), list(loaded)
+
+    def load_errors(self) -> list[int]:
+        errors, self._load_errors = self._load_errors, []
+        return errors
 
     def mismatches(self, computed: int, tokens: list[int], blocks: list[int]) -> int:
         return int(self.call("mismatches", computed, list(tokens), list(blocks)))
@@ -191,7 +200,7 @@ def _rank_main(conn: Any, llm_args: Any, model_kwargs: dict[str, Any], num_block
                 reply: Any = None
             elif kind == "get_finished":
                 saved, loaded = worker.get_finished(msg[1], msg[2])
-                reply = (list(saved), list(loaded))
+                reply = (list(saved), list(loaded), worker.get_block_ids_with_load_errors())
             elif kind == "mismatches":
                 reply = model.mismatches(kv_pool, msg[1], msg[2], msg[3])
             elif kind == "block_bytes":

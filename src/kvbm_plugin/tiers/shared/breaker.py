@@ -39,7 +39,7 @@ from kvbm_plugin.tiers.shared.store import (
 
 log = logging.getLogger(__name__)
 
-_OPS = ("exists", "put", "get_into")
+_OPS = ("exists", "put", "get_into", "remove")
 
 
 class GuardedStore(SharedStore):
@@ -113,6 +113,11 @@ class GuardedStore(SharedStore):
         (another client) has seen the store back, and the worker's reader thread can afford
         the store's timeout once more; a read that finds the store answering closes it."""
         return self._run("get_into", self.store.get_into, keys, buffers, force=True)
+
+    def remove_if(self, key: str, fingerprint: str) -> int:
+        """The store's ``remove_if``, through the breaker (a repair after a refused object)."""
+        return self._run("remove", lambda keys: [self.store.remove_if(keys[0], fingerprint)],
+                         [key])[0]
 
     def health(self) -> str | None:
         """The store's own answer while closed; while open, why it opened (no I/O)."""

@@ -388,6 +388,26 @@ class MooncakeStore(SharedStore):
                 out.append(r)
         return out
 
+    def remove_if(self, key: str, fingerprint: str) -> int:
+        """Remove a refused object: Mooncake has no compare-and-delete, so ``remove(key,
+        force=True)`` (the reader's own read just leased it). A put of a present key keeps the
+        old bytes, so between the refused read and this call the key can only hold other bytes
+        if someone else removed it and a correct writer wrote it again: removing that costs one
+        miss, never a wrong load."""
+        client = self._client
+        if client is None:
+            return UNAVAILABLE
+        try:
+            rc = client.remove(key, True)
+        except Exception as exc:
+            self._count("errors")
+            self._rl.log(logging.ERROR, "mooncake.remove", "Mooncake remove raised %s: %s",
+                         type(exc).__name__, exc)
+            return FAILED
+        if rc == 0:
+            return OK
+        return mooncake_code(rc) if rc < 0 else FAILED
+
     def health(self) -> str | None:
         client = self._client
         if client is None:

@@ -15,6 +15,9 @@ by those threads. ``DYN_KVBM_SHARED_ADDRESS`` is a URL: ``redis://host:port/db``
   guarantees a checked block is still there at the load: a failed load is possible and counted
   (``shared_loads_failed``). Under ``noeviction`` (or a ``volatile-*`` policy: these keys carry
   no TTL) nothing is evicted and a full server answers puts with OOM: FULL here.
+* A refused object (``tiers.shared.frame``: wrong magic, layout, key, length or checksum) is
+  removed by :meth:`RedisStore.remove_if`, a compare-and-delete script, so ``SET NX`` of the
+  next correct write stores it again: a bad writer does not own a key for its lifetime.
 * Errors: a connection that fails or times out is UNAVAILABLE for every key of the batch
   (redis-py retries are off: the circuit breaker decides); an OOM reply is FULL; any other
   error reply is FAILED.
@@ -45,6 +48,10 @@ log = logging.getLogger(__name__)
 
 EXTRA_HINT = "pip install 'kvbm-plugin[redis]' (the redis client)"
 CONNECT_TIMEOUT_S = 1.0
+# Compare-and-delete of a refused object: removed only while it holds the bytes read.
+_REMOVE_IF = ("local v = redis.call('GET', KEYS[1]) "
+              "if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
+              "return 0")
 SOCKET_TIMEOUT_S = 5.0
 
 
@@ -91,6 +98,7 @@ class RedisStore(SharedStore):
         except ValueError as exc:
             raise ConfigError(f"{cc.SHARED_ADDRESS}={settings.address!r}: not a Redis URL "
                               f"({exc})") from None
+        self._remove_if = self._client.register_script(_REMOVE_IF)
         problem = self.health()
         if problem is not None:
             self._client.close()
@@ -187,6 +195,21 @@ class RedisStore(SharedStore):
                 ctypes.memmove(address, reply, size)
                 out.append(size)
         return out
+
+    def remove_if(self, key: str, fingerprint: str) -> int:
+        """Compare-and-delete in one server-side step (a Lua script: ``DEL`` only while the
+        value's ``redis.sha1hex`` is still ``fingerprint``), so a correct object written since
+        the refused read is never removed."""
+        if self._closed:
+            return UNAVAILABLE
+        try:
+            removed = self._remove_if(keys=[key], args=[fingerprint])
+        except (self._errors.ConnectionError, self._errors.TimeoutError) as exc:
+            self._rl.log(logging.WARNING, "redis.remove.down", "Redis remove failed: %s", exc)
+            return UNAVAILABLE
+        except self._errors.RedisError as exc:
+            return self._code("remove", exc)
+        return OK if removed else MISSING
 
     def health(self) -> str | None:
         if self._closed:

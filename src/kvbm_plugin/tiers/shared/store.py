@@ -73,6 +73,15 @@ class SharedStore(ABC):
         (:class:`~.breaker.GuardedStore`) tries these even while open; a plain store reads."""
         return self.get_into(keys, buffers)
 
+    def remove_if(self, key: str, fingerprint: str) -> int:
+        """Remove ``key``'s object if it still holds the bytes whose SHA-1 (hex) is
+        ``fingerprint``: the reader that refused an object (``tiers.shared.frame``) repairs the
+        key this way, so the next correct write (first-writer-wins ``put``) replaces it. Returns
+        :data:`OK` (removed), :data:`MISSING` (gone, or other bytes now: left alone) or a
+        negative code; :data:`FAILED` where the store cannot remove (the object then stays
+        until evicted). Rare: only after a refused object."""
+        return FAILED
+
     @abstractmethod
     def health(self) -> str | None:
         """None when the store answers, else why not; returns within about a second."""

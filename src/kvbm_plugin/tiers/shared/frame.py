@@ -1,0 +1,136 @@
+"""The shared tier's object format: a 64-byte header in front of a block's bytes, checked on
+every load before the bytes can reach the pool.
+
+Called by each worker's shared-tier I/O (``connector.shared_io``): the writer thread seals a
+staging buffer (:func:`seal`) right before its ``put``; the reader thread checks each object it
+read into staging (:func:`check`) before anything is copied into the pool. Never the executor
+thread. The disk tier's block files carry the same things (``tiers.disk``: magic, layout
+digest, key, length, CRC); a shared-tier object is written by other engines too, so everything
+is checked, every header byte included.
+
+Header (little-endian, 64 bytes)::
+
+    magic(8) "KVBMSH01" | layout digest(16) | content digest(16) | payload bytes(u32)
+    | tail crc32(u32) | word sum(u64) | weighted row sum(u64)
+
+* **layout digest**: blake2b-128 of the key prefix (namespace, model key, TP shard, layer group,
+  tokens per block, page bytes, dtype, pool layout): the key's every part but the content
+  digest, which follows it. Together they name the key exactly: an object stored under another
+  key (a bug, a copy, a deployment sharing the model key with another layout) is refused.
+* **checksum**: the payload as little-endian 64-bit words in rows of 64 words (512 bytes):
+  ``S = sum(words)`` and ``W = sum((r + 1) * rowsum_r)``, both mod 2**64, plus a CRC-32 of the
+  tail that does not fill a row. Any one flipped payload byte changes ``S`` (a byte's change is
+  ``d * 256**k``, ``0 < |d| < 256``, never 0 mod 2**64); a swapped or shifted row changes
+  ``W``; other wrong bytes (garbage, another block) pass with probability about 2**-64. Not a
+  MAC: a writer with store access can still forge a well-formed object with wrong KV (see
+  docs/operations.md#security). Chosen by measured cost (benchmarks/bench_shared_tier.py,
+  "verify" row): zlib.crc32 ran at 0.6-3.5 GB/s on the 2-core CI host, slower than a loopback
+  Mooncake read, while these two torch reductions run at tens of GB/s over the page just read
+  (still in cache); CRC-32 only covers the < 512-byte tail.
+
+A check failure names what was wrong (:class:`Refusal`); the caller counts it, logs it
+rate-limited, removes the object if it still holds those bytes, and fails the load.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import struct
+import zlib
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    import torch
+
+    from kvbm_plugin.tiers.shared.keys import SharedLayout
+
+MAGIC: Final = b"KVBMSH01"
+HEADER: Final = struct.Struct("<8s16s16sIIQQ")
+HEADER_BYTES: Final = HEADER.size  # 64: keeps the payload 64-byte aligned in staging
+ROW_WORDS: Final = 64
+ROW_BYTES: Final = ROW_WORDS * 8
+_MASK: Final = (1 << 64) - 1
+
+assert HEADER_BYTES == 64
+
+
+def layout_digest(layout: SharedLayout) -> bytes:
+    """16 bytes naming the key prefix of ``layout`` (everything but the content digest)."""
+    return hashlib.blake2b(layout.prefix().encode("utf-8"), digest_size=16,
+                           person=b"kvbm-shlay").digest()
+
+
+class Refusal(Exception):
+    """Why an object read from the shared tier is not loaded (one short phrase)."""
+
+
+class _Weights:
+    """The row weights 1..R of a page size, made once per size (reader/writer threads)."""
+
+    def __init__(self) -> None:
+        self._by_rows: dict[int, torch.Tensor] = {}
+
+    def get(self, rows: int) -> torch.Tensor:
+        w = self._by_rows.get(rows)
+        if w is None:
+            import torch
+
+            w = torch.arange(1, rows + 1, dtype=torch.int64)
+            self._by_rows[rows] = w  # benign race: two threads build equal tensors
+        return w
+
+
+_WEIGHTS = _Weights()
+
+
+def checksum(payload: torch.Tensor) -> tuple[int, int, int]:
+    """(word sum, weighted row sum, tail crc32) of ``payload``, a contiguous CPU uint8 tensor.
+    Torch's integer reductions wrap mod 2**64, which is the definition here."""
+    import torch
+
+    n = payload.numel()
+    whole = n - n % ROW_BYTES
+    s = w = 0
+    if whole:
+        rows = payload[:whole].view(torch.int64).view(-1, ROW_WORDS).sum(1)
+        s = int(rows.sum()) & _MASK
+        w = int((rows * _WEIGHTS.get(rows.numel())).sum()) & _MASK
+    tail = 0
+    if whole < n:
+        address = payload.data_ptr() + whole
+        tail = zlib.crc32(ctypes.string_at(address, n - whole))
+    return s, w, tail
+
+
+def seal(buf: torch.Tensor, layout: SharedLayout, digest: bytes, lay: bytes) -> None:
+    """Write the header of the block in ``buf`` (uint8, HEADER_BYTES + page, payload already
+    copied in) for the key ``layout.key(digest)``; ``lay`` is ``layout_digest(layout)``."""
+    payload = buf[HEADER_BYTES:]
+    s, w, tail = checksum(payload)
+    head = HEADER.pack(MAGIC, lay, digest, payload.numel(), tail, s, w)
+    ctypes.memmove(buf.data_ptr(), head, HEADER_BYTES)
+
+
+def check(buf: torch.Tensor, digest: bytes, lay: bytes) -> None:
+    """Raise :class:`Refusal` unless ``buf`` (uint8, HEADER_BYTES + page: an object just read)
+    holds a well-formed object of the key ``digest`` names under the layout ``lay``."""
+    head = ctypes.string_at(buf.data_ptr(), HEADER_BYTES)
+    magic, got_lay, got_digest, nbytes, tail, s, w = HEADER.unpack(head)
+    if magic != MAGIC:
+        raise Refusal("bad magic (not written by this format, or corrupted)")
+    if got_lay != lay:
+        raise Refusal("written for another model, layout, shard or page size")
+    if got_digest != digest:
+        raise Refusal("holds another block's key")
+    payload = buf[HEADER_BYTES:]
+    if nbytes != payload.numel():
+        raise Refusal(f"header says {nbytes} payload bytes, expected {payload.numel()}")
+    if checksum(payload) != (s, w, tail):
+        raise Refusal("checksum mismatch")
+
+
+def fingerprint(buf: torch.Tensor) -> str:
+    """SHA-1 (hex) of the whole object in ``buf``: what a compare-and-delete compares
+    (Redis computes the same with ``redis.sha1hex``). Only on a refused object."""
+    return hashlib.sha1(ctypes.string_at(buf.data_ptr(), buf.numel())).hexdigest()
