@@ -367,6 +367,31 @@ def test_a_promised_load_whose_object_is_gone_fails_counted(shared, expect_error
     assert after["loads_failed"] - before["loads_failed"] == 2
     assert sum(r.stats()["shared_loads_failed"] for r in b.ranks) == 4  # 2 blocks x 2 ranks
     assert not expect_errors.thread_exceptions
+    # Recomputed (handle_load_errors), never computed on the blocks nobody filled.
+    assert b.stats().recomputed_requests == 1 and b.stats().kv_mismatches == 0
+
+
+@pytest.mark.parametrize("where", [5, frame.HEADER_BYTES + 3], ids=["header", "payload"])
+def test_a_flipped_byte_in_a_shared_object_is_recomputed_and_the_key_repaired(
+        shared, where) -> None:  # noqa: ANN001
+    a = shared.engine()
+    b = shared.engine()
+    system = prompt(48, 4 * BS)
+    run(a, system + prompt(49, 2))
+    settle(a, b, resident=4)
+    key = next(k for k in shared.store.keys() if "/w2r1/" in k
+               and chain_digests(system, BS, None)[2].hex() in k)
+    good = shared.store.get_bytes(key)
+    bad = bytearray(good)
+    bad[where] ^= 0x01
+    shared.store.replace_bytes(key, bytes(bad))
+    got = run(b, system + prompt(50, 2))  # run() checks every block's KV on every rank
+    assert got.matched_shared_tokens == 4 * BS
+    assert b.stats().recomputed_requests == 1 and b.stats().kv_mismatches == 0
+    rank1 = b.ranks[1].stats()
+    assert rank1["shared_loads_corrupt"] == 1 and rank1["shared_objects_removed"] == 1
+    assert shared.store.get_bytes(key) is None  # removed: the next correct write stores it
+    assert shared.store.put_bytes(key, good) is None and shared.store.get_bytes(key) == good
 
 
 def test_a_worker_whose_breaker_is_still_open_reads_what_its_leader_promised(
