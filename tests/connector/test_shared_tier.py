@@ -379,7 +379,8 @@ def test_a_flipped_byte_in_a_shared_object_is_recomputed_and_the_key_repaired(
     system = prompt(48, 4 * BS)
     run(a, system + prompt(49, 2))
     settle(a, b, resident=4)
-    key = next(k for k in shared.store.keys() if "/w2r1/" in k
+    stored = shared.store.keys()  # (a list of the object keys)
+    key = next(k for k in stored if "/w2r1/" in k
                and chain_digests(system, BS, None)[2].hex() in k)
     good = shared.store.get_bytes(key)
     bad = bytearray(good)
