@@ -8,6 +8,9 @@ client and buffers. Paired rounds (the order rotates), ratio per round, median a
 
 * **Onboard**: ours / raw ``get_into`` loop throughput, target >= 0.8x (ours / raw batch is
   printed too: the cost of the layer itself).
+* **Verify**: checking each object read (``tiers.shared.frame``: header and checksum, before
+  any byte may reach the pool) as a share of onboarding time, target <= 10 %; zlib.crc32 over
+  the same bytes beside it (the candidate not chosen).
 * **Offload**: ``GuardedStore.put`` of N new blocks (into this process's own segment, as a
   worker writes) against a raw ``batch_put_from`` of N other new blocks, same run.
 * **Lease renewal**: the leader's ``exists()`` of 10,000 keys (a renewal pass of that many
@@ -47,6 +50,7 @@ TARGET_ONBOARD = 0.8  # ours / raw get_into loop
 TARGET_OFFLOAD = 0.8  # ours / raw batch_put_from
 TARGET_KEY_US = 10.0
 TARGET_OPEN_US = 100.0
+TARGET_VERIFY_PCT = 10.0  # checking every loaded object: <= 10 % of onboarding time
 
 
 def _spread(values: list[float]) -> str:
@@ -166,6 +170,54 @@ def _onboard(guarded: Any, raw: Any, keys: list[str], arena: _Arena, rounds: int
             passed=ratio >= TARGET_ONBOARD),
         Row("shared", f"onboard ours / raw batch_get_into ({rounds} paired rounds, spread "
             f"{_spread(vs_batch)})", ratio_batch, "x"),
+    ]
+
+
+def _verify(guarded: Any, keys: list[str], arena: _Arena, rounds: int) -> list[Row]:
+    """What checking every loaded object costs (``tiers.shared.frame``: header compare plus the
+    checksum over the bytes just read, as the reader thread does before any byte reaches the
+    pool), as the share of onboarding time it takes; zlib.crc32 over the same bytes beside it
+    (the candidate not chosen). Paired rounds: each round reads, then checks what it read."""
+    import zlib
+
+    import torch
+
+    from kvbm_plugin.tiers.shared import frame
+
+    n, block = len(keys), arena.block
+    buffers = arena.buffers(n)
+    whole = torch.frombuffer(arena.memory, dtype=torch.uint8)
+    views = [whole[i * block:(i + 1) * block] for i in range(n)]
+    mvs = [memoryview(arena.memory)[i * block:(i + 1) * block] for i in range(n)]
+
+    def read_then(check: Any) -> float:
+        t_get = _timed_get_into(guarded, keys, buffers, block)
+        start = time.perf_counter()
+        for i in range(n):
+            check(i)
+        return (time.perf_counter() - start) / (t_get + time.perf_counter() - start)
+
+    ours = lambda i: frame.checksum(views[i])  # noqa: E731
+    crc = lambda i: zlib.crc32(mvs[i])  # noqa: E731
+    read_then(ours)  # warm: torch's first reduction, the weights tensor
+    read_then(crc)
+    ours_share, crc_share = [], []
+    rounds *= 3  # cheap (one read each), and the spread on a shared machine is wide
+    for r in range(rounds):
+        if r % 2:
+            crc_share.append(read_then(crc))
+            ours_share.append(read_then(ours))
+        else:
+            ours_share.append(read_then(ours))
+            crc_share.append(read_then(crc))
+    share, crc_median = statistics.median(ours_share), statistics.median(crc_share)
+    pct = [100 * v for v in ours_share]
+    return [
+        Row("shared", f"verify every loaded object: share of onboarding time ({rounds} paired "
+            f"rounds, spread {_spread(pct)} %)", 100 * share, "%",
+            target=f"<= {TARGET_VERIFY_PCT:g} %", passed=100 * share <= TARGET_VERIFY_PCT),
+        Row("shared", f"  zlib.crc32 instead, not chosen (spread "
+            f"{_spread([100 * v for v in crc_share])} %)", 100 * crc_median, "%"),
     ]
 
 
@@ -349,6 +401,7 @@ def run(quick: bool = False, blocks: int | None = None, block_mib: int = 2,
                 raw = store._client
                 keys = _keys(n, block, "peer")
                 rows = _onboard(guarded, raw, keys, arena, rounds, report["digest"])
+                rows += _verify(guarded, keys, arena, rounds)
                 rows += _offload(guarded, raw, store._replicate, arena, n, rounds)
                 rows += _renewal(leader, keys, rounds)
                 rows += _key_cost(rounds)
