@@ -81,6 +81,23 @@ def test_a_flipped_byte_in_a_disk_file_is_recomputed(make_engine, tmp_path, offs
         assert result.kv_mismatches > 0
 
 
+def test_rank_1_in_its_own_process_reports_its_load_errors(make_engine, tmp_path) -> None:
+    """TP 2, rank 1 a child process: its failed blocks come back with its get_finished reply,
+    and the manager unites them with rank 0's before the request can compute."""
+    disk = tmp_path / "disk"
+    env = tiers(disk=64, DYN_KVBM_DISK_CACHE_DIR=str(disk))
+    engine = make_engine(num_gpu_blocks=16, env=env, tp_size=2, processes=True)
+    a = prompt(17, 17)
+    _through_tier(engine, a)
+    assert _flip_every_block_file(str(disk / "rank1"), 48 + 9) > 0  # rank 1's files only
+    result, before = _rerun(engine, a)
+    assert result.disk_hit_tokens == 16
+    assert engine.ranks[1].stats()["load_error_blocks"] >= 1
+    assert engine.workers[0].stats()["load_error_blocks"] == 0
+    assert engine.stats().recomputed_requests - before.recomputed_requests == 1
+    assert result.kv_mismatches == 0
+
+
 def test_a_failed_host_copy_batch_is_recomputed(make_engine, monkeypatch) -> None:
     """A host→device batch that ends failed (what ``_fail_overdue_copies`` does to one past
     ``OP_TIMEOUT_S``, or a copy that cannot be issued) reports its blocks."""

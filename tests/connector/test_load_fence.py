@@ -85,6 +85,10 @@ def test_a_cancelled_load_never_writes_into_a_reused_block(make_engine, monkeypa
     for b in poisoned:
         assert torch.all(worker._pool[b] == POISON), f"block {b} written after reuse"
     assert worker.stats()["loads_fenced"] >= 1
+    # Its fenced loads are no load errors: the blocks are the reusing request's now, and that
+    # request's own forward fills them (handle_load_errors must not recompute it).
+    assert worker.stats()["load_error_blocks"] == 0
+    assert engine.stats().recomputed_requests == 0
     engine.run_until_idle()
     engine.submit(prompt(10, 5), 1)  # its pass releases a request that was still saving
     engine.run_until_idle()
