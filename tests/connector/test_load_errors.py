@@ -147,3 +147,23 @@ def test_the_worker_reports_each_failed_block_once_and_never_a_fenced_requests()
     assert worker.get_block_ids_with_load_errors() == [3, 9]
     assert worker.get_block_ids_with_load_errors() == []
     assert worker._stats["load_error_blocks"] == 2
+
+
+def test_a_recomputed_request_in_chunks_never_saves_an_unfilled_block(make_engine,
+                                                                      tmp_path) -> None:
+    """The leader forgets the tokens a failed load promised (its first report's position is the
+    truth), so a request recomputing in 4-token chunks never offloads a block before its chunk
+    refilled it: a third run loads what the second one saved, and its KV is exact."""
+    disk = tmp_path / "disk"
+    env = tiers(disk=64, DYN_KVBM_DISK_CACHE_DIR=str(disk))
+    engine = make_engine(num_gpu_blocks=16, env=env, max_num_tokens=4)
+    a = prompt(21, 17)
+    _through_tier(engine, a)
+    _flip_every_block_file(str(disk), 48 + 5)
+    second, before = _rerun(engine, a)
+    assert second.disk_hit_tokens == 16 and second.kv_mismatches == 0
+    assert engine.stats().recomputed_requests - before.recomputed_requests == 1
+    _through_tier(engine, prompt(22, 5))
+    third, _ = _rerun(engine, a)
+    assert third.disk_hit_tokens == 16 and third.kv_mismatches == 0
+    assert engine.stats().kv_mismatches == 0
