@@ -467,6 +467,10 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         if not state.reported and state.match_base is not None:
             # The first report subtracts connector-loaded tokens from computed_position.
             valid = max(valid, state.match_base + rd.num_scheduled_tokens)
+        failed = state.load_failed_at
+        if not state.reported and failed is not None \
+                and rd.computed_position > failed * self._block_size:
+            state.offload_stop = failed  # computed on a block its failed load left unfilled
         state.reported = True
         state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
         self._naming.name_root(state, self.event_sink)  # the sink's LoRA names
@@ -505,6 +509,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         device block (the request still holds it)."""
         bs = self._block_size
         limit = min(state.valid_tokens // bs, len(state.block_ids), len(state.keys))
+        if state.offload_stop is not None:
+            limit = min(limit, state.offload_stop)
         while state.offload_next < limit:
             i = state.offload_next
             key = state.keys[i]
@@ -620,8 +626,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
                 entry = None  # forgotten meanwhile
             if not ok:
                 self._stats["loads_failed"] += 1
-                if state is not None:  # recomputed where TRT-LLM asks for load errors:
-                    state.match_base = None  # its first report's position is the truth
+                if state is not None:
+                    self._load_failed(state, op.entry)
                 if op.tier == TIER_SHARED:
                     self._stats["shared_loads_failed"] += 1
                 if any(r.error == ERR_CORRUPT for r in op.reports.values()):
@@ -633,6 +639,22 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         if state is not None and state.finished and not state.saves_inflight \
                 and not state.loads_inflight:
             self._forget(state)
+
+    def _load_failed(self, state: _Request, entry: Any) -> None:
+        """A load of ``state`` failed. Where TensorRT-LLM recomputes it (load errors) the first
+        report's position is the truth, so the tokens the load promised are forgotten. Where it
+        does not, the request computes on the unfilled block, and nothing of it from that block
+        on may be offloaded: a well-formed tier copy of wrong KV would pass every later check.
+        Told apart at the first report (:meth:`_absorb`); already reported: stop at once."""
+        state.match_base = None
+        index = next((i for i, _, e in state.plan if e is entry), None)
+        if index is None:
+            return
+        if state.reported:
+            stop = state.offload_stop
+            state.offload_stop = index if stop is None else min(index, stop)
+        elif state.load_failed_at is None or index < state.load_failed_at:
+            state.load_failed_at = index
 
     def _reap_terminated(self, executor_thread: bool = True,
                          scheduled: frozenset[int] = frozenset()) -> None:

@@ -167,3 +167,22 @@ def test_a_recomputed_request_in_chunks_never_saves_an_unfilled_block(make_engin
     third, _ = _rerun(engine, a)
     assert third.disk_hit_tokens == 16 and third.kv_mismatches == 0
     assert engine.stats().kv_mismatches == 0
+
+
+@pytest.mark.parametrize("chunk", [4, 256])
+def test_without_load_errors_what_was_computed_on_an_unfilled_block_is_never_offloaded(
+        make_engine, tmp_path, chunk) -> None:
+    """Older TensorRT-LLM: the request computes on the block its failed load left unfilled
+    (counted; unavoidable there), but the leader offloads nothing of it from that block on, so
+    no later request loads that wrong KV from a well-formed tier copy."""
+    disk = tmp_path / "disk"
+    env = tiers(disk=64, DYN_KVBM_DISK_CACHE_DIR=str(disk))
+    engine = make_engine(num_gpu_blocks=16, env=env, max_num_tokens=chunk, load_errors=False)
+    a = prompt(23, 17)
+    _through_tier(engine, a)
+    _flip_every_block_file(str(disk), 48 + 5)
+    second, _ = _rerun(engine, a)
+    assert second.disk_hit_tokens == 16 and second.kv_mismatches > 0
+    _through_tier(engine, prompt(24, 5))
+    third, _ = _rerun(engine, a)
+    assert third.kv_mismatches == 0

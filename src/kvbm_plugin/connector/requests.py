@@ -38,6 +38,10 @@ class RequestState:
     offload_next: int = 0  # first block index not yet considered for offload
     valid_tokens: int = 0  # tokens whose KV exists after the last scheduled forward
     match_base: int | None = None  # device-computed + connector-loaded tokens at match time
+    # A load failed: its first block index, then (the engine computed on it unrecomputed) the
+    # block index from which this request's blocks are never offloaded.
+    load_failed_at: int | None = None
+    offload_stop: int | None = None
     plan: list[tuple[int, str, TierEntry]] = field(default_factory=list)  # (block idx, tier, e)
     load: LoadOp | None = None
     reported: bool = False  # seen in a SchedulerOutput
