@@ -51,6 +51,9 @@ class Client(SharedStore):
     def remove_if(self, key: str, fingerprint: str) -> int:
         return self.store.remove_if(key, fingerprint)
 
+    def remove_if_size_not(self, key: str, size: int) -> int:
+        return self.store.remove_if_size_not(key, size)
+
     def health(self) -> str | None:
         return self.store.health()
 

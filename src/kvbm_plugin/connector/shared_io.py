@@ -371,9 +371,11 @@ class SharedIO:
         out = []
         for c, key, buf, code in zip(copies, keys, staging, codes, strict=True):
             if code != self._object:
-                if code >= 0:  # another size than this rank's object: never loaded
-                    self._count(shared_loads_short=1)
-                    code = FAILED
+                if code >= 0 or code == FAILED:  # another size (FAILED: larger, or an error)
+                    if code >= 0:
+                        self._count(shared_loads_short=1)
+                        code = FAILED
+                    self._remove_other_size(key)
                 self._note_failure("get", code)
                 out.append(ERR_FAILED)
                 continue
@@ -385,6 +387,17 @@ class SharedIO:
                 continue
             out.append(ERR_NONE)
         return out
+
+    def _remove_other_size(self, key: str) -> None:
+        """A read of ``key`` failed or found another size: remove it if it is not one object
+        long (another format, a bad writer), so the next correct write replaces it."""
+        try:
+            code = self._store.remove_if_size_not(key, self._object)
+        except Exception:  # a store client must not raise; the object stays until evicted
+            logger.exception("rank %d: shared-tier remove_if_size_not raised", self._rank)
+            return
+        if code == OK:
+            self._count(shared_objects_removed=1)
 
     def _refused(self, key: str, buf: torch.Tensor, why: str) -> None:
         """An object failed its check: count, log (rate-limited), and remove it from the store

@@ -126,6 +126,17 @@ class MemoryStore(SharedStore):
             self._leases.pop(key, None)
             return OK
 
+    def remove_if_size_not(self, key: str, size: int) -> int:
+        with self._lock:
+            if self.down:
+                return UNAVAILABLE
+            data = self._objects.get(key)
+            if data is None or len(data) == size:
+                return MISSING
+            del self._objects[key]
+            self._leases.pop(key, None)
+            return OK
+
     def replace_bytes(self, key: str, data: bytes) -> None:
         """Overwrite ``key`` whatever it holds (a test's corruption of a stored object)."""
         with self._lock:

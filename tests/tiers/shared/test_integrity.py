@@ -233,3 +233,23 @@ def test_a_fingerprint_is_the_sha1_redis_compares() -> None:
     buf = _sealed(LAYOUT, DIGEST, 3)
     assert frame.fingerprint(buf) == hashlib.sha1(
         ctypes.string_at(buf.data_ptr(), buf.numel())).hexdigest()
+
+
+@pytest.mark.parametrize("extra", [-frame.HEADER_BYTES, 100], ids=["page-only", "longer"])
+def test_an_object_of_another_size_is_not_loaded_and_is_removed_for_the_next_write(
+        two_engines: Any, extra: int, expect_errors: Any) -> None:
+    """Another length under the right key (an older format's bare page, a bad writer): a
+    failed load, removed, and the next correct write stores the key again."""
+    make, raw = two_engines
+    good_io, good, _ = make()
+    reader, rw, pool = make()
+    digest = chain_digests(list(range(4)), 4, None)[0]
+    key = reader.layout.key(digest)
+    other = torch.ones(frame.HEADER_BYTES + 800 + extra, dtype=torch.uint8)
+    assert raw.put([key], [(other.data_ptr(), other.numel())]) == [OK]
+    assert _load(reader, rw, 1, digest, block=0) == ERR_FAILED
+    assert torch.all(pool[0] == SENTINEL) and rw.errors == [0]
+    assert reader.stats()["shared_objects_removed"] == 1
+    _write(good_io, good, 2, digest, seed=30)
+    assert _load(reader, rw, 3, digest, block=0) == ERR_NONE
+    assert torch.equal(pool[0], _page(30))

@@ -119,6 +119,11 @@ class GuardedStore(SharedStore):
         return self._run("remove", lambda keys: [self.store.remove_if(keys[0], fingerprint)],
                          [key])[0]
 
+    def remove_if_size_not(self, key: str, size: int) -> int:
+        """The store's ``remove_if_size_not``, through the breaker."""
+        return self._run("remove", lambda keys: [self.store.remove_if_size_not(keys[0], size)],
+                         [key])[0]
+
     def health(self) -> str | None:
         """The store's own answer while closed; while open, why it opened (no I/O)."""
         if self._open:

@@ -388,6 +388,10 @@ class MooncakeStore(SharedStore):
                 out.append(r)
         return out
 
+    def remove_if_size_not(self, key: str, size: int) -> int:
+        """As :meth:`remove_if` (no compare either): called after a read found another size."""
+        return self.remove_if(key, "")
+
     def remove_if(self, key: str, fingerprint: str) -> int:
         """Remove a refused object: Mooncake has no compare-and-delete, so ``remove(key,
         force=True)`` (the reader's own read just leased it). A put of a present key keeps the

@@ -52,6 +52,9 @@ CONNECT_TIMEOUT_S = 1.0
 _REMOVE_IF = ("local v = redis.call('GET', KEYS[1]) "
               "if v and redis.sha1hex(v) == ARGV[1] then return redis.call('DEL', KEYS[1]) end "
               "return 0")
+_REMOVE_IF_SIZE_NOT = ("local n = redis.call('STRLEN', KEYS[1]) "
+                       "if n > 0 and n ~= tonumber(ARGV[1]) then return redis.call('DEL', KEYS[1]) "
+                       "end return 0")
 SOCKET_TIMEOUT_S = 5.0
 
 
@@ -99,6 +102,7 @@ class RedisStore(SharedStore):
             raise ConfigError(f"{cc.SHARED_ADDRESS}={settings.address!r}: not a Redis URL "
                               f"({exc})") from None
         self._remove_if = self._client.register_script(_REMOVE_IF)
+        self._remove_if_size_not = self._client.register_script(_REMOVE_IF_SIZE_NOT)
         problem = self.health()
         if problem is not None:
             self._client.close()
@@ -200,10 +204,17 @@ class RedisStore(SharedStore):
         """Compare-and-delete in one server-side step (a Lua script: ``DEL`` only while the
         value's ``redis.sha1hex`` is still ``fingerprint``), so a correct object written since
         the refused read is never removed."""
+        return self._script(self._remove_if, key, fingerprint)
+
+    def remove_if_size_not(self, key: str, size: int) -> int:
+        """Compare-and-delete on the value's length (``STRLEN``), in one server-side step."""
+        return self._script(self._remove_if_size_not, key, size)
+
+    def _script(self, script: Any, key: str, arg: Any) -> int:
         if self._closed:
             return UNAVAILABLE
         try:
-            removed = self._remove_if(keys=[key], args=[fingerprint])
+            removed = script(keys=[key], args=[arg])
         except (self._errors.ConnectionError, self._errors.TimeoutError) as exc:
             self._rl.log(logging.WARNING, "redis.remove.down", "Redis remove failed: %s", exc)
             return UNAVAILABLE

@@ -82,6 +82,11 @@ class SharedStore(ABC):
         until evicted). Rare: only after a refused object."""
         return FAILED
 
+    def remove_if_size_not(self, key: str, size: int) -> int:
+        """Remove ``key``'s object if it is not ``size`` bytes (a read found another size:
+        another format, or a bad writer): codes as :meth:`remove_if`."""
+        return FAILED
+
     @abstractmethod
     def health(self) -> str | None:
         """None when the store answers, else why not; returns within about a second."""
