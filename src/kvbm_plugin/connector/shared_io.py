@@ -21,9 +21,9 @@ iteration) when ``DYN_KVBM_SHARED_TIER`` names a store; the worker stays a thin 
   ``shared_loads_corrupt``, ``shared_loads_failed``), logged rate-limited, and its device block
   goes to the worker's load-error set (``get_block_ids_with_load_errors``), so TensorRT-LLM
   recomputes the request where its version asks for that set. A refused object is removed
-  from the store if it still holds the bytes read (``SharedStore.remove_if``): the next
-  correct write of that key replaces it, so one bad writer cannot poison a key for its
-  lifetime.
+  from the store if it still holds the bytes read (``SharedStore.remove_if``), one of another
+  size if it still has another size (``remove_if_size_not``): the next correct write of that
+  key replaces it, so one bad writer cannot poison a key for its lifetime.
 * writes carry the same header: the writer thread seals each staged block (``frame.seal``)
   right before its ``put``.
 
