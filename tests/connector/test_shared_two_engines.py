@@ -153,6 +153,11 @@ def test_a_prefix_computed_by_one_engine_is_onboarded_by_the_other_byte_exact(en
             sub.close()
 
 
+# 20-30 s (the store's clients re-mount about a second after the master is back, then the
+# agents' probes): in the slow set. The breaker and the directory's recovery after a master
+# restart run by default in tests/tiers/shared/test_mooncake_faults.py and
+# tests/connector/test_shared_tier.py.
+@pytest.mark.slow
 def test_the_master_stopped_and_restarted_mid_run(engines, master) -> None:
     a, b, envs = engines
     sub = subscriber(envs["b"], "b")
