@@ -128,8 +128,7 @@ def test_the_consolidator_reads_tensorrt_llms_stream_and_merges_the_tiers_into_i
         view: set[int] = set()
 
         def settled() -> bool:
-            for batch in sub.poll(20):
-                sub.apply(batch)
+            sub.poll(20)  # applies what it returns to sub.held: never apply a batch twice
             view.clear()
             view.update(h for _, h in sub.held)
             return view == gpu | host
@@ -138,6 +137,7 @@ def test_the_consolidator_reads_tensorrt_llms_stream_and_merges_the_tiers_into_i
         # every tier block carries the name TRT-LLM's stream gave it (one name per block)
         assert host <= manager.published_hashes
         assert sub.stats.orphan_stores == 0 and sub.stats.unknown_removes == 0
+        assert sub.stats.duplicate_stores == 0
         assert leader.consolidator.stats()["batches_applied"] >= manager.batches
     finally:
         sub.close()
@@ -256,8 +256,7 @@ def test_an_attention_dp_ranks_consolidator_reads_that_ranks_stream(tmp_path) ->
                            start_seq=0)
     try:
         def held() -> bool:  # the batch sent before anyone subscribed comes from the replay
-            for batch in sub.poll(20):
-                sub.apply(batch)
+            sub.poll(20)  # applies what it returns
             return sub.held == {(2, h)}
 
         wait_until(held, 10, "rank 2's block in the consolidated stream, dp rank kept")
@@ -310,8 +309,7 @@ def test_the_standalone_consolidator_reads_tensorrt_llms_stream(tmp_path) -> Non
                            start_seq=0)
     try:
         def held() -> bool:
-            for batch in sub.poll(20):
-                sub.apply(batch)
+            sub.poll(20)  # applies what it returns
             return sub.held == {(0, h)}
 
         wait_until(held, 20, "TRT-LLM's block through `kvbm-plugin consolidate`")

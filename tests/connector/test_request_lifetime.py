@@ -9,6 +9,7 @@ import random
 import threading
 from collections import Counter, deque
 
+import pytest
 from _engines import prompt, tiers
 
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
@@ -18,8 +19,12 @@ PHASES = {"waiting": "waiting", "context": "prefill", "loading": "loading",
           "generation": "decode", "saving": "saving"}
 
 
-def test_ten_thousand_requests_a_fifth_cancelled_at_every_phase_leave_no_state(
-        make_engine, monkeypatch) -> None:
+# 2,500 requests in the default run, 10,000 in the slow set: either is many times what is
+# ever in flight (80), which is what the bound on the leader's state is checked against.
+@pytest.mark.parametrize("requests", [
+    pytest.param(2_500, id="2500"), pytest.param(10_000, id="10000", marks=pytest.mark.slow)])
+def test_thousands_of_requests_a_fifth_cancelled_at_every_phase_leave_no_state(
+        make_engine, monkeypatch, requests: int) -> None:
     # The transfer thread takes up a load one pass and a save two passes after the pass
     # that issued it (until the run is over), so requests are seen loading and saving
     # (request_finished said True) between passes, at no cost in disk I/O.
@@ -65,8 +70,8 @@ def test_ten_thousand_requests_a_fifth_cancelled_at_every_phase_leave_no_state(
     peak = 0
     # Until nothing is left but saving requests: TRT-LLM's loop then blocks (they are out of
     # active_requests) and frees them at the next request's get_finished.
-    while submitted < 10_000 or (in_flight and engine.active()):
-        while submitted < 10_000 and len(in_flight) < 80:
+    while submitted < requests or (in_flight and engine.active()):
+        while submitted < requests and len(in_flight) < 80:
             tokens = rng.choice(systems) + prompt(rng.randrange(1 << 20), rng.randrange(1, 9))
             req = engine.submit(tokens, rng.randrange(1, 5))
             submitted += 1
@@ -95,9 +100,9 @@ def test_ten_thousand_requests_a_fifth_cancelled_at_every_phase_leave_no_state(
     assert all(engine.state(req) == "done" for req in in_flight)
     stats = leader.stats()
     assert set(cancelled) == set(PHASES.values()), cancelled
-    assert min(cancelled.values()) >= 50, cancelled
+    assert min(cancelled.values()) >= requests // 200, cancelled
     # every cancel the engine applied to a request the leader knew ended its state silently
-    assert stats["requests_terminated_silently"] > 300
+    assert stats["requests_terminated_silently"] > requests * 3 // 100
     assert peak <= 160  # bounded by what is in flight, not by what ever ran
     assert len(leader._reqs) == 0 and stats["ops_inflight"] == 0
     assert stats["tier_stores_waiting_for_name"] == 0

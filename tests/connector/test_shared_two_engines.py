@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,7 @@ def master(tmp_path: Path) -> Iterator[Any]:
     except ServerError as exc:
         _unavailable(str(exc))
     yield server
-    server.stop()
+    server.kill()  # after the engines' shutdown; a SIGTERM'd mooncake_master takes ~1 s to go
 
 
 def engine_env(tmp: Path, name: str, other: str, master: Any) -> dict[str, str]:
@@ -79,18 +80,24 @@ def engines(tmp_path: Path, master: Any) -> Iterator[tuple[Any, Any, dict]]:
 
     envs = {"a": engine_env(tmp_path, "a", "b", master),
             "b": engine_env(tmp_path, "b", "a", master)}
-    made: list[EngineProcess] = []
+    # Both brought up and shut down side by side: each takes seconds (processes starting,
+    # Mooncake clients closing), and neither waits on the other (wait_subscribed below).
+    with ThreadPoolExecutor(2) as pool:
+        starting = [pool.submit(EngineProcess, name, {
+            "num_layers": 2, "num_kv_heads": 4, "head_dim": 8, "tokens_per_block": BS,
+            "num_gpu_blocks": 48, "tp_size": 2, "processes": True, "env": envs[name]})
+            for name in ("a", "b")]
+    made = [f.result() for f in starting if f.exception() is None]
     try:
-        for name in ("a", "b"):
-            made.append(EngineProcess(name, {
-                "num_layers": 2, "num_kv_heads": 4, "head_dim": 8, "tokens_per_block": BS,
-                "num_gpu_blocks": 48, "tp_size": 2, "processes": True, "env": envs[name]}))
+        for f in starting:
+            f.result()  # the first bring-up error, raised once both are done
         for eng in made:  # each hears every announcement of the other from now on
             eng.wait_subscribed(1)
         yield made[0], made[1], envs
     finally:
-        for eng in made:
-            eng.shutdown()
+        with ThreadPoolExecutor(2) as pool:
+            for stopped in [pool.submit(eng.shutdown) for eng in made]:
+                stopped.result()
 
 
 def subscriber(env: dict[str, str], worker: str) -> Any:
@@ -153,6 +160,11 @@ def test_a_prefix_computed_by_one_engine_is_onboarded_by_the_other_byte_exact(en
             sub.close()
 
 
+# 20-30 s (the store's clients re-mount about a second after the master is back, then the
+# agents' probes): in the slow set. The breaker and the directory's recovery after a master
+# restart run by default in tests/tiers/shared/test_mooncake_faults.py and
+# tests/connector/test_shared_tier.py.
+@pytest.mark.slow
 def test_the_master_stopped_and_restarted_mid_run(engines, master) -> None:
     a, b, envs = engines
     sub = subscriber(envs["b"], "b")

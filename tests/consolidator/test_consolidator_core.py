@@ -12,8 +12,8 @@ from typing import Any
 
 import msgpack
 import pytest
+from _depth import depths, run_examples
 from _loops import both_implementations
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbm_plugin.consolidator.service import (
@@ -744,9 +744,13 @@ def apply_op(core: ConsolidatorCore, model: Model, op: tuple[Any, ...],
         model.slot(dp, "engine-CPU").clear()
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(OPS, min_size=1, max_size=40))
-def test_property_dedup_output_equals_resident_anywhere(ops):
+@depths(quick=60, thorough=300)
+def test_property_dedup_output_equals_resident_anywhere(examples):
+    run_examples(examples, _dedup_output_equals_resident_anywhere,
+                 st.lists(OPS, min_size=1, max_size=40))
+
+
+def _dedup_output_equals_resident_anywhere(ops):
     core, model, consumer = ConsolidatorCore("dedup"), Model(), Consumer()
     for op in ops:
         apply_op(core, model, op)
@@ -764,9 +768,13 @@ def test_property_dedup_output_equals_resident_anywhere(ops):
     assert consumer.paths(0) == consumer.paths(1) == set()
 
 
-@settings(max_examples=150, deadline=None)
-@given(st.lists(OPS, min_size=1, max_size=40))
-def test_property_passthrough_output_equals_resident_per_medium(ops):
+@depths(quick=30, thorough=150)
+def test_property_passthrough_output_equals_resident_per_medium(examples):
+    run_examples(examples, _passthrough_output_equals_resident_per_medium,
+                 st.lists(OPS, min_size=1, max_size=40))
+
+
+def _passthrough_output_equals_resident_per_medium(ops):
     core, model, consumer = ConsolidatorCore("passthrough"), Model(), Consumer(True)
     for op in ops:
         apply_op(core, model, op)
@@ -790,16 +798,21 @@ def apply_output(view: RouterView, output: dict[int, list[dict[str, Any]]]) -> N
 
 
 @pytest.mark.parametrize("mode", ["dedup", "passthrough"])
-@settings(max_examples=300, deadline=None)
-@given(ops=st.lists(OPS, min_size=1, max_size=40))
-def test_property_output_is_prefix_closed_whatever_the_sources_send(mode, ops):
-    """Sources that remove any block, parents before children included (300 examples x up to
-    40 operations, each a batch; every source names a block by the engine's hash, as tiers
-    that carry TensorRT-LLM's hash do): after every batch the router model of the output
-    (:class:`RouterView`, Dynamo's indexer's rules) never sees a store under a parent it does
-    not hold, a removal of a block it does not hold or that still has descendants, a re-store
-    of a held block, nor a removal in another medium than its store (each a rule warning);
-    what it holds is resident, and nothing is left once every source is cleared."""
+@depths(quick=60, thorough=300)
+def test_property_output_is_prefix_closed_whatever_the_sources_send(mode, examples):
+    """Sources that remove any block, parents before children included (60 examples, 300 in
+    the slow set, x up to 40 operations, each a batch; every source names a block by the
+    engine's hash, as tiers that carry TensorRT-LLM's hash do): after every batch the router
+    model of the output (:class:`RouterView`, Dynamo's indexer's rules) never sees a store
+    under a parent it does not hold, a removal of a block it does not hold or that still has
+    descendants, a re-store of a held block, nor a removal in another medium than its store
+    (each a rule warning); what it holds is resident, and nothing is left once every source
+    is cleared."""
+    run_examples(examples, lambda ops: _output_is_prefix_closed(mode, ops),
+                 st.lists(OPS, min_size=1, max_size=40))
+
+
+def _output_is_prefix_closed(mode, ops):
     core, model = ConsolidatorCore(mode), Model()
     router = RouterView(BS)
     consumer = Consumer(mode == "passthrough")

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from _depth import depths, run_examples
 from hypothesis import strategies as st
 
 from kvbm_plugin._util import native as _native
@@ -164,9 +164,12 @@ needs_native = pytest.mark.skipif(_native.loops("consolidator", {}) is None,
 
 
 @needs_native
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(op(), min_size=1, max_size=40))
-def test_compiled_dedup_loops_match_python_loops(steps: list[tuple[str, Any]]) -> None:
+@depths(quick=80, thorough=500)
+def test_compiled_dedup_loops_match_python_loops(examples: int) -> None:
+    run_examples(examples, _loops_agree, st.lists(op(), min_size=1, max_size=40))
+
+
+def _loops_agree(steps: list[tuple[str, Any]]) -> None:
     python, compiled = ConsolidatorCore(native=False), ConsolidatorCore(native=True)
     assert python._native is None and compiled._native is not None
     for step in steps:

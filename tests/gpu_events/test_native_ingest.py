@@ -17,7 +17,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import HealthCheck, given, settings
+from _depth import depths, run_examples
 from hypothesis import strategies as st
 
 from kvbm_plugin._util import native as _native
@@ -215,34 +215,35 @@ needs_native = pytest.mark.skipif(_native.loops("event_sink", {}) is None,
                                   reason="kvbm_plugin.gpu_events._sink_c was not built")
 
 
-@needs_native
-@pytest.mark.expect_errors  # malformed events on purpose: each is logged, and must match
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.one_of(st.lists(event(), max_size=12), chained()),
-                          st.booleans()), min_size=1, max_size=5),
-       st.sampled_from([None, 64]))
-def test_compiled_loop_matches_python_loop(calls: list[tuple[list[Any], bool]],
-                                           window: int | None) -> None:
-    want = run(False, calls, window)
-    got = run(True, calls, window)
+# Streams of up to 5 ingest calls (each a list of events, flushed or not) and the window.
+CALLS = (st.lists(st.tuples(st.one_of(st.lists(event(), max_size=12), chained()),
+                            st.booleans()), min_size=1, max_size=5),
+         st.sampled_from([None, 64]))
+
+
+def _loops_agree(calls: list[tuple[list[Any], bool]], window: int | None,
+                 prefix_closed: bool) -> None:
+    want = run(False, calls, window, prefix_closed)
+    got = run(True, calls, window, prefix_closed)
     assert got[0] == want[0]
     assert got[1] == want[1]
+
+
+@needs_native
+@pytest.mark.expect_errors  # malformed events on purpose: each is logged, and must match
+@depths(quick=60, thorough=400)
+def test_compiled_loop_matches_python_loop(examples: int) -> None:
+    run_examples(examples, lambda calls, window: _loops_agree(calls, window, False), *CALLS)
 
 
 @needs_native
 @pytest.mark.expect_errors  # malformed events on purpose, as in the test above
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(st.one_of(st.lists(event(), max_size=12), chained()),
-                          st.booleans()), min_size=1, max_size=5),
-       st.sampled_from([None, 64]))
+@depths(quick=60, thorough=400)
 def test_compiled_loop_matches_python_loop_keeping_the_stream_prefix_closed(
-        calls: list[tuple[list[Any], bool]], window: int | None) -> None:
+        examples: int) -> None:
     """The same streams into sinks that keep the output prefix-closed (orphan stores dropped,
     unknown removals dropped, cascades): byte-identical output and counters."""
-    want = run(False, calls, window, prefix_closed=True)
-    got = run(True, calls, window, prefix_closed=True)
-    assert got[0] == want[0]
-    assert got[1] == want[1]
+    run_examples(examples, lambda calls, window: _loops_agree(calls, window, True), *CALLS)
 
 
 @needs_native
@@ -279,33 +280,53 @@ EDGE_HASHES = [v % (1 << 64) for v in (
     -1, -32, -33, -128, -129, -32768, -32769, -(1 << 31), -(1 << 31) - 1, -(1 << 63))]
 
 
+def _edge_events() -> list[Any]:
+    """Hashes, parents, token ids and lora ids at every msgpack int form's edges, and their
+    removals (one run of 23: a 16-bit array header)."""
+    tokens = [0, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1]
+    events: list[Any] = []
+    for i, h in enumerate(EDGE_HASHES):
+        parent = EDGE_HASHES[i - 1] if i else None
+        events.append(_store(parent, h, [{"token_id": tokens[(i + k) % len(tokens)]}
+                                         for k in range(BS)],
+                             lora_id=[None, 0, 1, 128, (1 << 64) - 1][i % 5]))
+        events.append(_store(None, h, [{"token_id": 1}, {"token_id": 2}]))
+    events += [{"event_id": 0, "window_size": 64,
+                "data": {"type": "removed", "block_hashes": [h]}} for h in EDGE_HASHES]
+    return events
+
+
+def _removal_runs(sizes: Sequence[int]) -> list[Any]:
+    """Removal runs of ``sizes`` blocks, each closed by a store (its array header's edges)."""
+    runs: list[Any] = [_store(None, 7)]
+    for n in sizes:
+        runs += [{"event_id": 0, "window_size": 64,
+                  "data": {"type": "removed", "block_hashes": [5000 + i]}} for i in range(n)]
+        runs.append(_store(None, 7))
+    return runs
+
+
 @needs_native
 def test_the_compiled_writer_writes_every_int_form_as_msgspec_does() -> None:
     """Hashes, parents, token ids and lora ids at every msgpack int form's edges, in stores
-    and removals long enough for 16-bit array headers: the compiled batch's bytes equal the
-    Python loop's maps encoded by msgspec."""
-    tokens = [0, 127, 128, 255, 256, 65535, 65536, (1 << 32) - 1]
+    and removals, and removal runs on each side of the fixarray/16-bit header edge: the
+    compiled batch's bytes equal the Python loop's maps encoded by msgspec."""
+    payloads, stats = _both(lambda: [_edge_events(), _removal_runs((15, 16))])
+    assert stats["blocks_stored"] == 2 * len(EDGE_HASHES) + 3
 
+
+@needs_native
+@pytest.mark.slow  # 40,000-block chains and 65,536-block runs: seconds in each loop
+def test_the_compiled_writer_writes_32_bit_array_headers_as_msgspec_does() -> None:
+    """Stores and removals long enough for 16- and 32-bit array headers (a chain of 80,000
+    token ids, 70,000 removals, runs of 65,535 and 65,536): the compiled batch's bytes equal
+    the Python loop's maps encoded by msgspec."""
     def make() -> list[list[Any]]:
-        events: list[Any] = []
-        for i, h in enumerate(EDGE_HASHES):
-            parent = EDGE_HASHES[i - 1] if i else None
-            events.append(_store(parent, h, [{"token_id": tokens[(i + k) % len(tokens)]}
-                                             for k in range(BS)],
-                                 lora_id=[None, 0, 1, 128, (1 << 64) - 1][i % 5]))
-            events.append(_store(None, h, [{"token_id": 1}, {"token_id": 2}]))
-        events += [{"event_id": 0, "window_size": 64,
-                    "data": {"type": "removed", "block_hashes": [h]}} for h in EDGE_HASHES]
         chain = [_store(None if i == 0 else 1000 + i - 1, 1000 + i,
                         [{"token_id": i}, {"token_id": 70000}]) for i in range(40000)]
         gone = [{"event_id": 0, "window_size": 64,
                  "data": {"type": "removed", "block_hashes": [1000 + i]}} for i in range(70000)]
-        runs: list[Any] = [_store(None, 7)]  # removal runs at the array headers' edges
-        for n in (15, 16, 65535, 65536):
-            runs += [{"event_id": 0, "window_size": 64,
-                      "data": {"type": "removed", "block_hashes": [5000 + i]}} for i in range(n)]
-            runs.append(_store(None, 7))
-        return [events, chain, gone, runs]
+        return [_edge_events(), chain, gone, _removal_runs((15, 16, 65535, 65536))]
 
     payloads, stats = _both(make)
     assert stats["blocks_stored"] == 2 * len(EDGE_HASHES) + 40000 + 5
@@ -336,11 +357,15 @@ def json_traffic(draw: st.DrawFn) -> list[Any]:
 
 
 @needs_native
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.tuples(json_traffic(), st.sampled_from(["built", "json", "mixed", "mixed"])),
-                min_size=1, max_size=4), st.integers(0, 1 << 32))
-def test_dicts_whose_keys_are_not_interned_run_the_same_in_both_loops(
-        calls: list[tuple[list[Any], str]], seed: int) -> None:
+@depths(quick=30, thorough=150)
+def test_dicts_whose_keys_are_not_interned_run_the_same_in_both_loops(examples: int) -> None:
+    run_examples(examples, _keys_not_interned_run_the_same,
+                 st.lists(st.tuples(json_traffic(),
+                                    st.sampled_from(["built", "json", "mixed", "mixed"])),
+                          min_size=1, max_size=4), st.integers(0, 1 << 32))
+
+
+def _keys_not_interned_run_the_same(calls: list[tuple[list[Any], str]], seed: int) -> None:
     """The compiled loop matches a token's key by identity before it compares characters (the
     serializer's literal keys are interned); JSON-decoded events (trtllm-serve, the sidecar's
     input) have keys that are equal but not interned, and a dict may mix both: the same output
@@ -500,17 +525,20 @@ def run_v2(native: bool, calls: list[tuple[str, Any]]) -> tuple[list[bytes], dic
     return rec.payloads, sink.stats()
 
 
-@needs_native
-@pytest.mark.expect_errors  # malformed calls on purpose: each is logged, and must match
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(v2_calls())
-def test_compiled_v2_hooks_match_the_python_hooks(calls: list[tuple[str, Any]]) -> None:
-    """The V2 hooks' compiled fast path against the Python hooks on the same calls:
-    byte-identical batches and identical counters."""
+def _v2_hooks_agree(calls: list[tuple[str, Any]]) -> None:
     want = run_v2(False, calls)
     got = run_v2(True, calls)
     assert got[0] == want[0]
     assert got[1] == want[1]
+
+
+@needs_native
+@pytest.mark.expect_errors  # malformed calls on purpose: each is logged, and must match
+@depths(quick=60, thorough=400)
+def test_compiled_v2_hooks_match_the_python_hooks(examples: int) -> None:
+    """The V2 hooks' compiled fast path against the Python hooks on the same calls:
+    byte-identical batches and identical counters."""
+    run_examples(examples, _v2_hooks_agree, v2_calls())
 
 
 @needs_native

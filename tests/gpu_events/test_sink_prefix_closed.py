@@ -12,8 +12,8 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
+from _depth import depths, run_examples
 from _loops import both_implementations
-from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbm_plugin.consolidator_config import PublisherSettings
@@ -107,15 +107,18 @@ class Stream:
         return stored(parent, *((h, n, content) for h, content, n in blocks))
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.lists(st.lists(EVENT, max_size=8), min_size=1, max_size=8))
-def test_sink_output_is_prefix_closed_whatever_the_engine_sends(
-        batches: list[list[tuple[Any, ...]]]) -> None:
-    """300 random streams of up to 8 iterations x 8 events (stores under any parent, partial
-    blocks, removals of parents before children and of blocks never stored, repeats): every
-    published batch is clean for the router model (no rule warning: no skipped store, no
-    unknown or cutting removal, no re-store, alias or short block), and the tree it holds
-    equals the sink's published state."""
+@depths(quick=50, thorough=300)
+def test_sink_output_is_prefix_closed_whatever_the_engine_sends(examples: int) -> None:
+    """Random streams (50, or 300 in the slow set) of up to 8 iterations x 8 events (stores
+    under any parent, partial blocks, removals of parents before children and of blocks never
+    stored, repeats): every published batch is clean for the router model (no rule warning:
+    no skipped store, no unknown or cutting removal, no re-store, alias or short block), and
+    the tree it holds equals the sink's published state."""
+    run_examples(examples, _prefix_closed_stream,
+                 st.lists(st.lists(EVENT, max_size=8), min_size=1, max_size=8))
+
+
+def _prefix_closed_stream(batches: list[list[tuple[Any, ...]]]) -> None:
     rec = Recorder()
     sink = KvEventSink(rec, block_size=BS, window_size=64, prefix_closed=True)
     router = RouterView(BS)

@@ -35,7 +35,9 @@ def _prompt(rank: int, turn: int) -> list[int]:
 # learns its blocks' names from its own stream, which rank 0 publishes.
 # (processes=False: every rank's engine in this process, exchanging events in memory.)
 @pytest.mark.parametrize(("ranks", "block_hashes", "processes"),
-                         [(2, True, True), (4, True, True), (2, False, True), (2, True, False)])
+                         [(2, True, True), (2, False, True), (2, True, False),
+                          # 4 ranks: 5 processes; the same paths as 2, in the slow set
+                          pytest.param(4, True, True, marks=pytest.mark.slow)])
 def test_attention_dp_ranks_in_processes(tmp_path, ranks: int, block_hashes: bool,
                                          processes: bool) -> None:
     config = EngineConfig(attention_dp=ranks, processes=processes, env=_env(tmp_path),

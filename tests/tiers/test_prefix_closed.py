@@ -13,7 +13,8 @@ import random
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from _depth import depths, run_examples
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbm_plugin.consolidator_config import PublisherSettings
@@ -265,17 +266,21 @@ def _workload_step(rng: random.Random, engine: SimulatedEngine, prompts: list[li
     engine.step()
 
 
-@settings(max_examples=6, deadline=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(seed=st.integers(0, 2**32), host=st.sampled_from((0, 6, 10)),
-       disk=st.sampled_from((0, 8, 16)))
+@depths(quick=2, thorough=6)
 def test_tiers_and_gpu_pool_stay_prefix_closed_under_random_workloads(
-        caplog: pytest.LogCaptureFixture, seed: int, host: int, disk: int) -> None:
-    """6 random multi-turn workloads x 350 engine iterations (2,100 steps), tiers under eviction
-    pressure: after every iteration every tier-resident block's parent is resident somewhere,
-    each tier is prefix-closed on its own, and the GPU pool's and the tiers' event streams are
-    clean for the router model (no rule warning: no store under a parent it does not hold, no
-    unknown or cutting removal, no re-store or alias), ending equal to what each holds."""
+        caplog: pytest.LogCaptureFixture, examples: int) -> None:
+    """Random multi-turn workloads (2, or 6 in the slow set) x 350 engine iterations, tiers
+    under eviction pressure: after every iteration every tier-resident block's parent is
+    resident somewhere, each tier is prefix-closed on its own, and the GPU pool's and the
+    tiers' event streams are clean for the router model (no rule warning: no store under a
+    parent it does not hold, no unknown or cutting removal, no re-store or alias), ending equal
+    to what each holds."""
+    run_examples(examples, lambda seed, host, disk: _random_workload(caplog, seed, host, disk),
+                 seed=st.integers(0, 2**32), host=st.sampled_from((0, 6, 10)),
+                 disk=st.sampled_from((0, 8, 16)))
+
+
+def _random_workload(caplog: pytest.LogCaptureFixture, seed: int, host: int, disk: int) -> None:
     if not host and not disk:
         host = 6
     env = dict(OFF)

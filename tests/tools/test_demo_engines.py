@@ -25,6 +25,9 @@ def _mooncake() -> None:
         pytest.skip(f"Mooncake is not installed: {exc}")
 
 
+# Four engine processes (two engines, TP 2) for 10-15 s: in the slow set. The default run
+# carries a prefix across two engine processes in tests/connector/test_shared_two_engines.py.
+@pytest.mark.slow
 def test_two_engines_reuse_each_others_blocks_byte_exact(capsys) -> None:
     assert demo.main_demo(["--engines", "2", "--sessions", "4", "--turns", "3",
                            "--no-progress"]) == 0

@@ -124,7 +124,12 @@ class StreamSubscriber:
             self._ctx.term()
 
     def poll(self, timeout_ms: int = 100) -> list[EventBatch]:
-        """Every batch available within ``timeout_ms``, in order, gaps replayed when possible."""
+        """Every batch available within ``timeout_ms``, in order, gaps replayed when possible.
+
+        Each returned batch is already applied to :attr:`held` (and counted in :attr:`stats`):
+        the caller reads them, it must not :meth:`apply` them again (a second apply counts
+        every store as a duplicate, and every remove that comes in a later poll than its
+        store as unknown)."""
         out: list[EventBatch] = []
         ready = self._sub.poll(timeout_ms)
         out.extend(self._check_connection())
