@@ -69,3 +69,35 @@ def test_a_signal_during_the_attention_dp_demo_ends_it_cleanly(tmp_path: Path, s
     assert "Traceback" not in err, err
     assert rc == status, err
     assert not list(tmp_path.glob("kvbm-*")), list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    (["--tiers", "disk"], "--tiers disk"),
+    (["--tiers", "host,disk"], "--tiers host,disk"),
+    (["--attention-dp", "2"], "--attention-dp 2"),
+    (["--real-router"], "--real-router"),
+])
+def test_the_engines_run_refuses_what_it_cannot_honour(options: list[str], named: str) -> None:
+    from kvbm_plugin.tools import demo
+    from kvbm_plugin.tools.cli import UsageError
+
+    with pytest.raises(UsageError, match=named):
+        demo.main_demo(["--engines", "2", "--no-progress", *options])
+
+
+def test_the_demo_ends_when_the_reader_of_its_stdout_goes(tmp_path: Path) -> None:
+    """``demo --duration 60 | head -1``: the demo ends (141, nothing on stderr) soon after
+    ``head`` exits, not when the 60 s are over."""
+    proc = _start(["demo", "--duration", "60", "--no-progress"], _env(tmp_path),
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().startswith("serving")
+    # The run is under way once its consolidated output exists; then `head` exits.
+    _wait_for(lambda: any(tmp_path.glob("kvbm-demo-*/consolidated")) or proc.poll() is not None,
+              "the demo's engine")
+    proc.stdout.close()
+    closed = time.monotonic()
+    rc, err = _finish(proc, 60)
+    assert time.monotonic() - closed < 30
+    assert rc == 141 and err == "", err
+    assert not list(tmp_path.glob("kvbm-*"))

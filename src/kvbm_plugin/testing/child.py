@@ -93,6 +93,16 @@ class ChildProcess:
         self.send(*msg)
         return self.reply()
 
+    def kill(self) -> None:
+        """End the child at once (SIGKILL), skipping its shutdown: for a caller that is
+        ending on a signal and must exit promptly. Its own children see EOF and exit."""
+        if self._closed:
+            return
+        self._closed = True
+        self._proc.kill()
+        self._proc.join(5)
+        self._conn.close()
+
     def stop(self, shutdown_msg: tuple[Any, ...], wait_s: float) -> None:
         """Ask the child to shut down, wait up to ``wait_s`` for it, then kill it. Once."""
         if self._closed:
