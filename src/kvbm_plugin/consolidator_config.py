@@ -132,7 +132,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(EVENTS_SOURCE, "auto", "Where the leader gets GPU-tier events: `auto` drains "
            "TRT-LLM's KV-event buffer until another reader (LLM.get_kv_cache_events, "
            "/kv_cache_events, Dynamo's publisher) shows up, then only taps what that reader "
-           "drains; `drain` always drains; `tap` never drains (copies what others read); "
+           "drains; `drain` the same, warning when another reader appears (two drainers "
+           "split the stream); `tap` never drains (copies what others read); "
            "`off` publishes none (sidecar or another publisher serves them). V2 hooks never "
            "drain.", "publisher"),
     EnvVar(SHARED_TIER, None, "Shared tier (G4) behind the host tier, by name in the "

@@ -249,8 +249,9 @@ _SOURCE_DETAIL = {
     "auto": "drains TRT-LLM's KV-event buffer each iteration until another reader "
             "(LLM.get_kv_cache_events, /kv_cache_events, Dynamo's publisher) calls it, then "
             "publishes what that reader drains (V2 hooks: never drains)",
-    "drain": "drains TRT-LLM's KV-event buffer each iteration: TRT-LLM's own readers "
-             "(LLM.get_kv_cache_events, /kv_cache_events, Dynamo's publisher) get nothing",
+    "drain": "drains TRT-LLM's KV-event buffer each iteration until another reader "
+             "(LLM.get_kv_cache_events, /kv_cache_events, Dynamo's publisher) calls it, then "
+             "warns and publishes what that reader drains (two drainers split the stream)",
     "tap": "never drains: publishes only what TRT-LLM's own readers drain (nothing while "
            "none runs)",
     "off": "no GPU-tier events from the leader (run `kvbm-plugin sidecar` or another "
