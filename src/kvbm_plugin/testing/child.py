@@ -41,7 +41,8 @@ class ChildProcess:
         # exec and Python then installs no Ctrl-C handler, so a Ctrl-C during the child's
         # start-up (before _child_entry runs) cannot reach it. This process ignores it for the
         # fork and exec only (signal handlers can be set on the main thread alone).
-        main = threading.current_thread() is threading.main_thread()
+        main = threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGINT) is not None  # None: a handler set outside Python
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
             self._proc.start()
