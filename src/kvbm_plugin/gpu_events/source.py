@@ -96,11 +96,13 @@ def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
       drains the buffer too: ``tap`` never (only what TRT-LLM's own readers drain is seen,
       and nothing is taken from them); ``auto`` drains until the wrapped getter is called by
       anyone else, then taps; ``drain`` the same, with a warning when that other reader
-      appears. Two drainers would split the stream: each drain takes the events queued so
-      far (``KVCacheManager.get_latest_events`` -> the C++ ``KVCacheEventManager::
-      getLatestEvents`` swaps its queue out), so the other reader's stream would miss the
-      removals the plugin took, and a block the engine freed would stay published there
-      (Dynamo's TRT-LLM publisher, ``/kv_cache_events``) for good (issue 27, item 6).
+      appears. Two drainers would split the stream: each drain takes every event queued so
+      far (``KVCacheManager.get_latest_events`` reaches the batch manager's
+      ``KVCacheEventManager::getEvents``, which returns ``std::exchange(mEvents, {})``;
+      ``cpp/tensorrt_llm/batch_manager/kvCacheEventManager.cpp``, stored file id 161320417),
+      so the other reader's stream would miss the removals the plugin took, and a block the
+      engine freed would stay published there (Dynamo's TRT-LLM publisher,
+      ``/kv_cache_events``) for good (issue 27, item 6).
       ``drain=False`` is the older spelling of ``mode="tap"``. The tee runs on the caller's
       thread (TRT-LLM's KV-event dispatch thread): ``sink.ingest`` takes one short lock.
       Each drain is ingested before the next drain starts, whoever drains (see
