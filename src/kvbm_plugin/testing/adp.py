@@ -213,9 +213,13 @@ class AttentionDpEngine:
                     self._gathers.append(AttentionDpGather(
                         engine.kv_cache_manager, self.rank0.kv_cache_manager.receive_gathered,
                         self.GATHER_PERIOD_S))
-        except BaseException:
+        except BaseException as exc:
+            signalled = isinstance(exc, (KeyboardInterrupt, SystemExit))
             for rank in (*remote, *self.ranks):
-                rank.shutdown(5.0)
+                if signalled and isinstance(rank, _RemoteDpRank):
+                    rank.kill()  # not after its bring-up: the caller ends on a signal
+                else:
+                    rank.shutdown(5.0)
             self._close_local()
             shutil.rmtree(self._tmp, ignore_errors=True)
             raise
