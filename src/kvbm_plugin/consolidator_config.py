@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
@@ -132,7 +132,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(EVENTS_SOURCE, "auto", "Where the leader gets GPU-tier events: `auto` drains "
            "TRT-LLM's KV-event buffer until another reader (LLM.get_kv_cache_events, "
            "/kv_cache_events, Dynamo's publisher) shows up, then only taps what that reader "
-           "drains; `drain` always drains; `tap` never drains (copies what others read); "
+           "drains; `drain` the same, warning when another reader appears (two drainers "
+           "split the stream); `tap` never drains (copies what others read); "
            "`off` publishes none (sidecar or another publisher serves them). V2 hooks never "
            "drain.", "publisher"),
     EnvVar(SHARED_TIER, None, "Shared tier (G4) behind the host tier, by name in the "
@@ -634,7 +635,7 @@ def load_consolidator_config(
         gpu_streams=tuple(gpu_streams),
     )
     _check_collisions(config, leader_port, dp_rank_sockets(env, num_ranks) if attention_dp
-                      else None)
+                      else None, leader_sockets=dp_rank_sockets(env, 1)[1:])
     return config
 
 
@@ -673,9 +674,11 @@ def user_endpoint_settings(env: Mapping[str, str] | None = None) -> dict[str, st
 
 
 def _check_collisions(config: ConsolidatorConfig, leader_port: int,
-                      dp_sockets: list[tuple[int, str, Endpoint]] | None = None) -> None:
+                      dp_sockets: list[tuple[int, str, Endpoint]] | None = None,
+                      leader_sockets: Sequence[tuple[int, str, Endpoint]] = ()) -> None:
     """Refuse any two sockets of any rank that would bind the same port or ipc/inproc path
-    (``dp_sockets``: attention DP, with one consolidated output per rank)."""
+    (``dp_sockets``: attention DP, with one consolidated output per rank; else
+    ``leader_sockets``: the one leader's shared-tier announce and metrics sockets)."""
     owners: dict[tuple[str, str | int], str] = {}
     if dp_sockets is None:
         owners[("tcp", leader_port)] = f"{LEADER_ZMQ_PUB_PORT} (KVBM leader port {leader_port})"
@@ -702,6 +705,8 @@ def _check_collisions(config: ConsolidatorConfig, leader_port: int,
         claim(config.output, "consolidated output endpoint")
         if config.output_replay is not None:
             claim(config.output_replay, "consolidated output replay endpoint")
+        for _, role, endpoint in leader_sockets:
+            claim(endpoint, role)
         return
     for rank in range(config.num_ranks):
         ranked = config.for_dp_rank(rank)

@@ -74,7 +74,8 @@ def sink_and_recorder() -> tuple[KvEventSink, Recorder]:
 def test_drain_a_poll_never_overtakes_what_a_reader_drained_and_never_waits_for_it() -> None:
     """``drain`` mode: TRT-LLM's reader has taken "store X" and not fed it yet when the engine
     queues "remove X" and the leader polls. The poll must not ingest the removal first, and
-    must not wait for the reader either (a reader's getter may block for its timeout)."""
+    must not wait for the reader either (a reader's getter may block for its timeout); from
+    then on the plugin leaves the draining to that reader."""
     sink, rec = sink_and_recorder()
     buffer = Buffer()
     source = attach_event_source(buffer, sink, mode="drain")
@@ -96,7 +97,13 @@ def test_drain_a_poll_never_overtakes_what_a_reader_drained_and_never_waits_for_
     polled.set()
     reader.join(10)
     assert not reader.is_alive()
-    source.poll()  # the next iteration drains the removal
+    # From the reader's first drain on the plugin only taps (two drainers would split the
+    # stream): the removal waits for the reader's next drain, which feeds it.
+    assert not source.drains and source.poll() == 0
+    assert buffer.queued == [removed(X)]
+    again = threading.Thread(target=lambda: buffer.get_latest_events(0), name="trtllm-reader")
+    again.start()
+    again.join(10)
     sink.flush()
     assert [(e["type"], e["block_hashes"]) for e in rec.events] == [
         ("BlockStored", [X]), ("BlockRemoved", [X])]
@@ -138,3 +145,66 @@ def test_auto_a_reader_appearing_during_a_poll_feeds_after_it() -> None:
     assert [(e["type"], e["block_hashes"]) for e in rec.events] == [
         ("BlockStored", [X]), ("BlockRemoved", [X])]
     assert sink._ranks[0].published == {}
+
+
+def _reader_view(events: list[dict[str, Any]]) -> set[int]:
+    """The blocks a consumer of TRT-LLM's own stream holds after ``events`` (stores minus
+    removals, in order), as Dynamo's TRT-LLM publisher would advertise them."""
+    held: set[int] = set()
+    for event in events:
+        data = event["data"]
+        if data["type"] == "stored":
+            held.update(int(b["block_hash"]) for b in data["blocks"])
+        elif data["type"] == "removed":
+            held.difference_update(int(h) for h in data["block_hashes"])
+    return held
+
+
+def test_drain_with_trtllm_reader_leaves_no_freed_block_published(make_engine) -> None:  # noqa: ANN001
+    """``drain`` and TRT-LLM's own reader (issue 27, item 6): once the reader has read, the
+    plugin leaves the draining to it, so the removals of blocks the engine frees reach the
+    reader's stream too (before: the plugin took them, and those blocks stayed published
+    there for good), while the plugin still publishes every event it drains."""
+    from _engines import OFF, prompt
+    from _kvwire import wait_until
+
+    from kvbm_plugin.testing.fake_trtllm import KVCacheEventSerializer
+
+    engine = make_engine(env={**OFF, "DYN_KVBM_KV_EVENTS_SOURCE": "drain"},
+                         trtllm_event_reader=True, num_gpu_blocks=24)
+    reader, manager, source = engine.event_reader, engine.kv_cache_manager, None
+    produced: list[Any] = []  # the whole stream, as the engine made it readable
+    append = manager._append
+
+    def recording(objects: list[Any], bounded: bool = True) -> None:
+        produced.extend(objects)
+        append(objects, bounded)
+
+    manager._append = recording
+    reader.pause()
+    engine.submit(prompt(1, 40), 3)
+    engine.run_until_idle()  # the plugin attached and drained: the reader has not read yet
+    source = engine.leader.event_source
+    assert source.drains
+    reader.resume()
+    engine.submit(prompt(2, 40), 3)  # read by TRT-LLM's reader: its stores are in its stream
+    engine.run_until_idle()
+    wait_until(lambda: bool(reader.events()) and manager.readable() == 0,
+               what="the reader's read")
+    reader.pause()  # a reader that polls rarely (an HTTP client of /kv_cache_events)
+    for k in range(12):  # evicts the blocks of prompt 2 from the 24-block pool
+        engine.submit(prompt(10 + k, 40), 3)
+        engine.run_until_idle()
+    reader.resume()
+    wait_until(lambda: manager.readable() == 0, what="the reader to drain the queue")
+    # The reader missed only what the plugin drained before its first read (prompt 1's
+    # events): its view holds nothing the whole stream's does not.
+    freed = _reader_view(reader.events()) - _reader_view(
+        KVCacheEventSerializer.serialize(produced))
+    assert not freed, f"{len(freed)} freed blocks still published in TRT-LLM's own stream"
+    assert not source.drains
+    engine.leader.flush_events()
+    sink = engine.leader.event_sink.stats()
+    truth = engine.pool.resident_full_hashes()
+    assert sink["blocks_stored"] - sink["blocks_removed"] == len(truth)
+    assert sink["events_in"] == manager.produced  # every event reached the plugin as well

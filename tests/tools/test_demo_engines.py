@@ -48,3 +48,61 @@ def test_the_engines_run_refuses_a_steady_workload() -> None:
 
     with pytest.raises(UsageError, match="--engines 2 runs turn waves"):
         demo.main_demo(["--engines", "2", "--requests", "5", "--no-progress"])
+
+
+def _cli(tmp_path, *args: str, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
+    """``kvbm-plugin demo --engines 2`` in a session of its own (a terminal's process group),
+    temporary files under ``tmp_path``, SIGINT at its default action."""
+    import signal
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
+    env["TMPDIR"] = str(tmp_path)
+    return subprocess.Popen([sys.executable, "-m", "kvbm_plugin.tools.cli", "demo", "--engines",
+                             "2", "--no-progress", *args], env=env, text=True,
+                            start_new_session=True, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            **kw)
+
+
+def test_a_passing_engines_run_writes_nothing_on_stderr(tmp_path) -> None:  # noqa: ANN001
+    """No glog line of Mooncake's, no warning of torch's from the engine processes: their
+    stderr goes to a log file in the run's temp dir, shown only when the run fails."""
+    import subprocess
+
+    proc = _cli(tmp_path, "--sessions", "2", "--turns", "2", stdout=subprocess.PIPE)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, (out[-2000:], err)
+    assert err == ""
+    assert not list(tmp_path.glob("kvbm-*"))
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_the_engines_run_ends_promptly_on_a_signal(tmp_path, signum: str) -> None:  # noqa: ANN001
+    import signal
+    import subprocess
+    import time
+
+    sig = getattr(signal, signum)
+    proc = _cli(tmp_path, "--sessions", "16", "--turns", "8", stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 180
+        # Both engines serve once each one's consolidated output exists.
+        while len(list(tmp_path.glob("kvbm-demo-engines-*/?-out"))) < 2 \
+                and proc.poll() is None:
+            assert time.monotonic() < deadline, "the engines did not come up"
+            time.sleep(0.02)  # poll interval; the condition decides
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert "Traceback" not in err, err
+    assert proc.returncode == 128 + sig, err
+    assert took < 5, f"{took:.1f} s from the signal to the exit (before: 11-12 s)"
+    assert not list(tmp_path.glob("kvbm-*"))

@@ -130,3 +130,131 @@ def test_a_missing_ipc_directory_is_called_missing(monkeypatch, capsys, tmp_path
 def test_the_event_source_is_reported_once(capsys) -> None:  # noqa: ANN001
     _, checks = _checks(capsys)
     assert [name for name in checks if "source" in name] == ["KV event source"]
+
+
+# --------------------------------------------------------------------------- issue 27, item 7
+
+
+@pytest.fixture
+def silent_server():  # noqa: ANN201
+    """A TCP address that accepts connections and never answers."""
+    import threading
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    held: list[socket.socket] = []
+
+    def accept() -> None:
+        while True:
+            try:
+                held.append(server.accept()[0])
+            except OSError:
+                return
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+    for conn in held:
+        conn.close()
+
+
+@pytest.mark.parametrize("store", ["mooncake", "redis"])
+def test_a_store_that_accepts_and_never_answers_fails_within_the_timeout(
+        monkeypatch, capsys, silent_server: str, store: str) -> None:  # noqa: ANN001
+    import time
+
+    """Mooncake's client set-up waits as long as the peer holds the connection (a doctor
+    still running at 180 s); Redis's own socket timeout is 5 s. Both end at --timeout."""
+    pytest.importorskip("mooncake.store" if store == "mooncake" else "redis")
+    for name, value in ((cc.SHARED_TIER, store), (cc.SHARED_MODEL_KEY, "m"),
+                        (cc.SHARED_ADDRESS, silent_server), (cc.CPU_CACHE_NUM_BLOCKS, "8")):
+        monkeypatch.setenv(name, value)
+    started = time.monotonic()
+    assert main_doctor(["--json", "--timeout", "1"]) == 1
+    assert time.monotonic() - started < 8
+    check = {c["name"]: c for c in json.loads(capsys.readouterr().out)}[f"shared tier ({store})"]
+    assert check["status"] == "fail", check
+    assert f"{cc.SHARED_ADDRESS}={silent_server!r}: no answer within 1 s" in check["detail"]
+
+
+def test_a_shared_tier_without_a_host_tier_is_a_problem(monkeypatch, capsys) -> None:  # noqa: ANN001
+    for name, value in ((cc.SHARED_TIER, "redis"), (cc.SHARED_MODEL_KEY, "m"),
+                        (cc.SHARED_ADDRESS, "127.0.0.1:1")):
+        monkeypatch.setenv(name, value)
+    code, checks = _checks(capsys)
+    assert code == 1
+    assert checks["shared tier needs the host tier"]["status"] == "fail"
+    monkeypatch.setenv(cc.CPU_CACHE_NUM_BLOCKS, "8")
+    _, checks = _checks(capsys)
+    assert "shared tier needs the host tier" not in checks
+
+
+def test_a_host_name_that_does_not_resolve_is_not_free(monkeypatch, capsys) -> None:  # noqa: ANN001
+    monkeypatch.setenv(cc.LEADER_ZMQ_HOST, "kvbm-no-such-host.invalid")
+    code, checks = _checks(capsys)
+    output = checks["consolidated output tcp://kvbm-no-such-host.invalid:57001"]
+    assert code == 1 and output["status"] == "fail"
+    assert "'kvbm-no-such-host.invalid' does not resolve" in output["detail"]
+    monkeypatch.setenv(cc.LEADER_ZMQ_HOST, "localhost")  # a name that resolves binds
+    _, checks = _checks(capsys)
+    assert checks["consolidated output tcp://localhost:57001"]["status"] == "ok"
+
+
+def test_the_announce_socket_on_the_gpu_tier_publishers_port_is_found(monkeypatch,
+                                                                      capsys) -> None:  # noqa: ANN001
+    for name, value in ((cc.SHARED_TIER, "redis"), (cc.SHARED_MODEL_KEY, "m"),
+                        (cc.SHARED_ADDRESS, "127.0.0.1:1"), (cc.CPU_CACHE_NUM_BLOCKS, "8"),
+                        (cc.LEADER_ZMQ_PUB_PORT, "30001"), (cc.TRTLLM_ZMQ_PORT, "32001")):
+        monkeypatch.setenv(name, value)
+    code, checks = _checks(capsys)
+    config = checks["consolidator config"]
+    assert code == 1 and config["status"] == "fail"
+    assert "shared-tier announce endpoint" in config["detail"] and "32001" in config["detail"]
+    # Start-up reads the same config: it refuses the collision too.
+    with pytest.raises(cc.ConfigError, match="announce endpoint"):
+        cc.load_consolidator_config()
+
+
+@pytest.mark.parametrize("gib", ["0.001", "0.0145"])
+def test_a_mooncake_segment_between_0_and_16_mib_fails(monkeypatch, capsys, gib: str) -> None:  # noqa: ANN001
+    for name, value in ((cc.SHARED_TIER, "mooncake"), (cc.SHARED_MODEL_KEY, "m"),
+                        (cc.SHARED_ADDRESS, "127.0.0.1:1"), (cc.CPU_CACHE_NUM_BLOCKS, "8"),
+                        (cc.SHARED_SEGMENT_GB, gib)):
+        monkeypatch.setenv(name, value)
+    code, checks = _checks(capsys)
+    shared = checks["shared tier (mooncake)"]
+    assert code == 1 and shared["status"] == "fail"
+    assert f"{cc.SHARED_SEGMENT_GB}={gib!r}" in shared["detail"] and "16 MiB" in shared["detail"]
+
+
+def test_a_tier_smaller_than_one_block_fails(monkeypatch, capsys) -> None:  # noqa: ANN001
+    monkeypatch.setenv(cc.DISK_CACHE_GB, "0.0000001")  # 107 bytes
+    code, checks = _checks(capsys)
+    assert code == 1 and checks["disk tier"]["status"] == "fail"
+    assert f"{cc.DISK_CACHE_GB}=1e-07 is 107 bytes" in checks["disk tier"]["detail"]
+    monkeypatch.setenv(cc.CPU_CACHE_GB, "0.01")  # 10 MiB: more than 1 MiB, less than 16 MiB
+    assert main_doctor(["--json", "--block-bytes", str(16 << 20)]) == 1
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert "--block-bytes 16777216" in checks["host tier"]["detail"]
+    assert checks["host tier"]["status"] == "fail"
+
+
+def test_the_yaml_command_output_is_read_without_pyyaml(monkeypatch, tmp_path: Path) -> None:  # noqa: ANN001
+    import sys
+
+    from kvbm_plugin.tools.cli import ENGINE_YAML
+
+    monkeypatch.setitem(sys.modules, "yaml", None)  # a fresh install: import yaml fails
+    written = tmp_path / "kvbm.yaml"
+    written.write_text(ENGINE_YAML)
+    options = doctor.read_llm_api_options(str(written))
+    assert options["kv_connector_config"]["connector_module"] == "kvbm_plugin"
+    assert options["kv_cache_config"] == {"enable_block_reuse": True,
+                                          "enable_partial_reuse": False,
+                                          "event_buffer_max_size": 1024}
+    assert options["cuda_graph_config"] is None and options["backend"] == "pytorch"
+    flow = tmp_path / "flow.yaml"
+    flow.write_text("kv_cache_config: {enable_block_reuse: true}\n")
+    with pytest.raises(cc.ConfigError, match="pip install pyyaml"):
+        doctor.read_llm_api_options(str(flow))

@@ -49,8 +49,8 @@ class EventSource:
 
     @property
     def drains(self) -> bool:
-        """Whether :meth:`poll` drains TRT-LLM's buffer now (``auto`` stops once another
-        reader appeared; V2 hooks and ``tap`` never drain)."""
+        """Whether :meth:`poll` drains TRT-LLM's buffer now (``auto`` and ``drain`` stop once
+        another reader appeared; V2 hooks and ``tap`` never drain)."""
         return not self._detached and self._drains()
 
     def describe(self) -> str:
@@ -60,9 +60,7 @@ class EventSource:
         if self.mode == "tap":
             return ("buffered get_latest_events, tap: copies what TRT-LLM's own readers drain, "
                     "never drains")
-        if self.mode == "drain":
-            return "buffered get_latest_events, drain: drained every iteration"
-        return ("buffered get_latest_events, auto: " + (
+        return (f"buffered get_latest_events, {self.mode}: " + (
             "draining every iteration until another reader appears" if self.drains
             else "another reader appeared; tapping what it drains"))
 
@@ -95,10 +93,16 @@ def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
       thread, or :meth:`EventSource.poll`) also feeds the sink. ``serialize`` turns the C++
       event objects into dicts (``tensorrt_llm._utils.KVCacheEventSerializer.serialize``;
       dicts pass through). ``mode`` (``DYN_KVBM_KV_EVENTS_SOURCE``) says whether ``poll``
-      drains the buffer too: ``drain`` always (the plugin gets events even when nothing else
-      asks for them, and events drained that way no longer reach TRT-LLM's own pull API);
-      ``tap`` never (only what TRT-LLM's own readers drain is seen, and nothing is taken from
-      them); ``auto`` drains until the wrapped getter is called by anyone else, then taps.
+      drains the buffer too: ``tap`` never (only what TRT-LLM's own readers drain is seen,
+      and nothing is taken from them); ``auto`` drains until the wrapped getter is called by
+      anyone else, then taps; ``drain`` the same, with a warning when that other reader
+      appears. Two drainers would split the stream: each drain takes every event queued so
+      far (``KVCacheManager.get_latest_events`` reaches the batch manager's
+      ``KVCacheEventManager::getEvents``, which returns ``std::exchange(mEvents, {})``;
+      ``cpp/tensorrt_llm/batch_manager/kvCacheEventManager.cpp``, stored file id 161320417),
+      so the other reader's stream would miss the removals the plugin took, and a block the
+      engine freed would stay published there (Dynamo's TRT-LLM publisher,
+      ``/kv_cache_events``) for good (issue 27, item 6).
       ``drain=False`` is the older spelling of ``mode="tap"``. The tee runs on the caller's
       thread (TRT-LLM's KV-event dispatch thread): ``sink.ingest`` takes one short lock.
       Each drain is ingested before the next drain starts, whoever drains (see
@@ -226,6 +230,15 @@ def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSin
                 logger.info("kvbm_plugin: another reader of TensorRT-LLM's KV events appeared "
                             "(%s); no longer draining, publishing what it drains",
                             threading.current_thread().name)
+            elif mode == "drain":
+                logger.warning(
+                    "kvbm_plugin: DYN_KVBM_KV_EVENTS_SOURCE=drain, but another reader of "
+                    "TensorRT-LLM's KV events drains them too (%s: LLM.get_kv_cache_events, "
+                    "/kv_cache_events or Dynamo's publisher). Two drainers split the stream and "
+                    "that reader would keep blocks the engine freed; the plugin stops draining "
+                    "and publishes what that reader drains (set "
+                    "DYN_KVBM_KV_EVENTS_SOURCE=tap where such a reader always runs)",
+                    threading.current_thread().name)
         with order:  # what is drained is ingested before anyone drains again
             raw = get_latest(*args, **kwargs)
             try:
@@ -237,7 +250,7 @@ def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSin
     manager.get_latest_events = tee
 
     def drains() -> bool:
-        return mode == "drain" or (mode == "auto" and not state["others"])
+        return mode in ("auto", "drain") and not state["others"]
 
     def poll() -> int:
         if not drains():
@@ -245,7 +258,7 @@ def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSin
         if not order.acquire(blocking=False):
             return 0  # a reader is draining (and feeding) right now: never wait for it
         try:
-            if not drains():  # auto: a reader appeared between the check and the step
+            if not drains():  # a reader appeared between the check and the step
                 return 0
             ours.polling = True
             try:

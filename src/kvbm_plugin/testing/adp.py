@@ -19,6 +19,7 @@ processes). Called from one thread (the caller's), like the single engine.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import shutil
 import tempfile
@@ -212,10 +213,15 @@ class AttentionDpEngine:
                     self._gathers.append(AttentionDpGather(
                         engine.kv_cache_manager, self.rank0.kv_cache_manager.receive_gathered,
                         self.GATHER_PERIOD_S))
-        except BaseException:
+        except BaseException as exc:
+            signalled = isinstance(exc, (KeyboardInterrupt, SystemExit))
             for rank in (*remote, *self.ranks):
-                rank.shutdown(5.0)
+                if signalled and isinstance(rank, _RemoteDpRank):
+                    rank.kill()  # not after its bring-up: the caller ends on a signal
+                else:
+                    rank.shutdown(5.0)
             self._close_local()
+            shutil.rmtree(self._tmp, ignore_errors=True)
             raise
         self._where: dict[int, int] = {}  # request id -> dp rank
         self._busy = [False] * n  # each rank has work (as of its last pass or a submit)
@@ -348,20 +354,29 @@ class AttentionDpEngine:
             self._ctx.term()
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Other ranks first (their last events reach rank 0), then rank 0."""
+        """Other ranks first (their last events reach rank 0), then rank 0. Also after an
+        interrupted step (Ctrl-C in the caller): a rank process that cannot hand over its
+        last events is stopped anyway, and the temporary directory is always removed."""
         if self._closed:
             return
-        if self._receiver is not None:
-            sent = sum(rank.call("stop_gather", timeout) for rank in self.ranks[1:])
-            deadline = time.monotonic() + timeout
-            while self._received < sent and time.monotonic() < deadline:
-                time.sleep(0.005)  # the receiver thread appends them to rank 0's queue
-        for rank in self.ranks[1:]:
-            rank.shutdown(timeout)
-        self._close_local()
-        if self.ranks:
-            self.ranks[0].shutdown(timeout)
-        shutil.rmtree(self._tmp, ignore_errors=True)
+        try:
+            if self._receiver is not None:
+                sent = 0
+                for rank in self.ranks[1:]:
+                    # A rank gone or stuck hands nothing over: its stop below kills it.
+                    with contextlib.suppress(RuntimeError, TimeoutError):
+                        sent += int(rank.call("stop_gather", timeout))
+                deadline = time.monotonic() + timeout
+                while self._received < sent and time.monotonic() < deadline:
+                    time.sleep(0.005)  # the receiver thread appends them to rank 0's queue
+            for rank in self.ranks[1:]:
+                rank.shutdown(timeout)
+            self._close_local()
+            if self.ranks:
+                self.ranks[0].shutdown(timeout)
+        finally:
+            self._closed = True
+            shutil.rmtree(self._tmp, ignore_errors=True)
 
     def __enter__(self) -> AttentionDpEngine:
         return self

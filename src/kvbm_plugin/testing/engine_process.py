@@ -25,13 +25,19 @@ class EngineProcess(ChildProcess):
     """The parent's handle on one engine process (calls from one thread); ``call(command,
     *args)`` runs one of :func:`_engine_main`'s commands."""
 
-    def __init__(self, name: str, config: Mapping[str, Any]) -> None:
+    def __init__(self, name: str, config: Mapping[str, Any],
+                 stderr_path: str | None = None) -> None:
+        """``stderr_path``: the child's file descriptor 2 (its Python warnings, Mooncake's glog
+        lines) goes to this file instead of the parent's stderr."""
         self.name = name
-        super().__init__(f"engine {name}", _engine_main, (dict(config),),
+        super().__init__(f"engine {name}", _engine_main, (dict(config), stderr_path),
                          name=f"sim-engine-{name}", daemon=False,  # not a daemon: it has children
                          reply_timeout_s=_REPLY_TIMEOUT_S)
         try:
             self.info: dict[str, Any] = self.reply()  # raises the child's bring-up error
+        except (KeyboardInterrupt, SystemExit):
+            self.kill()  # the caller ends on a signal: not after the child's bring-up
+            raise
         except BaseException:
             self.shutdown()
             raise
@@ -102,12 +108,18 @@ def _settle(engine: Any, timeout_s: float) -> dict[str, int]:
     return out
 
 
-def _engine_main(conn: Any, config: dict[str, Any]) -> None:
+def _engine_main(conn: Any, config: dict[str, Any], stderr_path: str | None = None) -> None:
     """Child process: build the engine, then one command per message until shutdown. Counts
     what a run must not produce (``stats()["errors"]``): ERROR records of the plugin's
     loggers and exceptions that escaped a thread."""
     import logging
+    import os
     import threading
+
+    if stderr_path is not None:  # before torch or Mooncake is imported: all of it goes there
+        log_fd = os.open(stderr_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(log_fd, 2)
+        os.close(log_fd)
 
     errors: list[str] = []
 

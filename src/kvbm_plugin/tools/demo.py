@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
 import tempfile
 import threading
@@ -29,6 +28,10 @@ import zmq
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.tools.cli import ArgumentParser, CommandFailed, UsageError
+from kvbm_plugin.tools.demo_signals import SIGNALS as _SIGNALS
+from kvbm_plugin.tools.demo_signals import STDOUT
+from kvbm_plugin.tools.demo_signals import load_engine_modules as _load_engine_modules
+from kvbm_plugin.tools.demo_signals import signals_end_the_demo as _signals_end_the_demo
 from kvbm_plugin.wire.events import to_signed_int64
 
 # The demo's tenants: sessions alternate between them (cache salts).
@@ -127,87 +130,6 @@ def _failure_check(engine, watch: _ErrorWatch) -> Check:  # noqa: ANN001
     if watch.first:
         detail += "; first: " + " | ".join(watch.first)
     return Check("clean run (no broken transfer, no error logged, no thread died)", ok, detail)
-
-
-class _Signals:
-    """SIGINT and SIGTERM end the demo through the same path (the engine shut down, the
-    temporary directory removed) instead of killing it where it stands: the handler raises
-    KeyboardInterrupt (Ctrl-C, status 130) or SystemExit(143), and a second SIGTERM during that
-    clean-up is ignored.
-
-    An exception a handler raises can be swallowed: a signal handled while a finalizer runs
-    (a ZMQ socket's ``__del__`` during a garbage collection, a ``weakref.finalize`` callback)
-    raises inside it, and Python reports it as "Exception ignored" and goes on. So the signal
-    is also remembered, and :meth:`check` raises it again: the demo calls it between engine
-    steps, and :func:`_signals_end_the_demo` once more when the run returned normally."""
-
-    def __init__(self) -> None:
-        self.signum: int | None = None
-
-    def handler(self, signum: int, frame: object) -> None:
-        if self.signum is None:
-            self.signum = signum
-        if signum == signal.SIGTERM:
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        self._raise(signum)
-
-    def check(self) -> None:
-        """Raise the signal that came, if one did (called where no exception is unwinding)."""
-        if self.signum is not None:
-            self._raise(self.signum)
-
-    @staticmethod
-    def _raise(signum: int) -> None:
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
-
-
-_SIGNALS = _Signals()
-
-
-@contextmanager
-def _signals_end_the_demo() -> Iterator[None]:
-    """Install :class:`_Signals`'s handler for SIGINT and SIGTERM around the demo; main thread
-    only (elsewhere signals cannot be handled)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    _SIGNALS.signum = None
-    # A signal the process was started ignoring stays ignored (a shell's background job
-    # ignores SIGINT, and Python leaves it so).
-    previous = {sig: signal.signal(sig, _SIGNALS.handler)
-                for sig in (signal.SIGINT, signal.SIGTERM)
-                if signal.getsignal(sig) is not signal.SIG_IGN}
-    try:
-        yield
-        _SIGNALS.check()  # a signal whose exception a finalizer swallowed ends it here
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-def _load_engine_modules() -> None:
-    """Import torch and the simulated engine with SIGINT and SIGTERM held back until the import
-    is done: torch's initialisation runs Python callbacks from C++, and a KeyboardInterrupt
-    raised inside one aborts the whole process ("terminate called after throwing ...") instead
-    of reaching the demo's clean-up. A signal that came meanwhile is acted on right after."""
-    if threading.current_thread() is not threading.main_thread():
-        import kvbm_plugin.testing.engine  # noqa: F401
-        return
-    held: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: held.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        import torch  # noqa: F401
-
-        import kvbm_plugin.testing.engine  # noqa: F401
-        import kvbm_plugin.tools.subscribe  # noqa: F401
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    if held:
-        signal.raise_signal(held[0])  # now handled by the handler in place (SIGINT: Ctrl-C)
 
 
 def _demo_env(tmp: str, args: argparse.Namespace) -> dict[str, str]:
@@ -357,6 +279,7 @@ def run_demo(args: argparse.Namespace) -> int:
 
         def on_step(done) -> None:  # noqa: ANN001
             _SIGNALS.check()
+            STDOUT.check()  # `demo --duration 20 | head`: ends when head has gone
             stats = engine.stats()
             reused = stats.gpu_hit_tokens + stats.host_hit_tokens + stats.disk_hit_tokens
             where = (f"{time.monotonic() - started:.0f}s" if steady
@@ -686,9 +609,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="host tier size in blocks (default %(default)s)")
     parser.add_argument("--disk-blocks", type=int, default=512,
                         help="disk tier size in blocks (default %(default)s)")
-    parser.add_argument("--tiers", default="host,disk",
-                        help="offload tiers: host,disk | host | disk | none "
-                             "(default %(default)s)")
+    parser.add_argument("--tiers", default=None,
+                        help="offload tiers: host,disk | host | disk | none (default "
+                             "host,disk; host with --engines 2)")
     parser.add_argument("--mode", choices=("dedup", "passthrough"), default="dedup",
                         help="consolidator mode (default dedup)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -738,6 +661,11 @@ def _check_options(args: argparse.Namespace) -> None:
                          f"TP 1 inside each (TensorRT-LLM's mapping), got --tp {args.tp}")
     if args.attention_dp > 1 and args.real_router:
         raise UsageError("--real-router is not available with --attention-dp")
+    if args.engines == 2:
+        from kvbm_plugin.tools.demo_engines import check_engines_options
+
+        check_engines_options(args)
+    args.tiers = args.tiers or ("host" if args.engines == 2 else "host,disk")
     if args.tp is None:
         args.tp = 1 if args.attention_dp > 1 else 2
     for name in ("sessions", "turns", "system_tokens", "user_tokens", "gen_tokens", "tp",
@@ -792,5 +720,6 @@ def main_demo(argv: Sequence[str] | None = None) -> int:
         if args.engines == 2:
             from kvbm_plugin.tools.demo_engines import run_engines_demo
 
+            _quiet_rank_processes()
             return run_engines_demo(args, _print_summary, Check)
         return run_demo(args)

@@ -21,6 +21,7 @@ at the end, whatever happened.
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -146,9 +147,7 @@ def run_engines_demo(args: argparse.Namespace,
     from kvbm_plugin.tools.router_view import RouterView, TreeSubscriber
     from kvbm_plugin.wire.identity import cache_salt_id, salt_namespace
 
-    if args.duration is not None or args.requests is not None:
-        raise UsageError("--engines 2 runs turn waves (--sessions, --turns); drop --duration "
-                         "and --requests")
+    check_engines_options(args)
     workload = Conversations(sessions=args.sessions, turns=args.turns,
                              system_tokens=args.system_tokens, user_tokens=args.user_tokens,
                              gen_tokens=args.gen_tokens, seed=args.seed)
@@ -158,10 +157,12 @@ def run_engines_demo(args: argparse.Namespace,
     with tempfile.TemporaryDirectory(prefix="kvbm-demo-engines-") as tmpdir:
         tmp = Path(tmpdir)
         master = _start_master(tmp)
+        signalled = False
         try:
             envs = [_env(tmp, n, NAMES[1 - i], master, args) for i, n in enumerate(NAMES)]
             for name, env in zip(NAMES, envs, strict=True):
-                engines.append(EngineProcess(name, {
+                engines.append(EngineProcess(name, stderr_path=str(tmp / f"engine-{name}.log"),
+                                             config={
                     "num_layers": args.layers, "num_kv_heads": max(4, args.tp * 2),
                     "head_dim": 8, "tokens_per_block": args.block_size,
                     "num_gpu_blocks": args.gpu_blocks, "tp_size": args.tp,
@@ -214,13 +215,53 @@ def run_engines_demo(args: argparse.Namespace,
                 workload.finished(request, result["tokens"])
             _settle(engines, subs, writer=last, timeout=args.settle_timeout)
             stats = [e.stats() for e in engines]
-            return _report(args, per, stats, tally, view, report, check, started)
+            status = _report(args, per, stats, tally, view, report, check, started)
+            if status != 0:
+                _show_logs(tmp)
+            return status
+        except (KeyboardInterrupt, SystemExit):
+            signalled = True  # Ctrl-C or SIGTERM: end within a second or two, not 12
+            raise
+        except Exception:  # a failed run (not a signal): what the engines wrote may say why
+            _show_logs(tmp)
+            raise
         finally:
             for sub in subs:
                 sub.close()
             for eng in engines:
-                eng.shutdown()
-            master.stop()
+                if signalled:
+                    eng.kill()  # its state lives in this temp dir and the master, both going
+                else:
+                    eng.shutdown()
+            if signalled:
+                master.kill()  # a private pool of this run's blocks: nothing to save
+            else:
+                master.stop()
+
+
+def check_engines_options(args: argparse.Namespace) -> None:
+    """The options the two-engine run cannot honour, refused (UsageError names them): it runs
+    turn waves, TP ranks in each engine (no attention DP), the host tier written through to
+    the shared tier (no disk tier: ``--tiers host``, the default there), its own router view."""
+    if args.duration is not None or args.requests is not None:
+        raise UsageError("--engines 2 runs turn waves (--sessions, --turns); drop --duration "
+                         "and --requests")
+    if args.attention_dp > 1:
+        raise UsageError(f"--engines 2 runs TP ranks in each engine, not attention DP; drop "
+                         f"--attention-dp {args.attention_dp}")
+    if args.tiers is not None and args.tiers != "host":
+        raise UsageError(f"--engines 2 writes the host tier through to the shared tier and has "
+                         f"no disk tier: --tiers {args.tiers} is not available (use host)")
+    if args.real_router:
+        raise UsageError("--real-router is not available with --engines 2")
+
+
+def _show_logs(tmp: Path) -> None:
+    """The last lines each engine process wrote on its stderr (its log file), on our stderr."""
+    for log in sorted(tmp.glob("engine-*.log")):
+        lines = log.read_text(errors="replace").splitlines()[-20:]
+        if lines:
+            print(f"--- last lines of {log.name} ---", *lines, sep="\n", file=sys.stderr)
 
 
 def _settle(engines: list[Any], subs: list[Any], writer: int, timeout: float) -> None:

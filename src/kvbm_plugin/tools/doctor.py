@@ -8,7 +8,7 @@ import shutil
 import socket
 import tempfile
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 from kvbm_plugin import consolidator_config as cc
@@ -20,31 +20,48 @@ from kvbm_plugin.connector.native_events import (
 )
 from kvbm_plugin.consolidator_config import ConfigError
 from kvbm_plugin.shared_settings import load_shared_settings
+from kvbm_plugin.tools.doctor_shared import DEFAULT_TIMEOUT_S, Check, bounded_shared_check
+from kvbm_plugin.tools.doctor_shared import shared_check as _shared_check  # noqa: F401 (tests)
 
 
-@dataclass
-class Check:
-    name: str
-    status: str  # "ok" | "warn" | "fail"
-    detail: str
-
-
-def _port_free(port: int) -> str | None:
-    """None when ``port`` can be bound on all interfaces now, else the reason.
+def _port_free(port: int, host: str = "0.0.0.0") -> str | None:
+    """None when ``port`` can be bound on ``host`` (an address; all interfaces by default)
+    now, else the reason.
 
     Probed the way the real bind happens: libzmq's TCP listener sets SO_REUSEADDR before it
     binds on every system but Windows (zeromq/libzmq src/tcp_listener.cpp,
     ``tcp_listener_t::create_socket``), so a port whose last connections are still in
     TIME_WAIT (for a minute after any run with a subscriber) binds fine and is free here too;
     a port another socket listens on is still refused."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
         if os.name != "nt":
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(("0.0.0.0", port))
+            probe.bind((host, port))
         except OSError as exc:
             return exc.strerror or str(exc)
     return None
+
+
+def _bind_address(endpoint: cc.Endpoint) -> tuple[str | None, str | None]:
+    """(the address a tcp endpoint's socket binds, or None; why it cannot bind, or None).
+
+    libzmq binds an IP address, ``*``, an interface name (``eth0``) or a host name it resolves;
+    a name that does not resolve fails the bind with "No such device". A name is resolved here
+    the same way (the system resolver: bounded by its own timeouts)."""
+    host = (endpoint.bind_host or endpoint.host).strip("[]")
+    if endpoint.every_interface or host in ("*", "0.0.0.0", "::"):
+        return "0.0.0.0", None
+    if host in {name for _, name in socket.if_nameindex()}:
+        return "0.0.0.0", None  # an interface name: any busy port there is busy on 0.0.0.0
+    try:
+        infos = socket.getaddrinfo(host, endpoint.port, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError) as exc:
+        return None, (f"{endpoint.source}: host {host!r} does not resolve "
+                      f"({getattr(exc, 'strerror', None) or exc}): ZMQ cannot bind it "
+                      "(\"No such device\"); use an address, an interface name or *")
+    return str(infos[0][4][0]), None
 
 
 def _ipc_problem(address: str) -> str | None:
@@ -84,7 +101,29 @@ def _write_probe(directory: str) -> str | None:
     return None
 
 
-def _tier_checks(tiers: cc.TierSettings) -> list[Check]:
+# A KV block of any real model is far larger (e.g. 32 tokens x 24 layers x 2 KV heads x 64 x
+# 2 bytes x K and V = 384 KiB): a tier under this size, measured in GiB, is a typo.
+MIN_TIER_BYTES = 1 << 20
+
+
+def _too_small(gib: float, gib_name: str, blocks_name: str, block_bytes: int | None
+               ) -> str | None:
+    """Why a tier of ``gib`` GiB holds no block (start-up refuses it), or None."""
+    size = int(gib * (1 << 30))
+    if block_bytes is not None:
+        if size < block_bytes:
+            return (f"{gib_name}={gib:g} is {size} bytes, smaller than one KV block "
+                    f"(--block-bytes {block_bytes}); start-up refuses it: raise it or set "
+                    f"{blocks_name}")
+        return None
+    if size < MIN_TIER_BYTES:
+        return (f"{gib_name}={gib:g} is {size} bytes, smaller than a KV block of any real "
+                f"model; start-up refuses a tier smaller than one block: raise it, set "
+                f"{blocks_name}, or pass --block-bytes N to check against the engine's block")
+    return None
+
+
+def _tier_checks(tiers: cc.TierSettings, block_bytes: int | None = None) -> list[Check]:
     """Offload off, or each tier against what this machine has: host cache in GiB against
     its memory, disk cache against the free space of its directory, which must take files."""
     if not tiers.host_enabled and not tiers.disk_enabled:
@@ -94,9 +133,13 @@ def _tier_checks(tiers: cc.TierSettings) -> list[Check]:
                       "is off, the plugin only publishes GPU-tier events")]
     checks: list[Check] = []
     if tiers.host_enabled:
-        checks.append(_host_check(tiers))
+        small = None if tiers.cpu_num_blocks else _too_small(
+            tiers.cpu_cache_gb, cc.CPU_CACHE_GB, cc.CPU_CACHE_NUM_BLOCKS, block_bytes)
+        checks.append(Check("host tier", "fail", small) if small else _host_check(tiers))
     if tiers.disk_enabled:
-        checks.append(_disk_check(tiers))
+        small = None if tiers.disk_num_blocks else _too_small(
+            tiers.disk_cache_gb, cc.DISK_CACHE_GB, cc.DISK_CACHE_NUM_BLOCKS, block_bytes)
+        checks.append(Check("disk tier", "fail", small) if small else _disk_check(tiers))
     return checks
 
 
@@ -146,78 +189,18 @@ def _disk_check(tiers: cc.TierSettings) -> Check:
     return Check("disk tier", "ok", detail)
 
 
-def _mooncake_summary(metrics_address: str) -> str:
-    """The pool as the master's ``/metrics/summary`` line reports it (storage, keys, clients)."""
-    import re
-
-    from kvbm_plugin.tiers.shared.mooncake import master_http
-
-    line = master_http(metrics_address, "/metrics/summary").strip()
-    parts = [m.group(0).strip() for pattern in (r"Mem Storage: [^|]+", r"Keys: [^|]+",
-                                                r"Clients: \d+")
-             if (m := re.search(pattern, line))]
-    evicted = re.search(r"^master_evicted_key_count (\S+)$",
-                        master_http(metrics_address, "/metrics"), re.M)
-    if evicted:
-        parts.append(f"evicted keys: {float(evicted.group(1)):.0f}")
-    return "; ".join(parts) or line[:200]
-
-
-def _shared_check() -> Check:
-    """The shared tier, when configured: its settings, the store reachable (a client of it
-    connected and asked, with no segment of this machine's memory), and what it reports."""
-    import dataclasses
-
+def _shared_needs_host(tiers: cc.TierSettings | None) -> list[Check]:
+    """The shared tier writes through the host tier: start-up refuses it without one."""
     try:
         settings = load_shared_settings()
-    except cc.ConfigError as exc:
-        return Check("shared tier", "fail", str(exc))
-    if settings is None:
-        return Check("shared tier", "ok", f"off ({cc.SHARED_TIER} unset)")
-    from kvbm_plugin._util.plugins import PluginLoadError
-    from kvbm_plugin.tiers.shared.factory import store_class
-
-    name = f"shared tier ({settings.store})"
-    try:
-        cls = store_class(settings.store)
-        if settings.store == "mooncake":
-            from kvbm_plugin.tiers.shared.mooncake import apply_mooncake_config
-
-            settings = apply_mooncake_config(settings)
-            settings = dataclasses.replace(settings, segment_bytes=0, buffer_bytes=0)
-        store = cls(settings)
-    except (cc.ConfigError, PluginLoadError) as exc:
-        return Check(name, "fail", str(exc))
-    try:
-        problem = store.health()
-        if problem is not None:
-            named = problem if "DYN_KVBM_" in problem \
-                else f"{cc.SHARED_ADDRESS}={settings.address!r}: {problem}"
-            return Check(name, "fail", named)
-        keys = f"model key {settings.model_key!r}, namespace {settings.namespace!r}"
-        if settings.store == "mooncake":
-            if not settings.metrics_address:
-                return Check(name, "ok", f"master {settings.address} answers ({keys}); set "
-                             f"{cc.SHARED_METRICS_ADDRESS} to its -metrics_port to see the pool")
-            try:
-                report = _mooncake_summary(settings.metrics_address)
-            except (OSError, ValueError) as exc:
-                return Check(name, "fail", f"{cc.SHARED_METRICS_ADDRESS}="
-                             f"{settings.metrics_address!r}: {exc}")
-            return Check(name, "ok", f"master {settings.address} serving: {report} ({keys}; "
-                         f"lease {settings.lease_s:g} s: the master's -default_kv_lease_ttl "
-                         "must match)")
-        info = getattr(store, "info", None)
-        facts = info() if callable(info) else {}
-        report = ", ".join(f"{k} {v}" for k, v in facts.items()) or "up"
-        policy = str(facts.get("maxmemory_policy", ""))
-        if policy.startswith("allkeys"):
-            return Check(name, "warn", f"{settings.address} answers: {report} ({keys}); "
-                         f"maxmemory-policy {policy} evicts without telling: a block the "
-                         "leader checked can be gone at its load (a counted failed load)")
-        return Check(name, "ok", f"{settings.address} answers: {report} ({keys})")
-    finally:
-        store.close()
+    except cc.ConfigError:
+        return []  # reported by the shared tier's own check
+    if settings is None or tiers is None or tiers.host_enabled:
+        return []
+    return [Check("shared tier needs the host tier", "fail",
+                  f"{cc.SHARED_TIER}={settings.store!r} writes through the host tier, which is "
+                  f"off: set {cc.CPU_CACHE_GB} or {cc.CPU_CACHE_NUM_BLOCKS} (start-up refuses "
+                  "this)")]
 
 
 def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings) -> list[Check]:
@@ -235,6 +218,9 @@ def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings)
     endpoints.append(("consolidated output", config.output))
     if config.output_replay is not None:
         endpoints.append(("consolidated output replay", config.output_replay))
+    for rank, role, endpoint in cc.dp_rank_sockets(os.environ, config.num_ranks):
+        if role == "shared-tier announce endpoint":
+            endpoints.append((f"rank {rank} {role}", endpoint))
     if metrics.enabled:
         # prometheus_client's HTTP server listens on every interface (scraped from elsewhere).
         endpoints.append(("metrics", cc.Endpoint("tcp", port=metrics.port, source=cc.METRICS_PORT,
@@ -242,7 +228,9 @@ def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings)
     checks = []
     for role, endpoint in endpoints:
         if endpoint.scheme == "tcp":
-            problem = _port_free(endpoint.port)
+            address, problem = _bind_address(endpoint)
+            if address is not None:
+                problem = _port_free(endpoint.port, address)
         elif endpoint.scheme == "ipc":
             problem = _ipc_problem(endpoint.address)
         else:
@@ -261,8 +249,9 @@ _SOURCE_DETAIL = {
     "auto": "drains TRT-LLM's KV-event buffer each iteration until another reader "
             "(LLM.get_kv_cache_events, /kv_cache_events, Dynamo's publisher) calls it, then "
             "publishes what that reader drains (V2 hooks: never drains)",
-    "drain": "drains TRT-LLM's KV-event buffer each iteration: TRT-LLM's own readers "
-             "(LLM.get_kv_cache_events, /kv_cache_events, Dynamo's publisher) get nothing",
+    "drain": "drains TRT-LLM's KV-event buffer each iteration until another reader "
+             "(LLM.get_kv_cache_events, /kv_cache_events, Dynamo's publisher) calls it, then "
+             "warns and publishes what that reader drains (two drainers split the stream)",
     "tap": "never drains: publishes only what TRT-LLM's own readers drain (nothing while "
            "none runs)",
     "off": "no GPU-tier events from the leader (run `kvbm-plugin sidecar` or another "
@@ -303,8 +292,15 @@ def read_llm_api_options(path: str) -> Any:
     try:
         import yaml  # type: ignore[import-untyped]  # TensorRT-LLM's own dependency
     except ImportError:
-        raise ConfigError(f"--llm-api-options {path} is not JSON, and PyYAML (to read YAML) "
-                          "is not installed") from None
+        # A fresh install without TensorRT-LLM: the block YAML `kvbm-plugin yaml` writes is
+        # read without PyYAML; anything fancier asks for it.
+        from kvbm_plugin._util.mini_yaml import MiniYamlError, parse
+
+        try:
+            return parse(text)
+        except MiniYamlError as exc:
+            raise ConfigError(f"--llm-api-options {path} is not JSON and not the plain YAML "
+                              f"read without PyYAML ({exc}): pip install pyyaml") from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -333,7 +329,8 @@ def _gpu_source_check(config: cc.ConsolidatorConfig | None, native: NativePublis
 
 
 def run_checks(num_ranks: int, require_trtllm: bool,
-               llm_api_options: str | None = None) -> list[Check]:
+               llm_api_options: str | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+               block_bytes: int | None = None) -> list[Check]:
     """Every check, in order. The settings are read by the loaders start-up itself uses (the
     leader's and the workers'), so a value start-up would refuse fails here too: the publisher
     name against the registered entry points, the disk directory (a file, or a directory that
@@ -372,8 +369,9 @@ def run_checks(num_ranks: int, require_trtllm: bool,
         except (cc.ConfigError, PluginLoadError) as exc:
             checks.append(Check(name, "fail", str(exc)))
     if tiers is not None:
-        checks.extend(_tier_checks(tiers))
-    checks.append(_shared_check())
+        checks.extend(_tier_checks(tiers, block_bytes))
+    checks.append(bounded_shared_check(timeout_s))
+    checks.extend(_shared_needs_host(tiers))
     if config is not None:
         try:
             metrics = cc.load_metrics_settings()
@@ -445,10 +443,22 @@ def main_doctor(argv: Sequence[str] | None = None) -> int:
                         help="the engine's LLM-API options (YAML/JSON, as trtllm-serve "
                              "--extra_llm_api_options): read for TensorRT-LLM's own KV-event "
                              "publisher (kv_cache_config.kv_events_config)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="SECONDS",
+                        help="the longest the shared tier's store may take to answer "
+                             "(default %(default)g)")
+    parser.add_argument("--block-bytes", type=int, default=None, metavar="N",
+                        help="the engine's KV bytes per block and rank: tiers sized in GiB "
+                             "are checked to hold at least one (default: only a size under "
+                             "1 MiB fails)")
     args = parser.parse_args(argv)
     if args.num_ranks < 1:
         parser.error(f"argument --num-ranks: {args.num_ranks} must be >= 1")
-    checks = run_checks(args.num_ranks, args.require_trtllm, args.llm_api_options)
+    if not args.timeout > 0:
+        parser.error(f"argument --timeout: {args.timeout:g} must be > 0 seconds")
+    if args.block_bytes is not None and args.block_bytes < 1:
+        parser.error(f"argument --block-bytes: {args.block_bytes} must be >= 1")
+    checks = run_checks(args.num_ranks, args.require_trtllm, args.llm_api_options,
+                        timeout_s=args.timeout, block_bytes=args.block_bytes)
     if args.json:
         print(json.dumps([asdict(c) for c in checks], indent=2))
     else:
