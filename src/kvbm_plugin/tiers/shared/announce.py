@@ -442,9 +442,17 @@ class Announcer:
             except zmq.Again:
                 return
             self._n["peer_disconnects"] += 1
+            endpoint = frames[-1].decode("utf-8", "replace") if frames else ""
             self._log.log(logging.WARNING, "disconnect", "kvbm_plugin: a shared-tier peer's "
                           "connection (%s) dropped: it went away, or sent a message over "
-                          "%d bytes (refused)", saferepr(frames[-1][:200]), MAX_MESSAGE_BYTES)
+                          "%d bytes (refused)", saferepr(endpoint[:200]), MAX_MESSAGE_BYTES)
+            if endpoint in self.peers and self.sub is not None:
+                # ZMQ gives up a connection that broke the protocol (a frame over
+                # MAXMSGSIZE) for good: connect again, so that a peer is never lost.
+                with contextlib.suppress(zmq.ZMQError):
+                    self.sub.disconnect(endpoint)
+                with contextlib.suppress(zmq.ZMQError):
+                    self.sub.connect(endpoint)
 
     def _fresh(self, message: Announcement) -> bool:
         """Not a replay: its time within REPLAY_WINDOW_S of this host's, its seq above every
