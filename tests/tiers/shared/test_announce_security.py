@@ -205,47 +205,64 @@ def test_one_receive_reads_a_bounded_number_of_subscription_frames() -> None:
 
 _FLOODER = """
 import sys, time, zmq
+kind, endpoint, seconds = sys.argv[1], sys.argv[2], float(sys.argv[3])
 ctx = zmq.Context()
-s = ctx.socket(zmq.XSUB)
-s.setsockopt(zmq.SNDHWM, 0)
-s.connect(sys.argv[1])
-end = time.monotonic() + float(sys.argv[2])
+if kind == "subscriptions":  # an outsider on the leader's own announce endpoint
+    s = ctx.socket(zmq.XSUB)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.connect(endpoint)
+    frame = b"\\x01flood"
+else:  # an outsider bound where a peer should be: unsigned frames just under the size cap
+    s = ctx.socket(zmq.XPUB)
+    s.bind(endpoint)
+    s.recv()
+    frame = b"\\x00" * (250 << 10)
+end = time.monotonic() + seconds
 print("ready", flush=True)
 while time.monotonic() < end:
-    for _ in range(1000):
-        s.send(b"\\x01flood")
+    for _ in range(100):
+        try:
+            s.send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            pass
 s.close(linger=0)
 ctx.term()
 """
 
 
-def test_a_subscription_flood_leaves_every_agent_turn_short_and_the_leases_renewed(
-        tmp_path: Path) -> None:
+@pytest.mark.parametrize(("kind", "seconds"), [
+    ("subscriptions", 3.0), ("announcements", 3.0),
+    pytest.param("subscriptions", 60.0, marks=pytest.mark.slow),
+    pytest.param("announcements", 60.0, marks=pytest.mark.slow),
+])
+def test_a_flood_leaves_every_agent_turn_short_and_the_leases_renewed(
+        tmp_path: Path, kind: str, seconds: float) -> None:
     lease, margin = 1.5, 0.6
     store = MemoryStore(lease_s=lease, clock=time.monotonic)
-    endpoint = f"ipc://{tmp_path}/own.ipc"
-    leader = Leader(store, time.monotonic, endpoint=endpoint, lease=(lease, margin))
+    own, peer = f"ipc://{tmp_path}/own.ipc", f"ipc://{tmp_path}/peer.ipc"
+    target, counter = (own, "subscription_frames") if kind == "subscriptions" \
+        else (peer, "unauthenticated")
+    flooder = subprocess.Popen([sys.executable, "-c", _FLOODER, kind, target, str(seconds)],
+                               stdout=subprocess.PIPE, text=True)
+    leader = Leader(store, time.monotonic, endpoint=own, peers=(peer,), lease=(lease, margin))
     leader.agent.start()
-    flooder: subprocess.Popen[str] | None = None
     try:
         [block] = chain(1)
         leader.commit([block])
         leader.wait_stat("confirmed_own", 1)
-        flooder = subprocess.Popen([sys.executable, "-c", _FLOODER, endpoint, "3"],
-                                   stdout=subprocess.PIPE, text=True)
         assert flooder.stdout is not None and flooder.stdout.readline().strip() == "ready"
-        wait_until(lambda: leader.stat("subscription_frames") > 1000, 10, "the flood arrives")
+        wait_until(lambda: leader.stat(counter) > 10, 10, "the flood arrives")
         sweeps = leader.stat("renewal_sweeps")
-        flooder.wait(timeout=30)
-        flooder = None
-        # Three lease periods of flood: a sweep every lease / 3, each renewing the block.
-        assert leader.stat("renewal_sweeps") >= sweeps + 3, leader.agent.stats()
+        flooder.wait(timeout=seconds + 30)
+        # A sweep every lease / 3 all along the flood, each renewing the block.
+        assert leader.stat("renewal_sweeps") >= sweeps + int(seconds / lease), \
+            leader.agent.stats()
         assert leader.removed_flat() == [] and leader.directory.lookup(block.digest) == block
         assert leader.stat("turn_max_ms") < margin * 1000, leader.agent.stats()
     finally:
-        if flooder is not None:
+        if flooder.poll() is None:
             flooder.kill()
-            flooder.wait()
+        flooder.wait()
         leader.agent.close()
 
 
