@@ -259,6 +259,7 @@ def test_a_flood_leaves_every_agent_turn_short_and_the_leases_renewed(
             leader.agent.stats()
         assert leader.removed_flat() == [] and leader.directory.lookup(block.digest) == block
         assert leader.stat("turn_max_ms") < margin * 1000, leader.agent.stats()
+        assert leader.stat("flood_pauses") > 0  # it left the process's GIL to the engine
     finally:
         if flooder.poll() is None:
             flooder.kill()

@@ -78,7 +78,7 @@ _COUNTERS: Final = (
     "confirm_absent", "confirm_failed", "confirm_gave_up", "heard_queued", "heard_known",
     "renewal_sweeps", "renewed", "renewals_failed", "renewals_skipped", "store_calls",
     "store_errors", "probes", "callback_errors", "unavailable_periods",
-    "wakes_handled", "turns", "turn_max_ms")
+    "wakes_handled", "turns", "turn_max_ms", "flood_pauses")
 
 
 class SharedAgent:
@@ -95,6 +95,10 @@ class SharedAgent:
     # chunks (a flood must not stretch a sweep past the leases it renews).
     SWEEP_HEAR_SHARE: Final = 0.1
     _MAX_MM: Final = 65536  # own pending blocks' multimodal scope parts kept, at most
+    # After a turn whose reading stopped at a bound (frames still waiting: a flood), the
+    # thread waits this long (or for a wake) before the next: under a flood it is busy about
+    # half the time, not all of it (the engine's executor thread shares its process's GIL).
+    FLOOD_PAUSE_S: Final = 0.02
 
     def __init__(self, settings: SharedSettings, store: SharedStore,
                  layouts: Sequence[SharedLayout], directory: SharedDirectory,
@@ -285,7 +289,9 @@ class SharedAgent:
         for sock in self._announcer.sockets():
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        directory, clock = self._directory, self._clock
+        wake_only = zmq.Poller()
+        wake_only.register(self._wake_r, zmq.POLLIN)
+        directory, clock, announcer = self._directory, self._clock, self._announcer
         n = self._n
         while not self._stop.is_set():
             turn_start = time.monotonic()
@@ -312,7 +318,12 @@ class SharedAgent:
                 expiry = directory.next_expiry()
                 if expiry is not None:
                     timeout = min(timeout, expiry - now)
-            poller.poll(max(0, int(timeout * 1000) + 1) if timeout > 0 else 0)
+            if announcer.saturated:
+                n["flood_pauses"] += 1
+                timeout = max(0.0, min(timeout, self.FLOOD_PAUSE_S))
+                wake_only.poll(int(timeout * 1000) + 1 if timeout > 0 else 0)
+            else:
+                poller.poll(max(0, int(timeout * 1000) + 1) if timeout > 0 else 0)
 
     def _drain_wake(self) -> int:
         """Empty the wake pipe; returns the latest ticket this turn answers. The pipe is

@@ -280,6 +280,9 @@ class Announcer:
         self._bucket: dict[int, tuple[float, float]] = {}  # sender -> (blocks, at)
         self._log = RateLimitedLog(logger)
         self.last_bad: str | None = None  # why the last bad message was refused
+        # Whether the last receive() stopped at a bound with frames still waiting (a flood,
+        # or a burst): the agent then pauses a little before its next turn.
+        self.saturated = False
         self._n = dict.fromkeys(("announced", "announce_messages", "announce_dropped",
                                  "announce_too_large", "heard_messages", "heard",
                                  "bad_announcements", "unauthenticated", "replayed", "stale",
@@ -358,7 +361,7 @@ class Announcer:
         subscription frames: what is left waits in ZMQ for the next call. Bad messages and
         blocks are counted and skipped."""
         deadline = time.monotonic() + budget_s
-        self._read_subscriptions(deadline)
+        self.saturated = not self._read_subscriptions(deadline)
         self._read_monitor()
         if self.sub is None:
             return []
@@ -366,6 +369,7 @@ class Announcer:
         for _ in range(MESSAGES_PER_TURN):
             if time.monotonic() >= deadline:
                 self._n["hear_budget_spent"] += 1
+                self.saturated = True
                 break
             try:
                 frames = self.sub.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -388,6 +392,8 @@ class Announcer:
                 self._n["heard_messages"] += 1
                 self._n["heard"] += len(message.blocks)
                 out.extend(self._verified(message))
+        else:
+            self.saturated = True
         return out
 
     def stats(self) -> dict[str, int]:
@@ -412,25 +418,27 @@ class Announcer:
 
     # ---- internals -------------------------------------------------------------------
 
-    def _read_subscriptions(self, deadline: float) -> None:
+    def _read_subscriptions(self, deadline: float) -> bool:
         """Subscription frames of the XPUB: anyone who reaches the endpoint can send them as
-        fast as they like, so at most SUBSCRIPTIONS_PER_TURN, until ``deadline``."""
+        fast as they like, so at most SUBSCRIPTIONS_PER_TURN, until ``deadline``. Whether
+        every waiting frame was read."""
         if self.pub is None:
-            return
+            return True
         n = self._n
         for i in range(SUBSCRIPTIONS_PER_TURN):
             if not i % 64 and time.monotonic() >= deadline:
                 n["hear_budget_spent"] += 1
-                return
+                return False
             try:
                 frame = self.pub.recv(zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return True
             n["subscription_frames"] += 1
             if frame[:1] == b"\x01":  # a peer's SUB joined (its filter is in place now)
                 n["subscriptions"] += 1
                 self._log.log(logging.INFO, "subscribed", "kvbm_plugin: a peer subscribed to "
                               "the shared-tier announcements on %s", self.endpoint)
+        return False
 
     def _read_monitor(self) -> None:
         monitor = self._monitor
