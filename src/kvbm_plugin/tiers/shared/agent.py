@@ -219,8 +219,11 @@ class SharedAgent:
         made resident: ``confirmed_own`` + ``confirmed_heard``), ``confirm_absent`` /
         ``confirm_failed`` / ``confirm_gave_up``, ``renewed`` (lease renewals, per block;
         also as ``renewals``), ``renewals_failed``, ``renewal_sweeps``, ``store_calls``,
-        ``store_errors`` (calls with a failed key), ``unavailable_periods``; the announcer's
-        (``announced``, ``heard``, ``bad_announcements``, ``lost``, ``subscriptions``, ...);
+        ``store_errors`` (calls with a failed key), ``unavailable_periods``, ``turns``,
+        ``turn_max_ms`` (the longest turn of the thread), ``flood_pauses``; the announcer's
+        (``announced``, ``heard``, ``bad_announcements``, ``unauthenticated``, ``replayed``,
+        ``stale``, ``forged``, ``rate_limited``, ``peer_disconnects``, ``lost``,
+        ``subscriptions``, ...);
         the directory's drops (``dropped_absent``, ``dropped_expired``, ``dropped_lru``,
         ``dropped_descendants``) and sizes (``resident``, ``pending``, ``pinned``)."""
         out = dict(self._n)
