@@ -16,7 +16,7 @@ import pytest
 import zmq
 from _kvwire import wait_until
 from _shared_blocks import Clock, chain
-from _shared_leader import LEASE, SECRET, Leader
+from _shared_leader import LEASE, MARGIN, SECRET, Leader
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.consolidator_config import ConfigError
@@ -125,7 +125,6 @@ def test_unsigned_replayed_and_stale_messages_are_dropped_and_counted(
 def test_an_oversized_announcement_is_refused_unread_and_counted(
         fed: tuple[Leader, zmq.Socket]) -> None:
     leader, pub = fed
-    start = time.monotonic()
     for _ in range(4):
         pub.send(b"\x00" * (4 << 20))  # 4 MiB each: ZMQ refuses them by their size header
     leader.wait_stat("peer_disconnects", 1)
@@ -137,8 +136,7 @@ def test_an_oversized_announcement_is_refused_unread_and_counted(
     pub.send(encode(SECRET, 9, 0, [block]))
     leader.wait_stat("confirmed_heard", 1)
     assert leader.stat("bad_announcements") == 0 and leader.stat("unauthenticated") == 0
-    assert time.monotonic() - start < 10
-    assert leader.stat("turn_max_ms") < 1000
+    assert leader.stat("turn_max_ms") < MARGIN * 1000  # no turn near the lease margin
 
 
 def test_more_blocks_than_a_message_may_hold_are_refused(

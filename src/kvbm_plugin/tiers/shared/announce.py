@@ -318,8 +318,9 @@ class Announcer:
             raise
 
     def sockets(self) -> list[zmq.Socket]:
-        """The sockets to poll for input (the SUB's announcements, the XPUB's subscriptions)."""
-        return [s for s in (self.sub, self.pub) if s is not None]
+        """The sockets to poll for input (the SUB's announcements, the XPUB's subscriptions,
+        the SUB's disconnections)."""
+        return [s for s in (self.sub, self.pub, self._monitor) if s is not None]
 
     def publish(self, blocks: Sequence[SharedBlock],
                 mms: Sequence[str | None] | None = None) -> None:
