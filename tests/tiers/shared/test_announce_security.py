@@ -36,6 +36,7 @@ def fed(tmp_path: Path, ctx: zmq.Context) -> Iterator[tuple[Leader, zmq.Socket]]
     store = MemoryStore(lease_s=LEASE, clock=clock)
     endpoint = f"ipc://{tmp_path}/peer.ipc"
     pub = ctx.socket(zmq.XPUB)
+    pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # each connection's subscription, a new one's too
     pub.bind(endpoint)
     leader = Leader(store, clock, peers=(endpoint,))
     leader.agent.start()
@@ -66,6 +67,24 @@ def test_a_forged_announcement_is_not_advertised_and_the_honest_one_after_it_is(
     leader.wait_stat("confirmed_heard", 1)
     assert leader.directory.lookup(honest.digest) == honest
     assert leader.stored == [honest]
+
+
+def test_an_own_write_replaces_a_peers_still_pending_announcement_of_the_same_block(
+        fed: tuple[Leader, zmq.Socket]) -> None:
+    leader, pub = fed
+    [block] = chain(1)
+    # Same digest, tokens and scope (all a receiver can recompute), another event hash.
+    renamed = dataclasses.replace(block, event_hash=12345)
+    leader.write([block])
+    leader.store.down = True  # type: ignore[attr-defined]
+    pub.send(encode(SECRET, 9, 0, [renamed]))
+    leader.wait_stat("confirm_failed", 1)  # pending: checked again at the next sweep
+    leader.agent.committed(block)
+    assert leader.stat("committed") == 1
+    leader.store.down = False  # type: ignore[attr-defined]
+    leader.sweep()
+    leader.wait_stat("confirmed_own", 1)
+    assert leader.stored == [block] and leader.stat("confirmed_heard") == 0
 
 
 def test_a_block_of_every_scope_is_heard_when_its_metadata_hashes_to_its_digest(

@@ -195,11 +195,14 @@ class SharedAgent:
         if self._closed:
             self._n["commits_refused"] += 1
             return
+        mm = mm_of_scope(scope)
+        if mm is not None and len(self._mm) < self._MAX_MM:
+            # Before the block is queued: the agent may confirm and announce it at once. (A
+            # GIL-atomic store; the agent pops it; a digest names its scope, so an entry left
+            # by a block tracked already is right too, and the next sweep forgets it.)
+            self._mm[block.digest] = mm
         if self._directory.enqueue(block, True):
             self._n["committed"] += 1
-            mm = mm_of_scope(scope)
-            if mm is not None and len(self._mm) < self._MAX_MM:
-                self._mm[block.digest] = mm  # (a GIL-atomic store; the agent pops it)
             self.wake()
         elif self._directory.is_tracked(block.digest):
             self._n["commits_known"] += 1
@@ -420,8 +423,8 @@ class SharedAgent:
         directory = self._directory
         self._n["renewal_sweeps"] += 1
         retry, self._retry = self._retry, []
-        for digest in list(self._mm):  # own blocks given up or refused before announced
-            if not directory.is_tracked(digest):
+        for digest in list(self._mm):  # not pending any more, and not announced by us
+            if not directory.is_tracked(digest) or directory.deadline_of(digest) is not None:
                 self._mm.pop(digest, None)
         for block, own, tries in retry:
             directory.requeue(block, own, tries)
