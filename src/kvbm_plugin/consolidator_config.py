@@ -74,6 +74,8 @@ SHARED_SEGMENT_GB = "DYN_KVBM_SHARED_SEGMENT_GB"
 SHARED_BUFFER_GB = "DYN_KVBM_SHARED_BUFFER_GB"
 SHARED_PEERS = "DYN_KVBM_SHARED_PEERS"
 SHARED_ANNOUNCE_ENDPOINT = "DYN_KVBM_SHARED_ANNOUNCE_ENDPOINT"
+SHARED_ANNOUNCE_SECRET_FILE = "DYN_KVBM_SHARED_ANNOUNCE_SECRET_FILE"
+SHARED_ANNOUNCE_RATE = "DYN_KVBM_SHARED_ANNOUNCE_RATE"
 SHARED_TRACKED_BLOCKS = "DYN_KVBM_SHARED_TRACKED_BLOCKS"
 SHARED_QUEUE_BLOCKS = "DYN_KVBM_SHARED_QUEUE_BLOCKS"
 SHARED_LEASE_S = "DYN_KVBM_SHARED_LEASE_S"
@@ -163,6 +165,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "sharing the store: their writes become loadable here.", "shared tier"),
     EnvVar(SHARED_ANNOUNCE_ENDPOINT, None, "Where this leader announces its shared-tier "
            f"writes; unset = {LEADER_ZMQ_PUB_PORT} + 2000.", "shared tier"),
+    EnvVar(SHARED_ANNOUNCE_SECRET_FILE, None, "File holding the deployment's announcement "
+           "secret (at least 32 bytes, the same on every engine): every announcement is signed "
+           "with it (HMAC-SHA256) and unsigned ones are dropped. Required with "
+           f"{SHARED_PEERS}; unset = this engine announces nothing.", "shared tier"),
+    EnvVar(SHARED_ANNOUNCE_RATE, "20000", "Announced blocks per second heard from one peer, at "
+           "most (twice that in a burst); more are dropped (counted).", "shared tier"),
     EnvVar(SHARED_TRACKED_BLOCKS, "100000", "Shared-tier blocks the leader tracks, keeps "
            "leased and advertises (least recently used dropped first).", "shared tier"),
     EnvVar(SHARED_QUEUE_BLOCKS, "1024", "Shared-tier writes a worker queues; more are dropped "

@@ -10,13 +10,16 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Final
 
 from kvbm_plugin.consolidator_config import (
     ENDPOINT_SCHEMES,
     FALSE_WORDS,
     SHARED_ADDRESS,
     SHARED_ANNOUNCE_ENDPOINT,
+    SHARED_ANNOUNCE_RATE,
+    SHARED_ANNOUNCE_SECRET_FILE,
     SHARED_BUFFER_GB,
     SHARED_DEVICE,
     SHARED_LEASE_S,
@@ -62,6 +65,38 @@ class SharedSettings:
     queue_blocks: int = 1024
     lease_s: float = 10.0
     load_margin_s: float = 3.0
+    # The announcement secret (DYN_KVBM_SHARED_ANNOUNCE_SECRET_FILE's content); None: this
+    # engine neither announces nor hears. Never in a repr (logs, tracebacks).
+    announce_secret: bytes | None = field(default=None, repr=False)
+    announce_rate: float = 20000.0  # blocks per second heard from one peer, at most
+
+
+# An announcement secret: at least 256 bits; a file much larger is not a secret file.
+SECRET_MIN_BYTES: Final = 32
+SECRET_MAX_BYTES: Final = 4096
+
+
+def read_announce_secret(path: str) -> bytes:
+    """The secret in the file ``path`` (surrounding whitespace stripped, so that
+    ``head -c 32 /dev/urandom | base64 > FILE`` works); ConfigError naming
+    DYN_KVBM_SHARED_ANNOUNCE_SECRET_FILE and the path when it cannot be read or is too short
+    or too long."""
+    name = SHARED_ANNOUNCE_SECRET_FILE
+    try:
+        with open(path, "rb") as f:
+            data = f.read(SECRET_MAX_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{name}={path!r}: cannot read it ({exc.strerror or exc})") from None
+    secret = data.strip()
+    if len(data) > SECRET_MAX_BYTES:
+        raise ConfigError(f"{name}={path!r}: more than {SECRET_MAX_BYTES} bytes; expected a "
+                          f"secret of {SECRET_MIN_BYTES}+ bytes (e.g. head -c 32 /dev/urandom "
+                          "| base64 > FILE)")
+    if len(secret) < SECRET_MIN_BYTES:
+        raise ConfigError(f"{name}={path!r}: holds {len(secret)} bytes, at least "
+                          f"{SECRET_MIN_BYTES} are needed (e.g. head -c 32 /dev/urandom | "
+                          "base64 > FILE)")
+    return secret
 
 
 # Key parts are joined with "/": a model key or namespace must not contain one.
@@ -98,6 +133,17 @@ def load_shared_settings(env: Mapping[str, str] | None = None) -> SharedSettings
         raise ConfigError(f"{SHARED_LOAD_MARGIN_S}={margin!r} must be above 0 and below "
                           f"{SHARED_LEASE_S}={lease!r}")
     announce = env_value(env, SHARED_ANNOUNCE_ENDPOINT)
+    secret_path = (env_value(env, SHARED_ANNOUNCE_SECRET_FILE) or "").strip()
+    secret = read_announce_secret(secret_path) if secret_path else None
+    if peers and secret is None:
+        raise ConfigError(f"{SHARED_PEERS}={env.get(SHARED_PEERS)!r} needs "
+                          f"{SHARED_ANNOUNCE_SECRET_FILE}: a file with the secret every engine "
+                          "signs its announcements with (the same file on every engine; e.g. "
+                          "head -c 32 /dev/urandom | base64 > FILE)")
+    rate = parse_float(SHARED_ANNOUNCE_RATE, env_value(env, SHARED_ANNOUNCE_RATE) or "")
+    if rate <= 0:
+        raise ConfigError(f"{SHARED_ANNOUNCE_RATE}={env.get(SHARED_ANNOUNCE_RATE)!r} must be "
+                          "above 0 (blocks per second per peer)")
     if announce is not None and not announce.strip().startswith(ENDPOINT_SCHEMES):
         raise ConfigError(f"{SHARED_ANNOUNCE_ENDPOINT}={announce!r} is not a tcp://, ipc:// or "
                           "inproc:// endpoint")
@@ -123,4 +169,6 @@ def load_shared_settings(env: Mapping[str, str] | None = None) -> SharedSettings
                                minimum=1),
         lease_s=lease,
         load_margin_s=margin,
+        announce_secret=secret,
+        announce_rate=rate,
     )

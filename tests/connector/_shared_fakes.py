@@ -105,7 +105,7 @@ class BusAgent:
     def available(self) -> bool:
         return self.directory.available
 
-    def committed(self, block: SharedBlock) -> None:
+    def committed(self, block: SharedBlock, scope: str | None = None) -> None:
         self.committed_blocks.append(block)
         self.directory.enqueue(block, True)
 

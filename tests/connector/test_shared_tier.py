@@ -94,8 +94,11 @@ def shared(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, make
         rec = TierRecorder()
         if real:
             endpoint = f"ipc://{tmp_path}/announce-{len(endpoints)}"
+            secret = tmp_path / "announce.secret"
+            secret.write_text("a-test-deployment-secret-of-32-bytes\n")
             extra = {cc.SHARED_ANNOUNCE_ENDPOINT: endpoint,
-                     cc.SHARED_PEERS: ",".join(endpoints), **extra}
+                     cc.SHARED_PEERS: ",".join(endpoints),
+                     cc.SHARED_ANNOUNCE_SECRET_FILE: str(secret), **extra}
             endpoints.append(endpoint)
         env = tiers(host=host, **{cc.SHARED_TIER: "memory", cc.SHARED_MODEL_KEY: "test-model",
                                    **extra})

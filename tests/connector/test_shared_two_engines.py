@@ -63,7 +63,16 @@ def engine_env(tmp: Path, name: str, other: str, master: Any) -> dict[str, str]:
         cc.SHARED_SEGMENT_GB: "0.03125", cc.SHARED_BUFFER_GB: "0",
         cc.SHARED_ANNOUNCE_ENDPOINT: f"ipc://{tmp}/{name}-announce",
         cc.SHARED_PEERS: f"ipc://{tmp}/{other}-announce",
+        cc.SHARED_ANNOUNCE_SECRET_FILE: str(secret_file(tmp)),
     }
+
+
+def secret_file(tmp: Path) -> Path:
+    """The two engines' announcement secret (one file, both read it)."""
+    path = tmp / "announce.secret"
+    if not path.exists():
+        path.write_bytes(os.urandom(32).hex().encode())
+    return path
 
 
 def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 30.0) -> None:

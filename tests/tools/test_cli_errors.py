@@ -310,6 +310,8 @@ BAD_SHARED_VALUES = {
     cc.SHARED_BUFFER_GB: "-1", cc.SHARED_PEERS: "udp://x", cc.SHARED_ANNOUNCE_ENDPOINT: "udp://x",
     cc.SHARED_TRACKED_BLOCKS: "0", cc.SHARED_QUEUE_BLOCKS: "many", cc.SHARED_LEASE_S: "soon",
     cc.SHARED_LOAD_MARGIN_S: "abc", cc.MOONCAKE_CONFIG_PATH: "/nonexistent/mooncake.json",
+    cc.SHARED_ANNOUNCE_SECRET_FILE: "/nonexistent/announce.secret",
+    cc.SHARED_ANNOUNCE_RATE: "fast",
 }
 FREE_FORM_SHARED = {cc.SHARED_DEVICE, cc.SHARED_METADATA_SERVER, cc.SHARED_LOCAL_HOSTNAME}
 

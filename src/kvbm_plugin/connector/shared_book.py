@@ -119,6 +119,7 @@ class _SharedWrite:
     host_key: int
     scope: tuple[int | None, int | None]
     name: tuple[int, int | None, tuple[int, ...]] | None = None  # the host copy's, announced
+    key_scope: str | None = None  # the reuse scope its digest is keyed under (request_scope)
     done: bool = False  # every rank reported its put ok
 
 
@@ -277,7 +278,7 @@ class SharedBook:
             return
         op_id = self._new_op("shared_save", TIER_SHARED, entry.key, None, None)
         write = _SharedWrite(op_id, digest, digests[index - 1] if index else None, entry.key,
-                             state.scope)
+                             state.scope, key_scope=state.salt)
         self._shared_writes[op_id] = write
         self._shared_by_key[entry.key] = write
         if host_op < 0:
@@ -334,7 +335,7 @@ class SharedBook:
         lora, salt = write.scope
         self._shared_agent.committed(SharedBlock(
             write.digest, write.parent_digest, event_hash, parent_hash, tokens, lora,
-            None if salt is None else (salt_extra_key(salt),)))
+            None if salt is None else (salt_extra_key(salt),)), write.key_scope)
         self._stats["shared_saves_committed"] += 1
         self._shared_forget(write)
 

@@ -49,7 +49,22 @@ def _env(tmp: Path, name: str, other: str, master: Any, args: argparse.Namespace
         cc.SHARED_SEGMENT_GB: "0.125", cc.SHARED_BUFFER_GB: "0",
         cc.SHARED_ANNOUNCE_ENDPOINT: f"ipc://{tmp}/{name}-announce",
         cc.SHARED_PEERS: f"ipc://{tmp}/{other}-announce",
+        cc.SHARED_ANNOUNCE_SECRET_FILE: str(_secret_file(tmp)),
     }
+
+
+def _secret_file(tmp: Path) -> Path:
+    """The run's private announcement secret: random, in the run's temp directory (0600),
+    read by both engines (announcements are signed with it)."""
+    import os
+    import secrets
+
+    path = tmp / "announce.secret"
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return path
 
 
 def _start_master(tmp: Path) -> Any:

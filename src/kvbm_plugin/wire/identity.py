@@ -103,9 +103,13 @@ def multimodal_of(obj: Any) -> str | None:
 def request_scope(obj: Any) -> str | None:
     """One string naming the reuse scope (salt, LoRA, multimodal inputs) of ``obj``, None for
     the default scope: mixed into every tier key, so blocks of two scopes never share a key."""
-    salt = salt_of(obj)
-    lora = lora_of(obj)
-    mm = multimodal_of(obj)
+    return scope_string(salt_of(obj), lora_of(obj), multimodal_of(obj))
+
+
+def scope_string(salt: int | None, lora: int | None, mm: str | None) -> str | None:
+    """:func:`request_scope` of a request with this salt id, LoRA task id and multimodal
+    digest (also how a leader receiving another engine's announcement recomputes the scope
+    from the announced salt and adapter, ``tiers/shared/announce.py``)."""
     if salt is None and lora is None and mm is None:
         return None
     parts = []

@@ -19,7 +19,9 @@ from kvbm_plugin.tiers.shared.store import SharedStore
 LEASE = 9.0
 MARGIN = 2.0
 PERIOD = LEASE / 3
-SETTINGS = SharedSettings(store="memory", model_key="m", lease_s=LEASE, load_margin_s=MARGIN)
+SECRET = b"test-announce-secret-of-32-bytes!"  # every test engine's announcement secret
+SETTINGS = SharedSettings(store="memory", model_key="m", lease_s=LEASE, load_margin_s=MARGIN,
+                          announce_secret=SECRET)
 
 
 class Leader:
@@ -28,7 +30,7 @@ class Leader:
     def __init__(self, store: SharedStore, clock: Callable[[], float], *, capacity: int = 100,
                  world: int = 2, endpoint: str | None = None, peers: tuple[str, ...] = (),
                  model_key: str = "m", lease: tuple[float, float] = (LEASE, MARGIN),
-                 page: int = 64) -> None:
+                 page: int = 64, **settings_kw: Any) -> None:
         self.store = store
         self.clock: Any = clock
         self.layouts = layouts(world, model_key=model_key, page=page)
@@ -36,7 +38,8 @@ class Leader:
         self._lock = threading.Lock()
         self.stored: list[SharedBlock] = []
         self.removed: list[list[SharedBlock]] = []
-        settings = dataclasses.replace(SETTINGS, lease_s=lease[0], load_margin_s=lease[1])
+        settings = dataclasses.replace(SETTINGS, lease_s=lease[0], load_margin_s=lease[1],
+                                       **settings_kw)
         self.agent = SharedAgent(settings, store, self.layouts, self.directory,
                                  self._on_store, self._on_remove, endpoint, peers)
 

@@ -3,6 +3,8 @@ fed bad or untrue announcements by a raw publisher."""
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,13 +13,14 @@ import pytest
 import zmq
 from _kvwire import wait_until
 from _shared_blocks import Clock, chain
-from _shared_leader import LEASE, Leader
+from _shared_leader import LEASE, SECRET, Leader
 
 from kvbm_plugin.consolidator_config import ConfigError
 from kvbm_plugin.shared_settings import SharedSettings
 from kvbm_plugin.testing.memory_store import MemoryStore
 from kvbm_plugin.tiers.shared.announce import (
     AnnouncementError,
+    Unauthenticated,
     announce_endpoint,
     decode,
     encode,
@@ -30,13 +33,23 @@ def test_an_announcement_round_trips_every_field() -> None:
                        ("dynamo-cache-salt:t1", ("mm", 7, b"\x00")))
     child = SharedBlock(b"\x02" * 16, root.digest, (1 << 64) - 1, root.event_hash, (5,), 3,
                         None)
-    assert decode(encode(42, 7, [root, child])) == (42, 7, [root, child])
+    frame = encode(SECRET, 42, 7, [root, child], [None, "ab12"], time_ms=5)
+    assert decode(frame, SECRET) == (42, 7, 5, [root, child], [None, "ab12"])
 
 
-def _message(*, magic="kvbm-shared", version=1, sender=1, seq=0, blocks=None) -> bytes:
+def _message(*, magic="kvbm-shared", version=2, sender=1, seq=0, time_ms=0,
+             blocks=None) -> bytes:
     if blocks is None:
-        blocks = [[b"\x01" * 16, None, 1, None, [1, 2], None, None]]
-    return msgpack.packb([magic, version, sender, seq, blocks], use_bin_type=True)
+        blocks = [[b"\x01" * 16, None, 1, None, [1, 2], None, None, None]]
+    body = msgpack.packb([magic, version, sender, seq, time_ms, blocks], use_bin_type=True)
+    return hmac.new(SECRET, body, hashlib.sha256).digest() + body
+
+
+def _block(**kw) -> list:
+    fields = dict(digest=b"\x01" * 16, parent=None, eh=1, peh=None, tokens=[1], lora=None,
+                  extra=None, mm=None)
+    fields.update(kw)
+    return list(fields.values())
 
 
 def _nested(depth: int) -> list:
@@ -46,29 +59,45 @@ def _nested(depth: int) -> list:
     return value
 
 
+def _signed(body: bytes) -> bytes:
+    return hmac.new(SECRET, body, hashlib.sha256).digest() + body
+
+
 @pytest.mark.parametrize(("payload", "why"), [
-    (b"\xc1", "not msgpack"),
-    (msgpack.packb({"a": 1}), "5-item array"),
+    (_signed(b"\xc1"), "not msgpack"),
+    (_signed(msgpack.packb({"a": 1})), "6-item array"),
     (_message(magic="other"), "magic"),
-    (_message(version=2), "version"),
+    (_message(version=1), "version"),
     (_message(sender=-1), "sender"),
     (_message(seq="0"), "seq"),
+    (_message(time_ms=-5), "time_ms"),
     (_message(blocks=5), "blocks"),
-    (_message(blocks=[[b"\x01" * 16]]), "7-item array"),
-    (_message(blocks=[[b"\x01" * 15, None, 1, None, [1], None, None]]), "digest"),
-    (_message(blocks=[[b"\x01" * 16, b"\x01" * 16, 1, None, [1], None, None]]),
-     "parent_digest equals"),
-    (_message(blocks=[[b"\x01" * 16, None, 1.5, None, [1], None, None]]), "event_hash"),
-    (_message(blocks=[[b"\x01" * 16, None, 1, None, [True], None, None]]), "token_ids"),
-    (_message(blocks=[[b"\x01" * 16, None, 1, None, list(range(70000)), None, None]]),
-     "token_ids has 70000"),
-    (_message(blocks=[[b"\x01" * 16, None, 1, None, [1], "lora", None]]), "lora_id"),
-    (_message(blocks=[[b"\x01" * 16, None, 1, None, [1], None, {"k": 1}]]), "extra_keys"),
-    (_message(blocks=[[b"\x01" * 16, None, 1, None, [1], None, _nested(500)]]), "extra_keys"),
+    (_message(blocks=[_block()] * 257), "257 blocks in one message"),
+    (_message(blocks=[[b"\x01" * 16]]), "8-item array"),
+    (_message(blocks=[_block(digest=b"\x01" * 15)]), "digest"),
+    (_message(blocks=[_block(parent=b"\x01" * 16)]), "parent_digest equals"),
+    (_message(blocks=[_block(eh=1.5)]), "event_hash"),
+    (_message(blocks=[_block(tokens=[True])]), "token_ids"),
+    (_message(blocks=[_block(tokens=list(range(70000)))]), "token_ids has 70000"),
+    (_message(blocks=[_block(lora="lora")]), "lora_id"),
+    (_message(blocks=[_block(extra={"k": 1})]), "extra_keys"),
+    (_message(blocks=[_block(extra=_nested(500))]), "extra_keys"),
+    (_message(blocks=[_block(mm=7)]), "mm"),
 ])
 def test_a_bad_message_is_refused_naming_what_is_wrong(payload: bytes, why: str) -> None:
     with pytest.raises(AnnouncementError, match=why):
-        decode(payload)
+        decode(payload, SECRET)
+
+
+@pytest.mark.parametrize("payload", [
+    b"", b"short", _message()[:-1], b"\x00" * 32 + _message()[32:],
+    _message()[:32] + _message(seq=1)[32:],
+    encode(b"another-secret-of-at-least-32-bytes", 1, 0, []),
+])
+def test_a_frame_not_signed_with_the_secret_is_refused_before_it_is_parsed(
+        payload: bytes) -> None:
+    with pytest.raises(Unauthenticated, match="failed authentication"):
+        decode(payload, SECRET)
 
 
 def _settings(endpoint: str | None = None) -> SharedSettings:
@@ -116,14 +145,18 @@ def fed(tmp_path: Path, ctx: zmq.Context) -> Iterator[tuple[Leader, zmq.Socket]]
 def test_a_bad_announcement_is_counted_and_logged_never_raised(
         fed: tuple[Leader, zmq.Socket], caplog: pytest.LogCaptureFixture) -> None:
     leader, pub = fed
-    pub.send(b"\xc1garbage")
+    pub.send(_signed(b"\xc1garbage"))
     pub.send_multipart([b"two", b"frames"])
+    pub.send(b"\xc1garbage")  # unsigned
     leader.wait_stat("bad_announcements", 2)
+    leader.wait_stat("unauthenticated", 1)
     assert "bad shared-tier announcement ignored" in caplog.text
+    assert "failed authentication" in caplog.text
+    assert "DYN_KVBM_SHARED_ANNOUNCE_SECRET_FILE" in caplog.text
     # The thread goes on: a good announcement after them is confirmed.
     [block] = chain(1)
     leader.write([block])
-    pub.send(encode(9, 0, [block]))
+    pub.send(encode(SECRET, 9, 0, [block]))
     leader.wait_stat("confirmed_heard", 1)
     assert leader.directory.lookup(block.digest) == block
 
@@ -133,7 +166,7 @@ def test_an_announced_block_is_tracked_only_once_the_store_has_it_on_every_rank(
     leader, pub = fed
     nowhere, half = chain(1, first_token=1)[0], chain(1, first_token=2)[0]
     leader.write([half], ranks=(0,))
-    pub.send(encode(9, 0, [nowhere, half]))
+    pub.send(encode(SECRET, 9, 0, [nowhere, half]))
     leader.wait_stat("confirm_absent", 2)
     for block in (nowhere, half):
         assert not leader.directory.is_tracked(block.digest)
@@ -144,10 +177,10 @@ def test_lost_announcements_are_counted_from_the_sender_seq(
         fed: tuple[Leader, zmq.Socket]) -> None:
     leader, pub = fed
     a, b = chain(1, first_token=1)[0], chain(1, first_token=2)[0]
-    pub.send(encode(9, 0, [a]))
-    pub.send(encode(9, 3, [b]))  # seqs 1 and 2 never arrived
+    pub.send(encode(SECRET, 9, 0, [a]))
+    pub.send(encode(SECRET, 9, 3, [b]))  # seqs 1 and 2 never arrived
     leader.wait_stat("heard_messages", 2)
     assert leader.stat("lost") == 2
-    pub.send(encode(10, 5, [a]))  # another sender: its first message is no gap
+    pub.send(encode(SECRET, 10, 5, [a]))  # another sender: its first message is no gap
     wait_until(lambda: leader.stat("heard_messages") == 3, 10, "third message")
     assert leader.stat("lost") == 2

@@ -32,6 +32,14 @@ its ancestors; an exception from either is counted and logged, never kills the t
 
 The thread waits on a poller (announcement sockets and a wake pipe) with a timeout to the next
 renewal or expiry: nothing sleeps, and :meth:`SharedAgent.close` wakes and joins it.
+
+**Every turn is bounded, whatever peers and outsiders send.** A turn reads the announcement
+sockets for at most ``Announcer.receive``'s budget (:data:`~.announce.HEAR_BUDGET_S`, a bounded
+number of frames), confirms at most ``_BATCHES_PER_TURN`` batches and checks the clock for a
+renewal sweep; a sweep hears between its chunks within :attr:`SharedAgent.SWEEP_HEAR_SHARE` of
+the renewal period. So a flood on the announce endpoint slows how fast announcements are
+heard, never the renewals (the longest turn is in ``stats()["turn_max_ms"]``). Without a secret
+(``DYN_KVBM_SHARED_ANNOUNCE_SECRET_FILE``) the agent opens no announcement socket at all.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -48,7 +57,7 @@ import zmq
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin._util.saferepr import saferepr
-from kvbm_plugin.tiers.shared.announce import Announcer
+from kvbm_plugin.tiers.shared.announce import HEAR_BUDGET_S, Announcer, mm_of_scope
 from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory, check_block
 from kvbm_plugin.tiers.shared.store import FAILED, MISSING, UNAVAILABLE, SharedStore
 
@@ -69,7 +78,7 @@ _COUNTERS: Final = (
     "confirm_absent", "confirm_failed", "confirm_gave_up", "heard_queued", "heard_known",
     "renewal_sweeps", "renewed", "renewals_failed", "renewals_skipped", "store_calls",
     "store_errors", "probes", "callback_errors", "unavailable_periods",
-    "wakes_handled")
+    "wakes_handled", "turns", "turn_max_ms", "flood_pauses")
 
 
 class SharedAgent:
@@ -82,6 +91,14 @@ class SharedAgent:
     CONFIRM_TRIES: Final = 6
     _WAIT_TRIES: Final = 3
     _BATCHES_PER_TURN: Final = 16  # confirm batches between looks at sockets and deadlines
+    # Of each renewal period, the share a sweep may spend hearing announcements between its
+    # chunks (a flood must not stretch a sweep past the leases it renews).
+    SWEEP_HEAR_SHARE: Final = 0.1
+    _MAX_MM: Final = 65536  # own pending blocks' multimodal scope parts kept, at most
+    # After a turn whose reading stopped at a bound (frames still waiting: a flood), the
+    # thread waits this long (or for a wake) before the next: under a flood it is busy about
+    # half the time, not all of it (the engine's executor thread shares its process's GIL).
+    FLOOD_PAUSE_S: Final = 0.02
 
     def __init__(self, settings: SharedSettings, store: SharedStore,
                  layouts: Sequence[SharedLayout], directory: SharedDirectory,
@@ -113,7 +130,18 @@ class SharedAgent:
         self._clock = directory.clock
         self._on_store = on_store
         self._on_remove = on_remove
-        self._announcer = Announcer(announce_endpoint, peers, context=context)
+        secret = settings.announce_secret
+        if secret is None and peers:
+            raise cc.ConfigError(f"{cc.SHARED_PEERS}={','.join(peers)!r} needs "
+                                 f"{cc.SHARED_ANNOUNCE_SECRET_FILE}")
+        if secret is None and announce_endpoint is not None:
+            logger.info("kvbm_plugin: shared-tier announcements are off (no %s): other "
+                        "engines do not learn this engine's writes", cc.SHARED_ANNOUNCE_SECRET_FILE)
+            announce_endpoint = None
+        self._announcer = Announcer(announce_endpoint, peers, secret=secret, context=context,
+                                    tokens_per_block=self._layouts[0].tokens_per_block,
+                                    rate=settings.announce_rate)
+        self._mm: dict[bytes, str] = {}  # own pending block -> its multimodal scope part
         self._n = dict.fromkeys(_COUNTERS, 0)
         self._log = RateLimitedLog(logger)
         self._retry: list[tuple[SharedBlock, bool, int]] = []  # checks again at the next sweep
@@ -157,13 +185,22 @@ class SharedAgent:
                 f"dp rank) or connect {cc.SHARED_PEERS}={','.join(self._announcer.peers)!r}: "
                 f"{self._open_error}") from self._open_error
 
-    def committed(self, block: SharedBlock) -> None:
-        """Every rank reported its put of ``block``: confirm it, then make it loadable and
-        announce it. Executor thread; never blocks. ValueError for a malformed block."""
+    def committed(self, block: SharedBlock, scope: str | None = None) -> None:
+        """Every rank reported its put of ``block``, keyed under the reuse scope ``scope``
+        (``wire.identity.request_scope``): confirm it, then make it loadable and announce it
+        (with the multimodal part of ``scope``, which the block's fields do not carry, so
+        that a peer can recompute its digest). Executor thread; never blocks. ValueError
+        for a malformed block."""
         check_block(block)
         if self._closed:
             self._n["commits_refused"] += 1
             return
+        mm = mm_of_scope(scope)
+        if mm is not None and len(self._mm) < self._MAX_MM:
+            # Before the block is queued: the agent may confirm and announce it at once. (A
+            # GIL-atomic store; the agent pops it; a digest names its scope, so an entry left
+            # by a block tracked already is right too, and the next sweep forgets it.)
+            self._mm[block.digest] = mm
         if self._directory.enqueue(block, True):
             self._n["committed"] += 1
             self.wake()
@@ -185,8 +222,11 @@ class SharedAgent:
         made resident: ``confirmed_own`` + ``confirmed_heard``), ``confirm_absent`` /
         ``confirm_failed`` / ``confirm_gave_up``, ``renewed`` (lease renewals, per block;
         also as ``renewals``), ``renewals_failed``, ``renewal_sweeps``, ``store_calls``,
-        ``store_errors`` (calls with a failed key), ``unavailable_periods``; the announcer's
-        (``announced``, ``heard``, ``bad_announcements``, ``lost``, ``subscriptions``, ...);
+        ``store_errors`` (calls with a failed key), ``unavailable_periods``, ``turns``,
+        ``turn_max_ms`` (the longest turn of the thread), ``flood_pauses``; the announcer's
+        (``announced``, ``heard``, ``bad_announcements``, ``unauthenticated``, ``replayed``,
+        ``stale``, ``forged``, ``rate_limited``, ``peer_disconnects``, ``lost``,
+        ``subscriptions``, ...);
         the directory's drops (``dropped_absent``, ``dropped_expired``, ``dropped_lru``,
         ``dropped_descendants``) and sizes (``resident``, ``pending``, ``pinned``)."""
         out = dict(self._n)
@@ -255,8 +295,12 @@ class SharedAgent:
         for sock in self._announcer.sockets():
             poller.register(sock, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        directory, clock = self._directory, self._clock
+        wake_only = zmq.Poller()
+        wake_only.register(self._wake_r, zmq.POLLIN)
+        directory, clock, announcer = self._directory, self._clock, self._announcer
+        n = self._n
         while not self._stop.is_set():
+            turn_start = time.monotonic()
             ticket = self._drain_wake()
             self._hear()
             self._confirm_pending()
@@ -265,7 +309,11 @@ class SharedAgent:
                 self._sweep()
                 next_sweep = start + self.period_s
             self._report_removed(directory.expire())
-            self._n["wakes_handled"] = ticket
+            n["wakes_handled"] = ticket
+            n["turns"] += 1
+            turn_ms = int((time.monotonic() - turn_start) * 1000)
+            if turn_ms > n["turn_max_ms"]:
+                n["turn_max_ms"] = turn_ms
             if self._stop.is_set():
                 return
             if directory.has_pending():
@@ -276,7 +324,12 @@ class SharedAgent:
                 expiry = directory.next_expiry()
                 if expiry is not None:
                     timeout = min(timeout, expiry - now)
-            poller.poll(max(0, int(timeout * 1000) + 1) if timeout > 0 else 0)
+            if announcer.saturated:
+                n["flood_pauses"] += 1
+                timeout = max(0.0, min(timeout, self.FLOOD_PAUSE_S))
+                wake_only.poll(int(timeout * 1000) + 1 if timeout > 0 else 0)
+            else:
+                poller.poll(max(0, int(timeout * 1000) + 1) if timeout > 0 else 0)
 
     def _drain_wake(self) -> int:
         """Empty the wake pipe; returns the latest ticket this turn answers. The pipe is
@@ -288,8 +341,11 @@ class SharedAgent:
         self._wake_pending = False
         return self._wakes
 
-    def _hear(self) -> None:
-        for block in self._announcer.receive():
+    def _hear(self, budget_s: float | None = None) -> None:
+        """Queue the announced blocks a bounded read of the sockets found (agent thread)."""
+        blocks = self._announcer.receive() if budget_s is None \
+            else self._announcer.receive(budget_s)
+        for block in blocks:
             if self._directory.enqueue(block, False):
                 self._n["heard_queued"] += 1
             else:
@@ -348,7 +404,9 @@ class SharedAgent:
         for block, why in result.refused:
             self._log.log(logging.WARNING, f"refused-{why}", "kvbm_plugin: shared-tier block "
                           "%s not tracked (%s)", block.digest.hex(), why)
-        self._announcer.publish(announce)
+        mm = self._mm
+        self._announcer.publish(announce, [mm.pop(b.digest, None) for b in announce]
+                                if mm else None)
 
     def _retry_later(self, block: SharedBlock, own: bool, tries: int) -> None:
         if tries >= self.CONFIRM_TRIES:
@@ -363,12 +421,15 @@ class SharedAgent:
     def _sweep(self) -> None:
         """Renew every resident block's lease (chunks of :attr:`BATCH_BLOCKS`)."""
         directory = self._directory
-        self._n["renewal_sweeps"] += 1
         retry, self._retry = self._retry, []
+        for digest in list(self._mm):  # not pending any more, and not announced by us
+            if not directory.is_tracked(digest) or directory.deadline_of(digest) is not None:
+                self._mm.pop(digest, None)
         for block, own, tries in retry:
             directory.requeue(block, own, tries)
         cursor = 0
         swept = 0
+        hear_until = time.monotonic() + self.SWEEP_HEAR_SHARE * self.period_s
         while not self._stop.is_set():
             cursor, digests = directory.renewal_chunk(cursor, self.BATCH_BLOCKS)
             if not digests:
@@ -398,10 +459,13 @@ class SharedAgent:
                 # blocks expire at their deadlines unless the next sweep renews them.
                 self._n["renewals_skipped"] += 1
                 break
-            self._hear()  # a long sweep: keep up with commits and announcements
+            # A long sweep: keep up with commits and announcements, within the sweep's share.
+            self._hear(max(0.0, min(HEAR_BUDGET_S, hear_until - time.monotonic())))
             self._confirm_pending()
         if not swept:
             self._probe()
+        # Counted once done: a test that waits for a sweep then sees all it did.
+        self._n["renewal_sweeps"] += 1
 
     def _exists(self, digests: Sequence[bytes]) -> list[int]:
         """Codes of every rank's key of each digest, in order (rank-major per block); a raising

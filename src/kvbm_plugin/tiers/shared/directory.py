@@ -349,10 +349,17 @@ class SharedDirectory(SlotRows):
     def enqueue(self, block: SharedBlock, own: bool) -> bool:
         """Add ``block`` (checked: :func:`check_block`) to the pending blocks; ``own``: written
         by this engine (else announced by another). False when it is tracked already, or the
-        pending blocks are at ``pending_limit`` (counted)."""
+        pending blocks are at ``pending_limit`` (counted). An own block replaces an announced
+        one still pending (True): this engine's own names for the block win over a peer's."""
         with self._lock:
             digest = block.digest
-            if digest in self._pending or self._find(digest) >= 0:
+            held = self._pending.get(digest)
+            if held is not None:
+                if own and not held[1]:
+                    self._pending[digest] = (block, True, held[2])
+                    return True
+                return False
+            if self._find(digest) >= 0:
                 return False
             if len(self._pending) >= self.pending_limit:
                 self._n["refused_pending_full"] += 1
@@ -380,10 +387,12 @@ class SharedDirectory(SlotRows):
         return bool(self._queue)
 
     def requeue(self, block: SharedBlock, own: bool, tries: int) -> None:
-        """Check a pending block again later (``tries`` so far)."""
+        """Check a pending block again later (``tries`` so far). The pending entry keeps its
+        block and origin: an own block that replaced an announced one meanwhile stays."""
         with self._lock:
-            if block.digest in self._pending:
-                self._pending[block.digest] = (block, own, tries)
+            held = self._pending.get(block.digest)
+            if held is not None:
+                self._pending[block.digest] = (held[0], held[1], tries)
                 self._queue.append(block.digest)
 
     def forget(self, digests: Iterable[bytes]) -> None:
