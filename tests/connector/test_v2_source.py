@@ -126,3 +126,24 @@ def test_the_loaded_v2_module_naming_the_cpp_backend_is_refused(leader, monkeypa
     _run(leader, manager, 2)
     assert leader.event_source is None
     assert "TLLM_KV_CACHE_MANAGER_V2_BACKEND=cpp" in leader.event_source_status
+
+
+@pytest.mark.parametrize("backend", [None, "cpp", "python"])
+def test_doctor_says_what_the_v2_backend_means(monkeypatch, capsys, backend) -> None:
+    import json
+
+    from kvbm_plugin.tools.doctor import main_doctor
+
+    if backend is None:
+        monkeypatch.delenv("TLLM_KV_CACHE_MANAGER_V2_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("TLLM_KV_CACHE_MANAGER_V2_BACKEND", backend)
+    monkeypatch.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "false")
+    main_doctor(["--json"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    detail = checks["KV event source"]["detail"]
+    if backend == "python":
+        assert "TLLM_KV_CACHE_MANAGER_V2_BACKEND=python: its Python event hooks" in detail
+    else:  # unset: TensorRT-LLM's default, the C++ backend
+        assert "TLLM_KV_CACHE_MANAGER_V2_BACKEND=cpp (C++, TensorRT-LLM's default)" in detail
+        assert "kv_events_config" in detail and "gpu_source_silent_iterations" in detail
