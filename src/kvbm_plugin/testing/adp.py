@@ -74,6 +74,12 @@ def _rank_view(engine: SimulatedEngine, name: str, args: tuple[Any, ...]) -> Any
         return leader.event_source_status
     if name == "queue_reads":
         return engine.kv_cache_manager.reads
+    if name == "gpu_wire_hashes":  # TensorRT-LLM's own stream: the names its GPU blocks have
+        return engine.kv_cache_manager.resident_wire_hashes()
+    if name == "stream_batches":
+        return engine.kv_cache_manager.batches
+    if name == "stream_names":  # every wire hash the rank's stream ever stored
+        return engine.kv_cache_manager.published_hashes
     if name == "worker_saves_inflight":
         return sum(w.stats().get("saves_inflight", 0) for w in engine.workers)
     if name == "workers_idle":
