@@ -147,3 +147,34 @@ def test_doctor_says_what_the_v2_backend_means(monkeypatch, capsys, backend) -> 
     else:  # unset: TensorRT-LLM's default, the C++ backend
         assert "TLLM_KV_CACHE_MANAGER_V2_BACKEND=cpp (C++, TensorRT-LLM's default)" in detail
         assert "kv_events_config" in detail and "gpu_source_silent_iterations" in detail
+
+
+def test_a_chain_whose_request_ended_before_its_names_came_back_is_named_whole(
+        make_engine, tmp_path) -> None:
+    """TensorRT-LLM's own stream (the GPU-tier source on the C++ V2 backend) reaches the
+    leader on the consolidator's thread, so a request can end before its blocks' names come
+    back. Its tier copies are then named from their content, parents first, each from its
+    parent's tier entry: the whole chain is advertised (was: the root only, the other blocks
+    held unadvertised until dropped at the bound)."""
+    from _kvwire import wait_until
+
+    from kvbm_plugin.testing.fake_trtllm import KVEventsConfig
+
+    events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/trt",
+                            replay_endpoint=f"ipc://{tmp_path}/trt-replay")
+    engine = make_engine(num_gpu_blocks=12, tokens_per_block=BS, kv_events_config=events,
+                         provide_block_hashes=False, env={
+                             "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "true",
+                             "DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT": f"ipc://{tmp_path}/out",
+                             "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "24"})
+    engine.submit([9000 + i for i in range(10 * BS)], 1)  # one request, ten full blocks
+    engine.run_until_idle()
+
+    def all_named() -> bool:
+        engine.leader.publish_now()
+        return engine.leader.stats()["tier_stores_waiting_for_name"] == 0
+
+    wait_until(all_named, 10, "every tier copy named from TensorRT-LLM's stream")
+    host = engine.leader.resident_hashes("host")
+    assert len(host) == 10
+    assert host <= {h & ((1 << 64) - 1) for h in engine.kv_cache_manager.published_hashes}
