@@ -472,6 +472,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         if not state.reported and failed is not None \
                 and rd.computed_position > failed * self._block_size:
             state.offload_stop = failed  # computed on a block its failed load left unfilled
+        if not state.reported:
+            state.prompt_tokens = len(state.tokens)  # all prompt tokens come first
         state.reported = True
         state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
         self._naming.name_root(state, self.event_sink)  # the sink's LoRA names

@@ -92,11 +92,19 @@ def test_python_hooks_confirm_the_source_and_the_self_check_stays_quiet(leader,
 
 
 def test_the_self_check_waits_for_computed_blocks(leader, caplog) -> None:
-    """Iterations without a full block of computed KV are not evidence of silence."""
+    """Iterations without a full block of computed prompt KV are not evidence of silence."""
     kv_cache_manager = V2KVCacheManager(native_sink=True)  # found in this frame
     for _ in range(CHECK + 6):
         leader.build_connector_meta(SchedulerOutput())
     assert leader.event_source is not None
+    # A prompt shorter than a block, decoding past a block: TensorRT-LLM commits no generated
+    # token into its radix tree, so no stored event is due.
+    tokens = [1, 2, 3]
+    leader.build_connector_meta(SchedulerOutput(new_requests=[RequestData(7, tokens, [0], 0, 3)]))
+    for i in range(CHECK + 6):
+        leader.build_connector_meta(SchedulerOutput(cached_requests=[RequestData(
+            7, [50 + i], [1 + (3 + i) // BS] if (3 + i) % BS == 0 else [], 3 + i, 1)]))
+    assert leader._reqs[7].valid_tokens > BS
     assert leader.stats()["gpu_source_silent_iterations"] == 0
     assert "unconfirmed" in leader.event_source_status
     del kv_cache_manager

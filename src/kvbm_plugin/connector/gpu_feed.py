@@ -111,14 +111,18 @@ class GpuEventFeed:
         wrapped Python hooks uncalled, and not every such backend can be told from Python
         (``gpu_events.source.native_sink``). Per iteration (executor thread, under the
         lock), until the first event: count the iterations in which a tracked request holds a
-        full block of computed KV; past :attr:`SELF_CHECK_ITERATIONS` of them with no event,
+        full block of computed prompt KV; past :attr:`SELF_CHECK_ITERATIONS` of them with no event,
         count each further one (``gpu_source_silent_iterations``) and warn, rate-limited.
         Costs one pass over the tracked requests per iteration, only until confirmed."""
         source = self.event_source
         if source.kind != "v2-hooks" or source.events_seen:
             return
         bs = self._block_size
-        if not any(s.valid_tokens >= bs for s in self._reqs.values()):
+        # Prompt blocks only: KVCacheManagerV2 commits a context request's tokens into its
+        # radix tree (a stored event) up to its context position, then stops committing, so
+        # generated tokens never make one (``kv_cache_manager_v2.py``'s ``update_resources``,
+        # stored id 3501434665: ``kv_cache.commit(...)`` then ``stop_committing()``).
+        if not any(min(s.valid_tokens, s.prompt_tokens) >= bs for s in self._reqs.values()):
             return
         self._self_check_iterations += 1
         if self._self_check_iterations <= self.SELF_CHECK_ITERATIONS:
