@@ -29,8 +29,8 @@ class GpuEventFeed:
 
     _MAX_ATTACH_ATTEMPTS: int
     # The self-check: iterations in which the leader knows the pool holds computed blocks
-    # (a tracked request with a full block of valid KV) with no GPU-tier event from the
-    # source yet; after this many, the source is reported silent (warned, counted).
+    # (a tracked request with a full block of computed prompt KV) with no GPU-tier event from
+    # the source yet; after this many, the source is reported silent (warned, counted).
     SELF_CHECK_ITERATIONS: int = 32
     _self_check_iterations: int
     _stats: dict[str, int]
