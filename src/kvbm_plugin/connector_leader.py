@@ -140,7 +140,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
             "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
             "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
             "tier_stores_held", "tier_stores_unnamed_dropped", "requests_terminated_silently",
-            "saves_discarded_terminated"), 0)
+            "saves_discarded_terminated", "gpu_source_silent_iterations"), 0)
+        self._self_check_iterations = 0  # connector.gpu_feed._self_check
         self._naming = BlockNaming(self._block_size, self._stats)
         self._init_shared()  # the shared tier's client and directory (connector/shared_book.py)
         # Committed tier blocks whose TRT-LLM name is not known yet: advertised once it is
@@ -471,6 +472,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         if not state.reported and failed is not None \
                 and rd.computed_position > failed * self._block_size:
             state.offload_stop = failed  # computed on a block its failed load left unfilled
+        if not state.reported:
+            state.prompt_tokens = len(state.tokens)  # all prompt tokens come first
         state.reported = True
         state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
         self._naming.name_root(state, self.event_sink)  # the sink's LoRA names

@@ -14,7 +14,11 @@ from typing import Any
 from kvbm_plugin.connector import llm_args as _llm_args
 from kvbm_plugin.connector import native_events as _native
 from kvbm_plugin.connector.keeper import locked
-from kvbm_plugin.connector.trtllm_compat import find_kv_cache_manager, kv_event_serializer
+from kvbm_plugin.connector.trtllm_compat import (
+    find_kv_cache_manager,
+    kv_cache_manager_v2_backend,
+    kv_event_serializer,
+)
 from kvbm_plugin.consolidator_config import EVENTS_SOURCE
 
 logger = logging.getLogger("kvbm_plugin.connector_leader")
@@ -24,6 +28,14 @@ class GpuEventFeed:
     """GPU-tier event methods of the leader (see the module docstring)."""
 
     _MAX_ATTACH_ATTEMPTS: int
+    # The self-check: iterations in which the leader knows the pool holds computed blocks
+    # (a tracked request with a full block of computed prompt KV) with no GPU-tier event from
+    # the source yet; after this many, the source is reported silent (warned, counted).
+    SELF_CHECK_ITERATIONS: int = 32
+    _self_check_iterations: int
+    _stats: dict[str, int]
+    _block_size: int
+    _log: Any
     _attach_attempts: int
     _event_source_problem: str
     _events_source: str
@@ -70,13 +82,14 @@ class GpuEventFeed:
             self.event_source = attach_event_source(
                 manager, self.event_sink,
                 serialize=kv_event_serializer() or self._fallback_serializer,
-                mode=self._events_source)
+                mode=self._events_source, v2_backend=kv_cache_manager_v2_backend())
         except ValueError as exc:
             self._attach_attempts = self._MAX_ATTACH_ATTEMPTS
             self._event_source_problem = f"unavailable: {exc}"
             logger.warning("kvbm_plugin: GPU-tier events unavailable: %s", exc)
             return
-        logger.info("kvbm_plugin: GPU-tier events attached: %s", self.event_source_status)
+        # Not "attached": V2 hooks are confirmed only once an event arrives (the self-check).
+        logger.info("kvbm_plugin: GPU-tier event source found: %s", self.event_source_status)
         if self._par.attention_dp and self.event_source.kind == "v2-hooks":
             logger.warning(_llm_args.V2_UNDER_ATTENTION_DP)
 
@@ -84,10 +97,47 @@ class GpuEventFeed:
     def event_source_status(self) -> str:
         """Where GPU-tier events come from now, in words (logged at attach time)."""
         if self.event_source is not None:
+            if (self._stats.get("gpu_source_silent_iterations")
+                    and not self.event_source.events_seen):
+                return self._silent_line()
             return self.event_source.describe()
         if self._native is not None or self._events_source == "off":
             return self._source_line()
         return self._event_source_problem
+
+    def _self_check(self) -> None:
+        """Never report a source as working while nothing arrives (issue 26, item 2): a V2
+        event manager whose hooks TensorRT-LLM's C++ radix tree calls natively leaves the
+        wrapped Python hooks uncalled, and not every such backend can be told from Python
+        (``gpu_events.source.native_sink``). Per iteration (executor thread, under the
+        lock), until the first event: count the iterations in which a tracked request holds a
+        full block of computed prompt KV; past :attr:`SELF_CHECK_ITERATIONS` of them with no event,
+        count each further one (``gpu_source_silent_iterations``) and warn, rate-limited.
+        Costs one pass over the tracked requests per iteration, only until confirmed."""
+        source = self.event_source
+        if source.kind != "v2-hooks" or source.events_seen:
+            return
+        bs = self._block_size
+        # Prompt blocks only: KVCacheManagerV2 commits a context request's tokens into its
+        # radix tree (a stored event) up to its context position, then stops committing, so
+        # generated tokens never make one (``kv_cache_manager_v2.py``'s ``update_resources``,
+        # stored id 3501434665: ``kv_cache.commit(...)`` then ``stop_committing()``).
+        if not any(min(s.valid_tokens, s.prompt_tokens) >= bs for s in self._reqs.values()):
+            return
+        self._self_check_iterations += 1
+        if self._self_check_iterations <= self.SELF_CHECK_ITERATIONS:
+            return
+        self._stats["gpu_source_silent_iterations"] += 1
+        self._log.log(logging.WARNING, "gpu-source-silent", "kvbm_plugin: %s",
+                      self._silent_line())
+
+    def _silent_line(self) -> str:
+        return (f"GPU-tier events: NOT receiving: the KVCacheManagerV2 Python hooks were "
+                f"wrapped but no event arrived in {self._self_check_iterations} iterations "
+                "while the pool held computed blocks (the C++ backend calls its event sink "
+                "natively); the router sees no GPU-tier blocks from this rank. Turn on "
+                "TensorRT-LLM's streaming publisher (kv_cache_config.kv_events_config), which "
+                "the plugin consolidates, or run TLLM_KV_CACHE_MANAGER_V2_BACKEND=python")
 
     def _source_line(self) -> str:
         """The configured GPU-tier source, in words (start-up log, ``doctor``'s wording)."""
@@ -107,6 +157,7 @@ class GpuEventFeed:
                 self._attach_event_source()
             if self.event_source is not None:
                 self.event_source.poll()
+                self._self_check()
             self.event_sink.flush()
         flush = getattr(self._tier_events, "flush", None)
         if flush is not None:

@@ -37,6 +37,7 @@ class RequestState:
     lora_root_pending: bool = False
     offload_next: int = 0  # first block index not yet considered for offload
     valid_tokens: int = 0  # tokens whose KV exists after the last scheduled forward
+    prompt_tokens: int = 0  # the first report's tokens (TensorRT-LLM commits only these)
     match_base: int | None = None  # device-computed + connector-loaded tokens at match time
     # A load failed: its first block index, then (the engine computed on it unrecomputed) the
     # block index from which this request's blocks are never offloaded.

@@ -119,9 +119,13 @@ class TierBookkeeping:
         if hashes:
             self._tier_events.register_remove(MEDIUM[index.name], self._dp_rank, hashes)
 
-    def _rename_provisional(self, entry: TierEntry) -> None:
+    def _rename_provisional(self, entry: TierEntry, index: TierIndex | None = None) -> None:
         """Before a block's tier STORE is announced: if it was reserved under the plugin's
-        content key (TRT-LLM's hash unknown then) and TRT-LLM's is known now, use that."""
+        content key (TRT-LLM's hash unknown then) and TRT-LLM's is known now, use that. The
+        parent's name may also come from the parent's own entry in ``index``, named first
+        (held blocks are released parents first): a chain whose request was forgotten before
+        its GPU events came back (TensorRT-LLM's own stream arrives on the consolidator's
+        thread) is named block by block through its content, not only at its root."""
         names = self._naming.names
         if entry.event_hash == entry.key:
             h = names.hash_of_key(entry.key)
@@ -130,6 +134,10 @@ class TierBookkeeping:
         parent = entry.parent_event_hash
         if parent is not None and parent == entry.parent_key:
             h = names.hash_of_key(parent)
+            if h is None and index is not None:
+                above = index.get(parent)
+                if above is not None and above.event_hash != above.key:
+                    h = above.event_hash
             if h is not None:
                 entry.parent_event_hash = h
         if entry.event_hash == entry.key and (
@@ -166,7 +174,7 @@ class TierBookkeeping:
     MAX_HELD = 4096
 
     def _hold_or_announce(self, index: TierIndex, entry: TierEntry) -> None:
-        self._rename_provisional(entry)
+        self._rename_provisional(entry, index)
         parent_held = entry.parent_key is not None and (index.name, entry.parent_key) in \
             self._held
         if self._named(entry) and not parent_held:
@@ -189,7 +197,7 @@ class TierBookkeeping:
             if index is None or index.get(key) is not entry:
                 self._held.pop((tier, key), None)
                 continue
-            self._rename_provisional(entry)
+            self._rename_provisional(entry, index)
             if not self._named(entry) or (entry.parent_key is not None
                                           and (tier, entry.parent_key) in self._held):
                 continue

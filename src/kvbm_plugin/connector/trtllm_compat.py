@@ -195,6 +195,19 @@ def find_kv_cache_manager(max_depth: int = 32) -> Any | None:
     return None
 
 
+def kv_cache_manager_v2_backend() -> str | None:
+    """TensorRT-LLM's KVCacheManagerV2 backend as its loaded module chose it (``cpp``, the
+    default, or ``python``), or None when that module is not loaded (no V2 manager here).
+    Reads ``sys.modules`` only, never imports: ``tensorrt_llm/runtime/kv_cache_manager_v2/
+    __init__.py`` (stored id 57009499785) reads ``TLLM_KV_CACHE_MANAGER_V2_BACKEND`` once at
+    import into ``_BACKEND``, so a later change of the variable does not change the backend."""
+    module = sys.modules.get("tensorrt_llm.runtime.kv_cache_manager_v2")
+    if module is None:
+        return None
+    backend = getattr(module, "BACKEND", None) or getattr(module, "_BACKEND", None)
+    return backend.lower() if isinstance(backend, str) else None
+
+
 def kv_event_serializer() -> Callable[[Any], list[dict[str, Any]]] | None:
     """TensorRT-LLM's serializer of buffered C++ KV events into dicts, or None without it."""
     if not COMPAT.installed or COMPAT.error:

@@ -42,6 +42,9 @@ class EventSource:
                  mode: str = "tap", drains: Callable[[], bool] = lambda: False) -> None:
         self.kind = kind
         self.mode = mode  # DYN_KVBM_KV_EVENTS_SOURCE as applied: auto | drain | tap
+        # Hook calls (V2) or events (buffered) that reached the tee: whether anything arrives
+        # at all (the leader's self-check). Incremented on the caller's thread (GIL).
+        self.events_seen = 0
         self._drains = drains
         self._poll = poll
         self._detach = detach
@@ -56,7 +59,9 @@ class EventSource:
     def describe(self) -> str:
         """One line for the start-up log and ``doctor``."""
         if self.kind == "v2-hooks":
-            return "KVCacheManagerV2 event hooks (never drains TRT-LLM's queue)"
+            return ("KVCacheManagerV2 Python event hooks wrapped (never drains TRT-LLM's "
+                    "queue); " + ("receiving" if self.events_seen else
+                                  "unconfirmed: no GPU-tier event received yet"))
         if self.mode == "tap":
             return ("buffered get_latest_events, tap: copies what TRT-LLM's own readers drain, "
                     "never drains")
@@ -77,7 +82,8 @@ class EventSource:
 
 def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
                         serialize: Callable[[Any], list[dict[str, Any]]] | None = None,
-                        drain: bool = True, mode: str | None = None) -> EventSource:
+                        drain: bool = True, mode: str | None = None,
+                        v2_backend: str | None = None) -> EventSource:
     """Make ``sink`` receive the events of a live TRT-LLM KV cache manager, without patching
     TensorRT-LLM (only the one manager instance's attributes are wrapped).
 
@@ -108,10 +114,19 @@ def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
       Each drain is ingested before the next drain starts, whoever drains (see
       ``_tee_buffered``): what reaches the sink is in the buffer's order.
 
+    ``v2_backend``: TensorRT-LLM's KVCacheManagerV2 backend when known
+    (``TLLM_KV_CACHE_MANAGER_V2_BACKEND`` as the loaded module read it; see
+    :func:`native_sink`). A V2 event manager whose hooks the C++ radix tree calls natively is
+    refused (ValueError, :data:`NATIVE_SINK_REFUSED`): its wrapped Python attributes would
+    never be called.
+
     Raises ValueError naming what is missing when neither path is available.
     """
     event_manager = getattr(kv_cache_manager, "event_manager", None)
     if event_manager is not None and hasattr(event_manager, "add_stored_block_event_from_block"):
+        native = native_sink(event_manager, v2_backend)
+        if native:
+            raise ValueError(NATIVE_SINK_REFUSED.format(native))
         return _tee_v2(event_manager, sink)
     get_latest = getattr(kv_cache_manager, "get_latest_events", None)
     if get_latest is None or hasattr(kv_cache_manager, "add_stored_block_event_from_block"):
@@ -133,8 +148,46 @@ def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
     return _tee_buffered(kv_cache_manager, get_latest, sink, serialize, mode)
 
 
+# Where TensorRT-LLM's C++ KVCacheManagerV2 types live (nanobind): ``tensorrt_llm/runtime/
+# kv_cache_manager_v2/__init__.py`` (stored id 57009499785) binds ``KVCacheEventManager =
+# _cpp.KVCacheEventManager`` from ``tensorrt_llm.bindings.internal.batch_manager.
+# kv_cache_manager_v2`` (or ``bindings.internal...`` when loaded standalone) unless
+# ``TLLM_KV_CACHE_MANAGER_V2_BACKEND=python``; its default is ``cpp``.
+_BINDINGS_MODULES = ("tensorrt_llm.bindings", "bindings.")
+
+# The hooks that report a block (what the self-check waits for); the other two are set-up.
+_BLOCK_HOOKS = frozenset(V2_HOOKS) - {"add_created_event", "set_layer_group_window_sizes"}
+
+NATIVE_SINK_REFUSED = (
+    "KVCacheManagerV2's event manager is TensorRT-LLM's C++ one ({}): its radix tree calls the "
+    "event sink natively, so the plugin's Python hooks would receive nothing. Turn on "
+    "TensorRT-LLM's own streaming publisher (kv_cache_config.kv_events_config, publisher "
+    "'zmq'), which the plugin reads and consolidates as the GPU-tier source, or run "
+    "TLLM_KV_CACHE_MANAGER_V2_BACKEND=python")
+
+
+def native_sink(event_manager: Any, v2_backend: str | None = None) -> str:
+    """Why ``event_manager``'s hooks are not called through Python, or ``""``.
+
+    C++ backend (TensorRT-LLM's default): the radix tree calls its ``StreamingEventSink`` /
+    event manager natively (``kv_cache_events.py`` @44004b3864a7, stored id 57357230020: "the
+    C++ radix tree calls the sink natively, not through Python"; the sink itself
+    ``streamingEventSink.cpp`` @1454f28a18fa, stored id 68391744805), so an instance
+    attribute set from Python shadows nothing it calls. Told by the event manager's type (a
+    class of TensorRT-LLM's bindings anywhere in its MRO) or by ``v2_backend`` (``"cpp"``).
+    A backend that hides both is caught by the leader's self-check instead."""
+    for cls in type(event_manager).__mro__:
+        module = getattr(cls, "__module__", "") or ""
+        if module.startswith(_BINDINGS_MODULES):
+            return f"{module}.{cls.__qualname__}"
+    if (v2_backend or "").lower() == "cpp":
+        return "TLLM_KV_CACHE_MANAGER_V2_BACKEND=cpp"
+    return ""
+
+
 def _tee_v2(event_manager: Any, sink: KvEventSink) -> EventSource:
     wrapped: list[str] = []
+    source: EventSource | None = None
     log = RateLimitedLog(logger)
     # TRT-LLM's V2 event manager calls its own hooks from inside each other (the life-cycle
     # hook calls stored-from-block, which calls add_stored_event, through ``self``, so through
@@ -153,6 +206,8 @@ def _tee_v2(event_manager: Any, sink: KvEventSink) -> EventSource:
             if getattr(nesting, "active", False):
                 return _orig(*args, **kwargs)  # called by another hook: TRT-LLM's only
             nesting.active = True
+            if source is not None and _name in _BLOCK_HOOKS:
+                source.events_seen += 1
             try:
                 result = _orig(*args, **kwargs)
             finally:
@@ -177,7 +232,8 @@ def _tee_v2(event_manager: Any, sink: KvEventSink) -> EventSource:
         for name in wrapped:
             event_manager.__dict__.pop(name, None)
 
-    return EventSource("v2-hooks", lambda: 0, detach, "tap")
+    source = EventSource("v2-hooks", lambda: 0, detach, "tap")
+    return source
 
 
 def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSink,
@@ -222,6 +278,7 @@ def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSin
                         len(items), type(exc).__name__, exc)
                 return
         sink.ingest(items)
+        source.events_seen += len(items)
 
     def tee(*args: Any, **kwargs: Any) -> Any:
         if not state["others"] and not getattr(ours, "polling", False):
@@ -273,4 +330,5 @@ def _tee_buffered(manager: Any, get_latest: Callable[..., Any], sink: KvEventSin
         if getattr(manager, "__dict__", {}).get("get_latest_events") is tee:
             del manager.get_latest_events
 
-    return EventSource("buffered", poll, detach, mode, drains)
+    source = EventSource("buffered", poll, detach, mode, drains)
+    return source

@@ -9,7 +9,13 @@ request goes to the rank its ``SchedulingParams.attention_dp_rank`` names (with
 ``attention_dp_relax=False``, as NVIDIA Dynamo's router sends it;
 ``tensorrt_llm/scheduling_params.py``, stored file id 67179638883), otherwise to the least
 loaded rank. The ranks' loops advance together (their ``_can_queue`` is an allgather), and the
-C++ KV event managers gather every rank's events onto rank 0 (``testing.kv_events``).
+C++ KV event managers gather every rank's events onto rank 0 (``testing.kv_events``). With
+TensorRT-LLM's own streaming publisher on (``kv_events_config``), nothing is gathered: each rank
+publishes its own stream at its own endpoint, rank r at the tcp port + r or the ipc/inproc
+path + ``_dp{r}`` (``StreamingKVCacheEventManager.offset_endpoint_port``,
+``tensorrt_llm/_torch/pyexecutor/kv_cache_events.py`` @44004b3864a7, stored id 57357230020;
+the same rule in the default version @13599e98c71c, stored id 71400586074), and each rank's
+leader consolidates its own rank's stream (``connector.native_events.native_streams``).
 
 :class:`AttentionDpEngine` runs rank 0's :class:`~kvbm_plugin.testing.engine.SimulatedEngine`
 in this process and every other rank's in a child (``processes=True``, spawn start method) or
@@ -43,6 +49,13 @@ from kvbm_plugin.testing.kv_events import AttentionDpGather, pickled_sender
 _REPLY_TIMEOUT_S = 120.0
 
 
+def _gathers(manager: Any) -> bool:
+    """Whether ``manager``'s events are gathered onto rank 0: the buffered C++ path
+    (``SimKVCacheManager``), not TensorRT-LLM's per-rank stream (``SimStreamingKVCacheManager``,
+    which has nothing to take)."""
+    return hasattr(manager, "take_for_gather")
+
+
 def _rank_view(engine: SimulatedEngine, name: str, args: tuple[Any, ...]) -> Any:
     """What the parent may ask of a rank's engine (by name), answered with plain data."""
     leader = engine.leader
@@ -61,6 +74,12 @@ def _rank_view(engine: SimulatedEngine, name: str, args: tuple[Any, ...]) -> Any
         return leader.event_source_status
     if name == "queue_reads":
         return engine.kv_cache_manager.reads
+    if name == "gpu_wire_hashes":  # TensorRT-LLM's own stream: the names its GPU blocks have
+        return engine.kv_cache_manager.resident_wire_hashes()
+    if name == "stream_batches":
+        return engine.kv_cache_manager.batches
+    if name == "stream_names":  # every wire hash the rank's stream ever stored
+        return engine.kv_cache_manager.published_hashes
     if name == "worker_saves_inflight":
         return sum(w.stats().get("saves_inflight", 0) for w in engine.workers)
     if name == "workers_idle":
@@ -131,7 +150,8 @@ def _dp_rank_main(conn: Any, config: EngineConfig, gather_endpoint: str) -> None
         push = ctx.socket(zmq.PUSH)
         push.setsockopt(zmq.LINGER, 5000)
         push.connect(gather_endpoint)
-        gather = AttentionDpGather(engine.kv_cache_manager, pickled_sender(push))
+        if _gathers(engine.kv_cache_manager):
+            gather = AttentionDpGather(engine.kv_cache_manager, pickled_sender(push))
         conn.send(("ok", None))
     except BaseException as exc:  # the parent raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -146,15 +166,17 @@ def _dp_rank_main(conn: Any, config: EngineConfig, gather_endpoint: str) -> None
             break
         try:
             if name == "shutdown":
-                gather.stop(args[0])
+                if gather is not None:
+                    gather.stop(args[0])
                 engine.shutdown(args[0])
                 conn.send(("ok", None))
                 break
             if name == "gather_snapshot":
-                reply: Any = gather.snapshot()
+                reply: Any = (0, 0) if gather is None else gather.snapshot()
             elif name == "stop_gather":
-                gather.stop(args[0])
-                reply = gather.sent
+                if gather is not None:
+                    gather.stop(args[0])
+                reply = 0 if gather is None else gather.sent
             else:
                 reply = _rank_view(engine, name, args)
             conn.send(("ok", reply))
@@ -210,6 +232,8 @@ class AttentionDpEngine:
                 for c in per_rank[1:]:
                     engine = SimulatedEngine(c)
                     self.ranks.append(_LocalDpRank(engine))
+                    if not _gathers(engine.kv_cache_manager):
+                        continue  # TensorRT-LLM's per-rank stream: nothing goes to rank 0
                     self._gathers.append(AttentionDpGather(
                         engine.kv_cache_manager, self.rank0.kv_cache_manager.receive_gathered,
                         self.GATHER_PERIOD_S))
@@ -322,6 +346,8 @@ class AttentionDpEngine:
     def gathered(self) -> bool:
         """Every event another rank made readable so far has reached rank 0's queue (one
         check; the exchange threads run on their own period)."""
+        if not _gathers(self.rank0.kv_cache_manager):
+            return True  # each rank streams its own events: nothing is gathered
         if self._gathers:
             return all(g.snapshot()[0] == 0 for g in self._gathers) \
                 and sum(g.sent for g in self._gathers) == self.rank0.kv_cache_manager.gathered_in

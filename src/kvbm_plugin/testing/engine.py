@@ -233,7 +233,7 @@ class SimulatedEngine:
                               attention_dp_rank=cfg.dp_rank if adp else None,
                               attention_dp_size=cfg.attention_dp) if native is None
             else SimStreamingKVCacheManager(self.pool, cfg.kv_events_config, native,
-                                            block_size=bs))
+                                            block_size=bs, rank=cfg.dp_rank if adp else 0))
         self._closed = False
         self.event_reader: KvEventDispatchReader | None = None
         env = dict(cfg.env)

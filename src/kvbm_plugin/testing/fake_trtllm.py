@@ -313,3 +313,62 @@ class KVCacheEventSerializer:
     def _updated(cls, data: Any) -> dict[str, Any]:
         return {"type": "updated", "block_hash": data.block_hash,
                 "cache_level": cls._diff(data.cache_level), "priority": cls._diff(data.priority)}
+
+
+class V2EventManager:
+    """KVCacheManagerV2's Python event manager as far as the plugin's tee sees it
+    (``_event_manager.py``, Python backend): the radix tree calls ``add_stored_event``
+    through the instance, so a wrapped attribute is called. Records what it was handed."""
+
+    def __init__(self) -> None:
+        self.stored: list[int] = []
+        self._window_size_by_layer_group: dict[int, int] = {}
+
+    def add_stored_event(self, parent_hash: Any, blocks: Any, layer_group_id: Any = None
+                         ) -> None:
+        self.stored.extend(b.block_hash for b in blocks)
+
+    def add_stored_block_event_from_block(self, block: Any) -> None:
+        raise NotImplementedError("V2KVCacheManager.commit calls add_stored_event")
+
+    def add_removed_event(self, block_hashes: Any) -> None:
+        pass
+
+
+class NativeSinkV2EventManager(V2EventManager):
+    """The C++ backend's event manager seen from Python: the same methods, but the radix tree
+    calls them natively, never through the instance's attributes, so a wrapper set on the
+    instance is never called (``kv_cache_events.py`` @44004b3864a7: "the C++ radix tree calls
+    the sink natively, not through Python")."""
+
+
+class V2KVCacheManager:
+    """A KVCacheManagerV2 stand-in holding ``event_manager``. :meth:`commit` stores a chain of
+    full blocks into the "radix tree": through the instance's attributes (Python backend) or,
+    with ``native_sink=True``, the way the C++ backend does, bypassing them. ``bindings_type``
+    makes the event manager's type look like TensorRT-LLM's nanobind class (what the plugin
+    detects); without it the native sink can only be caught by the leader's self-check."""
+
+    def __init__(self, *, native_sink: bool = False, bindings_type: bool = False) -> None:
+        cls: type[V2EventManager] = NativeSinkV2EventManager if native_sink else V2EventManager
+        if bindings_type:
+            cls = type("KVCacheEventManager", (cls,), {
+                "__module__": "tensorrt_llm.bindings.internal.batch_manager.kv_cache_manager_v2"})
+        self.event_manager = cls()
+        self.native_sink = native_sink
+
+    def commit(self, tokens: list[int], block_size: int) -> None:
+        """Store ``tokens``' full blocks (block hash = :func:`trtllm_block_chain`)."""
+        from types import SimpleNamespace
+
+        em = self.event_manager
+        parent = None
+        for h, i in zip(trtllm_block_chain(tokens, block_size),
+                        range(0, len(tokens), block_size), strict=False):
+            data = SimpleNamespace(block_hash=h, tokens=tokens[i:i + block_size], mm_keys=[],
+                                   cache_salt=None)
+            if self.native_sink:  # as C++ calls its sink: no Python attribute lookup
+                type(em).add_stored_event(em, parent, [data], 0)
+            else:
+                em.add_stored_event(parent, [data], 0)
+            parent = h

@@ -245,6 +245,10 @@ def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings)
     return checks
 
 
+# TensorRT-LLM's own switch (tensorrt_llm/runtime/kv_cache_manager_v2/__init__.py, stored id
+# 57009499785: default "cpp"); read here to say what it means, never set by the plugin.
+V2_BACKEND_VAR = "TLLM_KV_CACHE_MANAGER_V2_BACKEND"
+
 _SOURCE_DETAIL = {
     "auto": "drains TRT-LLM's KV-event buffer each iteration until another reader "
             "(LLM.get_kv_cache_events, /kv_cache_events, Dynamo's publisher) calls it, then "
@@ -272,8 +276,22 @@ def _events_source_check(native: NativePublisher | None = None) -> Check:
     detail = (f"{cc.EVENTS_SOURCE}={source}: {_SOURCE_DETAIL[source]}. The leader finds "
               "TRT-LLM's KV cache manager as PyExecutor.kv_cache_manager in its caller's "
               "frames at the first iteration and warns once when there is none (an executor "
-              "that does not wire KV events, e.g. PyExecutorCoro)")
+              "that does not wire KV events, e.g. PyExecutorCoro). " + _v2_backend_note())
     return Check("KV event source", "ok", detail)
+
+
+def _v2_backend_note() -> str:
+    """What KVCacheManagerV2's backend means for the plugin's hooks (issue 26, item 2)."""
+    backend = (os.environ.get(V2_BACKEND_VAR) or "cpp").strip().lower()
+    if backend == "python":
+        return (f"KVCacheManagerV2: {V2_BACKEND_VAR}=python: its Python event hooks are "
+                "wrapped; the leader's self-check warns if none is called")
+    return (f"KVCacheManagerV2: {V2_BACKEND_VAR}={backend} (C++, TensorRT-LLM's default): its "
+            "radix tree calls the event sink natively, so the leader refuses to wrap the hooks "
+            "and publishes no GPU-tier events itself; turn on kv_cache_config.kv_events_config "
+            "(TensorRT-LLM's own publisher, consolidated by the plugin). Where the backend "
+            "cannot be told, the leader's self-check warns and counts "
+            "gpu_source_silent_iterations (the C++ KVCacheManager is not affected)")
 
 
 def read_llm_api_options(path: str) -> Any:
