@@ -51,6 +51,8 @@ def test_fnv64a_known_answers(data: bytes, want: int) -> None:
     ({}, "a0"), ({"a": 1, "b": [2, 3]}, "a26161016162820203"), (None, "f6"),
     # canonical order: the shorter encoded key first, then bytewise
     ({"aa": 1, "b": 2}, "a261620262616101"),
+    # length first (fxamacker's SortLengthFirst), not bytewise: -1 (0x20) before 100 (0x1864)
+    ({100: 1, -1: 2}, "a22002186401"),
     (MMHash("x"), "a1644861736861" + "78"),
 ])
 def test_canonical_cbor_known_answers(value: object, hex_: str) -> None:

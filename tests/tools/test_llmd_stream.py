@@ -108,6 +108,13 @@ def test_at_llm_ds_default_block_size_a_smaller_engine_block_indexes_little(
     assert sum(llmd_default.tiers_held(POD).values()) < sum(llmd.tiers_held(POD).values())
 
 
+def test_in_passthrough_mode_too_and_with_the_lower_tiers_media(tmp_path: Path) -> None:
+    result, llmd, _, _ = _run(tmp_path, mode="passthrough", salts=())
+    assert result.external_tally.agreement >= 0.99, result.external_tally.describe()
+    assert llmd.counts["parse_errors"] == 0 and llmd.counts["unknown_parent_stores"] == 0
+    assert set(llmd.tiers_held(POD)) == {"gpu", "cpu", "disk"}  # weights 1.0, 0.8, 1.0
+
+
 def test_salted_tenants_and_lower_tier_media_today(tmp_path: Path) -> None:
     """Known gaps (issue 28): a salted tenant asking with its own salt string gets no credit
     (the stream names the salt ``dynamo-cache-salt:<hex>`` on every block; llm-d folds the raw
