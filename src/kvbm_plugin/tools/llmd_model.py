@@ -457,9 +457,12 @@ class Match:
 class LlmdIndexer:
     """llm-d's event pool, in-memory index and longest-prefix scorer, for any number of pods.
 
-    ``receive`` takes a message's frames as the SUB delivers them; ``counts`` names every
-    rule that dropped something (``topic_filtered``, ``malformed_frames``, ``parse_errors``,
-    ``unknown_parent_stores``, ``unkeyed_stores``, ``skipped_stores``, ``clears``)."""
+    ``receive`` takes a message's frames as the SUB delivers them; ``counts`` names what was
+    applied (``batches``, ``stores``, ``clears``, ``suppressed_removes``) and every rule that
+    dropped something: ``topic_filtered``, ``malformed_frames``, ``parse_errors`` (a whole
+    batch; ``last_error`` says why), ``unknown_parent_stores``, ``unkeyed_stores`` (no full
+    llm-d block and no known engine key), ``skipped_stores`` / ``skipped_removes`` (a group
+    of a kind llm-d does not index), ``key_errors``."""
 
     block_size: int = DEFAULT_BLOCK_SIZE
     hash_seed: str = ""
