@@ -116,7 +116,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "publisher sends on one (only where libzmq cannot be called keeping the GIL; by "
            "default batches are sent on the engine thread and nothing is queued); a full queue "
            "loses a batch visibly (seq gap, counted).", "publisher"),
-    EnvVar(TOPIC, "", "ZMQ topic frame of every message.", "publisher"),
+    EnvVar(TOPIC, "", "ZMQ topic frame of every message; for llm-d `kv@<pod>@<model>` (see "
+           "\"llm-d\" above).", "publisher"),
     EnvVar(WINDOW_SIZE, None, "Attention window whose events are published (sliding-window "
            "models); unset = the largest window.", "publisher"),
     EnvVar(CPU_CACHE_GB, None, "Host-memory (G2) tier size in GiB.", "tiers"),
@@ -495,6 +496,17 @@ def check_disk_cache_dir(path: str) -> None:
                           "writable")
 
 
+def check_topic(topic: str) -> str:
+    """``topic``, or ConfigError if it starts with llm-d's ``kv@`` and llm-d could not read
+    ``kv@<pod>@<model>`` from it (llm-d-router @ebab6879, engineadapter/common.go parseTopic:
+    not exactly three "@" parts = pod is the whole topic, model "", which no request names)."""
+    parts = topic.split("@")
+    if len(parts) > 1 and parts[0] == "kv" and (len(parts) != 3 or not all(parts)):
+        raise ConfigError(f"{TOPIC}={topic!r}: llm-d reads a topic starting 'kv@' as "
+                          "'kv@<pod>@<model>' (three non-empty '@'-separated parts)")
+    return topic
+
+
 def load_publisher_settings(env: Mapping[str, str] | None = None) -> PublisherSettings:
     """Publisher settings, each variable validated (the publisher name against the registered
     entry points); raises ConfigError naming the variable and value."""
@@ -508,7 +520,7 @@ def load_publisher_settings(env: Mapping[str, str] | None = None) -> PublisherSe
         buffer_bytes=parse_int(BUFFER_BYTES, env_value(env, BUFFER_BYTES) or "", minimum=1),
         hwm=parse_int(HWM, env_value(env, HWM) or "", minimum=1),
         max_queue_size=parse_int(MAX_QUEUE_SIZE, env_value(env, MAX_QUEUE_SIZE) or "", minimum=1),
-        topic=env.get(TOPIC, ENV_VARS_BY_NAME[TOPIC].default or ""),
+        topic=check_topic(env.get(TOPIC, ENV_VARS_BY_NAME[TOPIC].default or "")),
         window_size=None if window is None else parse_int(WINDOW_SIZE, window, minimum=1),
     )
 

@@ -27,8 +27,9 @@ BS = 4
 GPU_WORKER, CONSOLIDATED_WORKER = 1, 2
 
 
-def _env(tmp: Path, mode: str) -> dict[str, str]:
+def _env(tmp: Path, mode: str, topic: str = "") -> dict[str, str]:
     return {
+        cc.TOPIC: topic,
         cc.ENABLE_CONSOLIDATOR: "true", cc.CONSOLIDATOR_MODE: mode,
         cc.EVENTS_ENDPOINT: f"ipc://{tmp}/gpu", cc.REPLAY_ENDPOINT: f"ipc://{tmp}/gpu-r",
         cc.OUTPUT_ENDPOINT: f"ipc://{tmp}/out", cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tmp}/out-r",
@@ -72,8 +73,9 @@ def _settled(engine: SimulatedEngine, indexer: Indexer, mode: str, *, timeout: f
 
 
 def _run(indexer: Indexer, tmp: Path, *, mode: str = "dedup", tp: int = 1,
-         salts: tuple[str, ...] = (), late_join: bool = False) -> SimulatedEngine:
-    env = _env(tmp, mode)
+         salts: tuple[str, ...] = (), late_join: bool = False,
+         topic: str = "") -> SimulatedEngine:
+    env = _env(tmp, mode, topic)
     config = cc.load_consolidator_config(env)
     engine = SimulatedEngine(EngineConfig(
         num_layers=1, num_kv_heads=2, head_dim=4, tokens_per_block=BS, num_gpu_blocks=32,
@@ -111,6 +113,12 @@ def _run(indexer: Indexer, tmp: Path, *, mode: str = "dedup", tp: int = 1,
 def test_the_indexer_holds_what_the_engine_holds(indexer: Indexer, tmp_path: Path,
                                                  mode: str) -> None:
     _run(indexer, tmp_path, mode=mode)
+
+
+def test_an_llm_d_topic_is_read_too(indexer: Indexer, tmp_path: Path) -> None:
+    # DYN_KVBM_KV_EVENTS_TOPIC=kv@<pod>@<model> (llm-d's convention, docs/operations.md
+    # "llm-d"): Dynamo's indexer subscribes to every topic and holds the same blocks.
+    _run(indexer, tmp_path, mode="passthrough", topic="kv@pod-0@demo-model")
 
 
 def test_tensor_parallel_2(indexer: Indexer, tmp_path: Path) -> None:

@@ -269,7 +269,7 @@ def test_a_signal_during_the_demo_ends_it_cleanly(tmp_path: Path, signum: int, s
     assert not list(tmp_path.glob("kvbm-demo-*"))
 
 
-# A value each variable's parser refuses (DYN_KVBM_KV_EVENTS_TOPIC takes any string).
+# A value each variable's parser refuses.
 BAD_VALUES = {
     cc.ENABLE_CONSOLIDATOR: "maybe", cc.CONSOLIDATOR_MODE: "fast", cc.TRTLLM_ZMQ_PORT: "70000",
     cc.LEADER_ZMQ_PUB_PORT: "abc", cc.LEADER_ZMQ_HOST: "a host", cc.EVENTS_ENDPOINT: "udp://x",
@@ -277,6 +277,7 @@ BAD_VALUES = {
     cc.OUTPUT_REPLAY_ENDPOINT: "udp://x", cc.PUBLISHER: "kafka", cc.BUFFER_STEPS: "0",
     cc.BUFFER_BYTES: "1k",
     cc.HWM: "-1", cc.MAX_QUEUE_SIZE: "many", cc.WINDOW_SIZE: "0", cc.NATIVE: "perhaps",
+    cc.TOPIC: "kv@pod-only",
 }
 STANDALONE = {
     "consolidate": [],
@@ -286,7 +287,7 @@ STANDALONE = {
 
 def test_every_variable_the_standalone_commands_read_is_listed() -> None:
     # The event source is the leader's alone (where it takes GPU-tier events from).
-    assert set(BAD_VALUES) | {cc.TOPIC, cc.EVENTS_SOURCE} == {
+    assert set(BAD_VALUES) | {cc.EVENTS_SOURCE} == {
         v.name for v in cc.ENV_VARS if v.group in ("consolidator", "publisher")} | {cc.NATIVE}
 
 
@@ -318,7 +319,7 @@ FREE_FORM_SHARED = {cc.SHARED_DEVICE, cc.SHARED_METADATA_SERVER, cc.SHARED_LOCAL
 
 def test_doctor_covers_every_variable() -> None:
     assert set(BAD_VALUES) | set(BAD_VALUES_ELSEWHERE) | set(BAD_SHARED_VALUES) \
-        | FREE_FORM_SHARED | {cc.TOPIC, cc.DISK_CACHE_DIR} == {v.name for v in cc.ENV_VARS}
+        | FREE_FORM_SHARED | {cc.DISK_CACHE_DIR} == {v.name for v in cc.ENV_VARS}
 
 
 @pytest.mark.parametrize("variable", list(BAD_SHARED_VALUES))

@@ -1,0 +1,213 @@
+"""The plugin's consolidated stream as llm-d reads it (the test model, tools/llmd_model.py).
+
+The simulated engine (real leader, worker, host/disk tiers, event sink and consolidator) runs
+chat turns with ``DYN_KVBM_KV_EVENTS_TOPIC=kv@<pod>@<model>``; a tap on the consolidated output
+(joined from seq 0 through the replay endpoint) hands every batch's raw frames to the model.
+Before each request is scheduled, the model is asked how many prompt tokens llm-d credits the
+pod with, as llm-d's scorer would for a request naming the served model (and its raw cache
+salt); that answer is compared with what the engine then reused.
+
+What works and what does not is asserted both ways, so that a fix shows here (and the "llm-d"
+paragraph of docs/operations.md is updated with it).
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+import zmq
+from _kvwire import recv
+
+from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
+from kvbm_plugin.tools.chat_workload import DriveResult, RouterProbe, TurnWaves, drive
+from kvbm_plugin.tools.llmd_model import DEFAULT_BLOCK_SIZE, LlmdIndexer, llmd_tap
+from kvbm_plugin.tools.router_view import RouterView
+from kvbm_plugin.wire.events import BlockStored, encode_batch
+from kvbm_plugin.wire.publisher import ZmqEventPublisher
+from kvbm_plugin.wire.subscriber import StreamSubscriber
+
+BS = 4
+POD, MODEL = "pod-0", "demo-model"
+TOPIC = f"kv@{POD}@{MODEL}"
+
+
+def _run(tmp: Path, *, mode: str, salts: tuple[str, ...]) -> tuple[
+        DriveResult, LlmdIndexer, LlmdIndexer, SimulatedEngine]:
+    """The workload, llm-d asked before every request; returns the drive's result, the model
+    at the engine's block size, the model at llm-d's default block size, and the engine (shut
+    down)."""
+    env = {
+        cc.ENABLE_CONSOLIDATOR: "true", cc.CONSOLIDATOR_MODE: mode, cc.TOPIC: TOPIC,
+        cc.EVENTS_ENDPOINT: f"ipc://{tmp}/gpu", cc.REPLAY_ENDPOINT: f"ipc://{tmp}/gpu-r",
+        cc.OUTPUT_ENDPOINT: f"ipc://{tmp}/out", cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tmp}/out-r",
+        cc.CPU_CACHE_NUM_BLOCKS: "24", cc.DISK_CACHE_NUM_BLOCKS: "48",
+        cc.DISK_CACHE_DIR: f"{tmp}/disk",
+    }
+    config = cc.load_consolidator_config(env)
+    engine = SimulatedEngine(EngineConfig(
+        num_layers=1, num_kv_heads=2, head_dim=4, tokens_per_block=BS, num_gpu_blocks=32,
+        tp_size=1, max_num_tokens=128, max_batch_size=4, dtype=torch.float32, env=env,
+        vocab_size=30000))
+    llmd = LlmdIndexer(block_size=BS)  # blockSizeTokens set to the engine's block size
+    llmd_default = LlmdIndexer()  # llm-d's default blockSizeTokens (16)
+    tap = llmd_tap([llmd, llmd_default], config.output.connect, config.output_replay.connect,
+                   start_seq=0, view=RouterView(BS))
+    probe = RouterProbe(engine, tap, settle_timeout=20.0,
+                        external=lambda prompt, salt: llmd.cached_tokens(prompt, MODEL, salt,
+                                                                         pod=POD))
+    try:
+        result = drive(engine, probe, TurnWaves(sessions=4, turns=4, system_tokens=16,
+                                                user_tokens=8, gen_tokens=3, seed=5,
+                                                salts=salts), timeout_s=180)
+    finally:
+        tap.close()
+        engine.shutdown()
+    return result, llmd, llmd_default, engine
+
+
+@pytest.fixture(scope="module")
+def unsalted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple]:
+    yield _run(tmp_path_factory.mktemp("llmd"), mode="dedup", salts=())
+
+
+def test_llm_d_scores_what_the_engine_reuses_for_an_unsalted_tenant(unsalted: tuple) -> None:
+    result, llmd, _, engine = unsalted
+    tally = result.external_tally
+    assert tally.requests == result.finished > 0
+    assert tally.reused_tokens > 0
+    assert tally.agreement >= 0.99, tally.describe()
+    assert llmd.counts["parse_errors"] == 0, llmd.last_error
+    assert llmd.counts["unknown_parent_stores"] == 0
+    assert llmd.counts["topic_filtered"] == 0 and llmd.counts["batches"] > 0
+    # the strict router view agrees too: llm-d's answers are not worse than the project's own
+    assert result.tally.agreement >= 0.99, result.tally.describe()
+    stats = engine.stats()
+    assert stats.host_hit_tokens + stats.disk_hit_tokens > 0  # the tiers served prefixes
+
+
+def test_in_dedup_mode_llm_d_weighs_every_tier_as_gpu(unsalted: tuple) -> None:
+    _, llmd, _, _ = unsalted
+    assert set(llmd.tiers_held(POD)) == {"gpu"}  # host and disk blocks get the GPU's weight
+
+
+def test_at_llm_ds_default_block_size_a_smaller_engine_block_indexes_little(
+        unsalted: tuple) -> None:
+    # llm-d keys whole blocks of its own size from each event's tokens alone: a store of
+    # fewer than 16 tokens gives no key, and its children's parent is then unknown.
+    _, llmd, llmd_default, _ = unsalted
+    assert DEFAULT_BLOCK_SIZE == 16 and BS < 16
+    assert llmd_default.counts["unkeyed_stores"] + llmd_default.counts[
+        "unknown_parent_stores"] > 0
+    assert sum(llmd_default.tiers_held(POD).values()) < sum(llmd.tiers_held(POD).values())
+
+
+def test_in_passthrough_mode_too_and_with_the_lower_tiers_media(tmp_path: Path) -> None:
+    result, llmd, _, _ = _run(tmp_path, mode="passthrough", salts=())
+    assert result.external_tally.agreement >= 0.99, result.external_tally.describe()
+    assert llmd.counts["parse_errors"] == 0 and llmd.counts["unknown_parent_stores"] == 0
+    assert set(llmd.tiers_held(POD)) == {"gpu", "cpu", "disk"}  # weights 1.0, 0.8, 1.0
+
+
+def test_salted_tenants_and_lower_tier_media_today(tmp_path: Path) -> None:
+    """Known gaps (issue 28): a salted tenant asking with its own salt string gets no credit
+    (the stream names the salt ``dynamo-cache-salt:<hex>`` on every block; llm-d folds the raw
+    string into block 0 only); passthrough's media arrive as ``cpu``/``disk``."""
+    result, llmd, _, _ = _run(tmp_path, mode="passthrough", salts=("tenant-a", "tenant-b"))
+    tally = result.external_tally
+    assert tally.reused_tokens > 0
+    assert tally.predicted_tokens == 0, tally.describe()
+    assert llmd.counts["parse_errors"] == 0 and llmd.counts["unknown_parent_stores"] == 0
+    assert {"gpu", "cpu", "disk"} <= set(llmd.tiers_held(POD))
+    assert result.tally.agreement >= 0.99  # the stream itself is right: Dynamo's rules hold
+
+
+def test_an_adapter_is_named_by_its_task_id_not_by_the_name_requests_use() -> None:
+    llmd = LlmdIndexer(block_size=BS)
+    store = BlockStored([1 << 40], None, [1, 2, 3, 4], BS, lora_id=7)
+    llmd.receive(encode_batch(TOPIC.encode(), 0, 0.0, [store], 0))
+    assert llmd.counts["stores"] == 1
+    assert llmd.cached_tokens([1, 2, 3, 4], "lora-7") == BS  # what the plugin writes
+    assert llmd.cached_tokens([1, 2, 3, 4], "my-adapter") == 0  # the adapter's served name
+
+
+def test_llm_d_drops_the_dp_rank_two_ranks_on_one_topic_are_one_pod() -> None:
+    llmd = LlmdIndexer(block_size=BS)
+    for rank, tokens in ((0, [1, 2, 3, 4]), (1, [5, 6, 7, 8])):
+        store = BlockStored([(1 << 40) + rank], None, tokens, BS)
+        llmd.receive(encode_batch(TOPIC.encode(), rank, 0.0, [store], rank))
+    assert llmd.cached_tokens([1, 2, 3, 4], MODEL, pod=POD) == BS
+    assert llmd.cached_tokens([5, 6, 7, 8], MODEL, pod=POD) == BS
+    assert set(llmd.match([5, 6, 7, 8], MODEL)) == {POD}
+
+
+def _joined(ctx: zmq.Context, address: str, prefix: bytes,
+            probe: Callable[[], object]) -> zmq.Socket:
+    """A SUB with filter ``prefix`` that has received a probe (probes drained)."""
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, prefix)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.connect(address)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        probe()
+        if sub.poll(20):
+            while sub.poll(50):
+                sub.recv_multipart()
+            return sub
+    sub.close(0)
+    raise AssertionError(f"SUB {prefix!r} never joined {address}")
+
+
+def test_an_llm_d_topic_reaches_llm_d_and_subscribers_of_every_topic(tmp_path: Path) -> None:
+    """``DYN_KVBM_KV_EVENTS_TOPIC=kv@<pod>@<model>``: llm-d's ``kv@`` filter and the ``""``
+    filter Dynamo and vLLM use both receive it, and so does the plugin's own subscriber."""
+    config = cc.load_consolidator_config({cc.TOPIC: TOPIC,
+                                          cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/e"})
+    assert config.publisher.topic == TOPIC
+    endpoint = config.publish_endpoint(0)
+    pub = ZmqEventPublisher(config.publisher, endpoint)
+    ctx = zmq.Context()
+    subs: list[zmq.Socket] = []
+    plugin = StreamSubscriber(endpoint.connect, context=ctx)
+    try:
+        subs += [_joined(ctx, endpoint.connect, prefix, lambda: pub.publish([]))
+                 for prefix in (b"kv@", b"")]
+        removed = [{"type": "BlockRemoved", "block_hashes": [1 << 40], "medium": "GPU"}]
+        assert pub.publish(removed)
+        llmd = LlmdIndexer(block_size=BS)
+        for sub in subs:
+            frames = recv(sub)
+            while msgpack.unpackb(frames[2])[1] == []:  # another SUB's join probe
+                frames = recv(sub)
+            assert frames[0] == TOPIC.encode() and len(frames) == 3
+            assert msgpack.unpackb(frames[2])[1] == removed
+            assert struct.unpack(">Q", frames[1])[0] > 0
+            llmd.receive(frames)
+        assert llmd.counts["batches"] == 2 and llmd.counts["topic_filtered"] == 0
+        got = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            pub.publish(removed)
+            got = [e for b in plugin.poll(50) for e in b.events]
+        assert got and got[0].block_hashes == [1 << 40]
+    finally:
+        for sub in subs:
+            sub.close(0)
+        plugin.close()
+        pub.shutdown(2.0)
+        ctx.term()
+
+
+@pytest.mark.parametrize("topic", ["kv@pod", "kv@@m", "kv@p@", "kv@p@org/m@v2", "kv@"])
+def test_a_topic_llm_d_would_misread_is_refused(topic: str) -> None:
+    with pytest.raises(cc.ConfigError, match=r"DYN_KVBM_KV_EVENTS_TOPIC='kv@"):
+        cc.load_publisher_settings({cc.TOPIC: topic})
+    for fine in ("", "kv", "kv-events", TOPIC):
+        assert cc.load_publisher_settings({cc.TOPIC: fine}).topic == fine
