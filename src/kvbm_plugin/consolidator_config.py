@@ -9,6 +9,7 @@ constructor.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from collections.abc import Mapping
@@ -52,6 +53,8 @@ HWM = "DYN_KVBM_KV_EVENTS_HWM"
 MAX_QUEUE_SIZE = "DYN_KVBM_KV_EVENTS_MAX_QUEUE_SIZE"
 TOPIC = "DYN_KVBM_KV_EVENTS_TOPIC"
 WINDOW_SIZE = "DYN_KVBM_KV_EVENTS_WINDOW_SIZE"
+ZMQ_ALLOW = "DYN_KVBM_ZMQ_ALLOW"
+ZMQ_MAX_PEERS = "DYN_KVBM_ZMQ_MAX_PEERS"
 CPU_CACHE_GB = "DYN_KVBM_CPU_CACHE_GB"
 CPU_CACHE_NUM_BLOCKS = "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
 DISK_CACHE_GB = "DYN_KVBM_DISK_CACHE_GB"
@@ -117,6 +120,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(TOPIC, "", "ZMQ topic frame of every message.", "publisher"),
     EnvVar(WINDOW_SIZE, None, "Attention window whose events are published (sliding-window "
            "models); unset = the largest window.", "publisher"),
+    EnvVar(ZMQ_ALLOW, None, "Comma-separated IP addresses admitted (ZAP, at each handshake) "
+           "to every tcp socket the plugin binds; unset = whoever reaches the bind address.",
+           "publisher"),
+    EnvVar(ZMQ_MAX_PEERS, "64", "Connections each bound publishing or replay socket keeps; "
+           "more are cut at once (bounds what outsiders make it hold).", "publisher"),
     EnvVar(CPU_CACHE_GB, None, "Host-memory (G2) tier size in GiB.", "tiers"),
     EnvVar(CPU_CACHE_NUM_BLOCKS, None, "Host tier size in blocks (overrides the GiB size).",
            "tiers"),
@@ -346,6 +354,8 @@ class PublisherSettings:
     max_queue_size: int = 100000
     topic: str = ""
     window_size: int | None = None
+    allow: tuple[str, ...] = ()  # IP addresses admitted to the bound tcp sockets; () = any
+    max_peers: int = 64  # connections each publishing or replay socket keeps
 
 
 @dataclass(frozen=True)
@@ -501,7 +511,24 @@ def load_publisher_settings(env: Mapping[str, str] | None = None) -> PublisherSe
         max_queue_size=parse_int(MAX_QUEUE_SIZE, env_value(env, MAX_QUEUE_SIZE) or "", minimum=1),
         topic=env.get(TOPIC, ENV_VARS_BY_NAME[TOPIC].default or ""),
         window_size=None if window is None else parse_int(WINDOW_SIZE, window, minimum=1),
+        allow=load_allowlist(env),
+        max_peers=load_max_peers(env),
     )
+
+
+def load_max_peers(env: Mapping[str, str] | None = None) -> int:
+    """``DYN_KVBM_ZMQ_MAX_PEERS``, checked; raises ConfigError naming the variable."""
+    value = env_value(os.environ if env is None else env, ZMQ_MAX_PEERS) or ""
+    return parse_int(ZMQ_MAX_PEERS, value, minimum=1)
+
+
+def load_allowlist(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The IP addresses of ``DYN_KVBM_ZMQ_ALLOW`` (() when unset); ConfigError names a bad one."""
+    value = env_value(os.environ if env is None else env, ZMQ_ALLOW) or ""
+    try:
+        return tuple(str(ipaddress.ip_address(t.strip())) for t in value.split(",") if t.strip())
+    except ValueError as exc:
+        raise ConfigError(f"{ZMQ_ALLOW}={value!r}: {exc} (IP addresses only)") from None
 
 
 def load_tier_settings(env: Mapping[str, str] | None = None) -> TierSettings:

@@ -354,8 +354,9 @@ class KvEventConsolidator(StreamIngest):
                 inline = ZmqEventPublisher(self.config.publisher, self.config.output,
                                            self.config.output_replay, inline=True)
                 self._publisher = inline
-                if inline.replay_socket is not None:
-                    poller.register(inline.replay_socket, zmq.POLLIN)
+                # Its subscriptions, replay requests and both sockets' connection events.
+                for sock in inline.sockets_to_poll:
+                    poller.register(sock, zmq.POLLIN)
             for rank in self.config.stream_ranks():
                 stream = _Stream(rank)
                 streams.append(stream)
@@ -462,8 +463,9 @@ class KvEventConsolidator(StreamIngest):
                 # the flag first would let a later submitter's wake byte be swallowed above and
                 # leave its item queued while this thread sleeps.
                 self._wake_pending = False
-            if inline is not None and (inline.replay_socket in ready or inline.replay_busy):
-                inline.service_replay()  # our output's replay requests and answers
+            if inline is not None and (inline.replay_busy
+                                       or any(s in ready for s in inline.sockets_to_poll)):
+                inline.service_replay()  # our output's subscriptions, replay requests, answers
             for stream in streams:
                 # Before the stream's messages: a message from a restarted publisher must not be
                 # taken for the old stream's before its reconnection is seen.

@@ -33,6 +33,8 @@ from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.tiers.shared.directory import SharedBlock, check_block
+from kvbm_plugin.wire.access import Allowlist
+from kvbm_plugin.wire.guard import SubscriptionGuard
 
 if TYPE_CHECKING:
     from kvbm_plugin.shared_settings import SharedSettings
@@ -136,7 +138,8 @@ class Announcer:
     """
 
     def __init__(self, endpoint: str | None, peers: Sequence[str], *,
-                 context: zmq.Context | None = None, sender: int | None = None) -> None:
+                 context: zmq.Context | None = None, sender: int | None = None,
+                 allow: Sequence[str] | None = None, max_peers: int | None = None) -> None:
         self.endpoint = endpoint
         self.peers = tuple(peers)
         self.sender = int.from_bytes(os.urandom(8), "little") if sender is None else sender
@@ -147,6 +150,12 @@ class Announcer:
         self._seq = 0
         self._next_seq: dict[int, int] = {}  # sender -> the seq expected next
         self._log = RateLimitedLog(logger)
+        # Peers' subscriptions: only b"" can match a topic-less message; others are bounded
+        # (wire/guard.py), as are the connections (DYN_KVBM_ZMQ_MAX_PEERS unless
+        # ``max_peers`` is given). Who may connect: DYN_KVBM_ZMQ_ALLOW unless ``allow`` is.
+        self._guard = SubscriptionGuard(
+            "Announcer", b"", max_peers=cc.load_max_peers() if max_peers is None else max_peers)
+        self._allowlist = Allowlist(cc.load_allowlist() if allow is None else allow)
         self.last_bad: str | None = None  # why the last bad message was refused
         self._n = dict.fromkeys(("announced", "announce_messages", "announce_dropped",
                                  "heard_messages", "heard", "bad_announcements", "lost",
@@ -160,10 +169,13 @@ class Announcer:
             self._own_context = True
         try:
             if self.endpoint is not None:
+                self._allowlist.start(self._context, self._own_context)
                 pub = self.pub = self._context.socket(zmq.XPUB)
                 pub.setsockopt(zmq.LINGER, 0)
                 pub.setsockopt(zmq.SNDHWM, 1024)
-                pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every peer's subscription is seen
+                # Manual subscriptions (every peer's is seen, only b"" applied), bounded.
+                self._guard.configure(pub)
+                self._allowlist.configure(pub)
                 pub.bind(self.endpoint)
             if self.peers:
                 sub = self.sub = self._context.socket(zmq.SUB)
@@ -179,7 +191,8 @@ class Announcer:
 
     def sockets(self) -> list[zmq.Socket]:
         """The sockets to poll for input (the SUB's announcements, the XPUB's subscriptions)."""
-        return [s for s in (self.sub, self.pub) if s is not None]
+        guarded = self._guard.sockets if self.pub is not None else []
+        return [s for s in (self.sub, self.pub, *guarded) if s is not None]
 
     def publish(self, blocks: Sequence[SharedBlock]) -> None:
         """Announce ``blocks`` (in messages of :data:`BLOCKS_PER_MESSAGE`). Never blocks: a
@@ -228,14 +241,17 @@ class Announcer:
         return out
 
     def stats(self) -> dict[str, int]:
-        return dict(self._n)
+        return {**self._n, **self._guard.stats()}
 
     def close(self) -> None:
         """Close the sockets (and the context it made); idempotent."""
+        if self.pub is not None:
+            self._guard.close()  # its connection monitor, before the XPUB
         for sock in (self.pub, self.sub):
             if sock is not None:
                 sock.close(linger=0)
         self.pub = self.sub = None
+        self._allowlist.stop()
         if self._own_context and self._context is not None:
             self._context.term()
             self._context = None
@@ -246,15 +262,13 @@ class Announcer:
     def _read_subscriptions(self) -> None:
         if self.pub is None:
             return
-        while True:
-            try:
-                frame = self.pub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            if frame[:1] == b"\x01":  # a peer's SUB joined (its filter is in place now)
-                self._n["subscriptions"] += 1
-                logger.info("kvbm_plugin: a peer subscribed to the shared-tier announcements "
-                            "on %s", self.endpoint)
+        applied = self._guard.applied
+        self._guard.service(self.pub)  # bounded per call; the agent's next turn reads on
+        joined = self._guard.applied - applied
+        if joined:  # a peer's SUB joined (its filter is in place now)
+            self._n["subscriptions"] += joined
+            logger.info("kvbm_plugin: %d peer subscription(s) to the shared-tier "
+                        "announcements on %s", joined, self.endpoint)
 
     def _note_seq(self, sender: int, seq: int) -> None:
         expected = self._next_seq.get(sender)
