@@ -179,7 +179,11 @@ class SubscriptionGuard:
             else:
                 self.refused += 1
             return
-        peer = self._peer(fd)
+        try:
+            sender_ip: str | None = frame.get("Peer-Address")
+        except zmq.ZMQError:
+            sender_ip = None
+        peer = self._peer(fd, sender_ip)
         allowed = body in self._allowed and (peer is None or not peer.cut)
         if not subscribe:
             if allowed:
@@ -204,13 +208,22 @@ class SubscriptionGuard:
         if not peer.cut and len(peer.refused) > self._max_refused:
             self._cut_peer(fd, peer, body)
 
-    def _peer(self, fd: int) -> _Peer | None:
+    def _peer(self, fd: int, sender_ip: str | None) -> _Peer | None:
         """The state of the connection on ``fd``: fresh when the fd now belongs to another
-        connection; the last one known there when it is not a connected socket any more."""
+        connection; the last one known there when it is not a connected socket any more.
+
+        None when the message cannot be told apart: it was sent from another IP address than
+        the connection now on ``fd`` (its own connection is gone and libzmq gave the fd number
+        to a new one while the message still waited here), so it is not held against the new
+        one. Such a message is still applied or refused (libzmq applies it to the connection
+        that sent it, if that is still there)."""
         address = peer_address(fd)
         peer = self._peers.get(fd)
         if address is None or (peer is not None and peer.address == address):
             return peer
+        if (sender_ip is not None and isinstance(address, tuple) and isinstance(address[0], str)
+                and address[0] != sender_ip):
+            return None
         if peer is None and len(self._peers) >= _MAX_PEERS:
             self._peers.pop(next(iter(self._peers)))
         peer = self._peers[fd] = _Peer(address)

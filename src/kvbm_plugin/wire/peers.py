@@ -6,8 +6,9 @@ monitor (``zmq_socket_monitor``: each event carries the connection's fd) and cut
 connection beyond ``max_peers``, so what all connections together can hold is ``max_peers``
 times what one can. :func:`cut_connection` is the cut: it attaches a socket filter that drops
 every packet still to come (so the peer can send nothing more; on Linux ``shutdown(SHUT_RD)``
-alone lets a TCP peer go on sending, and libzmq would go on reading) and shuts the connection
-down; libzmq reads what was already received (at most :data:`RCVBUF_BYTES`, the socket's
+alone lets a TCP peer go on sending, and libzmq would go on reading), makes its close a reset
+(``SO_LINGER`` 0, so no closed socket lingers) and shuts its reading side; libzmq reads what
+was already received (at most :data:`RCVBUF_BYTES`, the socket's
 receive buffer, which :func:`limit_receive_buffer` sets) and then the end of stream, closes the
 fd and frees what it held for that peer.
 
@@ -96,11 +97,15 @@ def cut_connection(fd: int, address: object) -> bool:
         try:
             if (sock.getpeername() or ("local", fd)) != address:
                 return False
+            # Closed with a reset, not a FIN: no socket lingers for the peer's answer (which
+            # the filter would drop, keeping it, and a later connection on the same ports,
+            # waiting).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             with contextlib.suppress(OSError):  # Linux: drop every packet still to come
                 program = (_Filter * 1)(_Filter(0x06, 0, 0, 0))  # BPF_RET|BPF_K 0: drop
                 fprog = struct.pack("HL", 1, ctypes.addressof(program))
                 sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
-            sock.shutdown(socket.SHUT_RDWR)
+            sock.shutdown(socket.SHUT_RD)  # libzmq reads the end of stream and closes
         except OSError:
             return False
     return True
