@@ -24,7 +24,8 @@ def _frame(body: bytes, *, more: bool = False, command: bool = False) -> bytes:
 
 class RawPeer:
     """One TCP connection to ``host:port`` that completes a NULL handshake as ``socket_type``
-    (b"SUB", b"DEALER") and then sends what it is told. ``send`` returns False once the other
+    (b"SUB", b"DEALER"; raising OSError if the other side refuses it) and then sends what it
+    is told. ``send`` returns False once the other
     side has cut the connection (or stopped reading for ``timeout`` seconds)."""
 
     def __init__(self, host: str, port: int, socket_type: bytes, timeout: float = 2.0) -> None:
@@ -33,7 +34,24 @@ class RawPeer:
         ready = (b"\x05READY" + bytes((len(name),)) + name
                  + struct.pack(">I", len(socket_type)) + socket_type)
         self.sock.sendall(_greeting() + _frame(ready, command=True))
+        # The other side's greeting and READY first: libzmq takes a frame that arrives before
+        # it has sent its own READY for a handshake command, and drops the connection.
+        self._read_exactly(64)
+        flags = self._read_exactly(1)[0]
+        size = (struct.unpack(">Q", self._read_exactly(8))[0] if flags & 0x02
+                else self._read_exactly(1)[0])
+        if not flags & 0x04 or not self._read_exactly(size).startswith(b"\x05READY"):
+            raise OSError("no READY from the other side")
         self.alive = True
+
+    def _read_exactly(self, n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = self.sock.recv(n - len(data))
+            if not chunk:
+                raise ConnectionResetError("closed during the handshake")
+            data += chunk
+        return data
 
     def send(self, *frames: bytes) -> bool:
         if not self.alive:

@@ -136,6 +136,7 @@ class KvEventConsolidator(StreamIngest):
         self._publisher = publisher
         self._owns_publisher = publisher is None
         self._inline_output = False  # the ingest thread owns the output publisher's sockets
+        self._inline_sockets: list[zmq.Socket] = []  # its sockets the ingest thread polls
         self._shutdown_deadline = math.inf
         self._ctx = context if context is not None else zmq.Context.instance()
         self._replay_timeout = replay_timeout
@@ -355,7 +356,8 @@ class KvEventConsolidator(StreamIngest):
                                            self.config.output_replay, inline=True)
                 self._publisher = inline
                 # Its subscriptions, replay requests and both sockets' connection events.
-                for sock in inline.sockets_to_poll:
+                self._inline_sockets = inline.sockets_to_poll
+                for sock in self._inline_sockets:
                     poller.register(sock, zmq.POLLIN)
             for rank in self.config.stream_ranks():
                 stream = _Stream(rank)
@@ -464,7 +466,7 @@ class KvEventConsolidator(StreamIngest):
                 # leave its item queued while this thread sleeps.
                 self._wake_pending = False
             if inline is not None and (inline.replay_busy
-                                       or any(s in ready for s in inline.sockets_to_poll)):
+                                       or any(s in ready for s in self._inline_sockets)):
                 inline.service_replay()  # our output's subscriptions, replay requests, answers
             for stream in streams:
                 # Before the stream's messages: a message from a restarted publisher must not be
