@@ -376,3 +376,46 @@ def test_soak_an_outsider_on_every_socket_for_60_s(request, ctx, tcp, publishers
         if decode(frames[2]).events:
             got += 1
     assert rss() - before < 64 << 20
+
+
+def test_a_reader_behind_a_flood_cuts_connections_not_yet_subscribers(ctx) -> None:
+    """libzmq takes in a connection's subscriptions however far behind the reader is: once a
+    turn leaves more to read, every connection not yet a subscriber is cut, and new ones are
+    refused at accept until the reader has caught up; a subscriber stays."""
+    guard = SubscriptionGuard("t", b"kv@a")
+    pub = ctx.socket(zmq.XPUB)
+    guard.configure(pub)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    wait_until(lambda: (guard.service(pub), guard.applied)[1] >= 1, what="the subscriber")
+    flood = RawPeer("127.0.0.1", port, b"SUB")
+    idle = RawPeer("127.0.0.1", port, b"SUB")  # connected, nothing read from it yet
+    try:
+        for i in range(2_000):  # sent while nobody reads: a turn (256) cannot take them all
+            flood.send(b"\x01" + b"kv@a" * 2 + i.to_bytes(4, "big"))
+        wait_until(lambda: guard.service(pub) and guard.peers_shed >= 1, what="a shed")
+        assert idle.cut(2.0)
+        late = RawPeer("127.0.0.1", port, b"SUB")  # refused at accept: the reader is behind
+        try:
+            wait_until(lambda: (guard.service(pub), guard.stats()["connections_refused"])[1]
+                       >= 1, what="refused at accept")
+            assert late.cut(2.0)
+        finally:
+            late.close()
+    finally:
+        flood.close()
+        idle.close()
+    wait_until(lambda: not guard.service(pub) and guard.stats()["subscriptions_held"] <= 1,
+               what="caught up")
+    again = RawPeer("127.0.0.1", port, b"SUB")  # kept again
+    try:
+        again.send(b"\x01kv@")
+        wait_until(lambda: (guard.service(pub), guard.applied)[1] >= 2, what="applied")
+    finally:
+        again.close()
+    pub.send_multipart([b"kv@a", b"1"])
+    assert recv(sub) == [b"kv@a", b"1"]
+    guard.close()

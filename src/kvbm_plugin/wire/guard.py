@@ -1,7 +1,7 @@
 """Bounds on what outsiders can make our bound ZMQ sockets hold: subscriptions, requests, peers.
 
 Who calls what: the thread that owns a publishing socket (a publisher's own thread, the
-consolidator's ingest thread, the shared agent's thread, or under the send lock the replay
+consolidator's ingest thread, the shared agent's thread, or under the send lock the service
 thread of a publisher that sends on the caller's thread; never TensorRT-LLM's executor thread)
 calls :meth:`SubscriptionGuard.configure` before binding and :meth:`SubscriptionGuard.service`
 whenever the socket is readable.
@@ -20,18 +20,22 @@ them or disconnects. So the guard:
   a PUB would send it, byte for byte;
 * tolerates up to ``max_refused`` other distinct subscriptions per connection (a SUB connected to
   several publishers sends each of them all its subscriptions) and cuts the connection at the
-  next one: libzmq then frees all it held for that peer (its termination notices are read here
-  too). The connection is found by the ``__fd`` property libzmq attaches to each received message
-  (``src/stream_engine_base.cpp``, ``init_properties``), checked against the peer's address;
-* sets ``ZMQ_MAXMSGSIZE`` (a longer subscription can never match; libzmq drops that connection)
-  and a small ``ZMQ_RCVHWM`` (what a connection can queue before TCP pushes back).
+  next one (:func:`kvbm_plugin.wire.peers.cut_connection`): libzmq then frees all it held for
+  that peer (its termination notices are read here too). The connection is found by the
+  ``__fd`` property libzmq attaches to each received message (``src/stream_engine_base.cpp``,
+  ``init_properties``), checked against the peer's address;
+* sets ``ZMQ_MAXMSGSIZE`` (a longer subscription can never match; libzmq drops that
+  connection), a small ``ZMQ_RCVHWM`` and receive buffer (what a connection has in flight), and
+  caps the socket's connections (:class:`kvbm_plugin.wire.peers.PeerCap`).
 
-The bound, per connection: ``len(topic) + 1`` applied prefixes plus ``max_refused`` refused
-subscriptions of at most :func:`max_subscription_bytes` bytes each, plus what arrives between two
-services (at most about ``RCVHWM`` messages per libzmq command round); the number of connections
-is limited by the bind address, :mod:`kvbm_plugin.wire.access` (an allowlist) and the open-file
-limit. Every refused subscription and cut connection is counted (:meth:`stats`) and logged
-rate-limited.
+The bound: at most ``max_peers`` connections, each holding at most the topic's
+``len(topic) + 1`` prefixes and ``max_refused`` other subscriptions of at most
+:func:`max_subscription_bytes` bytes before it is cut, and after the cut what it had in flight
+(its receive buffer, :data:`kvbm_plugin.wire.peers.RCVBUF_BYTES`, and what libzmq had taken in
+before this thread read its last subscription), until libzmq closes it. The number of
+connections is further limited by the bind address and :mod:`kvbm_plugin.wire.access` (an
+allowlist). Every refused subscription and cut connection is counted (:meth:`stats`) and
+logged rate-limited.
 
 Replay ROUTERs get :func:`harden_router`: a small ``MAXMSGSIZE`` (a request is 8 bytes) and
 ``RCVHWM``; :mod:`kvbm_plugin.wire.replay_server` bounds the answers.
@@ -53,6 +57,7 @@ logger = logging.getLogger(__name__)
 SUBSCRIPTION_HWM = 4  # RCVHWM of a guarded XPUB: subscription messages queued per connection
 MAX_REFUSED_PER_PEER = 16  # distinct non-matching subscriptions a connection may hold
 PER_TURN = 256  # subscription messages read per service call
+BACKLOG_TURNS = 1  # service calls in a row that find a full turn waiting: a flood (see _shed)
 MAX_PEERS = 64  # connections a guarded socket keeps (DYN_KVBM_ZMQ_MAX_PEERS)
 REPLAY_REQUEST_BYTES = 64  # MAXMSGSIZE of a replay ROUTER (a request frame is 8 bytes)
 REPLAY_RCVHWM = 16  # replay requests queued per requester connection
@@ -106,6 +111,8 @@ class SubscriptionGuard:
         self.unsubscribed = 0  # cancellations applied
         self.refused = 0  # subscriptions that can never match (or from a cut peer): not applied
         self.peers_cut = 0  # connections cut for holding more than max_refused of those
+        self.peers_shed = 0  # connections cut in a backlog, before their turn (_shed)
+        self._backlog = 0  # service calls in a row that ran out of budget
         self.departed = 0  # notices read that a connection went (libzmq freed its subscription)
         self.held = 0  # distinct subscriptions libzmq holds for connections (class docstring)
         self.held_high_water = 0
@@ -137,6 +144,7 @@ class SubscriptionGuard:
             "subscriptions_cancelled": self.unsubscribed,
             "subscriptions_refused": self.refused,
             "subscription_peers_cut": self.peers_cut,
+            "subscription_peers_shed": self.peers_shed,
             "subscription_departures": self.departed,
             "subscriptions_held": self.held,
             "subscriptions_held_high_water": self.held_high_water,
@@ -146,14 +154,47 @@ class SubscriptionGuard:
         """Read connection events, then up to ``per_turn`` subscription messages (never
         blocks); True when a budget ran out, so more may be waiting (call again soon). Called
         by the owning thread."""
-        more = self._cap is not None and self._cap.service()
+        cap = self._cap
+        more = cap is not None and cap.service()
         for _ in range(self._per_turn):
             try:
                 frame = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self._backlog = 0
+                if cap is not None:
+                    cap.refuse_new = False
                 return more
             self._one(sock, frame)
+        self._backlog += 1
+        if self._backlog >= BACKLOG_TURNS:
+            self._shed()
         return True
+
+    def _shed(self) -> None:
+        """A backlog: subscriptions come in faster than this thread reads them. libzmq moves
+        every connection's subscriptions into its queue whenever the socket is called, however
+        far behind the reader is, so a flooding connection would be cut only once the reader
+        got to its messages, while it kept sending. Cut now every connection not yet shown to
+        be a subscriber (one whose subscriptions read so far were all applied), and new ones
+        at accept until the reader has caught up; a legitimate one cut meanwhile reconnects
+        (counted in ``subscription_peers_shed`` and ``connections_refused``)."""
+        cap = self._cap
+        if cap is None:
+            return
+        cap.refuse_new = True  # until a turn finds nothing left to read
+        for fd, address in cap.connections():
+            peer = self._peers.get(fd)
+            if peer is not None and peer.address == address and (
+                    peer.cut or (peer.applied and not peer.refused)):
+                continue
+            if peer is None or peer.address != address:
+                peer = self._peers[fd] = _Peer(address)
+            peer.cut = True
+            self.peers_shed += 1
+            self._log.log(logging.WARNING, "sub-shed", "%s: subscriptions arrive faster than "
+                          "they are read: cut the connection from %s, not yet a subscriber",
+                          self._owner, saferepr(address, 80))
+            cut_connection(fd, address)
 
     def _forget(self, fd: int) -> None:
         self._peers.pop(fd, None)
@@ -217,7 +258,9 @@ class SubscriptionGuard:
         to a new one while the message still waited here), so it is not held against the new
         one. Such a message is still applied or refused (libzmq applies it to the connection
         that sent it, if that is still there)."""
-        address = peer_address(fd)
+        address = self._cap.address(fd) if self._cap is not None else None
+        if address is None:
+            address = peer_address(fd)
         peer = self._peers.get(fd)
         if address is None or (peer is not None and peer.address == address):
             return peer

@@ -129,11 +129,24 @@ class PeerCap:
         self.accepted = 0
         self.refused = 0
         self.closed = 0
+        # Set by the owner while it is behind (a flood): new connections are cut at accept.
+        self.refuse_new = False
         self.socket: zmq.Socket | None = sock.get_monitor_socket(_EVENTS)
 
     @property
     def live(self) -> int:
         return len(self._live)
+
+    def address(self, fd: int) -> object:
+        """The peer address of the connection kept on ``fd`` (None if none is kept there): no
+        system call, so the guard asks this first (libzmq reports a connection's
+        DISCONNECTED before it closes the fd, so an fd is never kept under an old address
+        once a new connection has it and its events were read)."""
+        return self._live.get(fd)
+
+    def connections(self) -> list[tuple[int, object]]:
+        """``(fd, peer address)`` of every connection kept now."""
+        return list(self._live.items())
 
     def stats(self) -> dict[str, int]:
         return {"connections_accepted": self.accepted, "connections_refused": self.refused,
@@ -176,13 +189,14 @@ class PeerCap:
         self.accepted += 1
         if len(self._live) >= self._max and fd not in self._live:
             self._prune()
-        if len(self._live) < self._max or fd in self._live:
+        if not self.refuse_new and (len(self._live) < self._max or fd in self._live):
             self._live[fd] = address
             return
         self.refused += 1
-        self._log.log(logging.WARNING, "peer-cap", "%s: refused the connection from %s: %d "
-                      "connections are open already (the most it keeps)", self._owner,
-                      saferepr(address, 80), self._max)
+        why = ("its socket is behind with a flood" if self.refuse_new else
+               f"{self._max} connections are open already (the most it keeps)")
+        self._log.log(logging.WARNING, "peer-cap", "%s: refused the connection from %s: %s",
+                      self._owner, saferepr(address, 80), why)
         cut_connection(fd, address)
 
     def _prune(self) -> None:

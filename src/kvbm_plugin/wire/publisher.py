@@ -64,7 +64,8 @@ logger = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
 
 class ZmqEventPublisher(EventPublisher):
-    """ZMQ PUB (+ optional replay ROUTER).
+    """ZMQ XPUB, a PUB on the wire (+ optional replay ROUTER); what peers make it hold is
+    bounded (``wire/guard.py``, ``wire/peers.py``).
 
     Wire: every batch is three frames ``[topic, seq (u64 big-endian, +1 per batch from 0),
     payload]``, payload msgpack ``[ts, events, data_parallel_rank]`` (see :mod:`events`).
@@ -78,8 +79,9 @@ class ZmqEventPublisher(EventPublisher):
       for its own I/O thread, which does the socket I/O; a PUB socket drops at its high-water
       mark rather than wait, so the call never waits. A lock serialises callers on different
       threads (the socket is single-threaded); it is held only across that non-blocking
-      hand-off. Replay requests are answered by a background thread that owns the ROUTER and
-      reads a snapshot of the replay buffer. Why: a hand-off to a publisher thread costs more
+      hand-off. A service thread owns the ROUTER and answers replay requests from a snapshot
+      of the replay buffer, and reads the XPUB's subscriptions under that lock (the executor
+      thread never does; ``wire/guard.py``). Why: a hand-off to a publisher thread costs more
       than the send itself. That thread sleeps between engine iterations, and waking it for
       each batch costs ~70-150 us of CPU per batch (cold caches after the pause), against
       ~20 us for building and sending the batch on the executor thread, whose caches are warm
@@ -106,7 +108,7 @@ class ZmqEventPublisher(EventPublisher):
     GIL hand-offs between the two threads, which cost more than the encoding itself.
 
     ``endpoint`` is the endpoint this publisher binds as given (the caller picks the rank's
-    endpoint, e.g. ``ConsolidatorConfig.publish_endpoint(rank)``); PUB always binds. The replay
+    endpoint, e.g. ``ConsolidatorConfig.publish_endpoint(rank)``); the XPUB always binds. The replay
     ROUTER binds ``replay_endpoint`` when one is given.
 
     Keyword-only options: ``context`` (a ZMQ context to share; default: a private one for
