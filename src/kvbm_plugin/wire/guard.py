@@ -26,13 +26,17 @@ them or disconnects. So the guard:
   ``init_properties``), checked against the peer's address;
 * sets ``ZMQ_MAXMSGSIZE`` (a longer subscription can never match; libzmq drops that
   connection), a small ``ZMQ_RCVHWM`` and receive buffer (what a connection has in flight), and
-  caps the socket's connections (:class:`kvbm_plugin.wire.peers.PeerCap`).
+  caps the socket's connections (:class:`kvbm_plugin.wire.peers.PeerCap`);
+* when a turn leaves subscriptions unread, cuts every connection not yet a subscriber and
+  refuses new ones until it has caught up (:meth:`SubscriptionGuard._shed`): libzmq takes a
+  connection's subscriptions in as they arrive, however far behind this reader is.
 
 The bound: at most ``max_peers`` connections, each holding at most the topic's
 ``len(topic) + 1`` prefixes and ``max_refused`` other subscriptions of at most
 :func:`max_subscription_bytes` bytes before it is cut, and after the cut what it had in flight
 (its receive buffer, :data:`kvbm_plugin.wire.peers.RCVBUF_BYTES`, and what libzmq had taken in
-before this thread read its last subscription), until libzmq closes it. The number of
+before this thread read its last subscription: what it sent between its accept and the
+reader's next turn), until libzmq closes it. The number of
 connections is further limited by the bind address and :mod:`kvbm_plugin.wire.access` (an
 allowlist). Every refused subscription and cut connection is counted (:meth:`stats`) and
 logged rate-limited.
