@@ -18,6 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kvbm_plugin"
 RANKS: dict[str, int] = {
     "consolidator_config": 0,  # settings: the standard library only
     "shared_settings": 0,
+    "setting_values": 0,
     "_util": 1,
     "wire": 2,
     "tiers": 3,

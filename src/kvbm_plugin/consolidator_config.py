@@ -9,17 +9,25 @@ constructor.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
+from kvbm_plugin.setting_values import ENDPOINT_SCHEMES as ENDPOINT_SCHEMES
+from kvbm_plugin.setting_values import FALSE_WORDS as FALSE_WORDS
+from kvbm_plugin.setting_values import TRUE_WORDS as TRUE_WORDS
+from kvbm_plugin.setting_values import ConfigError as ConfigError
+from kvbm_plugin.setting_values import Endpoint as Endpoint
+from kvbm_plugin.setting_values import parse_bool as parse_bool
+from kvbm_plugin.setting_values import parse_endpoint as parse_endpoint
+from kvbm_plugin.setting_values import parse_float as parse_float
+from kvbm_plugin.setting_values import parse_int as parse_int
+from kvbm_plugin.setting_values import parse_port as parse_port
+
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A setting has a value the plugin cannot use. The message names the variable and value."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,8 @@ HWM = "DYN_KVBM_KV_EVENTS_HWM"
 MAX_QUEUE_SIZE = "DYN_KVBM_KV_EVENTS_MAX_QUEUE_SIZE"
 TOPIC = "DYN_KVBM_KV_EVENTS_TOPIC"
 WINDOW_SIZE = "DYN_KVBM_KV_EVENTS_WINDOW_SIZE"
+ZMQ_ALLOW = "DYN_KVBM_ZMQ_ALLOW"
+ZMQ_MAX_PEERS = "DYN_KVBM_ZMQ_MAX_PEERS"
 CPU_CACHE_GB = "DYN_KVBM_CPU_CACHE_GB"
 CPU_CACHE_NUM_BLOCKS = "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
 DISK_CACHE_GB = "DYN_KVBM_DISK_CACHE_GB"
@@ -120,6 +130,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "\"llm-d\" above).", "publisher"),
     EnvVar(WINDOW_SIZE, None, "Attention window whose events are published (sliding-window "
            "models); unset = the largest window.", "publisher"),
+    EnvVar(ZMQ_ALLOW, None, "Comma-separated IP addresses admitted (ZAP, at each handshake) "
+           "to every tcp socket the plugin binds; unset = whoever reaches the bind address.",
+           "publisher"),
+    EnvVar(ZMQ_MAX_PEERS, "64", "Connections each bound publishing or replay socket keeps; "
+           "more are cut at once (bounds what outsiders make it hold).", "publisher"),
     EnvVar(CPU_CACHE_GB, None, "Host-memory (G2) tier size in GiB.", "tiers"),
     EnvVar(CPU_CACHE_NUM_BLOCKS, None, "Host tier size in blocks (overrides the GiB size).",
            "tiers"),
@@ -191,12 +206,8 @@ ENV_VARS_BY_NAME: dict[str, EnvVar] = {var.name: var for var in ENV_VARS}
 DYNAMO_CONNECTOR_MODULE = "kvbm.trtllm_integration.connector"
 PLUGIN_MODULE = "kvbm_plugin"
 
-# The words a switch accepts, and the endpoint schemes ZMQ binds (shared_settings reads them too).
-TRUE_WORDS = frozenset({"1", "true", "on", "yes"})
-FALSE_WORDS = frozenset({"0", "false", "off", "no"})
 ConsolidatorMode = Literal["dedup", "passthrough"]
 _MODES: tuple[ConsolidatorMode, ...] = ("dedup", "passthrough")
-ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 
 
 def env_value(env: Mapping[str, str], name: str) -> str | None:
@@ -205,143 +216,6 @@ def env_value(env: Mapping[str, str], name: str) -> str | None:
     if value is None or value.strip() == "":
         return ENV_VARS_BY_NAME[name].default
     return value
-
-
-def parse_bool(name: str, value: str) -> bool:
-    """Parse a switch: 1/true/on/yes or 0/false/off/no, case-insensitive, trimmed."""
-    text = value.strip().lower()
-    if text in TRUE_WORDS:
-        return True
-    if text in FALSE_WORDS:
-        return False
-    raise ConfigError(f"{name}={value!r} is not a boolean; use one of 1/true/on/yes or "
-                      "0/false/off/no")
-
-
-def parse_int(name: str, value: str, *, minimum: int, maximum: int | None = None) -> int:
-    """Parse an integer in [minimum, maximum] or raise ConfigError naming the variable."""
-    text = value.strip()
-    try:
-        number = int(text, 10)
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not an integer") from None
-    if number < minimum or (maximum is not None and number > maximum):
-        bound = f"{minimum}..{maximum}" if maximum is not None else f">= {minimum}"
-        raise ConfigError(f"{name}={value!r} is out of range ({bound})")
-    return number
-
-
-def parse_float(name: str, value: str, *, minimum: float = 0.0) -> float:
-    """Parse a non-negative number (e.g. a size in GiB) or raise ConfigError."""
-    try:
-        number = float(value.strip())
-    except ValueError:
-        raise ConfigError(f"{name}={value!r} is not a number") from None
-    if not number >= minimum or number == float("inf"):
-        raise ConfigError(f"{name}={value!r} must be a finite number >= {minimum}")
-    return number
-
-
-def parse_port(name: str, value: str) -> int:
-    return parse_int(name, value, minimum=1, maximum=65535)
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """A ZMQ endpoint family: a base from which each rank's bind and connect addresses derive.
-
-    tcp: rank r uses ``port + r``; ipc/inproc: rank r uses ``address + "_dp{r}"``. A tcp socket
-    binds the interface its endpoint names (``bind_host``), so ``tcp://127.0.0.1:P`` listens on
-    loopback only; ``*`` (also written ``0.0.0.0`` or ``::``) is every interface. The streams
-    carry prompts' token ids and the replay sockets answer anyone who connects: nothing binds
-    every interface unless the endpoint says ``*``.
-    """
-
-    scheme: Literal["tcp", "ipc", "inproc"]
-    address: str = ""  # ipc path or inproc name
-    host: str = "127.0.0.1"  # tcp: where connectors connect
-    port: int = 0  # tcp base port
-    source: str = ""  # variable the endpoint came from, for error messages
-    bind_host: str = ""  # tcp: the interface to bind ("*" = every one); "" = ``host``
-
-    def for_rank(self, rank: int) -> Endpoint:
-        if self.scheme == "tcp":
-            port = self.port + rank
-            if port > 65535:
-                raise ConfigError(f"{self.source}: port {self.port} + rank {rank} = {port} "
-                                  "exceeds 65535")
-            return Endpoint("tcp", host=self.host, port=port, source=self.source,
-                            bind_host=self.bind_host)
-        return Endpoint(self.scheme, address=f"{self.address}_dp{rank}", source=self.source)
-
-    @property
-    def bind(self) -> str:
-        if self.scheme == "tcp":
-            return f"tcp://{_url_host(self.bind_host or self.host)}:{self.port}"
-        return f"{self.scheme}://{self.address}"
-
-    @property
-    def connect(self) -> str:
-        if self.scheme == "tcp":
-            return f"tcp://{_url_host(self.host)}:{self.port}"
-        return f"{self.scheme}://{self.address}"
-
-    @property
-    def every_interface(self) -> bool:
-        """Whether the socket listens on every interface (tcp ``*``), not one host."""
-        return self.scheme == "tcp" and self.bind_host == "*"
-
-    @property
-    def key(self) -> tuple[str, str | int]:
-        """What two endpoints must not share: a tcp port, or an ipc/inproc address."""
-        return (self.scheme, self.port if self.scheme == "tcp" else self.address)
-
-
-_EVERY_INTERFACE: Final = frozenset({"*", "0.0.0.0", "::", "[::]"})
-
-
-def _url_host(host: str) -> str:
-    """``host`` as it stands in a tcp URL: an IPv6 literal in brackets."""
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def parse_endpoint(name: str, value: str, *, default_host: str) -> Endpoint:
-    """Parse ``tcp://host:port``, ``ipc://path``, ``inproc://name`` or a bare port number.
-
-    The scheme is decided by prefix only, so ``tcp://ipc-host:5557`` is tcp. A bare port binds
-    and connects ``default_host``; ``tcp://*:port`` binds every interface and connects
-    ``default_host``; ``tcp://host:port`` binds and connects ``host``.
-    """
-    text = value.strip()
-    if text.isdigit():
-        return Endpoint("tcp", host=default_host, port=parse_port(name, text), source=name,
-                        bind_host=default_host)
-    if text.startswith("tcp://"):
-        rest = text[len("tcp://"):]
-        host, sep, port_text = rest.rpartition(":")
-        if not sep or not host:
-            raise ConfigError(f"{name}={value!r}: a tcp endpoint needs host:port")
-        if not port_text.isdigit():
-            raise ConfigError(f"{name}={value!r}: tcp endpoint has no numeric port "
-                              f"({port_text!r})")
-        try:
-            port = parse_port(name, port_text)
-        except ConfigError:  # named with the whole endpoint, not the port alone
-            raise ConfigError(f"{name}={value!r}: port {port_text} is out of range "
-                              "(1..65535)") from None
-        if host in _EVERY_INTERFACE:
-            return Endpoint("tcp", host=default_host, port=port, source=name, bind_host="*")
-        host = host.strip("[]")
-        return Endpoint("tcp", host=host, port=port, source=name, bind_host=host)
-    for scheme in ("ipc", "inproc"):
-        prefix = f"{scheme}://"
-        if text.startswith(prefix):
-            address = text[len(prefix):]
-            if not address:
-                raise ConfigError(f"{name}={value!r}: empty {scheme} address")
-            return Endpoint(scheme, address=address, source=name)  # type: ignore[arg-type]
-    raise ConfigError(f"{name}={value!r}: expected a port number or an endpoint starting with "
-                      + ", ".join(ENDPOINT_SCHEMES))
 
 
 @dataclass(frozen=True)
@@ -356,6 +230,8 @@ class PublisherSettings:
     max_queue_size: int = 100000
     topic: str = ""
     window_size: int | None = None
+    allow: tuple[str, ...] = ()  # IP addresses admitted to the bound tcp sockets; () = any
+    max_peers: int = 64  # connections each publishing or replay socket keeps
 
 
 @dataclass(frozen=True)
@@ -522,7 +398,24 @@ def load_publisher_settings(env: Mapping[str, str] | None = None) -> PublisherSe
         max_queue_size=parse_int(MAX_QUEUE_SIZE, env_value(env, MAX_QUEUE_SIZE) or "", minimum=1),
         topic=check_topic(env.get(TOPIC, ENV_VARS_BY_NAME[TOPIC].default or "")),
         window_size=None if window is None else parse_int(WINDOW_SIZE, window, minimum=1),
+        allow=load_allowlist(env),
+        max_peers=load_max_peers(env),
     )
+
+
+def load_max_peers(env: Mapping[str, str] | None = None) -> int:
+    """``DYN_KVBM_ZMQ_MAX_PEERS``, checked; raises ConfigError naming the variable."""
+    value = env_value(os.environ if env is None else env, ZMQ_MAX_PEERS) or ""
+    return parse_int(ZMQ_MAX_PEERS, value, minimum=1)
+
+
+def load_allowlist(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
+    """The IP addresses of ``DYN_KVBM_ZMQ_ALLOW`` (() when unset); ConfigError names a bad one."""
+    value = env_value(os.environ if env is None else env, ZMQ_ALLOW) or ""
+    try:
+        return tuple(str(ipaddress.ip_address(t.strip())) for t in value.split(",") if t.strip())
+    except ValueError as exc:
+        raise ConfigError(f"{ZMQ_ALLOW}={value!r}: {exc} (IP addresses only)") from None
 
 
 def load_tier_settings(env: Mapping[str, str] | None = None) -> TierSettings:

@@ -683,16 +683,16 @@ def _threads(prefix: str) -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith(prefix)]
 
 
-def test_caller_sends_publish_on_the_callers_thread_and_a_replay_thread_answers(
+def test_caller_sends_publish_on_the_callers_thread_and_a_service_thread_answers(
         ctx, tcp, publishers) -> None:
     """``sends="caller"``: no publisher thread; the batch is on the wire when ``publish``
-    returns; a replay thread (only with a replay endpoint) answers from the buffer."""
+    returns; a service thread (subscriptions, replay) answers from the buffer."""
     before = set(_threads("kvbm-zmq-"))
     pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], data_parallel_rank=5,
                             sends="caller")
     publishers.append(pub)
     started = set(_threads("kvbm-zmq-")) - before
-    assert [t.name for t in started] == ["kvbm-zmq-replay-dp5"]
+    assert [t.name for t in started] == ["kvbm-zmq-service-dp5"]
     sub, seen = join_sub(ctx, tcp[0].connect, lambda: pub.publish([]))
     sent_by: list[str] = []
     real = pub._send_batch
@@ -718,11 +718,13 @@ def test_caller_sends_publish_on_the_callers_thread_and_a_replay_thread_answers(
     assert pub.stats()["lost_closed"] == 1
 
 
-def test_caller_sends_without_a_replay_endpoint_start_no_thread(tcp, publishers) -> None:
+def test_caller_sends_without_a_replay_endpoint_start_only_the_service_thread(
+        tcp, publishers) -> None:
+    """The service thread reads the subscriptions even without a replay endpoint."""
     before = set(_threads("kvbm-zmq-"))
     pub = ZmqEventPublisher(PublisherSettings(), tcp[0], sends="caller")
     publishers.append(pub)
-    assert not (set(_threads("kvbm-zmq-")) - before)
+    assert [t.name for t in set(_threads("kvbm-zmq-")) - before] == ["kvbm-zmq-service-dp0"]
     assert pub.publish([removed(1)])
     assert pub.stats()["batches_published"] == 1
 

@@ -136,6 +136,7 @@ class KvEventConsolidator(StreamIngest):
         self._publisher = publisher
         self._owns_publisher = publisher is None
         self._inline_output = False  # the ingest thread owns the output publisher's sockets
+        self._inline_sockets: list[zmq.Socket] = []  # its sockets the ingest thread polls
         self._shutdown_deadline = math.inf
         self._ctx = context if context is not None else zmq.Context.instance()
         self._replay_timeout = replay_timeout
@@ -354,8 +355,10 @@ class KvEventConsolidator(StreamIngest):
                 inline = ZmqEventPublisher(self.config.publisher, self.config.output,
                                            self.config.output_replay, inline=True)
                 self._publisher = inline
-                if inline.replay_socket is not None:
-                    poller.register(inline.replay_socket, zmq.POLLIN)
+                # Its subscriptions, replay requests and both sockets' connection events.
+                self._inline_sockets = inline.sockets_to_poll
+                for sock in self._inline_sockets:
+                    poller.register(sock, zmq.POLLIN)
             for rank in self.config.stream_ranks():
                 stream = _Stream(rank)
                 streams.append(stream)
@@ -462,8 +465,9 @@ class KvEventConsolidator(StreamIngest):
                 # the flag first would let a later submitter's wake byte be swallowed above and
                 # leave its item queued while this thread sleeps.
                 self._wake_pending = False
-            if inline is not None and (inline.replay_socket in ready or inline.replay_busy):
-                inline.service_replay()  # our output's replay requests and answers
+            if inline is not None and (inline.replay_busy
+                                       or any(s in ready for s in self._inline_sockets)):
+                inline.service_replay()  # our output's subscriptions, replay requests, answers
             for stream in streams:
                 # Before the stream's messages: a message from a restarted publisher must not be
                 # taken for the old stream's before its reconnection is seen.

@@ -375,3 +375,35 @@ def decode_message(frames: Sequence[bytes]) -> EventBatch:
         raise WireFormatError(f"message has {len(frames)} frames, expected 2 or 3")
     ts, raw_events, dp_rank = decode_payload(payload)
     return EventBatch(seq, ts, [decode_event(e) for e in raw_events], dp_rank, bytes(topic))
+
+
+def salvage_batch(encode: Callable[[Any], bytes], ts: float, events: Sequence[Any], rank: int
+                  ) -> tuple[bytes | None, list[Any], int, str]:
+    """``(payload, events kept, events dropped, first error)`` of a batch whose whole encoding
+    failed: each event is encoded alone and those that fail are dropped, so one bad value
+    does not lose the others (runs of :class:`EncodedEvents` are valid as written). Payload
+    None when no event is left or the batch still cannot be encoded (e.g. a bad ``ts`` or
+    rank). Called by the publisher on the thread that encodes (see
+    ``ZmqEventPublisher._encode_salvaged``)."""
+    kept: list[Any] = EncodedBatch() if type(events) is EncodedBatch else []
+    dropped = 0
+    first_error = ""
+    for event in events:
+        if type(event) is EncodedEvents:  # written by the sink's compiled batch: valid
+            kept.append(event)
+            continue
+        try:
+            encode(event)
+        except Exception as exc:
+            dropped += 1
+            if not first_error:
+                first_error = f"{type(exc).__name__}: {exc}"
+            continue
+        kept.append(event)
+    payload = None
+    if kept:
+        try:
+            payload = batch_payload(encode, ts, kept, rank)
+        except Exception as exc:
+            first_error = first_error or f"{type(exc).__name__}: {exc}"
+    return payload, kept, dropped, first_error

@@ -11,12 +11,10 @@ non-blocking send (or, without a GIL-holding send, to a bounded queue for its th
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import logging
 import os
 import queue
-import re
 import struct
 import threading
 import time
@@ -36,14 +34,26 @@ from kvbm_plugin.consolidator_config import (
     Endpoint,
     PublisherSettings,
 )
+from kvbm_plugin.wire.access import Allowlist
 from kvbm_plugin.wire.events import (
-    EncodedBatch,
-    EncodedEvents,
     batch_payload,
     event_count,
     payload_encoder,
+    salvage_batch,
 )
-from kvbm_plugin.wire.publisher_base import EventPublisher, WireEvent  # re-exported
+from kvbm_plugin.wire.gil_send import (  # gil_holding_sender: re-exported
+    WAKE,
+    _libzmq_send_functions,
+    gil_holding_sender,
+    wake_fds,
+)
+from kvbm_plugin.wire.guard import SubscriptionGuard, harden_router
+from kvbm_plugin.wire.peers import PeerCap
+from kvbm_plugin.wire.publisher_base import (  # re-exported
+    EventPublisher,
+    NullEventPublisher,
+    WireEvent,
+)
 from kvbm_plugin.wire.replay_server import (  # parse_replay_request: re-exported
     PEER_HWM,
     ReplayServer,
@@ -53,99 +63,9 @@ from kvbm_plugin.wire.replay_server import (  # parse_replay_request: re-exporte
 logger = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
 
-_SNDMORE_NOBLOCK = zmq.SNDMORE | zmq.NOBLOCK
-
-
-def gil_holding_sender(sock: zmq.Socket) -> Callable[[bytes, bytes, bytes], None] | None:
-    """``send(topic, seq, payload)`` for ``sock`` that keeps the GIL, or None if unavailable.
-
-    pyzmq releases the GIL around every frame it sends. On the publisher thread that is costly
-    when the executor thread is running Python: after each release the publisher thread has to
-    win the GIL back, which takes up to ``sys.getswitchinterval()`` (5 ms) per frame, so a
-    3-frame batch could wait ~15 ms and the queue backs up. A non-blocking send on a PUB socket
-    never waits (PUB drops at its high-water mark instead), so holding the GIL across it costs
-    the other threads ~1 us per frame. This calls ``zmq_send`` of the libzmq that pyzmq itself
-    loaded through ``ctypes.PyDLL`` (which does not release the GIL). It returns None (callers
-    fall back to pyzmq) when that library cannot be identified unambiguously, e.g. when libzmq
-    is linked statically into pyzmq or not on Linux. Only for sockets used by one thread; the
-    socket must stay open while the sender is used. Errors raise :class:`zmq.ZMQError`.
-    """
-    functions = _libzmq_send_functions()
-    if functions is None:
-        return None
-    zmq_send, zmq_errno = functions
-    handle = sock.underlying
-    more, last = _SNDMORE_NOBLOCK, zmq.NOBLOCK
-
-    def send(topic: bytes, seq: bytes, payload: bytes) -> None:
-        if (zmq_send(handle, topic, len(topic), more) < 0
-                or zmq_send(handle, seq, len(seq), more) < 0
-                or zmq_send(handle, payload, len(payload), last) < 0):
-            raise zmq.ZMQError(zmq_errno())
-
-    return send
-
-
-_libzmq: list[tuple[Any, Any] | None] = []  # found once per process
-
-
-def _libzmq_send_functions() -> tuple[Any, Any] | None:
-    """``(zmq_send, zmq_errno)`` of the libzmq pyzmq loaded, through ``ctypes.PyDLL`` (calls
-    keep the GIL), or None when that library cannot be identified unambiguously."""
-    if _libzmq:
-        return _libzmq[0]
-    found: tuple[Any, Any] | None = None
-    try:
-        paths = set()
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
-            for line in maps:
-                path = line.rsplit(None, 1)[-1] if "/" in line else ""
-                if re.search(r"/libzmq[^/]*\.so", path) and os.path.exists(path):
-                    paths.add(path)
-        if len(paths) == 1:
-            lib = ctypes.PyDLL(paths.pop())
-            major, minor, patch = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-            lib.zmq_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(patch))
-            if (major.value, minor.value, patch.value) == zmq.zmq_version_info():
-                zmq_send = lib.zmq_send
-                zmq_send.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
-                                     ctypes.c_int]
-                zmq_send.restype = ctypes.c_int
-                zmq_errno = lib.zmq_errno
-                zmq_errno.argtypes = []
-                zmq_errno.restype = ctypes.c_int
-                found = (zmq_send, zmq_errno)
-    except (OSError, AttributeError, ValueError, TypeError):
-        found = None
-    _libzmq.append(found)
-    return found
-
-
-class NullEventPublisher(EventPublisher):
-    """Accepts and discards every batch (events disabled); still counts them."""
-
-    accepts_encoded_events = True  # counts events, never reads them
-
-    def __init__(self, settings: PublisherSettings, endpoint: Endpoint | None = None,
-                 replay_endpoint: Endpoint | None = None, data_parallel_rank: int = 0) -> None:
-        super().__init__(settings, endpoint, replay_endpoint, data_parallel_rank)
-        self._batches = 0
-        self._events = 0
-
-    def publish(self, events: Sequence[WireEvent], data_parallel_rank: int | None = None) -> bool:
-        self._batches += 1
-        self._events += event_count(events)
-        return True
-
-    def shutdown(self, timeout: float = 5.0) -> None:
-        return None
-
-    def stats(self) -> dict[str, int]:
-        return {"batches_published": self._batches, "events_published": self._events}
-
-
 class ZmqEventPublisher(EventPublisher):
-    """ZMQ PUB (+ optional replay ROUTER).
+    """ZMQ XPUB, a PUB on the wire (+ optional replay ROUTER); what peers make it hold is
+    bounded (``wire/guard.py``, ``wire/peers.py``).
 
     Wire: every batch is three frames ``[topic, seq (u64 big-endian, +1 per batch from 0),
     payload]``, payload msgpack ``[ts, events, data_parallel_rank]`` (see :mod:`events`).
@@ -159,8 +79,9 @@ class ZmqEventPublisher(EventPublisher):
       for its own I/O thread, which does the socket I/O; a PUB socket drops at its high-water
       mark rather than wait, so the call never waits. A lock serialises callers on different
       threads (the socket is single-threaded); it is held only across that non-blocking
-      hand-off. Replay requests are answered by a background thread that owns the ROUTER and
-      reads a snapshot of the replay buffer. Why: a hand-off to a publisher thread costs more
+      hand-off. A service thread owns the ROUTER and answers replay requests from a snapshot
+      of the replay buffer, and reads the XPUB's subscriptions under that lock (the executor
+      thread never does; ``wire/guard.py``). Why: a hand-off to a publisher thread costs more
       than the send itself. That thread sleeps between engine iterations, and waking it for
       each batch costs ~70-150 us of CPU per batch (cold caches after the pause), against
       ~20 us for building and sending the batch on the executor thread, whose caches are warm
@@ -187,7 +108,7 @@ class ZmqEventPublisher(EventPublisher):
     GIL hand-offs between the two threads, which cost more than the encoding itself.
 
     ``endpoint`` is the endpoint this publisher binds as given (the caller picks the rank's
-    endpoint, e.g. ``ConsolidatorConfig.publish_endpoint(rank)``); PUB always binds. The replay
+    endpoint, e.g. ``ConsolidatorConfig.publish_endpoint(rank)``); the XPUB always binds. The replay
     ROUTER binds ``replay_endpoint`` when one is given.
 
     Keyword-only options: ``context`` (a ZMQ context to share; default: a private one for
@@ -284,6 +205,12 @@ class ZmqEventPublisher(EventPublisher):
         # (encode, send, shutdown): the caller counted them as published; see stats().
         self._lost_after_accept = 0
         self._replay = ReplayServer(type(self).__name__, self._topic, stall_s=replay_stall_s)
+        # The XPUB's subscriptions: only the topic's prefixes take effect (wire/guard.py).
+        self._guard = SubscriptionGuard(type(self).__name__, self._topic,
+                                        max_peers=settings.max_peers)
+        self._guard_more = False  # the last guard service ran out of budget: call again soon
+        self._next_input_check = 0.0  # sends="caller": when publish next looks for input
+        self._allowlist = Allowlist(settings.allow)
         self._inline = inline
         # Sends on the caller's thread, replay answered by a replay thread (see the class doc).
         self._caller_sends = (not inline and sends == "caller"
@@ -293,6 +220,7 @@ class ZmqEventPublisher(EventPublisher):
         self._send_lock = threading.Lock()
         self._pub: zmq.Socket | None = None
         self._router: zmq.Socket | None = None
+        self._router_cap: PeerCap | None = None  # the replay ROUTER's connection cap
         self._encode: Callable[[Any], bytes] | None = None
         if self._synchronous:
             try:
@@ -303,14 +231,17 @@ class ZmqEventPublisher(EventPublisher):
                                   f"bind: {exc}") from exc
             self._encode = encoder or payload_encoder()
             self._send_live = gil_holding_sender(self._pub)
-            if self._caller_sends and self._router is not None:
-                self._wake_r, self._wake_w = _wake_fds()
+            if self._caller_sends:
+                # The service thread reads the XPUB's subscriptions (under the send lock) and
+                # answers replay requests: the executor thread never does either.
+                self._pub_fd = self._pub.getsockopt(zmq.FD)
+                self._wake_r, self._wake_w = wake_fds()
                 self._thread = threading.Thread(
-                    target=self._run_replay, args=(self._router,),
-                    name=f"kvbm-zmq-replay-dp{data_parallel_rank}", daemon=True)
+                    target=self._run_service, args=(self._router,),
+                    name=f"kvbm-zmq-service-dp{data_parallel_rank}", daemon=True)
                 self._thread.start()
             return
-        self._wake_r, self._wake_w = _wake_fds()
+        self._wake_r, self._wake_w = wake_fds()
         self._thread = threading.Thread(
             target=self._run, name=f"kvbm-zmq-publisher-dp{data_parallel_rank}", daemon=True)
         self._thread.start()
@@ -351,13 +282,27 @@ class ZmqEventPublisher(EventPublisher):
                     self._lost_closed += 1
                     return False
                 self._accepted += 1
-                return self._send_batch(pub, encode, (next(self._seq), time.time(), events,
-                                                      rank))
+                now = time.time()
+                sent = self._send_batch(pub, encode, (next(self._seq), now, events, rank))
+                # This thread's sends take the XPUB's wake-ups from the service thread (libzmq
+                # processes its commands on send): every _SERVICE_BUSY_S, look whether
+                # subscriptions wait (one getsockopt) and wake it if so. Cheaper than the
+                # service thread waking on a timer, whose GIL hand-offs cost ~0.3 ms each.
+                check = now >= self._next_input_check
+                if check:
+                    self._next_input_check = now + _SERVICE_BUSY_S
+                    check = bool(pub.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            if check:
+                self._wake()
+            return sent
         if self._inline:  # one caller thread at a time (class doc)
             seq = next(self._seq)
             self._accepted += 1
             pub, encode = self._pub, self._encode
             assert pub is not None and encode is not None  # open until shutdown closes them
+            # Subscriptions first (a non-blocking read when none came): a subscriber takes
+            # effect by the next batch even where the owner polls only at times.
+            self._guard_more = self._guard.service(pub)
             return self._send_batch(pub, encode, (seq, time.time(), events, rank))
         # The seq is reserved and the batch queued in one step: with two callers, a batch
         # given a later seq must never be queued (so sent) first. The lock is held across the
@@ -393,7 +338,7 @@ class ZmqEventPublisher(EventPublisher):
         if fd < 0:
             return
         with contextlib.suppress(BlockingIOError, OSError):  # full: a wake-up is pending
-            os.write(fd, _WAKE)
+            os.write(fd, WAKE)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Drain what is queued within ``timeout`` s, close sockets, join; idempotent.
@@ -441,62 +386,89 @@ class ZmqEventPublisher(EventPublisher):
                 os.close(fd)
 
     def _shutdown_caller_sends(self, timeout: float) -> None:
-        """Close the PUB (after any send in progress), stop the replay thread (which closes
-        the ROUTER), then release the context."""
+        """Stop the service thread (which closes the ROUTER and the monitors), close the XPUB
+        (after any send in progress), then release the context."""
         with self._close_lock:
             if self._closed and self._pub is None:
                 return
             self._closed = True
-            with self._send_lock:
-                pub, self._pub = self._pub, None
         timeout = max(0.0, timeout)
-        if pub is not None:
-            pub.close(linger=int(min(self._linger_ms / 1000.0, timeout) * 1000))
         thread = getattr(self, "_thread", None)
-        if thread is not None:
+        if thread is not None:  # first: it polls the XPUB's fd, which must stay open meanwhile
             self._stopping.set()
             self._wake()
             thread.join(timeout + 1.0)
+        with self._send_lock:
+            pub, self._pub = self._pub, None
+        if pub is not None:
+            pub.close(linger=int(min(self._linger_ms / 1000.0, timeout) * 1000))
+        if thread is not None:
             if thread.is_alive():
-                logger.error("%s: replay thread did not stop within %.1fs; its socket stays "
+                logger.error("%s: service thread did not stop within %.1fs; its socket stays "
                              "open until it does", type(self).__name__, timeout)
                 return
             self._close_wake_fds()
+        self._allowlist.stop()
         if self._own_context:
             self._context.term()
 
-    def _run_replay(self, router: zmq.Socket) -> None:
-        """Replay thread (``sends="caller"``): answer replay requests from a snapshot of the
-        replay buffer, which ``publish`` appends to on the caller's thread (``list(deque)``
-        copies it atomically under the GIL); sleep until a request, the stop signal or, while
-        answers are in progress, the next poll interval."""
+    def _run_service(self, router: zmq.Socket | None) -> None:
+        """Service thread (``sends="caller"``): read the XPUB's subscriptions (holding the send
+        lock across that non-blocking work only) and answer replay requests from a snapshot
+        of the replay buffer, which ``publish`` appends to on the caller's thread
+        (``list(deque)`` copies it atomically under the GIL).
+
+        It polls the XPUB's own fd (``ZMQ_FD``, a plain OS poll: it never calls into the socket
+        the executor thread sends on), the connection monitors, the ROUTER and the wake-up fd,
+        which ``publish`` writes when it finds subscriptions waiting (its sends may take the
+        XPUB fd's wake-ups) and ``shutdown`` writes to stop it. No timer while idle or sending.
+        """
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
-        poller.register(router, zmq.POLLIN)
+        poller.register(self._pub_fd, zmq.POLLIN)
+        for sock in self._monitors():  # connection monitors (this thread's alone)
+            poller.register(sock, zmq.POLLIN)
+        if router is not None:
+            poller.register(router, zmq.POLLIN)
         try:
             while not self._stopping.is_set():
-                ready = dict(poller.poll(self._idle_s * 1000.0 if self._replay.busy else None))
-                if self._wake_r in ready:
-                    with contextlib.suppress(BlockingIOError, InterruptedError):
-                        os.read(self._wake_r, 8)
+                busy = self._guard_more or self._replay.busy
+                poller.poll(self._idle_s * 1000.0 if busy else None)
+                with contextlib.suppress(BlockingIOError, InterruptedError):
+                    os.read(self._wake_r, 8)
                 if self._stopping.is_set():
                     break
-                self._replay.service(router, deque(list(self._buffer)))
+                with self._send_lock:  # the executor sends on this socket
+                    pub = self._pub
+                    if pub is None:
+                        break
+                    self._guard_more = self._guard.service(pub)
+                if router is not None:
+                    if self._router_cap is not None:
+                        self._router_cap.service()
+                    self._replay.service(router, deque(list(self._buffer)))
         except Exception:  # never expected; the loop itself must not die silently
-            logger.exception("%s: replay thread failed", type(self).__name__)
+            logger.exception("%s: service thread failed", type(self).__name__)
         finally:
-            router.close(linger=0)
+            with self._send_lock:  # stopping the monitor is a call on the XPUB
+                self._guard.close()
+            if self._router_cap is not None:
+                self._router_cap.close()
+            if router is not None:
+                router.close(linger=0)
 
     def _shutdown_inline(self, timeout: float) -> None:
         with self._close_lock:
             self._closed = True
             sockets = [sock for sock in (self._router, self._pub) if sock is not None]
             self._router = self._pub = None
+            self._close_monitors()
         if not sockets:
             return
         linger_ms = int(min(self._linger_ms / 1000.0, max(0.0, timeout)) * 1000)
         for sock in sockets:
             sock.close(linger=linger_ms)
+        self._allowlist.stop()
         if self._own_context:
             self._context.term()
 
@@ -507,18 +479,45 @@ class ZmqEventPublisher(EventPublisher):
         return self._router if self._inline else None
 
     @property
+    def sockets_to_poll(self) -> list[zmq.Socket]:
+        """Inline mode: the XPUB (subscriptions), the replay ROUTER and their connection
+        monitors, for the owner to poll (empty otherwise); when one is readable the owner
+        calls :meth:`service_replay`."""
+        if not self._inline or self._pub is None:
+            return []
+        return [s for s in (self._pub, self._router) if s is not None] + self._monitors()
+
+    def _monitors(self) -> list[zmq.Socket]:
+        """The connection monitors of the XPUB and the replay ROUTER (polled by their owner)."""
+        cap = self._router_cap
+        return [*self._guard.sockets, *([cap.socket] if cap and cap.socket else [])]
+
+    def _close_monitors(self) -> None:
+        """Stop both connection monitors (the owning thread, before the sockets close)."""
+        self._guard.close()
+        if self._router_cap is not None:
+            self._router_cap.close()
+
+    @property
     def replay_busy(self) -> bool:
-        """Inline mode: replay answers are in progress; the owner calls
-        :meth:`service_replay` every few milliseconds until this is False."""
-        return self._inline and self._router is not None and self._replay.busy
+        """Inline mode: replay answers are in progress or subscriptions are left to read; the
+        owner calls :meth:`service_replay` every few milliseconds until this is False."""
+        if not self._inline:
+            return False
+        return self._guard_more or (self._router is not None and self._replay.busy)
 
     def service_replay(self) -> None:
-        """Inline mode: take replay requests and move answers on (non-blocking, bounded).
+        """Inline mode: read subscriptions, take replay requests and move answers on
+        (non-blocking, bounded).
 
-        Called by the owner's thread when :attr:`replay_socket` is readable, and every few
-        milliseconds while :attr:`replay_busy`.
+        Called by the owner's thread when one of :attr:`sockets_to_poll` is readable, and
+        every few milliseconds while :attr:`replay_busy`.
         """
-        if self._inline and self._router is not None:
+        if not self._inline:
+            return
+        if self._pub is not None:
+            self._guard_more = self._guard.service(self._pub)
+        if self._router is not None:
             self._service_replay(self._router)
 
     def stats(self) -> dict[str, int]:
@@ -538,6 +537,9 @@ class ZmqEventPublisher(EventPublisher):
             "send_errors": self._send_errors,
             "lost_after_accept": self._lost_after_accept,
             **self._replay.stats(),
+            **self._guard.stats(),
+            **{f"replay_{k}": v for k, v in
+               (self._router_cap.stats() if self._router_cap is not None else {}).items()},
             "queue_high_water": self._queue_high_water,
             "queue_depth": self._queue.qsize(),
             "replay_buffered": len(self._buffer),
@@ -551,14 +553,23 @@ class ZmqEventPublisher(EventPublisher):
         pub = router = None
         addr = self._bind_addr
         try:
-            pub = self._context.socket(zmq.PUB)
+            self._allowlist.start(self._context, self._own_context)
+            # An XPUB with manual subscriptions instead of a PUB: the same wire (a SUB accepts
+            # either), but what peers subscribe is bounded (wire/guard.py).
+            pub = self._context.socket(zmq.XPUB)
             pub.setsockopt(zmq.LINGER, self._linger_ms)
             pub.setsockopt(zmq.SNDHWM, self.settings.hwm)
+            self._guard.configure(pub)
+            self._allowlist.configure(pub)
             pub.bind(addr)
             if self._replay_addr is not None:
                 addr = self._replay_addr
                 router = self._context.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
+                harden_router(router)
+                self._allowlist.configure(router)
+                self._router_cap = PeerCap(type(self).__name__ + " replay", router,
+                                           self.settings.max_peers)
                 # A vanished requester raises EHOSTUNREACH, a full queue EAGAIN, instead of
                 # the message being dropped silently.
                 router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -566,9 +577,11 @@ class ZmqEventPublisher(EventPublisher):
                 router.setsockopt(zmq.SNDHWM, PEER_HWM)
                 router.bind(addr)
         except BaseException as exc:
+            self._close_monitors()
             for sock in (router, pub):
                 if sock is not None:
                     sock.close(linger=0)
+            self._allowlist.stop()
             if self._own_context:
                 self._context.term()  # returns once the sockets are gone: the port is free
             raise RuntimeError(f"{addr}: {exc}") from exc
@@ -588,6 +601,9 @@ class ZmqEventPublisher(EventPublisher):
         idle = self._idle_s
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(pub, zmq.POLLIN)  # subscriptions (this thread owns the XPUB)
+        for sock in self._monitors():  # and the connection monitors
+            poller.register(sock, zmq.POLLIN)
         if router is not None:
             poller.register(router, zmq.POLLIN)
         busy = True
@@ -606,7 +622,7 @@ class ZmqEventPublisher(EventPublisher):
                     # Replay answers in progress need the timed sleep too: their stall
                     # checks and stalled peers' probes run on time, not on socket events.
                     self._sleep_until_work(
-                        poller, idle if busy or self._replay.busy else None)
+                        poller, idle if busy or self._replay.busy or self._guard_more else None)
                     busy = False
                 while item is not None:
                     # Drain what is queued before waiting again: fewer wake-ups, and fewer GIL
@@ -617,6 +633,7 @@ class ZmqEventPublisher(EventPublisher):
                         item = get_nowait()
                     except queue.Empty:
                         item = None
+                self._guard_more = self._guard.service(pub)
                 if router is not None:
                     self._service_replay(router)
                 if self._stopping.is_set():
@@ -630,9 +647,11 @@ class ZmqEventPublisher(EventPublisher):
             self._closed = True
             self._count_left_over()
         finally:
+            self._close_monitors()
             for sock in (router, pub):
                 if sock is not None:
                     sock.close(linger=self._close_linger_ms)
+            self._allowlist.stop()
             if self._own_context:
                 self._context.term()
 
@@ -720,27 +739,7 @@ class ZmqEventPublisher(EventPublisher):
         None (the batch is lost, a visible seq gap) when no event is left or the batch still
         cannot be encoded (e.g. a bad ``ts`` or rank).
         """
-        kept: list[Any] = EncodedBatch() if type(events) is EncodedBatch else []
-        dropped = 0
-        first_error = ""
-        for event in events:
-            if type(event) is EncodedEvents:  # written by the sink's compiled batch: valid
-                kept.append(event)
-                continue
-            try:
-                encode(event)
-            except Exception as exc:
-                dropped += 1
-                if not first_error:
-                    first_error = f"{type(exc).__name__}: {exc}"
-                continue
-            kept.append(event)
-        payload = None
-        if kept:
-            try:
-                payload = batch_payload(encode, ts, kept, rank)
-            except Exception as exc:
-                first_error = first_error or f"{type(exc).__name__}: {exc}"
+        payload, kept, dropped, first_error = salvage_batch(encode, ts, events, rank)
         if payload is None:
             self._log.log(logging.ERROR, "encode", "%s: batch seq %d (%d events, dp_rank %s) "
                           "cannot be encoded, lost (consumers see a gap): %s",
@@ -755,25 +754,15 @@ class ZmqEventPublisher(EventPublisher):
 
     def _service_replay(self, router: zmq.Socket) -> None:
         """Replay requests and answers (socket-owning thread; non-blocking, bounded)."""
+        if self._router_cap is not None:
+            self._router_cap.service()
         self._replay.service(router, self._buffer)
 
 
 _STOP = object()  # tells the publisher thread to stop (after what is queued before it)
-_WAKE = (1).to_bytes(8, "little")  # an eventfd increment; any byte for a pipe
-
-
-def _wake_fds() -> tuple[int, int]:
-    """(read end, write end) of a non-blocking wake-up channel: one eventfd where the OS has
-    it, else a pipe."""
-    if hasattr(os, "eventfd"):
-        fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        return fd, fd
-    r, w = os.pipe()
-    os.set_blocking(r, False)
-    os.set_blocking(w, False)
-    return r, w
-
-
+# While batches are sent on the caller's thread, it looks whether subscriptions wait this often
+# (s) and wakes the service thread: its sends may take the XPUB fd's wake-ups.
+_SERVICE_BUSY_S = 0.01
 __all__ = ["EventPublisher", "NullEventPublisher", "ZmqEventPublisher", "create_publisher",
            "gil_holding_sender", "parse_replay_request"]
 

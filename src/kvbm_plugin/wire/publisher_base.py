@@ -5,7 +5,8 @@
 points). It lives here, below both :mod:`kvbm_plugin.wire.publisher` (which builds publishers
 by name through the registry) and :mod:`kvbm_plugin._util.plugins` (which checks every
 entry point against it), so neither imports the other's module to see it. Callers import it from
-:mod:`kvbm_plugin.wire.publisher`, which re-exports it. No zmq, torch or TensorRT-LLM import.
+:mod:`kvbm_plugin.wire.publisher`, which re-exports it, as it does :class:`NullEventPublisher`
+(kept here to hold that module's size down). No zmq, torch or TensorRT-LLM import.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvbm_plugin.wire.events import event_count
+
 if TYPE_CHECKING:
     from kvbm_plugin.consolidator_config import Endpoint, PublisherSettings
 
-__all__ = ["EventPublisher", "WireEvent"]
+__all__ = ["EventPublisher", "NullEventPublisher", "WireEvent"]
 
 WireEvent = dict[str, Any]  # one event in wire form (see events.BlockStored.to_wire)
 
@@ -57,3 +60,26 @@ class EventPublisher(ABC):
     def stats(self) -> dict[str, int]:
         """Counters for metrics and tests."""
         return {}
+
+
+class NullEventPublisher(EventPublisher):
+    """Accepts and discards every batch (events disabled); still counts them."""
+
+    accepts_encoded_events = True  # counts events, never reads them
+
+    def __init__(self, settings: PublisherSettings, endpoint: Endpoint | None = None,
+                 replay_endpoint: Endpoint | None = None, data_parallel_rank: int = 0) -> None:
+        super().__init__(settings, endpoint, replay_endpoint, data_parallel_rank)
+        self._batches = 0
+        self._events = 0
+
+    def publish(self, events: Sequence[WireEvent], data_parallel_rank: int | None = None) -> bool:
+        self._batches += 1
+        self._events += event_count(events)
+        return True
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        return None
+
+    def stats(self) -> dict[str, int]:
+        return {"batches_published": self._batches, "events_published": self._events}

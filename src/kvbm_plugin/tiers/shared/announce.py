@@ -65,6 +65,8 @@ from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.tiers.shared.directory import SharedBlock, check_block
 from kvbm_plugin.tiers.shared.keys import content_digest
+from kvbm_plugin.wire.access import Allowlist
+from kvbm_plugin.wire.guard import SubscriptionGuard
 from kvbm_plugin.wire.identity import SALT_TAG, salt_extra_key, scope_string
 
 if TYPE_CHECKING:
@@ -256,7 +258,8 @@ class Announcer:
                  secret: bytes | None = None, tokens_per_block: int | None = None,
                  rate: float = 20000.0, context: zmq.Context | None = None,
                  sender: int | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 allow: Sequence[str] | None = None, max_peers: int | None = None) -> None:
         if secret is None and (endpoint is not None or peers):
             raise ValueError("Announcer: announcements need a secret "
                              f"({cc.SHARED_ANNOUNCE_SECRET_FILE})")
@@ -279,6 +282,12 @@ class Announcer:
         self._next_seq: dict[int, int] = {}  # sender -> the seq expected next
         self._bucket: dict[int, tuple[float, float]] = {}  # sender -> (blocks, at)
         self._log = RateLimitedLog(logger)
+        # Peers' subscriptions: only b"" can match a topic-less message; others are bounded
+        # (wire/guard.py), as are the connections (DYN_KVBM_ZMQ_MAX_PEERS unless
+        # ``max_peers`` is given). Who may connect: DYN_KVBM_ZMQ_ALLOW unless ``allow`` is.
+        self._guard = SubscriptionGuard(
+            "Announcer", b"", max_peers=cc.load_max_peers() if max_peers is None else max_peers)
+        self._allowlist = Allowlist(cc.load_allowlist() if allow is None else allow)
         self.last_bad: str | None = None  # why the last bad message was refused
         # Whether the last receive() stopped at a bound with frames still waiting (a flood,
         # or a burst): the agent then pauses a little before its next turn.
@@ -298,10 +307,13 @@ class Announcer:
             self._own_context = True
         try:
             if self.endpoint is not None:
+                self._allowlist.start(self._context, self._own_context)
                 pub = self.pub = self._context.socket(zmq.XPUB)
                 pub.setsockopt(zmq.LINGER, 0)
                 pub.setsockopt(zmq.SNDHWM, 1024)
-                pub.setsockopt(zmq.XPUB_VERBOSE, 1)  # every peer's subscription is seen
+                # Manual subscriptions (every peer's is seen, only b"" applied), bounded.
+                self._guard.configure(pub)
+                self._allowlist.configure(pub)
                 pub.bind(self.endpoint)
             if self.peers:
                 sub = self.sub = self._context.socket(zmq.SUB)
@@ -319,8 +331,9 @@ class Announcer:
 
     def sockets(self) -> list[zmq.Socket]:
         """The sockets to poll for input (the SUB's announcements, the XPUB's subscriptions,
-        the SUB's disconnections)."""
-        return [s for s in (self.sub, self.pub, self._monitor) if s is not None]
+        the SUB's disconnections, the XPUB's connection events)."""
+        guarded = self._guard.sockets if self.pub is not None else []
+        return [s for s in (self.sub, self.pub, self._monitor, *guarded) if s is not None]
 
     def publish(self, blocks: Sequence[SharedBlock],
                 mms: Sequence[str | None] | None = None) -> None:
@@ -398,7 +411,7 @@ class Announcer:
         return out
 
     def stats(self) -> dict[str, int]:
-        return dict(self._n)
+        return {**self._n, **self._guard.stats()}
 
     def close(self) -> None:
         """Close the sockets (and the context it made); idempotent."""
@@ -408,10 +421,13 @@ class Announcer:
                     self.sub.disable_monitor()
             self._monitor.close(linger=0)
             self._monitor = None
+        if self.pub is not None:
+            self._guard.close()  # its connection monitor, before the XPUB
         for sock in (self.pub, self.sub):
             if sock is not None:
                 sock.close(linger=0)
         self.pub = self.sub = None
+        self._allowlist.stop()
         if self._own_context and self._context is not None:
             self._context.term()
             self._context = None
@@ -425,21 +441,17 @@ class Announcer:
         every waiting frame was read."""
         if self.pub is None:
             return True
-        n = self._n
-        for i in range(SUBSCRIPTIONS_PER_TURN):
-            if not i % 64 and time.monotonic() >= deadline:
-                n["hear_budget_spent"] += 1
-                return False
-            try:
-                frame = self.pub.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return True
-            n["subscription_frames"] += 1
-            if frame[:1] == b"\x01":  # a peer's SUB joined (its filter is in place now)
-                n["subscriptions"] += 1
-                self._log.log(logging.INFO, "subscribed", "kvbm_plugin: a peer subscribed to "
-                              "the shared-tier announcements on %s", self.endpoint)
-        return False
+        if time.monotonic() >= deadline:
+            self._n["hear_budget_spent"] += 1
+            return False
+        applied = self._guard.applied
+        more = self._guard.service(self.pub)  # bounded per call; the agent's next turn reads on
+        joined = self._guard.applied - applied
+        if joined:  # a peer's SUB joined (its filter is in place now)
+            self._n["subscriptions"] += joined
+            self._log.log(logging.INFO, "subscribed", "kvbm_plugin: %d peer subscription(s) "
+                          "to the shared-tier announcements on %s", joined, self.endpoint)
+        return not more
 
     def _read_monitor(self) -> None:
         monitor = self._monitor

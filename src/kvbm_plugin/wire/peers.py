@@ -1,0 +1,210 @@
+"""How many connections a bound socket of ours keeps, and how one is cut from outside libzmq.
+
+libzmq has no per-connection API on a bound socket: it accepts every connection and reads all
+each one sends. :class:`PeerCap` watches a socket's accepted and closed connections through its
+monitor (``zmq_socket_monitor``: each event carries the connection's fd) and cuts every
+connection beyond ``max_peers``, so what all connections together can hold is ``max_peers``
+times what one can. :func:`cut_connection` is the cut: it attaches a socket filter that drops
+every packet still to come (so the peer can send nothing more; on Linux ``shutdown(SHUT_RD)``
+alone lets a TCP peer go on sending, and libzmq would go on reading), makes its close a reset
+(``SO_LINGER`` 0, so no closed socket lingers) and shuts its reading side; libzmq reads what
+was already received (at most :data:`RCVBUF_BYTES`, the socket's
+receive buffer, which :func:`limit_receive_buffer` sets) and then the end of stream, closes the
+fd and frees what it held for that peer.
+
+Who calls what: the thread that owns the socket creates the :class:`PeerCap` (after the socket's
+options are set), polls :attr:`PeerCap.socket` with the socket's other inputs, calls
+:meth:`PeerCap.service` when it is readable (or on every turn) and :meth:`PeerCap.close` before
+closing the socket. The monitor socket must be read: libzmq's I/O thread waits when its queue
+is full (``src/socket_base.cpp``, ``monitor_event`` sends blocking), so a caller that stops
+reading it stalls every socket of the context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import socket
+import struct
+from collections.abc import Callable
+
+import zmq
+from zmq.utils.monitor import parse_monitor_message
+
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin._util.saferepr import saferepr
+
+logger = logging.getLogger(__name__)
+
+RCVBUF_BYTES = 16384  # SO_RCVBUF of a guarded socket's connections (Linux doubles it)
+EVENTS_PER_CALL = 1024  # monitor events read per service call (each a few bytes)
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+_SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)  # Linux
+
+
+def limit_receive_buffer(sock: zmq.Socket) -> None:
+    """Give ``sock``'s connections a small kernel receive buffer (before bind): the bytes a
+    peer can have waiting when it is cut. Inbound traffic on our publishing and replay sockets
+    is subscriptions and 8-byte requests, so this costs no throughput."""
+    sock.setsockopt(zmq.RCVBUF, RCVBUF_BYTES)
+
+
+class _Filter(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                ("k", ctypes.c_uint32)]
+
+
+def _borrow(fd: int) -> socket.socket | None:
+    """A socket object on a duplicate of ``fd`` (closing it leaves ``fd`` open), or None when
+    ``fd`` is not a stream socket (any more)."""
+    try:
+        dup = os.dup(fd)
+    except OSError:
+        return None
+    try:
+        sock = socket.socket(fileno=dup)
+    except OSError:
+        os.close(dup)
+        return None
+    if sock.type != socket.SOCK_STREAM:
+        sock.close()
+        return None
+    return sock
+
+
+def peer_address(fd: int) -> object:
+    """The remote address of the stream socket on ``fd`` (read through a duplicate; the fd
+    stays libzmq's), or None when it is not a connected stream socket."""
+    sock = _borrow(fd)
+    if sock is None:
+        return None
+    with sock:
+        try:
+            return sock.getpeername() or ("local", fd)
+        except OSError:
+            return None
+
+
+def cut_connection(fd: int, address: object) -> bool:
+    """Cut the connection on ``fd`` if it still goes to ``address`` (module docstring); the
+    fd stays libzmq's to close. Returns whether it was cut."""
+    sock = _borrow(fd)
+    if sock is None:
+        return False
+    with sock:
+        try:
+            if (sock.getpeername() or ("local", fd)) != address:
+                return False
+            # Closed with a reset, not a FIN: no socket lingers for the peer's answer (which
+            # the filter would drop, keeping it, and a later connection on the same ports,
+            # waiting).
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            with contextlib.suppress(OSError):  # Linux: drop every packet still to come
+                program = (_Filter * 1)(_Filter(0x06, 0, 0, 0))  # BPF_RET|BPF_K 0: drop
+                fprog = struct.pack("HL", 1, ctypes.addressof(program))
+                sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
+            sock.shutdown(socket.SHUT_RD)  # libzmq reads the end of stream and closes
+        except OSError:
+            return False
+    return True
+
+
+class PeerCap:
+    """Keeps at most ``max_peers`` connections on ``sock`` (module docstring).
+
+    ``on_gone(fd)`` is called for every connection that closes (so per-connection state can be
+    forgotten). Counters: ``accepted``, ``refused`` (cut at accept, over the cap), ``closed``.
+    """
+
+    def __init__(self, owner: str, sock: zmq.Socket, max_peers: int,
+                 on_gone: Callable[[int], None] | None = None) -> None:
+        self._owner = owner
+        self._sock = sock
+        self._max = max_peers
+        self._on_gone = on_gone
+        self._live: dict[int, object] = {}  # fd -> peer address
+        self._log = RateLimitedLog(logger)
+        self.accepted = 0
+        self.refused = 0
+        self.closed = 0
+        # Set by the owner while it is behind (a flood): new connections are cut at accept.
+        self.refuse_new = False
+        self.socket: zmq.Socket | None = sock.get_monitor_socket(_EVENTS)
+
+    @property
+    def live(self) -> int:
+        return len(self._live)
+
+    def address(self, fd: int) -> object:
+        """The peer address of the connection kept on ``fd`` (None if none is kept there): no
+        system call, so the guard asks this first (libzmq reports a connection's
+        DISCONNECTED before it closes the fd, so an fd is never kept under an old address
+        once a new connection has it and its events were read)."""
+        return self._live.get(fd)
+
+    def connections(self) -> list[tuple[int, object]]:
+        """``(fd, peer address)`` of every connection kept now."""
+        return list(self._live.items())
+
+    def stats(self) -> dict[str, int]:
+        return {"connections_accepted": self.accepted, "connections_refused": self.refused,
+                "connections_closed": self.closed, "connections_live": len(self._live)}
+
+    def service(self) -> bool:
+        """Read up to :data:`EVENTS_PER_CALL` connection events (never blocks); True when
+        more may be waiting."""
+        monitor = self.socket
+        if monitor is None:
+            return False
+        for _ in range(EVENTS_PER_CALL):
+            try:
+                frames = monitor.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            event = parse_monitor_message(frames)
+            fd = int(event["value"])
+            if event["event"] == zmq.EVENT_ACCEPTED:
+                self._accept(fd)
+            elif event["event"] == zmq.EVENT_DISCONNECTED and self._live.pop(fd, None):
+                self.closed += 1
+                if self._on_gone is not None:
+                    self._on_gone(fd)
+        return True
+
+    def close(self) -> None:
+        """Stop monitoring and close the monitor socket (before ``sock`` closes); idempotent."""
+        monitor, self.socket = self.socket, None
+        if monitor is None:
+            return
+        with contextlib.suppress(zmq.ZMQError):
+            self._sock.disable_monitor()
+        monitor.close(linger=0)
+
+    def _accept(self, fd: int) -> None:
+        address = peer_address(fd)
+        if address is None:
+            return  # already gone
+        self.accepted += 1
+        if len(self._live) >= self._max and fd not in self._live:
+            self._prune()
+        if not self.refuse_new and (len(self._live) < self._max or fd in self._live):
+            self._live[fd] = address
+            return
+        self.refused += 1
+        why = ("its socket is behind with a flood" if self.refuse_new else
+               f"{self._max} connections are open already (the most it keeps)")
+        self._log.log(logging.WARNING, "peer-cap", "%s: refused the connection from %s: %s",
+                      self._owner, saferepr(address, 80), why)
+        cut_connection(fd, address)
+
+    def _prune(self) -> None:
+        """Forget connections that are gone though no event said so (at the cap only: one
+        ``getpeername`` per connection kept)."""
+        for fd, address in list(self._live.items()):
+            if peer_address(fd) != address:
+                del self._live[fd]
+                self.closed += 1
+                if self._on_gone is not None:
+                    self._on_gone(fd)
