@@ -87,7 +87,7 @@ def test_every_form_of_tensorrt_llms_stream_reaches_the_consolidated_stream(
         pad = mm_pad_token(UUID)
         assert mm.token_ids == [9, pad, pad, 10]  # Dynamo's routing ids for the item
         assert mm.lora_name == "lora-7" and mm.lora_id == 7
-        assert mm.extra_keys == [[[DIGEST, 0]]]
+        assert mm.extra_keys == [[DIGEST]]  # the digest's 64 hex digits, as vLLM writes it
         assert stats["engine_tokens_converted"] == 2 and stats["engine_mm_blocks"] == 1
         assert stats["engine_events_refused"] == 1 and forms.refused == {"token_ids": 1}
         assert any("TensorRT-LLM BlockStored refused (token_ids" in r.getMessage()
@@ -106,13 +106,14 @@ def test_engine_forms_fills_names_counts_unread_fields_and_refuses_odd_mm_keys()
     no_uuid = _stored(3, [DIGEST, 1, 1, 1], mm_keys=[[{"hash": DIGEST, "start_offset": 0}]])
     short = _stored(4, [1, 2, 3, 4], mm_keys=[])
     salted = _stored(5, [1, 2, 3, 4], extra_keys=[["dynamo-cache-salt:x"]],
-                     mm_keys=[[{"hash": DIGEST, "start_offset": 2, "uuid": UUID}]])
+                     mm_keys=[[{"hash": DIGEST, "start_offset": 2, "uuid": UUID},
+                               {"hash": "item-7", "start_offset": 3}]])
     raw = [dict(e, type="BlockStored") for e in (lora, grouped, no_uuid, short, salted)]
     raw.append({"type": "BlockRemoved", "block_hashes": [1], "medium": "GPU"})
     out = forms(0, raw)
     assert [e.get("block_hashes") for e in out] == [[1], [2], [5], [1]]
     assert out[0]["lora_name"] == "lora-3"
-    assert out[2]["extra_keys"] == [["dynamo-cache-salt:x", [DIGEST, 2]]]
+    assert out[2]["extra_keys"] == [["dynamo-cache-salt:x", DIGEST, ["item-7", 3]]]
     assert "mm_keys" not in out[2]
     assert forms.refused == {"mm_uuid": 1, "mm_keys": 1}
     assert forms.fields_ignored == {"group_idx": 1, "kv_cache_spec_sliding_window": 1}

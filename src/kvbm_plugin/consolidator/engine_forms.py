@@ -22,8 +22,9 @@ position under ``pad_value_for_mm_hash(int(uuid, 16))`` = 1,000,000 + the uuid's
 (``dynamo/common/multimodal/routing_utils.py``, stored id 55096954484; pinned in Dynamo's Rust
 router as well), refusing an item without a uuid. :class:`EngineForms` does the same, so a
 multimodal block carries the token ids a Dynamo frontend computes for the prompt, and carries
-each item's ``(digest, start_offset)`` as the block's ``extra_keys`` entry (two items whose
-pad values collide stay apart in the consolidator's identity). A non-null ``lora_id`` without
+each item's digest as the block's ``extra_keys`` entry, as the plugin's own V2 path writes it
+(``gpu_events.fields.mm_extra_key``; two items whose pad values collide stay apart in the
+consolidator's identity). A non-null ``lora_id`` without
 a ``lora_name`` goes out under the adapter name the plugin gives every LoRA task
 (``wire.identity.lora_name``: ``lora-<id>``), the one the core's identity already uses.
 
@@ -54,6 +55,7 @@ MM_PAD_MASK: Final = (1 << 30) - 1
 _READ: Final = frozenset({"type", "block_hashes", "parent_block_hash", "token_ids",
                           "block_size", "lora_id", "medium", "lora_name", "extra_keys",
                           "mm_keys"})
+_HEX: Final = frozenset("0123456789abcdefABCDEF")
 _STORED_BASE: Final = 8  # a BlockStored of 44004b3 and 13599e9 without the omitted fields
 
 
@@ -141,7 +143,7 @@ class EngineForms:
             merged = []
             for j, items in enumerate(per_block):
                 own = list(extra[j]) if extra is not None and extra[j] is not None else []
-                keys = own + [[digest, offset] for digest, offset, _ in items]
+                keys = own + [mm_extra_key(digest, offset) for digest, offset, _ in items]
                 merged.append(keys or None)
             event["extra_keys"] = merged
             self.mm_blocks += sum(1 for items in per_block if items)
@@ -190,6 +192,15 @@ class EngineForms:
                                   "nothing either") from None
             converted += 1
         self.tokens_converted += converted
+
+
+def mm_extra_key(digest: str, offset: int) -> Any:
+    """An item's ``extra_keys`` form, the rule of ``gpu_events.fields.mm_extra_key`` (which
+    this layer cannot import): a 32-byte digest as its 64 hex digits, as vLLM writes it and
+    Dynamo's ``extra_keys.rs`` reads it; any other identifier as ``[identifier, offset]``."""
+    if len(digest) == 64 and all(c in _HEX for c in digest):
+        return digest.lower()
+    return [digest, offset]
 
 
 def _n(value: Any) -> str:
