@@ -158,6 +158,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         self._events_source = load_events_source(self._env)
         # TRT-LLM's own streaming publisher: no second GPU-tier stream; its own is consolidated.
         self._native = _native.native_publisher(llm_args)
+        self._naming.salt_blind = self._native is not None  # its stream carries no salt
         self._native_feed = _native.NativeNameFeed()  # its stored blocks: the tiers' names
         self._native_forms = EngineForms()  # each upstream form's fields, made the core's
         self._host_name = _llm_args.leader_host(self._env)

@@ -120,3 +120,49 @@ def test_engine_forms_fills_names_counts_unread_fields_and_refuses_odd_mm_keys()
     # what it made is what the next reader gets unchanged (the name feed reads it again)
     again = msgpack.unpackb(msgpack.packb(out))
     assert forms(0, again) == again and forms.tokens_converted == 0
+
+
+def test_a_salted_tenants_tier_blocks_never_go_out_under_a_name_the_plugin_made(
+        make_engine, tmp_path) -> None:
+    """TensorRT-LLM's stream carries no salt: a salted request's tier copies wait for a name
+    (bounded) rather than take an unsalted block's, which the consolidator would have to
+    rename (``hash_conflicts``) into a GPU-tier name TensorRT-LLM never published."""
+    from _engines import prompt
+    from _kvwire import free_port
+
+    trt_port, replay_port = free_port(), free_port()
+    events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{trt_port}",
+                            replay_endpoint=f"tcp://*:{replay_port}")
+    engine = make_engine(num_gpu_blocks=12, kv_events_config=events, provide_block_hashes=False,
+                         env={"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "true",
+                              "DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT": f"ipc://{tmp_path}/out",
+                              "DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_ENDPOINT":
+                                  f"ipc://{tmp_path}/out-replay",
+                              "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "24"})
+    leader, manager = engine.leader, engine.kv_cache_manager
+    sub = StreamSubscriber(f"ipc://{tmp_path}/out", f"ipc://{tmp_path}/out-replay",
+                           start_seq=0)
+    try:
+        for seed in range(4):
+            engine.submit(prompt(seed, 17), 2)
+            engine.run_until_idle()
+        engine.submit(prompt(0, 17), 2, cache_salt="tenant-A")  # same tokens, salted
+        engine.run_until_idle()
+        engine.submit(prompt(0, 17), 2)
+        engine.run_until_idle()
+        held: set[int] = set()
+
+        def settled() -> bool:
+            sub.poll(20)
+            held.clear()
+            held.update(h for _, h in sub.held)
+            return bool(held) and leader.consolidator.stats()["batches_applied"] >= \
+                manager.batches
+
+        wait_until(settled, 10, "the consolidated stream caught up with TRT-LLM's")
+        sub.poll(50)
+        held = {h for _, h in sub.held}
+        assert held <= manager.published_hashes  # every name is one TRT-LLM put on the wire
+        assert leader.consolidator.stats()["hash_conflicts"] == 0
+    finally:
+        sub.close()
