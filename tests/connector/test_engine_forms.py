@@ -61,6 +61,8 @@ def test_every_form_of_tensorrt_llms_stream_reaches_the_consolidated_stream(
     payloads, expected = _batches(form)
     for payload in payloads:
         publisher.publish(payload)
+    # sent before anyone subscribes: the consolidator gets them from the replay, once
+    wait_until(lambda: publisher.published == len(payloads), 10, "upstream's batches sent")
     forms = EngineForms()
     observed: list = []
     consolidator = KvEventConsolidator(config, engine_observer=lambda r, e: observed.extend(e))
