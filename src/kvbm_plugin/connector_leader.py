@@ -63,6 +63,7 @@ from kvbm_plugin.connector.tier_book import TierBookkeeping
 from kvbm_plugin.connector.trtllm_compat import (
     KvCacheConnectorScheduler,
 )
+from kvbm_plugin.consolidator.engine_forms import EngineForms
 from kvbm_plugin.consolidator_config import (
     load_consolidator_config,
     load_events_source,
@@ -157,7 +158,9 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         self._events_source = load_events_source(self._env)
         # TRT-LLM's own streaming publisher: no second GPU-tier stream; its own is consolidated.
         self._native = _native.native_publisher(llm_args)
+        self._naming.salt_blind = self._native is not None  # its stream carries no salt
         self._native_feed = _native.NativeNameFeed()  # its stored blocks: the tiers' names
+        self._native_forms = EngineForms()  # each upstream form's fields, made the core's
         self._host_name = _llm_args.leader_host(self._env)
         self._config = config = load_consolidator_config(
             self._env, num_ranks=par.dp_size, attention_dp=par.attention_dp,
@@ -184,7 +187,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
                 own_gpu_stream=self._native is None,
                 engine_observer=self._native_feed.observe if self._native else None,
                 engine_topic=self._native.topic if self._native else "",
-                dp_size=par.dp_size)
+                dp_size=par.dp_size,
+                engine_forms=self._native_forms if self._native else None)
             self._name_reader = parts.name_reader
             self.event_sink = parts.event_sink
             # on_flush (BlockNames.observe) is attached at the first request without
@@ -713,6 +717,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         out["reports_malformed"] = self._receiver.malformed if self._receiver is not None else 0
         out["tier_batches_lost"] = getattr(self._tier_events, "lost_batches", 0)
         out["native_batches_unread"] = self._native_feed.dropped
+        out.update(self._native_forms.stats())
         out.update(self._shared_stats())
         return out
 

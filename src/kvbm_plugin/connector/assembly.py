@@ -90,7 +90,7 @@ class EventPath:
 def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_rank: int,
                         block_size: int, tier_events: Any = None, own_gpu_stream: bool = True,
                         engine_observer: Any = None, engine_topic: str = "",
-                        dp_size: int = 1) -> EventPath:
+                        dp_size: int = 1, engine_forms: Any = None) -> EventPath:
     """Build the leader's event path from its validated ``config``: this rank's GPU-tier
     publisher (``config.publisher`` by name; a NullEventPublisher, said once, when no endpoint
     is configured) and the prefix-closed event sink in front of it; when ``consolidate``, the
@@ -103,7 +103,9 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     reads ``config.gpu_streams``, and ``engine_observer`` sees each of their batches, see
     ``KvEventConsolidator``), without it the rank's publisher carries the tiers' events only
     and a :class:`~kvbm_plugin.connector.native_events.NativeNameReader` (topic
-    ``engine_topic``) hands TensorRT-LLM's batches to ``engine_observer``.
+    ``engine_topic``) hands TensorRT-LLM's batches to ``engine_observer``. ``engine_forms``
+    (a :class:`~kvbm_plugin.consolidator.engine_forms.EngineForms`) normalises each of those
+    batches first, on the consolidator's ingest thread or the reader's.
 
     Attention DP (``dp_size`` > 1): TensorRT-LLM's C++ KV cache manager gathers every rank's
     events onto rank 0, each tagged ``attention_dp_rank`` (``kvCacheEventManager.cpp``,
@@ -123,7 +125,8 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     if dp_size > 1:
         config = config.for_dp_rank(dp_rank)
         if dp_rank != 0:
-            return _other_dp_rank_path(config, consolidate, tier_events, engine_observer)
+            return _other_dp_rank_path(config, consolidate, tier_events, engine_observer,
+                                       engine_forms)
     if not own_gpu_stream and consolidate:
         publisher = NullEventPublisher(config.publisher)  # the sink never publishes here
     elif config.gpu_events is not None:
@@ -154,6 +157,7 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
             from kvbm_plugin.consolidator.service import KvEventConsolidator
 
             consolidator = KvEventConsolidator(config, engine_observer=engine_observer)
+            consolidator.engine_forms = engine_forms
             consolidator.start()
             if tier_events is None:
                 tier_events = consolidator
@@ -163,7 +167,8 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
             from kvbm_plugin.connector.native_events import NativeNameReader
 
             rank, stream, _ = config.gpu_streams[0]
-            reader = NativeNameReader(stream, engine_topic, engine_observer, rank)
+            reader = NativeNameReader(stream, engine_topic, engine_observer, rank,
+                                      forms=engine_forms)
     except BaseException:
         if consolidator is not None:
             consolidator.shutdown()
@@ -178,7 +183,8 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
 
 
 def _other_dp_rank_path(config: ConsolidatorConfig, consolidate: bool,
-                        tier_events: Any, engine_observer: Any = None) -> EventPath:
+                        tier_events: Any, engine_observer: Any = None,
+                        engine_forms: Any = None) -> EventPath:
     """An attention-DP rank other than 0: no GPU-tier publisher (rank 0 publishes this rank's
     GPU-tier stream, see :func:`assemble_event_path`), its own consolidator. Its tier events
     have no stream of their own without a consolidator, so that is refused."""
@@ -195,6 +201,7 @@ def _other_dp_rank_path(config: ConsolidatorConfig, consolidate: bool,
         from kvbm_plugin.consolidator.service import KvEventConsolidator
 
         consolidator = KvEventConsolidator(config, engine_observer=engine_observer)
+        consolidator.engine_forms = engine_forms
         consolidator.start()
         if tier_events is None:
             tier_events = consolidator

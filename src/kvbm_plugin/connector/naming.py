@@ -96,6 +96,11 @@ class BlockNaming:
             stats.setdefault(name, 0)
         self.names = BlockNames(block_size)  # learned from GPU-tier events
         self.learning = False  # the sink feeds self.names (no block_hashes seen)
+        # TensorRT-LLM's own stream is the source of names: it carries no salt, and
+        # self.names keys blocks by (parent, tokens, LoRA), so a salted request's root would
+        # take the name of an unsalted block with the same tokens (the consolidator then
+        # mints a name of its own for it). Its blocks wait for a name instead (bounded).
+        self.salt_blind = False
         self.confirmed: set[tuple[str, bool]] = set()
         self.refuted: set[tuple[str, bool]] = set()
         self._log = RateLimitedLog(logger)
@@ -121,11 +126,16 @@ class BlockNaming:
             self._compute(state, index + 1)
             if rule in self.confirmed and index < len(state.computed):
                 return state.computed[index]
-        if self.learning and index >= len(state.learned) and not state.event_hashes:
+        if self.learning and index >= len(state.learned) and not state.event_hashes \
+                and self._may_learn(state):
             self.names.extend(state.tokens, state.keys, state.learned, state.scope[0])
         if index < len(state.learned):
             return state.learned[index]
         return None
+
+    def _may_learn(self, state: RequestState) -> bool:
+        """Whether the learned names can name ``state``'s blocks (see ``salt_blind``)."""
+        return not (self.salt_blind and state.scope[1] is not None)
 
     def root_hash(self, state: RequestState) -> int | None:
         """TRT-LLM's hash of the request's first block, as best known (for the event sink's
@@ -172,7 +182,8 @@ class BlockNaming:
         if not self.names:
             return
         for state in states:
-            if state.event_hashes or len(state.learned) >= len(state.keys):
+            if state.event_hashes or len(state.learned) >= len(state.keys) \
+                    or not self._may_learn(state):
                 continue
             self.names.extend(state.tokens, state.keys, state.learned, state.scope[0])
             rule = self._rule(state)

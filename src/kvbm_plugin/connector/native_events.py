@@ -244,14 +244,17 @@ class NativeNameReader:
     (``kvbm-native-names-r<rank>``) owns a SUB at ``endpoint`` and hands each batch's events
     to ``observe`` (a :class:`NativeNameFeed`'s). Built and stopped by the leader (through
     ``connector.assembly``); it never touches TensorRT-LLM state and holds no lock. A payload
-    it cannot decode is counted (``malformed``) and skipped."""
+    it cannot decode is counted (``malformed``) and skipped. ``forms``: normalises each batch's
+    events first (an ``EngineForms``, as the consolidator does), or None."""
 
-    def __init__(self, endpoint: Endpoint, topic: str, observe: Any, rank: int) -> None:
+    def __init__(self, endpoint: Endpoint, topic: str, observe: Any, rank: int,
+                 forms: Any = None) -> None:
         import threading
 
         import zmq
 
         self._observe = observe
+        self._forms = forms
         self._rank = rank
         self.malformed = 0
         self._stop = threading.Event()
@@ -279,7 +282,8 @@ class NativeNameReader:
                     self.malformed += 1
                     continue
                 if isinstance(events, list):
-                    self._observe(rank, events)
+                    self._observe(rank, events if self._forms is None
+                                  else self._forms(rank, events))
         finally:
             self._sub.close(0)
 

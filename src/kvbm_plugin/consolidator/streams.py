@@ -92,6 +92,9 @@ class StreamIngest:
     # Called on the ingest thread with (dp rank, the batch's raw event maps) after each GPU-tier
     # batch was applied; must be cheap and thread-safe (the leader queues them for itself).
     engine_observer: Callable[[int, list[Any]], None] | None = None
+    # Where the GPU-tier streams are TensorRT-LLM's own: turns each batch's events into the
+    # fields the core accepts (consolidator.engine_forms.EngineForms); set before start().
+    engine_forms: Callable[[int, list[Any]], list[Any]] | None = None
 
     def _open_dealer(self, stream: _Stream, poller: zmq.Poller) -> zmq.Socket | None:
         endpoint = self.config.stream_replay(stream.rank)
@@ -377,14 +380,15 @@ class StreamIngest:
                               self._core.max_dp_ranks)
                 return
             stream.dp_ranks.add(dp_rank)
-        applied = self._core.apply_events(dp_rank, batch[1],
+        events = batch[1] if self.engine_forms is None else self.engine_forms(dp_rank, batch[1])
+        applied = self._core.apply_events(dp_rank, events,
                                           lambda exc: self._bad_event(stream, exc))
         self._n_batches_applied += 1
         self._n_events_applied += applied
         observer = self.engine_observer
         if observer is not None:
             try:
-                observer(dp_rank, batch[1])
+                observer(dp_rank, events)
             except Exception as exc:  # the observer's bug must not cost the stream a batch
                 self._n_observer_errors += 1
                 self._log.log(logging.ERROR, "observer", "rank %d: engine_observer raised "

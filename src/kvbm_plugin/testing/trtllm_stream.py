@@ -141,6 +141,73 @@ def encode_batch(ts: float, events: list[dict[str, Any]], block_size: int,
     return bytes(w.out)
 
 
+FORMS = ("44004b3864a7", "13599e98c71c", "native-adapter")
+
+
+def _form_structs(form: str) -> tuple[Any, Any, Any]:
+    """msgspec structs with the wire schema of ``kv_cache_events.py``'s form ``form``, as read
+    (see :func:`encode_form_batch`): (batch, BlockStored, MultimodalKey or None)."""
+    import msgspec
+
+    mm = form == "13599e98c71c"
+    token = int | str if mm else int
+    hash_type = bytes | int if form == "native-adapter" else int
+    opts = {"omit_defaults": True, "gc": False}
+
+    class MultimodalKey(msgspec.Struct, tag="mm_key", **opts):  # type: ignore[call-arg]
+        hash: str
+        start_offset: int
+        uuid: str | None = None
+
+    class Event(msgspec.Struct, tag=True, **opts):  # type: ignore[call-arg]
+        pass
+
+    class BlockStored(Event):
+        block_hashes: list[hash_type]  # type: ignore[valid-type]
+        parent_block_hash: hash_type | None  # type: ignore[valid-type]
+        token_ids: list[token]  # type: ignore[valid-type]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list[tuple[Any, ...] | None] | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+        locality: str | None = None
+        if mm:
+            mm_keys: list[list[MultimodalKey]] | None = None
+
+    class Batch(msgspec.Struct, array_like=True, **opts):  # type: ignore[call-arg]
+        ts: float
+        events: list[Any]
+        data_parallel_rank: int | None = None
+
+    return Batch, BlockStored, MultimodalKey if mm else None
+
+
+def encode_form_batch(form: str, ts: float, stored: list[dict[str, Any]],
+                      dp_rank: int) -> bytes:
+    """The payload ``kv_cache_events.py`` of form ``form`` writes for BlockStored events
+    ``stored`` (dicts of its fields; ``mm_keys`` items as dicts), through msgspec's encoder as
+    upstream's publisher thread does. Schemas as read in the stored index (NVIDIA/TensorRT-LLM
+    ``tensorrt_llm/_torch/pyexecutor/kv_cache_events.py``): ``"44004b3864a7"`` (stored id
+    57357230020: ``token_ids: list[int]``), ``"13599e98c71c"`` (stored id 71400586074:
+    ``token_ids: list[int | str]``, ``mm_keys``), ``"native-adapter"`` (stored id 58569138750:
+    ``ExternalBlockHash = bytes | int``). Every form: map-tagged events (``tag=True``),
+    ``omit_defaults``, the batch ``[ts, events, data_parallel_rank]`` as an array."""
+    import msgspec
+
+    batch_type, stored_type, mm_type = _form_structs(form)
+    events = []
+    for fields in stored:
+        fields = dict(fields)
+        if "mm_keys" in fields and fields["mm_keys"] is not None:
+            fields["mm_keys"] = [[mm_type(**k) for k in block] for block in fields["mm_keys"]]
+        events.append(stored_type(**fields))
+    return msgspec.msgpack.encode(batch_type(ts=ts, events=events, data_parallel_rank=dp_rank))
+
+
 class SimZmqEventPublisher:
     """Upstream's ``ZmqEventPublisher`` for one rank: a PUB (and optional replay ROUTER) bound
     at the rank's endpoint, fed by :meth:`publish` (never blocks), sent by its own thread."""

@@ -14,6 +14,7 @@ from typing import Any
 import zmq
 
 from kvbm_plugin.connector.native_events import native_publisher, native_streams
+from kvbm_plugin.consolidator.engine_forms import EngineForms
 from kvbm_plugin.consolidator.service import KvEventConsolidator
 from kvbm_plugin.consolidator_config import (
     CONSOLIDATOR_MODE,
@@ -98,6 +99,8 @@ def main_consolidate(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     stop = SignalStop().install()
     consolidator = KvEventConsolidator(config)
+    forms = EngineForms() if streams else None  # TensorRT-LLM's own stream, in any form
+    consolidator.engine_forms = forms
     try:
         consolidator.start()
     except (zmq.ZMQError, ConfigError, OSError) as exc:
@@ -113,5 +116,6 @@ def main_consolidate(argv: list[str] | None = None) -> int:
     finally:
         consolidator.shutdown()
         stop.restore()
-        logger.info("KV event consolidator stopped: %s", consolidator.stats())
+        logger.info("KV event consolidator stopped: %s", {
+            **consolidator.stats(), **(forms.stats() if forms is not None else {})})
     return stop.status
