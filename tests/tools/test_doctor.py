@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -18,12 +19,29 @@ GIB = 1 << 30
 
 @pytest.fixture(autouse=True)
 def _no_plugin_variables(monkeypatch) -> None:  # noqa: ANN001
-    import os
-
     for name in list(os.environ):
         if name.startswith("DYN_KVBM_"):
             monkeypatch.delenv(name)
     monkeypatch.setenv(cc.ENABLE_CONSOLIDATOR, "0")
+    # The leader's ports derive from this one (+1000 the output, +2000 announcements): free ones,
+    # so that a run elsewhere on the machine holding the defaults fails no check here.
+    monkeypatch.setenv(cc.LEADER_ZMQ_PUB_PORT, str(_free_base()))
+
+
+def _free_base() -> int:
+    """A port P with P, P + 1000 and P + 2000 free on loopback now."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(20000, 30000)
+        try:
+            for port in (base, base + 1000, base + 2000):
+                with socket.socket() as probe:
+                    probe.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise AssertionError("no free port base on loopback")
 
 
 def _checks(capsys) -> tuple[int, dict[str, dict]]:  # noqa: ANN001
@@ -193,12 +211,13 @@ def test_a_shared_tier_without_a_host_tier_is_a_problem(monkeypatch, capsys) -> 
 def test_a_host_name_that_does_not_resolve_is_not_free(monkeypatch, capsys) -> None:  # noqa: ANN001
     monkeypatch.setenv(cc.LEADER_ZMQ_HOST, "kvbm-no-such-host.invalid")
     code, checks = _checks(capsys)
-    output = checks["consolidated output tcp://kvbm-no-such-host.invalid:57001"]
+    port = int(os.environ[cc.LEADER_ZMQ_PUB_PORT]) + 1000
+    output = checks[f"consolidated output tcp://kvbm-no-such-host.invalid:{port}"]
     assert code == 1 and output["status"] == "fail"
     assert "'kvbm-no-such-host.invalid' does not resolve" in output["detail"]
     monkeypatch.setenv(cc.LEADER_ZMQ_HOST, "localhost")  # a name that resolves binds
     _, checks = _checks(capsys)
-    assert checks["consolidated output tcp://localhost:57001"]["status"] == "ok"
+    assert checks[f"consolidated output tcp://localhost:{port}"]["status"] == "ok"
 
 
 def test_the_announce_socket_on_the_gpu_tier_publishers_port_is_found(monkeypatch,
