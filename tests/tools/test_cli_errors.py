@@ -277,7 +277,7 @@ BAD_VALUES = {
     cc.OUTPUT_REPLAY_ENDPOINT: "udp://x", cc.PUBLISHER: "kafka", cc.BUFFER_STEPS: "0",
     cc.BUFFER_BYTES: "1k",
     cc.HWM: "-1", cc.MAX_QUEUE_SIZE: "many", cc.WINDOW_SIZE: "0", cc.NATIVE: "perhaps",
-    cc.TOPIC: "kv@pod-only",
+    cc.TOPIC: "kv@pod-only", cc.ZMQ_ALLOW: "router.local", cc.ZMQ_MAX_PEERS: "0",
 }
 STANDALONE = {
     "consolidate": [],

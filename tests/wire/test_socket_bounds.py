@@ -302,7 +302,7 @@ def test_connections_beyond_the_cap_are_cut(tcp, publishers, which) -> None:
 
 def test_the_announce_endpoint_holds_only_what_can_match(ctx) -> None:
     port = free_port()
-    announcer = Announcer(f"tcp://127.0.0.1:{port}", [], allow=())
+    announcer = Announcer(f"tcp://127.0.0.1:{port}", [], secret=b"s" * 32, allow=())
     announcer.open()
     try:
         sub = ctx.socket(zmq.SUB)

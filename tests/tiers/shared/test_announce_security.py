@@ -203,11 +203,11 @@ class _EndlessXpub:
         self.limit = limit
         self.read = 0
 
-    def recv(self, flags: int = 0) -> bytes:
+    def recv(self, flags: int = 0, copy: bool = True) -> zmq.Frame | bytes:
         self.read += 1
         if self.read > self.limit:
             raise zmq.Again()
-        return b"\x01flood"
+        return b"\x01flood" if copy else zmq.Frame(b"\x01flood")
 
 
 def test_one_receive_reads_a_bounded_number_of_subscription_frames() -> None:

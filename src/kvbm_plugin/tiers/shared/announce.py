@@ -444,9 +444,12 @@ class Announcer:
         if time.monotonic() >= deadline:
             self._n["hear_budget_spent"] += 1
             return False
-        applied = self._guard.applied
-        more = self._guard.service(self.pub)  # bounded per call; the agent's next turn reads on
-        joined = self._guard.applied - applied
+        guard = self._guard
+        applied, read = guard.applied, guard.applied + guard.refused + guard.unsubscribed
+        more = guard.service(self.pub)  # bounded per call; the agent's next turn reads on
+        self._n["subscription_frames"] += (guard.applied + guard.refused + guard.unsubscribed
+                                           - read)
+        joined = guard.applied - applied
         if joined:  # a peer's SUB joined (its filter is in place now)
             self._n["subscriptions"] += joined
             self._log.log(logging.INFO, "subscribed", "kvbm_plugin: %d peer subscription(s) "
