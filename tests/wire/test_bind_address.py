@@ -59,6 +59,19 @@ def test_publisher_and_replay_listen_on_the_named_host(host: str, expected: set[
         pub.shutdown()
 
 
+@pytest.mark.parametrize("replay", [False, True])
+def test_a_host_that_does_not_resolve_is_named_with_its_variable(replay: bool) -> None:
+    """ZMQ's own word for it is "No such device": the error names the endpoint's variable and
+    what is wrong with its host."""
+    bad = parse_endpoint("BAD_VAR", "tcp://kvbm-no-such-host.invalid:5", default_host="x")
+    good = parse_endpoint("GOOD_VAR", f"tcp://127.0.0.1:{free_port()}", default_host="x")
+    with pytest.raises(cc.ConfigError) as caught:
+        ZmqEventPublisher(PublisherSettings(), *((good, bad) if replay else (bad, None)))
+    message = str(caught.value)
+    assert "tcp://kvbm-no-such-host.invalid:5 (BAD_VAR)" in message, message
+    assert "does not resolve or is not an address of this machine" in message
+
+
 def test_bare_port_listens_on_loopback_by_default() -> None:
     """``DYN_KVBM_TRTLLM_ZMQ_PORT`` alone: the consolidator connects over 127.0.0.1, so the
     GPU-tier publisher listens there and nowhere else."""

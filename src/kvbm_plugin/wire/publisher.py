@@ -53,6 +53,7 @@ from kvbm_plugin.wire.publisher_base import (  # re-exported
     EventPublisher,
     NullEventPublisher,
     WireEvent,
+    bind_error,
 )
 from kvbm_plugin.wire.replay_server import (  # parse_replay_request: re-exported
     PEER_HWM,
@@ -62,6 +63,7 @@ from kvbm_plugin.wire.replay_server import (  # parse_replay_request: re-exporte
 
 logger = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
+
 
 class ZmqEventPublisher(EventPublisher):
     """ZMQ XPUB, a PUB on the wire (+ optional replay ROUTER); what peers make it hold is
@@ -154,6 +156,8 @@ class ZmqEventPublisher(EventPublisher):
         self._topic = settings.topic.encode("utf-8")
         self._bind_addr = endpoint.bind
         self._replay_addr = None if replay_endpoint is None else replay_endpoint.bind
+        # The variables the endpoints came from, for a bind error that names what to change.
+        self._sources = (endpoint.source, "" if replay_endpoint is None else replay_endpoint.source)
         if self._replay_addr is not None and self._replay_addr == self._bind_addr:
             raise ConfigError(f"{type(self).__name__}: replay endpoint {self._replay_addr} "
                               "is the publish endpoint; they must differ")
@@ -551,7 +555,7 @@ class ZmqEventPublisher(EventPublisher):
     def _open_sockets(self) -> tuple[zmq.Socket, zmq.Socket | None]:
         """Create and bind both sockets (publisher thread); on failure close what was opened."""
         pub = router = None
-        addr = self._bind_addr
+        addr, source = self._bind_addr, self._sources[0]
         try:
             self._allowlist.start(self._context, self._own_context)
             # An XPUB with manual subscriptions instead of a PUB: the same wire (a SUB accepts
@@ -563,7 +567,7 @@ class ZmqEventPublisher(EventPublisher):
             self._allowlist.configure(pub)
             pub.bind(addr)
             if self._replay_addr is not None:
-                addr = self._replay_addr
+                addr, source = self._replay_addr, self._sources[1]
                 router = self._context.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
                 harden_router(router)
@@ -584,7 +588,7 @@ class ZmqEventPublisher(EventPublisher):
             self._allowlist.stop()
             if self._own_context:
                 self._context.term()  # returns once the sockets are gone: the port is free
-            raise RuntimeError(f"{addr}: {exc}") from exc
+            raise RuntimeError(bind_error(addr, source, exc)) from exc
         return pub, router
 
     def _run(self) -> None:

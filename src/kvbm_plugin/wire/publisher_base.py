@@ -11,9 +11,12 @@ entry point against it), so neither imports the other's module to see it. Caller
 
 from __future__ import annotations
 
+import errno
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
+
+import zmq
 
 from kvbm_plugin.wire.events import event_count
 
@@ -83,3 +86,14 @@ class NullEventPublisher(EventPublisher):
 
     def stats(self) -> dict[str, int]:
         return {"batches_published": self._batches, "events_published": self._events}
+
+
+def bind_error(addr: str, source: str, exc: BaseException) -> str:
+    """Why ``addr`` (from the variable ``source``) did not bind, in one line that names what to
+    change: ZMQ says "No such device" for a tcp host that is not an address of this machine or
+    does not resolve."""
+    where = f"{addr} ({source})" if source else addr
+    if isinstance(exc, zmq.ZMQError) and exc.errno == errno.ENODEV and addr.startswith("tcp://"):
+        return (f"{where}: {exc}: its host does not resolve or is not an address of this "
+                "machine")
+    return f"{where}: {exc}"
