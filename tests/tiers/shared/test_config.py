@@ -99,7 +99,7 @@ def test_mooncake_settings_are_checked_before_connecting() -> None:
     with pytest.raises(ConfigError, match=cc.SHARED_METRICS_ADDRESS):
         MooncakeStore(SharedSettings(store="mooncake", model_key="m", address="h:1",
                                         metrics_address="h"), env={})
-    with pytest.raises(ConfigError, match=f"{cc.SHARED_SEGMENT_GB}: 1048576 bytes"):
+    with pytest.raises(ConfigError, match=rf"{cc.SHARED_SEGMENT_GB}=0.000976562 \(1048576 bytes\)"):
         MooncakeStore(SharedSettings(store="mooncake", model_key="m", address="h:1",
                                         segment_bytes=1 << 20), env={})
 

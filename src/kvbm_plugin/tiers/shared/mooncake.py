@@ -253,8 +253,10 @@ class MooncakeStore(SharedStore):
             parse_host_port(cc.SHARED_METRICS_ADDRESS, settings.metrics_address)
         if settings.segment_bytes != 0 and not MIN_SEGMENT_BYTES <= settings.segment_bytes \
                 <= MAX_SEGMENT_BYTES:
-            raise ConfigError(f"{cc.SHARED_SEGMENT_GB}: {settings.segment_bytes} bytes; Mooncake "
-                              "takes 0 (no segment) or 16 MiB .. 1 TiB")
+            gib = settings.segment_bytes / (1 << 30)
+            raise ConfigError(f"{cc.SHARED_SEGMENT_GB}={gib:g} ({settings.segment_bytes} bytes): "
+                              "Mooncake takes 0 (no segment) or 16 MiB .. 1 TiB (0.015625 .. "
+                              "1024)")
         if settings.protocol not in PROTOCOLS:
             raise ConfigError(f"{cc.SHARED_PROTOCOL}={settings.protocol!r}: Mooncake transfers "
                               f"over {', '.join(PROTOCOLS)}")
