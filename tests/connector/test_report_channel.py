@@ -13,6 +13,7 @@ from _kvwire import free_port
 
 from kvbm_plugin.connector.meta import (
     ERR_NONE,
+    REPORT_MAX_BYTES,
     CompletionHub,
     OpReport,
     ZmqReportReceiver,
@@ -134,3 +135,23 @@ def test_close_with_no_leader_gives_up_after_its_timeout_with_a_warning(tmp_path
     assert time.monotonic() - began < 30  # bounded, though nobody ever took the report
     assert "not delivered to ipc://" in caplog.text
     sender.close()  # idempotent: returns at once
+
+
+def test_an_oversized_message_is_refused_unread_and_reports_still_arrive() -> None:
+    """The report port is reachable by whoever reaches its address: a message over
+    REPORT_MAX_BYTES drops its connection in libzmq before it is queued or decoded (nothing
+    counted as malformed), and reports sent after it arrive."""
+    port = free_port()
+    hub = CompletionHub("report-channel-oversized")
+    receiver = ZmqReportReceiver(hub, f"tcp://127.0.0.1:{port}")
+    try:
+        with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as rogue, ctx.socket(zmq.PUSH) as rank:
+            for sock in (rogue, rank):
+                sock.setsockopt(zmq.LINGER, 1000)
+                sock.connect(f"tcp://127.0.0.1:{port}")
+            rogue.send(b"\x00" * (REPORT_MAX_BYTES + 1))
+            rank.send(encode_report(OpReport(3, 1, True)))
+            assert _drain_until(hub, 1) == [OpReport(3, 1, True)]
+        assert receiver.malformed == 0
+    finally:
+        receiver.close()

@@ -266,6 +266,10 @@ def shared_layout(key: str) -> Any:
         return _shared_layouts.get(key)
 
 
+REPORT_MAX_BYTES = 4096  # a report's wire form is under 100 bytes (encode_report)
+REPORT_HWM = 1024  # reports queued per connection
+
+
 class ZmqReportReceiver:
     """Leader side of the cross-process report channel: a PULL socket on its own thread.
 
@@ -275,8 +279,11 @@ class ZmqReportReceiver:
     def __init__(self, hub: CompletionHub, bind: str) -> None:
         import zmq
 
+        from kvbm_plugin.consolidator_config import load_max_peers
+
         self._hub = hub
         self._bind = bind
+        self._max_peers = load_max_peers()  # ConfigError names the variable, on the caller
         self.malformed = 0  # dropped messages (the leader's stats() shows them)
         self._log = RateLimitedLog(logger)  # anyone can reach the port: no log storm
         self._stop = threading.Event()
@@ -293,19 +300,37 @@ class ZmqReportReceiver:
 
     def _run(self) -> None:
         zmq = self._zmq
+        from kvbm_plugin.wire.peers import PeerCap
+
         sock = zmq.Context.instance().socket(zmq.PULL)
+        cap = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
+            # What anyone who reaches the port can make this hold: a report is a few dozen
+            # bytes (encode_report), so larger messages drop their connection in libzmq, at
+            # most REPORT_HWM wait per connection, and DYN_KVBM_ZMQ_MAX_PEERS connections.
+            sock.setsockopt(zmq.MAXMSGSIZE, REPORT_MAX_BYTES)
+            sock.setsockopt(zmq.RCVHWM, REPORT_HWM)
+            cap = PeerCap("report receiver", sock, self._max_peers)
             sock.bind(self._bind)
         except zmq.ZMQError as exc:
             self._error = exc
+            if cap is not None:
+                cap.close()
             sock.close(0)
             self._ready.set()
             return
         self._ready.set()
+        poller = zmq.Poller()
+        for polled in (sock, cap.socket):
+            if polled is not None:
+                poller.register(polled, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if sock.poll(100):
+                ready = dict(poller.poll(100))
+                if cap.socket in ready:
+                    cap.service()
+                if sock in ready:
                     try:
                         report = decode_report(sock.recv(zmq.NOBLOCK))
                     except (ValueError, zmq.ZMQError) as exc:  # must not kill the channel
@@ -315,6 +340,7 @@ class ZmqReportReceiver:
                         continue
                     self._hub.put(report)
         finally:
+            cap.close()
             sock.close(0)
 
     def close(self, timeout: float = 5.0) -> None:
