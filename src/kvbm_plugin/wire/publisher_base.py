@@ -16,8 +16,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import zmq
-
 from kvbm_plugin.wire.events import event_count
 
 if TYPE_CHECKING:
@@ -93,7 +91,7 @@ def bind_error(addr: str, source: str, exc: BaseException) -> str:
     change: ZMQ says "No such device" for a tcp host that is not an address of this machine or
     does not resolve."""
     where = f"{addr} ({source})" if source else addr
-    if isinstance(exc, zmq.ZMQError) and exc.errno == errno.ENODEV and addr.startswith("tcp://"):
+    if getattr(exc, "errno", None) == errno.ENODEV and addr.startswith("tcp://"):
         return (f"{where}: {exc}: its host does not resolve or is not an address of this "
                 "machine")
     return f"{where}: {exc}"
