@@ -1,13 +1,16 @@
 """Fixtures of the shared-tier tests: private store servers and clients of them.
 
 A Mooncake master or Redis server is started per test on free loopback ports (its log in the
-test's tmp dir) and killed in teardown, after the clients made from it are closed. Where the
+test's tmp dir) and killed after the test, once the clients made from it are closed. Both
+happen on one background thread, in teardown order, while the next tests run (Mooncake's
+client close() takes about 2 s, mostly waiting); the session waits for it at its end. Where the
 wheel or binary is missing the tests skip with the reason, unless ``KVBM_REQUIRE_SHARED=1``
 (CI's run sets it): then a missing store is a failure, so CI never passes by skipping them.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +30,48 @@ def settings_for(store: str, address: str, **kw: Any) -> SharedSettings:
     return SharedSettings(store=store, model_key="test-model", address=address, **kw)
 
 
+class _Retirer:
+    """One thread that runs teardown jobs in the order they were handed over (a test's
+    clients closed, then its servers killed), off the test thread."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.failures: list[str] = []
+
+    def hand_over(self, job: Callable[[], None]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvbm-test-retirer",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            try:
+                job()
+            except Exception as exc:  # reported at the session's end
+                self.failures.append(repr(exc))
+
+    def finish(self, timeout: float = 120.0) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._jobs.put(None)
+        thread.join(timeout)
+        assert not thread.is_alive(), "shared-tier teardown still running after 120 s"
+        assert not self.failures, self.failures
+
+
+_RETIRER = _Retirer()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _retired_at_the_end() -> Iterator[None]:
+    yield
+    _RETIRER.finish()
+
+
 def _started(server_class: Any, tmp_path: Path, prefix: str) -> Iterator[Callable[..., Any]]:
     """The body of a server factory fixture: yields ``make(**kw)``, which starts a
     ``server_class`` in its own tmp dir (skipping, or failing under KVBM_REQUIRE_SHARED, when
@@ -42,13 +87,17 @@ def _started(server_class: Any, tmp_path: Path, prefix: str) -> Iterator[Callabl
         return server.start()
 
     yield make
-    for server in servers:
-        server.kill()  # its data is the test's; a SIGTERM'd mooncake_master takes ~1 s to go
+
+    def kill() -> None:
+        for server in servers:
+            server.kill()  # its data is the test's; a SIGTERM'd mooncake_master takes ~1 s
+
+    _RETIRER.hand_over(kill)
 
 
 def _closed_after(build: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
-    """The body of a store factory fixture: yields ``build`` keeping what it made, and
-    closes all of it in teardown, side by side (Mooncake's close() takes 1-2 s each)."""
+    """The body of a store factory fixture: yields ``build`` keeping what it made, and has
+    all of it closed after the test, side by side (Mooncake's close() takes 1-2 s each)."""
     stores: list[Any] = []
 
     def make(*args: Any, **kw: Any) -> Any:
@@ -57,11 +106,15 @@ def _closed_after(build: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
         return store
 
     yield make
-    threads = [threading.Thread(target=s.close) for s in stores]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+
+    def close() -> None:
+        threads = [threading.Thread(target=s.close) for s in stores]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    _RETIRER.hand_over(close)
 
 
 @pytest.fixture
