@@ -9,7 +9,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -44,20 +43,6 @@ def sends(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> st
 
 def removed(*hashes: int) -> dict[str, Any]:
     return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": "GPU"}
-
-
-@pytest.fixture
-def tcp() -> tuple[Endpoint, Endpoint]:
-    return (Endpoint("tcp", host="127.0.0.1", port=free_port()),
-            Endpoint("tcp", host="127.0.0.1", port=free_port()))
-
-
-@pytest.fixture
-def publishers() -> Iterator[list[ZmqEventPublisher]]:
-    made: list[ZmqEventPublisher] = []
-    yield made
-    for pub in made:
-        pub.shutdown(2.0)
 
 
 def seq_of(frames: list[bytes]) -> int:

@@ -12,7 +12,7 @@ import ctypes
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -59,20 +59,6 @@ def heap_in_use() -> int:
     mallinfo2.restype = _MallInfo2
     info = mallinfo2()
     return int(info.uordblks + info.hblkhd)
-
-
-@pytest.fixture
-def tcp() -> tuple[Endpoint, Endpoint]:
-    return (Endpoint("tcp", host="127.0.0.1", port=free_port()),
-            Endpoint("tcp", host="127.0.0.1", port=free_port()))
-
-
-@pytest.fixture
-def publishers() -> Iterator[list[ZmqEventPublisher]]:
-    made: list[ZmqEventPublisher] = []
-    yield made
-    for pub in made:
-        pub.shutdown(2.0)
 
 
 class _Owner:

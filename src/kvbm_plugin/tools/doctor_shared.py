@@ -64,16 +64,25 @@ def _segment_problem(settings: SharedSettings) -> str | None:
             "or 16 MiB .. 1 TiB (0.015625 .. 1024); start-up refuses it")
 
 
-def shared_check() -> Check:
-    """The shared tier, when configured: its settings, the store reachable (a client of it
-    connected and asked, with no segment of this machine's memory), and what it reports.
-    Unbounded in time: see :func:`bounded_shared_check`."""
+def _settings() -> SharedSettings | Check:
+    """The shared-tier settings, or the check that ends doctor's look at the tier here: a
+    settings problem, or the tier off."""
     try:
         settings = load_shared_settings()
     except cc.ConfigError as exc:
         return Check("shared tier", "fail", str(exc))
     if settings is None:
         return Check("shared tier", "ok", f"off ({cc.SHARED_TIER} unset)")
+    return settings
+
+
+def shared_check() -> Check:
+    """The shared tier, when configured: its settings, the store reachable (a client of it
+    connected and asked, with no segment of this machine's memory), and what it reports.
+    Unbounded in time: see :func:`bounded_shared_check`."""
+    settings = _settings()
+    if isinstance(settings, Check):
+        return settings
     from kvbm_plugin._util.plugins import PluginLoadError
     from kvbm_plugin.tiers.shared.factory import store_class
 
@@ -130,12 +139,9 @@ def _report(name: str, settings: SharedSettings, store: object) -> Check:
 def bounded_shared_check(timeout_s: float = DEFAULT_TIMEOUT_S) -> Check:
     """:func:`shared_check` in a child interpreter killed after ``timeout_s``. Settings
     problems and "off" are found here without a child."""
-    try:
-        settings = load_shared_settings()
-    except cc.ConfigError as exc:
-        return Check("shared tier", "fail", str(exc))
-    if settings is None:
-        return Check("shared tier", "ok", f"off ({cc.SHARED_TIER} unset)")
+    settings = _settings()
+    if isinstance(settings, Check):
+        return settings
     name = f"shared tier ({settings.store})"
     env = dict(os.environ)
     env.setdefault("MC_LOG_LEVEL", "ERROR")  # Mooncake's glog: errors only
