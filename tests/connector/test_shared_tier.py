@@ -374,6 +374,31 @@ def test_a_promised_load_whose_object_is_gone_fails_counted(shared, expect_error
     assert b.stats().recomputed_requests == 1 and b.stats().kv_mismatches == 0
 
 
+def test_a_load_that_raises_is_reported_failed_and_recomputed_not_left_waiting(
+        shared, monkeypatch, expect_errors) -> None:  # noqa: ANN001
+    a = shared.engine()
+    b = shared.engine()
+    system = prompt(52, 4 * BS)
+    run(a, system + prompt(53, 2))
+    settle(a, b, resident=4)
+
+    def broken_check(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug in the reader")
+
+    # Raised inside the reader's load (not a refusal): every op must still be reported.
+    monkeypatch.setattr(frame, "check", broken_check)
+    before = b.leader.stats()
+    req = b.submit(system + prompt(54, 2), 2)
+    b.run_until_idle(timeout_s=20.0)  # the old reader left the ops unreported: TimeoutError
+    after = b.leader.stats()
+    assert after["matched_shared_tokens"] - before["matched_shared_tokens"] == 4 * BS
+    assert sum(r.stats()["shared_loads_failed"] for r in b.ranks) == 8  # 4 blocks x 2 ranks
+    assert b.result(req).state in ("done", "saving")
+    assert b.stats().recomputed_requests == 1 and b.stats().kv_mismatches == 0
+    assert any("shared-tier load of 4 blocks raised" in r.getMessage()
+               for r in expect_errors.records)
+
+
 @pytest.mark.parametrize("where", [5, frame.HEADER_BYTES + 3], ids=["header", "payload"])
 def test_a_flipped_byte_in_a_shared_object_is_recomputed_and_the_key_repaired(
         shared, where) -> None:  # noqa: ANN001

@@ -325,7 +325,7 @@ class SharedIO:
             copies, req_id = job
             try:
                 self._load(copies, req_id)
-            except Exception:  # never lose the thread; _load reported what it could not do
+            except Exception:  # never lose the thread (_load reports every op it was given)
                 logger.exception("rank %d: shared-tier load failed", self._rank)
             finally:
                 with self._lock:
@@ -339,8 +339,16 @@ class SharedIO:
             if c not in good:
                 results[c.op_id] = ERR_FAILED
         for start in range(0, len(good), LOAD_STAGING_BLOCKS):
-            results.update(self._load_via_staging(good[start:start + LOAD_STAGING_BLOCKS],
-                                                  req_id))
+            chunk = good[start:start + LOAD_STAGING_BLOCKS]
+            try:
+                results.update(self._load_via_staging(chunk, req_id))
+            except Exception:
+                # A bug or a failed allocation must not leave these ops unreported: the
+                # request would wait for them forever. Failed, they become load errors
+                # (recomputed) like any other failed read.
+                logger.exception("rank %d: shared-tier load of %d blocks raised", self._rank,
+                                 len(chunk))
+                results.update({c.op_id: ERR_FAILED for c in chunk})
         worker = self._worker
         failed = [c.device_block for c in copies if results.get(c.op_id, ERR_FAILED)]
         if failed:  # before the reports: the request is "loaded" only after its last one
