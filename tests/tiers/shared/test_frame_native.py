@@ -132,3 +132,14 @@ def test_native_true_without_the_compiled_sums_is_an_error(
     monkeypatch.setitem(_native._built, "shared_frame", None)
     with pytest.raises(ValueError, match=r"frame\.checksum: native=True"):
         frame.checksum(_tensor(bytes(ROW)), native=True)
+
+
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native)])
+def test_a_payload_the_pass_would_misread_is_an_error_either_way(native: bool) -> None:
+    """The compiled pass reads raw memory: a strided or wider-typed tensor is refused by name
+    (never summed as if contiguous bytes), the same on both ways."""
+    torch = pytest.importorskip("torch")
+    whole = torch.zeros(4 * ROW, dtype=torch.uint8)
+    for bad, what in ((whole[::2], "contiguous=False"), (whole.view(torch.int64), "int64")):
+        with pytest.raises(ValueError, match=rf"frame\.checksum: payload must be .*{what}"):
+            frame.checksum(bad, native=native)

@@ -124,6 +124,11 @@ def checksum(payload: torch.Tensor, native: bool | None = None) -> tuple[int, in
     """(word sum, weighted row sum, tail crc32) of ``payload``, a contiguous CPU uint8 tensor.
     ``native``: None = the compiled pass where built and switched on, False = the torch
     reference, True = the compiled pass or ValueError (the tests compare the two)."""
+    if payload.element_size() != 1 or not payload.is_cpu or not payload.is_contiguous():
+        # The compiled pass reads the memory at data_ptr(): anything else would be misread.
+        raise ValueError(f"frame.checksum: payload must be a contiguous CPU byte tensor, got "
+                         f"dtype={payload.dtype}, device={payload.device}, "
+                         f"contiguous={payload.is_contiguous()}")
     loops = _default_loops() if native is None else \
         _native.choose("shared_frame", native, "frame.checksum")
     n = payload.numel()
