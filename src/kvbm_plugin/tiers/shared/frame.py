@@ -25,16 +25,19 @@ Header (little-endian, 64 bytes)::
   MAC: a writer with store access can still forge a well-formed object with wrong KV (see
   docs/operations.md#security).
 * **how it is computed**: by one compiled pass (``_frame_c.c``: eight 64-bit lanes per row,
-  which GCC vectorizes, the GIL released) where it was built, else by torch's integer
+  which GCC vectorizes at -O3, the GIL released) where it was built, else by torch's integer
   reductions (:func:`_sums_torch`, the reference; ``DYN_KVBM_NATIVE=0`` selects it), plus
-  ``zlib.crc32`` of the tail. Both give the same sums (tests/tiers/shared/test_frame_native.py).
-  Chosen by measured cost (benchmarks/bench_shared_tier.py, "verify" rows, as a share of
-  onboarding time against a target of <= 10 %): the compiled pass runs at the host's memory
-  bandwidth over the page just read; the torch reductions, in 128 KiB slices (one call each,
-  16 per 2 MiB page), cost 9-17 % of onboarding on the 2-core CI host, mostly per-call
-  overhead; zlib.crc32 (0.6-3.5 GB/s there) cost 22-33 %. Overlapping the check with the next
-  read would hide it only where a spare core exists, and a cheaper formula cannot read fewer
-  bytes; the compiled pass leaves little to hide. CRC-32 only covers the < 512-byte tail.
+  ``zlib.crc32`` of the tail. Both give the same sums (tests/tiers/shared/test_frame_native.py),
+  so engines on either way read each other's objects. Chosen by measured cost
+  (benchmarks/bench_shared_tier.py, "verify" rows: the check's share of onboarding time, target
+  <= 10 %; docs/performance.md has the runs): on the 2-core CI host the compiled pass took
+  3.2-6.0 % (median 4.1 %), reading the page just read at the memory's speed (18-24 GB/s);
+  the torch reductions 6.9-14.7 % (6-9 GB/s, mostly per-call cost: 16 calls of 128 KiB per
+  2 MiB page, kept below torch's parallel grain because its intra-op fan-out was 10x slower on
+  a busy host); zlib.crc32 17.6-31.8 % (2-4 GB/s). A cheaper formula would still read every
+  byte. Overlapping the check with the next read was not needed here (and would contend for
+  the same cores); it is the way to hide it behind a store faster than loopback TCP.
+  CRC-32 only covers the < 512-byte tail.
 
 A check failure names what was wrong (:class:`Refusal`); the caller counts it, logs it
 rate-limited, removes the object if it still holds those bytes, and fails the load.
