@@ -599,7 +599,7 @@ def test_an_interrupt_raised_while_a_v2_block_is_read_propagates(native: bool) -
 
 def test_native_switch_turns_the_compiled_loops_off_and_refuses_a_non_boolean() -> None:
     """Built or not: off means the Python loops, and a bad value is an error naming it."""
-    for module in ("event_sink", "consolidator"):
+    for module in _native._MODULES:
         assert _native.loops(module, {NATIVE: "0"}) is None
     with pytest.raises(ConfigError, match=rf"{NATIVE}='maybe'"):
         _native.loops("event_sink", {NATIVE: "maybe"})
@@ -610,8 +610,7 @@ def test_native_switch_turns_the_compiled_loops_off_and_refuses_a_non_boolean() 
 def test_native_switch_and_build() -> None:
     """The supported install builds the extensions; installed without a C compiler they are
     optional and this test skips, unless KVBM_REQUIRE_NATIVE=1 (CI's main run) demands them."""
-    missing = [module for module in ("event_sink", "consolidator")
-               if _native.loops(module, {}) is None]
+    missing = [module for module in _native._MODULES if _native.loops(module, {}) is None]
     if missing and os.environ.get("KVBM_REQUIRE_NATIVE") != "1":
         pytest.skip(f"compiled loops not built for {missing} (installed without a C compiler); "
                     "KVBM_REQUIRE_NATIVE=1 makes this a failure")

@@ -1,11 +1,13 @@
 """The optional compiled fast paths, behind one switch.
 
-``gpu_events/_sink_c.c`` (KvEventSink's ingest loop) and ``consolidator/_core_c.c``
-(ConsolidatorCore's dedup loops) are built at install time where a C compiler is available
-(``setup.py`` marks them optional). Each is the compiled form of loops whose Python reference
-stays in Python (``event_sink.py``, ``consolidator/core.py``), and the tests run both on the
-same input and compare. They use only CPython's public API (its unstable tier's compact-int
-reads on 3.12 and later), so they build on every CPython the package supports.
+``gpu_events/_sink_c.c`` (KvEventSink's ingest loop), ``consolidator/_core_c.c``
+(ConsolidatorCore's dedup loops) and ``tiers/shared/_frame_c.c`` (the shared tier's payload
+word sums) are built at install time where a C compiler is available (``setup.py`` marks them
+optional). Each is the compiled form of loops whose reference stays in Python
+(``event_sink.py``, ``consolidator/core.py``, ``tiers/shared/frame.py``'s torch reductions),
+and the tests run both on the same input and compare. They use only CPython's public API (its
+unstable tier's compact-int reads on 3.12 and later), so they build on every CPython the
+package supports.
 ``DYN_KVBM_NATIVE=0`` selects the Python loops. No torch or TensorRT-LLM import.
 """
 
@@ -30,12 +32,13 @@ def _load(name: str) -> ModuleType | None:
 _MODULES: Final = {
     "event_sink": "kvbm_plugin.gpu_events._sink_c",
     "consolidator": "kvbm_plugin.consolidator._core_c",
+    "shared_frame": "kvbm_plugin.tiers.shared._frame_c",
 }
 _built: dict[str, ModuleType | None] = {name: _load(mod) for name, mod in _MODULES.items()}
 
 
 def loops(module: str, env: Mapping[str, str] | None = None) -> ModuleType | None:
-    """The compiled loops of ``module`` ("event_sink" or "consolidator"), or None: not built,
+    """The compiled loops of ``module`` (a key of ``_MODULES``), or None: not built,
     or switched off with ``DYN_KVBM_NATIVE``.
 
     Raises ConfigError for a value of ``DYN_KVBM_NATIVE`` that is not a boolean.

@@ -15,6 +15,7 @@ import torch
 from _kvwire import wait_until
 from conftest import settings_for
 
+from kvbm_plugin._util import native as _native
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector import shared_io
 from kvbm_plugin.connector.meta import ERR_CORRUPT, ERR_FAILED, ERR_NONE, LoadCopy, SharedSaveOp
@@ -44,7 +45,19 @@ LAYOUT = SharedLayout("kvbm", "test-model", 1, 0, 0, 4, 800, "float32", "v1pool"
 DIGEST = chain_digests(list(range(4)), 4, None)[0]
 
 
-def test_a_sealed_object_passes_and_a_flipped_byte_anywhere_is_refused() -> None:
+@pytest.fixture(params=["torch", "compiled"])
+def checksum_way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Seal and check through the torch reference, then the compiled pass (skipped where
+    it was not built), whichever ``DYN_KVBM_NATIVE`` says."""
+    loops = _native.loops("shared_frame", {}) if request.param == "compiled" else None
+    if request.param == "compiled" and loops is None:
+        pytest.skip("kvbm_plugin.tiers.shared._frame_c was not built")
+    monkeypatch.setattr(frame, "_default_loops", lambda: loops)
+    return str(request.param)
+
+
+def test_a_sealed_object_passes_and_a_flipped_byte_anywhere_is_refused(
+        checksum_way: str) -> None:
     lay = frame.layout_digest(LAYOUT)
     buf = _sealed(LAYOUT, DIGEST, 1)
     frame.check(buf, DIGEST, lay)
@@ -56,7 +69,7 @@ def test_a_sealed_object_passes_and_a_flipped_byte_anywhere_is_refused() -> None
     frame.check(buf, DIGEST, lay)
 
 
-def test_wrong_key_layout_length_and_moved_rows_are_refused() -> None:
+def test_wrong_key_layout_length_and_moved_rows_are_refused(checksum_way: str) -> None:
     lay = frame.layout_digest(LAYOUT)
     other = chain_digests(list(range(8)), 4, None)[1]
     with pytest.raises(frame.Refusal, match="another block"):

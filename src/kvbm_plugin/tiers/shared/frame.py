@@ -23,10 +23,21 @@ Header (little-endian, 64 bytes)::
   ``d * 256**k``, ``0 < |d| < 256``, never 0 mod 2**64); a swapped or shifted row changes
   ``W``; other wrong bytes (garbage, another block) pass with probability about 2**-64. Not a
   MAC: a writer with store access can still forge a well-formed object with wrong KV (see
-  docs/operations.md#security). Chosen by measured cost (benchmarks/bench_shared_tier.py,
-  "verify" row): zlib.crc32 ran at 0.6-3.5 GB/s on the 2-core CI host, slower than a loopback
-  Mooncake read, while these two torch reductions run at tens of GB/s over the page just read
-  (still in cache); CRC-32 only covers the < 512-byte tail.
+  docs/operations.md#security).
+* **how it is computed**: by one compiled pass (``_frame_c.c``: eight 64-bit lanes per row,
+  which GCC vectorizes at -O3, the GIL released) where it was built, else by torch's integer
+  reductions (:func:`_sums_torch`, the reference; ``DYN_KVBM_NATIVE=0`` selects it), plus
+  ``zlib.crc32`` of the tail. Both give the same sums (tests/tiers/shared/test_frame_native.py),
+  so engines on either way read each other's objects. Chosen by measured cost
+  (benchmarks/bench_shared_tier.py, "verify" rows: the check's share of onboarding time, target
+  <= 10 %; docs/performance.md has the runs): on the 2-core CI host the compiled pass took
+  3.2-6.0 % (median 4.1 %), reading the page just read at the memory's speed (18-24 GB/s);
+  the torch reductions 6.9-14.7 % (6-9 GB/s, mostly per-call cost: 16 calls of 128 KiB per
+  2 MiB page, kept below torch's parallel grain because its intra-op fan-out was 10x slower on
+  a busy host); zlib.crc32 17.6-31.8 % (2-4 GB/s). A cheaper formula would still read every
+  byte. Overlapping the check with the next read was not needed here (and would contend for
+  the same cores); it is the way to hide it behind a store faster than loopback TCP.
+  CRC-32 only covers the < 512-byte tail.
 
 A check failure names what was wrong (:class:`Refusal`); the caller counts it, logs it
 rate-limited, removes the object if it still holds those bytes, and fails the load.
@@ -35,10 +46,14 @@ rate-limited, removes the object if it still holds those bytes, and fails the lo
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import struct
 import zlib
+from types import ModuleType
 from typing import TYPE_CHECKING, Final
+
+from kvbm_plugin._util import native as _native
 
 if TYPE_CHECKING:
     import torch
@@ -85,24 +100,51 @@ class _Weights:
 _WEIGHTS = _Weights()
 
 
-def checksum(payload: torch.Tensor) -> tuple[int, int, int]:
-    """(word sum, weighted row sum, tail crc32) of ``payload``, a contiguous CPU uint8 tensor.
-    Torch's integer reductions wrap mod 2**64, which is the definition here."""
+@functools.cache
+def _default_loops() -> ModuleType | None:
+    """The compiled sums when built and not switched off by ``DYN_KVBM_NATIVE`` (read once,
+    on the first checksum; start-up has refused a bad value already)."""
+    return _native.choose("shared_frame", None, "frame.checksum")
+
+
+def _sums_torch(words: torch.Tensor) -> tuple[int, int]:
+    """(S, W) of ``words`` (int64, a whole number of rows) by torch's integer reductions,
+    which wrap mod 2**64: the reference the compiled pass is compared with, and the fallback."""
     import torch
 
+    rows = torch.empty(words.numel() // ROW_WORDS, dtype=torch.int64)
+    # In slices below torch's parallel grain: one thread's work (the caller's), never a
+    # fan-out to the intra-op pool, which on a busy host cost 10x more than it saved.
+    for start in range(0, words.numel(), SLICE_WORDS):
+        torch.sum(words[start:start + SLICE_WORDS].view(-1, ROW_WORDS), 1,
+                  out=rows[start // ROW_WORDS:(start + SLICE_WORDS) // ROW_WORDS])
+    s = int(rows.sum()) & _MASK
+    w = int((rows * _WEIGHTS.get(rows.numel())).sum()) & _MASK
+    return s, w
+
+
+def checksum(payload: torch.Tensor, native: bool | None = None) -> tuple[int, int, int]:
+    """(word sum, weighted row sum, tail crc32) of ``payload``, a contiguous CPU uint8 tensor.
+    ``native``: None = the compiled pass where built and switched on, False = the torch
+    reference, True = the compiled pass or ValueError (the tests compare the two)."""
+    if payload.element_size() != 1 or not payload.is_cpu or not payload.is_contiguous():
+        # The compiled pass reads the memory at data_ptr(): anything else would be misread.
+        raise ValueError(f"frame.checksum: payload must be a contiguous CPU byte tensor, got "
+                         f"dtype={payload.dtype}, device={payload.device}, "
+                         f"contiguous={payload.is_contiguous()}")
+    loops = _default_loops() if native is None else \
+        _native.choose("shared_frame", native, "frame.checksum")
     n = payload.numel()
     whole = n - n % ROW_BYTES
     s = w = 0
-    if whole:
-        words = payload[:whole].view(torch.int64)
-        rows = torch.empty(whole // ROW_BYTES, dtype=torch.int64)
-        # In slices below torch's parallel grain: one thread's work (the caller's), never a
-        # fan-out to the intra-op pool, which on a busy host cost 10x more than it saved.
-        for start in range(0, words.numel(), SLICE_WORDS):
-            torch.sum(words[start:start + SLICE_WORDS].view(-1, ROW_WORDS), 1,
-                      out=rows[start // ROW_WORDS:(start + SLICE_WORDS) // ROW_WORDS])
-        s = int(rows.sum()) & _MASK
-        w = int((rows * _WEIGHTS.get(rows.numel())).sum()) & _MASK
+    if whole and loops is not None:
+        # A view of the tensor's memory through the buffer protocol: ``payload`` (held by
+        # the caller) keeps it alive while the GIL is released.
+        s, w = loops.sums((ctypes.c_char * whole).from_address(payload.data_ptr()))
+    elif whole:
+        import torch
+
+        s, w = _sums_torch(payload[:whole].view(torch.int64))
     tail = 0
     if whole < n:
         address = payload.data_ptr() + whole
