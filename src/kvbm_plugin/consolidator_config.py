@@ -59,6 +59,8 @@ BUFFER_BYTES = "DYN_KVBM_KV_EVENTS_BUFFER_BYTES"
 HWM = "DYN_KVBM_KV_EVENTS_HWM"
 MAX_QUEUE_SIZE = "DYN_KVBM_KV_EVENTS_MAX_QUEUE_SIZE"
 TOPIC = "DYN_KVBM_KV_EVENTS_TOPIC"
+SALT_FORM = "DYN_KVBM_KV_EVENTS_SALT_FORM"
+LORA_NAMES = "DYN_KVBM_LORA_NAMES"
 WINDOW_SIZE = "DYN_KVBM_KV_EVENTS_WINDOW_SIZE"
 ZMQ_ALLOW = "DYN_KVBM_ZMQ_ALLOW"
 ZMQ_MAX_PEERS = "DYN_KVBM_ZMQ_MAX_PEERS"
@@ -128,6 +130,15 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "loses a batch visibly (seq gap, counted).", "publisher"),
     EnvVar(TOPIC, "", "ZMQ topic frame of every message; for llm-d `kv@<pod>@<model>` (see "
            "\"llm-d\" above).", "publisher"),
+    EnvVar(SALT_FORM, "client", "How the consolidated output names a salted block: `client`: "
+           "the salt string the request carried, as a top-level `cache_salt` (Dynamo) and in "
+           "the first block's `extra_keys` (llm-d, vLLM); `id`: `dynamo-cache-salt:<16 hex of "
+           "the salt id>` in every block's `extra_keys` (see \"Cache salts and adapter "
+           "names\" above).",
+           "publisher"),
+    EnvVar(LORA_NAMES, None, "The names requests use for LoRA adapters, `<task id>=<name>,...`: "
+           "the consolidated output's `lora_name` (Dynamo and llm-d key an adapter's blocks by "
+           "it); an adapter not named keeps `lora-<task id>`.", "publisher"),
     EnvVar(WINDOW_SIZE, None, "Attention window whose events are published (sliding-window "
            "models); unset = the largest window.", "publisher"),
     EnvVar(ZMQ_ALLOW, None, "Comma-separated IP addresses admitted (ZAP, at each handshake) "
@@ -232,6 +243,8 @@ class PublisherSettings:
     window_size: int | None = None
     allow: tuple[str, ...] = ()  # IP addresses admitted to the bound tcp sockets; () = any
     max_peers: int = 64  # connections each publishing or replay socket keeps
+    salt_form: str = "client"  # how the consolidated output names a salt (wire.router_forms)
+    lora_names: tuple[tuple[int, str], ...] = ()  # (task id, the adapter's name) pairs
 
 
 @dataclass(frozen=True)
@@ -400,7 +413,36 @@ def load_publisher_settings(env: Mapping[str, str] | None = None) -> PublisherSe
         window_size=None if window is None else parse_int(WINDOW_SIZE, window, minimum=1),
         allow=load_allowlist(env),
         max_peers=load_max_peers(env),
+        salt_form=load_salt_form(env),
+        lora_names=load_lora_names(env),
     )
+
+
+def load_lora_names(env: Mapping[str, str]) -> tuple[tuple[int, str], ...]:
+    """``DYN_KVBM_LORA_NAMES``: ``<task id>=<name>`` pairs, comma-separated; each id and each
+    name at most once (two adapters under one name would be one adapter to a router)."""
+    text = env_value(env, LORA_NAMES)
+    if text is None:
+        return ()
+    pairs: dict[int, str] = {}
+    for part in text.split(","):
+        task, sep, name = (x.strip() for x in part.partition("="))
+        if not sep or not task.isdigit() or not name or int(task) >= 1 << 64:
+            raise ConfigError(f"{LORA_NAMES}={text!r}: {part.strip()!r} is not "
+                              "'<task id>=<adapter name>'")
+        if int(task) in pairs or name in pairs.values():
+            raise ConfigError(f"{LORA_NAMES}={text!r}: task id {task} or name {name!r} is "
+                              "given twice")
+        pairs[int(task)] = name
+    return tuple(pairs.items())
+
+
+def load_salt_form(env: Mapping[str, str]) -> str:
+    """``DYN_KVBM_KV_EVENTS_SALT_FORM``: ``client`` or ``id`` (case-insensitive)."""
+    text = (env_value(env, SALT_FORM) or "").strip().lower()
+    if text not in ("client", "id"):
+        raise ConfigError(f"{SALT_FORM}={env.get(SALT_FORM)!r} is not one of client | id")
+    return text
 
 
 def load_max_peers(env: Mapping[str, str] | None = None) -> int:

@@ -65,6 +65,7 @@ from kvbm_plugin.wire.events import (
 from kvbm_plugin.wire.identity import lora_name
 from kvbm_plugin.wire.publisher import EventPublisher, ZmqEventPublisher, create_publisher
 from kvbm_plugin.wire.reconnect import ConnectionWatch
+from kvbm_plugin.wire.router_forms import spell_for_routers
 
 logger = logging.getLogger(__name__)
 
@@ -554,7 +555,13 @@ class KvEventConsolidator(StreamIngest):
             return
         publisher = self._publisher
         assert publisher is not None
+        # Salts and hashes as routers read them (wire.router_forms); pre-encoded int64 hashes
+        # only for the built-in publisher, whose msgspec encoder writes them verbatim.
+        salt_form = self.config.publisher.salt_form
+        wide = isinstance(publisher, ZmqEventPublisher)
+        lora_names = dict(self.config.publisher.lora_names)
         for dp_rank, events in output.items():
+            events = spell_for_routers(events, salt_form, wide, lora_names)
             self._published_batches += 1
             self._n_batches_out += 1
             self._n_events_out += len(events)
