@@ -226,6 +226,45 @@ def test_llm_d_drops_the_dp_rank_two_ranks_on_one_topic_are_one_pod() -> None:
     assert set(llmd.match([5, 6, 7, 8], MODEL)) == {POD}
 
 
+def test_a_dp_rank_field_in_the_topic_makes_each_rank_its_own_llm_d_pod(
+        tmp_path: Path) -> None:
+    """``DYN_KVBM_KV_EVENTS_TOPIC=kv@pod-0-dp{dp_rank}@<model>``: each attention-DP rank's
+    publishers (GPU tier at base + r, its consolidator's output at output + r) carry the
+    rank's own pod name, so llm-d, which drops the batch's dp rank, keeps the ranks apart."""
+    topic = "kv@pod-0-dp{dp_rank}@" + MODEL
+    config = cc.load_consolidator_config({cc.TOPIC: topic,
+                                          cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/e",
+                                          cc.OUTPUT_ENDPOINT: f"ipc://{tmp_path}/o"},
+                                         num_ranks=2)
+    assert [config.for_dp_rank(r).publisher.topic for r in (0, 1)] == [
+        f"kv@pod-0-dp0@{MODEL}", f"kv@pod-0-dp1@{MODEL}"]
+    ctx = zmq.Context()
+    pubs = [ZmqEventPublisher(config.publisher, config.publish_endpoint(r),
+                              data_parallel_rank=r) for r in (0, 1)]
+    subs: list[zmq.Socket] = []
+    llmd = LlmdIndexer(block_size=BS)
+    try:
+        for r, pub in enumerate(pubs):
+            subs.append(_joined(ctx, config.publish_endpoint(r).connect, b"kv@",
+                                lambda pub=pub: pub.publish([])))
+        for r, (pub, sub) in enumerate(zip(pubs, subs, strict=True)):
+            store = BlockStored([(1 << 40) + r], None, [1 + 4 * r, 2, 3, 4], BS).to_wire()
+            assert pub.publish([store])
+            frames = recv(sub)
+            while msgpack.unpackb(frames[2])[1] == []:
+                frames = recv(sub)
+            assert frames[0] == f"kv@pod-0-dp{r}@{MODEL}".encode()
+            llmd.receive(frames)
+    finally:
+        for sub in subs:
+            sub.close(0)
+        for pub in pubs:
+            pub.shutdown(2.0)
+        ctx.term()
+    assert set(llmd.match([1, 2, 3, 4], MODEL)) == {"pod-0-dp0"}
+    assert set(llmd.match([5, 2, 3, 4], MODEL)) == {"pod-0-dp1"}
+
+
 def _joined(ctx: zmq.Context, address: str, prefix: bytes,
             probe: Callable[[], object]) -> zmq.Socket:
     """A SUB with filter ``prefix`` that has received a probe (probes drained)."""

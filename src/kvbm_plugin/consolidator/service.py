@@ -353,8 +353,9 @@ class KvEventConsolidator(StreamIngest):
         inline: ZmqEventPublisher | None = None
         try:
             if self._inline_output:
-                inline = ZmqEventPublisher(self.config.publisher, self.config.output,
-                                           self.config.output_replay, inline=True)
+                inline = ZmqEventPublisher(
+                    self.config.publisher, self.config.output, self.config.output_replay,
+                    inline=True, replay_rolled=self.config.publisher.output_replay_rolled)
                 self._publisher = inline
                 # Its subscriptions, replay requests and both sockets' connection events.
                 self._inline_sockets = inline.sockets_to_poll
