@@ -154,3 +154,11 @@ def test_an_adapter_goes_out_under_the_name_the_setting_gives() -> None:
 def test_a_bad_lora_names_setting_is_refused_by_name(value: str) -> None:
     with pytest.raises(cc.ConfigError, match=r"DYN_KVBM_LORA_NAMES="):
         cc.load_publisher_settings({cc.LORA_NAMES: value})
+
+
+def test_a_salt_string_forgotten_at_the_bound_is_counted_and_spelled_by_its_id() -> None:
+    from kvbm_plugin.wire.identity import SaltTexts
+    texts = SaltTexts(capacity=2)
+    for i, name in enumerate(("a", "b", "c")):
+        texts.remember(i, name)
+    assert texts.evicted == 1 and texts.get(0) is None and texts.get(2) == "c"

@@ -62,7 +62,7 @@ from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
     normalize_medium,
 )
-from kvbm_plugin.wire.identity import lora_name
+from kvbm_plugin.wire.identity import SALT_TEXTS, lora_name
 from kvbm_plugin.wire.publisher import EventPublisher, ZmqEventPublisher, create_publisher
 from kvbm_plugin.wire.reconnect import ConnectionWatch
 from kvbm_plugin.wire.router_forms import spell_for_routers
@@ -312,6 +312,9 @@ class KvEventConsolidator(StreamIngest):
         if publisher is not None:  # lost by a threaded publisher after publish() accepted it
             out["output_lost"] += int(publisher.stats().get("lost_after_accept", 0))
         out["registrations_queued"] = len(self._queue)
+        # Salt strings forgotten at the process-wide bound: such a salt goes out by its id's
+        # hex from then on (wire.router_forms), which no client's request names.
+        out["salt_texts_evicted"] = SALT_TEXTS.evicted
         out.update(self._core.stats())
         return out
 
