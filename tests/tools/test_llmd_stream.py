@@ -29,7 +29,7 @@ from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.tools.chat_workload import DriveResult, RouterProbe, TurnWaves, drive
 from kvbm_plugin.tools.llmd_model import DEFAULT_BLOCK_SIZE, LlmdIndexer, llmd_tap
 from kvbm_plugin.tools.router_view import RouterView
-from kvbm_plugin.wire.events import BlockStored, encode_batch
+from kvbm_plugin.wire.events import AllBlocksCleared, BlockStored, encode_batch
 from kvbm_plugin.wire.publisher import ZmqEventPublisher
 from kvbm_plugin.wire.subscriber import StreamSubscriber
 
@@ -263,6 +263,10 @@ def test_a_dp_rank_field_in_the_topic_makes_each_rank_its_own_llm_d_pod(
         ctx.term()
     assert set(llmd.match([1, 2, 3, 4], MODEL)) == {"pod-0-dp0"}
     assert set(llmd.match([5, 2, 3, 4], MODEL)) == {"pod-0-dp1"}
+    # rank 1 holding nothing any more (the consolidator's AllBlocksCleared) leaves rank 0's
+    llmd.receive(encode_batch(f"kv@pod-0-dp1@{MODEL}".encode(), 9, 0.0, [AllBlocksCleared()], 1))
+    assert set(llmd.match([1, 2, 3, 4], MODEL)) == {"pod-0-dp0"}
+    assert not llmd.match([5, 2, 3, 4], MODEL)
 
 
 def _joined(ctx: zmq.Context, address: str, prefix: bytes,
