@@ -162,3 +162,11 @@ def test_a_salt_string_forgotten_at_the_bound_is_counted_and_spelled_by_its_id()
     for i, name in enumerate(("a", "b", "c")):
         texts.remember(i, name)
     assert texts.evicted == 1 and texts.get(0) is None and texts.get(2) == "c"
+
+
+def test_a_string_next_to_an_id_is_remembered_only_when_it_is_that_ids_string() -> None:
+    sid = cache_salt_id("tenant-a")
+    assert salt_of({"cache_salt_id": sid, "cache_salt": "tenant-b"}) == sid
+    assert SALT_TEXTS.get(sid) is None  # a string that is not the id's names nothing
+    assert salt_of({"cache_salt_id": sid, "cache_salt": "tenant-a"}) == sid
+    assert SALT_TEXTS.get(sid) == "tenant-a"

@@ -101,7 +101,8 @@ def salt_of(obj: Any) -> int | None:
             # Called inside TRT-LLM's allocation: never raise there. A salt we cannot read
             # still isolates: it is keyed by its text, apart from every int id.
             return cache_salt_id(f"cache_salt_id={sid!r}")
-        if text is not None and cache_salt_id(str(text)) == salt:
+        if text is not None and SALT_TEXTS.get(salt) != text \
+                and cache_salt_id(str(text)) == salt:
             SALT_TEXTS.remember(salt, str(text))  # the string is the id's (blake3 agrees)
         return salt
     if text is not None:
