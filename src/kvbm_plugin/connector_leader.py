@@ -79,7 +79,7 @@ from kvbm_plugin.tiers.base import (
     block_keys,
 )
 from kvbm_plugin.tiers.disk import claim_directory
-from kvbm_plugin.wire.identity import lora_of, request_scope, salt_of
+from kvbm_plugin.wire.identity import lora_of, remember_salt_text, request_scope, salt_of
 
 logger = logging.getLogger(__name__)
 _TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
@@ -403,6 +403,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         self._iteration += 1
         saves: list[SaveOp] = []
         first_tier = self._host if self._host is not None else self._disk
+        for rd in scheduler_output.new_requests:  # before any of its blocks is stored
+            remember_salt_text(rd)  # the salt as clients send it (wire.router_forms)
         for rd in (*scheduler_output.new_requests, *scheduler_output.cached_requests):
             state = self._reqs.get(rd.request_id)
             if state is None:

@@ -59,6 +59,9 @@ BUFFER_BYTES = "DYN_KVBM_KV_EVENTS_BUFFER_BYTES"
 HWM = "DYN_KVBM_KV_EVENTS_HWM"
 MAX_QUEUE_SIZE = "DYN_KVBM_KV_EVENTS_MAX_QUEUE_SIZE"
 TOPIC = "DYN_KVBM_KV_EVENTS_TOPIC"
+SALT_FORM = "DYN_KVBM_KV_EVENTS_SALT_FORM"
+LORA_NAMES = "DYN_KVBM_LORA_NAMES"
+OUTPUT_REPLAY_ROLLED = "DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_ROLLED"
 WINDOW_SIZE = "DYN_KVBM_KV_EVENTS_WINDOW_SIZE"
 ZMQ_ALLOW = "DYN_KVBM_ZMQ_ALLOW"
 ZMQ_MAX_PEERS = "DYN_KVBM_ZMQ_MAX_PEERS"
@@ -115,6 +118,11 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "consolidator"),
     EnvVar(OUTPUT_REPLAY_ENDPOINT, None, "Replay ROUTER endpoint of the consolidated output; "
            "unset = no replay.", "consolidator"),
+    EnvVar(OUTPUT_REPLAY_ROLLED, "oldest", "What the consolidated output's replay answers when "
+           "the requested start has left the buffer: `oldest`, every batch still buffered "
+           "(Dynamo applies them); `empty`, the end marker alone (llm-d then applies the live "
+           "stream, instead of resetting and dropping it while the buffer has rolled).",
+           "consolidator"),
     EnvVar(PUBLISHER, "zmq", "Event transport, by name in the kvbm_plugin.publishers entry "
            "points (zmq, null).", "publisher"),
     EnvVar(BUFFER_STEPS, "10000", "Batches kept for replay.", "publisher"),
@@ -127,7 +135,17 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "default batches are sent on the engine thread and nothing is queued); a full queue "
            "loses a batch visibly (seq gap, counted).", "publisher"),
     EnvVar(TOPIC, "", "ZMQ topic frame of every message; for llm-d `kv@<pod>@<model>` (see "
-           "\"llm-d\" above).", "publisher"),
+           "\"llm-d\" above); `{dp_rank}` in it becomes each attention-DP rank's number.",
+           "publisher"),
+    EnvVar(SALT_FORM, "client", "How the consolidated output names a salted block: `client`: "
+           "the salt string the request carried, as a top-level `cache_salt` (Dynamo) and in "
+           "the first block's `extra_keys` (llm-d, vLLM); `id`: `dynamo-cache-salt:<16 hex of "
+           "the salt id>` in every block's `extra_keys` (see \"Cache salts and adapter "
+           "names\" above).",
+           "publisher"),
+    EnvVar(LORA_NAMES, None, "The names requests use for LoRA adapters, `<task id>=<name>,...`: "
+           "the consolidated output's `lora_name` (Dynamo and llm-d key an adapter's blocks by "
+           "it); an adapter not named keeps `lora-<task id>`.", "publisher"),
     EnvVar(WINDOW_SIZE, None, "Attention window whose events are published (sliding-window "
            "models); unset = the largest window.", "publisher"),
     EnvVar(ZMQ_ALLOW, None, "Comma-separated IP addresses admitted (ZAP, at each handshake) "
@@ -232,6 +250,9 @@ class PublisherSettings:
     window_size: int | None = None
     allow: tuple[str, ...] = ()  # IP addresses admitted to the bound tcp sockets; () = any
     max_peers: int = 64  # connections each publishing or replay socket keeps
+    salt_form: str = "client"  # how the consolidated output names a salt (wire.router_forms)
+    lora_names: tuple[tuple[int, str], ...] = ()  # (task id, the adapter's name) pairs
+    output_replay_rolled: str = "oldest"  # the consolidated output's answer to a rolled start
 
 
 @dataclass(frozen=True)
@@ -323,7 +344,9 @@ class ConsolidatorConfig:
         output out (``Endpoint.for_rank``: by default LEADER_ZMQ_PUB_PORT + 1000 + r)."""
         replay = self.output_replay
         return replace(self, ranks=(r,), output=self.output.for_rank(r),
-                       output_replay=None if replay is None else replay.for_rank(r))
+                       output_replay=None if replay is None else replay.for_rank(r),
+                       publisher=replace(self.publisher,
+                                         topic=topic_for_rank(self.publisher.topic, r)))
 
     def publish_endpoint(self, rank: int) -> Endpoint:
         """The endpoint rank ``rank``'s GPU-tier publisher binds (and the consolidator joins)."""
@@ -372,11 +395,21 @@ def check_disk_cache_dir(path: str) -> None:
                           "writable")
 
 
+DP_RANK_FIELD: Final = "{dp_rank}"
+
+
+def topic_for_rank(topic: str, dp_rank: int) -> str:
+    """``topic`` with every ``{dp_rank}`` replaced by ``dp_rank``: one pod per attention-DP
+    rank for llm-d, which drops a batch's dp rank and names the pod by the topic
+    (``kv@<pod>-dp{dp_rank}@<model>``)."""
+    return topic.replace(DP_RANK_FIELD, str(dp_rank))
+
+
 def check_topic(topic: str) -> str:
     """``topic``, or ConfigError if it starts with llm-d's ``kv@`` and llm-d could not read
     ``kv@<pod>@<model>`` from it (llm-d-router @ebab6879, engineadapter/common.go parseTopic:
     not exactly three "@" parts = pod is the whole topic, model "", which no request names)."""
-    parts = topic.split("@")
+    parts = topic_for_rank(topic, 0).split("@")
     if len(parts) > 1 and parts[0] == "kv" and (len(parts) != 3 or not all(parts)):
         raise ConfigError(f"{TOPIC}={topic!r}: llm-d reads a topic starting 'kv@' as "
                           "'kv@<pod>@<model>' (three non-empty '@'-separated parts)")
@@ -400,7 +433,44 @@ def load_publisher_settings(env: Mapping[str, str] | None = None) -> PublisherSe
         window_size=None if window is None else parse_int(WINDOW_SIZE, window, minimum=1),
         allow=load_allowlist(env),
         max_peers=load_max_peers(env),
+        salt_form=load_salt_form(env),
+        lora_names=load_lora_names(env),
+        output_replay_rolled=_choice(env, OUTPUT_REPLAY_ROLLED, ("oldest", "empty")),
     )
+
+
+def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str:
+    text = (env_value(env, name) or "").strip().lower()
+    if text not in allowed:
+        raise ConfigError(f"{name}={env.get(name)!r} is not one of " + " | ".join(allowed))
+    return text
+
+
+def load_lora_names(env: Mapping[str, str]) -> tuple[tuple[int, str], ...]:
+    """``DYN_KVBM_LORA_NAMES``: ``<task id>=<name>`` pairs, comma-separated; each id and each
+    name at most once (two adapters under one name would be one adapter to a router)."""
+    text = env_value(env, LORA_NAMES)
+    if text is None:
+        return ()
+    pairs: dict[int, str] = {}
+    for part in text.split(","):
+        task, sep, name = (x.strip() for x in part.partition("="))
+        if not sep or not task.isdigit() or not name or int(task) >= 1 << 64:
+            raise ConfigError(f"{LORA_NAMES}={text!r}: {part.strip()!r} is not "
+                              "'<task id>=<adapter name>'")
+        if int(task) in pairs or name in pairs.values():
+            raise ConfigError(f"{LORA_NAMES}={text!r}: task id {task} or name {name!r} is "
+                              "given twice")
+        pairs[int(task)] = name
+    return tuple(pairs.items())
+
+
+def load_salt_form(env: Mapping[str, str]) -> str:
+    """``DYN_KVBM_KV_EVENTS_SALT_FORM``: ``client`` or ``id`` (case-insensitive)."""
+    text = (env_value(env, SALT_FORM) or "").strip().lower()
+    if text not in ("client", "id"):
+        raise ConfigError(f"{SALT_FORM}={env.get(SALT_FORM)!r} is not one of client | id")
+    return text
 
 
 def load_max_peers(env: Mapping[str, str] | None = None) -> int:

@@ -21,7 +21,6 @@ from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.tools.chat_workload import TurnWaves, drive
 from kvbm_plugin.tools.dynamo_indexer import Indexer
 from kvbm_plugin.wire.events import to_signed_int64
-from kvbm_plugin.wire.identity import cache_salt_id, salt_namespace
 
 BS = 4
 GPU_WORKER, CONSOLIDATED_WORKER = 1, 2
@@ -130,14 +129,17 @@ def test_two_tenants_sharing_a_system_prompt_stay_apart(indexer: Indexer,
     salts = ("tenant-a", "tenant-b")
     engine = _run(indexer, tmp_path, salts=salts)
     assert engine.stats().prompt_tokens
-    # Each tenant's system prompt is held under its own namespace, and only there.
+    # Each tenant's system prompt is held under its own namespace, and only there: the salt
+    # string the client sends (DYN_KVBM_KV_EVENTS_SALT_FORM=client, the default; Dynamo
+    # reads the output's top-level cache_salt); the GPU-tier stream (worker 1) still names it
+    # by the id's hex, as the plugin keys it inside.
     first = next(iter(indexer.held().values()))
     assert first
     system = _system_prompt(salts)
     for salt in salts:
-        assert indexer.cached_tokens(system, cache_salt=salt_namespace(
-            cache_salt_id(salt))) == len(system)
+        assert indexer.cached_tokens(system, cache_salt=salt) == len(system)
     assert indexer.cached_tokens(system) == 0
+    assert indexer.cached_tokens(system, cache_salt="tenant-c") == 0
 
 
 def _system_prompt(salts: tuple[str, ...]) -> list[int]:

@@ -116,3 +116,37 @@ def test_an_idle_rank_runs_dummy_passes_while_another_works(tmp_path) -> None:
         for _ in range(3):
             engine.step()
         assert (manager.metadata_builds, idle.stats().iterations) == (builds, passes)
+
+
+def test_each_rank_is_its_own_llm_d_pod_with_a_dp_rank_field_in_the_topic(tmp_path) -> None:
+    """``DYN_KVBM_KV_EVENTS_TOPIC=kv@pod-0-dp{dp_rank}@m``: each rank's consolidated output
+    names its own pod, so llm-d (which drops a batch's dp rank; tools/llmd_model.py) credits
+    each rank's prefix to that rank only."""
+    from kvbm_plugin.tools.llmd_model import LlmdIndexer, llmd_tap
+
+    env = {**_env(tmp_path), cc.TOPIC: "kv@pod-0-dp{dp_rank}@m",
+           cc.CONSOLIDATOR_MODE: "passthrough"}
+    config = EngineConfig(attention_dp=2, processes=False, env=env, tokens_per_block=BS,
+                          num_gpu_blocks=12)
+    llmd = LlmdIndexer(block_size=BS)
+    with AttentionDpEngine(config) as engine:
+        consolidator = cc.load_consolidator_config(env, num_ranks=2, attention_dp=True)
+        view = RouterView(BS)
+        taps = [llmd_tap([llmd], consolidator.for_dp_rank(r).output.connect,
+                         consolidator.for_dp_rank(r).output_replay.connect, start_seq=0,
+                         view=view) for r in range(2)]
+        try:
+            probe = AdpRouterProbe(engine, taps, settle_timeout=20.0)
+            for turn in range(2):
+                for r in range(2):
+                    engine.submit(_prompt(r, turn), 2, dp_rank=r)
+                engine.run_until_idle()
+            assert probe.settle()
+        finally:
+            for tap in taps:
+                tap.close()
+    assert llmd.counts["parse_errors"] == 0 and llmd.counts["unknown_parent_stores"] == 0
+    for r in range(2):
+        prefix = _prompt(r, 0)[:6 * BS]
+        assert set(llmd.match(prefix, "m")) == {f"pod-0-dp{r}"}, r
+        assert llmd.cached_tokens(prefix, "m", pod=f"pod-0-dp{r}") == 6 * BS

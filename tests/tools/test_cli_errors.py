@@ -278,6 +278,7 @@ BAD_VALUES = {
     cc.BUFFER_BYTES: "1k",
     cc.HWM: "-1", cc.MAX_QUEUE_SIZE: "many", cc.WINDOW_SIZE: "0", cc.NATIVE: "perhaps",
     cc.TOPIC: "kv@pod-only", cc.ZMQ_ALLOW: "router.local", cc.ZMQ_MAX_PEERS: "0",
+    cc.SALT_FORM: "hex", cc.LORA_NAMES: "a=b", cc.OUTPUT_REPLAY_ROLLED: "newest",
 }
 STANDALONE = {
     "consolidate": [],

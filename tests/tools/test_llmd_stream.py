@@ -29,7 +29,7 @@ from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.tools.chat_workload import DriveResult, RouterProbe, TurnWaves, drive
 from kvbm_plugin.tools.llmd_model import DEFAULT_BLOCK_SIZE, LlmdIndexer, llmd_tap
 from kvbm_plugin.tools.router_view import RouterView
-from kvbm_plugin.wire.events import BlockStored, encode_batch
+from kvbm_plugin.wire.events import AllBlocksCleared, BlockStored, encode_batch
 from kvbm_plugin.wire.publisher import ZmqEventPublisher
 from kvbm_plugin.wire.subscriber import StreamSubscriber
 
@@ -38,7 +38,8 @@ POD, MODEL = "pod-0", "demo-model"
 TOPIC = f"kv@{POD}@{MODEL}"
 
 
-def _run(tmp: Path, *, mode: str, salts: tuple[str, ...]) -> tuple[
+def _run(tmp: Path, *, mode: str, salts: tuple[str, ...],
+         extra_env: dict[str, str] | None = None) -> tuple[
         DriveResult, LlmdIndexer, LlmdIndexer, SimulatedEngine]:
     """The workload, llm-d asked before every request; returns the drive's result, the model
     at the engine's block size, the model at llm-d's default block size, and the engine (shut
@@ -48,7 +49,7 @@ def _run(tmp: Path, *, mode: str, salts: tuple[str, ...]) -> tuple[
         cc.EVENTS_ENDPOINT: f"ipc://{tmp}/gpu", cc.REPLAY_ENDPOINT: f"ipc://{tmp}/gpu-r",
         cc.OUTPUT_ENDPOINT: f"ipc://{tmp}/out", cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tmp}/out-r",
         cc.CPU_CACHE_NUM_BLOCKS: "24", cc.DISK_CACHE_NUM_BLOCKS: "48",
-        cc.DISK_CACHE_DIR: f"{tmp}/disk",
+        cc.DISK_CACHE_DIR: f"{tmp}/disk", **(extra_env or {}),
     }
     config = cc.load_consolidator_config(env)
     engine = SimulatedEngine(EngineConfig(
@@ -59,9 +60,15 @@ def _run(tmp: Path, *, mode: str, salts: tuple[str, ...]) -> tuple[
     llmd_default = LlmdIndexer()  # llm-d's default blockSizeTokens (16)
     tap = llmd_tap([llmd, llmd_default], config.output.connect, config.output_replay.connect,
                    start_seq=0, view=RouterView(BS))
-    probe = RouterProbe(engine, tap, settle_timeout=20.0,
-                        external=lambda prompt, salt: llmd.cached_tokens(prompt, MODEL, salt,
-                                                                         pod=POD))
+    llmd.foreign = []  # what llm-d credits a salted prompt with under no or an unused salt
+
+    def external(prompt: list[int], salt: str | None) -> int:
+        if salt is not None:
+            llmd.foreign += [llmd.cached_tokens(prompt, MODEL, other, pod=POD)
+                             for other in (None, "tenant-unused")]
+        return llmd.cached_tokens(prompt, MODEL, salt, pod=POD)
+
+    probe = RouterProbe(engine, tap, settle_timeout=20.0, external=external)
     try:
         result = drive(engine, probe, TurnWaves(sessions=4, turns=4, system_tokens=16,
                                                 user_tokens=8, gen_tokens=3, seed=5,
@@ -115,26 +122,98 @@ def test_in_passthrough_mode_too_and_with_the_lower_tiers_media(tmp_path: Path) 
     assert set(llmd.tiers_held(POD)) == {"gpu", "cpu", "disk"}  # weights 1.0, 0.8, 1.0
 
 
-def test_salted_tenants_and_lower_tier_media_today(tmp_path: Path) -> None:
-    """Known gaps (issue 28): a salted tenant asking with its own salt string gets no credit
-    (the stream names the salt ``dynamo-cache-salt:<hex>`` on every block; llm-d folds the raw
-    string into block 0 only); passthrough's media arrive as ``cpu``/``disk``."""
-    result, llmd, _, _ = _run(tmp_path, mode="passthrough", salts=("tenant-a", "tenant-b"))
+@pytest.mark.parametrize("mode", ["passthrough", "dedup"])
+def test_salted_tenants_asking_with_their_own_salt_string_get_their_reuse(
+        tmp_path: Path, mode: str) -> None:
+    """A tenant asks as a client does (its raw salt string): the consolidated output names the
+    salt that way (DYN_KVBM_KV_EVENTS_SALT_FORM=client, the default): llm-d's score agrees
+    with what the engine reused, and no tenant is credited with another's blocks."""
+    result, llmd, _, _ = _run(tmp_path, mode=mode, salts=("tenant-a", "tenant-b"))
+    tally = result.external_tally
+    assert tally.reused_tokens > 0 and tally.predicted_tokens > 0
+    assert tally.agreement >= 0.99, tally.describe()
+    assert llmd.counts["parse_errors"] == 0 and llmd.counts["unknown_parent_stores"] == 0
+    assert result.tally.agreement >= 0.99  # the strict (Dynamo-rule) view reads it too
+    # the salt isolates: a salted prompt asked under no salt or an unused one gets nothing
+    assert llmd.foreign and not any(llmd.foreign)
+
+
+def test_in_the_id_form_a_salted_tenant_gets_no_credit_from_llm_d(tmp_path: Path) -> None:
+    """DYN_KVBM_KV_EVENTS_SALT_FORM=id: salted blocks carry ``dynamo-cache-salt:<hex>`` on
+    every block, which llm-d reads as a multimodal hash: a salted tenant's view is empty."""
+    result, llmd, _, _ = _run(tmp_path, mode="passthrough", salts=("tenant-a", "tenant-b"),
+                              extra_env={cc.SALT_FORM: "id"})
     tally = result.external_tally
     assert tally.reused_tokens > 0
     assert tally.predicted_tokens == 0, tally.describe()
-    assert llmd.counts["parse_errors"] == 0 and llmd.counts["unknown_parent_stores"] == 0
-    assert {"gpu", "cpu", "disk"} <= set(llmd.tiers_held(POD))
-    assert result.tally.agreement >= 0.99  # the stream itself is right: Dynamo's rules hold
+    assert result.tally.agreement >= 0.99  # Dynamo's rules still hold (query by the hex)
 
 
-def test_an_adapter_is_named_by_its_task_id_not_by_the_name_requests_use() -> None:
+ADAPTERS = {0: "adapter-a", 1: "adapter-b"}
+
+
+def test_tenants_and_adapters_asking_as_clients_do_get_what_the_engine_reused(
+        tmp_path: Path) -> None:
+    """Salted and unsalted tenants on the base model and two adapters (the same system prompt
+    under every scope), each request asking llm-d by its own salt string and its adapter's
+    name (DYN_KVBM_LORA_NAMES gives the names): llm-d's score equals the engine's reuse on
+    >= 99 % of prompt tokens, and no store is skipped for an unknown parent."""
+    env = {
+        cc.ENABLE_CONSOLIDATOR: "true", cc.CONSOLIDATOR_MODE: "passthrough", cc.TOPIC: TOPIC,
+        cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/gpu", cc.REPLAY_ENDPOINT: f"ipc://{tmp_path}/gr",
+        cc.OUTPUT_ENDPOINT: f"ipc://{tmp_path}/out",
+        cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tmp_path}/out-r",
+        cc.CPU_CACHE_NUM_BLOCKS: "24", cc.DISK_CACHE_NUM_BLOCKS: "48",
+        cc.DISK_CACHE_DIR: f"{tmp_path}/disk",
+        cc.LORA_NAMES: ",".join(f"{k}={v}" for k, v in ADAPTERS.items()),
+    }
+    config = cc.load_consolidator_config(env)
+    engine = SimulatedEngine(EngineConfig(
+        num_layers=1, num_kv_heads=2, head_dim=4, tokens_per_block=BS, num_gpu_blocks=32,
+        tp_size=1, max_num_tokens=128, max_batch_size=4, dtype=torch.float32, env=env,
+        vocab_size=30000))
+    llmd = LlmdIndexer(block_size=BS)
+    tap = llmd_tap([llmd], config.output.connect, config.output_replay.connect, start_seq=0,
+                   view=RouterView(BS))
+    probe = RouterProbe(engine, tap, settle_timeout=20.0)
+    system = [1000 + i for i in range(16)]
+    scopes = [(lora, salt) for lora in (None, 0, 1) for salt in (None, "tenant-a", "tenant-b")]
+    prompts = {scope: list(system) for scope in scopes}
+    asked = reused = agreed = foreign = 0
+    try:
+        for turn in range(4):
+            for i, (lora, salt) in enumerate(scopes):
+                prompt = prompts[(lora, salt)] = prompts[(lora, salt)] + [
+                    3000 + 131 * i + 7 * turn + j for j in range(6)]
+                assert probe.settle()
+                model = MODEL if lora is None else ADAPTERS[lora]
+                predicted = llmd.cached_tokens(prompt, model, salt, pod=POD)
+                foreign += llmd.cached_tokens(prompt, model, "tenant-unused", pod=POD)
+                rid = engine.submit(prompt, 3, cache_salt=salt, lora_task_id=lora)
+                engine.run_until_idle(timeout_s=60)
+                result = engine.result(rid)
+                got = result.gpu_hit_tokens + result.host_hit_tokens + result.disk_hit_tokens
+                asked += len(prompt)
+                reused += got
+                agreed += len(prompt) - abs(predicted - got)
+                prompts[(lora, salt)] = prompt + result.tokens[len(prompt):]
+    finally:
+        tap.close()
+        engine.shutdown()
+    assert reused > 0
+    assert agreed / asked >= 0.99, (agreed, asked, reused)
+    assert llmd.counts["parse_errors"] == 0, llmd.last_error
+    assert llmd.counts["unknown_parent_stores"] == 0
+    assert foreign == 0  # a salt nobody used is credited nothing
+
+
+def test_an_adapter_not_named_in_the_setting_goes_out_as_its_task_id() -> None:
     llmd = LlmdIndexer(block_size=BS)
     store = BlockStored([1 << 40], None, [1, 2, 3, 4], BS, lora_id=7)
     llmd.receive(encode_batch(TOPIC.encode(), 0, 0.0, [store], 0))
     assert llmd.counts["stores"] == 1
     assert llmd.cached_tokens([1, 2, 3, 4], "lora-7") == BS  # what the plugin writes
-    assert llmd.cached_tokens([1, 2, 3, 4], "my-adapter") == 0  # the adapter's served name
+    assert llmd.cached_tokens([1, 2, 3, 4], "my-adapter") == 0  # no request names it
 
 
 def test_llm_d_drops_the_dp_rank_two_ranks_on_one_topic_are_one_pod() -> None:
@@ -145,6 +224,49 @@ def test_llm_d_drops_the_dp_rank_two_ranks_on_one_topic_are_one_pod() -> None:
     assert llmd.cached_tokens([1, 2, 3, 4], MODEL, pod=POD) == BS
     assert llmd.cached_tokens([5, 6, 7, 8], MODEL, pod=POD) == BS
     assert set(llmd.match([5, 6, 7, 8], MODEL)) == {POD}
+
+
+def test_a_dp_rank_field_in_the_topic_makes_each_rank_its_own_llm_d_pod(
+        tmp_path: Path) -> None:
+    """``DYN_KVBM_KV_EVENTS_TOPIC=kv@pod-0-dp{dp_rank}@<model>``: each attention-DP rank's
+    publishers (GPU tier at base + r, its consolidator's output at output + r) carry the
+    rank's own pod name, so llm-d, which drops the batch's dp rank, keeps the ranks apart."""
+    topic = "kv@pod-0-dp{dp_rank}@" + MODEL
+    config = cc.load_consolidator_config({cc.TOPIC: topic,
+                                          cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/e",
+                                          cc.OUTPUT_ENDPOINT: f"ipc://{tmp_path}/o"},
+                                         num_ranks=2)
+    assert [config.for_dp_rank(r).publisher.topic for r in (0, 1)] == [
+        f"kv@pod-0-dp0@{MODEL}", f"kv@pod-0-dp1@{MODEL}"]
+    ctx = zmq.Context()
+    pubs = [ZmqEventPublisher(config.publisher, config.publish_endpoint(r),
+                              data_parallel_rank=r) for r in (0, 1)]
+    subs: list[zmq.Socket] = []
+    llmd = LlmdIndexer(block_size=BS)
+    try:
+        for r, pub in enumerate(pubs):
+            subs.append(_joined(ctx, config.publish_endpoint(r).connect, b"kv@",
+                                lambda pub=pub: pub.publish([])))
+        for r, (pub, sub) in enumerate(zip(pubs, subs, strict=True)):
+            store = BlockStored([(1 << 40) + r], None, [1 + 4 * r, 2, 3, 4], BS).to_wire()
+            assert pub.publish([store])
+            frames = recv(sub)
+            while msgpack.unpackb(frames[2])[1] == []:
+                frames = recv(sub)
+            assert frames[0] == f"kv@pod-0-dp{r}@{MODEL}".encode()
+            llmd.receive(frames)
+    finally:
+        for sub in subs:
+            sub.close(0)
+        for pub in pubs:
+            pub.shutdown(2.0)
+        ctx.term()
+    assert set(llmd.match([1, 2, 3, 4], MODEL)) == {"pod-0-dp0"}
+    assert set(llmd.match([5, 2, 3, 4], MODEL)) == {"pod-0-dp1"}
+    # rank 1 holding nothing any more (the consolidator's AllBlocksCleared) leaves rank 0's
+    llmd.receive(encode_batch(f"kv@pod-0-dp1@{MODEL}".encode(), 9, 0.0, [AllBlocksCleared()], 1))
+    assert set(llmd.match([1, 2, 3, 4], MODEL)) == {"pod-0-dp0"}
+    assert not llmd.match([5, 2, 3, 4], MODEL)
 
 
 def _joined(ctx: zmq.Context, address: str, prefix: bytes,

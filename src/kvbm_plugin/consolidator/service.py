@@ -62,9 +62,10 @@ from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
     normalize_medium,
 )
-from kvbm_plugin.wire.identity import lora_name
+from kvbm_plugin.wire.identity import SALT_TEXTS, lora_name
 from kvbm_plugin.wire.publisher import EventPublisher, ZmqEventPublisher, create_publisher
 from kvbm_plugin.wire.reconnect import ConnectionWatch
+from kvbm_plugin.wire.router_forms import spell_for_routers
 
 logger = logging.getLogger(__name__)
 
@@ -311,6 +312,9 @@ class KvEventConsolidator(StreamIngest):
         if publisher is not None:  # lost by a threaded publisher after publish() accepted it
             out["output_lost"] += int(publisher.stats().get("lost_after_accept", 0))
         out["registrations_queued"] = len(self._queue)
+        # Salt strings forgotten at the process-wide bound: such a salt goes out by its id's
+        # hex from then on (wire.router_forms), which no client's request names.
+        out["salt_texts_evicted"] = SALT_TEXTS.evicted
         out.update(self._core.stats())
         return out
 
@@ -352,8 +356,9 @@ class KvEventConsolidator(StreamIngest):
         inline: ZmqEventPublisher | None = None
         try:
             if self._inline_output:
-                inline = ZmqEventPublisher(self.config.publisher, self.config.output,
-                                           self.config.output_replay, inline=True)
+                inline = ZmqEventPublisher(
+                    self.config.publisher, self.config.output, self.config.output_replay,
+                    inline=True, replay_rolled=self.config.publisher.output_replay_rolled)
                 self._publisher = inline
                 # Its subscriptions, replay requests and both sockets' connection events.
                 self._inline_sockets = inline.sockets_to_poll
@@ -554,7 +559,13 @@ class KvEventConsolidator(StreamIngest):
             return
         publisher = self._publisher
         assert publisher is not None
+        # Salts and hashes as routers read them (wire.router_forms); pre-encoded int64 hashes
+        # only for the built-in publisher, whose msgspec encoder writes them verbatim.
+        salt_form = self.config.publisher.salt_form
+        wide = isinstance(publisher, ZmqEventPublisher)
+        lora_names = dict(self.config.publisher.lora_names)
         for dp_rank, events in output.items():
+            events = spell_for_routers(events, salt_form, wide, lora_names)
             self._published_batches += 1
             self._n_batches_out += 1
             self._n_events_out += len(events)

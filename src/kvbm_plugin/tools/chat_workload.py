@@ -221,8 +221,13 @@ class RouterProbe:
         """Tokens of ``prompt`` the router view says are cached (any tier) on ``dp_rank``
         (None: any), for a request with cache salt ``salt`` (its namespace as the event sink
         publishes it)."""
-        namespace = None if salt is None else salt_namespace(cache_salt_id(salt))
-        return self.view.cached_tokens(prompt, namespace=namespace, dp_rank=dp_rank)
+        if salt is None:
+            return self.view.cached_tokens(prompt, namespace=None, dp_rank=dp_rank)
+        # The consolidated output names a tenant by its salt string (the default salt form,
+        # wire.router_forms), the GPU-tier stream and the ``id`` form by its id's 16 hex: both
+        # name this tenant only, so the larger answer is this tenant's.
+        return max(self.view.cached_tokens(prompt, namespace=ns, dp_rank=dp_rank)
+                   for ns in (salt, salt_namespace(cache_salt_id(salt))))
 
     def route(self, prompt: list[int], salt: str | None = None) -> int | None:
         """The dp rank a KV-aware router sends the request to (None: the engine has one)."""

@@ -213,8 +213,9 @@ def ask_like_the_view(indexer: Indexer, held_by_view: Callable[[], int],
                       settle_s: float = 2.0) -> Callable[[list[int], str | None], int]:
     """The question a :class:`~kvbm_plugin.tools.chat_workload.RouterProbe` asks another
     router (prompt and the tenant's cache salt in, cached tokens on any tier out), put to
-    ``indexer`` through ``/query`` with the salt's namespace as ``cache_salt`` (as the plugin
-    publishes it, :func:`~kvbm_plugin.wire.identity.salt_namespace`).
+    ``indexer`` through ``/query`` with the salt as ``cache_salt``: the string itself (as the
+    consolidated output names it by default) or its id's namespace
+    (:func:`~kvbm_plugin.wire.identity.salt_namespace`, the GPU-tier stream's form).
 
     The indexer applies events asynchronously and says nothing of how far it got: before
     each answer this waits, up to ``settle_s``, until it holds as many blocks as
@@ -229,8 +230,12 @@ def ask_like_the_view(indexer: Indexer, held_by_view: Callable[[], int],
         deadline = time.monotonic() + settle_s
         while held() != want and time.monotonic() < deadline:
             time.sleep(0.002)  # poll interval: the indexer applies events asynchronously
-        ns = None if salt is None else salt_namespace(cache_salt_id(salt))
-        return indexer.cached_tokens(prompt, cache_salt=ns)
+        if salt is None:
+            return indexer.cached_tokens(prompt, cache_salt=None)
+        # The salt string (the consolidated output's default form), else its id's 16 hex
+        # (the GPU-tier stream, or DYN_KVBM_KV_EVENTS_SALT_FORM=id): both name this tenant.
+        return max(indexer.cached_tokens(prompt, cache_salt=ns)
+                   for ns in (salt, salt_namespace(cache_salt_id(salt))))
 
     return ask
 

@@ -115,6 +115,10 @@ class BlockStored:
     # msgspec encoder omits defaults. A salted block's entry holds the salt as the item
     # identity.salt_extra_key makes (a router reads the first entry's).
     extra_keys: list[Any] | None = None
+    # The event's cache salt as the client sent it (map form only; Dynamo reads it as the
+    # cache namespace of every block of the event, before any tagged extra_keys item; vLLM and
+    # llm-d ignore it): written by wire.router_forms on the consolidated output.
+    cache_salt: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         wire = {
@@ -133,6 +137,8 @@ class BlockStored:
         }
         if self.extra_keys is not None:
             wire["extra_keys"] = [None if k is None else list(k) for k in self.extra_keys]
+        if self.cache_salt is not None:
+            wire["cache_salt"] = self.cache_salt
         return wire
 
 
@@ -297,6 +303,14 @@ def _hashes(value: Any, what: str) -> list[int]:
     return out
 
 
+def _cache_salt(raw: Any) -> str | None:
+    """A map-form store's top-level ``cache_salt`` (the positional form has no slot for it)."""
+    salt = raw.get("cache_salt") if isinstance(raw, dict) else None
+    if salt is None or isinstance(salt, str):
+        return salt
+    raise WireFormatError(f"BlockStored cache_salt is not a string: {saferepr(salt)}")
+
+
 def decode_event(raw: Any) -> KvEvent:
     """One event from its map or positional-array form; hashes come back as u64."""
     if isinstance(raw, dict):
@@ -328,6 +342,7 @@ def decode_event(raw: Any) -> KvEvent:
             medium=None if medium is None else normalize_medium(medium),
             lora_name=_field(raw, 6, "lora_name"),
             extra_keys=_field(raw, 7, "extra_keys"),
+            cache_salt=_cache_salt(raw),
         )
     if kind == "BlockRemoved":
         medium = _field(raw, 1, "medium")

@@ -16,6 +16,7 @@ Called by the leader (executor thread) and the event sink; pure Python, no TRT-L
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Any
 
 _U64 = (1 << 64) - 1
@@ -41,6 +42,42 @@ def cache_salt_id(cache_salt: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+class SaltTexts:
+    """The salt strings behind salt ids, as far as this process has seen them: a bounded map
+    id -> string (FIFO past ``capacity``; ``evicted`` counts what left).
+
+    Filled by :func:`salt_of` whenever it reads a ``cache_salt`` string (the leader's request
+    objects on the executor thread; the event sink's GPU-event blocks), read by
+    :mod:`kvbm_plugin.wire.router_forms` on the consolidator's ingest thread to spell a salted
+    block by the string the client sent. Writers take a lock (no I/O under it); ``get`` is one
+    dict lookup."""
+
+    def __init__(self, capacity: int = 1 << 16) -> None:
+        self.capacity = capacity
+        self.evicted = 0
+        self._texts: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    def remember(self, salt: int, text: str) -> None:
+        if self._texts.get(salt) == text:
+            return
+        with self._lock:
+            self._texts[salt] = text
+            while len(self._texts) > self.capacity:
+                del self._texts[next(iter(self._texts))]
+                self.evicted += 1
+
+    def get(self, salt: int) -> str | None:
+        return self._texts.get(salt)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._texts.clear()
+
+
+SALT_TEXTS = SaltTexts()
+
+
 def salt_of(obj: Any) -> int | None:
     """The cache salt id of a request-like object (C++ ``LlmRequest``, the Python request,
     ``RequestData``, a KV event block dict), or None when it carries no salt.
@@ -55,18 +92,38 @@ def salt_of(obj: Any) -> int | None:
         text = getattr(obj, "cache_salt", None)
         if text is None:
             text = getattr(obj, "py_cache_salt", None)
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
     if sid is not None and not isinstance(sid, bool):
         try:
-            return int(sid) & _U64
+            salt = int(sid) & _U64
         except (TypeError, ValueError):
             # Called inside TRT-LLM's allocation: never raise there. A salt we cannot read
             # still isolates: it is keyed by its text, apart from every int id.
             return cache_salt_id(f"cache_salt_id={sid!r}")
+        if text is not None and SALT_TEXTS.get(salt) != text \
+                and cache_salt_id(str(text)) == salt:
+            SALT_TEXTS.remember(salt, str(text))  # the string is the id's (blake3 agrees)
+        return salt
     if text is not None:
-        if isinstance(text, bytes):
-            text = text.decode("utf-8", "replace")
-        return cache_salt_id(str(text))
+        salt = cache_salt_id(str(text))
+        SALT_TEXTS.remember(salt, str(text))
+        return salt
     return None
+
+
+def remember_salt_text(obj: Any) -> None:
+    """Remember the ``cache_salt`` string of a request-like object, if it has one (the
+    leader calls this for each new request of ``build_connector_meta``: ``RequestData``
+    carries the string on revisions whose C++ request gives ``get_num_new_matched_tokens`` the
+    id only), before any block of the request is stored, so that every event of the salt is
+    spelled the same way on the consolidated output (:mod:`kvbm_plugin.wire.router_forms`)."""
+    text = getattr(obj, "cache_salt", None)
+    if text is None:
+        return
+    if isinstance(text, bytes):
+        text = text.decode("utf-8", "replace")
+    SALT_TEXTS.remember(cache_salt_id(str(text)), str(text))
 
 
 def lora_of(obj: Any) -> int | None:

@@ -33,6 +33,7 @@ from kvbm_plugin.consolidator_config import (
     ConfigError,
     Endpoint,
     PublisherSettings,
+    topic_for_rank,
 )
 from kvbm_plugin.wire.access import Allowlist
 from kvbm_plugin.wire.events import (
@@ -137,7 +138,8 @@ class ZmqEventPublisher(EventPublisher):
                  start_timeout: float = 10.0,
                  encoder: Callable[[Any], bytes] | None = None,
                  poll_interval: float = 0.001, inline: bool = False,
-                 replay_stall_s: float = 2.0, sends: str = "caller") -> None:
+                 replay_stall_s: float = 2.0, sends: str = "caller",
+                 replay_rolled: str = "oldest") -> None:
         super().__init__(settings, endpoint, replay_endpoint, data_parallel_rank)
         for name in ("buffer_steps", "buffer_bytes", "hwm", "max_queue_size"):
             value = getattr(settings, name)
@@ -153,7 +155,7 @@ class ZmqEventPublisher(EventPublisher):
         if sends not in ("caller", "thread"):
             raise ConfigError(f"{type(self).__name__}: sends={sends!r} must be 'caller' or "
                               "'thread'")
-        self._topic = settings.topic.encode("utf-8")
+        self._topic = topic_for_rank(settings.topic, data_parallel_rank).encode("utf-8")
         self._bind_addr = endpoint.bind
         self._replay_addr = None if replay_endpoint is None else replay_endpoint.bind
         # The variables the endpoints came from, for a bind error that names what to change.
@@ -208,7 +210,8 @@ class ZmqEventPublisher(EventPublisher):
         # Batches ``publish`` accepted (returned True) and the publisher thread lost later
         # (encode, send, shutdown): the caller counted them as published; see stats().
         self._lost_after_accept = 0
-        self._replay = ReplayServer(type(self).__name__, self._topic, stall_s=replay_stall_s)
+        self._replay = ReplayServer(type(self).__name__, self._topic, stall_s=replay_stall_s,
+                                    rolled=replay_rolled)
         # The XPUB's subscriptions: only the topic's prefixes take effect (wire/guard.py).
         self._guard = SubscriptionGuard(type(self).__name__, self._topic,
                                         max_peers=settings.max_peers)

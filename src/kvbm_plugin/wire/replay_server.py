@@ -1,9 +1,10 @@
 """The replay side of a publisher: answers ``[start seq]`` requests on a ROUTER, with bounds.
 
 A replay answer is every buffered batch from ``start`` on, then the END_SEQ marker (vLLM's
-protocol). An answer sent in one go would queue the whole buffer in ZMQ for a peer that may
-never read it (100 such requesters hold 100 copies of the buffer and slow the live stream), so
-answers are sent bit by bit, never blocking:
+protocol); a ``start`` that has left the buffer is answered per ``rolled`` (below). An answer
+sent in one go would queue the whole buffer in ZMQ for a peer that may never read it (100 such
+requesters hold 100 copies of the buffer and slow the live stream), so answers are sent bit by
+bit, never blocking:
 
 * the ROUTER's per-peer send queue is :data:`PEER_HWM` messages (set by the publisher), and
   ROUTER_MANDATORY makes a full queue or a vanished peer an error instead of a silent drop;
@@ -43,6 +44,16 @@ _SEQ = struct.Struct(">Q")
 
 PEER_HWM = 64  # ROUTER SNDHWM: batches queued per replay peer
 
+# What a request answers whose start seq has left the buffer (DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_
+# ROLLED): "oldest", every batch still buffered (the requester sees its first seq past its
+# start); "empty", the end marker alone. llm-d @ ebab6879 (pkg/kvevents/zmq_subscriber.go,
+# requestReplay) fails a replay whose first seq is not the one it asked for, resets the pod,
+# waits 30 s and asks again from seq 0: with "oldest" that repeats while the buffer has rolled,
+# and every live batch is dropped meanwhile; an empty answer to a request from seq 0 succeeds,
+# and llm-d applies the live stream from the next batch on (tools/llmd_replay.py measures both).
+ROLLED_OLDEST = "oldest"
+ROLLED_EMPTY = "empty"
+
 
 class _Answer:
     """One replay answer in progress: what to send next to whom."""
@@ -63,7 +74,12 @@ class ReplayServer:
 
     def __init__(self, owner: str, topic: bytes, *, max_active: int = 4, max_waiting: int = 64,
                  batches_per_call: int = 256, stall_s: float = 2.0,
-                 max_stalled: int = 16) -> None:
+                 max_stalled: int = 16, rolled: str = ROLLED_OLDEST) -> None:
+        if rolled not in (ROLLED_OLDEST, ROLLED_EMPTY):
+            raise ValueError(f"{owner}: rolled={rolled!r} must be {ROLLED_OLDEST!r} or "
+                             f"{ROLLED_EMPTY!r}")
+        self._rolled = rolled
+        self.rolled_requests = 0  # requests whose start had left the buffer
         self._owner = owner
         self._topic = topic
         self._max_active = max_active
@@ -97,6 +113,7 @@ class ReplayServer:
             "replay_aborted": self.aborted,
             "replay_peers_dropped": self.peers_dropped,
             "replay_refused": self.refused,
+            "replay_rolled_requests": self.rolled_requests,
             "replay_active": len(self._active),
             "replay_waiting": len(self._waiting),
             "replay_stalled_peers": len(self._stalled),
@@ -139,6 +156,14 @@ class ReplayServer:
                               saferepr(frames[1:]))
                 continue
             answer = _Answer(envelope, start, buffer[-1][0] if buffer else -1, now)
+            if buffer and start < buffer[0][0]:
+                self.rolled_requests += 1
+                if self._rolled == ROLLED_EMPTY:
+                    # "Nothing from your start is left": the end marker alone (a strict
+                    # requester then applies the live stream from its next batch).
+                    with contextlib.suppress(zmq.ZMQError):
+                        router.send_multipart((*envelope, b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+                    continue
             if len(self._stalled) >= self._max_stalled:
                 self._refuse(router, answer, f"{len(self._stalled)} requesters stopped reading")
             elif len(self._active) < self._max_active:

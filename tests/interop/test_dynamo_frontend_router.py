@@ -1,0 +1,44 @@
+"""The KV router of Dynamo's frontend (ai-dynamo-runtime 1.6.1: ``KvRouter``, what
+``python -m dynamo.frontend --router-mode kv`` routes with), fed the consolidated output through
+Dynamo's own relay (``KvEventPublisher(zmq_endpoint=...)``) under a registered worker, on a
+workload of salted and unsalted tenants on the base model and two adapters, each request asking
+with its own salt string and adapter name (``DYN_KVBM_LORA_NAMES``). The run is
+_frontend_router.py, in a private network namespace (Dynamo's planes bind addresses of their
+own choosing)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _why_not() -> str | None:
+    if importlib.util.find_spec("dynamo") is None or \
+            importlib.util.find_spec("dynamo.llm") is None:
+        return "ai-dynamo-runtime is not installed (pip install 'kvbm-plugin[interop]')"
+    if shutil.which("unshare") is None or shutil.which("ip") is None or os.geteuid() != 0:
+        return "needs root, unshare and ip for a private network namespace"
+    return None
+
+
+@pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+def test_dynamos_kv_router_credits_tenants_and_adapters_as_the_engine_reused(
+        tmp_path: Path) -> None:
+    script = Path(__file__).with_name("_frontend_router.py")
+    run = subprocess.run(
+        ["unshare", "-n", "sh", "-c",
+         f"ip link set lo up && exec {sys.executable} {script} {tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "DYN_LOG": "error"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["requests"] == 36 and out["reused"] > out["asked"] // 3
+    assert out["agreed"] / out["asked"] >= 0.99, out
+    assert out["foreign"] == 0, out  # a salt nobody used is credited nothing

@@ -1,0 +1,70 @@
+"""NVIDIA Dynamo's real indexer (ai-dynamo-runtime 1.6.1) joining a stream whose replay buffer
+has rolled, under each ``DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_ROLLED`` answer (llm-d's side:
+tests/tools/test_llmd_replay.py)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from kvbm_plugin.consolidator_config import PublisherSettings, parse_endpoint
+from kvbm_plugin.tools.dynamo_indexer import Indexer
+from kvbm_plugin.wire.events import BlockStored, to_signed_int64
+from kvbm_plugin.wire.publisher import ZmqEventPublisher
+
+BS = 4
+
+
+def _store(i: int) -> dict:
+    return BlockStored([(1 << 40) + i], None, [100 * i + k for k in range(BS)], BS).to_wire()
+
+
+@pytest.mark.parametrize("rolled", ["oldest", "empty"])
+def test_dynamo_joining_after_the_buffer_rolled(indexer: Indexer, tmp_path: Path,
+                                                rolled: str) -> None:
+    pub_ep = parse_endpoint("e", f"ipc://{tmp_path}/pub", default_host="127.0.0.1")
+    replay_ep = parse_endpoint("r", f"ipc://{tmp_path}/replay", default_host="127.0.0.1")
+    pub = ZmqEventPublisher(PublisherSettings(buffer_steps=4), pub_ep, replay_ep,
+                            replay_rolled=rolled)
+    try:
+        for i in range(10):  # seq 0..9; the buffer keeps 6..9
+            pub.publish([_store(i)])
+        indexer.register(1, pub_ep.connect, replay_ep.connect, BS)
+        live = 10
+        deadline = time.monotonic() + 30
+        want_live: set[int] = set()
+        while True:  # live batches until one reached the indexer (its SUB joins late)
+            pub.publish([_store(live)])
+            want_live.add(to_signed_int64((1 << 40) + live))
+            live += 1
+            held = indexer.held().get((1, 0, "GPU"), set())
+            if held & want_live:
+                break
+            assert time.monotonic() < deadline, "no live batch reached the indexer"
+            time.sleep(0.2)  # poll interval: the indexer applies events asynchronously
+        retained = {to_signed_int64((1 << 40) + i) for i in range(6, 10)}
+        before = {to_signed_int64((1 << 40) + i) for i in range(6)}
+        # Once the indexer asked for its replay, one more live batch: the indexer applies it
+        # after the replay answer (it holds live batches back while a replay runs).
+        while pub.stats()["replay_rolled_requests"] < 1:
+            assert time.monotonic() < deadline, "the indexer never asked for a replay"
+            time.sleep(0.05)  # poll interval
+        last = to_signed_int64((1 << 40) + live)
+        pub.publish([_store(live)])
+        while last not in (held := indexer.held().get((1, 0, "GPU"), set())):
+            assert time.monotonic() < deadline, "the last live batch never arrived"
+            time.sleep(0.05)  # poll interval
+        stats = pub.stats()
+    finally:
+        pub.shutdown(2.0)
+    assert not held & before  # what left the buffer is gone for every answer
+    assert stats["replay_rolled_requests"] >= 1
+    if rolled == "oldest":
+        # Dynamo applies the retained batches it was sent (those live batches sent before its
+        # SUB joined may have pushed out of the buffer too)
+        assert held & retained
+    else:
+        assert not held & retained  # the end marker alone: live batches only
+    assert indexer.warnings() == []
