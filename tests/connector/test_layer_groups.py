@@ -1,29 +1,141 @@
-"""VSWA / hybrid models (more than one KV layer group) are refused at construction, with the
-windows named: the plugin keys one block per position across every layer and must never serve
-one layer group's block into another."""
+"""Sliding-window models (several KV layer groups, connector/layer_groups.py): the per-group
+calls of TensorRT-LLM's connector API, driven by the simulated sliding-window executor
+(testing/vswa_engine.py). Every group's bytes come back exact, no sliding group is saved
+beyond its window, no dead or -1 page is touched, and a router following the consolidated
+stream agrees with what the engine reused. What stays unsupported is refused at
+construction in one line."""
 
 from __future__ import annotations
 
 import pytest
-from _engines import tiers
+from _engines import prompt, tiers
+from _vswa import BS, OFF, WINDOW, ViewRecorder, _chats, _check_engine, _drive
 
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
 from kvbm_plugin.consolidator_config import ConfigError
+from kvbm_plugin.testing.fake_layout import (
+    KvCacheBufferRef,
+    KvCacheLayerGroupLayout,
+    KvCacheLayout,
+    KvCacheRegion,
+)
 from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, LlmArgs, ParallelConfig
+from kvbm_plugin.testing.vswa_engine import VswaConfig, VswaEngine
 
+
+def _args(windows: list[int], env: dict[str, str], group: str) -> LlmArgs:
+    return LlmArgs(KvCacheConfig(BS, max_attention_window=windows), ParallelConfig(0, 1),
+                   kvbm_plugin_env=env, kvbm_plugin_group=group)
+
+
+# ------------------------------------------------------------------ refused at construction
 
 @pytest.mark.parametrize("cls", [KvbmConnectorLeader, KvbmConnectorWorker])
-def test_several_attention_windows_are_refused_naming_them(cls) -> None:
-    args = LlmArgs(KvCacheConfig(4, max_attention_window=[4096, 512, 4096]),
-                   ParallelConfig(0, 1), kvbm_plugin_env=tiers(host=8),
-                   kvbm_plugin_group="vswa")
-    with pytest.raises(ConfigError, match=r"max_attention_window=\[4096, 512, 4096\].*2 KV "
-                                          "layer groups"):
+def test_several_windows_without_the_per_group_api_are_refused_naming_them(cls,
+                                                                            monkeypatch) -> None:
+    import kvbm_plugin.connector_leader as leader_mod
+    import kvbm_plugin.connector_worker as worker_mod
+
+    for mod in (leader_mod, worker_mod):
+        monkeypatch.setattr(mod, "has_layer_group_api", lambda: False)
+    args = _args([4096, 512, 4096], tiers(host=8), "vswa-old")
+    with pytest.raises(ConfigError, match=r"2 windows \[4096, 512\].*no update_state_after_"
+                                          "alloc_by_layer_group"):
         cls(args)
 
 
+@pytest.mark.parametrize(("env", "what"), [
+    (tiers(disk=8), "the disk tier needs the host tier"),
+    (tiers(host=8, DYN_KVBM_SHARED_TIER="memory", DYN_KVBM_SHARED_MODEL_KEY="m"),
+     "shared tier does not support several layer groups")])
+def test_what_several_groups_cannot_run_with_is_refused_in_one_line(env, what) -> None:
+    with pytest.raises(ConfigError, match=what) as info:
+        KvbmConnectorLeader(_args([4096, 512], env, "vswa-refused"))
+    assert "\n" not in str(info.value) and "[4096, 512]" in str(info.value)
+
+
 def test_one_window_repeated_per_layer_is_one_group() -> None:
-    args = LlmArgs(KvCacheConfig(4, max_attention_window=[4096, 4096]), ParallelConfig(0, 1),
-                   kvbm_plugin_env=tiers(host=8), kvbm_plugin_group="one-window")
-    KvbmConnectorLeader(args).shutdown()
+    KvbmConnectorLeader(_args([4096, 4096], tiers(host=8), "one-window")).shutdown()
+
+
+def test_a_hybrid_layout_is_refused_naming_its_layer_kinds() -> None:
+    import torch
+
+    worker = KvbmConnectorWorker(_args([4096, 512], tiers(host=8), "hybrid"))
+    try:
+        attn = KvCacheRegion.over(torch.zeros(8, 64), (KvCacheBufferRef(0, "key"),
+                                                       KvCacheBufferRef(0, "value")))
+        ssm = KvCacheRegion.over(torch.zeros(8, 32), (KvCacheBufferRef(1, "ssm_state"),
+                                                      KvCacheBufferRef(1, "conv_state")))
+        layout = KvCacheLayout(BS, (KvCacheLayerGroupLayout(0, (0,), None, (attn,)),
+                                    KvCacheLayerGroupLayout(1, (1,), None, (ssm,))))
+        with pytest.raises(ValueError, match=r"hybrid model refused: layers \[1\] hold "
+                                             "conv_state/ssm_state"):
+            worker.register_kv_cache_layout(layout)
+    finally:
+        worker.shutdown()
+
+
+# ------------------------------------------------------------------ the executor
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_a_sliding_window_model_offloads_and_onboards_every_group_byte_exact(tp_size) -> None:
+    rec = ViewRecorder("w")
+    with VswaEngine(VswaConfig(tokens_per_block=BS, window=WINDOW, tp_size=tp_size,
+                               env=tiers(host=10, disk=64, **OFF), tier_events=rec)) as engine:
+        total, disagreed, loaded = _drive(engine, lambda t: rec.view.cached_tokens(t))
+        _check_engine(engine)
+        assert loaded > 0.2 * total, (loaded, total)  # the long chat is never servable
+        assert disagreed <= 0.01 * total, (disagreed, total)
+        assert rec.view.counts.warnings == 0, rec.view.counts.as_dict()
+        leader = engine.leader.stats()
+        assert leader["host_evictions"] > 0 and leader["demotes_committed"] > 0, leader
+        worker = engine.ranks[-1].worker.stats()
+        # A tier slot holds both groups' pages: the groups differ in bytes per page.
+        io = engine.ranks[-1].worker._groups_io  # noqa: SLF001
+        assert io is not None and len(set(io.page_bytes)) == 2
+        assert worker["bytes_onboarded"] == worker["blocks_onboarded"] * io.block_bytes > 0
+
+
+def test_a_sliding_group_is_never_saved_beyond_its_window() -> None:
+    """One long prompt: its first blocks left the window during its own prefill, so no group
+    saves them (a block is kept only with every group), and nothing of it is servable."""
+    with VswaEngine(VswaConfig(tokens_per_block=BS, window=WINDOW,
+                               env=tiers(host=64, **OFF))) as engine:
+        long = prompt(5, 12 * BS + 1)
+        engine.submit(long, 2)
+        engine.run_until_idle()
+        again = engine.submit(long, 2)
+        engine.run_until_idle()
+        _stats = engine.stats
+        assert _stats.window_violations == 0 and _stats.dead_page_touches == 0
+        assert engine.loaded_tokens(again) == 0
+        assert engine.leader.stats()["saves_scheduled"] == 0
+        # A prompt within the window: every block saved in both groups, and served back.
+        short = prompt(6, 3 * BS + 1)
+        engine.submit(short, 1)
+        engine.run_until_idle()
+        back = engine.submit(short, 1)
+        engine.run_until_idle()
+        assert engine.loaded_tokens(back) == 3 * BS and engine.stats.kv_mismatches == 0
+        assert engine.stats.sliding_saves == engine.stats.full_saves == 3
+
+
+def test_attention_dp_ranks_each_serve_their_own_groups() -> None:
+    """Attention DP 2: each rank its own executor and leader (its own tiers)."""
+    recs = [ViewRecorder("w"), ViewRecorder("w")]
+    engines = [VswaEngine(VswaConfig(tokens_per_block=BS, window=WINDOW, attention_dp=2,
+                                     dp_rank=r, env=tiers(host=10, disk=64, **OFF),
+                                     tier_events=recs[r])) for r in range(2)]
+    try:
+        for r, engine in enumerate(engines):
+            total, disagreed, loaded = _drive(engine, lambda t, r=r: recs[r].view.cached_tokens(
+                t, dp_rank=r), seed=5 + r, turns=2)
+            _check_engine(engine)
+            assert loaded > 0 and disagreed <= 0.01 * total, (r, loaded, disagreed, total)
+            assert recs[r].view.counts.warnings == 0
+            assert {m.dp_rank for m in recs[r].view.match(_chats(5 + r)[0])} <= {r}
+    finally:
+        for engine in engines:
+            engine.shutdown()
