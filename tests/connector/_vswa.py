@@ -56,7 +56,7 @@ def _drive(engine: VswaEngine, route: Any, seed: int = 1, turns: int = 3
     for turn in range(turns):
         for c, first in enumerate(convs):
             tokens = history.get(c, []) + (first if turn == 0 else prompt(seed * 97 + c * 7
-                                                                          + turn, 5))
+                                                                          + turn, 9))
             servable = (len(tokens) - 1) // BS * BS  # a prompt leaves one token to compute
             predicted = min(route(tokens), servable)
             req = engine.submit(tokens, 3)

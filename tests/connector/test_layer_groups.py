@@ -139,3 +139,46 @@ def test_attention_dp_ranks_each_serve_their_own_groups() -> None:
     finally:
         for engine in engines:
             engine.shutdown()
+
+
+def test_a_save_reads_a_sliding_page_before_the_window_hands_it_to_another_request() -> None:
+    """The transfer thread is held back until the third pass ran (or 1 s): block 0 of a
+    19-token prompt is saved at its prefill and leaves the window two passes later, when its
+    page goes to the next request. wait_for_save waits until the save was issued, so the
+    tier copy is still block 0's (without that wait it would hold the other request's)."""
+    import threading
+
+    with VswaEngine(VswaConfig(tokens_per_block=BS, window=WINDOW,
+                               env=tiers(host=64, **OFF))) as engine:
+        worker = engine.ranks[0].worker
+        passes = [0]
+        moved = threading.Condition()
+        run_saves = worker._run_saves  # noqa: SLF001
+
+        def held_back(meta, event) -> None:  # noqa: ANN001
+            start = passes[0]
+            with moved:
+                moved.wait_for(lambda: passes[0] >= start + 3, timeout=1.0)
+            run_saves(meta, event)
+
+        worker._run_saves = held_back  # noqa: SLF001
+        step = engine.step
+
+        def counted() -> None:
+            step()
+            with moved:
+                passes[0] += 1
+                moved.notify_all()
+
+        engine.step = counted  # type: ignore[method-assign]
+        first = prompt(8, 19)
+        engine.submit(first, 4)
+        for _ in range(2):
+            engine.step()
+        engine.submit(prompt(9, 7), 1)  # takes the page block 0 of the first one left
+        engine.run_until_idle()
+        worker._run_saves = run_saves  # noqa: SLF001
+        again = engine.submit(first, 1)
+        engine.run_until_idle()
+        assert engine.loaded_tokens(again) == 16
+        assert engine.stats.kv_mismatches == 0 and engine.stats.dead_page_touches == 0

@@ -212,6 +212,8 @@ class VswaEngine:
         self._group = f"vswa-{uuid.uuid4().hex[:12]}"
         self._ids = iter(range(1 + cfg.dp_rank * (1 << 40), 1 << 62))
         self._reqs: dict[int, _Req] = {}
+        # The lowest page first: a copy through a -1 index lands on the last page (upstream's
+        # strided view resolves -1 there), free and zero until the pool is nearly full.
         self._free = {g: list(range(cfg.num_pages - 1, -1, -1)) for g in (SLIDING, FULL)}
         self._owner: dict[tuple[int, int], tuple[int, int]] = {}  # (group, page) -> (req, i)
         self.groups = LayerGroups((cfg.window, None), cfg.tokens_per_block)
@@ -340,6 +342,7 @@ class VswaEngine:
             if r.state == "loading":
                 r.state, r.computed = "running", r.loaded
                 self._verify(r, r.loaded)  # the onboarded blocks, every group
+        self._check_free_pages()
 
     # ------------------------------------------------------------------ internals
 
@@ -364,8 +367,13 @@ class VswaEngine:
             for i, page in enumerate(r.pages[SLIDING]):
                 if page >= 0 and not self.groups.in_window(SLIDING, i, r.computed):
                     r.pages[SLIDING][i] = -1
-                    del self._owner[(SLIDING, page)]
-                    self._free[SLIDING].append(page)
+                    self._release(SLIDING, page)
+
+    def _release(self, group: int, page: int) -> None:
+        del self._owner[(group, page)]
+        for rank in self.ranks:
+            rank.pools[group][page] = 0
+        self._free[group].append(page)
 
     def _forward(self, rank: _Rank, batch: list[tuple[_Req, int]]) -> None:
         """One rank's part, in TensorRT-LLM's order: ``start_load_kv``; per layer
@@ -412,6 +420,17 @@ class VswaEngine:
                     if page >= 0 and (owner is None or owner[0] != load.req_id):
                         self.stats.dead_page_touches += 1
 
+    def _check_free_pages(self) -> None:
+        """A free page stays zero (zeroed when freed): a copy into a page its request does
+        not hold (a -1 index, a released page) shows here, and is counted."""
+        for rank in self.ranks:
+            for g, pool in rank.pools.items():
+                free = self._free[g]
+                dirty = pool[free].flatten(1).abs().sum(1).nonzero().flatten().tolist()
+                if dirty:
+                    self.stats.dead_page_touches += len(dirty)
+                    pool[[free[i] for i in dirty]] = 0
+
     def _verify(self, r: _Req, upto: int) -> None:
         for rank in self.ranks:
             checked, bad = rank.mismatches(r, upto)
@@ -432,8 +451,7 @@ class VswaEngine:
         for g, pages in enumerate(r.pages):
             for page in pages:
                 if page >= 0:
-                    del self._owner[(g, page)]
-                    self._free[g].append(page)
+                    self._release(g, page)
         r.pages = [[], []]
         r.state = "done"
         r.llm = None
