@@ -264,6 +264,10 @@ class VswaEngine:
     def loaded_tokens(self, req_id: int) -> int:
         return self._reqs[req_id].loaded
 
+    def tokens(self, req_id: int) -> list[int]:
+        """The request's tokens: its prompt and what it generated."""
+        return list(self._reqs[req_id].tokens)
+
     def shutdown(self) -> None:
         for rank in self.ranks:
             rank.worker.shutdown(10.0)
