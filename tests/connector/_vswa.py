@@ -3,6 +3,7 @@ fed by the leader's tier registrations, the chat workload, and the engine's inva
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from _engines import prompt
@@ -46,6 +47,17 @@ def _chats(seed: int) -> list[list[int]]:
     return [prompt(seed * 10 + c, 9) for c in range(3)] + [prompt(seed * 10 + 9, 11 * BS + 1)]
 
 
+def settle(engine: VswaEngine, timeout: float = 20.0) -> None:
+    """Every rank's copies done and reported, the leader's view of them applied (what a
+    router and the next match then both see)."""
+    deadline = time.monotonic() + timeout
+    while not all(r.worker.idle() for r in engine.ranks):
+        assert time.monotonic() < deadline, "workers still busy"
+        time.sleep(0.005)
+    assert engine.leader is not None
+    engine.leader.publish_now()
+
+
 def _drive(engine: VswaEngine, route: Any, seed: int = 1, turns: int = 3
            ) -> tuple[int, int, int]:
     """Runs the chats; returns (prompt tokens, tokens the router and the engine disagreed
@@ -57,6 +69,7 @@ def _drive(engine: VswaEngine, route: Any, seed: int = 1, turns: int = 3
         for c, first in enumerate(convs):
             tokens = history.get(c, []) + (first if turn == 0 else prompt(seed * 97 + c * 7
                                                                           + turn, 9))
+            settle(engine)
             servable = (len(tokens) - 1) // BS * BS  # a prompt leaves one token to compute
             predicted = min(route(tokens), servable)
             req = engine.submit(tokens, 3)

@@ -182,3 +182,19 @@ def test_a_save_reads_a_sliding_page_before_the_window_hands_it_to_another_reque
         engine.run_until_idle()
         assert engine.loaded_tokens(again) == 16
         assert engine.stats.kv_mismatches == 0 and engine.stats.dead_page_touches == 0
+
+
+def test_one_group_on_the_layout_entry_keeps_the_flat_path() -> None:
+    """register_kv_cache_layout with one group of one region forwards the pool tensor to
+    register_kv_caches (upstream's default): flat ops, no per-group pages, bytes exact."""
+    with VswaEngine(VswaConfig(tokens_per_block=BS, sliding_layers=0, full_layers=2,
+                               env=tiers(host=64, **OFF))) as engine:
+        assert engine.ranks[0].worker._groups_io is None  # noqa: SLF001
+        first = prompt(11, 6 * BS + 1)
+        engine.submit(first, 2)
+        engine.run_until_idle()
+        again = engine.submit(first, 1)
+        engine.run_until_idle()
+        assert engine.loaded_tokens(again) == 6 * BS
+        assert engine.stats.kv_mismatches == 0 and engine.stats.pages_checked > 0
+        assert engine.leader.stats()["window_skips"] == 0

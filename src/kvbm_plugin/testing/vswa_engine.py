@@ -76,7 +76,8 @@ class VswaConfig:
     tokens_per_block: int = 4
     window: int = 16  # the sliding group's attention window, tokens
     max_seq_len: int = 4096  # the full group's window (max_attention_window entry)
-    sliding_layers: int = 2  # the groups differ in layers, so in bytes per page
+    sliding_layers: int = 2  # the groups differ in layers, so in bytes per page; 0: no
+    # sliding group, one full-attention group on the flat calls (the benchmarks' baseline)
     full_layers: int = 1
     num_kv_heads: int = 2  # total; each TP rank holds num_kv_heads // tp_size
     head_dim: int = 4
@@ -92,6 +93,10 @@ class VswaConfig:
     def windows(self) -> list[int]:
         """``kv_cache_config.max_attention_window``: one entry per layer, cyclic."""
         return [self.window] * self.sliding_layers + [self.max_seq_len] * self.full_layers
+
+    @property
+    def grouped(self) -> bool:
+        return self.sliding_layers > 0
 
 
 @dataclass
@@ -138,12 +143,13 @@ class _Rank:
                        FULL: list(range(cfg.sliding_layers,
                                         cfg.sliding_layers + cfg.full_layers))}
         self.pools = {g: torch.zeros(cfg.num_pages, len(ls), 2, bs * self.hd)
-                      for g, ls in self.layers.items()}
+                      for g, ls in self.layers.items() if ls}
         groups = []
-        for g, window in ((SLIDING, cfg.window), (FULL, None)):
+        for g, window in ((SLIDING, cfg.window), (FULL, None)) if cfg.grouped else ((FULL, None),):
             buffers = tuple(KvCacheBufferRef(layer, role) for layer in self.layers[g]
                             for role in ("key", "value"))
-            groups.append(KvCacheLayerGroupLayout(g, tuple(self.layers[g]), window,
+            groups.append(KvCacheLayerGroupLayout(g if cfg.grouped else 0, tuple(self.layers[g]),
+                                                  window,
                                                   (KvCacheRegion.over(self.pools[g], buffers),)))
         self.layout = KvCacheLayout(bs, tuple(groups), torch.float32)
 
@@ -157,8 +163,8 @@ class _Rank:
         """The forward: KV of tokens ``[start, start + n)`` into each group's live pages."""
         bs, hd = self.cfg.tokens_per_block, self.hd
         toks = r.tokens[start:start + n]
-        for g, layers in self.layers.items():
-            for li, layer in enumerate(layers):
+        for g in self.pools:
+            for li, layer in enumerate(self.layers[g]):
                 vals = self.values(layer, start, toks)
                 for i in range(n):
                     p = start + i
@@ -171,7 +177,8 @@ class _Rank:
         """(pages checked, pages differing) over every group's live pages below ``upto``."""
         bs, hd = self.cfg.tokens_per_block, self.hd
         checked = bad = 0
-        for g, layers in self.layers.items():
+        for g in self.pools:
+            layers = self.layers[g]
             for i, page in enumerate(r.pages[g]):
                 n = min(bs, upto - i * bs)
                 if page < 0 or n <= 0:
@@ -306,7 +313,11 @@ class VswaEngine:
             new.append(r)
         for r in new:
             assert r.llm is not None
-            manager.update_state_after_alloc_by_layer_group(r.llm, [list(p) for p in r.pages])
+            if cfg.grouped:
+                manager.update_state_after_alloc_by_layer_group(r.llm,
+                                                                [list(p) for p in r.pages])
+            else:  # one group: the flat form (upstream's base default folds it back there)
+                manager.update_state_after_alloc(r.llm, list(r.pages[FULL]))
             loading = manager.is_loading(r.id)
             r.state = "loading" if loading else "running"
             batch.append((r, len(r.tokens) - r.computed))
@@ -316,9 +327,9 @@ class VswaEngine:
         for r, n in batch:
             new_ids = [r.pages[g][r.seen[g]:] for g in (SLIDING, FULL)]
             entries.append((r.id, RequestData(
-                r.id, r.tokens[r.reported_tokens:], [], r.computed, n,
-                trtllm_block_chain(r.tokens, bs, r.salt), cache_salt=r.salt,
-                new_block_ids_by_layer_group=new_ids)))
+                r.id, r.tokens[r.reported_tokens:], [] if cfg.grouped else new_ids[FULL],
+                r.computed, n, trtllm_block_chain(r.tokens, bs, r.salt), cache_salt=r.salt,
+                new_block_ids_by_layer_group=new_ids if cfg.grouped else [])))
             if r.id not in manager.pending_load_ids():
                 r.seen = [len(p) for p in r.pages]
                 r.reported_tokens = len(r.tokens)
@@ -357,7 +368,8 @@ class VswaEngine:
         while len(r.pages[FULL]) * bs < tokens:
             i = len(r.pages[FULL])
             for g in (SLIDING, FULL):
-                live = g == FULL or self.groups.in_window(g, i, r.computed)
+                live = g == FULL or (self.config.grouped
+                                     and self.groups.in_window(g, i, r.computed))
                 page = self._free[g].pop() if live else -1
                 if page >= 0:
                     self._owner[(g, page)] = (r.id, i)
@@ -446,7 +458,10 @@ class VswaEngine:
         self.stats.requests_finished += 1
         assert r.llm is not None
         r.llm.is_finished = True
-        if self.manager.request_finished(r.llm, [], [list(p) for p in r.pages]):
+        finished = (self.manager.request_finished(r.llm, [], [list(p) for p in r.pages])
+                    if self.config.grouped
+                    else self.manager.request_finished(r.llm, list(r.pages[FULL])))
+        if finished:
             r.state = "saving"
         else:
             self._free_request(r)
