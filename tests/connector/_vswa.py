@@ -51,11 +51,14 @@ def settle(engine: VswaEngine, timeout: float = 20.0) -> None:
     """Every rank's copies done and reported, the leader's view of them applied (what a
     router and the next match then both see)."""
     deadline = time.monotonic() + timeout
-    while not all(r.worker.idle() for r in engine.ranks):
-        assert time.monotonic() < deadline, "workers still busy"
+    leader = engine.leader
+    assert leader is not None
+    while True:  # demotions included (no request waits for them)
+        leader.publish_now()
+        if all(r.worker.idle() for r in engine.ranks) and leader.stats()["ops_inflight"] == 0:
+            return
+        assert time.monotonic() < deadline, "copies still in flight"
         time.sleep(0.005)
-    assert engine.leader is not None
-    engine.leader.publish_now()
 
 
 def _drive(engine: VswaEngine, route: Any, seed: int = 1, turns: int = 3

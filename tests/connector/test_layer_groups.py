@@ -55,6 +55,29 @@ def test_what_several_groups_cannot_run_with_is_refused_in_one_line(env, what) -
     assert "\n" not in str(info.value) and "[4096, 512]" in str(info.value)
 
 
+def test_several_windows_on_the_cpp_kv_cache_manager_are_refused() -> None:
+    args = _args([4096, 512], tiers(host=8), "vswa-v1")
+    args.kv_cache_config.use_kv_cache_manager_v2 = False
+    with pytest.raises(ConfigError, match=r"2 windows \[4096, 512\].*use_kv_cache_manager_v2"
+                                          "=False"):
+        KvbmConnectorLeader(args)
+
+
+def test_several_windows_reported_as_one_flat_list_stop_before_any_save() -> None:
+    """A cache that does not describe its groups (one flat list for a several-window model)
+    would have one group's pages saved as the block: the first build raises instead."""
+    from kvbm_plugin.testing.fake_trtllm import RequestData, SchedulerOutput
+
+    leader = KvbmConnectorLeader(_args([4096, 512], tiers(host=8), "vswa-flat"))
+    try:
+        data = RequestData(1, list(range(9)), [0, 1, 2], 0, 9)
+        with pytest.raises(RuntimeError, match=r"windows \[4096, 512\].*one flat page list"):
+            leader.build_connector_meta(SchedulerOutput(new_requests=[data]))
+        assert leader.stats()["saves_scheduled"] == 0
+    finally:
+        leader.shutdown()
+
+
 def test_one_window_repeated_per_layer_is_one_group() -> None:
     KvbmConnectorLeader(_args([4096, 4096], tiers(host=8), "one-window")).shutdown()
 

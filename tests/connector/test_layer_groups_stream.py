@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from _loops import both_implementations
-from _vswa import BS, OFF, WINDOW, _check_engine, _drive
+from _vswa import BS, OFF, WINDOW, _check_engine, _drive, settle
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.testing.vswa_engine import VswaConfig, VswaEngine
@@ -44,8 +44,7 @@ def test_the_consolidated_stream_agrees_with_what_the_engine_reused(tmp_path) ->
             assert leader is not None
 
             def route(tokens: list[int]) -> int:
-                _wait(lambda: all(r.worker.idle() for r in engine.ranks), "workers idle")
-                leader.publish_now()
+                settle(engine)
                 want = {(0, to_signed_int64(h)) for tier in ("host", "disk")
                         for h in leader.resident_hashes(tier)}
 

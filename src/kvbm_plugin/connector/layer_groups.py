@@ -92,6 +92,11 @@ def refuse_unsupported(llm_args: Any, env: Mapping[str, str], has_grouped_api: b
     if not windows:
         return
     named = f"kv_cache_config.max_attention_window has {len(windows)} windows {list(windows)}"
+    v2 = getattr(getattr(llm_args, "kv_cache_config", None), "use_kv_cache_manager_v2", None)
+    if v2 is False:  # the C++ KVCacheManager hands the connector one flat page list
+        raise ConfigError(f"kvbm_plugin: {named} (several KV layer groups) but "
+                          "kv_cache_config.use_kv_cache_manager_v2=False: the connector gets "
+                          "the groups' pages only from KVCacheManagerV2; set it to True or auto")
     if not has_grouped_api:
         raise ConfigError(f"kvbm_plugin: {named} (several KV layer groups) but this "
                           "TensorRT-LLM has no update_state_after_alloc_by_layer_group: run "
@@ -210,6 +215,12 @@ class LayerGroupScheduling:
         representative group's pages then stand in ``state.block_ids``)."""
         by_group = grouped_ids(rd)
         if by_group is None:
+            if self._configured_windows and rd.new_block_ids:
+                # Several windows, one flat list: a cache that does not describe its groups
+                # (the C++ KVCacheManager); offloading it would save one group's pages only.
+                raise RuntimeError(f"kvbm_plugin: kv_cache_config.max_attention_window has "
+                                   f"windows {list(self._configured_windows)} but TensorRT-LLM "
+                                   "reported one flat page list: run on KVCacheManagerV2")
             state.block_ids.extend(rd.new_block_ids)
             return
         groups = self._groups_for(len(by_group))

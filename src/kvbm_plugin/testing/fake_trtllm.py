@@ -114,6 +114,7 @@ class KvCacheConfig:
     enable_partial_reuse: bool = False
     kv_events_config: Any = None  # KVEventsConfig: TRT-LLM's own streaming publisher
     max_attention_window: list[int] | None = None  # several windows: VSWA
+    use_kv_cache_manager_v2: bool | str = "auto"  # VSWA needs V2 (per-group pages)
 
 
 @dataclass

@@ -77,9 +77,10 @@ def run_windows_demo(args: argparse.Namespace,
 
                 def route(tokens: list[int]) -> int:
                     nonlocal synced
-                    _wait(lambda: all(r.worker.idle() for r in engine.ranks),
-                          args.settle_timeout)
-                    leader.publish_now()
+                    # every copy done and applied, demotions too (no request waits for them)
+                    _wait(lambda: leader.publish_now() is None and leader.stats()[
+                        "ops_inflight"] == 0 and all(r.worker.idle() for r in engine.ranks),
+                        args.settle_timeout)
                     want = {(0, to_signed_int64(h)) for tier in ("host", "disk")
                             for h in leader.resident_hashes(tier)}
                     synced &= _wait(lambda: bool(sub.poll(5)) or sub.held == want,
