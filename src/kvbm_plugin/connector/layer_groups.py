@@ -230,7 +230,7 @@ class LayerGroupScheduling:
             pages.extend(new)
         state.block_ids.extend(by_group[groups.rep])
 
-    def _save_block(self, state: Any, index: int) -> int:
+    def _save_block(self, state: Any, index: int, count: bool = True) -> int:
         """The device block to offload block ``index`` from, or -1: with several groups, -1
         unless every group holds a live page for it now (reported, not -1, in its window)."""
         if not state.group_pages:
@@ -240,7 +240,8 @@ class LayerGroupScheduling:
         for g, pages in enumerate(state.group_pages):
             if index >= len(pages) or pages[index] < 0 \
                     or not groups.in_window(g, index, state.valid_tokens):
-                self._stats["window_skips"] += 1
+                if count:
+                    self._stats["window_skips"] += 1
                 return -1
         return int(state.block_ids[index])
 
@@ -253,7 +254,7 @@ class LayerGroupScheduling:
         if not state.group_pages:
             return int(state.block_ids[index]) >= 0
         for j in range(index, -1, -1):
-            if self._save_block(state, j) < 0:
+            if self._save_block(state, j, count=False) < 0:
                 return False
             if j and state.keys[j - 1] in tier:
                 return True
