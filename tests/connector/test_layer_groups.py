@@ -114,6 +114,8 @@ def test_a_sliding_window_model_offloads_and_onboards_every_group_byte_exact(tp_
         assert rec.view.counts.warnings == 0, rec.view.counts.as_dict()
         leader = engine.leader.stats()
         assert leader["host_evictions"] > 0 and leader["demotes_committed"] > 0, leader
+        # Both tiers served blocks back: host copies and disk files (demoted host slots).
+        assert leader["matched_host_tokens"] > 0 and leader["matched_disk_tokens"] > 0, leader
         worker = engine.ranks[-1].worker.stats()
         # A tier slot holds both groups' pages: the groups differ in bytes per page.
         io = engine.ranks[-1].worker._groups_io  # noqa: SLF001
