@@ -102,11 +102,21 @@ def test_a_hybrid_layout_is_refused_naming_its_layer_kinds() -> None:
 
 # ------------------------------------------------------------------ the executor
 
-@pytest.mark.parametrize("tp_size", [1, 2])
-def test_a_sliding_window_model_offloads_and_onboards_every_group_byte_exact(tp_size) -> None:
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@pytest.mark.parametrize(("tp_size", "device"), [
+    (1, "cpu"), (2, "cpu"),
+    pytest.param(2, "cuda", marks=pytest.mark.skipif("not _cuda()", reason="needs CUDA"))])
+def test_a_sliding_window_model_offloads_and_onboards_every_group_byte_exact(tp_size,
+                                                                             device) -> None:
     rec = ViewRecorder("w")
     with VswaEngine(VswaConfig(tokens_per_block=BS, window=WINDOW, tp_size=tp_size,
-                               env=tiers(host=10, disk=64, **OFF), tier_events=rec)) as engine:
+                               device=device, env=tiers(host=10, disk=64, **OFF),
+                               tier_events=rec)) as engine:
         total, disagreed, loaded = _drive(engine, lambda t: rec.view.cached_tokens(t))
         _check_engine(engine)
         assert loaded > 0.2 * total, (loaded, total)  # the long chat is never servable

@@ -86,6 +86,7 @@ class VswaConfig:
     attention_dp: int = 1  # attention-DP ranks; this engine is dp_rank's own executor
     dp_rank: int = 0
     max_batch_size: int = 8
+    device: str = "cpu"  # "cuda": the page pools on the GPU (pinned host tier, side stream)
     env: Mapping[str, str] = field(default_factory=dict)  # DYN_KVBM_* for the connector
     tier_events: Any = None  # the leader's tier-event recorder (kvbm_plugin_tier_events)
 
@@ -142,7 +143,9 @@ class _Rank:
         self.layers = {SLIDING: list(range(cfg.sliding_layers)),
                        FULL: list(range(cfg.sliding_layers,
                                         cfg.sliding_layers + cfg.full_layers))}
-        self.pools = {g: torch.zeros(cfg.num_pages, len(ls), 2, bs * self.hd)
+        self.device = dev = torch.device(cfg.device)
+        self._hd_base = self._hd_base.to(dev)
+        self.pools = {g: torch.zeros(cfg.num_pages, len(ls), 2, bs * self.hd, device=dev)
                       for g, ls in self.layers.items() if ls}
         groups = []
         for g, window in ((SLIDING, cfg.window), (FULL, None)) if cfg.grouped else ((FULL, None),):
@@ -154,9 +157,10 @@ class _Rank:
         self.layout = KvCacheLayout(bs, tuple(groups), torch.float32)
 
     def values(self, layer: int, start: int, tokens: list[int]) -> torch.Tensor:
-        pos = torch.arange(start, start + len(tokens))
-        base = (pos * 7 + layer * 13 + torch.tensor(tokens) * 11)[:, None, None]
-        kv = torch.arange(2)[None, :, None] * 5
+        dev = self.device
+        pos = torch.arange(start, start + len(tokens), device=dev)
+        base = (pos * 7 + layer * 13 + torch.tensor(tokens, device=dev) * 11)[:, None, None]
+        kv = torch.arange(2, device=dev)[None, :, None] * 5
         return ((base + kv + self._hd_base[None, None, :]) % _MOD).to(torch.float32)
 
     def write(self, r: _Req, start: int, n: int) -> None:

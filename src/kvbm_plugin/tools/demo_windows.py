@@ -67,7 +67,7 @@ def run_windows_demo(args: argparse.Namespace,
                              start_seq=0, view=RouterView(args.block_size), worker="engine")
         config = VswaConfig(tokens_per_block=args.block_size, window=sliding,
                             max_seq_len=full, tp_size=args.tp, num_pages=args.gpu_blocks,
-                            env=env)
+                            device=args.device, env=env)
         total = disagreed = loaded = 0
         synced = True
         try:
