@@ -39,6 +39,14 @@ def test_bad_windows_are_one_clear_error(value: str) -> None:
         demo.main_demo(["--windows", value, "--no-progress"])
 
 
+def test_windows_on_cuda_without_cuda_is_one_clear_error(monkeypatch) -> None:
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UsageError, match="--device cuda: CUDA is not available"):
+        demo.main_demo(["--windows", "4096,512", "--device", "cuda", "--no-progress"])
+
+
 def test_windows_refuse_what_they_do_not_run_with() -> None:
     with pytest.raises(UsageError, match="--windows runs one engine"):
         demo.main_demo(["--windows", "4096,512", "--attention-dp", "2", "--no-progress"])

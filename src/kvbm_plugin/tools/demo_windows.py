@@ -55,6 +55,12 @@ def run_windows_demo(args: argparse.Namespace,
     from kvbm_plugin.wire.events import to_signed_int64
 
     full, sliding = parse_windows(args.windows, args.block_size)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: CUDA is not available on this machine (torch "
+                             f"{torch.__version__}); use --device cpu")
     rng = random.Random(args.seed)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="kvbm-demo-windows-") as tmp:
@@ -83,8 +89,8 @@ def run_windows_demo(args: argparse.Namespace,
                         args.settle_timeout)
                     want = {(0, to_signed_int64(h)) for tier in ("host", "disk")
                             for h in leader.resident_hashes(tier)}
-                    synced &= _wait(lambda: bool(sub.poll(5)) or sub.held == want,
-                                    args.settle_timeout) and sub.held == want
+                    synced &= _wait(lambda: sub.poll(5) is not None and sub.held == want,
+                                    args.settle_timeout)
                     return sub.view.cached_tokens(tokens)
 
                 system = [rng.randrange(1, 30000) for _ in range(args.system_tokens)]
