@@ -37,7 +37,11 @@ from kvbm_plugin.connector.assembly import TierEventPublisher as TierEventPublis
 from kvbm_plugin.connector.assembly import assemble_event_path
 from kvbm_plugin.connector.gpu_feed import GpuEventFeed
 from kvbm_plugin.connector.keeper import IdleKeeper, locked
-from kvbm_plugin.connector.layer_groups import LayerGroupScheduling, configured_windows
+from kvbm_plugin.connector.layer_groups import (
+    LayerGroupScheduling,
+    configured_windows,
+    forget_group_windows,
+)
 from kvbm_plugin.connector.layer_groups import refuse_unsupported as _refuse_layer_groups
 from kvbm_plugin.connector.lifetime import request_gone, request_handle
 from kvbm_plugin.connector.meta import (
@@ -759,6 +763,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         if self.event_sink is not None:
             self.event_sink.shutdown(timeout)
         close_hub(self._group)
+        forget_group_windows(self._group)
         if self._stream_names is not None:
             self._stream_names.close()
         if self._disk_claim is not None:
