@@ -42,7 +42,6 @@ from kvbm_plugin.connector.copy_runs import count_down as _count_down
 from kvbm_plugin.connector.copy_runs import runs as _runs
 from kvbm_plugin.connector.disk_jobs import DiskJobs
 from kvbm_plugin.connector.layer_group_worker import LayerGroupWorker
-from kvbm_plugin.connector.layer_groups import disk_identity_suffix
 from kvbm_plugin.connector.layer_groups import refuse_unsupported as _refuse_layer_groups
 from kvbm_plugin.connector.load_errors import LoadErrors
 from kvbm_plugin.connector.meta import (
@@ -107,8 +106,7 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, LayerGroupWorker,  # type: ignor
         self._tier_settings = load_tier_settings(self._env)
         self._block_size = _llm_args.block_size_of(llm_args)
         self._disk_identity = _llm_args.disk_identity(llm_args, self._block_size,
-                                                      self._par.tp_size) \
-            + disk_identity_suffix(llm_args)
+                                                      self._par.tp_size)
         self._pool: torch.Tensor | None = None
         # One view per block of the device pool and of the host tier, made once: building two
         # views per copied block on every batch cost ~2 us per block on the transfer thread.
@@ -617,7 +615,8 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, LayerGroupWorker,  # type: ignor
         copies = [(pool_blocks[d], host_blocks[s]) if n == 1
                   else (pool[d:d + n], host.pool[s:s + n])  # type: ignore[attr-defined]
                   for s, d, n in _runs(pairs)] if self._groups_io is None \
-            else self._group_copies([(c.pages, c.slot) for c, _ in host_copies], load=True)
+            else self._group_copies([(c.pages or (c.device_block,), c.slot)
+                                     for c, _ in host_copies], load=True)
         keys_ok = {c.op_id: host.keys[c.slot] == c.key for c, _ in host_copies}  # type: ignore[attr-defined]
 
         def done(ok: bool) -> None:
@@ -671,7 +670,8 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, LayerGroupWorker,  # type: ignor
                   else (host.pool[s:s + n], pool[d:d + n])  # type: ignore[attr-defined]
                   for d, s, n in _runs((o.device_block, o.slot) for o in host_ops)] \
             if self._groups_io is None \
-            else self._group_copies([(o.pages, o.slot) for o in host_ops], load=False)
+            else self._group_copies([(o.pages or (o.device_block,), o.slot) for o in host_ops],
+                                    load=False)
         shared = self._shared
         staged = shared.stage(host_ops, followers) if followers and shared is not None else []
         copies += [(buf, pool_blocks[op.device_block]) for op, buf in staged]
@@ -728,7 +728,8 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, LayerGroupWorker,  # type: ignor
                            pages: tuple[int, ...] = ()) -> bool:
         assert self._pool is not None
         if self._groups_io is not None:  # several layer groups: every group's live page
-            return self._group_staging_to_device(staging, pages, OP_TIMEOUT_S)
+            return self._group_staging_to_device(staging, pages or (device_block,),
+                                                 OP_TIMEOUT_S)
         if not self._cuda:
             self._pool[device_block].copy_(staging)
             return True

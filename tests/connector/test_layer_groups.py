@@ -233,3 +233,56 @@ def test_one_group_on_the_layout_entry_keeps_the_flat_path() -> None:
         assert engine.loaded_tokens(again) == 6 * BS
         assert engine.stats.kv_mismatches == 0 and engine.stats.pages_checked > 0
         assert engine.leader.stats()["window_skips"] == 0
+
+
+def test_one_group_of_several_regions_copies_every_region() -> None:
+    """A one-group layout no single pool tensor describes (K/V beside a block-scale region)
+    goes the per-region way with flat ops: the op's device block is the page of every
+    region, and a save and a load move every region's bytes."""
+    import time
+
+    import torch
+
+    from kvbm_plugin.connector.meta import (
+        HOST,
+        ConnectorMetadata,
+        LoadCopy,
+        LoadOp,
+        SaveOp,
+        TierLayout,
+        close_hub,
+        open_hub,
+    )
+
+    group = "regions"
+    open_hub(group)  # where the worker reports (a leader's hub)
+    worker = KvbmConnectorWorker(_args([4096], tiers(host=8), group))
+    try:
+        kv = torch.arange(8 * 16, dtype=torch.float32).reshape(8, 16)
+        scale = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4) + 1000
+        regions = (KvCacheRegion.over(kv, (KvCacheBufferRef(0, "key"),
+                                           KvCacheBufferRef(0, "value"))),
+                   KvCacheRegion.over(scale, (KvCacheBufferRef(0, "block_scale"),)))
+        worker.register_kv_cache_layout(
+            KvCacheLayout(BS, (KvCacheLayerGroupLayout(0, (0,), None, regions),)))
+        tiers_layout = TierLayout(8, 0, None)
+
+        def finished(saving: list[int], loading: list[int]) -> None:
+            deadline = time.monotonic() + 10
+            while worker.get_finished(saving, loading) == ([], []):
+                assert time.monotonic() < deadline
+                time.sleep(0.005)
+
+        worker.bind_connector_meta(ConnectorMetadata(
+            1, tiers_layout, saves=(SaveOp(1, 7, 3, HOST, 0, 99),)))
+        worker.wait_for_save(None)
+        finished([7], [])
+        worker.bind_connector_meta(ConnectorMetadata(
+            2, tiers_layout, loads=(LoadOp(8, (LoadCopy(2, HOST, 0, 99, 5),)),)))
+        worker.start_load_kv(None)
+        finished([], [8])
+        assert torch.equal(kv[5], kv[3]) and torch.equal(scale[5], scale[3])
+        assert worker.stats()["bytes_onboarded"] == (16 + 4) * 4
+    finally:
+        worker.shutdown()
+        close_hub(group)

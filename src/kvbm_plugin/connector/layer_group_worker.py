@@ -53,6 +53,8 @@ class LayerGroupWorker:
         region: that pool tensor goes to ``register_kv_caches`` (the flat path). Several
         groups: every group's page of a block shares one tier slot. A hybrid model (recurrent
         state roles) raises ValueError naming them."""
+        # (One group of several regions, e.g. block scales beside K/V: the composite path
+        # below with one group; its ops are flat, the device block being the page.)
         single = layout.as_single_pool_tensor() if len(layout.groups) == 1 else None
         if single is not None:
             self.register_kv_caches(single)  # type: ignore[attr-defined]
@@ -74,7 +76,8 @@ class LayerGroupWorker:
 
     def _group_copies(self, items: list[tuple[tuple[int, ...], int]],
                       load: bool) -> list[tuple[Any, Any]]:
-        """(dst, src) pairs for ``(pages, host slot)`` items: every group's live page."""
+        """(dst, src) pairs for ``(pages, host slot)`` items: every group's live page (one
+        group of several regions: the op's device block is its page)."""
         io = self._groups_io
         assert io is not None
         out: list[tuple[Any, Any]] = []

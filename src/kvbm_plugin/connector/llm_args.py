@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvbm_plugin.connector.layer_groups import disk_identity_suffix
 from kvbm_plugin.consolidator_config import (
     LEADER_ZMQ_HOST,
     LEADER_ZMQ_PUB_PORT,
@@ -140,5 +141,7 @@ def event_serializer_of(llm_args: Any) -> Any:
 def disk_identity(llm_args: Any, block_size: int, tp_size: int) -> str:
     """What disk block bytes mean beyond dtype and shape, written into and checked in every
     disk file's header: the model (``BaseLlmArgs.model``, TensorRT-LLM
-    ``tensorrt_llm/llmapi/llm_args.py``), tokens per block and the TP size."""
-    return f"model={getattr(llm_args, 'model', '')};tokens_per_block={block_size};tp={tp_size}"
+    ``tensorrt_llm/llmapi/llm_args.py``), tokens per block, the TP size and, for a model of
+    several attention windows, the windows (a slot holds every layer group's page)."""
+    return (f"model={getattr(llm_args, 'model', '')};tokens_per_block={block_size};"
+            f"tp={tp_size}{disk_identity_suffix(llm_args)}")
