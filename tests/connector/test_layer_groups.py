@@ -286,3 +286,19 @@ def test_one_group_of_several_regions_copies_every_region() -> None:
     finally:
         worker.shutdown()
         close_hub(group)
+
+
+def test_a_layout_of_several_regions_with_the_shared_tier_is_refused_in_one_line() -> None:
+    import torch
+
+    env = tiers(host=8, DYN_KVBM_SHARED_TIER="memory", DYN_KVBM_SHARED_MODEL_KEY="m")
+    worker = KvbmConnectorWorker(_args([4096], env, "regions-shared"))
+    try:
+        regions = tuple(KvCacheRegion.over(torch.zeros(8, n), (KvCacheBufferRef(0, role),))
+                        for n, role in ((16, "key"), (4, "block_scale")))
+        with pytest.raises(ValueError, match=r"^kvbm_plugin: the shared tier does not support "
+                                             r"a KV cache of 1 layer group\(s\) and 2 regions"):
+            worker.register_kv_cache_layout(
+                KvCacheLayout(BS, (KvCacheLayerGroupLayout(0, (0,), None, regions),)))
+    finally:
+        worker.shutdown()

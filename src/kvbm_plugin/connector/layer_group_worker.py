@@ -36,6 +36,7 @@ class LayerGroupWorker:
     """``register_kv_cache_layout`` and the several-group copy paths (see module docstring)."""
 
     _groups_io: GroupPages | None = None
+    _env: Any
     _pool: Any
     _pool_blocks: tuple[Any, ...]
     _last_layer: int
@@ -61,6 +62,13 @@ class LayerGroupWorker:
             return
         import torch
 
+        from kvbm_plugin.shared_settings import load_shared_settings
+
+        if load_shared_settings(self._env) is not None:  # its keys name one device page
+            raise ValueError(f"kvbm_plugin: the shared tier does not support a KV cache of "
+                             f"{len(layout.groups)} layer group(s) and "
+                             f"{sum(len(g.regions) for g in layout.groups)} regions yet; "
+                             "unset DYN_KVBM_SHARED_TIER")
         io = self._groups_io = GroupPages(layout)
         first = io.segments[0].region
         self._pool = first  # bring-up done (its blocks are never addressed: see _group_copies)
