@@ -37,6 +37,12 @@ from kvbm_plugin.connector.assembly import TierEventPublisher as TierEventPublis
 from kvbm_plugin.connector.assembly import assemble_event_path
 from kvbm_plugin.connector.gpu_feed import GpuEventFeed
 from kvbm_plugin.connector.keeper import IdleKeeper, locked
+from kvbm_plugin.connector.layer_groups import (
+    LayerGroupScheduling,
+    configured_windows,
+    forget_group_windows,
+)
+from kvbm_plugin.connector.layer_groups import refuse_unsupported as _refuse_layer_groups
 from kvbm_plugin.connector.lifetime import request_gone, request_handle
 from kvbm_plugin.connector.meta import (
     DISK,
@@ -62,6 +68,7 @@ from kvbm_plugin.connector.stream_names import StreamNames
 from kvbm_plugin.connector.tier_book import TierBookkeeping
 from kvbm_plugin.connector.trtllm_compat import (
     KvCacheConnectorScheduler,
+    has_layer_group_api,
 )
 from kvbm_plugin.consolidator.engine_forms import EngineForms
 from kvbm_plugin.consolidator_config import (
@@ -86,7 +93,7 @@ _TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
 
 
 class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ignore[misc]
-                          KvCacheConnectorScheduler):  # type: ignore[valid-type]
+                          LayerGroupScheduling, KvCacheConnectorScheduler):  # type: ignore[valid-type]
     """Scheduler-side connector; runs on rank 0 (TP) and owns the tier index and events."""
 
     # Attention DP: each rank's leader is local to it (connectors/kv_cache_connector.py @
@@ -101,8 +108,10 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         publisher and event sink and, when enabled, the in-process consolidator that receives
         every tier change."""
         super().__init__(llm_args)
-        _llm_args.refuse_layer_groups(llm_args)
         self._env = _llm_args.env_of(llm_args)
+        # Several attention windows: per-group hooks (connector/layer_groups.py) or refused.
+        _refuse_layer_groups(llm_args, self._env, has_layer_group_api())
+        self._configured_windows = configured_windows(llm_args)
         self._par = _llm_args.parallel_of(llm_args)
         self._block_size = _llm_args.block_size_of(llm_args)
         self._group = _llm_args.group_of(llm_args, self._env)
@@ -141,7 +150,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
             "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
             "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
             "tier_stores_held", "tier_stores_unnamed_dropped", "requests_terminated_silently",
-            "saves_discarded_terminated", "gpu_source_silent_iterations"), 0)
+            "saves_discarded_terminated", "gpu_source_silent_iterations", "window_skips"), 0)
         self._self_check_iterations = 0  # connector.gpu_feed._self_check
         self._naming = BlockNaming(self._block_size, self._stats)
         self._init_shared()  # the shared tier's client and directory (connector/shared_book.py)
@@ -383,7 +392,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
             state.loads_inflight.add(op_id)
             copies.append(LoadCopy(op_id, _TIER_CODE[tier], entry.slot, entry.key,
                                    int(block_ids[index]),
-                                   entry.digest if tier == TIER_SHARED else None))
+                                   entry.digest if tier == TIER_SHARED else None,
+                                   self._load_pages(state, index)))
         state.load = LoadOp(state.req_id, tuple(copies))
         self._pending_loads.append(state.load)
 
@@ -460,7 +470,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
     def _absorb(self, state: _Request, rd: Any) -> None:
         """Fold one RequestData delta into the request's state."""
         state.tokens.extend(rd.new_tokens)
-        state.block_ids.extend(rd.new_block_ids)
+        self._absorb_block_ids(state, rd)  # flat, or every layer group's pages
         hashes = getattr(rd, "block_hashes", None)
         if hashes:
             state.event_hashes = list(hashes)  # cumulative chain for the full blocks
@@ -533,7 +543,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
                 continue
             parent_key = state.keys[i - 1] if i else None
             if parent_key is not None and parent_key not in index:
-                if state.block_ids[i - 1] >= 0:
+                if self._can_resave(state, index, i - 1):
                     state.offload_next = i - 1  # the parent was evicted as a leaf meanwhile
                     self._stats["parent_resaves"] += 1
                 else:
@@ -541,7 +551,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
                     self._stats["orphan_saves_skipped"] += 1
                     state.offload_next += 1
                 continue
-            block = state.block_ids[i]
+            block = self._save_block(state, i)  # -1: some layer group has no live page
             if block < 0:
                 state.offload_next += 1
                 continue
@@ -554,7 +564,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
             op_id = self._new_op("save", index.name, key, state.req_id, entry)
             state.saves_inflight.add(op_id)
             saves.append(SaveOp(op_id, state.req_id, int(block),
-                                HOST if index.name == TIER_HOST else DISK, entry.slot, key))
+                                HOST if index.name == TIER_HOST else DISK, entry.slot, key,
+                                self._save_pages(state, i)))
             if index is self._host:  # write-through to the shared tier, when there is one
                 self._shared_follow(state, i, entry, op_id, int(block))
             self._stats["saves_scheduled"] += 1
@@ -754,6 +765,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         if self.event_sink is not None:
             self.event_sink.shutdown(timeout)
         close_hub(self._group)
+        forget_group_windows(self._group)
         if self._stream_names is not None:
             self._stream_names.close()
         if self._disk_claim is not None:

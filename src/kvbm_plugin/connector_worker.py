@@ -41,6 +41,8 @@ from kvbm_plugin.connector.copy_runs import chunked as _chunked
 from kvbm_plugin.connector.copy_runs import count_down as _count_down
 from kvbm_plugin.connector.copy_runs import runs as _runs
 from kvbm_plugin.connector.disk_jobs import DiskJobs
+from kvbm_plugin.connector.layer_group_worker import LayerGroupWorker
+from kvbm_plugin.connector.layer_groups import refuse_unsupported as _refuse_layer_groups
 from kvbm_plugin.connector.load_errors import LoadErrors
 from kvbm_plugin.connector.meta import (
     DISK,
@@ -63,7 +65,7 @@ from kvbm_plugin.connector.meta import (
 )
 from kvbm_plugin.connector.metrics import get_metrics
 from kvbm_plugin.connector.shared_io import SharedIO
-from kvbm_plugin.connector.trtllm_compat import KvCacheConnectorWorker
+from kvbm_plugin.connector.trtllm_compat import KvCacheConnectorWorker, has_layer_group_api
 from kvbm_plugin.consolidator_config import load_tier_settings
 from kvbm_plugin.tiers.base import OffloadTier, TierSpec
 from kvbm_plugin.tiers.copies import HostCopier
@@ -82,7 +84,8 @@ COPY_BATCH_BYTES = 64 << 20  # host copies complete and report in batches of abo
 
 
 
-class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type: ignore[misc, valid-type]
+class KvbmConnectorWorker(DiskJobs, LoadErrors, LayerGroupWorker,  # type: ignore[misc]
+                          KvCacheConnectorWorker):  # type: ignore[misc, valid-type]
     """Worker-side connector; runs on every rank, holds this rank's head shard of each block."""
 
     # Attention DP: transfers, endpoints and reports are the rank's own (its leader waits for
@@ -94,8 +97,8 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
         constructor on rank 0. Reads settings only; allocates nothing until
         ``register_kv_caches``; never waits on the leader."""
         super().__init__(llm_args)
-        _llm_args.refuse_layer_groups(llm_args)
         self._env = _llm_args.env_of(llm_args)
+        _refuse_layer_groups(llm_args, self._env, has_layer_group_api())
         self._metrics = get_metrics()
         self._par = _llm_args.parallel_of(llm_args)
         self._rank = self._par.tp_rank  # in its group (attention DP: rank 0 of its own)
@@ -148,6 +151,8 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
         self._load_errors: set[int] = set()  # device blocks not loaded (connector/load_errors)
         self._block_bytes = 0
         self._shared: SharedIO | None = None  # the shared tier's I/O (connector/shared_io.py)
+        self._last_layer = -1  # the forward's last layer (save_kv_layer enqueues there)
+        self._tier_shape: tuple[int, ...] = ()  # a tier slot's shape and dtype (_start_tiers)
 
     # ------------------------------------------------------------------ bring-up
 
@@ -169,8 +174,6 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
         ``base + stride * i``) as long as each block's bytes are contiguous; any other layout
         is refused with its shape and strides named.
         """
-        import torch
-
         if kv_cache_tensor.dim() != 4:
             raise ValueError(f"{type(self).__name__}.register_kv_caches: expected a 4-D pool "
                              "[blocks, layers, kv_factor, block elements], got shape "
@@ -192,20 +195,30 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
                         kv_cache_tensor.stride(0), block_elems)
         self._pool = kv_cache_tensor
         self._pool_blocks = kv_cache_tensor.unbind(0)
-        self._cuda = kv_cache_tensor.is_cuda
-        block_shape = tuple(kv_cache_tensor.shape[1:])
-        self._block_bytes = kv_cache_tensor[0].numel() * kv_cache_tensor.element_size()
+        self._last_layer = kv_cache_tensor.shape[1] - 1
+        self._start_tiers(kv_cache_tensor, tuple(kv_cache_tensor.shape[1:]),
+                          kv_cache_tensor.dtype, kv_cache_tensor.shape[0])
+
+    def _start_tiers(self, pool: torch.Tensor, block_shape: tuple[int, ...],
+                     dtype: torch.dtype, num_blocks: int) -> None:
+        """The host tier, streams and threads for device blocks of ``block_shape`` (a tier
+        slot's shape); ``pool`` gives the device (and, for one layer group, the shared tier's
+        pages). Called once, from register_kv_caches or register_kv_cache_layout."""
+        import torch
+
+        self._cuda, self._tier_shape, self._tier_dtype = pool.is_cuda, block_shape, dtype
+        self._block_bytes = math.prod(block_shape) * torch.empty((), dtype=dtype).element_size()
         if self._rank == 0:
-            publish_pool_layout(self._group, kv_cache_tensor.shape[0], self._block_bytes)
+            publish_pool_layout(self._group, num_blocks, self._block_bytes)
         settings = self._tier_settings
         if settings.host_enabled:
             spec = TierSpec(settings.host_blocks(self._block_bytes), block_shape,
-                            kv_cache_tensor.dtype, self._rank, pin_memory=self._cuda)
+                            dtype, self._rank, pin_memory=self._cuda)
             self._host = get_plugin(TIERS_GROUP, "host")(spec)
             self._host_blocks = self._host.pool.unbind(0)  # type: ignore[attr-defined]
         if self._cuda:
-            self._side_stream = torch.cuda.Stream(device=kv_cache_tensor.device)
-            self._disk_stream = torch.cuda.Stream(device=kv_cache_tensor.device)
+            self._side_stream = torch.cuda.Stream(device=pool.device)
+            self._disk_stream = torch.cuda.Stream(device=pool.device)
             # Each ~COPY_BATCH_BYTES batch completes and is reported on its own: the leader
             # hears of early blocks while later ones still copy, and the bookkeeping after the
             # last copy is one batch's, not the whole job's. (On CPU the copy is synchronous on
@@ -213,8 +226,7 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
             self._copy_batch_blocks = max(1, COPY_BATCH_BYTES // self._block_bytes)
         else:
             self._host_copier = HostCopier(torch.get_num_threads())
-        self._disk_staging = torch.empty(block_shape, dtype=kv_cache_tensor.dtype,
-                                         pin_memory=self._cuda)
+        self._disk_staging = torch.empty(block_shape, dtype=dtype, pin_memory=self._cuda)
         # Stop order = this order: the transfer thread first (the jobs it still runs may queue
         # disk writes, which the disk thread must see before its own stop); on its way out it
         # stops the completion thread, after the batches already issued.
@@ -227,7 +239,9 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
             thread = threading.Thread(target=target, name=f"{name}-r{self._rank}", daemon=True)
             thread.start()
             self._threads.append((thread, stop))
-        self._shared = SharedIO.open(self._env, kv_cache_tensor, self._cuda, self._par.tp_size,
+        if self._groups_io is not None:  # several layer groups: refused with the leader's
+            return
+        self._shared = SharedIO.open(self._env, pool, self._cuda, self._par.tp_size,
                                      self._rank, self._block_size, self)
         if self._shared is not None and self._rank == 0:
             publish_shared_layout(self._group, self._shared.layout)
@@ -293,7 +307,7 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
         """Called after each decoder layer is enqueued. On the last layer, enqueues the
         iteration's offloads behind an event on ``stream``, in case the engine does not call
         the forward-pass callable (it is idempotent per iteration)."""
-        if self._pool is not None and layer_idx == self._pool.shape[1] - 1:
+        if self._pool is not None and layer_idx == self._last_layer:
             self._enqueue_saves(stream)
 
     def wait_for_save(self, stream: Any) -> None:
@@ -346,7 +360,9 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
 
             event = torch.cuda.Event()
             event.record(stream if stream is not None else torch.cuda.current_stream())
-        self._jobs.put(("save", meta, event))
+        box = self._issue_barrier()  # several layer groups: see connector.layer_group_worker
+        self._jobs.put(("save", meta, event, box))
+        self._await_issue(box, stream)
 
     def _apply_layout(self, layout: TierLayout) -> None:
         if layout == self._layout:
@@ -358,7 +374,7 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
                          "ops outside this rank's pool will fail", self._rank,
                          layout.host_blocks, host_capacity)
         if layout.disk_blocks and self._disk is None and self._pool is not None:
-            spec = TierSpec(layout.disk_blocks, tuple(self._pool.shape[1:]), self._pool.dtype,
+            spec = TierSpec(layout.disk_blocks, self._tier_shape, self._tier_dtype,
                             self._rank, directory=layout.disk_dir,
                             identity=self._disk_identity)
             self._disk = get_plugin(TIERS_GROUP, "disk")(spec)
@@ -471,7 +487,10 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
                     if job[0] == "load":
                         self._run_loads(job[1])
                     elif job[0] == "save":
-                        self._run_saves(job[1], job[2])
+                        try:
+                            self._run_saves(job[1], job[2])
+                        finally:
+                            self._issued(job[3])
                 except Exception:  # never lose the thread; the job's ops were failed inside
                     self._count(jobs_failed=1)
                     logger.exception("rank %d: transfer job failed", self._rank)
@@ -595,7 +614,9 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
         pool_blocks, host_blocks = self._pool_blocks, self._host_blocks
         copies = [(pool_blocks[d], host_blocks[s]) if n == 1
                   else (pool[d:d + n], host.pool[s:s + n])  # type: ignore[attr-defined]
-                  for s, d, n in _runs(pairs)]
+                  for s, d, n in _runs(pairs)] if self._groups_io is None \
+            else self._group_copies([(c.pages or (c.device_block,), c.slot)
+                                     for c, _ in host_copies], load=True)
         keys_ok = {c.op_id: host.keys[c.slot] == c.key for c, _ in host_copies}  # type: ignore[attr-defined]
 
         def done(ok: bool) -> None:
@@ -647,7 +668,10 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
         pool_blocks, host_blocks = self._pool_blocks, self._host_blocks
         copies = [(host_blocks[s], pool_blocks[d]) if n == 1
                   else (host.pool[s:s + n], pool[d:d + n])  # type: ignore[attr-defined]
-                  for d, s, n in _runs((o.device_block, o.slot) for o in host_ops)]
+                  for d, s, n in _runs((o.device_block, o.slot) for o in host_ops)] \
+            if self._groups_io is None \
+            else self._group_copies([(o.pages or (o.device_block,), o.slot) for o in host_ops],
+                                    load=False)
         shared = self._shared
         staged = shared.stage(host_ops, followers) if followers and shared is not None else []
         copies += [(buf, pool_blocks[op.device_block]) for op, buf in staged]
@@ -700,8 +724,12 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, KvCacheConnectorWorker):  # type
             return
         self._disk_jobs.put(("write", op.op_id, op.req_id, op.slot, op.key, staging, False))
 
-    def _staging_to_device(self, staging: Any, device_block: int) -> bool:
+    def _staging_to_device(self, staging: Any, device_block: int,
+                           pages: tuple[int, ...] = ()) -> bool:
         assert self._pool is not None
+        if self._groups_io is not None:  # several layer groups: every group's live page
+            return self._group_staging_to_device(staging, pages or (device_block,),
+                                                 OP_TIMEOUT_S)
         if not self._cuda:
             self._pool[device_block].copy_(staging)
             return True

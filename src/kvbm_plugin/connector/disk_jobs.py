@@ -99,7 +99,9 @@ class DiskJobs:
                             self._writing[req_id] = self._writing.get(req_id, 0) + 1
                     if not fenced:
                         try:
-                            ok = self._staging_to_device(staging, copy.device_block)
+                            # (every layer group's pages, where there are several)
+                            ok = self._staging_to_device(staging, copy.device_block,
+                                                         *((copy.pages,) if copy.pages else ()))
                         finally:
                             self._written((req_id,))
                 else:

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvbm_plugin.connector.layer_groups import disk_identity_suffix
 from kvbm_plugin.consolidator_config import (
     LEADER_ZMQ_HOST,
     LEADER_ZMQ_PUB_PORT,
@@ -137,24 +138,10 @@ def event_serializer_of(llm_args: Any) -> Any:
     return getattr(llm_args, "kvbm_plugin_event_serializer", None)
 
 
-def refuse_layer_groups(llm_args: Any) -> None:
-    """Refuse, at construction, a model whose KV cache has more than one layer group: a
-    variable sliding window (``kv_cache_config.max_attention_window`` with several distinct
-    windows: VSWA) or a hybrid model. The plugin keys one block per position across all layers
-    (``update_state_after_alloc`` / ``request_finished`` with flat block ids; TensorRT-LLM's
-    per-group API ``update_state_after_alloc_by_layer_group`` is not implemented), so it must
-    never serve one group's block into another. ConfigError names the windows."""
-    windows = getattr(getattr(llm_args, "kv_cache_config", None), "max_attention_window", None)
-    if isinstance(windows, (list, tuple)) and len({int(w) for w in windows}) > 1:
-        raise ConfigError(
-            f"kvbm_plugin: kv_cache_config.max_attention_window={list(windows)!r} gives this "
-            f"model {len(set(windows))} KV layer groups (variable sliding window); the plugin "
-            "supports one layer group only (no update_state_after_alloc_by_layer_group / "
-            "request_finished_by_layer_group): run without the connector or with one window")
-
-
 def disk_identity(llm_args: Any, block_size: int, tp_size: int) -> str:
     """What disk block bytes mean beyond dtype and shape, written into and checked in every
     disk file's header: the model (``BaseLlmArgs.model``, TensorRT-LLM
-    ``tensorrt_llm/llmapi/llm_args.py``), tokens per block and the TP size."""
-    return f"model={getattr(llm_args, 'model', '')};tokens_per_block={block_size};tp={tp_size}"
+    ``tensorrt_llm/llmapi/llm_args.py``), tokens per block, the TP size and, for a model of
+    several attention windows, the windows (a slot holds every layer group's page)."""
+    return (f"model={getattr(llm_args, 'model', '')};tokens_per_block={block_size};"
+            f"tp={tp_size}{disk_identity_suffix(llm_args)}")

@@ -53,6 +53,9 @@ class LoadCopy:
     # SHARED the first 8 bytes of ``digest`` (little-endian), for logs
     device_block: int
     digest: bytes | None = None  # SHARED: the 16-byte content digest in the object's key
+    # Several KV layer groups: every group's page to write (-1: none there, never written);
+    # () for a one-group model (``device_block`` is the page). connector/layer_groups.py
+    pages: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +79,9 @@ class SaveOp:
     tier: int  # HOST, or DISK when there is no host tier
     slot: int
     key: int
+    # Several KV layer groups: every group's page of the block, read into the slot group
+    # after group; () for a one-group model. connector/layer_groups.py
+    pages: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,6 +24,10 @@ class RequestState:
     scope: tuple[int | None, int | None] = (None, None)  # (LoRA id, salt id) for tier events
     tokens: list[int] = field(default_factory=list)
     block_ids: list[int] = field(default_factory=list)
+    # Several KV layer groups (connector/layer_groups.py): each group's pages by block index
+    # as reported, and the pages bound at allocation for loads; empty for one group.
+    group_pages: list[list[int]] = field(default_factory=list)
+    alloc_pages: list[list[int]] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)  # content keys of full blocks
     digests: list[bytes] = field(default_factory=list)  # shared-tier digests (tiers.shared.keys)
     event_hashes: list[int] = field(default_factory=list)  # RequestData.block_hashes

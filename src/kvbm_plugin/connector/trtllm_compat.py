@@ -160,6 +160,14 @@ def _installed_version() -> str | None:
 KvCacheConnectorScheduler, KvCacheConnectorWorker, SchedulerOutput, COMPAT = _load()
 
 
+def has_layer_group_api() -> bool:
+    """Whether this TensorRT-LLM hands a cache of several layer groups to the connector per
+    group (``update_state_after_alloc_by_layer_group``, ``connectors/kv_cache_connector.py``
+    @ 035ab91cad04); the stand-ins do (the simulated executor drives those calls)."""
+    return (KvCacheConnectorScheduler is StandinKvCacheConnectorScheduler
+            or hasattr(KvCacheConnectorScheduler, "update_state_after_alloc_by_layer_group"))
+
+
 def _has_events(candidate: Any) -> bool:
     """A KV cache manager that can hand out events: buffered (``get_latest_events``) or V2
     (``event_manager`` with the sink hooks)."""
@@ -221,4 +229,5 @@ def kv_event_serializer() -> Callable[[Any], list[dict[str, Any]]] | None:
         return None
 
 __all__ = ["COMPAT", "CompatInfo", "KvCacheConnectorScheduler", "KvCacheConnectorWorker",
-           "SchedulerOutput", "STANDIN", "find_kv_cache_manager", "kv_event_serializer"]
+           "SchedulerOutput", "has_layer_group_api", "STANDIN", "find_kv_cache_manager",
+           "kv_event_serializer"]

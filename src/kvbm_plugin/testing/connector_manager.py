@@ -82,6 +82,14 @@ class SimKvCacheConnectorManager:
         """Rank 0 only, no broadcast."""
         self.scheduler.update_state_after_alloc(request, block_ids)
 
+    def update_state_after_alloc_by_layer_group(self, request: Any,
+                                                block_ids_by_layer_group: list[list[int]]
+                                                ) -> None:
+        """Rank 0 only: the per-group form, called instead of the flat one when the cache has
+        several layer groups (``connectors/kv_cache_connector.py`` @ 035ab91cad04)."""
+        self.scheduler.update_state_after_alloc_by_layer_group(request,
+                                                               block_ids_by_layer_group)
+
     def pending_load_ids(self) -> set[int]:
         """Requests whose async load started in this pass (``new_async_requests.loading``)."""
         return set(self.new_loading)
@@ -125,9 +133,18 @@ class SimKvCacheConnectorManager:
         for rank in self.ranks:
             rank.bind(meta_bytes)
 
-    def request_finished(self, request: Any, cache_block_ids: list[int]) -> bool:
-        saving = self._run_on_leader(
-            lambda: self.scheduler.request_finished(request, cache_block_ids))
+    def request_finished(self, request: Any, cache_block_ids: list[int],
+                         cache_block_ids_by_layer_group: list[list[int]] | None = None
+                         ) -> bool:
+        """Upstream's form: with per-group lists (several layer groups) the scheduler's
+        ``request_finished_by_layer_group``, else the flat ``request_finished``."""
+        if cache_block_ids_by_layer_group:
+            saving = self._run_on_leader(
+                lambda: self.scheduler.request_finished_by_layer_group(
+                    request, cache_block_ids_by_layer_group))
+        else:
+            saving = self._run_on_leader(
+                lambda: self.scheduler.request_finished(request, cache_block_ids))
         if saving:
             self.new_saving.append(request.request_id)
         return bool(saving)

@@ -55,6 +55,10 @@ class RequestData:
     block_hashes: list[int] = field(default_factory=list)  # cumulative full-block hash chain
     priorities: list[int] | None = None
     cache_salt: str | None = None  # current main; older revisions have no salt here
+    # Several KV layer groups (connectors/kv_cache_connector.py @ 035ab91cad04): new page
+    # indices per group, by group id, -1 (BAD_PAGE_INDEX) in place where a block has no page
+    # in that group; empty when the flat ``new_block_ids`` describes the cache (one group).
+    new_block_ids_by_layer_group: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -110,6 +114,7 @@ class KvCacheConfig:
     enable_partial_reuse: bool = False
     kv_events_config: Any = None  # KVEventsConfig: TRT-LLM's own streaming publisher
     max_attention_window: list[int] | None = None  # several windows: VSWA
+    use_kv_cache_manager_v2: bool | str = "auto"  # VSWA needs V2 (per-group pages)
 
 
 @dataclass

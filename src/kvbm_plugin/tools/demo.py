@@ -635,6 +635,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="2: two engines in processes of their own sharing a private "
                              "mooncake_master (the shared tier; needs '.[mooncake]'), turns "
                              "alternating between them (default 1)")
+    parser.add_argument("--windows", default=None, metavar="FULL,SLIDING",
+                        help="a sliding-window model: two attention windows in tokens (e.g. "
+                             "4096,512), one KV layer group each (tools/demo_windows.py)")
     parser.add_argument("--processes", action="store_true",
                         help="run ranks 1.. in their own processes, completion reports over "
                              "ZMQ (needs --tp > 1)")
@@ -661,6 +664,13 @@ def _check_options(args: argparse.Namespace) -> None:
                          f"TP 1 inside each (TensorRT-LLM's mapping), got --tp {args.tp}")
     if args.attention_dp > 1 and args.real_router:
         raise UsageError("--real-router is not available with --attention-dp")
+    if args.windows is not None:
+        from kvbm_plugin.tools.demo_windows import parse_windows
+
+        parse_windows(args.windows, args.block_size)
+        if args.engines == 2 or args.attention_dp > 1 or args.processes or args.real_router:
+            raise UsageError("--windows runs one engine in this process: no --engines 2, "
+                             "--attention-dp, --processes or --real-router")
     if args.engines == 2:
         from kvbm_plugin.tools.demo_engines import check_engines_options
 
@@ -717,6 +727,10 @@ def main_demo(argv: Sequence[str] | None = None) -> int:
     _check_options(args)
     with _signals_end_the_demo():
         _load_engine_modules()
+        if args.windows is not None:
+            from kvbm_plugin.tools.demo_windows import run_windows_demo
+
+            return run_windows_demo(args, _print_summary, Check)
         if args.engines == 2:
             from kvbm_plugin.tools.demo_engines import run_engines_demo
 
