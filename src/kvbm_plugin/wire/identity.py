@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections import OrderedDict
 from typing import Any
 
 _U64 = (1 << 64) - 1
@@ -55,7 +56,10 @@ class SaltTexts:
     def __init__(self, capacity: int = 1 << 16) -> None:
         self.capacity = capacity
         self.evicted = 0
-        self._texts: dict[int, str] = {}
+        # An OrderedDict, not a dict: dropping a dict's first key leaves a hole that every
+        # later ``next(iter(...))`` walks past, so past the bound each new salt cost a walk
+        # of up to ~capacity/3 holes (34 us on average at 65,536, on the executor thread).
+        self._texts: OrderedDict[int, str] = OrderedDict()
         self._lock = threading.Lock()
 
     def remember(self, salt: int, text: str) -> None:
@@ -64,7 +68,7 @@ class SaltTexts:
         with self._lock:
             self._texts[salt] = text
             while len(self._texts) > self.capacity:
-                del self._texts[next(iter(self._texts))]
+                self._texts.popitem(last=False)
                 self.evicted += 1
 
     def get(self, salt: int) -> str | None:
