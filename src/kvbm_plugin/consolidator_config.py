@@ -455,7 +455,9 @@ def load_lora_names(env: Mapping[str, str]) -> tuple[tuple[int, str], ...]:
     pairs: dict[int, str] = {}
     for part in text.split(","):
         task, sep, name = (x.strip() for x in part.partition("="))
-        if not sep or not task.isdigit() or not name or int(task) >= 1 << 64:
+        # ASCII digits only: str.isdigit() also admits '²', which int() then refuses.
+        if not sep or not (task.isascii() and task.isdigit()) or not name \
+                or int(task) >= 1 << 64:
             raise ConfigError(f"{LORA_NAMES}={text!r}: {part.strip()!r} is not "
                               "'<task id>=<adapter name>'")
         if int(task) in pairs or name in pairs.values():

@@ -150,7 +150,7 @@ def test_an_adapter_goes_out_under_the_name_the_setting_gives() -> None:
 
 
 @pytest.mark.parametrize("value", ["a=x", "1", "1=", "1=x,1=y", "1=x,2=x", "-1=x",
-                                   f"{1 << 64}=x"])
+                                   f"{1 << 64}=x", "\u00b2=x", "\u0663=x"])
 def test_a_bad_lora_names_setting_is_refused_by_name(value: str) -> None:
     with pytest.raises(cc.ConfigError, match=r"DYN_KVBM_LORA_NAMES="):
         cc.load_publisher_settings({cc.LORA_NAMES: value})
