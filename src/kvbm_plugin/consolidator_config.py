@@ -135,7 +135,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "default batches are sent on the engine thread and nothing is queued); a full queue "
            "loses a batch visibly (seq gap, counted).", "publisher"),
     EnvVar(TOPIC, "", "ZMQ topic frame of every message; for llm-d `kv@<pod>@<model>` (see "
-           "\"llm-d\" above); `{dp_rank}` in it becomes each attention-DP rank's number.",
+           "\"llm-d\" above); `{dp_rank}` in it becomes each attention-DP rank's number (one "
+           "output per rank: `kvbm-plugin consolidate --num-ranks` > 1 refuses it).",
            "publisher"),
     EnvVar(SALT_FORM, "client", "How the consolidated output names a salted block: `client`: "
            "the salt string the request carried, as a top-level `cache_salt` (Dynamo) and in "
