@@ -192,3 +192,21 @@ def test_past_the_bound_a_new_salt_string_costs_about_what_it_costs_below_it() -
         ratios.append((time.perf_counter() - start) / below)
         assert texts.evicted == cap and len(texts._texts) == cap
     assert min(ratios) < 4, ratios
+
+
+@pytest.mark.parametrize("text", ["s" * 257, "\u20ac" * 86],  # 257 and 258 UTF-8 bytes
+                         ids=["ascii", "multibyte"])
+def test_a_salt_string_over_256_bytes_is_not_kept_and_goes_out_by_its_id(text: str) -> None:
+    # A client picks its salt's length: kept, 65,536 salts of 1 MB would hold 64 GB in the
+    # leader, and every salted STORE of the output would carry its megabyte.
+    from kvbm_plugin.wire.identity import remember_salt_text
+    before = SALT_TEXTS.too_long
+    salt = salt_of({"cache_salt": text})
+    remember_salt_text(type("RequestData", (), {"cache_salt": text})())
+    assert salt == cache_salt_id(text)  # the engine's identity is untouched
+    assert SALT_TEXTS.get(salt) is None and SALT_TEXTS.too_long == before + 2
+    out = spell_for_routers([_salted(salt, [1 << 40], None, TOKENS[:4])], FORM_CLIENT)
+    assert out[0]["cache_salt"] == f"{salt:016x}"
+    assert out[0]["extra_keys"] == [[f"{salt:016x}"]]
+    kept = "k" * 256  # at the bound: kept
+    assert SALT_TEXTS.get(salt_of({"cache_salt": kept})) == kept

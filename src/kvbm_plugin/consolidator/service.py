@@ -327,6 +327,7 @@ class KvEventConsolidator(StreamIngest):
         # Salt strings forgotten at the process-wide bound: such a salt goes out by its id's
         # hex from then on (wire.router_forms), which no client's request names.
         out["salt_texts_evicted"] = SALT_TEXTS.evicted
+        out["salt_texts_too_long"] = SALT_TEXTS.too_long  # not kept: spelled by the id too
         out.update(self._core.stats())
         return out
 
