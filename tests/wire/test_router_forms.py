@@ -210,3 +210,14 @@ def test_a_salt_string_over_256_bytes_is_not_kept_and_goes_out_by_its_id(text: s
     assert out[0]["extra_keys"] == [[f"{salt:016x}"]]
     kept = "k" * 256  # at the bound: kept
     assert SALT_TEXTS.get(salt_of({"cache_salt": kept})) == kept
+
+
+def test_an_empty_salt_string_goes_out_by_its_id_not_as_no_salt() -> None:
+    # TensorRT-LLM salts a request whose cache_salt is "" (get_cache_salt_id("")); Dynamo
+    # reads an empty cache_salt as none (tests/interop/test_dynamo_salt_spellings.py), so
+    # spelled "" those blocks would be credited to every unsalted request.
+    salt = salt_of({"cache_salt": ""})
+    assert salt == cache_salt_id("") and SALT_TEXTS.get(salt) == ""
+    out = spell_for_routers([_salted(salt, [1 << 40], None, TOKENS[:4])], FORM_CLIENT)
+    assert out[0]["cache_salt"] == f"{salt:016x}"
+    assert out[0]["extra_keys"] == [[f"{salt:016x}"]]
