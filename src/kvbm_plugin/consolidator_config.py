@@ -146,7 +146,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "publisher"),
     EnvVar(LORA_NAMES, None, "The names requests use for LoRA adapters, `<task id>=<name>,...`: "
            "the consolidated output's `lora_name` (Dynamo and llm-d key an adapter's blocks by "
-           "it); an adapter not named keeps `lora-<task id>`.", "publisher"),
+           "it); an adapter not named keeps `lora-<task id>` (so that name is refused for another "
+           "task id).", "publisher"),
     EnvVar(WINDOW_SIZE, None, "Attention window whose events are published (sliding-window "
            "models); unset = the largest window.", "publisher"),
     EnvVar(ZMQ_ALLOW, None, "Comma-separated IP addresses admitted (ZAP, at each handshake) "
@@ -464,6 +465,12 @@ def load_lora_names(env: Mapping[str, str]) -> tuple[tuple[int, str], ...]:
         if int(task) in pairs or name in pairs.values():
             raise ConfigError(f"{LORA_NAMES}={text!r}: task id {task} or name {name!r} is "
                               "given twice")
+        other = name[len("lora-"):] if name.startswith("lora-") else ""
+        if other.isascii() and other.isdigit() and int(other) != int(task):
+            # An adapter not named here goes out as lora-<its task id>: this name would make
+            # two adapters one to a router.
+            raise ConfigError(f"{LORA_NAMES}={text!r}: {name!r} is the name adapter "
+                              f"{int(other)} goes out under; give task id {task} another")
         pairs[int(task)] = name
     return tuple(pairs.items())
 

@@ -137,6 +137,8 @@ def test_a_bad_salt_form_is_refused_by_name() -> None:
 def test_an_adapter_goes_out_under_the_name_the_setting_gives() -> None:
     names = dict(cc.load_publisher_settings({cc.LORA_NAMES: "0=adapter-a, 7=b"}).lora_names)
     assert names == {0: "adapter-a", 7: "b"}
+    assert dict(cc.load_publisher_settings({cc.LORA_NAMES: "5=lora-5"}).lora_names) == {
+        5: "lora-5"}  # its own default name: allowed
     events = [{"type": "BlockStored", "block_hashes": [1 << 40], "parent_block_hash": None,
                "token_ids": TOKENS[:4], "block_size": BS, "lora_id": lora,
                "lora_name": None if lora is None else f"lora-{lora}"} for lora in (0, 7, 3, None)]
@@ -150,7 +152,7 @@ def test_an_adapter_goes_out_under_the_name_the_setting_gives() -> None:
 
 
 @pytest.mark.parametrize("value", ["a=x", "1", "1=", "1=x,1=y", "1=x,2=x", "-1=x",
-                                   f"{1 << 64}=x", "\u00b2=x", "\u0663=x"])
+                                   f"{1 << 64}=x", "\u00b2=x", "\u0663=x", "3=lora-5"])
 def test_a_bad_lora_names_setting_is_refused_by_name(value: str) -> None:
     with pytest.raises(cc.ConfigError, match=r"DYN_KVBM_LORA_NAMES="):
         cc.load_publisher_settings({cc.LORA_NAMES: value})
