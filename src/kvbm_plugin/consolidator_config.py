@@ -135,7 +135,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "default batches are sent on the engine thread and nothing is queued); a full queue "
            "loses a batch visibly (seq gap, counted).", "publisher"),
     EnvVar(TOPIC, "", "ZMQ topic frame of every message; for llm-d `kv@<pod>@<model>` (see "
-           "\"llm-d\" above); `{dp_rank}` in it becomes each attention-DP rank's number.",
+           "\"llm-d\" above); `{dp_rank}` in it becomes each attention-DP rank's number (one "
+           "output per rank: `kvbm-plugin consolidate --num-ranks` > 1 refuses it).",
            "publisher"),
     EnvVar(SALT_FORM, "client", "How the consolidated output names a salted block: `client`: "
            "the salt string the request carried, as a top-level `cache_salt` (Dynamo) and in "
@@ -145,7 +146,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "publisher"),
     EnvVar(LORA_NAMES, None, "The names requests use for LoRA adapters, `<task id>=<name>,...`: "
            "the consolidated output's `lora_name` (Dynamo and llm-d key an adapter's blocks by "
-           "it); an adapter not named keeps `lora-<task id>`.", "publisher"),
+           "it); an adapter not named keeps `lora-<task id>` (so that name is refused for another "
+           "task id).", "publisher"),
     EnvVar(WINDOW_SIZE, None, "Attention window whose events are published (sliding-window "
            "models); unset = the largest window.", "publisher"),
     EnvVar(ZMQ_ALLOW, None, "Comma-separated IP addresses admitted (ZAP, at each handshake) "
@@ -455,12 +457,20 @@ def load_lora_names(env: Mapping[str, str]) -> tuple[tuple[int, str], ...]:
     pairs: dict[int, str] = {}
     for part in text.split(","):
         task, sep, name = (x.strip() for x in part.partition("="))
-        if not sep or not task.isdigit() or not name or int(task) >= 1 << 64:
+        # ASCII digits only: str.isdigit() also admits '²', which int() then refuses.
+        if not sep or not (task.isascii() and task.isdigit()) or not name \
+                or int(task) >= 1 << 64:
             raise ConfigError(f"{LORA_NAMES}={text!r}: {part.strip()!r} is not "
                               "'<task id>=<adapter name>'")
         if int(task) in pairs or name in pairs.values():
             raise ConfigError(f"{LORA_NAMES}={text!r}: task id {task} or name {name!r} is "
                               "given twice")
+        other = name[len("lora-"):] if name.startswith("lora-") else ""
+        if other.isascii() and other.isdigit() and int(other) != int(task):
+            # An adapter not named here goes out as lora-<its task id>: this name would make
+            # two adapters one to a router.
+            raise ConfigError(f"{LORA_NAMES}={text!r}: {name!r} is the name adapter "
+                              f"{int(other)} goes out under; give task id {task} another")
         pairs[int(task)] = name
     return tuple(pairs.items())
 

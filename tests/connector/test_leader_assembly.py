@@ -103,3 +103,25 @@ def test_a_failing_step_leaves_no_publisher_running(config, monkeypatch, failing
     with pytest.raises(RuntimeError, match="step refused"):
         assemble_event_path(config, consolidate=consolidate, dp_rank=0, block_size=BS)
     _wait_until_gone(_publisher_threads() - before)
+
+
+def test_with_attention_dp_each_ranks_gpu_tier_stream_names_its_own_pod() -> None:
+    # Rank 0 publishes every rank's GPU-tier stream; a {dp_rank} in the topic must name the
+    # rank of each stream, not rank 0 (the leader's config is rank 0's, its topic filled in).
+    from kvbm_plugin.consolidator_config import TOPIC
+
+    path = tempfile.mkdtemp(prefix="kva", dir="/tmp")
+    try:
+        config = load_consolidator_config({
+            EVENTS_ENDPOINT: f"ipc://{path}/ev", OUTPUT_ENDPOINT: f"ipc://{path}/out",
+            TOPIC: "kv@pod-dp{dp_rank}@m"}, num_ranks=2, attention_dp=True)
+        parts = assemble_event_path(config, consolidate=False, dp_rank=0, block_size=BS,
+                                    dp_size=2)
+        try:
+            sink = parts.event_sink
+            topics = [sink._publisher._topic, sink._rank_publishers[1]._topic]  # type: ignore[attr-defined]
+            assert topics == [b"kv@pod-dp0@m", b"kv@pod-dp1@m"]
+        finally:
+            _close(parts)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

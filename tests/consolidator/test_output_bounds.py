@@ -74,3 +74,26 @@ def test_an_idle_consolidator_cuts_flooding_and_surplus_peers_of_its_output(
     wait_until(lambda: stats()["subscriptions_applied"] >= 1, what="the router's subscription")
     running.register_store("CPU", 0, 1, None, list(range(16)), 16)
     assert recv(sub)[0] == b""
+
+
+def test_a_dp_rank_field_in_the_topic_is_refused_for_an_output_of_several_ranks(
+        tmp_path: Path) -> None:
+    # `kvbm-plugin consolidate --num-ranks 2`: one output, one topic fixed at bind time, so
+    # rank 1's batches would go out under rank 0's llm-d pod. Refused, naming the variable.
+    from kvbm_plugin.consolidator_config import TOPIC, ConfigError
+
+    env = {EVENTS_ENDPOINT: f"ipc://{tmp_path}/ev", OUTPUT_ENDPOINT: f"ipc://{tmp_path}/out",
+           TOPIC: "kv@pod-dp{dp_rank}@m"}
+    running = KvEventConsolidator(load_consolidator_config(env, num_ranks=2))
+    try:
+        with pytest.raises(ConfigError, match=r"DYN_KVBM_KV_EVENTS_TOPIC='kv@pod-dp\{dp_rank\}"
+                                              r"@m'.*dp ranks \[0, 1\]"):
+            running.start()
+    finally:
+        running.shutdown(5.0)
+    # one consolidator per rank (the leader's way) starts, each under its own pod
+    config = load_consolidator_config(env, num_ranks=2).for_dp_rank(1)
+    assert config.publisher.topic == "kv@pod-dp1@m"
+    per_rank = KvEventConsolidator(config)
+    per_rank.start()
+    per_rank.shutdown(5.0)

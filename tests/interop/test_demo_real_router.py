@@ -33,3 +33,33 @@ def test_the_real_indexer_agrees_with_the_engine(capsys: pytest.CaptureFixture[s
     assert "[PASS] Dynamo indexer warnings 0: 0" in out
     assert "[PASS] Dynamo indexer agrees with engine reuse on >= 99% of prompt tokens" in out
     assert "[PASS] router rule warnings 0" in out
+
+
+class _Asked:
+    """An indexer stand-in that holds one tenant under its id's hex only (a broken
+    spelling) and records how it is asked."""
+
+    def __init__(self, hex_name: str) -> None:
+        self.hex_name, self.asked = hex_name, []
+
+    def held(self) -> dict:
+        return {}
+
+    def cached_tokens(self, prompt: list[int], cache_salt: str | None = None) -> int:
+        self.asked.append(cache_salt)
+        return len(prompt) if cache_salt == self.hex_name else 0
+
+
+def test_the_demo_asks_dynamo_with_the_salt_as_a_client_sends_it() -> None:
+    # The demo's agreement check must fail when the output spells a tenant by anything
+    # other than what a client sends: asked both ways, a hex spelling passed it.
+    from kvbm_plugin.wire.identity import cache_salt_id, salt_namespace
+
+    hex_name = salt_namespace(cache_salt_id("tenant-a"))
+    client = _Asked(hex_name)
+    ask = dynamo_indexer.ask_like_the_view(client, lambda: 0, settle_s=0.0)  # type: ignore[arg-type]
+    assert ask([1, 2, 3, 4], "tenant-a") == 0 and client.asked == ["tenant-a"]
+    by_id = _Asked(hex_name)
+    ask = dynamo_indexer.ask_like_the_view(by_id, lambda: 0, settle_s=0.0,  # type: ignore[arg-type]
+                                           salt_form="id")
+    assert ask([1, 2, 3, 4], "tenant-a") == 4 and by_id.asked == [hex_name]

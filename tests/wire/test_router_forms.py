@@ -137,6 +137,8 @@ def test_a_bad_salt_form_is_refused_by_name() -> None:
 def test_an_adapter_goes_out_under_the_name_the_setting_gives() -> None:
     names = dict(cc.load_publisher_settings({cc.LORA_NAMES: "0=adapter-a, 7=b"}).lora_names)
     assert names == {0: "adapter-a", 7: "b"}
+    assert dict(cc.load_publisher_settings({cc.LORA_NAMES: "5=lora-5"}).lora_names) == {
+        5: "lora-5"}  # its own default name: allowed
     events = [{"type": "BlockStored", "block_hashes": [1 << 40], "parent_block_hash": None,
                "token_ids": TOKENS[:4], "block_size": BS, "lora_id": lora,
                "lora_name": None if lora is None else f"lora-{lora}"} for lora in (0, 7, 3, None)]
@@ -150,7 +152,7 @@ def test_an_adapter_goes_out_under_the_name_the_setting_gives() -> None:
 
 
 @pytest.mark.parametrize("value", ["a=x", "1", "1=", "1=x,1=y", "1=x,2=x", "-1=x",
-                                   f"{1 << 64}=x"])
+                                   f"{1 << 64}=x", "\u00b2=x", "\u0663=x", "3=lora-5"])
 def test_a_bad_lora_names_setting_is_refused_by_name(value: str) -> None:
     with pytest.raises(cc.ConfigError, match=r"DYN_KVBM_LORA_NAMES="):
         cc.load_publisher_settings({cc.LORA_NAMES: value})
@@ -170,3 +172,54 @@ def test_a_string_next_to_an_id_is_remembered_only_when_it_is_that_ids_string() 
     assert SALT_TEXTS.get(sid) is None  # a string that is not the id's names nothing
     assert salt_of({"cache_salt_id": sid, "cache_salt": "tenant-a"}) == sid
     assert SALT_TEXTS.get(sid) == "tenant-a"
+
+
+def test_past_the_bound_a_new_salt_string_costs_about_what_it_costs_below_it() -> None:
+    # The leader remembers each new request's salt on TensorRT-LLM's executor thread: past the
+    # bound (many tenants) forgetting the oldest must stay O(1), not walk what was forgotten.
+    import time
+
+    from kvbm_plugin.wire.identity import SaltTexts
+    cap = 1 << 14
+    ratios = []
+    for _ in range(3):  # the best of three: a busy host only slows some runs
+        texts = SaltTexts(capacity=cap)
+        start = time.perf_counter()
+        for i in range(cap):
+            texts.remember(i, "t")
+        below = time.perf_counter() - start
+        start = time.perf_counter()
+        for i in range(cap, 2 * cap):
+            texts.remember(i, "t")
+        ratios.append((time.perf_counter() - start) / below)
+        assert texts.evicted == cap and len(texts._texts) == cap
+    assert min(ratios) < 4, ratios
+
+
+@pytest.mark.parametrize("text", ["s" * 257, "\u20ac" * 86],  # 257 and 258 UTF-8 bytes
+                         ids=["ascii", "multibyte"])
+def test_a_salt_string_over_256_bytes_is_not_kept_and_goes_out_by_its_id(text: str) -> None:
+    # A client picks its salt's length: kept, 65,536 salts of 1 MB would hold 64 GB in the
+    # leader, and every salted STORE of the output would carry its megabyte.
+    from kvbm_plugin.wire.identity import remember_salt_text
+    before = SALT_TEXTS.too_long
+    salt = salt_of({"cache_salt": text})
+    remember_salt_text(type("RequestData", (), {"cache_salt": text})())
+    assert salt == cache_salt_id(text)  # the engine's identity is untouched
+    assert SALT_TEXTS.get(salt) is None and SALT_TEXTS.too_long == before + 2
+    out = spell_for_routers([_salted(salt, [1 << 40], None, TOKENS[:4])], FORM_CLIENT)
+    assert out[0]["cache_salt"] == f"{salt:016x}"
+    assert out[0]["extra_keys"] == [[f"{salt:016x}"]]
+    kept = "k" * 256  # at the bound: kept
+    assert SALT_TEXTS.get(salt_of({"cache_salt": kept})) == kept
+
+
+def test_an_empty_salt_string_goes_out_by_its_id_not_as_no_salt() -> None:
+    # TensorRT-LLM salts a request whose cache_salt is "" (get_cache_salt_id("")); Dynamo
+    # reads an empty cache_salt as none (tests/interop/test_dynamo_salt_spellings.py), so
+    # spelled "" those blocks would be credited to every unsalted request.
+    salt = salt_of({"cache_salt": ""})
+    assert salt == cache_salt_id("") and SALT_TEXTS.get(salt) == ""
+    out = spell_for_routers([_salted(salt, [1 << 40], None, TOKENS[:4])], FORM_CLIENT)
+    assert out[0]["cache_salt"] == f"{salt:016x}"
+    assert out[0]["extra_keys"] == [[f"{salt:016x}"]]

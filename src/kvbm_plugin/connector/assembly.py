@@ -122,6 +122,9 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     from kvbm_plugin.event_sink import KvEventSink
     from kvbm_plugin.wire.publisher import NullEventPublisher, create_publisher
 
+    # The other ranks' GPU-tier publishers (rank 0 builds them) fill a {dp_rank} in the topic
+    # with their own rank: for_dp_rank fills it with this rank's.
+    rank_settings = config.publisher
     if dp_size > 1:
         config = config.for_dp_rank(dp_rank)
         if dp_rank != 0:
@@ -147,7 +150,7 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     try:
         if own_gpu_stream and config.gpu_events is not None:
             for rank in range(1, dp_size):  # attention DP: rank 0 publishes every rank
-                others[rank] = create_publisher(config.publisher, config.publish_endpoint(rank),
+                others[rank] = create_publisher(rank_settings, config.publish_endpoint(rank),
                                                 config.replay_endpoint(rank), rank)
         sink = KvEventSink(publisher, block_size=block_size,
                            window_size=config.publisher.window_size,

@@ -56,6 +56,9 @@ from kvbm_plugin.consolidator.core import (  # re-exported: this module is the p
 from kvbm_plugin.consolidator.held_back import DEFAULT_MAX_HELD_BACK
 from kvbm_plugin.consolidator.streams import StreamIngest, _Stream
 from kvbm_plugin.consolidator_config import (
+    DP_RANK_FIELD,
+    TOPIC,
+    ConfigError,
     ConsolidatorConfig,
 )
 from kvbm_plugin.wire.events import (
@@ -172,8 +175,17 @@ class KvEventConsolidator(StreamIngest):
         created here); returns once the sockets exist.
 
         Called once by the leader at bring-up (or by `kvbm-plugin consolidate`). Raises what socket
-        setup raised, after closing whatever it had opened.
+        setup raised, after closing whatever it had opened. ConfigError when the topic names
+        a ``{dp_rank}`` field but this one output would carry several dp ranks.
         """
+        topic, ranks = self.config.publisher.topic, self.config.stream_ranks()
+        if DP_RANK_FIELD in topic and len(ranks) > 1:
+            # The output has one topic, fixed when it binds: every rank's batches would go out
+            # under the first rank's pod, which llm-d (it drops the dp rank) merges into one.
+            raise ConfigError(
+                f"{TOPIC}={topic!r}: {DP_RANK_FIELD} names one attention-DP rank's pod, but "
+                f"this consolidated output carries dp ranks {list(ranks)}; run one "
+                f"consolidator per rank (as the leader does) or leave {DP_RANK_FIELD} out")
         with self._lock:
             if self._state != "new":
                 raise RuntimeError(f"{type(self).__name__} was already started")
@@ -315,6 +327,7 @@ class KvEventConsolidator(StreamIngest):
         # Salt strings forgotten at the process-wide bound: such a salt goes out by its id's
         # hex from then on (wire.router_forms), which no client's request names.
         out["salt_texts_evicted"] = SALT_TEXTS.evicted
+        out["salt_texts_too_long"] = SALT_TEXTS.too_long  # not kept: spelled by the id too
         out.update(self._core.stats())
         return out
 

@@ -409,7 +409,8 @@ def _real_router(args: argparse.Namespace, tmp: str, config: cc.ConsolidatorConf
     indexer.register(1, config.output.connect,
                      None if config.output_replay is None else config.output_replay.connect,
                      args.block_size)
-    return indexer, ask_like_the_view(indexer, lambda: sum(view.blocks().values()))
+    return indexer, ask_like_the_view(indexer, lambda: sum(view.blocks().values()),
+                                      salt_form=config.publisher.salt_form)
 
 
 def _real_router_report(result, indexer):  # noqa: ANN001, ANN202

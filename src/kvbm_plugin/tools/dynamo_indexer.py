@@ -210,12 +210,15 @@ class Indexer:
 
 
 def ask_like_the_view(indexer: Indexer, held_by_view: Callable[[], int],
-                      settle_s: float = 2.0) -> Callable[[list[int], str | None], int]:
+                      settle_s: float = 2.0, salt_form: str = "client",
+                      ) -> Callable[[list[int], str | None], int]:
     """The question a :class:`~kvbm_plugin.tools.chat_workload.RouterProbe` asks another
     router (prompt and the tenant's cache salt in, cached tokens on any tier out), put to
-    ``indexer`` through ``/query`` with the salt as ``cache_salt``: the string itself (as the
-    consolidated output names it by default) or its id's namespace
-    (:func:`~kvbm_plugin.wire.identity.salt_namespace`, the GPU-tier stream's form).
+    ``indexer`` through ``/query`` with the salt as ``cache_salt`` in the stream's
+    ``salt_form`` (``DYN_KVBM_KV_EVENTS_SALT_FORM``): ``client``, the string itself, as a
+    client's request carries it; ``id``, its id's namespace
+    (:func:`~kvbm_plugin.wire.identity.salt_namespace`). Only that one: asking both ways would
+    credit a tenant the router could not credit from a client's request.
 
     The indexer applies events asynchronously and says nothing of how far it got: before
     each answer this waits, up to ``settle_s``, until it holds as many blocks as
@@ -230,12 +233,9 @@ def ask_like_the_view(indexer: Indexer, held_by_view: Callable[[], int],
         deadline = time.monotonic() + settle_s
         while held() != want and time.monotonic() < deadline:
             time.sleep(0.002)  # poll interval: the indexer applies events asynchronously
-        if salt is None:
-            return indexer.cached_tokens(prompt, cache_salt=None)
-        # The salt string (the consolidated output's default form), else its id's 16 hex
-        # (the GPU-tier stream, or DYN_KVBM_KV_EVENTS_SALT_FORM=id): both name this tenant.
-        return max(indexer.cached_tokens(prompt, cache_salt=ns)
-                   for ns in (salt, salt_namespace(cache_salt_id(salt))))
+        if salt is not None and salt_form != "client":
+            salt = salt_namespace(cache_salt_id(salt))
+        return indexer.cached_tokens(prompt, cache_salt=salt)
 
     return ask
 

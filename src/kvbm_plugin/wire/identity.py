@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections import OrderedDict
 from typing import Any
 
 _U64 = (1 << 64) - 1
@@ -42,9 +43,19 @@ def cache_salt_id(cache_salt: str) -> int:
     return int.from_bytes(digest, "little")
 
 
+# The longest salt string remembered, in UTF-8 bytes. A client chooses its salt's length
+# (TensorRT-LLM's OpenAI server takes any string), and a remembered string goes out on every
+# salted STORE of the consolidated output: unbounded, 65,536 distinct 1 MB salts would hold
+# 64 GB here and make every such STORE a megabyte. Salts are short in practice (vLLM suggests
+# 43 base64 characters; a UUID is 36).
+MAX_SALT_TEXT_BYTES = 256
+
+
 class SaltTexts:
     """The salt strings behind salt ids, as far as this process has seen them: a bounded map
-    id -> string (FIFO past ``capacity``; ``evicted`` counts what left).
+    id -> string (FIFO past ``capacity``; ``evicted`` counts what left; a string over
+    :data:`MAX_SALT_TEXT_BYTES` is not kept, ``too_long`` counts those: such a salt goes out
+    by its id, as if its string had never been seen).
 
     Filled by :func:`salt_of` whenever it reads a ``cache_salt`` string (the leader's request
     objects on the executor thread; the event sink's GPU-event blocks), read by
@@ -55,16 +66,23 @@ class SaltTexts:
     def __init__(self, capacity: int = 1 << 16) -> None:
         self.capacity = capacity
         self.evicted = 0
-        self._texts: dict[int, str] = {}
+        self.too_long = 0
+        # An OrderedDict, not a dict: dropping a dict's first key leaves a hole that every
+        # later ``next(iter(...))`` walks past, so past the bound each new salt cost a walk
+        # of up to ~capacity/3 holes (34 us on average at 65,536, on the executor thread).
+        self._texts: OrderedDict[int, str] = OrderedDict()
         self._lock = threading.Lock()
 
     def remember(self, salt: int, text: str) -> None:
         if self._texts.get(salt) == text:
             return
+        if too_long(text):
+            self.too_long += 1  # a statistic: a lost increment between threads is harmless
+            return
         with self._lock:
             self._texts[salt] = text
             while len(self._texts) > self.capacity:
-                del self._texts[next(iter(self._texts))]
+                self._texts.popitem(last=False)
                 self.evicted += 1
 
     def get(self, salt: int) -> str | None:
@@ -76,6 +94,12 @@ class SaltTexts:
 
 
 SALT_TEXTS = SaltTexts()
+
+
+def too_long(text: str) -> bool:
+    """Whether ``text`` is over :data:`MAX_SALT_TEXT_BYTES` in UTF-8 (never remembered)."""
+    return len(text) > MAX_SALT_TEXT_BYTES or \
+        len(text.encode("utf-8", "replace")) > MAX_SALT_TEXT_BYTES
 
 
 def salt_of(obj: Any) -> int | None:
@@ -102,7 +126,7 @@ def salt_of(obj: Any) -> int | None:
             # still isolates: it is keyed by its text, apart from every int id.
             return cache_salt_id(f"cache_salt_id={sid!r}")
         if text is not None and SALT_TEXTS.get(salt) != text \
-                and cache_salt_id(str(text)) == salt:
+                and not too_long(str(text)) and cache_salt_id(str(text)) == salt:
             SALT_TEXTS.remember(salt, str(text))  # the string is the id's (blake3 agrees)
         return salt
     if text is not None:
@@ -123,7 +147,11 @@ def remember_salt_text(obj: Any) -> None:
         return
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
-    SALT_TEXTS.remember(cache_salt_id(str(text)), str(text))
+    text = str(text)
+    if too_long(text):  # before hashing it on the executor thread: it will not be kept
+        SALT_TEXTS.too_long += 1
+        return
+    SALT_TEXTS.remember(cache_salt_id(text), text)
 
 
 def lora_of(obj: Any) -> int | None:

@@ -80,10 +80,13 @@ def wide_hash(value: int) -> Any:
 def salt_text(namespace: str) -> str:
     """The string a client sends for the salt the plugin names ``namespace`` (16 hex of its
     id): the remembered ``cache_salt`` string, or the namespace itself when only the id was
-    ever seen in this process."""
+    ever seen in this process or the string is empty."""
     if len(namespace) == 16 and set(namespace) <= _HEX:
         text = SALT_TEXTS.get(int(namespace, 16))
-        if text is not None:
+        # Not "": TensorRT-LLM keys a request salted with "" apart from an unsalted one, but
+        # Dynamo reads an empty cache_salt as none and llm-d folds none, so "" would credit
+        # the engine's ""-salted blocks to every unsalted request. The id's hex keeps them apart.
+        if text:
             return text
     return namespace
 
