@@ -174,26 +174,18 @@ def test_a_string_next_to_an_id_is_remembered_only_when_it_is_that_ids_string() 
     assert SALT_TEXTS.get(sid) == "tenant-a"
 
 
-def test_past_the_bound_a_new_salt_string_costs_about_what_it_costs_below_it() -> None:
-    # The leader remembers each new request's salt on TensorRT-LLM's executor thread: past the
-    # bound (many tenants) forgetting the oldest must stay O(1), not walk what was forgotten.
-    import time
-
+def test_past_the_bound_the_oldest_salt_string_is_forgotten_first_and_counted() -> None:
+    # The leader remembers each new request's salt on TensorRT-LLM's executor thread; past the
+    # bound the oldest is forgotten (its cost stays flat: benchmarks/bench_salt_texts.py).
     from kvbm_plugin.wire.identity import SaltTexts
-    cap = 1 << 14
-    ratios = []
-    for _ in range(3):  # the best of three: a busy host only slows some runs
-        texts = SaltTexts(capacity=cap)
-        start = time.perf_counter()
-        for i in range(cap):
-            texts.remember(i, "t")
-        below = time.perf_counter() - start
-        start = time.perf_counter()
-        for i in range(cap, 2 * cap):
-            texts.remember(i, "t")
-        ratios.append((time.perf_counter() - start) / below)
-        assert texts.evicted == cap and len(texts._texts) == cap
-    assert min(ratios) < 4, ratios
+    texts = SaltTexts(capacity=4)
+    for i in range(4):
+        texts.remember(i, f"t{i}")
+    texts.remember(2, "t2")  # already known: nothing moves
+    for i in range(4, 7):
+        texts.remember(i, f"t{i}")
+    assert texts.evicted == 3
+    assert [texts.get(i) for i in range(7)] == [None, None, None, "t3", "t4", "t5", "t6"]
 
 
 @pytest.mark.parametrize("text", ["s" * 257, "\u20ac" * 86],  # 257 and 258 UTF-8 bytes
