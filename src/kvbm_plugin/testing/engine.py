@@ -58,7 +58,6 @@ from typing import Any
 
 import torch
 
-from kvbm_plugin.connector.native_events import native_publisher
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
 from kvbm_plugin.consolidator_config import LEADER_ZMQ_PUB_PORT
@@ -81,7 +80,7 @@ from kvbm_plugin.testing.kv_events import (
 )
 from kvbm_plugin.testing.kvmodel import BatchItems, KvModel, model_kwargs
 from kvbm_plugin.testing.processes import LocalRank, RemoteRank
-from kvbm_plugin.testing.trtllm_stream import SimStreamingKVCacheManager
+from kvbm_plugin.testing.trtllm_stream import SimStreamingKVCacheManager, kv_cache_manager_for
 
 
 @dataclass
@@ -226,14 +225,6 @@ class SimulatedEngine:
         self.pool = GpuPool(cfg.num_gpu_blocks, bs, cfg.max_seq_len)
         # PyExecutor keeps its KV cache manager here; the leader finds it through the frames of
         # build_connector_meta's caller, as it does in TensorRT-LLM.
-        native = native_publisher({"kv_cache_config": {"kv_events_config":
-                                                        cfg.kv_events_config}})
-        self.kv_cache_manager: SimKVCacheManager | SimStreamingKVCacheManager = (
-            SimKVCacheManager(self.pool, cfg.event_buffer_max_size,
-                              attention_dp_rank=cfg.dp_rank if adp else None,
-                              attention_dp_size=cfg.attention_dp) if native is None
-            else SimStreamingKVCacheManager(self.pool, cfg.kv_events_config, native,
-                                            block_size=bs, rank=cfg.dp_rank if adp else 0))
         self._closed = False
         self.event_reader: KvEventDispatchReader | None = None
         env = dict(cfg.env)
@@ -267,12 +258,18 @@ class SimulatedEngine:
             try:
                 worker_futures = [pools[r].submit(KvbmConnectorWorker, args(r))
                                   for r in local_ranks]
-                leader_future = pools[0].submit(KvbmConnectorLeader, args(0))
+                leader_future = pools[0].submit(KvbmConnectorLeader, leader_args := args(0))
                 workers = [f.result(timeout=60) for f in worker_futures]
                 self.leader = leader_future.result(timeout=60)
             finally:
                 for p in pools:
                     p.shutdown(wait=False)
+            # then the KV cache manager, from the kv_cache_config the leader was handed
+            self.kv_cache_manager: SimKVCacheManager | SimStreamingKVCacheManager = \
+                kv_cache_manager_for(self.pool, leader_args.kv_cache_config,
+                                     event_buffer_max_size=cfg.event_buffer_max_size,
+                                     dp_rank=cfg.dp_rank, dp_size=cfg.attention_dp,
+                                     block_size=bs)
             for r, worker in zip(local_ranks, workers, strict=True):
                 model = KvModel(**model_kwargs(cfg, r))
                 pool = torch.zeros(model.pool_shape(cfg.num_gpu_blocks),
@@ -289,7 +286,7 @@ class SimulatedEngine:
                     rank.shutdown(5.0)
             if self.leader is not None:
                 self.leader.shutdown(5.0)
-            if isinstance(self.kv_cache_manager, SimStreamingKVCacheManager):
+            if isinstance(getattr(self, "kv_cache_manager", None), SimStreamingKVCacheManager):
                 self.kv_cache_manager.shutdown(5.0)
             raise
         self.workers: list[KvbmConnectorWorker] = [
