@@ -12,6 +12,7 @@ from dataclasses import asdict
 from typing import Any
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.connector.dynamo_streaming import load_moved_endpoint
 from kvbm_plugin.connector.native_events import (
     NativePublisher,
     gpu_source_line,
@@ -378,7 +379,8 @@ def run_checks(num_ranks: int, require_trtllm: bool,
     tiers: cc.TierSettings | None = None
     for name, loader in (("publisher settings", cc.load_publisher_settings),
                          ("tier settings", cc.load_tier_settings),
-                         ("metrics settings", cc.load_metrics_settings)):
+                         ("metrics settings", cc.load_metrics_settings),
+                         ("Dynamo STREAMING takeover", load_moved_endpoint)):
         try:
             value = loader()
             checks.append(Check(name, "ok", repr(value)))
