@@ -189,3 +189,24 @@ def test_the_setting_alone_is_checked_by_trtllms_endpoint_rules() -> None:
     assert load_moved_endpoint({cc.TRTLLM_MOVED_ENDPOINT: " ipc:///p/trt "}) == "ipc:///p/trt"
     with pytest.raises(cc.ConfigError, match=f"{cc.TRTLLM_MOVED_ENDPOINT}='tcp://h:0'"):
         load_moved_endpoint({cc.TRTLLM_MOVED_ENDPOINT: "tcp://h:0"})
+
+
+def test_kvbm_plugin_yaml_for_dynamo_streaming_is_a_configuration_that_works(capsys) -> None:
+    from kvbm_plugin._util.mini_yaml import parse
+    from kvbm_plugin.tools import cli
+
+    assert cli.main(["yaml", "--for", "dynamo-streaming"]) == 0
+    text = capsys.readouterr().out
+    env = dict(line.split()[1].split("=", 1) for line in text.splitlines()
+               if line.startswith("#   "))
+    assert env["TLLM_KV_CACHE_MANAGER_V2_BACKEND"] == "python"
+    args = parse(text)
+    assert args["kv_connector_config"]["connector_module"] == "kvbm_plugin"
+    native, settings, line = take_yaml_endpoint(args, env, attention_dp=True)
+    assert line is not None and native is not None
+    config = cc.load_consolidator_config(settings, num_ranks=2, attention_dp=True,
+                                         gpu_streams=native_streams(native, 1, "127.0.0.1"))
+    # Dynamo's rank r subscribes to the YAML's endpoint + r; the plugin's rank r binds it
+    assert [config.for_dp_rank(r).output.bind for r in (0, 1)] == [
+        "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]
+    assert native.bind_endpoint(1) == "tcp://127.0.0.1:25558"  # TensorRT-LLM's, moved
