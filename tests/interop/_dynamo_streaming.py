@@ -1,4 +1,4 @@
-"""Run inside a private network namespace by test_dynamo_streaming.py: Dynamo's STREAMING mode
+"""Run inside a private network namespace by test_dynamo_streaming_relay.py: Dynamo's STREAMING mode
 as ``dynamo.trtllm`` runs it, over the simulated engine under attention DP 2 with
 ``DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT`` set.
 
@@ -49,6 +49,29 @@ def _blocks(answer: dict, worker: int, rank: int) -> tuple[int, int, int]:
     return (0, 0, 0)
 
 
+def _wait_published(tmp: str, port: int, env: dict[str, str]) -> int:
+    """Until each rank's output has published the warm-up's blocks (read by a subscriber that
+    replays from seq 0), so that Dynamo's relays, created next, have surely missed them."""
+    from kvbm_plugin.tools.demo_adp import subscribers_for
+    from kvbm_plugin.tools.router_view import RouterView
+
+    settings = {**env, cc.OUTPUT_ENDPOINT: f"tcp://127.0.0.1:{port}",
+                cc.EVENTS_ENDPOINT: f"ipc://{tmp}/unused"}  # (the outputs are read only)
+    settings.pop(cc.TRTLLM_MOVED_ENDPOINT)
+    subscribers = subscribers_for(cc.load_consolidator_config(
+        settings, num_ranks=RANKS, attention_dp=True), RANKS, RouterView(BS))
+    try:
+        deadline = time.monotonic() + 20
+        while not all(len(s.held) >= 8 for s in subscribers):
+            assert time.monotonic() < deadline, "the warm-up never reached the outputs"
+            for s in subscribers:
+                s.poll(20)
+        return sum(len(s.held) for s in subscribers)
+    finally:
+        for s in subscribers:
+            s.close()
+
+
 async def main(tmp: str, port: int) -> dict[str, Any]:
     from dynamo.llm import (
         KvRouter,
@@ -64,7 +87,8 @@ async def main(tmp: str, port: int) -> dict[str, Any]:
 
     # The engine YAML's block, as _resolve_streaming_kv_events_config resolves it.
     yaml_events = {"enable_kv_cache_events": True, "publisher": "zmq",
-                   "endpoint": f"tcp://*:{port}", "topic": TOPIC}
+                   "endpoint": f"tcp://*:{port}", "topic": TOPIC,
+                   "replay_endpoint": f"tcp://127.0.0.1:{port + 100}"}
     env = {cc.ENABLE_CONSOLIDATOR: "true", cc.CONSOLIDATOR_MODE: "passthrough",
            cc.TRTLLM_MOVED_ENDPOINT: f"ipc://{tmp}/trtllm-own",
            cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tmp}/out-replay",
@@ -92,6 +116,8 @@ async def main(tmp: str, port: int) -> dict[str, Any]:
     router = KvRouter(endpoint, BS, KvRouterConfig())
     out: dict[str, Any] = {"asked": 0, "reused": 0, "agreed": 0, "requests": 0,
                            "salted_reused": 0, "warm_credited": 0, "warm_reused": 0,
+                           "warm_gpu_credited_at_join": 0, "warm_gpu_held_at_join": 0,
+                           "warm_published": 0,
                            "host_or_disk_credited": 0, "salted_credited": 0, "foreign": 0,
                            "other_rank": 0, "first_answer": None}
     warm = {r: [7000 + 100 * r + i for i in range(8 * BS)] for r in range(RANKS)}
@@ -101,6 +127,7 @@ async def main(tmp: str, port: int) -> dict[str, Any]:
         for r in range(RANKS):
             engine.submit(warm[r], 1, dp_rank=r)
         engine.run_until_idle(timeout_s=60)
+        out["warm_published"] = _wait_published(tmp, port, env) * BS
         # After the engine is up, as llm_worker.py does: Dynamo's own STREAMING relays.
         async with get_publisher(
                 endpoint, _EngineFacts(), int(worker), BS, [], component_gauges=None,
@@ -109,6 +136,10 @@ async def main(tmp: str, port: int) -> dict[str, Any]:
                 streaming_kv_events_config=dict(yaml_events),
                 streaming_kv_events_gpus_per_node=8):
             await asyncio.sleep(0.5)  # the relays' SUB sockets join (slow joiner; no replay)
+            for r in range(RANKS):  # the warm-up's GPU blocks, stored before the relays joined
+                answer = await router.get_overlap_scores(warm[r] + [1, 2])
+                out["warm_gpu_credited_at_join"] += _blocks(answer, worker, r)[0] * BS
+                out["warm_gpu_held_at_join"] += len(engine.call(r, "gpu_wire_hashes")) * BS
             system = [1000 + i for i in range(16)]
             prompts = {(r, salt): [r * 100 + t for t in system]
                        for r in range(RANKS) for salt in SALTS}

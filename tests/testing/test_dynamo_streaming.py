@@ -4,7 +4,7 @@ through the simulated executor under attention DP 2: each rank's leader, built b
 cache manager as in ``create_py_executor``, moves TensorRT-LLM's publisher (the stand-in) to
 the private endpoint, and its consolidated output takes the endpoint the YAML names (rank r at
 + r, under the YAML's topic), where Dynamo subscribes. Dynamo's own relay reading it:
-tests/interop/test_dynamo_streaming.py."""
+tests/interop/test_dynamo_streaming_relay.py."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ import torch
 
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
-from kvbm_plugin.consolidator_config import LEADER_ZMQ_PUB_PORT
+from kvbm_plugin.consolidator_config import LEADER_ZMQ_PUB_PORT, TRTLLM_MOVED_ENDPOINT
 from kvbm_plugin.testing.connector_manager import SimKvCacheConnectorManager
 from kvbm_plugin.testing.fake_trtllm import (
     KvCacheConfig,
@@ -227,6 +227,8 @@ class SimulatedEngine:
         # build_connector_meta's caller, as it does in TensorRT-LLM.
         self._closed = False
         self.event_reader: KvEventDispatchReader | None = None
+        manager_kw = {"event_buffer_max_size": cfg.event_buffer_max_size, "block_size": bs,
+                      "dp_rank": cfg.dp_rank, "dp_size": cfg.attention_dp}
         env = dict(cfg.env)
         if cfg.processes and not env.get(LEADER_ZMQ_PUB_PORT):
             env[LEADER_ZMQ_PUB_PORT] = str(_free_tcp_port())
@@ -242,6 +244,11 @@ class SimulatedEngine:
                            kvbm_plugin_tier_events=cfg.tier_events if rank == 0 else None,
                            kvbm_plugin_event_serializer=KVCacheEventSerializer.serialize)
 
+        # Upstream builds the KV cache manager after the connector, binding at executor start
+        # (after model load): the stand-in binds when built, so first unless the leader moves it.
+        leader_args, moves = args(0), bool((env.get(TRTLLM_MOVED_ENDPOINT) or "").strip())
+        self.kv_cache_manager: SimKVCacheManager | SimStreamingKVCacheManager = None if moves \
+            else kv_cache_manager_for(self.pool, leader_args.kv_cache_config, **manager_kw)
         self.ranks: list[LocalRank | RemoteRank] = []
         remote: list[RemoteRank] = []
         self.leader: KvbmConnectorLeader | None = None  # type: ignore[assignment]
@@ -258,18 +265,15 @@ class SimulatedEngine:
             try:
                 worker_futures = [pools[r].submit(KvbmConnectorWorker, args(r))
                                   for r in local_ranks]
-                leader_future = pools[0].submit(KvbmConnectorLeader, leader_args := args(0))
+                leader_future = pools[0].submit(KvbmConnectorLeader, leader_args)
                 workers = [f.result(timeout=60) for f in worker_futures]
                 self.leader = leader_future.result(timeout=60)
             finally:
                 for p in pools:
                     p.shutdown(wait=False)
-            # then the KV cache manager, from the kv_cache_config the leader was handed
-            self.kv_cache_manager: SimKVCacheManager | SimStreamingKVCacheManager = \
-                kv_cache_manager_for(self.pool, leader_args.kv_cache_config,
-                                     event_buffer_max_size=cfg.event_buffer_max_size,
-                                     dp_rank=cfg.dp_rank, dp_size=cfg.attention_dp,
-                                     block_size=bs)
+            if moves:
+                self.kv_cache_manager = kv_cache_manager_for(
+                    self.pool, leader_args.kv_cache_config, **manager_kw)
             for r, worker in zip(local_ranks, workers, strict=True):
                 model = KvModel(**model_kwargs(cfg, r))
                 pool = torch.zeros(model.pool_shape(cfg.num_gpu_blocks),
@@ -286,7 +290,7 @@ class SimulatedEngine:
                     rank.shutdown(5.0)
             if self.leader is not None:
                 self.leader.shutdown(5.0)
-            if isinstance(getattr(self, "kv_cache_manager", None), SimStreamingKVCacheManager):
+            if isinstance(self.kv_cache_manager, SimStreamingKVCacheManager):
                 self.kv_cache_manager.shutdown(5.0)
             raise
         self.workers: list[KvbmConnectorWorker] = [

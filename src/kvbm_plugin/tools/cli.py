@@ -49,6 +49,7 @@ kv_cache_config:
     enable_kv_cache_events: true # the consolidated output binds it, TensorRT-LLM's own
     publisher: zmq               # publisher moves to the endpoint set above
     endpoint: tcp://127.0.0.1:5557
+    replay_endpoint: tcp://127.0.0.1:5657  # stays TensorRT-LLM's: the consolidator's replay
     topic: ""
 kv_connector_config:
   connector_module: kvbm_plugin
