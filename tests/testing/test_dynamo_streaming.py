@@ -210,3 +210,26 @@ def test_kvbm_plugin_yaml_for_dynamo_streaming_is_a_configuration_that_works(cap
     assert [config.for_dp_rank(r).output.bind for r in (0, 1)] == [
         "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]
     assert native.bind_endpoint(1) == "tcp://127.0.0.1:25558"  # TensorRT-LLM's, moved
+
+
+def test_doctor_checks_the_endpoints_the_leader_will_bind_when_it_moves_trtllm(
+        monkeypatch, capsys, tmp_path) -> None:
+    import json
+
+    from kvbm_plugin.tools.doctor import main_doctor
+
+    for var in cc.ENV_VARS:
+        monkeypatch.delenv(var.name, raising=False)
+    port = free_port_pair()
+    options = tmp_path / "kvbm.yaml"
+    options.write_text(json.dumps(_args(f"tcp://127.0.0.1:{port}")))
+    monkeypatch.setenv(cc.TRTLLM_MOVED_ENDPOINT, f"ipc://{tmp_path}/trt")
+    main_doctor(["--json", "--llm-api-options", str(options)])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    # the consolidated output's port is the YAML's (checked free), TensorRT-LLM's is moved
+    assert checks[f"consolidated output tcp://127.0.0.1:{port}"]["status"] == "ok"
+    assert f"ipc://{tmp_path}/trt" in checks["GPU-tier KV events"]["detail"]
+    monkeypatch.setenv(cc.OUTPUT_ENDPOINT, "tcp://127.0.0.1:9")
+    main_doctor(["--json", "--llm-api-options", str(options)])
+    failed = [c for c in json.loads(capsys.readouterr().out) if c["status"] == "fail"]
+    assert any(cc.TRTLLM_MOVED_ENDPOINT in c["detail"] for c in failed), failed
