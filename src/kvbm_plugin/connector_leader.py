@@ -35,6 +35,7 @@ from kvbm_plugin.connector import llm_args as _llm_args
 from kvbm_plugin.connector import native_events as _native
 from kvbm_plugin.connector.assembly import TierEventPublisher as TierEventPublisher  # re-exported
 from kvbm_plugin.connector.assembly import assemble_event_path
+from kvbm_plugin.connector.dynamo_streaming import take_yaml_endpoint
 from kvbm_plugin.connector.gpu_feed import GpuEventFeed
 from kvbm_plugin.connector.keeper import IdleKeeper, locked
 from kvbm_plugin.connector.layer_groups import (
@@ -166,7 +167,9 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         par = self._par
         self._events_source = load_events_source(self._env)
         # TRT-LLM's own streaming publisher: no second GPU-tier stream; its own is consolidated.
-        self._native = _native.native_publisher(llm_args)
+        # DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT: output at the YAML's endpoint (Dynamo)
+        self._native, self._env, moved = take_yaml_endpoint(
+            llm_args, self._env, self._par.attention_dp)
         self._naming.salt_blind = self._native is not None  # its stream carries no salt
         self._native_feed = _native.NativeNameFeed()  # its stored blocks: the tiers' names
         self._native_forms = EngineForms()  # each upstream form's fields, made the core's
@@ -207,6 +210,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
             self.consolidator = parts.consolidator
             self._tier_events = parts.tier_events
             _native.log_gpu_source(logger, self._native, self._source_line(), consolidate)
+            if moved:
+                logger.info(moved)
             self._register_metrics()
             if self._par.tp_size > 1 and not _llm_args.in_process(llm_args):
                 # Bound where the workers connect (DYN_KVBM_LEADER_ZMQ_HOST), not on every

@@ -74,6 +74,7 @@ METRICS = "DYN_KVBM_METRICS"
 METRICS_PORT = "DYN_KVBM_METRICS_PORT"
 NATIVE = "DYN_KVBM_NATIVE"
 EVENTS_SOURCE = "DYN_KVBM_KV_EVENTS_SOURCE"
+TRTLLM_MOVED_ENDPOINT = "DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT"
 SHARED_TIER = "DYN_KVBM_SHARED_TIER"
 SHARED_MODEL_KEY = "DYN_KVBM_SHARED_MODEL_KEY"
 SHARED_NAMESPACE = "DYN_KVBM_SHARED_NAMESPACE"
@@ -174,6 +175,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "split the stream); `tap` never drains (copies what others read); "
            "`off` publishes none (sidecar or another publisher serves them). V2 hooks never "
            "drain.", "publisher"),
+    EnvVar(TRTLLM_MOVED_ENDPOINT, None, "For Dynamo's STREAMING mode: move TensorRT-LLM's own "
+           "publisher (kv_cache_config.kv_events_config) to this endpoint (its rank r by "
+           "TensorRT-LLM's rule) and bind the consolidated output at the endpoint and topic the "
+           "YAML names, which Dynamo relays per rank (+ r). Unset: nothing moved.", "runtime"),
     EnvVar(SHARED_TIER, None, "Shared tier (G4) behind the host tier, by name in the "
            "kvbm_plugin.tiers entry points (mooncake, redis); unset = none.", "shared tier"),
     EnvVar(SHARED_MODEL_KEY, None, "Names the model (and its weights) in every shared-tier "

@@ -297,7 +297,7 @@ def test_every_variable_the_standalone_commands_read_is_listed() -> None:
 BAD_VALUES_ELSEWHERE = {
     cc.EVENTS_SOURCE: "bogus", cc.CPU_CACHE_GB: "-1", cc.CPU_CACHE_NUM_BLOCKS: "some",
     cc.DISK_CACHE_GB: "lots", cc.DISK_CACHE_NUM_BLOCKS: "-3", cc.METRICS: "maybe",
-    cc.METRICS_PORT: "0",
+    cc.METRICS_PORT: "0", cc.TRTLLM_MOVED_ENDPOINT: "udp://host:1",
 }
 
 

@@ -58,10 +58,9 @@ from typing import Any
 
 import torch
 
-from kvbm_plugin.connector.native_events import native_publisher
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
-from kvbm_plugin.consolidator_config import LEADER_ZMQ_PUB_PORT
+from kvbm_plugin.consolidator_config import LEADER_ZMQ_PUB_PORT, TRTLLM_MOVED_ENDPOINT
 from kvbm_plugin.testing.connector_manager import SimKvCacheConnectorManager
 from kvbm_plugin.testing.fake_trtllm import (
     KvCacheConfig,
@@ -81,7 +80,7 @@ from kvbm_plugin.testing.kv_events import (
 )
 from kvbm_plugin.testing.kvmodel import BatchItems, KvModel, model_kwargs
 from kvbm_plugin.testing.processes import LocalRank, RemoteRank
-from kvbm_plugin.testing.trtllm_stream import SimStreamingKVCacheManager
+from kvbm_plugin.testing.trtllm_stream import SimStreamingKVCacheManager, kv_cache_manager_for
 
 
 @dataclass
@@ -226,16 +225,10 @@ class SimulatedEngine:
         self.pool = GpuPool(cfg.num_gpu_blocks, bs, cfg.max_seq_len)
         # PyExecutor keeps its KV cache manager here; the leader finds it through the frames of
         # build_connector_meta's caller, as it does in TensorRT-LLM.
-        native = native_publisher({"kv_cache_config": {"kv_events_config":
-                                                        cfg.kv_events_config}})
-        self.kv_cache_manager: SimKVCacheManager | SimStreamingKVCacheManager = (
-            SimKVCacheManager(self.pool, cfg.event_buffer_max_size,
-                              attention_dp_rank=cfg.dp_rank if adp else None,
-                              attention_dp_size=cfg.attention_dp) if native is None
-            else SimStreamingKVCacheManager(self.pool, cfg.kv_events_config, native,
-                                            block_size=bs, rank=cfg.dp_rank if adp else 0))
         self._closed = False
         self.event_reader: KvEventDispatchReader | None = None
+        manager_kw = {"event_buffer_max_size": cfg.event_buffer_max_size, "block_size": bs,
+                      "dp_rank": cfg.dp_rank, "dp_size": cfg.attention_dp}
         env = dict(cfg.env)
         if cfg.processes and not env.get(LEADER_ZMQ_PUB_PORT):
             env[LEADER_ZMQ_PUB_PORT] = str(_free_tcp_port())
@@ -251,6 +244,11 @@ class SimulatedEngine:
                            kvbm_plugin_tier_events=cfg.tier_events if rank == 0 else None,
                            kvbm_plugin_event_serializer=KVCacheEventSerializer.serialize)
 
+        # Upstream builds the KV cache manager after the connector, binding at executor start
+        # (after model load): the stand-in binds when built, so first unless the leader moves it.
+        leader_args, moves = args(0), bool((env.get(TRTLLM_MOVED_ENDPOINT) or "").strip())
+        self.kv_cache_manager: SimKVCacheManager | SimStreamingKVCacheManager = None if moves \
+            else kv_cache_manager_for(self.pool, leader_args.kv_cache_config, **manager_kw)
         self.ranks: list[LocalRank | RemoteRank] = []
         remote: list[RemoteRank] = []
         self.leader: KvbmConnectorLeader | None = None  # type: ignore[assignment]
@@ -267,12 +265,15 @@ class SimulatedEngine:
             try:
                 worker_futures = [pools[r].submit(KvbmConnectorWorker, args(r))
                                   for r in local_ranks]
-                leader_future = pools[0].submit(KvbmConnectorLeader, args(0))
+                leader_future = pools[0].submit(KvbmConnectorLeader, leader_args)
                 workers = [f.result(timeout=60) for f in worker_futures]
                 self.leader = leader_future.result(timeout=60)
             finally:
                 for p in pools:
                     p.shutdown(wait=False)
+            if moves:
+                self.kv_cache_manager = kv_cache_manager_for(
+                    self.pool, leader_args.kv_cache_config, **manager_kw)
             for r, worker in zip(local_ranks, workers, strict=True):
                 model = KvModel(**model_kwargs(cfg, r))
                 pool = torch.zeros(model.pool_shape(cfg.num_gpu_blocks),

@@ -45,7 +45,8 @@ from typing import Any
 
 import zmq
 
-from kvbm_plugin.connector.native_events import NativePublisher
+from kvbm_plugin.connector.native_events import NativePublisher, native_publisher
+from kvbm_plugin.testing.kv_events import SimKVCacheManager
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
@@ -374,3 +375,21 @@ class SimStreamingKVCacheManager:
     def shutdown(self, timeout: float = 5.0) -> None:
         if self.publisher is not None:
             self.publisher.shutdown(timeout)
+
+
+def kv_cache_manager_for(pool: Any, kv_cache_config: Any, *, event_buffer_max_size: int,
+                         dp_rank: int, dp_size: int, block_size: int
+                         ) -> SimKVCacheManager | SimStreamingKVCacheManager:
+    """The simulated engine's KV cache manager, built as ``create_py_executor`` builds it: after
+    the connector, from the ``kv_cache_config`` the connector was handed (which the leader may
+    have changed: ``connector.dynamo_streaming``). The buffered one, or TensorRT-LLM's
+    streaming one where ``kv_events_config`` is on. Called by the engine's constructor."""
+    config = kv_cache_config.kv_events_config
+    native = native_publisher({"kv_cache_config": {"kv_events_config": config}})
+    adp = dp_size > 1
+    if native is None:
+        return SimKVCacheManager(pool, event_buffer_max_size,
+                                 attention_dp_rank=dp_rank if adp else None,
+                                 attention_dp_size=dp_size)
+    return SimStreamingKVCacheManager(pool, config, native, block_size=block_size,
+                                      rank=dp_rank if adp else 0)

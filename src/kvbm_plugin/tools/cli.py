@@ -31,6 +31,32 @@ kv_connector_config:
   connector_worker_class: KvbmConnectorWorker
 """
 
+# Dynamo's STREAMING mode (``python -m dynamo.trtllm --publish-kv-events``): Dynamo relays the
+# endpoint below (rank r: port + r) under the worker's id; the plugin's consolidated output
+# binds it, TensorRT-LLM's own publisher moves (connector/dynamo_streaming.py).
+DYNAMO_STREAMING_YAML = """\
+# python -m dynamo.trtllm --publish-kv-events --extra-engine-args kvbm.yaml ...
+# with, in the worker's environment:
+#   TLLM_KV_CACHE_MANAGER_V2_BACKEND=python          (Dynamo's STREAMING mode requires it)
+#   DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT=tcp://127.0.0.1:25557
+#   DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE=passthrough (each tier under its own medium)
+backend: pytorch
+cuda_graph_config: null          # connector hooks are not captured by CUDA graphs
+kv_cache_config:
+  enable_block_reuse: true       # the connector is only offered blocks with reuse on
+  enable_partial_reuse: false    # offload and reuse work on whole blocks
+  kv_events_config:              # Dynamo subscribes here (attention-DP rank r: port + r);
+    enable_kv_cache_events: true # the consolidated output binds it, TensorRT-LLM's own
+    publisher: zmq               # publisher moves to the endpoint set above
+    endpoint: tcp://127.0.0.1:5557
+    replay_endpoint: tcp://127.0.0.1:5657  # stays TensorRT-LLM's: the consolidator's replay
+    topic: ""
+kv_connector_config:
+  connector_module: kvbm_plugin
+  connector_scheduler_class: KvbmConnectorLeader
+  connector_worker_class: KvbmConnectorWorker
+"""
+
 
 class UsageError(Exception):
     """An option has a value the command cannot use. :func:`main` prints the message (which
@@ -92,7 +118,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def _cmd_yaml(args: argparse.Namespace) -> int:
-    sys.stdout.write(ENGINE_YAML)
+    sys.stdout.write(DYNAMO_STREAMING_YAML if args.target == "dynamo-streaming" else ENGINE_YAML)
     return 0
 
 
@@ -143,6 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=help_text, add_help=False)
     yaml_cmd = sub.add_parser("yaml", help="print the engine YAML for trtllm-serve "
                               "--extra_llm_api_options")
+    yaml_cmd.add_argument("--for", dest="target", choices=("trtllm-serve", "dynamo-streaming"),
+                          default="trtllm-serve", help="dynamo-streaming: the YAML and "
+                          "environment for dynamo.trtllm's STREAMING mode, which then relays "
+                          "the consolidated output (every tier) under the worker's id")
     yaml_cmd.set_defaults(func=_cmd_yaml)
     env_cmd = sub.add_parser("env", help="print every environment variable the plugin reads")
     env_cmd.add_argument("--json", action="store_true", help="machine-readable output")

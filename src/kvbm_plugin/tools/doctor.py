@@ -12,10 +12,10 @@ from dataclasses import asdict
 from typing import Any
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.connector.dynamo_streaming import load_moved_endpoint, take_yaml_endpoint
 from kvbm_plugin.connector.native_events import (
     NativePublisher,
     gpu_source_line,
-    native_publisher,
     native_streams,
 )
 from kvbm_plugin.consolidator_config import ConfigError
@@ -359,16 +359,17 @@ def run_checks(num_ranks: int, require_trtllm: bool,
     checks: list[Check] = []
     options: Any = None
     native: NativePublisher | None = None
+    env: Any = os.environ  # with DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT: the leader's view
     if llm_api_options is not None:
         try:
             options = read_llm_api_options(llm_api_options)
-            native = native_publisher(options)
+            native, env, _ = take_yaml_endpoint(options, os.environ)
         except cc.ConfigError as exc:
             checks.append(Check("LLM-API options", "fail", str(exc)))
     host = (os.environ.get(cc.LEADER_ZMQ_HOST) or "127.0.0.1").strip()
     streams = tuple(s for r in range(num_ranks) for s in native_streams(native, r, host))
     try:
-        config = cc.load_consolidator_config(num_ranks=num_ranks, gpu_streams=streams)
+        config = cc.load_consolidator_config(env, num_ranks=num_ranks, gpu_streams=streams)
         checks.append(Check("consolidator config", "ok",
                             f"enabled={config.enabled} mode={config.mode} ranks={num_ranks}"))
     except (cc.ConfigError, PluginLoadError) as exc:
@@ -378,7 +379,8 @@ def run_checks(num_ranks: int, require_trtllm: bool,
     tiers: cc.TierSettings | None = None
     for name, loader in (("publisher settings", cc.load_publisher_settings),
                          ("tier settings", cc.load_tier_settings),
-                         ("metrics settings", cc.load_metrics_settings)):
+                         ("metrics settings", cc.load_metrics_settings),
+                         ("Dynamo STREAMING takeover", load_moved_endpoint)):
         try:
             value = loader()
             checks.append(Check(name, "ok", repr(value)))
