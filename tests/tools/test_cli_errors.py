@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -13,7 +14,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -435,12 +436,18 @@ def test_a_busy_port_is_status_1_in_every_command(command: str) -> None:
     assert port in result.stderr
 
 
-def _started(command: str, tmp_path: Path) -> tuple[list[str], dict[str, str], object]:
+def _started(command: str, tmp_path: Path, stack: ExitStack
+             ) -> tuple[list[str], dict[str, str], object]:
     """A long-running command, its environment, and when it has installed its signal
-    handlers (what it wrote or bound by then)."""
+    handlers (what it wrote, bound or connected to by then)."""
     if command == "subscribe":
+        # A listener that accepts and never answers ZMQ's greeting (nothing to subscribe to):
+        # the subscriber connects to it right after installing its handlers.
+        listener = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        listener.bind(str(tmp_path / "nobody"))
+        listener.listen()
         return (["subscribe", f"ipc://{tmp_path}/nobody"], _env(),
-                lambda proc, err: "nothing answers" in err)
+                lambda proc, err: bool(select.select([listener], [], [], 0)[0]))
     if command == "consolidate":
         return (["consolidate", "--log-level", "INFO"],
                 _env(**{cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/gpu",
@@ -457,31 +464,32 @@ def test_a_signal_ends_every_long_running_command_with_its_status(
         tmp_path: Path, command: str, signum: int, status: int) -> None:
     import selectors
 
-    args, env, ready = _started(command, tmp_path)
-    with _children_take_ctrl_c():
-        proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.tools.cli", *args],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
-    err = ""
-    try:
-        assert proc.stderr is not None
-        os.set_blocking(proc.stderr.fileno(), False)
-        selector = selectors.DefaultSelector()
-        selector.register(proc.stderr, selectors.EVENT_READ)
-        deadline = time.monotonic() + 60
-        while not ready(proc, err):
-            assert proc.poll() is None, err
-            assert time.monotonic() < deadline, err
-            if selector.select(0.05):
-                err += proc.stderr.read() or ""
-        proc.send_signal(signum)
-        assert proc.wait(timeout=60) == status
-        os.set_blocking(proc.stderr.fileno(), True)
-        err += proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with ExitStack() as stack:  # the subscriber's listener lives until the command ended
+        args, env, ready = _started(command, tmp_path, stack)
+        with _children_take_ctrl_c():
+            proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.tools.cli", *args],
+                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True)
+        err = ""
+        try:
+            assert proc.stderr is not None
+            os.set_blocking(proc.stderr.fileno(), False)
+            selector = selectors.DefaultSelector()
+            selector.register(proc.stderr, selectors.EVENT_READ)
+            deadline = time.monotonic() + 60
+            while not ready(proc, err):
+                assert proc.poll() is None, err
+                assert time.monotonic() < deadline, err
+                if selector.select(0.05):
+                    err += proc.stderr.read() or ""
+            proc.send_signal(signum)
+            assert proc.wait(timeout=60) == status
+            os.set_blocking(proc.stderr.fileno(), True)
+            err += proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert "Traceback" not in err, err
 
 
