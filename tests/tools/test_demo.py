@@ -46,7 +46,11 @@ def test_demo_with_ranks_in_processes_needs_tp() -> None:
         demo.main_demo([*SMALL, "--tp", "1", "--processes"])
 
 
-@pytest.mark.parametrize("extra", [[], ["--no-overlap", "--mode", "passthrough"]])
+# Each run starts two rank processes (seconds): the default options in the slow set. By
+# default the plain loop in passthrough mode runs here, and the overlap scheduler with dedup
+# under attention DP in tests/testing/test_attention_dp.py (and the signal tests' demo runs).
+@pytest.mark.parametrize("extra", [
+    pytest.param([], marks=pytest.mark.slow), ["--no-overlap", "--mode", "passthrough"]])
 def test_demo_under_attention_dp(capsys, extra: list[str]) -> None:
     """Every rank its own process; the router view over every rank's output agrees."""
     assert demo.main_demo([*SMALL, "--attention-dp", "2", *extra]) == 0
