@@ -240,9 +240,12 @@ def test_a_signal_whose_exception_a_finalizer_swallowed_still_ends_the_demo(
         signal.signal(signal.SIGINT, outer)
 
 
+# SIGTERM to the plain demo in the slow set: by default it ends the attention-DP demo and the
+# engines run (test_cli_operator.py, test_demo_engines.py) through the same handler.
 @pytest.mark.parametrize(("signum", "status", "line"),
                          [(signal.SIGINT, 130, "kvbm-plugin demo: interrupted"),
-                          (signal.SIGTERM, 128 + signal.SIGTERM, None)])
+                          pytest.param(signal.SIGTERM, 128 + signal.SIGTERM, None,
+                                       marks=pytest.mark.slow)])
 def test_a_signal_during_the_demo_ends_it_cleanly(tmp_path: Path, signum: int, status: int,
                                                   line: str | None) -> None:
     """Ctrl-C is one line and status 130; SIGTERM exits 143; both leave no traceback and no
