@@ -80,7 +80,7 @@ from kvbm_plugin.testing.kv_events import (
     SimKVCacheManager,
 )
 from kvbm_plugin.testing.kvmodel import BatchItems, KvModel, model_kwargs
-from kvbm_plugin.testing.processes import LocalRank, RemoteRank
+from kvbm_plugin.testing.processes import LocalRank, RemoteRank, shutdown_ranks
 from kvbm_plugin.testing.trtllm_stream import SimStreamingKVCacheManager
 
 
@@ -411,19 +411,7 @@ class SimulatedEngine:
         self._closed = True
         if self.event_reader is not None:
             self.event_reader.stop(timeout)
-        # Each rank process shuts down side by side with this process's ranks, as every rank
-        # of a deployment does in its own process (a worker's shutdown closes its shared-tier
-        # client: 1-2 s for Mooncake's); all of them before the leader, as before. The pool's
-        # threads only send the shutdown message and wait for the child.
-        with ThreadPoolExecutor(max(1, len(self.ranks)),
-                                thread_name_prefix="sim-rank-shutdown") as pool:
-            stopping = [pool.submit(rank.shutdown, timeout) for rank in self.ranks
-                        if isinstance(rank, RemoteRank)]
-            for rank in self.ranks:
-                if not isinstance(rank, RemoteRank):
-                    rank.shutdown(timeout)
-            for stopped in stopping:
-                stopped.result()
+        shutdown_ranks(self.ranks, timeout)  # every rank before the leader
         if self.leader is not None:
             self.leader.shutdown(timeout)
         if isinstance(self.kv_cache_manager, SimStreamingKVCacheManager):
