@@ -37,22 +37,23 @@ def _run(args: list[str], env: dict[str, str] | None = None,
                           timeout=timeout)
 
 
-def _run_here(args: list[str], capfd: pytest.CaptureFixture[str],
+def _run_here(args: list[str], capsys: pytest.CaptureFixture[str],
               monkeypatch: pytest.MonkeyPatch, **variables: str
               ) -> subprocess.CompletedProcess[str]:
     """``kvbm-plugin ARGS`` in this process (``cli.main``), for the demo's runtime errors: a
     CLI process of the demo spends 2 s importing torch, which this process has imported.
-    The environment as :func:`_env` makes it; stderr read at the file descriptor (what a
-    terminal would show, native libraries' lines included)."""
+    The environment as :func:`_env` makes it; stderr as ``sys.stderr`` (what the command and
+    Python's warnings write; not file descriptor 2, where a thread left by an earlier test,
+    such as a Mooncake client closing, may write)."""
     from kvbm_plugin.tools import cli
 
     for name in [k for k in os.environ if k.startswith("DYN_KVBM_")]:
         monkeypatch.delenv(name)
     for name, value in variables.items():
         monkeypatch.setenv(name, value)
-    capfd.readouterr()
+    capsys.readouterr()
     status = cli.main(args)
-    out, err = capfd.readouterr()
+    out, err = capsys.readouterr()
     return subprocess.CompletedProcess(["kvbm-plugin", *args], status, out, err)
 
 
@@ -425,24 +426,24 @@ def test_consolidate_names_its_option_not_the_variable_it_overrides() -> None:
     assert cc.EVENTS_ENDPOINT not in line
 
 
-def test_demo_without_cuda_names_the_command(capfd, monkeypatch) -> None:  # noqa: ANN001
+def test_demo_without_cuda_names_the_command(capsys, monkeypatch) -> None:  # noqa: ANN001
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    result = _run_here(["demo", "--device", "cuda", "--no-progress"], capfd, monkeypatch)
+    result = _run_here(["demo", "--device", "cuda", "--no-progress"], capsys, monkeypatch)
     line = _assert_one_line(result, 2)
     assert line.startswith("kvbm-plugin demo: --device cuda")
 
 
-def test_an_expired_demo_timeout_is_one_line_and_status_1(capfd, monkeypatch) -> None:  # noqa: ANN001
-    result = _run_here(["demo", "--no-progress", "--timeout", "0.05"], capfd, monkeypatch)
+def test_an_expired_demo_timeout_is_one_line_and_status_1(capsys, monkeypatch) -> None:  # noqa: ANN001
+    result = _run_here(["demo", "--no-progress", "--timeout", "0.05"], capsys, monkeypatch)
     line = _assert_one_line(result, 1, "--timeout 0.05")
     assert line.startswith("kvbm-plugin demo: the run did not finish")
 
 
 @pytest.mark.parametrize("command", ["demo", "consolidate", "sidecar"])
-def test_a_busy_port_is_status_1_in_every_command(command: str, capfd, monkeypatch) -> None:  # noqa: ANN001
+def test_a_busy_port_is_status_1_in_every_command(command: str, capsys, monkeypatch) -> None:  # noqa: ANN001
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))
         busy.listen()
@@ -453,7 +454,7 @@ def test_a_busy_port_is_status_1_in_every_command(command: str, capfd, monkeypat
                      "consolidate": {cc.TRTLLM_ZMQ_PORT: PORT,
                                      cc.OUTPUT_ENDPOINT: f"tcp://127.0.0.1:{port}"},
                      "sidecar": {cc.TRTLLM_ZMQ_PORT: port}}
-        result = _run_here(args[command], capfd, monkeypatch, **variables[command]) \
+        result = _run_here(args[command], capsys, monkeypatch, **variables[command]) \
             if command == "demo" else _run(args[command], _env(**variables[command]))
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode == 1, (result.returncode, result.stderr)
