@@ -122,6 +122,23 @@ def expect_errors(request: pytest.FixtureRequest) -> ErrorRecorder:
     return request.node.stash[_ERRORS_KEY]
 
 
+# The leader's idle keeper applies what completes while TensorRT-LLM's loop blocks
+# (connector/keeper.py); run_until_idle waits for it after every request wave. At the shipped
+# period (0.1 s) that is up to 0.2 s per wait, which summed to tens of seconds of idle wall time
+# over the suite; the tests run it every 10 ms. The keeper's own bound is tested at the shipped
+# period (tests/connector/test_idle_keeper.py puts it back; so does
+# tests/interop/test_demo_real_router.py, whose duration run fails at 10 ms). Engines in child
+# processes (EngineProcess, the CLI's) keep the shipped period.
+TEST_IDLE_PERIOD_S = 0.01
+
+
+@pytest.fixture(autouse=True)
+def _prompt_idle_keeper(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbm_plugin.connector_leader import KvbmConnectorLeader
+
+    monkeypatch.setattr(KvbmConnectorLeader, "IDLE_PERIOD_S", TEST_IDLE_PERIOD_S)
+
+
 @pytest.fixture
 def make_engine() -> Iterator[Any]:
     """Builds simulated engines from EngineConfig keywords; shuts each down after the test.

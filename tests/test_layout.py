@@ -7,6 +7,7 @@ inside functions alike, except those under ``if TYPE_CHECKING:``: annotations on
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -74,12 +75,17 @@ def _exists(module: str) -> bool:
     return (SRC / rel).with_suffix(".py").exists() or (SRC / rel / "__init__.py").exists()
 
 
+@functools.lru_cache(maxsize=1)
+def _parsed_graph() -> tuple[tuple[str, frozenset[str]], ...]:
+    """Every module's kvbm_plugin imports, parsed once for the tests below."""
+    return tuple((_module_name(path), frozenset(m for m in _imports(path)
+                                                if _exists(m) and m != _module_name(path)))
+                 for path in SRC.rglob("*.py"))
+
+
 def _graph() -> dict[str, set[str]]:
-    graph = {}
-    for path in SRC.rglob("*.py"):
-        name = _module_name(path)
-        graph[name] = {m for m in _imports(path) if _exists(m) and m != name}
-    return graph
+    """A fresh copy of the import graph (a test may add edges to it)."""
+    return {name: set(deps) for name, deps in _parsed_graph()}
 
 
 def _wing(module: str) -> str:

@@ -12,9 +12,18 @@ import pytest
 from _engines import prompt, tiers
 from _kvwire import wait_until
 
+from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.tiers.disk import DiskTier
 
 BOUND_S = 1.0  # the promise: at most this long after the transfer completed
+# The shipped period, read at collection (tests/conftest.py shortens it for each other test).
+SHIPPED_PERIOD_S = KvbmConnectorLeader.IDLE_PERIOD_S
+
+
+@pytest.fixture(autouse=True)
+def _the_shipped_period(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The promise is the shipped keeper's: these tests run it at its shipped period."""
+    monkeypatch.setattr(KvbmConnectorLeader, "IDLE_PERIOD_S", SHIPPED_PERIOD_S)
 
 
 class TierRecorder:

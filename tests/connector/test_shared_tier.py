@@ -465,8 +465,11 @@ def test_a_worker_whose_breaker_is_still_open_reads_what_its_leader_promised(
 
 @real_agents
 def test_the_store_going_down_leaves_the_local_tiers_and_comes_back(shared) -> None:
-    a = shared.engine()
-    b = shared.engine()
+    # The agents see the store go and come back at their renewal sweeps (every lease / 3):
+    # a 3 s lease makes that about a second each, not the default 10 s lease's 3.3 s.
+    short = {cc.SHARED_LEASE_S: "3", cc.SHARED_LOAD_MARGIN_S: "1"}
+    a = shared.engine(**short)
+    b = shared.engine(**short)
     shared.store.down = True
     system = prompt(39, 4 * BS)
     run(a, system + prompt(40, 2))  # the host tier works; every write-through fails

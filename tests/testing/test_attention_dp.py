@@ -34,8 +34,12 @@ def _prompt(rank: int, turn: int) -> list[int]:
 # Without RequestData.block_hashes (TensorRT-LLM <= 1.2.x, every KVCacheManagerV2) a rank > 0
 # learns its blocks' names from its own stream, which rank 0 publishes.
 # (processes=False: every rank's engine in this process, exchanging events in memory.)
+# Rank processes import torch (seconds each): without block hashes the ranks learn their names
+# in this process by default, and in processes in the slow set (the processes' transport runs
+# by default with block hashes, and without them in test_adp_native.py).
 @pytest.mark.parametrize(("ranks", "block_hashes", "processes"),
-                         [(2, True, True), (2, False, True), (2, True, False),
+                         [(2, True, True), (2, False, False), (2, True, False),
+                          pytest.param(2, False, True, marks=pytest.mark.slow),
                           # 4 ranks: 5 processes; the same paths as 2, in the slow set
                           pytest.param(4, True, True, marks=pytest.mark.slow)])
 def test_attention_dp_ranks_in_processes(tmp_path, ranks: int, block_hashes: bool,

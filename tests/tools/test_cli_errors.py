@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -13,7 +14,7 @@ import sys
 import textwrap
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,26 @@ def _run(args: list[str], env: dict[str, str] | None = None,
     return subprocess.run([sys.executable, "-m", "kvbm_plugin.tools.cli", *args],
                           env=_env() if env is None else env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+def _run_here(args: list[str], capsys: pytest.CaptureFixture[str],
+              monkeypatch: pytest.MonkeyPatch, **variables: str
+              ) -> subprocess.CompletedProcess[str]:
+    """``kvbm-plugin ARGS`` in this process (``cli.main``), for the demo's runtime errors: a
+    CLI process of the demo spends 2 s importing torch, which this process has imported.
+    The environment as :func:`_env` makes it; stderr as ``sys.stderr`` (what the command and
+    Python's warnings write; not file descriptor 2, where a thread left by an earlier test,
+    such as a Mooncake client closing, may write)."""
+    from kvbm_plugin.tools import cli
+
+    for name in [k for k in os.environ if k.startswith("DYN_KVBM_")]:
+        monkeypatch.delenv(name)
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    capsys.readouterr()
+    status = cli.main(args)
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(["kvbm-plugin", *args], status, out, err)
 
 
 def _assert_one_line(result: subprocess.CompletedProcess[str], status: int,
@@ -239,9 +260,12 @@ def test_a_signal_whose_exception_a_finalizer_swallowed_still_ends_the_demo(
         signal.signal(signal.SIGINT, outer)
 
 
+# SIGTERM to the plain demo in the slow set: by default it ends the attention-DP demo and the
+# engines run (test_cli_operator.py, test_demo_engines.py) through the same handler.
 @pytest.mark.parametrize(("signum", "status", "line"),
                          [(signal.SIGINT, 130, "kvbm-plugin demo: interrupted"),
-                          (signal.SIGTERM, 128 + signal.SIGTERM, None)])
+                          pytest.param(signal.SIGTERM, 128 + signal.SIGTERM, None,
+                                       marks=pytest.mark.slow)])
 def test_a_signal_during_the_demo_ends_it_cleanly(tmp_path: Path, signum: int, status: int,
                                                   line: str | None) -> None:
     """Ctrl-C is one line and status 130; SIGTERM exits 143; both leave no traceback and no
@@ -403,23 +427,24 @@ def test_consolidate_names_its_option_not_the_variable_it_overrides() -> None:
     assert cc.EVENTS_ENDPOINT not in line
 
 
-def test_demo_without_cuda_names_the_command() -> None:
+def test_demo_without_cuda_names_the_command(capsys, monkeypatch) -> None:  # noqa: ANN001
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
-    line = _assert_one_line(_run(["demo", "--device", "cuda", "--no-progress"]), 2)
+    result = _run_here(["demo", "--device", "cuda", "--no-progress"], capsys, monkeypatch)
+    line = _assert_one_line(result, 2)
     assert line.startswith("kvbm-plugin demo: --device cuda")
 
 
-def test_an_expired_demo_timeout_is_one_line_and_status_1() -> None:
-    result = _run(["demo", "--no-progress", "--timeout", "0.05"])
+def test_an_expired_demo_timeout_is_one_line_and_status_1(capsys, monkeypatch) -> None:  # noqa: ANN001
+    result = _run_here(["demo", "--no-progress", "--timeout", "0.05"], capsys, monkeypatch)
     line = _assert_one_line(result, 1, "--timeout 0.05")
     assert line.startswith("kvbm-plugin demo: the run did not finish")
 
 
 @pytest.mark.parametrize("command", ["demo", "consolidate", "sidecar"])
-def test_a_busy_port_is_status_1_in_every_command(command: str) -> None:
+def test_a_busy_port_is_status_1_in_every_command(command: str, capsys, monkeypatch) -> None:  # noqa: ANN001
     with socket.socket() as busy:
         busy.bind(("0.0.0.0", 0))
         busy.listen()
@@ -430,18 +455,25 @@ def test_a_busy_port_is_status_1_in_every_command(command: str) -> None:
                      "consolidate": {cc.TRTLLM_ZMQ_PORT: PORT,
                                      cc.OUTPUT_ENDPOINT: f"tcp://127.0.0.1:{port}"},
                      "sidecar": {cc.TRTLLM_ZMQ_PORT: port}}
-        result = _run(args[command], _env(**variables[command]))
+        result = _run_here(args[command], capsys, monkeypatch, **variables[command]) \
+            if command == "demo" else _run(args[command], _env(**variables[command]))
     assert "Traceback" not in result.stderr, result.stderr
     assert result.returncode == 1, (result.returncode, result.stderr)
     assert port in result.stderr
 
 
-def _started(command: str, tmp_path: Path) -> tuple[list[str], dict[str, str], object]:
+def _started(command: str, tmp_path: Path, stack: ExitStack
+             ) -> tuple[list[str], dict[str, str], object]:
     """A long-running command, its environment, and when it has installed its signal
-    handlers (what it wrote or bound by then)."""
+    handlers (what it wrote, bound or connected to by then)."""
     if command == "subscribe":
+        # A listener that accepts and never answers ZMQ's greeting (nothing to subscribe to):
+        # the subscriber connects to it right after installing its handlers.
+        listener = stack.enter_context(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM))
+        listener.bind(str(tmp_path / "nobody"))
+        listener.listen()
         return (["subscribe", f"ipc://{tmp_path}/nobody"], _env(),
-                lambda proc, err: "nothing answers" in err)
+                lambda proc, err: bool(select.select([listener], [], [], 0)[0]))
     if command == "consolidate":
         return (["consolidate", "--log-level", "INFO"],
                 _env(**{cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/gpu",
@@ -458,31 +490,32 @@ def test_a_signal_ends_every_long_running_command_with_its_status(
         tmp_path: Path, command: str, signum: int, status: int) -> None:
     import selectors
 
-    args, env, ready = _started(command, tmp_path)
-    with _children_take_ctrl_c():
-        proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.tools.cli", *args],
-                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True)
-    err = ""
-    try:
-        assert proc.stderr is not None
-        os.set_blocking(proc.stderr.fileno(), False)
-        selector = selectors.DefaultSelector()
-        selector.register(proc.stderr, selectors.EVENT_READ)
-        deadline = time.monotonic() + 60
-        while not ready(proc, err):
-            assert proc.poll() is None, err
-            assert time.monotonic() < deadline, err
-            if selector.select(0.05):
-                err += proc.stderr.read() or ""
-        proc.send_signal(signum)
-        assert proc.wait(timeout=60) == status
-        os.set_blocking(proc.stderr.fileno(), True)
-        err += proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with ExitStack() as stack:  # the subscriber's listener lives until the command ended
+        args, env, ready = _started(command, tmp_path, stack)
+        with _children_take_ctrl_c():
+            proc = subprocess.Popen([sys.executable, "-m", "kvbm_plugin.tools.cli", *args],
+                                    env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                    text=True)
+        err = ""
+        try:
+            assert proc.stderr is not None
+            os.set_blocking(proc.stderr.fileno(), False)
+            selector = selectors.DefaultSelector()
+            selector.register(proc.stderr, selectors.EVENT_READ)
+            deadline = time.monotonic() + 60
+            while not ready(proc, err):
+                assert proc.poll() is None, err
+                assert time.monotonic() < deadline, err
+                if selector.select(0.05):
+                    err += proc.stderr.read() or ""
+            proc.send_signal(signum)
+            assert proc.wait(timeout=60) == status
+            os.set_blocking(proc.stderr.fileno(), True)
+            err += proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     assert "Traceback" not in err, err
 
 

@@ -25,6 +25,7 @@ def test_demo_passes_and_reports_every_tier(capsys) -> None:
                  "suppressed by dedup", "gaps / losses", "subscriber view"):
         assert line in out
     assert "0 gaps, 0 batches lost" in out
+    assert "overlap scheduler" in out  # the default loop
 
 
 def test_demo_passthrough_mode(capsys) -> None:
@@ -32,23 +33,24 @@ def test_demo_passthrough_mode(capsys) -> None:
     assert "suppressed by dedup         0 of" in capsys.readouterr().out
 
 
-def test_demo_runs_the_overlap_scheduler_by_default_and_the_plain_loop_on_request(capsys) -> None:
-    assert demo.main_demo(SMALL) == 0
-    assert "overlap scheduler" in capsys.readouterr().out
+def test_demo_runs_the_plain_loop_on_request(capsys) -> None:
+    # (The overlap scheduler by default: test_demo_passes_and_reports_every_tier.)
     assert demo.main_demo([*SMALL, "--no-overlap"]) == 0
     out = capsys.readouterr().out
     assert "plain scheduler" in out and "all checks passed" in out
 
 
-def test_demo_with_ranks_in_processes(capsys) -> None:
-    assert demo.main_demo([*SMALL, "--tp", "2", "--processes"]) == 0
-    out = capsys.readouterr().out
-    assert "TP=2 (rank processes)" in out and "all checks passed" in out
+def test_demo_with_ranks_in_processes_needs_tp() -> None:
+    # (A run with rank processes: test_rank_processes_pass_and_print_no_numpy_warning.)
     with pytest.raises(UsageError, match="--processes needs --tp > 1"):
         demo.main_demo([*SMALL, "--tp", "1", "--processes"])
 
 
-@pytest.mark.parametrize("extra", [[], ["--no-overlap", "--mode", "passthrough"]])
+# Each run starts two rank processes (seconds): the default options in the slow set. By
+# default the plain loop in passthrough mode runs here, and the overlap scheduler with dedup
+# under attention DP in tests/testing/test_attention_dp.py (and the signal tests' demo runs).
+@pytest.mark.parametrize("extra", [
+    pytest.param([], marks=pytest.mark.slow), ["--no-overlap", "--mode", "passthrough"]])
 def test_demo_under_attention_dp(capsys, extra: list[str]) -> None:
     """Every rank its own process; the router view over every rank's output agrees."""
     assert demo.main_demo([*SMALL, "--attention-dp", "2", *extra]) == 0
@@ -263,13 +265,18 @@ def test_the_demo_names_every_plugin_variable_it_ignores(tmp_path) -> None:
         "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR"]
 
 
-def test_rank_processes_print_no_numpy_warning() -> None:
+def test_rank_processes_pass_and_print_no_numpy_warning() -> None:
+    """The CLI's demo with rank processes (each importing torch, which warns without NumPy
+    unless the CLI's filter reaches the children)."""
     import subprocess
 
     result = subprocess.run([sys.executable, "-m", "kvbm_plugin.tools.cli", "demo", *SMALL,
-                             "--processes"], capture_output=True, text=True, timeout=300)
+                             "--tp", "2", "--processes"], capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stderr
     assert "NumPy" not in result.stderr, result.stderr
+    assert "TP=2 (rank processes)" in result.stdout, result.stdout
+    assert "all checks passed" in result.stdout, result.stdout
 
 
 def test_demo_help_shows_every_default() -> None:

@@ -66,6 +66,9 @@ def _cli(tmp_path, *args: str, **kw):  # noqa: ANN001, ANN002, ANN003, ANN202
                             **kw)
 
 
+# A whole engines run (about 15 s): in the slow set. The default run's signal test below
+# holds the engines' stderr to the same nothing while they start and serve.
+@pytest.mark.slow
 def test_a_passing_engines_run_writes_nothing_on_stderr(tmp_path) -> None:  # noqa: ANN001
     """No glog line of Mooncake's, no warning of torch's from the engine processes: their
     stderr goes to a log file in the run's temp dir, shown only when the run fails."""
@@ -104,7 +107,10 @@ def test_the_engines_run_ends_promptly_on_a_signal(tmp_path, signum: str) -> Non
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    assert "Traceback" not in err, err
+    # Nothing at all: no traceback, and no glog line of Mooncake's or warning of torch's
+    # from the engine processes while they started and served (their stderr goes to a log
+    # file in the run's temp dir); SIGINT adds the one line that says so.
+    assert err == ("kvbm-plugin demo: interrupted\n" if sig == signal.SIGINT else ""), err
     assert proc.returncode == 128 + sig, err
     assert took < 5, f"{took:.1f} s from the signal to the exit (before: 11-12 s)"
     assert not list(tmp_path.glob("kvbm-*"))

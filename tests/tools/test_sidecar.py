@@ -53,7 +53,9 @@ class FakeServe:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # shutdown() returns at serve_forever's next poll (0.5 s by default): poll often.
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.01,),
+                                       daemon=True)
         self.thread.start()
 
     def push(self, *events: dict[str, Any]) -> None:
@@ -191,7 +193,7 @@ def test_sidecar_survives_a_truncated_response() -> None:
             return None
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Truncating)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
     thread.start()
     try:
         config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port()),
@@ -292,7 +294,7 @@ def test_sidecar_gives_up_on_a_status_no_retry_can_change(status: int, gives_up:
             return None
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port()),

@@ -4,8 +4,8 @@ The parent's side of every simulated process: a TP rank (:mod:`.processes`), an 
 rank (:mod:`.adp`) and a whole engine (:mod:`.engine_process`). The child function gets its end
 of the pipe first, sends ``("ok", value)`` or ``("error", text)`` for each message, and stops
 on its shutdown message. ``multiprocessing``'s spawn start method: the child inherits nothing.
-Called from one parent thread (the engine's executor thread, or the test's); no thread of its
-own.
+Called from one parent thread at a time (the engine's executor thread, or the test's; a
+rank's shutdown from a thread of the engine's shutdown); no thread of its own.
 
 Ctrl-C belongs to the parent: a terminal sends SIGINT to the whole foreground process group,
 and a child that died of it mid-call would leave the parent's clean-up talking to a dead pipe

@@ -79,7 +79,7 @@ from kvbm_plugin.testing.kv_events import (
     SimKVCacheManager,
 )
 from kvbm_plugin.testing.kvmodel import BatchItems, KvModel, model_kwargs
-from kvbm_plugin.testing.processes import LocalRank, RemoteRank
+from kvbm_plugin.testing.processes import LocalRank, RemoteRank, shutdown_ranks
 from kvbm_plugin.testing.trtllm_stream import SimStreamingKVCacheManager, kv_cache_manager_for
 
 
@@ -412,8 +412,7 @@ class SimulatedEngine:
         self._closed = True
         if self.event_reader is not None:
             self.event_reader.stop(timeout)
-        for rank in self.ranks:
-            rank.shutdown(timeout)
+        shutdown_ranks(self.ranks, timeout)  # every rank before the leader
         if self.leader is not None:
             self.leader.shutdown(timeout)
         if isinstance(self.kv_cache_manager, SimStreamingKVCacheManager):

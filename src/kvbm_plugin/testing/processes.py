@@ -163,6 +163,21 @@ class RemoteRank(ChildProcess):
         self.stop(("shutdown", timeout), timeout + 5)
 
 
+def shutdown_ranks(ranks: list[LocalRank | RemoteRank], timeout: float) -> None:
+    """An engine's shutdown of its ranks (the engine's executor thread): each rank process
+    shuts down side by side with the in-process ranks, as every rank of a deployment does in
+    its own process (a worker's shutdown closes its shared-tier client: 1-2 s for Mooncake's).
+    The pool's threads only send the shutdown message and wait for the child."""
+    with ThreadPoolExecutor(max(1, len(ranks)), thread_name_prefix="sim-rank-shutdown") as pool:
+        stopping = [pool.submit(rank.shutdown, timeout) for rank in ranks
+                    if isinstance(rank, RemoteRank)]
+        for rank in ranks:
+            if not isinstance(rank, RemoteRank):
+                rank.shutdown(timeout)
+        for stopped in stopping:
+            stopped.result()
+
+
 def _rank_main(conn: Any, llm_args: Any, model_kwargs: dict[str, Any], num_blocks: int) -> None:
     """Child process: TRT-LLM's per-rank bring-up (worker on a 2-thread pool, the forward-pass
     callable, ``register_kv_caches``), then one request per message until shutdown."""

@@ -248,6 +248,12 @@ def test_a_fingerprint_is_the_sha1_redis_compares() -> None:
         ctypes.string_at(buf.data_ptr(), buf.numel())).hexdigest()
 
 
+# Mooncake's runs in the slow set (three clients, each closing in 1-2 s with the GIL held):
+# by default its read of another size is test_mooncake_store's, and Mooncake's refusals and
+# removal are the two tests above.
+@pytest.mark.parametrize("two_engines", ["memory", "redis",
+                                         pytest.param("mooncake", marks=pytest.mark.slow)],
+                         indirect=True)
 @pytest.mark.parametrize("extra", [-frame.HEADER_BYTES, 100], ids=["page-only", "longer"])
 def test_an_object_of_another_size_is_not_loaded_and_is_removed_for_the_next_write(
         two_engines: Any, extra: int, expect_errors: Any) -> None:
