@@ -14,11 +14,16 @@ iteration's offloads of a several-group model must have read their pages before 
 forward writes into a page handed to another request: ``wait_for_save`` (executor thread)
 waits until the transfer thread has *issued* them (on CUDA: enqueued on the side stream; the
 forward stream then waits for them on the device, no host sync; on CPU the copy itself),
-at most ``OP_TIMEOUT_S``. One-group models never wait.
+at most ``ISSUE_TIMEOUT_S``. One-group models never wait. A save job that wait gave up on
+is never issued: its saves fail (counted, ``saves_abandoned``; its demotions, which read host
+slots only, still run), since by the time the transfer thread reached it the pages may hold
+another request's KV. Whether the transfer thread or the executor thread decides first is
+settled under the worker's lock (a job claimed for issue is waited for once more).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -26,6 +31,7 @@ from typing import Any
 
 from kvbm_plugin.connector.layer_group_copies import GroupPages
 from kvbm_plugin.connector.layer_groups import publish_group_windows
+from kvbm_plugin.connector.meta import ERR_FAILED
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +53,8 @@ class LayerGroupWorker:
     _disk_stream: Any
     _side_stream: Any
     _disk_staging: Any
+    _lock: Any
+    _stats: dict[str, int]
 
     def register_kv_cache_layout(self, layout: Any) -> None:
         """Called once per rank (main thread, before the first iteration) by TensorRT-LLM
@@ -70,6 +78,8 @@ class LayerGroupWorker:
                              f"{sum(len(g.regions) for g in layout.groups)} regions yet; "
                              "unset DYN_KVBM_SHARED_TIER")
         io = self._groups_io = GroupPages(layout)
+        with self._lock:
+            self._stats.setdefault("saves_abandoned", 0)
         first = io.segments[0].region
         self._pool = first  # bring-up done (its blocks are never addressed: see _group_copies)
         self._pool_blocks = ()
@@ -123,8 +133,28 @@ class LayerGroupWorker:
     # ------------------------------------------------------------------ the issue barrier
 
     def _issue_barrier(self) -> list[Any] | None:
-        """A box the transfer thread fills when a save job is issued (several groups only)."""
-        return [threading.Event(), None] if self._groups_io is not None else None
+        """A box the transfer thread fills when a save job is issued (several groups only):
+        [issued, side-stream event, state: "pending" | "claimed" | "abandoned"]."""
+        return [threading.Event(), None, "pending"] if self._groups_io is not None else None
+
+    def _claim(self, meta: Any, box: list[Any] | None) -> Any:
+        """Transfer thread, before a save job: the job to run. One wait_for_save gave up on
+        (abandoned) keeps its demotions only; its saves are failed here, unread."""
+        if box is None:
+            return meta
+        with self._lock:
+            abandoned = box[2] == "abandoned"
+            if not abandoned:
+                box[2] = "claimed"
+        if not abandoned:
+            return meta
+        for op in meta.saves:
+            self._report(op.op_id, False, ERR_FAILED)  # type: ignore[attr-defined]
+            self._save_terminal(op.req_id)  # type: ignore[attr-defined]
+        for op in meta.shared_saves:
+            self._report(op.op_id, False, ERR_FAILED)  # type: ignore[attr-defined]
+        self._count(saves_abandoned=len(meta.saves))  # type: ignore[attr-defined]
+        return dataclasses.replace(meta, saves=(), shared_saves=())
 
     def _issued(self, box: list[Any] | None) -> None:
         """Transfer thread, after a save job's copies were issued: on CUDA record where the
@@ -146,9 +176,15 @@ class LayerGroupWorker:
         if box is None:
             return
         if not box[0].wait(ISSUE_TIMEOUT_S):
-            logger.error("rank %d: a several-group save was not issued within %.0f s",
-                         self._rank, ISSUE_TIMEOUT_S)
-            return
+            with self._lock:
+                claimed = box[2] == "claimed"
+                if not claimed:
+                    box[2] = "abandoned"
+            if not claimed or not box[0].wait(ISSUE_TIMEOUT_S):
+                logger.error("rank %d: a several-group save was not issued within %.1f s; "
+                             "%s", self._rank, ISSUE_TIMEOUT_S, "its saves fail" if not claimed
+                             else "its pages may be rewritten before it reads them")
+                return
         if box[1] is not None:
             import torch
 
