@@ -102,3 +102,40 @@ def test_a_save_issued_in_time_is_stored_byte_exact(two_groups: Any) -> None:
     assert host.keys[0] == 99
     assert torch.equal(host.pool[0], expected)  # type: ignore[attr-defined]
     assert worker.stats()["saves_abandoned"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_disk_load_into_a_page_waits_for_an_earlier_save_of_it() -> None:
+    """CUDA: an earlier iteration's save of sliding page 2 still waits on the side stream
+    (behind other copies: a sleep here) when the window hands page 2 to another request
+    whose disk load writes it on the disk stream. The save must read block 99's bytes, not
+    the load's."""
+    group = "issue-barrier-cuda"
+    open_hub(group)
+    args = LlmArgs(KvCacheConfig(BS, max_attention_window=[8, 4096]), ParallelConfig(0, 1),
+                   kvbm_plugin_env=tiers(host=8), kvbm_plugin_group=group)
+    worker = KvbmConnectorWorker(args)
+    full = torch.arange(8 * 16, dtype=torch.float32, device="cuda").reshape(8, 16)
+    sliding = torch.arange(8 * 8, dtype=torch.float32, device="cuda").reshape(8, 8) + 5000
+    try:
+        worker.register_kv_cache_layout(KvCacheLayout(BS, (
+            KvCacheLayerGroupLayout(0, (1,), None, (KvCacheRegion.over(
+                full, (KvCacheBufferRef(1, "key"),)),)),
+            KvCacheLayerGroupLayout(1, (0,), 8, (KvCacheRegion.over(
+                sliding, (KvCacheBufferRef(0, "key"),)),)))))
+        expected = sliding[2].view(torch.uint8).cpu()
+        with torch.cuda.stream(worker._side_stream):  # noqa: SLF001
+            torch.cuda._sleep(int(1e9))  # copies queued ahead of the save
+        worker.bind_connector_meta(ConnectorMetadata(
+            1, TierLayout(8, 0, None), saves=(SaveOp(1, 7, 3, HOST, 0, 99, pages=(3, 2)),)))
+        worker.wait_for_save(None)
+        staging = torch.full((worker._groups_io.block_bytes,), 7,  # noqa: SLF001
+                             dtype=torch.uint8).pin_memory()
+        assert worker._group_staging_to_device(staging, (5, 2), 30.0)  # noqa: SLF001
+        _finished(worker, [7])
+        host = worker._host  # noqa: SLF001
+        assert host.keys[0] == 99
+        assert torch.equal(host.pool[0][16 * 4:], expected)  # type: ignore[attr-defined]
+    finally:
+        worker.shutdown()
+        close_hub(group)

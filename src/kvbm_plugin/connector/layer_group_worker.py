@@ -108,7 +108,11 @@ class LayerGroupWorker:
     def _group_staging_to_device(self, staging: Any, pages: tuple[int, ...],
                                  timeout: float) -> bool:
         """Disk staging → every group's live page of a block; on CUDA waited for on this
-        (disk) thread, at most ``timeout`` s: the staging buffer is reused by the next read."""
+        (disk) thread, at most ``timeout`` s: the staging buffer is reused by the next read.
+        On CUDA the disk stream first waits for what the side stream holds now: a sliding
+        page can come back to another request (this load) while an earlier iteration's save
+        of it still waits there, behind the forward or other copies; the save was issued
+        before this load reached the disk thread (job order), so it reads the page first."""
         io = self._groups_io
         assert io is not None
         if not self._cuda:
@@ -117,6 +121,7 @@ class LayerGroupWorker:
         import torch
 
         with torch.cuda.stream(self._disk_stream):
+            self._disk_stream.wait_stream(self._side_stream)
             io.scatter(staging, pages, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._disk_stream)
