@@ -22,6 +22,7 @@ once from ``register_kv_cache_layout`` (main thread).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,15 @@ class GroupPages:
         self.num_slots = min(int(r.num_slots) for g in groups for r in g.regions)
         self.last_layer = max(layer for g in groups for layer in g.layer_ids)
         self.device = segments[0].region.device
+        # What a tier slot's bytes mean, for the disk header: every group's window and, per
+        # region in slot order, its size and buffers (layer, role) in memory order. The
+        # distinct windows alone do not say it: [8, 4096, 4096, 8, 8, 4096] and [8, 4096]
+        # have the same windows and slot size but different layers in each group.
+        described = repr([(g.window_size, [(int(r.size), [(int(b.layer_id), str(b.role))
+                                                          for b in r.buffers])
+                                           for r in g.regions]) for g in groups])
+        self.identity = ";groups=" + hashlib.blake2b(described.encode(),
+                                                     digest_size=12).hexdigest()
 
     def describe(self) -> str:
         return ", ".join(f"group {g}: window {w or 'full'}, {b} B/page"

@@ -55,6 +55,7 @@ class LayerGroupWorker:
     _disk_staging: Any
     _lock: Any
     _stats: dict[str, int]
+    _disk_identity: str
 
     def register_kv_cache_layout(self, layout: Any) -> None:
         """Called once per rank (main thread, before the first iteration) by TensorRT-LLM
@@ -78,6 +79,7 @@ class LayerGroupWorker:
                              f"{sum(len(g.regions) for g in layout.groups)} regions yet; "
                              "unset DYN_KVBM_SHARED_TIER")
         io = self._groups_io = GroupPages(layout)
+        self._disk_identity += io.identity  # read when the disk tier opens (_apply_layout)
         with self._lock:
             self._stats.setdefault("saves_abandoned", 0)
         first = io.segments[0].region
