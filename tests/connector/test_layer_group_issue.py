@@ -139,3 +139,20 @@ def test_a_disk_load_into_a_page_waits_for_an_earlier_save_of_it() -> None:
     finally:
         worker.shutdown()
         close_hub(group)
+
+
+def test_a_save_naming_a_page_past_its_groups_pool_fails_whole(two_groups: Any,
+                                                                expect_errors: Any) -> None:
+    """A page index past a group's pool (8 pages here) addresses nothing: the save fails and
+    the slot is not stored under the block's key (before: that group's segment was skipped,
+    the rest copied, and the slot stored as block 99 with one group's bytes missing)."""
+    worker, full, sliding = two_groups
+    worker.bind_connector_meta(ConnectorMetadata(
+        1, TierLayout(8, 0, None), saves=(SaveOp(1, 7, 3, HOST, 0, 99, pages=(3, 8)),
+                                          SaveOp(2, 7, 4, HOST, 1, 98, pages=(4, 1)))))
+    worker.wait_for_save(None)
+    _finished(worker, [7])
+    host = worker._host  # noqa: SLF001
+    assert host.keys[0] is None and host.keys[1] == 98  # the good one still goes
+    assert worker.stats()["ops_failed"] == 1
+    assert any("page 8 of layer group 1" in m for m in expect_errors.messages())

@@ -99,6 +99,15 @@ class GroupPages:
         page = pages[seg.group] if seg.group < len(pages) else -1
         return page if 0 <= page < seg.region.shape[0] else None
 
+    def bad_page(self, pages: Sequence[int]) -> tuple[int, int] | None:
+        """(group, page) of the first page of a save that addresses no page of its group's
+        pool (a save reads every group's page: -1 or past the pool is never valid there)."""
+        for seg in self.segments:
+            page = pages[seg.group] if seg.group < len(pages) else -1
+            if not 0 <= page < seg.region.shape[0]:
+                return seg.group, page
+        return None
+
     def save_pairs(self, pages: Sequence[int], slot: torch.Tensor) -> list[tuple[Any, Any]]:
         """(dst, src) copies of a block's live pages into tier slot ``slot`` (1-D bytes)."""
         out = []

@@ -29,11 +29,13 @@ import threading
 import time
 from typing import Any
 
+from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector.layer_group_copies import GroupPages
 from kvbm_plugin.connector.layer_groups import publish_group_windows
 from kvbm_plugin.connector.meta import ERR_FAILED
 
 logger = logging.getLogger(__name__)
+_log = RateLimitedLog(logger)
 
 ISSUE_TIMEOUT_S = 60.0  # the longest wait_for_save waits for a several-group save's issue
 
@@ -146,22 +148,38 @@ class LayerGroupWorker:
 
     def _claim(self, meta: Any, box: list[Any] | None) -> Any:
         """Transfer thread, before a save job: the job to run. One wait_for_save gave up on
-        (abandoned) keeps its demotions only; its saves are failed here, unread."""
+        (abandoned) keeps its demotions only; its saves are failed here, unread. A save
+        naming a page its group's pool does not have fails alone (a slot missing a group's
+        bytes must never be stored under the block's key)."""
         if box is None:
             return meta
         with self._lock:
             abandoned = box[2] == "abandoned"
             if not abandoned:
                 box[2] = "claimed"
-        if not abandoned:
-            return meta
+        io = self._groups_io
+        assert io is not None
+        failed = []
         for op in meta.saves:
+            bad = None if abandoned else io.bad_page(op.pages or (op.device_block,))
+            if abandoned or bad is not None:
+                failed.append(op)
+            if bad is not None:
+                _log.log(logging.ERROR, f"bad-page-{self._rank}", "rank %d: a save of block %d "
+                         "names page %d of layer group %d, outside its pool: failed",
+                         self._rank, op.key, bad[1], bad[0])
+        if not failed:
+            return meta
+        for op in failed:
             self._report(op.op_id, False, ERR_FAILED)  # type: ignore[attr-defined]
             self._save_terminal(op.req_id)  # type: ignore[attr-defined]
-        for op in meta.shared_saves:
+        for op in meta.shared_saves if abandoned else ():
             self._report(op.op_id, False, ERR_FAILED)  # type: ignore[attr-defined]
-        self._count(saves_abandoned=len(meta.saves))  # type: ignore[attr-defined]
-        return dataclasses.replace(meta, saves=(), shared_saves=())
+        if abandoned:
+            self._count(saves_abandoned=len(meta.saves))  # type: ignore[attr-defined]
+            return dataclasses.replace(meta, saves=(), shared_saves=())
+        return dataclasses.replace(meta, saves=tuple(op for op in meta.saves
+                                                     if op not in failed))
 
     def _issued(self, box: list[Any] | None) -> None:
         """Transfer thread, after a save job's copies were issued: on CUDA record where the
