@@ -169,7 +169,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         # TRT-LLM's own streaming publisher: no second GPU-tier stream; its own is consolidated.
         # DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT: output at the YAML's endpoint (Dynamo)
         self._native, self._env, moved = take_yaml_endpoint(
-            llm_args, self._env, self._par.attention_dp)
+            llm_args, self._env, self._par.attention_dp, self._par.dp_size)
         self._naming.salt_blind = self._native is not None  # its stream carries no salt
         self._native_feed = _native.NativeNameFeed()  # its stored blocks: the tiers' names
         self._native_forms = EngineForms()  # each upstream form's fields, made the core's

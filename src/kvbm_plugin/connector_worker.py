@@ -487,8 +487,8 @@ class KvbmConnectorWorker(DiskJobs, LoadErrors, LayerGroupWorker,  # type: ignor
                     if job[0] == "load":
                         self._run_loads(job[1])
                     elif job[0] == "save":
-                        try:
-                            self._run_saves(job[1], job[2])
+                        try:  # (a save wait_for_save gave up on: its saves fail)
+                            self._run_saves(self._claim(job[1], job[3]), job[2])
                         finally:
                             self._issued(job[3])
                 except Exception:  # never lose the thread; the job's ops were failed inside

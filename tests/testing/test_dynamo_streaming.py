@@ -233,3 +233,25 @@ def test_doctor_checks_the_endpoints_the_leader_will_bind_when_it_moves_trtllm(
     main_doctor(["--json", "--llm-api-options", str(options)])
     failed = [c for c in json.loads(capsys.readouterr().out) if c["status"] == "fail"]
     assert any(cc.TRTLLM_MOVED_ENDPOINT in c["detail"] for c in failed), failed
+
+
+@pytest.mark.parametrize("moved,why", [
+    ("tcp://127.0.0.1:5558", "Dynamo's rank 1"),   # TRT-LLM rank 0 would take Dynamo's rank 1
+    ("tcp://127.0.0.1:5556", "Dynamo's rank 0"),   # TRT-LLM rank 1 would take Dynamo's rank 0
+    ("tcp://*:5656", "replay_endpoint"),           # TRT-LLM rank 1 on TRT-LLM rank 0's replay
+])
+def test_under_attention_dp_a_moved_range_overlapping_the_yamls_is_refused(
+        moved: str, why: str) -> None:
+    """Rank r binds base + r for every endpoint, so under attention DP the moved endpoint's
+    ports must not meet the YAML's for any rank: TensorRT-LLM's rank 0 on Dynamo's rank 1
+    port would have Dynamo relay rank 0's GPU-only stream as rank 1's (or fail a bind)."""
+    args = _args(replay_endpoint="tcp://*:5657")
+    with pytest.raises(cc.ConfigError) as info:
+        take_yaml_endpoint(args, {cc.TRTLLM_MOVED_ENDPOINT: moved}, attention_dp=True,
+                           dp_size=2)
+    assert cc.TRTLLM_MOVED_ENDPOINT in str(info.value) and why in str(info.value)
+    # one rank, or ports apart, is fine
+    for ok, dp_size in ((moved, 1), ("tcp://127.0.0.1:5559", 2), ("ipc:///run/trt", 2)):
+        assert take_yaml_endpoint(_args(replay_endpoint="tcp://*:5657"),
+                                  {cc.TRTLLM_MOVED_ENDPOINT: ok}, attention_dp=dp_size > 1,
+                                  dp_size=dp_size)[2] is not None

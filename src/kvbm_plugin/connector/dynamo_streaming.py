@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvbm_plugin.connector.native_events import (
+    _WILDCARDS,
     FIELD,
     NativePublisher,
     native_publisher,
@@ -89,7 +90,22 @@ def _with_endpoint(config: Any, endpoint: str) -> Any:
     return moved
 
 
-def take_yaml_endpoint(llm_args: Any, env: Mapping[str, str], attention_dp: bool = False
+def _overlap(moved: str, other: str, ranks: int) -> int | None:
+    """The first rank of ``other`` (tcp, rank r at port + r) whose port one of ``moved``'s
+    ``ranks`` ranks also binds on a host both reach (the same, or either a wildcard)."""
+    if not (moved.startswith("tcp://") and other.startswith("tcp://")):
+        return None
+    host_a, _, port_a = moved[len("tcp://"):].rpartition(":")
+    host_b, _, port_b = other[len("tcp://"):].rpartition(":")
+    if host_a != host_b and host_a not in _WILDCARDS and host_b not in _WILDCARDS:
+        return None
+    first = int(port_b)
+    hit = set(range(int(port_a), int(port_a) + ranks)) & set(range(first, first + ranks))
+    return min(hit) - first if hit else None
+
+
+def take_yaml_endpoint(llm_args: Any, env: Mapping[str, str], attention_dp: bool = False,
+                       dp_size: int = 1
                        ) -> tuple[NativePublisher | None, Mapping[str, str], str | None]:
     """TensorRT-LLM's publisher as this leader will read it, the settings the leader then
     loads its consolidator from, and a start-up line (None when nothing is moved).
@@ -124,6 +140,16 @@ def take_yaml_endpoint(llm_args: Any, env: Mapping[str, str], attention_dp: bool
                           "tcp:// endpoint")
     if moved in (native.endpoint, native.replay_endpoint):
         raise ConfigError(f"{where} is an endpoint {FIELD} already names")
+    ranks = dp_size if attention_dp else 1  # rank r binds every endpoint's base + r
+    for name, other, whose in (("endpoint", native.endpoint, "Dynamo's rank"),
+                               ("replay_endpoint", native.replay_endpoint,
+                                f"{FIELD}.replay_endpoint of rank")):
+        rank = _overlap(moved, other, ranks) if other else None
+        if rank is not None:
+            raise ConfigError(f"{where}: with {ranks} attention-DP ranks (each at the base port "
+                              f"+ its rank) TensorRT-LLM's moved publisher would bind a port "
+                              f"of {FIELD}.{name}={other!r}, {whose} {rank}'s; move it at "
+                              f"least {ranks} ports away")
     topic = (env.get(TOPIC) or "").strip() or None  # set by the operator, not the default
     if topic is not None and not topic.startswith(native.topic):
         raise ConfigError(f"{TOPIC}={topic!r} does not start with {FIELD}.topic="

@@ -22,6 +22,7 @@ once from ``register_kv_cache_layout`` (main thread).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,15 @@ class GroupPages:
         self.num_slots = min(int(r.num_slots) for g in groups for r in g.regions)
         self.last_layer = max(layer for g in groups for layer in g.layer_ids)
         self.device = segments[0].region.device
+        # What a tier slot's bytes mean, for the disk header: every group's window and, per
+        # region in slot order, its size and buffers (layer, role) in memory order. The
+        # distinct windows alone do not say it: [8, 4096, 4096, 8, 8, 4096] and [8, 4096]
+        # have the same windows and slot size but different layers in each group.
+        described = repr([(g.window_size, [(int(r.size), [(int(b.layer_id), str(b.role))
+                                                          for b in r.buffers])
+                                           for r in g.regions]) for g in groups])
+        self.identity = ";groups=" + hashlib.blake2b(described.encode(),
+                                                     digest_size=12).hexdigest()
 
     def describe(self) -> str:
         return ", ".join(f"group {g}: window {w or 'full'}, {b} B/page"
@@ -88,6 +98,15 @@ class GroupPages:
     def _valid(self, pages: Sequence[int], seg: _Segment) -> int | None:
         page = pages[seg.group] if seg.group < len(pages) else -1
         return page if 0 <= page < seg.region.shape[0] else None
+
+    def bad_page(self, pages: Sequence[int]) -> tuple[int, int] | None:
+        """(group, page) of the first page of a save that addresses no page of its group's
+        pool (a save reads every group's page: -1 or past the pool is never valid there)."""
+        for seg in self.segments:
+            page = pages[seg.group] if seg.group < len(pages) else -1
+            if not 0 <= page < seg.region.shape[0]:
+                return seg.group, page
+        return None
 
     def save_pairs(self, pages: Sequence[int], slot: torch.Tensor) -> list[tuple[Any, Any]]:
         """(dst, src) copies of a block's live pages into tier slot ``slot`` (1-D bytes)."""

@@ -14,20 +14,28 @@ iteration's offloads of a several-group model must have read their pages before 
 forward writes into a page handed to another request: ``wait_for_save`` (executor thread)
 waits until the transfer thread has *issued* them (on CUDA: enqueued on the side stream; the
 forward stream then waits for them on the device, no host sync; on CPU the copy itself),
-at most ``OP_TIMEOUT_S``. One-group models never wait.
+at most ``ISSUE_TIMEOUT_S``. One-group models never wait. A save job that wait gave up on
+is never issued: its saves fail (counted, ``saves_abandoned``; its demotions, which read host
+slots only, still run), since by the time the transfer thread reached it the pages may hold
+another request's KV. Whether the transfer thread or the executor thread decides first is
+settled under the worker's lock (a job claimed for issue is waited for once more).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
 from typing import Any
 
+from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector.layer_group_copies import GroupPages
 from kvbm_plugin.connector.layer_groups import publish_group_windows
+from kvbm_plugin.connector.meta import ERR_FAILED
 
 logger = logging.getLogger(__name__)
+_log = RateLimitedLog(logger)
 
 ISSUE_TIMEOUT_S = 60.0  # the longest wait_for_save waits for a several-group save's issue
 
@@ -47,6 +55,9 @@ class LayerGroupWorker:
     _disk_stream: Any
     _side_stream: Any
     _disk_staging: Any
+    _lock: Any
+    _stats: dict[str, int]
+    _disk_identity: str
 
     def register_kv_cache_layout(self, layout: Any) -> None:
         """Called once per rank (main thread, before the first iteration) by TensorRT-LLM
@@ -70,6 +81,9 @@ class LayerGroupWorker:
                              f"{sum(len(g.regions) for g in layout.groups)} regions yet; "
                              "unset DYN_KVBM_SHARED_TIER")
         io = self._groups_io = GroupPages(layout)
+        self._disk_identity += io.identity  # read when the disk tier opens (_apply_layout)
+        with self._lock:
+            self._stats.setdefault("saves_abandoned", 0)
         first = io.segments[0].region
         self._pool = first  # bring-up done (its blocks are never addressed: see _group_copies)
         self._pool_blocks = ()
@@ -98,7 +112,11 @@ class LayerGroupWorker:
     def _group_staging_to_device(self, staging: Any, pages: tuple[int, ...],
                                  timeout: float) -> bool:
         """Disk staging → every group's live page of a block; on CUDA waited for on this
-        (disk) thread, at most ``timeout`` s: the staging buffer is reused by the next read."""
+        (disk) thread, at most ``timeout`` s: the staging buffer is reused by the next read.
+        On CUDA the disk stream first waits for what the side stream holds now: a sliding
+        page can come back to another request (this load) while an earlier iteration's save
+        of it still waits there, behind the forward or other copies; the save was issued
+        before this load reached the disk thread (job order), so it reads the page first."""
         io = self._groups_io
         assert io is not None
         if not self._cuda:
@@ -107,6 +125,7 @@ class LayerGroupWorker:
         import torch
 
         with torch.cuda.stream(self._disk_stream):
+            self._disk_stream.wait_stream(self._side_stream)
             io.scatter(staging, pages, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._disk_stream)
@@ -123,8 +142,44 @@ class LayerGroupWorker:
     # ------------------------------------------------------------------ the issue barrier
 
     def _issue_barrier(self) -> list[Any] | None:
-        """A box the transfer thread fills when a save job is issued (several groups only)."""
-        return [threading.Event(), None] if self._groups_io is not None else None
+        """A box the transfer thread fills when a save job is issued (several groups only):
+        [issued, side-stream event, state: "pending" | "claimed" | "abandoned"]."""
+        return [threading.Event(), None, "pending"] if self._groups_io is not None else None
+
+    def _claim(self, meta: Any, box: list[Any] | None) -> Any:
+        """Transfer thread, before a save job: the job to run. One wait_for_save gave up on
+        (abandoned) keeps its demotions only; its saves are failed here, unread. A save
+        naming a page its group's pool does not have fails alone (a slot missing a group's
+        bytes must never be stored under the block's key)."""
+        if box is None:
+            return meta
+        with self._lock:
+            abandoned = box[2] == "abandoned"
+            if not abandoned:
+                box[2] = "claimed"
+        io = self._groups_io
+        assert io is not None
+        failed = []
+        for op in meta.saves:
+            bad = None if abandoned else io.bad_page(op.pages or (op.device_block,))
+            if abandoned or bad is not None:
+                failed.append(op)
+            if bad is not None:
+                _log.log(logging.ERROR, f"bad-page-{self._rank}", "rank %d: a save of block %d "
+                         "names page %d of layer group %d, outside its pool: failed",
+                         self._rank, op.key, bad[1], bad[0])
+        if not failed:
+            return meta
+        for op in failed:
+            self._report(op.op_id, False, ERR_FAILED)  # type: ignore[attr-defined]
+            self._save_terminal(op.req_id)  # type: ignore[attr-defined]
+        for op in meta.shared_saves if abandoned else ():
+            self._report(op.op_id, False, ERR_FAILED)  # type: ignore[attr-defined]
+        if abandoned:
+            self._count(saves_abandoned=len(meta.saves))  # type: ignore[attr-defined]
+            return dataclasses.replace(meta, saves=(), shared_saves=())
+        return dataclasses.replace(meta, saves=tuple(op for op in meta.saves
+                                                     if op not in failed))
 
     def _issued(self, box: list[Any] | None) -> None:
         """Transfer thread, after a save job's copies were issued: on CUDA record where the
@@ -146,9 +201,15 @@ class LayerGroupWorker:
         if box is None:
             return
         if not box[0].wait(ISSUE_TIMEOUT_S):
-            logger.error("rank %d: a several-group save was not issued within %.0f s",
-                         self._rank, ISSUE_TIMEOUT_S)
-            return
+            with self._lock:
+                claimed = box[2] == "claimed"
+                if not claimed:
+                    box[2] = "abandoned"
+            if not claimed or not box[0].wait(ISSUE_TIMEOUT_S):
+                logger.error("rank %d: a several-group save was not issued within %.1f s; "
+                             "%s", self._rank, ISSUE_TIMEOUT_S, "its saves fail" if not claimed
+                             else "its pages may be rewritten before it reads them")
+                return
         if box[1] is not None:
             import torch
 

@@ -17,7 +17,8 @@ How the plugin keeps a block of such a model (one tier entry per block, every gr
   so a block's groups live and die together, and the key never names one group's bytes as
   another's (the rule of upstream's VSWA example connector, stored id 57516862026: "a cache key
   must include the layer group": here the group is the slot's segment, and the disk header
-  records the groups' windows and page sizes, :func:`disk_identity_suffix`).
+  records the windows, :func:`disk_identity_suffix`, and a digest of every group's window,
+  regions and layers, ``GroupPages.identity``).
 * A block is offloaded only while **every** group holds a live page for it: a page reported
   ``-1`` is never read, and a sliding group's page only while the block is inside its window
   of the tokens computed after this iteration's forward (:meth:`LayerGroups.in_window`), so a

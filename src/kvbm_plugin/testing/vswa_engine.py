@@ -227,7 +227,7 @@ class VswaEngine:
         # strided view resolves -1 there), free and zero until the pool is nearly full.
         self._free = {g: list(range(cfg.num_pages - 1, -1, -1)) for g in (SLIDING, FULL)}
         self._owner: dict[tuple[int, int], tuple[int, int]] = {}  # (group, page) -> (req, i)
-        self.groups = LayerGroups((cfg.window, None), cfg.tokens_per_block)
+        self.groups = LayerGroups((cfg.window, None), cfg.tokens_per_block)  # (for callers)
 
         def args(rank: int) -> LlmArgs:
             parallel = (ParallelConfig(cfg.dp_rank, cfg.attention_dp, enable_attention_dp=True)
@@ -365,6 +365,13 @@ class VswaEngine:
 
     # ------------------------------------------------------------------ internals
 
+    def _attended(self, i: int, query: int) -> bool:
+        """Whether a sliding-window query at token position ``query`` attends to some key of
+        block ``i`` (keys ``query - window + 1 .. query``). Written here from the attention
+        rule, not the leader's :meth:`LayerGroups.in_window`: the pages this engine frees and
+        the saves it checks must not move with the code under test."""
+        return (i + 1) * self.config.tokens_per_block - 1 >= query - self.config.window + 1
+
     def _allocate(self, r: _Req, tokens: int) -> None:
         """Pages for every block up to ``tokens``: the full group always; the sliding group
         only where the block is within the window of the request's computed position."""
@@ -372,20 +379,20 @@ class VswaEngine:
         while len(r.pages[FULL]) * bs < tokens:
             i = len(r.pages[FULL])
             for g in (SLIDING, FULL):
-                live = g == FULL or (self.config.grouped
-                                     and self.groups.in_window(g, i, r.computed))
+                live = g == FULL or (self.config.grouped and self._attended(i, r.computed))
                 page = self._free[g].pop() if live else -1
                 if page >= 0:
                     self._owner[(g, page)] = (r.id, i)
                 r.pages[g].append(page)
 
     def _release_passed_windows(self) -> None:
-        """V2 at allocation: a sliding group frees the pages its window passed."""
+        """V2 at allocation: a sliding group frees the pages no query of the coming pass
+        attends to (the first one, at the computed position, reaches back furthest)."""
         for r in self._reqs.values():
             if r.state != "running":  # a saving request holds its pages until get_finished
                 continue
             for i, page in enumerate(r.pages[SLIDING]):
-                if page >= 0 and not self.groups.in_window(SLIDING, i, r.computed):
+                if page >= 0 and not self._attended(i, r.computed):
                     r.pages[SLIDING][i] = -1
                     self._release(SLIDING, page)
 
@@ -429,7 +436,7 @@ class VswaEngine:
                 if g == SLIDING:
                     self.stats.sliding_saves += 1
                     computed = after.get(op.req_id, self._reqs[op.req_id].computed)
-                    if not self.groups.in_window(g, owner[1], computed):
+                    if not self._attended(owner[1], computed - 1):  # the last one computed
                         self.stats.window_violations += 1
                 else:
                     self.stats.full_saves += 1

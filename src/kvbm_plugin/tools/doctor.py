@@ -363,7 +363,7 @@ def run_checks(num_ranks: int, require_trtllm: bool,
     if llm_api_options is not None:
         try:
             options = read_llm_api_options(llm_api_options)
-            native, env, _ = take_yaml_endpoint(options, os.environ)
+            native, env, _ = take_yaml_endpoint(options, os.environ, num_ranks > 1, num_ranks)
         except cc.ConfigError as exc:
             checks.append(Check("LLM-API options", "fail", str(exc)))
     host = (os.environ.get(cc.LEADER_ZMQ_HOST) or "127.0.0.1").strip()
