@@ -439,7 +439,18 @@ def _settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN
     time on a loaded machine). It starts at seq 0, so it fetches what it missed from the
     replay socket, as a router that joins late would: that catch-up is the join, not a gap
     (``stats.gaps`` counts only holes after it); history the replay no longer held fails the
-    run like a lost batch."""
+    run like a lost batch.
+
+    The truth is read once the engine is idle (:meth:`SimulatedEngine.idle`: every transfer
+    terminal and applied by the leader). ``drive`` returns when every request has its answer,
+    while the leader may still have operations in flight (a host-to-disk demotion, a save):
+    each report changes a tier and is published by the leader's idle keeper, so tiers read
+    before it lands miss a block the view gets a moment later (with a 10 ms keeper period the
+    STORE arrived inside the final poll: "extra" blocks the tiers did hold by then)."""
+    deadline = time.monotonic() + args.settle_timeout
+    while not engine.idle() and time.monotonic() < deadline:
+        subscriber.poll(1)  # waits on the socket (and drains it), not a sleep
+    quiet = engine.idle()
     engine.leader.flush_events()  # events of the last iteration (TRT-LLM: next iteration)
     consolidator = engine.leader.consolidator
     truth = engine.resident_blocks()
@@ -452,7 +463,6 @@ def _settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN
     def view() -> set:
         return subscriber.held if args.mode == "dedup" else subscriber.held_with_medium
 
-    deadline = time.monotonic() + args.settle_timeout
     while time.monotonic() < deadline:
         consolidator.wait_idle(0.2)
         subscriber.poll(20)
@@ -511,7 +521,9 @@ def _settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN
               f"{sub.duplicate_stores} duplicate, {sub.unknown_removes} unknown, "
               f"{sub.orphan_stores} orphan"),
         Check("subscriber view == tiers' true contents", view() == expected,
-              f"missing {len(expected - view())}, extra {len(view() - expected)}"),
+              f"missing {len(expected - view())}, extra {len(view() - expected)}"
+              + ("" if quiet else " (transfers still in flight after --settle-timeout "
+                 f"{args.settle_timeout:g} s)")),
     ]
     return checks, summary
 
