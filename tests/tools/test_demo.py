@@ -345,3 +345,25 @@ def test_the_settle_reads_the_tiers_once_the_engine_is_idle() -> None:
     check = next(c for c in checks if c.name == "subscriber view == tiers' true contents")
     assert check.ok, check.detail
     assert dict(summary)["subscriber view"].startswith("4 blocks held; truth 4")
+
+
+class _StuckDemotion(_DemotionInFlight):
+    """The same run, but the demotion never reports."""
+
+    def _poll(self, timeout_ms: int = 100) -> list:
+        return []
+
+
+def test_the_settle_fails_the_check_when_a_transfer_never_ends() -> None:
+    # The tiers of a busy engine are no truth to compare with, even when the view matches them.
+    from argparse import Namespace
+
+    run = _StuckDemotion()
+    args = Namespace(mode="dedup", settle_timeout=0.05, tp=1, processes=False,
+                     no_overlap=False, tiers="host,disk")
+    checks, _ = demo._settle_and_check(run.engine, run.subscriber, args,
+                                       Namespace(after_eviction=0))
+    check = next(c for c in checks if c.name == "subscriber view == tiers' true contents")
+    assert not check.ok
+    assert check.detail == ("missing 0, extra 0 (transfers still in flight after "
+                            "--settle-timeout 0.05 s)")

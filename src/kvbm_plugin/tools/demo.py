@@ -442,11 +442,13 @@ def _settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN
     run like a lost batch.
 
     The truth is read once the engine is idle (:meth:`SimulatedEngine.idle`: every transfer
-    terminal and applied by the leader). ``drive`` returns when every request has its answer,
-    while the leader may still have operations in flight (a host-to-disk demotion, a save):
-    each report changes a tier and is published by the leader's idle keeper, so tiers read
-    before it lands miss a block the view gets a moment later (with a 10 ms keeper period the
-    STORE arrived inside the final poll: "extra" blocks the tiers did hold by then)."""
+    terminal and applied by the leader); an engine still busy at ``--settle-timeout`` fails the
+    check. ``drive`` returns when every request has its answer, while the leader may still have
+    operations in flight. A host-to-disk demotion is one: its block left the host tier at
+    eviction and joins the disk tier when its report is applied, so a block the GPU pool
+    evicted in the last iteration is in no tier meanwhile (the stream says REMOVE), then STORE
+    once the idle keeper applies the report. Tiers read in between lacked a block the view got
+    a moment later (seen as 1-6 "extra" blocks at a 10 ms keeper period)."""
     deadline = time.monotonic() + args.settle_timeout
     while not engine.idle() and time.monotonic() < deadline:
         subscriber.poll(1)  # waits on the socket (and drains it), not a sleep
@@ -520,7 +522,7 @@ def _settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN
               sub.duplicate_stores == 0 and sub.unknown_removes == 0 and sub.orphan_stores == 0,
               f"{sub.duplicate_stores} duplicate, {sub.unknown_removes} unknown, "
               f"{sub.orphan_stores} orphan"),
-        Check("subscriber view == tiers' true contents", view() == expected,
+        Check("subscriber view == tiers' true contents", quiet and view() == expected,
               f"missing {len(expected - view())}, extra {len(view() - expected)}"
               + ("" if quiet else " (transfers still in flight after --settle-timeout "
                  f"{args.settle_timeout:g} s)")),
