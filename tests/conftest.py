@@ -126,9 +126,8 @@ def expect_errors(request: pytest.FixtureRequest) -> ErrorRecorder:
 # (connector/keeper.py); run_until_idle waits for it after every request wave. At the shipped
 # period (0.1 s) that is up to 0.2 s per wait, which summed to tens of seconds of idle wall time
 # over the suite; the tests run it every 10 ms. The keeper's own bound is tested at the shipped
-# period (tests/connector/test_idle_keeper.py puts it back; so does
-# tests/interop/test_demo_real_router.py, whose duration run fails at 10 ms). Engines in child
-# processes (EngineProcess, the CLI's) keep the shipped period.
+# period (tests/connector/test_idle_keeper.py puts it back). Engines in child processes
+# (EngineProcess, the CLI's) keep the shipped period.
 TEST_IDLE_PERIOD_S = 0.01
 
 

@@ -439,7 +439,20 @@ def _settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN
     time on a loaded machine). It starts at seq 0, so it fetches what it missed from the
     replay socket, as a router that joins late would: that catch-up is the join, not a gap
     (``stats.gaps`` counts only holes after it); history the replay no longer held fails the
-    run like a lost batch."""
+    run like a lost batch.
+
+    The truth is read once the engine is idle (:meth:`SimulatedEngine.idle`: every transfer
+    terminal and applied by the leader); an engine still busy at ``--settle-timeout`` fails the
+    check. ``drive`` returns when every request has its answer, while the leader may still have
+    operations in flight. A host-to-disk demotion is one: its block left the host tier at
+    eviction and joins the disk tier when its report is applied, so a block the GPU pool
+    evicted in the last iteration is in no tier meanwhile (the stream says REMOVE), then STORE
+    once the idle keeper applies the report. Tiers read in between lacked a block the view got
+    a moment later (seen as 1-6 "extra" blocks at a 10 ms keeper period)."""
+    deadline = time.monotonic() + args.settle_timeout
+    while not engine.idle() and time.monotonic() < deadline:
+        subscriber.poll(1)  # waits on the socket (and drains it), not a sleep
+    quiet = engine.idle()
     engine.leader.flush_events()  # events of the last iteration (TRT-LLM: next iteration)
     consolidator = engine.leader.consolidator
     truth = engine.resident_blocks()
@@ -452,7 +465,6 @@ def _settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN
     def view() -> set:
         return subscriber.held if args.mode == "dedup" else subscriber.held_with_medium
 
-    deadline = time.monotonic() + args.settle_timeout
     while time.monotonic() < deadline:
         consolidator.wait_idle(0.2)
         subscriber.poll(20)
@@ -510,8 +522,10 @@ def _settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN
               sub.duplicate_stores == 0 and sub.unknown_removes == 0 and sub.orphan_stores == 0,
               f"{sub.duplicate_stores} duplicate, {sub.unknown_removes} unknown, "
               f"{sub.orphan_stores} orphan"),
-        Check("subscriber view == tiers' true contents", view() == expected,
-              f"missing {len(expected - view())}, extra {len(view() - expected)}"),
+        Check("subscriber view == tiers' true contents", quiet and view() == expected,
+              f"missing {len(expected - view())}, extra {len(view() - expected)}"
+              + ("" if quiet else " (transfers still in flight after --settle-timeout "
+                 f"{args.settle_timeout:g} s)")),
     ]
     return checks, summary
 
