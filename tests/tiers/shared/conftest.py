@@ -1,16 +1,16 @@
 """Fixtures of the shared-tier tests: private store servers and clients of them.
 
-A Mooncake master or Redis server is started per test on free loopback ports (its log in the
-test's tmp dir) and killed after the test, once the clients made from it are closed. Both
-happen on one background thread, in teardown order, while the next tests run; the session
-waits for it at its end. Mooncake's client close() takes 1-2 s with the GIL held (it stalls
-whatever test runs meanwhile), so a test that only needs working clients borrows them from
-``mooncake_lender`` instead: clients held for the whole session on one private master with
-Mooncake's defaults, closed at the session's end; a test that closes a client, stops the
-master or needs a master of its own settings (a lease, a client TTL, an empty pool) builds
-its own with ``mooncake_store_factory``. Where the wheel or binary is missing the tests skip
-with the reason, unless ``KVBM_REQUIRE_SHARED=1`` (CI's run sets it): then a missing store is a
-failure, so CI never passes by skipping them.
+A Mooncake master or Redis server is started per test that asks for one, on free loopback
+ports (its log in the test's tmp dir), and killed after the test, once the clients made from it
+are closed. Both happen on one background thread, in teardown order, while the next tests run;
+the session waits for it at its end. Mooncake's client close() takes 1-2 s with the GIL held
+(it stalls whatever test runs meanwhile), so a test that only needs working clients borrows
+them from ``mooncake_lender`` instead: clients held for the whole session on one private
+master with Mooncake's defaults, closed at the session's end; a test that closes a client,
+stops the master or needs a master of its own settings (a lease, a client TTL, an empty pool)
+builds its own with ``mooncake_store_factory``. Where the wheel or binary is missing the tests
+skip with the reason, unless ``KVBM_REQUIRE_SHARED=1`` (CI's run sets it): then a missing store
+is a failure, so CI never passes by skipping them.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ def _started(server_class: Any, tmp_path: Path, prefix: str) -> Iterator[Callabl
 
 def _closed_after(build: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
     """The body of a store factory fixture: yields ``build`` keeping what it made, and has
-    all of it closed after the test, side by side (Mooncake's close() takes 1-2 s each)."""
+    all of it closed after the test, one after another (Mooncake's close() takes 1-2 s each
+    and holds the GIL throughout: closing on several threads at once saves nothing)."""
     stores: list[Any] = []
 
     def make(*args: Any, **kw: Any) -> Any:
@@ -114,11 +115,8 @@ def _closed_after(build: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
     yield make
 
     def close() -> None:
-        threads = [threading.Thread(target=s.close) for s in stores]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        for store in stores:
+            store.close()
 
     _RETIRER.hand_over(close)
 
