@@ -133,13 +133,13 @@ def two_engines(request: pytest.FixtureRequest) -> Any:
 
         def client() -> Any:
             return factory(server.address)
-    else:
-        master = request.getfixturevalue("mooncake_master")
-        factory = request.getfixturevalue("mooncake_store_factory")
-        settings = settings_for("mooncake", master.address)
+    else:  # the session's lent clients: the raw writer and each engine its own
+        lender = request.getfixturevalue("mooncake_lender")
+        # The lent master keeps other tests' objects: this test's keys are under its scope.
+        settings = settings_for("mooncake", lender.master.address, model_key=lender.salt)
 
         def client() -> Any:
-            return factory(master)
+            return lender.client()
 
     raw = client()
 
@@ -154,7 +154,7 @@ def two_engines(request: pytest.FixtureRequest) -> Any:
 
     yield make, raw
     for io in ios:
-        io._store = _Unclosed(io._store)  # the factories close the clients
+        io._store = _Unclosed(io._store)  # the factories or the session close the clients
         io.close()
 
 
@@ -248,12 +248,7 @@ def test_a_fingerprint_is_the_sha1_redis_compares() -> None:
         ctypes.string_at(buf.data_ptr(), buf.numel())).hexdigest()
 
 
-# Mooncake's runs in the slow set (three clients, each closing in 1-2 s with the GIL held):
-# by default its read of another size is test_mooncake_store's, and Mooncake's refusals and
-# removal are the two tests above.
-@pytest.mark.parametrize("two_engines", ["memory", "redis",
-                                         pytest.param("mooncake", marks=pytest.mark.slow)],
-                         indirect=True)
+@pytest.mark.parametrize("two_engines", ["memory", "redis", "mooncake"], indirect=True)
 @pytest.mark.parametrize("extra", [-frame.HEADER_BYTES, 100], ids=["page-only", "longer"])
 def test_an_object_of_another_size_is_not_loaded_and_is_removed_for_the_next_write(
         two_engines: Any, extra: int, expect_errors: Any) -> None:

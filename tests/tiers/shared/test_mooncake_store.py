@@ -1,6 +1,8 @@
 """MooncakeStore against a private mooncake_master on loopback: byte-exact round trips, two
 processes, placement in the writer's own segment, foreign keys, the leader's segment-less
-client, the read lease against eviction, a full pool, and start-up errors."""
+client, the read lease against eviction, a full pool, and start-up errors. Tests that only
+put, check and read borrow the session's clients (``mooncake_lender``, keys under its scope);
+the others build their own clients, on a master of their own."""
 
 from __future__ import annotations
 
@@ -23,7 +25,12 @@ BLOCK = 64 << 10
 LAYOUT = SharedLayout("kvbm", "test-model", 2, 0, 0, 32, BLOCK, "bfloat16", "v1pool")
 
 
-def _keys(n: int, layout: SharedLayout = LAYOUT, salt: str | None = None) -> list[str]:
+def _keys(n: int, layout: SharedLayout = LAYOUT, salt: str | None = None,
+          lent: Any = None) -> list[str]:
+    """``n`` chained keys of ``layout``; under ``lent``'s scope for a test on the lent
+    clients (their master keeps other tests' objects)."""
+    if lent is not None:
+        salt = f"{lent.salt}:{salt or ''}"
     tokens = list(range(n * layout.tokens_per_block))
     return [layout.key(d) for d in chain_digests(tokens, layout.tokens_per_block, salt)]
 
@@ -34,9 +41,9 @@ def _fill(arena: Arena, keys: list[str], start: int = 0) -> list[tuple[int, int]
     return [arena.buffer(start + i) for i in range(len(keys))]
 
 
-def test_round_trip_is_byte_exact(mooncake_master: Any, mooncake_store_factory: Any) -> None:
-    store = mooncake_store_factory(mooncake_master)
-    keys = _keys(8)
+def test_round_trip_is_byte_exact(mooncake_lender: Any) -> None:
+    store = mooncake_lender.client()
+    keys = _keys(8, lent=mooncake_lender)
     src, dst = Arena(8, BLOCK), Arena(9, BLOCK)
     store.register(src.address, src.nbytes)
     store.register(dst.address, dst.nbytes)
@@ -55,10 +62,9 @@ def test_round_trip_is_byte_exact(mooncake_master: Any, mooncake_store_factory: 
     assert store.health() is None
 
 
-def test_a_read_of_another_size_is_failed(mooncake_master: Any, mooncake_store_factory: Any,
-                                          expect_errors: Any) -> None:
-    store = mooncake_store_factory(mooncake_master)
-    key = _keys(1)[0]
+def test_a_read_of_another_size_is_failed(mooncake_lender: Any, expect_errors: Any) -> None:
+    store = mooncake_lender.client()
+    key = _keys(1, lent=mooncake_lender)[0]
     arena = Arena(2, BLOCK)
     assert store.put([key], _fill(arena, [key])) == [OK]
     big, small = Arena(1, 2 * BLOCK), Arena(1, BLOCK // 2)
@@ -68,21 +74,20 @@ def test_a_read_of_another_size_is_failed(mooncake_master: Any, mooncake_store_f
     assert expect_errors.wait_for("expected 131072")
 
 
-def test_another_layouts_key_never_loads(mooncake_master: Any,
-                                         mooncake_store_factory: Any) -> None:
+def test_another_layouts_key_never_loads(mooncake_lender: Any) -> None:
     """Blocks written under one model key (or shard, dtype) miss for every other layout."""
-    store = mooncake_store_factory(mooncake_master)
-    keys = _keys(4)
+    store = mooncake_lender.client()
+    keys = _keys(4, lent=mooncake_lender)
     arena = Arena(5, BLOCK)
     assert store.put(keys, _fill(arena, keys)) == [OK] * 4
     others = [SharedLayout("kvbm", "other-model", 2, 0, 0, 32, BLOCK, "bfloat16", "v1pool"),
               LAYOUT.for_rank(1),
               SharedLayout("kvbm", "test-model", 2, 0, 0, 32, BLOCK, "float16", "v1pool")]
     for other in others:
-        foreign = _keys(4, other)
+        foreign = _keys(4, other, lent=mooncake_lender)
         assert store.exists(foreign) == [0] * 4
         assert store.get_into(foreign[:1], [arena.buffer(4)]) == [MISSING]
-    assert store.exists(_keys(4, salt="salt:1")) == [0] * 4
+    assert store.exists(_keys(4, salt="salt:1", lent=mooncake_lender)) == [0] * 4
 
 
 def test_writes_stay_in_the_writers_segment(mooncake_master: Any,
@@ -99,14 +104,13 @@ def test_writes_stay_in_the_writers_segment(mooncake_master: Any,
     assert writer.get_into(keys, [arena.buffer(12)] * 12) == [BLOCK] * 12
 
 
-def test_two_processes_read_each_others_writes(mooncake_master: Any,
-                                               mooncake_store_factory: Any) -> None:
-    store = mooncake_store_factory(mooncake_master)
-    mine, theirs = _keys(6), _keys(6, salt="lora:3")
+def test_two_processes_read_each_others_writes(mooncake_lender: Any) -> None:
+    store = mooncake_lender.client()
+    mine, theirs = _keys(6, lent=mooncake_lender), _keys(6, salt="lora:3", lent=mooncake_lender)
     arena = Arena(12, BLOCK)
     store.register(arena.address, arena.nbytes)
     assert store.put(mine, _fill(arena, mine)) == [OK] * 6
-    peer = _peer.start("mooncake", mooncake_master.address, theirs, mine, BLOCK)
+    peer = _peer.start("mooncake", mooncake_lender.master.address, theirs, mine, BLOCK)
     try:
         report = _peer.report(peer)
         assert report == {"put": [OK] * 6, "read": [BLOCK] * 6, "exact": True}
@@ -221,13 +225,13 @@ def test_a_bad_address_names_the_variable(address: str) -> None:
                       env={})
 
 
-def test_threads_share_one_client(mooncake_master: Any, mooncake_store_factory: Any) -> None:
+def test_threads_share_one_client(mooncake_lender: Any) -> None:
     """A worker's writer and reader threads call one client at once: every byte lands."""
     import threading
 
-    store = mooncake_store_factory(mooncake_master)
+    store = mooncake_lender.client()
     threads, per = 4, 16
-    keys = [_keys(per, salt=f"thread{t}") for t in range(threads)]
+    keys = [_keys(per, salt=f"thread{t}", lent=mooncake_lender) for t in range(threads)]
     arenas = [Arena(2 * per, BLOCK) for _ in range(threads)]
     results: dict[int, tuple[list[int], list[int], bool]] = {}
 
