@@ -75,8 +75,17 @@ def test_the_output_takes_the_yaml_endpoint_per_rank_and_trtllm_moves_to_its_own
         sub.setsockopt(zmq.SUBSCRIBE, TOPIC.encode())
         sub.connect(f"tcp://127.0.0.1:{port + r}")
         dynamo_like.append(sub)
+    monitors = [sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED) for sub in dynamo_like]
     try:
         with AttentionDpEngine(config) as engine:
+            # Each of these SUBs connected before anything was bound there (Dynamo's relays
+            # start after the engine; here they start first, which is harder): ZMQ retries
+            # every 100 ms, and a busy host could run the whole workload before the retry.
+            # So the workload waits until each SUB's connection is made (its subscription
+            # follows at once), as a relay that started after the engine would be.
+            for r, monitor in enumerate(monitors):
+                assert monitor.poll(20_000), f"Dynamo-like SUB of rank {r} never connected"
+                monitor.recv_multipart()
             # TensorRT-LLM's publisher (the stand-in) bound where the leader moved it, by
             # upstream's per-rank rule; the shared config object itself was not changed
             assert engine.rank0.kv_cache_manager.publisher.endpoint == moved
@@ -134,7 +143,9 @@ def test_the_output_takes_the_yaml_endpoint_per_rank_and_trtllm_moves_to_its_own
                 media |= {e.get("medium") for e in batch[1] if isinstance(e, dict)}
             assert {"GPU", "CPU"} <= media, (r, media)
     finally:
-        for sub in dynamo_like:
+        for sub, monitor in zip(dynamo_like, monitors, strict=True):
+            sub.disable_monitor()
+            monitor.close(0)
             sub.close(0)
 
 
