@@ -25,9 +25,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch only where bytes move: `import kvbm_plugin` needs no torch
+    import torch
 
 RECURRENT_ROLES = ("ssm_state", "conv_state")
 
@@ -57,6 +58,8 @@ class GroupPages:
     """Every group's regions as byte views, and where each lands in a tier slot."""
 
     def __init__(self, layout: Any) -> None:
+        import torch
+
         refuse_hybrid(layout)
         groups = sorted(layout.groups, key=lambda g: g.layer_group_id)
         ids = [g.layer_group_id for g in groups]
