@@ -22,7 +22,12 @@ def test_without_the_indexer_the_option_says_why_and_exits_2(
                    "not installed (test)"]
 
 
-@pytest.mark.parametrize("mode", [[], ["--duration", "3", "--tenants", "2", "--max-context", "96"]])
+@pytest.mark.parametrize("mode", [
+    [], ["--duration", "3", "--tenants", "2", "--max-context", "96"],
+    # README's settings for Dynamo (passthrough), tenants on the base model and two adapters,
+    # each request asked by its salt string and its adapter's name
+    ["--requests", "40", "--tenants", "2", "--max-context", "96", "--adapters", "2",
+     "--mode", "passthrough"]])
 def test_the_real_indexer_agrees_with_the_engine(capsys: pytest.CaptureFixture[str],
                                                  mode: list[str]) -> None:
     reason = dynamo_indexer.unavailable()
@@ -45,7 +50,8 @@ class _Asked:
     def held(self) -> dict:
         return {}
 
-    def cached_tokens(self, prompt: list[int], cache_salt: str | None = None) -> int:
+    def cached_tokens(self, prompt: list[int], cache_salt: str | None = None,
+                      lora_name: str | None = None) -> int:
         self.asked.append(cache_salt)
         return len(prompt) if cache_salt == self.hex_name else 0
 

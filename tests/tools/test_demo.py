@@ -338,7 +338,7 @@ def test_the_settle_reads_the_tiers_once_the_engine_is_idle() -> None:
     from argparse import Namespace
 
     run = _DemotionInFlight()
-    args = Namespace(mode="dedup", settle_timeout=0.3, tp=1, processes=False,
+    args = Namespace(mode="dedup", settle_timeout=0.3, tp=1, processes=False, adapters=0,
                      no_overlap=False, tiers="host,disk")
     checks, summary = demo._settle_and_check(run.engine, run.subscriber, args,
                                              Namespace(after_eviction=0))
@@ -359,7 +359,7 @@ def test_the_settle_fails_the_check_when_a_transfer_never_ends() -> None:
     from argparse import Namespace
 
     run = _StuckDemotion()
-    args = Namespace(mode="dedup", settle_timeout=0.05, tp=1, processes=False,
+    args = Namespace(mode="dedup", settle_timeout=0.05, tp=1, processes=False, adapters=0,
                      no_overlap=False, tiers="host,disk")
     checks, _ = demo._settle_and_check(run.engine, run.subscriber, args,
                                        Namespace(after_eviction=0))

@@ -62,7 +62,7 @@ def _run(tmp: Path, *, mode: str, salts: tuple[str, ...],
                    start_seq=0, view=RouterView(BS))
     llmd.foreign = []  # what llm-d credits a salted prompt with under no or an unused salt
 
-    def external(prompt: list[int], salt: str | None) -> int:
+    def external(prompt: list[int], salt: str | None, lora_name: str | None) -> int:
         if salt is not None:
             llmd.foreign += [llmd.cached_tokens(prompt, MODEL, other, pod=POD)
                              for other in (None, "tenant-unused")]

@@ -31,7 +31,7 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,7 @@ class ChatRequest:
     prompt: list[int]
     gen_tokens: int
     salt: str | None = None  # the tenant's cache salt
+    lora: int | None = None  # the session's LoRA adapter (task id); None: the base model
 
 
 @dataclass
@@ -120,12 +121,15 @@ class RouterProbe:
 
     def __init__(self, engine: Any, subscriber: TreeSubscriber, settle_timeout: float = 10.0,
                  poll: Callable[[int], Any] | None = None,
-                 external: Callable[[list[int], str | None], int] | None = None) -> None:
+                 external: Callable[[list[int], str | None, str | None], int] | None = None,
+                 lora_names: Mapping[int, str] | None = None) -> None:
         self.engine = engine
         # Another router asked the same question at the same moment (e.g. NVIDIA Dynamo's own
-        # indexer: prompt and the tenant's cache salt in, cached tokens out); :func:`drive`
-        # keeps its own tally for it.
+        # indexer or llm-d's: prompt, the tenant's cache salt and the adapter's name in, cached
+        # tokens out); :func:`drive` keeps its own tally for it.
         self.external = external
+        # An adapter's name as requests give it (DYN_KVBM_LORA_NAMES); unnamed: lora-<id>
+        self.lora_names = dict(lora_names or {})
         self.subscriber = subscriber
         self.settle_timeout = settle_timeout
         # How to poll the subscriber (e.g. through a wrapper that watches its gaps)
@@ -216,18 +220,32 @@ class RouterProbe:
                 return False
             self._poll(1)  # waits on the socket, not a sleep
 
+    def lora_name(self, lora: int | None) -> str | None:
+        """The name a request uses for adapter ``lora`` (the plugin's ``lora-<id>`` where
+        DYN_KVBM_LORA_NAMES names none)."""
+        return None if lora is None else self.lora_names.get(lora, f"lora-{lora}")
+
     def predict(self, prompt: list[int], salt: str | None = None,
-                dp_rank: int | None = None) -> int:
+                dp_rank: int | None = None, lora: int | None = None) -> int:
         """Tokens of ``prompt`` the router view says are cached (any tier) on ``dp_rank``
         (None: any), for a request with cache salt ``salt`` (its namespace as the event sink
-        publishes it)."""
+        publishes it) on adapter ``lora`` (None: the base model)."""
+        name = self.lora_name(lora)
         if salt is None:
-            return self.view.cached_tokens(prompt, namespace=None, dp_rank=dp_rank)
+            return self.view.cached_tokens(prompt, namespace=None, dp_rank=dp_rank,
+                                           lora_name=name)
         # The consolidated output names a tenant by its salt string (the default salt form,
         # wire.router_forms), the GPU-tier stream and the ``id`` form by its id's 16 hex: both
         # name this tenant only, so the larger answer is this tenant's.
-        return max(self.view.cached_tokens(prompt, namespace=ns, dp_rank=dp_rank)
+        return max(self.view.cached_tokens(prompt, namespace=ns, dp_rank=dp_rank,
+                                           lora_name=name)
                    for ns in (salt, salt_namespace(cache_salt_id(salt))))
+
+    def ask_external(self, request: ChatRequest) -> int:
+        """:attr:`external`'s answer for ``request``, asked as a client would (its salt
+        string, its adapter's name)."""
+        assert self.external is not None
+        return self.external(request.prompt, request.salt, self.lora_name(request.lora))
 
     def route(self, prompt: list[int], salt: str | None = None) -> int | None:
         """The dp rank a KV-aware router sends the request to (None: the engine has one)."""
@@ -240,9 +258,11 @@ class TurnWaves:
 
     def __init__(self, *, sessions: int, turns: int, system_tokens: int, user_tokens: int,
                  gen_tokens: int, seed: int, vocab: int = 30000,
-                 salts: Sequence[str] = ()) -> None:
+                 salts: Sequence[str] = (), adapters: int = 0) -> None:
         rng = random.Random(seed)
         self._salts = tuple(salts)  # session s belongs to tenant salts[s % len(salts)]
+        # Each tenant's sessions cycle through the base model and adapters 0..adapters-1
+        self._adapters = adapters
         system = [rng.randrange(1, vocab) for _ in range(system_tokens)]
         self._turns = [[[rng.randrange(1, vocab) for _ in range(
             rng.randint(max(1, user_tokens // 2), user_tokens))] for _ in range(sessions)]
@@ -262,8 +282,9 @@ class TurnWaves:
         for session, message in enumerate(self._turns[self._turn]):
             self._histories[session].extend(message)
             salt = self._salts[session % len(self._salts)] if self._salts else None
+            scope = (session // max(1, len(self._salts))) % (self._adapters + 1)
             self._ready.append(ChatRequest(session, list(self._histories[session]), self._gen,
-                                           salt))
+                                           salt, None if scope == 0 else scope - 1))
         self._open = len(self._turns[self._turn])
         self._turn += 1
 
@@ -300,8 +321,11 @@ class SteadyChat:
 
     def __init__(self, *, tenants: int, sessions: int, max_turns: int, system_tokens: int,
                  user_tokens: int, gen_tokens: int, max_context: int, seed: int,
-                 vocab: int = 30000) -> None:
+                 vocab: int = 30000, adapters: int = 0) -> None:
         self._rng = rng = random.Random(seed)
+        # A new session takes the base model or one of adapters 0..adapters-1 at random
+        self._adapters = adapters
+        self._lora_of: dict[int, int | None] = {}
         self._vocab = vocab
         self._systems = [[rng.randrange(1, vocab) for _ in range(system_tokens)]
                          for _ in range(tenants)]
@@ -326,6 +350,9 @@ class SteadyChat:
         self.sessions_started += 1
         tenant = self._rng.randrange(len(self._systems))
         self._tenant_of[self._ids] = tenant
+        # Drawn only with adapters, so that a run without them sends what it always sent
+        scope = self._rng.randrange(self._adapters + 1) if self._adapters else 0
+        self._lora_of[self._ids] = None if scope == 0 else scope - 1
         self._sessions[self._ids] = (list(self._systems[tenant]),
                                      self._rng.randint(1, self._max_turns))
         self._queue_turn(self._ids)
@@ -336,12 +363,14 @@ class SteadyChat:
         if left <= 0 or len(history) + len(message) + self._gen > self._max_context:
             del self._sessions[session]
             del self._tenant_of[session]
+            del self._lora_of[session]
             self._open_session()
             return
         history = history + message
         self._sessions[session] = (history, left - 1)
         self._ready.append(ChatRequest(session, list(history), self._gen,
-                                       f"tenant-{self._tenant_of[session]}"))
+                                       f"tenant-{self._tenant_of[session]}",
+                                       self._lora_of[session]))
 
     def next_request(self) -> ChatRequest | None:
         return self._ready.popleft() if self._ready else None
@@ -404,10 +433,12 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
                     rank = probe.route(request.prompt, request.salt)
                     if rank is not None:
                         routed["dp_rank"] = rank
-                    predicted = probe.predict(request.prompt, request.salt, rank)
+                    predicted = probe.predict(request.prompt, request.salt, rank,
+                                              request.lora)
                     if probe.external is not None:
-                        external[request.session] = probe.external(request.prompt,
-                                                                   request.salt)
+                        external[request.session] = probe.ask_external(request)
+                if request.lora is not None:
+                    routed["lora_task_id"] = request.lora
                 req_id = engine.submit(request.prompt, request.gen_tokens,
                                        cache_salt=request.salt, **routed)
                 running[req_id] = (request, predicted)
@@ -420,9 +451,9 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
             probe.settle()
             request, _ = running[waiting]
             running[waiting] = (request, probe.predict(request.prompt, request.salt,
-                                                       ranks.get(waiting)))
+                                                       ranks.get(waiting), request.lora))
             if probe.external is not None:
-                external[request.session] = probe.external(request.prompt, request.salt)
+                external[request.session] = probe.ask_external(request)
         if not running and (workload.exhausted() or not may_submit()):
             return result
         if engine.step() == 0:
@@ -436,7 +467,8 @@ def drive(engine: Any, probe: RouterProbe | None, workload: TurnWaves | SteadyCh
                 # iteration reach the view right after it?
                 probe.settle()
                 late[waiting] = max(0, min(reused, probe.predict(
-                    request.prompt, request.salt, ranks.get(waiting))) - predicted)
+                    request.prompt, request.salt, ranks.get(waiting), request.lora))
+                    - predicted)
             waiting = None
         # A saving request has its answer (its blocks wait for the next pass's get_finished).
         for req_id in [i for i in running if engine.state(i) in ("done", "saving")]:

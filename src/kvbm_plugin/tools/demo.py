@@ -148,6 +148,9 @@ def _demo_env(tmp: str, args: argparse.Namespace) -> dict[str, str]:
     if "disk" in tiers:
         env[cc.DISK_CACHE_NUM_BLOCKS] = str(args.disk_blocks)
         env[cc.DISK_CACHE_DIR] = f"{tmp}/disk"
+    from kvbm_plugin.tools.demo_routers import router_env
+
+    env.update(router_env(args))  # adapters' names; the router's topic
     return _with_user_endpoints(env, cc.user_endpoint_settings())
 
 
@@ -214,7 +217,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: CUDA is not available on this machine (torch "
                          f"{torch.__version__}); use --device cpu")
-    if args.real_router:
+    if args.real_router == "dynamo":
         from kvbm_plugin.tools.dynamo_indexer import unavailable
 
         reason = unavailable()
@@ -265,16 +268,26 @@ def run_demo(args: argparse.Namespace) -> int:
                                                          settle_timeout=args.settle_timeout)
             real = None
         else:
-            subscriber = TreeSubscriber(
-                config.output.connect,
-                None if config.output_replay is None else config.output_replay.connect,
-                start_seq=0, view=RouterView(args.block_size))
+            from kvbm_plugin.tools import demo_routers
+
+            view = RouterView(args.block_size)
+            real = None
+            if args.real_router == "llm-d":  # llm-d reads what the demo's subscriber applies
+                subscriber, llmd = demo_routers.llmd_subscriber(config, view)
+                real = demo_routers.llmd_router(llmd, ROUTER_AGREEMENT_TARGET)
+            else:
+                subscriber = TreeSubscriber(
+                    config.output.connect,
+                    None if config.output_replay is None else config.output_replay.connect,
+                    start_seq=0, view=view)
+            if args.real_router == "dynamo":
+                real = demo_routers.dynamo_router(args, tmp, config, view,
+                                                  ROUTER_AGREEMENT_TARGET)
             subscribers = [subscriber]
-            real = _real_router(args, tmp, config, subscriber.view) if args.real_router \
-                else None
             probe = RouterProbe(engine, subscriber, settle_timeout=args.settle_timeout,
                                 poll=subscriber.poll,
-                                external=None if real is None else real[1])
+                                external=None if real is None else real.ask,
+                                lora_names=demo_routers.adapter_names(args.adapters))
         progress = _Progress(total, enabled=not args.no_progress)
 
         def on_step(done) -> None:  # noqa: ANN001
@@ -314,7 +327,7 @@ def run_demo(args: argparse.Namespace) -> int:
             checks += router_checks
             summary += router_summary
             if real is not None:
-                real_checks, real_summary = _real_router_report(result, real[0])
+                real_checks, real_summary = real.report(result, Check)
                 checks += real_checks
                 summary += real_summary
         finally:
@@ -323,7 +336,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 each.close()
             engine.shutdown()
             if real is not None:
-                real[0].close()
+                real.close()
         checks.append(_failure_check(engine, watch))  # after shutdown: its errors count too
     _print_summary(summary, checks, time.monotonic() - started)
     return 0 if all(c.ok for c in checks) else 1
@@ -361,10 +374,12 @@ def _workload(args: argparse.Namespace):  # noqa: ANN202
         # keep each tenant's blocks (GPU, host, disk) to itself.
         return TurnWaves(sessions=args.sessions, turns=args.turns,
                          system_tokens=args.system_tokens, user_tokens=args.user_tokens,
-                         gen_tokens=args.gen_tokens, seed=args.seed, salts=_TENANTS)
+                         gen_tokens=args.gen_tokens, seed=args.seed, salts=_TENANTS,
+                         adapters=args.adapters)
     return SteadyChat(tenants=args.tenants, sessions=args.sessions, max_turns=args.turns,
                       system_tokens=args.system_tokens, user_tokens=args.user_tokens,
-                      gen_tokens=args.gen_tokens, max_context=args.max_context, seed=args.seed)
+                      gen_tokens=args.gen_tokens, max_context=args.max_context, seed=args.seed,
+                      adapters=args.adapters)
 
 
 # The router-accuracy target: the share of prompt tokens on which the strict router view and the
@@ -392,39 +407,6 @@ def _router_report(result, probe) -> tuple[list[Check], list[tuple[str, str]]]: 
               f"{counts.warnings} ({'; '.join(rules)})"),
         Check(f"router agrees with engine reuse on >= {ROUTER_AGREEMENT_TARGET:.0%} of prompt "
               "tokens", tally.agreement >= ROUTER_AGREEMENT_TARGET,
-              f"{tally.agreement:.2%} over {tally.requests} requests"),
-    ]
-    return checks, summary
-
-
-def _real_router(args: argparse.Namespace, tmp: str, config: cc.ConsolidatorConfig,
-                 view):  # noqa: ANN001, ANN202
-    """NVIDIA Dynamo's own indexer on the consolidated stream, and the probe's question to it
-    (kvbm_plugin.tools.dynamo_indexer)."""
-    from pathlib import Path
-
-    from kvbm_plugin.tools.dynamo_indexer import Indexer, ask_like_the_view
-
-    indexer = Indexer(Path(tmp))
-    indexer.register(1, config.output.connect,
-                     None if config.output_replay is None else config.output_replay.connect,
-                     args.block_size)
-    return indexer, ask_like_the_view(indexer, lambda: sum(view.blocks().values()),
-                                      salt_form=config.publisher.salt_form)
-
-
-def _real_router_report(result, indexer):  # noqa: ANN001, ANN202
-    """The same question put to NVIDIA Dynamo's indexer: its agreement and its warnings."""
-    tally = result.external_tally
-    warnings = indexer.warnings()
-    summary = [("Dynamo indexer", f"{sum(len(v) for v in indexer.held().values())} blocks "
-                                  f"held; {len(warnings)} warnings"),
-               ("Dynamo indexer accuracy", tally.describe())]
-    checks = [
-        Check("Dynamo indexer warnings 0", not warnings,
-              f"{len(warnings)}" + (f" (first: {warnings[0][-160:]})" if warnings else "")),
-        Check(f"Dynamo indexer agrees with engine reuse on >= {ROUTER_AGREEMENT_TARGET:.0%} of "
-              "prompt tokens", tally.agreement >= ROUTER_AGREEMENT_TARGET,
               f"{tally.agreement:.2%} over {tally.requests} requests"),
     ]
     return checks, summary
@@ -485,7 +467,9 @@ def _settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN
         ("requests", f"{stats.requests_finished} finished / {stats.requests_submitted} "
                      f"submitted, {stats.iterations} engine iterations, TP={args.tp}"
                      f"{' (rank processes)' if args.processes else ''}, "
-                     f"{'plain' if args.no_overlap else 'overlap'} scheduler"),
+                     f"{'plain' if args.no_overlap else 'overlap'} scheduler"
+                     + (f", base model and {args.adapters} LoRA adapters" if args.adapters
+                        else "")),
         ("prefill tokens", f"{stats.prompt_tokens} in prompts: {stats.computed_prefill_tokens} "
                            f"computed, {prompt - stats.computed_prefill_tokens} reused"),
         ("hit rate GPU", f"{stats.gpu_hit_tokens / prompt:.1%} ({stats.gpu_hit_tokens} tokens)"),
@@ -627,8 +611,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tiers", default=None,
                         help="offload tiers: host,disk | host | disk | none (default "
                              "host,disk; host with --engines 2)")
-    parser.add_argument("--mode", choices=("dedup", "passthrough"), default="dedup",
-                        help="consolidator mode (default dedup)")
+    parser.add_argument("--mode", choices=("dedup", "passthrough"), default=None,
+                        help="consolidator mode (default dedup; passthrough with "
+                             "--real-router llm-d, as README configures llm-d)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the simulated GPU pool lives: cpu, or cuda for a real "
                              "device with pinned host tier and side streams (default cpu)")
@@ -639,10 +624,18 @@ def build_parser() -> argparse.ArgumentParser:
                         help="seconds to wait for the subscriber to catch up at the end "
                              "(default %(default)s)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--real-router", action="store_true",
-                        help="also ask NVIDIA Dynamo's own KV indexer (pip install "
-                             "'kvbm-plugin[interop]'; root, for its private network namespace) "
-                             "how many blocks each request matches, and report its agreement")
+    parser.add_argument("--real-router", nargs="?", const="dynamo", default=None,
+                        choices=("dynamo", "llm-d"),
+                        help="also ask a real router how many blocks each request matches, "
+                             "as a client asks (its salt string, its adapter's name), and "
+                             "report its agreement: dynamo (the default), NVIDIA Dynamo's own "
+                             "KV indexer (pip install 'kvbm-plugin[interop]'; root, for its "
+                             "private network namespace); llm-d, the model of llm-d's indexer "
+                             "and scorer, the stream configured as README says for llm-d")
+    parser.add_argument("--adapters", type=int, default=0, metavar="N",
+                        help="sessions also use N LoRA adapters (task ids 0..N-1, named "
+                             "adapter-<id> through DYN_KVBM_LORA_NAMES) besides the base "
+                             "model (default 0)")
     parser.add_argument("--no-overlap", action="store_true",
                         help="run TRT-LLM's plain executor loop instead of the overlap "
                              "scheduler (TRT-LLM's default)")
@@ -674,6 +667,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _check_options(args: argparse.Namespace) -> None:
     """Every option the run would trip on later, as one UsageError naming the option."""
+    # README configures llm-d with passthrough (it weighs each tier); dedup otherwise
+    args.mode = args.mode or ("passthrough" if args.real_router == "llm-d" else "dedup")
     if args.attention_dp > 1 and args.tp not in (None, 1):
         raise UsageError(f"--attention-dp {args.attention_dp} runs one rank per process with "
                          f"TP 1 inside each (TensorRT-LLM's mapping), got --tp {args.tp}")
@@ -691,6 +686,12 @@ def _check_options(args: argparse.Namespace) -> None:
 
         check_engines_options(args)
     args.tiers = args.tiers or ("host" if args.engines == 2 else "host,disk")
+    if args.adapters < 0:
+        raise UsageError(f"--adapters must be >= 0, got {args.adapters}")
+    if args.adapters and (args.engines == 2 or args.attention_dp > 1
+                          or args.windows is not None):
+        raise UsageError(f"--adapters {args.adapters} runs on the one-engine demo: no "
+                         "--engines 2, --attention-dp or --windows")
     if args.tp is None:
         args.tp = 1 if args.attention_dp > 1 else 2
     for name in ("sessions", "turns", "system_tokens", "user_tokens", "gen_tokens", "tp",

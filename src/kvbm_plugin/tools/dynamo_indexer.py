@@ -211,9 +211,10 @@ class Indexer:
 
 def ask_like_the_view(indexer: Indexer, held_by_view: Callable[[], int],
                       settle_s: float = 2.0, salt_form: str = "client",
-                      ) -> Callable[[list[int], str | None], int]:
+                      ) -> Callable[[list[int], str | None, str | None], int]:
     """The question a :class:`~kvbm_plugin.tools.chat_workload.RouterProbe` asks another
-    router (prompt and the tenant's cache salt in, cached tokens on any tier out), put to
+    router (prompt, the tenant's cache salt and the adapter's name in, cached tokens on any
+    tier out), put to
     ``indexer`` through ``/query`` with the salt as ``cache_salt`` in the stream's
     ``salt_form`` (``DYN_KVBM_KV_EVENTS_SALT_FORM``): ``client``, the string itself, as a
     client's request carries it; ``id``, its id's namespace
@@ -228,14 +229,14 @@ def ask_like_the_view(indexer: Indexer, held_by_view: Callable[[], int],
     def held() -> int:
         return sum(len(v) for v in indexer.held().values())
 
-    def ask(prompt: list[int], salt: str | None) -> int:
+    def ask(prompt: list[int], salt: str | None, lora_name: str | None = None) -> int:
         want = held_by_view()
         deadline = time.monotonic() + settle_s
         while held() != want and time.monotonic() < deadline:
             time.sleep(0.002)  # poll interval: the indexer applies events asynchronously
         if salt is not None and salt_form != "client":
             salt = salt_namespace(cache_salt_id(salt))
-        return indexer.cached_tokens(prompt, cache_salt=salt)
+        return indexer.cached_tokens(prompt, cache_salt=salt, lora_name=lora_name)
 
     return ask
 
