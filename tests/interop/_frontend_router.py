@@ -20,13 +20,18 @@ import torch
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
-from kvbm_plugin.tools.chat_workload import RouterProbe
+from kvbm_plugin.tools import demo
+from kvbm_plugin.tools.chat_workload import RouterProbe, drive
+from kvbm_plugin.tools.demo_routers import adapter_names
 from kvbm_plugin.tools.llmd_model import LlmdIndexer, llmd_tap
 from kvbm_plugin.tools.router_view import RouterView
 
 BS = 4
-ADAPTERS = {0: "adapter-a", 1: "adapter-b"}
-SALTS = (None, "tenant-a", "tenant-b")
+ADAPTERS = 2
+DEMO_ARGS = ["--requests", "48", "--tenants", "2", "--adapters", str(ADAPTERS),
+             "--max-context", "96", "--sessions", "6", "--turns", "3", "--system-tokens", "16",
+             "--user-tokens", "8", "--gen-tokens", "3", "--block-size", str(BS),
+             "--gpu-blocks", "32", "--mode", "passthrough"]
 
 
 def _cached_blocks(answer: dict, worker: int) -> int:
@@ -65,7 +70,7 @@ async def main(tmp: str) -> dict:
            cc.OUTPUT_ENDPOINT: f"ipc://{tmp}/out", cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tmp}/or",
            cc.CPU_CACHE_NUM_BLOCKS: "16", cc.DISK_CACHE_NUM_BLOCKS: "96",
            cc.DISK_CACHE_DIR: f"{tmp}/disk",
-           cc.LORA_NAMES: ",".join(f"{k}={v}" for k, v in ADAPTERS.items())}
+           cc.LORA_NAMES: ",".join(f"{k}={v}" for k, v in adapter_names(ADAPTERS).items())}
     config = cc.load_consolidator_config(env)
     engine = SimulatedEngine(EngineConfig(
         num_layers=1, num_kv_heads=2, head_dim=4, tokens_per_block=BS, num_gpu_blocks=32,
@@ -78,49 +83,49 @@ async def main(tmp: str) -> dict:
     worker = endpoint.connection_id()
     tap = llmd_tap([LlmdIndexer(block_size=BS)], config.output.connect,
                    config.output_replay.connect, start_seq=0, view=RouterView(BS))
-    probe = RouterProbe(engine, tap, settle_timeout=20.0)
-    out = {"asked": 0, "reused": 0, "agreed": 0, "foreign": 0, "requests": 0,
-           "view_waits_timed_out": 0}
+    out: dict = {"foreign": 0, "view_waits_timed_out": 0, "scopes": set()}
+
+    def overlap(prompt: list[int], salt: str | None, lora_name: str | None) -> int:
+        async def scores() -> dict:  # Dynamo's awaitable is made on the loop's thread
+            return await router.get_overlap_scores(prompt, lora_name=lora_name,
+                                                   cache_namespace=salt)
+
+        answer = asyncio.run_coroutine_threadsafe(scores(), loop).result(30)
+        return _cached_blocks(answer, worker) * BS
+
+    def ask(prompt: list[int], salt: str | None, lora_name: str | None) -> int:
+        """Asked by the drive (its thread) as a client asks: salt string, adapter name."""
+        # Dynamo applies the relayed events asynchronously: wait (bounded) until its answer
+        # matches the plugin's own view, then take it.
+        want = tap.view.cached_tokens(prompt, namespace=salt, lora_name=lora_name)
+        wait_until = time.monotonic() + 3.0
+        while (got := overlap(prompt, salt, lora_name)) != want:
+            if time.monotonic() > wait_until:
+                out["view_waits_timed_out"] += 1
+                break
+            time.sleep(0.02)  # poll interval: Dynamo's indexer applies events asynchronously
+        out["foreign"] += overlap(prompt, "tenant-unused", lora_name)
+        out["scopes"].add(f"{salt}/{lora_name}")
+        return got
+
+    # The demo's steady multi-tenant chat, with two adapters (what `kvbm-plugin demo --requests
+    # 48 --tenants 2 --adapters 2` sends, at this engine's sizes)
+    args = demo.build_parser().parse_args(DEMO_ARGS)
+    demo._check_options(args)
+    workload = demo._workload(args)
+    probe = RouterProbe(engine, tap, settle_timeout=20.0, external=ask,
+                        lora_names=adapter_names(ADAPTERS))
     try:
         deadline = time.monotonic() + 20
         while not (await router.get_overlap_scores([0] * BS)).get("workers"):
             assert time.monotonic() < deadline, "the router never saw the worker"
             await asyncio.sleep(0.05)  # poll interval: discovery is asynchronous
-        system = [1000 + i for i in range(16)]
-        scopes = [(lora, salt) for lora in (None, 0, 1) for salt in SALTS]
-        prompts = {scope: list(system) for scope in scopes}
-        for turn in range(4):
-            for i, (lora, salt) in enumerate(scopes):
-                prompt = prompts[(lora, salt)] + [3000 + 131 * i + 7 * turn + j
-                                                  for j in range(6)]
-                assert probe.settle()
-                name = None if lora is None else ADAPTERS[lora]
-                want = probe.predict(prompt, salt) // BS if lora is None else None
-                # Dynamo applies the relayed events asynchronously: wait (bounded) until its
-                # answer matches the plugin's own view (base model), then take it.
-                wait_until = time.monotonic() + 3.0
-                while True:
-                    answer = await router.get_overlap_scores(prompt, lora_name=name,
-                                                             cache_namespace=salt)
-                    got = _cached_blocks(answer, worker)
-                    if want is None or got == want:
-                        break
-                    if time.monotonic() > wait_until:
-                        out["view_waits_timed_out"] += 1
-                        break
-                    await asyncio.sleep(0.02)  # poll interval
-                foreign = await router.get_overlap_scores(prompt, lora_name=name,
-                                                          cache_namespace="tenant-unused")
-                out["foreign"] += _cached_blocks(foreign, worker)
-                rid = engine.submit(prompt, 3, cache_salt=salt, lora_task_id=lora)
-                engine.run_until_idle(timeout_s=60)
-                result = engine.result(rid)
-                reused = result.gpu_hit_tokens + result.host_hit_tokens + result.disk_hit_tokens
-                out["asked"] += len(prompt)
-                out["reused"] += reused
-                out["agreed"] += len(prompt) - abs(got * BS - reused)
-                out["requests"] += 1
-                prompts[(lora, salt)] = prompt + result.tokens[len(prompt):]
+        result = await loop.run_in_executor(None, lambda: drive(
+            engine, probe, workload, max_requests=args.requests, timeout_s=240))
+        tally = result.external_tally
+        out.update(requests=tally.requests, asked=tally.prompt_tokens,
+                   agreed=tally.agree_tokens,
+                   reused=tally.reused_tokens, scopes=sorted(out["scopes"]))
     finally:
         tap.close()
         engine.shutdown()

@@ -1,8 +1,9 @@
 """The KV router of Dynamo's frontend (ai-dynamo-runtime 1.6.1: ``KvRouter``, what
 ``python -m dynamo.frontend --router-mode kv`` routes with), fed the consolidated output through
 Dynamo's own relay (``KvEventPublisher(zmq_endpoint=...)``) under a registered worker, on a
-workload of salted and unsalted tenants on the base model and two adapters, each request asking
-with its own salt string and adapter name (``DYN_KVBM_LORA_NAMES``). The run is
+workload of the demo's steady multi-tenant chat (``kvbm-plugin demo --requests 48 --tenants 2
+--adapters 2``: salted tenants on the base model and two adapters), each request asking with its
+own salt string and adapter name (``DYN_KVBM_LORA_NAMES``). The run is
 _frontend_router.py, in a private network namespace (Dynamo's planes bind addresses of their
 own choosing)."""
 
@@ -39,6 +40,8 @@ def test_dynamos_kv_router_credits_tenants_and_adapters_as_the_engine_reused(
         env={**os.environ, "DYN_LOG": "error"})
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["requests"] == 36 and out["reused"] > out["asked"] // 3
+    assert out["requests"] == 48 and out["reused"] > out["asked"] // 3
+    # the demo's tenants on the base model and both adapters were asked
+    assert {"tenant-0/None", "tenant-1/adapter-0", "tenant-0/adapter-1"} <= set(out["scopes"])
     assert out["agreed"] / out["asked"] >= 0.99, out
     assert out["foreign"] == 0, out  # a salt nobody used is credited nothing
