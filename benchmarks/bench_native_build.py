@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench_consolidator, bench_event_sink  # noqa: E402
 from benchmarks._table import Row, print_table  # noqa: E402
-from kvbm_plugin._util import native as _native  # noqa: E402
+from kvbm_plugin._util import compiled as _compiled  # noqa: E402
 from kvbm_plugin.consolidator.core import ConsolidatorCore  # noqa: E402
 
 _EXTENSIONS = {"event_sink": "kvbm_plugin.gpu_events._sink_c",
@@ -101,13 +101,13 @@ def _work_tree(into: Path) -> Path:
 @contextmanager
 def _using(modules: dict[str, ModuleType]) -> Iterator[None]:
     """The components built from here on take ``modules`` as their compiled loops."""
-    saved = dict(_native._built)
-    _native._built.update(modules)
+    saved = dict(_compiled._built)
+    _compiled._built.update(modules)
     try:
         yield
     finally:
-        _native._built.clear()
-        _native._built.update(saved)
+        _compiled._built.clear()
+        _compiled._built.update(saved)
 
 
 def _consolidator_cost(messages: list[list[bytes]]) -> float:

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator import core as core_module
 from kvbm_plugin.consolidator.service import SOURCE_TIERS, ConsolidatorCore, KvEventConsolidator
 from kvbm_plugin.consolidator_config import (
@@ -31,7 +31,7 @@ from kvbm_plugin.consolidator_config import (
 
 BS = 2
 PACKAGE = str(Path(core_module.__file__).parent)
-BUILT = _native.loops("consolidator", {}) is not None
+BUILT = _compiled.loops("consolidator", {}) is not None
 IMPLEMENTATIONS = [False, True] if BUILT else [False]
 needs_native = pytest.mark.skipif(not BUILT, reason="the compiled consolidator loops are not "
                                   "built")

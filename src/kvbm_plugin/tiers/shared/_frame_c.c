@@ -1,6 +1,6 @@
 /* The shared tier's payload word sums in one compiled pass: the compiled form of the torch
  * reductions in frame.py's ``_sums_torch`` (the reference, and the fallback where this is not
- * built or DYN_KVBM_NATIVE=0); tests/tiers/shared/test_frame_native.py runs both, and a
+ * built or DYN_KVBM_NATIVE=0); tests/tiers/shared/test_frame_compiled.py runs both, and a
  * bytes-only statement of the definition, on the same input and compares.
  *
  * Called by frame.checksum on a worker's shared-tier reader thread (every object read, before

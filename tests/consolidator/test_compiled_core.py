@@ -17,7 +17,7 @@ import pytest
 from _depth import depths, run_examples
 from hypothesis import strategies as st
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator.service import SOURCE_ENGINE, SOURCE_TIERS, ConsolidatorCore
 from kvbm_plugin.wire.events import MAX_DP_RANKS, WireFormatError
 
@@ -159,7 +159,7 @@ def state(core: ConsolidatorCore) -> dict[int, Any]:
     return out
 
 
-needs_native = pytest.mark.skipif(_native.loops("consolidator", {}) is None,
+needs_native = pytest.mark.skipif(_compiled.loops("consolidator", {}) is None,
                                   reason="kvbm_plugin._consolidator_c was not built")
 
 
@@ -171,7 +171,7 @@ def test_compiled_dedup_loops_match_python_loops(examples: int) -> None:
 
 def _loops_agree(steps: list[tuple[str, Any]]) -> None:
     python, compiled = ConsolidatorCore(native=False), ConsolidatorCore(native=True)
-    assert python._native is None and compiled._native is not None
+    assert python._compiled is None and compiled._compiled is not None
     for step in steps:
         assert apply(compiled, step) == apply(python, step)
         assert compiled.take_output() == python.take_output()
@@ -325,14 +325,14 @@ def test_compiled_blocks_are_compact_and_free_a_long_chain_without_recursion() -
 
 
 def test_passthrough_mode_keeps_the_python_loops() -> None:
-    assert ConsolidatorCore("passthrough", native=None)._native is None
+    assert ConsolidatorCore("passthrough", native=None)._compiled is None
 
 
 def test_native_true_without_the_extension_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(_native._built, "consolidator", None)
+    monkeypatch.setitem(_compiled._built, "consolidator", None)
     with pytest.raises(ValueError, match="native=True"):
         ConsolidatorCore(native=True)
-    assert ConsolidatorCore()._native is None
+    assert ConsolidatorCore()._compiled is None
     assert SOURCE_ENGINE == 0
 
 
