@@ -13,6 +13,9 @@ In this process, two consumers take the same messages in turn:
 * **consolidator**: a started :class:`KvEventConsolidator` in dedup mode whose output goes to a
   real :class:`ZmqEventPublisher` with a subscriber draining it (in the sender process); timed
   until every batch was applied and its output sent (``wait_idle``).
+* **consolidator, Python loops** (information): the same with ``DYN_KVBM_NATIVE=0``, the
+  reference loops of ``consolidator/core.py``; where the compiled core is built, this row is
+  what it is kept for (docs/performance.md, "What each compiled loop is for").
 
 Rate = block events (stored + removed block hashes) / seconds from "go" to done.
 
@@ -25,6 +28,7 @@ both consumers of one round together, not the ratio.
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import statistics
 import sys
@@ -37,9 +41,11 @@ import msgpack
 import zmq
 
 from benchmarks._table import Row, print_table
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator.service import KvEventConsolidator
 from kvbm_plugin.consolidator_config import (
     EVENTS_ENDPOINT,
+    NATIVE,
     OUTPUT_ENDPOINT,
     load_consolidator_config,
 )
@@ -181,13 +187,23 @@ def _run_bare(conn: Any, port: int, count: int, raw_only: bool) -> float:
         sub.close(0)
 
 
-def _run_consolidator(conn: Any, port: int, count: int) -> tuple[float, dict[str, int]]:
+def _run_consolidator(conn: Any, port: int, count: int, python_loops: bool = False
+                      ) -> tuple[float, dict[str, int]]:
     out_port = _free_port()
     config = load_consolidator_config({
         EVENTS_ENDPOINT: f"tcp://127.0.0.1:{port}",
         OUTPUT_ENDPOINT: f"tcp://127.0.0.1:{out_port}",
     })
-    consolidator = KvEventConsolidator(config)
+    # The core picks its loops when it is made, from DYN_KVBM_NATIVE (this process's own).
+    saved = os.environ.get(NATIVE)
+    os.environ[NATIVE] = "0" if python_loops else "1"
+    try:
+        consolidator = KvEventConsolidator(config)
+    finally:
+        if saved is None:
+            del os.environ[NATIVE]
+        else:
+            os.environ[NATIVE] = saved
     consolidator.start()
     try:
         conn.send(f"tcp://127.0.0.1:{out_port}")
@@ -215,13 +231,15 @@ def run(quick: bool = False) -> list[Row]:
     """Measure both consumers on the same messages; rows for the README table."""
     count = 300 if quick else 3000
     rounds = 3 if quick else 9
+    # Both loop implementations where the compiled one is built; the Python one alone otherwise.
+    both = _compiled.loops("consolidator") is not None
     spawn = mp.get_context("spawn")
     parent, child = spawn.Pipe()
     proc = spawn.Process(target=_sender, args=(child, count), daemon=True)
     proc.start()
     try:
         port, block_events = _recv(parent)
-        bare, raw, cons = [], [], []
+        bare, raw, cons, python = [], [], [], []
         stats: dict[str, int] = {}
         for i in range(rounds):
             if i % 2:
@@ -232,6 +250,9 @@ def run(quick: bool = False) -> list[Row]:
                 elapsed, stats = _run_consolidator(parent, port, count)
                 cons.append(block_events / elapsed)
             raw.append(block_events / _run_bare(parent, port, count, raw_only=True))
+            if both:
+                elapsed, _ = _run_consolidator(parent, port, count, python_loops=True)
+                python.append(block_events / elapsed)
         parent.send(None)
     finally:
         proc.join(10)
@@ -242,9 +263,10 @@ def run(quick: bool = False) -> list[Row]:
     rate, bare_rate, raw_rate = (statistics.median(x) for x in (cons, bare, raw))
     ratios = [c / b for c, b in zip(cons, bare, strict=True)]
     ratio = statistics.median(ratios)
-    return [
-        Row("consolidator", f"ingest, dedup, tcp loopback, vs bare decode (paired median of "
-            f"{rounds} rounds, spread {min(ratios):.2f}-{max(ratios):.2f}x; "
+    loops = "compiled core" if both else "Python loops: the compiled core is not in use"
+    rows = [
+        Row("consolidator", f"ingest, dedup, tcp loopback, vs bare decode ({loops}; paired "
+            f"median of {rounds} rounds, spread {min(ratios):.2f}-{max(ratios):.2f}x; "
             f"{rate / 1e3:,.0f}k vs {bare_rate / 1e3:,.0f}k block-events/s, medians)", ratio,
             "x", target=f">= {TARGET_RATIO}x", passed=ratio >= TARGET_RATIO),
         Row("consolidator", f"ingest, dedup, tcp loopback (absolute; rounds {min(cons) / 1e3:,.0f}k"
@@ -255,6 +277,14 @@ def run(quick: bool = False) -> list[Row]:
         Row("consolidator", "output batches per input batch (info)",
             stats["batches_out"] / max(1, stats["batches_applied"]), "ratio"),
     ]
+    if python:
+        py_ratios = [p / b for p, b in zip(python, bare, strict=True)]
+        rows.append(Row("consolidator", "ingest, dedup, tcp loopback, Python loops "
+                        f"(DYN_KVBM_NATIVE=0; info; rounds {min(python) / 1e3:,.0f}k-"
+                        f"{max(python) / 1e3:,.0f}k; vs bare decode "
+                        f"{statistics.median(py_ratios):.2f}x, spread {min(py_ratios):.2f}-"
+                        f"{max(py_ratios):.2f}x)", statistics.median(python), "block-events/s"))
+    return rows
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ median ratio against its target and the spread (min-max of the rounds' ratios) s
   <= 2x (the cost is O(the chain's length)).
 * **a removal that cascades**: one removal of a block with 16 descendants (a parent removed
   before its children) at 1,000,000 tracked blocks against 10,000. Target: <= 2x, and <= 1 ms.
+* **heap per tier block** (information): what a core keeps per block registered by a tier
+  (64-block chains, 200,000 blocks; ``tracemalloc``), per implementation. The compiled core's
+  96-byte block against the Python loops' 12-item list is what keeps the whole leader's heap
+  within ``bench_tiers``' <= 400 B per tier block (docs/performance.md).
 
 Times are the measuring thread's CPU time (``time.thread_time``). Both loop implementations are
 measured where the compiled one is built (the Python one alone otherwise); ``--quick`` runs
@@ -25,15 +29,17 @@ smaller sizes.
 from __future__ import annotations
 
 import gc
+import random
 import statistics
 import sys
 import time
+import tracemalloc
 from collections import deque
 from collections.abc import Callable
 from typing import Any
 
 from benchmarks._table import Row, print_table
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator.service import SOURCE_TIERS, ConsolidatorCore
 
 CHAIN_LEN = 16
@@ -166,6 +172,27 @@ def cascade_seconds(native: bool, tracked: int, descendants: int = 16) -> float:
     return seconds
 
 
+def heap_per_block(native: bool, blocks: int) -> float:
+    """Bytes a core keeps per tier block: ``blocks`` registered in chains of 64 (16 tokens a
+    block, random hashes, as ``bench_tiers`` drives the leader), output taken as it comes."""
+    rng = random.Random(5)
+    core = ConsolidatorCore(native=native)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for chain in range(blocks // 64):
+            core.store(SOURCE_TIERS, "DISK", 0, [rng.getrandbits(63) for _ in range(64)], None,
+                       list(range(chain * 64 * 16, (chain + 1) * 64 * 16)), 16)
+            core.take_output()
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert core.stats()["blocks_visible"] == blocks // 64 * 64
+    return kept / (blocks // 64 * 64)
+
+
 def paired(fn_a: Callable[[], float], fn_b: Callable[[], float], rounds: int
            ) -> tuple[float, float, float, float, float]:
     """Rounds of (a, b), alternating which runs first; the medians of a and b, and the median,
@@ -196,7 +223,7 @@ def run(quick: bool = False) -> list[Row]:
     batches, block_events = engine_batches(100 if quick else 400)
     big = 100_000 if quick else 1_000_000
     rows: list[Row] = []
-    implementations = [True, False] if _native.loops("consolidator", {}) is not None \
+    implementations = [True, False] if _compiled.loops("consolidator", {}) is not None \
         else [False]
     for native in implementations:
         name = "compiled" if native else "python"
@@ -233,6 +260,12 @@ def run(quick: bool = False) -> list[Row]:
                         f"tracked ({name}; median)", large * 1e3, "ms",
                         target=f"<= {TARGET_CASCADE_MS:g} ms",
                         passed=large * 1e3 <= TARGET_CASCADE_MS))
+    heap_blocks = 20_000 if quick else 200_000
+    for native in implementations:  # last: tracemalloc slows whatever runs beside it
+        name = "compiled" if native else "python"
+        rows.append(Row("consolidator scale", f"heap per tier block, {heap_blocks:,} blocks in "
+                        f"64-block chains ({name}; info)", heap_per_block(native, heap_blocks),
+                        "B"))
     return rows
 
 

@@ -71,7 +71,7 @@ import msgspec
 import zmq
 
 from benchmarks._table import Row, print_table
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator_config import Endpoint, PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
 from kvbm_plugin.wire.events import encode_payload
@@ -595,7 +595,7 @@ def _v2_cost(iterations: int) -> float:
 def run(quick: bool = False) -> list[Row]:
     """Measure and return the rows (``quick``: a few hundred iterations, a few seconds)."""
     iterations = 150 if quick else 1500
-    native = _native.loops("event_sink") is not None  # the default path: compiled loop when built
+    native = _compiled.loops("event_sink") is not None  # the default path: compiled loop when built
     # The end-to-end runs move a lot between runs (two processes and four busy threads on two
     # cores): interleave the publishers over several rounds and take each one's median. The
     # CPU-per-block figures are thread CPU clocks, not wall time.

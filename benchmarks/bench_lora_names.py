@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from benchmarks._table import Row, print_table
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
 from kvbm_plugin.wire.publisher import NullEventPublisher
@@ -119,7 +119,7 @@ def run(quick: bool = False) -> list[Row]:
     """Measure and return the rows (``quick``: fewer rounds and iterations; seconds)."""
     rounds, iterations = (3, 40) if quick else (7, 120)
     rows: list[Row] = []
-    if _native.loops("event_sink", {}) is not None:
+    if _compiled.loops("event_sink", {}) is not None:
         rows += _rows(True, rounds, iterations)
     rows += _rows(False, rounds, iterations)
     return rows

@@ -184,7 +184,7 @@ def _verify(guarded: Any, keys: list[str], arena: _Arena, rounds: int) -> list[R
 
     import torch
 
-    from kvbm_plugin._util import native
+    from kvbm_plugin._util import compiled as _compiled
     from kvbm_plugin.tiers.shared import frame
 
     n, block = len(keys), arena.block
@@ -192,7 +192,7 @@ def _verify(guarded: Any, keys: list[str], arena: _Arena, rounds: int) -> list[R
     whole = torch.frombuffer(arena.memory, dtype=torch.uint8)
     views = [whole[i * block:(i + 1) * block] for i in range(n)]
     mvs = [memoryview(arena.memory)[i * block:(i + 1) * block] for i in range(n)]
-    compiled = native.loops("shared_frame") is not None
+    compiled = _compiled.loops("shared_frame") is not None
 
     rates: dict[str, list[float]] = {}  # GB/s of the check alone, over the pages just read
 

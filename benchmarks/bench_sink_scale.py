@@ -32,7 +32,7 @@ from functools import partial
 from typing import Any
 
 from benchmarks._table import Row, print_table
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
 from kvbm_plugin.gpu_events.block_names import BlockNames
@@ -201,7 +201,7 @@ def run(quick: bool = False) -> list[Row]:
     cap = 100_000
     measured = 5_000 if quick else 20_000
     name = "sink_scale"
-    loop = "compiled" if _native.loops("event_sink") is not None else "Python"
+    loop = "compiled" if _compiled.loops("event_sink") is not None else "Python"
     rows: list[Row] = []
 
     big_bed, small_bed = _CascadeBed(big), _CascadeBed(small)

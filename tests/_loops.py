@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator_config import NATIVE
 
 
@@ -17,7 +17,7 @@ def both_implementations(module: str) -> Callable[..., str]:
 
     @pytest.fixture(autouse=True, params=["compiled", "python"])
     def implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-        if request.param == "compiled" and _native.loops(module, {}) is None:
+        if request.param == "compiled" and _compiled.loops(module, {}) is None:
             pytest.skip(f"the compiled loops of {module} were not built")
         monkeypatch.setenv(NATIVE, "1" if request.param == "compiled" else "0")
         return str(request.param)

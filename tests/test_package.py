@@ -177,3 +177,42 @@ def test_compiled_loops_use_only_the_public_cpython_api() -> None:
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if _PRIVATE_C_API.search(line)]
     assert found == []
+
+
+def _table_rows(page: Path, heading: str) -> list[list[str]]:
+    """The cells of the first table under ``heading`` in ``page``."""
+    lines = page.read_text().splitlines()
+    start = lines.index(heading)
+    rows = []
+    for line in lines[start + 1:]:
+        if line.startswith("#"):
+            break
+        if line.startswith("|---"):
+            continue
+        if line.startswith("|"):
+            rows.append([cell.strip() for cell in line.strip("|").split("|")])
+        elif rows:
+            break
+    return rows[1:]  # less the header
+
+
+def test_every_compiled_loop_names_the_target_it_is_kept_for() -> None:
+    """Compiled code only where a stated target needs it: every extension ``setup.py`` builds
+    is one the loader knows, every C source under ``src`` is built, and each extension names
+    its target in docs/development.md and its measurement in docs/performance.md."""
+    from kvbm_plugin._util import compiled
+
+    setup = (ROOT / "setup.py").read_text()
+    built = set(re.findall(r'Extension\("([\w.]+)"', setup))
+    assert built == set(compiled._MODULES.values())
+    root = ROOT / "src" / "kvbm_plugin"
+    sources = {str(path.relative_to(ROOT)) for path in root.rglob("*.c")}
+    assert sources == set(re.findall(r'"(src/kvbm_plugin/[\w/]+\.c)"', setup))
+    kept = {row[0].strip("`"): row[3] for row in
+            _table_rows(ROOT / "docs" / "development.md", "## The compiled loops")}
+    assert set(kept) == built
+    assert all(kept.values()), kept  # a target named for each
+    measured = " ".join(row[0] for row in _table_rows(ROOT / "docs" / "performance.md",
+                                                      "### What each compiled loop is for"))
+    for source in sources:
+        assert Path(source).name in measured, f"{source}: no measurement in performance.md"

@@ -166,8 +166,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "at exit.", "tiers"),
     EnvVar(METRICS, "false", "Serve Prometheus metrics (1/true/on/yes).", "metrics"),
     EnvVar(METRICS_PORT, "6880", "Prometheus metrics port.", "metrics"),
-    EnvVar(NATIVE, "true", "Use the compiled fast paths when they were built at install "
-           "(1/true/on/yes); 0/false/off/no runs the pure-Python reference paths.", "runtime"),
+    EnvVar(NATIVE, "true", "Use the compiled loops (the C extensions) where they were built at "
+           "install (1/true/on/yes); 0/false/off/no runs the pure-Python reference loops.",
+           "runtime"),
     EnvVar(EVENTS_SOURCE, "auto", "Where the leader gets GPU-tier events: `auto` drains "
            "TRT-LLM's KV-event buffer until another reader (LLM.get_kv_cache_events, "
            "/kv_cache_events, Dynamo's publisher) shows up, then only taps what that reader "
@@ -551,8 +552,9 @@ def load_events_source(env: Mapping[str, str] | None = None) -> EventsSource:
     return value  # type: ignore[return-value]
 
 
-def native_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """Whether the compiled fast paths may be used (they still need to have been built)."""
+def compiled_loops_enabled(env: Mapping[str, str] | None = None) -> bool:
+    """Whether the compiled loops may be used (``DYN_KVBM_NATIVE``; they still need to have
+    been built)."""
     env = os.environ if env is None else env
     return parse_bool(NATIVE, env_value(env, NATIVE) or "")
 

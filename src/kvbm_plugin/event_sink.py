@@ -51,7 +51,7 @@ from functools import partial
 from operator import itemgetter
 from typing import Any
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.gpu_events.fields import (
     REMOVED,
@@ -146,7 +146,7 @@ class KvEventSink(V2Hooks):
         self._prefix_closed = prefix_closed
         self._owns_publisher = owns_publisher
         # The compiled batch and ingest loop, when built (None: the Python ones alone).
-        module = _native.choose("event_sink", native, "KvEventSink")
+        module = _compiled.choose("event_sink", native, "KvEventSink")
         self._native: Callable[..., tuple[Any, ...]] | None = (
             None if module is None else module.ingest_dicts)
         self._rank_type: Callable[[], Rank] = (

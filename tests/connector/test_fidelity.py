@@ -136,9 +136,9 @@ def stored(h: Any, parent: Any = None, tokens: list[int] | None = None,
 
 @pytest.mark.parametrize("native", [True, False])
 def test_per_block_lora_and_multimodal_keys_reach_the_wire(native: bool) -> None:
-    from kvbm_plugin._util import native as _native
+    from kvbm_plugin._util import compiled as _compiled
 
-    if native and _native.loops("event_sink", {}) is None:
+    if native and _compiled.loops("event_sink", {}) is None:
         pytest.skip("compiled loops not built")
     rec = Recorder()
     sink = KvEventSink(rec, block_size=BS, native=native, strict=True)
@@ -178,9 +178,9 @@ def test_two_adapters_blocks_with_the_same_tokens_are_two_blocks() -> None:
 
 @pytest.mark.parametrize("native", [True, False])
 def test_hex_string_hashes_map_like_v2_radix_keys(native: bool) -> None:
-    from kvbm_plugin._util import native as _native
+    from kvbm_plugin._util import compiled as _compiled
 
-    if native and _native.loops("event_sink", {}) is None:
+    if native and _compiled.loops("event_sink", {}) is None:
         pytest.skip("compiled loops not built")
     rec = Recorder()
     sink = KvEventSink(rec, block_size=BS, native=native, strict=True)

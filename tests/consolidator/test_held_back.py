@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator import core as core_module
 from kvbm_plugin.consolidator.service import SOURCE_TIERS, ConsolidatorCore, KvEventConsolidator
 from kvbm_plugin.consolidator_config import (
@@ -31,9 +31,9 @@ from kvbm_plugin.consolidator_config import (
 
 BS = 2
 PACKAGE = str(Path(core_module.__file__).parent)
-BUILT = _native.loops("consolidator", {}) is not None
+BUILT = _compiled.loops("consolidator", {}) is not None
 IMPLEMENTATIONS = [False, True] if BUILT else [False]
-needs_native = pytest.mark.skipif(not BUILT, reason="the compiled consolidator loops are not "
+needs_compiled = pytest.mark.skipif(not BUILT, reason="the compiled consolidator loops are not "
                                   "built")
 
 
@@ -146,7 +146,7 @@ def test_the_cascade_walks_only_live_children(native: bool) -> None:
     assert set(rank.hidden[0].entries) == {published[2][0], published[4][0]}
 
 
-@needs_native
+@needs_compiled
 def test_the_compiled_loops_keep_running_while_blocks_are_held_back(monkeypatch) -> None:
     core = ConsolidatorCore(native=True)
     hold_back_orphans(core, 500)
@@ -175,7 +175,7 @@ def test_the_compiled_loops_keep_running_while_blocks_are_held_back(monkeypatch)
     assert core.stats()["blocks_held_back"] == 500 and 9 in core.visible_hashes(0)
 
 
-@needs_native
+@needs_compiled
 def test_a_leaf_first_removal_stays_in_the_compiled_loop(monkeypatch) -> None:
     """A chain removed leaf first (what every engine sends) never cascades: no block goes
     while it has a child, so no Python code runs for it."""

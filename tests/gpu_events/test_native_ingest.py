@@ -20,7 +20,7 @@ import pytest
 from _depth import depths, run_examples
 from hypothesis import strategies as st
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator_config import NATIVE, ConfigError, PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
 from kvbm_plugin.gpu_events.fields import radix_key_hash
@@ -211,7 +211,7 @@ def run(native: bool, calls: list[tuple[list[Any], bool]], window: int | None,
     return rec.payloads, sink.stats()
 
 
-needs_native = pytest.mark.skipif(_native.loops("event_sink", {}) is None,
+needs_native = pytest.mark.skipif(_compiled.loops("event_sink", {}) is None,
                                   reason="kvbm_plugin.gpu_events._sink_c was not built")
 
 
@@ -599,28 +599,28 @@ def test_an_interrupt_raised_while_a_v2_block_is_read_propagates(native: bool) -
 
 def test_native_switch_turns_the_compiled_loops_off_and_refuses_a_non_boolean() -> None:
     """Built or not: off means the Python loops, and a bad value is an error naming it."""
-    for module in _native._MODULES:
-        assert _native.loops(module, {NATIVE: "0"}) is None
+    for module in _compiled._MODULES:
+        assert _compiled.loops(module, {NATIVE: "0"}) is None
     with pytest.raises(ConfigError, match=rf"{NATIVE}='maybe'"):
-        _native.loops("event_sink", {NATIVE: "maybe"})
+        _compiled.loops("event_sink", {NATIVE: "maybe"})
     with pytest.raises(ConfigError, match=rf"{NATIVE}='maybe'"):
-        _native.describe({NATIVE: "maybe"})
+        _compiled.describe({NATIVE: "maybe"})
 
 
 def test_native_switch_and_build() -> None:
     """The supported install builds the extensions; installed without a C compiler they are
     optional and this test skips, unless KVBM_REQUIRE_NATIVE=1 (CI's main run) demands them."""
-    missing = [module for module in _native._MODULES if _native.loops(module, {}) is None]
+    missing = [module for module in _compiled._MODULES if _compiled.loops(module, {}) is None]
     if missing and os.environ.get("KVBM_REQUIRE_NATIVE") != "1":
         pytest.skip(f"compiled loops not built for {missing} (installed without a C compiler); "
                     "KVBM_REQUIRE_NATIVE=1 makes this a failure")
-    assert missing == [], _native.describe({})[1]
-    assert _native.describe({})[0] is True
-    assert "switched off" in _native.describe({NATIVE: "off"})[1]
+    assert missing == [], _compiled.describe({})[1]
+    assert _compiled.describe({})[0] is True
+    assert "switched off" in _compiled.describe({NATIVE: "off"})[1]
 
 
 def test_native_true_without_the_extension_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(_native._built, "event_sink", None)
+    monkeypatch.setitem(_compiled._built, "event_sink", None)
     with pytest.raises(ValueError, match="native=True"):
         KvEventSink(Recorder(), block_size=2, native=True)
     sink = KvEventSink(Recorder(), block_size=2)  # default: the Python loop, quietly

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from _loops import both_implementations
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
 from kvbm_plugin.gpu_events.block_names import BlockNames
@@ -26,7 +26,7 @@ from kvbm_plugin.wire.publisher import EventPublisher
 
 BS = 2
 ingest_loop = both_implementations("event_sink")  # a test naming native= runs as it says
-needs_native = pytest.mark.skipif(_native.loops("event_sink", {}) is None,
+needs_native = pytest.mark.skipif(_compiled.loops("event_sink", {}) is None,
                                   reason="kvbm_plugin.gpu_events._sink_c was not built")
 
 

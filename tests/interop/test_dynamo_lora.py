@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import zmq
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.event_sink import KvEventSink
 from kvbm_plugin.tools.dynamo_indexer import Indexer
 from kvbm_plugin.wire.events import encode_payload, encode_seq
@@ -57,7 +57,7 @@ def _chain(base: int) -> list[tuple[int, list[int]]]:
 @pytest.mark.parametrize("native", [True, False])
 def test_adapters_base_model_and_salts_are_apart(indexer: Indexer, tmp_path: Path,
                                                  native: bool) -> None:
-    if native and _native.loops("event_sink", {}) is None:
+    if native and _compiled.loops("event_sink", {}) is None:
         pytest.skip("compiled loops not built")
     rec = _Recorder()
     sink = KvEventSink(rec, block_size=BS, native=native, strict=True)

@@ -96,10 +96,10 @@ def test_doctor_ok_with_free_ports(monkeypatch, capsys) -> None:
     assert checks["consolidator config"]["status"] == "ok"
     assert checks["TensorRT-LLM"]["status"] in ("warn", "ok")
     assert checks["torch"]["status"] == "ok"
-    from kvbm_plugin._util import native as _native
+    from kvbm_plugin._util import compiled as _compiled
 
-    in_use = _native.describe()[0]  # built at install and not switched off (DYN_KVBM_NATIVE)
-    assert checks["compiled fast paths"]["status"] == ("ok" if in_use else "warn")
+    in_use = _compiled.describe()[0]  # built at install and not switched off (DYN_KVBM_NATIVE)
+    assert checks["compiled loops"]["status"] == ("ok" if in_use else "warn")
     assert "zmq (kvbm-plugin" in checks["entry points kvbm_plugin.publishers"]["detail"]
     assert code == 0, [c for c in checks.values() if c["status"] == "fail"]
 
@@ -126,8 +126,8 @@ def test_doctor_names_a_bad_native_switch(monkeypatch, capsys) -> None:
     monkeypatch.setenv(cc.NATIVE, "sometimes")
     assert main_doctor(["--json"]) == 1
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
-    assert checks["compiled fast paths"]["status"] == "fail"
-    assert f"{cc.NATIVE}='sometimes'" in checks["compiled fast paths"]["detail"]
+    assert checks["compiled loops"]["status"] == "fail"
+    assert f"{cc.NATIVE}='sometimes'" in checks["compiled loops"]["detail"]
 
 
 def test_doctor_fails_on_busy_port(monkeypatch, capsys) -> None:

@@ -1,5 +1,9 @@
-/* Compiled fast paths of consolidator/core.py: ConsolidatorCore in dedup mode (module
+/* Compiled loops of consolidator/core.py: ConsolidatorCore in dedup mode (module
  * kvbm_plugin.consolidator._core_c; its removal loops are in _core_remove.c).
+ *
+ * Kept for the consolidator's ingest targets (>= 0.5x of a bare SUB + decode, >= 300k
+ * block-events/s: the Python loops reach about 0.25x and 300k; docs/performance.md, "What each
+ * compiled loop is for").
  *
  * The per-block loops of the dedup core: a chain of stored blocks (_store_chain), a removal
  * (_removed), and a whole batch's common events (apply_events). They work on the core's own

@@ -50,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator.blocks import (
     CHILDREN,
     COUNTS,
@@ -150,12 +150,12 @@ class ConsolidatorCore(PrefixClosure):
         # The compiled dedup block loops (None: the Python ones). ``native`` as for KvEventSink:
         # None = when built and not switched off by DYN_KVBM_NATIVE, False = never, True = or
         # ValueError. Passthrough mode always runs the Python loops.
-        module = _native.choose("consolidator", native, type(self).__name__)
-        self._native = module if self._dedup else None
-        if self._native is not None:
-            self._native.core_constants(ROOT, UNKNOWN_PARENT, len(MEDIA), MEDIUM_GPU)
+        module = _compiled.choose("consolidator", native, type(self).__name__)
+        self._compiled = module if self._dedup else None
+        if self._compiled is not None:
+            self._compiled.core_constants(ROOT, UNKNOWN_PARENT, len(MEDIA), MEDIUM_GPU)
         # Where the compiled loops run, every block is their compact Block (blocks.py).
-        self._make_block = None if self._native is None else self._native.Block
+        self._make_block = None if self._compiled is None else self._compiled.Block
         self._ranks: dict[int, _Rank] = {}
         for name in _CORE_COUNTERS:
             setattr(self, "_n_" + name, 0)
@@ -221,7 +221,7 @@ class ConsolidatorCore(PrefixClosure):
                                         f"data_parallel_rank {dp_rank!r:.100} is not an int in "
                                         f"0..{self.max_dp_ranks - 1}"))
             return 0
-        native = self._native
+        compiled = self._compiled
         applied = 0
         i = 0
         while i < len(events):  # re-read: a caller's key object may change the list
@@ -229,8 +229,8 @@ class ConsolidatorCore(PrefixClosure):
             # The compiled loops run whatever is held back; they leave to the Python code each
             # store that touches a held-back block or its parent, and finish a removal that
             # reaches one or would cascade through :meth:`_remove_rest`.
-            if native is not None and rank is not None and type(events) is list:
-                stop, counts, error = native.apply_events(
+            if compiled is not None and rank is not None and type(events) is list:
+                stop, counts, error = compiled.apply_events(
                     rank, events, i, SOURCE_ENGINE, self._medium_cache, self._fresh_pub,
                     self._add_alias, self._release, self._remove_rest)
                 self._add_counts(rank, counts)
@@ -380,7 +380,7 @@ class ConsolidatorCore(PrefixClosure):
         return index
 
     def _hashes(self, value: Any, what: str) -> list[int]:
-        return u64_hashes(value, what, self._native)
+        return u64_hashes(value, what, self._compiled)
 
     def _group(self, slot: int) -> int:
         return 0 if self._dedup else slot % len(MEDIA)
@@ -469,13 +469,13 @@ class ConsolidatorCore(PrefixClosure):
             else:
                 pident = parent[IDENT]
                 parent_wire = parent[WIRE]
-        native = self._native if scope is None else None  # the compiled loop knows no scope
+        compiled = self._compiled if scope is None else None  # the compiled loop knows no scope
         make_block = self._make_block
         held_back = rank.hidden[group]
         hidden = held_back.entries
-        if native is not None and not unknown_parent \
+        if compiled is not None and not unknown_parent \
                 and (parent is None or (parent[TOTAL] and not parent[HELD_BACK])):
-            result = native.store_chain(
+            result = compiled.store_chain(
                 rank, blocks, known, held, unlisted, out, hashes, tokens, bs, parent,
                 pident, parent_wire, slot, lora_id, lora_name, medium, group, self._fresh_pub,
                 self._add_alias, self._release, held_back)
@@ -710,8 +710,8 @@ class ConsolidatorCore(PrefixClosure):
         # Dedup: the blocks now resident nowhere, one output event per call. The compiled
         # loop takes the hashes up to the first one that would cascade or reaches a held-back
         # block; the Python loop takes the rest.
-        if self._native is not None:
-            wires, unknown, stop = self._native.remove_dedup(
+        if self._compiled is not None:
+            wires, unknown, stop = self._compiled.remove_dedup(
                 rank.blocks, rank.known, rank.held[slot], rank.unlisted, hashes, rank.orphans)
         else:
             wires, unknown, stop = [], 0, 0

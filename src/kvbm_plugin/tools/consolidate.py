@@ -25,9 +25,9 @@ from kvbm_plugin.consolidator_config import (
     OUTPUT_REPLAY_ENDPOINT,
     REPLAY_ENDPOINT,
     ConfigError,
+    compiled_loops_enabled,
     consolidator_enabled,
     load_consolidator_config,
-    native_enabled,
     parse_endpoint,
 )
 from kvbm_plugin.tools.cli import EXIT_FAILED, EXIT_USAGE, ArgumentParser, SignalStop
@@ -84,7 +84,7 @@ def main_consolidate(argv: list[str] | None = None) -> int:
             env[name] = value
     try:
         consolidator_enabled(env)  # validated, then overridden: the command always runs it
-        native_enabled(env)  # read by the core's loops
+        compiled_loops_enabled(env)  # read by the core's loops
         env[ENABLE_CONSOLIDATOR] = "true"
         streams: tuple[Any, ...] = ()
         if args.llm_api_options is not None:

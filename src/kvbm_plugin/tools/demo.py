@@ -732,7 +732,7 @@ def _check_options(args: argparse.Namespace) -> None:
                          + (", --max-context)" if steady else ")"))
     if args.processes and args.tp < 2:
         raise UsageError(f"--processes needs --tp > 1, got --tp {args.tp}")
-    cc.native_enabled()  # DYN_KVBM_NATIVE, read by the event sink and the consolidator
+    cc.compiled_loops_enabled()  # DYN_KVBM_NATIVE, read by the event sink and the consolidator
 
 
 def main_demo(argv: Sequence[str] | None = None) -> int:

@@ -402,13 +402,13 @@ def run_checks(num_ranks: int, require_trtllm: bool,
     checks.append(_events_source_check(native))
     checks.append(_gpu_source_check(config, native, options, num_ranks))
 
-    from kvbm_plugin._util import native as _native
+    from kvbm_plugin._util import compiled as _compiled
 
     try:
-        in_use, detail = _native.describe()
-        checks.append(Check("compiled fast paths", "ok" if in_use else "warn", detail))
+        in_use, detail = _compiled.describe()
+        checks.append(Check("compiled loops", "ok" if in_use else "warn", detail))
     except cc.ConfigError as exc:
-        checks.append(Check("compiled fast paths", "fail", str(exc)))
+        checks.append(Check("compiled loops", "fail", str(exc)))
 
     from kvbm_plugin.connector.trtllm_compat import COMPAT
 

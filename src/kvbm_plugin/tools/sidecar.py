@@ -287,7 +287,7 @@ def main_sidecar(argv: Sequence[str] | None = None) -> int:
     status 2; publishers that cannot bind (a busy port) or a URL that answers what no retry can
     change (HTTP 404, 501, ...) one line and status 1; SIGINT 130, SIGTERM 143.
     """
-    from kvbm_plugin.consolidator_config import native_enabled
+    from kvbm_plugin.consolidator_config import compiled_loops_enabled
     from kvbm_plugin.tools.cli import EXIT_FAILED, EXIT_USAGE, ArgumentParser, SignalStop
 
     parser = ArgumentParser(
@@ -313,7 +313,7 @@ def main_sidecar(argv: Sequence[str] | None = None) -> int:
     if bad_url is not None:
         parser.error(bad_url)
     try:
-        native_enabled()  # read by the event sink's loops
+        compiled_loops_enabled()  # read by the event sink's loops
         config = load_consolidator_config(num_ranks=args.num_ranks, require_gpu_events=True)
     except ConfigError as exc:
         print(f"kvbm-plugin sidecar: {exc}", file=sys.stderr)

@@ -15,7 +15,7 @@ import torch
 from _kvwire import wait_until
 from conftest import settings_for
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector import shared_io
 from kvbm_plugin.connector.meta import ERR_CORRUPT, ERR_FAILED, ERR_NONE, LoadCopy, SharedSaveOp
@@ -49,7 +49,7 @@ DIGEST = chain_digests(list(range(4)), 4, None)[0]
 def checksum_way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Seal and check through the torch reference, then the compiled pass (skipped where
     it was not built), whichever ``DYN_KVBM_NATIVE`` says."""
-    loops = _native.loops("shared_frame", {}) if request.param == "compiled" else None
+    loops = _compiled.loops("shared_frame", {}) if request.param == "compiled" else None
     if request.param == "compiled" and loops is None:
         pytest.skip("kvbm_plugin.tiers.shared._frame_c was not built")
     monkeypatch.setattr(frame, "_default_loops", lambda: loops)

@@ -1,7 +1,9 @@
 /* The shared tier's payload word sums in one compiled pass: the compiled form of the torch
  * reductions in frame.py's ``_sums_torch`` (the reference, and the fallback where this is not
- * built or DYN_KVBM_NATIVE=0); tests/tiers/shared/test_frame_native.py runs both, and a
- * bytes-only statement of the definition, on the same input and compares.
+ * built or DYN_KVBM_NATIVE=0); tests/tiers/shared/test_frame_compiled.py runs both, and a
+ * bytes-only statement of the definition, on the same input and compares. Kept for the
+ * target "checking every loaded object <= 10 % of onboarding": the torch reductions take about
+ * 14 % (docs/performance.md).
  *
  * Called by frame.checksum on a worker's shared-tier reader thread (every object read, before
  * any byte may reach the pool) and writer thread (sealing a staged block); never the executor

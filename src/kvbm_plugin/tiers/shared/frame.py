@@ -27,7 +27,7 @@ Header (little-endian, 64 bytes)::
 * **how it is computed**: by one compiled pass (``_frame_c.c``: eight 64-bit lanes per row,
   which GCC vectorizes at -O3, the GIL released) where it was built, else by torch's integer
   reductions (:func:`_sums_torch`, the reference; ``DYN_KVBM_NATIVE=0`` selects it), plus
-  ``zlib.crc32`` of the tail. Both give the same sums (tests/tiers/shared/test_frame_native.py),
+  ``zlib.crc32`` of the tail. Both give the same sums (tests/tiers/shared/test_frame_compiled.py),
   so engines on either way read each other's objects. Chosen by measured cost
   (benchmarks/bench_shared_tier.py, "verify" rows: the check's share of onboarding time, target
   <= 10 %; docs/performance.md has the runs): on the 2-core CI host the compiled pass took
@@ -53,7 +53,7 @@ import zlib
 from types import ModuleType
 from typing import TYPE_CHECKING, Final
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 
 if TYPE_CHECKING:
     import torch
@@ -104,7 +104,7 @@ _WEIGHTS = _Weights()
 def _default_loops() -> ModuleType | None:
     """The compiled sums when built and not switched off by ``DYN_KVBM_NATIVE`` (read once,
     on the first checksum; start-up has refused a bad value already)."""
-    return _native.choose("shared_frame", None, "frame.checksum")
+    return _compiled.choose("shared_frame", None, "frame.checksum")
 
 
 def _sums_torch(words: torch.Tensor) -> tuple[int, int]:
@@ -133,7 +133,7 @@ def checksum(payload: torch.Tensor, native: bool | None = None) -> tuple[int, in
                          f"dtype={payload.dtype}, device={payload.device}, "
                          f"contiguous={payload.is_contiguous()}")
     loops = _default_loops() if native is None else \
-        _native.choose("shared_frame", native, "frame.checksum")
+        _compiled.choose("shared_frame", native, "frame.checksum")
     n = payload.numel()
     whole = n - n % ROW_BYTES
     s = w = 0

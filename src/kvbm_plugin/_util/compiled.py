@@ -1,14 +1,19 @@
-"""The optional compiled fast paths, behind one switch.
+"""The compiled loops: the optional C extensions, behind one switch (``DYN_KVBM_NATIVE``).
 
-``gpu_events/_sink_c.c`` (KvEventSink's ingest loop), ``consolidator/_core_c.c``
-(ConsolidatorCore's dedup loops) and ``tiers/shared/_frame_c.c`` (the shared tier's payload
-word sums) are built at install time where a C compiler is available (``setup.py`` marks them
-optional). Each is the compiled form of loops whose reference stays in Python
-(``event_sink.py``, ``consolidator/core.py``, ``tiers/shared/frame.py``'s torch reductions),
-and the tests run both on the same input and compare. They use only CPython's public API (its
+``gpu_events/_sink_c.c`` (KvEventSink's ingest loop and V2 hooks), ``consolidator/_core_c.c``
+(ConsolidatorCore's dedup loops and its compact block) and ``tiers/shared/_frame_c.c`` (the
+shared tier's payload word sums) are built at install time where a C compiler is available
+(``setup.py`` marks them optional). Each is the compiled form of loops whose reference stays in
+Python (``event_sink.py``, ``consolidator/core.py``, ``tiers/shared/frame.py``'s torch
+reductions), and the tests run both on the same input and compare. Each is kept because a
+target of docs/performance.md misses without it ("What each compiled loop is for"): the event
+sink's executor cost per block, the consolidator's ingest rate and the leader's heap per tier
+block, the shared tier's checksum share of onboarding. They use only CPython's public API (its
 unstable tier's compact-int reads on 3.12 and later), so they build on every CPython the
 package supports.
-``DYN_KVBM_NATIVE=0`` selects the Python loops. No torch or TensorRT-LLM import.
+``DYN_KVBM_NATIVE=0`` selects the Python loops (the variable keeps its name: "native" there
+means compiled). Imported by the components above when they are made, on whatever thread
+makes them; no torch or TensorRT-LLM import.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Final
 
-from kvbm_plugin.consolidator_config import NATIVE, native_enabled
+from kvbm_plugin.consolidator_config import NATIVE, compiled_loops_enabled
 
 
 def _load(name: str) -> ModuleType | None:
@@ -43,7 +48,7 @@ def loops(module: str, env: Mapping[str, str] | None = None) -> ModuleType | Non
 
     Raises ConfigError for a value of ``DYN_KVBM_NATIVE`` that is not a boolean.
     """
-    if not native_enabled(env):
+    if not compiled_loops_enabled(env):
         return None
     return _built[module]
 
@@ -63,7 +68,7 @@ def choose(module: str, native: bool | None, owner: str) -> ModuleType | None:
 def describe(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
     """(all in use, one line for ``kvbm-plugin doctor``). Raises ConfigError for a value of
     ``DYN_KVBM_NATIVE`` that is not a boolean, built or not (start-up refuses it either way)."""
-    enabled = native_enabled(env)
+    enabled = compiled_loops_enabled(env)
     missing = sorted(name for name, module in _built.items() if module is None)
     if missing:
         return False, (f"not built for {', '.join(missing)} (no C compiler at install time): "

@@ -19,10 +19,10 @@ import pytest
 from _depth import depths, run_examples
 from hypothesis import strategies as st
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.tiers.shared import frame
 
-compiled = _native.loops("shared_frame", {})
+compiled = _compiled.loops("shared_frame", {})
 needs_native = pytest.mark.skipif(compiled is None,
                                   reason="kvbm_plugin.tiers.shared._frame_c was not built")
 MASK = (1 << 64) - 1
@@ -129,7 +129,7 @@ def test_the_compiled_checksum_matches_the_torch_reference_on_random_input(
 
 def test_native_true_without_the_compiled_sums_is_an_error(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(_native._built, "shared_frame", None)
+    monkeypatch.setitem(_compiled._built, "shared_frame", None)
     with pytest.raises(ValueError, match=r"frame\.checksum: native=True"):
         frame.checksum(_tensor(bytes(ROW)), native=True)
 

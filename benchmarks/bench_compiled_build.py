@@ -1,6 +1,6 @@
 """The compiled loops of this work tree against those of another git revision, in one run.
 
-    python benchmarks/bench_native_build.py REV [--quick]
+    python benchmarks/bench_compiled_build.py REV [--quick]
 
 Builds both trees' extensions (``gpu_events/_sink_c``, ``consolidator/_core_c``) the same way
 (``setup.py build_ext`` with this interpreter, into a temporary folder: ``git archive REV``
@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench_consolidator, bench_event_sink  # noqa: E402
 from benchmarks._table import Row, print_table  # noqa: E402
-from kvbm_plugin._util import native as _native  # noqa: E402
+from kvbm_plugin._util import compiled as _compiled  # noqa: E402
 from kvbm_plugin.consolidator.core import ConsolidatorCore  # noqa: E402
 
 _EXTENSIONS = {"event_sink": "kvbm_plugin.gpu_events._sink_c",
@@ -101,13 +101,13 @@ def _work_tree(into: Path) -> Path:
 @contextmanager
 def _using(modules: dict[str, ModuleType]) -> Iterator[None]:
     """The components built from here on take ``modules`` as their compiled loops."""
-    saved = dict(_native._built)
-    _native._built.update(modules)
+    saved = dict(_compiled._built)
+    _compiled._built.update(modules)
     try:
         yield
     finally:
-        _native._built.clear()
-        _native._built.update(saved)
+        _compiled._built.clear()
+        _compiled._built.update(saved)
 
 
 def _consolidator_cost(messages: list[list[bytes]]) -> float:
@@ -145,7 +145,7 @@ def _fmt_range(values: list[float]) -> str:
 def run(rev: str, quick: bool = False) -> list[Row]:
     """Build both, measure in paired rounds, return the rows (baseline: ``rev``'s loops)."""
     iterations, rounds = (100, 3) if quick else (400, 7)
-    with tempfile.TemporaryDirectory(prefix="kvbm-native-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="kvbm-compiled-") as tmp:
         base = _build(_checkout(rev, Path(tmp) / "base"))
         head = _build(_work_tree(Path(tmp) / "head"))
         measures = _measures(iterations)
@@ -167,7 +167,7 @@ def run(rev: str, quick: bool = False) -> list[Row]:
         ours, theirs = results["head", m], results["base", m]
         value, baseline = statistics.median(ours), statistics.median(theirs)
         target, limit = targets[m]
-        rows.append(Row("native_build", f"{names[m]}, CPython {py}, work tree vs {rev} "
+        rows.append(Row("compiled_build", f"{names[m]}, CPython {py}, work tree vs {rev} "
                         f"(rounds: {_fmt_range(ours)} vs {_fmt_range(theirs)})", value,
                         "us/blk", baseline, target, None if limit is None else value <= limit))
     return rows

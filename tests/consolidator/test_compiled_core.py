@@ -17,7 +17,7 @@ import pytest
 from _depth import depths, run_examples
 from hypothesis import strategies as st
 
-from kvbm_plugin._util import native as _native
+from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator.service import SOURCE_ENGINE, SOURCE_TIERS, ConsolidatorCore
 from kvbm_plugin.wire.events import MAX_DP_RANKS, WireFormatError
 
@@ -159,11 +159,11 @@ def state(core: ConsolidatorCore) -> dict[int, Any]:
     return out
 
 
-needs_native = pytest.mark.skipif(_native.loops("consolidator", {}) is None,
+needs_compiled = pytest.mark.skipif(_compiled.loops("consolidator", {}) is None,
                                   reason="kvbm_plugin._consolidator_c was not built")
 
 
-@needs_native
+@needs_compiled
 @depths(quick=80, thorough=500)
 def test_compiled_dedup_loops_match_python_loops(examples: int) -> None:
     run_examples(examples, _loops_agree, st.lists(op(), min_size=1, max_size=40))
@@ -171,7 +171,7 @@ def test_compiled_dedup_loops_match_python_loops(examples: int) -> None:
 
 def _loops_agree(steps: list[tuple[str, Any]]) -> None:
     python, compiled = ConsolidatorCore(native=False), ConsolidatorCore(native=True)
-    assert python._native is None and compiled._native is not None
+    assert python._compiled is None and compiled._compiled is not None
     for step in steps:
         assert apply(compiled, step) == apply(python, step)
         assert compiled.take_output() == python.take_output()
@@ -249,7 +249,7 @@ SCENARIOS = {
 }
 
 
-@needs_native
+@needs_compiled
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
 def test_compiled_loops_match_on_the_rare_branches(name: str) -> None:
     python, compiled = ConsolidatorCore(native=False), ConsolidatorCore(native=True)
@@ -265,7 +265,7 @@ def test_compiled_loops_match_on_the_rare_branches(name: str) -> None:
     assert any(outputs)
 
 
-@needs_native
+@needs_compiled
 def test_compiled_blocks_stay_out_of_the_cyclic_collector() -> None:
     import gc
 
@@ -278,7 +278,7 @@ def test_compiled_blocks_stay_out_of_the_cyclic_collector() -> None:
     assert all(gc.is_tracked(b) for b in python._ranks[0].blocks.values())
 
 
-@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_native)])
+@pytest.mark.parametrize("native", [False, pytest.param(True, marks=needs_compiled)])
 def test_a_hash_within_int64_is_one_int_object_per_block(native: bool) -> None:
     """The published hash and its wire form are the same object when they are equal (a
     second int per block would be heap per block); a hash above INT64_MAX gets its signed
@@ -297,7 +297,7 @@ def test_a_hash_within_int64_is_one_int_object_per_block(native: bool) -> None:
     assert blocks[(1 << 64) - 3][WIRE] == -3
 
 
-@needs_native
+@needs_compiled
 def test_compiled_blocks_are_compact_and_free_a_long_chain_without_recursion() -> None:
     """A compiled core's blocks: the list layout's items in one 96-byte object (a list of 12
     items costs 152), read and written like the list; a chain of 300,000 of them (each
@@ -325,14 +325,14 @@ def test_compiled_blocks_are_compact_and_free_a_long_chain_without_recursion() -
 
 
 def test_passthrough_mode_keeps_the_python_loops() -> None:
-    assert ConsolidatorCore("passthrough", native=None)._native is None
+    assert ConsolidatorCore("passthrough", native=None)._compiled is None
 
 
 def test_native_true_without_the_extension_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(_native._built, "consolidator", None)
+    monkeypatch.setitem(_compiled._built, "consolidator", None)
     with pytest.raises(ValueError, match="native=True"):
         ConsolidatorCore(native=True)
-    assert ConsolidatorCore()._native is None
+    assert ConsolidatorCore()._compiled is None
     assert SOURCE_ENGINE == 0
 
 
@@ -375,7 +375,7 @@ def run_both(make: Any) -> list[str]:
     return results
 
 
-@needs_native
+@needs_compiled
 def test_a_key_whose_eq_changes_the_event_runs_the_same_in_both_loops() -> None:
     """A caller's key object in an event map whose ``__eq__`` changes the map when a lookup
     probes it: the compiled loop must not look up in such a map (it holds the fields it read
@@ -391,7 +391,7 @@ def test_a_key_whose_eq_changes_the_event_runs_the_same_in_both_loops() -> None:
     assert run_both(make)[0] == "2 applied, errors []"
 
 
-@needs_native
+@needs_compiled
 @pytest.mark.parametrize("name", ["type", "block_hashes", "medium", "token_ids"])
 def test_a_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_both_loops(name: str
                                                                               ) -> None:
@@ -413,7 +413,7 @@ def test_a_key_whose_eq_frees_what_the_loop_holds_runs_the_same_in_both_loops(na
     run_both(make)
 
 
-@needs_native
+@needs_compiled
 def test_a_medium_whose_eq_changes_the_event_runs_the_same_in_both_loops() -> None:
     """A medium object equal to "GPU" whose ``__eq__`` empties the event's token list while
     the medium is looked up: the compiled loop looks up only str media."""
@@ -426,7 +426,7 @@ def test_a_medium_whose_eq_changes_the_event_runs_the_same_in_both_loops() -> No
     run_both(make)
 
 
-@needs_native
+@needs_compiled
 @pytest.mark.parametrize("n, block_size, tokens", [
     (4, 1 << 62, []), (3, WRAPS_TO_2, [0, 0]), (2, 1 << 63, [0] * 4), (1, 1 << 64, [0, 0])])
 def test_a_huge_block_size_runs_the_same_in_both_loops(n: int, block_size: int,
