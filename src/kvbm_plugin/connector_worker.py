@@ -45,7 +45,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector.copy_engine import COPY_BATCH_BYTES, CopyEngine
+from kvbm_plugin.connector.copy_engine import CopyEngine
 from kvbm_plugin.connector.device_copy import OP_TIMEOUT_S, DiskStaging
 from kvbm_plugin.connector.disk_jobs import DiskIO
 from kvbm_plugin.connector.layer_group_copies import GroupPages
@@ -60,7 +60,7 @@ from kvbm_plugin.connector.meta import (
 )
 from kvbm_plugin.connector.metrics import get_metrics
 from kvbm_plugin.connector.op_reports import OpReporter
-from kvbm_plugin.connector.request_progress import LOAD_ORPHAN_TIMEOUT_S, RequestProgress
+from kvbm_plugin.connector.request_progress import RequestProgress
 from kvbm_plugin.connector.shared_io import SharedIO
 from kvbm_plugin.connector.transfer_counters import TransferCounters
 from kvbm_plugin.connector.transfer_thread import DevicePool, TierIO, TransferThread
@@ -73,8 +73,6 @@ if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
-
-__all__ = ["COPY_BATCH_BYTES", "LOAD_ORPHAN_TIMEOUT_S", "OP_TIMEOUT_S", "KvbmConnectorWorker"]
 
 
 class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-type]
