@@ -7,7 +7,8 @@ the save-issue barrier (the byte layout of a tier slot is
 KVCacheManagerV2 (``connectors/kv_cache_connector.py`` @ 035ab91cad04, stored id 68382362537):
 with one group of one region it forwards ``layout.as_single_pool_tensor()`` to
 ``register_kv_caches`` as upstream's default does (the flat path, unchanged); with several
-groups it keeps every group's regions and sizes tier slots to hold a block of each.
+groups the worker's ``register_kv_cache_layout`` keeps every group's regions
+(:func:`open_group_pages`) and sizes tier slots to hold a block of each.
 
 A sliding group's page leaves the request once its window has passed, at TensorRT-LLM's next
 allocation, without ``request_finished`` (which holds only the pages it still reports). So an
