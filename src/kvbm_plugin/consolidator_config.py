@@ -70,6 +70,8 @@ CPU_CACHE_NUM_BLOCKS = "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
 DISK_CACHE_GB = "DYN_KVBM_DISK_CACHE_GB"
 DISK_CACHE_NUM_BLOCKS = "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"
 DISK_CACHE_DIR = "DYN_KVBM_DISK_CACHE_DIR"
+HOST_TIER = "DYN_KVBM_HOST_TIER"
+DISK_TIER = "DYN_KVBM_DISK_TIER"
 METRICS = "DYN_KVBM_METRICS"
 METRICS_PORT = "DYN_KVBM_METRICS_PORT"
 NATIVE = "DYN_KVBM_NATIVE"
@@ -164,6 +166,10 @@ ENV_VARS: tuple[EnvVar, ...] = (
            "tiers"),
     EnvVar(DISK_CACHE_DIR, None, "Disk tier directory; unset = a temporary directory removed "
            "at exit.", "tiers"),
+    EnvVar(HOST_TIER, "host", "Host tier implementation, by name in the kvbm_plugin.tiers "
+           "entry points (a tiers.host.HostTier subclass).", "tiers"),
+    EnvVar(DISK_TIER, "disk", "Disk tier implementation, by name in the kvbm_plugin.tiers "
+           "entry points (a tiers.base.OffloadTier subclass).", "tiers"),
     EnvVar(METRICS, "false", "Serve Prometheus metrics (1/true/on/yes).", "metrics"),
     EnvVar(METRICS_PORT, "6880", "Prometheus metrics port.", "metrics"),
     EnvVar(NATIVE, "true", "Use the compiled loops (the C extensions) where they were built at "
@@ -272,6 +278,8 @@ class TierSettings:
     disk_cache_gb: float = 0.0
     disk_num_blocks: int | None = None
     disk_cache_dir: str | None = None
+    host_tier: str = "host"  # kvbm_plugin.tiers entry point names (tiers/selection.py)
+    disk_tier: str = "disk"
 
     @property
     def host_enabled(self) -> bool:
@@ -524,6 +532,8 @@ def load_tier_settings(env: Mapping[str, str] | None = None) -> TierSettings:
         disk_cache_gb=optional_float(DISK_CACHE_GB),
         disk_num_blocks=optional_int(DISK_CACHE_NUM_BLOCKS),
         disk_cache_dir=directory.strip() if directory else None,
+        host_tier=(env_value(env, HOST_TIER) or "host").strip(),
+        disk_tier=(env_value(env, DISK_TIER) or "disk").strip(),
     )
     if settings.disk_enabled and settings.disk_cache_dir is not None:
         check_disk_cache_dir(settings.disk_cache_dir)

@@ -82,7 +82,7 @@ def test_corrupted_disk_block_is_a_miss_not_wrong_data(make_engine) -> None:
     engine.submit(a, 1)
     engine.run_until_idle()
     flush_gpu(engine, 2)
-    disk = engine.workers[1]._disk
+    disk = engine.workers[1]._disk_io.tier
     assert isinstance(disk, DiskTier)
     index = engine.leader._disk
     # Damage rank 1's copy of the prompt's third block (a write into the file).
@@ -249,8 +249,9 @@ class Recorder:
             else:
                 import torch
 
-                out = torch.empty(w._disk.spec.block_shape, dtype=w._disk.spec.dtype)
-                ok = w._disk.read(entry.slot, entry.key, out)
+                disk = w._disk_io.tier
+                out = torch.empty(disk.spec.block_shape, dtype=disk.spec.dtype)
+                ok = disk.read(entry.slot, entry.key, out)
             if not ok:
                 self.violations.append(f"{tier} STORE {block_hash:#x} before rank "
                                        f"{w._rank} has the bytes")
@@ -345,16 +346,16 @@ def test_leader_module_never_imports_torch() -> None:
 def test_copy_that_cannot_be_issued_fails_its_ops_and_finishes_ids(make_engine,
                                                                    monkeypatch,
                                                                    expect_errors) -> None:
-    import kvbm_plugin.connector_worker as worker_mod
+    import kvbm_plugin.connector.transfer_thread as transfer_mod
 
-    original = worker_mod._runs
+    original = transfer_mod.runs
 
     def broken_runs(pairs):
         # The first element of each run is past the end of its pool: the copy's shapes differ,
         # so issuing it raises on the transfer thread.
         return [(a + 10**6, b, n) for a, b, n in original(pairs)]
 
-    monkeypatch.setattr(worker_mod, "_runs", broken_runs)
+    monkeypatch.setattr(transfer_mod, "runs", broken_runs)
     recorder = Recorder()
     engine = make_engine(num_gpu_blocks=16, env=tiers(host=16), tier_events=recorder)
     req = engine.submit(prompt(31, 21), 1)
@@ -401,8 +402,9 @@ def test_worker_shutdown_runs_disk_writes_queued_by_the_last_transfer_job(make_e
     engine.submit(prompt(32, 9), 1)
     engine.run_until_idle()
     worker = engine.workers[0]
-    disk_thread, _ = worker._threads[1]
-    original = type(worker)._save_to_disk
+    disk_thread = worker._disk_io.thread
+    transfers = worker._transfers
+    original = type(transfers)._save_to_disk
 
     def late_save_to_disk(self, op, fwd_event):
         # Runs on the transfer thread during shutdown: give the disk thread every chance to
@@ -412,7 +414,7 @@ def test_worker_shutdown_runs_disk_writes_queued_by_the_last_transfer_job(make_e
             time.sleep(0.005)
         original(self, op, fwd_event)
 
-    monkeypatch.setattr(type(worker), "_save_to_disk", late_save_to_disk)
+    monkeypatch.setattr(type(transfers), "_save_to_disk", late_save_to_disk)
     offloaded = worker.stats()["blocks_offloaded"]
     worker.bind_connector_meta(ConnectorMetadata(
         10**6, worker._layout, saves=(SaveOp(10**6, 4242, 0, DISK, 15, 77),)))
@@ -478,7 +480,7 @@ def test_jobs_split_into_copy_batches_move_every_block_exactly(make_engine) -> N
     # On CUDA a job's host copies complete in ~64 MiB batches; force 3-block batches here.
     engine = make_engine(num_gpu_blocks=16, env=tiers(host=64))
     worker = engine.workers[0]
-    worker._copy_batch_blocks = 3
+    worker._transfers.batch_blocks = 3
     a = prompt(41, 33)  # 8 full blocks: batches of 3 + 3 + 2 each way
     engine.submit(a, 2)
     engine.run_until_idle()

@@ -72,8 +72,9 @@ def test_a_save_the_executor_stopped_waiting_for_never_reads_its_pages(
     worker, full, sliding = two_groups
     monkeypatch.setattr(layer_group_worker, "ISSUE_TIMEOUT_S", 0.2)
     gate = threading.Event()
-    worker._run_loads = lambda loads: gate.wait(10)  # noqa: SLF001
-    worker._jobs.put(("load", ()))  # noqa: SLF001
+    transfers = worker._transfers  # noqa: SLF001
+    transfers._run_loads = lambda loads: gate.wait(10)  # noqa: SLF001
+    transfers.put_loads(())
     worker.bind_connector_meta(ConnectorMetadata(
         1, TierLayout(8, 0, None), saves=(SaveOp(1, 7, 3, HOST, 0, 99, pages=(3, 2)),)))
     started = time.monotonic()
@@ -124,14 +125,16 @@ def test_a_disk_load_into_a_page_waits_for_an_earlier_save_of_it() -> None:
             KvCacheLayerGroupLayout(1, (0,), 8, (KvCacheRegion.over(
                 sliding, (KvCacheBufferRef(0, "key"),)),)))))
         expected = sliding[2].view(torch.uint8).cpu()
-        with torch.cuda.stream(worker._side_stream):  # noqa: SLF001
+        with torch.cuda.stream(worker._copy_engine.side_stream):  # noqa: SLF001
             torch.cuda._sleep(int(1e9))  # copies queued ahead of the save
         worker.bind_connector_meta(ConnectorMetadata(
             1, TierLayout(8, 0, None), saves=(SaveOp(1, 7, 3, HOST, 0, 99, pages=(3, 2)),)))
         worker.wait_for_save(None)
-        staging = torch.full((worker._groups_io.block_bytes,), 7,  # noqa: SLF001
-                             dtype=torch.uint8).pin_memory()
-        assert worker._group_staging_to_device(staging, (5, 2), 30.0)  # noqa: SLF001
+        staging = worker._disk_io.staging  # noqa: SLF001 (the disk thread's, idle here)
+        assert staging.buffer.shape == (worker._groups_io.block_bytes,)  # noqa: SLF001
+        staging.buffer.fill_(7)
+        staging.timeout_s = 30.0
+        assert staging.to_device(5, (5, 2))
         _finished(worker, [7])
         host = worker._host  # noqa: SLF001
         assert host.keys[0] == 99

@@ -185,10 +185,10 @@ def test_a_save_reads_a_sliding_page_before_the_window_hands_it_to_another_reque
 
     with VswaEngine(VswaConfig(tokens_per_block=BS, window=WINDOW,
                                env=tiers(host=64, **OFF))) as engine:
-        worker = engine.ranks[0].worker
+        transfers = engine.ranks[0].worker._transfers  # noqa: SLF001
         passes = [0]
         moved = threading.Condition()
-        run_saves = worker._run_saves  # noqa: SLF001
+        run_saves = transfers._run_saves  # noqa: SLF001
 
         def held_back(meta, event) -> None:  # noqa: ANN001
             start = passes[0]
@@ -196,7 +196,7 @@ def test_a_save_reads_a_sliding_page_before_the_window_hands_it_to_another_reque
                 moved.wait_for(lambda: passes[0] >= start + 3, timeout=1.0)
             run_saves(meta, event)
 
-        worker._run_saves = held_back  # noqa: SLF001
+        transfers._run_saves = held_back  # noqa: SLF001
         step = engine.step
 
         def counted() -> None:
@@ -212,7 +212,7 @@ def test_a_save_reads_a_sliding_page_before_the_window_hands_it_to_another_reque
             engine.step()
         engine.submit(prompt(9, 7), 1)  # takes the page block 0 of the first one left
         engine.run_until_idle()
-        worker._run_saves = run_saves  # noqa: SLF001
+        transfers._run_saves = run_saves  # noqa: SLF001
         again = engine.submit(first, 1)
         engine.run_until_idle()
         assert engine.loaded_tokens(again) == 16

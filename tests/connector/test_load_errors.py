@@ -14,7 +14,12 @@ from typing import Any
 import pytest
 from _engines import prompt, tiers
 
-from kvbm_plugin.connector_worker import KvbmConnectorWorker
+from kvbm_plugin.connector.copy_engine import CopyEngine
+from kvbm_plugin.connector.device_copy import DiskStaging
+from kvbm_plugin.connector.load_errors import LoadErrorRecord
+from kvbm_plugin.connector.meta import HOST, ConnectorMetadata, LoadCopy, LoadOp, TierLayout
+from kvbm_plugin.connector.request_progress import RequestProgress
+from kvbm_plugin.connector.transfer_counters import TransferCounters
 
 BS = 4
 
@@ -99,19 +104,19 @@ def test_rank_1_in_its_own_process_reports_its_load_errors(make_engine, tmp_path
 
 
 def test_a_failed_host_copy_batch_is_recomputed(make_engine, monkeypatch) -> None:
-    """A host→device batch that ends failed (what ``_fail_overdue_copies`` does to one past
+    """A host→device batch that ends failed (what ``CopyEngine.fail_overdue`` does to one past
     ``OP_TIMEOUT_S``, or a copy that cannot be issued) reports its blocks."""
     engine = make_engine(num_gpu_blocks=16, env=tiers(host=64))
     a = prompt(8, 17)
     _through_tier(engine, a)
-    issue = KvbmConnectorWorker._issue
+    issue = CopyEngine.issue
 
     def failing_onboard(self, copies, wait_event, done, direction):  # noqa: ANN001
         if direction == "onboard":
             return done(False)  # the batch timed out
         return issue(self, copies, wait_event, done, direction)
 
-    monkeypatch.setattr(KvbmConnectorWorker, "_issue", failing_onboard)
+    monkeypatch.setattr(CopyEngine, "issue", failing_onboard)
     result, before = _rerun(engine, a)
     assert result.host_hit_tokens == 16
     assert engine.workers[0].stats()["load_error_blocks"] == 4
@@ -121,11 +126,11 @@ def test_a_failed_host_copy_batch_is_recomputed(make_engine, monkeypatch) -> Non
 
 def test_a_disk_copy_to_the_device_that_fails_is_recomputed(make_engine, monkeypatch,
                                                             tmp_path) -> None:
-    """The disk thread's staging→device copy timing out (``_staging_to_device`` False)."""
+    """The disk thread's staging→device copy timing out (``DiskStaging.to_device`` False)."""
     engine = make_engine(num_gpu_blocks=16, env=tiers(disk=64))
     a = prompt(9, 13)
     _through_tier(engine, a)
-    monkeypatch.setattr(KvbmConnectorWorker, "_staging_to_device", lambda self, s, d: False)
+    monkeypatch.setattr(DiskStaging, "to_device", lambda self, block, pages=(): False)
     result, before = _rerun(engine, a)
     assert result.disk_hit_tokens == 12
     assert engine.stats().recomputed_requests - before.recomputed_requests == 1
@@ -133,20 +138,17 @@ def test_a_disk_copy_to_the_device_that_fails_is_recomputed(make_engine, monkeyp
 
 
 def test_the_worker_reports_each_failed_block_once_and_never_a_fenced_requests() -> None:
-    worker = KvbmConnectorWorker.__new__(KvbmConnectorWorker)
-    import threading
-
-    worker._lock = threading.Lock()
-    worker._fenced = {5}
-    worker._stats = {"load_error_blocks": 0}
-    worker._load_errors = set()
-    worker._rank = 0
-    assert worker.get_block_ids_with_load_errors() == []
-    worker._load_errors_add(4, [9, 3, -1])
-    worker._load_errors_add(5, [7])  # TRT-LLM freed its blocks: not its any more
-    assert worker.get_block_ids_with_load_errors() == [3, 9]
-    assert worker.get_block_ids_with_load_errors() == []
-    assert worker._stats["load_error_blocks"] == 2
+    counters = TransferCounters()
+    progress = RequestProgress(0, counters, LoadErrorRecord(0, counters))
+    progress.expect(ConnectorMetadata(0, TierLayout(8, 0, None), loads=(
+        LoadOp(5, (LoadCopy(1, HOST, 0, 11, 7),)),)))
+    progress.fence([5], 1.0)  # a cancel: request 5's blocks went back to TensorRT-LLM
+    assert progress.load_errors.take() == []
+    progress.load_failed(4, [9, 3, -1])
+    progress.load_failed(5, [7])  # TRT-LLM freed its blocks: not its any more
+    assert progress.load_errors.take() == [3, 9]
+    assert progress.load_errors.take() == []
+    assert counters.snapshot()["load_error_blocks"] == 2
 
 
 def test_a_recomputed_request_in_chunks_never_saves_an_unfilled_block(make_engine,

@@ -43,13 +43,14 @@ def test_a_cancelled_load_never_writes_into_a_reused_block(make_engine, monkeypa
 
     monkeypatch.setattr(DiskTier, "read", held_read)
     worker = engine.workers[0]
-    fence = worker._fence
+    progress = worker._progress
+    fence = progress.fence
 
-    def fence_and_let_the_read_finish(req_ids):  # the read ends while the fence waits
+    def fence_and_let_the_read_finish(req_ids, timeout_s):  # the read ends while it waits
         release.set()
-        return fence(req_ids)
+        return fence(req_ids, timeout_s)
 
-    worker._fence = fence_and_let_the_read_finish
+    progress.fence = fence_and_let_the_read_finish
     keep_busy = engine.submit(prompt(8, 5), 12)  # batches keep running: cancels are processed
     victim = engine.submit(a, 1)
     for _ in range(10):

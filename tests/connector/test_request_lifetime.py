@@ -12,6 +12,7 @@ from collections import Counter, deque
 import pytest
 from _engines import prompt, tiers
 
+from kvbm_plugin.connector.transfer_thread import TransferThread
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
 
 # the engine state a cancel is aimed at -> the phase's name
@@ -39,7 +40,7 @@ def test_thousands_of_requests_a_fifth_cancelled_at_every_phase_leave_no_state(
 
     start_load, enqueue_saves = KvbmConnectorWorker.start_load_kv, \
         KvbmConnectorWorker._enqueue_saves
-    run_loads, run_saves = KvbmConnectorWorker._run_loads, KvbmConnectorWorker._run_saves
+    run_loads, run_saves = TransferThread._run_loads, TransferThread._run_saves
 
     def start_load_kv(self, stream):
         meta = self.get_connector_meta()
@@ -54,9 +55,9 @@ def test_thousands_of_requests_a_fifth_cancelled_at_every_phase_leave_no_state(
 
     monkeypatch.setattr(KvbmConnectorWorker, "start_load_kv", start_load_kv)
     monkeypatch.setattr(KvbmConnectorWorker, "_enqueue_saves", _enqueue_saves)
-    monkeypatch.setattr(KvbmConnectorWorker, "_run_loads",
+    monkeypatch.setattr(TransferThread, "_run_loads",
                         lambda self, loads: (wait_for("load", 1), run_loads(self, loads))[1])
-    monkeypatch.setattr(KvbmConnectorWorker, "_run_saves",
+    monkeypatch.setattr(TransferThread, "_run_saves",
                         lambda self, *a: (wait_for("save", 2), run_saves(self, *a))[1])
     rng = random.Random(17)
     engine = make_engine(num_gpu_blocks=192, env=tiers(host=256), max_num_tokens=96,

@@ -49,9 +49,9 @@ def cuda_worker():
 
 
 def test_a_copy_behind_a_stalled_gpu_fails_after_the_timeout_and_its_id_finishes(
-        cuda_worker, monkeypatch) -> None:
+        cuda_worker) -> None:
     worker, hub, _ = cuda_worker
-    monkeypatch.setattr(worker_mod, "OP_TIMEOUT_S", 0.3)
+    worker._copy_engine.timeout_s = 0.3
     forward = torch.cuda.Stream()
     with torch.cuda.stream(forward):
         torch.cuda._sleep(SPIN_CYCLES)
@@ -73,17 +73,18 @@ def test_a_copy_behind_a_stalled_gpu_fails_after_the_timeout_and_its_id_finishes
     while time.monotonic() < deadline:
         assert hub.drain() == []
         time.sleep(0.02)
-    assert worker._copies == {}
+    assert worker._copy_engine._pending == {}
 
 
-def test_a_timed_out_disk_load_keeps_its_staging_buffer(cuda_worker, monkeypatch) -> None:
+def test_a_timed_out_disk_load_keeps_its_staging_buffer(cuda_worker) -> None:
     worker, _, pool = cuda_worker
-    monkeypatch.setattr(worker_mod, "OP_TIMEOUT_S", -1.0)  # every wait times out
-    staging = worker._disk_staging
+    disk_staging = worker._disk_io.staging
+    disk_staging.timeout_s = -1.0  # every wait times out
+    staging = disk_staging.buffer
     staging.fill_(3)
-    with torch.cuda.stream(worker._disk_stream):
+    with torch.cuda.stream(disk_staging.stream):
         torch.cuda._sleep(SPIN_CYCLES // 20)
-    assert worker._staging_to_device(staging, 5) is False
-    assert worker._disk_staging is not staging and worker._disk_staging.is_pinned()
+    assert disk_staging.to_device(5) is False
+    assert disk_staging.buffer is not staging and disk_staging.buffer.is_pinned()
     torch.cuda.synchronize()
     assert bool((pool[5] == 3).all())  # the late copy read the buffer it was given, intact

@@ -172,7 +172,7 @@ def test_leader_start_up_rejects_a_disk_directory_that_is_a_file(tmp_path) -> No
 
 
 def test_repeated_disk_write_failures_are_logged_rate_limited(caplog) -> None:
-    from kvbm_plugin.connector_worker import KvbmConnectorWorker
+    from kvbm_plugin.connector.disk_jobs import DiskIO
     from kvbm_plugin.tiers.base import WriteResult
 
     class FullDisk:
@@ -182,13 +182,13 @@ def test_repeated_disk_write_failures_are_logged_rate_limited(caplog) -> None:
             return WriteResult(False, error="OSError: [Errno 28] No space left on device")
 
     reports = []
-    worker = SimpleNamespace(_disk=FullDisk(), _rank=7, _block_bytes=1, _metrics=None,
-                             _count=lambda **kw: None,
-                             _report=lambda *args: reports.append(args),
-                             _save_terminal=lambda req_id: None)
+    disk_io = SimpleNamespace(tier=FullDisk(), _rank=7, _block_bytes=1, _metrics=None,
+                              _counters=SimpleNamespace(add=lambda **kw: None),
+                              _reporter=SimpleNamespace(report=lambda *a: reports.append(a)),
+                              _progress=SimpleNamespace(save_ended=lambda req_ids: None))
     with caplog.at_level(logging.WARNING, logger="kvbm_plugin.connector_worker"):
         for slot in range(254):
-            KvbmConnectorWorker._disk_write(worker, slot, None, slot, slot, None, False)
+            DiskIO._write(disk_io, slot, None, slot, slot, None, False)  # type: ignore[arg-type]
     assert len(reports) == 254 and not any(r[1] for r in reports)
     lines = [r for r in caplog.records if "disk write" in r.getMessage()]
     assert 1 <= len(lines) <= 2, len(lines)

@@ -11,8 +11,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbm_plugin.connector_worker import KvbmConnectorWorker
-from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, LlmArgs, ParallelConfig
+from kvbm_plugin.connector.copy_engine import CopyEngine
+from kvbm_plugin.connector.device_copy import POLL_S, wait_for_copy
+from kvbm_plugin.connector.metrics import get_metrics
 from kvbm_plugin.tiers.copies import HostCopier, split_spans
 
 
@@ -95,47 +96,97 @@ def _wait_until(condition, timeout: float = 10.0) -> None:
 
 
 @pytest.fixture()
-def bare_worker():
-    worker = KvbmConnectorWorker(LlmArgs(KvCacheConfig(4), ParallelConfig(0, 1),
-                                         kvbm_plugin_env={}, kvbm_plugin_group="completion"))
-    thread = threading.Thread(target=worker._completion_loop, daemon=True)
+def bare_engine():
+    """A CPU copy engine whose completion thread (CUDA's) is started by hand, fed stand-ins."""
+    engine = CopyEngine(torch.device("cpu"), False, 4096, 0, get_metrics())
+    thread = threading.Thread(target=engine._completion_loop, daemon=True)
     thread.start()
     try:
-        yield worker
+        yield engine
     finally:
-        worker._completions.put(None)
+        engine.finish_issued()
         thread.join(10)
         assert not thread.is_alive()
+        engine.close(time.monotonic())
 
 
-def _register(worker, copy_id: int, deadline: float, calls: list) -> _StandInEvent:
+def _register(engine, copy_id: int, deadline: float, calls: list) -> _StandInEvent:
     event = _StandInEvent()
-    with worker._lock:
-        worker._copies[copy_id] = (deadline, lambda ok: calls.append((copy_id, ok)))
-    worker._completions.put((copy_id, event))
+    with engine._lock:
+        engine._pending[copy_id] = (deadline, lambda ok: calls.append((copy_id, ok)))
+    engine._completions.put((copy_id, event))
     return event
 
 
-def test_a_copy_is_finished_once_when_its_event_fires(bare_worker) -> None:
+def test_a_copy_is_finished_once_when_its_event_fires(bare_engine) -> None:
     calls: list = []
-    first = _register(bare_worker, 1, time.monotonic() + 60, calls)
-    second = _register(bare_worker, 2, time.monotonic() + 60, calls)
+    first = _register(bare_engine, 1, time.monotonic() + 60, calls)
+    second = _register(bare_engine, 2, time.monotonic() + 60, calls)
     second.fire()  # the stream completes in issue order: nothing finishes before the first
     first.fire()
     _wait_until(lambda: len(calls) == 2)
     assert calls == [(1, True), (2, True)]
-    assert bare_worker._copies == {}
+    assert bare_engine._pending == {}
 
 
-def test_an_overdue_copy_fails_once_and_its_late_completion_is_ignored(bare_worker,
+def test_an_overdue_copy_fails_once_and_its_late_completion_is_ignored(bare_engine,
                                                                        expect_errors) -> None:
     calls: list = []
-    hung = _register(bare_worker, 7, time.monotonic() - 1, calls)  # already past its deadline
-    bare_worker._fail_overdue_copies(time.monotonic())
+    hung = _register(bare_engine, 7, time.monotonic() - 1, calls)  # already past its deadline
+    bare_engine.fail_overdue(time.monotonic())
     assert calls == [(7, False)]
     hung.fire()  # the GPU recovers after all
-    after = _register(bare_worker, 8, time.monotonic() + 60, calls)
+    after = _register(bare_engine, 8, time.monotonic() + 60, calls)
     after.fire()
     _wait_until(lambda: len(calls) == 2)
     assert calls == [(7, False), (8, True)]
     assert expect_errors.wait_for("did not complete in time")
+
+
+class _PolledEvent:
+    """What ``wait_for_copy`` needs of a CUDA event: ``query()``, true from its ``fires_at``-th
+    call on (None: never, a hung copy)."""
+
+    def __init__(self, fires_at: int | None) -> None:
+        self.fires_at = fires_at
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.fires_at is not None and self.queries >= self.fires_at
+
+
+class _Clock:
+    """A monotonic clock that moves only when the waiter sleeps."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_waiting_for_a_device_copy_returns_when_its_event_fires() -> None:
+    """The disk thread's and the shared tier's reader's wait (one helper): polls until the
+    copy's event fires, within the deadline."""
+    clock = _Clock()
+    event = _PolledEvent(fires_at=4)
+    assert wait_for_copy(event, 1.0, clock=clock, sleep=clock.sleep) is True
+    assert event.queries == 4 and len(clock.slept) == 3  # polled, never past the event
+
+
+def test_waiting_for_a_hung_device_copy_gives_up_at_its_deadline() -> None:
+    """A copy that never completes: False once ``timeout_s`` passed (then the caller gives
+    later reads a staging buffer of their own), not an endless wait."""
+    clock = _Clock()
+    event = _PolledEvent(fires_at=None)
+    assert wait_for_copy(event, 0.01, clock=clock, sleep=clock.sleep) is False
+    assert 0.01 < clock.now - 100.0 <= 0.01 + 2 * POLL_S  # gave up just past the deadline
+    assert event.queries == len(clock.slept) + 1
+    # An event that has fired needs no time at all, even with no time left.
+    assert wait_for_copy(_PolledEvent(fires_at=1), -1.0, clock=clock, sleep=clock.sleep)

@@ -111,14 +111,14 @@ def test_demo_with_the_disk_tier_alone_has_no_failed_transfer_job(capsys) -> Non
 
 def test_demo_fails_its_check_when_a_transfer_job_fails(monkeypatch, capsys,
                                                          expect_errors) -> None:
-    import kvbm_plugin.connector_worker as worker
+    import kvbm_plugin.connector.transfer_thread as transfers
 
     def chunked_with_zero_step(items, batch):  # a batching step of 0 for an empty job
         step = batch or len(items)
         for start in range(0, len(items), step):
             yield items[start:start + step]
 
-    monkeypatch.setattr(worker, "_chunked", chunked_with_zero_step)
+    monkeypatch.setattr(transfers, "chunked", chunked_with_zero_step)
     assert demo.main_demo([*SMALL, "--tiers", "disk"]) == 1
     out = capsys.readouterr().out
     line = next(x for x in out.splitlines() if "clean run" in x)

@@ -259,6 +259,19 @@ def test_a_tier_smaller_than_one_block_fails(monkeypatch, capsys) -> None:  # no
     assert checks["host tier"]["status"] == "fail"
 
 
+def test_an_unknown_tier_class_fails_naming_the_variable(monkeypatch, capsys) -> None:  # noqa: ANN001
+    monkeypatch.setenv(cc.CPU_CACHE_NUM_BLOCKS, "8")
+    code, checks = _checks(capsys)
+    assert checks["tier classes"]["status"] == "ok"
+    assert "DYN_KVBM_HOST_TIER='host': kvbm_plugin.tiers.host.HostTier" \
+        in checks["tier classes"]["detail"]
+    monkeypatch.setenv(cc.DISK_TIER, "nvme-direct")
+    code, checks = _checks(capsys)
+    assert code == 1 and checks["tier classes"]["status"] == "fail"
+    assert "DYN_KVBM_DISK_TIER='nvme-direct': no entry point named 'nvme-direct'" \
+        in checks["tier classes"]["detail"]
+
+
 def test_the_yaml_command_output_is_read_without_pyyaml(monkeypatch, tmp_path: Path) -> None:  # noqa: ANN001
     import sys
 

@@ -1,6 +1,6 @@
 """Pure helpers of the worker's copy bookkeeping: coalescing block copies into runs, and
 counting a request's transfers down to terminal. Called by the worker's threads (callers hold
-the worker's lock where it says so)."""
+``RequestProgress``'s lock where it says so)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def runs(pairs: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
 
 def count_down(inflight: dict[int, int], req_ids: Sequence[int]) -> list[int]:
     """One terminal op per id in ``req_ids``; returns the ids with none left in flight.
-    Callers hold the worker's lock."""
+    Callers hold the lock of the dict's owner (``RequestProgress``)."""
     drained: list[int] = []
     for req_id in req_ids:
         left = inflight.get(req_id, 0) - 1

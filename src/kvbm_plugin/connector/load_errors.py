@@ -1,12 +1,13 @@
 """The worker's load errors: device blocks a promised load did not fill, for TensorRT-LLM to
 recompute.
 
-A mixin of :class:`~kvbm_plugin.connector_worker.KvbmConnectorWorker` (its ``_lock``,
-``_fenced``, ``_stats`` and ``_load_errors`` live there). Every load path adds the device
-blocks of its failed copies before it reports them and before the request can come back from
-``get_finished`` (:meth:`LoadErrors._load_errors_add`: the transfer thread for host copies,
-the disk thread, the shared tier's reader thread); TensorRT-LLM's executor thread takes them
-with :meth:`LoadErrors.get_block_ids_with_load_errors`, which only swaps a set under the lock.
+:class:`LoadErrorRecord` owns the set; one per worker. Every load path adds the device blocks
+of its failed copies before it reports them and before the request can come back from
+``get_finished``, through ``RequestProgress.load_failed`` (connector/request_progress.py: the
+transfer thread for host copies, the disk thread, the shared tier's reader thread), which
+drops a fenced request's blocks; TensorRT-LLM's executor thread takes them with the worker's
+``get_block_ids_with_load_errors`` (:meth:`LoadErrorRecord.take`, which only swaps a set under
+the record's lock).
 
 Causes: a host copy whose slot no longer holds its block or whose batch failed or timed out
 (``OP_TIMEOUT_S``); a disk read error, a file that fails its check, a disk→device copy that
@@ -31,43 +32,44 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Sequence
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin.connector.transfer_counters import TransferCounters
 
 logger = logging.getLogger("kvbm_plugin.connector_worker")
 _log = RateLimitedLog(logger)
 
 
-class LoadErrors:
-    """Load-error bookkeeping of the worker (see the module docstring)."""
+class LoadErrorRecord:
+    """Device blocks whose promised load failed, not yet taken by TensorRT-LLM (see the
+    module docstring). Its lock is a leaf: ``RequestProgress`` calls :meth:`add` under its own
+    lock, so the fence check and the add are one step."""
 
-    _lock: threading.Lock
-    _fenced: set[int]
-    _stats: dict[str, int]
-    _load_errors: set[int]
-    _rank: int
+    def __init__(self, rank: int, counters: TransferCounters) -> None:
+        self._rank = rank
+        self._counters = counters
+        self._lock = threading.Lock()
+        self._blocks: set[int] = set()
 
-    def _load_errors_add(self, req_id: int, device_blocks: Iterable[int]) -> None:
-        """The loads of ``req_id`` into ``device_blocks`` failed (any transfer thread; before
-        their reports). Ignored for a fenced request: its blocks are no longer its."""
-        blocks = [b for b in device_blocks if b >= 0]
+    def add(self, blocks: Sequence[int]) -> None:
+        """Record ``blocks`` (non-negative device block ids; any transfer thread)."""
         with self._lock:
-            if req_id in self._fenced or not blocks:
-                return
-            self._load_errors.update(blocks)
-            self._stats["load_error_blocks"] += len(blocks)
+            self._blocks.update(blocks)
+        self._counters.add(load_error_blocks=len(blocks))
+
+    def warn(self, req_id: int, n_blocks: int) -> None:
+        """The rate-limited line for one request's failed loads (outside every lock)."""
         _log.log(logging.WARNING, f"load-errors-{self._rank}", "rank %d: %d block(s) of "
                  "request %d were not loaded; reported as load errors (TensorRT-LLM recomputes "
                  "the request where its version asks get_block_ids_with_load_errors)",
-                 self._rank, len(blocks), req_id)
+                 self._rank, n_blocks, req_id)
 
-    def get_block_ids_with_load_errors(self) -> list[int]:
-        """Device block ids whose promised load failed since the last call (each reported
-        once). Called by TensorRT-LLM's connector manager (``handle_load_errors``) on the
-        rank's executor thread; no I/O, no wait: swaps a set under the worker's lock."""
+    def take(self) -> list[int]:
+        """The blocks recorded since the last call, sorted, each returned once. The worker's
+        ``get_block_ids_with_load_errors`` (executor thread): no I/O, no wait."""
         with self._lock:
-            if not self._load_errors:
+            if not self._blocks:
                 return []
-            errors, self._load_errors = self._load_errors, set()
-        return sorted(errors)
+            blocks, self._blocks = self._blocks, set()
+        return sorted(blocks)

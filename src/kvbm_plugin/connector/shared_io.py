@@ -1,7 +1,8 @@
 """A worker's shared-tier I/O: its own store client, a writer thread and a reader thread.
 
 Built by ``KvbmConnectorWorker.register_kv_caches`` (every rank, main thread, before the first
-iteration) when ``DYN_KVBM_SHARED_TIER`` names a store; the worker stays a thin caller:
+iteration) when ``DYN_KVBM_SHARED_TIER`` names a store; the worker's transfer thread is a thin
+caller:
 
 * writes (write-through host → shared): the worker's transfer thread calls :meth:`SharedIO.stage`
   while it builds a host-save copy batch; each :class:`~kvbm_plugin.connector.meta.SharedSaveOp`
@@ -19,7 +20,7 @@ iteration) when ``DYN_KVBM_SHARED_TIER`` names a store; the worker stays a thin 
   so no byte of a refused object ever reaches the pool. A read of another size, an object that
   fails its check or is gone is a failed load: counted (``shared_loads_short``,
   ``shared_loads_corrupt``, ``shared_loads_failed``), logged rate-limited, and its device block
-  goes to the worker's load-error set (``get_block_ids_with_load_errors``), so TensorRT-LLM
+  goes to the worker's load errors (``get_block_ids_with_load_errors``), so TensorRT-LLM
   recomputes the request where its version asks for that set. A refused object is removed
   from the store if it still holds the bytes read (``SharedStore.remove_if``), one of another
   size if it still has another size (``remove_if_size_not``): the next correct write of that
@@ -27,8 +28,10 @@ iteration) when ``DYN_KVBM_SHARED_TIER`` names a store; the worker stays a thin 
 * writes carry the same header: the writer thread seals each staged block (``frame.seal``)
   right before its ``put``.
 
-Every op is reported to the leader exactly once (through the worker's ``_report``); no store
-call ever runs on the executor thread. The store client is the ``kvbm_plugin.tiers`` entry
+Every op is reported to the leader exactly once (``OpReporter``, connector/op_reports.py) and
+a load's request is told of it (``RequestProgress``, connector/request_progress.py); no store
+call ever runs on the executor thread. Waiting for a staging → device copy is
+``connector.device_copy.wait_for_copy``. The store client is the ``kvbm_plugin.tiers`` entry
 point named by the settings, wrapped in a circuit breaker (``tiers.shared.breaker``): while the
 store is down each call fails at once (counted), and the client reconnects by itself.
 """
@@ -44,6 +47,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin.connector.device_copy import wait_for_copy
 from kvbm_plugin.connector.meta import (
     ERR_CORRUPT,
     ERR_DROPPED,
@@ -52,6 +56,8 @@ from kvbm_plugin.connector.meta import (
     LoadCopy,
     SharedSaveOp,
 )
+from kvbm_plugin.connector.op_reports import OpReporter
+from kvbm_plugin.connector.request_progress import RequestProgress
 from kvbm_plugin.shared_settings import SharedSettings, load_shared_settings
 from kvbm_plugin.tiers.shared import frame
 from kvbm_plugin.tiers.shared.keys import SharedLayout
@@ -96,13 +102,13 @@ def worker_layout(settings: SharedSettings, pool: torch.Tensor, world: int, rank
 class SharedIO:
     """One rank's shared-tier reads and writes (see the module docstring).
 
-    ``worker`` is the rank's ``KvbmConnectorWorker``; this class calls its ``_report``,
-    ``_begin_writing``, ``_written``, ``_load_errors_add`` and ``_load_terminal``
-    (thread-safe) and nothing else.
+    It reports ops through ``reporter`` and tells ``progress`` of a load's writes, failures
+    and ends (both thread-safe); it knows nothing else of the worker.
     """
 
     def __init__(self, settings: SharedSettings, store: SharedStore, layout: SharedLayout,
-                 pool: torch.Tensor, cuda: bool, worker: Any) -> None:
+                 pool: torch.Tensor, cuda: bool, progress: RequestProgress,
+                 reporter: OpReporter) -> None:
         self.settings = settings
         self.layout = layout
         self._store = store
@@ -114,7 +120,8 @@ class SharedIO:
         # Staged payload views (pool-block shaped) -> their whole object buffer (uint8).
         self._whole: dict[int, torch.Tensor] = {}
         self._cuda = cuda
-        self._worker = worker
+        self._progress = progress
+        self._reporter = reporter
         self._rank = layout.rank if layout.rank is not None else 0
         self._lock = threading.Lock()
         self._free: list[torch.Tensor] = []  # staging buffers not in use (registered)
@@ -146,7 +153,8 @@ class SharedIO:
 
     @classmethod
     def open(cls, env: Mapping[str, str], pool: torch.Tensor, cuda: bool, world: int,
-             rank: int, tokens_per_block: int, worker: Any) -> SharedIO | None:
+             rank: int, tokens_per_block: int, progress: RequestProgress,
+             reporter: OpReporter) -> SharedIO | None:
         """The rank's shared-tier I/O, or None when no shared tier is configured; raises
         ConfigError (naming the variable) for bad settings. ``register_kv_caches``, main
         thread: connects to the store."""
@@ -156,7 +164,7 @@ class SharedIO:
         layout = worker_layout(settings, pool, world, rank, tokens_per_block)
         store = open_store(settings)
         try:
-            return cls(settings, store, layout, pool, cuda, worker)
+            return cls(settings, store, layout, pool, cuda, progress, reporter)
         except BaseException:
             store.close()
             raise
@@ -193,7 +201,7 @@ class SharedIO:
             if keys is None or not 0 <= op.host_slot < len(keys) \
                     or keys[op.host_slot] != op.host_key:
                 self._count(shared_writes_failed=1)
-                self._worker._report(op.op_id, False, ERR_FAILED)
+                self._reporter.report(op.op_id, False, ERR_FAILED)
                 continue
             buf = self._acquire()
             if buf is None:
@@ -207,7 +215,7 @@ class SharedIO:
         _log.log(logging.WARNING, f"shared-drop-{self._rank}", "rank %d: shared-tier write "
                  "queue full (%d blocks, %s); write dropped", self._rank,
                  self.settings.queue_blocks, "DYN_KVBM_SHARED_QUEUE_BLOCKS")
-        self._worker._report(op.op_id, False, ERR_DROPPED)
+        self._reporter.report(op.op_id, False, ERR_DROPPED)
 
     def staged_done(self, staged: Sequence[tuple[SharedSaveOp, torch.Tensor]], ok: bool) -> None:
         """The copy batch that filled ``staged`` ended (transfer or completion thread): its
@@ -220,7 +228,7 @@ class SharedIO:
             else:
                 self._release(buf)
                 self._count(shared_writes_failed=1)
-                self._worker._report(op.op_id, False, ERR_FAILED)
+                self._reporter.report(op.op_id, False, ERR_FAILED)
 
     def _acquire(self) -> torch.Tensor | None:
         with self._lock:
@@ -300,7 +308,7 @@ class SharedIO:
                 failed += 1
                 self._note_failure("put", code)
             self._release(buf)
-            self._worker._report(op.op_id, ok, ERR_NONE if ok else ERR_FAILED)
+            self._reporter.report(op.op_id, ok, ERR_NONE if ok else ERR_FAILED)
         self._count(shared_writes=len(batch) - failed, shared_writes_failed=failed,
                     shared_bytes_written=(len(batch) - failed) * self._page)
         with self._lock:
@@ -349,16 +357,15 @@ class SharedIO:
                 logger.exception("rank %d: shared-tier load of %d blocks raised", self._rank,
                                  len(chunk))
                 results.update({c.op_id: ERR_FAILED for c in chunk})
-        worker = self._worker
         failed = [c.device_block for c in copies if results.get(c.op_id, ERR_FAILED)]
         if failed:  # before the reports: the request is "loaded" only after its last one
-            worker._load_errors_add(req_id, failed)
+            self._progress.load_failed(req_id, failed)
         ok_n = 0
         for c in copies:
             error = results.get(c.op_id, ERR_FAILED)
             ok_n += error == ERR_NONE
-            worker._report(c.op_id, error == ERR_NONE, error)
-            worker._load_terminal(req_id)
+            self._reporter.report(c.op_id, error == ERR_NONE, error)
+            self._progress.load_ended((req_id,))
         self._count(shared_loads=ok_n, shared_loads_failed=len(copies) - ok_n,
                     shared_bytes_read=ok_n * self._page)
 
@@ -438,8 +445,8 @@ class SharedIO:
                 if e == ERR_NONE]
         if not todo:
             return out
-        worker = self._worker
-        if not worker._begin_writing(req_id, len(todo)):  # TRT-LLM freed the blocks
+        progress = self._progress
+        if not progress.begin_writing(req_id, len(todo)):  # TRT-LLM freed the blocks
             return {c.op_id: ERR_FAILED for c in copies}
         try:
             if not self._cuda:
@@ -453,15 +460,12 @@ class SharedIO:
                     self._pool_blocks[c.device_block].copy_(b, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._stream)
-            deadline = time.monotonic() + DEVICE_COPY_TIMEOUT_S
-            while not event.query():
-                if time.monotonic() > deadline:
-                    # The copy may still run: later reads get staging of their own.
-                    self._load_staging = []
-                    return {c.op_id: ERR_FAILED for c in copies}
-                time.sleep(0.0002)
+            if not wait_for_copy(event, DEVICE_COPY_TIMEOUT_S):
+                # The copy may still run: later reads get staging of their own.
+                self._load_staging = []
+                return {c.op_id: ERR_FAILED for c in copies}
         finally:
-            worker._written([req_id] * len(todo))
+            progress.written([req_id] * len(todo))
         return out
 
     # ------------------------------------------------------------ lifecycle

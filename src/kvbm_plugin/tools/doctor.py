@@ -140,7 +140,24 @@ def _tier_checks(tiers: cc.TierSettings, block_bytes: int | None = None) -> list
         small = None if tiers.disk_num_blocks else _too_small(
             tiers.disk_cache_gb, cc.DISK_CACHE_GB, cc.DISK_CACHE_NUM_BLOCKS, block_bytes)
         checks.append(Check("disk tier", "fail", small) if small else _disk_check(tiers))
+    checks.append(_tier_class_check(tiers))
     return checks
+
+
+def _tier_class_check(tiers: cc.TierSettings) -> Check:
+    """The host and disk tier classes the settings name (tiers/selection.py): what the
+    workers' constructors would refuse, found here first."""
+    from kvbm_plugin.tiers.selection import disk_tier_class, host_tier_class
+
+    try:
+        named = [f"{var}={name!r}: {cls.__module__}.{cls.__qualname__}"
+                 for var, name, cls, on in (
+                     (cc.HOST_TIER, tiers.host_tier, host_tier_class(tiers), tiers.host_enabled),
+                     (cc.DISK_TIER, tiers.disk_tier, disk_tier_class(tiers), tiers.disk_enabled))
+                 if on]
+    except cc.ConfigError as exc:
+        return Check("tier classes", "fail", str(exc))
+    return Check("tier classes", "ok", "; ".join(named))
 
 
 def _host_check(tiers: cc.TierSettings) -> Check:

@@ -89,28 +89,29 @@ def test_wrong_key_layout_length_and_moved_rows_are_refused(checksum_way: str) -
 
 
 class _Worker:
-    """What SharedIO calls on its worker."""
+    """What SharedIO calls on its request progress and its op reporter (one stand-in for
+    both)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.reports: dict[int, tuple[bool, int]] = {}
         self.errors: list[int] = []
 
-    def _report(self, op_id: int, ok: bool, error: int = 0, signature: Any = None) -> None:
+    def report(self, op_id: int, ok: bool, error: int = 0, signature: Any = None) -> None:
         with self.lock:
             self.reports[op_id] = (ok, error)
 
-    def _begin_writing(self, req_id: int, n: int = 1) -> bool:
+    def begin_writing(self, req_id: int, n: int = 1) -> bool:
         return True
 
-    def _written(self, req_ids: Any) -> None:
+    def written(self, req_ids: Any) -> None:
         return None
 
-    def _load_errors_add(self, req_id: int, blocks: Any) -> None:
+    def load_failed(self, req_id: int, blocks: Any) -> None:
         with self.lock:
             self.errors.extend(blocks)
 
-    def _load_terminal(self, req_id: int) -> None:
+    def load_ended(self, req_ids: Any) -> None:
         return None
 
 
@@ -148,7 +149,7 @@ def two_engines(request: pytest.FixtureRequest) -> Any:
         worker = _Worker()
         layout = worker_layout(settings, pool, 1, 0, 4)
         io = SharedIO(settings, client() if kind != "memory" else store, layout, pool, False,
-                      worker)
+                      worker, worker)  # type: ignore[arg-type]
         ios.append(io)
         return io, worker, pool
 
