@@ -24,6 +24,7 @@ RANKS: dict[str, int] = {
     "wire": 2,
     "tiers": 3,
     "consolidator": 3,
+    "naming": 3,  # what a block is called (used by the event path and the leader)
     "gpu_events": 4,
     "event_sink": 5,
     "connector": 6,
