@@ -54,7 +54,10 @@ class EvictionOrder:
             d[key] = value
             return False
         d[key] = value
-        self.added(d, key)
+        order = self._order  # added(), inlined: this runs once per block on hot paths
+        order.append(key)
+        if len(order) > 2 * len(d) + _SLACK:
+            self._order = deque(d)
         if len(d) > cap:
             self.evict_oldest(d)
             return True

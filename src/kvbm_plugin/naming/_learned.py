@@ -66,7 +66,7 @@ class BlockNames:
     def observe(self, rank: int, events: Sequence[dict[str, Any]]) -> None:
         """``KvEventSink.on_flush``: remember each stored block's hash (u64). O(blocks)."""
         known = self._by_content
-        put = self._content_order.put
+        order = self._content_order
         cap = self._max
         for ev in events:
             if ev.get("type") != "BlockStored" or not ev.get("token_ids"):
@@ -81,7 +81,12 @@ class BlockNames:
                 k = (parent, tuple(tokens[j * bs:(j + 1) * bs]), lora)
                 old = known.get(k)
                 if old is None:
-                    put(known, k, h, cap)  # past the cap the oldest is forgotten
+                    # EvictionOrder.put without its membership test: a tuple key's hash is
+                    # not cached, and this runs once per stored block.
+                    known[k] = h
+                    order.added(known, k)
+                    if len(known) > cap:
+                        order.evict_oldest(known)  # the oldest first
                 elif old != h:
                     known[k] = AMBIGUOUS
                 parent = h

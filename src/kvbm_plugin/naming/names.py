@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.naming._hashes import (
+    _U64,
     mm_hash_bytes,
     parse_hash,
     radix_key_hash,
@@ -67,8 +68,6 @@ __all__ = ["BlockNames", "BlockNaming", "LoraNames", "NameInputs", "StreamNames"
            "rule_of", "signed_hash", "std_string_hash", "v1_block_hash", "v1_chain"]
 
 logger = logging.getLogger(__name__)
-
-_U64 = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
