@@ -111,7 +111,7 @@ class UnnamedStores:
 
     def overflow(self) -> Iterator[tuple[str, TierEntry]]:
         """The oldest waiting block, one at a time, while more than :attr:`MAX_WAITING` wait:
-        the caller drops each from its tier (which :meth:`forget`\\ s it) before the next."""
+        the caller drops each from its tier (which calls :meth:`forget`) before the next."""
         while len(self._waiting) > self.MAX_WAITING:
             (tier, _), oldest = next(iter(self._waiting.items()))
             self._stats["tier_stores_unnamed_dropped"] += 1
