@@ -1,4 +1,4 @@
-"""The event sink's executor-thread cost of naming LoRA adapters (``gpu_events.lora_names``).
+"""The event sink's executor-thread cost of naming LoRA adapters (``naming.names.LoraNames``).
 
 Stream: the decode steady state, per engine iteration 64 requests each store one block of
 ``block_size`` 32 under its previous block, each store preceded by the eviction of one old leaf

@@ -35,7 +35,7 @@ from benchmarks._table import Row, print_table
 from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.gpu_events.block_names import BlockNames
+from kvbm_plugin.naming.names import BlockNames
 from kvbm_plugin.wire.publisher import NullEventPublisher
 
 _clock = time.thread_time

@@ -288,7 +288,7 @@ def bench_leader_heap(n: int) -> list[Row]:
                 held - tracemalloc.get_traced_memory()[0]
             drop("consolidator's blocks and maps (consolidator/)", "consolidator",
                  "_tier_events")
-            drop("block-name table (gpu_events/block_names.py)", "_names")
+            drop("block names and unnamed tier stores (naming/)", "_naming")
             drop("leader's per-request state (connector_leader.py)", "_reqs", "_ops")
             shares["everything else (sink, publisher, sockets, ...)"] = total - sum(
                 shares.values())
@@ -306,7 +306,7 @@ def bench_leader_heap(n: int) -> list[Row]:
 def bench_block_names(n: int) -> list[Row]:
     """The block-name table holding ``n`` blocks (both of its maps), fed as the leader feeds
     it: the GPU events' stored blocks, then each request's chain walked for its keys."""
-    from kvbm_plugin.gpu_events.block_names import BlockNames
+    from kvbm_plugin.naming.names import BlockNames
     from kvbm_plugin.tiers.base import block_keys
 
     bs = len(TOKENS)

@@ -24,6 +24,7 @@ RANKS: dict[str, int] = {
     "wire": 2,
     "tiers": 3,
     "consolidator": 3,
+    "naming": 3,  # what a block is called (used by the event path and the leader)
     "gpu_events": 4,
     "event_sink": 5,
     "connector": 6,
@@ -144,3 +145,13 @@ def test_no_file_past_the_size_guide(suffix: str) -> None:
     big = {str(p.relative_to(SRC)): n for p in SRC.rglob(f"*{suffix}")
            if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not big, big
+
+
+def test_a_blocks_name_is_asked_of_the_naming_face_only() -> None:
+    """One module answers what a block is called (``naming/names.py``): every other module
+    reaches the naming pieces (``naming/_*.py``) through it, so a new source of names (a
+    KVCacheManagerV2 form, a router's spelling) has one place to land."""
+    private = sorted(f"{mod} -> {dep}" for mod, deps in _graph().items() for dep in deps
+                     if dep.startswith("kvbm_plugin.naming._")
+                     and not mod.startswith("kvbm_plugin.naming"))
+    assert not private, private

@@ -61,11 +61,9 @@ from kvbm_plugin.connector.meta import (
     open_hub,
 )
 from kvbm_plugin.connector.metrics import get_metrics
-from kvbm_plugin.connector.naming import BlockNaming, name_inputs
 from kvbm_plugin.connector.requests import Op as _Op
 from kvbm_plugin.connector.requests import RequestState as _Request
 from kvbm_plugin.connector.shared_book import MATCHED_STAT, TIER_SHARED, SharedBook
-from kvbm_plugin.connector.stream_names import StreamNames
 from kvbm_plugin.connector.tier_book import TierBookkeeping
 from kvbm_plugin.connector.trtllm_compat import (
     KvCacheConnectorScheduler,
@@ -79,6 +77,7 @@ from kvbm_plugin.consolidator_config import (
     load_tier_settings,
     should_enable_consolidator,
 )
+from kvbm_plugin.naming.names import BlockNaming, StreamNames, name_inputs
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
     TIER_HOST,
@@ -150,14 +149,11 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
             "tier_full_skips", "host_evictions", "disk_evictions", "reports_rejected",
             "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
             "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
-            "tier_stores_held", "tier_stores_unnamed_dropped", "requests_terminated_silently",
+            "requests_terminated_silently",
             "saves_discarded_terminated", "gpu_source_silent_iterations", "window_skips"), 0)
         self._self_check_iterations = 0  # connector.gpu_feed._self_check
         self._naming = BlockNaming(self._block_size, self._stats)
         self._init_shared()  # the shared tier's client and directory (connector/shared_book.py)
-        # Committed tier blocks whose TRT-LLM name is not known yet: advertised once it is
-        # (in commit order, parents first), never under a second name. Bounded.
-        self._held: dict[tuple[str, int], TierEntry] = {}
         self._log = RateLimitedLog(logger)
         # Every hook and the idle keeper's tick run under this lock (connector.keeper).
         self._lock = threading.RLock()
@@ -231,7 +227,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
     def _idle_tick(self) -> None:
         """The idle keeper's work (its thread, under the lock): apply completed reports,
         publish the GPU-tier events TRT-LLM produced (drain mode drains them, tap publishes
-        what its readers took) and the tier changes; advertise held blocks named meanwhile."""
+        what its readers took) and the tier changes; advertise unnamed tier blocks named since."""
         self._reap_terminated(executor_thread=False)  # before its saves' reports count
         self._apply_reports()
         self._sync_gpu_events()
@@ -518,8 +514,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
 
     def _event_hash(self, state: _Request, index: int) -> int:
         """The hash the tier events name block ``index`` by: TRT-LLM's (see
-        :mod:`kvbm_plugin.connector.naming`); the plugin's content key only as a placeholder
-        while TRT-LLM's is not known (such a block's STORE is held back until it is)."""
+        :mod:`kvbm_plugin.naming.names`); the plugin's content key only as a placeholder
+        while TRT-LLM's is not known (such a block's STORE waits in ``UnnamedStores``)."""
         h = self._naming.hash_of(state, index)
         return state.keys[index] if h is None else h
 
@@ -633,7 +629,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
                     signatures = {r.rank: r.signature for r in op.reports.values()
                                   if r.signature is not None}
                     entry = index.commit(op.key, signatures)
-                    self._hold_or_announce(index, entry)
+                    self._announce_or_wait(index, entry)
                 else:
                     # Never advertised: no REMOVE for it; descendants written after it go too.
                     if ok:
@@ -728,7 +724,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         out = dict(self._stats)
         out["ops_inflight"] = len(self._ops)
         out["requests_tracked"] = len(self._reqs)
-        out["tier_stores_waiting_for_name"] = len(self._held)
+        out["tier_stores_waiting_for_name"] = len(self._naming.unnamed)
         out["idle_ticks"] = self._keeper.ticks if self._keeper is not None else 0
         out["host_used"] = len(self._host) if self._host is not None else 0
         out["disk_used"] = len(self._disk) if self._disk is not None else 0

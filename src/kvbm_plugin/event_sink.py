@@ -17,7 +17,7 @@ routing attention window is published (the largest, unless configured); consecut
 blocks of one chain are coalesced into one ``BlockStored``; order is preserved; ``created`` and
 ``updated`` are counted, never turned into stores or removes; a store whose event names no
 LoRA adapter (TensorRT-LLM's serializer writes no ``lora_id``) takes the adapter the leader
-named for its chain (:meth:`KvEventSink.name_lora_root`, :mod:`kvbm_plugin.gpu_events.lora_names`:
+named for its chain (:meth:`KvEventSink.name_lora_root`, :mod:`kvbm_plugin.naming.names`:
 once an adapter was seen, a chain nobody named is withheld and counted). Removals are never
 dropped except by the partial-block rule (and, for sliding-window models, when they belong to a
 window that is not published at all). Every drop is counted in :meth:`KvEventSink.stats` and logged
@@ -60,11 +60,10 @@ from kvbm_plugin.gpu_events.fields import (
     is_scoped,
     parse_lora_id,
     parse_token_ids,
-    signed_hash,
 )
-from kvbm_plugin.gpu_events.lora_names import LoraNames
 from kvbm_plugin.gpu_events.rank import Rank, add_child, children, native_rank_type
 from kvbm_plugin.gpu_events.v2_hooks import V2Hooks
+from kvbm_plugin.naming.names import LoraNames, signed_hash
 from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
     MEDIUM_GPU,
@@ -439,7 +438,7 @@ class KvEventSink(V2Hooks):
 
     def name_lora_root(self, block_hash: int, lora_task_id: int | None) -> None:
         """TensorRT-LLM's (wire) hash of a request's first block and the request's LoRA task
-        id (None: the base model); see :mod:`kvbm_plugin.gpu_events.lora_names`.
+        id (None: the base model); see :mod:`kvbm_plugin.naming.names`.
 
         Called by the leader (executor thread) for each request once its first block is full,
         before TensorRT-LLM can store it. O(1), one short lock."""

@@ -5,13 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvbm_plugin.connector.block_hash import (
-    hash32_mix,
-    mm_hash_bytes,
-    std_string_hash,
-    v1_block_hash,
-    v1_chain,
-)
+from kvbm_plugin.naming._hashes import hash32_mix
+from kvbm_plugin.naming.names import mm_hash_bytes, std_string_hash, v1_block_hash, v1_chain
 
 
 def test_plain_chain_matches_the_cpp_hasher() -> None:

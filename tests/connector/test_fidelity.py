@@ -11,7 +11,7 @@ from _engines import OFF, prompt, tiers
 from kvbm_plugin.consolidator.service import SOURCE_ENGINE, SOURCE_TIERS, ConsolidatorCore
 from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.gpu_events.fields import radix_key_hash
+from kvbm_plugin.naming.names import radix_key_hash
 from kvbm_plugin.testing.engine import SimulatedEngine
 from kvbm_plugin.testing.fake_trtllm import LlmRequest
 from kvbm_plugin.wire.events import to_signed_int64

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from _engines import prompt, tiers
 
-from kvbm_plugin.connector import naming
+from kvbm_plugin.naming import names as naming
 from kvbm_plugin.testing.fake_trtllm import trtllm_block_hash
 
 
@@ -74,7 +74,7 @@ def test_without_block_hashes_every_tier_store_is_named_by_trtllms_hash(make_eng
 def test_where_the_hash_cannot_be_computed_tier_stores_wait_for_trtllms_name(
         make_engine, monkeypatch) -> None:
     """A request whose hash the leader cannot compute (multimodal, prompt-tuning ids): its
-    tier STOREs are held until TRT-LLM's GPU STORE names the block, never sent under the
+    tier STOREs wait until TRT-LLM's GPU STORE names the block, never sent under the
     plugin's own key."""
     monkeypatch.setattr(naming, "name_inputs",
                         lambda obj: naming.NameInputs(None, None, "multimodal inputs"))
@@ -86,20 +86,20 @@ def test_where_the_hash_cannot_be_computed_tier_stores_wait_for_trtllms_name(
     last = engine.submit(prompt(99, 9), 1)  # its pass publishes what the last release stored
     engine.run_until_idle()
     engine.leader.publish_now()
-    # A held block is named once its GPU event arrives, even after its request ended.
+    # A waiting block is named once its GPU event arrives, even after its request ended.
     names.update(v1_names(engine.result(last).tokens))
     stats = engine.leader.stats()
-    assert stats["tier_stores_held"] > 0 and stats["block_names_computed"] == 0
+    assert stats["tier_stores_unnamed"] > 0 and stats["block_names_computed"] == 0
     assert rec.stores
     for _, h, parent, tokens in rec.stores:
         assert names.get(h) == (parent, tokens)
-    assert stats["tier_stores_waiting_for_name"] <= stats["tier_stores_held"]
+    assert stats["tier_stores_waiting_for_name"] <= stats["tier_stores_unnamed"]
 
 
-def test_held_tier_stores_are_bounded_and_counted(make_engine, monkeypatch) -> None:
+def test_unnamed_tier_stores_are_bounded_and_counted(make_engine, monkeypatch) -> None:
     monkeypatch.setattr("kvbm_plugin.connector_leader.name_inputs",
                         lambda obj: naming.NameInputs(None, None, "test"))
-    monkeypatch.setattr("kvbm_plugin.connector_leader.KvbmConnectorLeader.MAX_HELD", 2)
+    monkeypatch.setattr(naming.UnnamedStores, "MAX_WAITING", 2)
     rec = TierRecorder()
     engine = make_engine(num_gpu_blocks=24, env=tiers(host=12), provide_block_hashes=False,
                          tier_events=rec, overlap_scheduler=True)

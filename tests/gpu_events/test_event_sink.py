@@ -13,8 +13,8 @@ from _loops import both_implementations
 
 from kvbm_plugin.consolidator_config import Endpoint, PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.gpu_events.fields import radix_key_hash
 from kvbm_plugin.gpu_events.source import attach_event_source
+from kvbm_plugin.naming.names import radix_key_hash
 from kvbm_plugin.wire.events import WireFormatError
 from kvbm_plugin.wire.publisher import EventPublisher, ZmqEventPublisher
 

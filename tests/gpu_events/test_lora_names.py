@@ -12,7 +12,7 @@ from _loops import both_implementations
 from test_event_sink import Capture, removed, sink_with, stored
 
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.gpu_events.lora_names import LoraNames
+from kvbm_plugin.naming.names import LoraNames
 
 ingest_loop = both_implementations("event_sink")  # every test: compiled and Python loops
 
@@ -145,7 +145,7 @@ def test_bounded_maps_count_what_they_forget() -> None:
 
 
 def test_block_names_learn_each_adapter_apart() -> None:
-    from kvbm_plugin.gpu_events.block_names import BlockNames
+    from kvbm_plugin.naming.names import BlockNames
 
     sink, _ = sink_with(prefix_closed=True)
     learned_by: dict[Any, list[int]] = {}

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.consolidator_config import NATIVE, ConfigError, PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.gpu_events.fields import radix_key_hash
+from kvbm_plugin.naming.names import radix_key_hash
 from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
     EncodedEvents,

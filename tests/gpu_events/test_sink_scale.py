@@ -17,10 +17,10 @@ import pytest
 from _loops import both_implementations
 
 from kvbm_plugin._util import compiled as _compiled
+from kvbm_plugin._util.bounded import EvictionOrder
 from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.gpu_events.block_names import BlockNames
-from kvbm_plugin.gpu_events.bounded import EvictionOrder
+from kvbm_plugin.naming.names import BlockNames
 from kvbm_plugin.wire.events import EncodedBatch, events_as_maps
 from kvbm_plugin.wire.publisher import EventPublisher
 

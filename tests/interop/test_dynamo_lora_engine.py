@@ -3,7 +3,7 @@ the same prompts, into NVIDIA Dynamo's real indexer and into RouterView.
 
 The engine's serialized GPU-tier events name no adapter (upstream's ``KVCacheEventSerializer``
 writes no ``lora_id``), so every ``lora_name`` on the GPU-tier stream comes from the leader's
-names for its requests (``gpu_events.lora_names``); the tier events name the adapter of the
+names for its requests (``naming.names.LoraNames``); the tier events name the adapter of the
 request they copy. The indexer subscribes to the GPU-tier stream (worker 1) and the consolidated
 one (worker 2), with their replay endpoints; RouterView is fed the same two streams, recorded
 from seq 0. Each test asserts no indexer warning, that the indexer holds exactly the blocks the

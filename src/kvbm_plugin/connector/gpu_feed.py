@@ -42,7 +42,6 @@ class GpuEventFeed:
     _native: Any
     _native_feed: Any
     _stream_names: Any
-    _held: dict[Any, Any]
     _reqs: dict[int, Any]
     _naming: Any
     _par: Any
@@ -54,7 +53,7 @@ class GpuEventFeed:
     event_sink: Any
     event_source: Any
 
-    _release_held: Any  # connector.tier_book.TierBookkeeping
+    _announce_named_now: Any  # connector.tier_book.TierBookkeeping
     _shared_sync: Any  # connector.shared_book.SharedBook
 
     def _attach_event_source(self) -> None:
@@ -165,7 +164,7 @@ class GpuEventFeed:
 
     def _sync_gpu_events(self) -> None:
         """Publish TRT-LLM's events produced since the last call and learn the hashes they
-        name, then advertise the held tier blocks whose names are known now. Outside
+        name, then advertise the unnamed tier blocks whose names are known now. Outside
         TRT-LLM's allocation callback (``get_num_new_matched_tokens`` runs inside it and
         never drains)."""
         if self.event_source is not None or self._stream_names is not None:
@@ -180,6 +179,6 @@ class GpuEventFeed:
             for rank, events in batches:
                 self._naming.names.observe(rank, events)
             self._naming.refresh(self._reqs.values())
-        if self._held:
-            self._release_held()
+        if self._naming.unnamed:
+            self._announce_named_now()
         self._shared_sync()  # connector.shared_book: the shared tier's queued STOREs/REMOVEs

@@ -31,7 +31,7 @@ class RequestState:
     keys: list[int] = field(default_factory=list)  # content keys of full blocks
     digests: list[bytes] = field(default_factory=list)  # shared-tier digests (tiers.shared.keys)
     event_hashes: list[int] = field(default_factory=list)  # RequestData.block_hashes
-    # TRT-LLM's V1 block hashes computed by the leader (connector.block_hash), and the inputs
+    # TRT-LLM's V1 block hashes computed by the leader (naming.names), and the inputs
     # they are computed from (None: cannot be computed for this request).
     computed: list[int] = field(default_factory=list)
     name_inputs: Any = None

@@ -137,7 +137,7 @@ class SharedBook:
     _group: str
     _tier_settings: Any
     _new_op: Any
-    _held: dict
+    _naming: Any  # naming.names.BlockNaming
     _lock: Any
     _closed: bool
 
@@ -282,7 +282,7 @@ class SharedBook:
         self._shared_writes[op_id] = write
         self._shared_by_key[entry.key] = write
         if host_op < 0:
-            if (TIER_HOST, entry.key) not in self._held:  # announced: its name is final
+            if (TIER_HOST, entry.key) not in self._naming.unnamed:  # announced: name final
                 write.name = (entry.event_hash, entry.parent_event_hash, tuple(entry.token_ids))
             self._pending_shared_saves.append(SharedSaveOp(op_id, -1, -1, digest, entry.slot,
                                                            entry.key))

@@ -9,7 +9,6 @@ keeper thread. Never imports torch.
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import shutil
 import tempfile
@@ -38,7 +37,7 @@ class TierBookkeeping:
 
     _host: TierIndex | None
     _disk: TierIndex | None
-    _held: dict[tuple[str, int], TierEntry]
+    _naming: Any  # naming.names.BlockNaming: its .unnamed holds the blocks waiting for a name
     _stats: dict[str, int]
     _tier_events: Any
     _dp_rank: int
@@ -114,45 +113,11 @@ class TierBookkeeping:
         only) and register the REMOVEs of the resident ones, children first."""
         gone = index.discard(entry.key)
         self._stats["cascade_drops"] += max(0, len(gone) - 1)
+        unnamed = self._naming.unnamed
         hashes = [e.event_hash for e in gone
-                  if e.resident and self._held.pop((index.name, e.key), None) is None]
+                  if e.resident and not unnamed.forget(index.name, e.key)]
         if hashes:
             self._tier_events.register_remove(MEDIUM[index.name], self._dp_rank, hashes)
-
-    def _rename_provisional(self, entry: TierEntry, index: TierIndex | None = None) -> None:
-        """Before a block's tier STORE is announced: if it was reserved under the plugin's
-        content key (TRT-LLM's hash unknown then) and TRT-LLM's is known now, use that. The
-        parent's name may also come from the parent's own entry in ``index``, named first
-        (held blocks are released parents first): a chain whose request was forgotten before
-        its GPU events came back (TensorRT-LLM's own stream arrives on the consolidator's
-        thread) is named block by block through its content, not only at its root."""
-        names = self._naming.names
-        if entry.event_hash == entry.key:
-            h = names.hash_of_key(entry.key)
-            if h is not None:
-                entry.event_hash = h
-        parent = entry.parent_event_hash
-        if parent is not None and parent == entry.parent_key:
-            h = names.hash_of_key(parent)
-            if h is None and index is not None:
-                above = index.get(parent)
-                if above is not None and above.event_hash != above.key:
-                    h = above.event_hash
-            if h is not None:
-                entry.parent_event_hash = h
-        if entry.event_hash == entry.key and (
-                entry.parent_event_hash != entry.parent_key if entry.parent_key is not None
-                else entry.scope == (None, None)):  # a scoped root: its tokens are not enough
-            # Named by its GPU event after its request was forgotten (its event can come
-            # later than the request's end: attention DP ranks > 0 read it off their stream).
-            h = names.hash_of_content(entry.parent_event_hash, entry.token_ids, entry.scope[0])
-            if h is not None:
-                entry.event_hash = h
-
-    def _named(self, entry: TierEntry) -> bool:
-        """Whether ``entry`` and its parent carry TRT-LLM's names (not placeholders)."""
-        return entry.event_hash != entry.key and (
-            entry.parent_key is None or entry.parent_event_hash != entry.parent_key)
 
     def _announce(self, index: TierIndex, entry: TierEntry) -> None:
         """Register the tier STORE of a committed, named block (its parent is advertised)."""
@@ -170,38 +135,21 @@ class TierBookkeeping:
         self._shared_named(index, entry)  # type: ignore[attr-defined]  # write-through's name
         entry.drop_tokens()  # a no-op where the index keeps them (the host tier: demotions)
 
-    # Held tier STOREs at most (the oldest is dropped from its tier past it, never named twice).
-    MAX_HELD = 4096
-
-    def _hold_or_announce(self, index: TierIndex, entry: TierEntry) -> None:
-        self._rename_provisional(entry, index)
-        parent_held = entry.parent_key is not None and (index.name, entry.parent_key) in \
-            self._held
-        if self._named(entry) and not parent_held:
+    def _announce_or_wait(self, index: TierIndex, entry: TierEntry) -> None:
+        """Announce a committed block's STORE, or let it wait for its name
+        (:class:`~kvbm_plugin.naming.names.UnnamedStores`; the oldest past its bound leaves
+        its tier unannounced)."""
+        unnamed = self._naming.unnamed
+        if unnamed.ready(index, entry):
             self._announce(index, entry)
             return
-        self._held[(index.name, entry.key)] = entry
-        self._stats["tier_stores_held"] += 1
-        while len(self._held) > self.MAX_HELD:
-            (tier, _), oldest = next(iter(self._held.items()))
-            self._stats["tier_stores_unnamed_dropped"] += 1
-            self._log.log(logging.WARNING, "unnamed", "kvbm_plugin: %d tier blocks wait for "
-                          "TensorRT-LLM's name; the oldest leaves the %s tier unadvertised",
-                          len(self._held), tier)
+        for tier, oldest in unnamed.overflow():
             self._drop(self._host if tier == TIER_HOST else self._disk, oldest)  # type: ignore[arg-type]
 
-    def _release_held(self) -> None:
-        """Advertise held blocks whose names are known now, in commit order (parents first)."""
-        for (tier, key), entry in list(self._held.items()):
-            index = self._host if tier == TIER_HOST else self._disk
-            if index is None or index.get(key) is not entry:
-                self._held.pop((tier, key), None)
-                continue
-            self._rename_provisional(entry, index)
-            if not self._named(entry) or (entry.parent_key is not None
-                                          and (tier, entry.parent_key) in self._held):
-                continue
-            del self._held[(tier, key)]
+    def _announce_named_now(self) -> None:
+        """Announce the unnamed blocks whose names are known now, in commit order."""
+        for index, entry in self._naming.unnamed.named_now({TIER_HOST: self._host,
+                                                            TIER_DISK: self._disk}):
             self._announce(index, entry)
 
     def _reserve(self, index: TierIndex, key: int, event_hash: int, parent: int | None,
@@ -218,7 +166,7 @@ class TierBookkeeping:
             self._stats["host_evictions" if index.name == TIER_HOST else "disk_evictions"] += 1
             # REMOVE before the metadata that reuses the slot leaves this method's caller (none
             # for a block that was never advertised).
-            if self._held.pop((index.name, evicted.key), None) is None:
+            if not self._naming.unnamed.forget(index.name, evicted.key):
                 self._tier_events.register_remove(MEDIUM[index.name], self._dp_rank,
                                                   [evicted.event_hash])
             if index.name == TIER_HOST and self._disk is not None \
@@ -268,4 +216,4 @@ class TierBookkeeping:
         if index is None:
             return set()
         return {e.event_hash for e in index.resident_entries()
-                if (index.name, e.key) not in self._held}
+                if (index.name, e.key) not in self._naming.unnamed}

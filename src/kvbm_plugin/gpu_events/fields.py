@@ -1,4 +1,5 @@
-"""Reading TensorRT-LLM's KV-event fields: hashes, token ids, LoRA ids, extra keys.
+"""Reading TensorRT-LLM's KV-event fields: token ids, LoRA ids, extra keys (a block's hash, its
+name, is read by :mod:`kvbm_plugin.naming.names`: ``signed_hash``, ``parse_hash``).
 
 Called by the event sink (:mod:`kvbm_plugin.event_sink`) on whichever thread feeds it, per
 event or block; pure functions, no state, no torch or TensorRT-LLM import.
@@ -10,27 +11,15 @@ from collections.abc import Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
-from kvbm_plugin.wire.events import U32_MAX, WireFormatError, to_signed_int64
+from kvbm_plugin.wire.events import U32_MAX, WireFormatError
 from kvbm_plugin.wire.identity import salt_extra_key, salt_of
 
 _U64 = 1 << 64
-_I64_MAX = (1 << 63) - 1
-_I64_MIN = -(1 << 63)
 _token_id = itemgetter("token_id")
 _INT_ONLY = {int}
 _HEX = frozenset("0123456789abcdefABCDEF")
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
-
-def signed_hash(value: Any, what: str) -> int:
-    """Wire form (signed int64) of a TRT-LLM hash given as u64 (or already signed), or as a
-    hex string (V2 events with ``v2_sha256`` hashing: the radix key's hex, same rule as
-    :func:`radix_key_hash`, so the buffered and the hook path name a block alike)."""
-    if type(value) is not int:
-        if isinstance(value, str):
-            return parse_hex_hash(value, what)
-        raise WireFormatError(f"{what} is not an integer: {value!r}")
-    return to_signed_int64(value, what)
 
 
 def parse_token_ids(tokens: Sequence[Any]) -> list[int]:
@@ -57,28 +46,6 @@ def parse_lora_id(value: Any) -> int | None:
     if type(value) is not int or not 0 <= value < _U64:
         raise WireFormatError(f"stored.lora_id is not None or a u64 integer: {value!r:.100}")
     return value
-
-
-def parse_hex_hash(value: str, what: str) -> int:
-    try:
-        return radix_key_hash(bytes.fromhex(value[:16]))
-    except ValueError:
-        raise WireFormatError(f"{what} is not an integer or a hex key of >= 8 bytes: "
-                              f"{value!r}") from None
-
-
-def radix_key_hash(key: bytes | bytearray | memoryview) -> int:
-    """Wire hash of a V2 radix key: its first 8 bytes, big-endian, read as signed int64."""
-    if len(key) < 8:
-        raise WireFormatError(f"radix block key has {len(key)} bytes, need >= 8: {bytes(key)!r}")
-    return int.from_bytes(key[:8], "big", signed=True)
-
-
-def parse_hash(value: Any, what: str) -> int:
-    """Wire hash of a V2 hook hash argument: bytes key, hex-string key, or int."""
-    if isinstance(value, (bytes, bytearray, memoryview)):
-        return radix_key_hash(value)
-    return signed_hash(value, what)
 
 
 def is_scoped(block: Mapping[str, Any]) -> bool:

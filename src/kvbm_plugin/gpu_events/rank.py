@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbm_plugin.gpu_events.bounded import EvictionOrder
+from kvbm_plugin._util.bounded import EvictionOrder
 from kvbm_plugin.wire.publisher_base import WireEvent
 
 
@@ -71,16 +71,7 @@ class Rank:
     def suppress(self, h: int, cap: int) -> bool:
         """Remember unpublished hash ``h`` (its removal is then dropped); True when that put
         the map over ``cap`` and its oldest hash was forgotten. O(1)."""
-        suppressed = self.suppressed
-        if h in suppressed:
-            return False
-        suppressed[h] = None
-        order = self.suppressed_order
-        order.added(suppressed, h)
-        if len(suppressed) > cap:
-            order.evict_oldest(suppressed)
-            return True
-        return False
+        return self.suppressed_order.put(self.suppressed, h, None, cap)
 
     def forget_suppressed(self) -> None:
         """Forget every suppressed hash (the pool was cleared)."""

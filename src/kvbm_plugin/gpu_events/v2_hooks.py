@@ -15,10 +15,9 @@ from kvbm_plugin.gpu_events.fields import (
     REMOVED,
     STORED,
     block_extra_keys,
-    parse_hash,
     parse_lora_id,
-    radix_key_hash,
 )
+from kvbm_plugin.naming.names import parse_hash, radix_key_hash
 from kvbm_plugin.wire.events import MEDIUM_GPU, event_count
 
 

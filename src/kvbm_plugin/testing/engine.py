@@ -33,7 +33,7 @@ manager. :meth:`SimulatedEngine.step` lists the order of one pass.
 * KV events are C++-like objects (``testing.kv_events``), readable only after the pass's
   ``flush_iteration_events``; with ``trtllm_event_reader=True`` TRT-LLM's KV-event dispatch
   thread reads them concurrently, as ``LLM.get_kv_cache_events`` does. Block hashes are
-  TRT-LLM's V1 hashes (``connector.block_hash``) under the request's cache salt and LoRA task
+  TRT-LLM's V1 hashes (``naming.names``) under the request's cache salt and LoRA task
   id (``submit(lora_task_id=...)``; task 0 is an adapter): an adapter's blocks are its own in
   the pool, and their serialized events name no adapter (upstream's serializer writes no
   ``lora_id``).

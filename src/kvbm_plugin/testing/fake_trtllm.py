@@ -12,7 +12,7 @@ from collections.abc import Mapping as MappingABC
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbm_plugin.connector.block_hash import v1_block_hash
+from kvbm_plugin.naming.names import v1_block_hash
 from kvbm_plugin.wire.identity import cache_salt_id
 
 _U64 = (1 << 64) - 1
@@ -20,7 +20,7 @@ _U64 = (1 << 64) - 1
 
 def trtllm_block_hash(parent: int | None, tokens: list[int],
                       salt: str | int | None = None, lora_task_id: int | None = None) -> int:
-    """TRT-LLM's V1 block hash (``BlockKeyHasher``, see ``connector.block_hash``) of a block
+    """TRT-LLM's V1 block hash (``BlockKeyHasher``, see ``naming.names``) of a block
     of ``tokens`` under ``parent``. The salt enters as the C++ ``cacheSaltID`` of the
     revisions whose request carries ``cache_salt_id`` (a string salt is converted with
     ``cache_salt_id`` first), into the first block only; the LoRA task id into every block."""

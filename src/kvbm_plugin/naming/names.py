@@ -1,23 +1,40 @@
-"""The name (hash) a tier event gives each block: TensorRT-LLM's, never a second one.
+"""What a block is called: the one place that answers it, for every source.
 
-A router must see one name per block across media, so the leader's host/disk STOREs carry the
-hash TensorRT-LLM's KV cache manager gives the same block on the GPU. In order of preference:
+A router must see one name per block across media and dp ranks, so every event the plugin
+publishes names a block by the hash TensorRT-LLM's KV cache manager gives it, never a second
+one. Callers import from this module only; its pieces (``naming/_*.py``) are private.
+
+What it answers, and for whom:
+
+* **TensorRT-LLM's hashes, computed** (``_hashes``): the V1 rules (:func:`v1_block_hash`,
+  :func:`v1_chain`, :func:`std_string_hash`, :func:`mm_hash_bytes`; the leader and the
+  simulated executor) and the wire form of V2 radix keys and u64 hashes
+  (:func:`radix_key_hash`, :func:`signed_hash`, :func:`parse_hash`; the event sink).
+* **Names learned from events** (``_learned``): :class:`BlockNames` from rank 0's sink, from
+  TensorRT-LLM's own streaming publisher (``connector.native_events.NativeNameFeed``) and, on
+  an attention-DP rank r > 0, from its own GPU-tier stream (:class:`StreamNames`).
+* **The leader's question** (:class:`BlockNaming`, below): the name of a request's block ``i``.
+* **Tier blocks not named yet** (``_unnamed``): :class:`UnnamedStores`, the leader's committed
+  host/disk blocks whose STORE waits for the name (``BlockNaming.unnamed``).
+* **LoRA adapters** (``_lora``): :class:`LoraNames`, the adapter of each stored chain whose
+  events do not name it (the event sink's, named at the root by :meth:`BlockNaming.name_root`).
+
+The leader's order of preference for a request's block:
 
 1. ``RequestData.block_hashes``, where TensorRT-LLM hands them over (PR #14806 and later);
-2. the V1 block hash the leader computes itself (:mod:`kvbm_plugin.connector.block_hash`)
-   from the request's tokens, cache salt and LoRA task id: every text-only request of the
-   V1 manager. Which salt the C++ mixes differs by revision (``cacheSaltID`` or
-   ``std::hash`` of the string), so each input rule (no scope; salt id; salt string; with
-   LoRA) is used only once TensorRT-LLM's own GPU STORE events carried a hash computed under
-   it (a 64-bit equality: the rule is confirmed); a rule whose hash differs from the event's
-   for a block whose parent agreed is refuted for good (``block_name_mismatches``, logged);
-3. the hash learned from TensorRT-LLM's own GPU-tier STORE events
-   (:class:`~kvbm_plugin.gpu_events.block_names.BlockNames`).
+2. the V1 block hash the leader computes itself from the request's tokens, cache salt and LoRA
+   task id: every text-only request of the V1 manager. Which salt the C++ mixes differs by
+   revision (``cacheSaltID`` or ``std::hash`` of the string), so each input rule (no scope;
+   salt id; salt string; with LoRA) is used only once TensorRT-LLM's own GPU STORE events
+   carried a hash computed under it (a 64-bit equality: the rule is confirmed); a rule whose
+   hash differs from the event's for a block whose parent agreed is refuted for good
+   (``block_name_mismatches``, logged);
+3. the hash learned from TensorRT-LLM's own GPU-tier STORE events (:class:`BlockNames`).
 
 A block whose name is none of these yet (a multimodal or prompt-tuning request, a
-KVCacheManagerV2, a distrusted hasher) is held back by the leader until it is learned (bounded;
-see ``KvbmConnectorLeader``). Called under the leader's lock (executor thread or the leader's
-idle keeper thread). Pure Python.
+KVCacheManagerV2, a distrusted hasher) waits in :class:`UnnamedStores` until it is learned
+(bounded). :class:`BlockNaming` is called under the leader's lock (executor thread or the
+leader's idle keeper thread). Pure Python.
 """
 
 from __future__ import annotations
@@ -25,17 +42,32 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
-from kvbm_plugin.connector.block_hash import std_string_hash, v1_block_hash, v1_chain
-from kvbm_plugin.connector.requests import RequestState
-from kvbm_plugin.gpu_events.block_names import BlockNames
+from kvbm_plugin.naming._hashes import (
+    _U64,
+    mm_hash_bytes,
+    parse_hash,
+    radix_key_hash,
+    signed_hash,
+    std_string_hash,
+    v1_block_hash,
+    v1_chain,
+)
+from kvbm_plugin.naming._learned import BlockNames, StreamNames
+from kvbm_plugin.naming._lora import LoraNames
+from kvbm_plugin.naming._unnamed import UnnamedStores
 from kvbm_plugin.wire.events import to_signed_int64
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from kvbm_plugin.connector.requests import RequestState
 
-_U64 = (1 << 64) - 1
+__all__ = ["BlockNames", "BlockNaming", "LoraNames", "NameInputs", "StreamNames",
+           "UnnamedStores", "mm_hash_bytes", "name_inputs", "parse_hash", "radix_key_hash",
+           "rule_of", "signed_hash", "std_string_hash", "v1_block_hash", "v1_chain"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -95,6 +127,7 @@ class BlockNaming:
                      "block_name_rules_confirmed"):
             stats.setdefault(name, 0)
         self.names = BlockNames(block_size)  # learned from GPU-tier events
+        self.unnamed = UnnamedStores(self.names, stats)  # tier blocks waiting for a name
         self.learning = False  # the sink feeds self.names (no block_hashes seen)
         # TensorRT-LLM's own stream is the source of names: it carries no salt, and
         # self.names keys blocks by (parent, tokens, LoRA), so a salted request's root would
@@ -139,7 +172,7 @@ class BlockNaming:
 
     def root_hash(self, state: RequestState) -> int | None:
         """TRT-LLM's hash of the request's first block, as best known (for the event sink's
-        LoRA names, :mod:`kvbm_plugin.gpu_events.lora_names`): handed over, else the V1 hash
+        LoRA names, :class:`LoraNames`): handed over, else the V1 hash
         under the request's inputs, confirmed or not (a wrong one names no block the events
         store: that chain is then counted as unnamed, never misnamed); None when neither."""
         if state.event_hashes:

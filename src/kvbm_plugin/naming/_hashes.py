@@ -1,10 +1,12 @@
-"""TensorRT-LLM's V1 block hash, computed from what the connector sees.
+"""TensorRT-LLM's names of blocks, computed: the V1 block hash, and the wire form of a V2 key.
 
-Where ``RequestData.block_hashes`` is absent (TensorRT-LLM releases up to 1.2.x and every
-KVCacheManagerV2), the leader still has to name a tier copy of a block by the hash TensorRT-LLM's
-KV cache manager gives it, or a router sees one block under two names. That hash is a pure
-function of the block's tokens, its parent's hash, the request's cache salt and LoRA task id
-(and multimodal keys, prompt-tuning extra ids), so the leader computes it here.
+A private part of :mod:`kvbm_plugin.naming.names` (import these from there).
+
+**V1 rules.** Where ``RequestData.block_hashes`` is absent (TensorRT-LLM releases up to 1.2.x
+and every KVCacheManagerV2), the leader still has to name a tier copy of a block by the hash
+TensorRT-LLM's KV cache manager gives it, or a router sees one block under two names. That hash
+is a pure function of the block's tokens, its parent's hash, the request's cache salt and LoRA
+task id (and multimodal keys, prompt-tuning extra ids), so the leader computes it here.
 
 Bit-exact port of ``BlockKeyHasher::hash`` (NVIDIA/TensorRT-LLM
 ``cpp/tensorrt_llm/batch_manager/blockKey.cpp``, read at 0bd2980d75e7 where the salt is the
@@ -25,13 +27,22 @@ to 32 bits before widening (both operands are ``uint32_t`` in C++).
 :func:`std_string_hash` is libstdc++'s ``std::hash<std::string>`` (``_Hash_bytes`` with seed
 0xc70f6907, the Linux build TensorRT-LLM ships), the salt of the newest revision.
 
-Pure Python, no TRT-LLM import; called by the leader on the executor thread and by the
-simulated executor.
+**V2 keys.** KVCacheManagerV2 names a block by its radix key (bytes); its events hand the key
+as bytes (the hooks) or as hex (``_normalize_block_hash``). Every path publishes the key's
+first 8 bytes, big-endian, read as a signed int64 (:func:`radix_key_hash`), so the buffered
+and the hook path name a block alike; a u64 hash is published in its signed form
+(:func:`signed_hash`).
+
+Pure Python, no TRT-LLM import; called by the leader on the executor thread, by the event
+sink (any thread feeding it, under its lock) and by the simulated executor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
+
+from kvbm_plugin.wire.events import WireFormatError, to_signed_int64
 
 _U32 = (1 << 32) - 1
 _U64 = (1 << 64) - 1
@@ -138,3 +149,37 @@ def std_string_hash(text: str | bytes) -> int:
         h = ((h ^ int.from_bytes(data[end:], "little")) * _MUL) & _U64
     h = (_shift_mix(h) * _MUL) & _U64
     return _shift_mix(h)
+
+
+def radix_key_hash(key: bytes | bytearray | memoryview) -> int:
+    """Wire hash of a V2 radix key: its first 8 bytes, big-endian, read as signed int64."""
+    if len(key) < 8:
+        raise WireFormatError(f"radix block key has {len(key)} bytes, need >= 8: {bytes(key)!r}")
+    return int.from_bytes(key[:8], "big", signed=True)
+
+
+def parse_hex_hash(value: str, what: str) -> int:
+    """Wire hash of a V2 radix key written as hex (:func:`radix_key_hash` of its bytes)."""
+    try:
+        return radix_key_hash(bytes.fromhex(value[:16]))
+    except ValueError:
+        raise WireFormatError(f"{what} is not an integer or a hex key of >= 8 bytes: "
+                              f"{value!r}") from None
+
+
+def signed_hash(value: Any, what: str) -> int:
+    """Wire form (signed int64) of a TRT-LLM hash given as u64 (or already signed), or as a
+    hex string (V2 events with ``v2_sha256`` hashing: the radix key's hex, same rule as
+    :func:`radix_key_hash`, so the buffered and the hook path name a block alike)."""
+    if type(value) is not int:
+        if isinstance(value, str):
+            return parse_hex_hash(value, what)
+        raise WireFormatError(f"{what} is not an integer: {value!r}")
+    return to_signed_int64(value, what)
+
+
+def parse_hash(value: Any, what: str) -> int:
+    """Wire hash of a V2 hook hash argument: bytes key, hex-string key, or int."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return radix_key_hash(value)
+    return signed_hash(value, what)

@@ -1,5 +1,7 @@
 """The LoRA adapter of GPU-tier stores whose events do not name it.
 
+A private part of :mod:`kvbm_plugin.naming.names` (import :class:`LoraNames` from there).
+
 TensorRT-LLM's C++ ``KVCacheStoredBlockData`` carries the block's ``loraId``
 (``cpp/include/tensorrt_llm/executor/executor.h`` @ 879039f6), but its Python serializer leaves
 it out of the dicts (``tensorrt_llm/_utils.py`` @ ed53795b, ``KVCacheEventSerializer.
@@ -9,8 +11,8 @@ tokens and ``lora_name``) would take two adapters' blocks with the same tokens f
 under two hashes.
 
 The leader knows each request's LoRA task id and TensorRT-LLM's hash of its first block
-(``RequestData.block_hashes`` or the V1 hash it computes, :mod:`kvbm_plugin.connector.naming`),
-and names that root before the request's blocks are stored (:meth:`LoraNames.name_root`). A
+(``RequestData.block_hashes`` or the V1 hash it computes, ``BlockNaming.root_hash``), and
+names that root before the request's blocks are stored (:meth:`LoraNames.name_root`). A
 stored event is one sequence's chain (block ``i``'s parent is block ``i - 1``), and TensorRT-LLM
 mixes the task id into every block's key, so a chain's blocks share its parent's adapter: a
 store under a parent takes the parent's adapter, a store at the root the one the leader named.
@@ -35,9 +37,9 @@ import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from kvbm_plugin._util.bounded import EvictionOrder
 from kvbm_plugin._util.ratelimit import RateLimitedLog
-from kvbm_plugin.gpu_events.bounded import EvictionOrder
-from kvbm_plugin.gpu_events.fields import signed_hash
+from kvbm_plugin.naming._hashes import signed_hash
 from kvbm_plugin.wire.events import WireFormatError
 
 logger = logging.getLogger(__name__)
@@ -91,15 +93,8 @@ class LoraNames:
         """The first block of a request has wire hash ``h`` and LoRA task ``task_id`` (None:
         the base model). The leader calls it for every request once its first block is full,
         before that block can be stored."""
-        roots = self._roots
-        if h not in roots:
-            roots[h] = task_id
-            self._roots_order.added(roots, h)
-            if len(roots) > self._max:
-                self._roots_order.evict_oldest(roots)
-                self._c["lora_names_evicted"] += 1
-        else:
-            roots[h] = task_id
+        if self._roots_order.put(self._roots, h, task_id, self._max):
+            self._c["lora_names_evicted"] += 1
         if task_id is not None:
             self.active = True
 
@@ -143,14 +138,8 @@ class LoraNames:
     def _record(self, rank: Any, hashes: list[int], task_id: int) -> None:
         blocks, order = self._rank_map(rank)
         for h in hashes:
-            if h not in blocks:
-                blocks[h] = task_id
-                order.added(blocks, h)
-                if len(blocks) > self._max:
-                    order.evict_oldest(blocks)
-                    self._c["lora_names_evicted"] += 1
-            else:
-                blocks[h] = task_id
+            if order.put(blocks, h, task_id, self._max):
+                self._c["lora_names_evicted"] += 1
 
     def _stored(self, ev: Mapping[str, Any], data: Mapping[str, Any], rank: Any) -> Any:
         blocks = data["blocks"]

@@ -1,0 +1,139 @@
+"""The leader's unnamed tier stores: committed host/disk blocks whose STORE waits for a name.
+
+A private part of :mod:`kvbm_plugin.naming.names` (import :class:`UnnamedStores` from there).
+
+A tier STORE is announced under TensorRT-LLM's name for the block, never under a second one
+(:class:`~kvbm_plugin.naming.names.BlockNaming`). A block committed to a tier while that name is
+not known yet (a multimodal or prompt-tuning request, a KVCacheManagerV2, a distrusted hasher,
+TensorRT-LLM's own stream not read yet) carries the plugin's content key as a placeholder
+(``entry.event_hash == entry.key``) and waits here, with every block committed under it
+(prefix-closed), until the events name it: then it is announced, in commit order, parents
+first. A waiting block was never announced, so its later eviction registers no REMOVE.
+
+Bounded: past :attr:`UnnamedStores.MAX_WAITING` blocks the oldest leaves its tier unannounced
+(``tier_stores_unnamed_dropped``, logged rate-limited). Counters, in the leader's stats:
+``tier_stores_unnamed`` (blocks that had to wait), ``tier_stores_unnamed_dropped``.
+
+Owned by the leader (``KvbmConnectorLeader``, through its ``BlockNaming``); every call runs
+under the leader's lock (executor thread or its idle keeper's thread). No I/O.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING
+
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+
+if TYPE_CHECKING:
+    from kvbm_plugin.naming._learned import BlockNames
+    from kvbm_plugin.tiers.base import TierEntry, TierIndex
+
+logger = logging.getLogger("kvbm_plugin.connector_leader")
+
+
+def named(entry: TierEntry) -> bool:
+    """Whether ``entry`` and its parent carry TRT-LLM's names (not placeholders)."""
+    return entry.event_hash != entry.key and (
+        entry.parent_key is None or entry.parent_event_hash != entry.parent_key)
+
+
+class UnnamedStores:
+    """Committed tier blocks waiting for TensorRT-LLM's name, by ``(tier, content key)``, in
+    commit order (see the module docstring)."""
+
+    # Blocks waiting at most (the oldest is dropped from its tier past it, never named twice).
+    MAX_WAITING = 4096
+
+    def __init__(self, names: BlockNames, stats: dict[str, int]) -> None:
+        self._names = names
+        self._stats = stats
+        for counter in ("tier_stores_unnamed", "tier_stores_unnamed_dropped"):
+            stats.setdefault(counter, 0)
+        self._waiting: dict[tuple[str, int], TierEntry] = {}
+        self._log = RateLimitedLog(logger)
+
+    def __len__(self) -> int:
+        return len(self._waiting)
+
+    def __contains__(self, tier_and_key: tuple[str, int]) -> bool:
+        """Whether the block of content key ``key`` waits in tier ``tier`` (never announced)."""
+        return tier_and_key in self._waiting
+
+    def forget(self, tier: str, key: int) -> bool:
+        """The block left its tier: True when it was waiting (never announced: no REMOVE)."""
+        return self._waiting.pop((tier, key), None) is not None
+
+    def name(self, entry: TierEntry, index: TierIndex | None = None) -> None:
+        """Before a block's tier STORE is announced: if it was reserved under the plugin's
+        content key (TRT-LLM's hash unknown then) and TRT-LLM's is known now, use that. The
+        parent's name may also come from the parent's own entry in ``index``, named first
+        (waiting blocks are announced parents first): a chain whose request was forgotten
+        before its GPU events came back (TensorRT-LLM's own stream arrives on the
+        consolidator's thread) is named block by block through its content, not only at its
+        root."""
+        names = self._names
+        if entry.event_hash == entry.key:
+            h = names.hash_of_key(entry.key)
+            if h is not None:
+                entry.event_hash = h
+        parent = entry.parent_event_hash
+        if parent is not None and parent == entry.parent_key:
+            h = names.hash_of_key(parent)
+            if h is None and index is not None:
+                above = index.get(parent)
+                if above is not None and above.event_hash != above.key:
+                    h = above.event_hash
+            if h is not None:
+                entry.parent_event_hash = h
+        if entry.event_hash == entry.key and (
+                entry.parent_event_hash != entry.parent_key if entry.parent_key is not None
+                else entry.scope == (None, None)):  # a scoped root: its tokens are not enough
+            # Named by its GPU event after its request was forgotten (its event can come
+            # later than the request's end: attention DP ranks > 0 read it off their stream).
+            h = names.hash_of_content(entry.parent_event_hash, entry.token_ids, entry.scope[0])
+            if h is not None:
+                entry.event_hash = h
+
+    def ready(self, index: TierIndex, entry: TierEntry) -> bool:
+        """A block just committed to ``index``: named as far as known now; True when its STORE
+        can be announced (it and its parent are named, its parent is not waiting), else it
+        waits here. Past :attr:`MAX_WAITING` the caller drops :meth:`overflow`'s blocks."""
+        self.name(entry, index)
+        parent_waiting = entry.parent_key is not None and (index.name, entry.parent_key) in \
+            self._waiting
+        if named(entry) and not parent_waiting:
+            return True
+        self._waiting[(index.name, entry.key)] = entry
+        self._stats["tier_stores_unnamed"] += 1
+        return False
+
+    def overflow(self) -> Iterator[tuple[str, TierEntry]]:
+        """The oldest waiting block, one at a time, while more than :attr:`MAX_WAITING` wait:
+        the caller drops each from its tier (which calls :meth:`forget`) before the next."""
+        while len(self._waiting) > self.MAX_WAITING:
+            (tier, _), oldest = next(iter(self._waiting.items()))
+            self._stats["tier_stores_unnamed_dropped"] += 1
+            self._log.log(logging.WARNING, "unnamed", "kvbm_plugin: %d tier blocks wait for "
+                          "TensorRT-LLM's name; the oldest leaves the %s tier unadvertised",
+                          len(self._waiting), tier)
+            yield tier, oldest
+
+    def named_now(self, indexes: Mapping[str, TierIndex | None]
+                  ) -> Iterator[tuple[TierIndex, TierEntry]]:
+        """The waiting blocks whose names are known now, in commit order (parents first), each
+        taken out before it is handed over for its STORE; a block its tier (``indexes[tier]``)
+        no longer holds is forgotten."""
+        waiting = self._waiting
+        for (tier, key), entry in list(waiting.items()):
+            index = indexes.get(tier)
+            if index is None or index.get(key) is not entry:
+                waiting.pop((tier, key), None)
+                continue
+            self.name(entry, index)
+            if not named(entry) or (entry.parent_key is not None
+                                    and (tier, entry.parent_key) in waiting):
+                continue
+            del waiting[(tier, key)]
+            yield index, entry
