@@ -322,6 +322,7 @@ BAD_VALUES_ELSEWHERE = {
     cc.EVENTS_SOURCE: "bogus", cc.CPU_CACHE_GB: "-1", cc.CPU_CACHE_NUM_BLOCKS: "some",
     cc.DISK_CACHE_GB: "lots", cc.DISK_CACHE_NUM_BLOCKS: "-3", cc.METRICS: "maybe",
     cc.METRICS_PORT: "0", cc.TRTLLM_MOVED_ENDPOINT: "udp://host:1",
+    cc.HOST_TIER: "no-such-tier", cc.DISK_TIER: "no-such-tier",
 }
 
 

@@ -127,10 +127,13 @@ def _tier_checks(tiers: cc.TierSettings, block_bytes: int | None = None) -> list
     """Offload off, or each tier against what this machine has: host cache in GiB against
     its memory, disk cache against the free space of its directory, which must take files."""
     if not tiers.host_enabled and not tiers.disk_enabled:
+        # The workers resolve the tier classes even with offload off: a bad name fails there
+        classes = _tier_class_check(tiers)
         return [Check("offload tiers", "warn",
                       f"none configured ({cc.CPU_CACHE_GB} / {cc.CPU_CACHE_NUM_BLOCKS}, "
                       f"{cc.DISK_CACHE_GB} / {cc.DISK_CACHE_NUM_BLOCKS} unset or 0): offload "
-                      "is off, the plugin only publishes GPU-tier events")]
+                      "is off, the plugin only publishes GPU-tier events"),
+                *([classes] if classes.status == "fail" else [])]
     checks: list[Check] = []
     if tiers.host_enabled:
         small = None if tiers.cpu_num_blocks else _too_small(
