@@ -99,7 +99,7 @@ def test_where_the_hash_cannot_be_computed_tier_stores_wait_for_trtllms_name(
 def test_held_tier_stores_are_bounded_and_counted(make_engine, monkeypatch) -> None:
     monkeypatch.setattr("kvbm_plugin.connector_leader.name_inputs",
                         lambda obj: naming.NameInputs(None, None, "test"))
-    monkeypatch.setattr("kvbm_plugin.connector_leader.KvbmConnectorLeader.MAX_HELD", 2)
+    monkeypatch.setattr("kvbm_plugin.connector.leader_tiers.OffloadTiers.MAX_WAITING_FOR_NAME", 2)
     rec = TierRecorder()
     engine = make_engine(num_gpu_blocks=24, env=tiers(host=12), provide_block_hashes=False,
                          tier_events=rec, overlap_scheduler=True)

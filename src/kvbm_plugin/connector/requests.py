@@ -1,9 +1,9 @@
 """The leader's bookkeeping records: one :class:`RequestState` per request TensorRT-LLM
-scheduled, one :class:`Op` per tier transfer in flight.
+scheduled, one :class:`Op` per tier transfer in flight (in the :class:`OpTable`).
 
 Owned by ``KvbmConnectorLeader`` on rank 0 (each attention-DP rank's leader has its own); read
 and written under the leader's lock only (the executor thread's hooks and the leader's idle
-keeper thread). Pure data, no behaviour.
+keeper thread). Data only (the table numbers its ops).
 """
 
 from __future__ import annotations
@@ -72,3 +72,22 @@ class Op:
     # A save of a request TRT-LLM terminated without telling (its blocks may be reused before
     # the copy read them): never committed.
     tainted: bool = False
+
+
+class OpTable(dict[int, Op]):
+    """The leader's transfers in flight, by op id. Ids grow by one per op, so along a chain a
+    parent's op id is below its children's (reports are finalized in id order). Owned by the
+    leader and lent to its tier collaborators, which add their own ops (demotions,
+    shared-tier writes) with :meth:`new`; under the leader's lock only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._next = 1
+
+    def new(self, kind: str, tier: str, key: int, req_id: int | None,
+            entry: TierEntry | None = None) -> int:
+        """Record a new op and return its id."""
+        op_id = self._next
+        self._next += 1
+        self[op_id] = Op(kind, tier, key, req_id, entry)
+        return op_id

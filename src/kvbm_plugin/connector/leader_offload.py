@@ -1,0 +1,94 @@
+"""Which of a request's newly full blocks the leader offloads this iteration, and where.
+
+:class:`OffloadPlanner` is owned by :class:`~kvbm_plugin.connector_leader.KvbmConnectorLeader`
+and called by its ``build_connector_meta`` (executor thread, rank 0 or each attention-DP rank,
+under the leader's lock) once per scheduled request. It keeps no state of its own: each
+request's progress is in its :class:`~kvbm_plugin.connector.requests.RequestState`
+(``offload_next``), the slots in the :class:`~kvbm_plugin.connector.leader_tiers.OffloadTiers`,
+the ops in the :class:`~kvbm_plugin.connector.requests.OpTable`. Never imports torch.
+"""
+
+from __future__ import annotations
+
+from kvbm_plugin.connector.layer_groups import LayerGroupPages
+from kvbm_plugin.connector.leader_shared_tier import LeaderSharedTier
+from kvbm_plugin.connector.leader_tiers import OffloadTiers
+from kvbm_plugin.connector.meta import DISK, HOST, SaveOp
+from kvbm_plugin.connector.naming import BlockNaming
+from kvbm_plugin.connector.requests import OpTable, RequestState
+from kvbm_plugin.tiers.base import TIER_HOST, TierIndex
+
+
+class OffloadPlanner:
+    """Schedules offloads (saves into the first tier, write-through to the shared tier)."""
+
+    def __init__(self, *, block_size: int, tiers: OffloadTiers, shared: LeaderSharedTier,
+                 pages: LayerGroupPages, naming: BlockNaming, ops: OpTable,
+                 stats: dict[str, int]) -> None:
+        self._block_size = block_size
+        self._tiers = tiers
+        self._shared = shared
+        self._pages = pages
+        self._naming = naming
+        self._ops = ops
+        self._stats = stats
+
+    def event_hash(self, state: RequestState, index: int) -> int:
+        """The hash the tier events name block ``index`` by: TRT-LLM's (see
+        :mod:`kvbm_plugin.connector.naming`); the plugin's content key only as a placeholder
+        while TRT-LLM's is not known (such a block's STORE is held back until it is)."""
+        h = self._naming.hash_of(state, index)
+        return state.keys[index] if h is None else h
+
+    def schedule(self, state: RequestState, index: TierIndex, saves: list[SaveOp]) -> None:
+        """Offload the request's newly full blocks into ``index`` (the first tier), in chain
+        order. A tier holds prefix-closed chains only: a block is offloaded only while its
+        parent is in the same tier (pending or resident) or is offloaded in this same job, so
+        a parent that left the tier since it was passed is offloaded again first, from its
+        device block (the request still holds it)."""
+        bs = self._block_size
+        tiers, shared, pages = self._tiers, self._shared, self._pages
+        host = tiers.host
+        limit = min(state.valid_tokens // bs, len(state.block_ids), len(state.keys))
+        if state.offload_stop is not None:
+            limit = min(limit, state.offload_stop)
+        while state.offload_next < limit:
+            i = state.offload_next
+            key = state.keys[i]
+            present = index.get(key)
+            if present is not None:
+                if present.resident:
+                    index.lookup(key)  # refresh LRU: in use again
+                    if index is host:  # not in the shared tier yet: write it through
+                        shared.follow(state, i, present, -1, -1)
+                state.offload_next += 1
+                continue
+            parent_key = state.keys[i - 1] if i else None
+            if parent_key is not None and parent_key not in index:
+                if pages.can_resave(state, index, i - 1):
+                    state.offload_next = i - 1  # the parent was evicted as a leaf meanwhile
+                    self._stats["parent_resaves"] += 1
+                else:
+                    # No device copy of the parent to offload: this block would be an orphan.
+                    self._stats["orphan_saves_skipped"] += 1
+                    state.offload_next += 1
+                continue
+            block = pages.save_block(state, i)  # -1: some layer group has no live page
+            if block < 0:
+                state.offload_next += 1
+                continue
+            parent = self.event_hash(state, i - 1) if i else None
+            entry = tiers.reserve(index, key, self.event_hash(state, i), parent,
+                                  state.tokens[i * bs:(i + 1) * bs], parent_key, state.scope)
+            if entry is None:
+                self._stats["tier_full_skips"] += 1
+                return  # retry from this block next iteration
+            op_id = self._ops.new("save", index.name, key, state.req_id, entry)
+            state.saves_inflight.add(op_id)
+            saves.append(SaveOp(op_id, state.req_id, int(block),
+                                HOST if index.name == TIER_HOST else DISK, entry.slot, key,
+                                pages.save_pages(state, i)))
+            if index is host:  # write-through to the shared tier, when there is one
+                shared.follow(state, i, entry, op_id, int(block))
+            self._stats["saves_scheduled"] += 1
+            state.offload_next += 1
