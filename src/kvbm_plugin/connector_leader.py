@@ -317,13 +317,14 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         keys = block_keys(tokens[:last * bs], bs, salt)
         # The prompt's blocks: build_connector_meta extends these instead of hashing them again.
         state.keys = keys
+        plan, lookup, host, disk = state.plan, tiers.lookup, tiers.host, tiers.disk
         for i in range(first, last):
-            hit = tiers.lookup(keys[i])
+            hit = lookup(keys[i])
             if hit is None:
                 break
             tier, entry = hit
-            tiers.index_of(tier).pin(entry)  # type: ignore[union-attr]
-            state.plan.append((i, tier, entry))
+            (host if tier == TIER_HOST else disk).pin(entry)  # type: ignore[union-attr]
+            plan.append((i, tier, entry))
         self._shared.match(state, tokens, first + len(state.plan), last)
         n = len(state.plan) * bs
         if n == 0:
@@ -408,18 +409,23 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         if state is None or not state.plan:
             return
         copies: list[LoadCopy] = []
+        new_op, inflight, req_id = self._ops.new, state.loads_inflight, state.req_id
+        n_ids = len(block_ids)
+        grouped = bool(state.alloc_pages)
+        load_pages = self._layer_pages.load_pages
         for index, tier, entry in state.plan:
-            if index >= len(block_ids) or block_ids[index] < 0:
+            block = block_ids[index] if index < n_ids else -1
+            if block < 0:
                 # TRT-LLM did not allocate it: cannot load; unpin (the request still gets a
                 # LoadOp so its id finishes).
                 self._index_of(tier).unpin(entry)
                 continue
-            op_id = self._ops.new("load", tier, entry.key, state.req_id, entry)
-            state.loads_inflight.add(op_id)
-            copies.append(LoadCopy(op_id, _TIER_CODE[tier], entry.slot, entry.key,
-                                   int(block_ids[index]),
+            key = entry.key
+            op_id = new_op("load", tier, key, req_id, entry)
+            inflight.add(op_id)
+            copies.append(LoadCopy(op_id, _TIER_CODE[tier], entry.slot, key, int(block),
                                    entry.digest if tier == TIER_SHARED else None,
-                                   self._layer_pages.load_pages(state, index)))
+                                   load_pages(state, index) if grouped else ()))
         state.load = LoadOp(state.req_id, tuple(copies))
         self._pending_loads.append(state.load)
 
@@ -612,7 +618,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             entry = op.entry
             if entry is not None and entry.pins > 0:
                 index.unpin(entry)  # type: ignore[union-attr]
-            if entry is not None and index is not None and index.get(op.key) is not entry:
+            if entry is not None and index is not None and not index.holds(entry):
                 entry = None  # forgotten meanwhile
             if not ok:
                 self._stats["loads_failed"] += 1

@@ -47,48 +47,56 @@ class OffloadPlanner:
         a parent that left the tier since it was passed is offloaded again first, from its
         device block (the request still holds it)."""
         bs = self._block_size
-        tiers, shared, pages = self._tiers, self._shared, self._pages
+        tiers, shared, pages, stats = self._tiers, self._shared, self._pages, self._stats
         host = tiers.host
-        limit = min(state.valid_tokens // bs, len(state.block_ids), len(state.keys))
+        keys, tokens = state.keys, state.tokens
+        limit = min(state.valid_tokens // bs, len(state.block_ids), len(keys))
         if state.offload_stop is not None:
             limit = min(limit, state.offload_stop)
+        tier_code = HOST if index.name == TIER_HOST else DISK
+        write_through = index is host and shared.enabled
+        new_op = self._ops.new
+        # The parent of the next block is in ``index``: just checked, reserved or found.
+        parent_in = False
         while state.offload_next < limit:
             i = state.offload_next
-            key = state.keys[i]
-            present = index.get(key)
-            if present is not None:
-                if present.resident:
-                    index.lookup(key)  # refresh LRU: in use again
-                    if index is host:  # not in the shared tier yet: write it through
-                        shared.follow(state, i, present, -1, -1)
+            key = keys[i]
+            present = index.lookup(key)  # resident: refresh its LRU place, in use again
+            if present is not None or key in index:
+                if present is not None and write_through:  # not in the shared tier yet?
+                    shared.follow(state, i, present, -1, -1)
                 state.offload_next += 1
+                parent_in = True
                 continue
-            parent_key = state.keys[i - 1] if i else None
-            if parent_key is not None and parent_key not in index:
+            parent_key = keys[i - 1] if i else None
+            if parent_key is not None and not parent_in and parent_key not in index:
                 if pages.can_resave(state, index, i - 1):
                     state.offload_next = i - 1  # the parent was evicted as a leaf meanwhile
-                    self._stats["parent_resaves"] += 1
+                    stats["parent_resaves"] += 1
                 else:
                     # No device copy of the parent to offload: this block would be an orphan.
-                    self._stats["orphan_saves_skipped"] += 1
+                    stats["orphan_saves_skipped"] += 1
                     state.offload_next += 1
+                parent_in = False
                 continue
             block = pages.save_block(state, i)  # -1: some layer group has no live page
             if block < 0:
                 state.offload_next += 1
+                parent_in = False
                 continue
             parent = self.event_hash(state, i - 1) if i else None
             entry = tiers.reserve(index, key, self.event_hash(state, i), parent,
-                                  state.tokens[i * bs:(i + 1) * bs], parent_key, state.scope)
+                                  tokens[i * bs:(i + 1) * bs], parent_key, state.scope)
             if entry is None:
-                self._stats["tier_full_skips"] += 1
+                stats["tier_full_skips"] += 1
                 return  # retry from this block next iteration
-            op_id = self._ops.new("save", index.name, key, state.req_id, entry)
+            op_id = new_op("save", index.name, key, state.req_id, entry)
             state.saves_inflight.add(op_id)
-            saves.append(SaveOp(op_id, state.req_id, int(block),
-                                HOST if index.name == TIER_HOST else DISK, entry.slot, key,
+            block = int(block)
+            saves.append(SaveOp(op_id, state.req_id, block, tier_code, entry.slot, key,
                                 pages.save_pages(state, i)))
-            if index is host:  # write-through to the shared tier, when there is one
-                shared.follow(state, i, entry, op_id, int(block))
-            self._stats["saves_scheduled"] += 1
+            if write_through:  # to the shared tier, when there is one
+                shared.follow(state, i, entry, op_id, block)
+            stats["saves_scheduled"] += 1
             state.offload_next += 1
+            parent_in = True

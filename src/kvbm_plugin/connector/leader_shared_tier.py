@@ -113,6 +113,9 @@ class SharedPins:
     def get(self, key: int) -> None:
         return None  # a load's source is never "forgotten" by the leader: nothing to drop
 
+    def holds(self, hold: SharedHold) -> bool:
+        return False  # likewise: no tier entry of the leader's to drop
+
 
 @dataclass
 class _SharedWrite:
@@ -260,7 +263,7 @@ class LeaderSharedTier:
     # ------------------------------------------------------------ write-through
 
     def follow(self, state: Any, index: int, entry: Any, host_op: int,
-                       device_block: int) -> None:
+               device_block: int) -> None:
         """A host save of block ``index`` was scheduled (op ``host_op``, into ``entry``), or
         (``host_op`` -1) the block is resident in the host tier: write it through to the
         shared tier in the same metadata, unless the shared tier has it or is writing it
@@ -272,26 +275,30 @@ class LeaderSharedTier:
         if not agent.available:
             self._stats["shared_saves_skipped_unavailable"] += 1
             return
-        digests = self._digests(state, state.tokens, index + 1)
+        digests = state.digests
         if len(digests) <= index:
-            return
+            # Every full block's digest at once: one pass over the tokens per request and
+            # iteration, not one slice of the prompt per block.
+            digests = self._digests(state, state.tokens,
+                                    max(index + 1, len(state.tokens) // self._block_size))
+            if len(digests) <= index:
+                return
         digest = digests[index]
         assert self.directory is not None
-        if entry.key in self._by_key or self.directory.is_tracked(digest):
+        key = entry.key
+        if key in self._by_key or self.directory.is_tracked(digest):
             return
-        op_id = self._ops.new("shared_save", TIER_SHARED, entry.key, None, None)
-        write = _SharedWrite(op_id, digest, digests[index - 1] if index else None, entry.key,
+        op_id = self._ops.new("shared_save", TIER_SHARED, key, None, None)
+        write = _SharedWrite(op_id, digest, digests[index - 1] if index else None, key,
                              state.scope, key_scope=state.salt)
         self._writes[op_id] = write
-        self._by_key[entry.key] = write
+        self._by_key[key] = write
         if host_op < 0:
-            if (TIER_HOST, entry.key) not in self._tiers.waiting_for_name:  # announced: final
+            if (TIER_HOST, key) not in self._tiers.waiting_for_name:  # announced: final
                 write.name = (entry.event_hash, entry.parent_event_hash, tuple(entry.token_ids))
-            self.pending_saves.append(SharedSaveOp(op_id, -1, -1, digest, entry.slot,
-                                                           entry.key))
+            self.pending_saves.append(SharedSaveOp(op_id, -1, -1, digest, entry.slot, key))
         else:
-            self.pending_saves.append(SharedSaveOp(op_id, host_op, device_block,
-                                                           digest))
+            self.pending_saves.append(SharedSaveOp(op_id, host_op, device_block, digest))
         self._stats["shared_saves_scheduled"] += 1
 
     def host_copy_announced(self, index: Any, entry: Any) -> None:

@@ -299,33 +299,37 @@ class OffloadTiers:
         A tainted op (its request was terminated before the copy read the device block) is
         never committed."""
         index = self.index_of(op.tier)
-        kind = op.kind + "s"
+        entry = op.entry
         # Still the entry this op wrote (not forgotten meanwhile with an ancestor, nor
         # replaced by a later reservation of the same block in another slot).
+        current = index is not None and entry is not None and index.holds(entry)
         if op.tainted:
             ok = False
             self._stats["saves_discarded_terminated"] += 1
-            if index is not None and op.entry is not None \
-                    and index.get(op.key) is op.entry:
-                self.drop(index, op.entry)
-        elif index is not None and op.entry is not None and index.get(op.key) is op.entry:
-            parent = index.get(op.entry.parent_key) \
-                if op.entry.parent_key is not None else None
-            if ok and (op.entry.parent_key is None
-                       or (parent is not None and parent.resident)):
+            if current:
+                self.drop(index, entry)  # type: ignore[arg-type]
+        elif current:
+            assert index is not None and entry is not None
+            if ok and index.parent_resident(entry):
                 # Ops finish in id order along a chain, so the parent is resident already
                 # and the tier's STOREs are prefix-closed too.
-                signatures = {r.rank: r.signature for r in op.reports.values()
-                              if r.signature is not None}
-                entry = index.commit(op.key, signatures)
-                self.announce_or_wait(index, entry)
+                signatures = None
+                for r in op.reports.values():
+                    if r.signature is not None:
+                        if signatures is None:
+                            signatures = {}
+                        signatures[r.rank] = r.signature
+                self.announce_or_wait(index, index.commit_entry(entry, signatures))
             else:
                 # Never advertised: no REMOVE for it; descendants written after it go too.
                 if ok:
                     ok = False  # written, but its parent is not resident: unusable
                     self._stats["orphan_commits_dropped"] += 1
-                self.drop(index, op.entry)
-        self._stats[f"{kind}_committed" if ok else f"{kind}_failed"] += 1
+                self.drop(index, entry)
+        if op.kind == "save":
+            self._stats["saves_committed" if ok else "saves_failed"] += 1
+        else:
+            self._stats["demotes_committed" if ok else "demotes_failed"] += 1
 
     def resident_hashes(self, tier: str) -> set[int]:
         """Event hashes resident (advertised) in ``tier`` ("host"/"disk"); tests and demo."""

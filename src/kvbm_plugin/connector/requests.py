@@ -59,7 +59,7 @@ class RequestState:
     last_seen: int = 0  # the leader's iteration that last saw this request scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class Op:
     """One transfer: "save" | "demote" write ``tier``; "load" reads it."""
 
