@@ -71,8 +71,8 @@ from kvbm_plugin.connector.meta import (
 )
 from kvbm_plugin.connector.metrics import get_metrics
 from kvbm_plugin.connector.naming import BlockNaming, name_inputs
+from kvbm_plugin.connector.requests import LEADER_STATS, OpTable
 from kvbm_plugin.connector.requests import Op as _Op
-from kvbm_plugin.connector.requests import OpTable
 from kvbm_plugin.connector.requests import RequestState as _Request
 from kvbm_plugin.connector.stream_names import StreamNames
 from kvbm_plugin.connector.trtllm_compat import (
@@ -97,15 +97,6 @@ from kvbm_plugin.wire.identity import lora_of, remember_salt_text, request_scope
 
 logger = logging.getLogger(__name__)
 _TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
-_LEADER_STATS = (
-    "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
-    "saves_committed", "saves_failed", "demotes_scheduled", "demotes_committed",
-    "demotes_failed", "loads_failed", "corrupt_blocks", "stale_disk_blocks",
-    "tier_full_skips", "host_evictions", "disk_evictions", "reports_rejected",
-    "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
-    "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
-    "tier_stores_held", "tier_stores_unnamed_dropped", "requests_terminated_silently",
-    "saves_discarded_terminated", "gpu_source_silent_iterations", "window_skips")
 
 
 class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid-type]
@@ -142,7 +133,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         self.consolidator: Any = None
         self._tier_events: Any = None
         self._name_reader: Any = None  # reads TRT-LLM's own stream for names (no consolidator)
-        self._stats = dict.fromkeys(_LEADER_STATS, 0)
+        self._stats = dict.fromkeys(LEADER_STATS, 0)
         self._naming = BlockNaming(self._block_size, self._stats)
         self._layer_pages = LayerGroupPages(self._group, self._block_size,
                                             configured_windows(llm_args), self._stats)
@@ -455,7 +446,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                     name_inputs=name_inputs(rd))
             elif state.salt is None and not state.reported:
                 self._adopt_scope(state, rd)
-            self._absorb(state, rd)
+            self._offload.absorb(state, rd, self._gpu.sink)
             if first_tier is not None and not state.finished:
                 self._offload.schedule(state, first_tier, saves)
         self.flush_events()
@@ -536,37 +527,6 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
 
     # ------------------------------------------------------------------ internals
 
-    def _absorb(self, state: _Request, rd: Any) -> None:
-        """Fold one RequestData delta into the request's state."""
-        state.tokens.extend(rd.new_tokens)
-        self._layer_pages.absorb_block_ids(state, rd)  # flat, or every layer group's pages
-        hashes = getattr(rd, "block_hashes", None)
-        if hashes:
-            state.event_hashes = list(hashes)  # cumulative chain for the full blocks
-        elif not self._naming.learning and len(state.tokens) >= self._block_size:
-            # No block_hashes: learn TRT-LLM's names from its events (for requests whose hash
-            # cannot be computed, and as the cross-check of those computed).
-            self._naming.learning = True
-            if self._gpu.sink is not None:  # else: self._stream_names observes
-                self._gpu.sink.on_flush = self._naming.names.observe
-        valid = rd.computed_position + rd.num_scheduled_tokens
-        if not state.reported and state.match_base is not None:
-            # The first report subtracts connector-loaded tokens from computed_position.
-            valid = max(valid, state.match_base + rd.num_scheduled_tokens)
-        failed = state.load_failed_at
-        if not state.reported and failed is not None \
-                and rd.computed_position > failed * self._block_size:
-            state.offload_stop = failed  # computed on a block its failed load left unfilled
-        if not state.reported:
-            state.prompt_tokens = len(state.tokens)  # all prompt tokens come first
-        state.reported = True
-        state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
-        self._naming.name_root(state, self._gpu.sink)  # the sink's LoRA names
-        bs = self._block_size
-        if len(state.keys) < len(state.tokens) // bs:
-            state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
-                                         parent=state.keys[-1] if state.keys else None))
-
     @staticmethod
     def _adopt_scope(state: _Request, rd: Any) -> None:
         """A request matched without a salt whose first report names one (a request object
@@ -575,7 +535,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         if salt is not None:
             state.salt = salt
             state.scope = (lora_of(rd), salt_of(rd))
-            state.keys = []  # rehashed under the salt by _absorb
+            state.keys = []  # rehashed under the salt by OffloadPlanner.absorb
             state.digests = []
             state.name_inputs = name_inputs(rd)
             state.computed = []
@@ -584,28 +544,40 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         """Fold workers' reports in; an op is final once every rank reported it."""
         final: list[tuple[int, _Op]] = []
         tp_size = self._par.tp_size
+        ops = self._ops
+        in_order = True  # reports usually arrive in op-id order: then no sort
+        last = 0
         for report in self._hub.drain():
-            op = self._ops.get(report.op_id)
+            op_id = report.op_id
+            op = ops.get(op_id)
             if op is None or not 0 <= report.rank < tp_size:
                 # A rank outside the group must not count towards "every rank reported" (the
                 # block would be advertised before its bytes are on every rank); an unknown op
                 # id is a late duplicate or a report meant for another leader.
                 self._stats["reports_rejected"] += 1
                 self._log.log(logging.WARNING, "report", "kvbm_plugin: completion report for "
-                              "op %d from rank %d ignored (%s; tp_size %d)", report.op_id,
+                              "op %d from rank %d ignored (%s; tp_size %d)", op_id,
                               report.rank, "unknown op" if op is None else "rank out of range",
                               tp_size)
                 continue
-            op.reports[report.rank] = report
-            if len(op.reports) >= self._par.tp_size:
-                del self._ops[report.op_id]
-                final.append((report.op_id, op))
-        # Op ids grow along each chain, so parents are registered before children.
-        for op_id, op in sorted(final, key=lambda item: item[0]):
+            reports = op.reports
+            reports[report.rank] = report
+            if len(reports) >= tp_size:
+                del ops[op_id]
+                final.append((op_id, op))
+                in_order = in_order and op_id > last
+                last = op_id
+        if not in_order:  # op ids grow along each chain: parents are registered first
+            final.sort(key=lambda item: item[0])
+        for op_id, op in final:
             self._finalize(op_id, op)
 
     def _finalize(self, op_id: int, op: _Op) -> None:
-        ok = all(r.ok for r in op.reports.values())
+        reports = op.reports
+        if len(reports) == 1:
+            ok = next(iter(reports.values())).ok
+        else:
+            ok = all(r.ok for r in reports.values())
         index = self._index_of(op.tier)
         state = self._reqs.get(op.req_id) if op.req_id is not None else None
         if op.kind == "shared_save":
@@ -641,7 +613,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         report's position is the truth, so the tokens the load promised are forgotten. Where it
         does not, the request computes on the unfilled block, and nothing of it from that block
         on may be offloaded: a well-formed tier copy of wrong KV would pass every later check.
-        Told apart at the first report (:meth:`_absorb`); already reported: stop at once."""
+        Told apart at the first report (:meth:`OffloadPlanner.absorb`); already reported:
+        stop at once."""
         state.match_base = None
         index = next((i for i, _, e in state.plan if e is entry), None)
         if index is None:

@@ -1,4 +1,5 @@
-"""Which of a request's newly full blocks the leader offloads this iteration, and where.
+"""What the leader learns of a request each iteration (:meth:`OffloadPlanner.absorb`: its new
+tokens, pages, hashes) and which of its newly full blocks it offloads, where.
 
 :class:`OffloadPlanner` is owned by :class:`~kvbm_plugin.connector_leader.KvbmConnectorLeader`
 and called by its ``build_connector_meta`` (executor thread, rank 0 or each attention-DP rank,
@@ -10,13 +11,15 @@ the ops in the :class:`~kvbm_plugin.connector.requests.OpTable`. Never imports t
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvbm_plugin.connector.layer_groups import LayerGroupPages
 from kvbm_plugin.connector.leader_shared_tier import LeaderSharedTier
 from kvbm_plugin.connector.leader_tiers import OffloadTiers
 from kvbm_plugin.connector.meta import DISK, HOST, SaveOp
 from kvbm_plugin.connector.naming import BlockNaming
 from kvbm_plugin.connector.requests import OpTable, RequestState
-from kvbm_plugin.tiers.base import TIER_HOST, TierIndex
+from kvbm_plugin.tiers.base import TIER_HOST, TierIndex, block_keys
 
 
 class OffloadPlanner:
@@ -32,6 +35,38 @@ class OffloadPlanner:
         self._naming = naming
         self._ops = ops
         self._stats = stats
+
+    def absorb(self, state: RequestState, rd: Any, sink: Any) -> None:
+        """Fold one RequestData delta into the request's state (before :meth:`schedule`);
+        ``sink``: this rank's GPU-tier event sink (None: no GPU stream here)."""
+        state.tokens.extend(rd.new_tokens)
+        self._pages.absorb_block_ids(state, rd)  # flat, or every layer group's pages
+        hashes = getattr(rd, "block_hashes", None)
+        if hashes:
+            state.event_hashes = list(hashes)  # cumulative chain for the full blocks
+        elif not self._naming.learning and len(state.tokens) >= self._block_size:
+            # No block_hashes: learn TRT-LLM's names from its events (for requests whose hash
+            # cannot be computed, and as the cross-check of those computed).
+            self._naming.learning = True
+            if sink is not None:  # else: the attention-DP rank's StreamNames observes
+                sink.on_flush = self._naming.names.observe
+        valid = rd.computed_position + rd.num_scheduled_tokens
+        if not state.reported and state.match_base is not None:
+            # The first report subtracts connector-loaded tokens from computed_position.
+            valid = max(valid, state.match_base + rd.num_scheduled_tokens)
+        failed = state.load_failed_at
+        if not state.reported and failed is not None \
+                and rd.computed_position > failed * self._block_size:
+            state.offload_stop = failed  # computed on a block its failed load left unfilled
+        if not state.reported:
+            state.prompt_tokens = len(state.tokens)  # all prompt tokens come first
+        state.reported = True
+        state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
+        self._naming.name_root(state, sink)  # the sink's LoRA names
+        bs = self._block_size
+        if len(state.keys) < len(state.tokens) // bs:
+            state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
+                                         parent=state.keys[-1] if state.keys else None))
 
     def event_hash(self, state: RequestState, index: int) -> int:
         """The hash the tier events name block ``index`` by: TRT-LLM's (see

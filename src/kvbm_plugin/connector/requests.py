@@ -14,6 +14,17 @@ from typing import Any
 from kvbm_plugin.connector.meta import LoadOp, OpReport
 from kvbm_plugin.tiers.base import TierEntry
 
+# The leader's own counters (stats()), each 0 at construction; its collaborators add theirs.
+LEADER_STATS = (
+    "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
+    "saves_committed", "saves_failed", "demotes_scheduled", "demotes_committed",
+    "demotes_failed", "loads_failed", "corrupt_blocks", "stale_disk_blocks",
+    "tier_full_skips", "host_evictions", "disk_evictions", "reports_rejected",
+    "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
+    "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
+    "tier_stores_held", "tier_stores_unnamed_dropped", "requests_terminated_silently",
+    "saves_discarded_terminated", "gpu_source_silent_iterations", "window_skips")
+
 
 @dataclass
 class RequestState:
