@@ -195,7 +195,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                 self._env, host_enabled=self._tier_settings.host_enabled, group=self._group,
                 tp_size=par.tp_size, dp_rank=self._dp_rank, block_size=self._block_size,
                 stats=self._stats, tier_events=self._tier_events, tiers=self._tiers,
-                ops=self._ops, lock=self._lock)
+                ops=self._ops, lock=self._lock,
+                thread_safe_events=self._tier_events is not None
+                and self._tier_events is self.consolidator)
             self._tiers.on_announced = self._shared.host_copy_announced
             self._offload = OffloadPlanner(
                 block_size=self._block_size, tiers=self._tiers, shared=self._shared,

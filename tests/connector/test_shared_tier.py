@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -495,3 +496,38 @@ def test_a_shared_tier_without_a_host_tier_is_refused_naming_both(make_engine) -
     with pytest.raises(cc.ConfigError, match=f"{cc.SHARED_TIER}='memory' writes through the "
                        f"host tier.*{cc.CPU_CACHE_GB}"):
         make_engine(num_gpu_blocks=16, env=env)
+
+
+@pytest.mark.parametrize("shared", ["real"], indirect=True)
+def test_with_the_consolidator_the_agent_thread_registers_external_blocks(
+        shared: SimpleNamespace, make_engine: Any, tmp_path: Any) -> None:
+    """The in-process consolidator's register_* are thread-safe: the agent's own thread
+    registers the blocks it made resident (EXTERNAL), never TensorRT-LLM's executor thread
+    nor the leader's idle keeper (whose tick holds the leader's lock)."""
+    secret = tmp_path / "announce.secret"
+    secret.write_text("a-test-deployment-secret-of-32-bytes\n")
+    env = {**tiers(host=64), cc.ENABLE_CONSOLIDATOR: "true",
+           cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/gpu", cc.REPLAY_ENDPOINT: f"ipc://{tmp_path}/r",
+           cc.OUTPUT_ENDPOINT: f"ipc://{tmp_path}/out",
+           cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tmp_path}/out-r",
+           cc.SHARED_TIER: "memory", cc.SHARED_MODEL_KEY: "test-model",
+           cc.SHARED_ANNOUNCE_ENDPOINT: f"ipc://{tmp_path}/announce",
+           cc.SHARED_ANNOUNCE_SECRET_FILE: str(secret)}
+    eng = make_engine(num_gpu_blocks=32, tp_size=2, tokens_per_block=BS, env=env)
+    wait_for(lambda: agent(eng) is not None, "the agent to start")
+    consolidator = eng.leader.consolidator
+    assert consolidator is not None
+    threads: list[str] = []
+    register = consolidator.register_store
+
+    def spy(tier: str, *args: Any, **kwargs: Any) -> None:
+        if tier == "EXTERNAL":
+            threads.append(threading.current_thread().name)
+        register(tier, *args, **kwargs)
+
+    consolidator.register_store = spy
+    eng.submit(prompt(1, 4 * BS + 1), 1)
+    eng.run_until_idle()
+    wait_for(lambda: len(threads) >= 4, "the agent to register A's four blocks")
+    assert set(threads) == {"kvbm-shared-agent"}, threads
+    assert eng.leader.stats()["shared_stores_registered"] == len(threads)

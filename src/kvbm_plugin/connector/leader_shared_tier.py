@@ -28,10 +28,11 @@ directory (a table probe per block): never the store.
   told (``committed``): it confirms the objects with ``exists()`` and only then makes the block
   resident, advertised and announced to the other engines. A failed or dropped write on any rank is
   never advertised.
-* **What routers see** (:meth:`LeaderSharedTier.sync`): the agent's ``on_store``/``on_remove``
-  (agent thread) are queued and registered here with medium ``EXTERNAL`` through the leader's tier
-  events (the consolidator, or the TierEventPublisher without one): exactly the blocks the
-  directory holds resident, i.e. the blocks this engine can load.
+* **What routers see**: the agent's ``on_store``/``on_remove`` are registered with medium
+  ``EXTERNAL`` through the leader's tier events: by the agent's own thread into the in-process
+  consolidator (thread-safe, off the executor thread), else queued and registered by
+  :meth:`LeaderSharedTier.sync` (the TierEventPublisher without a consolidator): exactly the
+  blocks the directory holds resident, i.e. the blocks this engine can load.
 
 Never imports torch.
 """
@@ -137,10 +138,13 @@ class LeaderSharedTier:
 
     def __init__(self, env: Any, *, host_enabled: bool, group: str, tp_size: int,
                  dp_rank: int, block_size: int, stats: dict[str, int], tier_events: Any,
-                 tiers: OffloadTiers, ops: OpTable, lock: Any) -> None:
+                 tiers: OffloadTiers, ops: OpTable, lock: Any,
+                 thread_safe_events: bool = False) -> None:
         """Leader constructor (thread-pool thread): settings, the leader's store client and
         the directory; nothing when no shared tier is configured. ``lock`` is the leader's
-        (the agent's starter thread takes it to hand the agent over)."""
+        (the agent's starter thread takes it to hand the agent over). ``thread_safe_events``:
+        ``tier_events`` may be called from the agent's thread (the in-process consolidator),
+        which then registers the EXTERNAL residency changes itself."""
         self._env = env
         self._group = group
         self._tp_size = tp_size
@@ -151,6 +155,7 @@ class LeaderSharedTier:
         self._tiers = tiers
         self._ops = ops
         self._lock = lock
+        self._direct = thread_safe_events
         self._closed = False
         self.settings = settings = load_shared_settings(self._env)
         self._store: Any = None
@@ -204,8 +209,7 @@ class LeaderSharedTier:
         try:
             agent = agent_class()(
                 settings, self._store, layouts, self.directory,
-                on_store=lambda block: self._agent_events.put(("store", block)),
-                on_remove=lambda blocks: self._agent_events.put(("remove", blocks)),
+                on_store=self._on_store, on_remove=self._on_remove,
                 announce_endpoint=endpoint, peers=settings.peers)
             agent.start()
         except Exception as exc:
@@ -376,15 +380,36 @@ class LeaderSharedTier:
                 break
             if kind == "store":
                 self._register_store(item)
-            elif item:
-                self._tier_events.register_remove(MEDIUM_EXTERNAL, self._dp_rank,
-                                                  [b.event_hash for b in item])
-                self._stats["shared_removes_registered"] += len(item)
+            else:
+                self._register_remove(item)
         if self._waiting and self._tiers.host is not None:
             for write in list(self._waiting.values()):
                 if self._tiers.host.get(write.host_key) is None:
                     self._stats["shared_saves_unnamed"] += 1
                     self._forget(write)
+
+    def _on_store(self, block: SharedBlock) -> None:
+        """The agent made ``block`` resident (agent thread). A thread-safe target (the
+        in-process consolidator: its ``register_*`` queue for its ingest thread) is told here,
+        so the executor thread never pays for it; any other target (the TierEventPublisher,
+        a recorder) is told by :meth:`sync` under the leader's lock."""
+        if self._direct:
+            self._register_store(block)
+        else:
+            self._agent_events.put(("store", block))
+
+    def _on_remove(self, blocks: Sequence[SharedBlock]) -> None:
+        """The agent dropped ``blocks`` (agent thread); as :meth:`_on_store`."""
+        if self._direct:
+            self._register_remove(blocks)
+        else:
+            self._agent_events.put(("remove", blocks))
+
+    def _register_remove(self, blocks: Sequence[SharedBlock]) -> None:
+        if blocks:
+            self._tier_events.register_remove(MEDIUM_EXTERNAL, self._dp_rank,
+                                              [b.event_hash for b in blocks])
+            self._stats["shared_removes_registered"] += len(blocks)
 
     def _register_store(self, block: SharedBlock) -> None:
         # The scope only when there is one, as for host/disk blocks (OffloadTiers.announce).
