@@ -118,7 +118,7 @@ class SharedPins:
         return False  # likewise: no tier entry of the leader's to drop
 
 
-@dataclass
+@dataclass(slots=True)
 class _SharedWrite:
     """One block's write-through in flight (leader side)."""
 
