@@ -194,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
             for n in order:
                 off, on, saved, loaded, ev = _one(n, counts[n], tmp, r * 10 + 1)
                 req_us[n] = (off / counts[n] * 1e6, on / counts[n] * 1e6)
+                if n == 1:
+                    note("events1", ev / (off + on))
                 if n == 64:
                     note("off64", off / max(1, saved) * 1e6)
                     note("on64", on / max(1, loaded) * 1e6)
@@ -257,6 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(Row("leader", "of the 2,048-token rows: share in the GPU-tier event path "
                     f"(drain, sink, publisher; spread {rng('events64')})",
                     100 * med("events64"), "%"))
+    rows.append(Row("leader", "of the 1-block rows (mostly the fixed cost): share in the GPU-tier "
+                    f"event path (spread {rng('events1')})", 100 * med("events1"), "%"))
     if args.tier_blocks:
         rows += [
             Row("leader", f"per offloaded block, {args.tier_blocks:,} blocks in the host tier "
