@@ -72,7 +72,7 @@ def _one(shared: bool, requests: int, tmp: str, round_no: int) -> tuple[float, i
         leader = engine.leader
         if shared:
             deadline = time.monotonic() + 30
-            while leader._shared_agent is None and time.monotonic() < deadline:
+            while leader._shared.agent is None and time.monotonic() < deadline:
                 time.sleep(0.01)
         total = [0.0]
         _timed_hooks(leader, total)

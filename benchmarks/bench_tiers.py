@@ -213,7 +213,7 @@ def _drive_leader(n: int, directory: str) -> tuple[Any, int]:
     token = 0
     rid = 0
     per_iteration = 8
-    while len(leader._disk or ()) < n:
+    while len(leader._tiers.disk or ()) < n:
         new, reqs = [], []
         for _ in range(per_iteration):
             rid += 1
@@ -260,7 +260,7 @@ def bench_leader_heap(n: int) -> list[Row]:
             elapsed = time.perf_counter() - start
             gc.collect()
             total = tracemalloc.get_traced_memory()[0] - before
-            resident = len(leader._disk or ())
+            resident = len(leader._tiers.disk or ())
             leader.shutdown()  # stops the consolidator's thread; its state stays until dropped
             shares: dict[str, float] = {}
 

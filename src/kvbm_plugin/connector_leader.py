@@ -6,25 +6,32 @@ constructor (a thread-pool thread, concurrently with the worker's). Per iteratio
 
 * ``get_num_new_matched_tokens(request, n)``: once per new request, during allocation; result
   broadcast to every rank. Host/disk hits beyond ``n``, then shared-tier hits
-  (connector/shared_book.py); pins them.
+  (connector/leader_shared_tier.py); pins them.
 * ``update_state_after_alloc(request, block_ids)``: rank 0 only; binds the hits to device blocks.
 * ``build_connector_meta(scheduler_output)``: once per iteration; the returned
   :class:`~kvbm_plugin.connector.meta.ConnectorMetadata` is pickled to every rank. Also flushes
   the GPU-tier event sink (one batch per iteration) and applies workers' completion reports.
 * ``request_finished(request, block_ids)``: once per terminated request (finished or aborted).
 
-Tier bookkeeping (:class:`~kvbm_plugin.tiers.base.TierIndex`) lives here only; workers learn slots
-from the metadata. A tier STORE is registered only after every rank reported the op that wrote
-the bytes (see connector/meta.py: the get_finished intersection rule, applied per op); a REMOVE is
-registered when the leader evicts a block, before the metadata that reuses its slot exists.
+The leader owns the requests, the ops in flight and the metadata, and collaborators that own
+their own state and get what they read from the leader in their constructor or as arguments:
+:class:`~kvbm_plugin.connector.leader_tiers.OffloadTiers` (the host/disk tier indexes,
+evictions, demotions, the names tier events use),
+:class:`~kvbm_plugin.connector.leader_offload.OffloadPlanner` (which blocks to offload),
+:class:`~kvbm_plugin.connector.leader_gpu_events.GpuTierEvents` (where GPU-tier events come
+from, publishing them), :class:`~kvbm_plugin.connector.leader_shared_tier.LeaderSharedTier`
+(shared-tier match and write-through) and
+:class:`~kvbm_plugin.connector.layer_groups.LayerGroupPages` (several KV layer groups). Tier
+indexes live on the leader only; workers learn slots from the metadata. A tier STORE is
+registered only after every rank reported the op that wrote the bytes (see connector/meta.py:
+the get_finished intersection rule, applied per op); a REMOVE is registered when the leader
+evicts a block, before the metadata that reuses its slot exists.
 Never imports torch.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import shutil
 import threading
 import time
 from dataclasses import replace
@@ -36,14 +43,17 @@ from kvbm_plugin.connector import native_events as _native
 from kvbm_plugin.connector.assembly import TierEventPublisher as TierEventPublisher  # re-exported
 from kvbm_plugin.connector.assembly import assemble_event_path
 from kvbm_plugin.connector.dynamo_streaming import take_yaml_endpoint
-from kvbm_plugin.connector.gpu_feed import GpuEventFeed
 from kvbm_plugin.connector.keeper import IdleKeeper, locked
 from kvbm_plugin.connector.layer_groups import (
-    LayerGroupScheduling,
+    LayerGroupPages,
     configured_windows,
     forget_group_windows,
 )
 from kvbm_plugin.connector.layer_groups import refuse_unsupported as _refuse_layer_groups
+from kvbm_plugin.connector.leader_gpu_events import GpuTierEvents
+from kvbm_plugin.connector.leader_offload import OffloadPlanner
+from kvbm_plugin.connector.leader_shared_tier import MATCHED_STAT, TIER_SHARED, LeaderSharedTier
+from kvbm_plugin.connector.leader_tiers import OffloadTiers
 from kvbm_plugin.connector.lifetime import request_gone, request_handle
 from kvbm_plugin.connector.meta import (
     DISK,
@@ -51,7 +61,6 @@ from kvbm_plugin.connector.meta import (
     HOST,
     SHARED,
     ConnectorMetadata,
-    DemoteOp,
     LoadCopy,
     LoadOp,
     SaveOp,
@@ -61,10 +70,9 @@ from kvbm_plugin.connector.meta import (
     open_hub,
 )
 from kvbm_plugin.connector.metrics import get_metrics
+from kvbm_plugin.connector.requests import LEADER_STATS, OpTable
 from kvbm_plugin.connector.requests import Op as _Op
 from kvbm_plugin.connector.requests import RequestState as _Request
-from kvbm_plugin.connector.shared_book import MATCHED_STAT, TIER_SHARED, SharedBook
-from kvbm_plugin.connector.tier_book import TierBookkeeping
 from kvbm_plugin.connector.trtllm_compat import (
     KvCacheConnectorScheduler,
     has_layer_group_api,
@@ -81,8 +89,6 @@ from kvbm_plugin.naming.names import BlockNaming, StreamNames, name_inputs
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
     TIER_HOST,
-    TierEntry,
-    TierIndex,
     block_keys,
 )
 from kvbm_plugin.tiers.disk import claim_directory
@@ -92,8 +98,7 @@ logger = logging.getLogger(__name__)
 _TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
 
 
-class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ignore[misc]
-                          LayerGroupScheduling, KvCacheConnectorScheduler):  # type: ignore[valid-type]
+class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid-type]
     """Scheduler-side connector; runs on rank 0 (TP) and owns the tier index and events."""
 
     # Attention DP: each rank's leader is local to it (connectors/kv_cache_connector.py @
@@ -111,75 +116,49 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         self._env = _llm_args.env_of(llm_args)
         # Several attention windows: per-group hooks (connector/layer_groups.py) or refused.
         _refuse_layer_groups(llm_args, self._env, has_layer_group_api())
-        self._configured_windows = configured_windows(llm_args)
-        self._par = _llm_args.parallel_of(llm_args)
+        self._par = par = _llm_args.parallel_of(llm_args)
         self._block_size = _llm_args.block_size_of(llm_args)
         self._group = _llm_args.group_of(llm_args, self._env)
         self._tier_settings = load_tier_settings(self._env)
-        self._dp_rank = self._par.dp_rank
-        self._host: TierIndex | None = None
-        self._disk: TierIndex | None = None
-        self._layout: TierLayout | None = None
-        self._disk_dir: str | None = None
-        self._own_disk_dir = False
+        self._dp_rank = par.dp_rank
         self._disk_claim: Any = None  # this engine's claim on DYN_KVBM_DISK_CACHE_DIR
         self._reqs: dict[int, _Request] = {}
-        self._ops: dict[int, _Op] = {}
-        self._next_op = 1
+        self._ops = OpTable()
         self._iteration = 0
         self._pending_loads: list[LoadOp] = []
-        self._pending_demotes: list[DemoteOp] = []
         self._fences: list[int] = []  # terminated requests with loads in flight (next metadata)
         self._closed = False
         self._receiver: ZmqReportReceiver | None = None
         self.consolidator: Any = None
-        self.event_sink: Any = None
-        # Where the GPU-tier events come from (attached on the first iterations, see
-        # _attach_event_source); None until found.
-        self.event_source: Any = None
-        self._event_source_problem = "not attached yet"
-        self._attach_attempts = 0
         self._tier_events: Any = None
         self._name_reader: Any = None  # reads TRT-LLM's own stream for names (no consolidator)
-        self._fallback_serializer = _llm_args.event_serializer_of(llm_args)
-        self._stats = dict.fromkeys((
-            "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
-            "saves_committed", "saves_failed", "demotes_scheduled", "demotes_committed",
-            "demotes_failed", "loads_failed", "corrupt_blocks", "stale_disk_blocks",
-            "tier_full_skips", "host_evictions", "disk_evictions", "reports_rejected",
-            "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
-            "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
-            "requests_terminated_silently",
-            "saves_discarded_terminated", "gpu_source_silent_iterations", "window_skips"), 0)
-        self._self_check_iterations = 0  # connector.gpu_feed._self_check
+        self._stats = dict.fromkeys(LEADER_STATS, 0)
         self._naming = BlockNaming(self._block_size, self._stats)
-        self._init_shared()  # the shared tier's client and directory (connector/shared_book.py)
+        self._layer_pages = LayerGroupPages(self._group, self._block_size,
+                                            configured_windows(llm_args), self._stats)
         self._log = RateLimitedLog(logger)
         # Every hook and the idle keeper's tick run under this lock (connector.keeper).
         self._lock = threading.RLock()
         self._last_call = time.monotonic()
         self._keeper: IdleKeeper | None = None
 
-        par = self._par
-        self._events_source = load_events_source(self._env)
+        events_source = load_events_source(self._env)
         # TRT-LLM's own streaming publisher: no second GPU-tier stream; its own is consolidated.
         # DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT: output at the YAML's endpoint (Dynamo)
-        self._native, self._env, moved = take_yaml_endpoint(
-            llm_args, self._env, self._par.attention_dp, self._par.dp_size)
-        self._naming.salt_blind = self._native is not None  # its stream carries no salt
-        self._native_feed = _native.NativeNameFeed()  # its stored blocks: the tiers' names
+        native, self._env, moved = take_yaml_endpoint(
+            llm_args, self._env, par.attention_dp, par.dp_size)
+        self._naming.salt_blind = native is not None  # its stream carries no salt
         self._native_forms = EngineForms()  # each upstream form's fields, made the core's
-        self._host_name = _llm_args.leader_host(self._env)
-        self._config = config = load_consolidator_config(
+        host_name = _llm_args.leader_host(self._env)
+        config = load_consolidator_config(
             self._env, num_ranks=par.dp_size, attention_dp=par.attention_dp,
-            gpu_streams=_native.native_streams(self._native, self._dp_rank, self._host_name))
-        if par.attention_dp and par.dp_rank:  # no sink, never read: see assemble_event_path
-            self._event_source_problem = _llm_args.GATHERED_TO_RANK_0.format(par.dp_rank)
+            gpu_streams=_native.native_streams(native, self._dp_rank, host_name))
+        self._gpu = GpuTierEvents(
+            mode=events_source, native=native, config=config, par=par, host_name=host_name,
+            block_size=self._block_size, naming=self._naming, stats=self._stats,
+            fallback_serializer=_llm_args.event_serializer_of(llm_args), log=self._log)
         self._stream_names = StreamNames.for_rank(
-            par, config, self._naming.names,
-            "off" if self._native is not None else self._events_source)
-        if self._native is not None or self._events_source == "off":
-            self._attach_attempts = self._MAX_ATTACH_ATTEMPTS  # never look for the manager
+            par, config, self._naming.names, "off" if native is not None else events_source)
         consolidate = config.enabled and should_enable_consolidator(llm_args, self._env)
 
         self._hub = open_hub(self._group)
@@ -192,24 +171,41 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
                 config, consolidate=consolidate, dp_rank=self._dp_rank,
                 block_size=self._block_size,
                 tier_events=getattr(llm_args, "kvbm_plugin_tier_events", None),
-                own_gpu_stream=self._native is None,
-                engine_observer=self._native_feed.observe if self._native else None,
-                engine_topic=self._native.topic if self._native else "",
+                own_gpu_stream=native is None,
+                engine_observer=self._gpu.native_names.observe if native else None,
+                engine_topic=native.topic if native else "",
                 dp_size=par.dp_size,
-                engine_forms=self._native_forms if self._native else None)
+                engine_forms=self._native_forms if native else None)
             self._name_reader = parts.name_reader
-            self.event_sink = parts.event_sink
             # on_flush (BlockNames.observe) is attached at the first request without
             # RequestData.block_hashes: where TRT-LLM hands the hashes over it is never needed,
             # and it costs the executor thread more than publishing (the sink decodes each
             # batch for it and it keys every stored block by its tokens).
             self.consolidator = parts.consolidator
             self._tier_events = parts.tier_events
-            _native.log_gpu_source(logger, self._native, self._source_line(), consolidate)
+            self._gpu.connect(parts.event_sink, parts.tier_events, self._stream_names)
+            self._tiers = OffloadTiers(
+                self._tier_settings, group=self._group, tp_size=par.tp_size,
+                attention_dp=par.attention_dp, dp_rank=self._dp_rank,
+                block_size=self._block_size, stats=self._stats, tier_events=self._tier_events,
+                naming=self._naming, ops=self._ops, log=self._log)
+            # The shared tier's client and directory (connector/leader_shared_tier.py).
+            self._shared = LeaderSharedTier(
+                self._env, host_enabled=self._tier_settings.host_enabled, group=self._group,
+                tp_size=par.tp_size, dp_rank=self._dp_rank, block_size=self._block_size,
+                stats=self._stats, tier_events=self._tier_events, tiers=self._tiers,
+                ops=self._ops, lock=self._lock,
+                thread_safe_events=self._tier_events is not None
+                and self._tier_events is self.consolidator)
+            self._tiers.on_announced = self._shared.host_copy_announced
+            self._offload = OffloadPlanner(
+                block_size=self._block_size, tiers=self._tiers, shared=self._shared,
+                pages=self._layer_pages, naming=self._naming, ops=self._ops, stats=self._stats)
+            _native.log_gpu_source(logger, native, self._gpu.source_line(), consolidate)
             if moved:
                 logger.info(moved)
             self._register_metrics()
-            if self._par.tp_size > 1 and not _llm_args.in_process(llm_args):
+            if par.tp_size > 1 and not _llm_args.in_process(llm_args):
                 # Bound where the workers connect (DYN_KVBM_LEADER_ZMQ_HOST), not on every
                 # interface: anyone who reaches the port can feed the leader reports.
                 self._receiver = ZmqReportReceiver(
@@ -221,16 +217,36 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         self._keeper = IdleKeeper(self._idle_tick, self._lock, lambda: self._last_call,
                                   self.IDLE_PERIOD_S, f"kvbm-leader-keeper-r{self._dp_rank}")
 
+    @property
+    def event_sink(self) -> Any:
+        """This rank's GPU-tier event sink (None where this rank publishes no GPU stream)."""
+        return self._gpu.sink
+
+    @property
+    def event_source(self) -> Any:
+        """Where the GPU-tier events are read from (attached on the first iterations)."""
+        return self._gpu.source
+
+    @property
+    def event_source_status(self) -> str:
+        """Where GPU-tier events come from now, in words (logged at attach time)."""
+        return self._gpu.status
+
+    @property
+    def shared_enabled(self) -> bool:
+        """Whether the shared tier's agent runs (the leader offers and writes shared blocks)."""
+        return self._shared.enabled
+
     # While TRT-LLM's loop blocks, reports and events are published within ~2x this (s).
     IDLE_PERIOD_S = 0.1
 
     def _idle_tick(self) -> None:
         """The idle keeper's work (its thread, under the lock): apply completed reports,
         publish the GPU-tier events TRT-LLM produced (drain mode drains them, tap publishes
-        what its readers took) and the tier changes; advertise unnamed tier blocks named since."""
+        what its readers took) and the tier changes; advertise held blocks named meanwhile."""
         self._reap_terminated(executor_thread=False)  # before its saves' reports count
         self._apply_reports()
-        self._sync_gpu_events()
+        self._sync_events()
         flush = getattr(self._tier_events, "flush", None)
         if flush is not None:
             flush()
@@ -241,8 +257,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         metrics = get_metrics()
         rank = str(self._dp_rank)
         metrics.register_stats("leader", self.stats, dp_rank=rank)
-        if self.event_sink is not None:
-            metrics.register_stats("event_sink", self.event_sink.stats, dp_rank=rank)
+        if self._gpu.sink is not None:
+            metrics.register_stats("event_sink", self._gpu.sink.stats, dp_rank=rank)
         if self.consolidator is not None:
             metrics.register_stats("consolidator", self.consolidator.stats, dp_rank=rank)
         settings = load_metrics_settings(self._env)  # attention DP: + dp rank (one per process)
@@ -287,19 +303,21 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         layout = self._ensure_tiers()
         if not (layout.host_blocks or layout.disk_blocks):
             return 0, False
+        tiers = self._tiers
         first = num_computed_tokens // bs
         last = (len(tokens) - 1) // bs  # full blocks that still leave one token to compute
         keys = block_keys(tokens[:last * bs], bs, salt)
         # The prompt's blocks: build_connector_meta extends these instead of hashing them again.
         state.keys = keys
+        plan, lookup, host, disk = state.plan, tiers.lookup, tiers.host, tiers.disk
         for i in range(first, last):
-            hit = self._lookup(keys[i])
+            hit = lookup(keys[i])
             if hit is None:
                 break
             tier, entry = hit
-            (self._host if tier == TIER_HOST else self._disk).pin(entry)  # type: ignore[union-attr]
-            state.plan.append((i, tier, entry))
-        self._shared_match(state, tokens, first + len(state.plan), last)
+            (host if tier == TIER_HOST else disk).pin(entry)  # type: ignore[union-attr]
+            plan.append((i, tier, entry))
+        self._shared.match(state, tokens, first + len(state.plan), last)
         n = len(state.plan) * bs
         if n == 0:
             return 0, False
@@ -383,18 +401,23 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         if state is None or not state.plan:
             return
         copies: list[LoadCopy] = []
+        new_op, inflight, req_id = self._ops.new, state.loads_inflight, state.req_id
+        n_ids = len(block_ids)
+        grouped = bool(state.alloc_pages)
+        load_pages = self._layer_pages.load_pages
         for index, tier, entry in state.plan:
-            if index >= len(block_ids) or block_ids[index] < 0:
+            block = block_ids[index] if index < n_ids else -1
+            if block < 0:
                 # TRT-LLM did not allocate it: cannot load; unpin (the request still gets a
                 # LoadOp so its id finishes).
                 self._index_of(tier).unpin(entry)
                 continue
-            op_id = self._new_op("load", tier, entry.key, state.req_id, entry)
-            state.loads_inflight.add(op_id)
-            copies.append(LoadCopy(op_id, _TIER_CODE[tier], entry.slot, entry.key,
-                                   int(block_ids[index]),
+            key = entry.key
+            op_id = new_op("load", tier, key, req_id, entry)
+            inflight.add(op_id)
+            copies.append(LoadCopy(op_id, _TIER_CODE[tier], entry.slot, key, int(block),
                                    entry.digest if tier == TIER_SHARED else None,
-                                   self._load_pages(state, index)))
+                                   load_pages(state, index) if grouped else ()))
         state.load = LoadOp(state.req_id, tuple(copies))
         self._pending_loads.append(state.load)
 
@@ -408,12 +431,12 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
             rd.request_id for rd in (*scheduler_output.new_requests,
                                      *scheduler_output.cached_requests)))
         # (reaped before the reports: a terminated request's saves are never committed)
-        self._sync_gpu_events()
+        self._sync_events()
         self._apply_reports()
         layout = self._ensure_tiers()
         self._iteration += 1
         saves: list[SaveOp] = []
-        first_tier = self._host if self._host is not None else self._disk
+        first_tier = self._tiers.host if self._tiers.host is not None else self._tiers.disk
         for rd in scheduler_output.new_requests:  # before any of its blocks is stored
             remember_salt_text(rd)  # the salt as clients send it (wire.router_forms)
         for rd in (*scheduler_output.new_requests, *scheduler_output.cached_requests):
@@ -424,22 +447,59 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
                     name_inputs=name_inputs(rd))
             elif state.salt is None and not state.reported:
                 self._adopt_scope(state, rd)
-            self._absorb(state, rd)
+            self._offload.absorb(state, rd, self._gpu.sink)
             if first_tier is not None and not state.finished:
-                self._schedule_saves(state, first_tier, saves)
+                self._offload.schedule(state, first_tier, saves)
         self.flush_events()
         meta = ConnectorMetadata(self._iteration, layout, tuple(self._pending_loads),
-                                 tuple(self._pending_demotes), tuple(saves),
-                                 tuple(self._fences), tuple(self._pending_shared_saves))
+                                 self._tiers.take_demotes(), tuple(saves),
+                                 tuple(self._fences), self._shared.take_saves())
         self._fences = []
-        self._pending_shared_saves = []
         self._pending_loads = []
-        self._pending_demotes = []
         return meta
 
-    # Iterations to look for the engine's KV cache manager before giving up (it is there from
-    # the first iteration in every TRT-LLM version; the margin covers unusual call stacks).
-    _MAX_ATTACH_ATTEMPTS = 8
+    @locked
+    def flush_events(self) -> None:
+        """Publish this iteration's GPU-tier batch and hand queued tier events on.
+
+        Called by ``build_connector_meta`` once per iteration (executor thread, rank 0 / each
+        attention-DP rank); also callable when the engine is idle to push out the events of the
+        last iteration. Drains the engine's event buffer without waiting; no I/O here.
+        """
+        self._gpu.flush(self._reqs.values())
+
+    def _sync_events(self) -> None:
+        """Publish TRT-LLM's GPU-tier events since the last call and learn the names they give
+        (:meth:`GpuTierEvents.sync`), announce the tier blocks named now, register the shared
+        tier's queued residency changes. Outside TRT-LLM's allocation callback."""
+        self._gpu.sync(self._reqs.values())
+        if self._tiers.waiting_for_name:
+            self._tiers.announce_named()
+        self._shared.sync()
+
+    def update_state_after_alloc_by_layer_group(
+            self, request: Any, block_ids_by_layer_group: list[list[int]]) -> None:
+        """Called on rank 0 instead of ``update_state_after_alloc`` when the cache has several
+        layer groups: entry ``[g][i]`` is block ``i``'s page in group ``g`` (-1: none). The
+        loads bind each matched block to every group's page; a -1 page is never written."""
+        if len(block_ids_by_layer_group) <= 1:
+            self.update_state_after_alloc(
+                request, list(block_ids_by_layer_group[0]) if block_ids_by_layer_group else [])
+            return
+        groups = self._layer_pages.groups_for(len(block_ids_by_layer_group))
+        with self._lock:
+            state = self._reqs.get(int(request.request_id))
+            if state is not None:
+                state.alloc_pages = [list(ids) for ids in block_ids_by_layer_group]
+        self.update_state_after_alloc(request, list(block_ids_by_layer_group[groups.rep]))
+
+    def request_finished_by_layer_group(
+            self, request: Any, cache_block_ids_by_layer_group: list[list[int]]) -> bool:
+        """Called on rank 0 instead of ``request_finished`` with several layer groups; the
+        same contract (True while offloads read the request's pages)."""
+        ids = cache_block_ids_by_layer_group
+        rep = self._layer_pages.groups_for(len(ids)).rep if len(ids) > 1 else 0
+        return self.request_finished(request, list(ids[rep]) if ids else [])
 
     @locked
     def publish_now(self) -> None:
@@ -455,7 +515,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         every rank: TRT-LLM then keeps the blocks until every worker's ``get_finished`` returns
         the id (workers count failed copies as finished)."""
         if self._naming.learning:
-            self._sync_gpu_events()
+            self._sync_events()
         self._apply_reports()
         state = self._reqs.get(int(request.request_id))
         if state is None:
@@ -468,37 +528,6 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
 
     # ------------------------------------------------------------------ internals
 
-    def _absorb(self, state: _Request, rd: Any) -> None:
-        """Fold one RequestData delta into the request's state."""
-        state.tokens.extend(rd.new_tokens)
-        self._absorb_block_ids(state, rd)  # flat, or every layer group's pages
-        hashes = getattr(rd, "block_hashes", None)
-        if hashes:
-            state.event_hashes = list(hashes)  # cumulative chain for the full blocks
-        elif not self._naming.learning and len(state.tokens) >= self._block_size:
-            # No block_hashes: learn TRT-LLM's names from its events (for requests whose hash
-            # cannot be computed, and as the cross-check of those computed).
-            self._naming.learning = True
-            if self.event_sink is not None:  # else: self._stream_names observes
-                self.event_sink.on_flush = self._naming.names.observe
-        valid = rd.computed_position + rd.num_scheduled_tokens
-        if not state.reported and state.match_base is not None:
-            # The first report subtracts connector-loaded tokens from computed_position.
-            valid = max(valid, state.match_base + rd.num_scheduled_tokens)
-        failed = state.load_failed_at
-        if not state.reported and failed is not None \
-                and rd.computed_position > failed * self._block_size:
-            state.offload_stop = failed  # computed on a block its failed load left unfilled
-        if not state.reported:
-            state.prompt_tokens = len(state.tokens)  # all prompt tokens come first
-        state.reported = True
-        state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
-        self._naming.name_root(state, self.event_sink)  # the sink's LoRA names
-        bs = self._block_size
-        if len(state.keys) < len(state.tokens) // bs:
-            state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
-                                         parent=state.keys[-1] if state.keys else None))
-
     @staticmethod
     def _adopt_scope(state: _Request, rd: Any) -> None:
         """A request matched without a salt whose first report names one (a request object
@@ -507,143 +536,62 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         if salt is not None:
             state.salt = salt
             state.scope = (lora_of(rd), salt_of(rd))
-            state.keys = []  # rehashed under the salt by _absorb
+            state.keys = []  # rehashed under the salt by OffloadPlanner.absorb
             state.digests = []
             state.name_inputs = name_inputs(rd)
             state.computed = []
-
-    def _event_hash(self, state: _Request, index: int) -> int:
-        """The hash the tier events name block ``index`` by: TRT-LLM's (see
-        :mod:`kvbm_plugin.naming.names`); the plugin's content key only as a placeholder
-        while TRT-LLM's is not known (such a block's STORE waits in ``UnnamedStores``)."""
-        h = self._naming.hash_of(state, index)
-        return state.keys[index] if h is None else h
-
-    # -------------------------------------------------- TRT-LLM's block hashes, learned
-
-    def _schedule_saves(self, state: _Request, index: TierIndex, saves: list[SaveOp]) -> None:
-        """Offload the request's newly full blocks into ``index`` (the first tier), in chain
-        order. A tier holds prefix-closed chains only: a block is offloaded only while its
-        parent is in the same tier (pending or resident) or is offloaded in this same job, so
-        a parent that left the tier since it was passed is offloaded again first, from its
-        device block (the request still holds it)."""
-        bs = self._block_size
-        limit = min(state.valid_tokens // bs, len(state.block_ids), len(state.keys))
-        if state.offload_stop is not None:
-            limit = min(limit, state.offload_stop)
-        while state.offload_next < limit:
-            i = state.offload_next
-            key = state.keys[i]
-            present = index.get(key)
-            if present is not None:
-                if present.resident:
-                    index.lookup(key)  # refresh LRU: in use again
-                    if index is self._host:  # not in the shared tier yet: write it through
-                        self._shared_follow(state, i, present, -1, -1)
-                state.offload_next += 1
-                continue
-            parent_key = state.keys[i - 1] if i else None
-            if parent_key is not None and parent_key not in index:
-                if self._can_resave(state, index, i - 1):
-                    state.offload_next = i - 1  # the parent was evicted as a leaf meanwhile
-                    self._stats["parent_resaves"] += 1
-                else:
-                    # No device copy of the parent to offload: this block would be an orphan.
-                    self._stats["orphan_saves_skipped"] += 1
-                    state.offload_next += 1
-                continue
-            block = self._save_block(state, i)  # -1: some layer group has no live page
-            if block < 0:
-                state.offload_next += 1
-                continue
-            parent = self._event_hash(state, i - 1) if i else None
-            entry = self._reserve(index, key, self._event_hash(state, i), parent,
-                                  state.tokens[i * bs:(i + 1) * bs], parent_key, state.scope)
-            if entry is None:
-                self._stats["tier_full_skips"] += 1
-                return  # retry from this block next iteration
-            op_id = self._new_op("save", index.name, key, state.req_id, entry)
-            state.saves_inflight.add(op_id)
-            saves.append(SaveOp(op_id, state.req_id, int(block),
-                                HOST if index.name == TIER_HOST else DISK, entry.slot, key,
-                                self._save_pages(state, i)))
-            if index is self._host:  # write-through to the shared tier, when there is one
-                self._shared_follow(state, i, entry, op_id, int(block))
-            self._stats["saves_scheduled"] += 1
-            state.offload_next += 1
-
-    def _new_op(self, kind: str, tier: str, key: int, req_id: int | None,
-                entry: TierEntry | None = None) -> int:
-        op_id = self._next_op
-        self._next_op += 1
-        self._ops[op_id] = _Op(kind, tier, key, req_id, entry)
-        return op_id
 
     def _apply_reports(self) -> None:
         """Fold workers' reports in; an op is final once every rank reported it."""
         final: list[tuple[int, _Op]] = []
         tp_size = self._par.tp_size
+        ops = self._ops
+        in_order = True  # reports usually arrive in op-id order: then no sort
+        last = 0
         for report in self._hub.drain():
-            op = self._ops.get(report.op_id)
+            op_id = report.op_id
+            op = ops.get(op_id)
             if op is None or not 0 <= report.rank < tp_size:
                 # A rank outside the group must not count towards "every rank reported" (the
                 # block would be advertised before its bytes are on every rank); an unknown op
                 # id is a late duplicate or a report meant for another leader.
                 self._stats["reports_rejected"] += 1
                 self._log.log(logging.WARNING, "report", "kvbm_plugin: completion report for "
-                              "op %d from rank %d ignored (%s; tp_size %d)", report.op_id,
+                              "op %d from rank %d ignored (%s; tp_size %d)", op_id,
                               report.rank, "unknown op" if op is None else "rank out of range",
                               tp_size)
                 continue
-            op.reports[report.rank] = report
-            if len(op.reports) >= self._par.tp_size:
-                del self._ops[report.op_id]
-                final.append((report.op_id, op))
-        # Op ids grow along each chain, so parents are registered before children.
-        for op_id, op in sorted(final, key=lambda item: item[0]):
+            reports = op.reports
+            reports[report.rank] = report
+            if len(reports) >= tp_size:
+                del ops[op_id]
+                final.append((op_id, op))
+                in_order = in_order and op_id > last
+                last = op_id
+        if not in_order:  # op ids grow along each chain: parents are registered first
+            final.sort(key=lambda item: item[0])
+        for op_id, op in final:
             self._finalize(op_id, op)
 
     def _finalize(self, op_id: int, op: _Op) -> None:
-        ok = all(r.ok for r in op.reports.values())
+        reports = op.reports
+        if len(reports) == 1:
+            ok = next(iter(reports.values())).ok
+        else:
+            ok = all(r.ok for r in reports.values())
         index = self._index_of(op.tier)
         state = self._reqs.get(op.req_id) if op.req_id is not None else None
         if op.kind == "shared_save":
-            self._shared_save_done(op_id, op, ok)
+            self._shared.save_done(op_id, op, ok)
         elif op.kind in ("save", "demote"):
-            kind = op.kind + "s"
-            # Still the entry this op wrote (not forgotten meanwhile with an ancestor, nor
-            # replaced by a later reservation of the same block in another slot).
-            if op.tainted:
-                ok = False
-                self._stats["saves_discarded_terminated"] += 1
-                if index is not None and op.entry is not None \
-                        and index.get(op.key) is op.entry:
-                    self._drop(index, op.entry)
-            elif index is not None and op.entry is not None and index.get(op.key) is op.entry:
-                parent = index.get(op.entry.parent_key) \
-                    if op.entry.parent_key is not None else None
-                if ok and (op.entry.parent_key is None
-                           or (parent is not None and parent.resident)):
-                    # Ops finish in id order along a chain, so the parent is resident already
-                    # and the tier's STOREs are prefix-closed too.
-                    signatures = {r.rank: r.signature for r in op.reports.values()
-                                  if r.signature is not None}
-                    entry = index.commit(op.key, signatures)
-                    self._announce_or_wait(index, entry)
-                else:
-                    # Never advertised: no REMOVE for it; descendants written after it go too.
-                    if ok:
-                        ok = False  # written, but its parent is not resident: unusable
-                        self._stats["orphan_commits_dropped"] += 1
-                    self._drop(index, op.entry)
-            self._stats[f"{kind}_committed" if ok else f"{kind}_failed"] += 1
+            self._tiers.finish_write(op, ok)
             if state is not None:
                 state.saves_inflight.discard(op_id)
         else:  # load: unpin; a corrupt source block is forgotten (with its descendants)
             entry = op.entry
             if entry is not None and entry.pins > 0:
                 index.unpin(entry)  # type: ignore[union-attr]
-            if entry is not None and index is not None and index.get(op.key) is not entry:
+            if entry is not None and index is not None and not index.holds(entry):
                 entry = None  # forgotten meanwhile
             if not ok:
                 self._stats["loads_failed"] += 1
@@ -654,7 +602,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
                 if any(r.error == ERR_CORRUPT for r in op.reports.values()):
                     self._stats["corrupt_blocks"] += 1
                     if entry is not None and index is not None:
-                        self._drop(index, entry)
+                        self._tiers.drop(index, entry)
             if state is not None:
                 state.loads_inflight.discard(op_id)
         if state is not None and state.finished and not state.saves_inflight \
@@ -666,7 +614,8 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         report's position is the truth, so the tokens the load promised are forgotten. Where it
         does not, the request computes on the unfilled block, and nothing of it from that block
         on may be offloaded: a well-formed tier copy of wrong KV would pass every later check.
-        Told apart at the first report (:meth:`_absorb`); already reported: stop at once."""
+        Told apart at the first report (:meth:`OffloadPlanner.absorb`); already reported:
+        stop at once."""
         state.match_base = None
         index = next((i for i, _, e in state.plan if e is entry), None)
         if index is None:
@@ -713,6 +662,30 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
             else:
                 self._release_plan(state)
 
+    def _ensure_tiers(self) -> TierLayout:
+        """The tiers' layout; sizes them on first use and then starts the shared tier's agent
+        (rank 0's worker registered its pool and key layout by then)."""
+        layout = self._tiers.layout
+        if layout is None:
+            layout = self._tiers.ensure()
+            self._shared.start()
+        return layout
+
+    def _index_of(self, tier: str) -> Any:
+        """The index holding a plan's ``tier`` blocks (their pins)."""
+        if tier == TIER_SHARED:
+            return self._shared.pins
+        return self._tiers.index_of(tier)
+
+    def _release_plan(self, state: _Request) -> None:
+        """Unpin the request's matched blocks whose load was never bound."""
+        if state.load is None:
+            for _, tier, entry in state.plan:
+                index = self._index_of(tier)
+                if index is not None and entry.pins > 0:
+                    index.unpin(entry)
+        state.plan = []
+
     def _forget(self, state: _Request) -> None:
         self._release_plan(state)
         if not state.loads_inflight:
@@ -724,15 +697,16 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         out = dict(self._stats)
         out["ops_inflight"] = len(self._ops)
         out["requests_tracked"] = len(self._reqs)
-        out["tier_stores_waiting_for_name"] = len(self._naming.unnamed)
+        tiers = self._tiers
+        out["tier_stores_waiting_for_name"] = len(tiers.waiting_for_name)
         out["idle_ticks"] = self._keeper.ticks if self._keeper is not None else 0
-        out["host_used"] = len(self._host) if self._host is not None else 0
-        out["disk_used"] = len(self._disk) if self._disk is not None else 0
+        out["host_used"] = len(tiers.host) if tiers.host is not None else 0
+        out["disk_used"] = len(tiers.disk) if tiers.disk is not None else 0
         out["reports_malformed"] = self._receiver.malformed if self._receiver is not None else 0
         out["tier_batches_lost"] = getattr(self._tier_events, "lost_batches", 0)
-        out["native_batches_unread"] = self._native_feed.dropped
+        out["native_batches_unread"] = self._gpu.native_names.dropped
         out.update(self._native_forms.stats())
-        out.update(self._shared_stats())
+        out.update(self._shared.stats())
         return out
 
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -750,26 +724,40 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
             self._receiver.close(timeout)
         if self._name_reader is not None:
             self._name_reader.stop(timeout)
-        self._shared_close(timeout)
-        if self.event_source is not None:
-            self.event_source.poll()  # the last iteration's events
-            self.event_source.detach()
-        if self.event_sink is not None:
+        shared: LeaderSharedTier | None = getattr(self, "_shared", None)  # None: constructor failed
+        if shared is not None:
+            shared.close(timeout)
+        source, sink = self._gpu.source, self._gpu.sink
+        if source is not None:
+            source.poll()  # the last iteration's events
+            source.detach()
+        if sink is not None:
             flush = getattr(self._tier_events, "flush", None)
             if flush is not None:
                 flush()
-            self.event_sink.flush()
+            sink.flush()
         elif self._tier_events is not None and hasattr(self._tier_events, "flush"):
             self._tier_events.flush()
         if self.consolidator is not None:
             self.consolidator.shutdown(timeout)
-        if self.event_sink is not None:
-            self.event_sink.shutdown(timeout)
+        if sink is not None:
+            sink.shutdown(timeout)
         close_hub(self._group)
         forget_group_windows(self._group)
         if self._stream_names is not None:
             self._stream_names.close()
         if self._disk_claim is not None:
             self._disk_claim.release()
-        if self._own_disk_dir and self._disk_dir and os.path.isdir(self._disk_dir):
-            shutil.rmtree(self._disk_dir, ignore_errors=True)
+        tiers: OffloadTiers | None = getattr(self, "_tiers", None)
+        if tiers is not None:
+            tiers.close()
+
+    # ------------------------------------------------------------------ tests and the demo
+
+    def resident_hashes(self, tier: str) -> set[int]:
+        """Event hashes resident (advertised) in ``tier`` ("host"/"disk")."""
+        return self._tiers.resident_hashes(tier)
+
+    def resident_shared_hashes(self) -> set[int]:
+        """Event hashes the shared-tier directory holds resident (advertised as EXTERNAL)."""
+        return self._shared.resident_hashes()

@@ -84,7 +84,7 @@ def test_corrupted_disk_block_is_a_miss_not_wrong_data(make_engine) -> None:
     flush_gpu(engine, 2)
     disk = engine.workers[1]._disk_io.tier
     assert isinstance(disk, DiskTier)
-    index = engine.leader._disk
+    index = engine.leader._tiers.disk
     # Damage rank 1's copy of the prompt's third block (a write into the file).
     entry = index.get(block_keys(a, 4)[2])
     assert entry is not None
@@ -113,7 +113,7 @@ def test_full_tiers_keep_working_and_stay_within_capacity(make_engine) -> None:
     # The most recent prompt's blocks are still in a tier (LRU keeps the newest); asked for
     # again, its KV comes back exactly.
     keys = block_keys(prompt(17, 13), 4)
-    index_host, index_disk = engine.leader._host, engine.leader._disk
+    index_host, index_disk = engine.leader._tiers.host, engine.leader._tiers.disk
     assert any(index_host.get(k) is not None or index_disk.get(k) is not None for k in keys)
     last = engine.submit(prompt(17, 13), 1)
     engine.run_until_idle()
@@ -241,7 +241,7 @@ class Recorder:
 
     def _check_bytes(self, tier: str, block_hash: int) -> None:
         leader = self.engine.leader
-        index = leader._host if tier == "CPU" else leader._disk
+        index = leader._tiers.host if tier == "CPU" else leader._tiers.disk
         entry = next(e for e in index.entries() if e.event_hash == block_hash)
         for w in self.engine.workers:
             if tier == "CPU":
@@ -288,7 +288,7 @@ def test_tier_store_and_remove_reach_registration_in_order(make_engine) -> None:
     assert any(c[0] == "store" and c[1] == "DISK" for c in recorder.calls)
     # The disk tier keeps a block's tokens only until its STORE is registered (an entry still
     # being written, or one whose demotion waits for the next iteration's metadata, keeps them).
-    disk = engine.leader._disk
+    disk = engine.leader._tiers.disk
     advertised = [e for e in disk.entries() if e.event_hash in live["DISK"]]
     dropped = 0
     for entry in advertised:
@@ -378,7 +378,7 @@ def test_reports_from_ranks_outside_the_group_or_for_unknown_ops_are_rejected() 
                                          kvbm_plugin_env=tiers(host=8),
                                          kvbm_plugin_group="reject-reports"))
     try:
-        op_id = leader._new_op("save", "host", 123, None)
+        op_id = leader._ops.new("save", "host", 123, None)
         hub = find_hub("reject-reports")
         hub.put(OpReport(op_id, 0, True))
         hub.put(OpReport(op_id, 7, True))  # no rank 7 in a TP=2 group

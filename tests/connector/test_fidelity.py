@@ -392,7 +392,7 @@ def stored_prefix(make_engine: Any) -> tuple[SimulatedEngine, list[int]]:
 def pins(engine: SimulatedEngine, tokens: list[int]) -> list[int]:
     from kvbm_plugin.tiers.base import block_keys
 
-    host = engine.leader._host
+    host = engine.leader._tiers.host
     return [entry.pins if (entry := host.get(k)) is not None else -1
             for k in block_keys(tokens[:24], BS)]
 

@@ -187,7 +187,7 @@ def test_a_leader_without_tensorrt_llms_stream_keeps_its_own(caplog) -> None:
             status = leader.event_source_status
             if own:  # enable_kv_cache_events=False: TRT-LLM's buffered path, ours to read
                 assert "TensorRT-LLM's own publisher" not in status
-                assert leader._attach_attempts == 0
+                assert leader._gpu.attach_attempts == 0
                 line = (f"GPU-tier KV events: the plugin's own publisher (rank 0 at "
                         f"tcp://127.0.0.1:{port}; DYN_KVBM_KV_EVENTS_SOURCE=auto)")
                 assert any(line in r.getMessage() for r in caplog.records)

@@ -107,7 +107,7 @@ def test_thousands_of_requests_a_fifth_cancelled_at_every_phase_leave_no_state(
     assert peak <= 160  # bounded by what is in flight, not by what ever ran
     assert len(leader._reqs) == 0 and stats["ops_inflight"] == 0
     assert stats["tier_stores_waiting_for_name"] == 0
-    assert all(e.pins == 0 for e in leader._host.entries())
+    assert all(e.pins == 0 for e in leader._tiers.host.entries())
     assert leader._pending_loads == [] and leader._fences == []
     assert stats["matched_host_tokens"] > 0
     assert engine.stats().kv_mismatches == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -20,7 +21,7 @@ from _engines import prompt, tiers
 from _shared_fakes import Bus, BusAgent, Client
 
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.connector import shared_book, shared_io
+from kvbm_plugin.connector import leader_shared_tier, shared_io
 from kvbm_plugin.testing.fake_trtllm import LlmRequest
 from kvbm_plugin.testing.memory_store import MemoryStore
 from kvbm_plugin.tiers.base import block_keys
@@ -85,7 +86,7 @@ def shared(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, make
     monkeypatch.setattr(shared_io, "open_store", open_store)
     real = request.param == "real"
     if not real:
-        monkeypatch.setattr(shared_book, "agent_class",
+        monkeypatch.setattr(leader_shared_tier, "agent_class",
                             lambda: functools.partial(BusAgent, ns.bus))
     endpoints: list[str] = []
     built: list[Any] = []
@@ -120,7 +121,7 @@ def shared(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, make
 
 
 def agent(engine: Any) -> BusAgent:
-    return engine.leader._shared_agent
+    return engine.leader._shared.agent
 
 
 def agent_idle(eng: Any) -> bool:
@@ -141,7 +142,7 @@ def settle(*engines: Any, resident: int | None = None) -> None:
     for eng in engines:
         wait_for(lambda e=eng: agent_idle(e), "the agent and the write-throughs")
         if resident is not None:
-            wait_for(lambda e=eng: len(e.leader._shared_dir) >= resident,
+            wait_for(lambda e=eng: len(e.leader._shared.directory) >= resident,
                      f"{resident} resident blocks")
         eng.leader.publish_now()
 
@@ -221,7 +222,7 @@ def test_a_block_is_offered_only_while_its_lease_lasts(shared) -> None:
     agent(b)._stop.set()  # nobody renews B's leases any more
     agent(b)._thread.join(5)
     digest = chain_digests(system, BS, None)[0]
-    wait_for(lambda: b.leader._shared_dir.lookup(digest) is None, "the lease to run short")
+    wait_for(lambda: b.leader._shared.directory.lookup(digest) is None, "the lease to run short")
     got = run(b, system + prompt(13, 2))
     assert got.matched_shared_tokens == 0
 
@@ -279,9 +280,9 @@ def test_a_dropped_write_is_counted_and_never_advertised(shared) -> None:
     digests = chain_digests(system, BS, None)
     assert len(committed) < len(digests)
     # Only a prefix of the chain is advertised, and B loads no more than that prefix.
-    offered = len(b.leader._shared_dir)
+    offered = len(b.leader._shared.directory)
     assert b.recorder.hashes("EXTERNAL") == {blk.event_hash for blk in
-                                             b.leader._shared_dir.blocks()}
+                                             b.leader._shared.directory.blocks()}
     got = run(b, system + prompt(21, 2))
     assert got.matched_shared_tokens == offered * BS < 5 * BS
 
@@ -309,7 +310,7 @@ def test_an_adapter_never_matches_the_base_models_blocks(shared, lora) -> None:
     base = LlmRequest(20_000, tokens)
     assert b.leader.get_num_new_matched_tokens(base, 0) == (4 * BS, True)
     b.leader.request_finished(base, [])  # releases the pins of the unbound plan
-    assert b.leader._shared_dir.stats()["pinned"] == 0
+    assert b.leader._shared.directory.stats()["pinned"] == 0
 
 
 # ------------------------------------------------------------------ faults, with SharedAgent
@@ -324,11 +325,11 @@ def test_the_real_agents_carry_a_prefix_across_engines(shared) -> None:
     system = prompt(30, 5 * BS)
     run(a, system + prompt(31, 2))
     settle(a)
-    wait_for(lambda: len(b.leader._shared_dir) >= 5, "B to confirm A's blocks")
+    wait_for(lambda: len(b.leader._shared.directory) >= 5, "B to confirm A's blocks")
     settle(b)
     assert run(b, system + prompt(32, 2)).matched_shared_tokens == 5 * BS
     assert b.recorder.hashes("EXTERNAL") >= {blk.event_hash
-                                             for blk in a.leader._shared_dir.blocks()}
+                                             for blk in a.leader._shared.directory.blocks()}
 
 
 @real_agents
@@ -338,7 +339,7 @@ def test_eviction_between_match_and_load_cannot_take_a_leased_block(shared) -> N
     system = prompt(33, 4 * BS)
     run(a, system + prompt(34, 2))
     settle(a)
-    wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's blocks")
+    wait_for(lambda: len(b.leader._shared.directory) >= 4, "B to confirm A's blocks")
     tokens = system + prompt(35, 2)
     request = LlmRequest(30_000, tokens)
     assert b.leader.get_num_new_matched_tokens(request, 0) == (4 * BS, True)
@@ -357,7 +358,7 @@ def test_a_promised_load_whose_object_is_gone_fails_counted(shared, expect_error
     system = prompt(36, 4 * BS)
     run(a, system + prompt(37, 2))
     settle(a)
-    wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's blocks")
+    wait_for(lambda: len(b.leader._shared.directory) >= 4, "B to confirm A's blocks")
     digests = chain_digests(system, BS, None)
     # What a master restart does: every object gone at once, leases or not.
     stored = shared.store.keys()  # (a list of the object keys)
@@ -450,7 +451,7 @@ def test_a_worker_whose_breaker_is_still_open_reads_what_its_leader_promised(
     system = prompt(45, 4 * BS)
     run(a, system + prompt(46, 2))
     settle(a)
-    wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's blocks")
+    wait_for(lambda: len(b.leader._shared.directory) >= 4, "B to confirm A's blocks")
     shared.store.down = True  # a blip only B's workers saw: their breakers open
     for guarded in b_workers:
         for _ in range(3):
@@ -486,7 +487,7 @@ def test_the_store_going_down_leaves_the_local_tiers_and_comes_back(shared) -> N
     other = prompt(42, 4 * BS)
     run(a, other + prompt(43, 2))
     settle(a)
-    wait_for(lambda: len(b.leader._shared_dir) >= 4, "B to confirm A's new blocks")
+    wait_for(lambda: len(b.leader._shared.directory) >= 4, "B to confirm A's new blocks")
     assert run(b, other + prompt(44, 2)).matched_shared_tokens == 4 * BS
 
 
@@ -495,3 +496,38 @@ def test_a_shared_tier_without_a_host_tier_is_refused_naming_both(make_engine) -
     with pytest.raises(cc.ConfigError, match=f"{cc.SHARED_TIER}='memory' writes through the "
                        f"host tier.*{cc.CPU_CACHE_GB}"):
         make_engine(num_gpu_blocks=16, env=env)
+
+
+@pytest.mark.parametrize("shared", ["real"], indirect=True)
+def test_with_the_consolidator_the_agent_thread_registers_external_blocks(
+        shared: SimpleNamespace, make_engine: Any, tmp_path: Any) -> None:
+    """The in-process consolidator's register_* are thread-safe: the agent's own thread
+    registers the blocks it made resident (EXTERNAL), never TensorRT-LLM's executor thread
+    nor the leader's idle keeper (whose tick holds the leader's lock)."""
+    secret = tmp_path / "announce.secret"
+    secret.write_text("a-test-deployment-secret-of-32-bytes\n")
+    env = {**tiers(host=64), cc.ENABLE_CONSOLIDATOR: "true",
+           cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/gpu", cc.REPLAY_ENDPOINT: f"ipc://{tmp_path}/r",
+           cc.OUTPUT_ENDPOINT: f"ipc://{tmp_path}/out",
+           cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tmp_path}/out-r",
+           cc.SHARED_TIER: "memory", cc.SHARED_MODEL_KEY: "test-model",
+           cc.SHARED_ANNOUNCE_ENDPOINT: f"ipc://{tmp_path}/announce",
+           cc.SHARED_ANNOUNCE_SECRET_FILE: str(secret)}
+    eng = make_engine(num_gpu_blocks=32, tp_size=2, tokens_per_block=BS, env=env)
+    wait_for(lambda: agent(eng) is not None, "the agent to start")
+    consolidator = eng.leader.consolidator
+    assert consolidator is not None
+    threads: list[str] = []
+    register = consolidator.register_store
+
+    def spy(tier: str, *args: Any, **kwargs: Any) -> None:
+        if tier == "EXTERNAL":
+            threads.append(threading.current_thread().name)
+        register(tier, *args, **kwargs)
+
+    consolidator.register_store = spy
+    eng.submit(prompt(1, 4 * BS + 1), 1)
+    eng.run_until_idle()
+    wait_for(lambda: len(threads) >= 4, "the agent to register A's four blocks")
+    assert set(threads) == {"kvbm-shared-agent"}, threads
+    assert eng.leader.stats()["shared_stores_registered"] == len(threads)

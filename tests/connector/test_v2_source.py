@@ -34,7 +34,7 @@ def leader(request: pytest.FixtureRequest):
     lead = KvbmConnectorLeader(LlmArgs(KvCacheConfig(BS), ParallelConfig(0, 1),
                                        kvbm_plugin_env=OFF,
                                        kvbm_plugin_group=f"v2src-{request.node.name}"))
-    lead.SELF_CHECK_ITERATIONS = CHECK
+    lead._gpu.SELF_CHECK_ITERATIONS = CHECK
     yield lead
     lead.shutdown()
 

@@ -13,7 +13,7 @@ import pytest
 from _engines import OFF, prompt, tiers
 from _kvwire import wait_until
 
-from kvbm_plugin.connector import gpu_feed
+from kvbm_plugin.connector import leader_gpu_events
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.testing.fake_trtllm import KVCacheEventSerializer
 
@@ -103,7 +103,7 @@ def test_first_report_after_an_async_load_carries_the_full_position(make_engine)
 
 def test_frame_walk_crosses_the_connector_manager_frames(make_engine, monkeypatch) -> None:
     chains: list[list[str]] = []
-    original = gpu_feed.find_kv_cache_manager
+    original = leader_gpu_events.find_kv_cache_manager
 
     def spy(max_depth: int = 32) -> Any:
         names: list[str] = []
@@ -120,7 +120,7 @@ def test_frame_walk_crosses_the_connector_manager_frames(make_engine, monkeypatc
         chains.append(names)
         return original(max_depth)
 
-    monkeypatch.setattr(gpu_feed, "find_kv_cache_manager", spy)
+    monkeypatch.setattr(leader_gpu_events, "find_kv_cache_manager", spy)
     engine = make_engine(env=OFF)
     engine.submit(prompt(3, 9), 1)
     engine.run_until_idle()

@@ -40,7 +40,8 @@ How the plugin keeps a block of such a model (one tier entry per block, every gr
   block reuse to ``PER_REQUEST``: "SSM reuse is valid only at explicit snapshot
   boundaries"), which a per-block copy cannot honour.
 
-All methods run under the leader's lock on the executor thread. Never imports torch.
+The leader's per-group hooks call :class:`LayerGroupPages`; all of it runs under the leader's
+lock on the executor thread. Never imports torch.
 """
 
 from __future__ import annotations
@@ -154,84 +155,62 @@ def grouped_ids(rd: Any) -> list[list[int]] | None:
     return None
 
 
-class LayerGroupScheduling:
-    """The leader's per-group hooks and page bookkeeping (a mixin of KvbmConnectorLeader)."""
+class LayerGroupPages:
+    """Which page of each layer group holds a request's block, as the leader sees it: the
+    groups' windows (learned from the first call that carries several groups) and, per block,
+    whether every group still has a live page to offload it from. Owned by the leader; the
+    request states are passed in. With one group every method reduces to the flat page list."""
 
-    _reqs: dict[int, Any]
-    _lock: Any
-    _group: str
-    _block_size: int
-    _stats: dict[str, int]
-    _layer_groups: LayerGroups | None = None
-    _configured_windows: tuple[int, ...] = ()
+    def __init__(self, group: str, block_size: int, configured: tuple[int, ...],
+                 stats: dict[str, int]) -> None:
+        """``group``: the leader's process-group id (rank 0's worker publishes the windows under
+        it); ``configured``: kv_cache_config's distinct windows (:func:`configured_windows`)."""
+        self._group = group
+        self._block_size = block_size
+        self.configured = configured
+        self._stats = stats
+        self._layer_groups: LayerGroups | None = None
 
-    def _groups_for(self, count: int) -> LayerGroups:
+    def groups_for(self, count: int) -> LayerGroups:
         """The groups of a call carrying ``count`` lists: from rank 0's layout when it was
         published, else from the configured windows (same count), else an error naming both."""
         groups = self._layer_groups
         if groups is not None and len(groups.windows) == count:
             return groups
         windows = group_windows(self._group)
-        if windows is None and len(self._configured_windows) == count:
+        if windows is None and len(self.configured) == count:
             # No in-process worker layout: the configured windows, one group each, the
             # largest (full attention) first as V2 orders life cycles by window.
-            ordered = sorted(self._configured_windows, reverse=True)
+            ordered = sorted(self.configured, reverse=True)
             windows = (None, *ordered[1:])
         if windows is None or len(windows) != count:
             raise RuntimeError(f"kvbm_plugin: TensorRT-LLM reported {count} layer groups; the "
-                               f"configured windows are {list(self._configured_windows)} and "
+                               f"configured windows are {list(self.configured)} and "
                                f"the workers' layout {windows}: they do not describe one cache")
         self._layer_groups = groups = LayerGroups(tuple(windows), self._block_size)
         return groups
 
-    def update_state_after_alloc_by_layer_group(
-            self, request: Any, block_ids_by_layer_group: list[list[int]]) -> None:
-        """Called on rank 0 instead of ``update_state_after_alloc`` when the cache has several
-        layer groups: entry ``[g][i]`` is block ``i``'s page in group ``g`` (-1: none). The
-        loads bind each matched block to every group's page; a -1 page is never written."""
-        if len(block_ids_by_layer_group) <= 1:
-            self.update_state_after_alloc(  # type: ignore[attr-defined]
-                request, list(block_ids_by_layer_group[0]) if block_ids_by_layer_group else [])
-            return
-        groups = self._groups_for(len(block_ids_by_layer_group))
-        with self._lock:
-            state = self._reqs.get(int(request.request_id))
-            if state is not None:
-                state.alloc_pages = [list(ids) for ids in block_ids_by_layer_group]
-        self.update_state_after_alloc(  # type: ignore[attr-defined]
-            request, list(block_ids_by_layer_group[groups.rep]))
-
-    def request_finished_by_layer_group(
-            self, request: Any, cache_block_ids_by_layer_group: list[list[int]]) -> bool:
-        """Called on rank 0 instead of ``request_finished`` with several layer groups; the
-        same contract (True while offloads read the request's pages)."""
-        ids = cache_block_ids_by_layer_group
-        rep = self._groups_for(len(ids)).rep if len(ids) > 1 else 0
-        return self.request_finished(request, list(ids[rep]) if ids else [])  # type: ignore[attr-defined]
-
-    # ------------------------------------------------------------------ used by the leader
-
-    def _absorb_block_ids(self, state: Any, rd: Any) -> None:
+    def absorb_block_ids(self, state: Any, rd: Any) -> None:
         """Fold one RequestData's new pages in: the flat list, or every group's list (the
         representative group's pages then stand in ``state.block_ids``)."""
         by_group = grouped_ids(rd)
         if by_group is None:
-            if self._configured_windows and rd.new_block_ids:
+            if self.configured and rd.new_block_ids:
                 # Several windows, one flat list: a cache that does not describe its groups
                 # (the C++ KVCacheManager); offloading it would save one group's pages only.
                 raise RuntimeError(f"kvbm_plugin: kv_cache_config.max_attention_window has "
-                                   f"windows {list(self._configured_windows)} but TensorRT-LLM "
+                                   f"windows {list(self.configured)} but TensorRT-LLM "
                                    "reported one flat page list: run on KVCacheManagerV2")
             state.block_ids.extend(rd.new_block_ids)
             return
-        groups = self._groups_for(len(by_group))
+        groups = self.groups_for(len(by_group))
         if not state.group_pages:
             state.group_pages = [[] for _ in by_group]
         for pages, new in zip(state.group_pages, by_group, strict=True):
             pages.extend(new)
         state.block_ids.extend(by_group[groups.rep])
 
-    def _save_block(self, state: Any, index: int, count: bool = True) -> int:
+    def save_block(self, state: Any, index: int, count: bool = True) -> int:
         """The device block to offload block ``index`` from, or -1: with several groups, -1
         unless every group holds a live page for it now (reported, not -1, in its window)."""
         if not state.group_pages:
@@ -246,7 +225,7 @@ class LayerGroupScheduling:
                 return -1
         return int(state.block_ids[index])
 
-    def _can_resave(self, state: Any, tier: Any, index: int) -> bool:
+    def can_resave(self, state: Any, tier: Any, index: int) -> bool:
         """Whether block ``index`` (a parent that left ``tier``) can be offloaded again from
         the device: one group, its device block exists (the walk back resaves its own
         missing ancestors in turn); several groups, every block from it back to the nearest
@@ -255,19 +234,19 @@ class LayerGroupScheduling:
         if not state.group_pages:
             return int(state.block_ids[index]) >= 0
         for j in range(index, -1, -1):
-            if self._save_block(state, j, count=False) < 0:
+            if self.save_block(state, j, count=False) < 0:
                 return False
             if j and state.keys[j - 1] in tier:
                 return True
         return True
 
     @staticmethod
-    def _save_pages(state: Any, index: int) -> tuple[int, ...]:
+    def save_pages(state: Any, index: int) -> tuple[int, ...]:
         """Every group's page of block ``index`` (() for a one-group model)."""
         return tuple(int(p[index]) for p in state.group_pages) if state.group_pages else ()
 
     @staticmethod
-    def _load_pages(state: Any, index: int) -> tuple[int, ...]:
+    def load_pages(state: Any, index: int) -> tuple[int, ...]:
         """Every group's page to load block ``index`` into (-1: that group has none there,
         a sliding window's passed block: never written); () for a one-group model."""
         alloc = state.alloc_pages

@@ -1,9 +1,9 @@
 """The leader's bookkeeping records: one :class:`RequestState` per request TensorRT-LLM
-scheduled, one :class:`Op` per tier transfer in flight.
+scheduled, one :class:`Op` per tier transfer in flight (in the :class:`OpTable`).
 
 Owned by ``KvbmConnectorLeader`` on rank 0 (each attention-DP rank's leader has its own); read
 and written under the leader's lock only (the executor thread's hooks and the leader's idle
-keeper thread). Pure data, no behaviour.
+keeper thread). Data only (the table numbers its ops).
 """
 
 from __future__ import annotations
@@ -13,6 +13,17 @@ from typing import Any
 
 from kvbm_plugin.connector.meta import LoadOp, OpReport
 from kvbm_plugin.tiers.base import TierEntry
+
+# The leader's own counters (stats()), each 0 at construction; its collaborators add theirs.
+LEADER_STATS = (
+    "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
+    "saves_committed", "saves_failed", "demotes_scheduled", "demotes_committed",
+    "demotes_failed", "loads_failed", "corrupt_blocks", "stale_disk_blocks",
+    "tier_full_skips", "host_evictions", "disk_evictions", "reports_rejected",
+    "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
+    "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
+    "requests_terminated_silently",
+    "saves_discarded_terminated", "gpu_source_silent_iterations", "window_skips")
 
 
 @dataclass
@@ -59,7 +70,7 @@ class RequestState:
     last_seen: int = 0  # the leader's iteration that last saw this request scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class Op:
     """One transfer: "save" | "demote" write ``tier``; "load" reads it."""
 
@@ -72,3 +83,22 @@ class Op:
     # A save of a request TRT-LLM terminated without telling (its blocks may be reused before
     # the copy read them): never committed.
     tainted: bool = False
+
+
+class OpTable(dict[int, Op]):
+    """The leader's transfers in flight, by op id. Ids grow by one per op, so along a chain a
+    parent's op id is below its children's (reports are finalized in id order). Owned by the
+    leader and lent to its tier collaborators, which add their own ops (demotions,
+    shared-tier writes) with :meth:`new`; under the leader's lock only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._next = 1
+
+    def new(self, kind: str, tier: str, key: int, req_id: int | None,
+            entry: TierEntry | None = None) -> int:
+        """Record a new op and return its id."""
+        op_id = self._next
+        self._next += 1
+        self[op_id] = Op(kind, tier, key, req_id, entry)
+        return op_id

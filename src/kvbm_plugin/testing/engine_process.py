@@ -82,11 +82,11 @@ def _wait(predicate: Any, what: str, timeout_s: float) -> None:
 def _settle(engine: Any, timeout_s: float) -> dict[str, int]:
     leader = engine.leader
     engine.run_until_idle(timeout_s=timeout_s)
-    if leader.shared_enabled or leader._shared_settings is not None:
-        _wait(lambda: leader._shared_agent is not None, "the shared-tier agent", timeout_s)
+    if leader.shared_enabled or leader._shared.settings is not None:
+        _wait(lambda: leader._shared.agent is not None, "the shared-tier agent", timeout_s)
         _wait(lambda: leader.stats()["shared_writes_inflight"] == 0, "the write-throughs",
               timeout_s)
-        agent = leader._shared_agent
+        agent = leader._shared.agent
         ticket = agent.wake()
         _wait(lambda: agent.stats()["wakes_handled"] >= ticket
               and agent.stats()["pending"] == 0, "the agent's checks", timeout_s)
@@ -142,8 +142,8 @@ def _engine_main(conn: Any, config: dict[str, Any], stderr_path: str | None = No
 
         engine = SimulatedEngine(EngineConfig(**config))
         leader = engine.leader
-        if leader._shared_settings is not None:
-            _wait(lambda: leader._shared_agent is not None, "the shared-tier agent", 60.0)
+        if leader._shared.settings is not None:
+            _wait(lambda: leader._shared.agent is not None, "the shared-tier agent", 60.0)
         conn.send(("ok", {"env": engine.env}))
     except BaseException as exc:  # the parent raises it
         conn.send(("error", f"{type(exc).__name__}: {exc}"))

@@ -230,6 +230,24 @@ class TierIndex(SlotRows):
         self._pins[slot] -= 1
         self._offer(slot)
 
+    def holds(self, entry: TierEntry) -> bool:
+        """Whether ``entry`` is this tier's live view of a block still in it (the same as
+        ``index.get(entry.key) is entry`` while the caller keeps the view, without the key
+        lookup: a view is detached when its block leaves the tier)."""
+        return entry._snap is None and entry._index is self
+
+    def commit_entry(self, entry: TierEntry,
+                     signatures: dict[int, Signature] | None = None) -> TierEntry:
+        """:meth:`commit` of a live view held by the caller (no key lookup)."""
+        if not self.holds(entry):
+            raise KeyError(entry.key)
+        return self.commit(self._key[entry.slot], signatures)
+
+    def parent_resident(self, entry: TierEntry) -> bool:
+        """Whether the live ``entry`` is a root block or its parent is resident here."""
+        parent = self._parent[entry.slot]
+        return parent < 0 or bool(self._flags[parent] & _RESIDENT)
+
     def children_of(self, key: int) -> set[int]:
         """Keys of this tier's entries whose parent is ``key`` (a copy)."""
         slot = self._find(key)
