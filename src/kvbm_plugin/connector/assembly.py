@@ -94,9 +94,11 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     """Build the leader's event path from its validated ``config``: this rank's GPU-tier
     publisher (``config.publisher`` by name; a NullEventPublisher, said once, when no endpoint
     is configured) and the prefix-closed event sink in front of it; when ``consolidate``, the
-    consolidator, started. ``tier_events``: where the tiers' events go when given (the
-    simulated engine's recorder); otherwise the consolidator, or a :class:`TierEventPublisher`
-    on the rank's publisher.
+    consolidator, started, to which the sink hands this rank's GPU-tier batches by direct call
+    (``KvEventSink.hand_over``, ``KvEventConsolidator.take_gpu_batch``) while the publisher
+    still sends them for readers outside the process. ``tier_events``: where the tiers' events
+    go when given (the simulated engine's recorder); otherwise the consolidator, or a
+    :class:`TierEventPublisher` on the rank's publisher.
 
     ``own_gpu_stream`` False: TensorRT-LLM publishes the GPU tier itself (its streaming
     publisher); with the consolidator on, this rank binds no publisher at all (the consolidator
@@ -159,9 +161,16 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
         if consolidate:
             from kvbm_plugin.consolidator.service import KvEventConsolidator
 
-            consolidator = KvEventConsolidator(config, engine_observer=engine_observer)
+            # This rank's GPU-tier batches are made here: the sink hands them to the
+            # consolidator as they are (no socket between them); they still go out on the
+            # rank's publisher for other readers.
+            direct = (dp_rank,) if own_gpu_stream else ()
+            consolidator = KvEventConsolidator(config, engine_observer=engine_observer,
+                                               direct_ranks=direct)
             consolidator.engine_forms = engine_forms
             consolidator.start()
+            if direct:
+                sink.hand_over(dp_rank, consolidator.take_gpu_batch)
             if tier_events is None:
                 tier_events = consolidator
         elif tier_events is None:
