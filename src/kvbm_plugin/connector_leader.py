@@ -32,7 +32,7 @@ from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector import native_events as _native
+from kvbm_plugin.connector import trtllm_publisher as _native
 from kvbm_plugin.connector.assembly import TierEventPublisher as TierEventPublisher  # re-exported
 from kvbm_plugin.connector.assembly import assemble_event_path
 from kvbm_plugin.connector.dynamo_streaming import take_yaml_endpoint
@@ -171,12 +171,12 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         self._native, self._env, moved = take_yaml_endpoint(
             llm_args, self._env, self._par.attention_dp, self._par.dp_size)
         self._naming.salt_blind = self._native is not None  # its stream carries no salt
-        self._native_feed = _native.NativeNameFeed()  # its stored blocks: the tiers' names
+        self._native_feed = _native.TrtllmNameFeed()  # its stored blocks: the tiers' names
         self._native_forms = EngineForms()  # each upstream form's fields, made the core's
         self._host_name = _llm_args.leader_host(self._env)
         self._config = config = load_consolidator_config(
             self._env, num_ranks=par.dp_size, attention_dp=par.attention_dp,
-            gpu_streams=_native.native_streams(self._native, self._dp_rank, self._host_name))
+            gpu_streams=_native.trtllm_streams(self._native, self._dp_rank, self._host_name))
         if par.attention_dp and par.dp_rank:  # no sink, never read: see assemble_event_path
             self._event_source_problem = _llm_args.GATHERED_TO_RANK_0.format(par.dp_rank)
         self._stream_names = StreamNames.for_rank(

@@ -84,7 +84,7 @@ class EventPath:
     event_sink: KvEventSink | None
     consolidator: KvEventConsolidator | None  # started; None when not enabled
     tier_events: Any  # the register_store/remove/clear target of the leader's tiers
-    name_reader: Any = None  # NativeNameReader: TRT-LLM's stream read for names (no consolidator)
+    name_reader: Any = None  # TrtllmNameReader: TRT-LLM's stream read for names (no consolidator)
 
 
 def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_rank: int,
@@ -104,7 +104,7 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     publisher); with the consolidator on, this rank binds no publisher at all (the consolidator
     reads ``config.gpu_streams``, and ``engine_observer`` sees each of their batches, see
     ``KvEventConsolidator``), without it the rank's publisher carries the tiers' events only
-    and a :class:`~kvbm_plugin.connector.native_events.NativeNameReader` (topic
+    and a :class:`~kvbm_plugin.connector.trtllm_publisher.TrtllmNameReader` (topic
     ``engine_topic``) hands TensorRT-LLM's batches to ``engine_observer``. ``engine_forms``
     (a :class:`~kvbm_plugin.consolidator.engine_forms.EngineForms`) normalises each of those
     batches first, on the consolidator's ingest thread or the reader's.
@@ -176,10 +176,10 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
         elif tier_events is None:
             tier_events = TierEventPublisher(publisher, block_size, dp_rank)
         if not consolidate and engine_observer is not None and config.gpu_streams:
-            from kvbm_plugin.connector.native_events import NativeNameReader
+            from kvbm_plugin.connector.trtllm_publisher import TrtllmNameReader
 
             rank, stream, _ = config.gpu_streams[0]
-            reader = NativeNameReader(stream, engine_topic, engine_observer, rank,
+            reader = TrtllmNameReader(stream, engine_topic, engine_observer, rank,
                                       forms=engine_forms)
     except BaseException:
         if consolidator is not None:

@@ -12,7 +12,7 @@ import logging
 from typing import Any
 
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector import native_events as _native
+from kvbm_plugin.connector import trtllm_publisher as _native
 from kvbm_plugin.connector.keeper import locked
 from kvbm_plugin.connector.trtllm_compat import (
     find_kv_cache_manager,
@@ -109,7 +109,7 @@ class GpuEventFeed:
         """Never report a source as working while nothing arrives (issue 26, item 2): a V2
         event manager whose hooks TensorRT-LLM's C++ radix tree calls natively leaves the
         wrapped Python hooks uncalled, and not every such backend can be told from Python
-        (``gpu_events.source.native_sink``). Per iteration (executor thread, under the
+        (``gpu_events.source.cpp_sink``). Per iteration (executor thread, under the
         lock), until the first event: count the iterations in which a tracked request holds a
         full block of computed prompt KV; past :attr:`SELF_CHECK_ITERATIONS` of them with no event,
         count each further one (``gpu_source_silent_iterations``) and warn, rate-limited.

@@ -116,17 +116,17 @@ def attach_event_source(kv_cache_manager: Any, sink: KvEventSink, *,
 
     ``v2_backend``: TensorRT-LLM's KVCacheManagerV2 backend when known
     (``TLLM_KV_CACHE_MANAGER_V2_BACKEND`` as the loaded module read it; see
-    :func:`native_sink`). A V2 event manager whose hooks the C++ radix tree calls natively is
-    refused (ValueError, :data:`NATIVE_SINK_REFUSED`): its wrapped Python attributes would
+    :func:`cpp_sink`). A V2 event manager whose hooks the C++ radix tree calls natively is
+    refused (ValueError, :data:`CPP_SINK_REFUSED`): its wrapped Python attributes would
     never be called.
 
     Raises ValueError naming what is missing when neither path is available.
     """
     event_manager = getattr(kv_cache_manager, "event_manager", None)
     if event_manager is not None and hasattr(event_manager, "add_stored_block_event_from_block"):
-        native = native_sink(event_manager, v2_backend)
-        if native:
-            raise ValueError(NATIVE_SINK_REFUSED.format(native))
+        cpp = cpp_sink(event_manager, v2_backend)
+        if cpp:
+            raise ValueError(CPP_SINK_REFUSED.format(cpp))
         return _tee_v2(event_manager, sink)
     get_latest = getattr(kv_cache_manager, "get_latest_events", None)
     if get_latest is None or hasattr(kv_cache_manager, "add_stored_block_event_from_block"):
@@ -158,7 +158,7 @@ _BINDINGS_MODULES = ("tensorrt_llm.bindings", "bindings.")
 # The hooks that report a block (what the self-check waits for); the other two are set-up.
 _BLOCK_HOOKS = frozenset(V2_HOOKS) - {"add_created_event", "set_layer_group_window_sizes"}
 
-NATIVE_SINK_REFUSED = (
+CPP_SINK_REFUSED = (
     "KVCacheManagerV2's event manager is TensorRT-LLM's C++ one ({}): its radix tree calls the "
     "event sink natively, so the plugin's Python hooks would receive nothing. Turn on "
     "TensorRT-LLM's own streaming publisher (kv_cache_config.kv_events_config, publisher "
@@ -166,7 +166,7 @@ NATIVE_SINK_REFUSED = (
     "TLLM_KV_CACHE_MANAGER_V2_BACKEND=python")
 
 
-def native_sink(event_manager: Any, v2_backend: str | None = None) -> str:
+def cpp_sink(event_manager: Any, v2_backend: str | None = None) -> str:
     """Why ``event_manager``'s hooks are not called through Python, or ``""``.
 
     C++ backend (TensorRT-LLM's default): the radix tree calls its ``StreamingEventSink`` /
