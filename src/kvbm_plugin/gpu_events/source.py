@@ -242,7 +242,8 @@ def _tee_v2(event_manager: Any, sink: KvEventSink) -> EventSource:
 # docs/performance.md). Read after all of them were built, the dicts come from further out:
 # at 1,024 + 1,024 blocks per iteration the sink cost 1.8 us per block against 0.95 sliced
 # (median of 7, benchmarks/bench_vs_vllm.py's feeds). A slice at a time, the sink reads each
-# while it is still in L2, and the next slice reuses the memory the last one freed. ``KVCacheEventSerializer.serialize`` writes each event on its own
+# while it is still in L2, and the next slice reuses the memory the last one freed.
+# ``KVCacheEventSerializer.serialize`` writes each event on its own
 # (``[cls.to_json_str(event) for event in events]``, ``tensorrt_llm/_utils.py``, stored id
 # 52995752), so slices give the same dicts as the whole.
 SERIALIZE_CHUNK = 64
