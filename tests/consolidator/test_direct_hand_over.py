@@ -188,3 +188,28 @@ def test_a_failing_consumer_costs_neither_the_flush_nor_the_publish(expect_error
     assert stats["hand_over_errors"] == 1 and stats["batches_published"] == 1
     assert [(rank, [e["block_hashes"] for e in maps]) for rank, maps in got] == [(0, [[5]])]
     assert expect_errors.wait_for("consumer bug")
+
+
+def test_without_a_gpu_tier_port_the_leaders_consolidator_still_gets_the_gpu_tier() -> None:
+    """The GPU-tier endpoint existed for the socket hop: a single leader no longer needs it
+    (no GPU-tier stream leaves the process then), and its output still carries the block."""
+    path = tempfile.mkdtemp(prefix="kvn", dir="/tmp")
+    try:
+        config = load_consolidator_config({
+            OUTPUT_ENDPOINT: f"ipc://{path}/out", OUTPUT_REPLAY_ENDPOINT: f"ipc://{path}/outr"},
+            num_ranks=1)
+        assert config.enabled and config.gpu_events is None
+        parts = assemble_event_path(config, consolidate=True, dp_rank=0, block_size=BS)
+        try:
+            assert parts.event_sink is not None and parts.consolidator is not None
+            parts.event_sink.ingest([trtllm_stored(9, None, 90)])
+            parts.event_sink.flush()
+            wait_for(lambda: parts.consolidator._core.visible_hashes(0) == {9},
+                     what="the block in the consolidator")
+            wait_for(lambda: parts.consolidator.stats()["batches_out"] == 1,
+                     what="the consolidated output")
+        finally:
+            parts.consolidator.shutdown(5.0)
+            parts.event_sink.shutdown(5.0)
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

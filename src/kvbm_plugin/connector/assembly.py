@@ -137,9 +137,15 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     elif config.gpu_events is not None:
         publisher = create_publisher(config.publisher, config.publish_endpoint(dp_rank),
                                      config.replay_endpoint(dp_rank), dp_rank)
+    elif consolidate:
+        # The consolidator takes this rank's batches by direct call; without an endpoint
+        # only readers outside the process go without the rank's GPU-tier stream.
+        logger.info("kvbm_plugin: no GPU-tier endpoint configured (%s / %s): the rank's "
+                    "GPU-tier stream is not published outside the process; the consolidated "
+                    "output carries the GPU tier", TRTLLM_ZMQ_PORT, EVENTS_ENDPOINT)
+        publisher = NullEventPublisher(config.publisher)
     else:
-        # Only reachable with the consolidator off (the config requires an endpoint
-        # otherwise): say once that nothing is published, rather than stay silent.
+        # The consolidator is off: say once that nothing is published, rather than stay silent.
         logger.warning("kvbm_plugin: no KV-event endpoint configured (%s / %s): %s are "
                        "counted but not published", TRTLLM_ZMQ_PORT, EVENTS_ENDPOINT,
                        "GPU-tier and offload-tier events" if own_gpu_stream
