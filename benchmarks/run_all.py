@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._table import Row, print_table  # noqa: E402
 
-BENCHMARKS = ("bench_event_sink", "bench_sink_scale", "bench_lora_names", "bench_salt_texts",
-              "bench_consolidator",
+BENCHMARKS = ("bench_event_sink", "bench_vs_vllm", "bench_sink_scale", "bench_lora_names",
+              "bench_salt_texts", "bench_consolidator",
               "bench_consolidator_scale", "bench_tiers", "bench_transfer", "bench_router_accuracy",
               "bench_shared_directory", "bench_shared_tier")
 

@@ -48,11 +48,18 @@ def test_bad_mode_is_an_error() -> None:
         load_consolidator_config({**BASE, cc.CONSOLIDATOR_MODE: "dedupe"})
 
 
-def test_port_required_when_enabled_no_fallback_to_leader_port() -> None:
+def test_port_required_under_attention_dp_no_fallback_to_leader_port() -> None:
+    # Each rank's consolidator reads its GPU-tier stream from rank 0's publishers.
     with pytest.raises(ConfigError) as info:
-        load_consolidator_config({})
+        load_consolidator_config({}, num_ranks=2, attention_dp=True)
     message = str(info.value)
     assert cc.TRTLLM_ZMQ_PORT in message and "56001" not in message.split("e.g.")[0]
+
+
+def test_port_optional_for_one_leaders_consolidator() -> None:
+    # The leader's consolidator takes its own rank's batches by direct call: no socket hop.
+    config = load_consolidator_config({})
+    assert config.enabled and config.gpu_events is None
 
 
 def test_port_not_required_when_disabled() -> None:

@@ -39,7 +39,7 @@ from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector import native_events as _native
+from kvbm_plugin.connector import trtllm_publisher as _native
 from kvbm_plugin.connector.assembly import TierEventPublisher as TierEventPublisher  # re-exported
 from kvbm_plugin.connector.assembly import assemble_event_path
 from kvbm_plugin.connector.dynamo_streaming import take_yaml_endpoint
@@ -152,7 +152,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         host_name = _llm_args.leader_host(self._env)
         config = load_consolidator_config(
             self._env, num_ranks=par.dp_size, attention_dp=par.attention_dp,
-            gpu_streams=_native.native_streams(native, self._dp_rank, host_name))
+            gpu_streams=_native.trtllm_streams(native, self._dp_rank, host_name))
         self._gpu = GpuTierEvents(
             mode=events_source, native=native, config=config, par=par, host_name=host_name,
             block_size=self._block_size, naming=self._naming, stats=self._stats,

@@ -104,8 +104,9 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(CONSOLIDATOR_MODE, "dedup", "`dedup`: a block is stored once while any tier holds it; "
            "`passthrough`: every tier's events forwarded with their own medium.", "consolidator"),
     EnvVar(TRTLLM_ZMQ_PORT, None, "Base TCP port of the per-rank GPU-tier publishers (rank r "
-           "binds base + r). Required when the consolidator is on, unless "
-           f"{EVENTS_ENDPOINT} is set.", "consolidator"),
+           "binds base + r). Required under attention DP with the consolidator on, unless "
+           f"{EVENTS_ENDPOINT} is set; unset otherwise, no GPU-tier stream leaves the "
+           "process (the consolidated output still carries the GPU tier).", "consolidator"),
     EnvVar(LEADER_ZMQ_PUB_PORT, "56001", "KVBM leader port; the consolidated output binds "
            "this + 1000 (attention-DP rank r: + 1000 + r).", "consolidator"),
     EnvVar(LEADER_ZMQ_HOST, "127.0.0.1", "Host the consolidator and the TP workers connect to; "
@@ -583,7 +584,9 @@ def load_consolidator_config(
     """Read and validate every consolidator/publisher variable for ``num_ranks`` ranks.
 
     Raises ConfigError naming the variable and value for anything unusable, including a missing
-    GPU-tier port while the consolidator is on and any two sockets sharing a port or path.
+    GPU-tier port while the consolidator is on under attention DP (elsewhere each leader's
+    consolidator takes its rank's batches by direct call, and without the port no GPU-tier
+    stream leaves the process) and any two sockets sharing a port or path.
     ``require_gpu_events``: the caller needs the GPU-tier endpoint whatever the consolidator
     switch says (``kvbm-plugin consolidate``, ``kvbm-plugin sidecar``); the error for a
     missing endpoint then does not point at the switch. ``attention_dp``: the ``num_ranks``
@@ -619,12 +622,17 @@ def load_consolidator_config(
             f"the GPU-tier publishers' endpoint is not set: set "
             f"{TRTLLM_ZMQ_PORT} to their base port (rank r binds base + r, e.g. "
             f"{TRTLLM_ZMQ_PORT}=20081) or {EVENTS_ENDPOINT} (tcp://host:port, ipc://path)")
-    if enabled and gpu_events is None and not gpu_streams:
+    # Each leader's consolidator takes its own rank's GPU-tier batches by direct call; only
+    # an attention-DP rank's consolidator reads another process's stream (rank 0 publishes
+    # every rank's), so only there is the GPU-tier endpoint needed for consolidating.
+    if enabled and gpu_events is None and not gpu_streams and attention_dp and num_ranks > 1:
         raise ConfigError(
-            f"{ENABLE_CONSOLIDATOR} is on but {TRTLLM_ZMQ_PORT} is not set: set it to the base "
-            f"port of the per-rank GPU-tier publishers (e.g. {TRTLLM_ZMQ_PORT}=20081), or set "
-            f"{EVENTS_ENDPOINT}, or {ENABLE_CONSOLIDATOR}=false. There is no default: the "
-            f"usual fallback ({LEADER_ZMQ_PUB_PORT}) is the KVBM leader's own port.")
+            f"{ENABLE_CONSOLIDATOR} is on under attention DP but {TRTLLM_ZMQ_PORT} is not set: "
+            f"rank 0 publishes every rank's GPU-tier stream and each rank's consolidator reads "
+            f"its own from there; set it to the base port of the per-rank GPU-tier publishers "
+            f"(e.g. {TRTLLM_ZMQ_PORT}=20081), or set {EVENTS_ENDPOINT}, or "
+            f"{ENABLE_CONSOLIDATOR}=false. There is no default: the usual fallback "
+            f"({LEADER_ZMQ_PUB_PORT}) is the KVBM leader's own port.")
     leader_port = parse_port(LEADER_ZMQ_PUB_PORT, env_value(env, LEADER_ZMQ_PUB_PORT) or "")
     output = optional_endpoint(OUTPUT_ENDPOINT)
     if output is None:

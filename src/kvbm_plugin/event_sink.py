@@ -163,6 +163,9 @@ class KvEventSink(V2Hooks):
         # Called by flush (the flushing thread) with each rank's wire events before they are
         # published; the leader learns TRT-LLM's block hashes from it.
         self.on_flush: Callable[[int, list[WireEvent]], None] | None = None
+        # dp rank -> the in-process consumer its batches are handed to as they are (the
+        # leader's consolidator: KvEventConsolidator.take_gpu_batch), besides its publisher.
+        self._direct: dict[int, Callable[[int, Any], None]] = {}
         self._closed = False
         self._log = RateLimitedLog(logger)
         self._c: dict[str, int] = dict.fromkeys((
@@ -172,7 +175,7 @@ class KvEventSink(V2Hooks):
             "created_events", "updated_events", "unknown_events", "malformed_events",
             "unknown_removes_suppressed", "suppressed_evicted", "discarded_events",
             "unknown_dp_rank_events", "orphan_stores_dropped", "duplicate_stores_dropped",
-            "cascade_removes",
+            "cascade_removes", "hand_over_errors",
         ), 0)
         # The adapter of stores whose events name none (TensorRT-LLM's serializer writes no
         # lora_id): named by the leader, written into the events before the loops read them.
@@ -636,6 +639,14 @@ class KvEventSink(V2Hooks):
             self._lora.clear(rank)
             self._c["cleared"] += 1
 
+    def hand_over(self, rank: int, consumer: Callable[[int, Any], None]) -> None:
+        """Also hand dp rank ``rank``'s batches to ``consumer(rank, events)`` in this process
+        (the in-process consolidator), after its publisher had them: the events as the
+        publisher got them (an encoded batch, or maps where ``on_flush`` decoded them), never
+        encoded, sent or decoded for it. Called once by the leader's assembly at bring-up,
+        before the first flush. ``consumer`` must not block; what it raises is logged."""
+        self._direct[rank] = consumer
+
     def flush(self) -> bool:
         """Publish this iteration's batch (one per rank with events); nothing when empty.
 
@@ -678,6 +689,16 @@ class KvEventSink(V2Hooks):
             else:
                 self._c["batches_lost"] += 1
                 ok = False
+            consumer = self._direct.get(rank)
+            if consumer is not None:
+                try:
+                    # The maps when on_flush decoded them (no second decode), else as sent.
+                    consumer(rank, maps if observer is not None else events)
+                except Exception as exc:  # the consumer's bug must not cost the executor
+                    self._c["hand_over_errors"] += 1
+                    self._log.log(logging.ERROR, "hand-over", "KvEventSink: handing the batch "
+                                  "of dp rank %d over raised %s: %s", rank,
+                                  type(exc).__name__, exc)
         return ok
 
     def _lost_by_publishers(self) -> int:

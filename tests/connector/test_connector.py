@@ -326,8 +326,11 @@ def test_matches_are_block_aligned_never_whole_prompt_never_0_true(make_engine) 
 def test_bad_config_names_variable(tmp_path) -> None:
     with pytest.raises(ConfigError, match="DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"):
         _leader(tiers(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="lots"), "bad-config")
+    # (Unset, the port is no longer an error for one leader: its consolidator takes the
+    # GPU tier by direct call; tests/consolidator/test_direct_hand_over.py.)
     with pytest.raises(ConfigError, match="DYN_KVBM_TRTLLM_ZMQ_PORT"):
-        _leader({"DYN_KVBM_CPU_CACHE_GB": "1"}, "bad-config-2")
+        _leader({"DYN_KVBM_CPU_CACHE_GB": "1", "DYN_KVBM_TRTLLM_ZMQ_PORT": "70000"},
+                "bad-config-2")
 
 
 def test_leader_module_never_imports_torch() -> None:

@@ -11,7 +11,7 @@ import msgpack
 import pytest
 from _kvwire import wait_until
 
-from kvbm_plugin.connector.native_events import native_publisher, native_streams
+from kvbm_plugin.connector.trtllm_publisher import read_trtllm_publisher, trtllm_streams
 from kvbm_plugin.consolidator.engine_forms import EngineForms, mm_pad_token
 from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, KVEventsConfig, LlmArgs, ParallelConfig
 from kvbm_plugin.testing.trtllm_stream import FORMS, SimZmqEventPublisher, encode_form_batch
@@ -51,12 +51,12 @@ def test_every_form_of_tensorrt_llms_stream_reaches_the_consolidated_stream(
     caplog.set_level(logging.INFO, logger="kvbm_plugin")
     events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/trt",
                             replay_endpoint=f"ipc://{tmp_path}/trt-replay")
-    native = native_publisher(LlmArgs(KvCacheConfig(4, kv_events_config=events),
+    native = read_trtllm_publisher(LlmArgs(KvCacheConfig(4, kv_events_config=events),
                                       ParallelConfig(0, 1)))
     config = load_consolidator_config(
         {"DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT": f"ipc://{tmp_path}/out",
          "DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_ENDPOINT": f"ipc://{tmp_path}/out-replay"},
-        gpu_streams=native_streams(native, 0, "127.0.0.1"))
+        gpu_streams=trtllm_streams(native, 0, "127.0.0.1"))
     publisher = SimZmqEventPublisher(events, native, 0)
     payloads, expected = _batches(form)
     for payload in payloads:

@@ -66,7 +66,7 @@ def test_a_native_sink_python_cannot_see_is_reported_silent_once(leader, caplog)
     give it away): the wrapped hooks are never called. The leader never says "attached",
     warns once (rate-limited) past the self-check, counts every silent iteration (stats and
     the metric) and its status line says it is not receiving."""
-    manager = V2KVCacheManager(native_sink=True)
+    manager = V2KVCacheManager(cpp_sink=True)
     with caplog.at_level(logging.INFO, logger=LOG):
         _run(leader, manager, CHECK + 6)
     assert manager.event_manager.stored, "the stand-in's own sink got the blocks"
@@ -93,7 +93,7 @@ def test_python_hooks_confirm_the_source_and_the_self_check_stays_quiet(leader,
 
 def test_the_self_check_waits_for_computed_blocks(leader, caplog) -> None:
     """Iterations without a full block of computed prompt KV are not evidence of silence."""
-    kv_cache_manager = V2KVCacheManager(native_sink=True)  # found in this frame
+    kv_cache_manager = V2KVCacheManager(cpp_sink=True)  # found in this frame
     for _ in range(CHECK + 6):
         leader.build_connector_meta(SchedulerOutput())
     assert leader.event_source is not None
@@ -113,7 +113,7 @@ def test_the_self_check_waits_for_computed_blocks(leader, caplog) -> None:
 def test_a_cpp_event_manager_type_is_refused_at_attach(leader, caplog) -> None:
     """TensorRT-LLM's nanobind event manager (its type lives in tensorrt_llm.bindings): not
     attached, one warning naming the way out, no self-check needed."""
-    manager = V2KVCacheManager(native_sink=True, bindings_type=True)
+    manager = V2KVCacheManager(cpp_sink=True, bindings_type=True)
     with caplog.at_level(logging.INFO, logger=LOG):
         _run(leader, manager, CHECK + 6)
     warned = [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]

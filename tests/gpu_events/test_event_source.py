@@ -208,3 +208,30 @@ def test_drain_with_trtllm_reader_leaves_no_freed_block_published(make_engine) -
     truth = engine.pool.resident_full_hashes()
     assert sink["blocks_stored"] - sink["blocks_removed"] == len(truth)
     assert sink["events_in"] == manager.produced  # every event reached the plugin as well
+
+
+def test_a_large_drain_is_serialized_and_ingested_a_slice_at_a_time() -> None:
+    """TensorRT-LLM's C++ events are serialized in slices of SERIALIZE_CHUNK, each ingested
+    before the next is built (its dicts still in the CPU cache): every event arrives, in
+    order, and no call serializes more than a slice."""
+    from kvbm_plugin.gpu_events.source import SERIALIZE_CHUNK
+
+    class Cpp:  # a C++ event object: not a Mapping, turned into its dict by serialize
+        def __init__(self, d: dict[str, Any]) -> None:
+            self.d = d
+
+    sizes: list[int] = []
+
+    def serialize(objects: list[Any]) -> list[dict[str, Any]]:
+        sizes.append(len(objects))
+        return [o.d for o in objects]
+
+    sink, rec = sink_and_recorder()
+    buffer = Buffer()
+    n = 2 * SERIALIZE_CHUNK + 5
+    buffer.queued = [Cpp(stored(h)) for h in range(1, n + 1)]
+    source = attach_event_source(buffer, sink, mode="drain", serialize=serialize)
+    assert source.poll() == n
+    sink.flush()
+    assert sizes == [SERIALIZE_CHUNK, SERIALIZE_CHUNK, 5]
+    assert [h for e in rec.events for h in e["block_hashes"]] == list(range(1, n + 1))

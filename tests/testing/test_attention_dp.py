@@ -36,7 +36,7 @@ def _prompt(rank: int, turn: int) -> list[int]:
 # (processes=False: every rank's engine in this process, exchanging events in memory.)
 # Rank processes import torch (seconds each): without block hashes the ranks learn their names
 # in this process by default, and in processes in the slow set (the processes' transport runs
-# by default with block hashes, and without them in test_adp_native.py).
+# by default with block hashes, and without them in test_adp_trtllm_publisher.py).
 @pytest.mark.parametrize(("ranks", "block_hashes", "processes"),
                          [(2, True, True), (2, False, False), (2, True, False),
                           pytest.param(2, False, True, marks=pytest.mark.slow),

@@ -17,7 +17,7 @@ from _kvwire import free_port, wait_until
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.connector.dynamo_streaming import load_moved_endpoint, take_yaml_endpoint
-from kvbm_plugin.connector.native_events import native_streams
+from kvbm_plugin.connector.trtllm_publisher import trtllm_streams
 from kvbm_plugin.testing.adp import AttentionDpEngine
 from kvbm_plugin.testing.engine import EngineConfig
 from kvbm_plugin.testing.fake_trtllm import KVEventsConfig
@@ -165,7 +165,7 @@ def test_moving_rewrites_only_the_endpoint_and_points_the_output_at_the_yamls() 
     assert settings[cc.OUTPUT_ENDPOINT] == "tcp://*:5557" and settings[cc.TOPIC] == "t"
     assert line and "5557" in line
     config = cc.load_consolidator_config(settings, num_ranks=2, attention_dp=True,
-                                         gpu_streams=native_streams(native, 1, "127.0.0.1"))
+                                         gpu_streams=trtllm_streams(native, 1, "127.0.0.1"))
     assert config.for_dp_rank(1).output.bind == "tcp://*:5558"  # Dynamo's rank 1: + 1
     # unset: nothing moved, nothing changed
     untouched = _args()
@@ -216,7 +216,7 @@ def test_kvbm_plugin_yaml_for_dynamo_streaming_is_a_configuration_that_works(cap
     native, settings, line = take_yaml_endpoint(args, env, attention_dp=True)
     assert line is not None and native is not None
     config = cc.load_consolidator_config(settings, num_ranks=2, attention_dp=True,
-                                         gpu_streams=native_streams(native, 1, "127.0.0.1"))
+                                         gpu_streams=trtllm_streams(native, 1, "127.0.0.1"))
     # Dynamo's rank r subscribes to the YAML's endpoint + r; the plugin's rank r binds it
     assert [config.for_dp_rank(r).output.bind for r in (0, 1)] == [
         "tcp://127.0.0.1:5557", "tcp://127.0.0.1:5558"]

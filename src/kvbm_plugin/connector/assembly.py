@@ -84,7 +84,7 @@ class EventPath:
     event_sink: KvEventSink | None
     consolidator: KvEventConsolidator | None  # started; None when not enabled
     tier_events: Any  # the register_store/remove/clear target of the leader's tiers
-    name_reader: Any = None  # NativeNameReader: TRT-LLM's stream read for names (no consolidator)
+    name_reader: Any = None  # TrtllmNameReader: TRT-LLM's stream read for names (no consolidator)
 
 
 def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_rank: int,
@@ -94,15 +94,17 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     """Build the leader's event path from its validated ``config``: this rank's GPU-tier
     publisher (``config.publisher`` by name; a NullEventPublisher, said once, when no endpoint
     is configured) and the prefix-closed event sink in front of it; when ``consolidate``, the
-    consolidator, started. ``tier_events``: where the tiers' events go when given (the
-    simulated engine's recorder); otherwise the consolidator, or a :class:`TierEventPublisher`
-    on the rank's publisher.
+    consolidator, started, to which the sink hands this rank's GPU-tier batches by direct call
+    (``KvEventSink.hand_over``, ``KvEventConsolidator.take_gpu_batch``) while the publisher
+    still sends them for readers outside the process. ``tier_events``: where the tiers' events
+    go when given (the simulated engine's recorder); otherwise the consolidator, or a
+    :class:`TierEventPublisher` on the rank's publisher.
 
     ``own_gpu_stream`` False: TensorRT-LLM publishes the GPU tier itself (its streaming
     publisher); with the consolidator on, this rank binds no publisher at all (the consolidator
     reads ``config.gpu_streams``, and ``engine_observer`` sees each of their batches, see
     ``KvEventConsolidator``), without it the rank's publisher carries the tiers' events only
-    and a :class:`~kvbm_plugin.connector.native_events.NativeNameReader` (topic
+    and a :class:`~kvbm_plugin.connector.trtllm_publisher.TrtllmNameReader` (topic
     ``engine_topic``) hands TensorRT-LLM's batches to ``engine_observer``. ``engine_forms``
     (a :class:`~kvbm_plugin.consolidator.engine_forms.EngineForms`) normalises each of those
     batches first, on the consolidator's ingest thread or the reader's.
@@ -135,9 +137,15 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
     elif config.gpu_events is not None:
         publisher = create_publisher(config.publisher, config.publish_endpoint(dp_rank),
                                      config.replay_endpoint(dp_rank), dp_rank)
+    elif consolidate:
+        # The consolidator takes this rank's batches by direct call; without an endpoint
+        # only readers outside the process go without the rank's GPU-tier stream.
+        logger.info("kvbm_plugin: no GPU-tier endpoint configured (%s / %s): the rank's "
+                    "GPU-tier stream is not published outside the process; the consolidated "
+                    "output carries the GPU tier", TRTLLM_ZMQ_PORT, EVENTS_ENDPOINT)
+        publisher = NullEventPublisher(config.publisher)
     else:
-        # Only reachable with the consolidator off (the config requires an endpoint
-        # otherwise): say once that nothing is published, rather than stay silent.
+        # The consolidator is off: say once that nothing is published, rather than stay silent.
         logger.warning("kvbm_plugin: no KV-event endpoint configured (%s / %s): %s are "
                        "counted but not published", TRTLLM_ZMQ_PORT, EVENTS_ENDPOINT,
                        "GPU-tier and offload-tier events" if own_gpu_stream
@@ -159,18 +167,25 @@ def assemble_event_path(config: ConsolidatorConfig, *, consolidate: bool, dp_ran
         if consolidate:
             from kvbm_plugin.consolidator.service import KvEventConsolidator
 
-            consolidator = KvEventConsolidator(config, engine_observer=engine_observer)
+            # This rank's GPU-tier batches are made here: the sink hands them to the
+            # consolidator as they are (no socket between them); they still go out on the
+            # rank's publisher for other readers.
+            direct = (dp_rank,) if own_gpu_stream else ()
+            consolidator = KvEventConsolidator(config, engine_observer=engine_observer,
+                                               direct_ranks=direct)
             consolidator.engine_forms = engine_forms
             consolidator.start()
+            if direct:
+                sink.hand_over(dp_rank, consolidator.take_gpu_batch)
             if tier_events is None:
                 tier_events = consolidator
         elif tier_events is None:
             tier_events = TierEventPublisher(publisher, block_size, dp_rank)
         if not consolidate and engine_observer is not None and config.gpu_streams:
-            from kvbm_plugin.connector.native_events import NativeNameReader
+            from kvbm_plugin.connector.trtllm_publisher import TrtllmNameReader
 
             rank, stream, _ = config.gpu_streams[0]
-            reader = NativeNameReader(stream, engine_topic, engine_observer, rank,
+            reader = TrtllmNameReader(stream, engine_topic, engine_observer, rank,
                                       forms=engine_forms)
     except BaseException:
         if consolidator is not None:

@@ -42,12 +42,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from kvbm_plugin.connector.native_events import (
+from kvbm_plugin.connector.trtllm_publisher import (
     _WILDCARDS,
     FIELD,
-    NativePublisher,
-    native_publisher,
+    TrtllmPublisher,
     offset_endpoint,
+    read_trtllm_publisher,
 )
 from kvbm_plugin.consolidator_config import (
     OUTPUT_ENDPOINT,
@@ -106,11 +106,11 @@ def _overlap(moved: str, other: str, ranks: int) -> int | None:
 
 def take_yaml_endpoint(llm_args: Any, env: Mapping[str, str], attention_dp: bool = False,
                        dp_size: int = 1
-                       ) -> tuple[NativePublisher | None, Mapping[str, str], str | None]:
+                       ) -> tuple[TrtllmPublisher | None, Mapping[str, str], str | None]:
     """TensorRT-LLM's publisher as this leader will read it, the settings the leader then
     loads its consolidator from, and a start-up line (None when nothing is moved).
 
-    Without ``DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT``: ``(native_publisher(llm_args), env,
+    Without ``DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT``: ``(read_trtllm_publisher(llm_args), env,
     None)``. With it: TensorRT-LLM's publisher is moved there in ``llm_args`` and the returned
     settings put the consolidated output at the YAML's endpoint under the YAML's topic.
     ConfigError (naming the variable) where that cannot work: no streaming publisher to move,
@@ -119,30 +119,30 @@ def take_yaml_endpoint(llm_args: Any, env: Mapping[str, str], attention_dp: bool
     the consolidator off, the output placed by ``DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT`` too, a
     topic Dynamo's filter would drop, or the moved endpoint equal to one the YAML names."""
     moved = load_moved_endpoint(env)
-    native = native_publisher(llm_args)
+    engine_pub = read_trtllm_publisher(llm_args)
     if moved is None:
-        return native, env, None
+        return engine_pub, env, None
     where = f"{TRTLLM_MOVED_ENDPOINT}={moved!r}"
-    if native is None or not native.streams:
+    if engine_pub is None or not engine_pub.streams:
         raise ConfigError(f"{where}: {FIELD} does not enable TensorRT-LLM's zmq publisher, so "
                           "there is no endpoint to take over (set enable_kv_cache_events: true)")
     if not consolidator_enabled(env):
         raise ConfigError(f"{where} needs the consolidator: its output is what takes the "
-                          f"endpoint {native.endpoint!r}")
+                          f"endpoint {engine_pub.endpoint!r}")
     if env_value(env, OUTPUT_ENDPOINT) is not None:
         raise ConfigError(f"{where} places the consolidated output at {FIELD}.endpoint="
-                          f"{native.endpoint!r}; unset {OUTPUT_ENDPOINT}="
+                          f"{engine_pub.endpoint!r}; unset {OUTPUT_ENDPOINT}="
                           f"{env_value(env, OUTPUT_ENDPOINT)!r}")
-    if attention_dp and not native.endpoint.startswith("tcp://"):
+    if attention_dp and not engine_pub.endpoint.startswith("tcp://"):
         raise ConfigError(f"{where}: under attention DP the consolidated output of rank 0 binds "
-                          f"{native.endpoint!r} + '_dp0' (the plugin's per-rank rule) while "
-                          f"Dynamo subscribes to {native.endpoint!r}: give {FIELD}.endpoint a "
+                          f"{engine_pub.endpoint!r} + '_dp0' (the plugin's per-rank rule) while "
+                          f"Dynamo subscribes to {engine_pub.endpoint!r}: give {FIELD}.endpoint a "
                           "tcp:// endpoint")
-    if moved in (native.endpoint, native.replay_endpoint):
+    if moved in (engine_pub.endpoint, engine_pub.replay_endpoint):
         raise ConfigError(f"{where} is an endpoint {FIELD} already names")
     ranks = dp_size if attention_dp else 1  # rank r binds every endpoint's base + r
-    for name, other, whose in (("endpoint", native.endpoint, "Dynamo's rank"),
-                               ("replay_endpoint", native.replay_endpoint,
+    for name, other, whose in (("endpoint", engine_pub.endpoint, "Dynamo's rank"),
+                               ("replay_endpoint", engine_pub.replay_endpoint,
                                 f"{FIELD}.replay_endpoint of rank")):
         rank = _overlap(moved, other, ranks) if other else None
         if rank is not None:
@@ -151,9 +151,9 @@ def take_yaml_endpoint(llm_args: Any, env: Mapping[str, str], attention_dp: bool
                               f"of {FIELD}.{name}={other!r}, {whose} {rank}'s; move it at "
                               f"least {ranks} ports away")
     topic = (env.get(TOPIC) or "").strip() or None  # set by the operator, not the default
-    if topic is not None and not topic.startswith(native.topic):
+    if topic is not None and not topic.startswith(engine_pub.topic):
         raise ConfigError(f"{TOPIC}={topic!r} does not start with {FIELD}.topic="
-                          f"{native.topic!r}, the prefix Dynamo subscribes with ({where})")
+                          f"{engine_pub.topic!r}, the prefix Dynamo subscribes with ({where})")
     kv_cache_config = llm_args["kv_cache_config"] if isinstance(llm_args, Mapping) \
         else llm_args.kv_cache_config
     original = kv_cache_config["kv_events_config"] if isinstance(kv_cache_config, Mapping) \
@@ -163,10 +163,10 @@ def take_yaml_endpoint(llm_args: Any, env: Mapping[str, str], attention_dp: bool
         kv_cache_config["kv_events_config"] = replaced  # type: ignore[index]
     else:
         kv_cache_config.kv_events_config = replaced
-    settings = {**env, OUTPUT_ENDPOINT: native.endpoint}
+    settings = {**env, OUTPUT_ENDPOINT: engine_pub.endpoint}
     if topic is None:
-        settings[TOPIC] = native.topic
+        settings[TOPIC] = engine_pub.topic
     line = (f"kvbm_plugin: Dynamo STREAMING mode: TensorRT-LLM's own publisher moved from "
-            f"{native.endpoint!r} to {moved!r} ({where}); the consolidated output binds "
-            f"{native.endpoint!r} (attention-DP rank r: + r), where Dynamo's relay subscribes")
-    return native_publisher(llm_args), settings, line
+            f"{engine_pub.endpoint!r} to {moved!r} ({where}); the consolidated output binds "
+            f"{engine_pub.endpoint!r} (attention-DP rank r: + r), where Dynamo's relay subscribes")
+    return read_trtllm_publisher(llm_args), settings, line

@@ -15,7 +15,7 @@ from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector import native_events as _native
+from kvbm_plugin.connector import trtllm_publisher as _native
 from kvbm_plugin.connector.requests import RequestState
 from kvbm_plugin.connector.trtllm_compat import (
     find_kv_cache_manager,
@@ -45,7 +45,7 @@ class GpuTierEvents:
                  block_size: int, naming: BlockNaming, stats: dict[str, int],
                  fallback_serializer: Any, log: RateLimitedLog) -> None:
         """``mode``: DYN_KVBM_EVENTS_SOURCE; ``native``: TensorRT-LLM's own streaming publisher
-        (connector.native_events) or None; ``config``: the consolidator config."""
+        (connector.trtllm_publisher) or None; ``config``: the consolidator config."""
         self._mode = mode
         self._native = native
         self._config = config
@@ -61,7 +61,7 @@ class GpuTierEvents:
         self.source: Any = None
         self._tier_events: Any = None
         self._stream_names: Any = None
-        self.native_names = _native.NativeNameFeed()  # its stored blocks: the tiers' names
+        self.native_names = _native.TrtllmNameFeed()  # its stored blocks: the tiers' names
         self._problem = "not attached yet"
         self.attach_attempts = 0
         self._self_check_iterations = 0
@@ -129,7 +129,7 @@ class GpuTierEvents:
         """Never report a source as working while nothing arrives (issue 26, item 2): a V2
         event manager whose hooks TensorRT-LLM's C++ radix tree calls natively leaves the
         wrapped Python hooks uncalled, and not every such backend can be told from Python
-        (``gpu_events.source.native_sink``). Per iteration (executor thread, under the
+        (``gpu_events.source.cpp_sink``). Per iteration (executor thread, under the
         lock), until the first event: count the iterations in which a tracked request holds a
         full block of computed prompt KV; past :attr:`SELF_CHECK_ITERATIONS` of them with no event,
         count each further one (``gpu_source_silent_iterations``) and warn, rate-limited.

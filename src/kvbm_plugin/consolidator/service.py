@@ -7,12 +7,17 @@ Two layers, one concept, in two modules:
   It takes GPU-tier wire events (per dp rank) and offload-tier registrations, and emits output
   wire events per dp rank; everything the router sees is decided there. Its module docstring
   holds the semantics, and its dedup loops have a compiled form (``consolidator/_core_c.c``).
-* :class:`KvEventConsolidator` (this module) — the socket shell around one core: a SUB per
-  rank's GPU-tier publisher, a DEALER per rank's replay endpoint, one ingest thread that
-  decodes, applies and flushes, and an :class:`~kvbm_plugin.wire.publisher.EventPublisher` for the
-  output (the built-in ZMQ one in its inline mode, run by the ingest thread itself). The shell
-  only moves bytes, orders batches (sequence checks, replays, resyncs: its base class
-  :class:`~kvbm_plugin.consolidator.streams.StreamIngest`) and queues registrations.
+* :class:`KvEventConsolidator` (this module) — the shell around one core: a SUB per rank's
+  GPU-tier publisher in another process, a DEALER per rank's replay endpoint, one ingest
+  thread that decodes, applies and flushes, and an
+  :class:`~kvbm_plugin.wire.publisher.EventPublisher` for the output (the built-in ZMQ one in
+  its inline mode, run by the ingest thread itself). The shell only moves bytes, orders
+  batches (sequence checks, replays, resyncs: its base class
+  :class:`~kvbm_plugin.consolidator.streams.StreamIngest`) and queues registrations. A rank
+  whose GPU-tier batches are made in this process (``direct_ranks``: the leader's own) hands
+  them over by :meth:`KvEventConsolidator.take_gpu_batch`, queued in order with the
+  registrations: no encode, socket or decode between the event sink and the core, and no seq
+  to check (a queue in one process loses nothing it does not count).
 
 This module is the public face: import the consolidator's names from here.
 
@@ -22,6 +27,8 @@ Who calls what:
   :class:`~kvbm_plugin.consolidator_config.ConsolidatorConfig` when the consolidator is enabled,
   calls :meth:`~KvEventConsolidator.start` once at bring-up and
   :meth:`~KvEventConsolidator.shutdown` at teardown.
+* The leader's event sink calls :meth:`~KvEventConsolidator.take_gpu_batch` with each batch of
+  the leader's own dp rank, from ``KvEventSink.flush`` (executor thread); never blocks.
 * The leader's host and disk tiers call :meth:`~KvEventConsolidator.register_store`,
   :meth:`~KvEventConsolidator.register_remove` and :meth:`~KvEventConsolidator.register_clear`
   from whatever thread moves blocks; each call only appends to a queue.
@@ -38,7 +45,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, Final
 
 import zmq
@@ -88,7 +95,7 @@ _SHELL_COUNTERS: Final = (
     "replay_failures",
     "unfillable_gaps", "registrations", "registration_errors", "registrations_dropped",
     "batches_out", "events_out", "output_lost", "ingest_errors", "message_errors",
-    "observer_errors",
+    "observer_errors", "direct_batches", "direct_batches_dropped",
 )
 
 _Registration = tuple[Any, ...]  # (kind, medium, dp_rank, ...) built by register_*
@@ -113,6 +120,11 @@ class KvEventConsolidator(StreamIngest):
     the ingest thread with ``(dp_rank, raw event maps)`` of every GPU-tier batch applied (the
     leader learns TensorRT-LLM's block names from them where TensorRT-LLM publishes the GPU
     tier itself); cheap and thread-safe, its exceptions counted (``observer_errors``).
+    ``direct_ranks``: the dp ranks (of ``config.stream_ranks()``) whose GPU-tier batches
+    :meth:`take_gpu_batch` hands over; no socket is opened for them. At most ``max_pending``
+    such batches wait for the ingest thread; past that a batch is dropped, counted
+    (``direct_batches_dropped``), and the rank's GPU residency resynced before its next batch
+    (as for a gap no replay can fill).
     """
 
     def __init__(self, config: ConsolidatorConfig, *, publisher: EventPublisher | None = None,
@@ -120,7 +132,8 @@ class KvEventConsolidator(StreamIngest):
                  max_pending: int = 10000, flush_every: int = 16,
                  start_timeout: float = 10.0,
                  max_held_back: int = DEFAULT_MAX_HELD_BACK,
-                 engine_observer: Callable[[int, list[Any]], None] | None = None) -> None:
+                 engine_observer: Callable[[int, list[Any]], None] | None = None,
+                 direct_ranks: Collection[int] = ()) -> None:
         if type(flush_every) is not int or flush_every < 1:
             raise ValueError(f"{type(self).__name__}: flush_every={flush_every!r} must be an "
                              "int >= 1")
@@ -165,6 +178,17 @@ class KvEventConsolidator(StreamIngest):
         # The ingest thread's poller and DEALER -> stream map (set and used by that thread).
         self._poller = zmq.Poller()
         self._by_dealer: dict[Any, _Stream] = {}
+        streamed = config.stream_ranks()
+        for rank in direct_ranks:
+            if rank not in streamed:
+                raise ValueError(f"{type(self).__name__}: direct_ranks names dp rank {rank!r}, "
+                                 f"which this consolidator does not read (ranks {streamed})")
+        # Ranks whose batches take_gpu_batch hands over: their streams have no sockets.
+        self._direct: dict[int, _Stream] = {rank: _Stream(rank) for rank in direct_ranks}
+        # Handed-over batches queued and applied: each count has one writer (the caller's
+        # thread, the ingest thread), so their difference bounds the queue without a lock.
+        self._direct_in = self._direct_out = 0
+        self._direct_lost: set[int] = set()  # ranks with a resync queued (ingest thread clears)
         self._lock = threading.Lock()  # start/shutdown only
         self._state = "new"  # new -> running -> stopped
 
@@ -201,6 +225,9 @@ class KvEventConsolidator(StreamIngest):
                 self._wake_r, self._wake_w = os.pipe()
                 os.set_blocking(self._wake_r, False)
                 os.set_blocking(self._wake_w, False)
+                # What was queued before there was a pipe wrote no wake byte: the thread looks
+                # at the queue first, and the next submitter must write one.
+                self._wake_pending = False
                 self._thread = threading.Thread(target=self._run, name="kvbm-consolidator",
                                                 daemon=True)
                 self._thread.start()
@@ -291,6 +318,38 @@ class KvEventConsolidator(StreamIngest):
         """Tier ``tier`` of dp rank ``dp_rank`` dropped everything (e.g. reset); never blocks."""
         self._submit(("clear", normalize_medium(tier), dp_rank))
 
+    def take_gpu_batch(self, dp_rank: int, events: Sequence[Any]) -> None:
+        """One GPU-tier batch of ``dp_rank`` (one of ``direct_ranks``), in the order it was
+        made: wire events as maps, or the event sink's :class:`~kvbm_plugin.wire.events
+        .EncodedBatch` (decoded on the ingest thread). The caller hands it over and must not
+        change it afterwards.
+
+        Called by ``KvEventSink.flush`` on TensorRT-LLM's executor thread (one thread per
+        rank): an append and, after an idle spell, one pipe write; never blocks. Raises
+        ValueError for a rank not in ``direct_ranks``.
+        """
+        if dp_rank not in self._direct:
+            raise ValueError(f"{type(self).__name__}.take_gpu_batch: dp rank {dp_rank!r} is not "
+                             f"one of direct_ranks {sorted(self._direct)}")
+        if self._state == "stopped":
+            self._n_direct_batches_dropped += 1
+            self._log.log(logging.WARNING, "gpu-after-shutdown", "%s: GPU-tier batch of dp rank "
+                          "%d after shutdown dropped", type(self).__name__, dp_rank)
+            return
+        if self._direct_in - self._direct_out >= self._max_pending:
+            # The ingest thread is this far behind: what it has not applied yet is bounded.
+            self._n_direct_batches_dropped += 1
+            self._log.log(logging.WARNING, "gpu-backlog", "%s: %d GPU-tier batches wait for the "
+                          "ingest thread; a batch of dp rank %d dropped (direct_batches_dropped="
+                          "%d): its GPU residency is resynced", type(self).__name__,
+                          self._max_pending, dp_rank, self._n_direct_batches_dropped)
+            if dp_rank not in self._direct_lost:
+                self._direct_lost.add(dp_rank)
+                self._submit(("gpu-lost", None, dp_rank))
+            return
+        self._direct_in += 1
+        self._submit(("gpu", None, dp_rank, events))
+
     def _submit(self, item: _Registration) -> None:
         if self._state == "stopped":
             self._n_registrations_dropped += 1
@@ -320,6 +379,9 @@ class KvEventConsolidator(StreamIngest):
     def stats(self) -> dict[str, int]:
         """Shell and core counters (safe to call from any thread; values may lag slightly)."""
         out = {name: getattr(self, "_n_" + name) for name in _SHELL_COUNTERS}
+        # GPU-tier batches received however they came: off a socket, or handed over
+        # (take_gpu_batch, counted when accepted; ``direct_batches`` when applied).
+        out["messages_received"] += self._direct_in
         publisher = self._publisher
         if publisher is not None:  # lost by a threaded publisher after publish() accepted it
             out["output_lost"] += int(publisher.stats().get("lost_after_accept", 0))
@@ -378,6 +440,8 @@ class KvEventConsolidator(StreamIngest):
                 for sock in self._inline_sockets:
                     poller.register(sock, zmq.POLLIN)
             for rank in self.config.stream_ranks():
+                if rank in self._direct:
+                    continue  # handed over by take_gpu_batch
                 stream = _Stream(rank)
                 streams.append(stream)
                 sub = self._ctx.socket(zmq.SUB)
@@ -536,12 +600,30 @@ class KvEventConsolidator(StreamIngest):
     # --- registrations and output
 
     def _drain_registrations(self) -> None:
+        """Apply what is queued, in order: registrations and handed-over GPU-tier batches."""
         queue = self._queue
         core = self._core
+        batches = 0
         while queue:
             item = queue.popleft()
+            kind = item[0]
+            if kind == "gpu":
+                self._direct_out += 1
+                self._n_direct_batches += 1
+                self._apply_direct(self._direct[item[2]], item[2], item[3])
+                batches += 1
+                if batches >= self._flush_every:
+                    batches = 0
+                    self._flush()  # a backlog goes out in batches, as from the sockets
+                continue
+            if kind == "gpu-lost":
+                self._direct_lost.discard(item[2])
+                self._n_unfillable_gaps += 1
+                self._resync(self._direct[item[2]], "GPU-tier batches dropped at the "
+                             "hand-over bound")
+                continue
             try:
-                kind, medium, dp_rank = item[0], item[1], item[2]
+                medium, dp_rank = item[1], item[2]
                 if kind == "store":
                     # The adapter named as the GPU-tier stream names it (a router reads
                     # lora_name, never lora_id): one identity for a block on every medium.

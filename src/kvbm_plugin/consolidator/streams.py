@@ -28,7 +28,14 @@ from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.consolidator.core import ConsolidatorCore, UnknownMediumError
 from kvbm_plugin.consolidator_config import ConsolidatorConfig
-from kvbm_plugin.wire.events import END_SEQ, WireFormatError, decode_seq, encode_seq
+from kvbm_plugin.wire.events import (
+    END_SEQ,
+    EncodedBatch,
+    WireFormatError,
+    decode_seq,
+    encode_seq,
+    events_as_maps,
+)
 from kvbm_plugin.wire.reconnect import BACK, JOINED, LOST, ConnectionWatch
 
 
@@ -354,6 +361,21 @@ class StreamIngest:
             return
         self._loop_failures = 0
 
+    def _apply_direct(self, stream: _Stream, dp_rank: int, events: Any) -> None:
+        """Apply a batch handed over in this process (``take_gpu_batch``), guarded as
+        :meth:`_apply_payload` is; an encoded batch is decoded here, on the ingest thread."""
+        try:
+            if type(events) is EncodedBatch:
+                events = events_as_maps(events)
+            self._apply_batch(stream, dp_rank, events)
+        except Exception as exc:
+            self._n_message_errors += 1
+            self._log.log(logging.ERROR, "message-error", "rank %d: handed-over batch dropped, "
+                          "applying it raised %s: %s", stream.rank, type(exc).__name__,
+                          saferepr(str(exc)))
+            return
+        self._loop_failures = 0
+
     def _apply_payload_unguarded(self, stream: _Stream, payload: bytes) -> None:
         try:
             batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
@@ -372,6 +394,12 @@ class StreamIngest:
             self._bad_message(stream, WireFormatError(
                 f"batch data_parallel_rank is not an int >= 0: {saferepr(dp_rank, 100)}"))
             return
+        self._apply_batch(stream, dp_rank, batch[1])
+
+    def _apply_batch(self, stream: _Stream, dp_rank: int, events: list[Any]) -> None:
+        """Apply one GPU-tier batch of dp rank ``dp_rank`` (its events as decoded maps) to the
+        core: from a socket's payload (above) or handed over in this process
+        (``KvEventConsolidator.take_gpu_batch``). Ingest thread only."""
         if dp_rank not in stream.dp_ranks:
             if not self._core.admit_dp_rank(dp_rank):  # counted by the core
                 self._log.log(logging.WARNING, "dp-rank", "rank %d: batch for "
@@ -380,7 +408,8 @@ class StreamIngest:
                               self._core.max_dp_ranks)
                 return
             stream.dp_ranks.add(dp_rank)
-        events = batch[1] if self.engine_forms is None else self.engine_forms(dp_rank, batch[1])
+        if self.engine_forms is not None:
+            events = self.engine_forms(dp_rank, events)
         applied = self._core.apply_events(dp_rank, events,
                                           lambda exc: self._bad_event(stream, exc))
         self._n_batches_applied += 1

@@ -350,17 +350,17 @@ class NativeSinkV2EventManager(V2EventManager):
 class V2KVCacheManager:
     """A KVCacheManagerV2 stand-in holding ``event_manager``. :meth:`commit` stores a chain of
     full blocks into the "radix tree": through the instance's attributes (Python backend) or,
-    with ``native_sink=True``, the way the C++ backend does, bypassing them. ``bindings_type``
+    with ``cpp_sink=True``, the way the C++ backend does, bypassing them. ``bindings_type``
     makes the event manager's type look like TensorRT-LLM's nanobind class (what the plugin
     detects); without it the native sink can only be caught by the leader's self-check."""
 
-    def __init__(self, *, native_sink: bool = False, bindings_type: bool = False) -> None:
-        cls: type[V2EventManager] = NativeSinkV2EventManager if native_sink else V2EventManager
+    def __init__(self, *, cpp_sink: bool = False, bindings_type: bool = False) -> None:
+        cls: type[V2EventManager] = NativeSinkV2EventManager if cpp_sink else V2EventManager
         if bindings_type:
             cls = type("KVCacheEventManager", (cls,), {
                 "__module__": "tensorrt_llm.bindings.internal.batch_manager.kv_cache_manager_v2"})
         self.event_manager = cls()
-        self.native_sink = native_sink
+        self.cpp_sink = cpp_sink
 
     def commit(self, tokens: list[int], block_size: int) -> None:
         """Store ``tokens``' full blocks (block hash = :func:`trtllm_block_chain`)."""
@@ -372,7 +372,7 @@ class V2KVCacheManager:
                         range(0, len(tokens), block_size), strict=False):
             data = SimpleNamespace(block_hash=h, tokens=tokens[i:i + block_size], mm_keys=[],
                                    cache_salt=None)
-            if self.native_sink:  # as C++ calls its sink: no Python attribute lookup
+            if self.cpp_sink:  # as C++ calls its sink: no Python attribute lookup
                 type(em).add_stored_event(em, parent, [data], 0)
             else:
                 em.add_stored_event(parent, [data], 0)

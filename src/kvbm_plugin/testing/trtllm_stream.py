@@ -45,7 +45,7 @@ from typing import Any
 
 import zmq
 
-from kvbm_plugin.connector.native_events import NativePublisher, native_publisher
+from kvbm_plugin.connector.trtllm_publisher import TrtllmPublisher, read_trtllm_publisher
 from kvbm_plugin.testing.kv_events import SimKVCacheManager
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -213,7 +213,7 @@ class SimZmqEventPublisher:
     """Upstream's ``ZmqEventPublisher`` for one rank: a PUB (and optional replay ROUTER) bound
     at the rank's endpoint, fed by :meth:`publish` (never blocks), sent by its own thread."""
 
-    def __init__(self, config: Any, native: NativePublisher, rank: int,
+    def __init__(self, config: Any, native: TrtllmPublisher, rank: int,
                  context: zmq.Context | None = None) -> None:
         self.rank = rank
         self.endpoint = native.bind_endpoint(rank)
@@ -305,7 +305,7 @@ class SimStreamingKVCacheManager:
     upstream's empty pull API.
     """
 
-    def __init__(self, pool: Any, config: Any, native: NativePublisher, *, rank: int = 0,
+    def __init__(self, pool: Any, config: Any, native: TrtllmPublisher, *, rank: int = 0,
                  block_size: int) -> None:
         self.pool = pool
         self.rank = rank
@@ -385,7 +385,7 @@ def kv_cache_manager_for(pool: Any, kv_cache_config: Any, *, event_buffer_max_si
     have changed: ``connector.dynamo_streaming``). The buffered one, or TensorRT-LLM's
     streaming one where ``kv_events_config`` is on. Called by the engine's constructor."""
     config = kv_cache_config.kv_events_config
-    native = native_publisher({"kv_cache_config": {"kv_events_config": config}})
+    native = read_trtllm_publisher({"kv_cache_config": {"kv_events_config": config}})
     adp = dp_size > 1
     if native is None:
         return SimKVCacheManager(pool, event_buffer_max_size,

@@ -13,7 +13,7 @@ from typing import Any
 
 import zmq
 
-from kvbm_plugin.connector.native_events import native_publisher, native_streams
+from kvbm_plugin.connector.trtllm_publisher import read_trtllm_publisher, trtllm_streams
 from kvbm_plugin.consolidator.engine_forms import EngineForms
 from kvbm_plugin.consolidator.service import KvEventConsolidator
 from kvbm_plugin.consolidator_config import (
@@ -88,10 +88,10 @@ def main_consolidate(argv: list[str] | None = None) -> int:
         env[ENABLE_CONSOLIDATOR] = "true"
         streams: tuple[Any, ...] = ()
         if args.llm_api_options is not None:
-            native = native_publisher(read_llm_api_options(args.llm_api_options))
+            engine_pub = read_trtllm_publisher(read_llm_api_options(args.llm_api_options))
             host = (env.get(LEADER_ZMQ_HOST) or "127.0.0.1").strip()
             streams = tuple(s for r in range(args.num_ranks)
-                            for s in native_streams(native, r, host))
+                            for s in trtllm_streams(engine_pub, r, host))
         config = load_consolidator_config(env, num_ranks=args.num_ranks,
                                           require_gpu_events=not streams, gpu_streams=streams)
     except ConfigError as exc:

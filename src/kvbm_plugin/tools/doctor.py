@@ -13,10 +13,10 @@ from typing import Any
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.connector.dynamo_streaming import load_moved_endpoint, take_yaml_endpoint
-from kvbm_plugin.connector.native_events import (
-    NativePublisher,
+from kvbm_plugin.connector.trtllm_publisher import (
+    TrtllmPublisher,
     gpu_source_line,
-    native_streams,
+    trtllm_streams,
 )
 from kvbm_plugin.consolidator_config import ConfigError
 from kvbm_plugin.shared_settings import load_shared_settings
@@ -283,7 +283,7 @@ _SOURCE_DETAIL = {
 }
 
 
-def _events_source_check(native: NativePublisher | None = None) -> Check:
+def _events_source_check(native: TrtllmPublisher | None = None) -> Check:
     """Which GPU-tier event source the leader will use, and what the engine must provide."""
     try:
         source = cc.load_events_source()
@@ -345,7 +345,7 @@ def read_llm_api_options(path: str) -> Any:
         raise ConfigError(f"--llm-api-options {path}: {exc}") from None
 
 
-def _gpu_source_check(config: cc.ConsolidatorConfig | None, native: NativePublisher | None,
+def _gpu_source_check(config: cc.ConsolidatorConfig | None, native: TrtllmPublisher | None,
                       options: Any, num_ranks: int) -> Check:
     """Which GPU-tier source the leader will use (the words of its start-up log)."""
     host = (os.environ.get(cc.LEADER_ZMQ_HOST) or "127.0.0.1").strip()
@@ -378,7 +378,7 @@ def run_checks(num_ranks: int, require_trtllm: bool,
 
     checks: list[Check] = []
     options: Any = None
-    native: NativePublisher | None = None
+    native: TrtllmPublisher | None = None
     env: Any = os.environ  # with DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT: the leader's view
     if llm_api_options is not None:
         try:
@@ -387,7 +387,7 @@ def run_checks(num_ranks: int, require_trtllm: bool,
         except cc.ConfigError as exc:
             checks.append(Check("LLM-API options", "fail", str(exc)))
     host = (os.environ.get(cc.LEADER_ZMQ_HOST) or "127.0.0.1").strip()
-    streams = tuple(s for r in range(num_ranks) for s in native_streams(native, r, host))
+    streams = tuple(s for r in range(num_ranks) for s in trtllm_streams(native, r, host))
     try:
         config = cc.load_consolidator_config(env, num_ranks=num_ranks, gpu_streams=streams)
         checks.append(Check("consolidator config", "ok",

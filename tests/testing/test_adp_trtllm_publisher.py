@@ -10,7 +10,7 @@ import pytest
 from _kvwire import wait_until
 
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.connector.native_events import native_streams
+from kvbm_plugin.connector.trtllm_publisher import trtllm_streams
 from kvbm_plugin.testing.adp import AttentionDpEngine
 from kvbm_plugin.testing.engine import EngineConfig
 from kvbm_plugin.testing.fake_trtllm import KVEventsConfig
@@ -46,7 +46,7 @@ def test_each_rank_streams_on_its_own_endpoint_and_the_router_sees_each_ranks_tr
             rank1 = engine.ranks[1].engine.kv_cache_manager  # type: ignore[union-attr]
             assert rank1.publisher.endpoint == f"ipc://{tmp_path}/trt_dp1"
         view = RouterView(BS)
-        streams = native_streams(rank0.native, 0, "127.0.0.1")
+        streams = trtllm_streams(rank0.native, 0, "127.0.0.1")
         subscribers = subscribers_for(cc.load_consolidator_config(
             env, num_ranks=RANKS, attention_dp=True, gpu_streams=streams), RANKS, view)
         try:

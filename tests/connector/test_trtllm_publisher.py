@@ -15,7 +15,7 @@ import pytest
 from _engines import prompt, tiers
 from _kvwire import free_port, wait_until
 
-from kvbm_plugin.connector.native_events import native_publisher, offset_endpoint
+from kvbm_plugin.connector.trtllm_publisher import offset_endpoint, read_trtllm_publisher
 from kvbm_plugin.consolidator_config import ConfigError
 from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, KVEventsConfig, LlmArgs, ParallelConfig
 from kvbm_plugin.testing.trtllm_stream import encode_batch, radix_key, wire_hash
@@ -28,18 +28,18 @@ def _args(events: KVEventsConfig | None) -> LlmArgs:
 
 def test_kv_events_config_is_on_only_where_tensorrt_llm_streams() -> None:
     # KVEventsConfig's defaults: enable_kv_cache_events=False, publisher None (zmq when on)
-    assert native_publisher(_args(None)) is None
-    assert native_publisher(_args(KVEventsConfig())) is None
-    on = native_publisher(_args(KVEventsConfig(enable_kv_cache_events=True)))
+    assert read_trtllm_publisher(_args(None)) is None
+    assert read_trtllm_publisher(_args(KVEventsConfig())) is None
+    on = read_trtllm_publisher(_args(KVEventsConfig(enable_kv_cache_events=True)))
     assert on is not None and on.streams and on.endpoint == "tcp://*:5557"
-    null = native_publisher(_args(KVEventsConfig(enable_kv_cache_events=True,
+    null = read_trtllm_publisher(_args(KVEventsConfig(enable_kv_cache_events=True,
                                                  publisher="null")))
     assert null is not None and not null.streams
     yaml_form = {"kv_cache_config": {"kv_events_config": {"enable_kv_cache_events": True,
                                                           "endpoint": "ipc:///tmp/x"}}}
-    assert native_publisher(yaml_form).endpoint == "ipc:///tmp/x"
+    assert read_trtllm_publisher(yaml_form).endpoint == "ipc:///tmp/x"
     with pytest.raises(ConfigError, match=r"kv_events_config.endpoint='tcp://\*:99999'"):
-        native_publisher(_args(KVEventsConfig(enable_kv_cache_events=True,
+        read_trtllm_publisher(_args(KVEventsConfig(enable_kv_cache_events=True,
                                               endpoint="tcp://*:99999")))
 
 
@@ -55,12 +55,12 @@ def test_per_rank_endpoints_follow_tensorrt_llms_offset_rule(endpoint, rank, exp
 
 
 def test_a_subscriber_connects_where_the_rank_binds() -> None:
-    native = native_publisher(_args(KVEventsConfig(enable_kv_cache_events=True,
+    native = read_trtllm_publisher(_args(KVEventsConfig(enable_kv_cache_events=True,
                                                    endpoint="tcp://*:6000",
                                                    replay_endpoint="tcp://0.0.0.0:6100")))
     assert native.connect_endpoint(3, "127.0.0.1").connect == "tcp://127.0.0.1:6003"
     assert native.connect_replay(3, "10.1.2.3").connect == "tcp://10.1.2.3:6103"
-    explicit = native_publisher(_args(KVEventsConfig(enable_kv_cache_events=True,
+    explicit = read_trtllm_publisher(_args(KVEventsConfig(enable_kv_cache_events=True,
                                                      endpoint="tcp://10.0.0.5:6000")))
     assert explicit.connect_endpoint(1, "127.0.0.1").connect == "tcp://10.0.0.5:6001"
 
@@ -231,15 +231,15 @@ def test_doctor_names_the_gpu_tier_source(tmp_path, capsys, monkeypatch) -> None
 
 
 def test_an_attention_dp_ranks_consolidator_reads_that_ranks_stream(tmp_path) -> None:
-    from kvbm_plugin.connector.native_events import native_streams
+    from kvbm_plugin.connector.trtllm_publisher import trtllm_streams
     from kvbm_plugin.consolidator.service import KvEventConsolidator
     from kvbm_plugin.consolidator_config import load_consolidator_config
     from kvbm_plugin.testing.trtllm_stream import SimZmqEventPublisher
 
     events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/trt",
                             replay_endpoint=f"ipc://{tmp_path}/trt-replay")
-    native = native_publisher(_args(events))
-    streams = native_streams(native, 2, "127.0.0.1")
+    native = read_trtllm_publisher(_args(events))
+    streams = trtllm_streams(native, 2, "127.0.0.1")
     assert streams[0][0] == 2 and streams[0][1].connect == f"ipc://{tmp_path}/trt_dp2"
     config = load_consolidator_config(
         {"DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT": f"ipc://{tmp_path}/out",
@@ -267,12 +267,12 @@ def test_an_attention_dp_ranks_consolidator_reads_that_ranks_stream(tmp_path) ->
 
 
 def test_tensorrt_llms_ports_count_in_the_collision_check() -> None:
-    from kvbm_plugin.connector.native_events import native_streams
+    from kvbm_plugin.connector.trtllm_publisher import trtllm_streams
     from kvbm_plugin.consolidator_config import load_consolidator_config
 
-    native = native_publisher(_args(KVEventsConfig(enable_kv_cache_events=True,
+    native = read_trtllm_publisher(_args(KVEventsConfig(enable_kv_cache_events=True,
                                                    endpoint="tcp://*:57001")))
-    streams = native_streams(native, 0, "127.0.0.1")
+    streams = trtllm_streams(native, 0, "127.0.0.1")
     # the consolidated output's default port (leader port 56001 + 1000) is TRT-LLM's here
     with pytest.raises(ConfigError, match=r"consolidated output endpoint .* collides with "
                                           r"rank 0 GPU-tier stream from kv_cache_config"):
@@ -294,7 +294,7 @@ def test_the_standalone_consolidator_reads_tensorrt_llms_stream(tmp_path) -> Non
     options.write_text(json.dumps({"kv_cache_config": {"kv_events_config": {
         "enable_kv_cache_events": True, "endpoint": events.endpoint,
         "replay_endpoint": events.replay_endpoint}}}))
-    publisher = SimZmqEventPublisher(events, native_publisher(_args(events)), 0)
+    publisher = SimZmqEventPublisher(events, read_trtllm_publisher(_args(events)), 0)
     h = wire_hash(radix_key(5))
     publisher.publish(encode_batch(1.0, [{"type": "BlockStored", "block_hashes": [h],
                                           "parent_block_hash": None,

@@ -20,7 +20,7 @@ What is read, and the rules followed (upstream, read in the stored source index)
   later revisions, stored ids 68762347738 and 71400586074 @ 13599e98c71c): rank 0 binds the
   endpoint as given; rank r > 0 binds tcp port + r, or an ipc/inproc address + ``"_dp{r}"``.
 * where a subscriber connects: a bind wildcard host (``*``, ``0.0.0.0``, ``::``) is not
-  connectable; Dynamo's native subscriber connects to loopback on a single node
+  connectable; Dynamo's own subscriber connects to loopback on a single node
   (``_streaming_kv_event_connect_endpoint`` in ``components/src/dynamo/trtllm/publisher.py``,
   stored id 58272634303). The plugin's consolidator runs in the process of the rank whose
   stream it reads, so it connects to ``DYN_KVBM_LEADER_ZMQ_HOST`` (default loopback).
@@ -50,7 +50,7 @@ def _get(obj: Any, name: str, default: Any = None) -> Any:
 
 
 @dataclass(frozen=True)
-class NativePublisher:
+class TrtllmPublisher:
     """TensorRT-LLM's streaming publisher as configured: ``publisher`` is ``"zmq"`` (each
     rank's stream at :meth:`bind_endpoint`) or ``"null"`` (no stream at all)."""
 
@@ -124,7 +124,7 @@ def _connectable(bound: str, host: str, name: str) -> Endpoint:
     return parse_endpoint(source, bound, default_host=host)
 
 
-def native_publisher(llm_args: Any) -> NativePublisher | None:
+def read_trtllm_publisher(llm_args: Any) -> TrtllmPublisher | None:
     """TensorRT-LLM's streaming publisher configured in ``llm_args`` (a ``TorchLlmArgs``, or
     its mapping form), or None where ``kv_events_config`` is absent or not enabled.
     ConfigError names the field and value TensorRT-LLM itself would refuse."""
@@ -147,25 +147,25 @@ def native_publisher(llm_args: Any) -> NativePublisher | None:
     for name, value in (("endpoint", endpoint), ("replay_endpoint", replay), ("topic", topic)):
         if value is not None and not isinstance(value, str):
             raise ConfigError(f"{FIELD}.{name}={value!r} is not a string")
-    native = NativePublisher(publisher, endpoint.strip(), None if replay is None
+    engine_pub = TrtllmPublisher(publisher, endpoint.strip(), None if replay is None
                              else replay.strip(), topic)
-    native.bind_endpoint(0)  # refuse a malformed endpoint at construction, naming the field
-    native.bind_replay(0)
-    return native
+    engine_pub.bind_endpoint(0)  # refuse a malformed endpoint at construction, naming the field
+    engine_pub.bind_replay(0)
+    return engine_pub
 
 
-def native_streams(native: NativePublisher | None, dp_rank: int,
+def trtllm_streams(engine_pub: TrtllmPublisher | None, dp_rank: int,
                    host: str) -> tuple[tuple[int, Endpoint, Endpoint | None], ...]:
     """The consolidator's GPU-tier stream for ``dp_rank``'s leader when TensorRT-LLM
     publishes it (``ConsolidatorConfig.gpu_streams``): the rank's own endpoint only, as the
     leader of that rank runs in its process; ``()`` when TensorRT-LLM does not stream."""
-    if native is None or not native.streams:
+    if engine_pub is None or not engine_pub.streams:
         return ()
-    return ((dp_rank, native.connect_endpoint(dp_rank, host),
-             native.connect_replay(dp_rank, host)),)
+    return ((dp_rank, engine_pub.connect_endpoint(dp_rank, host),
+             engine_pub.connect_replay(dp_rank, host)),)
 
 
-def gpu_source_line(native: NativePublisher | None, events_source: str, config: Any,
+def gpu_source_line(engine_pub: TrtllmPublisher | None, events_source: str, config: Any,
                     rank: int, host: str) -> str:
     """Which GPU-tier source is in use, in words (the leader's start-up log and
     ``event_source_status``, ``kvbm-plugin doctor``): TensorRT-LLM's publisher at which
@@ -173,8 +173,8 @@ def gpu_source_line(native: NativePublisher | None, events_source: str, config: 
     ``config``: the ConsolidatorConfig (the plugin's own endpoint), or None."""
     from kvbm_plugin.consolidator_config import EVENTS_SOURCE
 
-    if native is not None:
-        return (native.describe(rank, host) + f"; the plugin publishes no GPU-tier stream "
+    if engine_pub is not None:
+        return (engine_pub.describe(rank, host) + f"; the plugin publishes no GPU-tier stream "
                 f"({EVENTS_SOURCE}={events_source} not used)")
     if events_source == "off":
         return f"none from the plugin ({EVENTS_SOURCE}=off)"
@@ -185,17 +185,17 @@ def gpu_source_line(native: NativePublisher | None, events_source: str, config: 
     return f"the plugin's own publisher ({where}; {EVENTS_SOURCE}={events_source})"
 
 
-def log_gpu_source(log: Any, native: NativePublisher | None, line: str,
+def log_gpu_source(log: Any, engine_pub: TrtllmPublisher | None, line: str,
                    consolidate: bool) -> None:
     """The leader's start-up line about its GPU-tier source: a warning where TensorRT-LLM's
     stream is not merged (``publisher='null'``, or no consolidator)."""
-    odd = native is not None and not (native.streams and consolidate)
+    odd = engine_pub is not None and not (engine_pub.streams and consolidate)
     log.log(30 if odd else 20, "kvbm_plugin: GPU-tier KV events: %s%s", line,
             "" if consolidate else "; no consolidator: the offload tiers' events go out on "
             "their own")
 
 
-class NativeNameFeed:
+class TrtllmNameFeed:
     """TensorRT-LLM's stored-block events from its own stream, handed from the consolidator's
     ingest thread (:meth:`observe`, its ``engine_observer``) to the leader (:meth:`drain`,
     under the leader's lock), which learns from them the names its tier events must carry.
@@ -238,11 +238,11 @@ def _names_a_block(event: Any) -> bool:
             and all(type(h) is int for h in hashes) and (parent is None or type(parent) is int))
 
 
-class NativeNameReader:
+class TrtllmNameReader:
     """Reads TensorRT-LLM's stream of one rank for the names alone, where no consolidator
     does (``DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR=false``): its own thread
-    (``kvbm-native-names-r<rank>``) owns a SUB at ``endpoint`` and hands each batch's events
-    to ``observe`` (a :class:`NativeNameFeed`'s). Built and stopped by the leader (through
+    (``kvbm-trtllm-names-r<rank>``) owns a SUB at ``endpoint`` and hands each batch's events
+    to ``observe`` (a :class:`TrtllmNameFeed`'s). Built and stopped by the leader (through
     ``connector.assembly``); it never touches TensorRT-LLM state and holds no lock. A payload
     it cannot decode is counted (``malformed``) and skipped. ``forms``: normalises each batch's
     events first (an ``EngineForms``, as the consolidator does), or None."""
@@ -263,7 +263,7 @@ class NativeNameReader:
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint.connect)
         self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"kvbm-native-names-r{rank}")
+                                        name=f"kvbm-trtllm-names-r{rank}")
         self._thread.start()
 
     def _run(self) -> None:
