@@ -169,6 +169,9 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         self._naming.salt_blind = self._native is not None  # its stream carries no salt
         self._native_feed = _native.NativeNameFeed()  # its stored blocks: the tiers' names
         self._native_forms = EngineForms()  # each upstream form's fields, made the core's
+        # ...so V2 radix keys are computed, and scoped blocks' scopes handed to the consolidator
+        self._naming.v2_stream = self._native is not None
+        self._naming.scope_sink = self._native_forms.scopes
         self._host_name = _llm_args.leader_host(self._env)
         self._config = config = load_consolidator_config(
             self._env, num_ranks=par.dp_size, attention_dp=par.attention_dp,
@@ -498,6 +501,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
         if len(state.keys) < len(state.tokens) // bs:
             state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
                                          parent=state.keys[-1] if state.keys else None))
+        self._naming.v2_extend(state)  # TensorRT-LLM's own stream: its names, computed
 
     @staticmethod
     def _adopt_scope(state: _Request, rd: Any) -> None:
@@ -508,6 +512,7 @@ class KvbmConnectorLeader(TierBookkeeping, GpuEventFeed, SharedBook,  # type: ig
             state.salt = salt
             state.scope = (lora_of(rd), salt_of(rd))
             state.keys = []  # rehashed under the salt by _absorb
+            state.v2_keys = []
             state.digests = []
             state.name_inputs = name_inputs(rd)
             state.computed = []

@@ -109,6 +109,11 @@ class BlockNames:
             self._key_order.put(self._by_key, keys[i], h, self._max)
             i += 1
 
+    def name_key(self, key: int, h: int) -> None:
+        """Map the plugin's content key ``key`` to TRT-LLM's hash ``h`` (u64), computed
+        rather than learned (``BlockNaming.v2_extend``)."""
+        self._key_order.put(self._by_key, key, h, self._max)
+
     def hash_of_key(self, key: int) -> int | None:
         """TRT-LLM's hash of the block with content key ``key``, when learned."""
         return self._by_key.get(key)
