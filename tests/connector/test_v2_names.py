@@ -72,6 +72,12 @@ def test_a_registered_scope_goes_into_the_gpu_blocks_identity() -> None:
     assert out[0]["extra_keys"] == [[salt_extra_key(salt)], [salt_extra_key(salt)], None]
     assert out[0]["lora_id"] == 3 and out[0]["lora_name"] == "lora-3"
     assert forms.stats()["engine_scopes_applied"] == 2
+    # the older adapter form writes its hash as a u64: the same block as its int64
+    forms.scopes.register(-2, (None, salt))
+    unsigned = forms(0, [dict(events[0], block_hashes=[(1 << 64) - 2], extra_keys=None,
+                              token_ids=[1, 2, 3, 4], lora_id=None, lora_name=None)])
+    assert unsigned[0]["extra_keys"] == [[salt_extra_key(salt)]]
+    assert unsigned[0]["lora_id"] is None
     small = EngineForms()
     small.scopes.capacity = 2
     for h in range(3):

@@ -66,6 +66,8 @@ _READ: Final = frozenset({"type", "block_hashes", "parent_block_hash", "token_id
                           "block_size", "lora_id", "medium", "lora_name", "extra_keys",
                           "mm_keys"})
 _HEX: Final = frozenset("0123456789abcdefABCDEF")
+_MAX64: Final = (1 << 63) - 1
+_TWO64: Final = 1 << 64
 _STORED_BASE: Final = 8  # a BlockStored of 44004b3 and 13599e9 without the omitted fields
 
 
@@ -164,7 +166,7 @@ class EngineForms:
                     self._log.log(logging.INFO, "ignored-" + str(name)[:40], "kvbm_plugin: "
                                   "TensorRT-LLM BlockStored field %.40r=%.60r not read "
                                   "(engine_fields_ignored)", name, value)
-        if self.scopes._map:
+        if self.scopes:
             self._scope(event)
         if event.get("lora_id") is not None and event.get("lora_name") is None \
                 and type(event["lora_id"]) is int:
@@ -202,7 +204,9 @@ class EngineForms:
         if type(hashes) is not list:
             return
         get = self.scopes.get
-        found = [get(h) if type(h) is int else None for h in hashes]
+        # the older adapter form writes its u64 unsigned; the leader registers int64s
+        found = [get(h - _TWO64 if h > _MAX64 else h) if type(h) is int else None
+                 for h in hashes]
         if not any(found):
             return
         extra = event.get("extra_keys")

@@ -204,8 +204,9 @@ class BlockNaming:
     def v2_extend(self, state: RequestState) -> None:
         """Where TensorRT-LLM's own stream is the source (``v2_stream``): compute the V2 radix
         keys of the request's new full blocks and register each scoped block's wire hashes
-        (both truncations) with its scope in ``scope_sink``, before this iteration's events
-        can be published; name the content keys once the truncation is confirmed. Called
+        (both truncations until one is confirmed) with its scope in ``scope_sink``, before
+        this iteration's events can be published; name the content keys once the truncation
+        is confirmed. Called
         by the leader for each scheduled request (``build_connector_meta``, executor thread,
         under its lock): one SHA-256 per new block."""
         inputs: NameInputs | None = state.name_inputs
@@ -233,9 +234,12 @@ class BlockNaming:
         scope = state.scope
         sink = self.scope_sink
         if sink is not None and (scope[0] is not None or scope[1] is not None):
-            for key in new:
-                sink.register(radix_key_hash(key), scope)
-                sink.register(radix_key_tail_hash(key), scope)
+            wire = self.v2_wire
+            for key in new:  # both truncations until the stream showed which it uses
+                if wire != "tail":
+                    sink.register(radix_key_hash(key), scope)
+                if wire != "head":
+                    sink.register(radix_key_tail_hash(key), scope)
         if self.v2_wire is not None:
             self._v2_name_keys(state, done)
 
