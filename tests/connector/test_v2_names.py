@@ -146,3 +146,64 @@ def test_salted_and_adapter_blocks_go_out_under_upstreams_names(make_engine, tmp
         assert stats["engine_scopes_applied"] > 0  # salted/adapter GPU blocks were scoped
     finally:
         sub.close()
+
+
+def test_under_attention_dp_each_ranks_salted_blocks_keep_upstreams_names(tmp_path) -> None:
+    """Two attention-DP ranks, each with its own TensorRT-LLM stream, consolidator and host
+    tier: a salted tenant on each rank; each rank's consolidated view holds exactly its GPU
+    pool's and tiers' blocks, the salted ones under upstream's names."""
+    from kvbm_plugin import consolidator_config as cc
+    from kvbm_plugin.connector.native_events import native_streams
+    from kvbm_plugin.testing.adp import AttentionDpEngine
+    from kvbm_plugin.testing.engine import EngineConfig
+    from kvbm_plugin.tools.demo_adp import subscribers_for
+    from kvbm_plugin.tools.router_view import RouterView
+    from kvbm_plugin.wire.events import to_signed_int64
+
+    events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/trt",
+                            replay_endpoint=f"ipc://{tmp_path}/trt-replay")
+    env = {cc.ENABLE_CONSOLIDATOR: "true", cc.OUTPUT_ENDPOINT: f"ipc://{tmp_path}/out",
+           cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tmp_path}/out-replay",
+           cc.CPU_CACHE_NUM_BLOCKS: "24"}
+    config = EngineConfig(attention_dp=2, env=env, tokens_per_block=4, num_gpu_blocks=12,
+                          kv_events_config=events, provide_block_hashes=False)
+    salt = v2_reuse_salt("tenant-A")
+    with AttentionDpEngine(config) as engine:
+        view = RouterView(4)
+        streams = native_streams(engine.rank0.kv_cache_manager.native, 0, "127.0.0.1")
+        subscribers = subscribers_for(cc.load_consolidator_config(
+            env, num_ranks=2, attention_dp=True, gpu_streams=streams), 2, view)
+        try:
+            for r in range(2):
+                engine.submit(prompt(r, 17), 2, dp_rank=r)
+            engine.run_until_idle()
+            for r in range(2):
+                engine.submit(prompt(r, 17), 2, cache_salt="tenant-A", dp_rank=r)
+            engine.run_until_idle()
+            for seed in range(4, 7):  # evict into the host tier
+                for r in range(2):
+                    engine.submit(prompt(10 * seed + r, 17), 2, dp_rank=r)
+                engine.run_until_idle()
+            for r in range(2):
+                engine.call(r, "publish_now")
+
+            def truth(r: int) -> set[tuple[int, int]]:
+                resident = engine.call(r, "resident_blocks")
+                return ({(r, h) for h in engine.call(r, "gpu_wire_hashes")}
+                        | {(r, to_signed_int64(h)) for h in resident["CPU"][r]})
+
+            def settled() -> bool:
+                for subscriber in subscribers:
+                    subscriber.poll(10)
+                return all(engine.call(r, "leader_stats")["tier_stores_waiting_for_name"] == 0
+                           and s.held == truth(r) for r, s in enumerate(subscribers))
+
+            wait_until(settled, 20, "each rank's consolidated view = its GPU pool + tier")
+            for r, subscriber in enumerate(subscribers):
+                names = {(r, radix_key_hash(k)) for k in v2_chain(prompt(r, 17)[:16], 4,
+                                                                   salt=salt)}
+                assert names <= subscriber.held  # the salted tenant, under upstream's names
+                assert engine.call(r, "leader_stats")["engine_scopes_applied"] > 0
+        finally:
+            for subscriber in subscribers:
+                subscriber.close()
