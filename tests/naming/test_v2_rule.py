@@ -51,9 +51,16 @@ def test_computed_names_are_used_once_the_stream_confirms_them() -> None:
     naming.names.observe(0, [_stored([_head(k) for k in plain.v2_keys], tokens)])
     naming.refresh([plain, salted])
     assert naming.v2_wire == "head"
+    assert naming.hash_of(plain, 1) == _head(plain.v2_keys[1])
+    # the salt's rule is used only once TensorRT-LLM stored a block under it (a revision
+    # deriving the salt otherwise never names a tier copy)
+    assert naming.hash_of(salted, 1) is None
+    assert naming.names.hash_of_key(salted.keys[0]) is None
+    naming.names.observe(0, [_stored([_head(salted.v2_keys[0])], tokens[:BS])])
+    naming.refresh([plain])  # the salted request is gone by then: its blocks still get named
     assert naming.hash_of(salted, 1) == _head(salted.v2_keys[1])
     # a tier block that waits under its content key is named by the computed name
-    assert naming.names.hash_of_key(salted.keys[0]) == _head(salted.v2_keys[0])
+    assert naming.names.hash_of_key(salted.keys[1]) == _head(salted.v2_keys[1])
 
 
 def test_a_stream_that_names_a_block_otherwise_turns_the_computed_names_off(

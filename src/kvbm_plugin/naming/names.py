@@ -165,7 +165,10 @@ class BlockNaming:
         self.scope_sink: Any = None
         self.v2_wire: str | None = None  # confirmed truncation: "head" / "tail"
         self.v2_refuted = False
-        for name in ("v2_names_computed", "v2_rule_mismatches"):
+        self._v2_rules_named = 0  # len(names.seen_rules) when the content keys were last named
+        self._v2_pending: dict[tuple[bool, bool], dict[int, bytes]] = {}
+        self._v2_pending_n = 0
+        for name in ("v2_names_computed", "v2_rule_mismatches", "v2_pending_dropped"):
             stats.setdefault(name, 0)
         self.confirmed: set[tuple[str, bool]] = set()
         self.refuted: set[tuple[str, bool]] = set()
@@ -187,7 +190,7 @@ class BlockNaming:
         """TRT-LLM's hash of block ``index`` of ``state``, or None while unknown."""
         if index < len(state.event_hashes):
             return int(state.event_hashes[index])
-        if self.v2_wire is not None and index < len(state.v2_keys):
+        if self.v2_wire is not None and index < len(state.v2_keys) and self._v2_seen(state):
             return _wire(state.v2_keys[index], self.v2_wire)
         rule = self._rule(state)
         if rule is not None:
@@ -240,18 +243,55 @@ class BlockNaming:
                     sink.register(radix_key_hash(key), scope)
                 if wire != "head":
                     sink.register(radix_key_tail_hash(key), scope)
-        if self.v2_wire is not None:
-            self._v2_name_keys(state, done)
+        rule = _v2_rule(inputs)
+        if done == 0 and new and rule != (False, False) and rule not in self.names.seen_rules \
+                and len(self.names.watch) < self.MAX_WATCHED:
+            # A salt or adapter rule is used once TensorRT-LLM stored a block under it: a
+            # revision that derives the scope otherwise then never names a tier copy.
+            self.names.watch[_wire(new[0], "head")] = rule
+            self.names.watch[_wire(new[0], "tail")] = rule
+        self._v2_name_keys(state, done)
+
+    MAX_WATCHED = 4096  # computed root names waiting to be seen on the stream, at most
+    MAX_PENDING = 1 << 15  # computed names of blocks whose rule is not confirmed yet
+
+    def _v2_seen(self, state: RequestState) -> bool:
+        """Whether the input rule ``state``'s V2 names depend on (salt, adapter) was seen on
+        the stream; an unscoped one needs only the truncation (``v2_wire``)."""
+        rule = _v2_rule(state.name_inputs)
+        return rule == (False, False) or rule in self.names.seen_rules
 
     def _v2_name_keys(self, state: RequestState, start: int) -> None:
         """Map the content keys of blocks ``start..`` to their computed names (for the tier
-        blocks that wait for one: ``UnnamedStores``)."""
+        blocks that wait for one: ``UnnamedStores``); while their rule is not confirmed, keep
+        them (bounded) until it is (:meth:`_v2_flush`): the request may be gone by then."""
         wire = self.v2_wire
-        assert wire is not None
-        for i in range(start, min(len(state.v2_keys), len(state.keys))):
-            self.names.name_key(state.keys[i], _wire(state.v2_keys[i], wire))
+        end = min(len(state.v2_keys), len(state.keys))
+        if wire is not None and self._v2_seen(state):
+            for i in range(start, end):
+                self.names.name_key(state.keys[i], _wire(state.v2_keys[i], wire))
+            return
+        pending = self._v2_pending.setdefault(_v2_rule(state.name_inputs), {})
+        for i in range(start, end):
+            if self._v2_pending_n >= self.MAX_PENDING:
+                self._stats["v2_pending_dropped"] += end - i  # such blocks wait for a name
+                return
+            pending[state.keys[i]] = state.v2_keys[i]
+            self._v2_pending_n += 1
 
-    def _v2_check(self, state: RequestState, states: list[RequestState]) -> None:
+    def _v2_flush(self) -> None:
+        """Name the kept content keys whose rule (and truncation) is confirmed now."""
+        wire = self.v2_wire
+        if wire is None:
+            return
+        seen = self.names.seen_rules
+        for rule in [r for r in self._v2_pending if r == (False, False) or r in seen]:
+            kept = self._v2_pending.pop(rule)
+            self._v2_pending_n -= len(kept)
+            for key, radix in kept.items():
+                self.names.name_key(key, _wire(radix, wire))
+
+    def _v2_check(self, state: RequestState) -> None:
         """Confirm the V2 rule (and its truncation) where a learned name equals a computed
         one; refute it for good where one differs under a parent that agreed."""
         learned, keys = state.learned, state.v2_keys
@@ -260,12 +300,13 @@ class BlockNaming:
             if learned[i] in (head, tail):
                 if self.v2_wire is None:
                     self.v2_wire = "head" if learned[i] == head else "tail"
-                    for other in states:
-                        self._v2_name_keys(other, 0)
+                    self._v2_flush()
             elif i and learned[i - 1] in (_wire(keys[i - 1], "head"),
                                           _wire(keys[i - 1], "tail")):
                 self.v2_refuted = True
                 self.v2_wire = None
+                self._v2_pending.clear()
+                self._v2_pending_n = 0
                 self._stats["v2_rule_mismatches"] += 1
                 self._log.log(logging.ERROR, "v2-mismatch", "kvbm_plugin: TensorRT-LLM's "
                               "stream named block %d of request %d %d, not the V2 radix key "
@@ -321,14 +362,16 @@ class BlockNaming:
         refute the rules the computed hashes were made under."""
         if not self.names:
             return
-        states = list(states)
+        if self._v2_pending and len(self.names.seen_rules) != self._v2_rules_named:
+            self._v2_rules_named = len(self.names.seen_rules)  # a salt/adapter rule seen
+            self._v2_flush()
         for state in states:
             if state.event_hashes or len(state.learned) >= len(state.keys) \
                     or not self._may_learn(state):
                 continue
             self.names.extend(state.tokens, state.keys, state.learned, state.scope[0])
             if state.v2_keys and not self.v2_refuted:
-                self._v2_check(state, states)
+                self._v2_check(state)
             rule = self._rule(state)
             if rule is None:
                 continue
@@ -357,6 +400,11 @@ class BlockNaming:
                       "differently (rule %s); offload-tier events of such requests now wait "
                       "for the names its GPU events carry", index, state.req_id,
                       state.learned[index], state.computed[index], rule)
+
+
+def _v2_rule(inputs: Any) -> tuple[bool, bool]:
+    """What a request's V2 names depend on beyond the tokens: (a salt, an adapter)."""
+    return inputs.v2_salt is not None, inputs.lora is not None
 
 
 def _wire(key: bytes, truncation: str) -> int:
