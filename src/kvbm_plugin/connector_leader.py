@@ -149,6 +149,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             llm_args, self._env, par.attention_dp, par.dp_size)
         self._naming.salt_blind = native is not None  # its stream carries no salt
         self._native_forms = EngineForms()  # each upstream form's fields, made the core's
+        # ...so V2 radix keys are computed, and scoped blocks' scopes handed to the consolidator
+        self._naming.v2_stream = native is not None
+        self._naming.scope_sink = self._native_forms.scopes
         host_name = _llm_args.leader_host(self._env)
         config = load_consolidator_config(
             self._env, num_ranks=par.dp_size, attention_dp=par.attention_dp,
@@ -537,6 +540,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             state.salt = salt
             state.scope = (lora_of(rd), salt_of(rd))
             state.keys = []  # rehashed under the salt by OffloadPlanner.absorb
+            state.v2_keys = []
             state.digests = []
             state.name_inputs = name_inputs(rd)
             state.computed = []

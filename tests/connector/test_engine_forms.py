@@ -126,9 +126,10 @@ def test_engine_forms_fills_names_counts_unread_fields_and_refuses_odd_mm_keys()
 
 def test_a_salted_tenants_tier_blocks_never_go_out_under_a_name_the_plugin_made(
         make_engine, tmp_path) -> None:
-    """TensorRT-LLM's stream carries no salt: a salted request's tier copies wait for a name
-    (bounded) rather than take an unsalted block's, which the consolidator would have to
-    rename (``hash_conflicts``) into a GPU-tier name TensorRT-LLM never published."""
+    """TensorRT-LLM's stream carries no salt: a salted request's tier copies never take an
+    unsalted block's name, which the consolidator would have to rename (``hash_conflicts``)
+    into a GPU-tier name TensorRT-LLM never published; they go out under the V2 names the
+    leader computes (``tests/connector/test_v2_names.py``)."""
     from _engines import prompt
     from _kvwire import free_port
 

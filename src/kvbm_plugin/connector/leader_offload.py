@@ -67,6 +67,7 @@ class OffloadPlanner:
         if len(state.keys) < len(state.tokens) // bs:
             state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
                                          parent=state.keys[-1] if state.keys else None))
+        self._naming.v2_extend(state)  # TensorRT-LLM's own stream: its names, computed
 
     def event_hash(self, state: RequestState, index: int) -> int:
         """The hash the tier events name block ``index`` by: TRT-LLM's (see

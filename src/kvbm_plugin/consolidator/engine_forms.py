@@ -28,6 +28,14 @@ consolidator's identity). A non-null ``lora_id`` without
 a ``lora_name`` goes out under the adapter name the plugin gives every LoRA task
 (``wire.identity.lora_name``: ``lora-<id>``), the one the core's identity already uses.
 
+TensorRT-LLM's stream carries no cache salt and (44004b3) no adapter, so the scope of a salted
+or adapter block, which is part of its identity in the core (its tier copies carry it), cannot
+be read there. :class:`WireScopes` (``EngineForms.scopes``) is filled by the leader, which
+computes each request's V2 radix keys (``naming.names.BlockNaming.v2_extend``) before the
+iteration's events can be published: ``wire hash -> (LoRA task id, salt id)``. A stored block
+found there gets the salt item in its ``extra_keys`` entry (``wire.identity.salt_extra_key``,
+as tier events carry it) and, where the event names no adapter, the ``lora_id``.
+
 Anything else is refused, one event at a time, counted per reason and logged rate-limited: a
 string token that names no ``mm_keys`` item of its block, an item without a uuid, malformed
 ``mm_keys``. Fields the core does not read (``group_idx``, ``kv_cache_spec_*``, ``locality``,
@@ -45,8 +53,10 @@ from __future__ import annotations
 import logging
 from typing import Any, Final
 
+from kvbm_plugin._util.bounded import EvictionOrder
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.wire.identity import lora_name as wire_lora_name
+from kvbm_plugin.wire.identity import salt_extra_key
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +66,8 @@ _READ: Final = frozenset({"type", "block_hashes", "parent_block_hash", "token_id
                           "block_size", "lora_id", "medium", "lora_name", "extra_keys",
                           "mm_keys"})
 _HEX: Final = frozenset("0123456789abcdefABCDEF")
+_MAX64: Final = (1 << 63) - 1
+_TWO64: Final = 1 << 64
 _STORED_BASE: Final = 8  # a BlockStored of 44004b3 and 13599e9 without the omitted fields
 
 
@@ -72,10 +84,43 @@ def mm_pad_token(uuid: str) -> int:
     return MM_PAD_SHIFT + (int(uuid, 16) & MM_PAD_MASK)
 
 
+class WireScopes:
+    """``wire hash (signed int64) -> (LoRA task id, salt id)`` of scoped blocks on TensorRT-LLM's
+    stream, bounded: past :attr:`capacity` the oldest is forgotten (``evicted``, logged
+    rate-limited; such a block then keeps the unscoped identity). One writer (the leader,
+    executor thread, under its lock: :meth:`register`), one reader (the consolidator's ingest
+    thread: :meth:`get`, one dict lookup, safe beside the writer under the GIL)."""
+
+    def __init__(self, capacity: int = 1 << 18) -> None:
+        self.capacity = capacity
+        self.registered = 0
+        self.evicted = 0
+        self._map: dict[int, tuple[int | None, int | None]] = {}
+        self._order = EvictionOrder()
+        self._log = RateLimitedLog(logger)
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    def register(self, wire_hash: int, scope: tuple[int | None, int | None]) -> None:
+        self.registered += 1
+        if self._order.put(self._map, wire_hash, scope, self.capacity):
+            self.evicted += 1
+            self._log.log(logging.WARNING, "scopes-full", "kvbm_plugin: %d scoped blocks of "
+                          "TensorRT-LLM's stream remembered; the oldest is forgotten "
+                          "(engine_scopes_evicted): its GPU event, if still to come, names no "
+                          "salt or adapter", self.capacity)
+
+    def get(self, wire_hash: Any) -> tuple[int | None, int | None] | None:
+        return self._map.get(wire_hash)
+
+
 class EngineForms:
     """Normalises TensorRT-LLM's stored-block events in place (see the module docstring)."""
 
     def __init__(self) -> None:
+        self.scopes = WireScopes()  # filled by the leader (see the module docstring)
+        self.scopes_applied = 0  # stored blocks given their scope from self.scopes
         self.tokens_converted = 0  # string token ids turned into routing token ids
         self.mm_blocks = 0  # blocks whose mm_keys went into extra_keys
         self.lora_names_filled = 0
@@ -88,7 +133,10 @@ class EngineForms:
                "engine_mm_blocks": self.mm_blocks,
                "engine_lora_names_filled": self.lora_names_filled,
                "engine_events_refused": sum(self.refused.values()),
-               "engine_fields_ignored": sum(self.fields_ignored.values())}
+               "engine_fields_ignored": sum(self.fields_ignored.values()),
+               "engine_scopes_applied": self.scopes_applied,
+               "engine_scopes_registered": self.scopes.registered,
+               "engine_scopes_evicted": self.scopes.evicted}
         return out
 
     def __call__(self, dp_rank: int, events: list[Any]) -> list[Any]:
@@ -118,6 +166,8 @@ class EngineForms:
                     self._log.log(logging.INFO, "ignored-" + str(name)[:40], "kvbm_plugin: "
                                   "TensorRT-LLM BlockStored field %.40r=%.60r not read "
                                   "(engine_fields_ignored)", name, value)
+        if self.scopes:
+            self._scope(event)
         if event.get("lora_id") is not None and event.get("lora_name") is None \
                 and type(event["lora_id"]) is int:
             event["lora_name"] = wire_lora_name(event["lora_id"])
@@ -147,6 +197,33 @@ class EngineForms:
                 merged.append(keys or None)
             event["extra_keys"] = merged
             self.mm_blocks += sum(1 for items in per_block if items)
+
+    def _scope(self, event: dict[str, Any]) -> None:
+        """Give each block the leader registered its scope (see :class:`WireScopes`)."""
+        hashes = event.get("block_hashes")
+        if type(hashes) is not list:
+            return
+        get = self.scopes.get
+        # the older adapter form writes its u64 unsigned; the leader registers int64s
+        found = [get(h - _TWO64 if h > _MAX64 else h) if type(h) is int else None
+                 for h in hashes]
+        if not any(found):
+            return
+        extra = event.get("extra_keys")
+        if extra is not None and (type(extra) is not list or len(extra) != len(hashes)):
+            raise FormRefused("extra_keys", f"extra_keys {extra!r:.80} is not one entry "
+                              f"per block ({len(hashes)})")
+        merged = []
+        for j, scope in enumerate(found):
+            own = list(extra[j]) if extra is not None and extra[j] is not None else []
+            if scope is not None and scope[1] is not None:
+                own.append(salt_extra_key(scope[1]))
+            merged.append(own or None)
+        event["extra_keys"] = merged
+        lora = next((s[0] for s in found if s is not None), None)
+        if lora is not None and event.get("lora_id") is None:
+            event["lora_id"] = lora
+        self.scopes_applied += sum(1 for s in found if s is not None)
 
     @staticmethod
     def _mm_entries(mm_keys: Any, n: int) -> list[list[tuple[str, int, str | None]]]:

@@ -33,12 +33,35 @@ first 8 bytes, big-endian, read as a signed int64 (:func:`radix_key_hash`), so t
 and the hook path name a block alike; a u64 hash is published in its signed form
 (:func:`signed_hash`).
 
+**V2 keys, computed** (:func:`v2_root_key`, :func:`v2_block_key`, :func:`v2_chain`): where
+TensorRT-LLM's own streaming publisher is the GPU-tier source, its stream carries no salt and
+(form 44004b3) no adapter, so the leader computes a request's keys itself, by the radix tree's
+rule (``tensorrt_llm/runtime/kv_cache_manager_v2/_block_radix_tree.py``, stored id
+55130171628: ``ReuseScope.to_bytes``, ``RootBlock.make_key``, ``Block.make_key``, ``Hasher``;
+the same rule TensorRT-LLM's router uses, ``tensorrt_llm/block_hash.py``
+``v2_sha256_block_hasher``, stored id 67652511907):
+
+* the root key is ``sha256(scope)``, ``scope`` = one presence-mask byte (bit 0: a LoRA task id,
+  bit 1: a salt) followed by each present field as 8 bytes little-endian (LoRA id, then salt);
+* a block's key is ``sha256(parent key + each token id as 8 bytes little-endian)``;
+* the salt is the manager's ``_derive_reuse_salt(cache_salt)``: the first 8 bytes of
+  ``sha256(cache_salt.encode())``, little-endian (``kv_cache_manager_v2.py``, stored id
+  56023105518), not the blake3 ``cache_salt_id`` the V1 hash and the router's helper use;
+* multimodal items enter the key as synthetic tokens (``gen_multimodal_cache_key_tokens``:
+  the item's digest bytes at its first position) -- not computed here (such a request's
+  blocks wait for a name, see :class:`~kvbm_plugin.naming.names.BlockNaming`).
+
+A wire hash is the key's first 8 bytes (forms 44004b3 and 13599e9, :func:`radix_key_hash`) or
+its last 8 (the older adapter form, :func:`radix_key_tail_hash`), read as a signed int64.
+
 Pure Python, no TRT-LLM import; called by the leader on the executor thread, by the event
 sink (any thread feeding it, under its lock) and by the simulated executor.
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -156,6 +179,65 @@ def radix_key_hash(key: bytes | bytearray | memoryview) -> int:
     if len(key) < 8:
         raise WireFormatError(f"radix block key has {len(key)} bytes, need >= 8: {bytes(key)!r}")
     return int.from_bytes(key[:8], "big", signed=True)
+
+
+def radix_key_tail_hash(key: bytes | bytearray | memoryview) -> int:
+    """Wire hash of a V2 radix key in the older adapter form (``_vllm_wire_hash_from_radix_key``,
+    ``kv_cache_events.py`` stored id 58569138750): its last 8 bytes, big-endian, as int64."""
+    if len(key) < 8:
+        raise WireFormatError(f"radix block key has {len(key)} bytes, need >= 8: {bytes(key)!r}")
+    return int.from_bytes(key[-8:], "big", signed=True)
+
+
+def v2_reuse_salt(cache_salt: str | bytes) -> int:
+    """``ReuseScope.salt`` of a ``cache_salt`` string (KVCacheManagerV2's
+    ``_derive_reuse_salt``: the first 8 bytes of its SHA-256, little-endian)."""
+    data = cache_salt.encode("utf-8") if isinstance(cache_salt, str) else bytes(cache_salt)
+    return int.from_bytes(hashlib.sha256(data).digest()[:8], "little")
+
+
+def v2_scope_bytes(lora_id: int | None = None, salt: int | None = None) -> bytes:
+    """``ReuseScope(lora_id, salt).to_bytes()``: a presence mask, then each field present."""
+    out = bytearray((int(lora_id is not None) | int(salt is not None) << 1,))
+    for value, what in ((lora_id, "lora_id"), (salt, "salt")):
+        if value is not None:
+            if type(value) is not int or not 0 <= value <= _U64:
+                raise ValueError(f"v2_scope_bytes: {what}={value!r} is not a u64")
+            out += value.to_bytes(8, "little")
+    return bytes(out)
+
+
+def v2_root_key(lora_id: int | None = None, salt: int | None = None) -> bytes:
+    """``RootBlock.make_key(ReuseScope(lora_id, salt))``: the key every chain starts from."""
+    return hashlib.sha256(v2_scope_bytes(lora_id, salt)).digest()
+
+
+def v2_block_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
+    """``Block.make_key(parent_key, tokens)`` for text tokens (ids in [0, 2**64))."""
+    h = hashlib.sha256(parent_key)
+    try:
+        h.update(array("Q", tokens).tobytes() if _LITTLE else
+                 b"".join(t.to_bytes(8, "little") for t in tokens))
+    except OverflowError:
+        raise ValueError(f"v2_block_key: a token id is not in [0, 2**64): {list(tokens)!r:.80}"
+                         ) from None
+    return h.digest()
+
+
+def v2_chain(tokens: Sequence[int], block_size: int, *, start: int = 0,
+             parent_key: bytes | None = None, lora_id: int | None = None,
+             salt: int | None = None) -> list[bytes]:
+    """Radix keys of the full blocks ``start..`` of ``tokens``, chained from ``parent_key``
+    (block ``start - 1``'s key; None: the root of scope ``(lora_id, salt)``)."""
+    key = v2_root_key(lora_id, salt) if parent_key is None else parent_key
+    out: list[bytes] = []
+    for i in range(start, len(tokens) // block_size):
+        key = v2_block_key(key, tokens[i * block_size:(i + 1) * block_size])
+        out.append(key)
+    return out
+
+
+_LITTLE = array("Q", [1]).tobytes()[0] == 1  # array packs native-endian (x86_64, aarch64)
 
 
 def parse_hex_hash(value: str, what: str) -> int:

@@ -59,6 +59,10 @@ class BlockNames:
         # Insertion order of each table (entries leave only by eviction, so it is exact).
         self._content_order = EvictionOrder()
         self._key_order = EvictionOrder()
+        # Hashes the leader waits to see stored (a computed name's input rule: confirmed once
+        # one of its hashes is), bounded by the caller (BlockNaming.v2_extend).
+        self.watch: dict[int, Any] = {}
+        self.seen_rules: set[Any] = set()
 
     def __bool__(self) -> bool:
         return bool(self._by_content)
@@ -76,8 +80,11 @@ class BlockNames:
             parent = ev["parent_block_hash"]
             parent = None if parent is None else to_unsigned_u64(parent)
             lora = ev.get("lora_id")
+            watch = self.watch
             for j, h in enumerate(ev["block_hashes"]):
                 h = to_unsigned_u64(h)
+                if watch and h in watch:
+                    self.seen_rules.add(watch.pop(h))
                 k = (parent, tuple(tokens[j * bs:(j + 1) * bs]), lora)
                 old = known.get(k)
                 if old is None:
@@ -108,6 +115,11 @@ class BlockNames:
             learned.append(h)
             self._key_order.put(self._by_key, keys[i], h, self._max)
             i += 1
+
+    def name_key(self, key: int, h: int) -> None:
+        """Map the plugin's content key ``key`` to TRT-LLM's hash ``h`` (u64), computed
+        rather than learned (``BlockNaming.v2_extend``)."""
+        self._key_order.put(self._by_key, key, h, self._max)
 
     def hash_of_key(self, key: int) -> int | None:
         """TRT-LLM's hash of the block with content key ``key``, when learned."""

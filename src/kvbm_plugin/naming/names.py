@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
@@ -50,22 +50,31 @@ from kvbm_plugin.naming._hashes import (
     mm_hash_bytes,
     parse_hash,
     radix_key_hash,
+    radix_key_tail_hash,
     signed_hash,
     std_string_hash,
     v1_block_hash,
     v1_chain,
+    v2_block_key,
+    v2_chain,
+    v2_reuse_salt,
+    v2_root_key,
+    v2_scope_bytes,
 )
 from kvbm_plugin.naming._learned import BlockNames, StreamNames
 from kvbm_plugin.naming._lora import LoraNames
 from kvbm_plugin.naming._unnamed import UnnamedStores
 from kvbm_plugin.wire.events import to_signed_int64
+from kvbm_plugin.wire.identity import SALT_TEXTS
 
 if TYPE_CHECKING:
     from kvbm_plugin.connector.requests import RequestState
 
 __all__ = ["BlockNames", "BlockNaming", "LoraNames", "NameInputs", "StreamNames",
            "UnnamedStores", "mm_hash_bytes", "name_inputs", "parse_hash", "radix_key_hash",
-           "rule_of", "signed_hash", "std_string_hash", "v1_block_hash", "v1_chain"]
+           "radix_key_tail_hash", "rule_of", "signed_hash", "std_string_hash", "v1_block_hash",
+           "v1_chain", "v2_block_key", "v2_chain", "v2_reuse_salt", "v2_root_key",
+           "v2_scope_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +87,10 @@ class NameInputs:
     lora: int | None  # the LoRA task id (0 is an adapter too), mixed into every block
     why_not: str | None = None  # why the hash cannot be computed (None: it can)
     salt_kind: str = "id"  # "id": cache_salt_id as is; "string": std::hash of cache_salt
+    # KVCacheManagerV2's ReuseScope salt (v2_reuse_salt of the cache_salt string), and why its
+    # radix keys cannot be computed (None: they can).
+    v2_salt: int | None = None
+    v2_why_not: str | None = None
 
 
 def name_inputs(obj: Any) -> NameInputs:
@@ -86,29 +99,39 @@ def name_inputs(obj: Any) -> NameInputs:
     whose ``BlockKey`` holds ``cacheSaltID``), else ``std::hash`` of the ``cache_salt`` string
     (the revisions whose ``BlockKey`` holds the string)."""
     if getattr(obj, "multimodal_hashes", None):
-        return NameInputs(None, None, "multimodal inputs")
+        return NameInputs(None, None, "multimodal inputs", v2_why_not="multimodal inputs")
     if getattr(obj, "input_token_extra_ids", None) is not None:
-        return NameInputs(None, None, "prompt-tuning extra ids")
+        return NameInputs(None, None, "prompt-tuning extra ids",
+                          v2_why_not="prompt-tuning extra ids")
     sid = getattr(obj, "cache_salt_id", None)
     salt: int | None = None
     kind = "id"
+    text = getattr(obj, "cache_salt", None)
+    if text is None:
+        text = getattr(obj, "py_cache_salt", None)
     if isinstance(sid, int) and not isinstance(sid, bool):
         salt = sid & _U64
-    elif sid is not None:
-        return NameInputs(None, None, f"unreadable cache_salt_id {sid!r}")
-    else:
-        text = getattr(obj, "cache_salt", None)
         if text is None:
-            text = getattr(obj, "py_cache_salt", None)
-        if text is not None:
-            salt = std_string_hash(text if isinstance(text, (str, bytes)) else str(text))
-            kind = "string"
+            text = SALT_TEXTS.get(salt)  # V2 keys need the string the id was made from
+    elif sid is not None:
+        why = f"unreadable cache_salt_id {sid!r}"
+        return NameInputs(None, None, why, v2_why_not=why)
+    elif text is not None:
+        salt = std_string_hash(text if isinstance(text, (str, bytes)) else str(text))
+        kind = "string"
     lora = getattr(obj, "lora_task_id", None)
     if lora is None:
         lora = getattr(obj, "py_lora_task_id", None)
     if lora is not None and (isinstance(lora, bool) or not isinstance(lora, int)):
-        return NameInputs(None, None, f"unreadable lora_task_id {lora!r}")
-    return NameInputs(salt, lora, salt_kind=kind)
+        why = f"unreadable lora_task_id {lora!r}"
+        return NameInputs(None, None, why, v2_why_not=why)
+    v2_salt = None
+    v2_why = None
+    if text is not None:
+        v2_salt = v2_reuse_salt(text if isinstance(text, (str, bytes)) else str(text))
+    elif salt is not None:
+        v2_why = "salt id without its string"
+    return NameInputs(salt, lora, salt_kind=kind, v2_salt=v2_salt, v2_why_not=v2_why)
 
 
 def rule_of(inputs: NameInputs) -> tuple[str, bool]:
@@ -134,6 +157,19 @@ class BlockNaming:
         # take the name of an unsalted block with the same tokens (the consolidator then
         # mints a name of its own for it). Its blocks wait for a name instead (bounded).
         self.salt_blind = False
+        # Where that stream is the source: each request's V2 radix keys, computed
+        # (v2_extend); its blocks go out under them once one computed key met upstream's own
+        # name (the truncation, "head" or "tail", is then confirmed); scoped blocks' wire
+        # hashes are registered in scope_sink (EngineForms.scopes) for the consolidator.
+        self.v2_stream = False
+        self.scope_sink: Any = None
+        self.v2_wire: str | None = None  # confirmed truncation: "head" / "tail"
+        self.v2_refuted = False
+        self._v2_rules_named = 0  # len(names.seen_rules) when the content keys were last named
+        self._v2_pending: dict[tuple[bool, bool], dict[int, bytes]] = {}
+        self._v2_pending_n = 0
+        for name in ("v2_names_computed", "v2_rule_mismatches", "v2_pending_dropped"):
+            stats.setdefault(name, 0)
         self.confirmed: set[tuple[str, bool]] = set()
         self.refuted: set[tuple[str, bool]] = set()
         self._log = RateLimitedLog(logger)
@@ -154,6 +190,8 @@ class BlockNaming:
         """TRT-LLM's hash of block ``index`` of ``state``, or None while unknown."""
         if index < len(state.event_hashes):
             return int(state.event_hashes[index])
+        if self.v2_wire is not None and index < len(state.v2_keys) and self._v2_seen(state):
+            return _wire(state.v2_keys[index], self.v2_wire)
         rule = self._rule(state)
         if rule is not None:
             self._compute(state, index + 1)
@@ -165,6 +203,116 @@ class BlockNaming:
         if index < len(state.learned):
             return state.learned[index]
         return None
+
+    def v2_extend(self, state: RequestState) -> None:
+        """Where TensorRT-LLM's own stream is the source (``v2_stream``): compute the V2 radix
+        keys of the request's new full blocks and register each scoped block's wire hashes
+        (both truncations until one is confirmed) with its scope in ``scope_sink``, before
+        this iteration's events can be published; name the content keys once the truncation
+        is confirmed. Called
+        by the leader for each scheduled request (``build_connector_meta``, executor thread,
+        under its lock): one SHA-256 per new block."""
+        inputs: NameInputs | None = state.name_inputs
+        if not self.v2_stream or self.v2_refuted or inputs is None:
+            return
+        if inputs.v2_why_not is not None:
+            # The C++ request carries the salt id only; its string came with RequestData
+            # (remembered by the leader before this call: wire.identity.remember_salt_text).
+            text = SALT_TEXTS.get(inputs.salt) if inputs.salt_kind == "id" \
+                and inputs.salt is not None and inputs.why_not is None else None
+            if text is None:
+                return
+            inputs = state.name_inputs = replace(inputs, v2_salt=v2_reuse_salt(text),
+                                                 v2_why_not=None)
+        done = len(state.v2_keys)
+        n = min(len(state.tokens) // self._bs, len(state.keys))
+        if n <= done:
+            return
+        lora = inputs.lora
+        new = v2_chain(state.tokens[:n * self._bs], self._bs, start=done,
+                       parent_key=state.v2_keys[-1] if done else None, lora_id=lora,
+                       salt=inputs.v2_salt)
+        state.v2_keys.extend(new)
+        self._stats["v2_names_computed"] += len(new)
+        scope = state.scope
+        sink = self.scope_sink
+        if sink is not None and (scope[0] is not None or scope[1] is not None):
+            wire = self.v2_wire
+            for key in new:  # both truncations until the stream showed which it uses
+                if wire != "tail":
+                    sink.register(radix_key_hash(key), scope)
+                if wire != "head":
+                    sink.register(radix_key_tail_hash(key), scope)
+        rule = _v2_rule(inputs)
+        if done == 0 and new and rule != (False, False) and rule not in self.names.seen_rules \
+                and len(self.names.watch) < self.MAX_WATCHED:
+            # A salt or adapter rule is used once TensorRT-LLM stored a block under it: a
+            # revision that derives the scope otherwise then never names a tier copy.
+            self.names.watch[_wire(new[0], "head")] = rule
+            self.names.watch[_wire(new[0], "tail")] = rule
+        self._v2_name_keys(state, done)
+
+    MAX_WATCHED = 4096  # computed root names waiting to be seen on the stream, at most
+    MAX_PENDING = 1 << 15  # computed names of blocks whose rule is not confirmed yet
+
+    def _v2_seen(self, state: RequestState) -> bool:
+        """Whether the input rule ``state``'s V2 names depend on (salt, adapter) was seen on
+        the stream; an unscoped one needs only the truncation (``v2_wire``)."""
+        rule = _v2_rule(state.name_inputs)
+        return rule == (False, False) or rule in self.names.seen_rules
+
+    def _v2_name_keys(self, state: RequestState, start: int) -> None:
+        """Map the content keys of blocks ``start..`` to their computed names (for the tier
+        blocks that wait for one: ``UnnamedStores``); while their rule is not confirmed, keep
+        them (bounded) until it is (:meth:`_v2_flush`): the request may be gone by then."""
+        wire = self.v2_wire
+        end = min(len(state.v2_keys), len(state.keys))
+        if wire is not None and self._v2_seen(state):
+            for i in range(start, end):
+                self.names.name_key(state.keys[i], _wire(state.v2_keys[i], wire))
+            return
+        pending = self._v2_pending.setdefault(_v2_rule(state.name_inputs), {})
+        for i in range(start, end):
+            if self._v2_pending_n >= self.MAX_PENDING:
+                self._stats["v2_pending_dropped"] += end - i  # such blocks wait for a name
+                return
+            pending[state.keys[i]] = state.v2_keys[i]
+            self._v2_pending_n += 1
+
+    def _v2_flush(self) -> None:
+        """Name the kept content keys whose rule (and truncation) is confirmed now."""
+        wire = self.v2_wire
+        if wire is None:
+            return
+        seen = self.names.seen_rules
+        for rule in [r for r in self._v2_pending if r == (False, False) or r in seen]:
+            kept = self._v2_pending.pop(rule)
+            self._v2_pending_n -= len(kept)
+            for key, radix in kept.items():
+                self.names.name_key(key, _wire(radix, wire))
+
+    def _v2_check(self, state: RequestState) -> None:
+        """Confirm the V2 rule (and its truncation) where a learned name equals a computed
+        one; refute it for good where one differs under a parent that agreed."""
+        learned, keys = state.learned, state.v2_keys
+        for i in range(min(len(learned), len(keys))):
+            head, tail = _wire(keys[i], "head"), _wire(keys[i], "tail")
+            if learned[i] in (head, tail):
+                if self.v2_wire is None:
+                    self.v2_wire = "head" if learned[i] == head else "tail"
+                    self._v2_flush()
+            elif i and learned[i - 1] in (_wire(keys[i - 1], "head"),
+                                          _wire(keys[i - 1], "tail")):
+                self.v2_refuted = True
+                self.v2_wire = None
+                self._v2_pending.clear()
+                self._v2_pending_n = 0
+                self._stats["v2_rule_mismatches"] += 1
+                self._log.log(logging.ERROR, "v2-mismatch", "kvbm_plugin: TensorRT-LLM's "
+                              "stream named block %d of request %d %d, not the V2 radix key "
+                              "the leader computed: salted and adapter blocks' tier copies "
+                              "now wait for names", i, state.req_id, learned[i])
+                return
 
     def _may_learn(self, state: RequestState) -> bool:
         """Whether the learned names can name ``state``'s blocks (see ``salt_blind``)."""
@@ -214,11 +362,16 @@ class BlockNaming:
         refute the rules the computed hashes were made under."""
         if not self.names:
             return
+        if self._v2_pending and len(self.names.seen_rules) != self._v2_rules_named:
+            self._v2_rules_named = len(self.names.seen_rules)  # a salt/adapter rule seen
+            self._v2_flush()
         for state in states:
             if state.event_hashes or len(state.learned) >= len(state.keys) \
                     or not self._may_learn(state):
                 continue
             self.names.extend(state.tokens, state.keys, state.learned, state.scope[0])
+            if state.v2_keys and not self.v2_refuted:
+                self._v2_check(state)
             rule = self._rule(state)
             if rule is None:
                 continue
@@ -247,3 +400,13 @@ class BlockNaming:
                       "differently (rule %s); offload-tier events of such requests now wait "
                       "for the names its GPU events carry", index, state.req_id,
                       state.learned[index], state.computed[index], rule)
+
+
+def _v2_rule(inputs: Any) -> tuple[bool, bool]:
+    """What a request's V2 names depend on beyond the tokens: (a salt, an adapter)."""
+    return inputs.v2_salt is not None, inputs.lora is not None
+
+
+def _wire(key: bytes, truncation: str) -> int:
+    """The u64 a stream carries for radix key ``key`` (see :func:`radix_key_hash`)."""
+    return int.from_bytes(key[:8] if truncation == "head" else key[-8:], "big")

@@ -27,11 +27,14 @@ for the simulated engine, sending the bytes upstream sends. Read in the stored u
   block_size, lora_id (nil), medium ("GPU"), lora_name (nil)``, a BlockRemoved the 3-key
   map ``type, block_hashes, medium``.
 
-The simulated pool hashes blocks with TensorRT-LLM's V1 hash; a V2 radix key is a SHA-256
-digest the connector cannot compute, so this stand-in derives each block's 32-byte key by
-SHA-256 from its V1 hash (unique per block, opaque to the plugin, as V2's are), and truncates
-it as upstream does. Used by :class:`~kvbm_plugin.testing.engine.SimulatedEngine` (executor
-thread: :meth:`flush_iteration_events`; the publisher thread sends and answers replays).
+The simulated pool hashes blocks with TensorRT-LLM's V1 hash; this stand-in gives each block
+the radix key KVCacheManagerV2 gives it (``naming.names.v2_block_key`` chained from the root
+of the request's ``ReuseScope``: LoRA task id and ``v2_reuse_salt`` of its ``cache_salt``, as
+the pool's stored-block records carry them), and truncates it as upstream does. With
+:attr:`SimStreamingKVCacheManager.form` set, a batch goes out through that form's msgspec schema
+(:func:`encode_form_batch`) instead of the C++ sink's bytes. Used by
+:class:`~kvbm_plugin.testing.engine.SimulatedEngine` (executor thread:
+:meth:`flush_iteration_events`; the publisher thread sends and answers replays).
 """
 
 from __future__ import annotations
@@ -45,14 +48,17 @@ from typing import Any
 
 import zmq
 
+from kvbm_plugin._util.bounded import EvictionOrder
 from kvbm_plugin.connector.trtllm_publisher import TrtllmPublisher, read_trtllm_publisher
+from kvbm_plugin.naming.names import v2_block_key, v2_reuse_salt, v2_root_key
 from kvbm_plugin.testing.kv_events import SimKVCacheManager
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 def radix_key(v1_hash: int) -> bytes:
-    """The simulated block's 32-byte V2 radix key (stand-in, see the module docstring)."""
+    """An arbitrary 32-byte key, opaque to the plugin (wire-format tests); the simulated
+    publisher names blocks by their real V2 keys (see the module docstring)."""
     return hashlib.sha256(b"kvbm-sim-v2-radix-key" + (v1_hash & (2**64 - 1)).to_bytes(8, "big")
                           ).digest()
 
@@ -179,11 +185,16 @@ def _form_structs(form: str) -> tuple[Any, Any, Any]:
         if mm:
             mm_keys: list[list[MultimodalKey]] | None = None
 
+    class BlockRemoved(Event):
+        block_hashes: list[hash_type]  # type: ignore[valid-type]
+        medium: str | None
+
     class Batch(msgspec.Struct, array_like=True, **opts):  # type: ignore[call-arg]
         ts: float
         events: list[Any]
         data_parallel_rank: int | None = None
 
+    Batch.removed = BlockRemoved  # type: ignore[attr-defined]
     return Batch, BlockStored, MultimodalKey if mm else None
 
 
@@ -203,6 +214,9 @@ def encode_form_batch(form: str, ts: float, stored: list[dict[str, Any]],
     events = []
     for fields in stored:
         fields = dict(fields)
+        if fields.pop("type", "BlockStored") == "BlockRemoved":
+            events.append(batch_type.removed(**fields))
+            continue
         if "mm_keys" in fields and fields["mm_keys"] is not None:
             fields["mm_keys"] = [[mm_type(**k) for k in block] for block in fields["mm_keys"]]
         events.append(stored_type(**fields))
@@ -313,7 +327,10 @@ class SimStreamingKVCacheManager:
         self.native = native
         self.publisher = SimZmqEventPublisher(config, native, rank) if native.streams else None
         self._stored: dict[int, int] = {}  # V1 hash -> wire hash of the blocks published
+        self._keys: dict[int, bytes] = {}  # V1 hash -> V2 radix key of full blocks seen
+        self._key_order = EvictionOrder()
         self.published_hashes: set[int] = set()  # every wire hash ever stored (tests)
+        self.form: str | None = None  # one of FORMS: that form's msgspec bytes (tests)
         self.batches = 0
 
     def get_latest_events(self, timeout_ms: float | None = 0) -> list[Any]:
@@ -336,9 +353,25 @@ class SimStreamingKVCacheManager:
                 for v1 in data["block_hashes"]:
                     self._removed_block(v1, pending)
         if pending and self.publisher is not None:
-            payload = encode_batch(time.time(), pending, self.block_size, self.rank)
+            payload = encode_batch(time.time(), pending, self.block_size, self.rank) \
+                if self.form is None else self._form_payload(pending)
             if self.publisher.publish(payload):
                 self.batches += 1
+
+    def _form_payload(self, pending: list[dict[str, Any]]) -> bytes:
+        """``pending`` as form :attr:`form` writes it: 13599e9 names the adapter
+        (``lora_id=event.lora_id``), 44004b3 never does."""
+        events = []
+        for event in pending:
+            event = dict(event)
+            lora = event.pop("lora", None)
+            if event["type"] == "BlockStored":
+                event.update(block_size=self.block_size, medium="GPU", lora_name=None,
+                             lora_id=lora if self.form == "13599e98c71c" else None)
+            else:
+                event["medium"] = "GPU"
+            events.append(event)
+        return encode_form_batch(str(self.form), time.time(), events, self.rank)
 
     def _stored_block(self, block: dict[str, Any], parent_v1: int | None,
                       pending: list[dict[str, Any]]) -> None:
@@ -346,8 +379,15 @@ class SimStreamingKVCacheManager:
         v1 = block["block_hash"]
         if len(tokens) < self.block_size or v1 in self._stored:
             return  # a partial block is suppressed; a block is stored once
-        h = wire_hash(radix_key(v1))
-        parent = None if parent_v1 is None else wire_hash(radix_key(parent_v1))
+        salt = block.get("cache_salt")
+        parent_key = None if parent_v1 is None else self._keys.get(parent_v1)
+        if parent_key is None:
+            parent_key = v2_root_key(block.get("lora_id"),
+                                     None if salt is None else v2_reuse_salt(salt))
+        key = v2_block_key(parent_key, tokens)
+        self._key_order.put(self._keys, v1, key, 1 << 20)
+        h = wire_hash(key)
+        parent = None if parent_v1 is None else wire_hash(parent_key)
         self._stored[v1] = h
         self.published_hashes.add(h)
         last = pending[-1] if pending else None
@@ -357,7 +397,7 @@ class SimStreamingKVCacheManager:
             last["token_ids"].extend(tokens)
             return
         pending.append({"type": "BlockStored", "block_hashes": [h], "parent_block_hash": parent,
-                        "token_ids": tokens})
+                        "token_ids": tokens, "lora": block.get("lora_id")})
 
     def _removed_block(self, v1: int, pending: list[dict[str, Any]]) -> None:
         h = self._stored.pop(v1, None)
