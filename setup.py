@@ -9,11 +9,11 @@ import sys
 from setuptools import Extension, setup
 
 _COMMON = ["src/kvbm_plugin/_util/native_common.h"]
-_SINK = [*_COMMON, "src/kvbm_plugin/gpu_events/_rank_batch.h"]
+_SINK = [*_COMMON, "src/kvbm_plugin/events/_rank_batch.h"]
 
 setup(ext_modules=[
-    Extension("kvbm_plugin.gpu_events._sink_c",
-              ["src/kvbm_plugin/gpu_events/_sink_c.c", "src/kvbm_plugin/gpu_events/_rank_batch.c"],
+    Extension("kvbm_plugin.events._sink_c",
+              ["src/kvbm_plugin/events/_sink_c.c", "src/kvbm_plugin/events/_rank_batch.c"],
               depends=_SINK, optional=True),
     Extension("kvbm_plugin.consolidator._core_c", ["src/kvbm_plugin/consolidator/_core_c.c",
                                                    "src/kvbm_plugin/consolidator/_core_remove.c",

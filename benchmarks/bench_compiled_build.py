@@ -47,7 +47,7 @@ from benchmarks._table import Row, print_table  # noqa: E402
 from kvbm_plugin._util import compiled as _compiled  # noqa: E402
 from kvbm_plugin.consolidator.core import ConsolidatorCore  # noqa: E402
 
-_EXTENSIONS = {"event_sink": "kvbm_plugin.gpu_events._sink_c",
+_EXTENSIONS = {"event_sink": "kvbm_plugin.events._sink_c",
                "consolidator": "kvbm_plugin.consolidator._core_c"}
 
 

@@ -48,7 +48,7 @@ rate measures the subscriber as much as the publisher: the receiver's decoding b
 its own decode rate on our payloads (in this process, one core) is reported beside it as the
 ceiling any publisher can reach here.
 
-Ours runs with the compiled ingest loop when it was built (``kvbm_plugin.gpu_events._sink_c``); the
+Ours runs with the compiled ingest loop when it was built (``kvbm_plugin.events._sink_c``); the
 Python loop is measured too, as information, and is the baseline of the executor-cost row.
 """
 

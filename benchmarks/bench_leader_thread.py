@@ -41,8 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._table import Row, format_table  # noqa: E402
 from kvbm_plugin import consolidator_config as cc  # noqa: E402
-from kvbm_plugin.connector import shared_io  # noqa: E402
 from kvbm_plugin.testing.memory_store import MemoryStore  # noqa: E402
+from kvbm_plugin.worker import shared_io  # noqa: E402
 
 BS = 32
 HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",

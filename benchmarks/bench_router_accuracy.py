@@ -1,20 +1,20 @@
 """Router accuracy: what a strict router would say is cached versus what the engine reuses.
 
 The simulated engine (real leader and worker, host and disk tiers, in-process consolidator)
-runs a steady multi-tenant chat (:class:`~kvbm_plugin.tools.chat_workload.SteadyChat`) of 10,000
+runs a steady multi-tenant chat (:class:`~kvbm_plugin.testing.chat_workload.SteadyChat`) of 10,000
 requests with the GPU pool and both tiers under eviction pressure; a
-:class:`~kvbm_plugin.tools.router_view.TreeSubscriber` of the consolidated stream keeps a strict
+:class:`~kvbm_plugin.routers.router_view.TreeSubscriber` of the consolidated stream keeps a strict
 router's radix trees. For every request the router's answer (any tier), taken after the streams
 settled right before the iteration that schedules it, is compared with the prefix the engine
 reused (GPU hit plus tokens onboarded from host and disk); see
-:mod:`kvbm_plugin.tools.chat_workload` for the exact timing. The model is tiny (one layer, blocks of
-4 tokens) so that the run is about events, not KV copies.
+:mod:`kvbm_plugin.testing.chat_workload` for the exact timing. The model is tiny (one layer,
+blocks of 4 tokens) so that the run is about events, not KV copies.
 
 Targets: >= 99 % of prompt tokens agree; 0 router-rule warnings. Run in dedup mode (the
 default) and in passthrough mode (per-medium trees; any tier = the longest of them).
 
 ``--real``: NVIDIA Dynamo's own indexer (``pip install '.[interop]'``; root, for its private
-network namespace, see kvbm_plugin.tools.dynamo_indexer) subscribes to the consolidated stream
+network namespace, see kvbm_plugin.routers.dynamo_indexer) subscribes to the consolidated stream
 too and is asked the same question at the same moment, through its ``/query`` (the tenant's
 cache salt as ``cache_salt``: the namespace the plugin publishes, ``identity.salt_namespace``).
 Before each answer the probe waits (up to 2 s) until the indexer holds as many blocks as the
@@ -30,9 +30,9 @@ from pathlib import Path
 
 from benchmarks._table import Row, print_table
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.tools.chat_workload import RouterProbe, SteadyChat, drive
-from kvbm_plugin.tools.dynamo_indexer import Indexer, ask_like_the_view, unavailable
-from kvbm_plugin.tools.router_view import RouterView, TreeSubscriber
+from kvbm_plugin.routers.dynamo_indexer import Indexer, ask_like_the_view, unavailable
+from kvbm_plugin.routers.router_view import RouterView, TreeSubscriber
+from kvbm_plugin.testing.chat_workload import RouterProbe, SteadyChat, drive
 
 BLOCK_SIZE = 4
 

@@ -28,8 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._table import Row, format_table  # noqa: E402
 from kvbm_plugin import consolidator_config as cc  # noqa: E402
-from kvbm_plugin.connector import shared_io  # noqa: E402
 from kvbm_plugin.testing.memory_store import MemoryStore  # noqa: E402
+from kvbm_plugin.worker import shared_io  # noqa: E402
 
 BS = 16
 # The executor thread's cost per offloaded block with the write-through, against host only:

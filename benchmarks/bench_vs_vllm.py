@@ -65,7 +65,7 @@ from benchmarks.bench_event_sink import (
 )
 from kvbm_plugin.consolidator_config import Endpoint, PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.gpu_events.source import SERIALIZE_CHUNK
+from kvbm_plugin.events.source import SERIALIZE_CHUNK
 from kvbm_plugin.wire.publisher import ZmqEventPublisher
 
 BLOCK_SIZE = 32

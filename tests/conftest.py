@@ -123,7 +123,7 @@ def expect_errors(request: pytest.FixtureRequest) -> ErrorRecorder:
 
 
 # The leader's idle keeper applies what completes while TensorRT-LLM's loop blocks
-# (connector/keeper.py); run_until_idle waits for it after every request wave. At the shipped
+# (leader/keeper.py); run_until_idle waits for it after every request wave. At the shipped
 # period (0.1 s) that is up to 0.2 s per wait, which summed to tens of seconds of idle wall time
 # over the suite; the tests run it every 10 ms. The keeper's own bound is tested at the shipped
 # period (tests/connector/test_idle_keeper.py puts it back). Engines in child processes

@@ -136,7 +136,7 @@ def _readme_demo_sample() -> list[str]:
 
 
 def test_readme_demo_sample_is_what_the_demo_prints(capsys) -> None:
-    from kvbm_plugin.tools import demo
+    from kvbm_plugin.cli import demo
 
     assert demo.main_demo(["--no-progress"]) == 0
     out = [_without_join_note(line) for line in capsys.readouterr().out.splitlines()]

@@ -23,16 +23,19 @@ RANKS: dict[str, int] = {
     "_util": 1,
     "wire": 2,
     "tiers": 3,
+    "naming": 3,
     "consolidator": 3,
-    "naming": 3,  # what a block is called (used by the event path and the leader)
-    "gpu_events": 4,
+    "events": 4,  # where GPU-tier events come from; event_sink.py is its face
     "event_sink": 5,
-    "connector": 6,
-    "connector_leader": 7,
-    "connector_worker": 7,
-    "__init__": 8,
-    "testing": 9,
-    "tools": 10,
+    "connector": 6,  # the seam: TensorRT-LLM's compat, the leader-worker metadata
+    "leader": 7,
+    "worker": 7,
+    "connector_leader": 8,
+    "connector_worker": 8,
+    "__init__": 9,
+    "routers": 10,  # models of the routers that read the streams
+    "testing": 11,  # the simulated TensorRT-LLM
+    "cli": 12,
 }
 MAX_LINES = 800
 

@@ -27,7 +27,7 @@ def _run(code: str) -> str:
 def test_import_does_not_pull_torch_or_trtllm() -> None:
     out = _run("""
         import sys, kvbm_plugin, kvbm_plugin.consolidator_config, kvbm_plugin.wire.events
-        import kvbm_plugin.wire.publisher, kvbm_plugin._util.plugins, kvbm_plugin.tools.cli
+        import kvbm_plugin.wire.publisher, kvbm_plugin._util.plugins, kvbm_plugin.cli.main
         print(sorted(m for m in ("torch", "tensorrt_llm") if m in sys.modules))
     """)
     assert out == "[]"

@@ -6,7 +6,7 @@ constructor (a thread-pool thread, concurrently with the worker's). Per iteratio
 
 * ``get_num_new_matched_tokens(request, n)``: once per new request, during allocation; result
   broadcast to every rank. Host/disk hits beyond ``n``, then shared-tier hits
-  (connector/leader_shared_tier.py); pins them.
+  (leader/shared_tier.py); pins them.
 * ``update_state_after_alloc(request, block_ids)``: rank 0 only; binds the hits to device blocks.
 * ``build_connector_meta(scheduler_output)``: once per iteration; the returned
   :class:`~kvbm_plugin.connector.meta.ConnectorMetadata` is pickled to every rank. Also flushes
@@ -15,13 +15,13 @@ constructor (a thread-pool thread, concurrently with the worker's). Per iteratio
 
 The leader owns the requests, the ops in flight and the metadata, and collaborators that own
 their own state and get what they read from the leader in their constructor or as arguments:
-:class:`~kvbm_plugin.connector.leader_tiers.OffloadTiers` (the host/disk tier indexes,
+:class:`~kvbm_plugin.leader.offload_tiers.OffloadTiers` (the host/disk tier indexes,
 evictions, demotions, the names tier events use),
-:class:`~kvbm_plugin.connector.leader_offload.OffloadPlanner` (which blocks to offload),
-:class:`~kvbm_plugin.connector.leader_gpu_events.GpuTierEvents` (where GPU-tier events come
-from, publishing them), :class:`~kvbm_plugin.connector.leader_shared_tier.LeaderSharedTier`
+:class:`~kvbm_plugin.leader.offload_planner.OffloadPlanner` (which blocks to offload),
+:class:`~kvbm_plugin.leader.gpu_tier_events.GpuTierEvents` (where GPU-tier events come
+from, publishing them), :class:`~kvbm_plugin.leader.shared_tier.LeaderSharedTier`
 (shared-tier match and write-through) and
-:class:`~kvbm_plugin.connector.layer_groups.LayerGroupPages` (several KV layer groups). Tier
+:class:`~kvbm_plugin.leader.layer_groups.LayerGroupPages` (several KV layer groups). Tier
 indexes live on the leader only; workers learn slots from the metadata. A tier STORE is
 registered only after every rank reported the op that wrote the bytes (see connector/meta.py:
 the get_finished intersection rule, applied per op); a REMOVE is registered when the leader
@@ -39,22 +39,6 @@ from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector import trtllm_publisher as _native
-from kvbm_plugin.connector.assembly import TierEventPublisher as TierEventPublisher  # re-exported
-from kvbm_plugin.connector.assembly import assemble_event_path
-from kvbm_plugin.connector.dynamo_streaming import take_yaml_endpoint
-from kvbm_plugin.connector.keeper import IdleKeeper, locked
-from kvbm_plugin.connector.layer_groups import (
-    LayerGroupPages,
-    configured_windows,
-    forget_group_windows,
-)
-from kvbm_plugin.connector.layer_groups import refuse_unsupported as _refuse_layer_groups
-from kvbm_plugin.connector.leader_gpu_events import GpuTierEvents
-from kvbm_plugin.connector.leader_offload import OffloadPlanner
-from kvbm_plugin.connector.leader_shared_tier import MATCHED_STAT, TIER_SHARED, LeaderSharedTier
-from kvbm_plugin.connector.leader_tiers import OffloadTiers
-from kvbm_plugin.connector.lifetime import request_gone, request_handle
 from kvbm_plugin.connector.meta import (
     DISK,
     ERR_CORRUPT,
@@ -70,9 +54,6 @@ from kvbm_plugin.connector.meta import (
     open_hub,
 )
 from kvbm_plugin.connector.metrics import get_metrics
-from kvbm_plugin.connector.requests import LEADER_STATS, OpTable
-from kvbm_plugin.connector.requests import Op as _Op
-from kvbm_plugin.connector.requests import RequestState as _Request
 from kvbm_plugin.connector.trtllm_compat import (
     KvCacheConnectorScheduler,
     has_layer_group_api,
@@ -85,6 +66,21 @@ from kvbm_plugin.consolidator_config import (
     load_tier_settings,
     should_enable_consolidator,
 )
+from kvbm_plugin.events import trtllm_publisher as _native
+from kvbm_plugin.leader.dynamo_streaming import take_yaml_endpoint
+from kvbm_plugin.leader.event_path import TierEventPublisher as TierEventPublisher  # re-exported
+from kvbm_plugin.leader.event_path import assemble_event_path
+from kvbm_plugin.leader.gpu_tier_events import GpuTierEvents
+from kvbm_plugin.leader.keeper import IdleKeeper, locked
+from kvbm_plugin.leader.layer_groups import LayerGroupPages, forget_group_windows
+from kvbm_plugin.leader.layer_groups import refuse_unsupported as _refuse_layer_groups
+from kvbm_plugin.leader.lifetime import request_gone, request_handle
+from kvbm_plugin.leader.offload_planner import OffloadPlanner
+from kvbm_plugin.leader.offload_tiers import OffloadTiers
+from kvbm_plugin.leader.requests import LEADER_STATS, OpTable
+from kvbm_plugin.leader.requests import Op as _Op
+from kvbm_plugin.leader.requests import RequestState as _Request
+from kvbm_plugin.leader.shared_tier import MATCHED_STAT, TIER_SHARED, LeaderSharedTier
 from kvbm_plugin.naming.names import BlockNaming, StreamNames, name_inputs
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
@@ -109,12 +105,12 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         """Called once on rank 0, on a thread-pool thread concurrently with the worker's
         constructor; waits on nothing. Reads the DYN_KVBM_* settings (ConfigError names a bad
         variable), opens the completion hub, and has
-        :func:`~kvbm_plugin.connector.assembly.assemble_event_path` build this rank's GPU-tier
+        :func:`~kvbm_plugin.leader.event_path.assemble_event_path` build this rank's GPU-tier
         publisher and event sink and, when enabled, the in-process consolidator that receives
         every tier change."""
         super().__init__(llm_args)
         self._env = _llm_args.env_of(llm_args)
-        # Several attention windows: per-group hooks (connector/layer_groups.py) or refused.
+        # Several attention windows: per-group hooks (leader/layer_groups.py) or refused.
         _refuse_layer_groups(llm_args, self._env, has_layer_group_api())
         self._par = par = _llm_args.parallel_of(llm_args)
         self._block_size = _llm_args.block_size_of(llm_args)
@@ -135,7 +131,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         self._stats = dict.fromkeys(LEADER_STATS, 0)
         self._naming = BlockNaming(self._block_size, self._stats)
         self._layer_pages = LayerGroupPages(self._group, self._block_size,
-                                            configured_windows(llm_args), self._stats)
+                                            _llm_args.configured_windows(llm_args), self._stats)
         self._log = RateLimitedLog(logger)
         # Every hook and the idle keeper's tick run under this lock (connector.keeper).
         self._lock = threading.RLock()
@@ -192,7 +188,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                 attention_dp=par.attention_dp, dp_rank=self._dp_rank,
                 block_size=self._block_size, stats=self._stats, tier_events=self._tier_events,
                 naming=self._naming, ops=self._ops, log=self._log)
-            # The shared tier's client and directory (connector/leader_shared_tier.py).
+            # The shared tier's client and directory (leader/shared_tier.py).
             self._shared = LeaderSharedTier(
                 self._env, host_enabled=self._tier_settings.host_enabled, group=self._group,
                 tp_size=par.tp_size, dp_rank=self._dp_rank, block_size=self._block_size,

@@ -16,19 +16,19 @@ The executor thread only records CUDA events and enqueues jobs. The class is the
 TensorRT-LLM calls; the work is done by collaborators that own their state, each built once
 at bring-up and handed what it needs:
 
-* ``RequestProgress`` (connector/request_progress.py): per-request in-flight counts, fences,
+* ``RequestProgress`` (worker/request_progress.py): per-request in-flight counts, fences,
   and the ids ``get_finished`` returns; it holds the ``LoadErrorRecord``
-  (connector/load_errors.py) behind ``get_block_ids_with_load_errors``;
-* ``OpReporter`` (connector/op_reports.py): each op's one report to the leader;
-* ``TransferThread`` (connector/transfer_thread.py): turns each iteration's loads and saves into
+  (worker/load_errors.py) behind ``get_block_ids_with_load_errors``;
+* ``OpReporter`` (worker/op_reports.py): each op's one report to the leader;
+* ``TransferThread`` (worker/transfer_thread.py): turns each iteration's loads and saves into
   copies, in metadata order;
-* ``CopyEngine`` (connector/copy_engine.py): host ↔ device copy batches, on CUDA on a side
+* ``CopyEngine`` (worker/copy_engine.py): host ↔ device copy batches, on CUDA on a side
   stream behind the forward's event, finished by its completion thread (blocking sync, no
   polling) or failed after ``OP_TIMEOUT_S``;
-* ``DiskIO`` (connector/disk_jobs.py): the disk tier and its thread (reads, verifies and writes
-  block files; a load goes through ``DiskStaging``, connector/device_copy.py);
-* ``SharedIO`` (connector/shared_io.py): the shared tier's writer and reader threads;
-* with several KV layer groups, ``GroupSaveBarrier`` (connector/layer_group_worker.py).
+* ``DiskIO`` (worker/disk_io.py): the disk tier and its thread (reads, verifies and writes
+  block files; a load goes through ``DiskStaging``, worker/device_copy.py);
+* ``SharedIO`` (worker/shared_io.py): the shared tier's writer and reader threads;
+* with several KV layer groups, ``GroupSaveBarrier`` (worker/layer_groups.py).
 
 None ever makes the executor thread wait (a several-group save's issue alone, see
 ``GroupSaveBarrier``). Every op reaches a terminal state (done, failed, or timed out) and is
@@ -45,13 +45,6 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector.copy_engine import CopyEngine
-from kvbm_plugin.connector.device_copy import OP_TIMEOUT_S, DiskStaging
-from kvbm_plugin.connector.disk_jobs import DiskIO
-from kvbm_plugin.connector.layer_group_copies import GroupPages
-from kvbm_plugin.connector.layer_group_worker import GroupSaveBarrier, SaveIssue, open_group_pages
-from kvbm_plugin.connector.layer_groups import refuse_unsupported as _refuse_layer_groups
-from kvbm_plugin.connector.load_errors import LoadErrorRecord
 from kvbm_plugin.connector.meta import (
     ConnectorMetadata,
     TierLayout,
@@ -59,15 +52,22 @@ from kvbm_plugin.connector.meta import (
     publish_shared_layout,
 )
 from kvbm_plugin.connector.metrics import get_metrics
-from kvbm_plugin.connector.op_reports import OpReporter
-from kvbm_plugin.connector.request_progress import RequestProgress
-from kvbm_plugin.connector.shared_io import SharedIO
-from kvbm_plugin.connector.transfer_counters import TransferCounters
-from kvbm_plugin.connector.transfer_thread import DevicePool, TierIO, TransferThread
 from kvbm_plugin.connector.trtllm_compat import KvCacheConnectorWorker, has_layer_group_api
 from kvbm_plugin.consolidator_config import load_tier_settings
+from kvbm_plugin.leader.layer_groups import refuse_unsupported as _refuse_layer_groups
 from kvbm_plugin.tiers.base import OffloadTier, TierSpec
 from kvbm_plugin.tiers.selection import disk_tier_class, host_tier_class
+from kvbm_plugin.worker.copy_engine import CopyEngine
+from kvbm_plugin.worker.device_copy import OP_TIMEOUT_S, DiskStaging
+from kvbm_plugin.worker.disk_io import DiskIO
+from kvbm_plugin.worker.layer_group_copies import GroupPages
+from kvbm_plugin.worker.layer_groups import GroupSaveBarrier, SaveIssue, open_group_pages
+from kvbm_plugin.worker.load_errors import LoadErrorRecord
+from kvbm_plugin.worker.op_reports import OpReporter
+from kvbm_plugin.worker.request_progress import RequestProgress
+from kvbm_plugin.worker.shared_io import SharedIO
+from kvbm_plugin.worker.transfer_counters import TransferCounters
+from kvbm_plugin.worker.transfer_thread import DevicePool, TierIO, TransferThread
 
 if TYPE_CHECKING:
     import torch
@@ -173,7 +173,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
         revisions with KVCacheManagerV2 instead of ``register_kv_caches``. One group of one
         region: that pool tensor goes to ``register_kv_caches`` (the flat path). Several
         groups: every group's page of a block shares one tier slot
-        (connector/layer_group_worker.py). A hybrid model (recurrent state roles) raises
+        (worker/layer_groups.py). A hybrid model (recurrent state roles) raises
         ValueError naming them."""
         # (One group of several regions, e.g. block scales beside K/V: the composite path
         # below with one group; its ops are flat, the device block being the page.)
@@ -285,7 +285,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
 
     def get_block_ids_with_load_errors(self) -> list[int]:
         """Device block ids whose promised load failed since the last call (each reported
-        once; connector/load_errors.py). Called by TensorRT-LLM's connector manager
+        once; worker/load_errors.py). Called by TensorRT-LLM's connector manager
         (``handle_load_errors``) on the rank's executor thread; no I/O, no wait."""
         return self._progress.load_errors.take()
 

@@ -24,7 +24,7 @@ window that is not published at all). Every drop is counted in :meth:`KvEventSin
 rate-limited.
 
 ``ingest`` has two loops with one behaviour: the Python loop (the reference) and, when the
-extension was built, a compiled loop (``gpu_events/_sink_c.c``) that takes the decode steady state
+extension was built, a compiled loop (``events/_sink_c.c``) that takes the decode steady state
 (one-block stores, removals) and hands every other event to the Python loop. With the
 extension, each rank's batch is compiled too (``_rank_batch.c``, the compiled form of
 :class:`Rank`): the events the compiled code takes are written straight into their wire bytes
@@ -53,7 +53,7 @@ from typing import Any
 
 from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin._util.ratelimit import RateLimitedLog
-from kvbm_plugin.gpu_events.fields import (
+from kvbm_plugin.events.fields import (
     REMOVED,
     STORED,
     block_extra_keys,
@@ -61,8 +61,8 @@ from kvbm_plugin.gpu_events.fields import (
     parse_lora_id,
     parse_token_ids,
 )
-from kvbm_plugin.gpu_events.rank import Rank, add_child, children, native_rank_type
-from kvbm_plugin.gpu_events.v2_hooks import V2Hooks
+from kvbm_plugin.events.rank import Rank, add_child, children, native_rank_type
+from kvbm_plugin.events.v2_hooks import V2Hooks
 from kvbm_plugin.naming.names import LoraNames, signed_hash
 from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,

@@ -9,8 +9,8 @@ from typing import Any
 from _engines import prompt
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.routers.router_view import RouterView
 from kvbm_plugin.testing.vswa_engine import VswaEngine
-from kvbm_plugin.tools.router_view import RouterView
 from kvbm_plugin.wire.events import BlockRemoved, BlockStored
 
 BS = 4

@@ -349,7 +349,7 @@ def test_leader_module_never_imports_torch() -> None:
 def test_copy_that_cannot_be_issued_fails_its_ops_and_finishes_ids(make_engine,
                                                                    monkeypatch,
                                                                    expect_errors) -> None:
-    import kvbm_plugin.connector.transfer_thread as transfer_mod
+    import kvbm_plugin.worker.transfer_thread as transfer_mod
 
     original = transfer_mod.runs
 
@@ -501,7 +501,7 @@ def test_jobs_split_into_copy_batches_move_every_block_exactly(make_engine) -> N
 
 def test_a_job_with_no_host_copies_has_no_copy_batch() -> None:
     """A load served only from disk (no host copies) must not fail the job."""
-    from kvbm_plugin.connector.copy_runs import chunked
+    from kvbm_plugin.worker.copy_runs import chunked
 
     assert list(chunked([], 0)) == []
     assert list(chunked([1, 2], 0)) == [[1, 2]]

@@ -11,8 +11,8 @@ import msgpack
 import pytest
 from _kvwire import wait_until
 
-from kvbm_plugin.connector.trtllm_publisher import read_trtllm_publisher, trtllm_streams
 from kvbm_plugin.consolidator.engine_forms import EngineForms, mm_pad_token
+from kvbm_plugin.events.trtllm_publisher import read_trtllm_publisher, trtllm_streams
 from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, KVEventsConfig, LlmArgs, ParallelConfig
 from kvbm_plugin.testing.trtllm_stream import FORMS, SimZmqEventPublisher, encode_form_batch
 from kvbm_plugin.wire.subscriber import StreamSubscriber

@@ -230,7 +230,7 @@ class NestingV2EventManager:
 def test_nested_v2_hooks_publish_each_block_once_and_every_hash_is_removable() -> None:
     from types import SimpleNamespace
 
-    from kvbm_plugin.gpu_events.source import attach_event_source
+    from kvbm_plugin.events.source import attach_event_source
 
     rec = Recorder()
     sink = KvEventSink(rec, block_size=2, strict=True)
@@ -620,8 +620,8 @@ def test_sidecar_publishes_hex_string_hashes_as_v2_radix_keys() -> None:
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+    from kvbm_plugin.cli.sidecar import run_sidecar
     from kvbm_plugin.consolidator_config import load_consolidator_config
-    from kvbm_plugin.tools.sidecar import run_sidecar
 
     key1, key2 = bytes(range(3, 35)), bytes(range(100, 132))
     body = json.dumps([

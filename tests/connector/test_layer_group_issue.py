@@ -1,4 +1,4 @@
-"""The several-group save barrier (connector/layer_group_worker.py): wait_for_save waits, at
+"""The several-group save barrier (worker/layer_groups.py): wait_for_save waits, at
 most ISSUE_TIMEOUT_S, until the transfer thread issued the iteration's saves, because the next
 allocation may hand a sliding page to another request. A save job the executor thread stopped
 waiting for must not read its pages later: by then they may hold another request's KV."""
@@ -13,7 +13,6 @@ import pytest
 import torch
 from _engines import tiers
 
-from kvbm_plugin.connector import layer_group_worker
 from kvbm_plugin.connector.meta import (
     HOST,
     ConnectorMetadata,
@@ -30,6 +29,7 @@ from kvbm_plugin.testing.fake_layout import (
     KvCacheRegion,
 )
 from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, LlmArgs, ParallelConfig
+from kvbm_plugin.worker import layer_groups as layer_group_worker
 
 BS = 4
 

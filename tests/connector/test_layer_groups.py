@@ -1,4 +1,4 @@
-"""Sliding-window models (several KV layer groups, connector/layer_groups.py): the per-group
+"""Sliding-window models (several KV layer groups, leader/layer_groups.py): the per-group
 calls of TensorRT-LLM's connector API, driven by the simulated sliding-window executor
 (testing/vswa_engine.py). Every group's bytes come back exact, no sliding group is saved
 beyond its window, no dead or -1 page is touched, and a router following the consolidated

@@ -1,7 +1,7 @@
 """Sliding-window models on the consolidated stream, both consolidator loops: the strict
 router view over the leader's consolidated output holds exactly the tiers' blocks (one name
 per block, advertised only while every layer group holds it) and predicts what the engine
-reused (testing/vswa_engine.py; connector/layer_groups.py)."""
+reused (testing/vswa_engine.py; leader/layer_groups.py)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from _loops import both_implementations
 from _vswa import BS, OFF, WINDOW, _check_engine, _drive, settle
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.routers.router_view import RouterView, TreeSubscriber
 from kvbm_plugin.testing.vswa_engine import VswaConfig, VswaEngine
-from kvbm_plugin.tools.router_view import RouterView, TreeSubscriber
 from kvbm_plugin.wire.events import to_signed_int64
 
 loops = both_implementations("consolidator")
@@ -66,7 +66,7 @@ def test_the_consolidated_stream_agrees_with_what_the_engine_reused(tmp_path) ->
 def test_attention_dp_ranks_each_consolidate_their_own_groups(tmp_path) -> None:
     """Attention DP 2, both consolidator loops: each rank's own executor, leader and
     consolidated output; one strict view over both outputs predicts each rank's reuse."""
-    from kvbm_plugin.tools.demo_adp import subscribers_for
+    from kvbm_plugin.cli.demo_adp import subscribers_for
 
     env = {cc.ENABLE_CONSOLIDATOR: "true", cc.EVENTS_ENDPOINT: f"ipc://{tmp_path}/gpu",
            cc.REPLAY_ENDPOINT: f"ipc://{tmp_path}/gpu-replay",

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvbm_plugin.connector.assembly import EventPath, TierEventPublisher, assemble_event_path
 from kvbm_plugin.consolidator.service import KvEventConsolidator
 from kvbm_plugin.consolidator_config import (
     EVENTS_ENDPOINT,
@@ -21,6 +20,7 @@ from kvbm_plugin.consolidator_config import (
     load_consolidator_config,
 )
 from kvbm_plugin.event_sink import KvEventSink
+from kvbm_plugin.leader.event_path import EventPath, TierEventPublisher, assemble_event_path
 
 BS = 4
 

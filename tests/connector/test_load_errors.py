@@ -14,12 +14,12 @@ from typing import Any
 import pytest
 from _engines import prompt, tiers
 
-from kvbm_plugin.connector.copy_engine import CopyEngine
-from kvbm_plugin.connector.device_copy import DiskStaging
-from kvbm_plugin.connector.load_errors import LoadErrorRecord
 from kvbm_plugin.connector.meta import HOST, ConnectorMetadata, LoadCopy, LoadOp, TierLayout
-from kvbm_plugin.connector.request_progress import RequestProgress
-from kvbm_plugin.connector.transfer_counters import TransferCounters
+from kvbm_plugin.worker.copy_engine import CopyEngine
+from kvbm_plugin.worker.device_copy import DiskStaging
+from kvbm_plugin.worker.load_errors import LoadErrorRecord
+from kvbm_plugin.worker.request_progress import RequestProgress
+from kvbm_plugin.worker.transfer_counters import TransferCounters
 
 BS = 4
 

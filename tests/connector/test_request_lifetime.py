@@ -12,8 +12,8 @@ from collections import Counter, deque
 import pytest
 from _engines import prompt, tiers
 
-from kvbm_plugin.connector.transfer_thread import TransferThread
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
+from kvbm_plugin.worker.transfer_thread import TransferThread
 
 # the engine state a cancel is aimed at -> the phase's name
 PHASES = {"waiting": "waiting", "context": "prefill", "loading": "loading",

@@ -1,4 +1,4 @@
-"""The worker's per-request bookkeeping on its own (connector/request_progress.py): what
+"""The worker's per-request bookkeeping on its own (worker/request_progress.py): what
 ``get_finished`` returns and when, and what a fence lets write."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvbm_plugin.connector import request_progress
-from kvbm_plugin.connector.load_errors import LoadErrorRecord
 from kvbm_plugin.connector.meta import HOST, ConnectorMetadata, LoadCopy, LoadOp, SaveOp, TierLayout
-from kvbm_plugin.connector.request_progress import RequestProgress
-from kvbm_plugin.connector.transfer_counters import TransferCounters
+from kvbm_plugin.worker import request_progress
+from kvbm_plugin.worker.load_errors import LoadErrorRecord
+from kvbm_plugin.worker.request_progress import RequestProgress
+from kvbm_plugin.worker.transfer_counters import TransferCounters
 
 LAYOUT = TierLayout(8, 0, None)
 

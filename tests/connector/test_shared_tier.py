@@ -21,13 +21,14 @@ from _engines import prompt, tiers
 from _shared_fakes import Bus, BusAgent, Client
 
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.connector import leader_shared_tier, shared_io
+from kvbm_plugin.leader import shared_tier as leader_shared_tier
 from kvbm_plugin.testing.fake_trtllm import LlmRequest
 from kvbm_plugin.testing.memory_store import MemoryStore
 from kvbm_plugin.tiers.base import block_keys
 from kvbm_plugin.tiers.shared import frame
 from kvbm_plugin.tiers.shared.keys import chain_digests
 from kvbm_plugin.wire.identity import request_scope
+from kvbm_plugin.worker import shared_io
 
 BS = 4
 

@@ -110,7 +110,7 @@ def engines(tmp_path: Path, master: Any) -> Iterator[tuple[Any, Any, dict]]:
 
 
 def subscriber(env: dict[str, str], worker: str) -> Any:
-    from kvbm_plugin.tools.router_view import RouterView, TreeSubscriber
+    from kvbm_plugin.routers.router_view import RouterView, TreeSubscriber
 
     return TreeSubscriber(env[cc.OUTPUT_ENDPOINT], env[cc.OUTPUT_REPLAY_ENDPOINT], start_seq=0,
                           view=RouterView(BS), worker=worker)

@@ -15,8 +15,8 @@ import pytest
 from _engines import prompt, tiers
 from _kvwire import free_port, wait_until
 
-from kvbm_plugin.connector.trtllm_publisher import offset_endpoint, read_trtllm_publisher
 from kvbm_plugin.consolidator_config import ConfigError
+from kvbm_plugin.events.trtllm_publisher import offset_endpoint, read_trtllm_publisher
 from kvbm_plugin.testing.fake_trtllm import KvCacheConfig, KVEventsConfig, LlmArgs, ParallelConfig
 from kvbm_plugin.testing.trtllm_stream import encode_batch, radix_key, wire_hash
 from kvbm_plugin.wire.subscriber import StreamSubscriber
@@ -201,7 +201,7 @@ def test_a_leader_without_tensorrt_llms_stream_keeps_its_own(caplog) -> None:
 
 
 def test_doctor_names_the_gpu_tier_source(tmp_path, capsys, monkeypatch) -> None:
-    from kvbm_plugin.tools.doctor import main_doctor
+    from kvbm_plugin.cli.doctor import main_doctor
 
     monkeypatch.setenv("DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR", "true")
     monkeypatch.delenv("DYN_KVBM_TRTLLM_ZMQ_PORT", raising=False)
@@ -231,9 +231,9 @@ def test_doctor_names_the_gpu_tier_source(tmp_path, capsys, monkeypatch) -> None
 
 
 def test_an_attention_dp_ranks_consolidator_reads_that_ranks_stream(tmp_path) -> None:
-    from kvbm_plugin.connector.trtllm_publisher import trtllm_streams
     from kvbm_plugin.consolidator.service import KvEventConsolidator
     from kvbm_plugin.consolidator_config import load_consolidator_config
+    from kvbm_plugin.events.trtllm_publisher import trtllm_streams
     from kvbm_plugin.testing.trtllm_stream import SimZmqEventPublisher
 
     events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/trt",
@@ -267,8 +267,8 @@ def test_an_attention_dp_ranks_consolidator_reads_that_ranks_stream(tmp_path) ->
 
 
 def test_tensorrt_llms_ports_count_in_the_collision_check() -> None:
-    from kvbm_plugin.connector.trtllm_publisher import trtllm_streams
     from kvbm_plugin.consolidator_config import load_consolidator_config
+    from kvbm_plugin.events.trtllm_publisher import trtllm_streams
 
     native = read_trtllm_publisher(_args(KVEventsConfig(enable_kv_cache_events=True,
                                                    endpoint="tcp://*:57001")))
@@ -301,7 +301,7 @@ def test_the_standalone_consolidator_reads_tensorrt_llms_stream(tmp_path) -> Non
                                           "token_ids": [9, 8, 7, 6]}], 4, 0))
     env = {k: v for k, v in os.environ.items() if not k.startswith("DYN_KVBM_")}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvbm_plugin.tools.cli", "consolidate", "--llm-api-options",
+        [sys.executable, "-m", "kvbm_plugin.cli.main", "consolidate", "--llm-api-options",
          str(options), "--output-endpoint", f"ipc://{tmp_path}/out",
          "--output-replay-endpoint", f"ipc://{tmp_path}/out-replay"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

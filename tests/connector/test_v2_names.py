@@ -153,11 +153,11 @@ def test_under_attention_dp_each_ranks_salted_blocks_keep_upstreams_names(tmp_pa
     tier: a salted tenant on each rank; each rank's consolidated view holds exactly its GPU
     pool's and tiers' blocks, the salted ones under upstream's names."""
     from kvbm_plugin import consolidator_config as cc
-    from kvbm_plugin.connector.trtllm_publisher import trtllm_streams
+    from kvbm_plugin.cli.demo_adp import subscribers_for
+    from kvbm_plugin.events.trtllm_publisher import trtllm_streams
+    from kvbm_plugin.routers.router_view import RouterView
     from kvbm_plugin.testing.adp import AttentionDpEngine
     from kvbm_plugin.testing.engine import EngineConfig
-    from kvbm_plugin.tools.demo_adp import subscribers_for
-    from kvbm_plugin.tools.router_view import RouterView
     from kvbm_plugin.wire.events import to_signed_int64
 
     events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/trt",

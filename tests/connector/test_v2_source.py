@@ -140,7 +140,7 @@ def test_the_loaded_v2_module_naming_the_cpp_backend_is_refused(leader, monkeypa
 def test_doctor_says_what_the_v2_backend_means(monkeypatch, capsys, backend) -> None:
     import json
 
-    from kvbm_plugin.tools.doctor import main_doctor
+    from kvbm_plugin.cli.doctor import main_doctor
 
     if backend is None:
         monkeypatch.delenv("TLLM_KV_CACHE_MANAGER_V2_BACKEND", raising=False)

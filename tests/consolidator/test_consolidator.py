@@ -23,6 +23,7 @@ import msgpack
 import pytest
 import zmq
 
+from kvbm_plugin.cli.consolidate import main_consolidate
 from kvbm_plugin.consolidator.service import KvEventConsolidator
 from kvbm_plugin.consolidator_config import (
     EVENTS_ENDPOINT,
@@ -33,7 +34,6 @@ from kvbm_plugin.consolidator_config import (
     PublisherSettings,
     load_consolidator_config,
 )
-from kvbm_plugin.tools.consolidate import main_consolidate
 from kvbm_plugin.wire.events import END_SEQ, EventBatch, decode_message, encode_seq
 from kvbm_plugin.wire.publisher import NullEventPublisher, create_publisher
 
@@ -758,7 +758,7 @@ def test_consolidate_command_runs_until_sigterm(ipc_dir):
     env = dict(os.environ, DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR="false")
     env.pop(EVENTS_ENDPOINT, None)
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from kvbm_plugin.tools.consolidate import "
+        [sys.executable, "-c", "import sys; from kvbm_plugin.cli.consolidate import "
          "main_consolidate; sys.exit(main_consolidate(sys.argv[1:]))",
          "--num-ranks", "2", "--events-endpoint", f"ipc://{ipc_dir}/ev",
          "--output-endpoint", f"ipc://{ipc_dir}/out"],

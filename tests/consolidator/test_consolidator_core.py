@@ -23,7 +23,7 @@ from kvbm_plugin.consolidator.service import (
     UnknownDpRankError,
     UnknownMediumError,
 )
-from kvbm_plugin.tools.router_view import RouterView
+from kvbm_plugin.routers.router_view import RouterView
 from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
     WireFormatError,

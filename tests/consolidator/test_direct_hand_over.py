@@ -14,7 +14,6 @@ import msgpack
 import pytest
 import zmq
 
-from kvbm_plugin.connector.assembly import EventPath, assemble_event_path
 from kvbm_plugin.consolidator import streams as streams_module
 from kvbm_plugin.consolidator.service import KvEventConsolidator
 from kvbm_plugin.consolidator_config import (
@@ -25,6 +24,7 @@ from kvbm_plugin.consolidator_config import (
     load_consolidator_config,
 )
 from kvbm_plugin.event_sink import KvEventSink
+from kvbm_plugin.leader.event_path import EventPath, assemble_event_path
 from kvbm_plugin.wire import events as wire_events
 from kvbm_plugin.wire.publisher import NullEventPublisher
 

@@ -52,8 +52,8 @@ def _blocks(answer: dict, worker: int, rank: int) -> tuple[int, int, int]:
 def _wait_published(tmp: str, port: int, env: dict[str, str]) -> int:
     """Until each rank's output has published the warm-up's blocks (read by a subscriber that
     replays from seq 0), so that Dynamo's relays, created next, have surely missed them."""
-    from kvbm_plugin.tools.demo_adp import subscribers_for
-    from kvbm_plugin.tools.router_view import RouterView
+    from kvbm_plugin.cli.demo_adp import subscribers_for
+    from kvbm_plugin.routers.router_view import RouterView
 
     settings = {**env, cc.OUTPUT_ENDPOINT: f"tcp://127.0.0.1:{port}",
                 cc.EVENTS_ENDPOINT: f"ipc://{tmp}/unused"}  # (the outputs are read only)

@@ -1,5 +1,5 @@
 """Replays recorded or hand-made event streams into NVIDIA Dynamo's real indexer and into a
-:class:`~kvbm_plugin.tools.router_view.RouterView`, and reads back what each holds.
+:class:`~kvbm_plugin.routers.router_view.RouterView`, and reads back what each holds.
 
 A scenario is a list of steps ``(stream, events)``: one batch of a (worker id, dp rank) stream.
 Each stream gets its own XPUB (an ``ipc://`` path the indexer connects to from its namespace)
@@ -21,8 +21,8 @@ from typing import Any
 
 import zmq
 
-from kvbm_plugin.tools.dynamo_indexer import PARENT_MISSING, Indexer
-from kvbm_plugin.tools.router_view import RouterView
+from kvbm_plugin.routers.dynamo_indexer import PARENT_MISSING, Indexer
+from kvbm_plugin.routers.router_view import RouterView
 from kvbm_plugin.wire.events import (
     BlockStored,
     decode_message,

@@ -19,12 +19,12 @@ import time
 import torch
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.cli import demo
+from kvbm_plugin.cli.demo_routers import adapter_names
+from kvbm_plugin.routers.llmd_model import LlmdIndexer, llmd_tap
+from kvbm_plugin.routers.router_view import RouterView
+from kvbm_plugin.testing.chat_workload import RouterProbe, drive
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
-from kvbm_plugin.tools import demo
-from kvbm_plugin.tools.chat_workload import RouterProbe, drive
-from kvbm_plugin.tools.demo_routers import adapter_names
-from kvbm_plugin.tools.llmd_model import LlmdIndexer, llmd_tap
-from kvbm_plugin.tools.router_view import RouterView
 
 BS = 4
 ADAPTERS = 2

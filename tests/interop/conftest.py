@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbm_plugin.tools.dynamo_indexer import Indexer, unavailable
+from kvbm_plugin.routers.dynamo_indexer import Indexer, unavailable
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvbm_plugin.tools import demo, dynamo_indexer
+from kvbm_plugin.cli import demo
+from kvbm_plugin.routers import dynamo_indexer
 
 SMALL = ["--sessions", "4", "--turns", "3", "--system-tokens", "32", "--user-tokens", "16",
          "--gen-tokens", "4", "--layers", "1", "--block-size", "4", "--gpu-blocks", "24",
@@ -13,7 +14,7 @@ SMALL = ["--sessions", "4", "--turns", "3", "--system-tokens", "32", "--user-tok
 
 def test_without_the_indexer_the_option_says_why_and_exits_2(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvbm_plugin.tools import cli
+    from kvbm_plugin.cli import main as cli
 
     monkeypatch.setattr(dynamo_indexer, "unavailable", lambda: "not installed (test)")
     assert cli.main(["demo", *SMALL, "--real-router"]) == 2

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from _feed import feed_indexer
 
-from kvbm_plugin.tools.dynamo_indexer import Indexer
+from kvbm_plugin.routers.dynamo_indexer import Indexer
 from kvbm_plugin.wire.events import MEDIUM_EXTERNAL, BlockRemoved, BlockStored
 
 BS = 4

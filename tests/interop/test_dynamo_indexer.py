@@ -1,4 +1,5 @@
-"""The plugin's streams, fed to NVIDIA Dynamo's real KV indexer (kvbm_plugin.tools.dynamo_indexer).
+"""The plugin's streams, fed to NVIDIA Dynamo's real KV indexer
+(kvbm_plugin.routers.dynamo_indexer).
 
 The simulated engine (real leader, worker, tiers, event sink and consolidator) runs chat turns;
 the indexer subscribes to the GPU-tier stream (worker 1) and the consolidated stream (worker 2)
@@ -17,9 +18,9 @@ import pytest
 import torch
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.routers.dynamo_indexer import Indexer
+from kvbm_plugin.testing.chat_workload import TurnWaves, drive
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
-from kvbm_plugin.tools.chat_workload import TurnWaves, drive
-from kvbm_plugin.tools.dynamo_indexer import Indexer
 from kvbm_plugin.wire.events import to_signed_int64
 
 BS = 4

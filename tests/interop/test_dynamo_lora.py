@@ -18,7 +18,7 @@ import zmq
 
 from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.tools.dynamo_indexer import Indexer
+from kvbm_plugin.routers.dynamo_indexer import Indexer
 from kvbm_plugin.wire.events import encode_payload, encode_seq
 from kvbm_plugin.wire.identity import cache_salt_id, salt_namespace
 from kvbm_plugin.wire.publisher import EventPublisher, PublisherSettings

@@ -31,10 +31,10 @@ from test_dynamo_indexer import (
 )
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.routers.dynamo_indexer import Indexer
+from kvbm_plugin.routers.router_view import RouterView
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.testing.fake_trtllm import trtllm_block_chain
-from kvbm_plugin.tools.dynamo_indexer import Indexer
-from kvbm_plugin.tools.router_view import RouterView
 from kvbm_plugin.wire.events import EventBatch, to_signed_int64
 from kvbm_plugin.wire.identity import lora_name
 from kvbm_plugin.wire.subscriber import StreamSubscriber

@@ -1,6 +1,6 @@
 """NVIDIA Dynamo's real indexer (ai-dynamo-runtime 1.6.1) joining a stream whose replay buffer
 has rolled, under each ``DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_ROLLED`` answer (llm-d's side:
-tests/tools/test_llmd_replay.py)."""
+tests/cli/test_llmd_replay.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvbm_plugin.consolidator_config import PublisherSettings, parse_endpoint
-from kvbm_plugin.tools.dynamo_indexer import Indexer
+from kvbm_plugin.routers.dynamo_indexer import Indexer
 from kvbm_plugin.wire.events import BlockStored, to_signed_int64
 from kvbm_plugin.wire.publisher import ZmqEventPublisher
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from kvbm_plugin.consolidator_config import PublisherSettings, parse_endpoint
-from kvbm_plugin.tools.dynamo_indexer import Indexer
+from kvbm_plugin.routers.dynamo_indexer import Indexer
 from kvbm_plugin.wire.identity import SALT_TEXTS, salt_extra_key, salt_of
 from kvbm_plugin.wire.publisher import ZmqEventPublisher
 from kvbm_plugin.wire.router_forms import spell_for_routers

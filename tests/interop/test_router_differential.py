@@ -1,5 +1,5 @@
 """The router model against the real router: the same streams into
-:class:`~kvbm_plugin.tools.router_view.RouterView` and NVIDIA Dynamo's own indexer
+:class:`~kvbm_plugin.routers.router_view.RouterView` and NVIDIA Dynamo's own indexer
 (tests/interop/_feed.py), which must agree on every block held per worker, dp rank and tier
 (``/dump``: parent and hash of each) and on the warnings (the indexer's "Failed to find parent
 block" and "Failed to find block to remove" lines against the view's ``skipped_stores`` and
@@ -22,10 +22,10 @@ import torch
 from _feed import Step, compare, feed_indexer, feed_view
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.routers.dynamo_indexer import Indexer
+from kvbm_plugin.routers.router_view import RouterView
+from kvbm_plugin.testing.chat_workload import TurnWaves, drive
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
-from kvbm_plugin.tools.chat_workload import TurnWaves, drive
-from kvbm_plugin.tools.dynamo_indexer import Indexer
-from kvbm_plugin.tools.router_view import RouterView
 from kvbm_plugin.wire.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvbm_plugin.wire.identity import SALT_TAG
 from kvbm_plugin.wire.subscriber import StreamSubscriber

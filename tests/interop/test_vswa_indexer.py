@@ -12,9 +12,9 @@ from pathlib import Path
 from _feed import compare, feed_indexer, feed_view
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.routers.dynamo_indexer import Indexer
+from kvbm_plugin.routers.router_view import RouterView
 from kvbm_plugin.testing.vswa_engine import VswaConfig, VswaEngine
-from kvbm_plugin.tools.dynamo_indexer import Indexer
-from kvbm_plugin.tools.router_view import RouterView
 from kvbm_plugin.wire.subscriber import StreamSubscriber
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "connector"))

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kvbm_plugin.connector.requests import RequestState
 from kvbm_plugin.consolidator.engine_forms import WireScopes
+from kvbm_plugin.leader.requests import RequestState
 from kvbm_plugin.naming.names import BlockNaming, name_inputs
 from kvbm_plugin.wire.identity import cache_salt_id
 

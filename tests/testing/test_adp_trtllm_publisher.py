@@ -10,12 +10,12 @@ import pytest
 from _kvwire import wait_until
 
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.connector.trtllm_publisher import trtllm_streams
+from kvbm_plugin.cli.demo_adp import subscribers_for
+from kvbm_plugin.events.trtllm_publisher import trtllm_streams
+from kvbm_plugin.routers.router_view import RouterView
 from kvbm_plugin.testing.adp import AttentionDpEngine
 from kvbm_plugin.testing.engine import EngineConfig
 from kvbm_plugin.testing.fake_trtllm import KVEventsConfig
-from kvbm_plugin.tools.demo_adp import subscribers_for
-from kvbm_plugin.tools.router_view import RouterView
 from kvbm_plugin.wire.events import to_signed_int64
 
 BS = 4

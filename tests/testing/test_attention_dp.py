@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.cli.demo_adp import AdpRouterProbe, subscribers_for
+from kvbm_plugin.routers.router_view import RouterView
 from kvbm_plugin.testing.adp import AttentionDpEngine
 from kvbm_plugin.testing.engine import EngineConfig
-from kvbm_plugin.tools.demo_adp import AdpRouterProbe, subscribers_for
-from kvbm_plugin.tools.router_view import RouterView
 from kvbm_plugin.wire.events import to_signed_int64
 
 BS = 4
@@ -124,9 +124,9 @@ def test_an_idle_rank_runs_dummy_passes_while_another_works(tmp_path) -> None:
 
 def test_each_rank_is_its_own_llm_d_pod_with_a_dp_rank_field_in_the_topic(tmp_path) -> None:
     """``DYN_KVBM_KV_EVENTS_TOPIC=kv@pod-0-dp{dp_rank}@m``: each rank's consolidated output
-    names its own pod, so llm-d (which drops a batch's dp rank; tools/llmd_model.py) credits
+    names its own pod, so llm-d (which drops a batch's dp rank; routers/llmd_model.py) credits
     each rank's prefix to that rank only."""
-    from kvbm_plugin.tools.llmd_model import LlmdIndexer, llmd_tap
+    from kvbm_plugin.routers.llmd_model import LlmdIndexer, llmd_tap
 
     env = {**_env(tmp_path), cc.TOPIC: "kv@pod-0-dp{dp_rank}@m",
            cc.CONSOLIDATOR_MODE: "passthrough"}

@@ -16,13 +16,13 @@ import zmq
 from _kvwire import free_port, wait_until
 
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.connector.dynamo_streaming import load_moved_endpoint, take_yaml_endpoint
-from kvbm_plugin.connector.trtllm_publisher import trtllm_streams
+from kvbm_plugin.cli.demo_adp import subscribers_for
+from kvbm_plugin.events.trtllm_publisher import trtllm_streams
+from kvbm_plugin.leader.dynamo_streaming import load_moved_endpoint, take_yaml_endpoint
+from kvbm_plugin.routers.router_view import RouterView
 from kvbm_plugin.testing.adp import AttentionDpEngine
 from kvbm_plugin.testing.engine import EngineConfig
 from kvbm_plugin.testing.fake_trtllm import KVEventsConfig
-from kvbm_plugin.tools.demo_adp import subscribers_for
-from kvbm_plugin.tools.router_view import RouterView
 from kvbm_plugin.wire.events import to_signed_int64
 
 BS = 4
@@ -204,7 +204,7 @@ def test_the_setting_alone_is_checked_by_trtllms_endpoint_rules() -> None:
 
 def test_kvbm_plugin_yaml_for_dynamo_streaming_is_a_configuration_that_works(capsys) -> None:
     from kvbm_plugin._util.mini_yaml import parse
-    from kvbm_plugin.tools import cli
+    from kvbm_plugin.cli import main as cli
 
     assert cli.main(["yaml", "--for", "dynamo-streaming"]) == 0
     text = capsys.readouterr().out
@@ -227,7 +227,7 @@ def test_doctor_checks_the_endpoints_the_leader_will_bind_when_it_moves_trtllm(
         monkeypatch, capsys, tmp_path) -> None:
     import json
 
-    from kvbm_plugin.tools.doctor import main_doctor
+    from kvbm_plugin.cli.doctor import main_doctor
 
     for var in cc.ENV_VARS:
         monkeypatch.delenv(var.name, raising=False)

@@ -13,7 +13,7 @@ import pytest
 from _engines import OFF, prompt, tiers
 from _kvwire import wait_until
 
-from kvbm_plugin.connector import leader_gpu_events
+from kvbm_plugin.leader import gpu_tier_events as leader_gpu_events
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.testing.fake_trtllm import KVCacheEventSerializer
 

@@ -2,7 +2,7 @@
 
 A tier never holds a block whose parent is resident nowhere; the tiers and the simulated
 executor's GPU pool evict leaves first, and their event streams, read by the router model
-(:class:`~kvbm_plugin.tools.router_view.RouterView`), never store under an unknown parent
+(:class:`~kvbm_plugin.routers.router_view.RouterView`), never store under an unknown parent
 nor remove a parent before its descendants.
 """
 
@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 
 from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
+from kvbm_plugin.routers.router_view import WARNING_RULES, RouterView
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.tiers.base import TierFullError, TierIndex
-from kvbm_plugin.tools.router_view import WARNING_RULES, RouterView
 from kvbm_plugin.wire.events import (
     BlockRemoved,
     BlockStored,
@@ -202,7 +202,7 @@ class _Published(EventPublisher):
 
 def _tier_warnings(view: RouterView) -> dict[str, dict[str, int]]:
     """The router rules the tiers' streams broke, per medium. The GPU-tier stream's own
-    prefix closure is the event sink's (tests/gpu_events/test_sink_prefix_closed.py); here the
+    prefix closure is the event sink's (tests/events/test_sink_prefix_closed.py); here the
     GPU tree is what the tiers' blocks hang from, and is compared with the pool at the end."""
     return {medium: {r: n for r, n in rules.items() if r in WARNING_RULES and n}
             for medium, rules in view.by_medium.items()

@@ -172,8 +172,8 @@ def test_leader_start_up_rejects_a_disk_directory_that_is_a_file(tmp_path) -> No
 
 
 def test_repeated_disk_write_failures_are_logged_rate_limited(caplog) -> None:
-    from kvbm_plugin.connector.disk_jobs import DiskIO
     from kvbm_plugin.tiers.base import WriteResult
+    from kvbm_plugin.worker.disk_io import DiskIO
 
     class FullDisk:
         capacity = 1000

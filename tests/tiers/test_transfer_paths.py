@@ -11,10 +11,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbm_plugin.connector.copy_engine import CopyEngine
-from kvbm_plugin.connector.device_copy import POLL_S, wait_for_copy
 from kvbm_plugin.connector.metrics import get_metrics
 from kvbm_plugin.tiers.copies import HostCopier, split_spans
+from kvbm_plugin.worker.copy_engine import CopyEngine
+from kvbm_plugin.worker.device_copy import POLL_S, wait_for_copy
 
 
 @given(st.lists(st.integers(min_value=0, max_value=5000), max_size=12),

@@ -1,6 +1,6 @@
 """The consolidated output as routers read it (wire/router_forms.py): salts by the string a
 client sends, hashes in the width llm-d's decoder accepts. llm-d is its test model
-(tools/llmd_model.py); Dynamo's own reading is tests/interop/test_dynamo_indexer.py."""
+(routers/llmd_model.py); Dynamo's own reading is tests/interop/test_dynamo_indexer.py."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import msgpack
 import pytest
 
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.tools.llmd_model import LlmdIndexer
-from kvbm_plugin.tools.router_view import RouterView
+from kvbm_plugin.routers.llmd_model import LlmdIndexer
+from kvbm_plugin.routers.router_view import RouterView
 from kvbm_plugin.wire.events import EventBatch, decode_event, encode_payload
 from kvbm_plugin.wire.identity import SALT_TEXTS, cache_salt_id, salt_extra_key, salt_of
 from kvbm_plugin.wire.router_forms import FORM_CLIENT, FORM_ID, spell_for_routers, wide_hash

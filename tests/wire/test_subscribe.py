@@ -379,7 +379,7 @@ def test_replay_answers_without_a_topic_frame_are_understood(ctx, xpub, tmp_path
 
 
 def test_subscribe_command_json_is_strict(ctx, xpub, capsys) -> None:
-    from kvbm_plugin.tools.subscribe import main_subscribe
+    from kvbm_plugin.cli.subscribe import main_subscribe
 
     pub, endpoint = xpub
     nan_batch = [b"", encode_seq(0), msgpack.packb([float("nan"), [], 0])]
@@ -409,7 +409,7 @@ def test_subscribe_command_json_is_strict(ctx, xpub, capsys) -> None:
 
 
 def test_a_late_join_without_replay_says_where_it_joined_not_a_gap(ctx, xpub, capsys) -> None:
-    from kvbm_plugin.tools.subscribe import join_note
+    from kvbm_plugin.cli.subscribe import join_note
 
     pub, endpoint = xpub
     sub = _connect(ctx, pub, endpoint)
@@ -462,7 +462,7 @@ def test_a_quiet_stream_s_history_arrives_once_connected(ctx, xpub, tmp_path) ->
 
 
 def test_nothing_at_the_endpoint_is_said_within_seconds(monkeypatch, tmp_path, capsys) -> None:
-    from kvbm_plugin.tools import subscribe
+    from kvbm_plugin.cli import subscribe
 
     monkeypatch.setattr(subscribe, "NOTHING_THERE_S", 0.3)
     started = time.monotonic()

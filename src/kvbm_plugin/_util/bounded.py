@@ -7,7 +7,7 @@ instead of ~1 us). :class:`EvictionOrder` keeps the keys in a deque beside the d
 
 Used by the naming tables (:mod:`kvbm_plugin.naming.names`: the names learned from events, on
 the leader's executor thread; the LoRA adapters of stored chains, under the event sink's lock)
-and by the event sink's suppressed-hash map (:class:`kvbm_plugin.gpu_events.rank.Rank`, under
+and by the event sink's suppressed-hash map (:class:`kvbm_plugin.events.rank.Rank`, under
 the sink's lock or on the executor thread). Not thread-safe on its own; no torch import.
 """
 

@@ -1,6 +1,6 @@
 """The compiled loops: the optional C extensions, behind one switch (``DYN_KVBM_NATIVE``).
 
-``gpu_events/_sink_c.c`` (KvEventSink's ingest loop and V2 hooks), ``consolidator/_core_c.c``
+``events/_sink_c.c`` (KvEventSink's ingest loop and V2 hooks), ``consolidator/_core_c.c``
 (ConsolidatorCore's dedup loops and its compact block) and ``tiers/shared/_frame_c.c`` (the
 shared tier's payload word sums) are built at install time where a C compiler is available
 (``setup.py`` marks them optional). Each is the compiled form of loops whose reference stays in
@@ -35,7 +35,7 @@ def _load(name: str) -> ModuleType | None:
 
 # What was built, keyed by the component whose compiled loops the module holds.
 _MODULES: Final = {
-    "event_sink": "kvbm_plugin.gpu_events._sink_c",
+    "event_sink": "kvbm_plugin.events._sink_c",
     "consolidator": "kvbm_plugin.consolidator._core_c",
     "shared_frame": "kvbm_plugin.tiers.shared._frame_c",
 }

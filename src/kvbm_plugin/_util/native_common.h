@@ -1,4 +1,4 @@
-/* Shared by the compiled loops (gpu_events/_sink_c.c, consolidator/_core_c.c,
+/* Shared by the compiled loops (events/_sink_c.c, consolidator/_core_c.c,
  * tiers/shared/_frame_c.c; _util/compiled.py loads them): each is the compiled form of loops
  * whose Python reference lives in the module of the same name, and the tests run both on the
  * same input and compare. Public CPython API only (3.10 and later; the unstable

@@ -15,7 +15,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvbm_plugin.connector.layer_groups import disk_identity_suffix
 from kvbm_plugin.consolidator_config import (
     LEADER_ZMQ_HOST,
     LEADER_ZMQ_PUB_PORT,
@@ -145,3 +144,27 @@ def disk_identity(llm_args: Any, block_size: int, tp_size: int) -> str:
     several attention windows, the windows (a slot holds every layer group's page)."""
     return (f"model={getattr(llm_args, 'model', '')};tokens_per_block={block_size};"
             f"tp={tp_size}{disk_identity_suffix(llm_args)}")
+
+
+# Models with several KV layer groups (leader/layer_groups.py) read their windows here.
+def configured_windows(llm_args: Any) -> tuple[int, ...]:
+    """The distinct attention windows of ``kv_cache_config.max_attention_window`` in order of
+    first appearance (one layer group each, as KVCacheManagerV2 allocates them); () for one."""
+    windows = getattr(getattr(llm_args, "kv_cache_config", None), "max_attention_window", None)
+    if not isinstance(windows, (list, tuple)):
+        return ()
+    distinct: list[int] = []
+    for w in windows:
+        if type(w) is not int or w <= 0:
+            raise ConfigError(f"kv_cache_config.max_attention_window={list(windows)!r}: "
+                              f"{w!r} is not a positive integer")
+        if w not in distinct:
+            distinct.append(w)
+    return tuple(distinct) if len(distinct) > 1 else ()
+
+
+def disk_identity_suffix(llm_args: Any) -> str:
+    """What a disk file of a several-group model records beyond the flat identity: its
+    windows (a file written under another layout fails the header check)."""
+    windows = configured_windows(llm_args)
+    return f";windows={','.join(map(str, windows))}" if windows else ""

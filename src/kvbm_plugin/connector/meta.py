@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 # Tier codes in the metadata (ints keep the pickle small).
 HOST: Final = 1
 DISK: Final = 2
-SHARED: Final = 3  # the shared tier (connector/shared_io.py on the workers)
+SHARED: Final = 3  # the shared tier (worker/shared_io.py on the workers)
 TIER_CODES: Final = {HOST: "host", DISK: "disk", SHARED: "shared"}
 
 # Why an op failed (OpReport.error); CORRUPT makes the leader forget the source block.
@@ -54,7 +54,7 @@ class LoadCopy:
     device_block: int
     digest: bytes | None = None  # SHARED: the 16-byte content digest in the object's key
     # Several KV layer groups: every group's page to write (-1: none there, never written);
-    # () for a one-group model (``device_block`` is the page). connector/layer_groups.py
+    # () for a one-group model (``device_block`` is the page). leader/layer_groups.py
     pages: tuple[int, ...] = ()
 
 
@@ -80,7 +80,7 @@ class SaveOp:
     slot: int
     key: int
     # Several KV layer groups: every group's page of the block, read into the slot group
-    # after group; () for a one-group model. connector/layer_groups.py
+    # after group; () for a one-group model. leader/layer_groups.py
     pages: tuple[int, ...] = ()
 
 

@@ -32,7 +32,7 @@ Who calls what:
 * The leader's host and disk tiers call :meth:`~KvEventConsolidator.register_store`,
   :meth:`~KvEventConsolidator.register_remove` and :meth:`~KvEventConsolidator.register_clear`
   from whatever thread moves blocks; each call only appends to a queue.
-* ``kvbm-plugin consolidate`` (:mod:`kvbm_plugin.tools.consolidate`) runs it for engines
+* ``kvbm-plugin consolidate`` (:mod:`kvbm_plugin.cli.consolidate`) runs it for engines
   whose GPU-tier events come from elsewhere (TRT-LLM's or vLLM's own publisher).
 """
 

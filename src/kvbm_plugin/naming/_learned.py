@@ -18,7 +18,7 @@ The events come from three places, each calling :meth:`BlockNames.observe`:
 * TensorRT-LLM's own streaming publisher, as the consolidator's ingest thread received it
   (``connector.trtllm_publisher.TrtllmNameFeed``, drained by the leader under its lock);
 * under attention DP, a rank r > 0's own GPU-tier stream (:class:`StreamNames`): TensorRT-LLM
-  gathers every rank's events onto rank 0 (``connector/assembly.py``), so rank r's leader never
+  gathers every rank's events onto rank 0 (``leader/event_path.py``), so rank r's leader never
   sees its rank's events in process, and rank 0's leader publishes them on rank r's endpoint.
   A batch sent before the subscription reached the publisher is not seen; only its blocks'
   names wait for a later confirmation.

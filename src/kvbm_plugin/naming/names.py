@@ -68,7 +68,7 @@ from kvbm_plugin.wire.events import to_signed_int64
 from kvbm_plugin.wire.identity import SALT_TEXTS
 
 if TYPE_CHECKING:
-    from kvbm_plugin.connector.requests import RequestState
+    from kvbm_plugin.leader.requests import RequestState
 
 __all__ = ["BlockNames", "BlockNaming", "LoraNames", "NameInputs", "StreamNames",
            "UnnamedStores", "mm_hash_bytes", "name_inputs", "parse_hash", "radix_key_hash",

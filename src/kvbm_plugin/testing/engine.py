@@ -696,7 +696,7 @@ class SimulatedEngine:
     def _kv_connector_terminate_requests(self) -> None:
         """``get_finished`` on every rank; act on ids every rank returned: a saved request is
         terminated, a loaded one scheduled from now on. Then (``load_errors``, revisions with
-        it: ``connector/load_errors.py``) ``handle_load_errors`` over the live requests: each
+        it: ``worker/load_errors.py``) ``handle_load_errors`` over the live requests: each
         one holding a block whose load failed redoes its connector-loaded tokens (its context
         restarts at its device match) before it can compute (ranks report failures first)."""
         manager = self.kv_cache_connector_manager

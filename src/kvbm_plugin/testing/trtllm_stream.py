@@ -49,7 +49,7 @@ from typing import Any
 import zmq
 
 from kvbm_plugin._util.bounded import EvictionOrder
-from kvbm_plugin.connector.trtllm_publisher import TrtllmPublisher, read_trtllm_publisher
+from kvbm_plugin.events.trtllm_publisher import TrtllmPublisher, read_trtllm_publisher
 from kvbm_plugin.naming.names import v2_block_key, v2_reuse_salt, v2_root_key
 from kvbm_plugin.testing.kv_events import SimKVCacheManager
 

@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
-from kvbm_plugin.connector.layer_groups import LayerGroups
 from kvbm_plugin.connector.meta import ConnectorMetadata
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
+from kvbm_plugin.leader.layer_groups import LayerGroups
 from kvbm_plugin.testing.connector_manager import SimKvCacheConnectorManager
 from kvbm_plugin.testing.fake_layout import (
     KvCacheBufferRef,

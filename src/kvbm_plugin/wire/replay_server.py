@@ -50,7 +50,7 @@ PEER_HWM = 64  # ROUTER SNDHWM: batches queued per replay peer
 # requestReplay) fails a replay whose first seq is not the one it asked for, resets the pod,
 # waits 30 s and asks again from seq 0: with "oldest" that repeats while the buffer has rolled,
 # and every live batch is dropped meanwhile; an empty answer to a request from seq 0 succeeds,
-# and llm-d applies the live stream from the next batch on (tools/llmd_replay.py measures both).
+# and llm-d applies the live stream from the next batch on (routers/llmd_replay.py measures both).
 ROLLED_OLDEST = "oldest"
 ROLLED_EMPTY = "empty"
 

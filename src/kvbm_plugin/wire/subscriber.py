@@ -1,7 +1,7 @@
 """A consumer of a KV-event stream: decodes, detects gaps, replays, and keeps the held-block view.
 
 ``StreamSubscriber`` is what a router does with our output, in miniature: ``kvbm-plugin
-subscribe`` prints it live, the router model (:mod:`kvbm_plugin.tools.router_view`) feeds its
+subscribe`` prints it live, the router model (:mod:`kvbm_plugin.routers.router_view`) feeds its
 tree from it, and the demo uses it to check that a consumer's view of the consolidated stream
 equals the tiers' true contents. Its own thread does the socket I/O.
 """

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.cli import doctor
 from kvbm_plugin.testing.local_server import free_port
-from kvbm_plugin.tools import doctor
 
 
 @pytest.fixture(autouse=True)

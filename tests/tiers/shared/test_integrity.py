@@ -17,13 +17,13 @@ from conftest import settings_for
 
 from kvbm_plugin._util import compiled as _compiled
 from kvbm_plugin._util.ratelimit import RateLimitedLog
-from kvbm_plugin.connector import shared_io
 from kvbm_plugin.connector.meta import ERR_CORRUPT, ERR_FAILED, ERR_NONE, LoadCopy, SharedSaveOp
-from kvbm_plugin.connector.shared_io import SharedIO, worker_layout
 from kvbm_plugin.testing.memory_store import MemoryStore
 from kvbm_plugin.tiers.shared import frame
 from kvbm_plugin.tiers.shared.keys import SharedLayout, chain_digests
 from kvbm_plugin.tiers.shared.store import MISSING, OK
+from kvbm_plugin.worker import shared_io
+from kvbm_plugin.worker.shared_io import SharedIO, worker_layout
 
 SHAPE = (2, 2, 50)  # a page of 800 bytes: one 512-byte row and a 288-byte tail
 SENTINEL = -7.0

@@ -1,0 +1,138 @@
+"""What the leader learns of a request each iteration (:meth:`OffloadPlanner.absorb`: its new
+tokens, pages, hashes) and which of its newly full blocks it offloads, where.
+
+:class:`OffloadPlanner` is owned by :class:`~kvbm_plugin.connector_leader.KvbmConnectorLeader`
+and called by its ``build_connector_meta`` (executor thread, rank 0 or each attention-DP rank,
+under the leader's lock) once per scheduled request. It keeps no state of its own: each
+request's progress is in its :class:`~kvbm_plugin.leader.requests.RequestState`
+(``offload_next``), the slots in the :class:`~kvbm_plugin.leader.offload_tiers.OffloadTiers`,
+the ops in the :class:`~kvbm_plugin.leader.requests.OpTable`. Never imports torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvbm_plugin.connector.meta import DISK, HOST, SaveOp
+from kvbm_plugin.leader.layer_groups import LayerGroupPages
+from kvbm_plugin.leader.offload_tiers import OffloadTiers
+from kvbm_plugin.leader.requests import OpTable, RequestState
+from kvbm_plugin.leader.shared_tier import LeaderSharedTier
+from kvbm_plugin.naming.names import BlockNaming
+from kvbm_plugin.tiers.base import TIER_HOST, TierIndex, block_keys
+
+
+class OffloadPlanner:
+    """Schedules offloads (saves into the first tier, write-through to the shared tier)."""
+
+    def __init__(self, *, block_size: int, tiers: OffloadTiers, shared: LeaderSharedTier,
+                 pages: LayerGroupPages, naming: BlockNaming, ops: OpTable,
+                 stats: dict[str, int]) -> None:
+        self._block_size = block_size
+        self._tiers = tiers
+        self._shared = shared
+        self._pages = pages
+        self._naming = naming
+        self._ops = ops
+        self._stats = stats
+
+    def absorb(self, state: RequestState, rd: Any, sink: Any) -> None:
+        """Fold one RequestData delta into the request's state (before :meth:`schedule`);
+        ``sink``: this rank's GPU-tier event sink (None: no GPU stream here)."""
+        state.tokens.extend(rd.new_tokens)
+        self._pages.absorb_block_ids(state, rd)  # flat, or every layer group's pages
+        hashes = getattr(rd, "block_hashes", None)
+        if hashes:
+            state.event_hashes = list(hashes)  # cumulative chain for the full blocks
+        elif not self._naming.learning and len(state.tokens) >= self._block_size:
+            # No block_hashes: learn TRT-LLM's names from its events (for requests whose hash
+            # cannot be computed, and as the cross-check of those computed).
+            self._naming.learning = True
+            if sink is not None:  # else: the attention-DP rank's StreamNames observes
+                sink.on_flush = self._naming.names.observe
+        valid = rd.computed_position + rd.num_scheduled_tokens
+        if not state.reported and state.match_base is not None:
+            # The first report subtracts connector-loaded tokens from computed_position.
+            valid = max(valid, state.match_base + rd.num_scheduled_tokens)
+        failed = state.load_failed_at
+        if not state.reported and failed is not None \
+                and rd.computed_position > failed * self._block_size:
+            state.offload_stop = failed  # computed on a block its failed load left unfilled
+        if not state.reported:
+            state.prompt_tokens = len(state.tokens)  # all prompt tokens come first
+        state.reported = True
+        state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
+        self._naming.name_root(state, sink)  # the sink's LoRA names
+        bs = self._block_size
+        if len(state.keys) < len(state.tokens) // bs:
+            state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
+                                         parent=state.keys[-1] if state.keys else None))
+        self._naming.v2_extend(state)  # TensorRT-LLM's own stream: its names, computed
+
+    def event_hash(self, state: RequestState, index: int) -> int:
+        """The hash the tier events name block ``index`` by: TRT-LLM's (see
+        :mod:`kvbm_plugin.naming.names`); the plugin's content key only as a placeholder
+        while TRT-LLM's is not known (such a block's STORE is held back until it is)."""
+        h = self._naming.hash_of(state, index)
+        return state.keys[index] if h is None else h
+
+    def schedule(self, state: RequestState, index: TierIndex, saves: list[SaveOp]) -> None:
+        """Offload the request's newly full blocks into ``index`` (the first tier), in chain
+        order. A tier holds prefix-closed chains only: a block is offloaded only while its
+        parent is in the same tier (pending or resident) or is offloaded in this same job, so
+        a parent that left the tier since it was passed is offloaded again first, from its
+        device block (the request still holds it)."""
+        bs = self._block_size
+        tiers, shared, pages, stats = self._tiers, self._shared, self._pages, self._stats
+        host = tiers.host
+        keys, tokens = state.keys, state.tokens
+        limit = min(state.valid_tokens // bs, len(state.block_ids), len(keys))
+        if state.offload_stop is not None:
+            limit = min(limit, state.offload_stop)
+        tier_code = HOST if index.name == TIER_HOST else DISK
+        write_through = index is host and shared.enabled
+        new_op = self._ops.new
+        # The parent of the next block is in ``index``: just checked, reserved or found.
+        parent_in = False
+        while state.offload_next < limit:
+            i = state.offload_next
+            key = keys[i]
+            present = index.lookup(key)  # resident: refresh its LRU place, in use again
+            if present is not None or key in index:
+                if present is not None and write_through:  # not in the shared tier yet?
+                    shared.follow(state, i, present, -1, -1)
+                state.offload_next += 1
+                parent_in = True
+                continue
+            parent_key = keys[i - 1] if i else None
+            if parent_key is not None and not parent_in and parent_key not in index:
+                if pages.can_resave(state, index, i - 1):
+                    state.offload_next = i - 1  # the parent was evicted as a leaf meanwhile
+                    stats["parent_resaves"] += 1
+                else:
+                    # No device copy of the parent to offload: this block would be an orphan.
+                    stats["orphan_saves_skipped"] += 1
+                    state.offload_next += 1
+                parent_in = False
+                continue
+            block = pages.save_block(state, i)  # -1: some layer group has no live page
+            if block < 0:
+                state.offload_next += 1
+                parent_in = False
+                continue
+            parent = self.event_hash(state, i - 1) if i else None
+            entry = tiers.reserve(index, key, self.event_hash(state, i), parent,
+                                  tokens[i * bs:(i + 1) * bs], parent_key, state.scope)
+            if entry is None:
+                stats["tier_full_skips"] += 1
+                return  # retry from this block next iteration
+            op_id = new_op("save", index.name, key, state.req_id, entry)
+            state.saves_inflight.add(op_id)
+            block = int(block)
+            saves.append(SaveOp(op_id, state.req_id, block, tier_code, entry.slot, key,
+                                pages.save_pages(state, i)))
+            if write_through:  # to the shared tier, when there is one
+                shared.follow(state, i, entry, op_id, block)
+            stats["saves_scheduled"] += 1
+            state.offload_next += 1
+            parent_in = True

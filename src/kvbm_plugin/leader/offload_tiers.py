@@ -1,0 +1,294 @@
+"""The leader's offload tiers: the host and disk slot indexes, lookups, evictions (REMOVEs),
+demotions to disk, and under which name each committed block's STORE is announced.
+
+:class:`OffloadTiers` is owned by :class:`~kvbm_plugin.connector_leader.KvbmConnectorLeader`
+(one per leader: rank 0, or each attention-DP rank); every method runs under the leader's lock,
+on the executor thread or the leader's idle keeper thread. It reads the request states and the
+leader's op table only as arguments and the lent :class:`~kvbm_plugin.leader.requests.OpTable`.
+Never imports torch.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin.connector.meta import DemoteOp, TierLayout, pool_layout
+from kvbm_plugin.consolidator_config import CPU_CACHE_GB, DISK_CACHE_GB, ConfigError, TierSettings
+from kvbm_plugin.leader.requests import Op, OpTable
+from kvbm_plugin.naming.names import BlockNaming
+from kvbm_plugin.tiers.base import (
+    TIER_DISK,
+    TIER_HOST,
+    TierEntry,
+    TierFullError,
+    TierIndex,
+    block_path,
+    stat_signature,
+)
+from kvbm_plugin.wire.events import MEDIUM_CPU, MEDIUM_DISK
+from kvbm_plugin.wire.identity import salt_extra_key
+
+logger = logging.getLogger("kvbm_plugin.connector_leader")
+MEDIUM = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_DISK}
+
+
+class OffloadTiers:
+    """The host and disk tier indexes of one leader and the tier events they cause.
+
+    Sized on first use (:meth:`ensure`); ``host``/``disk`` are None until then or when the tier
+    is off. Committed blocks whose TensorRT-LLM name is not known yet wait among the naming's
+    unnamed stores (:class:`~kvbm_plugin.naming.names.UnnamedStores`, bounded), announced once
+    named.
+    ``on_announced(index, entry)`` is called after each tier STORE (the shared tier's
+    write-through waits for its host copy's name)."""
+
+    def __init__(self, settings: TierSettings, *, group: str, tp_size: int, attention_dp: bool,
+                 dp_rank: int, block_size: int, stats: dict[str, int], tier_events: Any,
+                 naming: BlockNaming, ops: OpTable, log: RateLimitedLog) -> None:
+        self._settings = settings
+        self._group = group
+        self._tp_size = tp_size
+        self._attention_dp = attention_dp
+        self._dp_rank = dp_rank
+        self._block_size = block_size
+        self._stats = stats
+        self._tier_events = tier_events
+        self._naming = naming
+        self._ops = ops
+        self._log = log
+        self.host: TierIndex | None = None
+        self.disk: TierIndex | None = None
+        self.layout: TierLayout | None = None
+        self.disk_dir: str | None = None
+        self._own_disk_dir = False
+        self.pending_demotes: list[DemoteOp] = []  # for the next metadata
+        self.on_announced: Callable[[TierIndex, TierEntry], None] | None = None
+
+    def index_of(self, tier: str) -> TierIndex | None:
+        return self.host if tier == TIER_HOST else self.disk
+
+    def take_demotes(self) -> tuple[DemoteOp, ...]:
+        """The demotions scheduled since the last call (for this iteration's metadata)."""
+        out = tuple(self.pending_demotes)
+        self.pending_demotes = []
+        return out
+
+    def close(self) -> None:
+        """Remove a temporary disk directory this leader made (leader shutdown)."""
+        if self._own_disk_dir and self.disk_dir and os.path.isdir(self.disk_dir):
+            shutil.rmtree(self.disk_dir, ignore_errors=True)
+
+    def ensure(self) -> TierLayout:
+        """Size the tier indexes on first use (rank 0's worker has registered the pool by then:
+        TRT-LLM calls register_kv_caches before the first iteration)."""
+        if self.layout is not None:
+            return self.layout
+        settings = self._settings
+        layout = pool_layout(self._group)
+        bytes_per_block = layout[1] if layout else 0
+        needs_bytes = ((settings.host_enabled and not settings.cpu_num_blocks)
+                       or (settings.disk_enabled and not settings.disk_num_blocks))
+        if needs_bytes and not bytes_per_block:
+            raise ConfigError(f"{CPU_CACHE_GB}/{DISK_CACHE_GB} need the block size in bytes, but "
+                              "no worker registered a KV pool in this process; set "
+                              "DYN_KVBM_*_OVERRIDE_NUM_BLOCKS instead")
+        host_blocks = settings.host_blocks(bytes_per_block) if settings.host_enabled else 0
+        disk_blocks = settings.disk_blocks(bytes_per_block) if settings.disk_enabled else 0
+        if host_blocks:
+            self.host = TierIndex(TIER_HOST, host_blocks)
+        if disk_blocks:
+            # Nothing copies a disk block to another tier: its tokens are needed only until its
+            # STORE is registered (64 B per block of a 16-token block at rest otherwise).
+            self.disk = TierIndex(TIER_DISK, disk_blocks, keep_tokens=False)
+            if settings.disk_cache_dir:
+                self.disk_dir = settings.disk_cache_dir
+                if self._attention_dp:
+                    # Each attention-DP rank's own share: its slot files never meet another's.
+                    self.disk_dir = os.path.join(self.disk_dir, f"dp{self._dp_rank}")
+                    os.makedirs(self.disk_dir, exist_ok=True)
+            else:
+                self.disk_dir = tempfile.mkdtemp(prefix="kvbm-plugin-disk-")
+                self._own_disk_dir = True
+                atexit.register(shutil.rmtree, self.disk_dir, True)
+        self.layout = TierLayout(host_blocks, disk_blocks, self.disk_dir)
+        return self.layout
+
+    def lookup(self, key: int) -> tuple[str, TierEntry] | None:
+        if self.host is not None:
+            entry = self.host.lookup(key)
+            if entry is not None:
+                return TIER_HOST, entry
+        if self.disk is not None:
+            entry = self.disk.lookup(key)
+            if entry is not None:
+                if self.disk_intact(entry):
+                    return TIER_DISK, entry
+                self._stats["stale_disk_blocks"] += 1
+                self.drop(self.disk, entry)
+        return None
+
+    def disk_intact(self, entry: TierEntry) -> bool:
+        """Every rank's file still has the size and mtime it had when written: one stat() per
+        rank, no data read (a rewritten, truncated or deleted file fails it; bit rot is caught
+        by the workers' checksum)."""
+        assert self.disk_dir is not None
+        for rank in range(self._tp_size):
+            expected = entry.signatures.get(rank)
+            if expected is None:
+                continue  # that rank's worker is on another host; its checksum still guards
+            if stat_signature(block_path(self.disk_dir, rank, entry.slot)) != expected:
+                return False
+        return True
+
+    def drop(self, index: TierIndex, entry: TierEntry) -> None:
+        """Forget a block and its descendants in ``index`` (a tier holds prefix-closed chains
+        only) and register the REMOVEs of the resident ones, children first."""
+        gone = index.discard(entry.key)
+        self._stats["cascade_drops"] += max(0, len(gone) - 1)
+        unnamed = self._naming.unnamed
+        hashes = [e.event_hash for e in gone
+                  if e.resident and not unnamed.forget(index.name, e.key)]
+        if hashes:
+            self._tier_events.register_remove(MEDIUM[index.name], self._dp_rank, hashes)
+
+    def announce(self, index: TierIndex, entry: TierEntry) -> None:
+        """Register the tier STORE of a committed, named block (its parent is advertised)."""
+        # The scope only when there is one: a recorder written for the plain six-argument
+        # call keeps working for unscoped blocks.
+        lora, salt = entry.scope
+        scope: dict[str, Any] = {}
+        if lora is not None:
+            scope["lora_id"] = lora
+        if salt is not None:
+            scope["extra_keys"] = (salt_extra_key(salt),)
+        self._tier_events.register_store(
+            MEDIUM[index.name], self._dp_rank, entry.event_hash, entry.parent_event_hash,
+            entry.token_ids, self._block_size, **scope)
+        if self.on_announced is not None:
+            self.on_announced(index, entry)  # the shared tier's write-through takes the name
+        entry.drop_tokens()  # a no-op where the index keeps them (the host tier: demotions)
+
+    def announce_or_wait(self, index: TierIndex, entry: TierEntry) -> None:
+        """Announce a committed block's STORE, or let it wait for its name
+        (:class:`~kvbm_plugin.naming.names.UnnamedStores`; the oldest past its bound leaves
+        its tier unannounced)."""
+        unnamed = self._naming.unnamed
+        if unnamed.ready(index, entry):
+            self.announce(index, entry)
+            return
+        for tier, oldest in unnamed.overflow():
+            self.drop(self.host if tier == TIER_HOST else self.disk, oldest)  # type: ignore[arg-type]
+
+    @property
+    def waiting_for_name(self) -> Any:
+        """The committed blocks waiting for their name (``(tier, key) in``, ``len``)."""
+        return self._naming.unnamed
+
+    def announce_named(self) -> None:
+        """Announce the unnamed blocks whose names are known now, in commit order."""
+        for index, entry in self._naming.unnamed.named_now({TIER_HOST: self.host,
+                                                            TIER_DISK: self.disk}):
+            self.announce(index, entry)
+
+    def reserve(self, index: TierIndex, key: int, event_hash: int, parent: int | None,
+                 tokens: Sequence[int], parent_key: int | None,
+                 scope: tuple[int | None, int | None] = (None, None)) -> TierEntry | None:
+        """A pending slot in ``index`` (``parent_key`` must be in it) for a block of ``scope``
+        (LoRA, salt); an evicted host block is demoted to disk."""
+        try:
+            entry, evicted = index.reserve(key, event_hash, parent, tokens, parent_key)
+        except TierFullError:
+            return None
+        entry.scope = scope
+        if evicted is not None:
+            self._stats["host_evictions" if index.name == TIER_HOST else "disk_evictions"] += 1
+            # REMOVE before the metadata that reuses the slot leaves this method's caller (none
+            # for a block that was never advertised).
+            if not self._naming.unnamed.forget(index.name, evicted.key):
+                self._tier_events.register_remove(MEDIUM[index.name], self._dp_rank,
+                                                  [evicted.event_hash])
+            if index.name == TIER_HOST and self.disk is not None \
+                    and evicted.key not in self.disk:
+                self.demote(evicted)
+        return entry
+
+    def demote(self, evicted: TierEntry) -> None:
+        """Demote an evicted host block to disk, keeping the disk tier prefix-closed: the
+        ancestors the disk lacks are copied there too, root first, in the same job (they stay
+        in the host tier as well). The host tier evicts leaves only, so every ancestor of
+        ``evicted`` is resident in host and can be read before this job's saves reuse slots."""
+        assert self.host is not None and self.disk is not None
+        chain = [evicted]
+        parent_key = evicted.parent_key
+        while parent_key is not None and parent_key not in self.disk:
+            ancestor = self.host.get(parent_key)
+            if ancestor is None or not ancestor.resident:
+                self._stats["demotes_skipped"] += 1  # not expected: the host chain is closed
+                return
+            chain.append(ancestor)
+            parent_key = ancestor.parent_key
+        for source in reversed(chain):
+            target = self.reserve(self.disk, source.key, source.event_hash,
+                                   source.parent_event_hash, source.token_ids, source.parent_key,
+                                   source.scope)
+            if target is None:
+                self._stats["demotes_skipped"] += 1  # disk full of pending/pinned blocks
+                return
+            op_id = self._ops.new("demote", TIER_DISK, source.key, None, target)
+            self.pending_demotes.append(DemoteOp(op_id, source.slot, target.slot, source.key))
+            self._stats["demotes_scheduled"] += 1
+            if source is not evicted:
+                self._stats["chain_demotes"] += 1
+
+    def finish_write(self, op: Op, ok: bool) -> None:
+        """Every rank reported the save or demotion ``op`` (``ok``: all succeeded): commit
+        its entry and announce it (or wait for its name), or forget it and its descendants.
+        A tainted op (its request was terminated before the copy read the device block) is
+        never committed."""
+        index = self.index_of(op.tier)
+        entry = op.entry
+        # Still the entry this op wrote (not forgotten meanwhile with an ancestor, nor
+        # replaced by a later reservation of the same block in another slot).
+        current = index is not None and entry is not None and index.holds(entry)
+        if op.tainted:
+            ok = False
+            self._stats["saves_discarded_terminated"] += 1
+            if current:
+                self.drop(index, entry)  # type: ignore[arg-type]
+        elif current:
+            assert index is not None and entry is not None
+            if ok and index.parent_resident(entry):
+                # Ops finish in id order along a chain, so the parent is resident already
+                # and the tier's STOREs are prefix-closed too.
+                signatures = None
+                for r in op.reports.values():
+                    if r.signature is not None:
+                        if signatures is None:
+                            signatures = {}
+                        signatures[r.rank] = r.signature
+                self.announce_or_wait(index, index.commit_entry(entry, signatures))
+            else:
+                # Never advertised: no REMOVE for it; descendants written after it go too.
+                if ok:
+                    ok = False  # written, but its parent is not resident: unusable
+                    self._stats["orphan_commits_dropped"] += 1
+                self.drop(index, entry)
+        if op.kind == "save":
+            self._stats["saves_committed" if ok else "saves_failed"] += 1
+        else:
+            self._stats["demotes_committed" if ok else "demotes_failed"] += 1
+
+    def resident_hashes(self, tier: str) -> set[int]:
+        """Event hashes resident (advertised) in ``tier`` ("host"/"disk"); tests and demo."""
+        index = self.host if tier == TIER_HOST else self.disk
+        if index is None:
+            return set()
+        return {e.event_hash for e in index.resident_entries()
+                if (index.name, e.key) not in self._naming.unnamed}

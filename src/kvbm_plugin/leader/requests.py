@@ -1,0 +1,105 @@
+"""The leader's bookkeeping records: one :class:`RequestState` per request TensorRT-LLM
+scheduled, one :class:`Op` per tier transfer in flight (in the :class:`OpTable`).
+
+Owned by ``KvbmConnectorLeader`` on rank 0 (each attention-DP rank's leader has its own); read
+and written under the leader's lock only (the executor thread's hooks and the leader's idle
+keeper thread). Data only (the table numbers its ops).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvbm_plugin.connector.meta import LoadOp, OpReport
+from kvbm_plugin.tiers.base import TierEntry
+
+# The leader's own counters (stats()), each 0 at construction; its collaborators add theirs.
+LEADER_STATS = (
+    "matched_host_tokens", "matched_disk_tokens", "match_calls", "saves_scheduled",
+    "saves_committed", "saves_failed", "demotes_scheduled", "demotes_committed",
+    "demotes_failed", "loads_failed", "corrupt_blocks", "stale_disk_blocks",
+    "tier_full_skips", "host_evictions", "disk_evictions", "reports_rejected",
+    "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
+    "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
+    "requests_terminated_silently",
+    "saves_discarded_terminated", "gpu_source_silent_iterations", "window_skips")
+
+
+@dataclass
+class RequestState:
+    """What the leader knows about one request."""
+
+    req_id: int
+    salt: str | None = None  # reuse scope (cache salt, LoRA) mixed into every tier key
+    scope: tuple[int | None, int | None] = (None, None)  # (LoRA id, salt id) for tier events
+    tokens: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    # Several KV layer groups (leader/layer_groups.py): each group's pages by block index
+    # as reported, and the pages bound at allocation for loads; empty for one group.
+    group_pages: list[list[int]] = field(default_factory=list)
+    alloc_pages: list[list[int]] = field(default_factory=list)
+    keys: list[int] = field(default_factory=list)  # content keys of full blocks
+    digests: list[bytes] = field(default_factory=list)  # shared-tier digests (tiers.shared.keys)
+    event_hashes: list[int] = field(default_factory=list)  # RequestData.block_hashes
+    # TRT-LLM's V1 block hashes computed by the leader (naming.names), and the inputs
+    # they are computed from (None: cannot be computed for this request).
+    computed: list[int] = field(default_factory=list)
+    name_inputs: Any = None
+    learned: list[int] = field(default_factory=list)  # TRT-LLM's hashes seen in GPU events
+    v2_keys: list[bytes] = field(default_factory=list)  # V2 radix keys, computed (naming)
+    # The event sink is still to be told its first block's hash and LoRA adapter: only for a
+    # request whose object the leader read the adapter from (RequestData names none).
+    lora_root_pending: bool = False
+    offload_next: int = 0  # first block index not yet considered for offload
+    valid_tokens: int = 0  # tokens whose KV exists after the last scheduled forward
+    prompt_tokens: int = 0  # the first report's tokens (TensorRT-LLM commits only these)
+    match_base: int | None = None  # device-computed + connector-loaded tokens at match time
+    # A load failed: its first block index, then (the engine computed on it unrecomputed) the
+    # block index from which this request's blocks are never offloaded.
+    load_failed_at: int | None = None
+    offload_stop: int | None = None
+    plan: list[tuple[int, str, TierEntry]] = field(default_factory=list)  # (block idx, tier, e)
+    load: LoadOp | None = None
+    reported: bool = False  # seen in a SchedulerOutput
+    saves_inflight: set[int] = field(default_factory=set)
+    loads_inflight: set[int] = field(default_factory=set)
+    finished: bool = False
+    # The request object's life: a weak reference where the object allows one (see
+    # connector.lifetime); the leader forgets a request TensorRT-LLM dropped without telling.
+    handle: Any = None
+    last_seen: int = 0  # the leader's iteration that last saw this request scheduled
+
+
+@dataclass(slots=True)
+class Op:
+    """One transfer: "save" | "demote" write ``tier``; "load" reads it."""
+
+    kind: str
+    tier: str
+    key: int
+    req_id: int | None
+    entry: TierEntry | None = None  # the entry written (save/demote) or read (load)
+    reports: dict[int, OpReport] = field(default_factory=dict)
+    # A save of a request TRT-LLM terminated without telling (its blocks may be reused before
+    # the copy read them): never committed.
+    tainted: bool = False
+
+
+class OpTable(dict[int, Op]):
+    """The leader's transfers in flight, by op id. Ids grow by one per op, so along a chain a
+    parent's op id is below its children's (reports are finalized in id order). Owned by the
+    leader and lent to its tier collaborators, which add their own ops (demotions,
+    shared-tier writes) with :meth:`new`; under the leader's lock only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._next = 1
+
+    def new(self, kind: str, tier: str, key: int, req_id: int | None,
+            entry: TierEntry | None = None) -> int:
+        """Record a new op and return its id."""
+        op_id = self._next
+        self._next += 1
+        self[op_id] = Op(kind, tier, key, req_id, entry)
+        return op_id

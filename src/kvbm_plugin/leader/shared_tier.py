@@ -1,0 +1,454 @@
+"""The leader's side of the shared tier: match into it, write-through, and what the router is
+told.
+
+:class:`LeaderSharedTier` is owned by :class:`~kvbm_plugin.connector_leader.KvbmConnectorLeader`
+and is given what it reads (the leader's
+:class:`~kvbm_plugin.leader.offload_tiers.OffloadTiers` for the host copies, the op table,
+the stats, the tier events). With
+``DYN_KVBM_SHARED_TIER`` set, its constructor (the leader's, a thread-pool thread) opens the
+leader's own store client (no segment of its own) and the
+:class:`~kvbm_plugin.tiers.shared.directory.SharedDirectory`; :meth:`LeaderSharedTier.start`
+(first sizing of the tiers, or an idle tick, once rank 0's worker published its key layout)
+starts the :class:`~kvbm_plugin.tiers.shared.agent.SharedAgent`. Everything else runs under the
+leader's lock on the executor thread or the leader's idle keeper thread, and reads only the
+directory (a table probe per block): never the store.
+
+* **Match** (:meth:`LeaderSharedTier.match`, from ``get_num_new_matched_tokens``): the host/disk
+  prefix continues into the shared tier while the directory offers each next block (resident, with
+  at least ``DYN_KVBM_SHARED_LOAD_MARGIN_S`` of its lease left, the store available); each offered
+  block is pinned in the directory until its load is reported, so the agent keeps renewing its
+  lease. Blocks are named by 128-bit digests chained over the prompt and seeded by the request's
+  reuse scope (``wire.identity.request_scope``: salt, LoRA task id with task 0 an adapter,
+  multimodal keys), so two tenants or adapters never share a shared-tier block.
+* **Write-through** (:meth:`LeaderSharedTier.follow`, from the host-save scheduling): each block
+  saved to the host tier, and not yet in the shared tier, also gets a
+  :class:`~kvbm_plugin.connector.meta.SharedSaveOp` in the same metadata; every rank stages the
+  device block in the same copy batch and puts it asynchronously. When every rank reported its put
+  ok *and* the host copy is announced (so the block's TensorRT-LLM name is known), the agent is
+  told (``committed``): it confirms the objects with ``exists()`` and only then makes the block
+  resident, advertised and announced to the other engines. A failed or dropped write on any rank is
+  never advertised.
+* **What routers see**: the agent's ``on_store``/``on_remove`` are registered with medium
+  ``EXTERNAL`` through the leader's tier events: by the agent's own thread into the in-process
+  consolidator (thread-safe, off the executor thread), else queued and registered by
+  :meth:`LeaderSharedTier.sync` (the TierEventPublisher without a consolidator): exactly the
+  blocks the directory holds resident, i.e. the blocks this engine can load.
+
+Never imports torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kvbm_plugin.connector import llm_args as _llm_args
+from kvbm_plugin.connector.meta import ERR_DROPPED, SharedSaveOp, shared_layout
+from kvbm_plugin.consolidator_config import CPU_CACHE_GB, SHARED_TIER, ConfigError
+from kvbm_plugin.leader.offload_tiers import OffloadTiers
+from kvbm_plugin.leader.requests import OpTable
+from kvbm_plugin.shared_settings import load_shared_settings
+from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
+from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory
+from kvbm_plugin.tiers.shared.keys import chain_digests
+from kvbm_plugin.wire.events import MEDIUM_EXTERNAL
+from kvbm_plugin.wire.identity import salt_extra_key
+
+logger = logging.getLogger("kvbm_plugin.connector_leader")
+
+TIER_SHARED: Final = "shared"
+MATCHED_STAT: Final = {TIER_HOST: "matched_host_tokens", TIER_DISK: "matched_disk_tokens",
+                       TIER_SHARED: "matched_shared_tokens"}
+SHARED_STATS: Final = (
+    "matched_shared_tokens", "shared_saves_scheduled", "shared_saves_committed",
+    "shared_saves_failed", "shared_saves_unnamed", "shared_saves_skipped_unavailable",
+    "shared_loads_failed", "shared_stores_registered", "shared_removes_registered",
+    "shared_agent_start_failed", "shared_writes_dropped")
+# Finished shared writes that wait for their host copy's name, at most (older ones are given up,
+# counted as shared_saves_unnamed: their host copy left the tier unannounced).
+MAX_WAITING = 4096
+
+
+def agent_class() -> type:
+    """The leader's shared-tier agent class (imported on first use: it binds ZMQ sockets)."""
+    from kvbm_plugin.tiers.shared.agent import SharedAgent
+
+    return SharedAgent
+
+
+class SharedHold:
+    """A shared block in a request's match plan, where host/disk blocks have their TierEntry:
+    the digest it was pinned under, the pins this plan holds, ``key`` for the load op."""
+
+    __slots__ = ("digest", "key", "pins")
+    slot: Final = -1
+
+    def __init__(self, digest: bytes) -> None:
+        self.digest = digest
+        self.key = int.from_bytes(digest[:8], "little")
+        self.pins = 0
+
+
+class SharedPins:
+    """The shared tier as the plan's code sees a tier index: pin/unpin on the directory."""
+
+    name: Final = TIER_SHARED
+
+    def __init__(self, directory: SharedDirectory) -> None:
+        self._directory = directory
+
+    def pin(self, hold: SharedHold) -> bool:
+        if not self._directory.pin(hold.digest):
+            return False
+        hold.pins += 1
+        return True
+
+    def unpin(self, hold: SharedHold) -> None:
+        hold.pins -= 1
+        self._directory.unpin(hold.digest)
+
+    def get(self, key: int) -> None:
+        return None  # a load's source is never "forgotten" by the leader: nothing to drop
+
+    def holds(self, hold: SharedHold) -> bool:
+        return False  # likewise: no tier entry of the leader's to drop
+
+
+@dataclass(slots=True)
+class _SharedWrite:
+    """One block's write-through in flight (leader side)."""
+
+    op_id: int
+    digest: bytes
+    parent_digest: bytes | None
+    host_key: int
+    scope: tuple[int | None, int | None]
+    name: tuple[int, int | None, tuple[int, ...]] | None = None  # the host copy's, announced
+    key_scope: str | None = None  # the reuse scope its digest is keyed under (request_scope)
+    done: bool = False  # every rank reported its put ok
+
+
+class LeaderSharedTier:
+    """The leader's shared-tier state (see the module docstring); ``settings`` is None when no
+    shared tier is configured (then every method is a cheap no-op)."""
+
+    def __init__(self, env: Any, *, host_enabled: bool, group: str, tp_size: int,
+                 dp_rank: int, block_size: int, stats: dict[str, int], tier_events: Any,
+                 tiers: OffloadTiers, ops: OpTable, lock: Any,
+                 thread_safe_events: bool = False) -> None:
+        """Leader constructor (thread-pool thread): settings, the leader's store client and
+        the directory; nothing when no shared tier is configured. ``lock`` is the leader's
+        (the agent's starter thread takes it to hand the agent over). ``thread_safe_events``:
+        ``tier_events`` may be called from the agent's thread (the in-process consolidator),
+        which then registers the EXTERNAL residency changes itself."""
+        self._env = env
+        self._group = group
+        self._tp_size = tp_size
+        self._dp_rank = dp_rank
+        self._block_size = block_size
+        self._stats = stats
+        self._tier_events = tier_events
+        self._tiers = tiers
+        self._ops = ops
+        self._lock = lock
+        self._direct = thread_safe_events
+        self._closed = False
+        self.settings = settings = load_shared_settings(self._env)
+        self._store: Any = None
+        self.directory: SharedDirectory | None = None
+        self.pins: SharedPins | None = None
+        self.agent: Any = None
+        self._starter: threading.Thread | None = None
+        self._agent_events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._writes: dict[int, _SharedWrite] = {}  # op id -> write
+        self._by_key: dict[int, _SharedWrite] = {}  # host key -> write
+        self._waiting: dict[int, _SharedWrite] = {}  # done, name not known yet
+        self.pending_saves: list[SharedSaveOp] = []
+        self._stats.update(dict.fromkeys(SHARED_STATS, 0))
+        if settings is None:
+            return
+        if not host_enabled:
+            raise ConfigError(f"{SHARED_TIER}={settings.store!r} writes through the host tier; "
+                              f"enable it ({CPU_CACHE_GB} or DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_"
+                              "BLOCKS)")
+        from kvbm_plugin.worker.shared_io import open_store
+
+        self.directory = SharedDirectory(settings.tracked_blocks, settings.lease_s,
+                                         settings.load_margin_s)
+        self.pins = SharedPins(self.directory)
+        self._store = open_store(settings, segment_bytes=0)
+
+    def start(self) -> None:
+        """Once rank 0's worker published its key layout (first tier sizing, or an idle tick):
+        start the agent on a thread of its own (it binds its sockets and asks the store's
+        health, up to about a second: never on the executor thread), with every rank's key
+        layout derived from rank 0's (the same page size on every TP rank)."""
+        settings = self.settings
+        if settings is None or self._starter is not None:
+            return
+        layout = shared_layout(self._group)
+        if layout is None:
+            raise ConfigError(f"{SHARED_TIER}={settings.store!r}: no worker registered a KV pool "
+                              "in the leader's process (the keys need its page size)")
+        layouts = [layout.for_rank(r) for r in range(self._tp_size)]
+        endpoint = settings.announce_endpoint or (
+            f"tcp://{_llm_args.leader_host(self._env)}:"
+            f"{_llm_args.leader_port(self._env) + 2000 + self._dp_rank}")
+        self._starter = threading.Thread(
+            target=self._run_agent, args=(settings, layouts, endpoint),
+            name=f"kvbm-shared-start-r{self._dp_rank}", daemon=True)
+        self._starter.start()
+
+    def _run_agent(self, settings: Any, layouts: list[Any], endpoint: str) -> None:
+        """The starter thread: build and start the agent; the leader offers and writes shared
+        blocks from the moment it is set."""
+        try:
+            agent = agent_class()(
+                settings, self._store, layouts, self.directory,
+                on_store=self._on_store, on_remove=self._on_remove,
+                announce_endpoint=endpoint, peers=settings.peers)
+            agent.start()
+        except Exception as exc:
+            with self._lock:
+                self._stats["shared_agent_start_failed"] += 1
+            logger.error("kvbm_plugin: the shared tier (%s=%s) is off for this engine: its "
+                         "agent did not start (announcements on %s): %s", SHARED_TIER,
+                         settings.store, endpoint, exc)
+            return
+        with self._lock:  # (its counters are in the leader's stats from now on)
+            if self._closed:
+                agent.close()
+                return
+            self.agent = agent
+
+    @property
+    def enabled(self) -> bool:
+        return self.agent is not None
+
+    def take_saves(self) -> tuple[SharedSaveOp, ...]:
+        """The write-throughs scheduled since the last call (this iteration's metadata)."""
+        out = tuple(self.pending_saves)
+        self.pending_saves = []
+        return out
+
+    # ------------------------------------------------------------ match (executor thread)
+
+    def _digests(self, state: Any, tokens: Sequence[int], upto: int) -> list[bytes]:
+        """The request's block digests, extended to ``upto`` blocks of ``tokens``."""
+        digests = state.digests
+        if len(digests) < upto:
+            bs = self._block_size
+            digests.extend(chain_digests(tokens[:upto * bs], bs, state.salt,
+                                         start=len(digests),
+                                         parent=digests[-1] if digests else None))
+        return digests
+
+    def match(self, state: Any, tokens: Sequence[int], start: int, last: int) -> None:
+        """Continue ``state.plan`` (blocks ``..start - 1``) with the shared blocks
+        ``start..last - 1`` the directory offers now, pinning each."""
+        agent, pins = self.agent, self.pins
+        if agent is None or pins is None or start >= last or not agent.available:
+            return
+        digests = self._digests(state, tokens, last)
+        directory = self.directory
+        assert directory is not None
+        for i in range(start, last):
+            if directory.lookup(digests[i]) is None:
+                return
+            hold = SharedHold(digests[i])
+            if not pins.pin(hold):
+                return
+            state.plan.append((i, TIER_SHARED, hold))
+
+    # ------------------------------------------------------------ write-through
+
+    def follow(self, state: Any, index: int, entry: Any, host_op: int,
+               device_block: int) -> None:
+        """A host save of block ``index`` was scheduled (op ``host_op``, into ``entry``), or
+        (``host_op`` -1) the block is resident in the host tier: write it through to the
+        shared tier in the same metadata, unless the shared tier has it or is writing it
+        already. So a block whose write-through failed (the store was down) is written again
+        the next time a request uses its host copy. Executor thread."""
+        agent = self.agent
+        if agent is None:
+            return
+        if not agent.available:
+            self._stats["shared_saves_skipped_unavailable"] += 1
+            return
+        digests = state.digests
+        if len(digests) <= index:
+            # Every full block's digest at once: one pass over the tokens per request and
+            # iteration, not one slice of the prompt per block.
+            digests = self._digests(state, state.tokens,
+                                    max(index + 1, len(state.tokens) // self._block_size))
+            if len(digests) <= index:
+                return
+        digest = digests[index]
+        assert self.directory is not None
+        key = entry.key
+        if key in self._by_key or self.directory.is_tracked(digest):
+            return
+        op_id = self._ops.new("shared_save", TIER_SHARED, key, None, None)
+        write = _SharedWrite(op_id, digest, digests[index - 1] if index else None, key,
+                             state.scope, key_scope=state.salt)
+        self._writes[op_id] = write
+        self._by_key[key] = write
+        if host_op < 0:
+            if (TIER_HOST, key) not in self._tiers.waiting_for_name:  # announced: final
+                write.name = (entry.event_hash, entry.parent_event_hash, tuple(entry.token_ids))
+            self.pending_saves.append(SharedSaveOp(op_id, -1, -1, digest, entry.slot, key))
+        else:
+            self.pending_saves.append(SharedSaveOp(op_id, host_op, device_block, digest))
+        self._stats["shared_saves_scheduled"] += 1
+
+    def host_copy_announced(self, index: Any, entry: Any) -> None:
+        """The host copy ``entry`` is announced under its final name (OffloadTiers.announce):
+        a write-through of it waiting for the name is committed now."""
+        if index is not self._tiers.host or not self._by_key:
+            return
+        write = self._by_key.get(entry.key)
+        if write is None:
+            return
+        write.name = (entry.event_hash, entry.parent_event_hash, tuple(entry.token_ids))
+        if write.done:
+            self._commit(write)
+
+    def save_done(self, op_id: int, op: Any, ok: bool) -> None:
+        """Every rank reported the shared save ``op_id`` (leader, under its lock)."""
+        write = self._writes.get(op_id)
+        if write is None:
+            return
+        if not ok:
+            self._stats["shared_saves_failed"] += 1
+            if any(r.error == ERR_DROPPED for r in op.reports.values()):
+                self._stats["shared_writes_dropped"] += 1  # a rank's write queue was full
+            self._forget(write)
+            return
+        write.done = True
+        if write.name is not None:
+            self._commit(write)
+            return
+        host = self._tiers.host.get(write.host_key) if self._tiers.host is not None else None
+        if host is None:
+            self._stats["shared_saves_unnamed"] += 1
+            self._forget(write)
+            return
+        self._waiting[write.op_id] = write  # its host copy is announced later
+        while len(self._waiting) > MAX_WAITING:
+            oldest = next(iter(self._waiting.values()))
+            self._stats["shared_saves_unnamed"] += 1
+            self._forget(oldest)
+
+    def _commit(self, write: _SharedWrite) -> None:
+        assert write.name is not None and self.agent is not None
+        event_hash, parent_hash, tokens = write.name
+        lora, salt = write.scope
+        self.agent.committed(SharedBlock(
+            write.digest, write.parent_digest, event_hash, parent_hash, tokens, lora,
+            None if salt is None else (salt_extra_key(salt),)), write.key_scope)
+        self._stats["shared_saves_committed"] += 1
+        self._forget(write)
+
+    def _forget(self, write: _SharedWrite) -> None:
+        self._writes.pop(write.op_id, None)
+        self._waiting.pop(write.op_id, None)
+        if self._by_key.get(write.host_key) is write:
+            del self._by_key[write.host_key]
+
+    # ------------------------------------------------------------ events, stats, shutdown
+
+    def sync(self) -> None:
+        """Register the agent's residency changes with medium EXTERNAL (executor thread or
+        idle keeper, under the leader's lock), parents before children as the agent made
+        them; give up waiting writes whose host copy left the tier unannounced. Starts the
+        agent as soon as rank 0's worker published its layout, so an idle engine already
+        learns the blocks the others announce."""
+        if self.agent is None:
+            if self._starter is None and self.settings is not None \
+                    and shared_layout(self._group) is not None:
+                self.start()
+            return
+        events = self._agent_events
+        while True:
+            try:
+                kind, item = events.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "store":
+                self._register_store(item)
+            else:
+                self._register_remove(item)
+        if self._waiting and self._tiers.host is not None:
+            for write in list(self._waiting.values()):
+                if self._tiers.host.get(write.host_key) is None:
+                    self._stats["shared_saves_unnamed"] += 1
+                    self._forget(write)
+
+    def _on_store(self, block: SharedBlock) -> None:
+        """The agent made ``block`` resident (agent thread). A thread-safe target (the
+        in-process consolidator: its ``register_*`` queue for its ingest thread) is told here,
+        so the executor thread never pays for it; any other target (the TierEventPublisher,
+        a recorder) is told by :meth:`sync` under the leader's lock."""
+        if self._direct:
+            self._register_store(block)
+        else:
+            self._agent_events.put(("store", block))
+
+    def _on_remove(self, blocks: Sequence[SharedBlock]) -> None:
+        """The agent dropped ``blocks`` (agent thread); as :meth:`_on_store`."""
+        if self._direct:
+            self._register_remove(blocks)
+        else:
+            self._agent_events.put(("remove", blocks))
+
+    def _register_remove(self, blocks: Sequence[SharedBlock]) -> None:
+        if blocks:
+            self._tier_events.register_remove(MEDIUM_EXTERNAL, self._dp_rank,
+                                              [b.event_hash for b in blocks])
+            self._stats["shared_removes_registered"] += len(blocks)
+
+    def _register_store(self, block: SharedBlock) -> None:
+        # The scope only when there is one, as for host/disk blocks (OffloadTiers.announce).
+        scope: dict[str, Any] = {}
+        if block.lora_id is not None:
+            scope["lora_id"] = block.lora_id
+        if block.extra_keys is not None:
+            scope["extra_keys"] = tuple(block.extra_keys)
+        self._tier_events.register_store(MEDIUM_EXTERNAL, self._dp_rank, block.event_hash,
+                                         block.parent_event_hash, block.token_ids,
+                                         self._block_size, **scope)
+        self._stats["shared_stores_registered"] += 1
+
+    def resident_hashes(self) -> set[int]:
+        """Event hashes the directory holds resident (what this engine advertises as
+        EXTERNAL, once registered); tests and the demo."""
+        if self.directory is None:
+            return set()
+        return {b.event_hash for b in self.directory.blocks()}
+
+    def stats(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        if self.directory is not None:
+            out.update({f"shared_dir_{k}": v for k, v in self.directory.stats().items()})
+        if self.agent is not None:
+            out.update({f"shared_agent_{k}": v for k, v in self.agent.stats().items()})
+        out["shared_writes_inflight"] = len(self._writes)
+        return out
+
+    def close(self, timeout: float) -> None:
+        """Leader shutdown (outside the leader's lock, after the idle keeper stopped): stop the
+        agent, register what it changed last, close the client."""
+        with self._lock:
+            self._closed = True  # an agent that starts from now on is closed at once
+        starter = self._starter
+        if starter is not None:  # (shutdown runs outside the lock the starter takes)
+            starter.join(timeout)
+        if self.agent is not None:
+            self.agent.close()
+            self.sync()
+        if self._store is not None:
+            self._store.close()
