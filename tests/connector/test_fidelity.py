@@ -390,7 +390,7 @@ def stored_prefix(make_engine: Any) -> tuple[SimulatedEngine, list[int]]:
 
 
 def pins(engine: SimulatedEngine, tokens: list[int]) -> list[int]:
-    from kvbm_plugin.tiers.base import block_keys
+    from kvbm_plugin.tiers.content_keys import block_keys
 
     host = engine.leader._host
     return [entry.pins if (entry := host.get(k)) is not None else -1

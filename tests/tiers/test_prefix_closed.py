@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
-from kvbm_plugin.tiers.base import TierFullError, TierIndex
+from kvbm_plugin.tiers.index import TierFullError, TierIndex
 from kvbm_plugin.tools.router_view import WARNING_RULES, RouterView
 from kvbm_plugin.wire.events import (
     BlockRemoved,
