@@ -43,6 +43,10 @@ The GPU pool reuses prefixes, evicts LRU leaf blocks, and records TRT-LLM-shaped
 dim, token)`` into the pool (``testing.kvmodel``: K/V or MLA, FP32/16 or FP8 stored as int8), so
 any onboarded block can be checked exactly: every terminated request is verified on every rank
 (``stats().kv_mismatches``).
+
+This module is the loop; the bring-up is ``testing/engine_bringup.py``, each request's GPU
+blocks (the C++ block manager's side) ``testing/sim_blocks.py``, the request record
+``testing/sim_request.py``.
 """
 
 from __future__ import annotations
@@ -64,7 +68,6 @@ from kvbm_plugin.testing.fake_trtllm import (
     LlmRequest,
     RequestData,
     cache_salt_id,
-    trtllm_block_hash,
 )
 from kvbm_plugin.testing.gpu_pool import GpuPool
 from kvbm_plugin.testing.kv_events import (
@@ -73,6 +76,7 @@ from kvbm_plugin.testing.kv_events import (
 )
 from kvbm_plugin.testing.kvmodel import BatchItems
 from kvbm_plugin.testing.processes import LocalRank, RemoteRank, shutdown_ranks
+from kvbm_plugin.testing.sim_blocks import RequestBlocks
 from kvbm_plugin.testing.sim_request import (
     CONTEXT,
     DONE,
@@ -116,8 +120,8 @@ class SimulatedEngine:
         # overlap: the batch whose samples are not processed yet, as (request, its token
         # count after that batch's sampling, whether that sampling finished it)
         self._previous: list[tuple[SimRequest, int, bool]] = []
-        self._outstanding = 0  # reserved blocks not yet allocated
         self.pool = GpuPool(cfg.num_gpu_blocks, bs, cfg.max_seq_len)
+        self._blocks = RequestBlocks(self.pool, bs)  # each request's GPU blocks
         self._closed = False
         self.event_reader: KvEventDispatchReader | None = None
         env = dict(cfg.env)
@@ -385,7 +389,7 @@ class SimulatedEngine:
                 budget -= n
         while self._order and len(batch) < cfg.max_batch_size and budget > 0:
             r = self._reqs[self._order[0]]
-            if not self._reserve(r):
+            if not self._blocks.reserve(r):
                 break
             self._order.pop(0)
             new.append(r)
@@ -393,27 +397,6 @@ class SimulatedEngine:
             batch.append((r, n))
             budget -= n
         return batch, new
-
-    def _reserve(self, r: SimRequest) -> bool:
-        """The capacity check and the device prefix match of C++ ``addSequence``
-        (``loadOrAllocateBlocks``)."""
-        bs = self.block_size
-        total = -(-(len(r.prompt) + r.max_new) // bs)
-        hashes = self._hashes(r, (len(r.prompt) - 1) // bs)
-        matched = self.pool.match(hashes)
-        need = total - len(matched)
-        avail = self.pool.available() - sum(1 for b in matched if b in self.pool.cached) \
-            - self._outstanding
-        if avail < need:
-            return False
-        for b in matched:
-            self.pool.acquire(b)
-        r.blocks = list(matched)
-        r.n_device = r.computed = len(matched) * bs
-        r.reserved = need
-        self._outstanding += need
-        r.state = CONTEXT
-        return True
 
     def _prepare_resources(self, batch: list[tuple[SimRequest, int]],
                            new: list[SimRequest]) -> list[tuple[SimRequest, int]]:
@@ -440,7 +423,7 @@ class SimulatedEngine:
             r.n_loaded = n_conn
             r.computed += n_conn
             r.llm_request.context_current_position = r.computed
-            self._ensure_blocks(r, len(r.prompt))
+            self._blocks.ensure(r, len(r.prompt))
         for r in new:  # after the C++ batch: the Python loop
             assert r.llm_request is not None
             manager.update_state_after_alloc(r.llm_request, list(r.blocks))
@@ -452,7 +435,7 @@ class SimulatedEngine:
             r.state = LOADING if n_conn and load_async else CONTEXT
         for r, n in batch:
             if r.state == GENERATION:
-                self._ensure_blocks(r, r.computed + n)
+                self._blocks.ensure(r, r.computed + n)
         # maybe_fit_token_budget: the chunks scheduled before the match shrink to what is left
         batch = [(r, min(n, len(r.prompt) - r.computed) if r.state in (CONTEXT, LOADING)
                   else n) for r, n in batch]
@@ -460,8 +443,8 @@ class SimulatedEngine:
         entries: list[tuple[int, RequestData]] = []
         for r, n in batch:
             visible = r.tokens[:r.host_len]
-            hashes = self._hashes(r, len(visible) // bs) if self.config.provide_block_hashes \
-                else []
+            hashes = self._blocks.hashes(r, len(visible) // bs) \
+                if self.config.provide_block_hashes else []
             # context: context_current_position; generation: len(tokens) - 1 (upstream)
             position = r.computed if r.state in (CONTEXT, LOADING) else r.host_len - 1
             entries.append((r.id, RequestData(
@@ -471,24 +454,6 @@ class SimulatedEngine:
                 r.reported_tokens, r.reported_blocks = len(visible), len(r.blocks)
         manager.build_scheduler_output(entries)
         return batch
-
-    def _hashes(self, r: SimRequest, n_blocks: int) -> list[int]:
-        """TRT-LLM's V1 hashes of the first ``n_blocks`` full blocks (the chain is kept: a
-        request's tokens only grow)."""
-        bs = self.block_size
-        chain = r.chain
-        while len(chain) < n_blocks:
-            i = len(chain)
-            chain.append(trtllm_block_hash(chain[-1] if chain else None,
-                                           r.tokens[i * bs:(i + 1) * bs], r.salt, r.lora))
-        return chain[:n_blocks]
-
-    def _ensure_blocks(self, r: SimRequest, tokens: int) -> None:
-        while len(r.blocks) * self.block_size < tokens:
-            r.blocks.append(self.pool.alloc())
-            if r.reserved > 0:
-                r.reserved -= 1
-                self._outstanding -= 1
 
     def _sample(self, batch: list[tuple[SimRequest, int]]) -> list[tuple[SimRequest, int, bool]]:
         """After the forward (device side): positions computed, a token sampled where a
@@ -565,36 +530,16 @@ class SimulatedEngine:
     def _update_resources(self, processed: list[tuple[SimRequest, int, bool]]) -> None:
         """``KVCacheManager.update_resources``: ``store_context_blocks`` for each request of
         the batch whose prompt is computed (the full blocks of the prompt, one STORE)."""
-        bs = self.block_size
         for r, _, _ in processed:
             if r.context_stored or r.state == DONE or r.computed < len(r.prompt):
                 continue
-            r.context_stored = True
-            full = len(r.prompt) // bs
-            hashes = self._hashes(r, full)
-            self.pool.store_blocks(r.blocks, [(hashes[i], r.tokens[i * bs:(i + 1) * bs])
-                                              for i in range(full)], 0, r.salt, r.lora)
+            self._blocks.store_prompt(r)
 
     def _free(self, r: SimRequest) -> None:
         """``free_resources`` → C++ ``releaseBlocks``: every block with KV is stored for reuse
         (generated ones and a trailing partial block included; nothing of a request that never
         computed past an async load), then released last block first."""
-        bs = self.block_size
-        # uniqueTokens.size() - 1 tokens: the last sampled token has no KV yet
-        valid = min(r.computed, len(r.tokens) - 1) if r.state != LOADING else r.n_device
-        if valid:
-            n_full = valid // bs
-            hashes = self._hashes(r, n_full)
-            keys = [(hashes[j], r.tokens[j * bs:(j + 1) * bs]) for j in range(n_full)]
-            if valid % bs and n_full < len(r.blocks):
-                tokens = r.tokens[n_full * bs:valid]
-                keys.append((trtllm_block_hash(hashes[-1] if hashes else None, tokens, r.salt,
-                                               r.lora), tokens))
-            self.pool.store_blocks(r.blocks, keys, 0, r.salt, r.lora)
-        for b in reversed(r.blocks):  # last block first, as TRT-LLM's releaseBlocks
-            self.pool.release(b)
-        self._outstanding -= r.reserved
-        r.reserved = 0
+        self._blocks.release(r)
         r.state = DONE
         self._live.pop(r.id, None)
         r.llm_request = None  # TRT-LLM drops the request object (the leader sees it die)
