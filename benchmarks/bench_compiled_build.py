@@ -2,7 +2,7 @@
 
     python benchmarks/bench_compiled_build.py REV [--quick]
 
-Builds both trees' extensions (``gpu_events/_sink_c``, ``consolidator/_core_c``) the same way
+Builds both trees' extensions (``events/_sink_c``, ``consolidator/_core_c``) the same way
 (``setup.py build_ext`` with this interpreter, into a temporary folder: ``git archive REV``
 for the revision, a copy of ``src/`` for the work tree), loads both side by side and times
 the same fresh input through each, alternating which goes first, in paired rounds:
@@ -47,8 +47,9 @@ from benchmarks._table import Row, print_table  # noqa: E402
 from kvbm_plugin._util import compiled as _compiled  # noqa: E402
 from kvbm_plugin.consolidator.core import ConsolidatorCore  # noqa: E402
 
-_EXTENSIONS = {"event_sink": "kvbm_plugin.events._sink_c",
-               "consolidator": "kvbm_plugin.consolidator._core_c"}
+# Each extension's module name, newest first (older trees kept the sink's in gpu_events/).
+_EXTENSIONS = {"event_sink": ("kvbm_plugin.events._sink_c", "kvbm_plugin.gpu_events._sink_c"),
+               "consolidator": ("kvbm_plugin.consolidator._core_c",)}
 
 
 def _build(tree: Path) -> dict[str, ModuleType]:
@@ -61,9 +62,12 @@ def _build(tree: Path) -> dict[str, ModuleType]:
     if proc.returncode != 0:
         raise RuntimeError(f"building the compiled loops in {tree} failed:\n{proc.stderr}")
     modules = {}
-    for component, name in _EXTENSIONS.items():
+    for component, names in _EXTENSIONS.items():
         suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
-        path = out.joinpath(*name.split(".")).with_name(name.rsplit(".", 1)[1] + suffix)
+        paths = {name: out.joinpath(*name.split(".")).with_name(name.rsplit(".", 1)[1] + suffix)
+                 for name in names}
+        name, path = next(((n, p) for n, p in paths.items() if p.exists()),
+                          (names[0], paths[names[0]]))
         if not path.exists():
             raise RuntimeError(f"{path} was not built (setup.py marks the extensions optional: "
                                f"see its output)\n{proc.stdout}{proc.stderr}")

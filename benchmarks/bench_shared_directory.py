@@ -30,7 +30,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._table import Row, quick_main  # noqa: E402
-from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory  # noqa: E402
+from kvbm_plugin.tiers.shared.block import SharedBlock  # noqa: E402
+from kvbm_plugin.tiers.shared.directory import SharedDirectory  # noqa: E402
 
 CHAIN = 16  # blocks per chain
 WIDTH = 16  # tokens per block

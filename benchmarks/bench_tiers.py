@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._table import Row, quick_main  # noqa: E402
-from kvbm_plugin.tiers.base import TierIndex  # noqa: E402
+from kvbm_plugin.tiers.index import TierIndex  # noqa: E402
 
 CHAIN = 16  # blocks per chain in the store workload
 TOKENS = list(range(1000, 1016))  # a 16-token block
@@ -307,7 +307,7 @@ def bench_block_names(n: int) -> list[Row]:
     """The block-name table holding ``n`` blocks (both of its maps), fed as the leader feeds
     it: the GPU events' stored blocks, then each request's chain walked for its keys."""
     from kvbm_plugin.naming.names import BlockNames
-    from kvbm_plugin.tiers.base import block_keys
+    from kvbm_plugin.tiers.content_keys import block_keys
 
     bs = len(TOKENS)
 

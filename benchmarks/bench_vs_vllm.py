@@ -214,7 +214,7 @@ def _feed_whole(sink: KvEventSink, rows: list[tuple[int, int, int, list[int]]]) 
 
 
 def _feed_sliced(sink: KvEventSink, rows: list[tuple[int, int, int, list[int]]]) -> float:
-    """As ``gpu_events.source`` feeds a drain: SERIALIZE_CHUNK events serialized (untimed),
+    """As ``events.source`` feeds a drain: SERIALIZE_CHUNK events serialized (untimed),
     ingested, the next slice; then the iteration's flush."""
     cpu = 0.0
     per_slice = SERIALIZE_CHUNK // 2  # two events (a removal, a store) per row

@@ -20,6 +20,10 @@ RANKS: dict[str, int] = {
     "consolidator_config": 0,  # settings: the standard library only
     "shared_settings": 0,
     "setting_values": 0,
+    "env_vars": 0,
+    "publisher_settings": 0,
+    "tier_settings": 0,
+    "runtime_settings": 0,
     "_util": 1,
     "wire": 2,
     "tiers": 3,

@@ -307,7 +307,7 @@ class KvbmConnectorWorker(KvCacheConnectorWorker):  # type: ignore[misc, valid-t
 
             event = torch.cuda.Event()
             event.record(stream if stream is not None else torch.cuda.current_stream())
-        barrier = self._barrier  # several layer groups: see connector.layer_group_worker
+        barrier = self._barrier  # several layer groups: see worker.layer_groups
         issue = SaveIssue() if barrier is not None else None
         self._transfers.put_saves(meta, event, issue)
         if barrier is not None and issue is not None:

@@ -1,21 +1,111 @@
-"""Every environment variable kvbm_plugin reads, parsed and validated in one place.
+"""The consolidator's configuration, and the face of every setting kvbm_plugin reads.
 
-``ENV_VARS`` is the single source of truth: the code reads variables only through it, the
-table in docs/operations.md is checked against it by a test, and ``kvbm-plugin env`` prints it.
+This module owns where every rank's GPU-tier publisher binds, where the consolidator listens
+and publishes, and the check that no two sockets of any rank collide
+(:func:`load_consolidator_config`, :func:`dp_rank_sockets`), plus whether a connector
+configuration asks for the consolidator (:func:`should_enable_consolidator`). It is called at
+CLI start-up and in the leader's constructor (rank 0, the thread constructing it).
 
-Nothing here imports torch or TensorRT-LLM; it runs at CLI start-up and in the leader's
-constructor.
+It is also the settings' face: the variable table (:mod:`kvbm_plugin.env_vars`), the
+publisher settings (:mod:`kvbm_plugin.publisher_settings`), the host/disk tier settings
+(:mod:`kvbm_plugin.tier_settings`), the process-wide switches
+(:mod:`kvbm_plugin.runtime_settings`) and the parsed values (:mod:`kvbm_plugin.setting_values`)
+are re-exported here, so ``from kvbm_plugin.consolidator_config import ENV_VARS,
+ConfigError, load_tier_settings`` keeps working for TensorRT-LLM users and the tests.
+
+Nothing here imports torch or TensorRT-LLM: the standard library only.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
+from kvbm_plugin.env_vars import BUFFER_BYTES as BUFFER_BYTES
+from kvbm_plugin.env_vars import BUFFER_STEPS as BUFFER_STEPS
+from kvbm_plugin.env_vars import CONSOLIDATOR_MODE as CONSOLIDATOR_MODE
+from kvbm_plugin.env_vars import CPU_CACHE_GB as CPU_CACHE_GB
+from kvbm_plugin.env_vars import CPU_CACHE_NUM_BLOCKS as CPU_CACHE_NUM_BLOCKS
+from kvbm_plugin.env_vars import DISK_CACHE_DIR as DISK_CACHE_DIR
+from kvbm_plugin.env_vars import DISK_CACHE_GB as DISK_CACHE_GB
+from kvbm_plugin.env_vars import DISK_CACHE_NUM_BLOCKS as DISK_CACHE_NUM_BLOCKS
+from kvbm_plugin.env_vars import DISK_TIER as DISK_TIER
+from kvbm_plugin.env_vars import ENABLE_CONSOLIDATOR as ENABLE_CONSOLIDATOR
+from kvbm_plugin.env_vars import ENV_VARS as ENV_VARS
+from kvbm_plugin.env_vars import ENV_VARS_BY_NAME as ENV_VARS_BY_NAME
+from kvbm_plugin.env_vars import EVENTS_ENDPOINT as EVENTS_ENDPOINT
+from kvbm_plugin.env_vars import EVENTS_SOURCE as EVENTS_SOURCE
+from kvbm_plugin.env_vars import HOST_TIER as HOST_TIER
+from kvbm_plugin.env_vars import HWM as HWM
+from kvbm_plugin.env_vars import LEADER_ZMQ_HOST as LEADER_ZMQ_HOST
+from kvbm_plugin.env_vars import LEADER_ZMQ_PUB_PORT as LEADER_ZMQ_PUB_PORT
+from kvbm_plugin.env_vars import LORA_NAMES as LORA_NAMES
+from kvbm_plugin.env_vars import MAX_QUEUE_SIZE as MAX_QUEUE_SIZE
+from kvbm_plugin.env_vars import METRICS as METRICS
+from kvbm_plugin.env_vars import METRICS_PORT as METRICS_PORT
+from kvbm_plugin.env_vars import MOONCAKE_CONFIG_PATH as MOONCAKE_CONFIG_PATH
+from kvbm_plugin.env_vars import NATIVE as NATIVE
+from kvbm_plugin.env_vars import OUTPUT_ENDPOINT as OUTPUT_ENDPOINT
+from kvbm_plugin.env_vars import OUTPUT_REPLAY_ENDPOINT as OUTPUT_REPLAY_ENDPOINT
+from kvbm_plugin.env_vars import OUTPUT_REPLAY_ROLLED as OUTPUT_REPLAY_ROLLED
+from kvbm_plugin.env_vars import PUBLISHER as PUBLISHER
+from kvbm_plugin.env_vars import PUBLISHERS_GROUP as PUBLISHERS_GROUP
+from kvbm_plugin.env_vars import REPLAY_ENDPOINT as REPLAY_ENDPOINT
+from kvbm_plugin.env_vars import SALT_FORM as SALT_FORM
+from kvbm_plugin.env_vars import SHARED_ADDRESS as SHARED_ADDRESS
+from kvbm_plugin.env_vars import SHARED_ANNOUNCE_ENDPOINT as SHARED_ANNOUNCE_ENDPOINT
+from kvbm_plugin.env_vars import SHARED_ANNOUNCE_RATE as SHARED_ANNOUNCE_RATE
+from kvbm_plugin.env_vars import SHARED_ANNOUNCE_SECRET_FILE as SHARED_ANNOUNCE_SECRET_FILE
+from kvbm_plugin.env_vars import SHARED_BUFFER_GB as SHARED_BUFFER_GB
+from kvbm_plugin.env_vars import SHARED_DEVICE as SHARED_DEVICE
+from kvbm_plugin.env_vars import SHARED_LEASE_S as SHARED_LEASE_S
+from kvbm_plugin.env_vars import SHARED_LOAD_MARGIN_S as SHARED_LOAD_MARGIN_S
+from kvbm_plugin.env_vars import SHARED_LOCAL_HOSTNAME as SHARED_LOCAL_HOSTNAME
+from kvbm_plugin.env_vars import SHARED_METADATA_SERVER as SHARED_METADATA_SERVER
+from kvbm_plugin.env_vars import SHARED_METRICS_ADDRESS as SHARED_METRICS_ADDRESS
+from kvbm_plugin.env_vars import SHARED_MODEL_KEY as SHARED_MODEL_KEY
+from kvbm_plugin.env_vars import SHARED_NAMESPACE as SHARED_NAMESPACE
+from kvbm_plugin.env_vars import SHARED_PEERS as SHARED_PEERS
+from kvbm_plugin.env_vars import SHARED_PROTOCOL as SHARED_PROTOCOL
+from kvbm_plugin.env_vars import SHARED_QUEUE_BLOCKS as SHARED_QUEUE_BLOCKS
+from kvbm_plugin.env_vars import SHARED_SEGMENT_GB as SHARED_SEGMENT_GB
+from kvbm_plugin.env_vars import SHARED_TIER as SHARED_TIER
+from kvbm_plugin.env_vars import SHARED_TRACKED_BLOCKS as SHARED_TRACKED_BLOCKS
+from kvbm_plugin.env_vars import TIERS_GROUP as TIERS_GROUP
+from kvbm_plugin.env_vars import TOPIC as TOPIC
+from kvbm_plugin.env_vars import TRTLLM_MOVED_ENDPOINT as TRTLLM_MOVED_ENDPOINT
+from kvbm_plugin.env_vars import TRTLLM_ZMQ_PORT as TRTLLM_ZMQ_PORT
+from kvbm_plugin.env_vars import WINDOW_SIZE as WINDOW_SIZE
+from kvbm_plugin.env_vars import ZMQ_ALLOW as ZMQ_ALLOW
+from kvbm_plugin.env_vars import ZMQ_MAX_PEERS as ZMQ_MAX_PEERS
+from kvbm_plugin.env_vars import (  # re-exported: the face's names
+    EnvVar as EnvVar,
+)
+from kvbm_plugin.env_vars import env_table_markdown as env_table_markdown
+from kvbm_plugin.env_vars import env_value as env_value
+from kvbm_plugin.publisher_settings import DP_RANK_FIELD as DP_RANK_FIELD
+from kvbm_plugin.publisher_settings import EVENTS_SOURCES as EVENTS_SOURCES
+from kvbm_plugin.publisher_settings import EventsSource as EventsSource
+from kvbm_plugin.publisher_settings import (  # re-exported: the face's names
+    PublisherSettings as PublisherSettings,
+)
+from kvbm_plugin.publisher_settings import check_publisher_name as check_publisher_name
+from kvbm_plugin.publisher_settings import check_topic as check_topic
+from kvbm_plugin.publisher_settings import load_allowlist as load_allowlist
+from kvbm_plugin.publisher_settings import load_events_source as load_events_source
+from kvbm_plugin.publisher_settings import load_lora_names as load_lora_names
+from kvbm_plugin.publisher_settings import load_max_peers as load_max_peers
+from kvbm_plugin.publisher_settings import load_publisher_settings as load_publisher_settings
+from kvbm_plugin.publisher_settings import load_salt_form as load_salt_form
+from kvbm_plugin.publisher_settings import topic_for_rank as topic_for_rank
+from kvbm_plugin.runtime_settings import (  # re-exported: the face's names
+    MetricsSettings as MetricsSettings,
+)
+from kvbm_plugin.runtime_settings import compiled_loops_enabled as compiled_loops_enabled
+from kvbm_plugin.runtime_settings import load_metrics_settings as load_metrics_settings
 from kvbm_plugin.setting_values import ENDPOINT_SCHEMES as ENDPOINT_SCHEMES
 from kvbm_plugin.setting_values import FALSE_WORDS as FALSE_WORDS
 from kvbm_plugin.setting_values import TRUE_WORDS as TRUE_WORDS
@@ -26,214 +116,14 @@ from kvbm_plugin.setting_values import parse_endpoint as parse_endpoint
 from kvbm_plugin.setting_values import parse_float as parse_float
 from kvbm_plugin.setting_values import parse_int as parse_int
 from kvbm_plugin.setting_values import parse_port as parse_port
+from kvbm_plugin.tier_settings import (  # re-exported: the face's names
+    TierSettings as TierSettings,
+)
+from kvbm_plugin.tier_settings import check_disk_cache_dir as check_disk_cache_dir
+from kvbm_plugin.tier_settings import load_tier_settings as load_tier_settings
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class EnvVar:
-    """One environment variable: its name, its default (None = unset) and what it means."""
-
-    name: str
-    default: str | None
-    meaning: str
-    group: str
-
-
-# Entry-point groups through which publishers and offload tiers are registered (pyproject.toml).
-PUBLISHERS_GROUP: Final = "kvbm_plugin.publishers"
-TIERS_GROUP: Final = "kvbm_plugin.tiers"
-
-ENABLE_CONSOLIDATOR = "DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR"
-CONSOLIDATOR_MODE = "DYN_KVBM_KV_EVENTS_CONSOLIDATOR_MODE"
-TRTLLM_ZMQ_PORT = "DYN_KVBM_TRTLLM_ZMQ_PORT"
-LEADER_ZMQ_PUB_PORT = "DYN_KVBM_LEADER_ZMQ_PUB_PORT"
-LEADER_ZMQ_HOST = "DYN_KVBM_LEADER_ZMQ_HOST"
-EVENTS_ENDPOINT = "DYN_KVBM_KV_EVENTS_ENDPOINT"
-REPLAY_ENDPOINT = "DYN_KVBM_KV_EVENTS_REPLAY_ENDPOINT"
-OUTPUT_ENDPOINT = "DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT"
-OUTPUT_REPLAY_ENDPOINT = "DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_ENDPOINT"
-PUBLISHER = "DYN_KVBM_KV_EVENTS_PUBLISHER"
-BUFFER_STEPS = "DYN_KVBM_KV_EVENTS_BUFFER_STEPS"
-BUFFER_BYTES = "DYN_KVBM_KV_EVENTS_BUFFER_BYTES"
-HWM = "DYN_KVBM_KV_EVENTS_HWM"
-MAX_QUEUE_SIZE = "DYN_KVBM_KV_EVENTS_MAX_QUEUE_SIZE"
-TOPIC = "DYN_KVBM_KV_EVENTS_TOPIC"
-SALT_FORM = "DYN_KVBM_KV_EVENTS_SALT_FORM"
-LORA_NAMES = "DYN_KVBM_LORA_NAMES"
-OUTPUT_REPLAY_ROLLED = "DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_ROLLED"
-WINDOW_SIZE = "DYN_KVBM_KV_EVENTS_WINDOW_SIZE"
-ZMQ_ALLOW = "DYN_KVBM_ZMQ_ALLOW"
-ZMQ_MAX_PEERS = "DYN_KVBM_ZMQ_MAX_PEERS"
-CPU_CACHE_GB = "DYN_KVBM_CPU_CACHE_GB"
-CPU_CACHE_NUM_BLOCKS = "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"
-DISK_CACHE_GB = "DYN_KVBM_DISK_CACHE_GB"
-DISK_CACHE_NUM_BLOCKS = "DYN_KVBM_DISK_CACHE_OVERRIDE_NUM_BLOCKS"
-DISK_CACHE_DIR = "DYN_KVBM_DISK_CACHE_DIR"
-HOST_TIER = "DYN_KVBM_HOST_TIER"
-DISK_TIER = "DYN_KVBM_DISK_TIER"
-METRICS = "DYN_KVBM_METRICS"
-METRICS_PORT = "DYN_KVBM_METRICS_PORT"
-NATIVE = "DYN_KVBM_NATIVE"
-EVENTS_SOURCE = "DYN_KVBM_KV_EVENTS_SOURCE"
-TRTLLM_MOVED_ENDPOINT = "DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT"
-SHARED_TIER = "DYN_KVBM_SHARED_TIER"
-SHARED_MODEL_KEY = "DYN_KVBM_SHARED_MODEL_KEY"
-SHARED_NAMESPACE = "DYN_KVBM_SHARED_NAMESPACE"
-SHARED_ADDRESS = "DYN_KVBM_SHARED_ADDRESS"
-SHARED_PROTOCOL = "DYN_KVBM_SHARED_PROTOCOL"
-SHARED_DEVICE = "DYN_KVBM_SHARED_DEVICE"
-SHARED_METADATA_SERVER = "DYN_KVBM_SHARED_METADATA_SERVER"
-SHARED_METRICS_ADDRESS = "DYN_KVBM_SHARED_METRICS_ADDRESS"
-SHARED_LOCAL_HOSTNAME = "DYN_KVBM_SHARED_LOCAL_HOSTNAME"
-SHARED_SEGMENT_GB = "DYN_KVBM_SHARED_SEGMENT_GB"
-SHARED_BUFFER_GB = "DYN_KVBM_SHARED_BUFFER_GB"
-SHARED_PEERS = "DYN_KVBM_SHARED_PEERS"
-SHARED_ANNOUNCE_ENDPOINT = "DYN_KVBM_SHARED_ANNOUNCE_ENDPOINT"
-SHARED_ANNOUNCE_SECRET_FILE = "DYN_KVBM_SHARED_ANNOUNCE_SECRET_FILE"
-SHARED_ANNOUNCE_RATE = "DYN_KVBM_SHARED_ANNOUNCE_RATE"
-SHARED_TRACKED_BLOCKS = "DYN_KVBM_SHARED_TRACKED_BLOCKS"
-SHARED_QUEUE_BLOCKS = "DYN_KVBM_SHARED_QUEUE_BLOCKS"
-SHARED_LEASE_S = "DYN_KVBM_SHARED_LEASE_S"
-SHARED_LOAD_MARGIN_S = "DYN_KVBM_SHARED_LOAD_MARGIN_S"
-MOONCAKE_CONFIG_PATH = "MOONCAKE_CONFIG_PATH"
-
-ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar(ENABLE_CONSOLIDATOR, "true", "Run the de-duplicating consolidator in the leader "
-           "(1/true/on/yes or 0/false/off/no).", "consolidator"),
-    EnvVar(CONSOLIDATOR_MODE, "dedup", "`dedup`: a block is stored once while any tier holds it; "
-           "`passthrough`: every tier's events forwarded with their own medium.", "consolidator"),
-    EnvVar(TRTLLM_ZMQ_PORT, None, "Base TCP port of the per-rank GPU-tier publishers (rank r "
-           "binds base + r). Required under attention DP with the consolidator on, unless "
-           f"{EVENTS_ENDPOINT} is set; unset otherwise, no GPU-tier stream leaves the "
-           "process (the consolidated output still carries the GPU tier).", "consolidator"),
-    EnvVar(LEADER_ZMQ_PUB_PORT, "56001", "KVBM leader port; the consolidated output binds "
-           "this + 1000 (attention-DP rank r: + 1000 + r).", "consolidator"),
-    EnvVar(LEADER_ZMQ_HOST, "127.0.0.1", "Host the consolidator and the TP workers connect to; "
-           "sockets given by a bare port bind it (default: loopback only; tcp://*:PORT listens on "
-           "every interface).", "consolidator"),
-    EnvVar(EVENTS_ENDPOINT, None, "Base endpoint of the GPU-tier publishers instead of "
-           f"{TRTLLM_ZMQ_PORT}: tcp://host:port, ipc://path or inproc://name (rank r: port + r, "
-           "or suffix _dp{r}).", "consolidator"),
-    EnvVar(REPLAY_ENDPOINT, None, "Base endpoint of the GPU-tier replay ROUTER sockets "
-           "(same per-rank rule); unset = no replay.", "consolidator"),
-    EnvVar(OUTPUT_ENDPOINT, None, "Endpoint of the consolidated output instead of "
-           f"{LEADER_ZMQ_PUB_PORT} + 1000 (attention-DP rank r: port + r, or suffix _dp{{r}}).",
-           "consolidator"),
-    EnvVar(OUTPUT_REPLAY_ENDPOINT, None, "Replay ROUTER endpoint of the consolidated output; "
-           "unset = no replay.", "consolidator"),
-    EnvVar(OUTPUT_REPLAY_ROLLED, "oldest", "What the consolidated output's replay answers when "
-           "the requested start has left the buffer: `oldest`, every batch still buffered "
-           "(Dynamo applies them); `empty`, the end marker alone (llm-d then applies the live "
-           "stream, instead of resetting and dropping it while the buffer has rolled).",
-           "consolidator"),
-    EnvVar(PUBLISHER, "zmq", "Event transport, by name in the kvbm_plugin.publishers entry "
-           "points (zmq, null).", "publisher"),
-    EnvVar(BUFFER_STEPS, "10000", "Batches kept for replay.", "publisher"),
-    EnvVar(BUFFER_BYTES, str(16 << 20), "Payload bytes kept for replay, at most (the oldest "
-           "batches leave first; the newest batch is always kept): bounds the replay "
-           "buffer's heap whatever the batches' size.", "publisher"),
-    EnvVar(HWM, "100000", "ZMQ send high-water mark (messages).", "publisher"),
-    EnvVar(MAX_QUEUE_SIZE, "100000", "Batches queued for a publisher thread, where the "
-           "publisher sends on one (only where libzmq cannot be called keeping the GIL; by "
-           "default batches are sent on the engine thread and nothing is queued); a full queue "
-           "loses a batch visibly (seq gap, counted).", "publisher"),
-    EnvVar(TOPIC, "", "ZMQ topic frame of every message; for llm-d `kv@<pod>@<model>` (see "
-           "\"llm-d\" above); `{dp_rank}` in it becomes each attention-DP rank's number (one "
-           "output per rank: `kvbm-plugin consolidate --num-ranks` > 1 refuses it).",
-           "publisher"),
-    EnvVar(SALT_FORM, "client", "How the consolidated output names a salted block: `client`: "
-           "the salt string the request carried, as a top-level `cache_salt` (Dynamo) and in "
-           "the first block's `extra_keys` (llm-d, vLLM); `id`: `dynamo-cache-salt:<16 hex of "
-           "the salt id>` in every block's `extra_keys` (see \"Cache salts and adapter "
-           "names\" above).",
-           "publisher"),
-    EnvVar(LORA_NAMES, None, "The names requests use for LoRA adapters, `<task id>=<name>,...`: "
-           "the consolidated output's `lora_name` (Dynamo and llm-d key an adapter's blocks by "
-           "it); an adapter not named keeps `lora-<task id>` (so that name is refused for another "
-           "task id).", "publisher"),
-    EnvVar(WINDOW_SIZE, None, "Attention window whose events are published (sliding-window "
-           "models); unset = the largest window.", "publisher"),
-    EnvVar(ZMQ_ALLOW, None, "Comma-separated IP addresses admitted (ZAP, at each handshake) "
-           "to every tcp socket the plugin binds; unset = whoever reaches the bind address.",
-           "publisher"),
-    EnvVar(ZMQ_MAX_PEERS, "64", "Connections each bound publishing or replay socket keeps; "
-           "more are cut at once (bounds what outsiders make it hold).", "publisher"),
-    EnvVar(CPU_CACHE_GB, None, "Host-memory (G2) tier size in GiB.", "tiers"),
-    EnvVar(CPU_CACHE_NUM_BLOCKS, None, "Host tier size in blocks (overrides the GiB size).",
-           "tiers"),
-    EnvVar(DISK_CACHE_GB, None, "Disk (G3) tier size in GiB.", "tiers"),
-    EnvVar(DISK_CACHE_NUM_BLOCKS, None, "Disk tier size in blocks (overrides the GiB size).",
-           "tiers"),
-    EnvVar(DISK_CACHE_DIR, None, "Disk tier directory; unset = a temporary directory removed "
-           "at exit.", "tiers"),
-    EnvVar(HOST_TIER, "host", "Host tier implementation, by name in the kvbm_plugin.tiers "
-           "entry points (a tiers.host.HostTier subclass).", "tiers"),
-    EnvVar(DISK_TIER, "disk", "Disk tier implementation, by name in the kvbm_plugin.tiers "
-           "entry points (a tiers.base.OffloadTier subclass).", "tiers"),
-    EnvVar(METRICS, "false", "Serve Prometheus metrics (1/true/on/yes).", "metrics"),
-    EnvVar(METRICS_PORT, "6880", "Prometheus metrics port.", "metrics"),
-    EnvVar(NATIVE, "true", "Use the compiled loops (the C extensions) where they were built at "
-           "install (1/true/on/yes); 0/false/off/no runs the pure-Python reference loops.",
-           "runtime"),
-    EnvVar(EVENTS_SOURCE, "auto", "Where the leader gets GPU-tier events: `auto` drains "
-           "TRT-LLM's KV-event buffer until another reader (LLM.get_kv_cache_events, "
-           "/kv_cache_events, Dynamo's publisher) shows up, then only taps what that reader "
-           "drains; `drain` the same, warning when another reader appears (two drainers "
-           "split the stream); `tap` never drains (copies what others read); "
-           "`off` publishes none (sidecar or another publisher serves them). V2 hooks never "
-           "drain.", "publisher"),
-    EnvVar(TRTLLM_MOVED_ENDPOINT, None, "For Dynamo's STREAMING mode: move TensorRT-LLM's own "
-           "publisher (kv_cache_config.kv_events_config) to this endpoint (its rank r by "
-           "TensorRT-LLM's rule) and bind the consolidated output at the endpoint and topic the "
-           "YAML names, which Dynamo relays per rank (+ r). Unset: nothing moved.", "runtime"),
-    EnvVar(SHARED_TIER, None, "Shared tier (G4) behind the host tier, by name in the "
-           "kvbm_plugin.tiers entry points (mooncake, redis); unset = none.", "shared tier"),
-    EnvVar(SHARED_MODEL_KEY, None, "Names the model (and its weights) in every shared-tier "
-           "key; required with a shared tier: engines share blocks only under the same key.",
-           "shared tier"),
-    EnvVar(SHARED_NAMESPACE, "kvbm", "First part of every shared-tier key.", "shared tier"),
-    EnvVar(SHARED_ADDRESS, None, "The store: Mooncake master host:port, or a Redis URL "
-           "(redis://host:port, unix:///path). Required unless "
-           f"{MOONCAKE_CONFIG_PATH} names it.", "shared tier"),
-    EnvVar(SHARED_PROTOCOL, "tcp", "Mooncake transfer protocol (tcp, rdma).", "shared tier"),
-    EnvVar(SHARED_DEVICE, "", "Mooncake RDMA device names (protocol rdma).", "shared tier"),
-    EnvVar(SHARED_METADATA_SERVER, "P2PHANDSHAKE", "Mooncake metadata server "
-           "(P2PHANDSHAKE needs none).", "shared tier"),
-    EnvVar(SHARED_METRICS_ADDRESS, None, "The Mooncake master's HTTP metrics host:port (its "
-           "-metrics_port): health checks and `doctor` read /health and /metrics/summary "
-           "there; unset = the client's own health check only.", "shared tier"),
-    EnvVar(SHARED_LOCAL_HOSTNAME, None, "The address other engines reach this process's "
-           "Mooncake segment at; unset = the local address this host uses to reach the "
-           "master.", "shared tier"),
-    EnvVar(SHARED_SEGMENT_GB, "1", "GiB of this process's memory each worker contributes to "
-           "the Mooncake pool (0 = none).", "shared tier"),
-    EnvVar(SHARED_BUFFER_GB, "0.25", "GiB of each worker's Mooncake transfer buffer.",
-           "shared tier"),
-    EnvVar(SHARED_PEERS, "", "Comma-separated announcement endpoints of the other engines "
-           "sharing the store: their writes become loadable here.", "shared tier"),
-    EnvVar(SHARED_ANNOUNCE_ENDPOINT, None, "Where this leader announces its shared-tier "
-           f"writes; unset = {LEADER_ZMQ_PUB_PORT} + 2000.", "shared tier"),
-    EnvVar(SHARED_ANNOUNCE_SECRET_FILE, None, "File holding the deployment's announcement "
-           "secret (at least 32 bytes, the same on every engine): every announcement is signed "
-           "with it (HMAC-SHA256) and unsigned ones are dropped. Required with "
-           f"{SHARED_PEERS}; unset = this engine announces nothing.", "shared tier"),
-    EnvVar(SHARED_ANNOUNCE_RATE, "20000", "Announced blocks per second heard from one peer, at "
-           "most (twice that in a burst); more are dropped (counted).", "shared tier"),
-    EnvVar(SHARED_TRACKED_BLOCKS, "100000", "Shared-tier blocks the leader tracks, keeps "
-           "leased and advertises (least recently used dropped first).", "shared tier"),
-    EnvVar(SHARED_QUEUE_BLOCKS, "1024", "Shared-tier writes a worker queues; more are dropped "
-           "(counted).", "shared tier"),
-    EnvVar(SHARED_LEASE_S, "10", "How long the store keeps a block after a read "
-           "(Mooncake's -default_kv_lease_ttl, in s); leases are renewed well within it.",
-           "shared tier"),
-    EnvVar(SHARED_LOAD_MARGIN_S, "3", "A shared block is offered only while its lease has at "
-           "least this long (s) to run.", "shared tier"),
-    EnvVar(MOONCAKE_CONFIG_PATH, None, "Mooncake client JSON (the file TensorRT-LLM's and "
-           "vLLM's Mooncake connectors read); its values fill the unset DYN_KVBM_SHARED_* "
-           "variables.", "shared tier"),
-)
-ENV_VARS_BY_NAME: dict[str, EnvVar] = {var.name: var for var in ENV_VARS}
 
 # Dynamo's KV-cache connector module, which reads the same variables.
 DYNAMO_CONNECTOR_MODULE = "kvbm.trtllm_integration.connector"
@@ -241,79 +131,6 @@ PLUGIN_MODULE = "kvbm_plugin"
 
 ConsolidatorMode = Literal["dedup", "passthrough"]
 _MODES: tuple[ConsolidatorMode, ...] = ("dedup", "passthrough")
-
-
-def env_value(env: Mapping[str, str], name: str) -> str | None:
-    """The variable's value, or its default when unset or empty."""
-    value = env.get(name)
-    if value is None or value.strip() == "":
-        return ENV_VARS_BY_NAME[name].default
-    return value
-
-
-@dataclass(frozen=True)
-class PublisherSettings:
-    """How a publisher queues, buffers and frames batches (vLLM's defaults; ``buffer_bytes``,
-    a byte bound on the replay buffer, is this project's)."""
-
-    kind: str = "zmq"
-    buffer_steps: int = 10000
-    buffer_bytes: int = 16 << 20  # payload bytes kept for replay, at most
-    hwm: int = 100000
-    max_queue_size: int = 100000
-    topic: str = ""
-    window_size: int | None = None
-    allow: tuple[str, ...] = ()  # IP addresses admitted to the bound tcp sockets; () = any
-    max_peers: int = 64  # connections each publishing or replay socket keeps
-    salt_form: str = "client"  # how the consolidated output names a salt (wire.router_forms)
-    lora_names: tuple[tuple[int, str], ...] = ()  # (task id, the adapter's name) pairs
-    output_replay_rolled: str = "oldest"  # the consolidated output's answer to a rolled start
-
-
-@dataclass(frozen=True)
-class TierSettings:
-    """Offload tier sizes; blocks override GiB; nothing set = no tier."""
-
-    cpu_cache_gb: float = 0.0
-    cpu_num_blocks: int | None = None
-    disk_cache_gb: float = 0.0
-    disk_num_blocks: int | None = None
-    disk_cache_dir: str | None = None
-    host_tier: str = "host"  # kvbm_plugin.tiers entry point names (tiers/selection.py)
-    disk_tier: str = "disk"
-
-    @property
-    def host_enabled(self) -> bool:
-        return bool(self.cpu_num_blocks) or self.cpu_cache_gb > 0
-
-    @property
-    def disk_enabled(self) -> bool:
-        return bool(self.disk_num_blocks) or self.disk_cache_gb > 0
-
-    def host_blocks(self, bytes_per_block: int) -> int:
-        return _blocks(self.cpu_num_blocks, self.cpu_cache_gb, bytes_per_block, CPU_CACHE_GB,
-                       CPU_CACHE_NUM_BLOCKS)
-
-    def disk_blocks(self, bytes_per_block: int) -> int:
-        return _blocks(self.disk_num_blocks, self.disk_cache_gb, bytes_per_block, DISK_CACHE_GB,
-                       DISK_CACHE_NUM_BLOCKS)
-
-
-def _blocks(override: int | None, gib: float, bytes_per_block: int, gib_name: str,
-            blocks_name: str) -> int:
-    if override:
-        return override
-    blocks = int(gib * (1 << 30)) // max(1, bytes_per_block)
-    if gib > 0 and blocks == 0:
-        raise ConfigError(f"{gib_name}={gib!r} is smaller than one KV block ({bytes_per_block} "
-                          f"bytes); raise it or set {blocks_name}")
-    return blocks
-
-
-@dataclass(frozen=True)
-class MetricsSettings:
-    enabled: bool = False
-    port: int = 6880
 
 
 @dataclass(frozen=True)
@@ -374,200 +191,6 @@ class ConsolidatorConfig:
 
     def replay_endpoint(self, rank: int) -> Endpoint | None:
         return None if self.gpu_replay is None else self.gpu_replay.for_rank(rank)
-
-
-def check_publisher_name(kind: str) -> None:
-    """Start-up's check of ``DYN_KVBM_KV_EVENTS_PUBLISHER``: a name registered in the
-    ``kvbm_plugin.publishers`` entry points. Raises ConfigError naming the variable for an
-    unknown name. Only names are read here (nothing is imported): the publisher factory loads
-    and type-checks the entry point, and names a broken one."""
-    import importlib_metadata
-
-    known = {ep.name for ep in importlib_metadata.entry_points(group=PUBLISHERS_GROUP)}
-    if kind not in known:
-        raise ConfigError(f"{PUBLISHER}={kind!r} is not a registered publisher; known: "
-                          + (", ".join(sorted(known)) or "none")
-                          + f" (entry-point group {PUBLISHERS_GROUP})")
-
-
-def check_disk_cache_dir(path: str) -> None:
-    """Start-up's check of ``DYN_KVBM_DISK_CACHE_DIR``, without side effects: the directory
-    exists and is writable, or it can be created (its nearest existing ancestor is a writable
-    directory). Raises ConfigError naming the variable and value."""
-    target = os.path.abspath(path)
-    if os.path.lexists(target):
-        if not os.path.isdir(target):
-            raise ConfigError(f"{DISK_CACHE_DIR}={path!r} exists and is not a directory")
-        if not os.access(target, os.W_OK | os.X_OK):
-            raise ConfigError(f"{DISK_CACHE_DIR}={path!r}: the directory is not writable")
-        return
-    ancestor = os.path.dirname(target)
-    while not os.path.lexists(ancestor):
-        ancestor = os.path.dirname(ancestor)
-    if not os.path.isdir(ancestor):
-        raise ConfigError(f"{DISK_CACHE_DIR}={path!r} cannot be created: {ancestor} is not a "
-                          "directory")
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ConfigError(f"{DISK_CACHE_DIR}={path!r} cannot be created: {ancestor} is not "
-                          "writable")
-
-
-DP_RANK_FIELD: Final = "{dp_rank}"
-
-
-def topic_for_rank(topic: str, dp_rank: int) -> str:
-    """``topic`` with every ``{dp_rank}`` replaced by ``dp_rank``: one pod per attention-DP
-    rank for llm-d, which drops a batch's dp rank and names the pod by the topic
-    (``kv@<pod>-dp{dp_rank}@<model>``)."""
-    return topic.replace(DP_RANK_FIELD, str(dp_rank))
-
-
-def check_topic(topic: str) -> str:
-    """``topic``, or ConfigError if it starts with llm-d's ``kv@`` and llm-d could not read
-    ``kv@<pod>@<model>`` from it (llm-d-router @ebab6879, engineadapter/common.go parseTopic:
-    not exactly three "@" parts = pod is the whole topic, model "", which no request names)."""
-    parts = topic_for_rank(topic, 0).split("@")
-    if len(parts) > 1 and parts[0] == "kv" and (len(parts) != 3 or not all(parts)):
-        raise ConfigError(f"{TOPIC}={topic!r}: llm-d reads a topic starting 'kv@' as "
-                          "'kv@<pod>@<model>' (three non-empty '@'-separated parts)")
-    return topic
-
-
-def load_publisher_settings(env: Mapping[str, str] | None = None) -> PublisherSettings:
-    """Publisher settings, each variable validated (the publisher name against the registered
-    entry points); raises ConfigError naming the variable and value."""
-    env = os.environ if env is None else env
-    window = env_value(env, WINDOW_SIZE)
-    kind = (env_value(env, PUBLISHER) or "zmq").strip()
-    check_publisher_name(kind)
-    return PublisherSettings(
-        kind=kind,
-        buffer_steps=parse_int(BUFFER_STEPS, env_value(env, BUFFER_STEPS) or "", minimum=1),
-        buffer_bytes=parse_int(BUFFER_BYTES, env_value(env, BUFFER_BYTES) or "", minimum=1),
-        hwm=parse_int(HWM, env_value(env, HWM) or "", minimum=1),
-        max_queue_size=parse_int(MAX_QUEUE_SIZE, env_value(env, MAX_QUEUE_SIZE) or "", minimum=1),
-        topic=check_topic(env.get(TOPIC, ENV_VARS_BY_NAME[TOPIC].default or "")),
-        window_size=None if window is None else parse_int(WINDOW_SIZE, window, minimum=1),
-        allow=load_allowlist(env),
-        max_peers=load_max_peers(env),
-        salt_form=load_salt_form(env),
-        lora_names=load_lora_names(env),
-        output_replay_rolled=_choice(env, OUTPUT_REPLAY_ROLLED, ("oldest", "empty")),
-    )
-
-
-def _choice(env: Mapping[str, str], name: str, allowed: tuple[str, ...]) -> str:
-    text = (env_value(env, name) or "").strip().lower()
-    if text not in allowed:
-        raise ConfigError(f"{name}={env.get(name)!r} is not one of " + " | ".join(allowed))
-    return text
-
-
-def load_lora_names(env: Mapping[str, str]) -> tuple[tuple[int, str], ...]:
-    """``DYN_KVBM_LORA_NAMES``: ``<task id>=<name>`` pairs, comma-separated; each id and each
-    name at most once (two adapters under one name would be one adapter to a router)."""
-    text = env_value(env, LORA_NAMES)
-    if text is None:
-        return ()
-    pairs: dict[int, str] = {}
-    for part in text.split(","):
-        task, sep, name = (x.strip() for x in part.partition("="))
-        # ASCII digits only: str.isdigit() also admits '²', which int() then refuses.
-        if not sep or not (task.isascii() and task.isdigit()) or not name \
-                or int(task) >= 1 << 64:
-            raise ConfigError(f"{LORA_NAMES}={text!r}: {part.strip()!r} is not "
-                              "'<task id>=<adapter name>'")
-        if int(task) in pairs or name in pairs.values():
-            raise ConfigError(f"{LORA_NAMES}={text!r}: task id {task} or name {name!r} is "
-                              "given twice")
-        other = name[len("lora-"):] if name.startswith("lora-") else ""
-        if other.isascii() and other.isdigit() and int(other) != int(task):
-            # An adapter not named here goes out as lora-<its task id>: this name would make
-            # two adapters one to a router.
-            raise ConfigError(f"{LORA_NAMES}={text!r}: {name!r} is the name adapter "
-                              f"{int(other)} goes out under; give task id {task} another")
-        pairs[int(task)] = name
-    return tuple(pairs.items())
-
-
-def load_salt_form(env: Mapping[str, str]) -> str:
-    """``DYN_KVBM_KV_EVENTS_SALT_FORM``: ``client`` or ``id`` (case-insensitive)."""
-    text = (env_value(env, SALT_FORM) or "").strip().lower()
-    if text not in ("client", "id"):
-        raise ConfigError(f"{SALT_FORM}={env.get(SALT_FORM)!r} is not one of client | id")
-    return text
-
-
-def load_max_peers(env: Mapping[str, str] | None = None) -> int:
-    """``DYN_KVBM_ZMQ_MAX_PEERS``, checked; raises ConfigError naming the variable."""
-    value = env_value(os.environ if env is None else env, ZMQ_MAX_PEERS) or ""
-    return parse_int(ZMQ_MAX_PEERS, value, minimum=1)
-
-
-def load_allowlist(env: Mapping[str, str] | None = None) -> tuple[str, ...]:
-    """The IP addresses of ``DYN_KVBM_ZMQ_ALLOW`` (() when unset); ConfigError names a bad one."""
-    value = env_value(os.environ if env is None else env, ZMQ_ALLOW) or ""
-    try:
-        return tuple(str(ipaddress.ip_address(t.strip())) for t in value.split(",") if t.strip())
-    except ValueError as exc:
-        raise ConfigError(f"{ZMQ_ALLOW}={value!r}: {exc} (IP addresses only)") from None
-
-
-def load_tier_settings(env: Mapping[str, str] | None = None) -> TierSettings:
-    """Tier sizes and the disk directory (checked usable when the disk tier is on); raises
-    ConfigError naming the variable and value."""
-    env = os.environ if env is None else env
-
-    def optional_int(name: str) -> int | None:
-        value = env_value(env, name)
-        return None if value is None else parse_int(name, value, minimum=0)
-
-    def optional_float(name: str) -> float:
-        value = env_value(env, name)
-        return 0.0 if value is None else parse_float(name, value)
-
-    directory = env_value(env, DISK_CACHE_DIR)
-    settings = TierSettings(
-        cpu_cache_gb=optional_float(CPU_CACHE_GB),
-        cpu_num_blocks=optional_int(CPU_CACHE_NUM_BLOCKS),
-        disk_cache_gb=optional_float(DISK_CACHE_GB),
-        disk_num_blocks=optional_int(DISK_CACHE_NUM_BLOCKS),
-        disk_cache_dir=directory.strip() if directory else None,
-        host_tier=(env_value(env, HOST_TIER) or "host").strip(),
-        disk_tier=(env_value(env, DISK_TIER) or "disk").strip(),
-    )
-    if settings.disk_enabled and settings.disk_cache_dir is not None:
-        check_disk_cache_dir(settings.disk_cache_dir)
-    return settings
-
-
-def load_metrics_settings(env: Mapping[str, str] | None = None) -> MetricsSettings:
-    env = os.environ if env is None else env
-    return MetricsSettings(
-        enabled=parse_bool(METRICS, env_value(env, METRICS) or "false"),
-        port=parse_port(METRICS_PORT, env_value(env, METRICS_PORT) or ""),
-    )
-
-
-EventsSource = Literal["auto", "drain", "tap", "off"]
-EVENTS_SOURCES: tuple[EventsSource, ...] = ("auto", "drain", "tap", "off")
-
-
-def load_events_source(env: Mapping[str, str] | None = None) -> EventsSource:
-    """DYN_KVBM_KV_EVENTS_SOURCE, validated (ConfigError names the variable and value)."""
-    env = os.environ if env is None else env
-    value = (env_value(env, EVENTS_SOURCE) or "auto").strip().lower()
-    if value not in EVENTS_SOURCES:
-        raise ConfigError(f"{EVENTS_SOURCE}={env.get(EVENTS_SOURCE)!r}: expected one of "
-                          f"{' | '.join(EVENTS_SOURCES)}")
-    return value  # type: ignore[return-value]
-
-
-def compiled_loops_enabled(env: Mapping[str, str] | None = None) -> bool:
-    """Whether the compiled loops may be used (``DYN_KVBM_NATIVE``; they still need to have
-    been built)."""
-    env = os.environ if env is None else env
-    return parse_bool(NATIVE, env_value(env, NATIVE) or "")
 
 
 def consolidator_enabled(env: Mapping[str, str] | None = None) -> bool:
@@ -774,13 +397,3 @@ def should_enable_consolidator(arg: Any, env: Mapping[str, str] | None = None) -
     return True
 
 
-def env_table_markdown() -> str:
-    """The env-var table as Markdown (README and ``kvbm-plugin env``)."""
-    lines = ["| Variable | Default | Meaning |", "|---|---|---|"]
-    for var in ENV_VARS:
-        if var.default is None:
-            default = "(unset)"
-        else:
-            default = f"`{var.default}`" if var.default else '`""`'
-        lines.append(f"| `{var.name}` | {default} | {var.meaning} |")
-    return "\n".join(lines)

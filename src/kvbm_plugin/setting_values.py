@@ -1,7 +1,9 @@
 """The values a setting can take, parsed: switches, numbers, ports and ZMQ endpoints.
 
-Called by :mod:`kvbm_plugin.consolidator_config` and :mod:`kvbm_plugin.shared_settings`
-(which re-export these names) on whatever thread reads the settings: CLI start-up, the
+Called by the settings modules (:mod:`kvbm_plugin.publisher_settings`,
+:mod:`kvbm_plugin.tier_settings`, :mod:`kvbm_plugin.runtime_settings`,
+:mod:`kvbm_plugin.shared_settings`, :mod:`kvbm_plugin.consolidator_config`, the last two
+re-exporting these names) on whatever thread reads the settings: CLI start-up, the
 leader's and the worker's constructors. The standard library only.
 """
 

@@ -233,9 +233,9 @@ def test_a_signal_whose_exception_a_finalizer_swallowed_still_ends_the_demo(
         monkeypatch, signum: int, raised: type) -> None:  # noqa: ANN001
     """A signal handled while a finalizer runs (a ZMQ socket collected mid-run) must still end
     the demo, with its status, not let it run on and exit 0."""
-    from kvbm_plugin.cli import demo
+    from kvbm_plugin.cli import demo, demo_report
 
-    update = demo._Progress.update
+    update = demo_report.Progress.update
     sent: list[int] = []
 
     def update_and_signal(self, *args, **kw) -> None:  # noqa: ANN001, ANN002, ANN003
@@ -244,7 +244,7 @@ def test_a_signal_whose_exception_a_finalizer_swallowed_still_ends_the_demo(
             _SignalInFinalizer(signum)  # collected at once: __del__ delivers the signal
         update(self, *args, **kw)
 
-    monkeypatch.setattr(demo._Progress, "update", update_and_signal)
+    monkeypatch.setattr(demo_report.Progress, "update", update_and_signal)
     # As in a terminal (a background job, as CI runs the suite, starts with SIGINT ignored).
     outer = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from kvbm_plugin.cli import demo
+from kvbm_plugin.cli import demo, demo_checks, demo_options, demo_report
 from kvbm_plugin.cli.main import UsageError
 
 SMALL = ["--sessions", "6", "--turns", "3", "--system-tokens", "64", "--gpu-blocks", "24",
@@ -156,7 +156,7 @@ def test_progress_is_drawn_only_on_a_terminal(monkeypatch) -> None:
 
     for stream, drawn in ((io.StringIO(), False), (Terminal(), True)):
         monkeypatch.setattr(sys, "stderr", stream)
-        progress = demo._Progress(10, enabled=True)
+        progress = demo_report.Progress(10, enabled=True)
         progress.update(3, "turn 1/2", force=True)
         progress.close()
         assert ("\r[" in stream.getvalue()) is drawn
@@ -168,7 +168,7 @@ def test_demo_writes_no_progress_frames_into_a_log(capsys) -> None:
 
 
 def test_every_demo_option_has_help() -> None:
-    missing = [a.option_strings for a in demo.build_parser()._actions if not a.help]
+    missing = [a.option_strings for a in demo_options.build_parser()._actions if not a.help]
     assert missing == []
 
 
@@ -280,7 +280,7 @@ def test_rank_processes_pass_and_print_no_numpy_warning() -> None:
 
 
 def test_demo_help_shows_every_default() -> None:
-    parser = demo.build_parser()
+    parser = demo_options.build_parser()
     for action in parser._actions:
         if action.default not in (None, False) and action.dest != "help":
             assert "default" in (action.help or ""), action.option_strings
@@ -340,7 +340,7 @@ def test_the_settle_reads_the_tiers_once_the_engine_is_idle() -> None:
     run = _DemotionInFlight()
     args = Namespace(mode="dedup", settle_timeout=0.3, tp=1, processes=False, adapters=0,
                      no_overlap=False, tiers="host,disk")
-    checks, summary = demo._settle_and_check(run.engine, run.subscriber, args,
+    checks, summary = demo_checks.settle_and_check(run.engine, run.subscriber, args,
                                              Namespace(after_eviction=0))
     check = next(c for c in checks if c.name == "subscriber view == tiers' true contents")
     assert check.ok, check.detail
@@ -361,7 +361,7 @@ def test_the_settle_fails_the_check_when_a_transfer_never_ends() -> None:
     run = _StuckDemotion()
     args = Namespace(mode="dedup", settle_timeout=0.05, tp=1, processes=False, adapters=0,
                      no_overlap=False, tiers="host,disk")
-    checks, _ = demo._settle_and_check(run.engine, run.subscriber, args,
+    checks, _ = demo_checks.settle_and_check(run.engine, run.subscriber, args,
                                        Namespace(after_eviction=0))
     check = next(c for c in checks if c.name == "subscriber view == tiers' true contents")
     assert not check.ok

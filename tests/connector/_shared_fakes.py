@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbm_plugin.testing.memory_store import MemoryStore
-from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory
+from kvbm_plugin.tiers.shared.block import SharedBlock
+from kvbm_plugin.tiers.shared.directory import SharedDirectory
 from kvbm_plugin.tiers.shared.keys import SharedLayout
 from kvbm_plugin.tiers.shared.store import SharedStore
 

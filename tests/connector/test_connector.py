@@ -21,7 +21,7 @@ from kvbm_plugin.testing.fake_trtllm import (
     ParallelConfig,
     trtllm_block_hash,
 )
-from kvbm_plugin.tiers.base import block_keys
+from kvbm_plugin.tiers.content_keys import block_keys
 from kvbm_plugin.tiers.disk import DiskTier
 
 
@@ -427,19 +427,19 @@ def test_worker_shutdown_runs_disk_writes_queued_by_the_last_transfer_job(make_e
 
 
 def test_prompt_blocks_are_hashed_once_per_request(monkeypatch) -> None:
-    import kvbm_plugin.tiers.base as tiers_base
+    import kvbm_plugin.tiers.content_keys as content_keys
     from kvbm_plugin.testing.fake_trtllm import RequestData, SchedulerOutput
 
     leader = _leader(tiers(host=8), "hash-once")
     try:
         calls = []
-        original = tiers_base.chain_key
+        original = content_keys.chain_key
 
         def counting(parent, tokens, salt=None):
             calls.append(tuple(tokens))
             return original(parent, tokens, salt)
 
-        monkeypatch.setattr(tiers_base, "chain_key", counting)
+        monkeypatch.setattr(content_keys, "chain_key", counting)
         tokens = prompt(33, 17)  # 4 full blocks of 4 and one token
         assert leader.get_num_new_matched_tokens(LlmRequest(1, tokens), 0) == (0, False)
         leader.build_connector_meta(SchedulerOutput(new_requests=[

@@ -390,7 +390,7 @@ def stored_prefix(make_engine: Any) -> tuple[SimulatedEngine, list[int]]:
 
 
 def pins(engine: SimulatedEngine, tokens: list[int]) -> list[int]:
-    from kvbm_plugin.tiers.base import block_keys
+    from kvbm_plugin.tiers.content_keys import block_keys
 
     host = engine.leader._tiers.host
     return [entry.pins if (entry := host.get(k)) is not None else -1
@@ -478,9 +478,9 @@ class _StridedTorch:
 
 def test_a_strided_v2_pool_view_offloads_and_onboards_exact_bytes(make_engine,
                                                                     monkeypatch) -> None:
-    import kvbm_plugin.testing.engine as engine_module
+    import kvbm_plugin.testing.engine_bringup as bringup  # where the rank pools are made
 
-    monkeypatch.setattr(engine_module, "torch", _StridedTorch(pad=5))
+    monkeypatch.setattr(bringup, "torch", _StridedTorch(pad=5))
     engine = make_engine(num_gpu_blocks=16, env=tiers(host=64))
     assert not engine.kv_pools[0].is_contiguous()
     a = prompt(9, 33)

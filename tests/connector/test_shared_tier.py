@@ -24,7 +24,7 @@ from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.leader import shared_tier as leader_shared_tier
 from kvbm_plugin.testing.fake_trtllm import LlmRequest
 from kvbm_plugin.testing.memory_store import MemoryStore
-from kvbm_plugin.tiers.base import block_keys
+from kvbm_plugin.tiers.content_keys import block_keys
 from kvbm_plugin.tiers.shared import frame
 from kvbm_plugin.tiers.shared.keys import chain_digests
 from kvbm_plugin.wire.identity import request_scope

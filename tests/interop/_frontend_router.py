@@ -19,7 +19,7 @@ import time
 import torch
 
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.cli import demo
+from kvbm_plugin.cli import demo_options
 from kvbm_plugin.cli.demo_routers import adapter_names
 from kvbm_plugin.routers.llmd_model import LlmdIndexer, llmd_tap
 from kvbm_plugin.routers.router_view import RouterView
@@ -110,9 +110,9 @@ async def main(tmp: str) -> dict:
 
     # The demo's steady multi-tenant chat, with two adapters (what `kvbm-plugin demo --requests
     # 48 --tenants 2 --adapters 2` sends, at this engine's sizes)
-    args = demo.build_parser().parse_args(DEMO_ARGS)
-    demo._check_options(args)
-    workload = demo._workload(args)
+    args = demo_options.build_parser().parse_args(DEMO_ARGS)
+    demo_options.check_options(args)
+    workload = demo_options.workload_for(args)
     probe = RouterProbe(engine, tap, settle_timeout=20.0, external=ask,
                         lora_names=adapter_names(ADAPTERS))
     try:

@@ -6,7 +6,9 @@ the wire no REMOVE."""
 from __future__ import annotations
 
 from kvbm_plugin.naming.names import BlockNames, UnnamedStores
-from kvbm_plugin.tiers.base import TIER_HOST, TierEntry, TierIndex
+from kvbm_plugin.tiers._entry import TierEntry
+from kvbm_plugin.tiers.content_keys import TIER_HOST
+from kvbm_plugin.tiers.index import TierIndex
 
 BS = 2
 

@@ -1,5 +1,5 @@
 """Dynamo's STREAMING mode served by the consolidated output
-(``DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT``, ``connector.dynamo_streaming``), end to end
+(``DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT``, ``leader.dynamo_streaming``), end to end
 through the simulated executor under attention DP 2: each rank's leader, built before the KV
 cache manager as in ``create_py_executor``, moves TensorRT-LLM's publisher (the stand-in) to
 the private endpoint, and its consolidated output takes the endpoint the YAML names (rank r at

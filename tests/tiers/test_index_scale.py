@@ -10,7 +10,7 @@ import tracemalloc
 
 import pytest
 
-from kvbm_plugin.tiers.base import TierIndex
+from kvbm_plugin.tiers.index import TierIndex
 
 TOKENS = list(range(1000, 1016))  # a 16-token block
 

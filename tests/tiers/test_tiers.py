@@ -13,9 +13,11 @@ import torch
 
 from kvbm_plugin._util.plugins import TIERS_GROUP, get_plugin
 from kvbm_plugin.consolidator_config import ConfigError
-from kvbm_plugin.tiers.base import TierFullError, TierIndex, TierSpec, block_keys, chain_key
+from kvbm_plugin.tiers.base import TierSpec
+from kvbm_plugin.tiers.content_keys import block_keys, chain_key
 from kvbm_plugin.tiers.disk import DiskTier
 from kvbm_plugin.tiers.host import HostTier
+from kvbm_plugin.tiers.index import TierFullError, TierIndex
 
 SHAPE = (2, 2, 16)
 

@@ -23,7 +23,7 @@ position under ``pad_value_for_mm_hash(int(uuid, 16))`` = 1,000,000 + the uuid's
 router as well), refusing an item without a uuid. :class:`EngineForms` does the same, so a
 multimodal block carries the token ids a Dynamo frontend computes for the prompt, and carries
 each item's digest as the block's ``extra_keys`` entry, as the plugin's own V2 path writes it
-(``gpu_events.fields.mm_extra_key``; two items whose pad values collide stay apart in the
+(``events.fields.mm_extra_key``; two items whose pad values collide stay apart in the
 consolidator's identity). A non-null ``lora_id`` without
 a ``lora_name`` goes out under the adapter name the plugin gives every LoRA task
 (``wire.identity.lora_name``: ``lora-<id>``), the one the core's identity already uses.
@@ -272,7 +272,7 @@ class EngineForms:
 
 
 def mm_extra_key(digest: str, offset: int) -> Any:
-    """An item's ``extra_keys`` form, the rule of ``gpu_events.fields.mm_extra_key`` (which
+    """An item's ``extra_keys`` form, the rule of ``events.fields.mm_extra_key`` (which
     this layer cannot import): a 32-byte digest as its 64 hex digits, as vLLM writes it and
     Dynamo's ``extra_keys.rs`` reads it; any other identifier as ``[identifier, offset]``."""
     if len(digest) == 64 and all(c in _HEX for c in digest):

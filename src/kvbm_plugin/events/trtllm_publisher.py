@@ -243,7 +243,7 @@ class TrtllmNameReader:
     does (``DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR=false``): its own thread
     (``kvbm-trtllm-names-r<rank>``) owns a SUB at ``endpoint`` and hands each batch's events
     to ``observe`` (a :class:`TrtllmNameFeed`'s). Built and stopped by the leader (through
-    ``connector.assembly``); it never touches TensorRT-LLM state and holds no lock. A payload
+    ``leader.event_path``); it never touches TensorRT-LLM state and holds no lock. A payload
     it cannot decode is counted (``malformed``) and skipped. ``forms``: normalises each batch's
     events first (an ``EngineForms``, as the consolidator does), or None."""
 

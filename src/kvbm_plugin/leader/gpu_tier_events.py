@@ -45,7 +45,7 @@ class GpuTierEvents:
                  block_size: int, naming: BlockNaming, stats: dict[str, int],
                  fallback_serializer: Any, log: RateLimitedLog) -> None:
         """``mode``: DYN_KVBM_EVENTS_SOURCE; ``native``: TensorRT-LLM's own streaming publisher
-        (connector.trtllm_publisher) or None; ``config``: the consolidator config."""
+        (events.trtllm_publisher) or None; ``config``: the consolidator config."""
         self._mode = mode
         self._native = native
         self._config = config
@@ -79,7 +79,7 @@ class GpuTierEvents:
 
     def _attach(self) -> None:
         """Find the engine's KV cache manager through the calling PyExecutor's frames and tee
-        its KV events into the sink (see ``gpu_events.source.attach_event_source``). Executor
+        its KV events into the sink (see ``events.source.attach_event_source``). Executor
         thread, first iterations only; frame inspection, no I/O."""
         self.attach_attempts += 1
         manager = find_kv_cache_manager()
@@ -129,7 +129,7 @@ class GpuTierEvents:
         """Never report a source as working while nothing arrives (issue 26, item 2): a V2
         event manager whose hooks TensorRT-LLM's C++ radix tree calls natively leaves the
         wrapped Python hooks uncalled, and not every such backend can be told from Python
-        (``gpu_events.source.cpp_sink``). Per iteration (executor thread, under the
+        (``events.source.cpp_sink``). Per iteration (executor thread, under the
         lock), until the first event: count the iterations in which a tracked request holds a
         full block of computed prompt KV; past :attr:`SELF_CHECK_ITERATIONS` of them with no event,
         count each further one (``gpu_source_silent_iterations``) and warn, rate-limited.

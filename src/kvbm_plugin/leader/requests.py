@@ -66,7 +66,7 @@ class RequestState:
     loads_inflight: set[int] = field(default_factory=set)
     finished: bool = False
     # The request object's life: a weak reference where the object allows one (see
-    # connector.lifetime); the leader forgets a request TensorRT-LLM dropped without telling.
+    # leader.lifetime); the leader forgets a request TensorRT-LLM dropped without telling.
     handle: Any = None
     last_seen: int = 0  # the leader's iteration that last saw this request scheduled
 

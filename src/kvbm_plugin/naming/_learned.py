@@ -16,7 +16,7 @@ The events come from three places, each calling :meth:`BlockNames.observe`:
 
 * rank 0's event sink, as it publishes (``KvEventSink.on_flush``, set by the leader);
 * TensorRT-LLM's own streaming publisher, as the consolidator's ingest thread received it
-  (``connector.trtllm_publisher.TrtllmNameFeed``, drained by the leader under its lock);
+  (``events.trtllm_publisher.TrtllmNameFeed``, drained by the leader under its lock);
 * under attention DP, a rank r > 0's own GPU-tier stream (:class:`StreamNames`): TensorRT-LLM
   gathers every rank's events onto rank 0 (``leader/event_path.py``), so rank r's leader never
   sees its rank's events in process, and rank 0's leader publishes them on rank r's endpoint.

@@ -28,7 +28,8 @@ from kvbm_plugin._util.ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
     from kvbm_plugin.naming._learned import BlockNames
-    from kvbm_plugin.tiers.base import TierEntry, TierIndex
+    from kvbm_plugin.tiers._entry import TierEntry
+    from kvbm_plugin.tiers.index import TierIndex
 
 logger = logging.getLogger("kvbm_plugin.connector_leader")
 

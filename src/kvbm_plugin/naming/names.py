@@ -11,7 +11,7 @@ What it answers, and for whom:
   simulated executor) and the wire form of V2 radix keys and u64 hashes
   (:func:`radix_key_hash`, :func:`signed_hash`, :func:`parse_hash`; the event sink).
 * **Names learned from events** (``_learned``): :class:`BlockNames` from rank 0's sink, from
-  TensorRT-LLM's own streaming publisher (``connector.trtllm_publisher.TrtllmNameFeed``) and, on
+  TensorRT-LLM's own streaming publisher (``events.trtllm_publisher.TrtllmNameFeed``) and, on
   an attention-DP rank r > 0, from its own GPU-tier stream (:class:`StreamNames`).
 * **The leader's question** (:class:`BlockNaming`, below): the name of a request's block ``i``.
 * **Tier blocks not named yet** (``_unnamed``): :class:`UnnamedStores`, the leader's committed

@@ -15,7 +15,7 @@ publishes its own stream at its own endpoint, rank r at the tcp port + r or the 
 path + ``_dp{r}`` (``StreamingKVCacheEventManager.offset_endpoint_port``,
 ``tensorrt_llm/_torch/pyexecutor/kv_cache_events.py`` @44004b3864a7, stored id 57357230020;
 the same rule in the default version @13599e98c71c, stored id 71400586074), and each rank's
-leader consolidates its own rank's stream (``connector.trtllm_publisher.trtllm_streams``).
+leader consolidates its own rank's stream (``events.trtllm_publisher.trtllm_streams``).
 
 :class:`AttentionDpEngine` runs rank 0's :class:`~kvbm_plugin.testing.engine.SimulatedEngine`
 in this process and every other rank's in a child (``processes=True``, spawn start method) or

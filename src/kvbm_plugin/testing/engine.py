@@ -43,85 +43,53 @@ The GPU pool reuses prefixes, evicts LRU leaf blocks, and records TRT-LLM-shaped
 dim, token)`` into the pool (``testing.kvmodel``: K/V or MLA, FP32/16 or FP8 stored as int8), so
 any onboarded block can be checked exactly: every terminated request is verified on every rank
 (``stats().kv_mismatches``).
+
+This module is the loop; the bring-up is ``testing/engine_bringup.py``, each request's GPU
+blocks (the C++ block manager's side) ``testing/sim_blocks.py``, the request record
+``testing/sim_request.py``.
 """
 
 from __future__ import annotations
 
 import itertools
-import socket
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
-from kvbm_plugin.consolidator_config import LEADER_ZMQ_PUB_PORT, TRTLLM_MOVED_ENDPOINT
+from kvbm_plugin.consolidator_config import LEADER_ZMQ_PUB_PORT
 from kvbm_plugin.testing.connector_manager import SimKvCacheConnectorManager
+from kvbm_plugin.testing.engine_bringup import bring_up, free_tcp_port
 from kvbm_plugin.testing.engine_config import EngineConfig, EngineStats, RequestResult
 from kvbm_plugin.testing.fake_trtllm import (
-    KvCacheConfig,
-    KVCacheEventSerializer,
-    LlmArgs,
     LlmRequest,
-    ParallelConfig,
     RequestData,
     cache_salt_id,
-    trtllm_block_hash,
 )
 from kvbm_plugin.testing.gpu_pool import GpuPool
 from kvbm_plugin.testing.kv_events import (
     KvEventDispatchReader,
     SimKVCacheManager,
 )
-from kvbm_plugin.testing.kvmodel import BatchItems, KvModel, model_kwargs
+from kvbm_plugin.testing.kvmodel import BatchItems
 from kvbm_plugin.testing.processes import LocalRank, RemoteRank, shutdown_ranks
-from kvbm_plugin.testing.trtllm_stream import SimStreamingKVCacheManager, kv_cache_manager_for
-
-WAITING, LOADING, CONTEXT, GENERATION, SAVING, DONE = (
-    "waiting", "loading", "context", "generation", "saving", "done")
-
-
-@dataclass
-class _Req:
-    id: int
-    prompt: list[int]
-    max_new: int
-    salt: str | None
-    lora: int | None = None  # the LoRA task id (0 is an adapter too); None: the base model
-    tokens: list[int] = field(default_factory=list)  # every token the device has
-    host_len: int = 0  # tokens the request object shows (lags by one with overlap)
-    state: str = WAITING
-    blocks: list[int] = field(default_factory=list)
-    computed: int = 0
-    n_device: int = 0
-    n_loaded: int = 0
-    host_hit: int = 0
-    disk_hit: int = 0
-    generated: int = 0
-    device_done: bool = False  # the last token is sampled (the host may not know yet)
-    aborted: bool = False
-    reported_tokens: int = 0
-    reported_blocks: int = 0
-    reserved: int = 0
-    context_stored: bool = False  # store_context_blocks ran for the prompt
-    chain: list[int] = field(default_factory=list)  # V1 hashes of full blocks so far
-    host_finished: bool = False  # the request object is finished (its last token arrived)
-    mismatches: int = 0
-    llm_request: LlmRequest | None = None
-
+from kvbm_plugin.testing.sim_blocks import RequestBlocks
+from kvbm_plugin.testing.sim_request import (
+    CONTEXT,
+    DONE,
+    GENERATION,
+    LOADING,
+    SAVING,
+    WAITING,
+    SimRequest,
+)
+from kvbm_plugin.testing.trtllm_stream import SimStreamingKVCacheManager
 
 # Request ids of attention-DP rank r start at 1 + r * this (TRT-LLM's ids are global).
 REQUEST_ID_STRIDE = 1 << 40
-
-
-def _free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class SimulatedEngine:
@@ -143,87 +111,30 @@ class SimulatedEngine:
         self.block_size = bs = cfg.tokens_per_block
         self._group = f"sim-{uuid.uuid4().hex[:12]}"
         self._stats = EngineStats()
-        self._reqs: dict[int, _Req] = {}
+        self._reqs: dict[int, SimRequest] = {}
         self._order: list[int] = []  # FIFO of waiting request ids
         self._ids = itertools.count(1 + cfg.dp_rank * REQUEST_ID_STRIDE)  # unique over ranks
         self._aborts: set[int] = set()  # cancels not yet fetched by the loop
         self._canceled: set[int] = set()  # PyExecutor.canceled_req_ids
-        self._live: dict[int, _Req] = {}  # requests not done, in submission order
+        self._live: dict[int, SimRequest] = {}  # requests not done, in submission order
         # overlap: the batch whose samples are not processed yet, as (request, its token
         # count after that batch's sampling, whether that sampling finished it)
-        self._previous: list[tuple[_Req, int, bool]] = []
-        self._outstanding = 0  # reserved blocks not yet allocated
+        self._previous: list[tuple[SimRequest, int, bool]] = []
         self.pool = GpuPool(cfg.num_gpu_blocks, bs, cfg.max_seq_len)
-        # PyExecutor keeps its KV cache manager here; the leader finds it through the frames of
-        # build_connector_meta's caller, as it does in TensorRT-LLM.
+        self._blocks = RequestBlocks(self.pool, bs)  # each request's GPU blocks
         self._closed = False
         self.event_reader: KvEventDispatchReader | None = None
-        manager_kw = {"event_buffer_max_size": cfg.event_buffer_max_size, "block_size": bs,
-                      "dp_rank": cfg.dp_rank, "dp_size": cfg.attention_dp}
         env = dict(cfg.env)
         if cfg.processes and not env.get(LEADER_ZMQ_PUB_PORT):
-            env[LEADER_ZMQ_PUB_PORT] = str(_free_tcp_port())
+            env[LEADER_ZMQ_PUB_PORT] = str(free_tcp_port())
         self.env = env
-
-        def args(rank: int) -> LlmArgs:
-            parallel = (ParallelConfig(cfg.dp_rank, cfg.attention_dp, enable_attention_dp=True)
-                        if adp else ParallelConfig(rank, cfg.tp_size))
-            return LlmArgs(KvCacheConfig(bs, kv_events_config=cfg.kv_events_config), parallel,
-                           tensor_parallel_size=parallel.tp_size, kvbm_plugin_env=dict(env),
-                           kvbm_plugin_group=self._group,
-                           kvbm_plugin_inprocess=not cfg.processes,
-                           kvbm_plugin_tier_events=cfg.tier_events if rank == 0 else None,
-                           kvbm_plugin_event_serializer=KVCacheEventSerializer.serialize)
-
-        # Upstream builds the KV cache manager after the connector, binding at executor start
-        # (after model load): the stand-in binds when built, so first unless the leader moves it.
-        leader_args, moves = args(0), bool((env.get(TRTLLM_MOVED_ENDPOINT) or "").strip())
-        self.kv_cache_manager: SimKVCacheManager | SimStreamingKVCacheManager = None if moves \
-            else kv_cache_manager_for(self.pool, leader_args.kv_cache_config, **manager_kw)
-        self.ranks: list[LocalRank | RemoteRank] = []
-        remote: list[RemoteRank] = []
-        self.leader: KvbmConnectorLeader | None = None  # type: ignore[assignment]
-        try:
-            local_ranks = range(cfg.tp_size)
-            if cfg.processes:
-                # Children first: their start-up (a fresh interpreter) overlaps ours.
-                local_ranks = range(1)
-                remote = [RemoteRank(r, args(r), model_kwargs(cfg, r), cfg.num_gpu_blocks)
-                          for r in range(1, cfg.tp_size)]
-            # Bring-up exactly as py_executor_creator: per rank, worker and (rank 0) leader
-            # are constructed concurrently on a 2-thread pool.
-            pools = [ThreadPoolExecutor(max_workers=2) for _ in local_ranks]
-            try:
-                worker_futures = [pools[r].submit(KvbmConnectorWorker, args(r))
-                                  for r in local_ranks]
-                leader_future = pools[0].submit(KvbmConnectorLeader, leader_args)
-                workers = [f.result(timeout=60) for f in worker_futures]
-                self.leader = leader_future.result(timeout=60)
-            finally:
-                for p in pools:
-                    p.shutdown(wait=False)
-            if moves:
-                self.kv_cache_manager = kv_cache_manager_for(
-                    self.pool, leader_args.kv_cache_config, **manager_kw)
-            for r, worker in zip(local_ranks, workers, strict=True):
-                model = KvModel(**model_kwargs(cfg, r))
-                pool = torch.zeros(model.pool_shape(cfg.num_gpu_blocks),
-                                   dtype=model.storage_dtype, device=self.device)
-                self.ranks.append(LocalRank(r, worker, model, pool))
-            for rank in remote:
-                rank.wait_ready()
-            self.ranks.extend(remote)
-        except BaseException:
-            for rank in remote:
-                rank.shutdown(5.0)
-            for rank in self.ranks:
-                if isinstance(rank, LocalRank):
-                    rank.shutdown(5.0)
-            if self.leader is not None:
-                self.leader.shutdown(5.0)
-            if isinstance(self.kv_cache_manager, SimStreamingKVCacheManager):
-                self.kv_cache_manager.shutdown(5.0)
-            raise
+        built = bring_up(cfg, self.pool, env, self._group, self.device)
+        self.leader: KvbmConnectorLeader = built.leader
+        self.ranks: list[LocalRank | RemoteRank] = built.ranks
+        # PyExecutor keeps its KV cache manager here; the leader finds it through the frames of
+        # build_connector_meta's caller, as it does in TensorRT-LLM.
+        self.kv_cache_manager: SimKVCacheManager | SimStreamingKVCacheManager = \
+            built.kv_cache_manager
         self.workers: list[KvbmConnectorWorker] = [
             r.worker for r in self.ranks if isinstance(r, LocalRank)]
         self.kv_pools: list[torch.Tensor] = [
@@ -256,7 +167,7 @@ class SimulatedEngine:
                              f"tokens needs {needed} blocks; the GPU pool has "
                              f"num_gpu_blocks={self.config.num_gpu_blocks}")
         req_id = next(self._ids)
-        self._reqs[req_id] = _Req(req_id, list(prompt_tokens), max_new_tokens, cache_salt,
+        self._reqs[req_id] = SimRequest(req_id, list(prompt_tokens), max_new_tokens, cache_salt,
                                   lora_task_id,
                                   tokens=list(prompt_tokens), host_len=len(prompt_tokens))
         self._order.append(req_id)
@@ -397,7 +308,7 @@ class SimulatedEngine:
             batch = self._prepare_resources(batch, new)
         manager.handle_metadata()
         computed = 0
-        ran: list[tuple[_Req, int, bool]] = []
+        ran: list[tuple[SimRequest, int, bool]] = []
         if can_queue:
             loading = manager.take_scheduled_requests_pending_load([r.id for r, _ in batch])
             batch = [(r, n) for r, n in batch if r.id not in loading]
@@ -448,7 +359,7 @@ class SimulatedEngine:
         self._kv_connector_terminate_requests()
         return 0
 
-    def _process_batch(self, processed: list[tuple[_Req, int, bool]]) -> None:
+    def _process_batch(self, processed: list[tuple[SimRequest, int, bool]]) -> None:
         """``_handle_canceled_requests``, ``_handle_responses``, ``update_resources`` and
         ``_add_kv_cache_events`` for a processed batch."""
         self._handle_canceled_requests()
@@ -458,14 +369,14 @@ class SimulatedEngine:
         self._update_resources(processed)
         self.kv_cache_manager.flush_iteration_events()
 
-    def _schedule(self) -> tuple[list[tuple[_Req, int]], list[_Req]]:
+    def _schedule(self) -> tuple[list[tuple[SimRequest, int]], list[SimRequest]]:
         """Running requests first, then admissions (guaranteed-no-evict: the whole sequence's
         blocks, minus a device prefix match, must be free); returns the batch with each
         request's scheduled tokens and the newly admitted requests. No connector call."""
         cfg = self.config
         budget = cfg.max_num_tokens
-        batch: list[tuple[_Req, int]] = []
-        new: list[_Req] = []
+        batch: list[tuple[SimRequest, int]] = []
+        new: list[SimRequest] = []
         for r in self._live.values():
             if len(batch) >= cfg.max_batch_size or budget <= 0:
                 break
@@ -478,7 +389,7 @@ class SimulatedEngine:
                 budget -= n
         while self._order and len(batch) < cfg.max_batch_size and budget > 0:
             r = self._reqs[self._order[0]]
-            if not self._reserve(r):
+            if not self._blocks.reserve(r):
                 break
             self._order.pop(0)
             new.append(r)
@@ -487,29 +398,8 @@ class SimulatedEngine:
             budget -= n
         return batch, new
 
-    def _reserve(self, r: _Req) -> bool:
-        """The capacity check and the device prefix match of C++ ``addSequence``
-        (``loadOrAllocateBlocks``)."""
-        bs = self.block_size
-        total = -(-(len(r.prompt) + r.max_new) // bs)
-        hashes = self._hashes(r, (len(r.prompt) - 1) // bs)
-        matched = self.pool.match(hashes)
-        need = total - len(matched)
-        avail = self.pool.available() - sum(1 for b in matched if b in self.pool.cached) \
-            - self._outstanding
-        if avail < need:
-            return False
-        for b in matched:
-            self.pool.acquire(b)
-        r.blocks = list(matched)
-        r.n_device = r.computed = len(matched) * bs
-        r.reserved = need
-        self._outstanding += need
-        r.state = CONTEXT
-        return True
-
-    def _prepare_resources(self, batch: list[tuple[_Req, int]],
-                           new: list[_Req]) -> list[tuple[_Req, int]]:
+    def _prepare_resources(self, batch: list[tuple[SimRequest, int]],
+                           new: list[SimRequest]) -> list[tuple[SimRequest, int]]:
         """``KVCacheManager.prepare_resources`` + ``ResourceManager.prepare_resources``:
         ``add_sequence_batch`` (every new request's connector query, then the allocation of
         its whole prompt), then ``update_state_after_alloc`` per new request, a block slot per
@@ -533,7 +423,7 @@ class SimulatedEngine:
             r.n_loaded = n_conn
             r.computed += n_conn
             r.llm_request.context_current_position = r.computed
-            self._ensure_blocks(r, len(r.prompt))
+            self._blocks.ensure(r, len(r.prompt))
         for r in new:  # after the C++ batch: the Python loop
             assert r.llm_request is not None
             manager.update_state_after_alloc(r.llm_request, list(r.blocks))
@@ -545,7 +435,7 @@ class SimulatedEngine:
             r.state = LOADING if n_conn and load_async else CONTEXT
         for r, n in batch:
             if r.state == GENERATION:
-                self._ensure_blocks(r, r.computed + n)
+                self._blocks.ensure(r, r.computed + n)
         # maybe_fit_token_budget: the chunks scheduled before the match shrink to what is left
         batch = [(r, min(n, len(r.prompt) - r.computed) if r.state in (CONTEXT, LOADING)
                   else n) for r, n in batch]
@@ -553,8 +443,8 @@ class SimulatedEngine:
         entries: list[tuple[int, RequestData]] = []
         for r, n in batch:
             visible = r.tokens[:r.host_len]
-            hashes = self._hashes(r, len(visible) // bs) if self.config.provide_block_hashes \
-                else []
+            hashes = self._blocks.hashes(r, len(visible) // bs) \
+                if self.config.provide_block_hashes else []
             # context: context_current_position; generation: len(tokens) - 1 (upstream)
             position = r.computed if r.state in (CONTEXT, LOADING) else r.host_len - 1
             entries.append((r.id, RequestData(
@@ -565,29 +455,11 @@ class SimulatedEngine:
         manager.build_scheduler_output(entries)
         return batch
 
-    def _hashes(self, r: _Req, n_blocks: int) -> list[int]:
-        """TRT-LLM's V1 hashes of the first ``n_blocks`` full blocks (the chain is kept: a
-        request's tokens only grow)."""
-        bs = self.block_size
-        chain = r.chain
-        while len(chain) < n_blocks:
-            i = len(chain)
-            chain.append(trtllm_block_hash(chain[-1] if chain else None,
-                                           r.tokens[i * bs:(i + 1) * bs], r.salt, r.lora))
-        return chain[:n_blocks]
-
-    def _ensure_blocks(self, r: _Req, tokens: int) -> None:
-        while len(r.blocks) * self.block_size < tokens:
-            r.blocks.append(self.pool.alloc())
-            if r.reserved > 0:
-                r.reserved -= 1
-                self._outstanding -= 1
-
-    def _sample(self, batch: list[tuple[_Req, int]]) -> list[tuple[_Req, int, bool]]:
+    def _sample(self, batch: list[tuple[SimRequest, int]]) -> list[tuple[SimRequest, int, bool]]:
         """After the forward (device side): positions computed, a token sampled where a
         sequence ended (``_update_request_states``: context → generation). The host sees the
         token when the batch is processed; nothing is stored for reuse here."""
-        out: list[tuple[_Req, int, bool]] = []
+        out: list[tuple[SimRequest, int, bool]] = []
         for r, n in batch:
             if r.state not in (CONTEXT, GENERATION):
                 # finished meanwhile (overlap: _send_kv_async of the previous batch ran)
@@ -608,7 +480,7 @@ class SimulatedEngine:
             out.append((r, len(r.tokens), finished_now))
         return out
 
-    def _update_requests(self, sampled: list[tuple[_Req, int, bool]]) -> None:
+    def _update_requests(self, sampled: list[tuple[SimRequest, int, bool]]) -> None:
         """``_update_requests``: the tokens sampled in that batch reach the request objects;
         a request whose last token arrived is finished (``is_finished``)."""
         for r, length, finished in sampled:
@@ -620,7 +492,7 @@ class SimulatedEngine:
                 if r.llm_request is not None:
                     r.llm_request.is_finished = True
 
-    def _send_kv_async(self, sampled: list[tuple[_Req, int, bool]]) -> None:
+    def _send_kv_async(self, sampled: list[tuple[SimRequest, int, bool]]) -> None:
         """``_save_kv_to_connector_async``: ``request_finished`` for the batch's finished
         requests (never for a cancelled one), with the request's cache block ids; True keeps
         the blocks until ``get_finished`` returns the id everywhere."""
@@ -655,39 +527,19 @@ class SimulatedEngine:
                 self._free(r)
         self._canceled.clear()
 
-    def _update_resources(self, processed: list[tuple[_Req, int, bool]]) -> None:
+    def _update_resources(self, processed: list[tuple[SimRequest, int, bool]]) -> None:
         """``KVCacheManager.update_resources``: ``store_context_blocks`` for each request of
         the batch whose prompt is computed (the full blocks of the prompt, one STORE)."""
-        bs = self.block_size
         for r, _, _ in processed:
             if r.context_stored or r.state == DONE or r.computed < len(r.prompt):
                 continue
-            r.context_stored = True
-            full = len(r.prompt) // bs
-            hashes = self._hashes(r, full)
-            self.pool.store_blocks(r.blocks, [(hashes[i], r.tokens[i * bs:(i + 1) * bs])
-                                              for i in range(full)], 0, r.salt, r.lora)
+            self._blocks.store_prompt(r)
 
-    def _free(self, r: _Req) -> None:
+    def _free(self, r: SimRequest) -> None:
         """``free_resources`` → C++ ``releaseBlocks``: every block with KV is stored for reuse
         (generated ones and a trailing partial block included; nothing of a request that never
         computed past an async load), then released last block first."""
-        bs = self.block_size
-        # uniqueTokens.size() - 1 tokens: the last sampled token has no KV yet
-        valid = min(r.computed, len(r.tokens) - 1) if r.state != LOADING else r.n_device
-        if valid:
-            n_full = valid // bs
-            hashes = self._hashes(r, n_full)
-            keys = [(hashes[j], r.tokens[j * bs:(j + 1) * bs]) for j in range(n_full)]
-            if valid % bs and n_full < len(r.blocks):
-                tokens = r.tokens[n_full * bs:valid]
-                keys.append((trtllm_block_hash(hashes[-1] if hashes else None, tokens, r.salt,
-                                               r.lora), tokens))
-            self.pool.store_blocks(r.blocks, keys, 0, r.salt, r.lora)
-        for b in reversed(r.blocks):  # last block first, as TRT-LLM's releaseBlocks
-            self.pool.release(b)
-        self._outstanding -= r.reserved
-        r.reserved = 0
+        self._blocks.release(r)
         r.state = DONE
         self._live.pop(r.id, None)
         r.llm_request = None  # TRT-LLM drops the request object (the leader sees it die)
@@ -720,7 +572,7 @@ class SimulatedEngine:
     def get_cache_indices(self, request: Any) -> list[int]:
         return list(self._live[request.request_id].blocks)  # KeyError once freed (upstream)
 
-    def _verify(self, r: _Req) -> int:
+    def _verify(self, r: SimRequest) -> int:
         """Blocks of ``r`` (summed over ranks) whose KV differs from what the forward wrote."""
         return sum(rank.mismatches(r.computed, r.tokens, r.blocks) for rank in self.ranks)
 

@@ -422,7 +422,7 @@ def kv_cache_manager_for(pool: Any, kv_cache_config: Any, *, event_buffer_max_si
                          ) -> SimKVCacheManager | SimStreamingKVCacheManager:
     """The simulated engine's KV cache manager, built as ``create_py_executor`` builds it: after
     the connector, from the ``kv_cache_config`` the connector was handed (which the leader may
-    have changed: ``connector.dynamo_streaming``). The buffered one, or TensorRT-LLM's
+    have changed: ``leader.dynamo_streaming``). The buffered one, or TensorRT-LLM's
     streaming one where ``kv_events_config`` is on. Called by the engine's constructor."""
     config = kv_cache_config.kv_events_config
     native = read_trtllm_publisher({"kv_cache_config": {"kv_events_config": config}})

@@ -1,4 +1,4 @@
-"""A :class:`TierEntry`: the view of one row of a :class:`~.base.TierIndex`, and the row flags.
+"""A :class:`TierEntry`: the view of one row of a :class:`~.index.TierIndex`, and the row flags.
 
 Views are made by the index (``TierIndex.get``, ``reserve`` and the others) on the leader's
 executor thread and read there; the index detaches a view when its entry leaves the tier.
@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvbm_plugin.tiers.base import Signature, TierIndex
+    from kvbm_plugin.tiers.content_keys import Signature
+    from kvbm_plugin.tiers.index import TierIndex
 
 # Row flags (TierIndex._flags)
 _USED = 1  # the slot holds an entry

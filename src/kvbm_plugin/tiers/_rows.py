@@ -1,5 +1,5 @@
 """The flat structures the leader's tier index and shared directory are built from (see
-:class:`~.base.TierIndex` and :class:`~.shared.directory.SharedDirectory`).
+:class:`~.index.TierIndex` and :class:`~.shared.directory.SharedDirectory`).
 
 Both keep their per-block state in ``array.array`` columns: no Python object per block, so the
 cyclic garbage collector has nothing per block to traverse, and the heap per block is a few

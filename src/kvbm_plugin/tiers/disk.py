@@ -32,14 +32,8 @@ from typing import TYPE_CHECKING
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.consolidator_config import DISK_CACHE_DIR, ConfigError
-from kvbm_plugin.tiers.base import (
-    TIER_DISK,
-    OffloadTier,
-    TierSpec,
-    WriteResult,
-    block_path,
-    stat_signature,
-)
+from kvbm_plugin.tiers.base import OffloadTier, TierSpec, WriteResult
+from kvbm_plugin.tiers.content_keys import TIER_DISK, block_path, stat_signature
 from kvbm_plugin.wire.events import MEDIUM_DISK
 
 if TYPE_CHECKING:

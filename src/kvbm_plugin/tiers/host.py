@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from kvbm_plugin.tiers.base import TIER_HOST, OffloadTier, TierSpec, WriteResult
+from kvbm_plugin.tiers.base import OffloadTier, TierSpec, WriteResult
+from kvbm_plugin.tiers.content_keys import TIER_HOST
 from kvbm_plugin.wire.events import MEDIUM_CPU
 
 if TYPE_CHECKING:

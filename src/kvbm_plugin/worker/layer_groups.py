@@ -1,7 +1,7 @@
 """The worker's side of a cache of several KV layer groups: bring-up, host copy pairs and
 the save-issue barrier (the byte layout of a tier slot is
 :mod:`kvbm_plugin.worker.layer_group_copies`; the disk staging copy is
-``connector.device_copy.DiskStaging``).
+``worker.device_copy.DiskStaging``).
 
 ``register_kv_cache_layout`` is what TensorRT-LLM calls instead of ``register_kv_caches`` under
 KVCacheManagerV2 (``connectors/kv_cache_connector.py`` @ 035ab91cad04, stored id 68382362537):

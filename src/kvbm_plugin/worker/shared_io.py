@@ -31,7 +31,7 @@ caller:
 Every op is reported to the leader exactly once (``OpReporter``, worker/op_reports.py) and
 a load's request is told of it (``RequestProgress``, worker/request_progress.py); no store
 call ever runs on the executor thread. Waiting for a staging → device copy is
-``connector.device_copy.wait_for_copy``. The store client is the ``kvbm_plugin.tiers`` entry
+``worker.device_copy.wait_for_copy``. The store client is the ``kvbm_plugin.tiers`` entry
 point named by the settings, wrapped in a circuit breaker (``tiers.shared.breaker``): while the
 store is down each call fails at once (counted), and the client reconnects by itself.
 """

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvbm_plugin.tiers.shared.directory import SharedBlock
+from kvbm_plugin.tiers.shared.block import SharedBlock
 from kvbm_plugin.tiers.shared.keys import SharedLayout, content_digest
 
 BLOCK = 4  # tokens per block in these tests

@@ -13,7 +13,8 @@ from _shared_blocks import layouts
 
 from kvbm_plugin.shared_settings import SharedSettings
 from kvbm_plugin.tiers.shared.agent import SharedAgent
-from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory
+from kvbm_plugin.tiers.shared.block import SharedBlock
+from kvbm_plugin.tiers.shared.directory import SharedDirectory
 from kvbm_plugin.tiers.shared.store import SharedStore
 
 LEASE = 9.0

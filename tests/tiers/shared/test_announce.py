@@ -25,7 +25,7 @@ from kvbm_plugin.tiers.shared.announce import (
     decode,
     encode,
 )
-from kvbm_plugin.tiers.shared.directory import SharedBlock
+from kvbm_plugin.tiers.shared.block import SharedBlock
 
 
 def test_an_announcement_round_trips_every_field() -> None:

@@ -10,7 +10,8 @@ from _shared_blocks import Clock, chain
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory, check_block
+from kvbm_plugin.tiers.shared.block import SharedBlock, check_block
+from kvbm_plugin.tiers.shared.directory import SharedDirectory
 
 LEASE = 10.0
 MARGIN = 3.0

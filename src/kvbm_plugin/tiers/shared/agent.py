@@ -58,7 +58,8 @@ from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.tiers.shared.announce import HEAR_BUDGET_S, Announcer, mm_of_scope
-from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory, check_block
+from kvbm_plugin.tiers.shared.block import SharedBlock, check_block
+from kvbm_plugin.tiers.shared.directory import SharedDirectory
 from kvbm_plugin.tiers.shared.store import FAILED, MISSING, UNAVAILABLE, SharedStore
 
 if TYPE_CHECKING:

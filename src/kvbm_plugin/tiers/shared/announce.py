@@ -3,7 +3,7 @@
 Each leader's :class:`~.agent.SharedAgent` thread owns one :class:`Announcer`: an XPUB socket
 bound at this leader's announce endpoint (:func:`announce_endpoint`) and a SUB socket connected
 to every peer's (``DYN_KVBM_SHARED_PEERS``). A message is one batch of
-:class:`~.directory.SharedBlock` the sender confirmed in the store; a receiver never trusts it
+:class:`~.block.SharedBlock` the sender confirmed in the store; a receiver never trusts it
 (its agent confirms every block with ``exists()`` before it is tracked) and never forwards it,
 so there are no loops, and a leader that starts late learns only what is announced after its
 SUB joined (plus its own writes).
@@ -63,7 +63,7 @@ import zmq
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin._util.saferepr import saferepr
-from kvbm_plugin.tiers.shared.directory import SharedBlock, check_block
+from kvbm_plugin.tiers.shared.block import SharedBlock, check_block
 from kvbm_plugin.tiers.shared.keys import content_digest
 from kvbm_plugin.wire.access import Allowlist
 from kvbm_plugin.wire.guard import SubscriptionGuard

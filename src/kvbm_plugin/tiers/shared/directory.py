@@ -25,139 +25,32 @@ root (``parent_digest`` None): :meth:`admit` refuses an orphan, :meth:`drop` and
 recently used *leaf* that is not pinned. So every block this leader advertises is loadable
 together with its whole prefix.
 
-**Rows, not objects.** Per resident block the directory keeps one row of ``array`` columns
+**Rows, not objects** (:class:`~.rows.SharedRows`, the directory's base class, in
+``tiers/shared/rows.py``). Per resident block the directory keeps one row of ``array`` columns
 indexed by slot (digest halves, event hashes, tree links, last use, pins, deadline, tokens as
 int32; the columns a lookup reads together interleaved, so that a lookup in a million rows
 touches a few cache lines, not one per column) and one bucket of a
 :class:`~kvbm_plugin.tiers._rows.KeyTable` keyed by the digest's first 8 bytes (the other 8
 are compared on every probe): about 210 bytes per 16-token block (``tracemalloc``, 100k and
 1M), and no per-block Python object for the garbage collector. :class:`SharedBlock` values
-are made on demand.
+(``tiers/shared/block.py``, re-exported here) are made on demand.
 """
 
 from __future__ import annotations
 
 import heapq
-import struct
 import threading
 import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Final
 
-from kvbm_plugin._util.saferepr import saferepr
-from kvbm_plugin.tiers._rows import KeyTable, LeafOrder, SlotRows
-from kvbm_plugin.tiers.shared.keys import DIGEST_BYTES
+from kvbm_plugin.tiers.shared.block import SharedBlock, check_block
+from kvbm_plugin.tiers.shared.rows import _HALVES, _USED, SharedRows
 
 __all__ = ["Admitted", "SharedBlock", "SharedDirectory", "check_block"]
-
-_U64: Final = (1 << 64) - 1
-_I64_MIN: Final = -(1 << 63)
-_I64_MAX: Final = (1 << 63) - 1
-_HALVES: Final = struct.Struct("<QQ")
-
-# Row flags.
-_USED: Final = 1
-_QUEUED: Final = 2  # in the LRU order (an unpinned leaf)
-_EH_NEG: Final = 4  # the event hash was given signed (negative)
-_PEH_NONE: Final = 8
-_PEH_NEG: Final = 16
-_ODD_TOKENS: Final = 32  # tokens kept in the side table (another length, or beyond int32)
-
-
-@dataclass(frozen=True, slots=True)
-class SharedBlock:
-    """One block of the shared tier: what the consolidator needs to advertise it (a STORE of
-    medium EXTERNAL) and what an announcement carries to the other engines."""
-
-    digest: bytes  # 16 bytes, keys.content_digest: the object key's content part
-    parent_digest: bytes | None  # None: the first block of a prompt
-    event_hash: int  # TensorRT-LLM's block hash (signed or unsigned 64-bit)
-    parent_event_hash: int | None
-    token_ids: tuple[int, ...]
-    lora_id: int | None
-    extra_keys: tuple | None  # as the consolidator takes them (salt item, multimodal keys)
-
-
-def check_block(block: Any) -> SharedBlock:
-    """``block`` if it is a well-formed :class:`SharedBlock`, else ValueError naming the field
-    and its value (an announcement from the network, a caller's bug)."""
-    if not isinstance(block, SharedBlock):
-        raise ValueError(f"not a SharedBlock: {type(block).__name__}")
-    if not isinstance(block.digest, bytes) or len(block.digest) != DIGEST_BYTES:
-        raise ValueError(f"digest {saferepr(block.digest)} is not {DIGEST_BYTES} bytes")
-    parent = block.parent_digest
-    if parent is not None and (not isinstance(parent, bytes) or len(parent) != DIGEST_BYTES):
-        raise ValueError(f"parent_digest {saferepr(parent)} is not None or {DIGEST_BYTES} "
-                         "bytes")
-    if parent == block.digest:
-        raise ValueError(f"parent_digest equals digest {block.digest.hex()}")
-    _check_hash("event_hash", block.event_hash)
-    if block.parent_event_hash is not None:
-        _check_hash("parent_event_hash", block.parent_event_hash)
-    tokens = block.token_ids
-    if not isinstance(tokens, tuple) or not tokens:
-        raise ValueError(f"token_ids {saferepr(tokens)} is not a non-empty tuple")
-    for token in tokens:
-        if type(token) is not int or not _I64_MIN <= token <= _I64_MAX:
-            raise ValueError(f"token_ids: {saferepr(token)} is not an int64")
-    lora = block.lora_id
-    if lora is not None and (type(lora) is not int or not _I64_MIN <= lora <= _I64_MAX):
-        raise ValueError(f"lora_id {saferepr(lora)} is not None or an int64")
-    extra = block.extra_keys
-    if extra is not None and not (isinstance(extra, tuple) and _plain(extra, 0)):
-        raise ValueError(f"extra_keys {saferepr(extra)} is not None or a tuple of None, "
-                         f"bool, int, float, str, bytes or such tuples ({_EXTRA_DEPTH} deep "
-                         "at most)")
-    return block
-
-
-_EXTRA_DEPTH: Final = 4
-_SCALARS: Final = (type(None), bool, int, float, str, bytes)
-
-
-def _plain(value: tuple, depth: int) -> bool:
-    """A hashable tuple of scalars and such tuples, nested at most ``_EXTRA_DEPTH``."""
-    if depth >= _EXTRA_DEPTH:
-        return False
-    return all(type(v) in _SCALARS or (type(v) is tuple and _plain(v, depth + 1))
-               for v in value)
-
-
-def _check_hash(field: str, value: Any) -> None:
-    if type(value) is not int or not _I64_MIN <= value <= _U64:
-        raise ValueError(f"{field} {saferepr(value)} is not a signed or unsigned 64-bit hash")
-
-
-# SharedBlock's slot setters: a block made for a lookup on the executor thread is built
-# through them, half the cost of the frozen dataclass's __init__ (which sets each field with
-# object.__setattr__, i.e. through these same descriptors, one Python call each).
-_SETTERS: Final = tuple(getattr(SharedBlock, name).__set__ for name in (
-    "digest", "parent_digest", "event_hash", "parent_event_hash", "token_ids", "lora_id",
-    "extra_keys"))
-
-
-def _make_block(digest: bytes, parent_digest: bytes | None, event_hash: int,
-                parent_event_hash: int | None, token_ids: tuple[int, ...], lora_id: int | None,
-                extra_keys: tuple | None) -> SharedBlock:
-    """``SharedBlock(...)`` of fields already checked."""
-    block = object.__new__(SharedBlock)
-    s0, s1, s2, s3, s4, s5, s6 = _SETTERS
-    s0(block, digest)
-    s1(block, parent_digest)
-    s2(block, event_hash)
-    s3(block, parent_event_hash)
-    s4(block, token_ids)
-    s5(block, lora_id)
-    s6(block, extra_keys)
-    return block
-
-
-_Q_ROW: Final = array("Q", (0, 0, 0, 0))  # a new slot's _q row
-_L_ROW: Final = array("i", (-1, -1, -1, -1, 0, 0))  # and its _l row
-
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
@@ -170,7 +63,7 @@ class Admitted:
     evicted: list[SharedBlock]  # least recently used leaves dropped to make room
 
 
-class SharedDirectory(SlotRows):
+class SharedDirectory(SharedRows):
     """Residency of shared-tier blocks as the leader knows it (see the module docstring).
 
     ``capacity``: the most resident blocks (``DYN_KVBM_SHARED_TRACKED_BLOCKS``); ``lease_s``:
@@ -179,12 +72,9 @@ class SharedDirectory(SlotRows):
     it); ``pending_limit``: the most blocks awaiting their check (more are refused, counted).
     """
 
-    __slots__ = ("capacity", "lease_s", "margin_s", "pending_limit", "_clock", "_lock",
-                 "_available", "_available_source", "_table", "_order", "_tick", "_lo",
-                 "_q", "_l", "_flags", "_deadline", "_tok", "_tok_row", "_width",
-                 "_odd_tokens", "_scopes", "_scope_ids",
-                 "_scope_refs", "_scope_free", "_free", "_used", "_heap", "_heap_seq",
-                 "_pending", "_queue", "_ghost_pins", "_pinned", "_n")
+    __slots__ = ("lease_s", "margin_s", "pending_limit", "_clock", "_lock", "_available",
+                 "_available_source", "_heap", "_heap_seq", "_pending", "_queue", "_ghost_pins",
+                 "_n")
 
     def __init__(self, capacity: int, lease_s: float, margin_s: float,
                  clock: Callable[[], float] = time.monotonic, *,
@@ -198,7 +88,7 @@ class SharedDirectory(SlotRows):
                              f"lease_s {lease_s!r}")
         if pending_limit < 1:
             raise ValueError(f"SharedDirectory pending_limit {pending_limit!r} must be >= 1")
-        self.capacity: Final = capacity
+        super().__init__(capacity)
         self.lease_s: Final = float(lease_s)
         self.margin_s: Final = float(margin_s)
         self.pending_limit: Final = pending_limit
@@ -206,28 +96,6 @@ class SharedDirectory(SlotRows):
         self._lock = threading.Lock()
         self._available = True
         self._available_source: Callable[[], bool] | None = None
-        self._lo: array[int] = array("Q")  # digest bytes 0..7 (the table's key), little-endian
-        # Per slot, the columns a lookup reads together, interleaved (one cache line each
-        # instead of one per column at a million rows): _q holds hi (digest bytes 8..15),
-        # event hash, parent event hash, last-use tick; _l holds the parent's, first
-        # child's, next and previous sibling's slots (-1: none), pins, scope id.
-        self._q: array[int] = array("Q")
-        self._flags: array[int] = array("B")
-        self._l: array[int] = array("i")
-        self._deadline: array[float] = array("d")
-        self._tok: array[int] = array("i")  # _width tokens per slot
-        self._width = -1  # tokens per block, set by the first block admitted
-        self._tok_row = struct.Struct("")  # one slot's tokens (set with _width)
-        self._odd_tokens: dict[int, tuple[int, ...]] = {}
-        self._scopes: list[tuple[int | None, tuple | None] | None] = [(None, None)]
-        self._scope_ids: dict[tuple[int | None, tuple | None], int] = {(None, None): 0}
-        self._scope_refs: list[int] = [0]
-        self._scope_free: list[int] = []
-        self._table = KeyTable(capacity, self._lo)
-        self._order = LeafOrder()
-        self._tick = 0
-        self._free: array[int] = array("i")
-        self._used = 0
         # Deadline batches: (deadline, seq, slots given that deadline). A slot whose deadline
         # changed since is skipped when its batch comes due.
         self._heap: list[tuple[float, int, array[int]]] = []
@@ -237,7 +105,6 @@ class SharedDirectory(SlotRows):
         self._queue: deque[bytes] = deque()
         # Pins of blocks dropped while pinned: their unpins must not unpin a later entry.
         self._ghost_pins: dict[bytes, int] = {}
-        self._pinned = 0  # resident blocks with pins
         self._n = dict.fromkeys(
             ("hits", "misses", "late", "unavailable", "pins", "pin_misses",
              "unpins", "admitted", "refused_orphan", "refused_full", "refused_collision",
@@ -536,141 +403,6 @@ class SharedDirectory(SlotRows):
 
     # ---- internals (under the lock) ---------------------------------------------------
 
-    def _find(self, digest: bytes) -> int:
-        try:
-            lo, hi = _HALVES.unpack(digest)
-        except (struct.error, TypeError):
-            return -1
-        slot = self._table.find(lo)
-        return slot if slot >= 0 and self._q[4 * slot] == hi else -1
-
-    def _block(self, slot: int, digest: bytes | None = None) -> SharedBlock:
-        flags = self._flags[slot]
-        eh = self._q[4 * slot + 1]
-        if flags & _EH_NEG:
-            eh -= 1 << 64
-        if flags & _PEH_NONE:
-            peh = None
-        else:
-            peh = self._q[4 * slot + 2]
-            if flags & _PEH_NEG:
-                peh -= 1 << 64
-        parent = self._l[6 * slot]
-        if flags & _ODD_TOKENS:
-            tokens = self._odd_tokens[slot]
-        else:
-            tokens = self._tok_row.unpack_from(self._tok, slot * self._tok_row.size)
-        scope = self._scopes[self._l[6 * slot + 5]]
-        assert scope is not None
-        return _make_block(
-            digest if digest is not None else _HALVES.pack(self._lo[slot], self._q[4 * slot]),
-            None if parent < 0 else _HALVES.pack(self._lo[parent], self._q[4 * parent]),
-            eh, peh, tokens, scope[0], scope[1])
-
-    def _insert(self, block: SharedBlock, parent: int, deadline: float,
-                ) -> tuple[str, SharedBlock | None]:
-        """Put ``block`` (absent; its parent at slot ``parent`` or -1) in a row. Returns
-        (why refused or "", the block evicted for room or None)."""
-        lo, hi = _HALVES.unpack(block.digest)
-        if self._table.find(lo) >= 0:  # another digest with the same first 8 bytes
-            return "collision", None
-        victim: SharedBlock | None = None
-        slot, evict = self._claim_slot(parent, len(self._lo))
-        if slot < 0:
-            return "full", None
-        if evict:
-            victim = self._block(slot)
-            self._remove(slot)
-        flags = _USED
-        eh = block.event_hash
-        if eh < 0:
-            eh, flags = eh & _U64, flags | _EH_NEG
-        peh = block.parent_event_hash
-        if peh is None:
-            peh, flags = 0, flags | _PEH_NONE
-        elif peh < 0:
-            peh, flags = peh & _U64, flags | _PEH_NEG
-        self._lo[slot] = lo
-        self._q[4 * slot] = hi
-        self._q[4 * slot + 1] = eh
-        self._q[4 * slot + 2] = peh
-        self._l[6 * slot + 4] = 0
-        self._deadline[slot] = deadline
-        self._l[6 * slot + 1] = -1
-        self._l[6 * slot] = parent
-        self._l[6 * slot + 3] = -1
-        self._l[6 * slot + 2] = -1
-        if parent >= 0:
-            self._dequeue(parent)
-            first = self._l[6 * parent + 1]
-            self._l[6 * slot + 2] = first
-            if first >= 0:
-                self._l[6 * first + 3] = slot
-            self._l[6 * parent + 1] = slot
-        if not self._store_tokens(slot, block.token_ids):
-            flags |= _ODD_TOKENS
-            self._odd_tokens[slot] = tuple(block.token_ids)
-        self._l[6 * slot + 5] = self._intern((block.lora_id, block.extra_keys))
-        self._flags[slot] = flags
-        self._table.insert(lo, slot)
-        self._used += 1
-        self._touch(slot)
-        return "", victim
-
-    def _grow(self) -> int:
-        slot = len(self._lo)
-        self._lo.append(0)
-        self._q.extend(_Q_ROW)
-        self._l.extend(_L_ROW)
-        self._flags.append(0)
-        self._deadline.append(0.0)
-        if self._width > 0:
-            self._tok.extend(array("i", bytes(4 * self._width)))
-        return slot
-
-    def _store_tokens(self, slot: int, tokens: Sequence[int]) -> bool:
-        """Tokens into the int32 column; False when they do not fit it (side table)."""
-        if self._width < 0:
-            self._width = len(tokens)
-            self._tok_row = struct.Struct(f"={self._width}i")  # native, as the array
-            self._tok.extend(array("i", bytes(4 * self._width * len(self._lo))))
-        width = self._width
-        if len(tokens) != width:
-            return False
-        try:
-            self._tok[slot * width:(slot + 1) * width] = array("i", tokens)
-        except OverflowError:
-            return False
-        return True
-
-    def _intern(self, scope: tuple[int | None, tuple | None]) -> int:
-        """Scopes (LoRA id, extra keys) are shared by every block of a tenant: one copy each,
-        counted by use."""
-        sid = self._scope_ids.get(scope)
-        if sid is None:
-            if self._scope_free:
-                sid = self._scope_free.pop()
-                self._scopes[sid] = scope
-                self._scope_refs[sid] = 0
-            else:
-                sid = len(self._scopes)
-                self._scopes.append(scope)
-                self._scope_refs.append(0)
-            self._scope_ids[scope] = sid
-        if sid:
-            self._scope_refs[sid] += 1
-        return sid
-
-    def _release_scope(self, sid: int) -> None:
-        if sid:
-            self._scope_refs[sid] -= 1
-            if self._scope_refs[sid] == 0:
-                scope = self._scopes[sid]
-                assert scope is not None
-                del self._scope_ids[scope]
-                self._scopes[sid] = None
-                self._scope_free.append(sid)
-
     def _drop_many(self, slots: Iterable[int], why: str) -> list[SharedBlock]:
         gone: list[SharedBlock] = []
         n = self._n
@@ -697,53 +429,6 @@ class SharedDirectory(SlotRows):
             n[f"dropped_{why}"] += 1
             n["dropped_descendants"] += len(subtree) - 1
         return gone
-
-    def _remove(self, slot: int) -> None:
-        """Take ``slot``'s row (a leaf now) out; the caller frees the slot or reuses it."""
-        flags = self._flags[slot]
-        if flags & _QUEUED:
-            self._order.remove(self._q[4 * slot + 3])
-        parent = self._l[6 * slot]
-        if parent >= 0:
-            prev, nxt = self._l[6 * slot + 3], self._l[6 * slot + 2]
-            if prev >= 0:
-                self._l[6 * prev + 2] = nxt
-            else:
-                self._l[6 * parent + 1] = nxt
-            if nxt >= 0:
-                self._l[6 * nxt + 3] = prev
-            if self._l[6 * parent + 1] < 0:
-                self._offer(parent)  # a leaf again, at its own age
-        self._table.delete(self._lo[slot])
-        if flags & _ODD_TOKENS:
-            del self._odd_tokens[slot]
-        self._release_scope(self._l[6 * slot + 5])
-        self._l[6 * slot + 5] = 0
-        if self._l[6 * slot + 4]:
-            self._pinned -= 1
-            self._l[6 * slot + 4] = 0
-        self._flags[slot] = 0
-        self._used -= 1
-
-    def _touch(self, slot: int) -> None:
-        self._dequeue(slot)
-        self._tick += 1
-        self._q[4 * slot + 3] = self._tick
-        self._offer(slot)
-
-    def _offer(self, slot: int) -> None:
-        """Queue ``slot`` in the LRU order if it is an unpinned leaf."""
-        flags = self._flags[slot]
-        if flags & (_USED | _QUEUED) == _USED and not self._l[6 * slot + 4] \
-                and self._l[6 * slot + 1] < 0:
-            self._order.add(self._q[4 * slot + 3], slot)
-            self._flags[slot] = flags | _QUEUED
-
-    def _dequeue(self, slot: int) -> None:
-        flags = self._flags[slot]
-        if flags & _QUEUED:
-            self._order.remove(self._q[4 * slot + 3])
-            self._flags[slot] = flags & ~_QUEUED
 
     def _schedule(self, deadline: float, slots: array[int]) -> None:
         if slots:

@@ -1,7 +1,7 @@
 """The shared tier's object format: a 64-byte header in front of a block's bytes, checked on
 every load before the bytes can reach the pool.
 
-Called by each worker's shared-tier I/O (``connector.shared_io``): the writer thread seals a
+Called by each worker's shared-tier I/O (``worker.shared_io``): the writer thread seals a
 staging buffer (:func:`seal`) right before its ``put``; the reader thread checks each object it
 read into staging (:func:`check`) before anything is copied into the pool. Never the executor
 thread. The disk tier's block files carry the same things (``tiers.disk``: magic, layout

@@ -1,0 +1,62 @@
+"""What a block is called in the host and disk tiers, and where its disk copy lives.
+
+A block's identity in the tiers is a content key: a chained hash over full blocks of token ids
+(``cache_salt`` mixed in), :func:`chain_key` / :func:`block_keys`. A disk block is one file per
+rank and slot (:func:`block_path`), checked by its :data:`Signature` (:func:`stat_signature`).
+Used by both halves of a tier: the leader's :class:`~kvbm_plugin.tiers.index.TierIndex`
+(rank 0, the executor thread) and the workers' :class:`~kvbm_plugin.tiers.base.OffloadTier`
+(every rank, the transfer and disk threads). Pure Python, standard library only.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from collections.abc import Sequence
+from typing import Literal
+
+TierName = Literal["host", "disk"]
+TIER_HOST: TierName = "host"
+TIER_DISK: TierName = "disk"
+
+# Signature of one rank's copy of a disk block: (file size, mtime in ns). Cheap to re-check with
+# one stat() call; any rewrite or truncation of the file changes it.
+Signature = tuple[int, int]
+
+_U64_MASK = (1 << 64) - 1
+
+
+def chain_key(parent: int | None, tokens: Sequence[int], salt: str | None = None) -> int:
+    """Content key (u64) of one full block given its parent block's key, tokens and salt."""
+    h = hashlib.blake2b(digest_size=8, person=b"kvbm-blk")
+    h.update(struct.pack("<Q", 0 if parent is None else parent & _U64_MASK))
+    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
+    if salt:
+        h.update(b"\x00salt\x00" + salt.encode("utf-8"))
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_keys(tokens: Sequence[int], block_size: int, salt: str | None = None, *,
+               start: int = 0, parent: int | None = None) -> list[int]:
+    """Content keys of the full blocks ``start..`` of ``tokens`` (``parent`` = key of block
+    ``start - 1``)."""
+    keys: list[int] = []
+    for i in range(start, len(tokens) // block_size):
+        parent = chain_key(parent, tokens[i * block_size:(i + 1) * block_size], salt)
+        keys.append(parent)
+    return keys
+
+
+def block_path(directory: str, rank: int, slot: int) -> str:
+    """Where rank ``rank`` keeps disk slot ``slot`` (shared by the disk tier and the leader)."""
+    return os.path.join(directory, f"rank{rank}", f"slot{slot:08d}.kvblk")
+
+
+def stat_signature(path: str) -> Signature | None:
+    """The (size, mtime_ns) of ``path``, or None when it is missing."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_size, st.st_mtime_ns)

@@ -1,0 +1,311 @@
+"""The leader's slot index of one offload tier (:class:`TierIndex`).
+
+Which content key sits in which slot, whether its bytes are known to be there on every rank
+(``resident``) or still being written (``pending``), how many in-flight reads pin it, and LRU
+order. Owned by the leader (rank 0) and called on TensorRT-LLM's executor thread (the
+scheduler's calls) and the leader's report path; workers never see it: they learn slot numbers
+only from the connector metadata, so every rank writes the same slot for the same block. Pure
+Python, no torch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from array import array
+from collections.abc import Sequence
+
+from kvbm_plugin.tiers._entry import (
+    _EH_NEG,
+    _ODD_TOKENS,
+    _PEH_NEG,
+    _PEH_NONE,
+    _QUEUED,
+    _RESIDENT,
+    _S_PINS,
+    _USED,
+    TierEntry,
+)
+from kvbm_plugin.tiers.content_keys import Signature, TierName
+from kvbm_plugin.tiers.index_rows import _U64_MASK, TierRows, _u64
+
+_SIG_MAX = (1 << 63) - 1
+
+
+class TierFullError(RuntimeError):
+    """No slot can be freed: every entry is pending, pinned or the parent of another entry."""
+
+
+class TierIndex(TierRows):
+    """Slot allocation, residency, pinning and leaf-first LRU for one tier; owned by the leader.
+
+    Called on the executor thread of rank 0 only (TensorRT-LLM's scheduler thread), so it takes
+    no locks.
+
+    **Prefix-closed.** The index never holds a block whose parent (``parent_key``) it does not
+    hold too: :meth:`reserve` refuses an entry whose parent is absent, eviction takes only
+    *leaves* (entries no other entry of this tier names as parent), and :meth:`discard` takes
+    the entry's descendants with it. Every block a tier keeps can therefore be reused on its own
+    (TensorRT-LLM matches a prefix contiguously) and every tier's event stream is prefix-closed.
+
+    **Eviction** takes the least recently used leaf that is resident and unpinned (pending
+    entries, a write in flight, are implicitly pinned). The evictable leaves, and only they,
+    sit in a :class:`~._rows.LeafOrder` keyed by last use: an entry leaves it when it is used,
+    pinned, gains a child or goes, and re-enters at its own age when it becomes evictable again
+    (committed, unpinned, its last child left). Nothing stale is ever skipped: an eviction is
+    two bisections and a move of a few KB, after a million-block chain as after ten blocks.
+
+    **Rows, not objects** (:class:`~.index_rows.TierRows`, this class's base, in
+    ``tiers/index_rows.py``). Per block the index keeps a row of ``array`` columns indexed by slot
+    (key, hashes, parent and sibling links, tick, pins, tokens as int32, disk signatures) and
+    one bucket of a :class:`~._rows.KeyTable`: about 150 bytes for a 16-token block and no
+    Python object the garbage collector would traverse. :class:`TierEntry` objects are views,
+    made on demand. ``keep_tokens=False`` (the leader's disk tier: nothing copies its blocks
+    to another tier) keeps a block's tokens only until :meth:`TierEntry.drop_tokens`, called
+    once its STORE is registered: no token column, 64 bytes less per 16-token block.
+    """
+
+    __slots__ = ("evictions",)
+
+    def __init__(self, name: TierName, capacity: int, *, keep_tokens: bool = True) -> None:
+        if capacity < 0:
+            raise ValueError(f"{name} tier capacity {capacity} must be >= 0")
+        if capacity >= 1 << 31:
+            raise ValueError(f"{name} tier capacity {capacity} must be < 2**31 blocks")
+        self.name: TierName = name
+        self.capacity = capacity
+        self.evictions = 0
+        # An index that keeps tokens only until announced (``keep_tokens=False``: the leader's
+        # disk tier, whose blocks nothing copies elsewhere) has no token column (width 0):
+        # each entry's tokens wait in _odd_tokens until TierEntry.drop_tokens.
+        self.keeps_tokens = keep_tokens
+        self._width = -1 if keep_tokens else 0  # tokens per block: set by the first reservation
+        # slot -> the live view handed out for it (dead references purged in bulk)
+        self._views: dict[int, weakref.ref[TierEntry]] = {}
+        self._views_purge_at = 64
+        self._init_rows()
+
+    def __repr__(self) -> str:
+        return (f"TierIndex({self.name!r}, capacity={self.capacity}, used={self._used}, "
+                f"resident={self._resident})")
+
+    def __len__(self) -> int:
+        return self._used
+
+    def __contains__(self, key: int) -> bool:
+        return self._find(key) >= 0
+
+    def get(self, key: int) -> TierEntry | None:
+        """The entry for ``key``, pending or resident."""
+        slot = self._find(key)
+        return None if slot < 0 else self._view(slot)
+
+    def lookup(self, key: int) -> TierEntry | None:
+        """The resident entry for ``key`` (and mark it most recently used), or None."""
+        slot = self._find(key)
+        if slot < 0 or not self._flags[slot] & _RESIDENT:
+            return None
+        self._touch(slot)
+        return self._view(slot)
+
+    def pin(self, entry: TierEntry) -> None:
+        if entry._snap is not None:  # left the tier: nothing of the tier to hold
+            entry._snap[_S_PINS] += 1
+            return
+        slot = self._own(entry)
+        self._dequeue(slot)
+        self._pins[slot] += 1
+
+    def unpin(self, entry: TierEntry) -> None:
+        if entry.pins <= 0:
+            raise RuntimeError(f"{self.name} tier: unpin of unpinned block {entry.key:#x}")
+        if entry._snap is not None:
+            entry._snap[_S_PINS] -= 1
+            return
+        slot = self._own(entry)
+        self._pins[slot] -= 1
+        self._offer(slot)
+
+    def holds(self, entry: TierEntry) -> bool:
+        """Whether ``entry`` is this tier's live view of a block still in it (the same as
+        ``index.get(entry.key) is entry`` while the caller keeps the view, without the key
+        lookup: a view is detached when its block leaves the tier)."""
+        return entry._snap is None and entry._index is self
+
+    def commit_entry(self, entry: TierEntry,
+                     signatures: dict[int, Signature] | None = None) -> TierEntry:
+        """:meth:`commit` of a live view held by the caller (no key lookup)."""
+        if not self.holds(entry):
+            raise KeyError(entry.key)
+        return self.commit(self._key[entry.slot], signatures)
+
+    def parent_resident(self, entry: TierEntry) -> bool:
+        """Whether the live ``entry`` is a root block or its parent is resident here."""
+        parent = self._parent[entry.slot]
+        return parent < 0 or bool(self._flags[parent] & _RESIDENT)
+
+    def children_of(self, key: int) -> set[int]:
+        """Keys of this tier's entries whose parent is ``key`` (a copy)."""
+        slot = self._find(key)
+        kids: set[int] = set()
+        child = self._child[slot] if slot >= 0 else -1
+        while child >= 0:
+            kids.add(self._key[child])
+            child = self._next[child]
+        return kids
+
+    def is_leaf(self, key: int) -> bool:
+        slot = self._find(key)
+        return slot < 0 or self._child[slot] < 0
+
+    def can_reserve(self) -> bool:
+        return bool(self._free) or len(self._key) < self.capacity or len(self._order) > 0
+
+    def evictable(self) -> int:
+        """How many entries could be evicted now (resident, unpinned leaves)."""
+        return len(self._order)
+
+    def reserve(self, key: int, event_hash: int, parent_event_hash: int | None,
+                token_ids: Sequence[int], parent_key: int | None = None,
+                ) -> tuple[TierEntry, TierEntry | None]:
+        """A pending entry for ``key`` in a free slot, evicting the LRU evictable leaf if needed.
+
+        Returns ``(entry, evicted)``; the caller must register the eviction's REMOVE before the
+        metadata that reuses the slot leaves the leader. Raises TierFullError when nothing can be
+        evicted. ``key`` (a u64) must not be present; ``parent_key`` (None for a root block) must
+        be (pending or resident): a tier never holds an orphan. The parent leaves the eviction
+        order before a victim is chosen, so the eviction can never take it.
+        """
+        if not 0 <= key <= _U64_MASK:
+            raise ValueError(f"{self.name} tier: content key {key!r} is not a u64")
+        find = self._table.find
+        if find(key) >= 0:
+            raise RuntimeError(f"{self.name} tier: block {key:#x} is already present")
+        if parent_key is None:
+            parent = -1
+        else:
+            parent = find(parent_key) if 0 <= parent_key <= _U64_MASK else -1
+            if parent < 0:
+                raise ValueError(f"{self.name} tier: parent {parent_key:#x} of block {key:#x} "
+                                 "is not in the tier (a tier holds prefix-closed chains only)")
+        if 0 <= event_hash <= _U64_MASK:
+            eh, flags = event_hash, _USED
+        else:
+            eh, _ = _u64(event_hash, "event_hash")
+            flags = _USED | _EH_NEG
+        if parent_event_hash is None:
+            peh, flags = 0, flags | _PEH_NONE
+        elif 0 <= parent_event_hash <= _U64_MASK:
+            peh = parent_event_hash
+        else:
+            peh, _ = _u64(parent_event_hash, "parent_event_hash")
+            flags |= _PEH_NEG
+        evicted: TierEntry | None = None
+        slot, evict = self._claim_slot(parent, len(self._key))
+        if slot < 0:
+            raise TierFullError(f"{self.name} tier: all {self.capacity} slots are pending, "
+                                "pinned or parents of other blocks")
+        if evict:
+            evicted = self._remove(slot)
+            self.evictions += 1
+        self._key[slot] = key
+        self._eh[slot] = eh
+        self._peh[slot] = peh
+        self._tick[slot] = 0
+        self._pins[slot] = 0
+        self._scope[slot] = 0
+        self._child[slot] = -1
+        self._parent[slot] = parent
+        self._prev[slot] = -1
+        if parent >= 0:
+            if self._flags[parent] & _QUEUED:
+                self._dequeue(parent)
+            first = self._child[parent]
+            self._next[slot] = first
+            if first >= 0:
+                self._prev[first] = slot
+            self._child[parent] = slot
+        else:
+            self._next[slot] = -1
+        if self._sig:
+            for sig in self._sig.values():
+                sig[2 * slot] = -1
+        width = self._width
+        if width > 0 and len(token_ids) == width:
+            try:
+                self._tok[slot * width:(slot + 1) * width] = array("i", token_ids)
+            except (OverflowError, TypeError):
+                flags |= _ODD_TOKENS
+        elif not self._store_tokens(slot, token_ids):
+            flags |= _ODD_TOKENS
+        if flags & _ODD_TOKENS:
+            self._odd_tokens[slot] = tuple(token_ids)
+        self._flags[slot] = flags
+        self._table.insert(key, slot)
+        self._used += 1
+        return self._view(slot), evicted
+
+    def commit(self, key: int, signatures: dict[int, Signature] | None = None) -> TierEntry:
+        """Mark ``key`` resident: every rank reported its bytes written."""
+        slot = self._table.find(key) if 0 <= key <= _U64_MASK else -1
+        if slot < 0:
+            raise KeyError(key)
+        flags = self._flags[slot]
+        if not flags & _RESIDENT:
+            self._flags[slot] = flags | _RESIDENT
+            self._resident += 1
+        if signatures:
+            for rank, (size, mtime) in signatures.items():
+                if not (0 <= size <= _SIG_MAX and 0 <= mtime <= _SIG_MAX):
+                    raise ValueError(f"{self.name} tier: signature {(size, mtime)!r} of rank "
+                                     f"{rank} is not two non-negative int64s")
+                column = self._sig.get(rank)
+                if column is None:
+                    column = self._sig[rank] = array("q", (-1, 0)) * len(self._key)
+                column[2 * slot] = size
+                column[2 * slot + 1] = mtime
+        self._touch(slot)
+        ref = self._views.get(slot)
+        view = ref() if ref is not None else None
+        return view if view is not None else self._view(slot)
+
+    def discard(self, key: int) -> list[TierEntry]:
+        """Forget ``key`` and its descendants in this tier, freeing their slots (a failed write,
+        a corrupt or stale block). Returns the entries forgotten (detached), children before
+        parents; the caller registers a REMOVE for each resident one. Empty when ``key`` is
+        absent."""
+        slot = self._find(key)
+        if slot < 0:
+            return []
+        preorder: list[int] = []
+        stack = [slot]
+        child_of, next_of = self._child, self._next
+        while stack:  # iterative: a long chain must not hit the recursion limit
+            node = stack.pop()
+            preorder.append(node)
+            child = child_of[node]
+            while child >= 0:
+                stack.append(child)
+                child = next_of[child]
+        gone: list[TierEntry] = []
+        for node in reversed(preorder):  # every descendant before its ancestors
+            gone.append(self._remove(node))
+            self._free.append(node)
+        return gone
+
+    def resident_entries(self) -> list[TierEntry]:
+        """A copy of every resident entry as it is now (detached views: introspection and
+        tests; they hold no place in the tier and change nothing)."""
+        flags = self._flags
+        return [self._copy(s) for s in range(len(flags)) if flags[s] & _RESIDENT]
+
+    def entries(self) -> list[TierEntry]:
+        """A copy of every entry, pending or resident (tests and invariant checks)."""
+        flags = self._flags
+        return [self._copy(s) for s in range(len(flags)) if flags[s] & _USED]
+
+    def clear(self) -> None:
+        for slot in list(self._views):
+            self._detach(slot)
+        self._init_rows()
+
+
