@@ -408,7 +408,7 @@ def test_ctrl_c_while_torch_loads_waits_for_the_import_then_interrupts() -> None
                     signal.raise_signal(signal.SIGINT)
                 return None
 
-        from kvbm_plugin.cli import cli
+        from kvbm_plugin.cli import main as cli
         sys.meta_path.insert(0, CtrlCWhenTorchLoads())
         status = cli.main(["demo", "--no-progress"])
         print("torch" in sys.modules, status)

@@ -115,7 +115,7 @@ async def main(tmp: str, port: int) -> dict[str, Any]:
     worker = endpoint.connection_id()
     router = KvRouter(endpoint, BS, KvRouterConfig())
     out: dict[str, Any] = {"asked": 0, "reused": 0, "agreed": 0, "requests": 0,
-                           "salted_reused": 0, "warm_credited": 0, "warm_reused": 0,
+                           "salted_reused": 0, "salted_asked": 0, "salted_agreed": 0, "warm_credited": 0, "warm_reused": 0,
                            "warm_gpu_credited_at_join": 0, "warm_gpu_held_at_join": 0,
                            "warm_published": 0,
                            "host_or_disk_credited": 0, "salted_credited": 0, "foreign": 0,
@@ -176,8 +176,10 @@ async def main(tmp: str, port: int) -> dict[str, Any]:
                         out["asked"] += len(prompt)
                         out["reused"] += reused
                         out["agreed"] += len(prompt) - abs(sum(got) * BS - reused)
-                    else:
+                    else:  # salted tenants: the same, asked by the salt string a client sends
                         out["salted_reused"] += reused
+                        out["salted_asked"] += len(prompt)
+                        out["salted_agreed"] += len(prompt) - abs(sum(got) * BS - reused)
                     out["requests"] += 1
                     out["host_or_disk_credited"] += got[1] + got[2]
                     out["salted_credited"] += sum(got) if salt else 0

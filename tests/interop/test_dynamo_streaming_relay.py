@@ -47,11 +47,15 @@ def test_dynamos_streaming_relays_every_tier_of_each_rank_under_the_workers_id(
     assert out["agreed"] == out["asked"], out
     assert out["host_or_disk_credited"] > 0, out
     assert out["other_rank"] == 0 and out["foreign"] == 0, out
-    # the limits (docs/operations.md, "Behind Dynamo"): TensorRT-LLM's streaming events carry
-    # no salt, so salted tenants are credited nothing on this path; and what the output
-    # published before Dynamo's relays subscribed is not replayed: the GPU blocks stored then
-    # are not Dynamo's when its relays join (a later tier move re-announces a block, in
-    # passthrough mode, as a host or disk block)
-    assert out["salted_reused"] > 0 and out["salted_credited"] == 0, out
+    # Salted tenants: TensorRT-LLM's streaming events carry no salt, but the leader computes
+    # upstream's V2 names of its salted requests and hands their scope to the consolidator, so
+    # the output spells salted blocks with the client's salt string: credited now, though not
+    # yet all of what the engine reused (docs/operations.md, "Behind Dynamo": about 64 % of
+    # salted prompt tokens agree, against 100 % for base tenants).
+    assert out["salted_reused"] > 0 and out["salted_credited"] > 0, out
+    assert out["salted_agreed"] / out["salted_asked"] >= 0.5, out
+    # the limit: what the output published before Dynamo's relays subscribed is not replayed:
+    # the GPU blocks stored then are not Dynamo's when its relays join (a later tier move
+    # re-announces a block, in passthrough mode, as a host or disk block)
     assert out["warm_published"] >= 64 and out["warm_gpu_held_at_join"] >= 64, out
     assert out["warm_gpu_credited_at_join"] == 0, out

@@ -230,7 +230,7 @@ def _check_closed(engine: SimulatedEngine) -> None:
     for block, parent in pool.parent_of.items():  # the GPU pool's own tree
         assert parent is None or parent in pool.hash_of, f"GPU block {block} orphaned"
     resident: set[int] = set(gpu)
-    tiers = [t for t in (leader._host, leader._disk) if t is not None]
+    tiers = [t for t in (leader._tiers.host, leader._tiers.disk) if t is not None]
     for tier in tiers:
         resident |= {e.event_hash for e in tier.resident_entries()}
     for tier in tiers:
