@@ -44,7 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._table import Row, print_table  # noqa: E402
-from kvbm_plugin.shared_settings import SharedSettings  # noqa: E402
+from kvbm_plugin.settings.shared import SharedSettings  # noqa: E402
 from kvbm_plugin.tiers.shared.keys import SharedLayout, chain_digests  # noqa: E402
 
 TARGET_ONBOARD = 0.8  # ours / raw get_into loop

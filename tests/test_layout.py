@@ -1,4 +1,5 @@
-"""The package's layout: no import circle, no wing importing a wing above it, no oversized file.
+"""The package's layout: no import circle, no folder importing a folder above it, no oversized
+file.
 
 Reads the source with :mod:`ast` (nothing is imported), so every import counts, module-level and
 inside functions alike, except those under ``if TYPE_CHECKING:``: annotations only, never run.
@@ -14,16 +15,11 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "kvbm_plugin"
 
-# Bottom to top. A module may import its own wing and any wing below it, never one above.
-# The faces (top-level modules) each take the place their imports give them.
+# Bottom to top: one folder per role. A module may import its own folder and any folder below
+# it, never one above. The card's top-level modules each take the place their imports give them.
 RANKS: dict[str, int] = {
-    "consolidator_config": 0,  # settings: the standard library only
-    "shared_settings": 0,
-    "setting_values": 0,
-    "env_vars": 0,
-    "publisher_settings": 0,
-    "tier_settings": 0,
-    "runtime_settings": 0,
+    "consolidator_config": 0,  # the settings' face: the standard library only
+    "settings": 0,
     "_util": 1,
     "wire": 2,
     "tiers": 3,
@@ -96,19 +92,19 @@ def _graph() -> dict[str, set[str]]:
     return {name: set(deps) for name, deps in _parsed_graph()}
 
 
-def _wing(module: str) -> str:
+def _folder(module: str) -> str:
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def test_every_wing_has_a_rank() -> None:
-    wings = {_wing(m) for m in _graph()}
-    assert wings <= set(RANKS), sorted(wings - set(RANKS))
+def test_every_folder_has_a_rank() -> None:
+    folders = {_folder(m) for m in _graph()}
+    assert folders <= set(RANKS), sorted(folders - set(RANKS))
 
 
-def test_no_wing_imports_a_wing_above_it() -> None:
+def test_no_folder_imports_a_folder_above_it() -> None:
     upward = sorted(f"{mod} -> {dep}" for mod, deps in _graph().items() for dep in deps
-                    if RANKS[_wing(dep)] > RANKS[_wing(mod)])
+                    if RANKS[_folder(dep)] > RANKS[_folder(mod)])
     assert not upward, upward
 
 

@@ -6,10 +6,10 @@ and publishes, and the check that no two sockets of any rank collide
 configuration asks for the consolidator (:func:`should_enable_consolidator`). It is called at
 CLI start-up and in the leader's constructor (rank 0, the thread constructing it).
 
-It is also the settings' face: the variable table (:mod:`kvbm_plugin.env_vars`), the
-publisher settings (:mod:`kvbm_plugin.publisher_settings`), the host/disk tier settings
-(:mod:`kvbm_plugin.tier_settings`), the process-wide switches
-(:mod:`kvbm_plugin.runtime_settings`) and the parsed values (:mod:`kvbm_plugin.setting_values`)
+It is also the settings' face: the variable table (:mod:`kvbm_plugin.settings.variables`), the
+publisher settings (:mod:`kvbm_plugin.settings.publisher`), the host/disk tier settings
+(:mod:`kvbm_plugin.settings.tiers`), the process-wide switches
+(:mod:`kvbm_plugin.settings.runtime`) and the parsed values (:mod:`kvbm_plugin.settings.values`)
 are re-exported here, so ``from kvbm_plugin.consolidator_config import ENV_VARS,
 ConfigError, load_tier_settings`` keeps working for TensorRT-LLM users and the tests.
 
@@ -24,103 +24,105 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
 
-from kvbm_plugin.env_vars import BUFFER_BYTES as BUFFER_BYTES
-from kvbm_plugin.env_vars import BUFFER_STEPS as BUFFER_STEPS
-from kvbm_plugin.env_vars import CONSOLIDATOR_MODE as CONSOLIDATOR_MODE
-from kvbm_plugin.env_vars import CPU_CACHE_GB as CPU_CACHE_GB
-from kvbm_plugin.env_vars import CPU_CACHE_NUM_BLOCKS as CPU_CACHE_NUM_BLOCKS
-from kvbm_plugin.env_vars import DISK_CACHE_DIR as DISK_CACHE_DIR
-from kvbm_plugin.env_vars import DISK_CACHE_GB as DISK_CACHE_GB
-from kvbm_plugin.env_vars import DISK_CACHE_NUM_BLOCKS as DISK_CACHE_NUM_BLOCKS
-from kvbm_plugin.env_vars import DISK_TIER as DISK_TIER
-from kvbm_plugin.env_vars import ENABLE_CONSOLIDATOR as ENABLE_CONSOLIDATOR
-from kvbm_plugin.env_vars import ENV_VARS as ENV_VARS
-from kvbm_plugin.env_vars import ENV_VARS_BY_NAME as ENV_VARS_BY_NAME
-from kvbm_plugin.env_vars import EVENTS_ENDPOINT as EVENTS_ENDPOINT
-from kvbm_plugin.env_vars import EVENTS_SOURCE as EVENTS_SOURCE
-from kvbm_plugin.env_vars import HOST_TIER as HOST_TIER
-from kvbm_plugin.env_vars import HWM as HWM
-from kvbm_plugin.env_vars import LEADER_ZMQ_HOST as LEADER_ZMQ_HOST
-from kvbm_plugin.env_vars import LEADER_ZMQ_PUB_PORT as LEADER_ZMQ_PUB_PORT
-from kvbm_plugin.env_vars import LORA_NAMES as LORA_NAMES
-from kvbm_plugin.env_vars import MAX_QUEUE_SIZE as MAX_QUEUE_SIZE
-from kvbm_plugin.env_vars import METRICS as METRICS
-from kvbm_plugin.env_vars import METRICS_PORT as METRICS_PORT
-from kvbm_plugin.env_vars import MOONCAKE_CONFIG_PATH as MOONCAKE_CONFIG_PATH
-from kvbm_plugin.env_vars import NATIVE as NATIVE
-from kvbm_plugin.env_vars import OUTPUT_ENDPOINT as OUTPUT_ENDPOINT
-from kvbm_plugin.env_vars import OUTPUT_REPLAY_ENDPOINT as OUTPUT_REPLAY_ENDPOINT
-from kvbm_plugin.env_vars import OUTPUT_REPLAY_ROLLED as OUTPUT_REPLAY_ROLLED
-from kvbm_plugin.env_vars import PUBLISHER as PUBLISHER
-from kvbm_plugin.env_vars import PUBLISHERS_GROUP as PUBLISHERS_GROUP
-from kvbm_plugin.env_vars import REPLAY_ENDPOINT as REPLAY_ENDPOINT
-from kvbm_plugin.env_vars import SALT_FORM as SALT_FORM
-from kvbm_plugin.env_vars import SHARED_ADDRESS as SHARED_ADDRESS
-from kvbm_plugin.env_vars import SHARED_ANNOUNCE_ENDPOINT as SHARED_ANNOUNCE_ENDPOINT
-from kvbm_plugin.env_vars import SHARED_ANNOUNCE_RATE as SHARED_ANNOUNCE_RATE
-from kvbm_plugin.env_vars import SHARED_ANNOUNCE_SECRET_FILE as SHARED_ANNOUNCE_SECRET_FILE
-from kvbm_plugin.env_vars import SHARED_BUFFER_GB as SHARED_BUFFER_GB
-from kvbm_plugin.env_vars import SHARED_DEVICE as SHARED_DEVICE
-from kvbm_plugin.env_vars import SHARED_LEASE_S as SHARED_LEASE_S
-from kvbm_plugin.env_vars import SHARED_LOAD_MARGIN_S as SHARED_LOAD_MARGIN_S
-from kvbm_plugin.env_vars import SHARED_LOCAL_HOSTNAME as SHARED_LOCAL_HOSTNAME
-from kvbm_plugin.env_vars import SHARED_METADATA_SERVER as SHARED_METADATA_SERVER
-from kvbm_plugin.env_vars import SHARED_METRICS_ADDRESS as SHARED_METRICS_ADDRESS
-from kvbm_plugin.env_vars import SHARED_MODEL_KEY as SHARED_MODEL_KEY
-from kvbm_plugin.env_vars import SHARED_NAMESPACE as SHARED_NAMESPACE
-from kvbm_plugin.env_vars import SHARED_PEERS as SHARED_PEERS
-from kvbm_plugin.env_vars import SHARED_PROTOCOL as SHARED_PROTOCOL
-from kvbm_plugin.env_vars import SHARED_QUEUE_BLOCKS as SHARED_QUEUE_BLOCKS
-from kvbm_plugin.env_vars import SHARED_SEGMENT_GB as SHARED_SEGMENT_GB
-from kvbm_plugin.env_vars import SHARED_TIER as SHARED_TIER
-from kvbm_plugin.env_vars import SHARED_TRACKED_BLOCKS as SHARED_TRACKED_BLOCKS
-from kvbm_plugin.env_vars import TIERS_GROUP as TIERS_GROUP
-from kvbm_plugin.env_vars import TOPIC as TOPIC
-from kvbm_plugin.env_vars import TRTLLM_MOVED_ENDPOINT as TRTLLM_MOVED_ENDPOINT
-from kvbm_plugin.env_vars import TRTLLM_ZMQ_PORT as TRTLLM_ZMQ_PORT
-from kvbm_plugin.env_vars import WINDOW_SIZE as WINDOW_SIZE
-from kvbm_plugin.env_vars import ZMQ_ALLOW as ZMQ_ALLOW
-from kvbm_plugin.env_vars import ZMQ_MAX_PEERS as ZMQ_MAX_PEERS
-from kvbm_plugin.env_vars import (  # re-exported: the face's names
-    EnvVar as EnvVar,
-)
-from kvbm_plugin.env_vars import env_table_markdown as env_table_markdown
-from kvbm_plugin.env_vars import env_value as env_value
-from kvbm_plugin.publisher_settings import DP_RANK_FIELD as DP_RANK_FIELD
-from kvbm_plugin.publisher_settings import EVENTS_SOURCES as EVENTS_SOURCES
-from kvbm_plugin.publisher_settings import EventsSource as EventsSource
-from kvbm_plugin.publisher_settings import (  # re-exported: the face's names
+from kvbm_plugin.settings.publisher import DP_RANK_FIELD as DP_RANK_FIELD
+from kvbm_plugin.settings.publisher import EVENTS_SOURCES as EVENTS_SOURCES
+from kvbm_plugin.settings.publisher import EventsSource as EventsSource
+from kvbm_plugin.settings.publisher import (  # re-exported: the face's names
     PublisherSettings as PublisherSettings,
 )
-from kvbm_plugin.publisher_settings import check_publisher_name as check_publisher_name
-from kvbm_plugin.publisher_settings import check_topic as check_topic
-from kvbm_plugin.publisher_settings import load_allowlist as load_allowlist
-from kvbm_plugin.publisher_settings import load_events_source as load_events_source
-from kvbm_plugin.publisher_settings import load_lora_names as load_lora_names
-from kvbm_plugin.publisher_settings import load_max_peers as load_max_peers
-from kvbm_plugin.publisher_settings import load_publisher_settings as load_publisher_settings
-from kvbm_plugin.publisher_settings import load_salt_form as load_salt_form
-from kvbm_plugin.publisher_settings import topic_for_rank as topic_for_rank
-from kvbm_plugin.runtime_settings import (  # re-exported: the face's names
+from kvbm_plugin.settings.publisher import check_publisher_name as check_publisher_name
+from kvbm_plugin.settings.publisher import check_topic as check_topic
+from kvbm_plugin.settings.publisher import load_allowlist as load_allowlist
+from kvbm_plugin.settings.publisher import load_events_source as load_events_source
+from kvbm_plugin.settings.publisher import load_lora_names as load_lora_names
+from kvbm_plugin.settings.publisher import load_max_peers as load_max_peers
+from kvbm_plugin.settings.publisher import load_publisher_settings as load_publisher_settings
+from kvbm_plugin.settings.publisher import load_salt_form as load_salt_form
+from kvbm_plugin.settings.publisher import topic_for_rank as topic_for_rank
+from kvbm_plugin.settings.runtime import (  # re-exported: the face's names
     MetricsSettings as MetricsSettings,
 )
-from kvbm_plugin.runtime_settings import compiled_loops_enabled as compiled_loops_enabled
-from kvbm_plugin.runtime_settings import load_metrics_settings as load_metrics_settings
-from kvbm_plugin.setting_values import ENDPOINT_SCHEMES as ENDPOINT_SCHEMES
-from kvbm_plugin.setting_values import FALSE_WORDS as FALSE_WORDS
-from kvbm_plugin.setting_values import TRUE_WORDS as TRUE_WORDS
-from kvbm_plugin.setting_values import ConfigError as ConfigError
-from kvbm_plugin.setting_values import Endpoint as Endpoint
-from kvbm_plugin.setting_values import parse_bool as parse_bool
-from kvbm_plugin.setting_values import parse_endpoint as parse_endpoint
-from kvbm_plugin.setting_values import parse_float as parse_float
-from kvbm_plugin.setting_values import parse_int as parse_int
-from kvbm_plugin.setting_values import parse_port as parse_port
-from kvbm_plugin.tier_settings import (  # re-exported: the face's names
+from kvbm_plugin.settings.runtime import compiled_loops_enabled as compiled_loops_enabled
+from kvbm_plugin.settings.runtime import load_metrics_settings as load_metrics_settings
+from kvbm_plugin.settings.tiers import (  # re-exported: the face's names
     TierSettings as TierSettings,
 )
-from kvbm_plugin.tier_settings import check_disk_cache_dir as check_disk_cache_dir
-from kvbm_plugin.tier_settings import load_tier_settings as load_tier_settings
+from kvbm_plugin.settings.tiers import check_disk_cache_dir as check_disk_cache_dir
+from kvbm_plugin.settings.tiers import load_tier_settings as load_tier_settings
+from kvbm_plugin.settings.values import ENDPOINT_SCHEMES as ENDPOINT_SCHEMES
+from kvbm_plugin.settings.values import FALSE_WORDS as FALSE_WORDS
+from kvbm_plugin.settings.values import TRUE_WORDS as TRUE_WORDS
+from kvbm_plugin.settings.values import ConfigError as ConfigError
+from kvbm_plugin.settings.values import Endpoint as Endpoint
+from kvbm_plugin.settings.values import parse_bool as parse_bool
+from kvbm_plugin.settings.values import parse_endpoint as parse_endpoint
+from kvbm_plugin.settings.values import parse_float as parse_float
+from kvbm_plugin.settings.values import parse_int as parse_int
+from kvbm_plugin.settings.values import parse_port as parse_port
+from kvbm_plugin.settings.variables import BUFFER_BYTES as BUFFER_BYTES
+from kvbm_plugin.settings.variables import BUFFER_STEPS as BUFFER_STEPS
+from kvbm_plugin.settings.variables import CONSOLIDATOR_MODE as CONSOLIDATOR_MODE
+from kvbm_plugin.settings.variables import CPU_CACHE_GB as CPU_CACHE_GB
+from kvbm_plugin.settings.variables import CPU_CACHE_NUM_BLOCKS as CPU_CACHE_NUM_BLOCKS
+from kvbm_plugin.settings.variables import DISK_CACHE_DIR as DISK_CACHE_DIR
+from kvbm_plugin.settings.variables import DISK_CACHE_GB as DISK_CACHE_GB
+from kvbm_plugin.settings.variables import DISK_CACHE_NUM_BLOCKS as DISK_CACHE_NUM_BLOCKS
+from kvbm_plugin.settings.variables import DISK_TIER as DISK_TIER
+from kvbm_plugin.settings.variables import ENABLE_CONSOLIDATOR as ENABLE_CONSOLIDATOR
+from kvbm_plugin.settings.variables import ENV_VARS as ENV_VARS
+from kvbm_plugin.settings.variables import ENV_VARS_BY_NAME as ENV_VARS_BY_NAME
+from kvbm_plugin.settings.variables import EVENTS_ENDPOINT as EVENTS_ENDPOINT
+from kvbm_plugin.settings.variables import EVENTS_SOURCE as EVENTS_SOURCE
+from kvbm_plugin.settings.variables import HOST_TIER as HOST_TIER
+from kvbm_plugin.settings.variables import HWM as HWM
+from kvbm_plugin.settings.variables import LEADER_ZMQ_HOST as LEADER_ZMQ_HOST
+from kvbm_plugin.settings.variables import LEADER_ZMQ_PUB_PORT as LEADER_ZMQ_PUB_PORT
+from kvbm_plugin.settings.variables import LORA_NAMES as LORA_NAMES
+from kvbm_plugin.settings.variables import MAX_QUEUE_SIZE as MAX_QUEUE_SIZE
+from kvbm_plugin.settings.variables import METRICS as METRICS
+from kvbm_plugin.settings.variables import METRICS_PORT as METRICS_PORT
+from kvbm_plugin.settings.variables import MOONCAKE_CONFIG_PATH as MOONCAKE_CONFIG_PATH
+from kvbm_plugin.settings.variables import NATIVE as NATIVE
+from kvbm_plugin.settings.variables import OUTPUT_ENDPOINT as OUTPUT_ENDPOINT
+from kvbm_plugin.settings.variables import OUTPUT_REPLAY_ENDPOINT as OUTPUT_REPLAY_ENDPOINT
+from kvbm_plugin.settings.variables import OUTPUT_REPLAY_ROLLED as OUTPUT_REPLAY_ROLLED
+from kvbm_plugin.settings.variables import PUBLISHER as PUBLISHER
+from kvbm_plugin.settings.variables import PUBLISHERS_GROUP as PUBLISHERS_GROUP
+from kvbm_plugin.settings.variables import REPLAY_ENDPOINT as REPLAY_ENDPOINT
+from kvbm_plugin.settings.variables import SALT_FORM as SALT_FORM
+from kvbm_plugin.settings.variables import SHARED_ADDRESS as SHARED_ADDRESS
+from kvbm_plugin.settings.variables import SHARED_ANNOUNCE_ENDPOINT as SHARED_ANNOUNCE_ENDPOINT
+from kvbm_plugin.settings.variables import SHARED_ANNOUNCE_RATE as SHARED_ANNOUNCE_RATE
+from kvbm_plugin.settings.variables import (
+    SHARED_ANNOUNCE_SECRET_FILE as SHARED_ANNOUNCE_SECRET_FILE,
+)
+from kvbm_plugin.settings.variables import SHARED_BUFFER_GB as SHARED_BUFFER_GB
+from kvbm_plugin.settings.variables import SHARED_DEVICE as SHARED_DEVICE
+from kvbm_plugin.settings.variables import SHARED_LEASE_S as SHARED_LEASE_S
+from kvbm_plugin.settings.variables import SHARED_LOAD_MARGIN_S as SHARED_LOAD_MARGIN_S
+from kvbm_plugin.settings.variables import SHARED_LOCAL_HOSTNAME as SHARED_LOCAL_HOSTNAME
+from kvbm_plugin.settings.variables import SHARED_METADATA_SERVER as SHARED_METADATA_SERVER
+from kvbm_plugin.settings.variables import SHARED_METRICS_ADDRESS as SHARED_METRICS_ADDRESS
+from kvbm_plugin.settings.variables import SHARED_MODEL_KEY as SHARED_MODEL_KEY
+from kvbm_plugin.settings.variables import SHARED_NAMESPACE as SHARED_NAMESPACE
+from kvbm_plugin.settings.variables import SHARED_PEERS as SHARED_PEERS
+from kvbm_plugin.settings.variables import SHARED_PROTOCOL as SHARED_PROTOCOL
+from kvbm_plugin.settings.variables import SHARED_QUEUE_BLOCKS as SHARED_QUEUE_BLOCKS
+from kvbm_plugin.settings.variables import SHARED_SEGMENT_GB as SHARED_SEGMENT_GB
+from kvbm_plugin.settings.variables import SHARED_TIER as SHARED_TIER
+from kvbm_plugin.settings.variables import SHARED_TRACKED_BLOCKS as SHARED_TRACKED_BLOCKS
+from kvbm_plugin.settings.variables import TIERS_GROUP as TIERS_GROUP
+from kvbm_plugin.settings.variables import TOPIC as TOPIC
+from kvbm_plugin.settings.variables import TRTLLM_MOVED_ENDPOINT as TRTLLM_MOVED_ENDPOINT
+from kvbm_plugin.settings.variables import TRTLLM_ZMQ_PORT as TRTLLM_ZMQ_PORT
+from kvbm_plugin.settings.variables import WINDOW_SIZE as WINDOW_SIZE
+from kvbm_plugin.settings.variables import ZMQ_ALLOW as ZMQ_ALLOW
+from kvbm_plugin.settings.variables import ZMQ_MAX_PEERS as ZMQ_MAX_PEERS
+from kvbm_plugin.settings.variables import (  # re-exported: the face's names
+    EnvVar as EnvVar,
+)
+from kvbm_plugin.settings.variables import env_table_markdown as env_table_markdown
+from kvbm_plugin.settings.variables import env_value as env_value
 
 logger = logging.getLogger(__name__)
 

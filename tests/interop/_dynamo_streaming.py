@@ -115,7 +115,8 @@ async def main(tmp: str, port: int) -> dict[str, Any]:
     worker = endpoint.connection_id()
     router = KvRouter(endpoint, BS, KvRouterConfig())
     out: dict[str, Any] = {"asked": 0, "reused": 0, "agreed": 0, "requests": 0,
-                           "salted_reused": 0, "salted_asked": 0, "salted_agreed": 0, "warm_credited": 0, "warm_reused": 0,
+                           "salted_reused": 0, "salted_asked": 0, "salted_agreed": 0,
+                           "warm_credited": 0, "warm_reused": 0,
                            "warm_gpu_credited_at_join": 0, "warm_gpu_held_at_join": 0,
                            "warm_published": 0,
                            "host_or_disk_credited": 0, "salted_credited": 0, "foreign": 0,

@@ -20,7 +20,7 @@ import importlib_metadata
 from kvbm_plugin.consolidator_config import PUBLISHERS_GROUP, TIERS_GROUP
 
 # Each group's base classes (an entry point subclasses one of them), named as "module", "class"
-# and imported only when the group is loaded: this module sits below the wings that define them
+# and imported only when the group is loaded: this module sits below the folders that define them
 # (wire, tiers). The tiers group holds offload tiers (host, disk) and the shared tier's store
 # clients (mooncake, redis).
 _BASES: Final = {

@@ -21,7 +21,7 @@ from kvbm_plugin.events.trtllm_publisher import (
     trtllm_streams,
 )
 from kvbm_plugin.leader.dynamo_streaming import load_moved_endpoint, take_yaml_endpoint
-from kvbm_plugin.shared_settings import load_shared_settings
+from kvbm_plugin.settings.shared import load_shared_settings
 
 
 def _port_free(port: int, host: str = "0.0.0.0") -> str | None:

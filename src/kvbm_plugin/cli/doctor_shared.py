@@ -20,7 +20,7 @@ import sys
 from dataclasses import asdict, dataclass
 
 from kvbm_plugin import consolidator_config as cc
-from kvbm_plugin.shared_settings import SharedSettings, load_shared_settings
+from kvbm_plugin.settings.shared import SharedSettings, load_shared_settings
 
 #: What ``doctor --timeout`` defaults to: a master that answers sets up a client in well
 #: under a second; Redis clients give up after their own 1 s connect / 5 s socket timeouts.

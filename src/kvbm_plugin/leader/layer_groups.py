@@ -89,7 +89,7 @@ def refuse_unsupported(llm_args: Any, env: Mapping[str, str], has_grouped_api: b
                           "TensorRT-LLM has no update_state_after_alloc_by_layer_group: run "
                           "without the connector, with one window, or on TensorRT-LLM >= "
                           "035ab91cad04")
-    from kvbm_plugin.shared_settings import load_shared_settings
+    from kvbm_plugin.settings.shared import load_shared_settings
 
     if load_shared_settings(env) is not None:
         raise ConfigError(f"kvbm_plugin: {named}: the shared tier does not support several "

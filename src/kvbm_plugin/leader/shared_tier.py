@@ -51,7 +51,7 @@ from kvbm_plugin.connector.meta import ERR_DROPPED, SharedSaveOp, shared_layout
 from kvbm_plugin.consolidator_config import CPU_CACHE_GB, SHARED_TIER, ConfigError
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.requests import OpTable
-from kvbm_plugin.shared_settings import load_shared_settings
+from kvbm_plugin.settings.shared import load_shared_settings
 from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
 from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory
 from kvbm_plugin.tiers.shared.keys import chain_digests

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from kvbm_plugin.tiers.shared.store import FAILED, MISSING, OK, UNAVAILABLE, Buffer, SharedStore
 
 if TYPE_CHECKING:
-    from kvbm_plugin.shared_settings import SharedSettings
+    from kvbm_plugin.settings.shared import SharedSettings
 
 __all__ = ["MemoryStore"]
 

@@ -50,7 +50,7 @@ def open_group_pages(layout: Any, env: Mapping[str, str], rank: int, group: str)
     """Several groups (``register_kv_cache_layout``, main thread): every group's regions as one
     tier slot per block; rank 0 publishes the groups' windows for its leader. Raises ValueError
     for a hybrid model (naming its recurrent-state roles) or with the shared tier on."""
-    from kvbm_plugin.shared_settings import load_shared_settings
+    from kvbm_plugin.settings.shared import load_shared_settings
 
     if load_shared_settings(env) is not None:  # its keys name one device page
         raise ValueError(f"kvbm_plugin: the shared tier does not support a KV cache of "

@@ -55,7 +55,7 @@ from kvbm_plugin.connector.meta import (
     LoadCopy,
     SharedSaveOp,
 )
-from kvbm_plugin.shared_settings import SharedSettings, load_shared_settings
+from kvbm_plugin.settings.shared import SharedSettings, load_shared_settings
 from kvbm_plugin.tiers.shared import frame
 from kvbm_plugin.tiers.shared.keys import SharedLayout
 from kvbm_plugin.tiers.shared.store import CODE_NAMES, FAILED, OK

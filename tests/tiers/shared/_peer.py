@@ -17,7 +17,7 @@ from typing import Any
 
 from _payload import Arena, payload
 
-from kvbm_plugin.shared_settings import SharedSettings
+from kvbm_plugin.settings.shared import SharedSettings
 from kvbm_plugin.tiers.shared.factory import store_class
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from _kvwire import wait_until
 from _shared_blocks import layouts
 
-from kvbm_plugin.shared_settings import SharedSettings
+from kvbm_plugin.settings.shared import SharedSettings
 from kvbm_plugin.tiers.shared.agent import SharedAgent
 from kvbm_plugin.tiers.shared.block import SharedBlock
 from kvbm_plugin.tiers.shared.directory import SharedDirectory

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from _require import unavailable
 
-from kvbm_plugin.shared_settings import SharedSettings
+from kvbm_plugin.settings.shared import SharedSettings
 from kvbm_plugin.testing.local_server import ServerError
 
 

@@ -16,7 +16,7 @@ from _shared_blocks import Clock, chain
 from _shared_leader import LEASE, SECRET, Leader
 
 from kvbm_plugin.consolidator_config import ConfigError
-from kvbm_plugin.shared_settings import SharedSettings
+from kvbm_plugin.settings.shared import SharedSettings
 from kvbm_plugin.testing.memory_store import MemoryStore
 from kvbm_plugin.tiers.shared.announce import (
     AnnouncementError,

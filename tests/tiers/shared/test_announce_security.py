@@ -20,7 +20,7 @@ from _shared_leader import LEASE, MARGIN, SECRET, Leader
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.consolidator_config import ConfigError
-from kvbm_plugin.shared_settings import load_shared_settings
+from kvbm_plugin.settings.shared import load_shared_settings
 from kvbm_plugin.testing.memory_store import MemoryStore
 from kvbm_plugin.tiers.shared import announce
 from kvbm_plugin.tiers.shared.announce import Announcer, encode

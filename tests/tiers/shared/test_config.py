@@ -12,7 +12,7 @@ import pytest
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin._util.plugins import TIERS_GROUP, get_plugin
 from kvbm_plugin.consolidator_config import ConfigError
-from kvbm_plugin.shared_settings import SharedSettings, load_shared_settings
+from kvbm_plugin.settings.shared import SharedSettings, load_shared_settings
 from kvbm_plugin.tiers.shared.factory import store_class
 from kvbm_plugin.tiers.shared.mooncake import MooncakeStore, apply_mooncake_config
 from kvbm_plugin.tiers.shared.redis_store import RedisStore, redis_url

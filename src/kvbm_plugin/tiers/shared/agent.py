@@ -63,7 +63,7 @@ from kvbm_plugin.tiers.shared.directory import SharedDirectory
 from kvbm_plugin.tiers.shared.store import FAILED, MISSING, UNAVAILABLE, SharedStore
 
 if TYPE_CHECKING:
-    from kvbm_plugin.shared_settings import SharedSettings
+    from kvbm_plugin.settings.shared import SharedSettings
     from kvbm_plugin.tiers.shared.keys import SharedLayout
 
 __all__ = ["SharedAgent"]

@@ -70,7 +70,7 @@ from kvbm_plugin.wire.guard import SubscriptionGuard
 from kvbm_plugin.wire.identity import SALT_TAG, salt_extra_key, scope_string
 
 if TYPE_CHECKING:
-    from kvbm_plugin.shared_settings import SharedSettings
+    from kvbm_plugin.settings.shared import SharedSettings
 
 __all__ = ["Announcement", "AnnouncementError", "Announcer", "Unauthenticated",
            "announce_endpoint", "block_scope", "decode", "encode", "mm_of_scope"]

@@ -15,7 +15,7 @@ from typing import Any
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin._util.plugins import PluginLoadError, get_plugin
 from kvbm_plugin.consolidator_config import ConfigError
-from kvbm_plugin.shared_settings import SharedSettings
+from kvbm_plugin.settings.shared import SharedSettings
 from kvbm_plugin.tiers.shared.breaker import GuardedStore
 from kvbm_plugin.tiers.shared.store import SharedStore
 

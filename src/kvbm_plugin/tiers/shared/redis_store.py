@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.consolidator_config import ConfigError
-from kvbm_plugin.shared_settings import SharedSettings
+from kvbm_plugin.settings.shared import SharedSettings
 from kvbm_plugin.tiers.shared.store import (
     FAILED,
     FULL,

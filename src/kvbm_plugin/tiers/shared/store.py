@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar, Final
 
 if TYPE_CHECKING:
-    from kvbm_plugin.shared_settings import SharedSettings
+    from kvbm_plugin.settings.shared import SharedSettings
 
 # Per-key result codes (besides the byte counts of get_into).
 OK: Final = 0

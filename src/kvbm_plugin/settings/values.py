@@ -1,8 +1,8 @@
 """The values a setting can take, parsed: switches, numbers, ports and ZMQ endpoints.
 
-Called by the settings modules (:mod:`kvbm_plugin.publisher_settings`,
-:mod:`kvbm_plugin.tier_settings`, :mod:`kvbm_plugin.runtime_settings`,
-:mod:`kvbm_plugin.shared_settings`, :mod:`kvbm_plugin.consolidator_config`, the last two
+Called by the settings modules (:mod:`kvbm_plugin.settings.publisher`,
+:mod:`kvbm_plugin.settings.tiers`, :mod:`kvbm_plugin.settings.runtime`,
+:mod:`kvbm_plugin.settings.shared`, :mod:`kvbm_plugin.consolidator_config`, the last two
 re-exporting these names) on whatever thread reads the settings: CLI start-up, the
 leader's and the worker's constructors. The standard library only.
 """

@@ -1,6 +1,6 @@
 """The shared tier's settings (DYN_KVBM_SHARED_*), read and validated in one place.
 
-The variables themselves are in :data:`kvbm_plugin.env_vars.ENV_VARS` with every
+The variables themselves are in :data:`kvbm_plugin.settings.variables.ENV_VARS` with every
 other one. Read by the leader's and every worker's constructor and by ``kvbm-plugin doctor``,
 on the calling thread. Standard library only.
 """
@@ -13,7 +13,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from kvbm_plugin.env_vars import (
+from kvbm_plugin.settings.values import (
+    ENDPOINT_SCHEMES,
+    FALSE_WORDS,
+    ConfigError,
+    parse_float,
+    parse_int,
+)
+from kvbm_plugin.settings.variables import (
     SHARED_ADDRESS,
     SHARED_ANNOUNCE_ENDPOINT,
     SHARED_ANNOUNCE_RATE,
@@ -34,13 +41,6 @@ from kvbm_plugin.env_vars import (
     SHARED_TIER,
     SHARED_TRACKED_BLOCKS,
     env_value,
-)
-from kvbm_plugin.setting_values import (
-    ENDPOINT_SCHEMES,
-    FALSE_WORDS,
-    ConfigError,
-    parse_float,
-    parse_int,
 )
 
 

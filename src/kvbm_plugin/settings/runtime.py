@@ -14,8 +14,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvbm_plugin.env_vars import METRICS, METRICS_PORT, NATIVE, env_value
-from kvbm_plugin.setting_values import parse_bool, parse_port
+from kvbm_plugin.settings.values import parse_bool, parse_port
+from kvbm_plugin.settings.variables import METRICS, METRICS_PORT, NATIVE, env_value
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 ``ENV_VARS`` is the single source of truth: the settings modules read variables only through
 :func:`env_value`, the table in docs/operations.md is checked against it by a test, and
 ``kvbm-plugin env`` prints it (:func:`env_table_markdown`). Imported by every settings module
-(:mod:`kvbm_plugin.consolidator_config`, :mod:`kvbm_plugin.publisher_settings`,
-:mod:`kvbm_plugin.tier_settings`, :mod:`kvbm_plugin.runtime_settings`,
-:mod:`kvbm_plugin.shared_settings`) on whatever thread reads a setting: CLI start-up, the
+(:mod:`kvbm_plugin.consolidator_config`, :mod:`kvbm_plugin.settings.publisher`,
+:mod:`kvbm_plugin.settings.tiers`, :mod:`kvbm_plugin.settings.runtime`,
+:mod:`kvbm_plugin.settings.shared`) on whatever thread reads a setting: CLI start-up, the
 leader's and every worker's constructor. Standard library only.
 """
 

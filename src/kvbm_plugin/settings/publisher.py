@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from kvbm_plugin.env_vars import (
+from kvbm_plugin.settings.values import ConfigError, parse_int
+from kvbm_plugin.settings.variables import (
     BUFFER_BYTES,
     BUFFER_STEPS,
     ENV_VARS_BY_NAME,
@@ -34,7 +35,6 @@ from kvbm_plugin.env_vars import (
     ZMQ_MAX_PEERS,
     env_value,
 )
-from kvbm_plugin.setting_values import ConfigError, parse_int
 
 
 @dataclass(frozen=True)

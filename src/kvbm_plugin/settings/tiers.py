@@ -13,7 +13,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvbm_plugin.env_vars import (
+from kvbm_plugin.settings.values import ConfigError, parse_float, parse_int
+from kvbm_plugin.settings.variables import (
     CPU_CACHE_GB,
     CPU_CACHE_NUM_BLOCKS,
     DISK_CACHE_DIR,
@@ -23,7 +24,6 @@ from kvbm_plugin.env_vars import (
     HOST_TIER,
     env_value,
 )
-from kvbm_plugin.setting_values import ConfigError, parse_float, parse_int
 
 
 @dataclass(frozen=True)
