@@ -221,7 +221,11 @@ def test_doctor_names_the_gpu_tier_source(tmp_path, capsys, monkeypatch) -> None
     assert checks["consolidator config"]["status"] == "ok"
     main_doctor(["--json"])
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
-    assert checks["consolidator config"]["status"] == "fail"  # ours, and no port set
+    # one leader's consolidator takes its batches by direct call: no port needed
+    assert checks["consolidator config"]["status"] == "ok"
+    main_doctor(["--json", "--num-ranks", "2"])
+    checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}
+    assert checks["consolidator config"]["status"] == "fail"  # attention DP, no port set
     monkeypatch.setenv("DYN_KVBM_TRTLLM_ZMQ_PORT", "5800")
     main_doctor(["--json"])
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)}

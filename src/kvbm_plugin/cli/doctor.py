@@ -389,7 +389,10 @@ def run_checks(num_ranks: int, require_trtllm: bool,
     host = (os.environ.get(cc.LEADER_ZMQ_HOST) or "127.0.0.1").strip()
     streams = tuple(s for r in range(num_ranks) for s in trtllm_streams(native, r, host))
     try:
-        config = cc.load_consolidator_config(env, num_ranks=num_ranks, gpu_streams=streams)
+        # --num-ranks counts attention-DP ranks: there each rank's consolidator reads rank 0's
+        # stream of it, so the GPU-tier endpoint is needed (one leader hands its own over)
+        config = cc.load_consolidator_config(env, num_ranks=num_ranks, gpu_streams=streams,
+                                             attention_dp=num_ranks > 1)
         checks.append(Check("consolidator config", "ok",
                             f"enabled={config.enabled} mode={config.mode} ranks={num_ranks}"))
     except (cc.ConfigError, PluginLoadError) as exc:
