@@ -519,6 +519,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         state = self._reqs.get(int(request.request_id))
         if state is None:
             return False
+        if self._naming.v2_stream:  # the last generated blocks' names, before their release
+            self._offload.finish(state, list(request.get_tokens(0)))
         state.finished = True
         if state.saves_inflight:
             return True

@@ -69,6 +69,24 @@ class OffloadPlanner:
                                          parent=state.keys[-1] if state.keys else None))
         self._naming.v2_extend(state)  # TensorRT-LLM's own stream: its names, computed
 
+    def finish(self, state: RequestState, tokens: list[int]) -> None:
+        """A request ends (``request_finished``, executor thread, under the leader's lock):
+        where TensorRT-LLM's own stream is the source, name the blocks its last generated
+        tokens filled. TensorRT-LLM stores those blocks at release and publishes them in a
+        later iteration, and no RequestData reported those tokens: without their scope
+        registered now, a salted request's last blocks would reach the consolidator
+        unscoped (folded into the unsalted tenant's) and its next turn's prefix would stop
+        there for the router."""
+        if not self._naming.v2_stream or len(tokens) <= len(state.tokens) \
+                or tokens[:len(state.tokens)] != state.tokens:
+            return
+        state.tokens.extend(tokens[len(state.tokens):])
+        bs = self._block_size
+        if len(state.keys) < len(state.tokens) // bs:
+            state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
+                                         parent=state.keys[-1] if state.keys else None))
+        self._naming.v2_extend(state)
+
     def event_hash(self, state: RequestState, index: int) -> int:
         """The hash the tier events name block ``index`` by: TRT-LLM's (see
         :mod:`kvbm_plugin.naming.names`); the plugin's content key only as a placeholder
