@@ -21,3 +21,24 @@ def prompt(seed: int, n: int) -> list[int]:
     """``n`` deterministic token ids, distinct per seed."""
     return [(seed * 1000 + i * 7) % 997 + 1 for i in range(n)]
 
+
+
+def adp_truth(engine, r: int) -> set[tuple[int, int]]:  # noqa: ANN001
+    """What rank ``r`` of an attention-DP engine holds, as ``(dp rank, signed hash)``: its GPU
+    blocks under TensorRT-LLM's own wire names, its host and disk blocks."""
+    from kvbm_plugin.wire.events import to_signed_int64
+
+    resident = engine.call(r, "resident_blocks")
+    tiers = resident["CPU"][r] | resident["DISK"][r]
+    return ({(r, h) for h in engine.call(r, "gpu_wire_hashes")}
+            | {(r, to_signed_int64(h)) for h in tiers})
+
+
+def adp_settled(engine, subscribers) -> bool:  # noqa: ANN001
+    """One poll of each rank's subscriber, then whether every rank's view equals its truth
+    (a tier copy is advertised once its name came back on the rank's own stream: none may
+    still wait for one)."""
+    for subscriber in subscribers:
+        subscriber.poll(10)
+    return all(engine.call(r, "leader_stats")["tier_stores_waiting_for_name"] == 0
+               and s.held == adp_truth(engine, r) for r, s in enumerate(subscribers))

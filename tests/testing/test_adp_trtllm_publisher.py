@@ -7,6 +7,7 @@ consolidated output holds exactly what each rank's GPU pool and tiers hold."""
 from __future__ import annotations
 
 import pytest
+from _engines import adp_settled, adp_truth
 from _kvwire import wait_until
 
 from kvbm_plugin import consolidator_config as cc
@@ -16,7 +17,6 @@ from kvbm_plugin.routers.router_view import RouterView
 from kvbm_plugin.testing.adp import AttentionDpEngine
 from kvbm_plugin.testing.engine import EngineConfig
 from kvbm_plugin.testing.fake_trtllm import KVEventsConfig
-from kvbm_plugin.wire.events import to_signed_int64
 
 BS = 4
 RANKS = 2
@@ -61,18 +61,10 @@ def test_each_rank_streams_on_its_own_endpoint_and_the_router_sees_each_ranks_tr
                 engine.call(r, "publish_now")
 
             def truth(r: int) -> set[tuple[int, int]]:
-                resident = engine.call(r, "resident_blocks")
-                tiers = resident["CPU"][r] | resident["DISK"][r]
-                return ({(r, h) for h in engine.call(r, "gpu_wire_hashes")}
-                        | {(r, to_signed_int64(h)) for h in tiers})
+                return adp_truth(engine, r)
 
             def settled() -> bool:
-                for subscriber in subscribers:
-                    subscriber.poll(10)
-                # a tier copy is advertised once its name came back on the rank's own stream
-                # (the consolidator hands it over; the leader's idle keeper advertises it)
-                return all(engine.call(r, "leader_stats")["tier_stores_waiting_for_name"] == 0
-                           and s.held == truth(r) for r, s in enumerate(subscribers))
+                return adp_settled(engine, subscribers)
 
             wait_until(settled, 20, "each rank's consolidated view = its GPU pool + tiers")
             for r, subscriber in enumerate(subscribers):

@@ -13,6 +13,7 @@ from typing import Any
 import msgpack
 import pytest
 import zmq
+from _engines import adp_settled, adp_truth
 from _kvwire import free_port, wait_until
 
 from kvbm_plugin import consolidator_config as cc
@@ -23,7 +24,6 @@ from kvbm_plugin.routers.router_view import RouterView
 from kvbm_plugin.testing.adp import AttentionDpEngine
 from kvbm_plugin.testing.engine import EngineConfig
 from kvbm_plugin.testing.fake_trtllm import KVEventsConfig
-from kvbm_plugin.wire.events import to_signed_int64
 
 BS = 4
 RANKS = 2
@@ -112,17 +112,10 @@ def test_the_output_takes_the_yaml_endpoint_per_rank_and_trtllm_moves_to_its_own
                     engine.call(r, "publish_now")
 
                 def truth(r: int) -> set[tuple[int, int]]:
-                    resident = engine.call(r, "resident_blocks")
-                    tiers = resident["CPU"][r] | resident["DISK"][r]
-                    return ({(r, h) for h in engine.call(r, "gpu_wire_hashes")}
-                            | {(r, to_signed_int64(h)) for h in tiers})
+                    return adp_truth(engine, r)
 
                 def settled() -> bool:
-                    for subscriber in subscribers:
-                        subscriber.poll(10)
-                    return all(
-                        engine.call(r, "leader_stats")["tier_stores_waiting_for_name"] == 0
-                        and s.held == truth(r) for r, s in enumerate(subscribers))
+                    return adp_settled(engine, subscribers)
 
                 wait_until(settled, 20, "each rank's output at the YAML's endpoint = truth")
                 for r in range(RANKS):
