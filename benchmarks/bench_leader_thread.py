@@ -40,13 +40,12 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._table import Row, format_table  # noqa: E402
+from benchmarks.bench_shared_leader import _timed_hooks as time_leader_hooks  # noqa: E402
 from kvbm_plugin import consolidator_config as cc  # noqa: E402
 from kvbm_plugin.testing.memory_store import MemoryStore  # noqa: E402
 from kvbm_plugin.worker import shared_io  # noqa: E402
 
 BS = 32
-HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
-         "request_finished")
 TARGET_BLOCK_US = 5.0  # per offloaded and per onboarded block (issue 25)
 TARGET_SHARED = 1.25  # with the shared tier, against host only
 TARGET_FIXED_US = 100.0  # per request
@@ -57,18 +56,7 @@ def _timed_hooks(leader: Any, total: list[float], events: list[float]) -> None:
     """Wrap the leader's hooks so that their executor-thread CPU time adds up in ``total``, and
     the GPU-tier event path's part of it (``GpuTierEvents.sync``/``flush``: TensorRT-LLM's
     event drain, the sink, the publisher, the consolidator's flush) in ``events``."""
-    for name in HOOKS:
-        method = getattr(leader, name)
-
-        @functools.wraps(method)
-        def wrapper(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
-            start = time.thread_time()
-            try:
-                return _method(*args, **kwargs)
-            finally:
-                total[0] += time.thread_time() - start
-
-        setattr(leader, name, wrapper)
+    time_leader_hooks(leader, total)  # bench_shared_leader's: the same four hooks
     engine_thread = threading.get_ident()
     gpu = leader._gpu  # noqa: SLF001 - its calls are timed, not changed
     for name in ("sync", "flush"):
