@@ -207,3 +207,36 @@ def test_under_attention_dp_each_ranks_salted_blocks_keep_upstreams_names(tmp_pa
         finally:
             for subscriber in subscribers:
                 subscriber.close()
+
+
+def test_the_truncation_is_confirmed_from_the_stream_after_the_request_is_gone() -> None:
+    # A request may finish before the stream that stores its blocks is read (the overlap
+    # loop publishes a pass later; the reader is another thread): the truncation and the
+    # salt rule are then confirmed from the stream itself, and the salted blocks' content
+    # keys are named. Before, they were confirmed only through a live request's learned
+    # names, and under attention DP one rank in two runs never confirmed them: its salted
+    # tier copies waited for names for good (Dynamo credited none of them).
+    from kvbm_plugin.leader.requests import RequestState
+    from kvbm_plugin.naming.names import BlockNaming, NameInputs
+
+    stats: dict[str, int] = {}
+    naming = BlockNaming(4, stats)
+    naming.v2_stream = True
+    naming.scope_sink = EngineForms().scopes
+    salt = v2_reuse_salt("tenant-A")
+    tokens = list(range(100, 112))
+    state = RequestState(7, scope=(None, cache_salt_id("tenant-A")), tokens=tokens,
+                         keys=[11, 12, 13])
+    state.name_inputs = NameInputs(cache_salt_id("tenant-A"), None, v2_salt=salt)
+    naming.v2_extend(state)
+    keys = v2_chain(tokens, 4, salt=salt)
+    assert naming.v2_wire is None and naming.names.hash_of_key(11) is None  # not confirmed
+    # the request is gone; the stream then stores its blocks under upstream's names
+    naming.names.observe(0, [{
+        "type": "BlockStored", "block_hashes": [radix_key_hash(k) for k in keys],
+        "parent_block_hash": None, "token_ids": tokens, "block_size": 4, "lora_id": None,
+        "medium": "GPU", "lora_name": None}])
+    naming.refresh([])
+    assert naming.v2_wire == "head"
+    assert [naming.names.hash_of_key(k) for k in (11, 12, 13)] == \
+        [radix_key_hash(k) % (1 << 64) for k in keys]  # u64, as the stream's names are kept

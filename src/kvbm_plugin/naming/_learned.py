@@ -59,10 +59,13 @@ class BlockNames:
         # Insertion order of each table (entries leave only by eviction, so it is exact).
         self._content_order = EvictionOrder()
         self._key_order = EvictionOrder()
-        # Hashes the leader waits to see stored (a computed name's input rule: confirmed once
-        # one of its hashes is), bounded by the caller (BlockNaming.v2_extend).
-        self.watch: dict[int, Any] = {}
+        # Hashes the leader waits to see stored: computed V2 names -> (input rule, the
+        # truncation the name was cut by). One seen confirms both: the rule (a salt or
+        # adapter scope TensorRT-LLM derives as computed) and the truncation ("head"/"tail").
+        # Bounded by the caller (BlockNaming.v2_extend).
+        self.watch: dict[int, tuple[Any, str]] = {}
         self.seen_rules: set[Any] = set()
+        self.seen_wires: set[str] = set()
 
     def __bool__(self) -> bool:
         return bool(self._by_content)
@@ -84,7 +87,9 @@ class BlockNames:
             for j, h in enumerate(ev["block_hashes"]):
                 h = to_unsigned_u64(h)
                 if watch and h in watch:
-                    self.seen_rules.add(watch.pop(h))
+                    rule, wire = watch.pop(h)
+                    self.seen_rules.add(rule)
+                    self.seen_wires.add(wire)
                 k = (parent, tuple(tokens[j * bs:(j + 1) * bs]), lora)
                 old = known.get(k)
                 if old is None:

@@ -244,12 +244,18 @@ class BlockNaming:
                 if wire != "head":
                     sink.register(radix_key_tail_hash(key), scope)
         rule = _v2_rule(inputs)
-        if done == 0 and new and rule != (False, False) and rule not in self.names.seen_rules \
+        if new and (self.v2_wire is None or rule not in self.names.seen_rules) \
                 and len(self.names.watch) < self.MAX_WATCHED:
-            # A salt or adapter rule is used once TensorRT-LLM stored a block under it: a
-            # revision that derives the scope otherwise then never names a tier copy.
-            self.names.watch[_wire(new[0], "head")] = rule
-            self.names.watch[_wire(new[0], "tail")] = rule
+            # A salt or adapter rule is used once TensorRT-LLM stored a block under it (a
+            # revision that derives the scope otherwise then never names a tier copy), and
+            # the truncation once any computed name was stored. Watched on the stream itself
+            # (BlockNames.observe), not through a live request's learned names: a request
+            # may finish before its names are read. The first new block and the newest are
+            # watched: a prefix already stored is not stored again, the newest block is the
+            # one this request is likeliest to store itself.
+            for key in {new[0], new[-1]}:
+                self.names.watch[_wire(key, "head")] = (rule, "head")
+                self.names.watch[_wire(key, "tail")] = (rule, "tail")
         self._v2_name_keys(state, done)
 
     MAX_WATCHED = 4096  # computed root names waiting to be seen on the stream, at most
@@ -360,6 +366,9 @@ class BlockNaming:
     def refresh(self, states: Iterable[RequestState]) -> None:
         """Learn from the events published so far (requests without block_hashes); confirm or
         refute the rules the computed hashes were made under."""
+        if self.v2_wire is None and not self.v2_refuted and len(self.names.seen_wires) == 1:
+            self.v2_wire = next(iter(self.names.seen_wires))  # a watched name was stored
+            self._v2_flush()
         if not self.names:
             return
         if self._v2_pending and len(self.names.seen_rules) != self._v2_rules_named:
