@@ -1,9 +1,12 @@
 """Fixtures shared by the tests: ZMQ contexts, and the guard that fails a test on an ERROR it
-did not expect."""
+did not expect; a short base directory for the run's temporary paths."""
 
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -11,6 +14,28 @@ from typing import Any
 
 import pytest
 import zmq
+
+_OWN_BASETEMP = "_kvbm_own_basetemp"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Give the run a short base directory of its own for ``tmp_path``: an ipc endpoint's path
+    must fit a Unix socket address (107 bytes), and pytest's default
+    (``/tmp/pytest-of-<user>/pytest-<n>/``, plus ``popen-gw<k>/`` under pytest-xdist's
+    ``-n 2``, which pyproject.toml's addopts set) left tests with long names and nested
+    directories past it. A fresh ``mkdtemp`` per run, so concurrent runs never share one;
+    removed when the run ends. Runs in the controller before pytest's tmpdir plugin reads the
+    option; xdist's workers are handed ``<base>/popen-gw<k>``."""
+    if config.option.basetemp is None and not hasattr(config, "workerinput"):
+        config.option.basetemp = tempfile.mkdtemp(prefix="kvbm-t")
+        setattr(config, _OWN_BASETEMP, config.option.basetemp)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    own = getattr(config, _OWN_BASETEMP, None)
+    if own is not None and os.path.isdir(own):
+        shutil.rmtree(own, ignore_errors=True)
 
 
 class _KeepingContext(zmq.Context):
