@@ -1,9 +1,9 @@
-"""The KV router of Dynamo's frontend (ai-dynamo-runtime 1.6.1: ``KvRouter``, what
-``python -m dynamo.frontend --router-mode kv`` routes with), fed the consolidated output through
-Dynamo's own relay (``KvEventPublisher(zmq_endpoint=...)``) under a registered worker, on a
-workload of the demo's steady multi-tenant chat (``kvbm-plugin demo --requests 48 --tenants 2
---adapters 2``: salted tenants on the base model and two adapters), each request asking with its
-own salt string and adapter name (``DYN_KVBM_LORA_NAMES``). The run is
+"""Dynamo's frontend (``python -m dynamo.frontend --router-mode kv``, ai-dynamo 1.6.1, over
+HTTP) and the KV router it runs (ai-dynamo-runtime 1.6.1: ``KvRouter``), fed the consolidated
+output through Dynamo's own relay (``KvEventPublisher(zmq_endpoint=...)``) under a registered
+worker, on a workload of the demo's steady multi-tenant chat (``kvbm-plugin demo --requests 48
+--tenants 2 --adapters 2``: salted tenants on the base model and two adapters), each request
+asking with its own salt string and adapter name (``DYN_KVBM_LORA_NAMES``). The run is
 _frontend_router.py, in a private network namespace (Dynamo's planes bind addresses of their
 own choosing)."""
 
@@ -20,22 +20,30 @@ from pathlib import Path
 import pytest
 
 
-def _why_not() -> str | None:
+def _why_not(mode: str) -> str | None:
     if importlib.util.find_spec("dynamo") is None or \
             importlib.util.find_spec("dynamo.llm") is None:
         return "ai-dynamo-runtime is not installed (pip install 'kvbm-plugin[interop]')"
+    if mode == "http" and (importlib.util.find_spec("dynamo.frontend") is None
+                           or importlib.util.find_spec("yaml") is None):
+        return "Dynamo's frontend needs ai-dynamo and pyyaml (pip install --no-deps " \
+            "ai-dynamo==1.6.1 pyyaml)"
     if shutil.which("unshare") is None or shutil.which("ip") is None or os.geteuid() != 0:
         return "needs root, unshare and ip for a private network namespace"
     return None
 
 
-@pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+@pytest.mark.parametrize("mode", [
+    pytest.param(m, marks=pytest.mark.skipif(_why_not(m) is not None, reason=str(_why_not(m))))
+    for m in ("router", "http")])
 def test_dynamos_kv_router_credits_tenants_and_adapters_as_the_engine_reused(
-        tmp_path: Path) -> None:
+        tmp_path: Path, mode: str) -> None:
+    # router: KvRouter.get_overlap_scores in the worker's process; http: Dynamo's frontend
+    # process routes each request (its kv_hit_rate), as a client sends it
     script = Path(__file__).with_name("_frontend_router.py")
     run = subprocess.run(
         ["unshare", "-n", "sh", "-c",
-         f"ip link set lo up && exec {sys.executable} {script} {tmp_path}"],
+         f"ip link set lo up && exec {sys.executable} {script} {tmp_path} {mode}"],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "DYN_LOG": "error"})
     assert run.returncode == 0, run.stderr[-3000:]
@@ -45,3 +53,6 @@ def test_dynamos_kv_router_credits_tenants_and_adapters_as_the_engine_reused(
     assert {"tenant-0/None", "tenant-1/adapter-0", "tenant-0/adapter-1"} <= set(out["scopes"])
     assert out["agreed"] / out["asked"] >= 0.99, out
     assert out["foreign"] == 0, out  # a salt nobody used is credited nothing
+    if mode == "http":  # every ask was a request the frontend routed to the worker
+        assert out["frontend_requests"] >= 2 * out["requests"], out
+        assert out["served"] >= out["frontend_requests"], out
