@@ -31,6 +31,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -83,12 +84,14 @@ def _start_frontend(tmp: str, port: int) -> subprocess.Popen:
         stdout=open(f"{tmp}/frontend.log", "w"), stderr=subprocess.STDOUT)
 
 
-def _complete(port: int, prompt: list[int], salt: str | None, model: str) -> dict:
+def _complete(port: int, prompt: list[int], salt: str | None, model: str, *,
+              max_tokens: int = 1, extra_fields: tuple | list = ("timing",),
+              **nvext: Any) -> dict:
     """One request to Dynamo's frontend, as a client sends it; its JSON answer."""
-    nvext: dict = {"extra_fields": ["timing"]}
+    nvext["extra_fields"] = list(extra_fields)
     if salt is not None:
         nvext["cache_salt"] = salt
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1,
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
                        "nvext": nvext}).encode()
     request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})

@@ -56,3 +56,27 @@ def test_dynamos_kv_router_credits_tenants_and_adapters_as_the_engine_reused(
     if mode == "http":  # every ask was a request the frontend routed to the worker
         assert out["frontend_requests"] >= 2 * out["requests"], out
         assert out["served"] >= out["frontend_requests"], out
+
+
+@pytest.mark.skipif(_why_not("http") is not None, reason=str(_why_not("http")))
+def test_dynamos_frontend_routes_each_request_to_the_worker_whose_tiers_hold_its_prefix(
+        tmp_path: Path) -> None:
+    # Two workers (engine, plugin, Dynamo's relay each) behind Dynamo's frontend process, which
+    # picks the worker; the chosen worker serves the request on its engine (_frontend_workers.py)
+    script = Path(__file__).with_name("_frontend_workers.py")
+    run = subprocess.run(
+        ["unshare", "-n", "sh", "-c",
+         f"ip link set lo up && exec {sys.executable} {script} {tmp_path}"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "DYN_LOG": "error"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["requests"] == 48 and out["reused"] > out["asked"] // 3, out
+    assert {"tenant-0/None", "tenant-1/adapter-0", "tenant-0/adapter-1"} <= set(out["scopes"])
+    assert len(out["served"]) == 2, out  # both workers served requests
+    # each request went to a worker holding the most of its prefix (any tier), and the
+    # frontend's credit for it agreed with what that worker's engine then reused
+    assert out["best_worker"] == out["requests"], out
+    assert out["agreed"] / out["asked"] >= 0.99, out
+    assert out["tier_reused"] > 0, out  # host and disk prefixes were routed to and onboarded
+    assert out["foreign"] == 0, out
