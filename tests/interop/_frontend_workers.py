@@ -19,7 +19,7 @@ asynchronously). Per request: the worker the frontend chose, its ``kv_hit_rate``
 weighted 1.0, so it counts blocks), and what that worker's engine then reused. Prints one JSON
 line with the tallies.
 
-Usage: python _frontend_workers.py TMPDIR
+Usage: python _frontend_workers.py TMPDIR relay|streaming
 """
 
 from __future__ import annotations
@@ -48,41 +48,65 @@ from kvbm_plugin.cli.demo_routers import adapter_names
 from kvbm_plugin.routers.router_view import RouterView, TreeSubscriber
 from kvbm_plugin.testing.chat_workload import AccuracyTally
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
+from kvbm_plugin.testing.fake_trtllm import KVEventsConfig
 
 PORT = 18123  # the namespace is private: nothing else binds there
 WORKERS = 2
 
 
+class _EngineFacts:
+    """What Dynamo's ``Publisher`` asks of its engine in STREAMING mode."""
+
+    def get_attention_dp_size(self) -> int:
+        return 1
+
+
 class Worker:
     """One worker: its runtime, engine, relay, stream view and handler (requests served)."""
 
-    def __init__(self, tmp: str, name: str, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, tmp: str, index: int, loop: asyncio.AbstractEventLoop,
+                 streaming: bool) -> None:
         from dynamo.llm import KvEventPublisher
         from dynamo.runtime import DistributedRuntime
 
-        self.name = name
+        self.name = name = f"w{index}"
         self.runtime = DistributedRuntime(loop, "file", "tcp", event_plane="zmq")
         self.endpoint = self.runtime.endpoint("kvbm.worker.generate")
         self.id = int(self.endpoint.connection_id())
         env = {cc.ENABLE_CONSOLIDATOR: "true", cc.CONSOLIDATOR_MODE: "passthrough",
-               cc.EVENTS_ENDPOINT: f"ipc://{tmp}/{name}-gpu",
-               cc.REPLAY_ENDPOINT: f"ipc://{tmp}/{name}-gr",
-               cc.OUTPUT_ENDPOINT: f"ipc://{tmp}/{name}-out",
                cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tmp}/{name}-or",
                cc.CPU_CACHE_NUM_BLOCKS: "16", cc.DISK_CACHE_NUM_BLOCKS: "96",
                cc.DISK_CACHE_DIR: f"{tmp}/{name}-disk",
                cc.LORA_NAMES: ",".join(f"{k}={v}" for k, v in adapter_names(ADAPTERS).items())}
-        config = cc.load_consolidator_config(env)
+        self.yaml_events: dict[str, Any] | None = None
+        if streaming:
+            # README's configuration for Dynamo's frontend (`kvbm-plugin yaml --for
+            # dynamo-streaming`): the YAML's kv_events_config names the endpoint Dynamo's
+            # STREAMING relay reads; the plugin moves TensorRT-LLM's own publisher (the
+            # GPU-tier source) and binds its consolidated output there.
+            port = 25557 + 10 * index  # the namespace is private: nothing else binds there
+            self.yaml_events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                "endpoint": f"tcp://*:{port}", "topic": "kv-events",
+                                "replay_endpoint": f"tcp://127.0.0.1:{port + 1}"}
+            env[cc.TRTLLM_MOVED_ENDPOINT] = f"ipc://{tmp}/{name}-trtllm"
+            output = f"tcp://127.0.0.1:{port}"
+        else:
+            env.update({cc.EVENTS_ENDPOINT: f"ipc://{tmp}/{name}-gpu",
+                        cc.REPLAY_ENDPOINT: f"ipc://{tmp}/{name}-gr",
+                        cc.OUTPUT_ENDPOINT: f"ipc://{tmp}/{name}-out"})
+            output = cc.load_consolidator_config(env).output.connect
         self.engine = SimulatedEngine(EngineConfig(
             num_layers=1, num_kv_heads=2, head_dim=4, tokens_per_block=BS, num_gpu_blocks=32,
             tp_size=1, max_num_tokens=128, max_batch_size=4, dtype=torch.float32, env=env,
-            vocab_size=30000))
-        # The relay connects before the first batch is published: nothing precedes it unseen.
-        self.relay = KvEventPublisher(self.endpoint, kv_block_size=BS,
-                                      zmq_endpoint=config.output.connect, zmq_topic="")
+            vocab_size=30000, provide_block_hashes=not streaming,
+            kv_events_config=None if not streaming else KVEventsConfig(**self.yaml_events)))
+        self.relay: Any = None
+        if not streaming:  # Dynamo's relay, made by hand
+            self.relay = KvEventPublisher(self.endpoint, kv_block_size=BS, zmq_endpoint=output,
+                                          zmq_topic="")
         # what this worker's stream says it holds (the truth a router's answer is held to)
-        self.stream = TreeSubscriber(config.output.connect, config.output_replay.connect,
-                                     start_seq=0, view=RouterView(BS))
+        self.stream = TreeSubscriber(output, f"ipc://{tmp}/{name}-or", start_seq=0,
+                                     view=RouterView(BS))
         self.served: list[dict[str, Any]] = []  # per request the engine served
         self.serving: asyncio.Future | None = None
         self._lora_ids = {v: k for k, v in adapter_names(ADAPTERS).items()}
@@ -96,6 +120,25 @@ class Worker:
     async def start(self, model_dir: str) -> None:
         from dynamo.llm import ModelInput, ModelType, WorkerType, register_model
 
+        if self.yaml_events is not None:
+            # As dynamo.trtllm's llm_worker.py does once the engine is up: its STREAMING
+            # relay, one per attention-DP rank (one here), under the worker's id
+            from dynamo.trtllm.publisher import KvEventPublicationMode, get_publisher
+
+            self.relay = get_publisher(
+                self.endpoint, _EngineFacts(), self.id, BS, [], component_gauges=None,
+                publish_metrics=False,
+                kv_event_publication_mode=KvEventPublicationMode.STREAMING,
+                streaming_kv_events_config=dict(self.yaml_events),
+                streaming_kv_events_gpus_per_node=8)
+            await self.relay.__aenter__()
+        # Nothing is published before the relay's SUB joined (it has no replay): the output
+        # saw its subscription and this script's view's
+        publisher = self.engine.leader.consolidator._publisher
+        deadline = time.monotonic() + 20
+        while publisher.stats()["subscriptions_applied"] < 2:
+            assert time.monotonic() < deadline, f"{self.name}: the relay never subscribed"
+            await asyncio.sleep(0.02)  # poll interval: ZMQ connects asynchronously
         self.serving = asyncio.ensure_future(self.endpoint.serve_endpoint(self.handler))
         await register_model(ModelInput.Tokens, ModelType.Completions, self.endpoint, model_dir,
                              MODEL, worker_type=WorkerType.Aggregated, kv_cache_block_size=BS)
@@ -124,10 +167,13 @@ class Worker:
         self.engine.run_until_idle(timeout_s=60)
         return self.engine.result(rid)
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
         self.stream.close()
         self.engine.shutdown()
-        self.relay.shutdown()
+        if self.yaml_events is not None and self.relay is not None:
+            await self.relay.__aexit__(None, None, None)
+        elif self.relay is not None:
+            self.relay.shutdown()
         if self.serving is not None:
             self.serving.cancel()
         self.runtime.shutdown()
@@ -146,7 +192,7 @@ def _routed(answer: dict, prompt: list[int]) -> tuple[int, int]:
     return int(nvext["worker_id"]["decode_worker_id"]), round(rate * -(-len(prompt) // BS)) * BS
 
 
-async def main(tmp: str) -> dict:
+async def main(tmp: str, mode: str) -> dict:
     os.environ["DYN_FILE_KV"] = f"{tmp}/discovery"  # the frontend's and the workers'
     frontend = _start_frontend(tmp, PORT)
     loop = asyncio.get_running_loop()
@@ -156,7 +202,7 @@ async def main(tmp: str) -> dict:
     tally = AccuracyTally()
     try:
         model_dir = _model_dir(tmp)
-        workers = [Worker(tmp, f"w{i}", loop) for i in range(WORKERS)]
+        workers = [Worker(tmp, i, loop, mode == "streaming") for i in range(WORKERS)]
         for w in workers:
             await w.start(model_dir)
         by_id = {w.id: w for w in workers}
@@ -216,7 +262,7 @@ async def main(tmp: str) -> dict:
                    scopes=sorted(out["scopes"]))
     finally:
         for w in workers:
-            w.shutdown()
+            await w.shutdown()
         frontend.terminate()
         try:
             frontend.wait(10)
@@ -228,4 +274,4 @@ async def main(tmp: str) -> dict:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    print(json.dumps(asyncio.run(main(sys.argv[1]))), flush=True)
+    print(json.dumps(asyncio.run(main(sys.argv[1], sys.argv[2]))), flush=True)

@@ -24,10 +24,12 @@ def _why_not(mode: str) -> str | None:
     if importlib.util.find_spec("dynamo") is None or \
             importlib.util.find_spec("dynamo.llm") is None:
         return "ai-dynamo-runtime is not installed (pip install 'kvbm-plugin[interop]')"
-    if mode == "http" and (importlib.util.find_spec("dynamo.frontend") is None
-                           or importlib.util.find_spec("yaml") is None):
+    if mode != "router" and (importlib.util.find_spec("dynamo.frontend") is None
+                             or importlib.util.find_spec("yaml") is None):
         return "Dynamo's frontend needs ai-dynamo and pyyaml (pip install --no-deps " \
             "ai-dynamo==1.6.1 pyyaml)"
+    if mode == "streaming" and importlib.util.find_spec("dynamo.trtllm.publisher") is None:
+        return "dynamo.trtllm.publisher is not installed (pip install --no-deps ai-dynamo)"
     if shutil.which("unshare") is None or shutil.which("ip") is None or os.geteuid() != 0:
         return "needs root, unshare and ip for a private network namespace"
     return None
@@ -58,15 +60,20 @@ def test_dynamos_kv_router_credits_tenants_and_adapters_as_the_engine_reused(
         assert out["served"] >= out["frontend_requests"], out
 
 
-@pytest.mark.skipif(_why_not("http") is not None, reason=str(_why_not("http")))
+@pytest.mark.parametrize("relay", [
+    pytest.param(m, marks=pytest.mark.skipif(_why_not(m) is not None, reason=str(_why_not(m))))
+    for m in ("relay", "streaming")])
 def test_dynamos_frontend_routes_each_request_to_the_worker_whose_tiers_hold_its_prefix(
-        tmp_path: Path) -> None:
+        tmp_path: Path, relay: str) -> None:
     # Two workers (engine, plugin, Dynamo's relay each) behind Dynamo's frontend process, which
-    # picks the worker; the chosen worker serves the request on its engine (_frontend_workers.py)
+    # picks the worker; the chosen worker serves the request on its engine (_frontend_workers.py).
+    # relay: Dynamo's KvEventPublisher on the consolidated output, made by hand; streaming:
+    # README's configuration (TensorRT-LLM's own publisher moved, the output at the YAML's
+    # endpoint, Dynamo's STREAMING relay from dynamo.trtllm.publisher)
     script = Path(__file__).with_name("_frontend_workers.py")
     run = subprocess.run(
         ["unshare", "-n", "sh", "-c",
-         f"ip link set lo up && exec {sys.executable} {script} {tmp_path}"],
+         f"ip link set lo up && exec {sys.executable} {script} {tmp_path} {relay}"],
         capture_output=True, text=True, timeout=300,
         env={**os.environ, "DYN_LOG": "error"})
     assert run.returncode == 0, run.stderr[-3000:]
