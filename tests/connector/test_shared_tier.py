@@ -531,4 +531,6 @@ def test_with_the_consolidator_the_agent_thread_registers_external_blocks(
     eng.run_until_idle()
     wait_for(lambda: len(threads) >= 4, "the agent to register A's four blocks")
     assert set(threads) == {"kvbm-shared-agent"}, threads
-    assert eng.leader.stats()["shared_stores_registered"] == len(threads)
+    # counted just after each registration returns (the spy saw the call before that)
+    wait_for(lambda: eng.leader.stats()["shared_stores_registered"] == len(threads),
+             "the agent to count its registrations")
