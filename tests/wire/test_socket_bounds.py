@@ -358,6 +358,11 @@ def test_soak_an_outsider_on_every_socket_for_60_s(request, ctx, tcp, publishers
     the memory held grows by less than the bound, the stream has no gap."""
     if "slow" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("a 60 s soak: run with -m slow")
+    if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+        # The bound holds while the reader gets the CPU it asks for: with two other busy
+        # processes on two cores the heap grew 76 MiB (docs/operations.md, "Security and
+        # faults"). Another xdist worker beside it is such a process.
+        pytest.skip("the memory soak runs alone: python -m pytest -m slow -n 0 (as .ci/run)")
     owner = _make("caller", tcp, publishers)
     sub = _subscriber(ctx, owner, tcp[0].connect, TOPIC.encode()[:3])
     before = heap_in_use()
