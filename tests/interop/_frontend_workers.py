@@ -157,12 +157,12 @@ class Worker:
         salt = (request.get("routing") or {}).get("cache_salt")
         lora = self._lora_ids.get(request.get("model"))
         gen = request["stop_conditions"]["max_tokens"]
-        result = await self._loop.run_in_executor(None, self._serve, prompt, gen, salt, lora)
+        result = await self._loop.run_in_executor(None, self.serve, prompt, gen, salt, lora)
         self.served.append({"prompt": len(prompt), "gpu": result.gpu_hit_tokens,
                             "host": result.host_hit_tokens, "disk": result.disk_hit_tokens})
         yield {"token_ids": list(result.tokens[len(prompt):]), "finish_reason": "length"}
 
-    def _serve(self, prompt: list[int], gen: int, salt: str | None, lora: int | None) -> Any:
+    def serve(self, prompt: list[int], gen: int, salt: str | None, lora: int | None) -> Any:
         rid = self.engine.submit(prompt, gen, cache_salt=salt, lora_task_id=lora)
         self.engine.run_until_idle(timeout_s=60)
         return self.engine.result(rid)
@@ -220,6 +220,14 @@ async def main(tmp: str, mode: str) -> dict:
         demo_options.check_options(args)
         workload = demo_options.workload_for(args)
         names = adapter_names(ADAPTERS)
+        # Each tenant's system prompt, under every adapter, served first on a worker of its
+        # own (tenant t on worker t % 2) straight through its engine: from then on the frontend
+        # has a reason to send each tenant to one worker, so both serve and the choice shows.
+        for t, system in enumerate(workload.system_prompts):
+            for lora in [None, *names]:
+                worker = workers[t % WORKERS]
+                await loop.run_in_executor(None, worker.serve, system + [1, 2, 3], 1,
+                                           f"tenant-{t}", lora)
         while tally.requests < args.requests:
             request = workload.next_request()
             assert request is not None

@@ -341,6 +341,11 @@ class SteadyChat:
         for _ in range(sessions):
             self._open_session()
 
+    @property
+    def system_prompts(self) -> list[list[int]]:
+        """Each tenant's system prompt (tenant ``t`` is salted ``tenant-<t>``)."""
+        return [list(p) for p in self._systems]
+
     def _message(self) -> list[int]:
         return [self._rng.randrange(1, self._vocab)
                 for _ in range(self._rng.randint(max(1, self._user // 2), self._user))]
