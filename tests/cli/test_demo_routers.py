@@ -16,7 +16,7 @@ STEADY = ["--requests", "48", "--tenants", "2", "--max-context", "96", "--adapte
 
 
 # In the slow set (CI runs it alone, -n 0), with a known open bug: beside another xdist
-# worker under load, 3 of 8 default-set runs ended with the demo's subscriber view one GPU
+# worker under load, 3 of 10 default-set runs ended with the demo's subscriber view one GPU
 # block short of the pool (GPU 21 of 22) after the whole settle time; never alone (10 runs,
 # 6 of them beside two busy processes). Cause not found yet (stop 32's note). The llm-d
 # agreement itself held in every run, and tests/cli/test_llmd_stream.py keeps the path in the
