@@ -84,6 +84,15 @@ def _start_frontend(tmp: str, port: int) -> subprocess.Popen:
         stdout=open(f"{tmp}/frontend.log", "w"), stderr=subprocess.STDOUT)
 
 
+def _stop_frontend(frontend: subprocess.Popen) -> None:
+    frontend.terminate()
+    try:
+        frontend.wait(10)
+    except subprocess.TimeoutExpired:
+        frontend.kill()
+        frontend.wait()
+
+
 def _complete(port: int, prompt: list[int], salt: str | None, model: str, *,
               max_tokens: int = 1, extra_fields: tuple | list = ("timing",),
               **nvext: Any) -> dict:
@@ -231,12 +240,7 @@ async def main(tmp: str, mode: str) -> dict:
                    served=served["requests"])
     finally:
         if frontend is not None:
-            frontend.terminate()
-            try:
-                frontend.wait(10)
-            except subprocess.TimeoutExpired:
-                frontend.kill()
-                frontend.wait()
+            _stop_frontend(frontend)
         tap.close()
         engine.shutdown()
         relay.shutdown()

@@ -40,6 +40,7 @@ from _frontend_router import (
     _complete,
     _model_dir,
     _start_frontend,
+    _stop_frontend,
 )
 
 from kvbm_plugin import consolidator_config as cc
@@ -271,12 +272,7 @@ async def main(tmp: str, mode: str) -> dict:
     finally:
         for w in workers:
             await w.shutdown()
-        frontend.terminate()
-        try:
-            frontend.wait(10)
-        except Exception:  # noqa: BLE001 - stopped either way
-            frontend.kill()
-            frontend.wait()
+        _stop_frontend(frontend)
     return out
 
 

@@ -35,6 +35,19 @@ def _why_not(mode: str) -> str | None:
     return None
 
 
+def _run(script: str, tmp_path: Path, mode: str) -> dict:
+    """The script's JSON tallies, run in a private network namespace (Dynamo's planes bind
+    addresses of their own choosing)."""
+    path = Path(__file__).with_name(script)
+    run = subprocess.run(
+        ["unshare", "-n", "sh", "-c",
+         f"ip link set lo up && exec {sys.executable} {path} {tmp_path} {mode}"],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "DYN_LOG": "error"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("mode", [
     pytest.param(m, marks=pytest.mark.skipif(_why_not(m) is not None, reason=str(_why_not(m))))
     for m in ("router", "http")])
@@ -42,14 +55,7 @@ def test_dynamos_kv_router_credits_tenants_and_adapters_as_the_engine_reused(
         tmp_path: Path, mode: str) -> None:
     # router: KvRouter.get_overlap_scores in the worker's process; http: Dynamo's frontend
     # process routes each request (its kv_hit_rate), as a client sends it
-    script = Path(__file__).with_name("_frontend_router.py")
-    run = subprocess.run(
-        ["unshare", "-n", "sh", "-c",
-         f"ip link set lo up && exec {sys.executable} {script} {tmp_path} {mode}"],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "DYN_LOG": "error"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = _run("_frontend_router.py", tmp_path, mode)
     assert out["requests"] == 48 and out["reused"] > out["asked"] // 3
     # the demo's tenants on the base model and both adapters were asked
     assert {"tenant-0/None", "tenant-1/adapter-0", "tenant-0/adapter-1"} <= set(out["scopes"])
@@ -70,14 +76,7 @@ def test_dynamos_frontend_routes_each_request_to_the_worker_whose_tiers_hold_its
     # relay: Dynamo's KvEventPublisher on the consolidated output, made by hand; streaming:
     # README's configuration (TensorRT-LLM's own publisher moved, the output at the YAML's
     # endpoint, Dynamo's STREAMING relay from dynamo.trtllm.publisher)
-    script = Path(__file__).with_name("_frontend_workers.py")
-    run = subprocess.run(
-        ["unshare", "-n", "sh", "-c",
-         f"ip link set lo up && exec {sys.executable} {script} {tmp_path} {relay}"],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "DYN_LOG": "error"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = _run("_frontend_workers.py", tmp_path, relay)
     assert out["requests"] == 48 and out["reused"] > out["asked"] // 3, out
     assert {"tenant-0/None", "tenant-1/adapter-0", "tenant-0/adapter-1"} <= set(out["scopes"])
     assert len(out["served"]) == 2, out  # both workers served requests
