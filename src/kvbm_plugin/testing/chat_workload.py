@@ -177,13 +177,14 @@ class RouterProbe:
         now = time.monotonic()
         deadline = now + self.settle_timeout
         # A request is answered while its offloads may still be copying (TensorRT-LLM frees
-        # its blocks at a later pass). A copy that completes between this question and the
-        # next build is a tier block no router can know of yet, though the engine may reuse
-        # it: the question waits (bounded) for the copies in flight, on the workers' own
-        # threads, so that it is asked of what the leader will have published.
+        # its blocks at a later pass), and while a host block evicted for them is being
+        # demoted to disk (no request owns that copy). A copy that completes between this
+        # question and the next request's match is a tier block no router can know of yet,
+        # though the engine may reuse it: the question waits (bounded) until the workers are
+        # idle, on their own threads, so that it is asked of what the leader will have
+        # published (as the attention-DP probe does, cli/demo_adp.py).
         workers = getattr(self.engine, "workers", ())
-        while any(w.stats().get("saves_inflight", 0) for w in workers) \
-                and time.monotonic() < deadline:
+        while not all(w.idle() for w in workers) and time.monotonic() < deadline:
             self._poll(1)  # waits on the socket, not a sleep
         if leader.event_source is not None:
             # Before the engine's first iteration the leader has not found the KV cache manager
