@@ -314,7 +314,8 @@ class _DemotionInFlight:
                                          stats=lambda: defaultdict(
                                              int, counters, batches_out=self.published)))
         self.engine = SimpleNamespace(idle=lambda: not self.in_flight, leader=leader,
-                                      resident_blocks=self._resident, stats=EngineStats)
+                                      resident_blocks=self._resident, stats=EngineStats,
+                                      unflushed_gpu_blocks=lambda: (set(), set()))
         self.subscriber = SimpleNamespace(poll=self._poll, next_seq=0, stats=SubscriberStats(),
                                           held={(0, h) for h in self.HELD})
 

@@ -138,7 +138,11 @@ def settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN0
     eviction and joins the disk tier when its report is applied, so a block the GPU pool
     evicted in the last iteration is in no tier meanwhile (the stream says REMOVE), then STORE
     once the idle keeper applies the report. Tiers read in between lacked a block the view got
-    a moment later (seen as 1-6 "extra" blocks at a 10 ms keeper period)."""
+    a moment later (seen as 1-6 "extra" blocks at a 10 ms keeper period).
+
+    The GPU truth is the pool as TensorRT-LLM's flushed events describe it: a request that
+    ``get_finished`` released in the last pass stored its blocks after that pass's flush, and
+    nobody can read them before the engine's next pass (the summary says how many)."""
     deadline = time.monotonic() + args.settle_timeout
     while not engine.idle() and time.monotonic() < deadline:
         subscriber.poll(1)  # waits on the socket (and drains it), not a sleep
@@ -200,7 +204,7 @@ def settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN0
                              if sub.replayed_batches and not sub.gaps else "")),
         ("subscriber view", f"{len(view())} blocks held; truth {len(expected)} "
                             f"(GPU {len(truth['GPU'][0])}, host {len(truth['CPU'][0])}, "
-                            f"disk {len(truth['DISK'][0])})"),
+                            f"disk {len(truth['DISK'][0])})" + unflushed_note(engine)),
     ]
     checks = [
         Check("every request finished", stats.requests_finished == stats.requests_submitted,
@@ -220,6 +224,16 @@ def settle_and_check(engine, subscriber, args: argparse.Namespace,  # noqa: ANN0
                  f"{args.settle_timeout:g} s)")),
     ]
     return checks, summary
+
+
+def unflushed_note(engine) -> str:  # noqa: ANN001
+    """What the GPU pool holds beyond TensorRT-LLM's flushed events (the truth above): blocks
+    a request's release stored after the last pass's flush, readable at its next pass."""
+    stored, removed = engine.unflushed_gpu_blocks()
+    if not stored and not removed:
+        return ""
+    return (f"; the GPU pool differs by {len(stored)} stored and {len(removed)} removed "
+            "blocks that TensorRT-LLM flushes at its next pass")
 
 
 def tier_reuse_check(args: argparse.Namespace, stats, workload: FollowUps) -> Check:  # noqa: ANN001

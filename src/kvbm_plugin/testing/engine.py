@@ -235,13 +235,23 @@ class SimulatedEngine:
         return s
 
     def resident_blocks(self) -> dict[str, dict[int, set[int]]]:
-        """The truth per medium and dp rank: full blocks in the GPU pool, advertised host and
-        disk blocks (unsigned u64 hashes)."""
+        """The truth per medium and dp rank, as far as any reader can know it: full blocks of
+        the GPU pool as TensorRT-LLM's flushed events describe it, advertised host and disk
+        blocks (unsigned u64 hashes). :meth:`unflushed_gpu_blocks` is the difference to the
+        pool itself."""
         assert self.leader is not None
         r = self.config.dp_rank
-        return {"GPU": {r: self.pool.resident_full_hashes()},
+        return {"GPU": {r: set(self.pool.readable_full)},
                 "CPU": {r: self.leader.resident_hashes("host")},
                 "DISK": {r: self.leader.resident_hashes("disk")}}
+
+    def unflushed_gpu_blocks(self) -> tuple[set[int], set[int]]:
+        """Full blocks stored in the GPU pool since TensorRT-LLM's last flush, and those removed
+        since (still readable as stored): its next pass's ``flush_iteration_events`` makes them
+        readable. Non-empty once the engine stopped stepping only when ``get_finished``
+        released a request after the last pass's flush (upstream's order)."""
+        pool, readable = self.pool.resident_full_hashes(), self.pool.readable_full
+        return pool - readable, readable - pool
 
     def get_latest_kv_cache_events(self) -> list[Any]:
         """``PyExecutor.get_latest_kv_cache_events``: drains the KV cache manager's readable

@@ -44,6 +44,9 @@ class GpuPool:
         self.parent_of: dict[int, int | None] = {}
         self.children: dict[int, set[int]] = {}  # stored block -> its stored children
         self.full: set[int] = set()  # blocks stored with a full block of tokens
+        # Hashes of full blocks as the events taken so far describe the pool: what a reader of
+        # TensorRT-LLM's readable queue can know (see take_events).
+        self.readable_full: set[int] = set()
         self.events: list[dict[str, Any]] = []
         self._event_id = itertools.count()
         self._emit({"type": "created", "num_blocks_per_cache_level": [num_blocks, 0]})
@@ -52,10 +55,24 @@ class GpuPool:
         self.events.append({"event_id": next(self._event_id), "window_size": self.window,
                             "data": data})
 
-    def get_latest_events(self, timeout_ms: int = 0) -> list[dict[str, Any]]:
-        """Drain the buffered events, like TRT-LLM's ``KVCacheManager.get_latest_events``
-        (already serialized to dicts)."""
+    def take_events(self) -> list[dict[str, Any]]:
+        """The events recorded since the last take (already serialized to dicts), for the
+        manager's ``flush_iteration_events`` (executor thread): from then on they are readable,
+        and :attr:`readable_full` follows them.
+
+        Blocks stored after a pass's flush (upstream: the release STORE of a request that
+        ``get_finished`` terminates, after ``_add_kv_cache_events``) stay out of
+        :attr:`readable_full` until the next pass's flush: while TensorRT-LLM's loop waits for
+        a request, no reader can know them (docs/event_sources.md)."""
         out, self.events = self.events, []
+        bs, readable = self.block_size, self.readable_full
+        for event in out:
+            data = event["data"]
+            if data["type"] == "stored":
+                readable.update(b["block_hash"] for b in data["blocks"]
+                                if len(b["tokens"]) == bs)
+            elif data["type"] == "removed":
+                readable.difference_update(data["block_hashes"])
         return out
 
     def match(self, hashes: list[int]) -> list[int]:

@@ -66,7 +66,7 @@ class SimKVCacheManager:
         self.dropped = 0  # events the bounded queue dropped (oldest first)
 
     def flush_iteration_events(self) -> None:
-        events, self.pool.events = self.pool.events, []
+        events = self.pool.take_events()
         if not events or self.event_buffer_max_size <= 0:
             return
         if self.attention_dp_rank is not None:

@@ -340,7 +340,7 @@ class SimStreamingKVCacheManager:
         return 0
 
     def flush_iteration_events(self) -> None:
-        events, self.pool.events = self.pool.events, []
+        events = self.pool.take_events()
         pending: list[dict[str, Any]] = []
         for event in events:
             data = event["data"]
