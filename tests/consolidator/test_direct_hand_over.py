@@ -102,7 +102,7 @@ def test_the_sinks_batches_reach_the_consolidator_by_direct_call_and_still_go_ou
 
     # What the consolidator's socket path decodes with, and what the publisher encodes with.
     monkeypatch.setattr(streams_module.msgpack, "unpackb", counting_unpackb)
-    monkeypatch.setattr("kvbm_plugin.wire.publisher.batch_payload", counting_payload)
+    monkeypatch.setattr("kvbm_plugin.wire.batch_encoding.batch_payload", counting_payload)
     try:
         frames: list[bytes] = []
         deadline = time.monotonic() + 10

@@ -399,7 +399,7 @@ def salvage_batch(encode: Callable[[Any], bytes], ts: float, events: Sequence[An
     does not lose the others (runs of :class:`EncodedEvents` are valid as written). Payload
     None when no event is left or the batch still cannot be encoded (e.g. a bad ``ts`` or
     rank). Called by the publisher on the thread that encodes (see
-    ``ZmqEventPublisher._encode_salvaged``)."""
+    ``wire.batch_encoding.BatchEncoding``)."""
     kept: list[Any] = EncodedBatch() if type(events) is EncodedBatch else []
     dropped = 0
     first_error = ""

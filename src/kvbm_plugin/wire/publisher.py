@@ -26,7 +26,6 @@ import zmq
 
 from kvbm_plugin._util.plugins import PUBLISHERS_GROUP, get_plugin
 from kvbm_plugin._util.ratelimit import RateLimitedLog
-from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.consolidator_config import (
     EVENTS_ENDPOINT,
     TRTLLM_ZMQ_PORT,
@@ -36,11 +35,10 @@ from kvbm_plugin.consolidator_config import (
     topic_for_rank,
 )
 from kvbm_plugin.wire.access import Allowlist
+from kvbm_plugin.wire.batch_encoding import BatchEncoding
 from kvbm_plugin.wire.events import (
-    batch_payload,
     event_count,
     payload_encoder,
-    salvage_batch,
 )
 from kvbm_plugin.wire.gil_send import (  # gil_holding_sender: re-exported
     WAKE,
@@ -56,14 +54,17 @@ from kvbm_plugin.wire.publisher_base import (  # re-exported
     WireEvent,
     bind_error,
 )
+from kvbm_plugin.wire.replay_ring import ReplayRing
 from kvbm_plugin.wire.replay_server import (  # parse_replay_request: re-exported
     PEER_HWM,
     ReplayServer,
     parse_replay_request,
 )
+from kvbm_plugin.wire.send_gate import SendGate
 
 logger = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
+_Prepared = tuple[int, bytes, Sequence[WireEvent]]  # seq, payload, events: ready to send
 
 
 class ZmqEventPublisher(EventPublisher):
@@ -84,13 +85,15 @@ class ZmqEventPublisher(EventPublisher):
       threads (the socket is single-threaded); it is held only across that non-blocking
       hand-off. A service thread owns the ROUTER and answers replay requests from a snapshot
       of the replay buffer, and reads the XPUB's subscriptions under that lock (the executor
-      thread never does; ``wire/guard.py``). Why: a hand-off to a publisher thread costs more
-      than the send itself. That thread sleeps between engine iterations, and waking it for
-      each batch costs ~70-150 us of CPU per batch (cold caches after the pause), against
-      ~20 us for building and sending the batch on the executor thread, whose caches are warm
-      (``benchmarks/bench_event_sink.py``). Where the GIL-holding send is unavailable (libzmq
-      not identifiable), ``"caller"`` falls back to ``"thread"``: pyzmq's own send releases
-      the GIL, and getting it back could make the executor thread wait a switch interval.
+      thread never does; ``wire/guard.py``); while commands wait for the XPUB, ``publish``
+      defers the send to it (``wire/send_gate.py``). Why: a hand-off to a publisher thread
+      costs more than the send itself. That thread sleeps between engine iterations, and
+      waking it for each batch costs ~70-150 us of CPU per batch (cold caches after the
+      pause), against ~20 us for building and sending the batch on the executor thread, whose
+      caches are warm (``benchmarks/bench_event_sink.py``). Where the GIL-holding send is
+      unavailable (libzmq not identifiable), ``"caller"`` falls back to ``"thread"``: pyzmq's
+      own send releases the GIL, and getting it back could make the executor thread wait a
+      switch interval.
     - ``"thread"``: ``publish`` reserves the batch's seq and ``put_nowait``s it into a bounded
       queue under one lock (so callers on several threads queue in seq order); one daemon
       thread creates, binds, uses and closes both sockets: it encodes each batch, sends it,
@@ -175,11 +178,8 @@ class ZmqEventPublisher(EventPublisher):
         # The batch's encoded runs are copied into the payload (see events.batch_payload).
         self.accepts_encoded_events = True
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=settings.max_queue_size)
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=settings.buffer_steps)
-        # Payload bytes in _buffer, kept <= settings.buffer_bytes (the newest batch always
-        # stays): a step bound alone lets large batches hold hundreds of MB for replay.
-        self._buffered_bytes = 0
-        self._buffer_bytes = settings.buffer_bytes
+        self._ring = ReplayRing(settings.buffer_steps, settings.buffer_bytes)
+        self._buffer = self._ring.entries  # what replays are answered from
         self._seq = itertools.count()  # reserved at accept (sends="thread": under _send_lock)
         self._closed = False
         self._close_lock = threading.Lock()
@@ -203,8 +203,7 @@ class ZmqEventPublisher(EventPublisher):
         self._queue_high_water = 0
         self._published = 0
         self._events_published = 0
-        self._encode_errors = 0
-        self._events_unencodable = 0
+        self._encoding = BatchEncoding(type(self).__name__, self._log)
         self._send_errors = 0
         self._lost_at_shutdown = 0
         # Batches ``publish`` accepted (returned True) and the publisher thread lost later
@@ -217,6 +216,7 @@ class ZmqEventPublisher(EventPublisher):
                                         max_peers=settings.max_peers)
         self._guard_more = False  # the last guard service ran out of budget: call again soon
         self._next_input_check = 0.0  # sends="caller": when publish next looks for input
+        self._gate: SendGate | None = None  # sends="caller" only (wire/send_gate.py)
         self._allowlist = Allowlist(settings.allow)
         self._inline = inline
         # Sends on the caller's thread, replay answered by a replay thread (see the class doc).
@@ -242,6 +242,8 @@ class ZmqEventPublisher(EventPublisher):
                 # The service thread reads the XPUB's subscriptions (under the send lock) and
                 # answers replay requests: the executor thread never does either.
                 self._pub_fd = self._pub.getsockopt(zmq.FD)
+                self._gate = SendGate(self._pub_fd, settings.max_queue_size,
+                                      type(self).__name__, self._log)
                 self._wake_r, self._wake_w = wake_fds()
                 self._thread = threading.Thread(
                     target=self._run_service, args=(self._router,),
@@ -290,15 +292,26 @@ class ZmqEventPublisher(EventPublisher):
                     return False
                 self._accepted += 1
                 now = time.time()
-                sent = self._send_batch(pub, encode, (next(self._seq), now, events, rank))
-                # This thread's sends take the XPUB's wake-ups from the service thread (libzmq
-                # processes its commands on send): every _SERVICE_BUSY_S, look whether
-                # subscriptions wait (one getsockopt) and wake it if so. Cheaper than the
-                # service thread waking on a timer, whose GIL hand-offs cost ~0.3 ms each.
-                check = now >= self._next_input_check
-                if check:
-                    self._next_input_check = now + _SERVICE_BUSY_S
-                    check = bool(pub.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+                item = (next(self._seq), now, events, rank)
+                gate = self._gate
+                assert gate is not None  # made with the sockets (sends="caller")
+                if gate.holds():
+                    # Commands wait for the XPUB (subscriptions, maybe): a send here would take
+                    # them in, ahead of the thread that reads them (wire/send_gate.py).
+                    prepared = self._prepare(encode, item)
+                    if prepared is None:
+                        return False
+                    gate.defer(prepared)
+                    sent = check = True
+                else:
+                    sent = self._send_batch(pub, encode, item)
+                    # A send processes the commands that came since the gate looked (about a
+                    # microsecond): every _SERVICE_BUSY_S, look whether that took in
+                    # subscriptions (one getsockopt) and wake the service thread if so.
+                    check = now >= self._next_input_check
+                    if check:
+                        self._next_input_check = now + _SERVICE_BUSY_S
+                        check = bool(pub.getsockopt(zmq.EVENTS) & zmq.POLLIN)
             if check:
                 self._wake()
             return sent
@@ -346,6 +359,12 @@ class ZmqEventPublisher(EventPublisher):
             return
         with contextlib.suppress(BlockingIOError, OSError):  # full: a wake-up is pending
             os.write(fd, WAKE)
+
+    def _send_deferred(self, pub: zmq.Socket) -> None:
+        """Send the batches ``publish`` deferred (sends="caller": the service thread, or
+        shutdown, under the send lock), after the subscriptions were read."""
+        for prepared in self._gate.take() if self._gate is not None else ():
+            self._send_prepared(pub, prepared, True)
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Drain what is queued within ``timeout`` s, close sockets, join; idempotent.
@@ -407,6 +426,8 @@ class ZmqEventPublisher(EventPublisher):
             thread.join(timeout + 1.0)
         with self._send_lock:
             pub, self._pub = self._pub, None
+            if pub is not None:
+                self._send_deferred(pub)  # deferred by the last publish calls
         if pub is not None:
             pub.close(linger=int(min(self._linger_ms / 1000.0, timeout) * 1000))
         if thread is not None:
@@ -427,8 +448,10 @@ class ZmqEventPublisher(EventPublisher):
 
         It polls the XPUB's own fd (``ZMQ_FD``, a plain OS poll: it never calls into the socket
         the executor thread sends on), the connection monitors, the ROUTER and the wake-up fd,
-        which ``publish`` writes when it finds subscriptions waiting (its sends may take the
-        XPUB fd's wake-ups) and ``shutdown`` writes to stop it. No timer while idle or sending.
+        which ``publish`` writes when it deferred a batch or finds subscriptions waiting (its
+        sends may take the XPUB fd's wake-ups) and ``shutdown`` writes to stop it. After the
+        subscriptions it sends the deferred batches (``wire/send_gate.py``). No timer while
+        idle or sending.
         """
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
@@ -450,6 +473,7 @@ class ZmqEventPublisher(EventPublisher):
                     if pub is None:
                         break
                     self._guard_more = self._guard.service(pub)
+                    self._send_deferred(pub)
                 if router is not None:
                     if self._router_cap is not None:
                         self._router_cap.service()
@@ -529,28 +553,32 @@ class ZmqEventPublisher(EventPublisher):
 
     def stats(self) -> dict[str, int]:
         """Counters (any thread; values are snapshots)."""
-        lost = (self._lost_queue_full + self._lost_closed + self._encode_errors
+        gate = self._gate
+        dropped = 0 if gate is None else gate.dropped  # lost live past the gate's bound
+        lost = (self._lost_queue_full + dropped + self._lost_closed + self._encoding.errors
                 + self._send_errors + self._lost_at_shutdown)
         return {
             "batches_accepted": self._accepted,
             "batches_published": self._published,
             "events_published": self._events_published,
             "lost_batches": lost,
-            "lost_queue_full": self._lost_queue_full,
+            "lost_queue_full": self._lost_queue_full + dropped,
             "lost_closed": self._lost_closed,
             "lost_at_shutdown": self._lost_at_shutdown,
-            "encode_errors": self._encode_errors,
-            "events_unencodable": self._events_unencodable,
+            "encode_errors": self._encoding.errors,
+            "events_unencodable": self._encoding.events_unencodable,
             "send_errors": self._send_errors,
-            "lost_after_accept": self._lost_after_accept,
+            "lost_after_accept": self._lost_after_accept + dropped,
             **self._replay.stats(),
             **self._guard.stats(),
             **{f"replay_{k}": v for k, v in
                (self._router_cap.stats() if self._router_cap is not None else {}).items()},
             "queue_high_water": self._queue_high_water,
-            "queue_depth": self._queue.qsize(),
+            "queue_depth": self._queue.qsize() + (0 if gate is None else len(gate)),
+            "sends_deferred": 0 if gate is None else gate.deferred,
+            "deferred_high_water": 0 if gate is None else gate.high_water,
             "replay_buffered": len(self._buffer),
-            "replay_bytes_buffered": self._buffered_bytes,
+            "replay_bytes_buffered": self._ring.bytes,
         }
 
     # ---- publisher thread -----------------------------------------------------------------
@@ -603,6 +631,7 @@ class ZmqEventPublisher(EventPublisher):
             return
         encode = self._encoder or payload_encoder()
         self._send_live = gil_holding_sender(pub)
+        gate = SendGate(pub.getsockopt(zmq.FD), 0, type(self).__name__, self._log)  # holds()
         self._ready.set()
         get_nowait = self._queue.get_nowait
         idle = self._idle_s
@@ -633,7 +662,11 @@ class ZmqEventPublisher(EventPublisher):
                     busy = False
                 while item is not None:
                     # Drain what is queued before waiting again: fewer wake-ups, and fewer GIL
-                    # hand-offs with the executor thread that fills the queue.
+                    # hand-offs with the executor thread that fills the queue. Subscriptions
+                    # first while commands wait: a send would take them in unread
+                    # (wire/send_gate.py), which a long backlog could repeat thousands of times.
+                    if gate.holds():
+                        self._guard_more = self._guard.service(pub)
                     if item is not _STOP:
                         self._send_batch(pub, encode, item)
                     try:
@@ -691,19 +724,29 @@ class ZmqEventPublisher(EventPublisher):
     def _send_batch(self, pub: zmq.Socket, encode: Callable[[Any], bytes],
                     item: tuple[int, float, Sequence[WireEvent], int]) -> bool:
         """Encode, buffer for replay and send one batch; False when it was lost live."""
+        prepared = self._prepare(encode, item)
+        return prepared is not None and self._send_prepared(pub, prepared,
+                                                            not self._synchronous)
+
+    def _prepare(self, encode: Callable[[Any], bytes],
+                 item: tuple[int, float, Sequence[WireEvent], int]) -> _Prepared | None:
+        """Encode one batch and buffer it for replay: what :meth:`_send_prepared` sends (None
+        when it could not be encoded: counted)."""
         seq, ts, events, rank = item
-        try:
-            payload = batch_payload(encode, ts, events, rank)
-        except Exception:
-            payload, events = self._encode_salvaged(encode, seq, ts, events, rank)
-            if payload is None:
-                self._encode_errors += 1
-                if not self._synchronous:
-                    self._lost_after_accept += 1
-                return False
-        seq_frame = _SEQ.pack(seq)
+        payload, events = self._encoding.payload(encode, seq, ts, events, rank)
+        if payload is None:
+            if not self._synchronous:
+                self._lost_after_accept += 1
+            return None
         # Buffered even if the live send fails: a replay can then fill the live gap.
-        self._keep_for_replay(seq, payload)
+        self._ring.keep(seq, payload)
+        return seq, payload, events
+
+    def _send_prepared(self, pub: zmq.Socket, prepared: _Prepared, after_accept: bool) -> bool:
+        """Send a prepared batch live; False when that failed (counted; ``after_accept``: the
+        caller was told it was accepted)."""
+        seq, payload, events = prepared
+        seq_frame = _SEQ.pack(seq)
         send_live = self._send_live
         try:
             if send_live is not None and type(payload) is bytes:
@@ -712,7 +755,7 @@ class ZmqEventPublisher(EventPublisher):
                 pub.send_multipart((self._topic, seq_frame, payload), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             self._send_errors += 1
-            if not self._synchronous:
+            if after_accept:
                 self._lost_after_accept += 1
             self._log.log(logging.ERROR, "send", "%s: sending batch seq %d failed, lost live "
                           "(kept for replay): %s", type(self).__name__, seq, exc)
@@ -720,44 +763,6 @@ class ZmqEventPublisher(EventPublisher):
         self._published += 1
         self._events_published += event_count(events)
         return True
-
-    def _keep_for_replay(self, seq: int, payload: bytes) -> None:
-        """Append one batch to the replay buffer, then drop the oldest ones past the byte
-        bound. Called where the batch is sent (the caller's or the publisher thread); the
-        replay thread reads snapshots (``list(deque)``, atomic under the GIL)."""
-        buffer = self._buffer
-        size = self._buffered_bytes + len(payload)
-        if len(buffer) == buffer.maxlen:  # append drops the oldest: its bytes leave too
-            size -= len(buffer[0][1])
-        buffer.append((seq, payload))
-        if size > self._buffer_bytes:
-            while size > self._buffer_bytes and len(buffer) > 1:
-                size -= len(buffer.popleft()[1])
-        self._buffered_bytes = size
-
-    def _encode_salvaged(self, encode: Callable[[Any], bytes], seq: int, ts: float,
-                         events: Sequence[WireEvent], rank: int
-                         ) -> tuple[bytes | None, Sequence[WireEvent]]:
-        """The batch without the events that cannot be encoded: ``(payload, events kept)``.
-
-        Called (publisher or inline caller thread) when encoding the whole batch failed: one
-        bad value must not lose the other events. Each event is encoded alone; those that
-        fail are dropped, counted in ``events_unencodable`` and logged rate-limited. Payload
-        None (the batch is lost, a visible seq gap) when no event is left or the batch still
-        cannot be encoded (e.g. a bad ``ts`` or rank).
-        """
-        payload, kept, dropped, first_error = salvage_batch(encode, ts, events, rank)
-        if payload is None:
-            self._log.log(logging.ERROR, "encode", "%s: batch seq %d (%d events, dp_rank %s) "
-                          "cannot be encoded, lost (consumers see a gap): %s",
-                          type(self).__name__, seq, len(events), saferepr(rank, 40),
-                          saferepr(first_error))
-            return None, events
-        self._events_unencodable += dropped
-        self._log.log(logging.ERROR, "encode-event", "%s: batch seq %d: %d of %d events cannot "
-                      "be encoded and were dropped, the others published: %s",
-                      type(self).__name__, seq, dropped, len(events), saferepr(first_error))
-        return payload, kept
 
     def _service_replay(self, router: zmq.Socket) -> None:
         """Replay requests and answers (socket-owning thread; non-blocking, bounded)."""
