@@ -62,7 +62,7 @@ def test_a_starved_service_thread_leaves_the_flood_out_of_libzmq_and_loses_nothi
     flooder.start()
     published = 0
     deadline = time.monotonic() + 20
-    while flooder.is_alive() and time.monotonic() < deadline:
+    while (flooder.is_alive() or published < 50) and time.monotonic() < deadline:
         owner.publish(published)  # the executor thread keeps publishing meanwhile
         published += 1
         flooder.join(0.001)  # paces the batches like engine iterations
@@ -72,7 +72,7 @@ def test_a_starved_service_thread_leaves_the_flood_out_of_libzmq_and_loses_nothi
     assert stats["sends_deferred"] > 0
     # Nothing read meanwhile: every subscription libzmq took in is still held (sends made at
     # once took the whole flood in: 72 MiB, ~4 KiB per subscription).
-    assert grown < 1 << 20, (grown, sent[0])
+    assert grown < 8 << 20, (grown, sent[0])  # measured 0.2 MiB (Python's arenas: 1 MiB each)
 
     fed.set()  # the service thread runs again: reads (cuts the flooder), then sends
     last = -1
