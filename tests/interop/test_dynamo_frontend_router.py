@@ -10,14 +10,10 @@ own choosing)."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _netns import netns_missing, run_in_netns
 
 
 def _why_not(mode: str) -> str | None:
@@ -30,22 +26,12 @@ def _why_not(mode: str) -> str | None:
             "ai-dynamo==1.6.1 pyyaml)"
     if mode == "streaming" and importlib.util.find_spec("dynamo.trtllm.publisher") is None:
         return "dynamo.trtllm.publisher is not installed (pip install --no-deps ai-dynamo)"
-    if shutil.which("unshare") is None or shutil.which("ip") is None or os.geteuid() != 0:
-        return "needs root, unshare and ip for a private network namespace"
-    return None
+    return netns_missing()
 
 
 def _run(script: str, tmp_path: Path, mode: str) -> dict:
-    """The script's JSON tallies, run in a private network namespace (Dynamo's planes bind
-    addresses of their own choosing)."""
-    path = Path(__file__).with_name(script)
-    run = subprocess.run(
-        ["unshare", "-n", "sh", "-c",
-         f"ip link set lo up && exec {sys.executable} {path} {tmp_path} {mode}"],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "DYN_LOG": "error"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    """The script's JSON tallies, run in a private network namespace."""
+    return run_in_netns(Path(__file__).with_name(script), tmp_path, mode)
 
 
 @pytest.mark.parametrize("mode", [

@@ -7,14 +7,10 @@ planes bind addresses of their own choosing)."""
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _netns import netns_missing, run_in_netns
 
 
 def _why_not() -> str | None:
@@ -24,23 +20,14 @@ def _why_not() -> str | None:
                 return f"{module} is not installed (pip install 'kvbm-plugin[interop]')"
         except ImportError:
             return f"{module} is not installed (pip install 'kvbm-plugin[interop]')"
-    if shutil.which("unshare") is None or shutil.which("ip") is None or os.geteuid() != 0:
-        return "needs root, unshare and ip for a private network namespace"
-    return None
+    return netns_missing()
 
 
 @pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
 def test_dynamos_streaming_relays_every_tier_of_each_rank_under_the_workers_id(
         tmp_path: Path) -> None:
-    script = Path(__file__).with_name("_dynamo_streaming.py")
     # any two consecutive ports: the namespace is private, nothing else binds there
-    run = subprocess.run(
-        ["unshare", "-n", "sh", "-c",
-         f"ip link set lo up && exec {sys.executable} {script} {tmp_path} 25557"],
-        capture_output=True, text=True, timeout=300,
-        env={**os.environ, "DYN_LOG": "error"})
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
+    out = run_in_netns(Path(__file__).with_name("_dynamo_streaming.py"), tmp_path, 25557)
     assert out["requests"] == 30 and out["reused"] > out["asked"] // 3, out
     # base-model requests: Dynamo's router credits each what the engine then reused, every
     # tier included (host and disk blocks held by Dynamo), on the request's own dp rank only
