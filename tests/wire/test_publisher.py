@@ -173,7 +173,7 @@ def test_replay_to_vanished_requester_aborts_without_blocking(ctx, tcp, publishe
         pub.publish([removed(i)])
     wait_until(lambda: pub.stats()["batches_published"] == 20, what="published")
     gone = _GoneRouter()
-    pub._service_replay(gone)  # type: ignore[arg-type]
+    pub._replay.server.service(gone, pub._buffer)  # type: ignore[arg-type]
     assert gone.sends == 1  # stopped at the first failure instead of pushing 20 more
     assert pub.stats()["replay_aborted"] == 1
     # a real requester that disconnects does not disturb the live stream or later requesters

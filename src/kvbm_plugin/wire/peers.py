@@ -115,7 +115,8 @@ class PeerCap:
     """Keeps at most ``max_peers`` connections on ``sock`` (module docstring).
 
     ``on_gone(fd)`` is called for every connection that closes (so per-connection state can be
-    forgotten). Counters: ``accepted``, ``refused`` (cut at accept, over the cap), ``closed``.
+    forgotten). Counters: ``accepted``, ``refused`` (cut at accept, over the cap), ``closed``,
+    ``accept_events`` (every accept event, for connections gone before it was read too).
     """
 
     def __init__(self, owner: str, sock: zmq.Socket, max_peers: int,
@@ -129,6 +130,9 @@ class PeerCap:
         self.accepted = 0
         self.refused = 0
         self.closed = 0
+        # Every ACCEPTED event, a connection already gone when read included (a peer that
+        # resets at once still leaves libzmq its queued messages to read: wire/listen_brake.py).
+        self.accept_events = 0
         # Set by the owner while it is behind (a flood): new connections are cut at accept.
         self.refuse_new = False
         self.socket: zmq.Socket | None = sock.get_monitor_socket(_EVENTS)
@@ -166,6 +170,7 @@ class PeerCap:
             event = parse_monitor_message(frames)
             fd = int(event["value"])
             if event["event"] == zmq.EVENT_ACCEPTED:
+                self.accept_events += 1
                 self._accept(fd)
             elif event["event"] == zmq.EVENT_DISCONNECTED and self._live.pop(fd, None):
                 self.closed += 1

@@ -18,7 +18,6 @@ import queue
 import struct
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,20 +45,16 @@ from kvbm_plugin.wire.gil_send import (  # gil_holding_sender: re-exported
     gil_holding_sender,
     wake_fds,
 )
-from kvbm_plugin.wire.guard import SubscriptionGuard, harden_router
-from kvbm_plugin.wire.peers import PeerCap
+from kvbm_plugin.wire.guard import SubscriptionGuard
 from kvbm_plugin.wire.publisher_base import (  # re-exported
     EventPublisher,
     NullEventPublisher,
     WireEvent,
     bind_error,
 )
+from kvbm_plugin.wire.replay_endpoint import ReplayEndpoint
 from kvbm_plugin.wire.replay_ring import ReplayRing
-from kvbm_plugin.wire.replay_server import (  # parse_replay_request: re-exported
-    PEER_HWM,
-    ReplayServer,
-    parse_replay_request,
-)
+from kvbm_plugin.wire.replay_server import parse_replay_request  # re-exported
 from kvbm_plugin.wire.send_gate import SendGate
 
 logger = logging.getLogger(__name__)
@@ -209,8 +204,9 @@ class ZmqEventPublisher(EventPublisher):
         # Batches ``publish`` accepted (returned True) and the publisher thread lost later
         # (encode, send, shutdown): the caller counted them as published; see stats().
         self._lost_after_accept = 0
-        self._replay = ReplayServer(type(self).__name__, self._topic, stall_s=replay_stall_s,
-                                    rolled=replay_rolled)
+        self._replay = ReplayEndpoint(type(self).__name__, self._topic,
+                                      max_peers=settings.max_peers, stall_s=replay_stall_s,
+                                      rolled=replay_rolled)
         # The XPUB's subscriptions: only the topic's prefixes take effect (wire/guard.py).
         self._guard = SubscriptionGuard(type(self).__name__, self._topic,
                                         max_peers=settings.max_peers)
@@ -226,12 +222,10 @@ class ZmqEventPublisher(EventPublisher):
         self._synchronous = inline or self._caller_sends
         self._send_lock = threading.Lock()
         self._pub: zmq.Socket | None = None
-        self._router: zmq.Socket | None = None
-        self._router_cap: PeerCap | None = None  # the replay ROUTER's connection cap
         self._encode: Callable[[Any], bytes] | None = None
         if self._synchronous:
             try:
-                self._pub, self._router = self._open_sockets()
+                self._pub = self._open_sockets()
             except RuntimeError as exc:
                 self._closed = True
                 raise ConfigError(f"{type(self).__name__} (rank {data_parallel_rank}) cannot "
@@ -246,7 +240,7 @@ class ZmqEventPublisher(EventPublisher):
                                       type(self).__name__, self._log)
                 self._wake_r, self._wake_w = wake_fds()
                 self._thread = threading.Thread(
-                    target=self._run_service, args=(self._router,),
+                    target=self._run_service,
                     name=f"kvbm-zmq-service-dp{data_parallel_rank}", daemon=True)
                 self._thread.start()
             return
@@ -440,7 +434,7 @@ class ZmqEventPublisher(EventPublisher):
         if self._own_context:
             self._context.term()
 
-    def _run_service(self, router: zmq.Socket | None) -> None:
+    def _run_service(self) -> None:
         """Service thread (``sends="caller"``): read the XPUB's subscriptions (holding the send
         lock across that non-blocking work only) and answer replay requests from a snapshot
         of the replay buffer, which ``publish`` appends to on the caller's thread
@@ -458,8 +452,8 @@ class ZmqEventPublisher(EventPublisher):
         poller.register(self._pub_fd, zmq.POLLIN)
         for sock in self._monitors():  # connection monitors (this thread's alone)
             poller.register(sock, zmq.POLLIN)
-        if router is not None:
-            poller.register(router, zmq.POLLIN)
+        if self._replay.router is not None:
+            poller.register(self._replay.router, zmq.POLLIN)
         try:
             while not self._stopping.is_set():
                 busy = self._guard_more or self._replay.busy
@@ -474,31 +468,24 @@ class ZmqEventPublisher(EventPublisher):
                         break
                     self._guard_more = self._guard.service(pub)
                     self._send_deferred(pub)
-                if router is not None:
-                    if self._router_cap is not None:
-                        self._router_cap.service()
-                    self._replay.service(router, deque(list(self._buffer)))
+                self._replay.service(self._buffer, shared=True)
         except Exception:  # never expected; the loop itself must not die silently
             logger.exception("%s: service thread failed", type(self).__name__)
         finally:
             with self._send_lock:  # stopping the monitor is a call on the XPUB
                 self._guard.close()
-            if self._router_cap is not None:
-                self._router_cap.close()
-            if router is not None:
-                router.close(linger=0)
+            self._replay.close()
 
     def _shutdown_inline(self, timeout: float) -> None:
         with self._close_lock:
             self._closed = True
-            sockets = [sock for sock in (self._router, self._pub) if sock is not None]
-            self._router = self._pub = None
-            self._close_monitors()
-        if not sockets:
+            pub, self._pub = self._pub, None
+            self._guard.close()
+        if pub is None:
             return
         linger_ms = int(min(self._linger_ms / 1000.0, max(0.0, timeout)) * 1000)
-        for sock in sockets:
-            sock.close(linger=linger_ms)
+        self._replay.close(linger_ms)
+        pub.close(linger=linger_ms)
         self._allowlist.stop()
         if self._own_context:
             self._context.term()
@@ -507,7 +494,7 @@ class ZmqEventPublisher(EventPublisher):
     def replay_socket(self) -> zmq.Socket | None:
         """Inline mode: the replay ROUTER for the owner to poll (None without replay, and
         always None in the threaded mode, whose thread answers replays itself)."""
-        return self._router if self._inline else None
+        return self._replay.router if self._inline else None
 
     @property
     def sockets_to_poll(self) -> list[zmq.Socket]:
@@ -516,18 +503,12 @@ class ZmqEventPublisher(EventPublisher):
         calls :meth:`service_replay`."""
         if not self._inline or self._pub is None:
             return []
-        return [s for s in (self._pub, self._router) if s is not None] + self._monitors()
+        return [s for s in (self._pub, self._replay.router) if s is not None] + self._monitors()
 
     def _monitors(self) -> list[zmq.Socket]:
         """The connection monitors of the XPUB and the replay ROUTER (polled by their owner)."""
-        cap = self._router_cap
-        return [*self._guard.sockets, *([cap.socket] if cap and cap.socket else [])]
-
-    def _close_monitors(self) -> None:
-        """Stop both connection monitors (the owning thread, before the sockets close)."""
-        self._guard.close()
-        if self._router_cap is not None:
-            self._router_cap.close()
+        monitor = self._replay.monitor
+        return [*self._guard.sockets, *([monitor] if monitor is not None else [])]
 
     @property
     def replay_busy(self) -> bool:
@@ -535,7 +516,7 @@ class ZmqEventPublisher(EventPublisher):
         owner calls :meth:`service_replay` every few milliseconds until this is False."""
         if not self._inline:
             return False
-        return self._guard_more or (self._router is not None and self._replay.busy)
+        return self._guard_more or self._replay.busy
 
     def service_replay(self) -> None:
         """Inline mode: read subscriptions, take replay requests and move answers on
@@ -548,8 +529,7 @@ class ZmqEventPublisher(EventPublisher):
             return
         if self._pub is not None:
             self._guard_more = self._guard.service(self._pub)
-        if self._router is not None:
-            self._service_replay(self._router)
+        self._replay.service(self._buffer)
 
     def stats(self) -> dict[str, int]:
         """Counters (any thread; values are snapshots)."""
@@ -571,8 +551,6 @@ class ZmqEventPublisher(EventPublisher):
             "lost_after_accept": self._lost_after_accept + dropped,
             **self._replay.stats(),
             **self._guard.stats(),
-            **{f"replay_{k}": v for k, v in
-               (self._router_cap.stats() if self._router_cap is not None else {}).items()},
             "queue_high_water": self._queue_high_water,
             "queue_depth": self._queue.qsize() + (0 if gate is None else len(gate)),
             "sends_deferred": 0 if gate is None else gate.deferred,
@@ -583,9 +561,10 @@ class ZmqEventPublisher(EventPublisher):
 
     # ---- publisher thread -----------------------------------------------------------------
 
-    def _open_sockets(self) -> tuple[zmq.Socket, zmq.Socket | None]:
-        """Create and bind both sockets (publisher thread); on failure close what was opened."""
-        pub = router = None
+    def _open_sockets(self) -> zmq.Socket:
+        """Create and bind the XPUB and the replay ROUTER if any (publisher thread); on
+        failure close what was opened. Returns the XPUB."""
+        pub = None
         addr, source = self._bind_addr, self._sources[0]
         try:
             self._allowlist.start(self._context, self._own_context)
@@ -599,32 +578,21 @@ class ZmqEventPublisher(EventPublisher):
             pub.bind(addr)
             if self._replay_addr is not None:
                 addr, source = self._replay_addr, self._sources[1]
-                router = self._context.socket(zmq.ROUTER)
-                router.setsockopt(zmq.LINGER, 0)
-                harden_router(router)
-                self._allowlist.configure(router)
-                self._router_cap = PeerCap(type(self).__name__ + " replay", router,
-                                           self.settings.max_peers)
-                # A vanished requester raises EHOSTUNREACH, a full queue EAGAIN, instead of
-                # the message being dropped silently.
-                router.setsockopt(zmq.ROUTER_MANDATORY, 1)
-                # What one requester may have queued: answers are sent bit by bit as it reads.
-                router.setsockopt(zmq.SNDHWM, PEER_HWM)
-                router.bind(addr)
+                self._replay.open(self._context, addr, self._allowlist)
         except BaseException as exc:
-            self._close_monitors()
-            for sock in (router, pub):
-                if sock is not None:
-                    sock.close(linger=0)
+            self._guard.close()
+            self._replay.close()
+            if pub is not None:
+                pub.close(linger=0)
             self._allowlist.stop()
             if self._own_context:
                 self._context.term()  # returns once the sockets are gone: the port is free
             raise RuntimeError(bind_error(addr, source, exc)) from exc
-        return pub, router
+        return pub
 
     def _run(self) -> None:
         try:
-            pub, router = self._open_sockets()
+            pub = self._open_sockets()
         except BaseException as exc:
             self._start_error = exc
             self._ready.set()
@@ -640,8 +608,8 @@ class ZmqEventPublisher(EventPublisher):
         poller.register(pub, zmq.POLLIN)  # subscriptions (this thread owns the XPUB)
         for sock in self._monitors():  # and the connection monitors
             poller.register(sock, zmq.POLLIN)
-        if router is not None:
-            poller.register(router, zmq.POLLIN)
+        if self._replay.router is not None:
+            poller.register(self._replay.router, zmq.POLLIN)
         busy = True
         try:
             while True:
@@ -674,8 +642,7 @@ class ZmqEventPublisher(EventPublisher):
                     except queue.Empty:
                         item = None
                 self._guard_more = self._guard.service(pub)
-                if router is not None:
-                    self._service_replay(router)
+                self._replay.service(self._buffer)
                 if self._stopping.is_set():
                     if self._queue.empty():
                         break
@@ -687,10 +654,9 @@ class ZmqEventPublisher(EventPublisher):
             self._closed = True
             self._count_left_over()
         finally:
-            self._close_monitors()
-            for sock in (router, pub):
-                if sock is not None:
-                    sock.close(linger=self._close_linger_ms)
+            self._guard.close()
+            self._replay.close(self._close_linger_ms)
+            pub.close(linger=self._close_linger_ms)
             self._allowlist.stop()
             if self._own_context:
                 self._context.term()
@@ -764,11 +730,6 @@ class ZmqEventPublisher(EventPublisher):
         self._events_published += event_count(events)
         return True
 
-    def _service_replay(self, router: zmq.Socket) -> None:
-        """Replay requests and answers (socket-owning thread; non-blocking, bounded)."""
-        if self._router_cap is not None:
-            self._router_cap.service()
-        self._replay.service(router, self._buffer)
 
 
 _STOP = object()  # tells the publisher thread to stop (after what is queued before it)

@@ -43,6 +43,9 @@ logger = logging.getLogger(__name__)
 _SEQ = struct.Struct(">Q")
 
 PEER_HWM = 64  # ROUTER SNDHWM: batches queued per replay peer
+# Requests read per service call: a refusal costs a few µs, so 64 keep a turn under a
+# millisecond, and reading must outpace what an outsider queues (wire/listen_brake.py).
+REQUESTS_PER_CALL = 64
 
 # What a request answers whose start seq has left the buffer (DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_
 # ROLLED): "oldest", every batch still buffered (the requester sees its first seq past its
@@ -119,34 +122,43 @@ class ReplayServer:
             "replay_stalled_peers": len(self._stalled),
         }
 
-    def service(self, router: zmq.Socket,
-                buffer: collections.deque[tuple[int, bytes]]) -> None:
-        """Take new requests and move the answers in progress on; never blocks.
+    def service(self, router: zmq.Socket, buffer: collections.deque[tuple[int, bytes]],
+                *, shared: bool = False) -> bool:
+        """Take new requests and move the answers in progress on; never blocks. Returns
+        whether every request that had arrived was read (the ROUTER had none left).
 
         Called by the socket-owning thread whenever the ROUTER is readable and, while
-        :attr:`busy`, every few milliseconds.
+        :attr:`busy`, every few milliseconds. ``shared``: another thread appends to ``buffer``
+        (``publish`` on the executor thread), so answers are sent from a copy taken once per
+        call, and only when an answer is in progress (a copy per request would make reading
+        requests slower than an outsider can send them).
         """
         now = time.monotonic()
         if self._stalled:
             self._probe_stalled(router, now)
-        self._receive(router, buffer, now)
-        budget = self._per_call
-        for answer in list(self._active):
-            if budget <= 0:
-                break
-            budget -= self._advance(router, buffer, answer, budget, now)
+        drained = self._receive(router, _ends(buffer), now)
+        if self._active:
+            answering = collections.deque(list(buffer)) if shared else buffer
+            budget = self._per_call
+            for answer in list(self._active):
+                if budget <= 0:
+                    break
+                budget -= self._advance(router, answering, answer, budget, now)
         while self._waiting and len(self._active) < self._max_active:
             answer = self._waiting.popleft()
             answer.last_progress = now
             self._active.append(answer)
+        return drained
 
-    def _receive(self, router: zmq.Socket, buffer: collections.deque[tuple[int, bytes]],
-                 now: float) -> None:
-        for _ in range(8):  # bounded per call so live batches keep flowing
+    def _receive(self, router: zmq.Socket, ends: tuple[int, int] | None, now: float) -> bool:
+        """Read up to :data:`REQUESTS_PER_CALL` requests (bounded so the live stream keeps
+        flowing); True when the ROUTER had no more. ``ends``: the oldest and newest seq
+        buffered (None while the buffer is empty)."""
+        for _ in range(REQUESTS_PER_CALL):
             try:
                 frames = router.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return True
             self.requests += 1
             envelope, start = parse_replay_request(frames)
             if envelope is None or start is None:
@@ -155,8 +167,8 @@ class ReplayServer:
                               "%s (want [b'', 8-byte start seq] from a DEALER)", self._owner,
                               saferepr(frames[1:]))
                 continue
-            answer = _Answer(envelope, start, buffer[-1][0] if buffer else -1, now)
-            if buffer and start < buffer[0][0]:
+            answer = _Answer(envelope, start, ends[1] if ends else -1, now)
+            if ends and start < ends[0]:
                 self.rolled_requests += 1
                 if self._rolled == ROLLED_EMPTY:
                     # "Nothing from your start is left": the end marker alone (a strict
@@ -173,6 +185,7 @@ class ReplayServer:
             else:
                 self._refuse(router, answer, f"{len(self._active)} replays in progress and "
                              f"{len(self._waiting)} waiting")
+        return False
 
     def _refuse(self, router: zmq.Socket, answer: _Answer, why: str) -> None:
         self.refused += 1
@@ -236,6 +249,15 @@ class ReplayServer:
         self.aborted += 1
         self._log.log(logging.WARNING, "replay-abort", "%s: replay from seq %d aborted after %d "
                       "batches: %s", self._owner, answer.start, answer.sent, why)
+
+
+def _ends(buffer: collections.deque[tuple[int, bytes]]) -> tuple[int, int] | None:
+    """The oldest and newest seq in ``buffer`` (None when empty); safe while another thread
+    appends and evicts (each index is one atomic deque read)."""
+    try:
+        return buffer[0][0], buffer[-1][0]
+    except IndexError:
+        return None
 
 
 def _first_at_or_after(buffer: collections.deque[tuple[int, bytes]], seq: int) -> int:
