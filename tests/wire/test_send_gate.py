@@ -15,7 +15,7 @@ import threading
 import time
 
 import zmq
-from _kvwire import recv, wait_until
+from _kvwire import decode, recv, wait_until
 from _zmtp import RawPeer
 from test_socket_bounds import TOPIC, _make, _subscriber, heap_in_use
 
@@ -85,3 +85,29 @@ def test_a_starved_service_thread_leaves_the_flood_out_of_libzmq_and_loses_nothi
         got += seq >= first
     stats = pub.stats()
     assert stats["lost_batches"] == 0 and stats["queue_depth"] == 0
+
+
+def test_publish_never_waits_for_the_service_threads_turn(ctx, tcp, publishers) -> None:
+    """The service thread holds the send lock across a turn, which a flood can make long: the
+    caller's thread defers its batches instead of waiting, and they go out in order."""
+    owner = _make("caller", tcp, publishers)
+    pub = owner.pub
+    sub = _subscriber(ctx, owner, tcp[0].connect, TOPIC.encode())
+    assert pub._send_lock.acquire(timeout=5)  # as the service thread's turn does
+    caller = threading.Thread(target=lambda: [owner.publish(100 + i) for i in range(3)])
+    try:
+        caller.start()
+        caller.join(5.0)
+        assert not caller.is_alive(), "publish waited for the send lock"
+        assert len(pub._gate) == 3
+    finally:
+        pub._send_lock.release()
+        caller.join(5.0)
+    pub._wake()
+    got = []
+    while len(got) < 3:
+        frames = recv(sub)
+        events = decode(frames[2]).events
+        if events:
+            got.append(events[0].block_hashes[0])
+    assert got == [100, 101, 102]

@@ -28,8 +28,10 @@ them or disconnects. So the guard:
   connection), a small ``ZMQ_RCVHWM`` and receive buffer (what a connection has in flight), and
   caps the socket's connections (:class:`kvbm_plugin.wire.peers.PeerCap`);
 * when a turn leaves subscriptions unread, cuts every connection not yet a subscriber and
-  refuses new ones until it has caught up (:meth:`SubscriptionGuard._shed`): libzmq takes a
-  connection's subscriptions in as they arrive, however far behind this reader is.
+  holds new ones off until it has caught up (:meth:`SubscriptionGuard._shed`; the kernel
+  drops their attempts, :attr:`kvbm_plugin.wire.peers.PeerCap.refuse_new`): libzmq takes a
+  connection's subscriptions in as they arrive, however far behind this reader is, and a
+  churn of short connections would otherwise outrun the reader.
 
 The bound: at most ``max_peers`` connections, each holding at most the topic's
 ``len(topic) + 1`` prefixes and ``max_refused`` other subscriptions of at most
@@ -128,7 +130,8 @@ class SubscriptionGuard:
         sock.setsockopt(zmq.MAXMSGSIZE, max_subscription_bytes(self._topic))
         sock.setsockopt(zmq.RCVHWM, SUBSCRIPTION_HWM)
         limit_receive_buffer(sock)
-        self._cap = PeerCap(self._owner, sock, self._max_peers, on_gone=self._forget)
+        self._cap = PeerCap(self._owner, sock, self._max_peers, on_gone=self._forget,
+                            keep=self._subscribers)
 
     @property
     def sockets(self) -> list[zmq.Socket]:
@@ -157,8 +160,23 @@ class SubscriptionGuard:
     def service(self, sock: zmq.Socket) -> bool:
         """Read connection events, then up to ``per_turn`` subscription messages (never
         blocks); True when a budget ran out, so more may be waiting (call again soon). Called
-        by the owning thread."""
+        by the owning thread; the turn is marked for the turn watch (wire/turn_watch.py)."""
         cap = self._cap
+        if cap is None:
+            return self._turn(sock, None)
+        cap.turn_started()
+        try:
+            return self._turn(sock, cap)
+        finally:
+            cap.turn_ended()
+
+    def _subscribers(self) -> set[int]:
+        """The fds of connections whose subscriptions so far were all applied (any thread: the
+        turn watch's reads a snapshot)."""
+        return {fd for fd, peer in list(self._peers.items())
+                if peer.applied and not peer.refused and not peer.cut}
+
+    def _turn(self, sock: zmq.Socket, cap: PeerCap | None) -> bool:
         more = cap is not None and cap.service()
         for _ in range(self._per_turn):
             try:

@@ -4,13 +4,14 @@ libzmq has no per-connection API on a bound socket: it accepts every connection 
 each one sends. :class:`PeerCap` watches a socket's accepted and closed connections through its
 monitor (``zmq_socket_monitor``: each event carries the connection's fd) and cuts every
 connection beyond ``max_peers``, so what all connections together can hold is ``max_peers``
-times what one can. :func:`cut_connection` is the cut: it attaches a socket filter that drops
-every packet still to come (so the peer can send nothing more; on Linux ``shutdown(SHUT_RD)``
-alone lets a TCP peer go on sending, and libzmq would go on reading), makes its close a reset
-(``SO_LINGER`` 0, so no closed socket lingers) and shuts its reading side; libzmq reads what
-was already received (at most :data:`RCVBUF_BYTES`, the socket's
-receive buffer, which :func:`limit_receive_buffer` sets) and then the end of stream, closes the
-fd and frees what it held for that peer.
+times what one can, and while its owner is behind (:attr:`PeerCap.refuse_new`) the kernel
+drops new connection attempts on a TCP endpoint. :func:`cut_connection` is the cut: it attaches
+a socket filter that drops every packet still to come (so the peer can send nothing more; on
+Linux ``shutdown(SHUT_RD)`` alone lets a TCP peer go on sending, and libzmq would go on
+reading), makes its close a reset (``SO_LINGER`` 0, so no closed socket lingers) and shuts its
+reading side; libzmq reads what was already received (at most :data:`RCVBUF_BYTES`, the
+socket's receive buffer, which :func:`limit_receive_buffer` sets) and then the end of stream,
+closes the fd and frees what it held for that peer.
 
 Who calls what: the thread that owns the socket creates the :class:`PeerCap` (after the socket's
 options are set), polls :attr:`PeerCap.socket` with the socket's other inputs, calls
@@ -28,6 +29,8 @@ import logging
 import os
 import socket
 import struct
+import threading
+import time
 from collections.abc import Callable
 
 import zmq
@@ -35,13 +38,16 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin._util.saferepr import saferepr
+from kvbm_plugin.wire.turn_watch import WATCH
 
 logger = logging.getLogger(__name__)
 
 RCVBUF_BYTES = 16384  # SO_RCVBUF of a guarded socket's connections (Linux doubles it)
 EVENTS_PER_CALL = 1024  # monitor events read per service call (each a few bytes)
-_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+_EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_LISTENING
+           | zmq.EVENT_CLOSED)  # LISTENING, CLOSED: the listening socket's fd
 _SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)  # Linux
+_SO_DETACH_FILTER = getattr(socket, "SO_DETACH_FILTER", 27)
 
 
 def limit_receive_buffer(sock: zmq.Socket) -> None:
@@ -54,6 +60,18 @@ def limit_receive_buffer(sock: zmq.Socket) -> None:
 class _Filter(ctypes.Structure):
     _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
                 ("k", ctypes.c_uint32)]
+
+
+class _DropAll:
+    """A one-instruction classic BPF program that drops every packet (``BPF_RET|BPF_K 0``);
+    the kernel copies it at attach, the program array stays alive here for the pointer."""
+
+    def __init__(self) -> None:
+        self.program = (_Filter * 1)(_Filter(0x06, 0, 0, 0))
+        self.fprog = struct.pack("HL", 1, ctypes.addressof(self.program))
+
+
+_DROP_ALL = _DropAll()
 
 
 def _borrow(fd: int) -> socket.socket | None:
@@ -87,6 +105,37 @@ def peer_address(fd: int) -> object:
             return None
 
 
+def _stream_fds() -> list[int]:
+    """The process's open file descriptors (Linux: /proc/self/fd; none elsewhere)."""
+    try:
+        return [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:
+        return []
+
+
+def _filter_listener(fd: int, drop: bool) -> bool:
+    """Attach (``drop``) or detach the drop-all filter on the TCP listening socket on ``fd``
+    (through a duplicate; the fd stays libzmq's). Linux runs a listening socket's filter on
+    every SYN before the handshake, so nothing is queued for libzmq to accept. False when
+    ``fd`` is not a listening TCP socket (an ipc endpoint, or closed meanwhile)."""
+    sock = _borrow(fd)
+    if sock is None:
+        return False
+    with sock:
+        try:
+            if (sock.family not in (socket.AF_INET, socket.AF_INET6)
+                    or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                return False
+            if drop:
+                sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, _DROP_ALL.fprog)
+            else:
+                with contextlib.suppress(OSError):  # ENOENT: none attached
+                    sock.setsockopt(socket.SOL_SOCKET, _SO_DETACH_FILTER, 0)
+        except OSError:
+            return False
+    return True
+
+
 def cut_connection(fd: int, address: object) -> bool:
     """Cut the connection on ``fd`` if it still goes to ``address`` (module docstring); the
     fd stays libzmq's to close. Returns whether it was cut."""
@@ -102,9 +151,7 @@ def cut_connection(fd: int, address: object) -> bool:
             # waiting).
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             with contextlib.suppress(OSError):  # Linux: drop every packet still to come
-                program = (_Filter * 1)(_Filter(0x06, 0, 0, 0))  # BPF_RET|BPF_K 0: drop
-                fprog = struct.pack("HL", 1, ctypes.addressof(program))
-                sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, fprog)
+                sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, _DROP_ALL.fprog)
             sock.shutdown(socket.SHUT_RD)  # libzmq reads the end of stream and closes
         except OSError:
             return False
@@ -120,7 +167,8 @@ class PeerCap:
     """
 
     def __init__(self, owner: str, sock: zmq.Socket, max_peers: int,
-                 on_gone: Callable[[int], None] | None = None) -> None:
+                 on_gone: Callable[[int], None] | None = None,
+                 keep: Callable[[], set[int]] | None = None) -> None:
         self._owner = owner
         self._sock = sock
         self._max = max_peers
@@ -133,9 +181,43 @@ class PeerCap:
         # Every ACCEPTED event, a connection already gone when read included (a peer that
         # resets at once still leaves libzmq its queued messages to read: wire/listen_brake.py).
         self.accept_events = 0
-        # Set by the owner while it is behind (a flood): new connections are cut at accept.
-        self.refuse_new = False
+        self._refuse_new = False
+        self._hold_lock = threading.Lock()
+        self._listening: set[int] = set()  # the socket's listening fds (LISTENING events)
+        self.pauses = 0  # times new connections were held off (refuse_new set)
+        # With ``keep`` (the fds of the connections the owner keeps: its subscribers), the turn
+        # watch (wire/turn_watch.py) holds new connections off and cuts the others when the
+        # owner is stuck in a turn; the owner marks its turns (turn_started, turn_ended).
+        self.turn_since: float | None = None
+        self._keep = keep
+        self.stuck_cuts = 0
+        if keep is not None:
+            WATCH.watch(self)
         self.socket: zmq.Socket | None = sock.get_monitor_socket(_EVENTS)
+
+    @property
+    def refuse_new(self) -> bool:
+        """Set by the owner while it is behind (a flood); cleared once it caught up."""
+        return self._refuse_new
+
+    @refuse_new.setter
+    def refuse_new(self, value: bool) -> None:
+        """While set, connections that still get in are cut at accept, and the kernel drops
+        new connection attempts on TCP endpoints (a drop-all socket filter on the listening
+        socket): libzmq accepts every connection and takes in all it sends before the owner
+        can cut it, so a churn of connections would otherwise outrun the owner. Peers retry
+        (TCP resends its SYN; ZMQ reconnects) and get in once the filter is gone."""
+        if value == self._refuse_new:
+            return
+        with self._hold_lock:  # the owner's thread and the turn watch's both set it
+            if value == self._refuse_new:
+                return
+            self._refuse_new = value
+            if value:
+                self.pauses += 1
+            for fd in list(self._listening):
+                if not _filter_listener(fd, value):
+                    self._listening.discard(fd)
 
     @property
     def live(self) -> int:
@@ -154,7 +236,47 @@ class PeerCap:
 
     def stats(self) -> dict[str, int]:
         return {"connections_accepted": self.accepted, "connections_refused": self.refused,
-                "connections_closed": self.closed, "connections_live": len(self._live)}
+                "connections_closed": self.closed, "connections_live": len(self._live),
+                "connections_paused": self.pauses, "connections_cut_while_stuck": self.stuck_cuts}
+
+    def turn_started(self) -> None:
+        """The owner begins a turn on the socket (its thread)."""
+        self.turn_since = time.monotonic()
+
+    def turn_ended(self) -> None:
+        self.turn_since = None
+
+    def on_stuck(self) -> None:
+        """The turn watch's thread: the owner's turn is stuck in libzmq. Hold new connections
+        off, and cut every connection accepted on this socket's TCP ports that the owner does
+        not keep (found among the process's fds: the owner cannot read the monitor now)."""
+        self.refuse_new = True
+        keep = self._keep() if self._keep is not None else set()
+        ports = set()
+        for fd in list(self._listening):
+            sock = _borrow(fd)
+            if sock is not None:
+                with sock, contextlib.suppress(OSError):
+                    ports.add(sock.getsockname()[1])
+        if not ports:
+            return
+        for fd in _stream_fds():
+            if fd in keep or fd in self._listening:
+                continue
+            sock = _borrow(fd)
+            if sock is None:
+                continue
+            with sock:
+                try:
+                    if (sock.family not in (socket.AF_INET, socket.AF_INET6)
+                            or sock.getsockname()[1] not in ports
+                            or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
+                        continue
+                    address = sock.getpeername()
+                except OSError:
+                    continue
+            if cut_connection(fd, address):
+                self.stuck_cuts += 1
 
     def service(self) -> bool:
         """Read up to :data:`EVENTS_PER_CALL` connection events (never blocks); True when
@@ -169,8 +291,16 @@ class PeerCap:
                 return False
             event = parse_monitor_message(frames)
             fd = int(event["value"])
-            if event["event"] == zmq.EVENT_ACCEPTED:
+            if event["event"] == zmq.EVENT_LISTENING:
+                with self._hold_lock:
+                    if _filter_listener(fd, self._refuse_new) or not self._refuse_new:
+                        self._listening.add(fd)
+            elif event["event"] == zmq.EVENT_CLOSED:  # the listener closed (unbind)
+                self._listening.discard(fd)
+            elif event["event"] == zmq.EVENT_ACCEPTED:
                 self.accept_events += 1
+                if self._keep is not None:
+                    WATCH.arm()
                 self._accept(fd)
             elif event["event"] == zmq.EVENT_DISCONNECTED and self._live.pop(fd, None):
                 self.closed += 1

@@ -279,7 +279,11 @@ class ZmqEventPublisher(EventPublisher):
             return False
         rank = self.data_parallel_rank if data_parallel_rank is None else data_parallel_rank
         if self._caller_sends:
-            with self._send_lock:  # held across a non-blocking hand-off only (class doc)
+            # Never wait for the service thread: under a subscription flood its turn can
+            # be long, and this is TensorRT-LLM's executor thread.
+            if not self._send_lock.acquire(blocking=False):
+                return self._defer_busy(events, rank)
+            try:  # held across non-blocking work only (class doc)
                 pub, encode = self._pub, self._encode
                 if pub is None or encode is None:  # shut down by another thread meanwhile
                     self._lost_closed += 1
@@ -306,6 +310,8 @@ class ZmqEventPublisher(EventPublisher):
                     if check:
                         self._next_input_check = now + _SERVICE_BUSY_S
                         check = bool(pub.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+            finally:
+                self._send_lock.release()
             if check:
                 self._wake()
             return sent
@@ -353,6 +359,22 @@ class ZmqEventPublisher(EventPublisher):
             return
         with contextlib.suppress(BlockingIOError, OSError):  # full: a wake-up is pending
             os.write(fd, WAKE)
+
+    def _defer_busy(self, events: Sequence[WireEvent], rank: int) -> bool:
+        """``publish`` while the service thread holds the send lock (sends="caller", the
+        caller's thread): encode, buffer and defer the batch behind those deferred already,
+        and wake the service thread, which sends it after its turn."""
+        encode, gate = self._encode, self._gate
+        if encode is None or gate is None or self._pub is None:  # shut down meanwhile
+            self._lost_closed += 1
+            return False
+        self._accepted += 1
+        prepared = self._prepare(encode, (next(self._seq), time.time(), events, rank))
+        if prepared is None:
+            return False
+        gate.defer(prepared)
+        self._wake()
+        return True
 
     def _send_deferred(self, pub: zmq.Socket) -> None:
         """Send the batches ``publish`` deferred (sends="caller": the service thread, or

@@ -41,7 +41,10 @@ from kvbm_plugin._util.ratelimit import RateLimitedLog
 class SendGate:
     """Deferred live sends of a caller-thread publisher (see the module docstring).
 
-    Not thread-safe by itself: every call is made under the publisher's send lock."""
+    Every call is made under the publisher's send lock, except :meth:`defer` by ``publish``
+    when the service thread holds that lock (it never waits for it): :meth:`defer` and
+    :meth:`take` use only the deque's atomic ``append`` and ``popleft``, so an item deferred
+    during a :meth:`take` is either taken or left for the next one, in order."""
 
     def __init__(self, fd: int, limit: int, owner: str, log: RateLimitedLog) -> None:
         self._owner = owner
@@ -66,7 +69,10 @@ class SendGate:
         deferred.append(item)
         self.deferred += 1
         if len(deferred) > self._limit:
-            seq = deferred.popleft()[0]
+            try:
+                seq = deferred.popleft()[0]
+            except IndexError:  # taken by the service thread meanwhile
+                return
             self.dropped += 1
             self._log.log(logging.WARNING, "deferred-full", "%s: %d batches wait for the "
                           "service thread; batch seq %d lost live (kept for replay)",
@@ -76,9 +82,13 @@ class SendGate:
 
     def take(self) -> list[Any]:
         """Every deferred item, oldest first (the service thread sends them)."""
-        out = list(self._deferred)
-        self._deferred.clear()
-        return out
+        out = []
+        popleft = self._deferred.popleft
+        while True:
+            try:
+                out.append(popleft())
+            except IndexError:
+                return out
 
     def __len__(self) -> int:
         return len(self._deferred)

@@ -1,0 +1,133 @@
+"""A churn of short connections that each send a burst of subscriptions and leave.
+
+libzmq records every subscription a manual XPUB is sent in a per-connection trie (about 150
+nodes for a 159-byte one) before the guard reads it, and walks the whole trie each time a
+connection ends; an outsider in another process outran the reader, and the publisher grew by
+over 1 GiB in 11 s while its service thread spent seconds in libzmq. While the guard is behind,
+the kernel now drops new connection attempts (wire/peers.py, ``PeerCap.refuse_new``), and the
+caller's thread never waits for the service thread's turn (wire/publisher.py, ``publish``).
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import zmq
+from _kvwire import decode, recv, wait_until
+from _zmtp import RawPeer
+from test_socket_bounds import TOPIC, _make, _subscriber, heap_in_use
+
+from kvbm_plugin.wire.peers import PeerCap
+
+_TESTS = Path(__file__).resolve().parents[1]
+
+# Connects, sends 200 distinct 159-byte subscriptions that can never match, leaves; again.
+_FLOODER = """
+import contextlib, sys, time
+sys.path.insert(0, sys.argv[3])
+from _zmtp import RawPeer
+port, end, n = int(sys.argv[1]), time.monotonic() + float(sys.argv[2]), 0
+while time.monotonic() < end:
+    with contextlib.suppress(OSError):
+        peer = RawPeer("127.0.0.1", port, b"SUB")
+        for i in range(200):
+            peer.send(b"\\x01" + n.to_bytes(4, "big") + i.to_bytes(4, "big") + b"x" * 150)
+        peer.close()
+        n += 1
+"""
+
+
+@pytest.mark.parametrize("mode", ["caller", "inline"])
+def test_a_churn_of_subscribing_connections_holds_a_bounded_amount(
+        ctx, tcp, publishers, mode) -> None:  # noqa: ANN001
+    """Before: 1.1 GiB after 11 s (caller); now 0 MiB on an idle 2-core machine."""
+    owner = _make(mode, tcp, publishers)
+    sub = _subscriber(ctx, owner, tcp[0].connect, TOPIC.encode()[:3])
+    before = heap_in_use()
+    flooder = subprocess.Popen([sys.executable, "-c", _FLOODER, str(tcp[0].port), "4",
+                                str(_TESTS)])
+    peak = published = 0
+    try:
+        while flooder.poll() is None:
+            owner.tick()
+            owner.publish(published)
+            published += 1
+            if published % 16 == 0:
+                peak = max(peak, heap_in_use() - before)
+            time.sleep(0.002)  # an engine iteration's pace, not synchronisation
+    finally:
+        flooder.kill()
+        flooder.wait()
+    assert peak < 32 << 20, f"the flood grew the heap by {peak >> 20} MiB"
+    got, deadline = 0, time.monotonic() + 30
+    while got < published and time.monotonic() < deadline:  # the live stream went on
+        owner.tick()
+        if sub.poll(10) and decode(recv(sub)[2]).events:
+            got += 1
+    assert got == published
+    stats = owner.pub.stats()
+    assert stats["connections_paused"] >= 1 and stats["subscriptions_applied"] >= 1
+
+
+def test_while_the_owner_is_behind_the_kernel_drops_new_connection_attempts(ctx) -> None:
+    """Deterministic: ``refuse_new`` attaches a drop-all filter to the listening socket, so a
+    connection attempt gets no answer (not even a refusal); clearing it lets one in."""
+    pub = ctx.socket(zmq.XPUB)
+    cap = PeerCap("t", pub, 4)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        wait_until(lambda: (cap.service(), bool(cap._listening))[1], what="the listener")
+
+        def connects(timeout: float) -> bool:
+            with socket.socket() as probe:
+                probe.settimeout(timeout)
+                try:
+                    probe.connect(("127.0.0.1", port))
+                except TimeoutError:
+                    return False
+                return True
+
+        assert connects(2.0)
+        cap.refuse_new = True
+        assert not connects(0.5)  # the SYN was dropped: no handshake, no reset
+        cap.refuse_new = False
+        assert connects(5.0)  # (a SYN retry may take a second)
+        assert cap.stats()["connections_paused"] == 1
+    finally:
+        cap.close()
+
+
+def test_a_turn_stuck_in_libzmq_is_broken_by_the_watch(ctx) -> None:
+    """Deterministic: the owner marks a turn and never ends it (as a read that libzmq keeps
+    busy does); the watch thread holds new connections off and cuts every connection the
+    owner does not keep, while the kept one (a subscriber) stays."""
+    pub = ctx.socket(zmq.XPUB)
+    kept: set[int] = set()
+    cap = PeerCap("t", pub, 8, keep=lambda: set(kept))
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    subscriber = RawPeer("127.0.0.1", port, b"SUB")
+    outsider = RawPeer("127.0.0.1", port, b"SUB")
+    try:
+        wait_until(lambda: (cap.service(), cap.live)[1] == 2 and bool(cap._listening),
+                   what="both connections seen")
+        mine = subscriber.sock.getsockname()
+        kept.update(fd for fd, address in cap.connections() if address == mine)
+        assert len(kept) == 1
+        cap.turn_started()  # and never ended: stuck
+        wait_until(lambda: cap.refuse_new, what="the watch to hold new connections off")
+        assert outsider.cut(2.0)
+        assert not subscriber.cut(0.3)
+        assert cap.stats()["connections_cut_while_stuck"] == 1
+        with pytest.raises(TimeoutError):
+            RawPeer("127.0.0.1", port, b"SUB", timeout=0.5)
+    finally:
+        cap.turn_ended()
+        cap.refuse_new = False
+        subscriber.close()
+        outsider.close()
+        cap.close()
