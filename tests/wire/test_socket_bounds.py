@@ -8,7 +8,6 @@ test process's memory is the publisher's.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import threading
 import time
@@ -17,6 +16,7 @@ from typing import Any
 
 import pytest
 import zmq
+from _heap import heap_in_use, rss  # noqa: F401  (re-exported to the other wire tests)
 from _kvwire import decode, free_port, recv, wait_until
 from _zmtp import RawPeer
 
@@ -35,30 +35,6 @@ TOPIC = "kv@pod-a@model"
 
 def removed(*hashes: int) -> dict[str, Any]:
     return {"type": "BlockRemoved", "block_hashes": list(hashes), "medium": "GPU"}
-
-
-def rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
-        "fordblks", "keepcost")]
-
-
-def heap_in_use() -> int:
-    """Bytes the C heap has handed out and not got back (glibc's ``mallinfo2``): what ZMQ and
-    the rest hold live, without the free memory the allocator keeps for reuse; the resident
-    size where that is not available."""
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return rss()
-    mallinfo2.restype = _MallInfo2
-    info = mallinfo2()
-    return int(info.uordblks + info.hblkhd)
 
 
 class _Owner:

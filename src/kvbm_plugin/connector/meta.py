@@ -272,8 +272,9 @@ def shared_layout(key: str) -> Any:
         return _shared_layouts.get(key)
 
 
-REPORT_MAX_BYTES = 4096  # a report's wire form is under 100 bytes (encode_report)
-REPORT_HWM = 1024  # reports queued per connection
+REPORT_MAX_BYTES = 512  # a report's wire form is under 100 bytes (encode_report)
+REPORT_HWM = 128  # reports queued per connection (the sender keeps the rest: SNDHWM 0)
+REPORTS_PER_TURN = 256  # reports read per wake-up of the receiver thread
 
 
 class ZmqReportReceiver:
@@ -306,7 +307,8 @@ class ZmqReportReceiver:
 
     def _run(self) -> None:
         zmq = self._zmq
-        from kvbm_plugin.wire.peers import PeerCap
+        from kvbm_plugin.wire.listen_brake import MAX_BEHIND
+        from kvbm_plugin.wire.peers import PeerCap, limit_receive_buffer
 
         sock = zmq.Context.instance().socket(zmq.PULL)
         cap = None
@@ -317,6 +319,7 @@ class ZmqReportReceiver:
             # most REPORT_HWM wait per connection, and DYN_KVBM_ZMQ_MAX_PEERS connections.
             sock.setsockopt(zmq.MAXMSGSIZE, REPORT_MAX_BYTES)
             sock.setsockopt(zmq.RCVHWM, REPORT_HWM)
+            limit_receive_buffer(sock)
             cap = PeerCap("report receiver", sock, self._max_peers)
             sock.bind(self._bind)
         except zmq.ZMQError as exc:
@@ -331,20 +334,35 @@ class ZmqReportReceiver:
         for polled in (sock, cap.socket):
             if polled is not None:
                 poller.register(polled, zmq.POLLIN)
+        # libzmq keeps a connection until its queued reports are read, however it was cut: a
+        # churn of connections that queue reports and leave must not outrun this thread.
+        # While more than MAX_BEHIND connections arrived since the socket was last read
+        # empty, new ones are held off (the kernel drops their attempts; the ranks' PUSH
+        # sockets retry and keep their reports meanwhile).
+        accepts_when_empty = 0
         try:
             while not self._stop.is_set():
                 ready = dict(poller.poll(100))
                 if cap.socket in ready:
                     cap.service()
-                if sock in ready:
+                if sock not in ready:
+                    continue
+                for _ in range(REPORTS_PER_TURN):
                     try:
                         report = decode_report(sock.recv(zmq.NOBLOCK))
+                    except zmq.Again:
+                        accepts_when_empty = cap.accept_events
+                        cap.refuse_new = False
+                        break
                     except (ValueError, zmq.ZMQError) as exc:  # must not kill the channel
                         self.malformed += 1
                         self._log.log(logging.ERROR, "malformed", "dropping a completion "
                                       "report: %s", exc)
                         continue
                     self._hub.put(report)
+                else:
+                    if cap.accept_events - accepts_when_empty > MAX_BEHIND:
+                        cap.refuse_new = True
         finally:
             cap.close()
             sock.close(0)
