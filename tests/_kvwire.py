@@ -101,3 +101,18 @@ def recv(sub: zmq.Socket, timeout_ms: int = 5000) -> list[bytes]:
     if not sub.poll(timeout_ms):
         raise AssertionError("no message within deadline")
     return sub.recv_multipart()
+
+
+def wait_all_sent(stats: Callable[[], dict[str, int]], timeout: float = 10.0) -> int:
+    """Wait until a GPU-tier publisher sent (or counted as lost) every batch it accepted, and
+    return how many it sent: a batch ``publish`` deferred to the publisher's service thread
+    (wire/send_gate.py) is accepted at once and sent moments later. ``stats``: the event
+    sink's ``stats`` (``publisher_*`` keys)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        st = stats()
+        if st["publisher_batches_accepted"] == (st["publisher_batches_published"]
+                                                + st["publisher_lost_batches"]):
+            return st["publisher_batches_published"]
+        assert time.monotonic() < deadline, f"batches still unsent: {st}"
+        time.sleep(0.005)  # poll interval of a deadline-bounded wait, not a synchronisation

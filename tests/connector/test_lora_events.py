@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from _kvwire import wait_all_sent
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
@@ -51,7 +52,8 @@ def record(tmp: Path, provide_block_hashes: bool,
         engine.leader.flush_events()
         sink = engine.leader.event_sink
         deadline = time.monotonic() + 20
-        while sub.next_seq != sink.stats()["publisher_batches_published"]:
+        published = wait_all_sent(sink.stats)
+        while sub.next_seq != published:
             assert time.monotonic() < deadline, (sub.next_seq, sink.stats())
             events.extend(e for b in sub.poll(20) for e in b.events)
         return events, sink.stats(), engine.leader.stats()

@@ -157,45 +157,27 @@ def test_an_oversized_message_is_refused_unread_and_reports_still_arrive() -> No
         receiver.close()
 
 
-# Connects as a PUSH, queues 1024 messages of 500 bytes (unreadable as reports), leaves; again.
-_CHURN = """
-import contextlib, sys, time
-sys.path.insert(0, sys.argv[3])
-from _zmtp import RawPeer
-port, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
-while time.monotonic() < end:
-    with contextlib.suppress(OSError):
-        peer = RawPeer("127.0.0.1", port, b"PUSH", timeout=0.2)
-        for _ in range(1024):
-            if not peer.send(b"\\x07" * 500):
-                break
-        peer.close()
-"""
-
-
 def test_a_churn_of_connections_queueing_reports_holds_a_bounded_amount(
         expect_errors) -> None:  # noqa: ANN001  (the junk is logged as malformed)
     """libzmq keeps a connection until what it queued is read: connections that queue all
     they can and leave, faster than the receiver reads, are held off while it is behind."""
-    from pathlib import Path
-
+    import _churn as churn
     from _heap import heap_in_use
 
     port = free_port()
     hub = CompletionHub("report-channel-churn")
     receiver = ZmqReportReceiver(hub, f"tcp://127.0.0.1:{port}")
     before = heap_in_use()
-    churn = subprocess.Popen([sys.executable, "-c", _CHURN, str(port), "3",
-                              str(Path(__file__).resolve().parents[1])])
+    flooder = churn.start("push", port, 3)
     peak = 0
     try:
-        while churn.poll() is None:
+        while flooder.poll() is None:
             peak = max(peak, heap_in_use() - before)
             hub.drain()
             time.sleep(0.01)  # sampling interval, not synchronisation
     finally:
-        churn.kill()
-        churn.wait()
+        flooder.kill()
+        flooder.wait()
     try:
         assert peak < 64 << 20, f"the churn grew the heap by {peak >> 20} MiB"
         with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as rank:

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from _kvwire import wait_all_sent
 from test_dynamo_indexer import (
     CONSOLIDATED_WORKER,
     GPU_WORKER,
@@ -108,7 +109,7 @@ def test_two_adapters_and_the_base_model_stay_apart(indexer: Indexer, tmp_path: 
 
         def published() -> dict[int, int]:
             assert engine.leader.consolidator.wait_idle(10)
-            return {GPU_WORKER: engine.leader.event_sink.stats()["publisher_batches_published"],
+            return {GPU_WORKER: wait_all_sent(engine.leader.event_sink.stats),
                     CONSOLIDATED_WORKER: engine.leader.consolidator.stats()["batches_out"]}
 
         deadline = time.monotonic() + 30

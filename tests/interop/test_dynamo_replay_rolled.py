@@ -48,6 +48,7 @@ def test_dynamo_joining_after_the_buffer_rolled(indexer: Indexer, tmp_path: Path
         before = {to_signed_int64((1 << 40) + i) for i in range(6)}
         # Once the indexer asked for its replay, one more live batch: the indexer applies it
         # after the replay answer (it holds live batches back while a replay runs).
+        deadline = time.monotonic() + 30  # each phase its own bound (a loaded host)
         while pub.stats()["replay_rolled_requests"] < 1:
             assert time.monotonic() < deadline, "the indexer never asked for a replay"
             time.sleep(0.05)  # poll interval

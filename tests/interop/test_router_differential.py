@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 from _feed import Step, compare, feed_indexer, feed_view
+from _kvwire import wait_all_sent
 
 from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin.routers.dynamo_indexer import Indexer
@@ -185,7 +186,7 @@ def _record(tmp: Path, mode: str, salts: tuple[str, ...]) -> dict[str, list[Even
 
         def published() -> dict[str, int]:
             assert engine.leader.consolidator.wait_idle(10)
-            return {"gpu": engine.leader.event_sink.stats()["publisher_batches_published"],
+            return {"gpu": wait_all_sent(engine.leader.event_sink.stats),
                     "consolidated": engine.leader.consolidator.stats()["batches_out"]}
 
         # Batches sent before a SUB listened come from the replay that a later one triggers

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from _kvwire import wait_all_sent
 
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.testing.fake_trtllm import SchedulerOutput
@@ -79,7 +80,7 @@ def test_consolidated_view_equals_gpu_host_disk_truth(tmp_path, monkeypatch,
         truth = set().union(*(ranks[0] for ranks in engine.resident_blocks().values()))
         slow.release()
         assert engine.resident_blocks()["DISK"][0]  # all three tiers took part
-        published = engine.leader.event_sink.stats()["publisher_batches_published"]
+        published = wait_all_sent(engine.leader.event_sink.stats)
         deadline = time.monotonic() + 10
         while True:
             consolidator.wait_idle(1.0)

@@ -11,11 +11,9 @@ caller's thread never waits for the service thread's turn (wire/publisher.py, ``
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
+import _churn as churn
 import pytest
 import zmq
 from _kvwire import decode, recv, wait_until
@@ -23,23 +21,6 @@ from _zmtp import RawPeer
 from test_socket_bounds import TOPIC, _make, _subscriber, heap_in_use
 
 from kvbm_plugin.wire.peers import PeerCap
-
-_TESTS = Path(__file__).resolve().parents[1]
-
-# Connects, sends 200 distinct 159-byte subscriptions that can never match, leaves; again.
-_FLOODER = """
-import contextlib, sys, time
-sys.path.insert(0, sys.argv[3])
-from _zmtp import RawPeer
-port, end, n = int(sys.argv[1]), time.monotonic() + float(sys.argv[2]), 0
-while time.monotonic() < end:
-    with contextlib.suppress(OSError):
-        peer = RawPeer("127.0.0.1", port, b"SUB")
-        for i in range(200):
-            peer.send(b"\\x01" + n.to_bytes(4, "big") + i.to_bytes(4, "big") + b"x" * 150)
-        peer.close()
-        n += 1
-"""
 
 
 @pytest.mark.parametrize("mode", ["caller", "inline"])
@@ -49,8 +30,7 @@ def test_a_churn_of_subscribing_connections_holds_a_bounded_amount(
     owner = _make(mode, tcp, publishers)
     sub = _subscriber(ctx, owner, tcp[0].connect, TOPIC.encode()[:3])
     before = heap_in_use()
-    flooder = subprocess.Popen([sys.executable, "-c", _FLOODER, str(tcp[0].port), "4",
-                                str(_TESTS)])
+    flooder = churn.start("sub", tcp[0].port, 4)
     peak = published = 0
     try:
         while flooder.poll() is None:

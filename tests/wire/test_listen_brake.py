@@ -8,11 +8,9 @@ about 60 KiB per connection until the brake stopped listening while the reader i
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
+import _churn as churn
 import zmq
 from _kvwire import decode, recv, wait_until
 from _zmtp import RawPeer
@@ -20,22 +18,6 @@ from test_socket_bounds import TOPIC, _make, _subscriber, heap_in_use
 
 from kvbm_plugin.wire.events import END_SEQ
 from kvbm_plugin.wire.listen_brake import MAX_BEHIND
-
-_TESTS = Path(__file__).resolve().parents[1]
-
-# Connects, sends 200 replay requests, leaves (a reset: it read nothing), again and again.
-_FLOODER = """
-import contextlib, sys, time
-sys.path.insert(0, sys.argv[3])
-from _zmtp import RawPeer
-port, end = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
-while time.monotonic() < end:
-    with contextlib.suppress(OSError):
-        peer = RawPeer("127.0.0.1", port, b"DEALER")
-        for _ in range(200):
-            peer.send(b"", (0).to_bytes(8, "big"))
-        peer.close()
-"""
 
 
 def _answer(ctx: zmq.Context, address: str, owner, timeout: float = 10.0) -> list[int]:
@@ -63,8 +45,7 @@ def test_a_flood_of_short_replay_connections_holds_a_bounded_amount(ctx, tcp, pu
     owner = _make("caller", tcp, publishers)
     sub = _subscriber(ctx, owner, tcp[0].connect, TOPIC.encode()[:3])
     before = heap_in_use()
-    flooder = subprocess.Popen([sys.executable, "-c", _FLOODER, str(tcp[1].port), "4",
-                                str(_TESTS)])
+    flooder = churn.start("replay", tcp[1].port, 4)
     peak = published = 0
     try:
         while flooder.poll() is None:

@@ -47,6 +47,10 @@ class DiskIO:
         # transfer thread (is there one?) and used by the disk thread only.
         self.tier: OffloadTier | None = None
         self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        # Jobs queued or running: idle() must not say idle while a taken job still runs (a
+        # demotion belongs to no request, so the request counters do not see it).
+        self._unfinished = 0
+        self._unfinished_lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name=f"kvbm-disk-r{rank}",
                                        daemon=True)
         self.thread.start()
@@ -57,14 +61,25 @@ class DiskIO:
               demotion: bool) -> None:
         """Queue ``block`` (a host tensor this job owns) for disk ``slot`` under ``key``;
         ``req_id`` None: a demotion, which no request waits for."""
-        self._jobs.put(("write", op_id, req_id, slot, key, block, demotion))
+        self._put(("write", op_id, req_id, slot, key, block, demotion))
 
     def load(self, copy: LoadCopy, req_id: int) -> None:
         """Queue one disk → device block load of ``req_id``."""
-        self._jobs.put(("load", copy, req_id))
+        self._put(("load", copy, req_id))
 
     def idle(self) -> bool:
-        return self._jobs.empty()
+        """No job queued or running (any thread)."""
+        return self._unfinished == 0
+
+    def _put(self, job: tuple[Any, ...]) -> None:
+        with self._unfinished_lock:
+            self._unfinished += 1
+        self._jobs.put(job)
+
+    def _finished(self) -> None:
+        """A job taken from the queue is done (this object's thread)."""
+        with self._unfinished_lock:
+            self._unfinished -= 1
 
     def stop(self) -> None:
         """After what is queued, the thread ends (``shutdown``, after the transfer thread)."""
@@ -88,6 +103,8 @@ class DiskIO:
             except Exception:
                 self._counters.add(jobs_failed=1)
                 logger.exception("rank %d: disk job failed", self._rank)
+            finally:
+                self._finished()
 
     def _write(self, op_id: int, req_id: int | None, slot: int, key: int, block: Any,
                demotion: bool) -> None:

@@ -97,6 +97,10 @@ class TransferThread:
         self._counters = counters
         self.batch_blocks = copies.batch_blocks  # 0: a job's host copies are one batch
         self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        # Jobs queued or running: idle() must not say idle while a taken job still runs (a
+        # demotion belongs to no request, so the request counters do not see it).
+        self._unfinished = 0
+        self._unfinished_lock = threading.Lock()
         self.thread = threading.Thread(target=self._loop, name=f"kvbm-transfer-r{rank}",
                                        daemon=True)
         self.thread.start()
@@ -104,16 +108,27 @@ class TransferThread:
     # ------------------------------------------------------------ executor thread
 
     def put_loads(self, loads: Sequence[LoadOp]) -> None:
-        self._jobs.put(("load", loads))
+        self._put(("load", loads))
 
     def put_saves(self, meta: ConnectorMetadata, fwd_event: Any,
                   issue: SaveIssue | None) -> None:
         """Queue one iteration's demotions and saves behind ``fwd_event`` (CUDA: recorded at
         the end of its forward; None on CPU); ``issue``: several layer groups only."""
-        self._jobs.put(("save", meta, fwd_event, issue))
+        self._put(("save", meta, fwd_event, issue))
 
     def idle(self) -> bool:
-        return self._jobs.empty()
+        """No job queued or running (any thread)."""
+        return self._unfinished == 0
+
+    def _put(self, job: tuple[Any, ...]) -> None:
+        with self._unfinished_lock:
+            self._unfinished += 1
+        self._jobs.put(job)
+
+    def _finished(self) -> None:
+        """A job taken from the queue is done (this object's thread)."""
+        with self._unfinished_lock:
+            self._unfinished -= 1
 
     def stop(self) -> None:
         """The thread ends after the jobs queued before this (``shutdown``)."""
@@ -140,6 +155,8 @@ class TransferThread:
                 except Exception:  # never lose the thread; the job's ops were failed inside
                     self._counters.add(jobs_failed=1)
                     logger.exception("rank %d: transfer job failed", self._rank)
+                finally:
+                    self._finished()
             if copies.has_pending():
                 copies.fail_overdue(time.monotonic())
         copies.finish_issued()  # the completion thread finishes what was issued, then stops
