@@ -43,7 +43,7 @@ def test_a_churn_of_subscribing_connections_holds_a_bounded_amount(
     finally:
         flooder.kill()
         flooder.wait()
-    assert peak < 32 << 20, f"the flood grew the heap by {peak >> 20} MiB"
+    assert peak < 64 << 20, f"the flood grew the heap by {peak >> 20} MiB"  # as the soak
     got, deadline = 0, time.monotonic() + 30
     while got < published and time.monotonic() < deadline:  # the live stream went on
         owner.tick()

@@ -56,7 +56,7 @@ def test_a_flood_of_short_replay_connections_holds_a_bounded_amount(ctx, tcp, pu
     finally:
         flooder.kill()
         flooder.wait()
-    assert peak < 32 << 20, f"the flood grew the heap by {peak >> 20} MiB"
+    assert peak < 64 << 20, f"the flood grew the heap by {peak >> 20} MiB"  # as the soak
     got = newest = 0
     while got < published:  # the live stream went on
         frames = recv(sub)
