@@ -21,6 +21,7 @@ from kvbm_plugin.connector.metrics import Metrics
 from kvbm_plugin.tiers.base import OffloadTier
 from kvbm_plugin.wire.events import MEDIUM_DISK
 from kvbm_plugin.worker.device_copy import DiskStaging
+from kvbm_plugin.worker.job_queue import JobQueue
 from kvbm_plugin.worker.op_reports import OpReporter
 from kvbm_plugin.worker.request_progress import RequestProgress
 from kvbm_plugin.worker.transfer_counters import TransferCounters
@@ -46,11 +47,7 @@ class DiskIO:
         # Opened by the executor thread when the layout names a disk tier; read by the
         # transfer thread (is there one?) and used by the disk thread only.
         self.tier: OffloadTier | None = None
-        self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        # Jobs queued or running: idle() must not say idle while a taken job still runs (a
-        # demotion belongs to no request, so the request counters do not see it).
-        self._unfinished = 0
-        self._unfinished_lock = threading.Lock()
+        self._jobs = JobQueue()  # counts jobs queued or running (idle())
         self.thread = threading.Thread(target=self._loop, name=f"kvbm-disk-r{rank}",
                                        daemon=True)
         self.thread.start()
@@ -61,36 +58,26 @@ class DiskIO:
               demotion: bool) -> None:
         """Queue ``block`` (a host tensor this job owns) for disk ``slot`` under ``key``;
         ``req_id`` None: a demotion, which no request waits for."""
-        self._put(("write", op_id, req_id, slot, key, block, demotion))
+        self._jobs.put(("write", op_id, req_id, slot, key, block, demotion))
 
     def load(self, copy: LoadCopy, req_id: int) -> None:
         """Queue one disk → device block load of ``req_id``."""
-        self._put(("load", copy, req_id))
+        self._jobs.put(("load", copy, req_id))
 
     def idle(self) -> bool:
         """No job queued or running (any thread)."""
-        return self._unfinished == 0
-
-    def _put(self, job: tuple[Any, ...]) -> None:
-        with self._unfinished_lock:
-            self._unfinished += 1
-        self._jobs.put(job)
-
-    def _finished(self) -> None:
-        """A job taken from the queue is done (this object's thread)."""
-        with self._unfinished_lock:
-            self._unfinished -= 1
+        return self._jobs.idle()
 
     def stop(self) -> None:
         """After what is queued, the thread ends (``shutdown``, after the transfer thread)."""
-        self._jobs.put(("stop",))
+        self._jobs.put_stop()
 
     # ------------------------------------------------------------ disk thread
 
     def _loop(self) -> None:
         while True:
             try:
-                job = self._jobs.get(timeout=0.05)
+                job = self._jobs.get(0.05)
             except queue.Empty:
                 continue
             if job[0] == "stop":
@@ -104,7 +91,7 @@ class DiskIO:
                 self._counters.add(jobs_failed=1)
                 logger.exception("rank %d: disk job failed", self._rank)
             finally:
-                self._finished()
+                self._jobs.done()
 
     def _write(self, op_id: int, req_id: int | None, slot: int, key: int, block: Any,
                demotion: bool) -> None:

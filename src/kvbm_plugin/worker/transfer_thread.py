@@ -42,6 +42,7 @@ from kvbm_plugin.tiers.base import OffloadTier
 from kvbm_plugin.worker.copy_engine import CopyEngine
 from kvbm_plugin.worker.copy_runs import chunked, runs
 from kvbm_plugin.worker.disk_io import DiskIO
+from kvbm_plugin.worker.job_queue import JobQueue
 from kvbm_plugin.worker.layer_group_copies import GroupPages
 from kvbm_plugin.worker.layer_groups import (
     GroupSaveBarrier,
@@ -96,11 +97,7 @@ class TransferThread:
         self._reporter = reporter
         self._counters = counters
         self.batch_blocks = copies.batch_blocks  # 0: a job's host copies are one batch
-        self._jobs: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
-        # Jobs queued or running: idle() must not say idle while a taken job still runs (a
-        # demotion belongs to no request, so the request counters do not see it).
-        self._unfinished = 0
-        self._unfinished_lock = threading.Lock()
+        self._jobs = JobQueue()  # counts jobs queued or running (idle())
         self.thread = threading.Thread(target=self._loop, name=f"kvbm-transfer-r{rank}",
                                        daemon=True)
         self.thread.start()
@@ -108,31 +105,21 @@ class TransferThread:
     # ------------------------------------------------------------ executor thread
 
     def put_loads(self, loads: Sequence[LoadOp]) -> None:
-        self._put(("load", loads))
+        self._jobs.put(("load", loads))
 
     def put_saves(self, meta: ConnectorMetadata, fwd_event: Any,
                   issue: SaveIssue | None) -> None:
         """Queue one iteration's demotions and saves behind ``fwd_event`` (CUDA: recorded at
         the end of its forward; None on CPU); ``issue``: several layer groups only."""
-        self._put(("save", meta, fwd_event, issue))
+        self._jobs.put(("save", meta, fwd_event, issue))
 
     def idle(self) -> bool:
         """No job queued or running (any thread)."""
-        return self._unfinished == 0
-
-    def _put(self, job: tuple[Any, ...]) -> None:
-        with self._unfinished_lock:
-            self._unfinished += 1
-        self._jobs.put(job)
-
-    def _finished(self) -> None:
-        """A job taken from the queue is done (this object's thread)."""
-        with self._unfinished_lock:
-            self._unfinished -= 1
+        return self._jobs.idle()
 
     def stop(self) -> None:
         """The thread ends after the jobs queued before this (``shutdown``)."""
-        self._jobs.put(("stop",))
+        self._jobs.put_stop()
 
     # ------------------------------------------------------------ transfer thread
 
@@ -141,7 +128,7 @@ class TransferThread:
         copies = self._copies
         while True:
             try:
-                job = self._jobs.get(timeout=0.05)
+                job = self._jobs.get(0.05)
             except queue.Empty:
                 job = None
             if job is not None:
@@ -156,7 +143,7 @@ class TransferThread:
                     self._counters.add(jobs_failed=1)
                     logger.exception("rank %d: transfer job failed", self._rank)
                 finally:
-                    self._finished()
+                    self._jobs.done()
             if copies.has_pending():
                 copies.fail_overdue(time.monotonic())
         copies.finish_issued()  # the completion thread finishes what was issued, then stops
