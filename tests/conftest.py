@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import zmq
 
+from kvbm_plugin.wire.conn_watch import WATCH
+
 _OWN_BASETEMP = "_kvbm_own_basetemp"
 
 
@@ -59,6 +61,7 @@ def ctx() -> Iterator[zmq.Context]:
     """A private ZMQ context; every socket made from it is closed (linger 0) after the test."""
     context = _KeepingContext()
     yield context
+    WATCH.release(context)  # monitors of caps a failed test left open: the watch lets go first
     for sock in context.made:
         sock.close(linger=0)
     context.destroy(linger=0)

@@ -4,8 +4,9 @@ libzmq records every subscription a manual XPUB is sent in a per-connection trie
 nodes for a 159-byte one) before the guard reads it, and walks the whole trie each time a
 connection ends; an outsider in another process outran the reader, and the publisher grew by
 over 1 GiB in 11 s while its service thread spent seconds in libzmq. While the guard is behind,
-the kernel now drops new connection attempts (wire/peers.py, ``PeerCap.refuse_new``), and the
-caller's thread never waits for the service thread's turn (wire/publisher.py, ``publish``).
+the kernel now drops new connection attempts (wire/peers.py, ``PeerCap.refuse_new``), set by
+the connection watch's thread as connections arrive (wire/conn_watch.py), and the caller's
+thread never waits for the service thread's turn (wire/publisher.py, ``publish``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from _kvwire import decode, recv, wait_until
 from _zmtp import RawPeer
 from test_socket_bounds import TOPIC, _make, _subscriber, heap_in_use
 
+from kvbm_plugin.wire.guard import MAX_UNREAD, SubscriptionGuard
 from kvbm_plugin.wire.peers import PeerCap
 
 
@@ -61,7 +63,7 @@ def test_while_the_owner_is_behind_the_kernel_drops_new_connection_attempts(ctx)
     cap = PeerCap("t", pub, 4)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     try:
-        wait_until(lambda: (cap.service(), bool(cap._listening))[1], what="the listener")
+        wait_until(lambda: bool(cap._listening), what="the listener")
 
         def connects(timeout: float) -> bool:
             with socket.socket() as probe:
@@ -93,7 +95,7 @@ def test_a_turn_stuck_in_libzmq_is_broken_by_the_watch(ctx) -> None:
     subscriber = RawPeer("127.0.0.1", port, b"SUB")
     outsider = RawPeer("127.0.0.1", port, b"SUB")
     try:
-        wait_until(lambda: (cap.service(), cap.live)[1] == 2 and bool(cap._listening),
+        wait_until(lambda: cap.live == 2 and bool(cap._listening),
                    what="both connections seen")
         mine = subscriber.sock.getsockname()
         kept.update(fd for fd, address in cap.connections() if address == mine)
@@ -111,3 +113,39 @@ def test_a_turn_stuck_in_libzmq_is_broken_by_the_watch(ctx) -> None:
         subscriber.close()
         outsider.close()
         cap.close()
+
+
+def test_the_watch_holds_a_churn_off_while_the_owner_never_reads(ctx) -> None:
+    """Deterministic: the guarded XPUB's owner takes no turn at all (as when it is stuck in
+    libzmq or waiting for the GIL); once more than MAX_UNREAD connections arrived, the
+    connection watch (wire/conn_watch.py) holds new ones off and cuts those that are not
+    subscribers. Before, the owner read its own connection events, so nothing happened until
+    its next turn, by which time libzmq had taken in all those connections sent."""
+    guard = SubscriptionGuard("t", b"kv@a")
+    pub = ctx.socket(zmq.XPUB)
+    guard.configure(pub)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    peers: list[RawPeer] = []
+    try:
+        attempts = 0
+        while attempts < MAX_UNREAD + 40:
+            attempts += 1
+            try:
+                peers.append(RawPeer("127.0.0.1", port, b"SUB", timeout=0.5))
+            except TimeoutError:  # no handshake: the kernel dropped the SYN
+                break
+            except OSError:  # cut at accept, after the hold-off began
+                continue
+        assert MAX_UNREAD < attempts < MAX_UNREAD + 40
+        stats = guard.stats()
+        assert stats["connections_paused"] == 1 and stats["connections_cut_while_stuck"] >= 1
+        assert all(peer.cut(2.0) for peer in peers[:MAX_UNREAD])
+    finally:
+        for peer in peers:
+            peer.close()
+    # The owner's first turn finds nothing to read: connections are let in again.
+    wait_until(lambda: not guard.service(pub) and not guard.stats()["connections_live"],
+               what="caught up")
+    again = RawPeer("127.0.0.1", port, b"SUB")
+    again.close()
+    guard.close()

@@ -320,7 +320,12 @@ class ZmqReportReceiver:
             sock.setsockopt(zmq.MAXMSGSIZE, REPORT_MAX_BYTES)
             sock.setsockopt(zmq.RCVHWM, REPORT_HWM)
             limit_receive_buffer(sock)
-            cap = PeerCap("report receiver", sock, self._max_peers)
+            # libzmq keeps a connection until its queued reports are read, however it was
+            # cut: a churn of connections that queue reports and leave must not outrun this
+            # thread. While more than MAX_BEHIND connections arrived since the socket was last
+            # read empty, new ones are held off (the kernel drops their attempts; the ranks'
+            # PUSH sockets retry and keep their reports meanwhile).
+            cap = PeerCap("report receiver", sock, self._max_peers, max_unread=MAX_BEHIND)
             sock.bind(self._bind)
         except zmq.ZMQError as exc:
             self._error = exc
@@ -331,28 +336,16 @@ class ZmqReportReceiver:
             return
         self._ready.set()
         poller = zmq.Poller()
-        for polled in (sock, cap.socket):
-            if polled is not None:
-                poller.register(polled, zmq.POLLIN)
-        # libzmq keeps a connection until its queued reports are read, however it was cut: a
-        # churn of connections that queue reports and leave must not outrun this thread.
-        # While more than MAX_BEHIND connections arrived since the socket was last read
-        # empty, new ones are held off (the kernel drops their attempts; the ranks' PUSH
-        # sockets retry and keep their reports meanwhile).
-        accepts_when_empty = 0
+        poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                ready = dict(poller.poll(100))
-                if cap.socket in ready:
-                    cap.service()
-                if sock not in ready:
+                if not poller.poll(100):
                     continue
                 for _ in range(REPORTS_PER_TURN):
                     try:
                         report = decode_report(sock.recv(zmq.NOBLOCK))
                     except zmq.Again:
-                        accepts_when_empty = cap.accept_events
-                        cap.refuse_new = False
+                        cap.caught_up()
                         break
                     except (ValueError, zmq.ZMQError) as exc:  # must not kill the channel
                         self.malformed += 1
@@ -360,9 +353,6 @@ class ZmqReportReceiver:
                                       "report: %s", exc)
                         continue
                     self._hub.put(report)
-                else:
-                    if cap.accept_events - accepts_when_empty > MAX_BEHIND:
-                        cap.refuse_new = True
         finally:
             cap.close()
             sock.close(0)

@@ -31,7 +31,10 @@ them or disconnects. So the guard:
   holds new ones off until it has caught up (:meth:`SubscriptionGuard._shed`; the kernel
   drops their attempts, :attr:`kvbm_plugin.wire.peers.PeerCap.refuse_new`): libzmq takes a
   connection's subscriptions in as they arrive, however far behind this reader is, and a
-  churn of short connections would otherwise outrun the reader.
+  churn of short connections would otherwise outrun the reader. The connection watch's
+  thread does the same, without waiting for this reader's turn, once more than
+  :data:`MAX_UNREAD` connections arrived since a turn last found the socket empty, or when a
+  turn is stuck in libzmq (``wire/conn_watch.py``).
 
 The bound: at most ``max_peers`` connections, each holding at most the topic's
 ``len(topic) + 1`` prefixes and ``max_refused`` other subscriptions of at most
@@ -63,6 +66,10 @@ logger = logging.getLogger(__name__)
 SUBSCRIPTION_HWM = 4  # RCVHWM of a guarded XPUB: subscription messages queued per connection
 MAX_REFUSED_PER_PEER = 16  # distinct non-matching subscriptions a connection may hold
 PER_TURN = 256  # subscription messages read per service call
+# Connections that may arrive between two turns that read the socket empty; more is a flood:
+# new ones are held off and those not yet subscribers cut (PeerCap.hold_off, on the connection
+# watch's thread, so within one of its wake-ups whatever this socket's owner is doing).
+MAX_UNREAD = 16
 BACKLOG_TURNS = 1  # service calls in a row that find a full turn waiting: a flood (see _shed)
 MAX_PEERS = 64  # connections a guarded socket keeps (DYN_KVBM_ZMQ_MAX_PEERS)
 REPLAY_REQUEST_BYTES = 64  # MAXMSGSIZE of a replay ROUTER (a request frame is 8 bytes)
@@ -131,13 +138,7 @@ class SubscriptionGuard:
         sock.setsockopt(zmq.RCVHWM, SUBSCRIPTION_HWM)
         limit_receive_buffer(sock)
         self._cap = PeerCap(self._owner, sock, self._max_peers, on_gone=self._forget,
-                            keep=self._subscribers)
-
-    @property
-    def sockets(self) -> list[zmq.Socket]:
-        """What the owner polls besides the XPUB itself: the connection monitor."""
-        cap = self._cap
-        return [] if cap is None or cap.socket is None else [cap.socket]
+                            keep=self._subscribers, max_unread=MAX_UNREAD)
 
     def close(self) -> None:
         """Stop the connection monitor (before the XPUB closes; on the owning thread)."""
@@ -158,9 +159,9 @@ class SubscriptionGuard:
         }
 
     def service(self, sock: zmq.Socket) -> bool:
-        """Read connection events, then up to ``per_turn`` subscription messages (never
-        blocks); True when a budget ran out, so more may be waiting (call again soon). Called
-        by the owning thread; the turn is marked for the turn watch (wire/turn_watch.py)."""
+        """Read up to ``per_turn`` subscription messages (never blocks); True when the
+        budget ran out, so more may be waiting (call again soon). Called by the owning thread;
+        the turn is marked for the connection watch (wire/conn_watch.py)."""
         cap = self._cap
         if cap is None:
             return self._turn(sock, None)
@@ -177,15 +178,14 @@ class SubscriptionGuard:
                 if peer.applied and not peer.refused and not peer.cut}
 
     def _turn(self, sock: zmq.Socket, cap: PeerCap | None) -> bool:
-        more = cap is not None and cap.service()
         for _ in range(self._per_turn):
             try:
                 frame = sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 self._backlog = 0
                 if cap is not None:
-                    cap.refuse_new = False
-                return more
+                    cap.caught_up()
+                return False
             self._one(sock, frame)
         self._backlog += 1
         if self._backlog >= BACKLOG_TURNS:
@@ -203,7 +203,7 @@ class SubscriptionGuard:
         cap = self._cap
         if cap is None:
             return
-        cap.refuse_new = True  # until a turn finds nothing left to read
+        cap.refuse_new = True  # until a turn finds nothing left to read (caught_up)
         for fd, address in cap.connections():
             peer = self._peers.get(fd)
             if peer is not None and peer.address == address and (

@@ -14,11 +14,12 @@ socket's receive buffer, which :func:`limit_receive_buffer` sets) and then the e
 closes the fd and frees what it held for that peer.
 
 Who calls what: the thread that owns the socket creates the :class:`PeerCap` (after the socket's
-options are set), polls :attr:`PeerCap.socket` with the socket's other inputs, calls
-:meth:`PeerCap.service` when it is readable (or on every turn) and :meth:`PeerCap.close` before
-closing the socket. The monitor socket must be read: libzmq's I/O thread waits when its queue
-is full (``src/socket_base.cpp``, ``monitor_event`` sends blocking), so a caller that stops
-reading it stalls every socket of the context.
+options are set) and calls :meth:`PeerCap.close` before closing the socket; when a read finds the
+socket empty it calls :meth:`PeerCap.caught_up`. The connection events are read by the
+process's connection-watch thread (:mod:`kvbm_plugin.wire.conn_watch`), never by the owner: an
+owner's turn can stay inside libzmq for seconds while connections keep arriving. The monitor
+socket must be read: libzmq's I/O thread waits when its queue is full (``src/socket_base.cpp``,
+``monitor_event`` sends blocking), so a monitor nobody reads stalls every socket of the context.
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin._util.saferepr import saferepr
-from kvbm_plugin.wire.turn_watch import WATCH
+from kvbm_plugin.wire.conn_watch import WATCH
 
 logger = logging.getLogger(__name__)
 
-RCVBUF_BYTES = 16384  # SO_RCVBUF of a guarded socket's connections (Linux doubles it)
+RCVBUF_BYTES = 4096  # SO_RCVBUF of a guarded socket's connections (Linux doubles it)
 EVENTS_PER_CALL = 1024  # monitor events read per service call (each a few bytes)
 _EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_LISTENING
            | zmq.EVENT_CLOSED)  # LISTENING, CLOSED: the listening socket's fd
@@ -162,18 +163,25 @@ class PeerCap:
     """Keeps at most ``max_peers`` connections on ``sock`` (module docstring).
 
     ``on_gone(fd)`` is called for every connection that closes (so per-connection state can be
-    forgotten). Counters: ``accepted``, ``refused`` (cut at accept, over the cap), ``closed``,
-    ``accept_events`` (every accept event, for connections gone before it was read too).
+    forgotten; on the connection-watch thread). ``max_unread``: while more connections than
+    this arrived since the owner last read the socket empty (:meth:`caught_up`), new ones are
+    held off (:meth:`hold_off`). ``keep``: the fds of the connections the owner keeps (its
+    subscribers); a hold-off cuts the others. Counters: ``accepted``, ``refused`` (cut at
+    accept), ``closed``, ``accept_events`` (every accept event, for connections gone before it
+    was read too).
     """
 
     def __init__(self, owner: str, sock: zmq.Socket, max_peers: int,
                  on_gone: Callable[[int], None] | None = None,
-                 keep: Callable[[], set[int]] | None = None) -> None:
+                 keep: Callable[[], set[int]] | None = None,
+                 max_unread: int | None = None) -> None:
         self._owner = owner
         self._sock = sock
         self._max = max_peers
         self._on_gone = on_gone
-        self._live: dict[int, object] = {}  # fd -> peer address
+        self._keep = keep
+        self._max_unread = max_unread
+        self._live: dict[int, object] = {}  # fd -> peer address (the watch thread's)
         self._log = RateLimitedLog(logger)
         self.accepted = 0
         self.refused = 0
@@ -181,23 +189,19 @@ class PeerCap:
         # Every ACCEPTED event, a connection already gone when read included (a peer that
         # resets at once still leaves libzmq its queued messages to read: wire/listen_brake.py).
         self.accept_events = 0
+        self._accepts_when_empty = 0  # accept_events when the owner last read it empty
         self._refuse_new = False
         self._hold_lock = threading.Lock()
         self._listening: set[int] = set()  # the socket's listening fds (LISTENING events)
         self.pauses = 0  # times new connections were held off (refuse_new set)
-        # With ``keep`` (the fds of the connections the owner keeps: its subscribers), the turn
-        # watch (wire/turn_watch.py) holds new connections off and cuts the others when the
-        # owner is stuck in a turn; the owner marks its turns (turn_started, turn_ended).
-        self.turn_since: float | None = None
-        self._keep = keep
-        self.stuck_cuts = 0
-        if keep is not None:
-            WATCH.watch(self)
-        self.socket: zmq.Socket | None = sock.get_monitor_socket(_EVENTS)
+        self.turn_since: float | None = None  # the owner's turn in progress (turn_started)
+        self.stuck_cuts = 0  # connections cut by a hold-off (not kept by the owner)
+        self.monitor: zmq.Socket | None = sock.get_monitor_socket(_EVENTS)
+        WATCH.add(self)
 
     @property
     def refuse_new(self) -> bool:
-        """Set by the owner while it is behind (a flood); cleared once it caught up."""
+        """Set while the owner is behind (a flood); cleared once it caught up."""
         return self._refuse_new
 
     @refuse_new.setter
@@ -209,7 +213,7 @@ class PeerCap:
         (TCP resends its SYN; ZMQ reconnects) and get in once the filter is gone."""
         if value == self._refuse_new:
             return
-        with self._hold_lock:  # the owner's thread and the turn watch's both set it
+        with self._hold_lock:  # the owner's thread and the watch thread's both set it
             if value == self._refuse_new:
                 return
             self._refuse_new = value
@@ -246,12 +250,25 @@ class PeerCap:
     def turn_ended(self) -> None:
         self.turn_since = None
 
-    def on_stuck(self) -> None:
-        """The turn watch's thread: the owner's turn is stuck in libzmq. Hold new connections
-        off, and cut every connection accepted on this socket's TCP ports that the owner does
-        not keep (found among the process's fds: the owner cannot read the monitor now)."""
+    def caught_up(self) -> None:
+        """The owner read the socket and found nothing left (its thread): connections are
+        let in again and counted from here."""
+        self._accepts_when_empty = self.accept_events
+        self.refuse_new = False
+
+    def hold_off(self, why: str) -> None:
+        """Hold new connections off until :meth:`caught_up`; with ``keep``, also cut every
+        connection accepted on this socket's TCP ports that the owner does not keep (found
+        among the process's fds: libzmq may have accepted some whose events are not read
+        yet). On the watch thread (a flood, a stuck turn) or the owner's."""
+        if self.refuse_new:
+            return
         self.refuse_new = True
-        keep = self._keep() if self._keep is not None else set()
+        self._log.log(logging.WARNING, "peer-hold", "%s: holding new connections off: %s",
+                      self._owner, why)
+        if self._keep is None:
+            return
+        keep = self._keep()
         ports = set()
         for fd in list(self._listening):
             sock = _borrow(fd)
@@ -278,10 +295,10 @@ class PeerCap:
             if cut_connection(fd, address):
                 self.stuck_cuts += 1
 
-    def service(self) -> bool:
-        """Read up to :data:`EVENTS_PER_CALL` connection events (never blocks); True when
-        more may be waiting."""
-        monitor = self.socket
+    def read_events(self) -> bool:
+        """Read up to :data:`EVENTS_PER_CALL` connection events (never blocks; the watch
+        thread's alone); True when more may be waiting."""
+        monitor = self.monitor
         if monitor is None:
             return False
         for _ in range(EVENTS_PER_CALL):
@@ -299,9 +316,12 @@ class PeerCap:
                 self._listening.discard(fd)
             elif event["event"] == zmq.EVENT_ACCEPTED:
                 self.accept_events += 1
-                if self._keep is not None:
-                    WATCH.arm()
+                WATCH.arm()
                 self._accept(fd)
+                if (self._max_unread is not None and not self.refuse_new
+                        and self.accept_events - self._accepts_when_empty > self._max_unread):
+                    self.hold_off(f"{self.accept_events - self._accepts_when_empty} "
+                                  "connections arrived since it was last read empty")
             elif event["event"] == zmq.EVENT_DISCONNECTED and self._live.pop(fd, None):
                 self.closed += 1
                 if self._on_gone is not None:
@@ -309,10 +329,13 @@ class PeerCap:
         return True
 
     def close(self) -> None:
-        """Stop monitoring and close the monitor socket (before ``sock`` closes); idempotent."""
-        monitor, self.socket = self.socket, None
+        """Stop monitoring and close the monitor socket (the owner, before ``sock`` closes);
+        idempotent."""
+        monitor = self.monitor
         if monitor is None:
             return
+        WATCH.remove(self)  # the watch thread no longer touches the monitor from here
+        self.monitor = None
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
         monitor.close(linger=0)

@@ -472,8 +472,6 @@ class ZmqEventPublisher(EventPublisher):
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._pub_fd, zmq.POLLIN)
-        for sock in self._monitors():  # connection monitors (this thread's alone)
-            poller.register(sock, zmq.POLLIN)
         if self._replay.router is not None:
             poller.register(self._replay.router, zmq.POLLIN)
         try:
@@ -520,17 +518,11 @@ class ZmqEventPublisher(EventPublisher):
 
     @property
     def sockets_to_poll(self) -> list[zmq.Socket]:
-        """Inline mode: the XPUB (subscriptions), the replay ROUTER and their connection
-        monitors, for the owner to poll (empty otherwise); when one is readable the owner
-        calls :meth:`service_replay`."""
+        """Inline mode: the XPUB (subscriptions) and the replay ROUTER, for the owner to poll
+        (empty otherwise); when one is readable the owner calls :meth:`service_replay`."""
         if not self._inline or self._pub is None:
             return []
-        return [s for s in (self._pub, self._replay.router) if s is not None] + self._monitors()
-
-    def _monitors(self) -> list[zmq.Socket]:
-        """The connection monitors of the XPUB and the replay ROUTER (polled by their owner)."""
-        monitor = self._replay.monitor
-        return [*self._guard.sockets, *([monitor] if monitor is not None else [])]
+        return [s for s in (self._pub, self._replay.router) if s is not None]
 
     @property
     def replay_busy(self) -> bool:
@@ -628,8 +620,6 @@ class ZmqEventPublisher(EventPublisher):
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(pub, zmq.POLLIN)  # subscriptions (this thread owns the XPUB)
-        for sock in self._monitors():  # and the connection monitors
-            poller.register(sock, zmq.POLLIN)
         if self._replay.router is not None:
             poller.register(self._replay.router, zmq.POLLIN)
         busy = True

@@ -2,16 +2,17 @@
 
 One :class:`ReplayEndpoint` per ``ZmqEventPublisher`` with a replay endpoint. It owns the ROUTER
 and three collaborators: the connection cap (``wire/peers.py``: at most ``max_peers``
-connections), the listen brake (``wire/listen_brake.py``: no listening while the reader is
-behind a flood of connections) and the answers (``wire/replay_server.py``: bounded,
+connections; while more than ``MAX_BEHIND`` arrived since the reader last found it empty, the
+kernel drops new ones, as soon as the connection watch reads them), the listen brake
+(``wire/listen_brake.py``: no listening while the reader is behind a flood of connections, for
+endpoints the kernel filter does not cover) and the answers (``wire/replay_server.py``: bounded,
 incremental, never blocking).
 
 Who calls what: the thread that owns the publisher's sockets (the publisher thread, the service
 thread of ``sends="caller"``, or an inline owner's thread) calls :meth:`ReplayEndpoint.open`,
-polls :attr:`ReplayEndpoint.router` and :attr:`ReplayEndpoint.monitor`, calls
-:meth:`ReplayEndpoint.service` when either is readable and every few milliseconds while
-:attr:`ReplayEndpoint.busy`, and :meth:`ReplayEndpoint.close` at shutdown. :meth:`stats` is read
-from any thread (snapshots).
+polls :attr:`ReplayEndpoint.router`, calls :meth:`ReplayEndpoint.service` when it is readable
+and every few milliseconds while :attr:`ReplayEndpoint.busy`, and :meth:`ReplayEndpoint.close`
+at shutdown. :meth:`stats` is read from any thread (snapshots).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import zmq
 
 from kvbm_plugin.wire.access import Allowlist
 from kvbm_plugin.wire.guard import harden_router
-from kvbm_plugin.wire.listen_brake import ListenBrake
+from kvbm_plugin.wire.listen_brake import MAX_BEHIND, ListenBrake
 from kvbm_plugin.wire.peers import PeerCap
 from kvbm_plugin.wire.replay_server import PEER_HWM, ReplayServer
 
@@ -45,7 +46,7 @@ class ReplayEndpoint:
         router.setsockopt(zmq.LINGER, 0)
         harden_router(router)
         allowlist.configure(router)
-        self._cap = PeerCap(self._name, router, self._max_peers)
+        self._cap = PeerCap(self._name, router, self._max_peers, max_unread=MAX_BEHIND)
         # A vanished requester raises EHOSTUNREACH, a full queue EAGAIN, instead of the
         # message being dropped silently.
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -56,11 +57,6 @@ class ReplayEndpoint:
         return router
 
     @property
-    def monitor(self) -> zmq.Socket | None:
-        """The ROUTER's connection monitor, polled with it (None before open, after close)."""
-        return None if self._cap is None else self._cap.socket
-
-    @property
     def busy(self) -> bool:
         """Answers or stalled peers need timed turns, or the ROUTER waits to listen again."""
         return self.router is not None and (
@@ -68,14 +64,14 @@ class ReplayEndpoint:
 
     def service(self, buffer: collections.deque[tuple[int, bytes]], *,
                 shared: bool = False) -> None:
-        """Read connection events, take requests, move answers on (non-blocking, bounded);
-        ``shared``: another thread appends to ``buffer`` meanwhile."""
+        """Take requests, move answers on (non-blocking, bounded); ``shared``: another thread
+        appends to ``buffer`` meanwhile."""
         router = self.router
         if router is None:
             return
-        if self._cap is not None:
-            self._cap.service()
         empty = self.server.service(router, buffer, shared=shared)
+        if empty and self._cap is not None:
+            self._cap.caught_up()
         if self._brake is not None:
             self._brake.after_read(empty)
 
