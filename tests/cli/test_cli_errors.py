@@ -21,6 +21,7 @@ import pytest
 from _kvwire import free_port
 
 from kvbm_plugin import consolidator_config as cc
+from kvbm_plugin.settings.variables import ENV_VARS_BY_NAME, LEADER_ZMQ_PUB_PORT
 
 
 def _env(**variables: str) -> dict[str, str]:
@@ -444,11 +445,22 @@ def test_an_expired_demo_timeout_is_one_line_and_status_1(capsys, monkeypatch) -
     assert line.startswith("kvbm-plugin demo: the run did not finish")
 
 
+def _busy_socket() -> socket.socket:
+    """A listening socket on an ephemeral port other than the leader's default port (56001,
+    inside Linux's ephemeral range): on that one the demo's output would collide with the
+    leader's port, a configuration error (status 2), before any bind."""
+    while True:
+        busy = socket.socket()
+        busy.bind(("0.0.0.0", 0))
+        if busy.getsockname()[1] != int(ENV_VARS_BY_NAME[LEADER_ZMQ_PUB_PORT].default or 0):
+            busy.listen()
+            return busy
+        busy.close()
+
+
 @pytest.mark.parametrize("command", ["demo", "consolidate", "sidecar"])
 def test_a_busy_port_is_status_1_in_every_command(command: str, capsys, monkeypatch) -> None:  # noqa: ANN001
-    with socket.socket() as busy:
-        busy.bind(("0.0.0.0", 0))
-        busy.listen()
+    with _busy_socket() as busy:
         port = str(busy.getsockname()[1])
         args = {"demo": ["demo", "--no-progress"], "consolidate": ["consolidate"],
                 "sidecar": ["sidecar", "--url", "http://127.0.0.1:9", "--block-size", "16"]}

@@ -31,6 +31,12 @@ _HANDED_OUT: OrderedDict[int, None] = OrderedDict()
 _HANDED_OUT_CAP = 4096
 
 
+# The plugin's default ports (the leader's 56001 and its consolidated output's 57001) lie in
+# Linux's ephemeral range: a test handed one of them would collide with a default, a
+# configuration error, instead of testing what it meant to.
+_DEFAULT_PORTS = frozenset({56001, 57001})
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` now (the kernel's choice), never one this process was
     handed lately. Another process may still take it before the caller binds it:
@@ -39,7 +45,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
             probe.bind((host, 0))
             port = int(probe.getsockname()[1])
-        if port not in _HANDED_OUT:
+        if port not in _HANDED_OUT and port not in _DEFAULT_PORTS:
             _HANDED_OUT[port] = None
             if len(_HANDED_OUT) > _HANDED_OUT_CAP:
                 _HANDED_OUT.popitem(last=False)  # the oldest
