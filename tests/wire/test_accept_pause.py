@@ -11,6 +11,7 @@ thread never waits for the service thread's turn (wire/publisher.py, ``publish``
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import time
 
@@ -149,3 +150,38 @@ def test_the_watch_holds_a_churn_off_while_the_owner_never_reads(ctx) -> None:
     again = RawPeer("127.0.0.1", port, b"SUB")
     again.close()
     guard.close()
+
+
+def test_connection_probes_never_lock_an_idle_owner_out(ctx, tcp, publishers) -> None:
+    """A health checker's TCP probes (connect, close, no handshake) on an idle consolidated
+    output whose owner takes a turn only when one of its polled fds is readable (as the
+    consolidator's loop does): more than MAX_UNREAD of them make the watch hold new connections
+    off, and the watch's wake-up gives the owner the turn that lets them in again, so a router
+    joins. (Without that wake-up nothing was readable, and the hold stayed.)"""
+    owner = _make("inline", tcp, publishers)
+    pub = owner.pub
+    poller = zmq.Poller()
+    for polled in pub.sockets_to_poll:
+        poller.register(polled, zmq.POLLIN)
+
+    def turn(timeout_ms: int) -> None:
+        if poller.poll(timeout_ms) or pub.replay_busy:
+            pub.service_replay()
+
+    for _ in range(MAX_UNREAD + 24):
+        with socket.socket() as probe:
+            probe.settimeout(0.2)
+            with contextlib.suppress(OSError):  # held off: the SYN got no answer
+                probe.connect(("127.0.0.1", tcp[0].port))
+    wait_until(lambda: (turn(20), pub.stats()["connections_paused"] >= 1)[1],
+               what="the probes to be held off")
+    wait_until(lambda: (turn(20), not pub._guard._cap.refuse_new)[1], what="the hold lifted")
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(tcp[0].connect)
+    deadline = time.monotonic() + 10
+    while not sub.poll(0) and time.monotonic() < deadline:
+        turn(20)
+        owner.publish(1)
+    assert sub.poll(0), "the router never joined"

@@ -337,10 +337,12 @@ class ZmqReportReceiver:
         self._ready.set()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(cap.signal_fd, zmq.POLLIN)  # connection events: a turn frees them
         try:
             while not self._stop.is_set():
                 if not poller.poll(100):
                     continue
+                cap.drain()
                 for _ in range(REPORTS_PER_TURN):
                     try:
                         report = decode_report(sock.recv(zmq.NOBLOCK))

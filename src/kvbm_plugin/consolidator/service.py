@@ -153,7 +153,7 @@ class KvEventConsolidator(StreamIngest):
         self._publisher = publisher
         self._owns_publisher = publisher is None
         self._inline_output = False  # the ingest thread owns the output publisher's sockets
-        self._inline_sockets: list[zmq.Socket] = []  # its sockets the ingest thread polls
+        self._inline_sockets: list[zmq.Socket | int] = []  # its sockets the ingest thread polls
         self._shutdown_deadline = math.inf
         self._ctx = context if context is not None else zmq.Context.instance()
         self._replay_timeout = replay_timeout

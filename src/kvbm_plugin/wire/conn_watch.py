@@ -60,6 +60,13 @@ class ConnWatch:
     """The process's connection-watch thread (module docstring); started on the first add."""
 
     def __init__(self) -> None:
+        self._fresh()
+        # A child forked from a process whose thread ran has no such thread: start anew there
+        # (its caps are its parent's, whose sockets a child cannot use anyway).
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=self._fresh)
+
+    def _fresh(self) -> None:
         self._caps: set[Watched] = set()
         self._lock = threading.Lock()  # _caps, the thread's start
         # The thread's passes over the sockets, counted: remove() waits for the pass in

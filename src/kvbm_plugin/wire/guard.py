@@ -69,7 +69,7 @@ PER_TURN = 256  # subscription messages read per service call
 # Connections that may arrive between two turns that read the socket empty; more is a flood:
 # new ones are held off and those not yet subscribers cut (PeerCap.hold_off, on the connection
 # watch's thread, so within one of its wake-ups whatever this socket's owner is doing).
-MAX_UNREAD = 16
+MAX_UNREAD = 8
 BACKLOG_TURNS = 1  # service calls in a row that find a full turn waiting: a flood (see _shed)
 MAX_PEERS = 64  # connections a guarded socket keeps (DYN_KVBM_ZMQ_MAX_PEERS)
 REPLAY_REQUEST_BYTES = 64  # MAXMSGSIZE of a replay ROUTER (a request frame is 8 bytes)
@@ -140,6 +140,13 @@ class SubscriptionGuard:
         self._cap = PeerCap(self._owner, sock, self._max_peers, on_gone=self._forget,
                             keep=self._subscribers, max_unread=MAX_UNREAD)
 
+    @property
+    def sockets(self) -> list[int]:
+        """What the owner polls besides the XPUB itself: the connection watch's wake-up fd
+        (readable after connection events; then call :meth:`service`)."""
+        cap = self._cap
+        return [] if cap is None or cap.signal_fd < 0 else [cap.signal_fd]
+
     def close(self) -> None:
         """Stop the connection monitor (before the XPUB closes; on the owning thread)."""
         if self._cap is not None:
@@ -165,6 +172,7 @@ class SubscriptionGuard:
         cap = self._cap
         if cap is None:
             return self._turn(sock, None)
+        cap.drain()
         cap.turn_started()
         try:
             return self._turn(sock, cap)

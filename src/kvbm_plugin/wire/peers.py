@@ -14,10 +14,13 @@ socket's receive buffer, which :func:`limit_receive_buffer` sets) and then the e
 closes the fd and frees what it held for that peer.
 
 Who calls what: the thread that owns the socket creates the :class:`PeerCap` (after the socket's
-options are set) and calls :meth:`PeerCap.close` before closing the socket; when a read finds the
-socket empty it calls :meth:`PeerCap.caught_up`. The connection events are read by the
+options are set), polls :attr:`PeerCap.signal_fd` with the socket and, when it is readable, calls
+:meth:`PeerCap.drain` and takes a turn on the socket (libzmq attaches and frees connections only
+inside a call on it); when a read finds the socket empty it calls :meth:`PeerCap.caught_up`, and
+it calls :meth:`PeerCap.close` before closing the socket. The connection events are read by the
 process's connection-watch thread (:mod:`kvbm_plugin.wire.conn_watch`), never by the owner: an
-owner's turn can stay inside libzmq for seconds while connections keep arriving. The monitor
+owner's turn can stay inside libzmq for seconds while connections keep arriving; that thread
+signals the owner through ``signal_fd`` after each batch of events it read. The monitor
 socket must be read: libzmq's I/O thread waits when its queue is full (``src/socket_base.cpp``,
 ``monitor_event`` sends blocking), so a monitor nobody reads stalls every socket of the context.
 """
@@ -197,7 +200,28 @@ class PeerCap:
         self.turn_since: float | None = None  # the owner's turn in progress (turn_started)
         self.stuck_cuts = 0  # connections cut by a hold-off (not kept by the owner)
         self.monitor: zmq.Socket | None = sock.get_monitor_socket(_EVENTS)
+        # The owner's wake-up: a byte after each batch of connection events (a pipe: the owner
+        # polls it with its socket; the watch thread never blocks on it).
+        self._signal_r, self._signal_w = os.pipe()
+        os.set_blocking(self._signal_r, False)
+        os.set_blocking(self._signal_w, False)
         WATCH.add(self)
+
+    @property
+    def signal_fd(self) -> int:
+        """Readable after connection events (the owner polls it; -1 once closed)."""
+        return self._signal_r
+
+    def drain(self) -> None:
+        """The owner's thread, when :attr:`signal_fd` is readable: take the wake-ups."""
+        if self._signal_r >= 0:
+            with contextlib.suppress(BlockingIOError, OSError):
+                while os.read(self._signal_r, 4096):
+                    pass
+
+    def _signal(self) -> None:
+        with contextlib.suppress(BlockingIOError, OSError):  # full: a wake-up is pending
+            os.write(self._signal_w, b"\0")
 
     @property
     def refuse_new(self) -> bool:
@@ -264,6 +288,7 @@ class PeerCap:
         if self.refuse_new:
             return
         self.refuse_new = True
+        self._signal()  # the owner's next turn lifts the hold if it finds the socket read
         self._log.log(logging.WARNING, "peer-hold", "%s: holding new connections off: %s",
                       self._owner, why)
         if self._keep is None:
@@ -301,10 +326,12 @@ class PeerCap:
         monitor = self.monitor
         if monitor is None:
             return False
-        for _ in range(EVENTS_PER_CALL):
+        for read in range(EVENTS_PER_CALL):
             try:
                 frames = monitor.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
+                if read:
+                    self._signal()
                 return False
             event = parse_monitor_message(frames)
             fd = int(event["value"])
@@ -326,6 +353,7 @@ class PeerCap:
                 self.closed += 1
                 if self._on_gone is not None:
                     self._on_gone(fd)
+        self._signal()
         return True
 
     def close(self) -> None:
@@ -339,6 +367,11 @@ class PeerCap:
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
         monitor.close(linger=0)
+        fds = (self._signal_r, self._signal_w)
+        self._signal_r = self._signal_w = -1
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def _accept(self, fd: int) -> None:
         address = peer_address(fd)

@@ -472,6 +472,8 @@ class ZmqEventPublisher(EventPublisher):
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(self._pub_fd, zmq.POLLIN)
+        for fd in self._signal_fds():  # connection events (the connection watch's wake-ups)
+            poller.register(fd, zmq.POLLIN)
         if self._replay.router is not None:
             poller.register(self._replay.router, zmq.POLLIN)
         try:
@@ -517,12 +519,19 @@ class ZmqEventPublisher(EventPublisher):
         return self._replay.router if self._inline else None
 
     @property
-    def sockets_to_poll(self) -> list[zmq.Socket]:
-        """Inline mode: the XPUB (subscriptions) and the replay ROUTER, for the owner to poll
-        (empty otherwise); when one is readable the owner calls :meth:`service_replay`."""
+    def sockets_to_poll(self) -> list[zmq.Socket | int]:
+        """Inline mode: the XPUB (subscriptions), the replay ROUTER and the connection watch's
+        wake-up fds of both, for the owner to poll (empty otherwise); when one is readable the
+        owner calls :meth:`service_replay`."""
         if not self._inline or self._pub is None:
             return []
-        return [s for s in (self._pub, self._replay.router) if s is not None]
+        return [*(s for s in (self._pub, self._replay.router) if s is not None),
+                *self._signal_fds()]
+
+    def _signal_fds(self) -> list[int]:
+        """Readable after connection events on the XPUB or the replay ROUTER."""
+        fd = self._replay.signal_fd
+        return [*self._guard.sockets, *([fd] if fd is not None else [])]
 
     @property
     def replay_busy(self) -> bool:
@@ -620,6 +629,8 @@ class ZmqEventPublisher(EventPublisher):
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(pub, zmq.POLLIN)  # subscriptions (this thread owns the XPUB)
+        for fd in self._signal_fds():  # and connection events (the connection watch's)
+            poller.register(fd, zmq.POLLIN)
         if self._replay.router is not None:
             poller.register(self._replay.router, zmq.POLLIN)
         busy = True

@@ -10,9 +10,10 @@ incremental, never blocking).
 
 Who calls what: the thread that owns the publisher's sockets (the publisher thread, the service
 thread of ``sends="caller"``, or an inline owner's thread) calls :meth:`ReplayEndpoint.open`,
-polls :attr:`ReplayEndpoint.router`, calls :meth:`ReplayEndpoint.service` when it is readable
-and every few milliseconds while :attr:`ReplayEndpoint.busy`, and :meth:`ReplayEndpoint.close`
-at shutdown. :meth:`stats` is read from any thread (snapshots).
+polls :attr:`ReplayEndpoint.router` and :attr:`ReplayEndpoint.signal_fd`, calls
+:meth:`ReplayEndpoint.service` when either is readable and every few milliseconds while
+:attr:`ReplayEndpoint.busy`, and :meth:`ReplayEndpoint.close` at shutdown. :meth:`stats` is read
+from any thread (snapshots).
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ class ReplayEndpoint:
         return router
 
     @property
+    def signal_fd(self) -> int | None:
+        """Readable after connection events on the ROUTER (the connection watch's wake-up),
+        polled with it (None before open, after close)."""
+        return None if self._cap is None or self._cap.signal_fd < 0 else self._cap.signal_fd
+
+    @property
     def busy(self) -> bool:
         """Answers or stalled peers need timed turns, or the ROUTER waits to listen again."""
         return self.router is not None and (
@@ -69,6 +76,8 @@ class ReplayEndpoint:
         router = self.router
         if router is None:
             return
+        if self._cap is not None:
+            self._cap.drain()
         empty = self.server.service(router, buffer, shared=shared)
         if empty and self._cap is not None:
             self._cap.caught_up()

@@ -329,10 +329,11 @@ class Announcer:
             self.close()
             raise
 
-    def sockets(self) -> list[zmq.Socket]:
+    def sockets(self) -> list[zmq.Socket | int]:
         """The sockets to poll for input (the SUB's announcements, the XPUB's subscriptions,
-        the SUB's disconnections)."""
-        return [s for s in (self.sub, self.pub, self._monitor) if s is not None]
+        the SUB's disconnections, the XPUB's connection events: a wake-up fd)."""
+        guarded = self._guard.sockets if self.pub is not None else []
+        return [s for s in (self.sub, self.pub, self._monitor) if s is not None] + guarded
 
     def publish(self, blocks: Sequence[SharedBlock],
                 mms: Sequence[str | None] | None = None) -> None:
