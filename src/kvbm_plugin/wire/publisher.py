@@ -304,12 +304,13 @@ class ZmqEventPublisher(EventPublisher):
                 else:
                     sent = self._send_batch(pub, encode, item)
                     # A send processes the commands that came since the gate looked (about a
-                    # microsecond): every _SERVICE_BUSY_S, look whether that took in
-                    # subscriptions (one getsockopt) and wake the service thread if so.
+                    # microsecond), which may take subscriptions in and the XPUB fd's wake-up
+                    # with them: every _SERVICE_BUSY_S, wake the service thread to read them.
+                    # Not by asking libzmq (ZMQ_EVENTS processes the socket's commands, and a
+                    # churn of connections kept this thread inside that call for minutes).
                     check = now >= self._next_input_check
                     if check:
                         self._next_input_check = now + _SERVICE_BUSY_S
-                        check = bool(pub.getsockopt(zmq.EVENTS) & zmq.POLLIN)
             finally:
                 self._send_lock.release()
             if check:
@@ -756,8 +757,8 @@ class ZmqEventPublisher(EventPublisher):
 
 
 _STOP = object()  # tells the publisher thread to stop (after what is queued before it)
-# While batches are sent on the caller's thread, it looks whether subscriptions wait this often
-# (s) and wakes the service thread: its sends may take the XPUB fd's wake-ups.
+# While batches are sent on the caller's thread, it wakes the service thread this often (s) to
+# read subscriptions: its sends may take the XPUB fd's wake-ups.
 _SERVICE_BUSY_S = 0.01
 __all__ = ["EventPublisher", "NullEventPublisher", "ZmqEventPublisher", "create_publisher",
            "gil_holding_sender", "parse_replay_request"]
