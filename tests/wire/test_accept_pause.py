@@ -57,6 +57,7 @@ def test_a_churn_of_subscribing_connections_holds_a_bounded_amount(
     assert stats["connections_paused"] >= 1 and stats["subscriptions_applied"] >= 1
 
 
+@pytest.mark.usefixtures("gate")
 def test_while_the_owner_is_behind_the_kernel_drops_new_connection_attempts(ctx) -> None:
     """Deterministic: ``refuse_new`` attaches a drop-all filter to the listening socket, so a
     connection attempt gets no answer (not even a refusal); clearing it lets one in."""
@@ -64,7 +65,7 @@ def test_while_the_owner_is_behind_the_kernel_drops_new_connection_attempts(ctx)
     cap = PeerCap("t", pub, 4)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
     try:
-        wait_until(lambda: bool(cap._listening), what="the listener")
+        wait_until(lambda: bool(cap.listening), what="the listener")
 
         def connects(timeout: float) -> bool:
             with socket.socket() as probe:
@@ -85,6 +86,7 @@ def test_while_the_owner_is_behind_the_kernel_drops_new_connection_attempts(ctx)
         cap.close()
 
 
+@pytest.mark.usefixtures("gate")
 def test_a_turn_stuck_in_libzmq_is_broken_by_the_watch(ctx) -> None:
     """Deterministic: the owner marks a turn and never ends it (as a read that libzmq keeps
     busy does); the watch thread holds new connections off and cuts every connection the
@@ -96,7 +98,7 @@ def test_a_turn_stuck_in_libzmq_is_broken_by_the_watch(ctx) -> None:
     subscriber = RawPeer("127.0.0.1", port, b"SUB")
     outsider = RawPeer("127.0.0.1", port, b"SUB")
     try:
-        wait_until(lambda: cap.live == 2 and bool(cap._listening),
+        wait_until(lambda: cap.live == 2 and bool(cap.listening),
                    what="both connections seen")
         mine = subscriber.sock.getsockname()
         kept.update(fd for fd, address in cap.connections() if address == mine)
@@ -116,6 +118,7 @@ def test_a_turn_stuck_in_libzmq_is_broken_by_the_watch(ctx) -> None:
         cap.close()
 
 
+@pytest.mark.usefixtures("gate")
 def test_the_watch_holds_a_churn_off_while_the_owner_never_reads(ctx) -> None:
     """Deterministic: the guarded XPUB's owner takes no turn at all (as when it is stuck in
     libzmq or waiting for the GIL); once more than MAX_UNREAD connections arrived, the
@@ -154,6 +157,7 @@ def test_the_watch_holds_a_churn_off_while_the_owner_never_reads(ctx) -> None:
     guard.close()
 
 
+@pytest.mark.usefixtures("gate")
 def test_connection_probes_never_lock_an_idle_owner_out(ctx, tcp, publishers) -> None:
     """A health checker's TCP probes (connect, close, no handshake) on an idle consolidated
     output whose owner takes a turn only when one of its polled fds is readable (as the

@@ -12,7 +12,10 @@ block, the shared tier's checksum share of onboarding. They use only CPython's p
 unstable tier's compact-int reads on 3.12 and later), so they build on every CPython the
 package supports.
 ``DYN_KVBM_NATIVE=0`` selects the Python loops (the variable keeps its name: "native" there
-means compiled). Imported by the components above when they are made, on whatever thread
+means compiled). ``wire/_gate_c.c``, the connection gate's thread, is built the same way but is
+not a loop with a faster reference: it is the memory bound of the capped sockets, so it runs
+wherever it was built, whatever ``DYN_KVBM_NATIVE`` says (``wire/conn_gate.py``).
+Imported by the components above when they are made, on whatever thread
 makes them; no torch or TensorRT-LLM import.
 """
 
@@ -38,8 +41,15 @@ _MODULES: Final = {
     "event_sink": "kvbm_plugin.events._sink_c",
     "consolidator": "kvbm_plugin.consolidator._core_c",
     "shared_frame": "kvbm_plugin.tiers.shared._frame_c",
+    "conn_gate": "kvbm_plugin.wire._gate_c",
 }
 _built: dict[str, ModuleType | None] = {name: _load(mod) for name, mod in _MODULES.items()}
+
+
+def built(module: str) -> ModuleType | None:
+    """The extension of ``module`` as built, whatever ``DYN_KVBM_NATIVE`` says (the
+    connection gate's: module docstring), or None."""
+    return _built[module]
 
 
 def loops(module: str, env: Mapping[str, str] | None = None) -> ModuleType | None:
@@ -74,6 +84,7 @@ def describe(env: Mapping[str, str] | None = None) -> tuple[bool, str]:
         return False, (f"not built for {', '.join(missing)} (no C compiler at install time): "
                        "those run their pure-Python loops; reinstall with a compiler")
     if not enabled:
-        return False, f"built, switched off by {NATIVE}: the pure-Python loops run"
+        return False, (f"built, switched off by {NATIVE}: the pure-Python loops run (the "
+                       "connection gate stays compiled)")
     return True, "in use (" + ", ".join(
         f"{name}: {module.__name__}" for name, module in _built.items() if module) + ")"

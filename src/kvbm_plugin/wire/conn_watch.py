@@ -39,6 +39,8 @@ from typing import Protocol
 
 import zmq
 
+from kvbm_plugin.wire.conn_gate import notify_fd
+
 logger = logging.getLogger(__name__)
 
 TICK_S = 0.02  # how often the thread looks at the turns while connections arrive
@@ -49,7 +51,8 @@ ARMED_S = 5.0  # the thread looks at the turns this long after the last connecti
 class Watched(Protocol):
     turn_since: float | None  # monotonic start of the owner's turn in progress (None: none)
     refuse_new: bool
-    monitor: zmq.Socket | None  # the connection monitor (this thread's alone)
+    monitor: zmq.Socket | None  # the connection monitor
+    poll_socket: zmq.Socket | None  # what this thread polls for it (None: the compiled gate)
 
     def read_events(self) -> bool: ...
 
@@ -140,8 +143,12 @@ class ConnWatch:
         armed = time.monotonic() < self._armed_until
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
+        notify = notify_fd()
+        if notify is not None:
+            poller.register(notify, zmq.POLLIN)
         for cap in caps:
-            poller.register(cap.monitor, zmq.POLLIN)
+            if cap.poll_socket is not None:
+                poller.register(cap.poll_socket, zmq.POLLIN)
         try:
             ready = dict(poller.poll(TICK_S * 1000.0 if armed else None))
         except zmq.ZMQError:  # a monitor closed under us (its context destroyed)
@@ -149,11 +156,13 @@ class ConnWatch:
                 self._caps = {c for c in self._caps
                               if c.monitor is not None and not c.monitor.closed}
             return
-        if self._wake_r in ready:
-            with contextlib.suppress(BlockingIOError, OSError):
-                os.read(self._wake_r, 4096)
+        for fd in (self._wake_r, notify):
+            if fd is not None and fd in ready:
+                with contextlib.suppress(BlockingIOError, OSError):
+                    os.read(fd, 4096)
         for cap in caps:
-            if cap.monitor in ready:
+            if (cap.poll_socket in ready if cap.poll_socket is not None
+                    else notify is not None and notify in ready):
                 cap.read_events()  # more waiting: the next pass (no poll wait)
         if armed:
             self._look_at_turns(caps)

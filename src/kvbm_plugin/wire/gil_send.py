@@ -48,15 +48,17 @@ def gil_holding_sender(sock: zmq.Socket) -> Callable[[bytes, bytes, bytes], None
     return send
 
 
-_libzmq: list[tuple[Any, Any] | None] = []  # found once per process
+_lib: list[ctypes.PyDLL | None] = []  # found once per process
+_libzmq: list[tuple[Any, Any] | None] = []
 
 
-def _libzmq_send_functions() -> tuple[Any, Any] | None:
-    """``(zmq_send, zmq_errno)`` of the libzmq pyzmq loaded, through ``ctypes.PyDLL`` (calls
-    keep the GIL), or None when that library cannot be identified unambiguously."""
-    if _libzmq:
-        return _libzmq[0]
-    found: tuple[Any, Any] | None = None
+def loaded_libzmq() -> ctypes.PyDLL | None:
+    """The libzmq pyzmq loaded, through ``ctypes.PyDLL`` (its calls keep the GIL), or None
+    when it cannot be identified unambiguously (one ``libzmq*.so`` mapped into the process,
+    of pyzmq's libzmq version). Also used by :mod:`kvbm_plugin.wire.conn_gate`."""
+    if _lib:
+        return _lib[0]
+    found: ctypes.PyDLL | None = None
     try:
         paths = set()
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
@@ -69,16 +71,31 @@ def _libzmq_send_functions() -> tuple[Any, Any] | None:
             major, minor, patch = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
             lib.zmq_version(ctypes.byref(major), ctypes.byref(minor), ctypes.byref(patch))
             if (major.value, minor.value, patch.value) == zmq.zmq_version_info():
-                zmq_send = lib.zmq_send
-                zmq_send.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
-                                     ctypes.c_int]
-                zmq_send.restype = ctypes.c_int
-                zmq_errno = lib.zmq_errno
-                zmq_errno.argtypes = []
-                zmq_errno.restype = ctypes.c_int
-                found = (zmq_send, zmq_errno)
+                found = lib
     except (OSError, AttributeError, ValueError, TypeError):
         found = None
+    _lib.append(found)
+    return found
+
+
+def _libzmq_send_functions() -> tuple[Any, Any] | None:
+    """``(zmq_send, zmq_errno)`` of :func:`loaded_libzmq` (calls keep the GIL), or None."""
+    if _libzmq:
+        return _libzmq[0]
+    found: tuple[Any, Any] | None = None
+    lib = loaded_libzmq()
+    if lib is not None:
+        try:
+            zmq_send = lib.zmq_send
+            zmq_send.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t,
+                                 ctypes.c_int]
+            zmq_send.restype = ctypes.c_int
+            zmq_errno = lib.zmq_errno
+            zmq_errno.argtypes = []
+            zmq_errno.restype = ctypes.c_int
+            found = (zmq_send, zmq_errno)
+        except AttributeError:
+            found = None
     _libzmq.append(found)
     return found
 

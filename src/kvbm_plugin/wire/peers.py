@@ -28,30 +28,26 @@ socket must be read: libzmq's I/O thread waits when its queue is full (``src/soc
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import socket
 import struct
-import threading
 import time
 from collections.abc import Callable
 
 import zmq
-from zmq.utils.monitor import parse_monitor_message
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin._util.saferepr import saferepr
+from kvbm_plugin.wire.conn_gate import PyGate, open_gate
 from kvbm_plugin.wire.conn_watch import WATCH
+from kvbm_plugin.wire.sock_filter import DROP_ALL, SO_ATTACH_FILTER, borrow
 
 logger = logging.getLogger(__name__)
 
 RCVBUF_BYTES = 4096  # SO_RCVBUF of a guarded socket's connections (Linux doubles it)
-EVENTS_PER_CALL = 1024  # monitor events read per service call (each a few bytes)
 _EVENTS = (zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_LISTENING
            | zmq.EVENT_CLOSED)  # LISTENING, CLOSED: the listening socket's fd
-_SO_ATTACH_FILTER = getattr(socket, "SO_ATTACH_FILTER", 26)  # Linux
-_SO_DETACH_FILTER = getattr(socket, "SO_DETACH_FILTER", 27)
 
 
 def limit_receive_buffer(sock: zmq.Socket) -> None:
@@ -61,45 +57,10 @@ def limit_receive_buffer(sock: zmq.Socket) -> None:
     sock.setsockopt(zmq.RCVBUF, RCVBUF_BYTES)
 
 
-class _Filter(ctypes.Structure):
-    _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
-                ("k", ctypes.c_uint32)]
-
-
-class _DropAll:
-    """A one-instruction classic BPF program that drops every packet (``BPF_RET|BPF_K 0``);
-    the kernel copies it at attach, the program array stays alive here for the pointer."""
-
-    def __init__(self) -> None:
-        self.program = (_Filter * 1)(_Filter(0x06, 0, 0, 0))
-        self.fprog = struct.pack("HL", 1, ctypes.addressof(self.program))
-
-
-_DROP_ALL = _DropAll()
-
-
-def _borrow(fd: int) -> socket.socket | None:
-    """A socket object on a duplicate of ``fd`` (closing it leaves ``fd`` open), or None when
-    ``fd`` is not a stream socket (any more)."""
-    try:
-        dup = os.dup(fd)
-    except OSError:
-        return None
-    try:
-        sock = socket.socket(fileno=dup)
-    except OSError:
-        os.close(dup)
-        return None
-    if sock.type != socket.SOCK_STREAM:
-        sock.close()
-        return None
-    return sock
-
-
 def peer_address(fd: int) -> object:
     """The remote address of the stream socket on ``fd`` (read through a duplicate; the fd
     stays libzmq's), or None when it is not a connected stream socket."""
-    sock = _borrow(fd)
+    sock = borrow(fd)
     if sock is None:
         return None
     with sock:
@@ -117,33 +78,10 @@ def _stream_fds() -> list[int]:
         return []
 
 
-def _filter_listener(fd: int, drop: bool) -> bool:
-    """Attach (``drop``) or detach the drop-all filter on the TCP listening socket on ``fd``
-    (through a duplicate; the fd stays libzmq's). Linux runs a listening socket's filter on
-    every SYN before the handshake, so nothing is queued for libzmq to accept. False when
-    ``fd`` is not a listening TCP socket (an ipc endpoint, or closed meanwhile)."""
-    sock = _borrow(fd)
-    if sock is None:
-        return False
-    with sock:
-        try:
-            if (sock.family not in (socket.AF_INET, socket.AF_INET6)
-                    or not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
-                return False
-            if drop:
-                sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, _DROP_ALL.fprog)
-            else:
-                with contextlib.suppress(OSError):  # ENOENT: none attached
-                    sock.setsockopt(socket.SOL_SOCKET, _SO_DETACH_FILTER, 0)
-        except OSError:
-            return False
-    return True
-
-
 def cut_connection(fd: int, address: object) -> bool:
     """Cut the connection on ``fd`` if it still goes to ``address`` (module docstring); the
     fd stays libzmq's to close. Returns whether it was cut."""
-    sock = _borrow(fd)
+    sock = borrow(fd)
     if sock is None:
         return False
     with sock:
@@ -155,7 +93,7 @@ def cut_connection(fd: int, address: object) -> bool:
             # waiting).
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             with contextlib.suppress(OSError):  # Linux: drop every packet still to come
-                sock.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_FILTER, _DROP_ALL.fprog)
+                sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, DROP_ALL.fprog)
             sock.shutdown(socket.SHUT_RD)  # libzmq reads the end of stream and closes
         except OSError:
             return False
@@ -183,28 +121,24 @@ class PeerCap:
         self._max = max_peers
         self._on_gone = on_gone
         self._keep = keep
-        self._max_unread = max_unread
         self._live: dict[int, object] = {}  # fd -> peer address (the watch thread's)
         self._log = RateLimitedLog(logger)
         self.accepted = 0
         self.refused = 0
         self.closed = 0
-        # Every ACCEPTED event, a connection already gone when read included (a peer that
-        # resets at once still leaves libzmq its queued messages to read: wire/listen_brake.py).
-        self.accept_events = 0
-        self._accepts_when_empty = 0  # accept_events when the owner last read it empty
-        self._refuse_new = False
-        self._hold_lock = threading.Lock()
-        self._listening: set[int] = set()  # the socket's listening fds (LISTENING events)
-        self.pauses = 0  # times new connections were held off (refuse_new set)
         self.turn_since: float | None = None  # the owner's turn in progress (turn_started)
         self.stuck_cuts = 0  # connections cut by a hold-off (not kept by the owner)
         self.monitor: zmq.Socket | None = sock.get_monitor_socket(_EVENTS)
         # The owner's wake-up: a byte after each batch of connection events (a pipe: the owner
-        # polls it with its socket; the watch thread never blocks on it).
+        # polls it with its socket; the gate and the watch thread never block on it).
         self._signal_r, self._signal_w = os.pipe()
         os.set_blocking(self._signal_r, False)
         os.set_blocking(self._signal_w, False)
+        # The count of accepts and the hold (wire/conn_gate.py): compiled, it reads the monitor
+        # itself; a PyGate is read by the watch thread (poll_socket).
+        self._gate = open_gate(self.monitor, max_unread, self._signal_w)
+        self.poll_socket: zmq.Socket | None = (
+            self.monitor if isinstance(self._gate, PyGate) else None)
         WATCH.add(self)
 
     @property
@@ -224,9 +158,26 @@ class PeerCap:
             os.write(self._signal_w, b"\0")
 
     @property
+    def accept_events(self) -> int:
+        """Every ACCEPTED event, a connection already gone when read included (a peer that
+        resets at once still leaves libzmq its queued messages to read:
+        wire/listen_brake.py)."""
+        return int(self._gate.state()["accept_events"])
+
+    @property
+    def pauses(self) -> int:
+        """Times new connections were held off."""
+        return int(self._gate.state()["holds"])
+
+    @property
+    def listening(self) -> tuple[int, ...]:
+        """The socket's listening TCP fds (LISTENING events), which a hold filters."""
+        return tuple(self._gate.state()["listening"])
+
+    @property
     def refuse_new(self) -> bool:
         """Set while the owner is behind (a flood); cleared once it caught up."""
-        return self._refuse_new
+        return bool(self._gate.state()["holding"])
 
     @refuse_new.setter
     def refuse_new(self, value: bool) -> None:
@@ -235,17 +186,7 @@ class PeerCap:
         socket): libzmq accepts every connection and takes in all it sends before the owner
         can cut it, so a churn of connections would otherwise outrun the owner. Peers retry
         (TCP resends its SYN; ZMQ reconnects) and get in once the filter is gone."""
-        if value == self._refuse_new:
-            return
-        with self._hold_lock:  # the owner's thread and the watch thread's both set it
-            if value == self._refuse_new:
-                return
-            self._refuse_new = value
-            if value:
-                self.pauses += 1
-            for fd in list(self._listening):
-                if not _filter_listener(fd, value):
-                    self._listening.discard(fd)
+        self._gate.set_hold(value)
 
     @property
     def live(self) -> int:
@@ -277,17 +218,18 @@ class PeerCap:
     def caught_up(self) -> None:
         """The owner read the socket and found nothing left (its thread): connections are
         let in again and counted from here."""
-        self._accepts_when_empty = self.accept_events
-        self.refuse_new = False
+        self._gate.caught_up()
 
     def hold_off(self, why: str) -> None:
         """Hold new connections off until :meth:`caught_up`; with ``keep``, also cut every
         connection accepted on this socket's TCP ports that the owner does not keep (found
         among the process's fds: libzmq may have accepted some whose events are not read
         yet). On the watch thread (a flood, a stuck turn) or the owner's."""
-        if self.refuse_new:
+        if not self._gate.set_hold(True):
             return
-        self.refuse_new = True
+        self._cut_unkept(why)
+
+    def _cut_unkept(self, why: str) -> None:
         self._signal()  # the owner's next turn lifts the hold if it finds the socket read
         self._log.log(logging.WARNING, "peer-hold", "%s: holding new connections off: %s",
                       self._owner, why)
@@ -295,17 +237,18 @@ class PeerCap:
             return
         keep = self._keep()
         ports = set()
-        for fd in list(self._listening):
-            sock = _borrow(fd)
+        for fd in self.listening:
+            sock = borrow(fd)
             if sock is not None:
                 with sock, contextlib.suppress(OSError):
                     ports.add(sock.getsockname()[1])
         if not ports:
             return
+        listening = set(self.listening)
         for fd in _stream_fds():
-            if fd in keep or fd in self._listening:
+            if fd in keep or fd in listening:
                 continue
-            sock = _borrow(fd)
+            sock = borrow(fd)
             if sock is None:
                 continue
             with sock:
@@ -321,40 +264,25 @@ class PeerCap:
                 self.stuck_cuts += 1
 
     def read_events(self) -> bool:
-        """Read up to :data:`EVENTS_PER_CALL` connection events (never blocks; the watch
-        thread's alone); True when more may be waiting."""
-        monitor = self.monitor
-        if monitor is None:
-            return False
-        for read in range(EVENTS_PER_CALL):
-            try:
-                frames = monitor.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                if read:
-                    self._signal()
-                return False
-            event = parse_monitor_message(frames)
-            fd = int(event["value"])
-            if event["event"] == zmq.EVENT_LISTENING:
-                with self._hold_lock:
-                    if _filter_listener(fd, self._refuse_new) or not self._refuse_new:
-                        self._listening.add(fd)
-            elif event["event"] == zmq.EVENT_CLOSED:  # the listener closed (unbind)
-                self._listening.discard(fd)
-            elif event["event"] == zmq.EVENT_ACCEPTED:
-                self.accept_events += 1
+        """Take the connection events the gate read (the watch thread's alone; a PyGate is
+        read first) and keep the books: connections kept, cut over the cap, gone; the cuts a
+        hold by the gate calls for. True when more may be waiting."""
+        gate = self._gate
+        more = gate.pump() if isinstance(gate, PyGate) else False
+        events, held_at = gate.take()
+        if held_at:
+            self._cut_unkept(f"{held_at} connections arrived since it was last read empty")
+        for event, fd in events:
+            if event == zmq.EVENT_ACCEPTED:
                 WATCH.arm()
                 self._accept(fd)
-                if (self._max_unread is not None and not self.refuse_new
-                        and self.accept_events - self._accepts_when_empty > self._max_unread):
-                    self.hold_off(f"{self.accept_events - self._accepts_when_empty} "
-                                  "connections arrived since it was last read empty")
-            elif event["event"] == zmq.EVENT_DISCONNECTED and self._live.pop(fd, None):
+            elif event == zmq.EVENT_DISCONNECTED and self._live.pop(fd, None):
                 self.closed += 1
                 if self._on_gone is not None:
                     self._on_gone(fd)
-        self._signal()
-        return True
+        if events:
+            self._signal()
+        return more
 
     def close(self) -> None:
         """Stop monitoring and close the monitor socket (the owner, before ``sock`` closes);
@@ -362,8 +290,9 @@ class PeerCap:
         monitor = self.monitor
         if monitor is None:
             return
-        WATCH.remove(self)  # the watch thread no longer touches the monitor from here
-        self.monitor = None
+        self._gate.close()  # the compiled gate's thread no longer touches the monitor
+        WATCH.remove(self)  # nor the watch thread, from here
+        self.monitor = self.poll_socket = None
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
         monitor.close(linger=0)
@@ -380,11 +309,12 @@ class PeerCap:
         self.accepted += 1
         if len(self._live) >= self._max and fd not in self._live:
             self._prune()
-        if not self.refuse_new and (len(self._live) < self._max or fd in self._live):
+        holding = self.refuse_new
+        if not holding and (len(self._live) < self._max or fd in self._live):
             self._live[fd] = address
             return
         self.refused += 1
-        why = ("its socket is behind with a flood" if self.refuse_new else
+        why = ("its socket is behind with a flood" if holding else
                f"{self._max} connections are open already (the most it keeps)")
         self._log.log(logging.WARNING, "peer-cap", "%s: refused the connection from %s: %s",
                       self._owner, saferepr(address, 80), why)

@@ -1,0 +1,104 @@
+"""The compiled connection gate (wire/_gate_c.c): the hold follows the accepts while this
+process's interpreter is busy, and the gate starts anew in a forked child.
+
+A connection libzmq accepted holds about 60 KiB until its socket's owner takes a turn, so the
+memory bound of a capped socket is how soon the hold follows the accepts. The Python gate's
+reader needs the GIL; on a loaded machine it once read the 129th accept of a churn after
+1,081 had been taken in (74 MiB, over the soak's 64 MiB bound).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import traceback
+
+import _churn as churn
+import zmq
+from _kvwire import wait_until
+from _zmtp import RawPeer
+from conftest import compiled_gate_or_skip
+
+from kvbm_plugin.wire import conn_gate
+from kvbm_plugin.wire.peers import PeerCap
+
+MAX_UNREAD = 8
+
+
+def _connect(port: int, n: int) -> list[RawPeer]:
+    """``n`` connection attempts; those the gate cuts or holds off (past ``max_unread``) fail."""
+    peers = []
+    for _ in range(n):
+        with contextlib.suppress(OSError):
+            peers.append(RawPeer("127.0.0.1", port, b"SUB", timeout=1.0))
+    return peers
+
+
+def test_the_compiled_gate_holds_a_churn_off_while_the_gil_is_held(ctx) -> None:
+    """An outsider process churns connections while this process's GIL is held for 1.5 s (a
+    ``PyDLL`` call keeps it: no Python thread runs). The compiled gate holds new connections off
+    once more than ``max_unread`` arrived: what libzmq accepted in that time stays within
+    ``max_unread`` + what was in flight. The Python gate cannot read a single event meanwhile
+    (about 400 accepted in the same window here)."""
+    compiled_gate_or_skip()
+    # A ROUTER: an unguarded XPUB would keep every subscription of a failed run in its trie.
+    pub = ctx.socket(zmq.ROUTER)
+    cap = PeerCap("t", pub, 1024, max_unread=MAX_UNREAD)
+    assert conn_gate.is_compiled(cap._gate)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    outsider = churn.start("replay", port, 30)
+    try:
+        wait_until(lambda: cap.accept_events >= 1, what="the outsider's first connection")
+        cap.caught_up()
+        before = cap.accept_events
+        ctypes.PyDLL(None).usleep(1_500_000)  # the GIL stays held throughout
+        during = cap.accept_events - before
+        assert cap.refuse_new
+        # Past max_unread: the connections whose handshake the kernel completed before the
+        # filter was attached (the listen backlog), at most.
+        assert MAX_UNREAD < during <= MAX_UNREAD + 100, during
+    finally:
+        outsider.kill()
+        outsider.wait()
+        cap.close()
+        pub.close(linger=0)
+
+
+def test_a_forked_child_starts_its_own_gate(ctx) -> None:
+    """The child of a fork has no gate thread (nor the parent's gates): its first cap starts
+    one, which holds its own socket off; the parent's gate goes on."""
+    compiled_gate_or_skip()
+    parent_pub = ctx.socket(zmq.XPUB)
+    parent_cap = PeerCap("parent", parent_pub, 64, max_unread=2)
+    parent_port = parent_pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: only async-signal-safe exits from here on failure
+            code = 1
+            try:
+                child_ctx = zmq.Context()
+                pub = child_ctx.socket(zmq.XPUB)
+                cap = PeerCap("child", pub, 64, max_unread=2)
+                port = pub.bind_to_random_port("tcp://127.0.0.1")
+                peers = _connect(port, 3)
+                wait_until(lambda: cap.refuse_new, what="the child's hold")
+                code = 0 if conn_gate.is_compiled(cap._gate) else 2
+                for peer in peers:
+                    peer.close()
+                cap.close()
+                pub.close(linger=0)
+                child_ctx.term()
+            except BaseException:
+                traceback.print_exc()  # pytest shows the child's stderr with the failure
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        peers = _connect(parent_port, 3)
+        wait_until(lambda: parent_cap.refuse_new, what="the parent's hold")
+        for peer in peers:
+            peer.close()
+    finally:
+        parent_cap.close()
+        parent_pub.close(linger=0)
