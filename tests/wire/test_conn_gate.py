@@ -21,6 +21,7 @@ from _zmtp import RawPeer
 from conftest import compiled_gate_or_skip
 
 from kvbm_plugin.wire import conn_gate
+from kvbm_plugin.wire.conn_watch import WATCH
 from kvbm_plugin.wire.peers import PeerCap
 
 MAX_UNREAD = 8
@@ -102,3 +103,32 @@ def test_a_forked_child_starts_its_own_gate(ctx) -> None:
     finally:
         parent_cap.close()
         parent_pub.close(linger=0)
+
+
+def _gate_still_holds(ctx: zmq.Context) -> None:
+    pub = ctx.socket(zmq.ROUTER)
+    cap = PeerCap("after", pub, 64, max_unread=0)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        _connect(port, 1)
+        wait_until(lambda: cap.refuse_new, what="the gate thread's hold")
+    finally:
+        cap.close()
+        pub.close(linger=0)
+
+
+def test_a_context_destroyed_under_a_cap_left_open_is_let_go_first(ctx) -> None:
+    """A test that failed halfway leaves its caps open; the ctx fixture lets their monitors go
+    (ConnWatch.release: the gate thread too) before it destroys the context, and the gate
+    thread goes on for the other caps."""
+    compiled_gate_or_skip()
+    context = zmq.Context()
+    pub = context.socket(zmq.ROUTER)
+    cap = PeerCap("left open", pub, 64, max_unread=4)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    _connect(port, 2)
+    wait_until(lambda: cap.accept_events >= 1, what="an accept")
+    WATCH.release(context)
+    context.destroy(linger=0)
+    _gate_still_holds(ctx)
+

@@ -235,19 +235,23 @@ static void *run(void *arg) {
         }
         items[n] = (zpollitem_t){NULL, g_wake_r, Z_POLLIN, 0};
         int rc = z_poll(items, (int)n + 1, -1);
-        if (rc < 0 && z_errno() == Z_ETERM) {
-            /* A context is being terminated: find its monitors (they answer ETERM) and leave
-             * them out from now on; their owners close them. */
+        int err = rc < 0 ? z_errno() : 0;
+        if (rc < 0 && err != EINTR) {
+            /* A context is being terminated (ETERM), or a monitor was closed without its gate
+             * (ENOTSOCK: a bug of the caller's): leave those monitors out from now on. */
+            int found = 0;
             for (size_t i = 0; i < n; i++) {
                 int events;
                 size_t len = sizeof events;
-                if (z_getsockopt(snap[i]->monitor, Z_EVENTS, &events, &len) != 0 &&
-                    z_errno() == Z_ETERM) {
+                if (z_getsockopt(snap[i]->monitor, Z_EVENTS, &events, &len) != 0) {
                     pthread_mutex_lock(&snap[i]->mu);
                     snap[i]->dead = 1;
                     pthread_mutex_unlock(&snap[i]->mu);
+                    found = 1;
                 }
             }
+            if (!found)
+                usleep(1000); /* never expected: not a busy loop if it keeps failing */
         } else if (rc > 0) {
             if (items[n].revents) {
                 char sink[256];
@@ -353,6 +357,7 @@ static PyObject *gate_start(PyObject *self, PyObject *args) {
 typedef struct {
     PyObject_HEAD
     gate_t *g;
+    PyObject *monitor; /* pyzmq's socket: kept alive (never closed by the GC) while g is read */
     int registered;
 } GateObject;
 
@@ -379,7 +384,8 @@ static void unregister(GateObject *self) {
 }
 
 static int Gate_init(GateObject *self, PyObject *args, PyObject *kwds) {
-    static char *kwlist[] = {"monitor", "max_unread", "signal_fd", NULL};
+    static char *kwlist[] = {"monitor", "handle", "max_unread", "signal_fd", NULL};
+    PyObject *socket;
     unsigned long long monitor;
     long long max_unread;
     int signal_fd;
@@ -387,8 +393,8 @@ static int Gate_init(GateObject *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_RuntimeError, "Gate: already made");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "KLi", kwlist, &monitor, &max_unread,
-                                     &signal_fd))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OKLi", kwlist, &socket, &monitor,
+                                     &max_unread, &signal_fd))
         return -1;
     gate_t *g = calloc(1, sizeof *g);
     if (!g || !(g->ring = malloc(RING * sizeof(ev_t)))) {
@@ -425,6 +431,8 @@ static int Gate_init(GateObject *self, PyObject *args, PyObject *kwds) {
         return -1;
     }
     self->g = g;
+    Py_INCREF(socket);
+    self->monitor = socket;
     self->registered = 1;
     poke(g_wake_w);
     return 0;
@@ -437,6 +445,7 @@ static void Gate_dealloc(GateObject *self) {
         free(self->g);
         self->g = NULL;
     }
+    Py_CLEAR(self->monitor); /* only now may the monitor close */
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -548,7 +557,8 @@ static PyTypeObject GateType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvbm_plugin.wire._gate_c.Gate",
     .tp_basicsize = sizeof(GateObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Gate(monitor, max_unread, signal_fd): one capped socket's gate (module doc).",
+    .tp_doc = "Gate(monitor, handle, max_unread, signal_fd): one capped socket's gate: the\n"
+              "monitor socket (kept alive), its libzmq handle (module doc).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Gate_init,
     .tp_dealloc = (destructor)Gate_dealloc,

@@ -102,8 +102,8 @@ def open_gate(monitor: zmq.Socket, max_unread: int | None, signal_fd: int) -> Ga
     """The gate of the socket ``monitor`` watches: compiled where it can run, else a
     :class:`PyGate`. ``signal_fd``: the owner's wake-up pipe (written after events)."""
     if _start_compiled() is not None:
-        return _gate_c.Gate(monitor.underlying, -1 if max_unread is None else max_unread,
-                            signal_fd)
+        return _gate_c.Gate(monitor, monitor.underlying,
+                            -1 if max_unread is None else max_unread, signal_fd)
     return PyGate(monitor, max_unread, signal_fd)
 
 

@@ -56,6 +56,8 @@ class Watched(Protocol):
 
     def read_events(self) -> bool: ...
 
+    def let_go(self) -> None: ...
+
     def hold_off(self, why: str) -> None: ...
 
 
@@ -108,13 +110,13 @@ class ConnWatch:
                 self._pass_done.wait(0.5)
 
     def release(self, context: zmq.Context) -> None:
-        """Stop reading every monitor of ``context`` (before it is destroyed with sockets its
-        owners did not close: a test that failed halfway)."""
+        """Stop reading every monitor of ``context``, here and in the caps' gates (before it is
+        destroyed with sockets its owners did not close: a test that failed halfway)."""
         with self._lock:
             caps = [cap for cap in self._caps
                     if cap.monitor is not None and cap.monitor.context is context]
         for cap in caps:
-            self.remove(cap)
+            cap.let_go()
 
     def arm(self) -> None:
         """A connection arrived (this thread): look at the turns for a while."""

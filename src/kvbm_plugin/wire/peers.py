@@ -284,14 +284,19 @@ class PeerCap:
             self._signal()
         return more
 
+    def let_go(self) -> None:
+        """Stop reading the monitor: once this returns, neither the compiled gate's thread nor
+        the watch thread touches it (close; ConnWatch.release)."""
+        self._gate.close()
+        WATCH.remove(self)
+
     def close(self) -> None:
         """Stop monitoring and close the monitor socket (the owner, before ``sock`` closes);
         idempotent."""
         monitor = self.monitor
         if monitor is None:
             return
-        self._gate.close()  # the compiled gate's thread no longer touches the monitor
-        WATCH.remove(self)  # nor the watch thread, from here
+        self.let_go()
         self.monitor = self.poll_socket = None
         with contextlib.suppress(zmq.ZMQError):
             self._sock.disable_monitor()
