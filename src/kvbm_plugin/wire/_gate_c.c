@@ -295,6 +295,7 @@ static void after_fork_in_child(void) {
         pthread_mutex_unlock(&g_gates[i]->mu);
     g_n = 0;
     g_running = 0;
+    pthread_cond_init(&g_pass_done, NULL); /* a parent thread's wait on it is not here */
     if (g_wake_r >= 0) {
         close(g_wake_r);
         close(g_wake_w);
