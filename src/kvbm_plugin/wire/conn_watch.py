@@ -1,4 +1,4 @@
-"""One thread per process that reads the connection events of every capped socket as they
+"""One thread per process that keeps the books of every capped socket's connections as they
 happen, and holds new connections off a socket whose owner is stuck in one turn inside libzmq.
 
 Why a thread of its own. libzmq's I/O thread accepts connections and takes in what they send
@@ -10,10 +10,13 @@ of a distinct subscription) and walking the whole trie for each connection that 
 (libzmq 4.3.5 ``src/xpub.cpp``, ``xpipe_terminated``). A churn of short connections refills
 that mailbox faster than it empties. An owner that read its own connection events would see
 the churn only after such a turn, when every connection of it had been taken in: 98 MiB once
-in CI. So :class:`ConnWatch` reads them instead, on a thread that is never inside the capped
-socket: each :class:`kvbm_plugin.wire.peers.PeerCap` cuts connections over its cap at accept
-and holds new ones off (the kernel drops their attempts) while too many arrived since its owner
-last read the socket empty, within one wake-up of this thread, not one turn of the owner.
+in CI. So the events are read off the owner's thread: by each cap's gate
+(:mod:`kvbm_plugin.wire.conn_gate`), which counts the accepts and holds new connections off
+(the kernel drops their attempts) while too many arrived since its owner last read the socket
+empty, on its own GIL-free thread where compiled; and :class:`ConnWatch` takes the events from
+the gates (reading the monitor itself for a Python gate), on a thread that is never inside the
+capped socket: each :class:`kvbm_plugin.wire.peers.PeerCap` cuts connections over its cap at
+accept, and those its owner does not keep after a hold.
 
 Stuck turns: an owner marks its turns (``PeerCap.turn_started`` / ``turn_ended``: two
 attribute writes), and while connections arrive lately (:data:`ARMED_S`) the thread also looks
@@ -24,8 +27,9 @@ event: an idle process has no timer.
 
 Who calls what: a ``PeerCap`` registers itself (:meth:`ConnWatch.add`, on the thread that makes
 it) and removes itself before its monitor socket closes (:meth:`ConnWatch.remove`, which
-returns once this thread no longer touches that socket); this thread alone reads the monitor
-sockets (``PeerCap.read_events``) and the turn marks.
+returns once this thread no longer touches that socket); this thread alone takes the gates'
+events (``PeerCap.read_events``, which reads a Python gate's monitor first) and the turn marks.
+It polls the compiled gates' pipe (``conn_gate.notify_fd``) and the Python gates' monitors.
 """
 
 from __future__ import annotations

@@ -18,9 +18,11 @@ options are set), polls :attr:`PeerCap.signal_fd` with the socket and, when it i
 :meth:`PeerCap.drain` and takes a turn on the socket (libzmq attaches and frees connections only
 inside a call on it); when a read finds the socket empty it calls :meth:`PeerCap.caught_up`, and
 it calls :meth:`PeerCap.close` before closing the socket. The connection events are read by the
-process's connection-watch thread (:mod:`kvbm_plugin.wire.conn_watch`), never by the owner: an
-owner's turn can stay inside libzmq for seconds while connections keep arriving; that thread
-signals the owner through ``signal_fd`` after each batch of events it read. The monitor
+cap's gate (:mod:`kvbm_plugin.wire.conn_gate`: the count and the hold, on a GIL-free thread where
+compiled) and the process's connection-watch thread (:mod:`kvbm_plugin.wire.conn_watch`: the
+books), never by the owner: an owner's turn can stay inside libzmq for seconds while
+connections keep arriving; both signal the owner through ``signal_fd`` after each batch of
+events. The monitor
 socket must be read: libzmq's I/O thread waits when its queue is full (``src/socket_base.cpp``,
 ``monitor_event`` sends blocking), so a monitor nobody reads stalls every socket of the context.
 """
