@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import os
 import traceback
 
@@ -132,3 +133,27 @@ def test_a_context_destroyed_under_a_cap_left_open_is_let_go_first(ctx) -> None:
     context.destroy(linger=0)
     _gate_still_holds(ctx)
 
+
+
+def test_doctor_and_the_log_say_which_gate_runs(monkeypatch, caplog, ctx) -> None:  # noqa: ANN001
+    """Where the compiled gate cannot run, the first capped socket logs it once (no silent
+    fallback) and ``doctor`` warns; where it runs, ``doctor`` says so."""
+    from kvbm_plugin.cli.doctor import run_checks
+
+    monkeypatch.setattr(conn_gate, "_gate_c", None)
+    monkeypatch.setattr(conn_gate, "_started", {})
+    caps = []
+    with caplog.at_level(logging.WARNING, logger="kvbm_plugin.wire.conn_gate"):
+        for _ in range(2):
+            caps.append(PeerCap("t", ctx.socket(zmq.ROUTER), 4))
+    assert [r.getMessage() for r in caplog.records].count(
+        "connection gate: " + conn_gate.describe()[1]) == 1
+    assert not any(conn_gate.is_compiled(cap._gate) for cap in caps)
+    for cap in caps:
+        cap.close()
+    gate = {check.name: check for check in run_checks(1, False)}["connection gate"]
+    assert gate.status == "warn" and "not built" in gate.detail
+    monkeypatch.undo()
+    compiled_gate_or_skip()
+    gate = {check.name: check for check in run_checks(1, False)}["connection gate"]
+    assert gate.status == "ok" and "compiled" in gate.detail

@@ -433,6 +433,11 @@ def run_checks(num_ranks: int, require_trtllm: bool,
     except cc.ConfigError as exc:
         checks.append(Check("compiled loops", "fail", str(exc)))
 
+    from kvbm_plugin.wire import conn_gate
+
+    compiled_gate, detail = conn_gate.describe()
+    checks.append(Check("connection gate", "ok" if compiled_gate else "warn", detail))
+
     from kvbm_plugin.connector.trtllm_compat import COMPAT
 
     if COMPAT.error:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
+import logging
 import os
 import threading
 from typing import Any, Protocol
@@ -39,6 +40,7 @@ from kvbm_plugin.wire.gil_send import loaded_libzmq
 from kvbm_plugin.wire.sock_filter import filter_listener
 
 _gate_c = built("conn_gate")  # None where installed without a C compiler
+logger = logging.getLogger(__name__)
 
 EVENTS_PER_CALL = 1024  # monitor events PyGate reads per call (each a few bytes)
 RING = 16384  # events queued for the watch thread per gate (the compiled gate's RING too)
@@ -92,6 +94,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
+def describe() -> tuple[bool, str]:
+    """(compiled, one line) for ``kvbm-plugin doctor``: which gate the capped sockets get."""
+    if _gate_c is None:
+        return False, ("the Python gate (wire/_gate_c.c was not built: no C compiler at install "
+                       "time); a flood is held off only when the interpreter lets its reader "
+                       "run (docs/operations.md#security); reinstall with a compiler")
+    if loaded_libzmq() is None:
+        return False, ("the Python gate: the libzmq pyzmq loaded could not be identified, so "
+                       "the compiled gate cannot call it (docs/operations.md#security)")
+    return True, "compiled: a native thread holds a flood off at the accept (wire/_gate_c.c)"
+
+
 def notify_fd() -> int | None:
     """The pipe the compiled gate's thread writes after events (the watch polls it), or None
     while it is not running."""
@@ -104,6 +118,10 @@ def open_gate(monitor: zmq.Socket, max_unread: int | None, signal_fd: int) -> Ga
     if _start_compiled() is not None:
         return _gate_c.Gate(monitor, monitor.underlying,
                             -1 if max_unread is None else max_unread, signal_fd)
+    compiled, why = describe()
+    if not compiled and USE_COMPILED and not _started.get("warned"):
+        _started["warned"] = True  # once per process: every capped socket gets the same
+        logger.warning("connection gate: %s", why)
     return PyGate(monitor, max_unread, signal_fd)
 
 
