@@ -166,9 +166,16 @@ class ConnWatch:
             if fd is not None and fd in ready:
                 with contextlib.suppress(BlockingIOError, OSError):
                     os.read(fd, 4096)
+        # The compiled gates' caps are all taken from on every pass, those added since this
+        # pass began too: the notify byte just drained may have been for one of them (an
+        # empty take is a lock and a list).
+        with self._lock:
+            compiled = [cap for cap in self._caps
+                        if cap.monitor is not None and cap.poll_socket is None]
+        for cap in compiled:
+            cap.read_events()
         for cap in caps:
-            if (cap.poll_socket in ready if cap.poll_socket is not None
-                    else notify is not None and notify in ready):
+            if cap.poll_socket is not None and cap.poll_socket in ready:
                 cap.read_events()  # more waiting: the next pass (no poll wait)
         if armed:
             self._look_at_turns(caps)
