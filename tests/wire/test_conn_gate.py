@@ -69,6 +69,9 @@ def test_the_compiled_gate_holds_a_churn_off_while_the_gil_is_held(ctx) -> None:
         pub.close(linger=0)
 
 
+# The fork is the point: a process with the gate's thread running forks (multiprocessing's fork
+# start method does), which Python 3.12 warns about.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded:DeprecationWarning")
 def test_a_forked_child_starts_its_own_gate(ctx) -> None:
     """The child of a fork has no gate thread (nor the parent's gates): its first cap starts
     one, which holds its own socket off; the parent's gate goes on."""
