@@ -115,10 +115,12 @@ def _gate_still_holds(ctx: zmq.Context) -> None:
     pub = ctx.socket(zmq.ROUTER)
     cap = PeerCap("after", pub, 64, max_unread=0)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
+    peers = _connect(port, 1)
     try:
-        _connect(port, 1)
         wait_until(lambda: cap.refuse_new, what="the gate thread's hold")
     finally:
+        for peer in peers:
+            peer.close()
         cap.close()
         pub.close(linger=0)
 
@@ -132,10 +134,14 @@ def test_a_context_destroyed_under_a_cap_left_open_is_let_go_first(ctx) -> None:
     pub = context.socket(zmq.ROUTER)
     cap = PeerCap("left open", pub, 64, max_unread=4)
     port = pub.bind_to_random_port("tcp://127.0.0.1")
-    _connect(port, 2)
-    wait_until(lambda: cap.accept_events >= 1, what="an accept")
-    WATCH.release(context)
-    context.destroy(linger=0)
+    peers = _connect(port, 2)
+    try:
+        wait_until(lambda: cap.accept_events >= 1, what="an accept")
+        WATCH.release(context)
+        context.destroy(linger=0)
+    finally:
+        for peer in peers:
+            peer.close()
     _gate_still_holds(ctx)
 
 

@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 
 EVENTS_PER_CALL = 1024  # monitor events PyGate reads per call (each a few bytes)
 RING = 16384  # events queued for the watch thread per gate (the compiled gate's RING too)
+MAX_LISTEN = 16  # listening sockets per gate (_gate_c.c's MAX_LISTEN too)
 USE_COMPILED = True  # tests set it False to run PyGate
 
 _started: dict[str, Any] = {}  # the compiled gate's thread in this process: {"notify": fd}
@@ -170,7 +171,7 @@ class PyGate:
         else:
             self._dropped += 1
         if event == zmq.EVENT_LISTENING:
-            if len(self._listening) < 16 and filter_listener(value, self._holding):
+            if len(self._listening) < MAX_LISTEN and filter_listener(value, self._holding):
                 self._listening.append(value)
         elif event == zmq.EVENT_CLOSED:
             if value in self._listening:

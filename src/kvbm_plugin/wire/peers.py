@@ -41,7 +41,7 @@ import zmq
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin._util.saferepr import saferepr
-from kvbm_plugin.wire.conn_gate import PyGate, open_gate
+from kvbm_plugin.wire.conn_gate import PyGate, is_compiled, open_gate
 from kvbm_plugin.wire.conn_watch import WATCH
 from kvbm_plugin.wire.sock_filter import DROP_ALL, SO_ATTACH_FILTER, borrow
 
@@ -140,7 +140,7 @@ class PeerCap:
         # itself; a PyGate is read by the watch thread (poll_socket).
         self._gate = open_gate(self.monitor, max_unread, self._signal_w)
         self.poll_socket: zmq.Socket | None = (
-            self.monitor if isinstance(self._gate, PyGate) else None)
+            None if is_compiled(self._gate) else self.monitor)
         WATCH.add(self)
 
     @property
@@ -238,15 +238,15 @@ class PeerCap:
         if self._keep is None:
             return
         keep = self._keep()
+        listening = set(self.listening)
         ports = set()
-        for fd in self.listening:
+        for fd in listening:
             sock = borrow(fd)
             if sock is not None:
                 with sock, contextlib.suppress(OSError):
                     ports.add(sock.getsockname()[1])
         if not ports:
             return
-        listening = set(self.listening)
         for fd in _stream_fds():
             if fd in keep or fd in listening:
                 continue
