@@ -538,7 +538,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             state.salt = salt
             state.scope = (lora_of(rd), salt_of(rd))
             state.keys = []  # rehashed under the salt by OffloadPlanner.absorb
-            state.v2_keys = []
+            state.v2_keys = {}
             state.digests = []
             state.name_inputs = name_inputs(rd)
             state.computed = []

@@ -58,6 +58,14 @@ def test_v2_keys_follow_the_radix_trees_rule_on_paper_inputs() -> None:
     assert radix_key_tail_hash(key) == int.from_bytes(key[-8:], "big") - (1 << 64)
     with pytest.raises(ValueError, match="token id"):
         v2_block_key(root, [-1])
+    # the newest hasher packs each id in 4 bytes (_block_radix_tree.py @ 27efb004dedb)
+    le4 = b"".join(t.to_bytes(4, "little") for t in (1, 2, 3, 4))
+    assert v2_block_key(root, [1, 2, 3, 4], 4) == hashlib.sha256(root + le4).digest()
+    assert v2_chain([1, 2, 3, 4, 5], 4, width=4) == [v2_block_key(root, [1, 2, 3, 4], 4)]
+    with pytest.raises(ValueError, match="token id"):
+        v2_block_key(root, [1 << 32], 4)
+    with pytest.raises(ValueError, match="width"):
+        v2_block_key(root, [1], 2)
 
 
 def test_a_registered_scope_goes_into_the_gpu_blocks_identity() -> None:
@@ -85,9 +93,12 @@ def test_a_registered_scope_goes_into_the_gpu_blocks_identity() -> None:
     assert small.scopes.get(0) is None and small.stats()["engine_scopes_evicted"] == 1
 
 
-@pytest.mark.parametrize("form", ["44004b3864a7", "13599e98c71c"])
+@pytest.mark.parametrize(("form", "width"), [("44004b3864a7", 8), ("13599e98c71c", 8),
+                                             ("13599e98c71c", 4)])
 def test_salted_and_adapter_blocks_go_out_under_upstreams_names(make_engine, tmp_path,
-                                                               form) -> None:
+                                                               form, width) -> None:
+    # width: bytes per token id in upstream's radix keys (8, or 4 on the newest hasher); the
+    # leader computes both until the stream shows which one this engine uses
     trt_port, replay_port = free_port(), free_port()
     events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{trt_port}",
                             replay_endpoint=f"tcp://*:{replay_port}")
@@ -99,6 +110,7 @@ def test_salted_and_adapter_blocks_go_out_under_upstreams_names(make_engine, tmp
                               "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "24"})
     leader, manager = engine.leader, engine.kv_cache_manager
     manager.form = form  # upstream's msgspec schema of that revision
+    manager.key_width = width
     sub = StreamSubscriber(f"ipc://{tmp_path}/out", f"ipc://{tmp_path}/out-replay",
                            start_seq=0)
     try:
@@ -133,7 +145,8 @@ def test_salted_and_adapter_blocks_go_out_under_upstreams_names(make_engine, tmp
         salt = v2_reuse_salt("tenant-A")
         for tokens, lora, s in ((prompt(0, 17), None, salt), (prompt(1, 17), 3, None),
                                 (prompt(0, 17), 3, salt)):
-            names = {radix_key_hash(k) for k in v2_chain(tokens[:16], 4, lora_id=lora, salt=s)}
+            names = {radix_key_hash(k) for k in v2_chain(tokens[:16], 4, lora_id=lora, salt=s,
+                                                         width=width)}
             assert names <= manager.published_hashes  # upstream's own names for them...
             assert names <= view  # ...held by the consolidated view (GPU or host tier)
         stats = leader.stats()
@@ -144,6 +157,7 @@ def test_salted_and_adapter_blocks_go_out_under_upstreams_names(make_engine, tmp
         # the scoped blocks were offloaded and named (not left waiting for a name)
         assert stats["tier_stores_waiting_for_name"] == 0
         assert stats["engine_scopes_applied"] > 0  # salted/adapter GPU blocks were scoped
+        assert leader._naming.v2_wire == ("head", width)  # noqa: SLF001 - the form it found
     finally:
         sub.close()
 
@@ -237,6 +251,6 @@ def test_the_truncation_is_confirmed_from_the_stream_after_the_request_is_gone()
         "parent_block_hash": None, "token_ids": tokens, "block_size": 4, "lora_id": None,
         "medium": "GPU", "lora_name": None}])
     naming.refresh([])
-    assert naming.v2_wire == "head"
+    assert naming.v2_wire == ("head", 8)
     assert [naming.names.hash_of_key(k) for k in (11, 12, 13)] == \
         [radix_key_hash(k) % (1 << 64) for k in keys]  # u64, as the stream's names are kept

@@ -47,7 +47,8 @@ class RequestState:
     computed: list[int] = field(default_factory=list)
     name_inputs: Any = None
     learned: list[int] = field(default_factory=list)  # TRT-LLM's hashes seen in GPU events
-    v2_keys: list[bytes] = field(default_factory=list)  # V2 radix keys, computed (naming)
+    # V2 radix keys, computed (naming), by token width (one width once the stream showed it)
+    v2_keys: dict[int, list[bytes]] = field(default_factory=dict)
     # The event sink is still to be told its first block's hash and LoRA adapter: only for a
     # request whose object the leader read the adapter from (RequestData names none).
     lora_root_pending: bool = False

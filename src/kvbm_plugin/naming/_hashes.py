@@ -43,7 +43,8 @@ the same rule TensorRT-LLM's router uses, ``tensorrt_llm/block_hash.py``
 
 * the root key is ``sha256(scope)``, ``scope`` = one presence-mask byte (bit 0: a LoRA task id,
   bit 1: a salt) followed by each present field as 8 bytes little-endian (LoRA id, then salt);
-* a block's key is ``sha256(parent key + each token id as 8 bytes little-endian)``;
+* a block's key is ``sha256(parent key + each token id as 8 bytes little-endian)``, or 4
+  bytes on the newest hasher (:data:`V2_TOKEN_WIDTHS`);
 * the salt is the manager's ``_derive_reuse_salt(cache_salt)``: the first 8 bytes of
   ``sha256(cache_salt.encode())``, little-endian (``kv_cache_manager_v2.py``, stored id
   56023105518), not the blake3 ``cache_salt_id`` the V1 hash and the router's helper use;
@@ -212,27 +213,42 @@ def v2_root_key(lora_id: int | None = None, salt: int | None = None) -> bytes:
     return hashlib.sha256(v2_scope_bytes(lora_id, salt)).digest()
 
 
-def v2_block_key(parent_key: bytes, tokens: Sequence[int]) -> bytes:
-    """``Block.make_key(parent_key, tokens)`` for text tokens (ids in [0, 2**64))."""
+# How many bytes a V2 radix key gives each integer token id, by revision: 8 little-endian
+# (``Hasher.update``'s ``array("Q", ...)``, ``_cache_key.py`` @ fa202e2a0fc2, stored id
+# 55367474285, and ``_block_radix_tree.py`` stored id 55130171628) or 4 (``array("I", ...)``,
+# "matching the C++ backend's 4-byte TokenIdExt layout", ``_block_radix_tree.py`` @
+# 27efb004dedb, stored id 57352786808). The stream shows which one an engine runs
+# (``BlockNaming``): names are computed under both until one was seen there.
+V2_TOKEN_WIDTHS = (8, 4)
+_PACK = {8: "Q", 4: "I"}
+
+
+def v2_block_key(parent_key: bytes, tokens: Sequence[int], width: int = 8) -> bytes:
+    """``Block.make_key(parent_key, tokens)`` for text tokens: each token id as ``width``
+    bytes little-endian (see :data:`V2_TOKEN_WIDTHS`)."""
+    code = _PACK.get(width)
+    if code is None:
+        raise ValueError(f"v2_block_key: width={width!r} is not one of {V2_TOKEN_WIDTHS}")
     h = hashlib.sha256(parent_key)
     try:
-        h.update(array("Q", tokens).tobytes() if _LITTLE else
-                 b"".join(t.to_bytes(8, "little") for t in tokens))
+        h.update(array(code, tokens).tobytes() if _LITTLE else
+                 b"".join(t.to_bytes(width, "little") for t in tokens))
     except OverflowError:
-        raise ValueError(f"v2_block_key: a token id is not in [0, 2**64): {list(tokens)!r:.80}"
-                         ) from None
+        raise ValueError(f"v2_block_key: a token id is not in [0, 2**{8 * width}): "
+                         f"{list(tokens)!r:.80}") from None
     return h.digest()
 
 
 def v2_chain(tokens: Sequence[int], block_size: int, *, start: int = 0,
              parent_key: bytes | None = None, lora_id: int | None = None,
-             salt: int | None = None) -> list[bytes]:
+             salt: int | None = None, width: int = 8) -> list[bytes]:
     """Radix keys of the full blocks ``start..`` of ``tokens``, chained from ``parent_key``
-    (block ``start - 1``'s key; None: the root of scope ``(lora_id, salt)``)."""
+    (block ``start - 1``'s key; None: the root of scope ``(lora_id, salt)``), each token id
+    ``width`` bytes wide."""
     key = v2_root_key(lora_id, salt) if parent_key is None else parent_key
     out: list[bytes] = []
     for i in range(start, len(tokens) // block_size):
-        key = v2_block_key(key, tokens[i * block_size:(i + 1) * block_size])
+        key = v2_block_key(key, tokens[i * block_size:(i + 1) * block_size], width)
         out.append(key)
     return out
 

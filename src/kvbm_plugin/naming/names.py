@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.naming._hashes import (
     _U64,
+    V2_TOKEN_WIDTHS,
     mm_hash_bytes,
     parse_hash,
     radix_key_hash,
@@ -130,7 +131,7 @@ def name_inputs(obj: Any) -> NameInputs:
     if text is not None:
         v2_salt = v2_reuse_salt(text if isinstance(text, (str, bytes)) else str(text))
     elif salt is not None:
-        v2_why = "salt id without its string"
+        v2_why = _NO_SALT_TEXT
     return NameInputs(salt, lora, salt_kind=kind, v2_salt=v2_salt, v2_why_not=v2_why)
 
 
@@ -159,11 +160,12 @@ class BlockNaming:
         self.salt_blind = False
         # Where that stream is the source: each request's V2 radix keys, computed
         # (v2_extend); its blocks go out under them once one computed key met upstream's own
-        # name (the truncation, "head" or "tail", is then confirmed); scoped blocks' wire
-        # hashes are registered in scope_sink (EngineForms.scopes) for the consolidator.
+        # name (the form, the truncation "head" or "tail" and the token width 8 or 4, is then
+        # confirmed); scoped blocks' wire hashes are registered in scope_sink
+        # (EngineForms.scopes) for the consolidator.
         self.v2_stream = False
         self.scope_sink: Any = None
-        self.v2_wire: str | None = None  # confirmed truncation: "head" / "tail"
+        self.v2_wire: tuple[str, int] | None = None  # confirmed (truncation, token width)
         self.v2_refuted = False
         self._v2_rules_named = 0  # len(names.seen_rules) when the content keys were last named
         self._v2_pending: dict[tuple[bool, bool], dict[int, bytes]] = {}
@@ -190,8 +192,11 @@ class BlockNaming:
         """TRT-LLM's hash of block ``index`` of ``state``, or None while unknown."""
         if index < len(state.event_hashes):
             return int(state.event_hashes[index])
-        if self.v2_wire is not None and index < len(state.v2_keys) and self._v2_seen(state):
-            return _wire(state.v2_keys[index], self.v2_wire)
+        form = self.v2_wire
+        if form is not None and self._v2_seen(state):
+            keys = state.v2_keys.get(form[1], ())
+            if index < len(keys):
+                return _wire(keys[index], form[0])
         rule = self._rule(state)
         if rule is not None:
             self._compute(state, index + 1)
@@ -206,119 +211,136 @@ class BlockNaming:
 
     def v2_extend(self, state: RequestState) -> None:
         """Where TensorRT-LLM's own stream is the source (``v2_stream``): compute the V2 radix
-        keys of the request's new full blocks and register each scoped block's wire hashes
-        (both truncations until one is confirmed) with its scope in ``scope_sink``, before
-        this iteration's events can be published; name the content keys once the truncation
-        is confirmed. Called
+        keys of the request's new full blocks (under each token width until the stream showed
+        which one the engine uses) and register each scoped block's wire hashes (every form
+        until one is confirmed) with its scope in ``scope_sink``, before this iteration's
+        events can be published; name the content keys once the form is confirmed. Called
         by the leader for each scheduled request (``build_connector_meta``, executor thread,
-        under its lock): one SHA-256 per new block."""
+        under its lock): one SHA-256 per new block and width."""
         inputs: NameInputs | None = state.name_inputs
         if not self.v2_stream or self.v2_refuted or inputs is None:
             return
         if inputs.v2_why_not is not None:
             # The C++ request carries the salt id only; its string came with RequestData
             # (remembered by the leader before this call: wire.identity.remember_salt_text).
-            text = SALT_TEXTS.get(inputs.salt) if inputs.salt_kind == "id" \
-                and inputs.salt is not None and inputs.why_not is None else None
+            text = SALT_TEXTS.get(inputs.salt) if inputs.v2_why_not == _NO_SALT_TEXT \
+                and inputs.salt is not None else None
             if text is None:
                 return
             inputs = state.name_inputs = replace(inputs, v2_salt=v2_reuse_salt(text),
                                                  v2_why_not=None)
-        done = len(state.v2_keys)
+        widths = self._widths()
+        for width in [w for w in state.v2_keys if w not in widths]:
+            del state.v2_keys[width]  # a width the stream did not confirm
+        done = len(state.v2_keys.get(widths[0], ()))
         n = min(len(state.tokens) // self._bs, len(state.keys))
         if n <= done:
             return
-        lora = inputs.lora
-        new = v2_chain(state.tokens[:n * self._bs], self._bs, start=done,
-                       parent_key=state.v2_keys[-1] if done else None, lora_id=lora,
-                       salt=inputs.v2_salt)
-        state.v2_keys.extend(new)
-        self._stats["v2_names_computed"] += len(new)
+        chunk = state.tokens[done * self._bs:n * self._bs]
+        new_keys: dict[int, list[bytes]] = {}
+        for width in widths:
+            keys = state.v2_keys.setdefault(width, [])
+            new_keys[width] = new = v2_chain(chunk, self._bs, parent_key=keys[-1] if keys
+                                             else None, lora_id=inputs.lora,
+                                             salt=inputs.v2_salt, width=width)
+            keys.extend(new)
+        self._stats["v2_names_computed"] += n - done
         scope = state.scope
         sink = self.scope_sink
+        truncations = _TRUNCATIONS if self.v2_wire is None else (self.v2_wire[0],)
         if sink is not None and (scope[0] is not None or scope[1] is not None):
-            wire = self.v2_wire
-            for key in new:  # both truncations until the stream showed which it uses
-                if wire != "tail":
-                    sink.register(radix_key_hash(key), scope)
-                if wire != "head":
-                    sink.register(radix_key_tail_hash(key), scope)
+            for new in new_keys.values():  # every form until the stream showed which it uses
+                for key in new:
+                    for truncation in truncations:  # the stream's signed int64 form
+                        sink.register(to_signed_int64(_wire(key, truncation)), scope)
         rule = _v2_rule(inputs)
-        if new and (self.v2_wire is None or rule not in self.names.seen_rules) \
+        if (self.v2_wire is None or rule not in self.names.seen_rules) \
                 and len(self.names.watch) < self.MAX_WATCHED:
             # A salt or adapter rule is used once TensorRT-LLM stored a block under it (a
-            # revision that derives the scope otherwise then never names a tier copy), and
-            # the truncation once any computed name was stored. Watched on the stream itself
-            # (BlockNames.observe), not through a live request's learned names: a request
-            # may finish before its names are read. The first new block and the newest are
+            # revision that derives the scope otherwise then never names a tier copy), and the
+            # form once any computed name was stored. Watched on the stream itself
+            # (BlockNames.observe), not through a live request's learned names: a request may
+            # finish before its names are read. The first new block and the newest are
             # watched: a prefix already stored is not stored again, the newest block is the
             # one this request is likeliest to store itself.
-            for key in {new[0], new[-1]}:
-                self.names.watch[_wire(key, "head")] = (rule, "head")
-                self.names.watch[_wire(key, "tail")] = (rule, "tail")
+            for width, new in new_keys.items():
+                for key in {new[0], new[-1]}:
+                    for truncation in _TRUNCATIONS:
+                        self.names.watch[_wire(key, truncation)] = (rule, (truncation, width))
         self._v2_name_keys(state, done)
 
     MAX_WATCHED = 4096  # computed root names waiting to be seen on the stream, at most
     MAX_PENDING = 1 << 15  # computed names of blocks whose rule is not confirmed yet
 
+    def _widths(self) -> tuple[int, ...]:
+        """The token widths a V2 key is computed under: the confirmed one, else every one."""
+        return V2_TOKEN_WIDTHS if self.v2_wire is None else (self.v2_wire[1],)
+
     def _v2_seen(self, state: RequestState) -> bool:
         """Whether the input rule ``state``'s V2 names depend on (salt, adapter) was seen on
-        the stream; an unscoped one needs only the truncation (``v2_wire``)."""
+        the stream; an unscoped one needs only the form (``v2_wire``)."""
         rule = _v2_rule(state.name_inputs)
-        return rule == (False, False) or rule in self.names.seen_rules
+        return rule == _PLAIN or rule in self.names.seen_rules
 
     def _v2_name_keys(self, state: RequestState, start: int) -> None:
         """Map the content keys of blocks ``start..`` to their computed names (for the tier
         blocks that wait for one: ``UnnamedStores``); while their rule is not confirmed, keep
         them (bounded) until it is (:meth:`_v2_flush`): the request may be gone by then."""
-        wire = self.v2_wire
-        end = min(len(state.v2_keys), len(state.keys))
-        if wire is not None and self._v2_seen(state):
+        form = self.v2_wire
+        by_width = state.v2_keys
+        end = min(len(by_width.get(self._widths()[0], ())), len(state.keys))
+        if form is not None and self._v2_seen(state):
+            keys = by_width[form[1]]
             for i in range(start, end):
-                self.names.name_key(state.keys[i], _wire(state.v2_keys[i], wire))
+                self.names.name_key(state.keys[i], _wire(keys[i], form[0]))
             return
         pending = self._v2_pending.setdefault(_v2_rule(state.name_inputs), {})
+        lists = [by_width.get(w) for w in V2_TOKEN_WIDTHS]
         for i in range(start, end):
             if self._v2_pending_n >= self.MAX_PENDING:
                 self._stats["v2_pending_dropped"] += end - i  # such blocks wait for a name
                 return
-            pending[state.keys[i]] = state.v2_keys[i]
+            pending[state.keys[i]] = tuple(k[i] if k is not None and i < len(k) else None
+                                           for k in lists)
             self._v2_pending_n += 1
 
     def _v2_flush(self) -> None:
-        """Name the kept content keys whose rule (and truncation) is confirmed now."""
-        wire = self.v2_wire
-        if wire is None:
+        """Name the kept content keys whose rule (and form) is confirmed now."""
+        form = self.v2_wire
+        if form is None:
             return
+        at = V2_TOKEN_WIDTHS.index(form[1])
         seen = self.names.seen_rules
-        for rule in [r for r in self._v2_pending if r == (False, False) or r in seen]:
+        for rule in [r for r in self._v2_pending if r == _PLAIN or r in seen]:
             kept = self._v2_pending.pop(rule)
             self._v2_pending_n -= len(kept)
             for key, radix in kept.items():
-                self.names.name_key(key, _wire(radix, wire))
+                if radix[at] is not None:
+                    self.names.name_key(key, _wire(radix[at], form[0]))
 
     def _v2_check(self, state: RequestState) -> None:
-        """Confirm the V2 rule (and its truncation) where a learned name equals a computed
+        """Confirm the V2 form (truncation and width) where a learned name equals a computed
         one; refute it for good where one differs under a parent that agreed."""
-        learned, keys = state.learned, state.v2_keys
-        for i in range(min(len(learned), len(keys))):
-            head, tail = _wire(keys[i], "head"), _wire(keys[i], "tail")
-            if learned[i] in (head, tail):
-                if self.v2_wire is None:
-                    self.v2_wire = "head" if learned[i] == head else "tail"
-                    self._v2_flush()
-            elif i and learned[i - 1] in (_wire(keys[i - 1], "head"),
-                                          _wire(keys[i - 1], "tail")):
-                self.v2_refuted = True
-                self.v2_wire = None
-                self._v2_pending.clear()
-                self._v2_pending_n = 0
-                self._stats["v2_rule_mismatches"] += 1
-                self._log.log(logging.ERROR, "v2-mismatch", "kvbm_plugin: TensorRT-LLM's "
-                              "stream named block %d of request %d %d, not the V2 radix key "
-                              "the leader computed: salted and adapter blocks' tier copies "
-                              "now wait for names", i, state.req_id, learned[i])
-                return
+        learned = state.learned
+        for width, keys in list(state.v2_keys.items()):
+            for i in range(min(len(learned), len(keys))):
+                head, tail = _wire(keys[i], "head"), _wire(keys[i], "tail")
+                if learned[i] in (head, tail):
+                    if self.v2_wire is None:
+                        self.v2_wire = ("head" if learned[i] == head else "tail", width)
+                        self._v2_flush()
+                elif i and learned[i - 1] in (_wire(keys[i - 1], "head"),
+                                              _wire(keys[i - 1], "tail")):
+                    self.v2_refuted = True
+                    self.v2_wire = None
+                    self._v2_pending.clear()
+                    self._v2_pending_n = 0
+                    self._stats["v2_rule_mismatches"] += 1
+                    self._log.log(logging.ERROR, "v2-mismatch", "kvbm_plugin: TensorRT-LLM's "
+                                  "stream named block %d of request %d %d, not the V2 radix "
+                                  "key the leader computed: salted and adapter blocks' tier "
+                                  "copies now wait for names", i, state.req_id, learned[i])
+                    return
 
     def _may_learn(self, state: RequestState) -> bool:
         """Whether the learned names can name ``state``'s blocks (see ``salt_blind``)."""
@@ -414,6 +436,11 @@ class BlockNaming:
 def _v2_rule(inputs: Any) -> tuple[bool, bool]:
     """What a request's V2 names depend on beyond the tokens: (a salt, an adapter)."""
     return inputs.v2_salt is not None, inputs.lora is not None
+
+
+_PLAIN = (False, False)  # the rule of a request keyed by its tokens alone
+_TRUNCATIONS = ("head", "tail")
+_NO_SALT_TEXT = "salt id without its string"
 
 
 def _wire(key: bytes, truncation: str) -> int:

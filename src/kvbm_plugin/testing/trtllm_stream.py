@@ -331,6 +331,9 @@ class SimStreamingKVCacheManager:
         self._key_order = EvictionOrder()
         self.published_hashes: set[int] = set()  # every wire hash ever stored (tests)
         self.form: str | None = None  # one of FORMS: that form's msgspec bytes (tests)
+        # Bytes per token id in a radix key: 8, or 4 on the revisions whose hasher matches
+        # the C++ backend's 4-byte layout (naming._hashes.V2_TOKEN_WIDTHS; tests set it).
+        self.key_width = 8
         self.batches = 0
 
     def get_latest_events(self, timeout_ms: float | None = 0) -> list[Any]:
@@ -384,7 +387,7 @@ class SimStreamingKVCacheManager:
         if parent_key is None:
             parent_key = v2_root_key(block.get("lora_id"),
                                      None if salt is None else v2_reuse_salt(salt))
-        key = v2_block_key(parent_key, tokens)
+        key = v2_block_key(parent_key, tokens, self.key_width)
         self._key_order.put(self._keys, v1, key, 1 << 20)
         h = wire_hash(key)
         parent = None if parent_v1 is None else wire_hash(parent_key)
