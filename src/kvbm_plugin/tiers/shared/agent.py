@@ -393,14 +393,16 @@ class SharedAgent:
         result = directory.admit(present, start + self.lease_s)
         self._report_removed(result.evicted)
         announce: list[SharedBlock] = []
-        self._n["confirmed"] += len(result.resident)
         for block in result.resident:
+            self._callback(self._on_store, block)
             if block.digest in own:
                 self._n["confirmed_own"] += 1
                 announce.append(block)
             else:
                 self._n["confirmed_heard"] += 1
-            self._callback(self._on_store, block)
+        # Counted once the leader was told: a reader that sees the count (a test, a sweep
+        # waiting on it) sees the callbacks' effects too.
+        self._n["confirmed"] += len(result.resident)
         for block in result.waiting:
             tries = tries_of[block.digest] + 1
             if tries < self._WAIT_TRIES:
