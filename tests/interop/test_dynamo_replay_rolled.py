@@ -17,6 +17,15 @@ from kvbm_plugin.wire.publisher import ZmqEventPublisher
 BS = 4
 
 
+def _replay_stats(pub: ZmqEventPublisher) -> dict[str, int]:
+    """The publisher's replay and connection counters (a failure's evidence)."""
+    return {k: v for k, v in pub.stats().items() if k.startswith(("replay", "connections"))}
+
+
+def _log_tail(indexer: Indexer, lines: int = 30) -> list[str]:
+    return indexer.log_text().splitlines()[-lines:]
+
+
 def _store(i: int) -> dict:
     return BlockStored([(1 << 40) + i], None, [100 * i + k for k in range(BS)], BS).to_wire()
 
@@ -50,7 +59,9 @@ def test_dynamo_joining_after_the_buffer_rolled(indexer: Indexer, tmp_path: Path
         # after the replay answer (it holds live batches back while a replay runs).
         deadline = time.monotonic() + 30  # each phase its own bound (a loaded host)
         while pub.stats()["replay_rolled_requests"] < 1:
-            assert time.monotonic() < deadline, "the indexer never asked for a replay"
+            assert time.monotonic() < deadline, (
+                f"the indexer never asked for a replay: {_replay_stats(pub)}; indexer log "
+                f"{_log_tail(indexer)}")
             time.sleep(0.05)  # poll interval
         last = to_signed_int64((1 << 40) + live)
         pub.publish([_store(live)])
