@@ -219,8 +219,8 @@ def v2_root_key(lora_id: int | None = None, salt: int | None = None) -> bytes:
 # "matching the C++ backend's 4-byte TokenIdExt layout", ``_block_radix_tree.py`` @
 # 27efb004dedb, stored id 57352786808). The stream shows which one an engine runs
 # (``BlockNaming``): names are computed under both until one was seen there.
-V2_TOKEN_WIDTHS = (8, 4)
-_PACK = {8: "Q", 4: "I"}
+_PACK = {8: "Q", 4: "I"}  # token width -> the array typecode that packs it
+V2_TOKEN_WIDTHS = tuple(_PACK)
 
 
 def v2_block_key(parent_key: bytes, tokens: Sequence[int], width: int = 8) -> bytes:

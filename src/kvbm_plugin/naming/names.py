@@ -252,7 +252,7 @@ class BlockNaming:
             for new in new_keys.values():  # every form until the stream showed which it uses
                 for key in new:
                     for truncation in truncations:  # the stream's signed int64 form
-                        sink.register(to_signed_int64(_wire(key, truncation)), scope)
+                        sink.register(_SIGNED_WIRE[truncation](key), scope)
         rule = _v2_rule(inputs)
         if (self.v2_wire is None or rule not in self.names.seen_rules) \
                 and len(self.names.watch) < self.MAX_WATCHED:
@@ -440,6 +440,7 @@ def _v2_rule(inputs: Any) -> tuple[bool, bool]:
 
 _PLAIN = (False, False)  # the rule of a request keyed by its tokens alone
 _TRUNCATIONS = ("head", "tail")
+_SIGNED_WIRE = {"head": radix_key_hash, "tail": radix_key_tail_hash}  # as the stream spells it
 _NO_SALT_TEXT = "salt id without its string"
 
 
