@@ -74,11 +74,11 @@ def test_without_block_hashes_every_tier_store_is_named_by_trtllms_hash(make_eng
 
 def test_where_the_hash_cannot_be_computed_tier_stores_wait_for_trtllms_name(
         make_engine, monkeypatch) -> None:
-    """A request whose hash the leader cannot compute (multimodal, prompt-tuning ids): its
-    tier STOREs wait until TRT-LLM's GPU STORE names the block, never sent under the
+    """A request whose hash the leader cannot compute (here: an adapter id it cannot read):
+    its tier STOREs wait until TRT-LLM's GPU STORE names the block, never sent under the
     plugin's own key."""
     monkeypatch.setattr(naming, "name_inputs",
-                        lambda obj: naming.NameInputs(None, None, "multimodal inputs"))
+                        lambda obj: naming.NameInputs(None, None, "unreadable lora_task_id"))
     monkeypatch.setattr("kvbm_plugin.connector_leader.name_inputs", naming.name_inputs)
     rec = TierRecorder()
     engine = make_engine(num_gpu_blocks=24, env=tiers(host=12, disk=48),
@@ -95,6 +95,28 @@ def test_where_the_hash_cannot_be_computed_tier_stores_wait_for_trtllms_name(
     for _, h, parent, tokens in rec.stores:
         assert names.get(h) == (parent, tokens)
     assert stats["tier_stores_waiting_for_name"] <= stats["tier_stores_unnamed"]
+
+
+@pytest.mark.parametrize("why", ["multimodal inputs placed by runs",
+                                 "prompt-tuning extra ids"])
+def test_blocks_whose_tokens_do_not_name_them_are_never_named_by_their_tokens(
+        make_engine, monkeypatch, why) -> None:
+    """A multimodal request whose items the leader cannot place, or one with prompt-tuning
+    ids: its blocks' tokens are another request's too (placeholders), so a name learned by
+    (parent, tokens) may be another image's block. Their tier copies wait, never announced
+    under such a name."""
+    monkeypatch.setattr(naming, "name_inputs", lambda obj: naming.NameInputs(None, None, why))
+    monkeypatch.setattr("kvbm_plugin.connector_leader.name_inputs", naming.name_inputs)
+    rec = TierRecorder()
+    engine = make_engine(num_gpu_blocks=24, env=tiers(host=12, disk=48),
+                         provide_block_hashes=False, tier_events=rec)
+    _workload(engine)
+    engine.submit(prompt(99, 9), 1)
+    engine.run_until_idle()
+    engine.leader.publish_now()
+    stats = engine.leader.stats()
+    assert stats["tier_stores_unnamed"] > 0 and not rec.stores
+    assert engine.stats().kv_mismatches == 0
 
 
 def test_unnamed_tier_stores_are_bounded_and_counted(make_engine, monkeypatch) -> None:
@@ -152,5 +174,5 @@ def test_a_rule_is_used_only_once_trtllms_events_confirmed_it(make_engine) -> No
                          tier_events=rec)
     _workload(engine, salts=(None, "tenant-a"))
     naming_ = engine.leader._naming
-    assert naming_.confirmed == {("none", False), ("id", False)}
+    assert naming_.confirmed == {("none", False, False), ("id", False, False)}
     assert engine.leader.stats()["block_name_rules_confirmed"] == 2

@@ -965,3 +965,22 @@ def test_a_held_back_block_keeps_its_scope_when_it_is_released(core):
     assert released[0]["parent_block_hash"] == 1 and released[0]["token_ids"] == [3, 3]
     assert released[0]["lora_id"] == 7 and released[0]["extra_keys"] == [["salt-a"]]
     assert core.stats()["released_stores"] == 1
+
+
+def test_an_unscoped_block_is_one_block_whatever_its_chain_mates_carry(core):
+    """TensorRT-LLM stores a multimodal chain's text blocks in the event of its image blocks
+    (extra keys on some blocks only); a tier copy of a text block comes alone, without extra
+    keys. Both name one block: no conflict, no second name."""
+    core.apply_event(0, {"type": "BlockStored", "block_hashes": [1, 2, 3],
+                         "parent_block_hash": None, "token_ids": [1, 1, 9, 9, 4, 4],
+                         "block_size": BS, "lora_id": None, "medium": "GPU",
+                         "extra_keys": [None, ["ab" * 32], None]})
+    core.take_output()
+    core.store(SOURCE_TIERS, "CPU", 0, [1], None, [1, 1], BS)
+    core.store(SOURCE_TIERS, "CPU", 0, [2], 1, [9, 9], BS, extra_keys=[["ab" * 32]])
+    core.store(SOURCE_TIERS, "CPU", 0, [3], 2, [4, 4], BS)
+    assert core.take_output() == {}  # the same three blocks: nothing new downstream
+    assert core.stats()["hash_conflicts"] == 0
+    # the image block's name and tokens without its key: another block, renamed and counted
+    core.store(SOURCE_TIERS, "CPU", 0, [2], 1, [9, 9], BS)
+    assert core.stats()["hash_conflicts"] == 1

@@ -7,13 +7,11 @@ output wire events per dp rank. Everything the router sees is decided here, so e
 is unit-testable in milliseconds.
 
 Who calls what: one owner drives a core, on one thread — the socket shell
-:class:`~kvbm_plugin.consolidator.service.KvEventConsolidator` on its ingest thread
-(decoded GPU-tier batches through :meth:`ConsolidatorCore.apply_events`, queued tier
-registrations through
-:meth:`ConsolidatorCore.store` / :meth:`ConsolidatorCore.remove` /
-:meth:`ConsolidatorCore.clear`, then :meth:`ConsolidatorCore.take_output` to publish), or a
-test. Callers import these names from :mod:`kvbm_plugin.consolidator.service`, which
-re-exports them.
+:class:`~kvbm_plugin.consolidator.service.KvEventConsolidator` on its ingest thread (decoded
+GPU-tier batches through :meth:`ConsolidatorCore.apply_events`, queued tier registrations
+through :meth:`ConsolidatorCore.store` / ``remove`` / ``clear``, then
+:meth:`ConsolidatorCore.take_output` to publish), or a test. Callers import these names from
+:mod:`kvbm_plugin.consolidator.service`, which re-exports them.
 
 The dedup block loops also exist compiled (``consolidator/_core_c.c``, used when built): the Python
 loops here are their reference, the tests compare the two, and everything the compiled loops do
@@ -25,8 +23,9 @@ directly, so the two stay in step. What input is accepted is checked in
 Semantics (dedup mode, the default):
 
 * **Identity** of a block is its content chain per dp rank: a 64-bit hash of (parent identity,
-  token ids). Each (source, tier) keeps its own external-hash → block map, so sources whose hash
-  algorithms differ still agree; removals carry hashes only and are resolved through that map.
+  token ids; its adapter and extra keys if any). Each (source, tier) keeps its own external
+  hash → block map, so sources whose hash algorithms differ still agree; removals carry
+  hashes only and are resolved through that map.
 * **Residency** is tracked per (source, tier): the engine's GPU stream (whatever medium its
   events carry) and the registered tiers (CPU = host, DISK). A block is STOREd downstream when
   it first becomes resident anywhere and REMOVEd when it is resident nowhere, nothing otherwise.
@@ -79,7 +78,7 @@ from kvbm_plugin.consolidator.blocks import (
     wire_hash,
 )
 from kvbm_plugin.consolidator.held_back import DEFAULT_MAX_HELD_BACK, HeldBack, PrefixClosure
-from kvbm_plugin.consolidator.inputs import scopes, stored_fields, u64_hashes
+from kvbm_plugin.consolidator.inputs import UNSCOPED, scopes, stored_fields, u64_hashes
 from kvbm_plugin.consolidator_config import ConsolidatorMode
 from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
@@ -498,8 +497,10 @@ class ConsolidatorCore(PrefixClosure):
                 pident = hash((pident, tt[off:off + bs]))
                 idents.append(pident)
         else:
-            for j, off in enumerate(range(0, len(tt), bs)):
-                pident = hash((pident, tt[off:off + bs], scope[j]))
+            for j, off in enumerate(range(0, len(tt), bs)):  # UNSCOPED: see inputs.py
+                s = scope[j]
+                pident = hash((pident, tt[off:off + bs])) if s == UNSCOPED \
+                    else hash((pident, tt[off:off + bs], s))
                 idents.append(pident)
         self._n_unknown_parents += unknown_parent
         runs: list[tuple[dict[str, Any], int]] = []  # (output event, first block index)

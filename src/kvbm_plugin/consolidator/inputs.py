@@ -79,6 +79,13 @@ def stored_fields(parent_raw: Any, tokens: Any, block_size: Any, lora_id: Any,
     return parent_raw, tokens
 
 
+# The scope :func:`scopes` gives a block of no adapter and no extra keys. The core gives such
+# a block the identity it has in an event without scopes, whatever its chain-mates carry:
+# TensorRT-LLM stores a multimodal chain's text blocks in the event of its image blocks, and
+# a tier copy of a text block comes alone.
+UNSCOPED = (None, None)
+
+
 def scopes(lora_id: Any, lora_name: Any, extra_keys: Any, n: int) -> list[Any]:
     """Per block, what besides tokens names its content: (adapter, extra keys); two
     adapters' or two salts' blocks with the same tokens are different blocks. The adapter

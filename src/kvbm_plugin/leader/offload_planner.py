@@ -18,7 +18,7 @@ from kvbm_plugin.leader.layer_groups import LayerGroupPages
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.requests import OpTable, RequestState
 from kvbm_plugin.leader.shared_tier import LeaderSharedTier
-from kvbm_plugin.naming.names import BlockNaming
+from kvbm_plugin.naming.names import BlockNaming, block_scope
 from kvbm_plugin.tiers.base import TIER_HOST, TierIndex, block_keys
 
 
@@ -140,7 +140,8 @@ class OffloadPlanner:
                 continue
             parent = self.event_hash(state, i - 1) if i else None
             entry = tiers.reserve(index, key, self.event_hash(state, i), parent,
-                                  tokens[i * bs:(i + 1) * bs], parent_key, state.scope)
+                                  tokens[i * bs:(i + 1) * bs], parent_key,
+                                  block_scope(state, i, bs))
             if entry is None:
                 stats["tier_full_skips"] += 1
                 return  # retry from this block next iteration

@@ -33,7 +33,7 @@ from kvbm_plugin.tiers.base import (
     stat_signature,
 )
 from kvbm_plugin.wire.events import MEDIUM_CPU, MEDIUM_DISK
-from kvbm_plugin.wire.identity import salt_extra_key
+from kvbm_plugin.wire.identity import scope_extra_keys
 
 logger = logging.getLogger("kvbm_plugin.connector_leader")
 MEDIUM = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_DISK}
@@ -162,12 +162,13 @@ class OffloadTiers:
         """Register the tier STORE of a committed, named block (its parent is advertised)."""
         # The scope only when there is one: a recorder written for the plain six-argument
         # call keeps working for unscoped blocks.
-        lora, salt = entry.scope
+        block_scope = entry.scope
         scope: dict[str, Any] = {}
-        if lora is not None:
-            scope["lora_id"] = lora
-        if salt is not None:
-            scope["extra_keys"] = (salt_extra_key(salt),)
+        if block_scope[0] is not None:
+            scope["lora_id"] = block_scope[0]
+        extra_keys = scope_extra_keys(block_scope)
+        if extra_keys is not None:
+            scope["extra_keys"] = extra_keys
         self._tier_events.register_store(
             MEDIUM[index.name], self._dp_rank, entry.event_hash, entry.parent_event_hash,
             entry.token_ids, self._block_size, **scope)
@@ -199,9 +200,10 @@ class OffloadTiers:
 
     def reserve(self, index: TierIndex, key: int, event_hash: int, parent: int | None,
                  tokens: Sequence[int], parent_key: int | None,
-                 scope: tuple[int | None, int | None] = (None, None)) -> TierEntry | None:
+                 scope: tuple[Any, ...] = (None, None)) -> TierEntry | None:
         """A pending slot in ``index`` (``parent_key`` must be in it) for a block of ``scope``
-        (LoRA, salt); an evicted host block is demoted to disk."""
+        (LoRA, salt[, multimodal digests]: ``naming.names.block_scope``); an evicted host
+        block is demoted to disk."""
         try:
             entry, evicted = index.reserve(key, event_hash, parent, tokens, parent_key)
         except TierFullError:

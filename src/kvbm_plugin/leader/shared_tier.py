@@ -56,7 +56,7 @@ from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
 from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory
 from kvbm_plugin.tiers.shared.keys import chain_digests
 from kvbm_plugin.wire.events import MEDIUM_EXTERNAL
-from kvbm_plugin.wire.identity import salt_extra_key
+from kvbm_plugin.wire.identity import scope_extra_keys
 
 logger = logging.getLogger("kvbm_plugin.connector_leader")
 
@@ -126,7 +126,7 @@ class _SharedWrite:
     digest: bytes
     parent_digest: bytes | None
     host_key: int
-    scope: tuple[int | None, int | None]
+    scope: tuple[Any, ...]  # the host copy's (naming.names.block_scope)
     name: tuple[int, int | None, tuple[int, ...]] | None = None  # the host copy's, announced
     key_scope: str | None = None  # the reuse scope its digest is keyed under (request_scope)
     done: bool = False  # every rank reported its put ok
@@ -294,7 +294,7 @@ class LeaderSharedTier:
             return
         op_id = self._ops.new("shared_save", TIER_SHARED, key, None, None)
         write = _SharedWrite(op_id, digest, digests[index - 1] if index else None, key,
-                             state.scope, key_scope=state.salt)
+                             entry.scope, key_scope=state.salt)
         self._writes[op_id] = write
         self._by_key[key] = write
         if host_op < 0:
@@ -346,10 +346,11 @@ class LeaderSharedTier:
     def _commit(self, write: _SharedWrite) -> None:
         assert write.name is not None and self.agent is not None
         event_hash, parent_hash, tokens = write.name
-        lora, salt = write.scope
+        # The salt alone: announcements carry no more (tiers/shared/announce.py block_scope),
+        # so a multimodal block's shared copy lacks its items' digests (docs/operations.md).
         self.agent.committed(SharedBlock(
-            write.digest, write.parent_digest, event_hash, parent_hash, tokens, lora,
-            None if salt is None else (salt_extra_key(salt),)), write.key_scope)
+            write.digest, write.parent_digest, event_hash, parent_hash, tokens, write.scope[0],
+            scope_extra_keys(write.scope[:2])), write.key_scope)
         self._stats["shared_saves_committed"] += 1
         self._forget(write)
 

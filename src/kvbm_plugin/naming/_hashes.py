@@ -22,7 +22,7 @@ to 32 bits before widening (both operands are ``uint32_t`` in C++).
   its extra id when the request has prompt-tuning extra ids;
 * a LoRA task id is mixed into EVERY block when set (task id 0 included: ``std::optional``);
 * each multimodal key: its 32-byte hash as eight little-endian 32-bit words, then its start
-  offset as u64.
+  offset as u64; a block's keys are the items overlapping it (:func:`mm_block_keys`).
 
 :func:`std_string_hash` is libstdc++'s ``std::hash<std::string>`` (``_Hash_bytes`` with seed
 0xc70f6907, the Linux build TensorRT-LLM ships), the salt of the newest revision.
@@ -129,15 +129,39 @@ def v1_block_hash(tokens: Sequence[int], parent: int | None = None, *,
     return seed
 
 
+# A request's multimodal item as the V1 hasher reads it: (32-byte digest, first prompt
+# position of its tokens, number of its tokens).
+MmItem = tuple[bytes, int, int]
+
+
+def mm_block_keys(items: Sequence[MmItem], start: int, end: int) -> list[tuple[bytes, int]]:
+    """The multimodal keys of the block holding prompt positions ``start..end - 1``:
+    ``generateBlockHashExtraKeys``'s rule for items given as one contiguous span each
+    (``multimodal_positions`` / ``multimodal_lengths``; ``kvCacheManager.cpp``, stored id
+    126178160): every item overlapping the block, in the request's item order, with the offset
+    of the block's first token inside the item (0 when the item starts inside the block).
+    Newer revisions also take sparse run metadata (``multimodal_run_positions``, stored id
+    56377047221); :func:`kvbm_plugin.naming.names.name_inputs` refuses such requests."""
+    out: list[tuple[bytes, int]] = []
+    for digest, position, length in items:
+        if end > position and start < position + length:
+            out.append((digest, 0 if position >= start else start - position))
+    return out
+
+
 def v1_chain(tokens: Sequence[int], block_size: int, *, start: int = 0,
              parent: int | None = None, salt: int | None = None,
-             lora_task_id: int | None = None) -> list[int]:
+             lora_task_id: int | None = None, mm_items: Sequence[MmItem] = ()) -> list[int]:
     """Hashes of the full blocks ``start..`` of ``tokens``, chained from ``parent`` (the hash
-    of block ``start - 1``; None at the root). Text tokens only."""
+    of block ``start - 1``; None at the root). ``mm_items``: the request's multimodal items
+    (:func:`mm_block_keys` picks each block's)."""
     out: list[int] = []
     for i in range(start, len(tokens) // block_size):
-        parent = v1_block_hash(tokens[i * block_size:(i + 1) * block_size], parent,
-                               salt=salt, lora_task_id=lora_task_id)
+        lo = i * block_size
+        parent = v1_block_hash(tokens[lo:lo + block_size], parent, salt=salt,
+                               lora_task_id=lora_task_id,
+                               mm_keys=mm_block_keys(mm_items, lo, lo + block_size)
+                               if mm_items else ())
         out.append(parent)
     return out
 

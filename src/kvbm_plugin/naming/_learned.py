@@ -104,11 +104,12 @@ class BlockNames:
                 parent = h
 
     def extend(self, tokens: Sequence[int], keys: Sequence[int], learned: list[int],
-               lora: int | None = None) -> None:
+               lora: int | None = None, map_until: int = 1 << 62) -> None:
         """Extend ``learned`` (TRT-LLM's hashes of a request's first blocks) along the
-        request's full blocks as far as the events named them; each block's content key
-        (``keys[i]``) is mapped to its hash for :meth:`hash_of_key`. ``lora``: the request's
-        LoRA task id (None: the base model)."""
+        request's full blocks as far as the events named them; the content key of each block
+        below ``map_until`` (``keys[i]``) is mapped to its hash for :meth:`hash_of_key` (the
+        later ones' learned hashes only confirm or refute a computed rule: see
+        ``names._learnable``). ``lora``: the request's LoRA task id (None: the base model)."""
         bs = self._block_size
         known = self._by_content
         i = len(learned)
@@ -118,7 +119,8 @@ class BlockNames:
             if h is None or h == AMBIGUOUS:
                 return
             learned.append(h)
-            self._key_order.put(self._by_key, keys[i], h, self._max)
+            if i < map_until:
+                self._key_order.put(self._by_key, keys[i], h, self._max)
             i += 1
 
     def name_key(self, key: int, h: int) -> None:

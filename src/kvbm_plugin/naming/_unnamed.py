@@ -88,12 +88,15 @@ class UnnamedStores:
                     h = above.event_hash
             if h is not None:
                 entry.parent_event_hash = h
-        if entry.event_hash == entry.key and (
+        scope = entry.scope
+        if entry.event_hash == entry.key and len(scope) == 2 and (
+                # a scoped root: its tokens are not enough; a multimodal block (a third
+                # scope item) never: its placeholder tokens are every image's
                 entry.parent_event_hash != entry.parent_key if entry.parent_key is not None
-                else entry.scope == (None, None)):  # a scoped root: its tokens are not enough
+                else scope == (None, None)):
             # Named by its GPU event after its request was forgotten (its event can come
             # later than the request's end: attention DP ranks > 0 read it off their stream).
-            h = names.hash_of_content(entry.parent_event_hash, entry.token_ids, entry.scope[0])
+            h = names.hash_of_content(entry.parent_event_hash, entry.token_ids, scope[0])
             if h is not None:
                 entry.event_hash = h
 

@@ -48,6 +48,8 @@ from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.naming._hashes import (
     _U64,
     V2_TOKEN_WIDTHS,
+    MmItem,
+    mm_block_keys,
     mm_hash_bytes,
     parse_hash,
     radix_key_hash,
@@ -71,8 +73,9 @@ from kvbm_plugin.wire.identity import SALT_TEXTS
 if TYPE_CHECKING:
     from kvbm_plugin.leader.requests import RequestState
 
-__all__ = ["BlockNames", "BlockNaming", "LoraNames", "NameInputs", "StreamNames",
-           "UnnamedStores", "mm_hash_bytes", "name_inputs", "parse_hash", "radix_key_hash",
+__all__ = ["BlockNames", "BlockNaming", "LoraNames", "MmItem", "NameInputs", "StreamNames",
+           "UnnamedStores", "block_scope", "mm_block_keys", "mm_hash_bytes", "name_inputs",
+           "parse_hash", "radix_key_hash",
            "radix_key_tail_hash", "rule_of", "signed_hash", "std_string_hash", "v1_block_hash",
            "v1_chain", "v2_block_key", "v2_chain", "v2_reuse_salt", "v2_root_key",
            "v2_scope_bytes"]
@@ -92,6 +95,36 @@ class NameInputs:
     # radix keys cannot be computed (None: they can).
     v2_salt: int | None = None
     v2_why_not: str | None = None
+    # The request's multimodal items (digest, position, length), mixed into the blocks they
+    # overlap (mm_block_keys); () for a text-only request.
+    mm: tuple[MmItem, ...] = ()
+
+
+# Newer revisions place an item's tokens by runs (sparse positions); the V1 rule for them
+# (stored id 56377047221) is not followed here, so such a request's names are not computed.
+_MM_RUN_FIELDS = ("multimodal_item_run_cu_offsets", "multimodal_item_run_cu_seqlen",
+                  "multimodal_run_positions", "multimodal_run_lengths",
+                  "multimodal_hash_positions")
+
+
+def _mm_items(obj: Any) -> tuple[tuple[MmItem, ...], str | None]:
+    """The multimodal items of a request-like object as the V1 hasher reads them
+    (``multimodal_hashes``: 8 int32 parts per item, ``multimodal_positions``,
+    ``multimodal_lengths``), or why they cannot be read."""
+    hashes = getattr(obj, "multimodal_hashes", None)
+    if not hashes:
+        return (), None
+    if any(getattr(obj, f, None) for f in _MM_RUN_FIELDS):
+        return (), "multimodal inputs placed by runs"
+    positions = getattr(obj, "multimodal_positions", None)
+    lengths = getattr(obj, "multimodal_lengths", None)
+    try:
+        if not positions or not lengths or not len(hashes) == len(positions) == len(lengths):
+            return (), "multimodal inputs without one position and length per item"
+        return tuple((mm_hash_bytes([int(p) for p in h]), int(pos), int(n))
+                     for h, pos, n in zip(hashes, positions, lengths, strict=True)), None
+    except (TypeError, ValueError):
+        return (), "unreadable multimodal hashes"
 
 
 def name_inputs(obj: Any) -> NameInputs:
@@ -99,8 +132,9 @@ def name_inputs(obj: Any) -> NameInputs:
     ``RequestData``). The salt is ``cache_salt_id`` where the object carries it (the revisions
     whose ``BlockKey`` holds ``cacheSaltID``), else ``std::hash`` of the ``cache_salt`` string
     (the revisions whose ``BlockKey`` holds the string)."""
-    if getattr(obj, "multimodal_hashes", None):
-        return NameInputs(None, None, "multimodal inputs", v2_why_not="multimodal inputs")
+    mm, mm_why = _mm_items(obj)
+    if mm_why is not None:
+        return NameInputs(None, None, mm_why, v2_why_not=mm_why)
     if getattr(obj, "input_token_extra_ids", None) is not None:
         return NameInputs(None, None, "prompt-tuning extra ids",
                           v2_why_not="prompt-tuning extra ids")
@@ -132,13 +166,34 @@ def name_inputs(obj: Any) -> NameInputs:
         v2_salt = v2_reuse_salt(text if isinstance(text, (str, bytes)) else str(text))
     elif salt is not None:
         v2_why = _NO_SALT_TEXT
-    return NameInputs(salt, lora, salt_kind=kind, v2_salt=v2_salt, v2_why_not=v2_why)
+    if mm:  # V2 keys put the digests in the tokens: not computed (docs/event_sources.md)
+        v2_why = "multimodal inputs"
+    return NameInputs(salt, lora, salt_kind=kind, v2_salt=v2_salt, v2_why_not=v2_why, mm=mm)
 
 
-def rule_of(inputs: NameInputs) -> tuple[str, bool]:
-    """The input rule a computed hash depends on: (salt spelling, LoRA set)."""
+def rule_of(inputs: NameInputs) -> tuple[str, bool, bool]:
+    """The input rule a computed hash depends on: (salt spelling, LoRA set, multimodal)."""
     salt = "none" if inputs.salt is None else inputs.salt_kind
-    return salt, inputs.lora is not None
+    return salt, inputs.lora is not None, bool(inputs.mm)
+
+
+def block_scope(state: RequestState, index: int, block_size: int) -> tuple[Any, ...]:
+    """The scope a tier copy of the request's block ``index`` carries in its events:
+    ``state.scope`` (LoRA id, salt id), and for a block that multimodal items overlap, their
+    digests as 64 hex digits (the form the event sink gives TensorRT-LLM's ``mm_keys``:
+    ``events.fields.block_extra_keys``), so its identity equals its GPU copy's; ``()`` in
+    their place where the request's items cannot be read (the block is never named by its
+    tokens alone: :class:`UnnamedStores`). The leader's offload planning, executor thread."""
+    inputs: NameInputs | None = state.name_inputs
+    if inputs is None or not inputs.mm:
+        if inputs is not None and _learnable(state, block_size) == 0:
+            return (*state.scope, ())
+        return state.scope
+    lo = index * block_size
+    keys = mm_block_keys(inputs.mm, lo, lo + block_size)
+    if not keys:
+        return state.scope
+    return (*state.scope, tuple(digest.hex() for digest, _ in keys))
 
 
 class BlockNaming:
@@ -172,8 +227,8 @@ class BlockNaming:
         self._v2_pending_n = 0
         for name in ("v2_names_computed", "v2_rule_mismatches", "v2_pending_dropped"):
             stats.setdefault(name, 0)
-        self.confirmed: set[tuple[str, bool]] = set()
-        self.refuted: set[tuple[str, bool]] = set()
+        self.confirmed: set[tuple[str, bool, bool]] = set()
+        self.refuted: set[tuple[str, bool, bool]] = set()
         self._log = RateLimitedLog(logger)
 
     @property
@@ -181,7 +236,7 @@ class BlockNaming:
         """No computed hash was ever refuted by TRT-LLM's events."""
         return not self.refuted
 
-    def _rule(self, state: RequestState) -> tuple[str, bool] | None:
+    def _rule(self, state: RequestState) -> tuple[str, bool, bool] | None:
         inputs: NameInputs | None = state.name_inputs
         if inputs is None or inputs.why_not is not None:
             return None
@@ -204,8 +259,9 @@ class BlockNaming:
                 return state.computed[index]
         if self.learning and index >= len(state.learned) and not state.event_hashes \
                 and self._may_learn(state):
-            self.names.extend(state.tokens, state.keys, state.learned, state.scope[0])
-        if index < len(state.learned):
+            self.names.extend(state.tokens, state.keys, state.learned, state.scope[0],
+                              _learnable(state, self._bs))
+        if index < len(state.learned) and index < _learnable(state, self._bs):
             return state.learned[index]
         return None
 
@@ -359,7 +415,8 @@ class BlockNaming:
         if inputs is None or inputs.why_not is not None or len(state.tokens) < self._bs:
             return None
         return v1_block_hash(state.tokens[:self._bs], None, salt=inputs.salt,
-                             lora_task_id=inputs.lora)
+                             lora_task_id=inputs.lora,
+                             mm_keys=mm_block_keys(inputs.mm, 0, self._bs))
 
     def name_root(self, state: RequestState, sink: Any) -> None:
         """Tell the event sink (``KvEventSink.name_lora_root``) the request's first-block hash
@@ -382,7 +439,7 @@ class BlockNaming:
         state.computed.extend(v1_chain(
             state.tokens[:n * self._bs], self._bs, start=done,
             parent=state.computed[-1] if done else None, salt=inputs.salt,
-            lora_task_id=inputs.lora))
+            lora_task_id=inputs.lora, mm_items=inputs.mm))
         self._stats["block_names_computed"] += n - done
 
     def refresh(self, states: Iterable[RequestState]) -> None:
@@ -400,7 +457,8 @@ class BlockNaming:
             if state.event_hashes or len(state.learned) >= len(state.keys) \
                     or not self._may_learn(state):
                 continue
-            self.names.extend(state.tokens, state.keys, state.learned, state.scope[0])
+            self.names.extend(state.tokens, state.keys, state.learned, state.scope[0],
+                              _learnable(state, self._bs))
             if state.v2_keys and not self.v2_refuted:
                 self._v2_check(state)
             rule = self._rule(state)
@@ -409,20 +467,30 @@ class BlockNaming:
             self._compute(state, len(state.learned))
             self._check(state, rule)
 
-    def _check(self, state: RequestState, rule: tuple[str, bool]) -> None:
+    def _check(self, state: RequestState, rule: tuple[str, bool, bool]) -> None:
         learned, computed = state.learned, state.computed
+        mm = state.name_inputs.mm if rule[2] else ()
+        bs = self._bs
         for i in range(min(len(learned), len(computed))):
+            overlapped = bool(mm) and bool(mm_block_keys(mm, i * bs, (i + 1) * bs))
+            if mm and not overlapped:
+                continue  # the multimodal rule is shown only by a block an item overlaps
             if learned[i] == computed[i]:
                 if rule not in self.confirmed:
                     self.confirmed.add(rule)
                     self._stats["block_name_rules_confirmed"] += 1
+            elif overlapped:
+                # A learned name keys a block by its tokens, not its items: another image
+                # behind the same placeholder tokens has the one found, so a difference
+                # proves nothing (only an equality does: 64 bits).
+                continue
             elif i and learned[i - 1] == computed[i - 1]:
                 # Same parent, other hash: the hasher differs (a root-block difference may
                 # be another scope's block with the same tokens, so it proves nothing).
                 self._refute(state, rule, i)
                 return
 
-    def _refute(self, state: RequestState, rule: tuple[str, bool], index: int) -> None:
+    def _refute(self, state: RequestState, rule: tuple[str, bool, bool], index: int) -> None:
         self.refuted.add(rule)
         self.confirmed.discard(rule)
         self._stats["block_name_mismatches"] += 1
@@ -431,6 +499,27 @@ class BlockNaming:
                       "differently (rule %s); offload-tier events of such requests now wait "
                       "for the names its GPU events carry", index, state.req_id,
                       state.learned[index], state.computed[index], rule)
+
+
+def _learnable(state: RequestState, block_size: int) -> int:
+    """How many of a request's first blocks a learned name may name. Learned names key a
+    block by (parent, tokens, LoRA); a multimodal item's tokens are placeholders that every
+    image shares (prompt-tuning tokens: ids whose extra ids differ), so from the first block
+    an item overlaps on, a learned name may be another image's block: such blocks are named
+    only by the hash computed with the items' digests. A request whose items or extra ids
+    cannot be read: none (its tier copies are not advertised)."""
+    inputs: NameInputs | None = state.name_inputs
+    if inputs is None:
+        return _ALL
+    if inputs.mm:
+        return min(position for _, position, _ in inputs.mm) // block_size
+    if inputs.why_not is not None and inputs.why_not.startswith(_NOT_BY_TOKENS):
+        return 0
+    return _ALL
+
+
+_ALL = 1 << 62
+_NOT_BY_TOKENS = ("multimodal", "unreadable multimodal", "prompt-tuning")
 
 
 def _v2_rule(inputs: Any) -> tuple[bool, bool]:

@@ -151,10 +151,13 @@ class SimulatedEngine:
     # ------------------------------------------------------------------ public API
 
     def submit(self, prompt_tokens: list[int], max_new_tokens: int = 1, *,
-               cache_salt: str | None = None, lora_task_id: int | None = None) -> int:
+               cache_salt: str | None = None, lora_task_id: int | None = None,
+               multimodal: list[tuple[list[int], int, int]] | None = None) -> int:
         """Queue a request; returns its id. ``lora_task_id``: the request's LoRA adapter, as
         TensorRT-LLM's ``LoRARequest.lora_int_id`` (task id 0 is an adapter like any other);
-        None for the base model."""
+        None for the base model. ``multimodal``: its items, each (hash as 8 int32 parts,
+        first prompt position, token count), as the C++ request's ``multimodal_hashes``,
+        ``multimodal_positions`` and ``multimodal_lengths`` carry them."""
         if lora_task_id is not None and (type(lora_task_id) is not int
                                          or not 0 <= lora_task_id < 1 << 64):
             raise ValueError(f"lora_task_id={lora_task_id!r} is not None or a u64 integer")
@@ -168,7 +171,7 @@ class SimulatedEngine:
                              f"num_gpu_blocks={self.config.num_gpu_blocks}")
         req_id = next(self._ids)
         self._reqs[req_id] = SimRequest(req_id, list(prompt_tokens), max_new_tokens, cache_salt,
-                                  lora_task_id,
+                                  lora_task_id, list(multimodal or ()),
                                   tokens=list(prompt_tokens), host_len=len(prompt_tokens))
         self._order.append(req_id)
         self._live[req_id] = self._reqs[req_id]
@@ -420,7 +423,8 @@ class SimulatedEngine:
         for r in new:  # inside C++ add_sequence_batch: every query first
             # The C++ request the connector sees carries the salt as its id only.
             r.llm_request = LlmRequest(r.id, list(r.tokens), cache_salt_id=(
-                None if r.salt is None else cache_salt_id(r.salt)), lora_task_id=r.lora)
+                None if r.salt is None else cache_salt_id(r.salt)), lora_task_id=r.lora,
+                multimodal=r.mm)
             r.llm_request.context_current_position = r.computed
             before = self.leader.stats()
             n_conn = manager.get_num_new_matched_tokens(r.llm_request, r.computed)

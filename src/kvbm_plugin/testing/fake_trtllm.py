@@ -19,14 +19,17 @@ _U64 = (1 << 64) - 1
 
 
 def trtllm_block_hash(parent: int | None, tokens: list[int],
-                      salt: str | int | None = None, lora_task_id: int | None = None) -> int:
+                      salt: str | int | None = None, lora_task_id: int | None = None,
+                      mm_keys: list[tuple[bytes, int]] | tuple[()] = ()) -> int:
     """TRT-LLM's V1 block hash (``BlockKeyHasher``, see ``naming.names``) of a block
     of ``tokens`` under ``parent``. The salt enters as the C++ ``cacheSaltID`` of the
     revisions whose request carries ``cache_salt_id`` (a string salt is converted with
-    ``cache_salt_id`` first), into the first block only; the LoRA task id into every block."""
+    ``cache_salt_id`` first), into the first block only; the LoRA task id into every block;
+    ``mm_keys`` (digest, offset): the multimodal items overlapping the block
+    (``naming.names.mm_block_keys``)."""
     sid = None if salt is None else (cache_salt_id(salt) if isinstance(salt, str)
                                      else int(salt) & _U64)
-    return v1_block_hash(tokens, parent, salt=sid, lora_task_id=lora_task_id)
+    return v1_block_hash(tokens, parent, salt=sid, lora_task_id=lora_task_id, mm_keys=mm_keys)
 
 
 
@@ -77,13 +80,19 @@ class LlmRequest:
     """
 
     def __init__(self, request_id: int, tokens: list[int], cache_salt: str | None = None, *,
-                 cache_salt_id: int | None = None, lora_task_id: int | None = None) -> None:
+                 cache_salt_id: int | None = None, lora_task_id: int | None = None,
+                 multimodal: list[tuple[list[int], int, int]] | None = None) -> None:
         self.request_id = request_id
         self._tokens = tokens
         if cache_salt is not None:
             self.cache_salt = cache_salt
         self.cache_salt_id = cache_salt_id
         self.lora_task_id = lora_task_id
+        # The C++ request's multimodal fields (None for a text-only request): per item its
+        # hash as 8 int32 parts, its first prompt position and its token count.
+        self.multimodal_hashes = None if not multimodal else [list(h) for h, _, _ in multimodal]
+        self.multimodal_positions = None if not multimodal else [p for _, p, _ in multimodal]
+        self.multimodal_lengths = None if not multimodal else [n for _, _, n in multimodal]
         self.is_generation_only_request = False
         self.is_finished = False  # set by the executor when the request finished or was cancelled
         self.context_current_position = 0

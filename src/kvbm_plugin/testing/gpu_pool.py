@@ -144,7 +144,8 @@ class GpuPool:
 
     def store_blocks(self, blocks: list[int], keys: list[tuple[int, list[int]]],
                      first: int = 0, cache_salt: str | None = None,
-                     lora_task_id: int | None = None) -> None:
+                     lora_task_id: int | None = None,
+                     mm_keys: list[list[tuple[bytes, int]]] | None = None) -> None:
         """Upstream ``storeBlocks`` for a sequence's blocks ``blocks[i]`` with block keys
         ``keys[i] = (hash, tokens)`` (the last may be partial), of which ``first..`` are new.
 
@@ -154,7 +155,9 @@ class GpuPool:
         salted block's event carries ``cache_salt`` per block, as newer TRT-LLM's do. A LoRA
         block's record carries its task id as ``lora_id``, as the C++ ``KVCacheStoredBlockData``
         does (``loraId``); TensorRT-LLM's serializer leaves it out of the dicts (see
-        ``fake_trtllm.KVCacheEventSerializer``).
+        ``fake_trtllm.KVCacheEventSerializer``). ``mm_keys[i]``: block ``i``'s multimodal keys
+        (digest, offset), written as the serializer writes ``MmKey`` (``mm_keys``: ``type``
+        ``mm_key``, ``hash`` as hex, ``start_offset``).
         """
         n = min(len(blocks), len(keys))
         while first > 0 and keys[first - 1][0] not in self.by_hash:
@@ -187,6 +190,10 @@ class GpuPool:
                 stored[-1]["cache_salt"] = cache_salt
             if lora_task_id is not None:
                 stored[-1]["lora_id"] = lora_task_id
+            if mm_keys and i < len(mm_keys) and mm_keys[i]:
+                stored[-1]["mm_keys"] = [{"type": "mm_key", "hash": digest.hex(),
+                                          "start_offset": offset}
+                                         for digest, offset in mm_keys[i]]
             parent = block
         if stored:
             self._emit({"type": "stored", "blocks": stored, "parent_hash":

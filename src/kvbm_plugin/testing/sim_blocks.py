@@ -12,6 +12,7 @@ thread that steps it; it makes no connector call.
 
 from __future__ import annotations
 
+from kvbm_plugin.naming.names import mm_block_keys, mm_hash_bytes
 from kvbm_plugin.testing.fake_trtllm import trtllm_block_hash
 from kvbm_plugin.testing.gpu_pool import GpuPool
 from kvbm_plugin.testing.sim_request import CONTEXT, LOADING, SimRequest
@@ -55,8 +56,17 @@ class RequestBlocks:
         while len(chain) < n_blocks:
             i = len(chain)
             chain.append(trtllm_block_hash(chain[-1] if chain else None,
-                                           r.tokens[i * bs:(i + 1) * bs], r.salt, r.lora))
+                                           r.tokens[i * bs:(i + 1) * bs], r.salt, r.lora,
+                                           self.mm_keys(r, i * bs, (i + 1) * bs)))
         return chain[:n_blocks]
+
+    @staticmethod
+    def mm_keys(r: SimRequest, start: int, end: int) -> list[tuple[bytes, int]]:
+        """``generateBlockHashExtraKeys``: the multimodal items of ``r`` overlapping tokens
+        ``start..end - 1`` (digest, offset of the block's first token in the item)."""
+        if not r.mm:
+            return []
+        return mm_block_keys([(mm_hash_bytes(h), p, n) for h, p, n in r.mm], start, end)
 
     def ensure(self, r: SimRequest, tokens: int) -> None:
         """Allocate blocks until ``r`` holds ``tokens`` tokens (its reservation first)."""
@@ -73,7 +83,14 @@ class RequestBlocks:
         full = len(r.prompt) // bs
         hashes = self.hashes(r, full)
         self.pool.store_blocks(r.blocks, [(hashes[i], r.tokens[i * bs:(i + 1) * bs])
-                                          for i in range(full)], 0, r.salt, r.lora)
+                                          for i in range(full)], 0, r.salt, r.lora,
+                               self._block_mm(r, full))
+
+    def _block_mm(self, r: SimRequest, n_blocks: int) -> list[list[tuple[bytes, int]]]:
+        """The multimodal keys of each of ``r``'s first ``n_blocks`` full blocks ([] when
+        text-only)."""
+        bs = self.block_size
+        return [self.mm_keys(r, i * bs, (i + 1) * bs) for i in range(n_blocks)] if r.mm else []
 
     def release(self, r: SimRequest) -> None:
         """C++ ``releaseBlocks``: every block with KV is stored for reuse (generated ones and a
@@ -89,8 +106,12 @@ class RequestBlocks:
             if valid % bs and n_full < len(r.blocks):
                 tokens = r.tokens[n_full * bs:valid]
                 keys.append((trtllm_block_hash(hashes[-1] if hashes else None, tokens, r.salt,
-                                               r.lora), tokens))
-            self.pool.store_blocks(r.blocks, keys, 0, r.salt, r.lora)
+                                               r.lora, self.mm_keys(r, n_full * bs, valid)),
+                             tokens))
+            mm = self._block_mm(r, n_full)
+            if r.mm and len(keys) > n_full:
+                mm.append(self.mm_keys(r, n_full * bs, valid))
+            self.pool.store_blocks(r.blocks, keys, 0, r.salt, r.lora, mm)
         for b in reversed(r.blocks):  # last block first, as TRT-LLM's releaseBlocks
             self.pool.release(b)
         self.outstanding -= r.reserved

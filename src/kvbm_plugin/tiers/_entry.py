@@ -143,14 +143,15 @@ class TierEntry:
         return self._index._signatures(self.slot)
 
     @property
-    def scope(self) -> tuple[int | None, int | None]:
-        """(LoRA id, salt id), for tier events."""
+    def scope(self) -> tuple[Any, ...]:
+        """(LoRA id, salt id), and the digests of the multimodal items the block overlaps
+        where there are any (``naming.names.block_scope``), for tier events."""
         if self._snap is not None:
             return self._snap[_S_SCOPE]
         return self._index._scopes[self._index._scope[self.slot]]
 
     @scope.setter
-    def scope(self, value: tuple[int | None, int | None]) -> None:
+    def scope(self, value: tuple[Any, ...]) -> None:
         if self._snap is not None:
             self._snap[_S_SCOPE] = value
         else:

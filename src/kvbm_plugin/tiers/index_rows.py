@@ -76,8 +76,9 @@ class TierRows(SlotRows):
         self._tok: array[int] = array("i")  # _width token ids per slot
         self._sig: dict[int, array[int]] = {}  # rank -> (size, mtime_ns) per slot, size -1: none
         self._odd_tokens: dict[int, tuple[int, ...]] = {}  # slot -> tokens the column can't hold
-        self._scopes: list[tuple[int | None, int | None] | None] = [(None, None)]
-        self._scope_ids: dict[tuple[int | None, int | None], int] = {(None, None): 0}
+        # (LoRA id, salt id[, multimodal digests]) of a block's tier events
+        self._scopes: list[tuple[Any, ...] | None] = [(None, None)]
+        self._scope_ids: dict[tuple[Any, ...], int] = {(None, None): 0}
         self._scope_refs: list[int] = [0]
         self._scope_free: list[int] = []
         self._table = KeyTable(self.capacity, self._key)
@@ -224,11 +225,12 @@ class TierRows(SlotRows):
         return {rank: (column[2 * slot], column[2 * slot + 1])
                 for rank, column in self._sig.items() if column[2 * slot] >= 0}
 
-    def _set_scope(self, slot: int, scope: tuple[int | None, int | None]) -> None:
-        """Scopes are interned (one per distinct (LoRA, salt), counted by use)."""
+    def _set_scope(self, slot: int, scope: tuple[Any, ...]) -> None:
+        """Scopes are interned (one per distinct (LoRA, salt[, multimodal digests]), counted
+        by use)."""
         sid = self._scope_ids.get(scope)
         if sid is None:
-            scope = (scope[0], scope[1])
+            scope = tuple(scope)
             if self._scope_free:
                 sid = self._scope_free.pop()
                 self._scopes[sid] = scope

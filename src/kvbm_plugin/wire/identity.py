@@ -234,6 +234,18 @@ def salt_extra_key(salt: int) -> str:
     return SALT_TAG + salt_namespace(salt)
 
 
+def scope_extra_keys(scope: tuple[Any, ...]) -> tuple[str, ...] | None:
+    """The ``extra_keys`` entry of a tier block of ``scope`` (LoRA id, salt id[, multimodal
+    digests as hex]): the digests, then the salt's item, in the order the event sink writes
+    a GPU block's (``events.fields.block_extra_keys``), so both copies have one identity;
+    None when there are neither. Called by the leader as it announces a tier STORE."""
+    salt = scope[1]
+    keys = tuple(scope[2]) if len(scope) > 2 else ()
+    if salt is not None:
+        keys += (salt_extra_key(salt),)
+    return keys or None
+
+
 def salt_of_extra_keys(entry: Any) -> str | None:
     """The cache namespace an ``extra_keys`` entry names (the text after :data:`SALT_TAG` in
     its first tagged string item), or None."""

@@ -1,0 +1,142 @@
+"""Multimodal blocks under one name: on TensorRT-LLM's buffered V1 path a multimodal request's
+tier copies go out under the V1 hash TensorRT-LLM gives the block (its items' digests and
+offsets mixed in) and with the items' digests in ``extra_keys``, as its GPU copy does, so the
+consolidator sees one block, not a hash conflict it must rename."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from _engines import prompt
+from _kvwire import wait_until
+
+from kvbm_plugin.naming.names import (
+    mm_block_keys,
+    mm_hash_bytes,
+    name_inputs,
+    rule_of,
+    v1_block_hash,
+)
+from kvbm_plugin.wire.events import BlockStored, to_signed_int64
+from kvbm_plugin.wire.subscriber import StreamSubscriber
+
+BS = 4
+IMAGE_TOKEN = 999  # the placeholder id every image's tokens carry in the prompt
+IMAGE_AT, IMAGE_LEN = 5, 7  # prompt positions 5..11: blocks 1 and 2
+
+
+def _parts(seed: int) -> list[int]:
+    return [(seed * 0x01010101 + k * 0x11111111) & 0x7FFFFFFF for k in range(8)]
+
+
+def _request(image: int, tail: int) -> tuple[list[int], list[tuple[list[int], int, int]]]:
+    tokens = prompt(7, IMAGE_AT) + [IMAGE_TOKEN] * IMAGE_LEN + prompt(tail, 6)
+    return tokens, [(_parts(image), IMAGE_AT, IMAGE_LEN)]
+
+
+def _names(tokens: list[int], items: list[tuple[list[int], int, int]]) -> dict[int, Any]:
+    """TensorRT-LLM's V1 hash of each full block -> the hex digests its key mixes in (the
+    test's own reading of ``generateBlockHashExtraKeys``: every item overlapping the block)."""
+    out: dict[int, Any] = {}
+    parent = None
+    for i in range(len(tokens) // BS):
+        lo, hi = i * BS, (i + 1) * BS
+        keys = [(mm_hash_bytes(h), 0 if p >= lo else lo - p) for h, p, n in items
+                if hi > p and lo < p + n]
+        parent = v1_block_hash(tokens[lo:hi], parent, mm_keys=keys)
+        out[to_signed_int64(parent)] = tuple(d.hex() for d, _ in keys)
+    return out
+
+
+def test_the_contiguous_span_rule_matches_upstreams_known_answers() -> None:
+    """``generateBlockHashExtraKeys`` for one item at positions 1..2 of a 5-token prompt
+    (TensorRT-LLM's ``BlockKeyTest`` contiguous-span cases, stored id 56127538488): a block
+    holding its first token has offset 0, one starting inside it the offset of its start,
+    one past it nothing."""
+    digest = mm_hash_bytes([0x01020304, 0x05060708, 0x11121314, 0x15161718,
+                            0x21222324, 0x25262728, 0x31323334, 0x35363738])
+    assert digest.hex().startswith("0102030405060708")
+    items = [(digest, 1, 2)]
+    assert mm_block_keys(items, 0, 2) == [(digest, 0)]
+    assert mm_block_keys(items, 2, 3) == [(digest, 1)]
+    assert mm_block_keys(items, 3, 5) == []
+    assert mm_block_keys(items, 0, 1) == []
+
+
+def test_a_request_placed_by_runs_is_not_named() -> None:
+    """Newer revisions place items by runs (sparse positions), a rule not followed here: such
+    a request's names are never computed (its blocks wait for TensorRT-LLM's)."""
+    class Req:
+        multimodal_hashes = [_parts(1)]
+        multimodal_positions = [1]
+        multimodal_lengths = [4]
+        multimodal_run_positions = [1, 8]
+
+    assert name_inputs(Req()).why_not == "multimodal inputs placed by runs"
+    del Req.multimodal_run_positions
+    inputs = name_inputs(Req())
+    assert inputs.why_not is None and inputs.v2_why_not == "multimodal inputs"
+    assert rule_of(inputs) == ("none", False, True)
+
+
+def test_multimodal_tier_copies_carry_trtllms_name_and_the_items_digests(
+        make_engine, tmp_path) -> None:
+    engine = make_engine(num_gpu_blocks=6, provide_block_hashes=False,
+                         env={"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "true",
+                              "DYN_KVBM_KV_EVENTS_ENDPOINT": f"ipc://{tmp_path}/gpu",
+                              "DYN_KVBM_KV_EVENTS_REPLAY_ENDPOINT": f"ipc://{tmp_path}/gpu-r",
+                              "DYN_KVBM_KV_EVENTS_OUTPUT_ENDPOINT": f"ipc://{tmp_path}/out",
+                              "DYN_KVBM_KV_EVENTS_OUTPUT_REPLAY_ENDPOINT":
+                                  f"ipc://{tmp_path}/out-r",
+                              "DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS": "64"})
+    leader = engine.leader
+    tier_stores: dict[int, Any] = {}  # what the leader told its consolidator the host holds
+    register = leader.consolidator.register_store
+
+    def recording(tier, dp_rank, block_hash, parent_hash, token_ids, block_size, **scope):
+        tier_stores[to_signed_int64(block_hash)] = scope.get("extra_keys")
+        register(tier, dp_rank, block_hash, parent_hash, token_ids, block_size, **scope)
+
+    leader.consolidator.register_store = recording
+    sub = StreamSubscriber(f"ipc://{tmp_path}/out", f"ipc://{tmp_path}/out-r", start_seq=0)
+    names: dict[int, Any] = {}
+    batches: list[Any] = []
+    try:
+        # Two images behind the same placeholder tokens, each asked about twice; the small
+        # GPU pool evicts in between, so the second asks load from the host tier.
+        for image, tail in ((1, 20), (2, 21), (1, 22), (2, 23), (3, 24)):
+            tokens, items = _request(image, tail)
+            req = engine.submit(tokens, 2, multimodal=items)
+            engine.run_until_idle()
+            names.update(_names(engine.result(req).tokens, items))
+        leader.publish_now()
+
+        def settled() -> bool:
+            batches.extend(sub.poll(20))
+            return leader.consolidator.wait_idle(0.1) and \
+                sub.next_seq == leader.consolidator.stats()["batches_out"]
+
+        wait_until(settled, 10, "the consolidated stream caught up")
+    finally:
+        sub.close()
+    stats = leader.stats()
+    assert stats["block_name_mismatches"] == 0 and stats["block_names_computed"] > 0
+    assert ("none", False, True) in leader._naming.confirmed  # noqa: SLF001
+    assert engine.stats().kv_mismatches == 0
+    assert sum(r.host_hit for r in engine._reqs.values()) > 0  # noqa: SLF001
+    image_blocks = {h for h, digests in names.items() if digests}
+    assert image_blocks & set(tier_stores), "no image block reached the host tier"
+    for h, extra in tier_stores.items():
+        assert h in names, f"tier STORE {h:#x} is not TensorRT-LLM's name of any block"
+        assert tuple(extra or ()) == names[h]  # the items' digests, as its GPU copy has
+    # one block, one name: no tier copy renamed, every name on the stream TensorRT-LLM's
+    assert leader.consolidator.stats()["hash_conflicts"] == 0
+    out = 0
+    for batch in batches:
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                extras = event.extra_keys or [None] * len(event.block_hashes)
+                for h, extra in zip(event.block_hashes, extras, strict=True):
+                    assert names.get(to_signed_int64(h)) == tuple(extra or ())
+                    out += 1
+    assert out >= len(image_blocks)
