@@ -334,6 +334,35 @@ def test_the_real_agents_carry_a_prefix_across_engines(shared) -> None:
 
 
 @real_agents
+def test_a_multimodal_prefix_crosses_engines_with_its_items_digests(shared) -> None:
+    """A multimodal block's shared copy is advertised, by its writer and by the engine that
+    heard its announcement, with the items' digests in extra_keys (its GPU copy's identity),
+    and loads on the other engine for a request with the same image."""
+    from kvbm_plugin.naming.names import mm_hash_bytes
+
+    a = shared.engine()
+    b = shared.engine()
+    parts = [0x0A0B0C0D + k for k in range(8)]
+    digest = mm_hash_bytes(parts).hex()
+    tokens = prompt(40, BS) + [999] * (2 * BS) + prompt(41, 2 * BS)
+    image = [(parts, BS, 2 * BS)]  # blocks 1 and 2
+    req = a.submit(tokens + prompt(42, 2), 2, multimodal=image)
+    a.run_until_idle()
+    assert a.result(req).kv_mismatches == 0
+    settle(a)
+    wait_for(lambda: len(b.leader._shared.directory) >= 5, "B to confirm A's blocks")
+    settle(b)
+    for eng in (a, b):
+        extras = [scope.get("extra_keys") for tier, *_, scope in eng.recorder.stores
+                  if tier == "EXTERNAL"]
+        assert extras.count((digest,)) == 2 and extras.count(None) == 3, extras
+    req = b.submit(tokens + prompt(43, 2), 2, multimodal=image)
+    b.run_until_idle()
+    assert b.result(req).kv_mismatches == 0
+    assert b.leader.stats()["matched_shared_tokens"] == 5 * BS
+
+
+@real_agents
 def test_eviction_between_match_and_load_cannot_take_a_leased_block(shared) -> None:
     a = shared.engine()
     b = shared.engine()

@@ -346,11 +346,9 @@ class LeaderSharedTier:
     def _commit(self, write: _SharedWrite) -> None:
         assert write.name is not None and self.agent is not None
         event_hash, parent_hash, tokens = write.name
-        # The salt alone: announcements carry no more (tiers/shared/announce.py block_scope),
-        # so a multimodal block's shared copy lacks its items' digests (docs/operations.md).
         self.agent.committed(SharedBlock(
             write.digest, write.parent_digest, event_hash, parent_hash, tokens, write.scope[0],
-            scope_extra_keys(write.scope[:2])), write.key_scope)
+            scope_extra_keys(write.scope)), write.key_scope)
         self._stats["shared_saves_committed"] += 1
         self._forget(write)
 

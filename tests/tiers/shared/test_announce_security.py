@@ -102,6 +102,30 @@ def test_a_block_of_every_scope_is_heard_when_its_metadata_hashes_to_its_digest(
     assert leader.stored == blocks + salted
 
 
+def test_a_multimodal_blocks_digests_are_heard_and_malformed_ones_dropped(
+        fed: tuple[Leader, zmq.Socket]) -> None:
+    """A block's items' digests ride in its extra_keys before the salt (the identity its GPU
+    copy has); digests without a multimodal scope, or not 64 lowercase hex digits, or after
+    the salt, are no form the plugin writes: dropped as forged."""
+    leader, pub = fed
+    salt, mm, digest = 0x1234, "00ff", "ab" * 32
+    scope = scope_string(salt, None, mm)
+    good = chain(2, scope=scope, extra_keys=(digest, salt_extra_key(salt)))
+    only_mm = chain(1, scope=scope_string(None, None, mm), extra_keys=(digest, digest),
+                    first_token=5)
+    bad = [dataclasses.replace(good[0], extra_keys=(digest.upper(), salt_extra_key(salt))),
+           dataclasses.replace(good[0], extra_keys=(salt_extra_key(salt), digest)),
+           dataclasses.replace(good[0], extra_keys=(digest,) * (announce.MAX_MM_KEYS + 1))]
+    no_mm = chain(1, scope=scope_string(salt, None, None),
+                  extra_keys=(digest, salt_extra_key(salt)), first_token=9)
+    leader.write(good + only_mm + no_mm)
+    pub.send(encode(SECRET, 9, 0, bad + no_mm, [mm, mm, mm, None]))
+    leader.wait_stat("forged", 4)
+    pub.send(encode(SECRET, 9, 1, good + only_mm, [mm, mm, mm]))
+    leader.wait_stat("confirmed_heard", 3)
+    assert leader.stat("forged") == 4 and leader.stored == good + only_mm
+
+
 def test_an_own_multimodal_block_reaches_a_peer_with_its_scope(tmp_path: Path) -> None:
     clock = Clock()
     store = MemoryStore(lease_s=LEASE, clock=clock)

@@ -27,8 +27,9 @@ and the reuse scope its announced cache salt (``extra_keys``), LoRA id and ``mm`
 block whose metadata does not hash to its digest is dropped (``forged``) before it is queued,
 so it can never make this leader advertise tokens it cannot load, nor take the place of the
 honest announcement of the same object. (The event hashes a block is advertised under are
-TensorRT-LLM's and cannot be recomputed here; they are believed from a peer that holds the
-secret.) The object's presence on every rank is then checked by the agent (``exists()``).
+TensorRT-LLM's and cannot be recomputed here, nor can the digests of the multimodal items a
+block overlaps, in its ``extra_keys`` before the salt; they are believed from a peer that
+holds the secret.) The object's presence on every rank is then checked by the agent (``exists()``).
 
 **Bounds** (whatever a peer or an outsider sends): a frame over :data:`MAX_MESSAGE_BYTES` is
 refused by ZMQ before it is read (``ZMQ_MAXMSGSIZE``: the connection is dropped and made again,
@@ -153,27 +154,53 @@ def mm_of_scope(scope: str | None) -> str | None:
     return None
 
 
+# The multimodal digests one block's extra_keys may carry (the items overlapping it).
+MAX_MM_KEYS: Final = 64
+
+
 def block_scope(block: SharedBlock, mm: str | None) -> str | None:
     """The reuse scope a block's digest is keyed under, from what it is advertised with (its
     cache salt item in ``extra_keys``, its LoRA id) and ``mm``; ValueError when ``extra_keys``
-    is not a form this plugin writes (None, or the one salt item)."""
+    is not a form this plugin writes (``wire.identity.scope_extra_keys``: None, or up to
+    :data:`MAX_MM_KEYS` multimodal digests as 64 lowercase hex digits, only with ``mm``, then
+    at most one salt item). The digests are believed from a peer that holds the secret, as its
+    event hashes are: they are not part of the scope a digest is keyed under."""
     extra = block.extra_keys
     salt: int | None = None
     if extra is not None:
-        item = extra[0] if len(extra) == 1 else None
-        if not isinstance(item, str) or not item.startswith(SALT_TAG):
-            raise ValueError(f"extra_keys {saferepr(extra)} is not None or one "
-                             f"{SALT_TAG!r} item")
-        try:
-            salt = int(item[len(SALT_TAG):], 16)
-        except ValueError:
-            raise ValueError(f"extra_keys {saferepr(extra)}: not a hex salt") from None
-        if salt_extra_key(salt) != item:
-            raise ValueError(f"extra_keys {saferepr(extra)}: not a canonical salt")
+        n_mm = 0
+        while n_mm < len(extra) and _is_mm_key(extra[n_mm]):
+            n_mm += 1
+        if n_mm and mm is None:
+            raise ValueError(f"extra_keys {saferepr(extra)} carries multimodal digests, but "
+                             "the block's scope has no multimodal part")
+        if n_mm > MAX_MM_KEYS:
+            raise ValueError(f"extra_keys carries {n_mm} multimodal digests, more than "
+                             f"{MAX_MM_KEYS}")
+        rest = extra[n_mm:]
+        item = rest[0] if len(rest) == 1 else None
+        if not rest and n_mm:
+            item = None
+        elif not isinstance(item, str) or not item.startswith(SALT_TAG):
+            raise ValueError(f"extra_keys {saferepr(extra)} is not None, or multimodal "
+                             f"digests then at most one {SALT_TAG!r} item")
+        if item is not None:
+            try:
+                salt = int(item[len(SALT_TAG):], 16)
+            except ValueError:
+                raise ValueError(f"extra_keys {saferepr(extra)}: not a hex salt") from None
+            if salt_extra_key(salt) != item:
+                raise ValueError(f"extra_keys {saferepr(extra)}: not a canonical salt")
     lora = block.lora_id
     if lora is not None and lora < 0:
         raise ValueError(f"lora_id {lora} is negative")
     return scope_string(salt, lora, mm)
+
+
+def _is_mm_key(item: object) -> bool:
+    """A multimodal digest as the event sink and the leader write it: 64 lowercase hex."""
+    return (isinstance(item, str) and len(item) == 64
+            and all(c in "0123456789abcdef" for c in item))
 
 
 def _tag(secret: bytes, body: bytes) -> bytes:
