@@ -89,7 +89,8 @@ def test_every_form_of_tensorrt_llms_stream_reaches_the_consolidated_stream(
         pad = mm_pad_token(UUID)
         assert mm.token_ids == [9, pad, pad, 10]  # Dynamo's routing ids for the item
         assert mm.lora_name == "lora-7" and mm.lora_id == 7
-        assert mm.extra_keys == [[DIGEST]]  # the digest's 64 hex digits, as vLLM writes it
+        # the digest in Dynamo's marker form: its first 16 hex digits, then 48 zeros
+        assert mm.extra_keys == [[DIGEST[:16] + "0" * 48]]
         assert stats["engine_tokens_converted"] == 2 and stats["engine_mm_blocks"] == 1
         assert stats["engine_events_refused"] == 1 and forms.refused == {"token_ids": 1}
         assert any("TensorRT-LLM BlockStored refused (token_ids" in r.getMessage()

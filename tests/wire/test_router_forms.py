@@ -83,7 +83,24 @@ def test_a_store_naming_two_salts_is_split_chained() -> None:
     out = spell_for_routers([event], FORM_CLIENT, wide_hashes=False)
     assert [(e["block_hashes"], e["parent_block_hash"], e["cache_salt"]) for e in out] == [
         ([1 << 40], None, "a"), ([(1 << 40) + 1], 1 << 40, "b")]
-    assert out[1]["extra_keys"] == [["f" * 64]] and out[1]["token_ids"] == TOKENS[4:8]
+    # the multimodal key in Dynamo's marker form (its first 16 hex digits, then 48 zeros)
+    assert out[1]["extra_keys"] == [["f" * 16 + "0" * 48]]
+    assert out[1]["token_ids"] == TOKENS[4:8]
+
+
+def test_a_native_multimodal_digest_goes_out_in_dynamos_marker_form() -> None:
+    """Dynamo 1.6.1 reads a 64-hex extra key as a multimodal hash only as 16 hex digits and
+    48 zeros; a native digest is spelled so (in either salt form), the marker form and every
+    other item are left as they are, and an entry is replaced, not changed in place."""
+    native, marker = "0123456789abcdef" * 4, "0123456789abcdef" + "0" * 48
+    entry = [native, [native, 3], "lora-x", marker]
+    for form in (FORM_CLIENT, FORM_ID):
+        event = {"type": "BlockStored", "block_hashes": [1 << 40], "parent_block_hash": None,
+                 "token_ids": TOKENS[:4], "block_size": 4, "lora_id": None, "medium": "GPU",
+                 "extra_keys": [entry]}
+        out = spell_for_routers([event], form, wide_hashes=False)
+        assert out[0]["extra_keys"] == [[marker, [native, 3], "lora-x", marker]]
+        assert entry[0] == native
 
 
 def test_unsalted_events_pass_unchanged_but_for_the_hash_width() -> None:

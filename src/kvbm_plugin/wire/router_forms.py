@@ -11,7 +11,15 @@ compares a block with what a *client* sends:
   every block of the event (ai-dynamo/dynamo ``lib/kv-router/src/zmq_wire/deserialize.rs`` @
   0917ca25, ``visit_map``; ``extra_keys.rs`` @ 035d7262, ``extra_keys_to_cache_namespace``;
   ``convert.rs`` @ 2bd0a36d, ``create_stored_blocks``). A bare string in ``extra_keys`` is a
-  multimodal hash to Dynamo only when it is 64 hex digits (``parse_mm_hash_from_extra_key``).
+  multimodal hash to Dynamo only in its marker form: 16 hex digits, the hash's u64, then 48
+  zeros (``mark_mm_hash_for_extra_key`` / ``parse_mm_hash_from_extra_key``, ``extra_keys.rs``
+  stored id 57897292560; earlier revisions took any 64 hex digits, by their first 16). A
+  native digest (TensorRT-LLM's ``mm_keys`` hash, 64 hex digits) is no multimodal hash to
+  Dynamo 1.6.1's indexer: two images' blocks behind the same placeholder tokens become one
+  block there, a request with one image is credited with the other's blocks, and the second
+  image's children are refused ("Failed to find parent"; ``tests/interop/
+  test_dynamo_multimodal.py``). Every such digest therefore goes out in the marker form of
+  its first 16 hex digits (:func:`mm_marker`), the u64 either revision reads from it.
 * llm-d folds the request's raw ``cache_salt`` string into block 0's extra features only, after
   its multimodal hashes, and reads every bare string of a stored block's ``extra_keys`` entry as
   one such feature (llm-d/llm-d-router @ ebab6879: ``preciseprefixcache/blockkeys.go``
@@ -91,6 +99,31 @@ def salt_text(namespace: str) -> str:
     return namespace
 
 
+_MM_PAD: Final = "0" * 48
+
+
+def mm_marker(item: Any) -> Any:
+    """A multimodal digest of 64 lowercase hex digits in Dynamo's marker form (its first 16
+    digits, then 48 zeros); anything else as it is."""
+    if (type(item) is str and len(item) == 64 and not item.endswith(_MM_PAD)
+            and set(item) <= _HEX):
+        return item[:16] + _MM_PAD
+    return item
+
+
+def _mark_mm(event: dict[str, Any]) -> None:
+    """Every native multimodal digest of a store's ``extra_keys`` in the marker form. An
+    entry is replaced, never changed in place: the core may still hold it (held back)."""
+    extra = event.get("extra_keys")
+    if not extra:
+        return
+    for i, entry in enumerate(extra):
+        if entry:
+            marked = [mm_marker(item) for item in entry]
+            if marked != entry:
+                extra[i] = marked
+
+
 def _strip(entry: Any) -> list[Any] | None:
     if entry is None:
         return None
@@ -155,7 +188,11 @@ def spell_for_routers(events: Sequence[dict[str, Any]], salt_form: str = FORM_CL
                 event["lora_name"] = lora_names[lora]
     out: list[dict[str, Any]] = []
     for event in events:
-        if salt_form == FORM_CLIENT and event.get("type") == "BlockStored":
+        if event.get("type") != "BlockStored":
+            out.append(event)
+            continue
+        _mark_mm(event)
+        if salt_form == FORM_CLIENT:
             _spell_store(event, out)
         else:
             out.append(event)
@@ -171,5 +208,5 @@ def spell_for_routers(events: Sequence[dict[str, Any]], salt_form: str = FORM_CL
     return out
 
 
-__all__ = ["FORM_CLIENT", "FORM_ID", "SALT_FORMS", "salt_text", "spell_for_routers",
-           "wide_hash"]
+__all__ = ["FORM_CLIENT", "FORM_ID", "SALT_FORMS", "mm_marker", "salt_text",
+           "spell_for_routers", "wide_hash"]
