@@ -116,7 +116,9 @@ def test_engine_forms_fills_names_counts_unread_fields_and_refuses_odd_mm_keys()
     out = forms(0, raw)
     assert [e.get("block_hashes") for e in out] == [[1], [2], [5], [1]]
     assert out[0]["lora_name"] == "lora-3"
-    assert out[2]["extra_keys"] == [["dynamo-cache-salt:x", DIGEST, ["item-7", 3]]]
+    # the digest in Dynamo's marker form, an identifier of another shape with its offset
+    assert out[2]["extra_keys"] == [["dynamo-cache-salt:x", DIGEST[:16] + "0" * 48,
+                                     ["item-7", 3]]]
     assert "mm_keys" not in out[2]
     assert forms.refused == {"mm_uuid": 1, "mm_keys": 1}
     assert forms.fields_ignored == {"group_idx": 1, "kv_cache_spec_sliding_window": 1}

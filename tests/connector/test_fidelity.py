@@ -143,17 +143,20 @@ def test_per_block_lora_and_multimodal_keys_reach_the_wire(native: bool) -> None
     rec = Recorder()
     sink = KvEventSink(rec, block_size=BS, native=native, strict=True)
     mm = [{"type": "mm_key", "hash": "0123456789abcdef0011", "start_offset": 4}]
+    digest = [{"type": "mm_key", "hash": "0123456789ABCDEF" * 4, "start_offset": 0}]
     sink.ingest([stored(1, lora_id=7), stored(2, lora_id=8), stored(3, mm_keys=mm),
-                 stored(4, cache_salt="tenant-a"), stored(5)])
+                 stored(4, cache_salt="tenant-a"), stored(5), stored(6, mm_keys=digest)])
     sink.flush()
     events = rec.batches[0]
-    assert [e["block_hashes"] for e in events] == [[1], [2], [3], [4], [5]]
-    assert [e["lora_id"] for e in events] == [7, 8, None, None, None]
-    assert [e["lora_name"] for e in events] == ["lora-7", "lora-8", None, None, None]
+    assert [e["block_hashes"] for e in events] == [[1], [2], [3], [4], [5], [6]]
+    assert [e["lora_id"] for e in events] == [7, 8, None, None, None, None]
+    assert [e["lora_name"] for e in events] == ["lora-7", "lora-8", None, None, None, None]
     # not a 64-hex digest: the offset-tagged pair, which a router does not ignore
     assert events[2]["extra_keys"] == [[["0123456789abcdef0011", 4]]]
     assert events[3]["extra_keys"] == [[salt_extra_key(cache_salt_id("tenant-a"))]]
     assert "extra_keys" not in events[4]
+    # a 32-byte digest: Dynamo's marker form, the only 64-hex form its indexer reads as one
+    assert events[5]["extra_keys"] == [["0123456789abcdef" + "0" * 48]]
 
 
 def test_two_adapters_blocks_with_the_same_tokens_are_two_blocks() -> None:

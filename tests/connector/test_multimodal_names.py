@@ -18,7 +18,7 @@ from kvbm_plugin.naming.names import (
     v1_block_hash,
 )
 from kvbm_plugin.wire.events import BlockStored, to_signed_int64
-from kvbm_plugin.wire.router_forms import mm_marker
+from kvbm_plugin.wire.identity import mm_marker
 from kvbm_plugin.wire.subscriber import StreamSubscriber
 
 BS = 4
@@ -36,8 +36,9 @@ def _request(image: int, tail: int) -> tuple[list[int], list[tuple[list[int], in
 
 
 def _names(tokens: list[int], items: list[tuple[list[int], int, int]]) -> dict[int, Any]:
-    """TensorRT-LLM's V1 hash of each full block -> the hex digests its key mixes in (the
-    test's own reading of ``generateBlockHashExtraKeys``: every item overlapping the block)."""
+    """TensorRT-LLM's V1 hash of each full block -> the digests its key mixes in (the test's
+    own reading of ``generateBlockHashExtraKeys``: every item overlapping the block), spelled
+    as every stream spells them (Dynamo's marker form of the first 16 hex digits)."""
     out: dict[int, Any] = {}
     parent = None
     for i in range(len(tokens) // BS):
@@ -45,7 +46,7 @@ def _names(tokens: list[int], items: list[tuple[list[int], int, int]]) -> dict[i
         keys = [(mm_hash_bytes(h), 0 if p >= lo else lo - p) for h, p, n in items
                 if hi > p and lo < p + n]
         parent = v1_block_hash(tokens[lo:hi], parent, mm_keys=keys)
-        out[to_signed_int64(parent)] = tuple(d.hex() for d, _ in keys)
+        out[to_signed_int64(parent)] = tuple(mm_marker(d.hex()) for d, _ in keys)
     return out
 
 
@@ -138,8 +139,6 @@ def test_multimodal_tier_copies_carry_trtllms_name_and_the_items_digests(
             if isinstance(event, BlockStored):
                 extras = event.extra_keys or [None] * len(event.block_hashes)
                 for h, extra in zip(event.block_hashes, extras, strict=True):
-                    # spelled for the routers: each digest in Dynamo's marker form
-                    want = names.get(to_signed_int64(h))
-                    assert want is not None and tuple(extra or ()) == tuple(map(mm_marker, want))
+                    assert names.get(to_signed_int64(h)) == tuple(extra or ())
                     out += 1
     assert out >= len(image_blocks)

@@ -339,11 +339,12 @@ def test_a_multimodal_prefix_crosses_engines_with_its_items_digests(shared) -> N
     heard its announcement, with the items' digests in extra_keys (its GPU copy's identity),
     and loads on the other engine for a request with the same image."""
     from kvbm_plugin.naming.names import mm_hash_bytes
+    from kvbm_plugin.wire.identity import mm_marker
 
     a = shared.engine()
     b = shared.engine()
     parts = [0x0A0B0C0D + k for k in range(8)]
-    digest = mm_hash_bytes(parts).hex()
+    digest = mm_marker(mm_hash_bytes(parts).hex())  # as every stream spells it
     tokens = prompt(40, BS) + [999] * (2 * BS) + prompt(41, 2 * BS)
     image = [(parts, BS, 2 * BS)]  # blocks 1 and 2
     req = a.submit(tokens + prompt(42, 2), 2, multimodal=image)

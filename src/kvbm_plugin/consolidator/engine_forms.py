@@ -56,7 +56,7 @@ from typing import Any, Final
 from kvbm_plugin._util.bounded import EvictionOrder
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.wire.identity import lora_name as wire_lora_name
-from kvbm_plugin.wire.identity import salt_extra_key
+from kvbm_plugin.wire.identity import mm_marker, salt_extra_key
 
 logger = logging.getLogger(__name__)
 
@@ -273,10 +273,10 @@ class EngineForms:
 
 def mm_extra_key(digest: str, offset: int) -> Any:
     """An item's ``extra_keys`` form, the rule of ``events.fields.mm_extra_key`` (which
-    this layer cannot import): a 32-byte digest as its 64 hex digits, as vLLM writes it and
-    Dynamo's ``extra_keys.rs`` reads it; any other identifier as ``[identifier, offset]``."""
+    this layer cannot import): a 32-byte digest in the marker form Dynamo's ``extra_keys.rs``
+    reads (``wire.identity.mm_marker``); any other identifier as ``[identifier, offset]``."""
     if len(digest) == 64 and all(c in _HEX for c in digest):
-        return digest.lower()
+        return mm_marker(digest)
     return [digest, offset]
 
 

@@ -12,7 +12,7 @@ from operator import itemgetter
 from typing import Any
 
 from kvbm_plugin.wire.events import U32_MAX, WireFormatError
-from kvbm_plugin.wire.identity import salt_extra_key, salt_of
+from kvbm_plugin.wire.identity import mm_marker, salt_extra_key, salt_of
 
 _U64 = 1 << 64
 _token_id = itemgetter("token_id")
@@ -56,12 +56,12 @@ def is_scoped(block: Mapping[str, Any]) -> bool:
 
 def mm_extra_key(digest: str, offset: Any = 0) -> Any:
     """A multimodal key in a form a router mixes into the block's content key (Dynamo,
-    ``lib/kv-router/src/zmq_wire/extra_keys.rs``): TensorRT-LLM's 32-byte digest as its 64 hex
-    digits, as vLLM writes it; any other identifier as an ``[identifier, start_offset]`` pair
-    (vLLM 0.19's offset-tagged form), since a bare string of another shape is ignored there
-    and the block would read as text-only."""
+    ``lib/kv-router/src/zmq_wire/extra_keys.rs``): TensorRT-LLM's 32-byte digest in the marker
+    form of its first 16 hex digits (``wire.identity.mm_marker``); any other identifier as an
+    ``[identifier, start_offset]`` pair (vLLM 0.19's offset-tagged form), since a bare string
+    of another shape is ignored there and the block would read as text-only."""
     if len(digest) == 64 and all(c in _HEX for c in digest):
-        return digest.lower()
+        return mm_marker(digest)
     return [digest, offset if type(offset) is int and 0 <= offset < _U64 else 0]
 
 

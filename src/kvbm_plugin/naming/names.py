@@ -68,7 +68,7 @@ from kvbm_plugin.naming._learned import BlockNames, StreamNames
 from kvbm_plugin.naming._lora import LoraNames
 from kvbm_plugin.naming._unnamed import UnnamedStores
 from kvbm_plugin.wire.events import to_signed_int64
-from kvbm_plugin.wire.identity import SALT_TEXTS
+from kvbm_plugin.wire.identity import SALT_TEXTS, mm_marker
 
 if TYPE_CHECKING:
     from kvbm_plugin.leader.requests import RequestState
@@ -180,10 +180,10 @@ def rule_of(inputs: NameInputs) -> tuple[str, bool, bool]:
 def block_scope(state: RequestState, index: int, block_size: int) -> tuple[Any, ...]:
     """The scope a tier copy of the request's block ``index`` carries in its events:
     ``state.scope`` (LoRA id, salt id), and for a block that multimodal items overlap, their
-    digests as 64 hex digits (the form the event sink gives TensorRT-LLM's ``mm_keys``:
-    ``events.fields.block_extra_keys``), so its identity equals its GPU copy's; ``()`` in
-    their place where the request's items cannot be read (the block is never named by its
-    tokens alone: :class:`UnnamedStores`). The leader's offload planning, executor thread."""
+    digests (``wire.identity.mm_marker``, the form the event sink gives TensorRT-LLM's
+    ``mm_keys``: ``events.fields.block_extra_keys``), so its identity equals its GPU copy's;
+    ``()`` in their place where the request's items cannot be read (the block is never named
+    by its tokens alone: :class:`UnnamedStores`). The leader's offload planning, executor thread."""
     inputs: NameInputs | None = state.name_inputs
     if inputs is None or not inputs.mm:
         if inputs is not None and _learnable(state, block_size) == 0:
@@ -193,7 +193,7 @@ def block_scope(state: RequestState, index: int, block_size: int) -> tuple[Any, 
     keys = mm_block_keys(inputs.mm, lo, lo + block_size)
     if not keys:
         return state.scope
-    return (*state.scope, tuple(digest.hex() for digest, _ in keys))
+    return (*state.scope, tuple(mm_marker(digest.hex()) for digest, _ in keys))
 
 
 class BlockNaming:

@@ -234,11 +234,28 @@ def salt_extra_key(salt: int) -> str:
     return SALT_TAG + salt_namespace(salt)
 
 
+MM_PAD = "0" * 48
+_LOWER_HEX = frozenset("0123456789abcdef")
+
+
+def mm_marker(item: Any) -> Any:
+    """A multimodal item's digest (64 hex digits) as every stream of the plugin spells it in
+    ``extra_keys``: its first 16 digits, the u64 NVIDIA Dynamo keys the item by, then 48
+    zeros, the only 64-hex form Dynamo 1.6.1 reads as a multimodal hash
+    (:mod:`kvbm_plugin.wire.router_forms`); anything else as it is."""
+    if type(item) is str and len(item) == 64 and not item.endswith(MM_PAD):
+        low = item.lower()
+        if set(low) <= _LOWER_HEX:
+            return low[:16] + MM_PAD
+    return item
+
+
 def scope_extra_keys(scope: tuple[Any, ...]) -> tuple[str, ...] | None:
     """The ``extra_keys`` entry of a tier block of ``scope`` (LoRA id, salt id[, multimodal
-    digests as hex]): the digests, then the salt's item, in the order the event sink writes
-    a GPU block's (``events.fields.block_extra_keys``), so both copies have one identity;
-    None when there are neither. Called by the leader as it announces a tier STORE."""
+    digests as :func:`mm_marker` spells them]): the digests, then the salt's item, in the
+    order the event sink writes a GPU block's (``events.fields.block_extra_keys``), so both
+    copies have one identity; None when there are neither. Called by the leader as it
+    announces a tier STORE."""
     salt = scope[1]
     keys = tuple(scope[2]) if len(scope) > 2 else ()
     if salt is not None:

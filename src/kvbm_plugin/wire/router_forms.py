@@ -18,8 +18,9 @@ compares a block with what a *client* sends:
   Dynamo 1.6.1's indexer: two images' blocks behind the same placeholder tokens become one
   block there, a request with one image is credited with the other's blocks, and the second
   image's children are refused ("Failed to find parent"; ``tests/interop/
-  test_dynamo_multimodal.py``). Every such digest therefore goes out in the marker form of
-  its first 16 hex digits (:func:`mm_marker`), the u64 either revision reads from it.
+  test_dynamo_multimodal.py``). Every such digest is therefore spelled in the marker form of
+  its first 16 hex digits (``wire.identity.mm_marker``), the u64 either revision reads from
+  it: by the event sink and the leader on every stream, and here again for any other input.
 * llm-d folds the request's raw ``cache_salt`` string into block 0's extra features only, after
   its multimodal hashes, and reads every bare string of a stored block's ``extra_keys`` entry as
   one such feature (llm-d/llm-d-router @ ebab6879: ``preciseprefixcache/blockkeys.go``
@@ -62,7 +63,13 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from kvbm_plugin.wire.identity import LORA_NAME_PREFIX, SALT_TAG, SALT_TEXTS, salt_of_extra_keys
+from kvbm_plugin.wire.identity import (
+    LORA_NAME_PREFIX,
+    SALT_TAG,
+    SALT_TEXTS,
+    mm_marker,
+    salt_of_extra_keys,
+)
 
 try:
     from msgspec import Raw as _Raw
@@ -99,21 +106,10 @@ def salt_text(namespace: str) -> str:
     return namespace
 
 
-_MM_PAD: Final = "0" * 48
-
-
-def mm_marker(item: Any) -> Any:
-    """A multimodal digest of 64 lowercase hex digits in Dynamo's marker form (its first 16
-    digits, then 48 zeros); anything else as it is."""
-    if (type(item) is str and len(item) == 64 and not item.endswith(_MM_PAD)
-            and set(item) <= _HEX):
-        return item[:16] + _MM_PAD
-    return item
-
-
 def _mark_mm(event: dict[str, Any]) -> None:
-    """Every native multimodal digest of a store's ``extra_keys`` in the marker form. An
-    entry is replaced, never changed in place: the core may still hold it (held back)."""
+    """Every native multimodal digest of a store's ``extra_keys`` in the marker form (the
+    plugin's own streams write no other; a stream it relays may). An entry is replaced, never
+    changed in place: the core may still hold it (held back)."""
     extra = event.get("extra_keys")
     if not extra:
         return
