@@ -5,8 +5,10 @@ consolidator sees one block, not a hash conflict it must rename."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from _engines import prompt
 from _kvwire import wait_until
 
@@ -24,27 +26,41 @@ from kvbm_plugin.wire.subscriber import StreamSubscriber
 BS = 4
 IMAGE_TOKEN = 999  # the placeholder id every image's tokens carry in the prompt
 IMAGE_AT, IMAGE_LEN = 5, 7  # prompt positions 5..11: blocks 1 and 2
+# The same image's tokens in two runs around a text token at 8 (run metadata: positions 5-7
+# and 9-12), as the newest revisions place an item split by framing text.
+SPLIT_RUNS = [(5, 3), (9, 4)]
 
 
 def _parts(seed: int) -> list[int]:
     return [(seed * 0x01010101 + k * 0x11111111) & 0x7FFFFFFF for k in range(8)]
 
 
-def _request(image: int, tail: int) -> tuple[list[int], list[tuple[list[int], int, int]]]:
+def _request(image: int, tail: int, split: bool = False) -> tuple[list[int], list[Any]]:
+    """A prompt with one image and its items (hash parts, runs)."""
     tokens = prompt(7, IMAGE_AT) + [IMAGE_TOKEN] * IMAGE_LEN + prompt(tail, 6)
-    return tokens, [(_parts(image), IMAGE_AT, IMAGE_LEN)]
+    if not split:
+        return tokens, [(_parts(image), [(IMAGE_AT, IMAGE_LEN)])]
+    tokens[8] = 77  # framing text inside the image's span
+    tokens.insert(13, IMAGE_TOKEN)  # the image's last token moves one on
+    return tokens[:-1], [(_parts(image), SPLIT_RUNS)]
 
 
-def _names(tokens: list[int], items: list[tuple[list[int], int, int]]) -> dict[int, Any]:
+def _names(tokens: list[int], items: list[Any]) -> dict[int, Any]:
     """TensorRT-LLM's V1 hash of each full block -> the digests its key mixes in (the test's
-    own reading of ``generateBlockHashExtraKeys``: every item overlapping the block), spelled
-    as every stream spells them (Dynamo's marker form of the first 16 hex digits)."""
+    own reading of ``generateBlockHashExtraKeys``: every run of every item overlapping the
+    block, at the offset inside the item of its first overlapping token), spelled as every
+    stream spells them (Dynamo's marker form of the first 16 hex digits)."""
     out: dict[int, Any] = {}
     parent = None
     for i in range(len(tokens) // BS):
         lo, hi = i * BS, (i + 1) * BS
-        keys = [(mm_hash_bytes(h), 0 if p >= lo else lo - p) for h, p, n in items
-                if hi > p and lo < p + n]
+        keys = []
+        for h, runs in items:
+            before = 0  # the item's tokens in its earlier runs
+            for p, n in runs:
+                if hi > p and lo < p + n:
+                    keys.append((mm_hash_bytes(h), before + max(lo, p) - p))
+                before += n
         parent = v1_block_hash(tokens[lo:hi], parent, mm_keys=keys)
         out[to_signed_int64(parent)] = tuple(mm_marker(d.hex()) for d, _ in keys)
     return out
@@ -58,31 +74,60 @@ def test_the_contiguous_span_rule_matches_upstreams_known_answers() -> None:
     digest = mm_hash_bytes([0x01020304, 0x05060708, 0x11121314, 0x15161718,
                             0x21222324, 0x25262728, 0x31323334, 0x35363738])
     assert digest.hex().startswith("0102030405060708")
-    items = [(digest, 1, 2)]
+    items = [(digest, ((1, 2),))]
     assert mm_block_keys(items, 0, 2) == [(digest, 0)]
     assert mm_block_keys(items, 2, 3) == [(digest, 1)]
     assert mm_block_keys(items, 3, 5) == []
     assert mm_block_keys(items, 0, 1) == []
 
 
-def test_a_request_placed_by_runs_is_not_named() -> None:
-    """Newer revisions place items by runs (sparse positions), a rule not followed here: such
-    a request's names are never computed (its blocks wait for TensorRT-LLM's)."""
-    class Req:
-        multimodal_hashes = [_parts(1)]
-        multimodal_positions = [1]
-        multimodal_lengths = [4]
-        multimodal_run_positions = [1, 8]
-
-    assert name_inputs(Req()).why_not == "multimodal inputs placed by runs"
-    del Req.multimodal_run_positions
-    inputs = name_inputs(Req())
-    assert inputs.why_not is None and inputs.v2_why_not == "multimodal inputs"
-    assert rule_of(inputs) == ("none", False, True)
+def test_the_run_rule_matches_upstreams_worked_example() -> None:
+    """``generateRunBasedExtraKeys``'s own worked example (``blockKey.cpp``, stored id
+    56377047221): item 0's tokens at prompt positions 1-2 and 4-5 (runs [1, 2) and [4, 2)),
+    text at 3. A block over [4, 6) mixes the item in at offset 2, one over [5, 6) at 3, one
+    over the text position alone not at all."""
+    digest = mm_hash_bytes(_parts(9))
+    items = [(digest, ((1, 2), (4, 2)))]
+    assert mm_block_keys(items, 4, 6) == [(digest, 2)]
+    assert mm_block_keys(items, 5, 6) == [(digest, 3)]
+    assert mm_block_keys(items, 3, 4) == []
+    assert mm_block_keys(items, 0, 6) == [(digest, 0), (digest, 2)]  # one key per run
 
 
+def _req(**fields: Any) -> Any:
+    fields.setdefault("multimodal_hashes", [_parts(1)])
+    fields.setdefault("multimodal_positions", [1])
+    fields.setdefault("multimodal_lengths", [4])
+    return SimpleNamespace(**fields)
+
+
+def test_a_requests_items_are_read_as_tensorrt_llm_reads_them() -> None:
+    """Run metadata where it is complete and valid; otherwise the contiguous spans, as
+    ``resolveRunMetadata`` falls back; a form no revision here follows, or a span the newest
+    revision refuses, leaves the request unnamed."""
+    digest = mm_hash_bytes(_parts(1))
+    runs = dict(multimodal_item_run_cu_offsets=[0, 2], multimodal_run_positions=[1, 8],
+                multimodal_run_lengths=[2, 2])
+    inputs = name_inputs(_req(**runs))
+    assert inputs.why_not is None and inputs.mm == ((digest, ((1, 2), (8, 2))),)
+    assert inputs.v2_why_not == "multimodal inputs" and rule_of(inputs) == ("none", False, True)
+    for bad in (dict(runs, multimodal_item_run_cu_offsets=[0, 3]),  # not the number of runs
+                dict(runs, multimodal_run_lengths=[2, 0]),  # an empty run
+                dict(runs, multimodal_run_positions=None)):  # incomplete
+        assert name_inputs(_req(**bad)).mm == ((digest, ((1, 4),)),)  # the contiguous span
+    assert name_inputs(_req(multimodal_hash_positions=[[1, 3]])).why_not == \
+        "multimodal inputs placed by hash positions"
+    assert name_inputs(_req(multimodal_lengths=[0])).why_not == \
+        "multimodal inputs with an invalid position or length"
+    assert name_inputs(_req(multimodal_positions=[1, 2])).why_not == \
+        "multimodal inputs without one position and length per item"
+    assert name_inputs(_req(multimodal_hashes=[[1, 2]])).why_not == \
+        "unreadable multimodal hashes"
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["contiguous", "runs"])
 def test_multimodal_tier_copies_carry_trtllms_name_and_the_items_digests(
-        make_engine, tmp_path) -> None:
+        make_engine, tmp_path, split) -> None:
     engine = make_engine(num_gpu_blocks=6, provide_block_hashes=False,
                          env={"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "true",
                               "DYN_KVBM_KV_EVENTS_ENDPOINT": f"ipc://{tmp_path}/gpu",
@@ -107,7 +152,7 @@ def test_multimodal_tier_copies_carry_trtllms_name_and_the_items_digests(
         # Two images behind the same placeholder tokens, each asked about twice; the small
         # GPU pool evicts in between, so the second asks load from the host tier.
         for image, tail in ((1, 20), (2, 21), (1, 22), (2, 23), (3, 24)):
-            tokens, items = _request(image, tail)
+            tokens, items = _request(image, tail, split)
             req = engine.submit(tokens, 2, multimodal=items)
             engine.run_until_idle()
             names.update(_names(engine.result(req).tokens, items))

@@ -97,7 +97,7 @@ def test_where_the_hash_cannot_be_computed_tier_stores_wait_for_trtllms_name(
     assert stats["tier_stores_waiting_for_name"] <= stats["tier_stores_unnamed"]
 
 
-@pytest.mark.parametrize("why", ["multimodal inputs placed by runs",
+@pytest.mark.parametrize("why", ["multimodal inputs placed by hash positions",
                                  "prompt-tuning extra ids"])
 def test_blocks_whose_tokens_do_not_name_them_are_never_named_by_their_tokens(
         make_engine, monkeypatch, why) -> None:

@@ -346,7 +346,7 @@ def test_a_multimodal_prefix_crosses_engines_with_its_items_digests(shared) -> N
     parts = [0x0A0B0C0D + k for k in range(8)]
     digest = mm_marker(mm_hash_bytes(parts).hex())  # as every stream spells it
     tokens = prompt(40, BS) + [999] * (2 * BS) + prompt(41, 2 * BS)
-    image = [(parts, BS, 2 * BS)]  # blocks 1 and 2
+    image = [(parts, [(BS, 2 * BS)])]  # blocks 1 and 2
     req = a.submit(tokens + prompt(42, 2), 2, multimodal=image)
     a.run_until_idle()
     assert a.result(req).kv_mismatches == 0

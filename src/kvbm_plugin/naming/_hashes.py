@@ -129,23 +129,27 @@ def v1_block_hash(tokens: Sequence[int], parent: int | None = None, *,
     return seed
 
 
-# A request's multimodal item as the V1 hasher reads it: (32-byte digest, first prompt
-# position of its tokens, number of its tokens).
-MmItem = tuple[bytes, int, int]
+# A request's multimodal item as the V1 hasher reads it: (32-byte digest, its runs of prompt
+# positions as (first position, number of tokens)); one run where the item is contiguous.
+MmItem = tuple[bytes, tuple[tuple[int, int], ...]]
 
 
 def mm_block_keys(items: Sequence[MmItem], start: int, end: int) -> list[tuple[bytes, int]]:
-    """The multimodal keys of the block holding prompt positions ``start..end - 1``:
-    ``generateBlockHashExtraKeys``'s rule for items given as one contiguous span each
-    (``multimodal_positions`` / ``multimodal_lengths``; ``kvCacheManager.cpp``, stored id
-    126178160): every item overlapping the block, in the request's item order, with the offset
-    of the block's first token inside the item (0 when the item starts inside the block).
-    Newer revisions also take sparse run metadata (``multimodal_run_positions``, stored id
-    56377047221); :func:`kvbm_plugin.naming.names.name_inputs` refuses such requests."""
+    """The multimodal keys of the block holding prompt positions ``start..end - 1``, by
+    ``generateBlockHashExtraKeys`` (``blockKey.cpp``, stored id 56377047221): for every run of
+    every item that overlaps the block, in item then run order, (the item's digest, the offset
+    inside the item of the first overlapping token: the tokens of the item's earlier runs,
+    plus the overlap's start minus the run's). An item of one run (``multimodal_positions``
+    / ``multimodal_lengths``, and every item of the revisions before run metadata,
+    ``kvCacheManager.cpp`` stored id 126178160) has offset 0 when it starts inside the block,
+    else the block's start minus its position."""
     out: list[tuple[bytes, int]] = []
-    for digest, position, length in items:
-        if end > position and start < position + length:
-            out.append((digest, 0 if position >= start else start - position))
+    for digest, runs in items:
+        item_offset = 0
+        for position, length in runs:
+            if end > position and start < position + length:
+                out.append((digest, item_offset + max(start, position) - position))
+            item_offset += length
     return out
 
 

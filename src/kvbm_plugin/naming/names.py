@@ -100,29 +100,69 @@ class NameInputs:
     mm: tuple[MmItem, ...] = ()
 
 
-# Newer revisions place an item's tokens by runs (sparse positions); the V1 rule for them
-# (stored id 56377047221) is not followed here, so such a request's names are not computed.
-_MM_RUN_FIELDS = ("multimodal_item_run_cu_offsets", "multimodal_item_run_cu_seqlen",
-                  "multimodal_run_positions", "multimodal_run_lengths",
-                  "multimodal_hash_positions")
+# Revisions between the contiguous and the run-based rule placed items by other fields
+# (per-item hash positions; run offsets named ``_cu_seqlen``): not followed, so such a
+# request's names are not computed.
+_MM_UNFOLLOWED = ("multimodal_hash_positions", "multimodal_item_run_cu_seqlen")
+_I32_MAX = (1 << 31) - 1
+
+
+def _run(position: Any, length: Any) -> tuple[int, int] | None:
+    """One run as ``getValidRunEnd`` takes it: a non-negative start, a positive length, an
+    end that fits int32; else None."""
+    position, length = int(position), int(length)
+    if position < 0 or length <= 0 or position + length > _I32_MAX:
+        return None
+    return position, length
+
+
+def _item_runs(obj: Any, n_items: int) -> list[tuple[tuple[int, int], ...]] | None:
+    """Each item's runs from the request's run metadata (``multimodal_item_run_cu_offsets``,
+    ``multimodal_run_positions``, ``multimodal_run_lengths``), as ``resolveRunMetadata`` and
+    ``generateRunBasedExtraKeys`` read them (``blockKey.cpp``, stored id 56377047221); None
+    where TensorRT-LLM falls back to the contiguous spans (absent, incomplete or invalid)."""
+    offsets = getattr(obj, "multimodal_item_run_cu_offsets", None)
+    positions = getattr(obj, "multimodal_run_positions", None)
+    lengths = getattr(obj, "multimodal_run_lengths", None)
+    if not offsets or not positions or not lengths:
+        return None
+    offsets = [int(o) for o in offsets]
+    if len(offsets) != n_items + 1 or offsets[0] != 0 or offsets[-1] != len(positions) \
+            or len(positions) != len(lengths):
+        return None
+    out = []
+    for begin, end in zip(offsets, offsets[1:], strict=False):
+        if begin < 0 or end < begin or end > len(positions):
+            return None
+        runs = [_run(positions[k], lengths[k]) for k in range(begin, end)]
+        if None in runs:
+            return None
+        out.append(tuple(runs))  # type: ignore[arg-type]
+    return out
 
 
 def _mm_items(obj: Any) -> tuple[tuple[MmItem, ...], str | None]:
     """The multimodal items of a request-like object as the V1 hasher reads them
-    (``multimodal_hashes``: 8 int32 parts per item, ``multimodal_positions``,
-    ``multimodal_lengths``), or why they cannot be read."""
+    (``multimodal_hashes``: 8 int32 parts per item; their runs, else ``multimodal_positions``
+    and ``multimodal_lengths``: one run each), or why they cannot be read."""
     hashes = getattr(obj, "multimodal_hashes", None)
     if not hashes:
         return (), None
-    if any(getattr(obj, f, None) for f in _MM_RUN_FIELDS):
-        return (), "multimodal inputs placed by runs"
-    positions = getattr(obj, "multimodal_positions", None)
-    lengths = getattr(obj, "multimodal_lengths", None)
+    if any(getattr(obj, f, None) for f in _MM_UNFOLLOWED):
+        return (), "multimodal inputs placed by hash positions"
     try:
-        if not positions or not lengths or not len(hashes) == len(positions) == len(lengths):
+        digests = [mm_hash_bytes([int(p) for p in h]) for h in hashes]
+        by_runs = _item_runs(obj, len(digests))
+        if by_runs is not None:
+            return tuple(zip(digests, by_runs, strict=True)), None
+        positions = getattr(obj, "multimodal_positions", None)
+        lengths = getattr(obj, "multimodal_lengths", None)
+        if not positions or not lengths or not len(digests) == len(positions) == len(lengths):
             return (), "multimodal inputs without one position and length per item"
-        return tuple((mm_hash_bytes([int(p) for p in h]), int(pos), int(n))
-                     for h, pos, n in zip(hashes, positions, lengths, strict=True)), None
+        spans = [_run(p, n) for p, n in zip(positions, lengths, strict=True)]
+        if None in spans:  # the newest revision then mixes in no item at all, older ones do
+            return (), "multimodal inputs with an invalid position or length"
+        return tuple((d, (span,)) for d, span in zip(digests, spans, strict=True)), None
     except (TypeError, ValueError):
         return (), "unreadable multimodal hashes"
 
@@ -512,7 +552,7 @@ def _learnable(state: RequestState, block_size: int) -> int:
     if inputs is None:
         return _ALL
     if inputs.mm:
-        return min(position for _, position, _ in inputs.mm) // block_size
+        return min(run[0] for _, runs in inputs.mm for run in runs) // block_size
     if inputs.why_not is not None and inputs.why_not.startswith(_NOT_BY_TOKENS):
         return 0
     return _ALL

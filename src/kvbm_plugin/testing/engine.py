@@ -152,12 +152,13 @@ class SimulatedEngine:
 
     def submit(self, prompt_tokens: list[int], max_new_tokens: int = 1, *,
                cache_salt: str | None = None, lora_task_id: int | None = None,
-               multimodal: list[tuple[list[int], int, int]] | None = None) -> int:
+               multimodal: list[tuple[list[int], list[tuple[int, int]]]] | None = None) -> int:
         """Queue a request; returns its id. ``lora_task_id``: the request's LoRA adapter, as
         TensorRT-LLM's ``LoRARequest.lora_int_id`` (task id 0 is an adapter like any other);
-        None for the base model. ``multimodal``: its items, each (hash as 8 int32 parts,
-        first prompt position, token count), as the C++ request's ``multimodal_hashes``,
-        ``multimodal_positions`` and ``multimodal_lengths`` carry them."""
+        None for the base model. ``multimodal``: its items, each (hash as 8 int32 parts, its
+        runs of prompt positions as (first position, token count)), as the C++ request's
+        ``multimodal_hashes`` and positions (or, for items in several runs, run metadata)
+        carry them."""
         if lora_task_id is not None and (type(lora_task_id) is not int
                                          or not 0 <= lora_task_id < 1 << 64):
             raise ValueError(f"lora_task_id={lora_task_id!r} is not None or a u64 integer")

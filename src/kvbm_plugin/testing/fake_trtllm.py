@@ -81,7 +81,8 @@ class LlmRequest:
 
     def __init__(self, request_id: int, tokens: list[int], cache_salt: str | None = None, *,
                  cache_salt_id: int | None = None, lora_task_id: int | None = None,
-                 multimodal: list[tuple[list[int], int, int]] | None = None) -> None:
+                 multimodal: list[tuple[list[int], list[tuple[int, int]]]] | None = None,
+                 ) -> None:
         self.request_id = request_id
         self._tokens = tokens
         if cache_salt is not None:
@@ -89,10 +90,22 @@ class LlmRequest:
         self.cache_salt_id = cache_salt_id
         self.lora_task_id = lora_task_id
         # The C++ request's multimodal fields (None for a text-only request): per item its
-        # hash as 8 int32 parts, its first prompt position and its token count.
-        self.multimodal_hashes = None if not multimodal else [list(h) for h, _, _ in multimodal]
-        self.multimodal_positions = None if not multimodal else [p for _, p, _ in multimodal]
-        self.multimodal_lengths = None if not multimodal else [n for _, _, n in multimodal]
+        # hash as 8 int32 parts, its first prompt position and its token count; where an
+        # item's tokens come in several runs, the run metadata of the newest revisions too
+        # (``MultimodalInput``: item i owns runs [cu_offsets[i], cu_offsets[i + 1])).
+        items = multimodal or []
+        self.multimodal_hashes = [list(h) for h, _ in items] or None
+        self.multimodal_positions = [runs[0][0] for _, runs in items] or None
+        self.multimodal_lengths = [sum(n for _, n in runs) for _, runs in items] or None
+        self.multimodal_item_run_cu_offsets = self.multimodal_run_positions = \
+            self.multimodal_run_lengths = None
+        if any(len(runs) > 1 for _, runs in items):
+            offsets = [0]
+            for _, runs in items:
+                offsets.append(offsets[-1] + len(runs))
+            self.multimodal_item_run_cu_offsets = offsets
+            self.multimodal_run_positions = [p for _, runs in items for p, _ in runs]
+            self.multimodal_run_lengths = [n for _, runs in items for _, n in runs]
         self.is_generation_only_request = False
         self.is_finished = False  # set by the executor when the request finished or was cancelled
         self.context_current_position = 0

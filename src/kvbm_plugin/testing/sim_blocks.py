@@ -66,7 +66,7 @@ class RequestBlocks:
         ``start..end - 1`` (digest, offset of the block's first token in the item)."""
         if not r.mm:
             return []
-        return mm_block_keys([(mm_hash_bytes(h), p, n) for h, p, n in r.mm], start, end)
+        return mm_block_keys([(mm_hash_bytes(h), tuple(runs)) for h, runs in r.mm], start, end)
 
     def ensure(self, r: SimRequest, tokens: int) -> None:
         """Allocate blocks until ``r`` holds ``tokens`` tokens (its reservation first)."""

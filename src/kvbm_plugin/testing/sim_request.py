@@ -24,8 +24,8 @@ class SimRequest:
     max_new: int
     salt: str | None
     lora: int | None = None  # the LoRA task id (0 is an adapter too); None: the base model
-    # multimodal items: (hash as 8 int32 parts, first prompt position, token count)
-    mm: list[tuple[list[int], int, int]] = field(default_factory=list)
+    # multimodal items: (hash as 8 int32 parts, runs of (first prompt position, token count))
+    mm: list[tuple[list[int], list[tuple[int, int]]]] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)  # every token the device has
     host_len: int = 0  # tokens the request object shows (lags by one with overlap)
     state: str = WAITING
