@@ -40,8 +40,8 @@ Semantics (dedup mode, the default):
   implies, or one ``AllBlocksCleared`` when nothing is left for that dp rank.
 * **Prefix-closed output**, whatever the sources send: a block is published (per medium in
   passthrough) only while its parent is. Blocks are held back, released and cascaded as
-  :mod:`kvbm_plugin.consolidator.held_back` describes (that module holds this half of the
-  core); the block layout and per-rank maps are in :mod:`kvbm_plugin.consolidator.blocks`.
+  :mod:`kvbm_plugin.consolidator.held_back` describes (its ``PrefixClosure``, which the core
+  owns); the block layout and per-rank maps are in :mod:`kvbm_plugin.consolidator.blocks`.
 """
 
 from __future__ import annotations
@@ -78,7 +78,12 @@ from kvbm_plugin.consolidator.blocks import (
     wire_hash,
 )
 from kvbm_plugin.consolidator.held_back import DEFAULT_MAX_HELD_BACK, HeldBack, PrefixClosure
-from kvbm_plugin.consolidator.inputs import UNSCOPED, scopes, stored_fields, u64_hashes
+from kvbm_plugin.consolidator.inputs import (
+    chain_identities,
+    scopes,
+    stored_fields,
+    u64_hashes,
+)
 from kvbm_plugin.consolidator_config import ConsolidatorMode
 from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
@@ -110,12 +115,12 @@ _CORE_COUNTERS: Final = (
     "stores_in", "store_blocks_in", "removes_in", "remove_blocks_in", "clears_in",
     "duplicate_stores", "unknown_removes", "unknown_parents", "hash_conflicts",
     "hash_only_stores_dropped", "resyncs", "unknown_dp_ranks_refused", "held_back_stores",
-    "released_stores", "held_back_dropped", "cascade_removes",
+    "held_back_dropped",
     "stores_out", "store_blocks_out", "removes_out", "remove_blocks_out", "clears_out",
 )
 
 
-class ConsolidatorCore(PrefixClosure):
+class ConsolidatorCore:
     """The pure consolidation state machine (see the module docstring for the semantics).
 
     Not thread-safe: one owner calls it (the shell's ingest thread, or a test). Every mutator
@@ -146,6 +151,7 @@ class ConsolidatorCore(PrefixClosure):
         self.max_held_back: Final = max_held_back
         self.mode: Final = mode
         self._dedup = mode == "dedup"
+        self._closure = PrefixClosure(self._dedup)  # held back, released, cascaded
         # The compiled dedup block loops (None: the Python ones). ``native`` as for KvEventSink:
         # None = when built and not switched off by DYN_KVBM_NATIVE, False = never, True = or
         # ValueError. Passthrough mode always runs the Python loops.
@@ -337,6 +343,8 @@ class ConsolidatorCore(PrefixClosure):
     def stats(self) -> dict[str, int]:
         """Counters plus current sizes; cheap enough for a metrics scrape."""
         out = {name: getattr(self, "_n_" + name) for name in _CORE_COUNTERS}
+        for name, count in self._closure.counts().items():  # what the closure emitted
+            out[name] = out.get(name, 0) + count
         # A snapshot (list() of a dict view is atomic under the GIL): the metrics thread calls
         # this while the ingest thread may add a dp rank.
         ranks = list(self._ranks.values())
@@ -490,18 +498,7 @@ class ConsolidatorCore(PrefixClosure):
                     rank.last_remove = None
                 return
         # Identities first: an unhashable token raises before anything changed.
-        tt = tuple(tokens)
-        idents = []
-        if scope is None:
-            for off in range(0, len(tt), bs):
-                pident = hash((pident, tt[off:off + bs]))
-                idents.append(pident)
-        else:
-            for j, off in enumerate(range(0, len(tt), bs)):  # UNSCOPED: see inputs.py
-                s = scope[j]
-                pident = hash((pident, tt[off:off + bs])) if s == UNSCOPED \
-                    else hash((pident, tt[off:off + bs], s))
-                idents.append(pident)
+        idents = chain_identities(pident, tokens, bs, scope)
         self._n_unknown_parents += unknown_parent
         runs: list[tuple[dict[str, Any], int]] = []  # (output event, first block index)
         run_hashes: list[int] = []
@@ -565,7 +562,7 @@ class ConsolidatorCore(PrefixClosure):
                     self._release(rank, old, group, medium)
                     if newly:
                         held_back.pop(ident)
-                if newly and not self._parent_shown(rank, block, group):
+                if newly and not self._closure.parent_shown(rank, block, group):
                     # Held back (with its tokens) until its parent is published.
                     newly = False
                     if held_back.hold((block, tokens[i * bs:(i + 1) * bs], bs, lora_id,
@@ -594,17 +591,17 @@ class ConsolidatorCore(PrefixClosure):
                         runs.append((run, i))
                     run_end = i + 1
                     if held_back.waiting:
-                        self._release_children(rank, block, group, medium)
+                        self._closure.release_children(rank, block, group, medium)
             if hidden and ident in hidden and hidden[ident][1] is None:
                 # Held back since a cascade, tokens unknown: this store brings them.
                 entry = hidden[ident]
-                if self._parent_shown(rank, block, group):
+                if self._closure.parent_shown(rank, block, group):
                     held_back.pop(ident)
-                    self._publish(rank, block, tokens[i * bs:(i + 1) * bs], bs, lora_id,
-                                  lora_name, None if extra_keys is None else extra_keys[i],
-                                  medium)
-                    self._n_released_stores += 1
-                    self._release_children(rank, block, group, medium)
+                    self._closure.publish(
+                        rank, block, tokens[i * bs:(i + 1) * bs], bs, lora_id, lora_name,
+                        None if extra_keys is None else extra_keys[i], medium)
+                    self._closure.released_stores += 1
+                    self._closure.release_children(rank, block, group, medium)
                 else:
                     hidden[ident] = (entry[0], tokens[i * bs:(i + 1) * bs], bs, lora_id,
                                      lora_name, None if extra_keys is None else extra_keys[i],
@@ -685,10 +682,10 @@ class ConsolidatorCore(PrefixClosure):
             if held_back.entries and block[IDENT] in held_back.entries:
                 held_back.pop(block[IDENT])  # held back: never published, nothing to undo
             else:
-                wires = self._cascade(rank, block, group) if block[CHILDREN] else []
+                wires = self._closure.cascade(rank, block, group) if block[CHILDREN] else []
                 wires.append(block[WIRE])
                 rank.visible -= len(wires)
-                self._emit_removes(rank, wires, medium)
+                self._closure.emit_removes(rank, wires, medium)
         if block[TOTAL] == 0 and block[CHILDREN] == 0:
             collect(rank, block)
 
@@ -722,7 +719,7 @@ class ConsolidatorCore(PrefixClosure):
             self._n_unknown_removes += unknown
         if wires:
             rank.visible -= len(wires)
-            self._emit_removes(rank, wires, MEDIUM_GPU)
+            self._closure.emit_removes(rank, wires, MEDIUM_GPU)
 
     def _remove_rest(self, rank: _Rank, held: dict[int, Block], hashes: list[int],
                      start: int, wires: list[int]) -> int:
@@ -744,7 +741,7 @@ class ConsolidatorCore(PrefixClosure):
                     rank.hidden[0].pop(block[IDENT])  # held back: nothing was published
                 else:
                     if block[CHILDREN]:
-                        wires += self._cascade(rank, block, 0)
+                        wires += self._closure.cascade(rank, block, 0)
                     wires.append(block[WIRE])
                 collect(rank, block)
         return unknown

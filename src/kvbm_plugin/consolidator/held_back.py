@@ -119,32 +119,40 @@ class HeldBack:
 
 
 class PrefixClosure:
-    """The prefix-closure half of :class:`~kvbm_plugin.consolidator.core.ConsolidatorCore`
-    (its base class): rare paths, never the compiled ones. Uses the core's counters and
-    output; called on the core's thread."""
+    """What keeps the core's output prefix-closed (the module docstring): which blocks are
+    published, the STOREs of released blocks, the cascade of a block's descendants and the
+    REMOVE events. Owned by :class:`~kvbm_plugin.consolidator.core.ConsolidatorCore` (one per
+    core) and called on its owner's thread, for the rare paths only (never the compiled
+    loops). It appends to each rank's output and counts what it emitted; the core's
+    ``stats`` adds these counts to its own."""
 
-    _dedup: bool
-    _n_released_stores: int
-    _n_cascade_removes: int
-    _n_stores_out: int
-    _n_store_blocks_out: int
-    _n_removes_out: int
-    _n_remove_blocks_out: int
+    COUNTERS: Final = ("released_stores", "cascade_removes", "stores_out",
+                       "store_blocks_out", "removes_out", "remove_blocks_out")
 
-    def _shown(self, rank: _Rank, block: Block, group: int) -> bool:
+    def __init__(self, dedup: bool) -> None:
+        self._dedup = dedup  # dedup mode: one residency for every medium
+        self.released_stores = 0  # held-back blocks published after their parent
+        self.cascade_removes = 0  # descendants removed because a block left
+        self.stores_out = self.store_blocks_out = 0  # what it emitted
+        self.removes_out = self.remove_blocks_out = 0
+
+    def counts(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.COUNTERS}
+
+    def shown(self, rank: _Rank, block: Block, group: int) -> bool:
         """Whether ``block`` is published in medium group ``group``."""
         held = block[TOTAL] if self._dedup else block[COUNTS][group]
         return bool(held) and block[IDENT] not in rank.hidden[group].entries
 
-    def _parent_shown(self, rank: _Rank, block: Block, group: int) -> bool:
+    def parent_shown(self, rank: _Rank, block: Block, group: int) -> bool:
         """Whether ``block`` may be published: a root, or its parent is published."""
         parent = block[PARENT]
         if parent is None:
             return block[IDENT] not in rank.orphans
-        return self._shown(rank, parent, group)
+        return self.shown(rank, parent, group)
 
-    def _publish(self, rank: _Rank, block: Block, tokens: list[int], bs: int, lora_id: Any,
-                 lora_name: Any, extra: Any, medium: str) -> None:
+    def publish(self, rank: _Rank, block: Block, tokens: list[int], bs: int, lora_id: Any,
+                lora_name: Any, extra: Any, medium: str) -> None:
         """STORE one held-back block whose parent is published now (``extra``: the block's
         ``extra_keys`` entry, or None)."""
         parent = block[PARENT]
@@ -157,10 +165,10 @@ class PrefixClosure:
         rank.out.append(event)
         rank.last_remove = None
         rank.visible += 1
-        self._n_stores_out += 1
-        self._n_store_blocks_out += 1
+        self.stores_out += 1
+        self.store_blocks_out += 1
 
-    def _release_children(self, rank: _Rank, block: Block, group: int, medium: str) -> None:
+    def release_children(self, rank: _Rank, block: Block, group: int, medium: str) -> None:
         """Publish the held-back descendants of ``block`` (just published), parents first:
         through the index of who waits for whom, so O(what is released)."""
         held_back = rank.hidden[group]
@@ -172,12 +180,12 @@ class PrefixClosure:
             for child, tokens, bs, lora_id, lora_name, extra, _ in held_back.ready(
                     parent[IDENT]):
                 held_back.pop(child[IDENT])
-                self._publish(rank, child, tokens, bs, lora_id, lora_name,  # type: ignore[arg-type]
-                              extra, medium)
-                self._n_released_stores += 1
+                self.publish(rank, child, tokens, bs, lora_id, lora_name,  # type: ignore[arg-type]
+                             extra, medium)
+                self.released_stores += 1
                 stack.append(child)
 
-    def _cascade(self, rank: _Rank, block: Block, group: int) -> list[int]:
+    def cascade(self, rank: _Rank, block: Block, group: int) -> list[int]:
         """``block`` (published, with live children) is about to be unpublished: hold back
         its published descendants (tokens unknown) and return their wire hashes, children
         before parents, for the same REMOVE event. Walks the descendants only."""
@@ -195,12 +203,12 @@ class PrefixClosure:
             stack.append((node, True))
             if node[CHILDREN]:
                 for child in kids_of(blocks, node):
-                    if self._shown(rank, child, group):
+                    if self.shown(rank, child, group):
                         stack.append((child, False))
-        self._n_cascade_removes += len(wires)
+        self.cascade_removes += len(wires)
         return wires
 
-    def _emit_removes(self, rank: _Rank, wires: list[int], medium: str) -> None:
+    def emit_removes(self, rank: _Rank, wires: list[int], medium: str) -> None:
         last = rank.last_remove
         out = rank.out
         if last is not None and out and out[-1] is last and last["medium"] == medium:
@@ -208,5 +216,5 @@ class PrefixClosure:
         else:
             out.append({"type": "BlockRemoved", "block_hashes": wires, "medium": medium})
             rank.last_remove = out[-1]
-            self._n_removes_out += 1
-        self._n_remove_blocks_out += len(wires)
+            self.removes_out += 1
+        self.remove_blocks_out += len(wires)

@@ -10,6 +10,7 @@ fail the encoder and lose the whole output batch).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 from kvbm_plugin.consolidator.blocks import MASK, U64
@@ -108,3 +109,26 @@ def scopes(lora_id: Any, lora_name: Any, extra_keys: Any, n: int) -> list[Any]:
                                   f"bytes or 64-bit integers: {entry!r:.100}")
         out.append((lora, _hashable_entry(entry)))
     return out
+
+
+def chain_identities(parent_ident: int, tokens: Sequence[Any], block_size: int,
+                     scope: list[Any] | None) -> list[int]:
+    """The content identity of each block of a stored chain under the parent identity
+    ``parent_ident``: ``hash((parent identity, its tokens))``, with its :func:`scopes` entry
+    as a third item where it has one (not :data:`UNSCOPED`). Called by the core's Python
+    store loop before it changes anything (an unhashable token raises TypeError here); the
+    compiled loop takes only unscoped chains and computes the same hashes."""
+    tt = tuple(tokens)
+    idents = []
+    pident = parent_ident
+    if scope is None:  # the common case: one test per chain, not per block
+        for off in range(0, len(tt), block_size):
+            pident = hash((pident, tt[off:off + block_size]))
+            idents.append(pident)
+        return idents
+    for j, off in enumerate(range(0, len(tt), block_size)):
+        s = scope[j]
+        pident = hash((pident, tt[off:off + block_size])) if s == UNSCOPED \
+            else hash((pident, tt[off:off + block_size], s))
+        idents.append(pident)
+    return idents
