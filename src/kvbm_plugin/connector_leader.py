@@ -286,9 +286,6 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         old = self._reqs.get(req_id)
         if old is not None:
             self._release_plan(old)
-        if getattr(request, "is_generation_only_request", False):
-            return 0, False
-        tokens = list(request.get_tokens(0))
         # The C++ request carries the salt as cache_salt_id only; newer Python requests also
         # as cache_salt. Either way it scopes every key, as it scopes TRT-LLM's own.
         salt = request_scope(request)
@@ -296,6 +293,12 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                          name_inputs=name_inputs(request), handle=request_handle(request),
                          lora_root_pending=True)
         self._reqs[req_id] = state
+        if getattr(request, "is_generation_only_request", False):
+            # Its KV comes from a context server: nothing to load. Its state is kept all the
+            # same: its blocks are offloaded later under its scope (adapter, multimodal
+            # items), which only this object carries (RequestData names neither).
+            return 0, False
+        tokens = list(request.get_tokens(0))
         bs = self._block_size
         if num_computed_tokens < 0 or num_computed_tokens % bs:
             return 0, False

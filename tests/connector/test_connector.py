@@ -323,6 +323,24 @@ def test_matches_are_block_aligned_never_whole_prompt_never_0_true(make_engine) 
     assert leader.stats()["match_calls"] == 4
 
 
+def test_a_generation_only_request_keeps_the_scope_its_request_object_carries(
+        make_engine) -> None:
+    """A disaggregated generation-only request loads nothing, but its blocks are offloaded
+    later: under its adapter and multimodal items, which RequestData does not name, so the
+    leader keeps them from the request object (else its tier keys would be unscoped, and a
+    base-model request with the same tokens could load the adapter's KV)."""
+    engine = make_engine(num_gpu_blocks=16, env=tiers(host=32))
+    leader = engine.leader
+    req = LlmRequest(990, prompt(72, 16), lora_task_id=5,
+                     multimodal=[([1, 2, 3, 4, 5, 6, 7, 8], [(4, 4)])])
+    req.is_generation_only_request = True
+    assert leader.get_num_new_matched_tokens(req, 0) == (0, False)
+    state = leader._reqs[990]  # noqa: SLF001
+    assert state.scope == (5, None) and state.name_inputs.lora == 5
+    assert state.name_inputs.mm and "lora:5" in state.salt and "mm:" in state.salt
+    leader.request_finished(req, [])
+
+
 def test_bad_config_names_variable(tmp_path) -> None:
     with pytest.raises(ConfigError, match="DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS"):
         _leader(tiers(DYN_KVBM_CPU_CACHE_OVERRIDE_NUM_BLOCKS="lots"), "bad-config")
