@@ -23,7 +23,7 @@ position under ``pad_value_for_mm_hash(int(uuid, 16))`` = 1,000,000 + the uuid's
 router as well), refusing an item without a uuid. :class:`EngineForms` does the same, so a
 multimodal block carries the token ids a Dynamo frontend computes for the prompt, and carries
 each item's digest as the block's ``extra_keys`` entry, as the plugin's own V2 path writes it
-(``events.fields.mm_extra_key``; two items whose pad values collide stay apart in the
+(``wire.identity.mm_extra_key``; two items whose pad values collide stay apart in the
 consolidator's identity). A non-null ``lora_id`` without
 a ``lora_name`` goes out under the adapter name the plugin gives every LoRA task
 (``wire.identity.lora_name``: ``lora-<id>``), the one the core's identity already uses.
@@ -56,7 +56,7 @@ from typing import Any, Final
 from kvbm_plugin._util.bounded import EvictionOrder
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.wire.identity import lora_name as wire_lora_name
-from kvbm_plugin.wire.identity import mm_marker, salt_extra_key
+from kvbm_plugin.wire.identity import mm_extra_key, salt_extra_key
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +65,6 @@ MM_PAD_MASK: Final = (1 << 30) - 1
 _READ: Final = frozenset({"type", "block_hashes", "parent_block_hash", "token_ids",
                           "block_size", "lora_id", "medium", "lora_name", "extra_keys",
                           "mm_keys"})
-_HEX: Final = frozenset("0123456789abcdefABCDEF")
 _MAX64: Final = (1 << 63) - 1
 _TWO64: Final = 1 << 64
 _STORED_BASE: Final = 8  # a BlockStored of 44004b3 and 13599e9 without the omitted fields
@@ -269,15 +268,6 @@ class EngineForms:
                                   "nothing either") from None
             converted += 1
         self.tokens_converted += converted
-
-
-def mm_extra_key(digest: str, offset: int) -> Any:
-    """An item's ``extra_keys`` form, the rule of ``events.fields.mm_extra_key`` (which
-    this layer cannot import): a 32-byte digest in the marker form Dynamo's ``extra_keys.rs``
-    reads (``wire.identity.mm_marker``); any other identifier as ``[identifier, offset]``."""
-    if len(digest) == 64 and all(c in _HEX for c in digest):
-        return mm_marker(digest)
-    return [digest, offset]
 
 
 def _n(value: Any) -> str:

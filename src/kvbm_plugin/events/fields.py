@@ -12,12 +12,11 @@ from operator import itemgetter
 from typing import Any
 
 from kvbm_plugin.wire.events import U32_MAX, WireFormatError
-from kvbm_plugin.wire.identity import mm_marker, salt_extra_key, salt_of
+from kvbm_plugin.wire.identity import mm_extra_key, salt_extra_key, salt_of
 
 _U64 = 1 << 64
 _token_id = itemgetter("token_id")
 _INT_ONLY = {int}
-_HEX = frozenset("0123456789abcdefABCDEF")
 STORED = "BlockStored"
 REMOVED = "BlockRemoved"
 
@@ -52,17 +51,6 @@ def is_scoped(block: Mapping[str, Any]) -> bool:
     """Whether a stored block carries a per-block LoRA id, multimodal keys or a cache salt."""
     return (block.get("lora_id") is not None or bool(block.get("mm_keys"))
             or block.get("cache_salt") is not None or block.get("cache_salt_id") is not None)
-
-
-def mm_extra_key(digest: str, offset: Any = 0) -> Any:
-    """A multimodal key in a form a router mixes into the block's content key (Dynamo,
-    ``lib/kv-router/src/zmq_wire/extra_keys.rs``): TensorRT-LLM's 32-byte digest in the marker
-    form of its first 16 hex digits (``wire.identity.mm_marker``); any other identifier as an
-    ``[identifier, start_offset]`` pair (vLLM 0.19's offset-tagged form), since a bare string
-    of another shape is ignored there and the block would read as text-only."""
-    if len(digest) == 64 and all(c in _HEX for c in digest):
-        return mm_marker(digest)
-    return [digest, offset if type(offset) is int and 0 <= offset < _U64 else 0]
 
 
 def block_extra_keys(block: Any) -> list[Any] | None:

@@ -238,6 +238,12 @@ MM_PAD = "0" * 48
 _LOWER_HEX = frozenset("0123456789abcdef")
 
 
+def is_mm_digest(item: Any) -> bool:
+    """Whether ``item`` is a multimodal digest as the plugin writes one: 64 lowercase hex
+    digits (native or in :func:`mm_marker`'s form)."""
+    return type(item) is str and len(item) == 64 and set(item) <= _LOWER_HEX
+
+
 def mm_marker(item: Any) -> Any:
     """A multimodal item's digest (64 hex digits) as every stream of the plugin spells it in
     ``extra_keys``: its first 16 digits, the u64 NVIDIA Dynamo keys the item by, then 48
@@ -245,9 +251,22 @@ def mm_marker(item: Any) -> Any:
     (:mod:`kvbm_plugin.wire.router_forms`); anything else as it is."""
     if type(item) is str and len(item) == 64 and not item.endswith(MM_PAD):
         low = item.lower()
-        if set(low) <= _LOWER_HEX:
+        if is_mm_digest(low):
             return low[:16] + MM_PAD
     return item
+
+
+def mm_extra_key(digest: str, offset: Any = 0) -> Any:
+    """One multimodal item in a block's ``extra_keys`` entry, in a form a router mixes into
+    the block's content key (Dynamo, ``lib/kv-router/src/zmq_wire/extra_keys.rs``): a 32-byte
+    digest (64 hex digits, either case) in :func:`mm_marker`'s form; any other identifier as
+    an ``[identifier, start_offset]`` pair (vLLM 0.19's offset-tagged form), since a bare
+    string of another shape is ignored there and the block would read as text-only. Called
+    by the event sink (TensorRT-LLM's ``mm_keys``) and the consolidator's engine forms."""
+    low = digest.lower()
+    if is_mm_digest(low):
+        return mm_marker(low)
+    return [digest, offset if type(offset) is int and 0 <= offset <= _U64 else 0]
 
 
 def scope_extra_keys(scope: tuple[Any, ...]) -> tuple[str, ...] | None:

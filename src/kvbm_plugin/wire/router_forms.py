@@ -204,5 +204,5 @@ def spell_for_routers(events: Sequence[dict[str, Any]], salt_form: str = FORM_CL
     return out
 
 
-__all__ = ["FORM_CLIENT", "FORM_ID", "SALT_FORMS", "mm_marker", "salt_text",
-           "spell_for_routers", "wide_hash"]
+__all__ = ["FORM_CLIENT", "FORM_ID", "SALT_FORMS", "salt_text", "spell_for_routers",
+           "wide_hash"]

@@ -68,7 +68,7 @@ from kvbm_plugin.tiers.shared.block import SharedBlock, check_block
 from kvbm_plugin.tiers.shared.keys import content_digest
 from kvbm_plugin.wire.access import Allowlist
 from kvbm_plugin.wire.guard import SubscriptionGuard
-from kvbm_plugin.wire.identity import SALT_TAG, salt_extra_key, scope_string
+from kvbm_plugin.wire.identity import SALT_TAG, is_mm_digest, salt_extra_key, scope_string
 
 if TYPE_CHECKING:
     from kvbm_plugin.settings.shared import SharedSettings
@@ -169,7 +169,7 @@ def block_scope(block: SharedBlock, mm: str | None) -> str | None:
     salt: int | None = None
     if extra is not None:
         n_mm = 0
-        while n_mm < len(extra) and _is_mm_key(extra[n_mm]):
+        while n_mm < len(extra) and is_mm_digest(extra[n_mm]):
             n_mm += 1
         if n_mm and mm is None:
             raise ValueError(f"extra_keys {saferepr(extra)} carries multimodal digests, but "
@@ -195,12 +195,6 @@ def block_scope(block: SharedBlock, mm: str | None) -> str | None:
     if lora is not None and lora < 0:
         raise ValueError(f"lora_id {lora} is negative")
     return scope_string(salt, lora, mm)
-
-
-def _is_mm_key(item: object) -> bool:
-    """A multimodal digest as the event sink and the leader write it: 64 lowercase hex."""
-    return (isinstance(item, str) and len(item) == 64
-            and all(c in "0123456789abcdef" for c in item))
 
 
 def _tag(secret: bytes, body: bytes) -> bytes:
