@@ -117,6 +117,10 @@ def test_a_requests_items_are_read_as_tensorrt_llm_reads_them() -> None:
         assert name_inputs(_req(**bad)).mm == ((digest, ((1, 4),)),)  # the contiguous span
     assert name_inputs(_req(multimodal_hash_positions=[[1, 3]])).why_not == \
         "multimodal inputs placed by hash positions"
+    # names learned by tokens: up to the first item's tokens; none where items are unread
+    assert inputs.learn_tokens == 1
+    assert name_inputs(_req(multimodal_hash_positions=[[1, 3]])).learn_tokens == 0
+    assert name_inputs(SimpleNamespace(input_token_extra_ids=[1])).learn_tokens == 0
     assert name_inputs(_req(multimodal_lengths=[0])).why_not == \
         "multimodal inputs with an invalid position or length"
     assert name_inputs(_req(multimodal_positions=[1, 2])).why_not == \

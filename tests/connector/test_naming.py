@@ -105,7 +105,8 @@ def test_blocks_whose_tokens_do_not_name_them_are_never_named_by_their_tokens(
     ids: its blocks' tokens are another request's too (placeholders), so a name learned by
     (parent, tokens) may be another image's block. Their tier copies wait, never announced
     under such a name."""
-    monkeypatch.setattr(naming, "name_inputs", lambda obj: naming.NameInputs(None, None, why))
+    monkeypatch.setattr(naming, "name_inputs",  # as name_inputs reads such a request
+                        lambda obj: naming.NameInputs(None, None, why, learn_tokens=0))
     monkeypatch.setattr("kvbm_plugin.connector_leader.name_inputs", naming.name_inputs)
     rec = TierRecorder()
     engine = make_engine(num_gpu_blocks=24, env=tiers(host=12, disk=48),

@@ -109,7 +109,8 @@ class BlockNames:
         request's full blocks as far as the events named them; the content key of each block
         below ``map_until`` (``keys[i]``) is mapped to its hash for :meth:`hash_of_key` (the
         later ones' learned hashes only confirm or refute a computed rule: see
-        ``names._learnable``). ``lora``: the request's LoRA task id (None: the base model)."""
+        ``names.NameInputs.learn_tokens``). ``lora``: the request's LoRA task id (None: the base
+        model)."""
         bs = self._block_size
         known = self._by_content
         i = len(learned)

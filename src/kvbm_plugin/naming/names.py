@@ -95,9 +95,15 @@ class NameInputs:
     # radix keys cannot be computed (None: they can).
     v2_salt: int | None = None
     v2_why_not: str | None = None
-    # The request's multimodal items (digest, position, length), mixed into the blocks they
+    # The request's multimodal items (digest, runs of positions), mixed into the blocks they
     # overlap (mm_block_keys); () for a text-only request.
     mm: tuple[MmItem, ...] = ()
+    # How many of the prompt's first tokens a name learned by (parent, tokens, LoRA) may
+    # name: a multimodal item's tokens are placeholders every image shares (prompt-tuning
+    # tokens: ids whose extra ids differ), so a learned name from the first item on may be
+    # another image's block. All of them for a text request; up to the first item's first
+    # position; none where the items or extra ids cannot be read (never advertised then).
+    learn_tokens: int = 1 << 62
 
 
 # Revisions between the contiguous and the run-based rule placed items by other fields
@@ -174,10 +180,10 @@ def name_inputs(obj: Any) -> NameInputs:
     (the revisions whose ``BlockKey`` holds the string)."""
     mm, mm_why = _mm_items(obj)
     if mm_why is not None:
-        return NameInputs(None, None, mm_why, v2_why_not=mm_why)
+        return NameInputs(None, None, mm_why, v2_why_not=mm_why, learn_tokens=0)
     if getattr(obj, "input_token_extra_ids", None) is not None:
         return NameInputs(None, None, "prompt-tuning extra ids",
-                          v2_why_not="prompt-tuning extra ids")
+                          v2_why_not="prompt-tuning extra ids", learn_tokens=0)
     sid = getattr(obj, "cache_salt_id", None)
     salt: int | None = None
     kind = "id"
@@ -206,9 +212,12 @@ def name_inputs(obj: Any) -> NameInputs:
         v2_salt = v2_reuse_salt(text if isinstance(text, (str, bytes)) else str(text))
     elif salt is not None:
         v2_why = _NO_SALT_TEXT
-    if mm:  # V2 keys put the digests in the tokens: not computed (docs/event_sources.md)
-        v2_why = "multimodal inputs"
-    return NameInputs(salt, lora, salt_kind=kind, v2_salt=v2_salt, v2_why_not=v2_why, mm=mm)
+    if not mm:
+        return NameInputs(salt, lora, salt_kind=kind, v2_salt=v2_salt, v2_why_not=v2_why)
+    # V2 keys put the digests in the tokens: not computed (docs/event_sources.md).
+    return NameInputs(salt, lora, salt_kind=kind, v2_salt=v2_salt,
+                      v2_why_not="multimodal inputs", mm=mm,
+                      learn_tokens=min(run[0] for _, runs in mm for run in runs))
 
 
 def rule_of(inputs: NameInputs) -> tuple[str, bool, bool]:
@@ -226,7 +235,7 @@ def block_scope(state: RequestState, index: int, block_size: int) -> tuple[Any, 
     by its tokens alone: :class:`UnnamedStores`). The leader's offload planning, executor thread."""
     inputs: NameInputs | None = state.name_inputs
     if inputs is None or not inputs.mm:
-        if inputs is not None and _learnable(state, block_size) == 0:
+        if inputs is not None and inputs.learn_tokens == 0:
             return (*state.scope, ())
         return state.scope
     lo = index * block_size
@@ -297,11 +306,12 @@ class BlockNaming:
             self._compute(state, index + 1)
             if rule in self.confirmed and index < len(state.computed):
                 return state.computed[index]
+        learnable = _learnable(state, self._bs)
         if self.learning and index >= len(state.learned) and not state.event_hashes \
                 and self._may_learn(state):
             self.names.extend(state.tokens, state.keys, state.learned, state.scope[0],
-                              _learnable(state, self._bs))
-        if index < len(state.learned) and index < _learnable(state, self._bs):
+                              learnable)
+        if index < len(state.learned) and index < learnable:
             return state.learned[index]
         return None
 
@@ -542,24 +552,10 @@ class BlockNaming:
 
 
 def _learnable(state: RequestState, block_size: int) -> int:
-    """How many of a request's first blocks a learned name may name. Learned names key a
-    block by (parent, tokens, LoRA); a multimodal item's tokens are placeholders that every
-    image shares (prompt-tuning tokens: ids whose extra ids differ), so from the first block
-    an item overlaps on, a learned name may be another image's block: such blocks are named
-    only by the hash computed with the items' digests. A request whose items or extra ids
-    cannot be read: none (its tier copies are not advertised)."""
+    """How many of a request's first blocks a learned name may name
+    (:attr:`NameInputs.learn_tokens`)."""
     inputs: NameInputs | None = state.name_inputs
-    if inputs is None:
-        return _ALL
-    if inputs.mm:
-        return min(run[0] for _, runs in inputs.mm for run in runs) // block_size
-    if inputs.why_not is not None and inputs.why_not.startswith(_NOT_BY_TOKENS):
-        return 0
-    return _ALL
-
-
-_ALL = 1 << 62
-_NOT_BY_TOKENS = ("multimodal", "unreadable multimodal", "prompt-tuning")
+    return NameInputs.learn_tokens if inputs is None else inputs.learn_tokens // block_size
 
 
 def _v2_rule(inputs: Any) -> tuple[bool, bool]:
