@@ -90,9 +90,10 @@ def _prompt(seed: int, n_blocks: int) -> list[int]:
 
 
 def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = False,
-         tier_blocks: int = 0) -> tuple[float, float, int, int, float]:
+         tier_blocks: int = 0) -> tuple[float, float, int, int, float, float]:
     """(offload-phase seconds, onboard-phase seconds, blocks offloaded, blocks onboarded,
-    seconds of both phases in the GPU-tier event path)."""
+    seconds of both phases in the GPU-tier event path on the executor thread, seconds of the
+    event pump's own thread)."""
     from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 
     tag = f"{tmp}/{seed}-{n_blocks}-{int(shared)}"
@@ -120,6 +121,8 @@ def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = Fa
         total, events = [0.0], [0.0]
         _timed_hooks(leader, total, events)
         prompts = [_prompt(seed * 1000 + r, n_blocks) for r in range(requests)]
+        pump = leader._gpu.pump  # noqa: SLF001 - its thread's CPU is read, not changed
+        pump_start = pump.cpu_s
         seconds = []
         for _phase in ("offload", "onboard"):
             for p in prompts:
@@ -139,7 +142,8 @@ def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = Fa
         assert onboarded >= (requests - 1) * n_blocks, (onboarded, stats)
         if shared:
             assert stats["shared_saves_scheduled"] == stats["saves_scheduled"], stats
-        return seconds[0], seconds[1], stats["saves_scheduled"], onboarded, events[0]
+        return (seconds[0], seconds[1], stats["saves_scheduled"], onboarded, events[0],
+                pump.cpu_s - pump_start)
     finally:
         engine.shutdown()
 
@@ -180,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
             order = [1, 64, 256] if r % 2 == 0 else [256, 64, 1]
             req_us: dict[int, tuple[float, float]] = {}
             for n in order:
-                off, on, saved, loaded, ev = _one(n, counts[n], tmp, r * 10 + 1)
+                off, on, saved, loaded, ev, pumped = _one(n, counts[n], tmp, r * 10 + 1)
                 req_us[n] = (off / counts[n] * 1e6, on / counts[n] * 1e6)
                 if n == 1:
                     note("events1", ev / (off + on))
@@ -188,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                     note("off64", off / max(1, saved) * 1e6)
                     note("on64", on / max(1, loaded) * 1e6)
                     note("events64", ev / (off + on))
+                    note("pump64", pumped / max(1, saved + loaded) * 1e6)
             for k, label in ((0, "off"), (1, "on")):
                 slope = (req_us[256][k] - req_us[1][k]) / 255
                 note(f"{label}_slope", slope)
@@ -196,13 +201,13 @@ def main(argv: list[str] | None = None) -> int:
                     req_us[64][k] - req_us[1][k]) / 63))
             host, with_shared = [], []
             for shared in ((False, True) if r % 2 == 0 else (True, False)):
-                off, _on, saved, _, _ev = _one(64, counts[64], tmp, r * 10 + 2, shared=shared)
+                off, _on, saved, _, _ev, _p = _one(64, counts[64], tmp, r * 10 + 2, shared=shared)
                 (with_shared if shared else host).append(off / max(1, saved) * 1e6)
                 store.clear()
             note("shared_ratio", with_shared[0] / host[0])
             note("shared_us", with_shared[0])
             if args.tier_blocks and r == 0:  # filling the tier takes ~20 s per million
-                off, on, saved, loaded, _ev = _one(64, counts[64], tmp, r * 10 + 3,
+                off, on, saved, loaded, _ev, _p = _one(64, counts[64], tmp, r * 10 + 3,
                                                    tier_blocks=args.tier_blocks)
                 note("full_off", off / max(1, saved) * 1e6)
                 note("full_on", on / max(1, loaded) * 1e6)
@@ -249,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
                     100 * med("events64"), "%"))
     rows.append(Row("leader", "of the 1-block rows (mostly the fixed cost): share in the GPU-tier "
                     f"event path (spread {rng('events1')})", 100 * med("events1"), "%"))
+    rows.append(Row("leader", "of the 2,048-token rows: the event pump's own thread CPU per "
+                    "offloaded or onboarded block (drain, sink, publisher; off the executor "
+                    f"thread; spread {rng('pump64')})", med("pump64"), "us"))
     if args.tier_blocks:
         rows += [
             Row("leader", f"per offloaded block, {args.tier_blocks:,} blocks in the host tier "

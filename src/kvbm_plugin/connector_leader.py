@@ -199,7 +199,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             self._tiers.on_announced = self._shared.host_copy_announced
             self._offload = OffloadPlanner(
                 block_size=self._block_size, tiers=self._tiers, shared=self._shared,
-                pages=self._layer_pages, naming=self._naming, ops=self._ops, stats=self._stats)
+                pages=self._layer_pages, naming=self._naming, ops=self._ops, stats=self._stats,
+                on_learning=self._gpu.learn_from_flushes)
             _native.log_gpu_source(logger, native, self._gpu.source_line(), consolidate)
             if moved:
                 logger.info(moved)
@@ -245,7 +246,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         what its readers took) and the tier changes; advertise held blocks named meanwhile."""
         self._reap_terminated(executor_thread=False)  # before its saves' reports count
         self._apply_reports()
-        self._sync_events()
+        self._sync_events(now=True)
         flush = getattr(self._tier_events, "flush", None)
         if flush is not None:
             flush()
@@ -452,7 +453,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             self._offload.absorb(state, rd, self._gpu.sink)
             if first_tier is not None and not state.finished:
                 self._offload.schedule(state, first_tier, saves)
-        self.flush_events()
+        self._gpu.flush(self._reqs.values())  # wakes the event pump: it drains, publishes
         meta = ConnectorMetadata(self._iteration, layout, tuple(self._pending_loads),
                                  self._tiers.take_demotes(), tuple(saves),
                                  tuple(self._fences), self._shared.take_saves())
@@ -464,17 +465,22 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
     def flush_events(self) -> None:
         """Publish this iteration's GPU-tier batch and hand queued tier events on.
 
-        Called by ``build_connector_meta`` once per iteration (executor thread, rank 0 / each
-        attention-DP rank); also callable when the engine is idle to push out the events of the
-        last iteration. Drains the engine's event buffer without waiting; no I/O here.
+        Callable when the engine is idle to push out the events of the last iteration (the
+        demo, tests): drains the engine's event buffer and publishes before it returns
+        (``build_connector_meta`` only wakes the event pump, which does the same on its
+        thread). No I/O here beyond the publisher's hand-over.
         """
-        self._gpu.flush(self._reqs.values())
+        self._gpu.flush(self._reqs.values(), now=True)
 
-    def _sync_events(self) -> None:
-        """Publish TRT-LLM's GPU-tier events since the last call and learn the names they give
-        (:meth:`GpuTierEvents.sync`), announce the tier blocks named now, register the shared
-        tier's queued residency changes. Outside TRT-LLM's allocation callback."""
-        self._gpu.sync(self._reqs.values())
+    def _sync_events(self, now: bool = False) -> None:
+        """Learn the names TRT-LLM's GPU-tier events gave since the last call
+        (:meth:`GpuTierEvents.sync`: drained and published here first where a tier block
+        waits for such a name, or ``now``), announce the tier blocks named now, register the
+        shared tier's queued residency changes. Outside TRT-LLM's allocation callback."""
+        naming = self._naming
+        self._gpu.sync(self._reqs.values(), now=now,
+                       need_names=bool(self._tiers.waiting_for_name)
+                       or (naming.learning and not naming.confirmed))
         if self._tiers.waiting_for_name:
             self._tiers.announce_named()
         self._shared.sync()
@@ -710,6 +716,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         out["reports_malformed"] = self._receiver.malformed if self._receiver is not None else 0
         out["tier_batches_lost"] = getattr(self._tier_events, "lost_batches", 0)
         out["native_batches_unread"] = self._gpu.native_names.dropped
+        out.update(self._gpu.stats())
         out.update(self._native_forms.stats())
         out.update(self._shared.stats())
         return out
@@ -732,6 +739,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         shared: LeaderSharedTier | None = getattr(self, "_shared", None)  # None: constructor failed
         if shared is not None:
             shared.close(timeout)
+        self._gpu.close(timeout)  # the pump's thread: the last step runs here
         source, sink = self._gpu.source, self._gpu.sink
         if source is not None:
             source.poll()  # the last iteration's events

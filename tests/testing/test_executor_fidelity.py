@@ -162,8 +162,11 @@ def test_draining_event_source_starves_trtllm_event_reader(make_engine) -> None:
     for k in range(4):
         engine.submit(prompt(10 + k, 13), 2)
     engine.run_until_idle()
-    reader.resume()
     produced = engine.kv_cache_manager.produced
+    source = engine.leader.event_source
+    # The leader's event pump drains off the executor thread, within its period
+    wait_until(lambda: source.events_seen >= produced, what="the plugin's drain")
+    reader.resume()
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and engine.kv_cache_manager.wait_readable(0.05):
         time.sleep(0.01)  # let the reader take what is still queued

@@ -3,8 +3,10 @@ tapping) its events into the sink, publishing them, and learning the names they 
 
 :class:`GpuTierEvents` is owned by :class:`~kvbm_plugin.connector_leader.KvbmConnectorLeader`;
 every method runs under the leader's lock, on the executor thread (rank 0, or each attention-DP
-rank) or the leader's idle keeper thread; the request states it reads are passed in. No I/O;
-never imports torch.
+rank) or the leader's idle keeper thread; the request states it reads are passed in. The drain
+and the publishing run on the event pump's thread (``leader.event_pump``), which the executor
+thread only wakes, unless a tier block waits for a name only this iteration's events give. No
+I/O; never imports torch.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvbm_plugin.connector.trtllm_compat import (
 )
 from kvbm_plugin.consolidator_config import EVENTS_SOURCE
 from kvbm_plugin.events import trtllm_publisher as _native
+from kvbm_plugin.leader.event_pump import EventPump, ObservedBatches
 from kvbm_plugin.leader.requests import RequestState
 from kvbm_plugin.naming.names import BlockNaming
 
@@ -62,6 +65,10 @@ class GpuTierEvents:
         self._tier_events: Any = None
         self._stream_names: Any = None
         self.native_names = _native.TrtllmNameFeed()  # its stored blocks: the tiers' names
+        # The sink's flushed batches (its on_flush, on whichever thread flushed), for the
+        # name table the executor thread owns; and the thread that drains and publishes.
+        self.observed = ObservedBatches()
+        self.pump: EventPump | None = None
         self._problem = "not attached yet"
         self.attach_attempts = 0
         self._self_check_iterations = 0
@@ -76,6 +83,20 @@ class GpuTierEvents:
         self.sink = sink
         self._tier_events = tier_events
         self._stream_names = stream_names
+        if sink is not None and self.pump is None:
+            self.pump = EventPump(self._poll_source, sink.flush,
+                                  f"kvbm-event-pump-r{self._dp_rank}")
+
+    def _poll_source(self) -> int:
+        """The pump's drain (its thread, or an inline step): the source once attached."""
+        source = self.source
+        return source.poll() if source is not None else 0
+
+    def learn_from_flushes(self) -> None:
+        """From now on every flushed batch is kept for the name table (:meth:`sync` learns
+        from it): the first request without ``RequestData.block_hashes``."""
+        if self.sink is not None:
+            self.sink.on_flush = self.observed.observe
 
     def _attach(self) -> None:
         """Find the engine's KV cache manager through the calling PyExecutor's frames and tee
@@ -164,38 +185,65 @@ class GpuTierEvents:
         return _native.gpu_source_line(self._native, self._mode, self._config,
                                        self._dp_rank, self._host_name)
 
-    def flush(self, requests: Iterable[RequestState]) -> None:
-        """Publish this iteration's GPU-tier batch and hand queued tier events on.
+    def flush(self, requests: Iterable[RequestState], *, now: bool = False) -> None:
+        """Have this iteration's GPU-tier batch published and hand queued tier events on.
 
         Called by ``build_connector_meta`` once per iteration (executor thread, rank 0 / each
-        attention-DP rank); also callable when the engine is idle to push out the events of the
-        last iteration. Drains the engine's event buffer without waiting; no I/O here.
+        attention-DP rank), which only wakes the pump (``now=False``: the drain and the
+        publishing run on its thread); with ``now=True`` (``flush_events``, the idle keeper,
+        ``publish_now``) the events are drained and published before it returns.
         """
         if self.sink is not None:
             if self.source is None and self.attach_attempts < self.MAX_ATTACH_ATTEMPTS:
                 self._attach()
+            assert self.pump is not None
+            if now:
+                self.pump.step(wait=True)
+            else:
+                self.pump.wake()
             if self.source is not None:
-                self.source.poll()
                 self._self_check(requests)
-            self.sink.flush()
         flush = getattr(self._tier_events, "flush", None)
         if flush is not None:
             flush()
 
-    def sync(self, requests: Iterable[RequestState]) -> None:
-        """Publish TRT-LLM's events produced since the last call and learn the hashes they
-        name for ``requests`` (the leader then announces the tier blocks named now). Outside
-        TRT-LLM's allocation callback (``get_num_new_matched_tokens`` runs inside it and
-        never drains)."""
-        if self.source is not None or self._stream_names is not None:
-            if self._stream_names is not None:  # attention DP, rank > 0
-                self._stream_names.poll()
-            else:
-                self.source.poll()
-                self.sink.flush()
+    def sync(self, requests: Iterable[RequestState], *, need_names: bool,
+             now: bool = False) -> None:
+        """Learn the names TRT-LLM's events published so far give ``requests`` (the leader
+        then announces the tier blocks named now). ``need_names``: a tier block waits for a
+        name, or none of the rules the leader computes names by is confirmed yet, so this
+        iteration's events are drained and published here first (executor thread: skipped
+        when the pump is mid-step, whose batches are then read at the next call); ``now``:
+        drain and publish here whatever is needed (the idle keeper, ``publish_now``).
+        Outside TRT-LLM's allocation callback (``get_num_new_matched_tokens`` runs inside it
+        and never drains)."""
+        if self._stream_names is not None:  # attention DP, rank > 0
+            self._stream_names.poll()
             self._naming.refresh(requests)
+        elif self.pump is not None:
+            if now or need_names:
+                self.pump.step(wait=now)
+            batches = self.observed.drain()
+            for rank, events in batches:
+                self._naming.names.observe(rank, events)
+            if batches or self.source is not None:
+                self._naming.refresh(requests)
         batches = self.native_names.drain()
         if batches:  # TRT-LLM's own stream, as the consolidator received it
             for rank, events in batches:
                 self._naming.names.observe(rank, events)
             self._naming.refresh(requests)
+
+    def stats(self) -> dict[str, int]:
+        """The pump's counters (leader stats)."""
+        pump = self.pump
+        return {"event_pump_steps": pump.steps if pump else 0,
+                "event_pump_inline_steps": pump.inline_steps if pump else 0,
+                "event_pump_skipped": pump.skipped if pump else 0,
+                "event_pump_errors": pump.errors if pump else 0,
+                "observed_batches_dropped": self.observed.dropped}
+
+    def close(self, timeout: float) -> None:
+        """Stop the pump (shutdown; the leader then drains and publishes the last events)."""
+        if self.pump is not None:
+            self.pump.stop(timeout)

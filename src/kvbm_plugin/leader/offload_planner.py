@@ -11,6 +11,7 @@ the ops in the :class:`~kvbm_plugin.leader.requests.OpTable`. Never imports torc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from kvbm_plugin.connector.meta import DISK, HOST, SaveOp
@@ -27,8 +28,11 @@ class OffloadPlanner:
 
     def __init__(self, *, block_size: int, tiers: OffloadTiers, shared: LeaderSharedTier,
                  pages: LayerGroupPages, naming: BlockNaming, ops: OpTable,
-                 stats: dict[str, int]) -> None:
+                 stats: dict[str, int], on_learning: Callable[[], None]) -> None:
+        """``on_learning``: called once, when names start to be learned from events (the
+        leader's ``GpuTierEvents.learn_from_flushes``)."""
         self._block_size = block_size
+        self._on_learning = on_learning
         self._tiers = tiers
         self._shared = shared
         self._pages = pages
@@ -48,8 +52,7 @@ class OffloadPlanner:
             # No block_hashes: learn TRT-LLM's names from its events (for requests whose hash
             # cannot be computed, and as the cross-check of those computed).
             self._naming.learning = True
-            if sink is not None:  # else: the attention-DP rank's StreamNames observes
-                sink.on_flush = self._naming.names.observe
+            self._on_learning()  # the sink's flushes are kept for the name table
         valid = rd.computed_position + rd.num_scheduled_tokens
         if not state.reported and state.match_base is not None:
             # The first report subtracts connector-loaded tokens from computed_position.

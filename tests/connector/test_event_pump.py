@@ -1,0 +1,109 @@
+"""The leader's event pump (leader/event_pump.py): TensorRT-LLM's buffered KV events are
+drained, ingested and published on the pump's thread, not on the executor thread; the
+executor thread only raises a flag, and drains there only when a tier block waits for a name
+that only this iteration's events give."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from _engines import prompt, tiers
+from _kvwire import wait_until
+
+from kvbm_plugin.event_sink import KvEventSink
+from kvbm_plugin.leader.event_pump import EventPump, ObservedBatches
+from kvbm_plugin.testing.kv_events import SimKVCacheManager
+
+
+def test_the_executor_thread_neither_drains_nor_publishes_gpu_tier_events(
+        make_engine, monkeypatch) -> None:
+    drained_on: set[int] = set()
+    flushed_on: set[int] = set()
+    get_latest, flush = SimKVCacheManager.get_latest_events, KvEventSink.flush
+
+    def recorded_get_latest(self: Any, *args: Any, **kwargs: Any) -> Any:
+        drained_on.add(threading.get_ident())
+        return get_latest(self, *args, **kwargs)
+
+    def recorded_flush(self: Any) -> bool:
+        flushed_on.add(threading.get_ident())
+        return flush(self)
+
+    monkeypatch.setattr(SimKVCacheManager, "get_latest_events", recorded_get_latest)
+    monkeypatch.setattr(KvEventSink, "flush", recorded_flush)
+    engine = make_engine(num_gpu_blocks=32, env=tiers(host=64))
+    for k in range(4):
+        engine.submit(prompt(40 + k, 33), 2)
+    engine.run_until_idle()  # on this thread: it is the executor thread
+    leader = engine.leader
+    produced = engine.kv_cache_manager.produced
+    sink = leader.event_sink
+    wait_until(lambda: leader.event_source.events_seen == produced
+               and sink.stats()["pending_events"] == 0, what="the pump's drain and publish")
+    stats = leader.stats()
+    assert produced > 0 and sink.stats()["events_in"] == produced
+    assert stats["event_pump_steps"] > 0 and stats["event_pump_errors"] == 0
+    assert threading.get_ident() not in drained_on | flushed_on
+    assert drained_on and flushed_on
+
+
+def test_a_dozing_pump_steps_at_the_next_wake() -> None:
+    steps: list[int] = []
+    pump = EventPump(lambda: steps.append(1), lambda: None, "test-pump", period_s=60.0)
+    try:
+        wait_until(lambda: pump._dozing, what="the pump dozing")  # noqa: SLF001
+        before = len(steps)
+        pump.wake()  # within BUSY_S, not the 60 s doze
+        wait_until(lambda: len(steps) > before, timeout=10, what="a step after the wake")
+    finally:
+        pump.stop()
+    assert not pump._thread.is_alive()  # noqa: SLF001
+
+
+def test_a_failing_step_is_counted_and_the_pump_goes_on(expect_errors) -> None:
+    calls: list[int] = []
+
+    def poll() -> None:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+
+    pump = EventPump(poll, lambda: None, "test-pump")
+    try:
+        pump.wake()
+        wait_until(lambda: len(calls) >= 3, what="steps after the failure")
+    finally:
+        pump.stop()
+    assert pump.errors == 1 and pump.steps >= 2
+    assert expect_errors.wait_for("event pump step failed")
+
+
+def test_an_inline_step_on_the_executor_thread_never_waits_for_the_pump() -> None:
+    entered, release = threading.Event(), threading.Event()
+    held = threading.Event()
+
+    def poll() -> None:
+        if not held.is_set():  # the pump thread's first step blocks mid-step
+            held.set()
+            entered.set()
+            release.wait(30)
+
+    pump = EventPump(poll, lambda: None, "test-pump")
+    try:
+        pump.wake()
+        assert entered.wait(10)
+        assert pump.step(wait=False) is False and pump.skipped == 1
+        release.set()
+        assert pump.step(wait=True) is True and pump.inline_steps == 1
+    finally:
+        release.set()
+        pump.stop()
+
+
+def test_observed_batches_keep_flush_order_and_count_what_overflows() -> None:
+    feed = ObservedBatches(max_batches=2)
+    for rank in range(3):
+        feed.observe(rank, [{"type": "BlockStored"}])
+    assert [rank for rank, _ in feed.drain()] == [0, 1]
+    assert feed.dropped == 1 and feed.drain() == []
