@@ -127,6 +127,12 @@ class KvEventConsolidator(StreamIngest):
     (as for a gap no replay can fill).
     """
 
+    # After a round with input, the ingest thread polls every LINGER_MS for LINGER_ROUNDS
+    # quiet rounds before it sleeps until woken: while the leader's event pump hands it a
+    # batch every 5 ms, its registrations from the executor thread never write the wake pipe.
+    LINGER_MS = 5
+    LINGER_ROUNDS = 20
+
     def __init__(self, config: ConsolidatorConfig, *, publisher: EventPublisher | None = None,
                  context: zmq.Context | None = None, replay_timeout: float = 2.0,
                  max_pending: int = 10000, flush_every: int = 16,
@@ -519,6 +525,7 @@ class KvEventConsolidator(StreamIngest):
         wake_r = self._wake_r
         budget = 256  # messages per socket per round: bounds latency of the other inputs
         flush_every = self._flush_every
+        linger = 0  # quiet rounds left in which this thread polls instead of sleeping
         while not self._stop.is_set():
             timeout: int | None = None
             now = time.monotonic()
@@ -528,7 +535,22 @@ class KvEventConsolidator(StreamIngest):
                     timeout = left if timeout is None else min(timeout, left)
             if self._queue:
                 timeout = 0  # queued registrations (e.g. after a failed round): no sleeping
-            self._idle = timeout is None
+            if timeout is None and linger > 0:
+                # Inputs came lately: look again in LINGER_MS with the wake flag left set, so
+                # the leader's registrations on the executor thread write no wake byte (a
+                # pipe write cost it ~15 us of thread CPU each time).
+                linger -= 1
+                self._idle = not self._queue
+                timeout = self.LINGER_MS
+            else:
+                if timeout is None:
+                    # Sleeping until woken: the next submitter writes the byte. The queue is
+                    # looked at after the flag is cleared: an item queued by a submitter that
+                    # still saw the flag set is applied now instead of waiting for a wake.
+                    self._wake_pending = False
+                    if self._queue:
+                        timeout = 0
+                self._idle = timeout is None
             if inline is not None and inline.replay_busy:
                 # Replay answers of our output go out bit by bit as their requesters read (not
                 # input work: the consolidator still counts as idle).
@@ -536,17 +558,17 @@ class KvEventConsolidator(StreamIngest):
             ready = dict(poller.poll(timeout))
             unflushed = 0  # input batches applied since the last flush (the loop's end flushed)
             self._idle = False
+            if ready or self._queue:
+                linger = self.LINGER_ROUNDS
             if wake_r in ready:
                 try:
                     while os.read(wake_r, 4096):
                         pass
                 except BlockingIOError:
                     pass
-                # Only after the pipe is empty: a submitter that saw the flag still set has
-                # already queued its item, which _drain_registrations below applies; clearing
-                # the flag first would let a later submitter's wake byte be swallowed above and
-                # leave its item queued while this thread sleeps.
-                self._wake_pending = False
+                # The flag stays set while this thread lingers; it is cleared right before the
+                # next sleep without a timeout (above), never here: a submitter that saw it set
+                # has queued its item, which _drain_registrations below applies.
             if inline is not None and (inline.replay_busy
                                        or any(s in ready for s in self._inline_sockets)):
                 inline.service_replay()  # our output's subscriptions, replay requests, answers
