@@ -91,6 +91,29 @@ def test_python_hooks_confirm_the_source_and_the_self_check_stays_quiet(leader,
     assert leader.event_source_status.endswith("receiving")
 
 
+def test_v2_hooks_batches_are_flushed_on_the_executor_thread(leader, monkeypatch) -> None:
+    """The V2 hooks fill the sink's batches without its lock on the executor thread: the
+    leader's event pump stops at attach, and every flush runs on that thread."""
+    import threading
+
+    from kvbm_plugin.event_sink import KvEventSink
+
+    flushed_on: set[int] = set()
+    flush = KvEventSink.flush
+
+    def recorded(self: Any) -> bool:
+        flushed_on.add(threading.get_ident())
+        return flush(self)
+
+    monkeypatch.setattr(KvEventSink, "flush", recorded)
+    _run(leader, V2KVCacheManager(), 3)  # attaches at the first iteration
+    flushed_on.clear()
+    _run(leader, V2KVCacheManager(), 3)
+    assert not leader._gpu.pump._thread.is_alive()  # noqa: SLF001
+    assert flushed_on == {threading.get_ident()}
+    assert leader.event_sink.stats()["blocks_stored"] > 0
+
+
 def test_the_self_check_waits_for_computed_blocks(leader, caplog) -> None:
     """Iterations without a full block of computed prompt KV are not evidence of silence."""
     kv_cache_manager = V2KVCacheManager(cpp_sink=True)  # found in this frame

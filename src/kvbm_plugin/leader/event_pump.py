@@ -21,6 +21,10 @@ Who calls what:
   skips when the pump is mid-step, as the pump is publishing them anyway), ``publish_now``, the
   idle keeper and shutdown (``wait=True``, off the executor thread or at teardown).
 
+Where KVCacheManagerV2's Python hooks feed the sink (on the executor thread, without the
+sink's lock), the leader stops the pump's thread at attach time and flushes on the executor
+thread as before (``GpuTierEvents._attach``).
+
 One step at a time (``_step_lock``): two concurrent sink flushes could publish one rank's
 batches out of order. What the sink's ``on_flush`` observer sees goes through
 :class:`ObservedBatches` to the executor thread, which owns the name table.

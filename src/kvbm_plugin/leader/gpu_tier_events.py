@@ -69,6 +69,7 @@ class GpuTierEvents:
         # name table the executor thread owns; and the thread that drains and publishes.
         self.observed = ObservedBatches()
         self.pump: EventPump | None = None
+        self._flush_here = False  # KVCacheManagerV2's hooks: flushed on the executor thread
         self._problem = "not attached yet"
         self.attach_attempts = 0
         self._self_check_iterations = 0
@@ -84,7 +85,7 @@ class GpuTierEvents:
         self._tier_events = tier_events
         self._stream_names = stream_names
         if sink is not None and self.pump is None:
-            self.pump = EventPump(self._poll_source, sink.flush,
+            self.pump = EventPump(self._poll_source, lambda: sink.flush(),
                                   f"kvbm-event-pump-r{self._dp_rank}")
 
     def _poll_source(self) -> int:
@@ -129,6 +130,13 @@ class GpuTierEvents:
             self._problem = f"unavailable: {exc}"
             logger.warning("kvbm_plugin: GPU-tier events unavailable: %s", exc)
             return
+        if self.source.kind == "v2-hooks" and self.pump is not None:
+            # The V2 hooks fill the sink's batches on the executor thread without its lock
+            # (events/v2_hooks.py: ~1 us per block), so the batches are flushed on that thread
+            # too: the pump's thread stops (after a step in progress: a one-time wait, here at
+            # the first iterations) and flush() steps inline from now on.
+            self.pump.stop()
+            self._flush_here = True
         # Not "attached": V2 hooks are confirmed only once an event arrives (the self-check).
         logger.info("kvbm_plugin: GPU-tier event source found: %s", self.status)
         if self._attention_dp and self.source.kind == "v2-hooks":
@@ -190,14 +198,15 @@ class GpuTierEvents:
 
         Called by ``build_connector_meta`` once per iteration (executor thread, rank 0 / each
         attention-DP rank), which only wakes the pump (``now=False``: the drain and the
-        publishing run on its thread); with ``now=True`` (``flush_events``, the idle keeper,
-        ``publish_now``) the events are drained and published before it returns.
+        publishing run on its thread; KVCacheManagerV2's hooks excepted, whose batches are
+        flushed here); with ``now=True`` (``flush_events``, the idle keeper, ``publish_now``)
+        the events are drained and published before it returns.
         """
         if self.sink is not None:
             if self.source is None and self.attach_attempts < self.MAX_ATTACH_ATTEMPTS:
                 self._attach()
             assert self.pump is not None
-            if now:
+            if now or self._flush_here:
                 self.pump.step(wait=True)
             else:
                 self.pump.wake()
