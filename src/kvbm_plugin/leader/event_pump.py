@@ -41,6 +41,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["EventPump", "ObservedBatches"]
@@ -104,6 +106,7 @@ class EventPump:
         self.skipped = 0  # inline steps skipped because the pump was mid-step
         self.errors = 0
         self.cpu_s = 0.0  # the pump thread's CPU time in steps (benchmarks read it)
+        self._log = RateLimitedLog(logger)  # a step failing every 5 ms: one line per 10 s
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -154,9 +157,11 @@ class EventPump:
                 try:
                     self._once()
                     self.steps += 1
-                except Exception:  # the pump must survive a bad step; counted, logged
+                except Exception as exc:  # the pump must survive a bad step; counted, logged
                     self.errors += 1
-                    logger.exception("kvbm_plugin: the leader's event pump step failed")
+                    self._log.log(logging.ERROR, "step", "kvbm_plugin: the leader's event pump "
+                                  "step failed (%s: %s; event_pump_errors=%d)",
+                                  type(exc).__name__, exc, self.errors)
                 self.cpu_s += clock() - start
 
     def stop(self, timeout: float = 5.0) -> None:
