@@ -270,10 +270,12 @@ def _endpoint_checks(config: cc.ConsolidatorConfig, metrics: cc.MetricsSettings)
 V2_BACKEND_VAR = "TLLM_KV_CACHE_MANAGER_V2_BACKEND"
 
 _SOURCE_DETAIL = {
-    "auto": "drains TRT-LLM's KV-event buffer each iteration until another reader "
+    "auto": "drains TRT-LLM's KV-event buffer (every 5 ms while the engine iterates, on the "
+            "leader's event pump thread) until another reader "
             "(LLM.get_kv_cache_events, /kv_cache_events, Dynamo's publisher) calls it, then "
             "publishes what that reader drains (V2 hooks: never drains)",
-    "drain": "drains TRT-LLM's KV-event buffer each iteration until another reader "
+    "drain": "drains TRT-LLM's KV-event buffer (every 5 ms while the engine iterates, on the "
+             "leader's event pump thread) until another reader "
              "(LLM.get_kv_cache_events, /kv_cache_events, Dynamo's publisher) calls it, then "
              "warns and publishes what that reader drains (two drainers split the stream)",
     "tap": "never drains: publishes only what TRT-LLM's own readers drain (nothing while "

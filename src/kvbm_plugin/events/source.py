@@ -66,7 +66,8 @@ class EventSource:
             return ("buffered get_latest_events, tap: copies what TRT-LLM's own readers drain, "
                     "never drains")
         return (f"buffered get_latest_events, {self.mode}: " + (
-            "draining every iteration until another reader appears" if self.drains
+            "draining (the leader's event pump, every 5 ms while the engine "
+            "iterates) until another reader appears" if self.drains
             else "another reader appeared; tapping what it drains"))
 
     def poll(self) -> int:
