@@ -291,7 +291,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         # as cache_salt. Either way it scopes every key, as it scopes TRT-LLM's own.
         salt = request_scope(request)
         state = _Request(req_id, salt=salt, scope=(lora_of(request), salt_of(request)),
-                         name_inputs=name_inputs(request), handle=request_handle(request),
+                         name_inputs=self._naming.inputs_of(request, req_id),
+                         handle=request_handle(request),
                          lora_root_pending=True)
         self._reqs[req_id] = state
         if getattr(request, "is_generation_only_request", False):
@@ -447,7 +448,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             if state is None:
                 state = self._reqs[rd.request_id] = _Request(
                     rd.request_id, salt=request_scope(rd), scope=(lora_of(rd), salt_of(rd)),
-                    name_inputs=name_inputs(rd))
+                    name_inputs=self._naming.inputs_of(rd, rd.request_id))
             elif state.salt is None and not state.reported:
                 self._adopt_scope(state, rd)
             self._offload.absorb(state, rd, self._gpu.sink)

@@ -5,6 +5,7 @@ consolidator sees one block, not a hash conflict it must rename."""
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,6 +14,7 @@ from _engines import prompt
 from _kvwire import wait_until
 
 from kvbm_plugin.naming.names import (
+    BlockNaming,
     mm_block_keys,
     mm_hash_bytes,
     name_inputs,
@@ -121,12 +123,33 @@ def test_a_requests_items_are_read_as_tensorrt_llm_reads_them() -> None:
     assert inputs.learn_tokens == 1
     assert name_inputs(_req(multimodal_hash_positions=[[1, 3]])).learn_tokens == 0
     assert name_inputs(SimpleNamespace(input_token_extra_ids=[1])).learn_tokens == 0
+    # bad values: the reason names the fields and their values
     assert name_inputs(_req(multimodal_lengths=[0])).why_not == \
-        "multimodal inputs with an invalid position or length"
+        "multimodal inputs with an invalid position or length (multimodal_positions=[1], " \
+        "multimodal_lengths=[0])"
     assert name_inputs(_req(multimodal_positions=[1, 2])).why_not == \
-        "multimodal inputs without one position and length per item"
-    assert name_inputs(_req(multimodal_hashes=[[1, 2]])).why_not == \
-        "unreadable multimodal hashes"
+        "multimodal inputs without one position and length per item (1 multimodal_hashes; " \
+        "multimodal_positions=[1, 2], multimodal_lengths=[4])"
+    unread = name_inputs(_req(multimodal_hashes=[[1, "x"]]))
+    assert unread.why_not.startswith("unreadable multimodal inputs (multimodal_hashes=[[1, "
+                                      "'x']]; multimodal_positions=[1], ") and unread.bad_input
+    assert not name_inputs(_req(multimodal_hash_positions=[[1, 3]])).bad_input
+
+
+def test_requests_whose_names_cannot_be_computed_are_counted_and_logged(caplog) -> None:
+    stats: dict[str, int] = {}
+    naming = BlockNaming(4, stats)
+    with caplog.at_level(logging.INFO, logger="kvbm_plugin.naming.names"):
+        naming.inputs_of(_req(multimodal_lengths=[0]), 7)
+        naming.inputs_of(SimpleNamespace(lora_task_id="x"), 8)  # rate-limited: one key
+        naming.inputs_of(SimpleNamespace(input_token_extra_ids=[1]), 9)
+        naming.inputs_of(SimpleNamespace(), 10)  # a plain request: nothing to say
+    assert stats["requests_names_not_computed"] == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    infos = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert len(warnings) == 1 and "request 7: multimodal inputs with an invalid position or " \
+        "length (multimodal_positions=[1], multimodal_lengths=[0])" in warnings[0]
+    assert len(infos) == 1 and "request 9: prompt-tuning extra ids" in infos[0]
 
 
 @pytest.mark.parametrize("split", [False, True], ids=["contiguous", "runs"])

@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
+from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.naming._hashes import (
     _U64,
     V2_TOKEN_WIDTHS,
@@ -104,6 +105,9 @@ class NameInputs:
     # another image's block. All of them for a text request; up to the first item's first
     # position; none where the items or extra ids cannot be read (never advertised then).
     learn_tokens: int = 1 << 62
+    # why_not names a field whose value cannot be read (bad input, logged with the value by
+    # the leader), not a form the plugin does not follow (prompt tuning, a revision's fields)
+    bad_input: bool = False
 
 
 # Revisions between the contiguous and the run-based rule placed items by other fields
@@ -147,30 +151,37 @@ def _item_runs(obj: Any, n_items: int) -> list[tuple[tuple[int, int], ...]] | No
     return out
 
 
+_MM_PLACED_BY_HASH_POSITIONS = "multimodal inputs placed by hash positions"
+
+
 def _mm_items(obj: Any) -> tuple[tuple[MmItem, ...], str | None]:
     """The multimodal items of a request-like object as the V1 hasher reads them
     (``multimodal_hashes``: 8 int32 parts per item; their runs, else ``multimodal_positions``
-    and ``multimodal_lengths``: one run each), or why they cannot be read."""
+    and ``multimodal_lengths``: one run each), or why they cannot be read (naming the fields
+    and their values where a value is bad)."""
     hashes = getattr(obj, "multimodal_hashes", None)
     if not hashes:
         return (), None
     if any(getattr(obj, f, None) for f in _MM_UNFOLLOWED):
-        return (), "multimodal inputs placed by hash positions"
+        return (), _MM_PLACED_BY_HASH_POSITIONS
+    positions = getattr(obj, "multimodal_positions", None)
+    lengths = getattr(obj, "multimodal_lengths", None)
+    spans = f"multimodal_positions={saferepr(positions)}, multimodal_lengths={saferepr(lengths)}"
     try:
         digests = [mm_hash_bytes([int(p) for p in h]) for h in hashes]
         by_runs = _item_runs(obj, len(digests))
         if by_runs is not None:
             return tuple(zip(digests, by_runs, strict=True)), None
-        positions = getattr(obj, "multimodal_positions", None)
-        lengths = getattr(obj, "multimodal_lengths", None)
         if not positions or not lengths or not len(digests) == len(positions) == len(lengths):
-            return (), "multimodal inputs without one position and length per item"
-        spans = [_run(p, n) for p, n in zip(positions, lengths, strict=True)]
-        if None in spans:  # the newest revision then mixes in no item at all, older ones do
-            return (), "multimodal inputs with an invalid position or length"
-        return tuple((d, (span,)) for d, span in zip(digests, spans, strict=True)), None
-    except (TypeError, ValueError):
-        return (), "unreadable multimodal hashes"
+            return (), (f"multimodal inputs without one position and length per item "
+                        f"({len(digests)} multimodal_hashes; {spans})")
+        runs = [_run(p, n) for p, n in zip(positions, lengths, strict=True)]
+        if None in runs:  # the newest revision then mixes in no item at all, older ones do
+            return (), f"multimodal inputs with an invalid position or length ({spans})"
+        return tuple((d, (run,)) for d, run in zip(digests, runs, strict=True)), None
+    except (TypeError, ValueError) as exc:
+        return (), (f"unreadable multimodal inputs (multimodal_hashes={saferepr(hashes)}; "
+                    f"{spans}: {exc})")
 
 
 def name_inputs(obj: Any) -> NameInputs:
@@ -180,7 +191,8 @@ def name_inputs(obj: Any) -> NameInputs:
     (the revisions whose ``BlockKey`` holds the string)."""
     mm, mm_why = _mm_items(obj)
     if mm_why is not None:
-        return NameInputs(None, None, mm_why, v2_why_not=mm_why, learn_tokens=0)
+        return NameInputs(None, None, mm_why, v2_why_not=mm_why, learn_tokens=0,
+                          bad_input=mm_why != _MM_PLACED_BY_HASH_POSITIONS)
     if getattr(obj, "input_token_extra_ids", None) is not None:
         return NameInputs(None, None, "prompt-tuning extra ids",
                           v2_why_not="prompt-tuning extra ids", learn_tokens=0)
@@ -195,8 +207,8 @@ def name_inputs(obj: Any) -> NameInputs:
         if text is None:
             text = SALT_TEXTS.get(salt)  # V2 keys need the string the id was made from
     elif sid is not None:
-        why = f"unreadable cache_salt_id {sid!r}"
-        return NameInputs(None, None, why, v2_why_not=why)
+        why = f"unreadable cache_salt_id={saferepr(sid)}"
+        return NameInputs(None, None, why, v2_why_not=why, bad_input=True)
     elif text is not None:
         salt = std_string_hash(text if isinstance(text, (str, bytes)) else str(text))
         kind = "string"
@@ -204,8 +216,8 @@ def name_inputs(obj: Any) -> NameInputs:
     if lora is None:
         lora = getattr(obj, "py_lora_task_id", None)
     if lora is not None and (isinstance(lora, bool) or not isinstance(lora, int)):
-        why = f"unreadable lora_task_id {lora!r}"
-        return NameInputs(None, None, why, v2_why_not=why)
+        why = f"unreadable lora_task_id={saferepr(lora)}"
+        return NameInputs(None, None, why, v2_why_not=why, bad_input=True)
     v2_salt = None
     v2_why = None
     if text is not None:
@@ -252,7 +264,7 @@ class BlockNaming:
         self._bs = block_size
         self._stats = stats
         for name in ("block_name_mismatches", "block_names_computed",
-                     "block_name_rules_confirmed"):
+                     "block_name_rules_confirmed", "requests_names_not_computed"):
             stats.setdefault(name, 0)
         self.names = BlockNames(block_size)  # learned from GPU-tier events
         self.unnamed = UnnamedStores(self.names, stats)  # tier blocks waiting for a name
@@ -279,6 +291,25 @@ class BlockNaming:
         self.confirmed: set[tuple[str, bool, bool]] = set()
         self.refuted: set[tuple[str, bool, bool]] = set()
         self._log = RateLimitedLog(logger)
+
+    def inputs_of(self, obj: Any, req_id: int) -> NameInputs:
+        """:func:`name_inputs` of a request the leader starts tracking (its match, or its
+        first RequestData), counted (``requests_names_not_computed``) and logged, rate-limited,
+        where the names of its blocks cannot be computed: a WARNING naming the field and its
+        value for bad input, INFO for a form not followed. Executor thread."""
+        inputs = name_inputs(obj)
+        why = inputs.why_not
+        if why is not None:
+            self._stats["requests_names_not_computed"] += 1
+            bad = inputs.bad_input
+            self._log.log(logging.WARNING if bad else logging.INFO,
+                          "names-bad-input" if bad else f"names-not-followed-{why}",
+                          "kvbm_plugin: request %d: %s; TensorRT-LLM's names of its blocks are "
+                          "not computed (learned from its events where the tokens alone name "
+                          "a block; its other tier copies are never advertised; "
+                          "requests_names_not_computed=%d)", req_id, why,
+                          self._stats["requests_names_not_computed"])
+        return inputs
 
     @property
     def trusted(self) -> bool:
