@@ -206,16 +206,18 @@ class CompletionHub:
             self._queue.put(reports)
 
     def drain(self) -> list[OpReport]:
+        # One consumer (the leader, under its lock): what empty() saw stays there for
+        # get_nowait(). Checked first, not caught: most calls find nothing, and a raised
+        # queue.Empty cost each of them ~0.3 us more (several calls per iteration).
         out: list[OpReport] = []
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                return out
+        q = self._queue
+        while not q.empty():
+            item = q.get_nowait()
             if isinstance(item, list):
                 out.extend(item)
             else:
                 out.append(item)
+        return out
 
 
 _hubs: dict[str, CompletionHub] = {}
