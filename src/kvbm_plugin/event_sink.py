@@ -35,11 +35,12 @@ Python hooks. A publisher that does not take encoded batches, and an ``on_flush`
 get every event as its map.
 
 Threads: ``ingest`` and ``flush`` take one short lock (never held across I/O), so buffered
-events may arrive on TRT-LLM's KV-event dispatch thread while the leader flushes on the executor
-thread. The V2 hooks take no lock (per-block budget ~1 us): TRT-LLM calls them on the executor
-thread, the thread that flushes. Nothing here waits on I/O: the publisher's ``publish`` hands
-the batch over without waiting (see :mod:`kvbm_plugin.wire.publisher`). No torch or TensorRT-LLM
-import.
+events may arrive on TRT-LLM's KV-event dispatch thread while the leader's event pump flushes on
+its own thread (``leader/event_pump.py``). The V2 hooks take no lock (per-block budget ~1 us):
+TRT-LLM calls them on the executor thread, and where they feed the sink the leader flushes on
+that thread too (the pump's thread is stopped at attach). Nothing here waits on I/O: the
+publisher's ``publish`` hands the batch over without waiting (see
+:mod:`kvbm_plugin.wire.publisher`). No torch or TensorRT-LLM import.
 """
 
 from __future__ import annotations
@@ -650,8 +651,9 @@ class KvEventSink(V2Hooks):
     def flush(self) -> bool:
         """Publish this iteration's batch (one per rank with events); nothing when empty.
 
-        Called by the leader once per engine iteration (from ``build_connector_meta``) on the
-        executor thread. Never blocks: the publisher hands the batch over without waiting
+        Called by the leader's event pump (its thread, every 5 ms while the engine iterates;
+        the executor thread where the V2 hooks feed the sink), one flush at a time. Never
+        blocks: the publisher hands the batch over without waiting
         (:class:`~kvbm_plugin.wire.publisher.ZmqEventPublisher`). Returns False if any batch was
         lost (counted in ``batches_lost``; consumers see a seq gap). Never raises, even when a
         publisher does.

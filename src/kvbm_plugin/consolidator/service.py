@@ -28,7 +28,8 @@ Who calls what:
   calls :meth:`~KvEventConsolidator.start` once at bring-up and
   :meth:`~KvEventConsolidator.shutdown` at teardown.
 * The leader's event sink calls :meth:`~KvEventConsolidator.take_gpu_batch` with each batch of
-  the leader's own dp rank, from ``KvEventSink.flush`` (executor thread); never blocks.
+  the leader's own dp rank, from ``KvEventSink.flush`` (the leader's event pump thread);
+  never blocks.
 * The leader's host and disk tiers call :meth:`~KvEventConsolidator.register_store`,
   :meth:`~KvEventConsolidator.register_remove` and :meth:`~KvEventConsolidator.register_clear`
   from whatever thread moves blocks; each call only appends to a queue.
@@ -330,7 +331,7 @@ class KvEventConsolidator(StreamIngest):
         .EncodedBatch` (decoded on the ingest thread). The caller hands it over and must not
         change it afterwards.
 
-        Called by ``KvEventSink.flush`` on TensorRT-LLM's executor thread (one thread per
+        Called by ``KvEventSink.flush`` on the leader's event pump thread (one thread per
         rank): an append and, after an idle spell, one pipe write; never blocks. Raises
         ValueError for a rank not in ``direct_ranks``.
         """
