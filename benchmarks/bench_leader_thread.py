@@ -19,7 +19,10 @@ spread over rounds.
 * the shared tier: 64-block prompts with the write-through on (an in-memory store, the real
   agent and directory), against host only in the same round;
 * a full tier: 64-block prompts with ``--tier-blocks`` blocks (1M by default) committed in the
-  host tier before the first round (``--tier-blocks 1000000``).
+  host tier before the first round (``--tier-blocks 1000000``);
+* the event pump's own thread CPU per block (info): the drain, the sink and the publishing
+  that run off the executor thread (``leader/event_pump.py``), so that moving work off it is
+  seen, not hidden.
 
     python benchmarks/bench_leader_thread.py [--quick] [--rounds N] [--tier-blocks N]
 """
