@@ -104,9 +104,17 @@ class UnnamedStores:
         """A block just committed to ``index``: named as far as known now; True when its STORE
         can be announced (it and its parent are named, its parent is not waiting), else it
         waits here. Past :attr:`MAX_WAITING` the caller drops :meth:`overflow`'s blocks."""
-        self.name(entry, index)
-        parent_waiting = entry.parent_key is not None and (index.name, entry.parent_key) in \
-            self._waiting
+        parent_key = entry.parent_key
+        if entry.event_hash != entry.key and (
+                parent_key is None or entry.parent_event_hash != parent_key):
+            # Named already, so name() would change nothing: the common case (executor
+            # thread, once per committed block), four reads of the entry's row.
+            if parent_key is None or not self._waiting \
+                    or (index.name, parent_key) not in self._waiting:
+                return True
+        else:
+            self.name(entry, index)
+        parent_waiting = parent_key is not None and (index.name, parent_key) in self._waiting
         if named(entry) and not parent_waiting:
             return True
         self._waiting[(index.name, entry.key)] = entry
