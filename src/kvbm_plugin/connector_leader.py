@@ -478,10 +478,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         (:meth:`GpuTierEvents.sync`: drained and published here first where a tier block
         waits for such a name, or ``now``), announce the tier blocks named now, register the
         shared tier's queued residency changes. Outside TRT-LLM's allocation callback."""
-        naming = self._naming
         self._gpu.sync(self._reqs.values(), now=now,
                        need_names=bool(self._tiers.waiting_for_name)
-                       or (naming.learning and not naming.confirmed))
+                       or self._naming.awaiting_events)
         if self._tiers.waiting_for_name:
             self._tiers.announce_named()
         self._shared.sync()

@@ -48,6 +48,35 @@ def test_the_executor_thread_neither_drains_nor_publishes_gpu_tier_events(
     assert drained_on and flushed_on
 
 
+def test_while_names_are_awaited_the_executor_thread_reads_the_events_itself(
+        make_engine, monkeypatch) -> None:
+    """Without RequestData.block_hashes the leader confirms the rule it computes names by
+    from TensorRT-LLM's events, before it may forget the request that shows it: until then
+    the executor thread drains and reads them itself, as before the pump; once the rule is
+    confirmed, the pump's thread does."""
+    drained_on: set[int] = set()
+    get_latest = SimKVCacheManager.get_latest_events
+
+    def recorded(self: Any, *args: Any, **kwargs: Any) -> Any:
+        drained_on.add(threading.get_ident())
+        return get_latest(self, *args, **kwargs)
+
+    monkeypatch.setattr(SimKVCacheManager, "get_latest_events", recorded)
+    engine = make_engine(num_gpu_blocks=32, env=tiers(host=64), provide_block_hashes=False)
+    naming = engine.leader._naming  # noqa: SLF001
+    engine.submit(prompt(60, 33), 2)
+    assert naming.awaiting_events is False  # nothing read yet: no rule in use
+    engine.run_until_idle()
+    assert naming.confirmed == {("none", False, False)} and not naming.awaiting_events
+    assert threading.get_ident() in drained_on
+    drained_on.clear()
+    for k in range(3):
+        engine.submit(prompt(70 + k, 33), 2)
+    engine.run_until_idle()
+    assert threading.get_ident() not in drained_on
+    assert engine.leader.stats()["block_name_mismatches"] == 0
+
+
 def test_a_dozing_pump_steps_at_the_next_wake() -> None:
     steps: list[int] = []
     pump = EventPump(lambda: steps.append(1), lambda: None, "test-pump", period_s=60.0)
@@ -81,23 +110,30 @@ def test_failing_steps_are_counted_logged_once_and_the_pump_goes_on(expect_error
     assert len([m for m in expect_errors.messages() if "event pump step failed" in m]) == 1
 
 
-def test_an_inline_step_on_the_executor_thread_never_waits_for_the_pump() -> None:
+def test_an_inline_step_runs_after_the_pumps_step_in_progress() -> None:
+    """One step at a time: a caller's step waits for the pump thread's (two flushes at once
+    could reorder a rank's batches), then runs its own."""
     entered, release = threading.Event(), threading.Event()
-    held = threading.Event()
+    order: list[str] = []
 
     def poll() -> None:
-        if not held.is_set():  # the pump thread's first step blocks mid-step
-            held.set()
+        order.append(threading.current_thread().name)
+        if len(order) == 1:  # the pump thread's first step blocks mid-step
             entered.set()
             release.wait(30)
+            order.append("pump done")
 
     pump = EventPump(poll, lambda: None, "test-pump")
+    caller = threading.Thread(target=pump.step, name="caller")
     try:
         pump.wake()
         assert entered.wait(10)
-        assert pump.step(wait=False) is False and pump.skipped == 1
+        caller.start()
+        wait_until(lambda: caller.is_alive(), what="the caller started")
+        assert order == ["test-pump"]  # the caller waits for the step in progress
         release.set()
-        assert pump.step(wait=True) is True and pump.inline_steps == 1
+        caller.join(10)
+        assert order[:3] == ["test-pump", "pump done", "caller"] and pump.inline_steps == 1
     finally:
         release.set()
         pump.stop()

@@ -214,3 +214,17 @@ def test_multimodal_tier_copies_carry_trtllms_name_and_the_items_digests(
                     assert names.get(to_signed_int64(h)) == tuple(extra or ())
                     out += 1
     assert out >= len(image_blocks)
+
+
+def test_names_are_awaited_while_a_rule_in_use_is_neither_confirmed_nor_refuted() -> None:
+    naming = BlockNaming(4, {})
+    naming.inputs_of(SimpleNamespace(cache_salt_id=7), 1)
+    naming.inputs_of(SimpleNamespace(), 2)
+    assert naming.rules_in_use == {("id", False, False), ("none", False, False)}
+    assert not naming.awaiting_events  # names handed over (no learning): nothing awaited
+    naming.learning = True
+    assert naming.awaiting_events
+    naming.confirmed.add(("none", False, False))
+    assert naming.awaiting_events  # the salted request's rule is still open
+    naming.refuted.add(("id", False, False))
+    assert not naming.awaiting_events

@@ -187,6 +187,9 @@ def test_drain_with_trtllm_reader_leaves_no_freed_block_published(make_engine) -
     source = engine.leader.event_source
     assert source.drains
     reader.resume()
+    # Its first read (every 50 ms at most) is what tells the plugin another reader exists;
+    # until then the event pump (every 5 ms) may drain what prompt 2 makes.
+    wait_until(lambda: not source.drains, what="the reader's first read")
     engine.submit(prompt(2, 40), 3)  # read by TRT-LLM's reader: its stores are in its stream
     engine.run_until_idle()
     wait_until(lambda: bool(reader.events()) and manager.readable() == 0,

@@ -16,10 +16,10 @@ Who calls what:
 * the pump's thread steps every :attr:`EventPump.BUSY_S` while iterations come, and every
   ``period_s`` once they stopped (so a tap-mode sink fed by TensorRT-LLM's readers is
   published while no iteration runs), until the next iteration's wake;
-* a caller that needs this iteration's events now runs :meth:`step` itself: the leader when a
-  tier block waits for the name only an event gives (``wait=False`` on the executor thread: it
-  skips when the pump is mid-step, as the pump is publishing them anyway), ``publish_now``, the
-  idle keeper and shutdown (``wait=True``, off the executor thread or at teardown).
+* a caller that needs this iteration's events now runs :meth:`step` itself: the leader while
+  names are awaited from them (a tier block waits for one, or a rule it computes names by is
+  not confirmed yet: the first requests of each rule), ``publish_now``, the idle keeper and
+  shutdown. It waits for a step the pump has in progress, at most one.
 
 Where KVCacheManagerV2's Python hooks feed the sink (on the executor thread, without the
 sink's lock), the leader stops the pump's thread at attach time and flushes on the executor
@@ -103,7 +103,6 @@ class EventPump:
         self._dozing = False
         self.steps = 0  # steps run on the pump's thread (leader stats)
         self.inline_steps = 0  # steps run by a caller that needed the events at once
-        self.skipped = 0  # inline steps skipped because the pump was mid-step
         self.errors = 0
         self.cpu_s = 0.0  # the pump thread's CPU time in steps (benchmarks read it)
         self._log = RateLimitedLog(logger)  # a step failing every 5 ms: one line per 10 s
@@ -119,18 +118,12 @@ class EventPump:
             self._dozing = False
             self._wake.set()
 
-    def step(self, *, wait: bool) -> bool:
-        """Drain and publish now on the calling thread; with ``wait=False`` skip (False) when
-        the pump's thread is mid-step instead of waiting for it."""
-        if not self._step_lock.acquire(blocking=wait):
-            self.skipped += 1
-            return False
-        try:
+    def step(self) -> None:
+        """Drain and publish now on the calling thread, after a step the pump's thread has in
+        progress (at most one step: the work the caller would otherwise do itself)."""
+        with self._step_lock:
             self.inline_steps += 1
             self._once()
-        finally:
-            self._step_lock.release()
-        return True
 
     def _once(self) -> None:
         self._poll()

@@ -207,7 +207,7 @@ class GpuTierEvents:
                 self._attach()
             assert self.pump is not None
             if now or self._flush_here:
-                self.pump.step(wait=True)
+                self.pump.step()
             else:
                 self.pump.wake()
             if self.source is not None:
@@ -220,10 +220,12 @@ class GpuTierEvents:
              now: bool = False) -> None:
         """Learn the names TRT-LLM's events published so far give ``requests`` (the leader
         then announces the tier blocks named now). ``need_names``: a tier block waits for a
-        name, or none of the rules the leader computes names by is confirmed yet, so this
-        iteration's events are drained and published here first (executor thread: skipped
-        when the pump is mid-step, whose batches are then read at the next call); ``now``:
-        drain and publish here whatever is needed (the idle keeper, ``publish_now``).
+        name, or a rule the leader computes names by is not confirmed yet, so this
+        iteration's events are drained, published and read here first, as before the pump
+        (waiting for a step the pump has in progress: at most one step, the work this thread
+        did itself before; only while names are awaited, the first requests of each rule,
+        never once they are computed); ``now``: the same for the idle keeper and
+        ``publish_now``.
         Outside TRT-LLM's allocation callback (``get_num_new_matched_tokens`` runs inside it
         and never drains)."""
         if self._stream_names is not None:  # attention DP, rank > 0
@@ -231,7 +233,7 @@ class GpuTierEvents:
             self._naming.refresh(requests)
         elif self.pump is not None:
             if now or need_names:
-                self.pump.step(wait=now)
+                self.pump.step()
             batches = self.observed.drain()
             for rank, events in batches:
                 self._naming.names.observe(rank, events)
@@ -248,7 +250,6 @@ class GpuTierEvents:
         pump = self.pump
         return {"event_pump_steps": pump.steps if pump else 0,
                 "event_pump_inline_steps": pump.inline_steps if pump else 0,
-                "event_pump_skipped": pump.skipped if pump else 0,
                 "event_pump_errors": pump.errors if pump else 0,
                 "observed_batches_dropped": self.observed.dropped}
 

@@ -289,6 +289,10 @@ class BlockNaming:
         for name in ("v2_names_computed", "v2_rule_mismatches", "v2_pending_dropped"):
             stats.setdefault(name, 0)
         self.confirmed: set[tuple[str, bool, bool]] = set()
+        # The rules of the requests read so far (inputs_of): while one is neither confirmed
+        # nor refuted, the leader reads TensorRT-LLM's events before it may forget a request
+        # of that rule (awaiting_events), so that its names can confirm the rule.
+        self.rules_in_use: set[tuple[str, bool, bool]] = set()
         self.refuted: set[tuple[str, bool, bool]] = set()
         self._log = RateLimitedLog(logger)
 
@@ -299,7 +303,9 @@ class BlockNaming:
         value for bad input, INFO for a form not followed. Executor thread."""
         inputs = name_inputs(obj)
         why = inputs.why_not
-        if why is not None:
+        if why is None:
+            self.rules_in_use.add(rule_of(inputs))
+        else:
             self._stats["requests_names_not_computed"] += 1
             bad = inputs.bad_input
             self._log.log(logging.WARNING if bad else logging.INFO,
@@ -310,6 +316,13 @@ class BlockNaming:
                           "requests_names_not_computed=%d)", req_id, why,
                           self._stats["requests_names_not_computed"])
         return inputs
+
+    @property
+    def awaiting_events(self) -> bool:
+        """Names are learned from TensorRT-LLM's events and a rule in use is neither confirmed
+        nor refuted yet: the leader reads this iteration's events before it goes on (the
+        first requests of each rule). O(rules), at most 12."""
+        return self.learning and not self.rules_in_use <= self.confirmed | self.refuted
 
     @property
     def trusted(self) -> bool:
