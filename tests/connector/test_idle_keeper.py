@@ -83,12 +83,12 @@ def test_gpu_events_of_the_last_pass_are_published_while_the_engine_idles(
     engine.submit(prompt(4, 17), 1)
     while engine.active():
         engine.step()
-    # the release STORE was flushed in the last pass, after its build: only the keeper can
-    # publish it now
-    assert engine.kv_cache_manager.readable() > 0
-    accepted = sink.stats()["batches_published"]
+    # The release STORE was made readable in the last pass, after its build: no hook runs
+    # again, so the leader's event pump (while it still steps) or the keeper publishes it.
     idle_since = time.monotonic()
     wait_until(lambda: engine.kv_cache_manager.readable() == 0
                and sink.stats()["pending_events"] == 0, 10, "the last pass's events published")
     assert time.monotonic() - idle_since <= BOUND_S
-    assert sink.stats()["batches_published"] > accepted
+    stats = sink.stats()
+    assert stats["events_in"] == engine.kv_cache_manager.produced > 0
+    assert stats["batches_published"] > 0 and stats["batches_lost"] == 0

@@ -8,7 +8,6 @@ import pytest
 from _kvwire import wait_all_sent
 
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
-from kvbm_plugin.testing.fake_trtllm import SchedulerOutput
 from kvbm_plugin.wire.events import to_unsigned_u64
 
 
@@ -76,7 +75,9 @@ def test_consolidated_view_equals_gpu_host_disk_truth(tmp_path, monkeypatch,
         for k in range(6):
             engine.submit([(k * 1000 + i * 7) % 997 + 1 for i in range(17)], 2)
         engine.run_until_idle()
-        engine.leader.build_connector_meta(SchedulerOutput())  # flush the last GPU events
+        # Drain and publish the last GPU events here, now (an iteration only wakes the
+        # leader's event pump, whose later batch would land after `published` is read)
+        engine.leader.flush_events()
         truth = set().union(*(ranks[0] for ranks in engine.resident_blocks().values()))
         slow.release()
         assert engine.resident_blocks()["DISK"][0]  # all three tiers took part
