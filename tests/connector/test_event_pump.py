@@ -12,7 +12,8 @@ from _engines import prompt, tiers
 from _kvwire import wait_until
 
 from kvbm_plugin.event_sink import KvEventSink
-from kvbm_plugin.leader.event_pump import EventPump, ObservedBatches
+from kvbm_plugin.events.trtllm_publisher import TrtllmNameFeed
+from kvbm_plugin.leader.event_pump import EventPump
 from kvbm_plugin.testing.kv_events import SimKVCacheManager
 
 
@@ -140,8 +141,9 @@ def test_an_inline_step_runs_after_the_pumps_step_in_progress() -> None:
 
 
 def test_observed_batches_keep_flush_order_and_count_what_overflows() -> None:
-    feed = ObservedBatches(max_batches=2)
+    feed = TrtllmNameFeed(max_batches=2)
     for rank in range(3):
-        feed.observe(rank, [{"type": "BlockStored"}])
+        feed.observe(rank, [{"type": "BlockStored", "block_hashes": [rank], "block_size": 1,
+                             "token_ids": [rank], "parent_block_hash": None}])
     assert [rank for rank, _ in feed.drain()] == [0, 1]
     assert feed.dropped == 1 and feed.drain() == []

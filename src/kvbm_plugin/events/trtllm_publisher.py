@@ -196,10 +196,12 @@ def log_gpu_source(log: Any, engine_pub: TrtllmPublisher | None, line: str,
 
 
 class TrtllmNameFeed:
-    """TensorRT-LLM's stored-block events from its own stream, handed from the consolidator's
-    ingest thread (:meth:`observe`, its ``engine_observer``) to the leader (:meth:`drain`,
-    under the leader's lock), which learns from them the names its tier events must carry.
-    Bounded: past ``max_batches`` unread batches one is dropped and counted (``dropped``)."""
+    """Stored-block events handed from another thread to the leader (:meth:`drain`, under the
+    leader's lock), which learns from them the names its tier events must carry: TensorRT-LLM's
+    own stream from the consolidator's ingest thread (:meth:`observe`, its
+    ``engine_observer``), and this rank's sink's batches from whichever thread flushed it (the
+    sink's ``on_flush``: the leader's event pump). Bounded: past ``max_batches`` unread batches
+    one is dropped and counted (``dropped``)."""
 
     def __init__(self, max_batches: int = 4096) -> None:
         import collections

@@ -27,14 +27,14 @@ thread as before (``GpuTierEvents._attach``).
 
 One step at a time (``_step_lock``): two concurrent sink flushes could publish one rank's
 batches out of order. What the sink's ``on_flush`` observer sees goes through
-:class:`ObservedBatches` to the executor thread, which owns the name table.
+``events.trtllm_publisher.TrtllmNameFeed`` to the executor thread, which owns the name
+table.
 
 Never imports torch.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -45,33 +45,7 @@ from kvbm_plugin._util.ratelimit import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["EventPump", "ObservedBatches"]
-
-
-class ObservedBatches:
-    """The sink's flushed batches, handed from whichever thread flushed (:meth:`observe`, the
-    sink's ``on_flush``) to the leader, which learns names from them under its lock
-    (:meth:`drain`, executor thread or idle keeper). In flush order: flushes are serialised by
-    the pump's step lock. Bounded: past ``max_batches`` unread batches one is dropped and
-    counted (``dropped``; names then come from computation or not at all, never wrong)."""
-
-    def __init__(self, max_batches: int = 4096) -> None:
-        self._batches: collections.deque[tuple[int, Any]] = collections.deque()
-        self._max = max_batches
-        self.dropped = 0
-
-    def observe(self, rank: int, events: Any) -> None:
-        if len(self._batches) >= self._max:
-            self.dropped += 1  # only a flushing thread writes it, one at a time
-            return
-        self._batches.append((rank, events))  # deque.append: atomic under the GIL
-
-    def drain(self) -> list[tuple[int, Any]]:
-        out = []
-        batches = self._batches
-        while batches:
-            out.append(batches.popleft())
-        return out
+__all__ = ["EventPump"]
 
 
 class EventPump:

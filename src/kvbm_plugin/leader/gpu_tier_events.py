@@ -24,7 +24,7 @@ from kvbm_plugin.connector.trtllm_compat import (
 )
 from kvbm_plugin.consolidator_config import EVENTS_SOURCE
 from kvbm_plugin.events import trtllm_publisher as _native
-from kvbm_plugin.leader.event_pump import EventPump, ObservedBatches
+from kvbm_plugin.leader.event_pump import EventPump
 from kvbm_plugin.leader.requests import RequestState
 from kvbm_plugin.naming.names import BlockNaming
 
@@ -65,9 +65,9 @@ class GpuTierEvents:
         self._tier_events: Any = None
         self._stream_names: Any = None
         self.native_names = _native.TrtllmNameFeed()  # its stored blocks: the tiers' names
-        # The sink's flushed batches (its on_flush, on whichever thread flushed), for the
-        # name table the executor thread owns; and the thread that drains and publishes.
-        self.observed = ObservedBatches()
+        # The same for this rank's own sink (its on_flush, on whichever thread flushed), for
+        # the name table the executor thread owns; and the thread that drains and publishes.
+        self.observed = _native.TrtllmNameFeed()
         self.pump: EventPump | None = None
         self._flush_here = False  # KVCacheManagerV2's hooks: flushed on the executor thread
         self._problem = "not attached yet"
@@ -230,19 +230,13 @@ class GpuTierEvents:
         and never drains)."""
         if self._stream_names is not None:  # attention DP, rank > 0
             self._stream_names.poll()
-            self._naming.refresh(requests)
-        elif self.pump is not None:
-            if now or need_names:
-                self.pump.step()
-            batches = self.observed.drain()
-            for rank, events in batches:
-                self._naming.names.observe(rank, events)
-            if batches or self.source is not None:
-                self._naming.refresh(requests)
-        batches = self.native_names.drain()
-        if batches:  # TRT-LLM's own stream, as the consolidator received it
-            for rank, events in batches:
-                self._naming.names.observe(rank, events)
+        elif self.pump is not None and (now or need_names):
+            self.pump.step()
+        # This rank's sink's batches, and TRT-LLM's own stream as the consolidator received it
+        batches = self.observed.drain() + self.native_names.drain()
+        for rank, events in batches:
+            self._naming.names.observe(rank, events)
+        if batches or self.source is not None or self._stream_names is not None:
             self._naming.refresh(requests)
 
     def stats(self) -> dict[str, int]:
