@@ -81,7 +81,7 @@ from kvbm_plugin.leader.requests import LEADER_STATS, OpTable
 from kvbm_plugin.leader.requests import Op as _Op
 from kvbm_plugin.leader.requests import RequestState as _Request
 from kvbm_plugin.leader.shared_tier import MATCHED_STAT, TIER_SHARED, LeaderSharedTier
-from kvbm_plugin.naming.names import BlockNaming, StreamNames, name_inputs
+from kvbm_plugin.naming.names import BlockNaming, StreamNames
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
     TIER_HOST,
@@ -538,10 +538,10 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
 
     # ------------------------------------------------------------------ internals
 
-    @staticmethod
-    def _adopt_scope(state: _Request, rd: Any) -> None:
+    def _adopt_scope(self, state: _Request, rd: Any) -> None:
         """A request matched without a salt whose first report names one (a request object
-        that lacked the field): key its blocks under the salt from now on, never unsalted."""
+        that lacked the field): key its blocks under the salt from now on, never unsalted
+        (and name them under the salted rule, which the naming then awaits events for)."""
         salt = request_scope(rd)
         if salt is not None:
             state.salt = salt
@@ -549,7 +549,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             state.keys = []  # rehashed under the salt by OffloadPlanner.absorb
             state.v2_keys = {}
             state.digests = []
-            state.name_inputs = name_inputs(rd)
+            state.name_inputs = self._naming.inputs_of(rd, state.req_id)
             state.computed = []
 
     def _apply_reports(self) -> None:

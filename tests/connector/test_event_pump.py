@@ -78,6 +78,37 @@ def test_while_names_are_awaited_the_executor_thread_reads_the_events_itself(
     assert engine.leader.stats()["block_name_mismatches"] == 0
 
 
+def test_a_salt_adopted_at_the_first_report_is_a_rule_whose_names_are_awaited(
+        request) -> None:
+    """A request object without the salt field, whose first RequestData names one: its
+    blocks are named under the salted rule from then on, so that rule is awaited too."""
+    from kvbm_plugin.connector_leader import KvbmConnectorLeader
+    from kvbm_plugin.testing.fake_trtllm import (
+        KvCacheConfig,
+        LlmArgs,
+        LlmRequest,
+        ParallelConfig,
+        RequestData,
+        SchedulerOutput,
+    )
+
+    leader = KvbmConnectorLeader(LlmArgs(KvCacheConfig(4), ParallelConfig(0, 1),
+                                         kvbm_plugin_env=tiers(host=16),
+                                         kvbm_plugin_group=f"adopt-{request.node.name}"))
+    try:
+        tokens = list(range(100, 109))
+        leader.get_num_new_matched_tokens(LlmRequest(1, tokens), 0)
+        leader.build_connector_meta(SchedulerOutput(new_requests=[RequestData(
+            1, tokens, [0, 1, 2], 0, 9, cache_salt="tenant-a")]))
+        naming = leader._naming  # noqa: SLF001
+        assert naming.rules_in_use == {("none", False, False), ("string", False, False)}
+        naming.learning = True
+        naming.confirmed.add(("none", False, False))
+        assert naming.awaiting_events
+    finally:
+        leader.shutdown()
+
+
 def test_a_dozing_pump_steps_at_the_next_wake() -> None:
     steps: list[int] = []
     pump = EventPump(lambda: steps.append(1), lambda: None, "test-pump", period_s=60.0)

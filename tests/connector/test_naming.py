@@ -79,7 +79,6 @@ def test_where_the_hash_cannot_be_computed_tier_stores_wait_for_trtllms_name(
     plugin's own key."""
     monkeypatch.setattr(naming, "name_inputs",
                         lambda obj: naming.NameInputs(None, None, "unreadable lora_task_id"))
-    monkeypatch.setattr("kvbm_plugin.connector_leader.name_inputs", naming.name_inputs)
     rec = TierRecorder()
     engine = make_engine(num_gpu_blocks=24, env=tiers(host=12, disk=48),
                          provide_block_hashes=False, tier_events=rec)
@@ -107,7 +106,6 @@ def test_blocks_whose_tokens_do_not_name_them_are_never_named_by_their_tokens(
     under such a name."""
     monkeypatch.setattr(naming, "name_inputs",  # as name_inputs reads such a request
                         lambda obj: naming.NameInputs(None, None, why, learn_tokens=0))
-    monkeypatch.setattr("kvbm_plugin.connector_leader.name_inputs", naming.name_inputs)
     rec = TierRecorder()
     engine = make_engine(num_gpu_blocks=24, env=tiers(host=12, disk=48),
                          provide_block_hashes=False, tier_events=rec)
@@ -121,7 +119,7 @@ def test_blocks_whose_tokens_do_not_name_them_are_never_named_by_their_tokens(
 
 
 def test_unnamed_tier_stores_are_bounded_and_counted(make_engine, monkeypatch) -> None:
-    monkeypatch.setattr("kvbm_plugin.connector_leader.name_inputs",
+    monkeypatch.setattr(naming, "name_inputs",
                         lambda obj: naming.NameInputs(None, None, "test"))
     monkeypatch.setattr(naming.UnnamedStores, "MAX_WAITING", 2)
     rec = TierRecorder()
