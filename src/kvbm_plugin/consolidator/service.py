@@ -541,7 +541,7 @@ class KvEventConsolidator(StreamIngest):
                 # the leader's registrations on the executor thread write no wake byte (a
                 # pipe write cost it ~15 us of thread CPU each time).
                 linger -= 1
-                self._idle = not self._queue
+                self._idle = True  # as below: about to wait with an empty queue
                 timeout = self.LINGER_MS
             else:
                 if timeout is None:

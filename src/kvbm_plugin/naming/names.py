@@ -599,7 +599,7 @@ def _learnable(state: RequestState, block_size: int) -> int:
     """How many of a request's first blocks a learned name may name
     (:attr:`NameInputs.learn_tokens`)."""
     inputs: NameInputs | None = state.name_inputs
-    return NameInputs.learn_tokens if inputs is None else inputs.learn_tokens // block_size
+    return (NameInputs.learn_tokens if inputs is None else inputs.learn_tokens) // block_size
 
 
 def _v2_rule(inputs: Any) -> tuple[bool, bool]:
