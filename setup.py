@@ -19,6 +19,9 @@ setup(ext_modules=[
                                                    "src/kvbm_plugin/consolidator/_core_remove.c",
                                                    "src/kvbm_plugin/consolidator/_core_block.c"],
               depends=[*_COMMON, "src/kvbm_plugin/consolidator/_core_c.h"], optional=True),
+    # The tier index's key table (tiers/_rows.py's KeyTable is the reference).
+    Extension("kvbm_plugin.tiers._keytable_c", ["src/kvbm_plugin/tiers/_keytable_c.c"],
+              depends=_COMMON, optional=True),
     # The connection gate's GIL-free thread (wire/conn_gate.py): Linux socket filters.
     Extension("kvbm_plugin.wire._gate_c", ["src/kvbm_plugin/wire/_gate_c.c"], optional=True),
     # -O3: GCC vectorizes the word-sum loop only from -O3 (some CPythons build extensions at

@@ -9,7 +9,8 @@ bounded, whatever the tier's size.
 * :class:`KeyTable`: content key -> slot, open addressing over a table sized once from the
   tier's capacity. A ``dict`` holding a million keys under churn (one delete and one insert per
   store) rebuilds itself every ~1.8M stores, ~65 ms of CPU each on this project's machines,
-  and keeps ~150 B per key.
+  and keeps ~150 B per key. :func:`key_table` makes the compiled form (``_keytable_c.c``)
+  where it is built and not switched off (``DYN_KVBM_NATIVE``), else this one.
 * :class:`LeafOrder`: the evictable leaves ordered by last use, as sorted runs of ticks. It holds
   exactly the evictable entries (an entry leaves it the moment it is pinned, touched, gains a
   child or goes), so taking the least recently used leaf never skips stale items.
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 from array import array
 from bisect import bisect_left
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from kvbm_plugin._util import compiled as _compiled
 
 U64_MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential keys over the table
@@ -89,6 +92,20 @@ class KeyTable:
 
     def clear(self) -> None:
         self._table = array("i", [-1]) * len(self._table)
+
+    def buckets(self) -> list[int]:
+        """Every bucket's slot (-1: empty), in table order (tests compare both forms)."""
+        return list(self._table)
+
+
+def key_table(capacity: int, keys: array[int], native: bool | None = None) -> Any:
+    """A key table over ``keys`` (an ``array('Q')`` column): the compiled one where it is
+    built and not switched off (``native``: as ``_util.compiled.choose`` reads it), else
+    :class:`KeyTable`. Both answer every call alike."""
+    compiled = _compiled.choose("tier_keys", native, "key_table")
+    if compiled is None:
+        return KeyTable(capacity, keys)
+    return compiled.KeyTable(capacity, keys)
 
 
 class LeafOrder:

@@ -27,7 +27,7 @@ from kvbm_plugin.tiers._entry import (
     _RESIDENT,
     TierEntry,
 )
-from kvbm_plugin.tiers._rows import KeyTable, LeafOrder, SlotRows
+from kvbm_plugin.tiers._rows import LeafOrder, SlotRows, key_table
 from kvbm_plugin.tiers.content_keys import Signature, TierName
 
 # Same bits as content_keys' mask: a hash is accepted signed or unsigned.
@@ -81,7 +81,7 @@ class TierRows(SlotRows):
         self._scope_ids: dict[tuple[Any, ...], int] = {(None, None): 0}
         self._scope_refs: list[int] = [0]
         self._scope_free: list[int] = []
-        self._table = KeyTable(self.capacity, self._key)
+        self._table = key_table(self.capacity, self._key)
         self._order = LeafOrder()
         self._clock = 0
         self._free: array[int] = array("i")  # freed slots, reused last-in first-out

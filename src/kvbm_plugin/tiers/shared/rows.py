@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Final
 
-from kvbm_plugin.tiers._rows import KeyTable, LeafOrder, SlotRows
+from kvbm_plugin.tiers._rows import LeafOrder, SlotRows, key_table
 from kvbm_plugin.tiers.shared.block import SharedBlock, make_block
 
 _U64: Final = (1 << 64) - 1
@@ -63,7 +63,7 @@ class SharedRows(SlotRows):
         self._scope_ids: dict[tuple[int | None, tuple | None], int] = {(None, None): 0}
         self._scope_refs: list[int] = [0]
         self._scope_free: list[int] = []
-        self._table = KeyTable(capacity, self._lo)
+        self._table = key_table(capacity, self._lo)
         self._order = LeafOrder()
         self._tick = 0
         self._free: array[int] = array("i")

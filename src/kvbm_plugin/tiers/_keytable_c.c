@@ -1,0 +1,311 @@
+/* The compiled form of tiers/_rows.py's KeyTable (its reference, and the fallback where this is
+ * not built or DYN_KVBM_NATIVE=0): content key -> slot by linear probing over a table sized
+ * once, the keys themselves in the owner's ``array('Q')`` key column. Same hash (Fibonacci),
+ * same probe order, same backward-shift deletion: for any sequence of calls both return the
+ * same slots (tests/tiers/test_keytable_compiled.py runs both on the same churn and compares
+ * their tables).
+ *
+ * Kept for the target "<= 5 us per offloaded block on the executor thread" (docs/performance.md,
+ * "What each compiled loop is for"): the leader's tier index looks a key up about six times per
+ * offloaded block and once per onboarded block (the match), and each Python probe costs about
+ * 0.4 us there.
+ *
+ * Called by the leader's tier index (TierRows) and the shared directory's rows on the
+ * executor thread, and by nothing else; no locks (the GIL is held throughout). The key
+ * column is read through the buffer protocol on every call: the owner grows it with append,
+ * which may move it, and a buffer held across calls would forbid that. The table is allocated
+ * with PyMem_RawCalloc, so tracemalloc counts it as it counts the Python table's array
+ * (bench_tiers.py's heap per block). Public CPython API only. */
+
+#include "../_util/native_common.h"
+
+#define GOLDEN 0x9E3779B97F4A7C15ULL
+
+typedef struct {
+    PyObject_HEAD
+    int32_t *table;
+    size_t size;      /* buckets, a power of two */
+    size_t mask;
+    int shift;
+    PyObject *keys;   /* the owner's array('Q') */
+} KeyTable;
+
+/* The key column as a C array for the length of one call. */
+typedef struct {
+    Py_buffer view;
+    const uint64_t *keys;
+    Py_ssize_t n;
+} Keys;
+
+static int keys_open(KeyTable *self, Keys *k) {
+    if (PyObject_GetBuffer(self->keys, &k->view, PyBUF_FORMAT) < 0)
+        return -1;
+    if (k->view.itemsize != 8 || k->view.format == NULL || k->view.format[0] != 'Q') {
+        PyBuffer_Release(&k->view);
+        PyErr_SetString(PyExc_TypeError, "KeyTable: the key column must be an array('Q')");
+        return -1;
+    }
+    k->keys = (const uint64_t *)k->view.buf;
+    k->n = k->view.len / 8;
+    return 0;
+}
+
+static inline size_t home(const KeyTable *self, uint64_t key) {
+    return (size_t)((key * GOLDEN) >> self->shift);
+}
+
+/* ``slot``'s key, or an error (a slot the key column does not have: a bug of the owner). */
+static inline int key_at(const Keys *k, int32_t slot, uint64_t *out) {
+    if (slot < 0 || slot >= k->n) {
+        PyErr_Format(PyExc_IndexError, "KeyTable: slot %d is outside the key column (%zd rows)",
+                     (int)slot, k->n);
+        return -1;
+    }
+    *out = k->keys[slot];
+    return 0;
+}
+
+static int parse_key(PyObject *arg, uint64_t *out) {
+    if (!PyLong_Check(arg)) {
+        PyErr_Format(PyExc_TypeError, "KeyTable: key must be an int, not %.100s",
+                     Py_TYPE(arg)->tp_name);
+        return -1;
+    }
+    unsigned long long v = PyLong_AsUnsignedLongLong(arg);
+    if (v == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static PyObject *kt_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"capacity", "keys", NULL};
+    Py_ssize_t capacity;
+    PyObject *keys;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "nO:KeyTable", kwlist, &capacity, &keys))
+        return NULL;
+    if (capacity < 0) {
+        PyErr_Format(PyExc_ValueError, "KeyTable: capacity %zd is negative", capacity);
+        return NULL;
+    }
+    /* bits = max(3, (2 * capacity).bit_length()), as the Python table sizes itself. */
+    int bits = 0;
+    for (size_t c = 2 * (size_t)capacity; c; c >>= 1)
+        bits++;
+    if (bits < 3)
+        bits = 3;
+    if (bits > 40) {
+        PyErr_Format(PyExc_ValueError, "KeyTable: capacity %zd is too large", capacity);
+        return NULL;
+    }
+    KeyTable *self = (KeyTable *)type->tp_alloc(type, 0);
+    if (self == NULL)
+        return NULL;
+    self->size = (size_t)1 << bits;
+    self->mask = self->size - 1;
+    self->shift = 64 - bits;
+    self->table = PyMem_RawMalloc(self->size * sizeof(int32_t));
+    if (self->table == NULL) {
+        Py_DECREF(self);
+        return PyErr_NoMemory();
+    }
+    memset(self->table, 0xff, self->size * sizeof(int32_t)); /* every bucket -1 */
+    Py_INCREF(keys);
+    self->keys = keys;
+    return (PyObject *)self;
+}
+
+static void kt_dealloc(KeyTable *self) {
+    PyMem_RawFree(self->table);
+    Py_XDECREF(self->keys);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+PyDoc_STRVAR(find_doc, "find(key, /) -> int\n\nThe slot holding ``key`` (a u64), or -1.");
+
+static PyObject *kt_find(KeyTable *self, PyObject *arg) {
+    uint64_t key;
+    if (parse_key(arg, &key) < 0) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+            return NULL;
+        PyErr_Clear(); /* not a u64: in no table (the Python table compares and misses) */
+        return PyLong_FromLong(-1);
+    }
+    Keys k;
+    if (keys_open(self, &k) < 0)
+        return NULL;
+    size_t i = home(self, key);
+    int32_t slot;
+    for (;;) {
+        slot = self->table[i];
+        if (slot < 0)
+            break;
+        uint64_t at;
+        if (key_at(&k, slot, &at) < 0) {
+            PyBuffer_Release(&k.view);
+            return NULL;
+        }
+        if (at == key)
+            break;
+        i = (i + 1) & self->mask;
+    }
+    PyBuffer_Release(&k.view);
+    return PyLong_FromLong(slot);
+}
+
+PyDoc_STRVAR(insert_doc,
+"insert(key, slot, /)\n\nMap ``key`` (absent; ``keys[slot] == key`` already) to ``slot``.");
+
+static PyObject *kt_insert(KeyTable *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "insert() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    uint64_t key;
+    if (parse_key(args[0], &key) < 0)
+        return NULL;
+    long slot = PyLong_AsLong(args[1]);
+    if (slot == -1 && PyErr_Occurred())
+        return NULL;
+    if (slot < 0 || slot > INT32_MAX) {
+        PyErr_Format(PyExc_ValueError, "KeyTable: slot %ld is not a row", slot);
+        return NULL;
+    }
+    size_t i = home(self, key);
+    size_t probes = 0;
+    while (self->table[i] >= 0) {
+        if (++probes > self->size) {
+            PyErr_SetString(PyExc_RuntimeError, "KeyTable: the table is full");
+            return NULL;
+        }
+        i = (i + 1) & self->mask;
+    }
+    self->table[i] = (int32_t)slot;
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(delete_doc,
+"delete(key, /)\n\nForget ``key`` (present; ``keys[slot]`` still holds it).");
+
+static PyObject *kt_delete(KeyTable *self, PyObject *arg) {
+    uint64_t key;
+    if (parse_key(arg, &key) < 0)
+        return NULL;
+    Keys k;
+    if (keys_open(self, &k) < 0)
+        return NULL;
+    size_t mask = self->mask, i = home(self, key);
+    int32_t *table = self->table;
+    for (size_t probes = 0;; probes++) {
+        uint64_t at;
+        if (probes > self->size || table[i] < 0) {
+            PyBuffer_Release(&k.view);
+            PyErr_Format(PyExc_KeyError, "KeyTable: key %llu is not in the table",
+                         (unsigned long long)key);
+            return NULL;
+        }
+        if (key_at(&k, table[i], &at) < 0)
+            goto fail;
+        if (at == key)
+            break;
+        i = (i + 1) & mask;
+    }
+    /* Backward-shift deletion, as the Python table: move later members of the cluster whose
+     * home is at or before the hole into it. */
+    size_t j = i;
+    for (;;) {
+        table[i] = -1;
+        int32_t slot;
+        for (;;) {
+            j = (j + 1) & mask;
+            slot = table[j];
+            if (slot < 0) {
+                PyBuffer_Release(&k.view);
+                Py_RETURN_NONE;
+            }
+            uint64_t at;
+            if (key_at(&k, slot, &at) < 0)
+                goto fail;
+            size_t h = home(self, at);
+            if (((j - h) & mask) >= ((j - i) & mask))
+                break;
+        }
+        table[i] = slot;
+        i = j;
+    }
+fail:
+    PyBuffer_Release(&k.view);
+    return NULL;
+}
+
+PyDoc_STRVAR(clear_doc, "clear()\n\nForget every key.");
+
+static PyObject *kt_clear(KeyTable *self, PyObject *Py_UNUSED(ignored)) {
+    memset(self->table, 0xff, self->size * sizeof(int32_t));
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(buckets_doc,
+"buckets() -> list\n\nEvery bucket's slot (-1: empty), in table order (tests compare the two\n"
+"forms with it).");
+
+static PyObject *kt_buckets(KeyTable *self, PyObject *Py_UNUSED(ignored)) {
+    PyObject *out = PyList_New((Py_ssize_t)self->size);
+    if (out == NULL)
+        return NULL;
+    for (size_t i = 0; i < self->size; i++) {
+        PyObject *v = PyLong_FromLong(self->table[i]);
+        if (v == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, v);
+    }
+    return out;
+}
+
+static PyMethodDef kt_methods[] = {
+    {"find", (PyCFunction)kt_find, METH_O, find_doc},
+    {"insert", (PyCFunction)(void (*)(void))kt_insert, METH_FASTCALL, insert_doc},
+    {"delete", (PyCFunction)kt_delete, METH_O, delete_doc},
+    {"clear", (PyCFunction)kt_clear, METH_NOARGS, clear_doc},
+    {"buckets", (PyCFunction)kt_buckets, METH_NOARGS, buckets_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+PyDoc_STRVAR(kt_doc,
+"KeyTable(capacity, keys)\n\n"
+"A u64 content key -> slot map over ``keys`` (an array('Q') key column the owner writes);\n"
+"the compiled form of kvbm_plugin.tiers._rows.KeyTable.");
+
+static PyTypeObject KeyTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvbm_plugin.tiers._keytable_c.KeyTable",
+    .tp_basicsize = sizeof(KeyTable),
+    .tp_dealloc = (destructor)kt_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = kt_doc,
+    .tp_methods = kt_methods,
+    .tp_new = kt_new,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_keytable_c",
+    "The tier index's key table, compiled (tiers/_rows.py's KeyTable is the reference).",
+    -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit__keytable_c(void) {
+    if (PyType_Ready(&KeyTableType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    Py_INCREF(&KeyTableType);
+    if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
+        Py_DECREF(&KeyTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
