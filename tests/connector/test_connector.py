@@ -451,13 +451,14 @@ def test_prompt_blocks_are_hashed_once_per_request(monkeypatch) -> None:
     leader = _leader(tiers(host=8), "hash-once")
     try:
         calls = []
-        original = content_keys.chain_key
+        keyed = content_keys._KEYED
 
-        def counting(parent, tokens, salt=None):
-            calls.append(tuple(tokens))
-            return original(parent, tokens, salt)
+        class Counting:  # every block hashed takes one copy of the keyed hash
+            def copy(self):
+                calls.append(1)
+                return keyed.copy()
 
-        monkeypatch.setattr(content_keys, "chain_key", counting)
+        monkeypatch.setattr(content_keys, "_KEYED", Counting())
         tokens = prompt(33, 17)  # 4 full blocks of 4 and one token
         assert leader.get_num_new_matched_tokens(LlmRequest(1, tokens), 0) == (0, False)
         leader.build_connector_meta(SchedulerOutput(new_requests=[

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import re
 import shutil
 from types import SimpleNamespace
@@ -86,6 +87,24 @@ def test_chain_keys_depend_on_prefix_and_salt() -> None:
     assert len(keys) == 3 and keys[1] == chain_key(keys[0], toks[4:8])
     assert block_keys([99, *toks[1:]], 4)[2] != keys[2]  # a different prefix changes later keys
     assert block_keys(toks, 4, "salt") != keys
+
+
+def test_block_keys_are_chain_keys_along_the_chain() -> None:
+    """block_keys packs a prompt once; every key is still chain_key's (the definition)."""
+    rng = random.Random(7)
+    for _ in range(50):
+        bs = rng.choice([1, 3, 16, 32])
+        toks = [rng.randrange(-(1 << 63), 1 << 63) if rng.random() < 0.05
+                else rng.randrange(0, 200_000) for _ in range(rng.randrange(0, 9 * bs))]
+        salt = rng.choice([None, "", "tenant-7", "ünï"])
+        start = rng.randrange(0, 4)
+        parent = rng.choice([None, 0, (1 << 64) - 1, rng.getrandbits(64)])
+        expected, key = [], parent
+        for i in range(start, len(toks) // bs):
+            key = chain_key(key, toks[i * bs:(i + 1) * bs], salt)
+            expected.append(key)
+        assert block_keys(toks, bs, salt, start=start, parent=parent) == expected
+    assert chain_key(None, [1, 2]) == 0x7AD67B62201BE9DE  # the definition, pinned (as before)
 
 
 def test_tiers_are_registered_entry_points() -> None:

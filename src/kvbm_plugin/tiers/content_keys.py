@@ -27,9 +27,16 @@ Signature = tuple[int, int]
 _U64_MASK = (1 << 64) - 1
 
 
+# The hash of every content key, keyed and sized once; each key hashes a copy of it.
+_KEYED = hashlib.blake2b(digest_size=8, person=b"kvbm-blk")
+
+
 def chain_key(parent: int | None, tokens: Sequence[int], salt: str | None = None) -> int:
-    """Content key (u64) of one full block given its parent block's key, tokens and salt."""
-    h = hashlib.blake2b(digest_size=8, person=b"kvbm-blk")
+    """Content key (u64) of one full block given its parent block's key, tokens and salt:
+    BLAKE2b (8-byte digest, person ``kvbm-blk``) over the parent key as u64, the tokens as
+    int64, and ``\\0salt\\0`` + the salt where there is one, all little-endian; the key is the
+    digest read little-endian (so a key's 8 bytes are its children's first 8)."""
+    h = _KEYED.copy()
     h.update(struct.pack("<Q", 0 if parent is None else parent & _U64_MASK))
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
     if salt:
@@ -40,11 +47,23 @@ def chain_key(parent: int | None, tokens: Sequence[int], salt: str | None = None
 def block_keys(tokens: Sequence[int], block_size: int, salt: str | None = None, *,
                start: int = 0, parent: int | None = None) -> list[int]:
     """Content keys of the full blocks ``start..`` of ``tokens`` (``parent`` = key of block
-    ``start - 1``)."""
+    ``start - 1``): :func:`chain_key` along the chain, computed from one packing of the
+    tokens (the leader's match hashes every prompt block on the executor thread)."""
+    n = len(tokens) // block_size
+    if n <= start:
+        return []
+    lo, count = start * block_size, (n - start) * block_size
+    packed = struct.pack(f"<{count}q", *tokens[lo:lo + count])
+    suffix = b"\x00salt\x00" + salt.encode("utf-8") if salt else b""
+    digest = (0 if parent is None else parent & _U64_MASK).to_bytes(8, "little")
+    width = 8 * block_size
     keys: list[int] = []
-    for i in range(start, len(tokens) // block_size):
-        parent = chain_key(parent, tokens[i * block_size:(i + 1) * block_size], salt)
-        keys.append(parent)
+    append, from_bytes, keyed = keys.append, int.from_bytes, _KEYED.copy
+    for off in range(0, 8 * count, width):
+        h = keyed()
+        h.update(digest + packed[off:off + width] + suffix)
+        digest = h.digest()
+        append(from_bytes(digest, "little"))
     return keys
 
 
