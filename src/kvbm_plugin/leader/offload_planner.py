@@ -118,8 +118,8 @@ class OffloadPlanner:
         while state.offload_next < limit:
             i = state.offload_next
             key = keys[i]
-            present = index.lookup(key)  # resident: refresh its LRU place, in use again
-            if present is not None or key in index:
+            present, here = index.probe(key)  # resident: refresh its LRU place, in use again
+            if here:
                 if present is not None and write_through:  # not in the shared tier yet?
                     shared.follow(state, i, present, -1, -1)
                 state.offload_next += 1

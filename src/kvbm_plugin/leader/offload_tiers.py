@@ -37,6 +37,7 @@ from kvbm_plugin.wire.identity import scope_extra_keys
 
 logger = logging.getLogger("kvbm_plugin.connector_leader")
 MEDIUM = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_DISK}
+_NO_SCOPE = (None, None)  # no adapter, no salt, no multimodal item: a new index row's scope
 
 
 class OffloadTiers:
@@ -208,7 +209,8 @@ class OffloadTiers:
             entry, evicted = index.reserve(key, event_hash, parent, tokens, parent_key)
         except TierFullError:
             return None
-        entry.scope = scope
+        if scope != _NO_SCOPE:  # a new row's scope is already the unscoped one
+            entry.scope = scope
         if evicted is not None:
             self._stats["host_evictions" if index.name == TIER_HOST else "disk_evictions"] += 1
             # REMOVE before the metadata that reuses the slot leaves this method's caller (none

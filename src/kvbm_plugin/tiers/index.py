@@ -107,6 +107,17 @@ class TierIndex(TierRows):
         self._touch(slot)
         return self._view(slot)
 
+    def probe(self, key: int) -> tuple[TierEntry | None, bool]:
+        """:meth:`lookup` and ``key in self`` with one key lookup: ``(the resident entry,
+        refreshed as by lookup, or None; whether ``key`` is here at all, pending included)``."""
+        slot = self._find(key)
+        if slot < 0:
+            return None, False
+        if not self._flags[slot] & _RESIDENT:
+            return None, True
+        self._touch(slot)
+        return self._view(slot), True
+
     def pin(self, entry: TierEntry) -> None:
         if entry._snap is not None:  # left the tier: nothing of the tier to hold
             entry._snap[_S_PINS] += 1

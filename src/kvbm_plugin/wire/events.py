@@ -92,6 +92,10 @@ def to_unsigned_u64(value: int) -> int:
 
 def normalize_medium(value: Any) -> str:
     """Canonical medium (GPU/CPU/DISK/EXTERNAL) for a case-insensitive name or alias."""
+    if type(value) is str:  # the common case, a canonical name (every tier registration)
+        medium = _MEDIUM_ALIASES.get(value)
+        if medium is not None:
+            return medium
     if isinstance(value, bytes):
         value = value.decode("utf-8", "replace")
     if isinstance(value, str):
