@@ -161,18 +161,21 @@ class OffloadTiers:
 
     def announce(self, index: TierIndex, entry: TierEntry) -> None:
         """Register the tier STORE of a committed, named block (its parent is advertised)."""
-        # The scope only when there is one: a recorder written for the plain six-argument
-        # call keeps working for unscoped blocks.
-        block_scope = entry.scope
-        scope: dict[str, Any] = {}
-        if block_scope[0] is not None:
-            scope["lora_id"] = block_scope[0]
-        extra_keys = scope_extra_keys(block_scope)
-        if extra_keys is not None:
-            scope["extra_keys"] = extra_keys
-        self._tier_events.register_store(
-            MEDIUM[index.name], self._dp_rank, entry.event_hash, entry.parent_event_hash,
-            entry.token_ids, self._block_size, **scope)
+        event_hash, parent_hash, tokens, block_scope = index.store_fields(entry)
+        if block_scope == _NO_SCOPE:
+            # The scope only when there is one: a recorder written for the plain six-argument
+            # call keeps working for unscoped blocks.
+            self._tier_events.register_store(MEDIUM[index.name], self._dp_rank, event_hash,
+                                             parent_hash, tokens, self._block_size)
+        else:
+            scope: dict[str, Any] = {}
+            if block_scope[0] is not None:
+                scope["lora_id"] = block_scope[0]
+            extra_keys = scope_extra_keys(block_scope)
+            if extra_keys is not None:
+                scope["extra_keys"] = extra_keys
+            self._tier_events.register_store(MEDIUM[index.name], self._dp_rank, event_hash,
+                                             parent_hash, tokens, self._block_size, **scope)
         if self.on_announced is not None:
             self.on_announced(index, entry)  # the shared tier's write-through takes the name
         entry.drop_tokens()  # a no-op where the index keeps them (the host tier: demotions)

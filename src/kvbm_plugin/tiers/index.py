@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from kvbm_plugin.tiers._entry import (
     _EH_NEG,
+    _NO_TOKENS,
     _ODD_TOKENS,
     _PEH_NEG,
     _PEH_NONE,
@@ -106,6 +107,31 @@ class TierIndex(TierRows):
             return None
         self._touch(slot)
         return self._view(slot)
+
+    def store_fields(self, entry: TierEntry) -> tuple[int, int | None, list[int], Any]:
+        """(event hash, parent event hash, token ids, scope) of ``entry``, read from its row in
+        one call: what its tier STORE registration carries (``OffloadTiers.announce``, once
+        per committed block on the executor thread). A detached view's own values."""
+        if entry._snap is not None or entry._index is not self:
+            return (entry.event_hash, entry.parent_event_hash, list(entry.token_ids),
+                    entry.scope)
+        slot = entry.slot
+        flags = self._flags[slot]
+        eh = self._eh[slot]
+        if flags & _EH_NEG:
+            eh -= 1 << 64
+        if flags & _PEH_NONE:
+            peh = None
+        else:
+            peh = self._peh[slot]
+            if flags & _PEH_NEG:
+                peh -= 1 << 64
+        if flags & (_ODD_TOKENS | _NO_TOKENS):
+            tokens = list(self._tokens(slot))
+        else:
+            width = self._width
+            tokens = self._tok[slot * width:(slot + 1) * width].tolist() if width > 0 else []
+        return eh, peh, tokens, self._scopes[self._scope[slot]]
 
     def probe(self, key: int) -> tuple[TierEntry | None, bool]:
         """:meth:`lookup` and ``key in self`` with one key lookup: ``(the resident entry,
