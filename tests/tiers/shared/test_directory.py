@@ -234,7 +234,8 @@ def test_pending_blocks_are_tracked_and_bounded() -> None:
 @pytest.mark.parametrize(("field", "value"), [
     ("digest", b"short"), ("parent_digest", b"x" * 15), ("event_hash", 1 << 64),
     ("parent_event_hash", "7"), ("token_ids", ()), ("token_ids", [1, 2]),
-    ("token_ids", (1, True)), ("lora_id", 1.5), ("extra_keys", ["salt"]),
+    ("token_ids", (1, True)), ("token_ids", (1, 1 << 63)), ("token_ids", (-(1 << 63) - 1, 2)),
+    ("token_ids", (1, "2")), ("token_ids", (1, 2.0)), ("lora_id", 1.5), ("extra_keys", ["salt"]),
     ("extra_keys", (["unhashable"],)),
 ])
 def test_check_block_names_the_bad_field(field: str, value: object) -> None:

@@ -81,3 +81,24 @@ def test_the_digest_chains_over_the_prefix() -> None:
     assert len(a) == 3 and all(x != y for x, y in zip(a, b, strict=True))
     assert chain_digests(list(range(96)), 32, None, start=2, parent=a[1]) == a[2:]
     assert chain_digests(list(range(95)), 32, None) == a[:2]  # partial block: no digest
+
+
+def test_chain_digests_are_content_digests_along_the_chain() -> None:
+    """chain_digests packs a request's tokens once; every digest is still content_digest's
+    (the definition every engine's object keys are made by)."""
+    import random
+
+    rng = random.Random(11)
+    for _ in range(40):
+        bs = rng.choice([1, 4, 32])
+        tokens = [rng.randrange(-(1 << 63), 1 << 63) if rng.random() < 0.05
+                  else rng.randrange(0, 200_000) for _ in range(rng.randrange(0, 7 * bs))]
+        scope = rng.choice([None, "", "salt:tenant", "lora:0", "ü" * 3])
+        start = rng.randrange(0, 3)
+        parent = rng.choice([None, bytes(DIGEST_BYTES), DIGEST])
+        expected, digest = [], parent
+        for i in range(start, len(tokens) // bs):
+            digest = content_digest(digest, tokens[i * bs:(i + 1) * bs], scope)
+            expected.append(digest)
+        assert chain_digests(tokens, bs, scope, start=start, parent=parent) == expected
+    assert DIGEST.hex() == "f5deca61835dafc351aa4d8d559f7bc9"  # pinned: as before

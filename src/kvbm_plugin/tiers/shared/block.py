@@ -19,6 +19,7 @@ from kvbm_plugin.tiers.shared.keys import DIGEST_BYTES
 _U64: Final = (1 << 64) - 1
 _I64_MIN: Final = -(1 << 63)
 _I64_MAX: Final = (1 << 63) - 1
+_INT_ONLY: Final = frozenset((int,))
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +55,11 @@ def check_block(block: Any) -> SharedBlock:
     tokens = block.token_ids
     if not isinstance(tokens, tuple) or not tokens:
         raise ValueError(f"token_ids {saferepr(tokens)} is not a non-empty tuple")
-    for token in tokens:
-        if type(token) is not int or not _I64_MIN <= token <= _I64_MAX:
-            raise ValueError(f"token_ids: {saferepr(token)} is not an int64")
+    # In C loops (type, min, max): this runs once per block written through, on the
+    # executor thread; the first bad token is looked for only when there is one.
+    if set(map(type, tokens)) != _INT_ONLY or min(tokens) < _I64_MIN or max(tokens) > _I64_MAX:
+        bad = next(t for t in tokens if type(t) is not int or not _I64_MIN <= t <= _I64_MAX)
+        raise ValueError(f"token_ids: {saferepr(bad)} is not an int64")
     lora = block.lora_id
     if lora is not None and (type(lora) is not int or not _I64_MIN <= lora <= _I64_MAX):
         raise ValueError(f"lora_id {saferepr(lora)} is not None or an int64")

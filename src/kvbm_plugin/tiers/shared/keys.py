@@ -22,29 +22,47 @@ from dataclasses import dataclass
 
 DIGEST_BYTES = 16
 _PERSON = b"kvbm-shared"
+# The digest every block key hashes, keyed and sized once; each digest hashes a copy of it.
+_KEYED = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_PERSON)
 
 
 def content_digest(parent: bytes | None, tokens: Sequence[int], scope: str | None) -> bytes:
     """The 16-byte content digest of one full block: its parent's digest (None for a root),
     its token ids and the reuse scope (None: the base model, no salt, no multimodal keys)."""
-    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_PERSON)
+    h = _KEYED.copy()
     h.update(parent if parent is not None else b"\x00" * DIGEST_BYTES)
-    if scope is not None:
-        encoded = scope.encode("utf-8")
-        h.update(struct.pack("<I", len(encoded)) + encoded)
-    else:
-        h.update(b"\xff\xff\xff\xff")  # no scope, unlike any encoded scope
+    h.update(_scope_bytes(scope))
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
     return h.digest()
 
 
+def _scope_bytes(scope: str | None) -> bytes:
+    if scope is None:
+        return b"\xff\xff\xff\xff"  # no scope, unlike any encoded scope
+    encoded = scope.encode("utf-8")
+    return struct.pack("<I", len(encoded)) + encoded
+
+
 def chain_digests(tokens: Sequence[int], block_size: int, scope: str | None, *,
                   start: int = 0, parent: bytes | None = None) -> list[bytes]:
-    """Digests of the full blocks ``start..`` of ``tokens`` (``parent``: block ``start - 1``'s)."""
+    """Digests of the full blocks ``start..`` of ``tokens`` (``parent``: block ``start - 1``'s):
+    :func:`content_digest` along the chain, from one packing of the tokens (the leader
+    computes a request's digests on the executor thread)."""
+    n = len(tokens) // block_size
+    if n <= start:
+        return []
+    lo, count = start * block_size, (n - start) * block_size
+    packed = struct.pack(f"<{count}q", *tokens[lo:lo + count])
+    scoped = _scope_bytes(scope)
+    digest = parent if parent is not None else b"\x00" * DIGEST_BYTES
+    width = 8 * block_size
     out: list[bytes] = []
-    for i in range(start, len(tokens) // block_size):
-        parent = content_digest(parent, tokens[i * block_size:(i + 1) * block_size], scope)
-        out.append(parent)
+    keyed = _KEYED.copy
+    for off in range(0, 8 * count, width):
+        h = keyed()
+        h.update(digest + scoped + packed[off:off + width])
+        digest = h.digest()
+        out.append(digest)
     return out
 
 
