@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 from array import array
 from collections.abc import Sequence
+from typing import Any
 
 from kvbm_plugin.tiers._entry import (
     _EH_NEG,
