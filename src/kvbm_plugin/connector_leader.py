@@ -88,7 +88,7 @@ from kvbm_plugin.tiers.base import (
     block_keys,
 )
 from kvbm_plugin.tiers.disk import claim_directory
-from kvbm_plugin.wire.identity import lora_of, remember_salt_text, request_scope, salt_of
+from kvbm_plugin.wire.identity import remember_salt_text, request_scopes
 
 logger = logging.getLogger(__name__)
 _TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
@@ -289,8 +289,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             self._release_plan(old)
         # The C++ request carries the salt as cache_salt_id only; newer Python requests also
         # as cache_salt. Either way it scopes every key, as it scopes TRT-LLM's own.
-        salt = request_scope(request)
-        state = _Request(req_id, salt=salt, scope=(lora_of(request), salt_of(request)),
+        salt, scope = request_scopes(request)
+        state = _Request(req_id, salt=salt, scope=scope,
                          name_inputs=self._naming.inputs_of(request, req_id),
                          handle=request_handle(request),
                          lora_root_pending=True)
@@ -446,8 +446,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         for rd in (*scheduler_output.new_requests, *scheduler_output.cached_requests):
             state = self._reqs.get(rd.request_id)
             if state is None:
+                salt, scope = request_scopes(rd)
                 state = self._reqs[rd.request_id] = _Request(
-                    rd.request_id, salt=request_scope(rd), scope=(lora_of(rd), salt_of(rd)),
+                    rd.request_id, salt=salt, scope=scope,
                     name_inputs=self._naming.inputs_of(rd, rd.request_id))
             elif state.salt is None and not state.reported:
                 self._adopt_scope(state, rd)
@@ -542,10 +543,10 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         """A request matched without a salt whose first report names one (a request object
         that lacked the field): key its blocks under the salt from now on, never unsalted
         (and name them under the salted rule, which the naming then awaits events for)."""
-        salt = request_scope(rd)
+        salt, scope = request_scopes(rd)
         if salt is not None:
             state.salt = salt
-            state.scope = (lora_of(rd), salt_of(rd))
+            state.scope = scope
             state.keys = []  # rehashed under the salt by OffloadPlanner.absorb
             state.v2_keys = {}
             state.digests = []

@@ -191,6 +191,14 @@ def request_scope(obj: Any) -> str | None:
     return scope_string(salt_of(obj), lora_of(obj), multimodal_of(obj))
 
 
+def request_scopes(obj: Any) -> tuple[str | None, tuple[int | None, int | None]]:
+    """(:func:`request_scope`, (LoRA task id, salt id)) of ``obj``, its fields read once: what
+    the leader keys a request's tier blocks by and names their tier events with (executor
+    thread, once per request)."""
+    salt, lora = salt_of(obj), lora_of(obj)
+    return scope_string(salt, lora, multimodal_of(obj)), (lora, salt)
+
+
 def scope_string(salt: int | None, lora: int | None, mm: str | None) -> str | None:
     """:func:`request_scope` of a request with this salt id, LoRA task id and multimodal
     digest (also how a leader receiving another engine's announcement recomputes the scope
