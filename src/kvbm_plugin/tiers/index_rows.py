@@ -44,12 +44,8 @@ def _u64(value: int, what: str) -> tuple[int, bool]:
     raise ValueError(f"{what} {value!r} is not a 64-bit hash")
 
 
+_ZEROS = array("i", bytes(4 * 64))
 _NO_SIG = array("q", (-1, 0))
-_GROW_ROWS = 64  # rows added to every column at once (TierRows._grow)
-_ZERO_Q = array("Q", bytes(8 * _GROW_ROWS))
-_ZERO_I = array("I", bytes(4 * _GROW_ROWS))
-_ZERO_B = array("B", bytes(_GROW_ROWS))
-_MINUS_I = array("i", [-1]) * _GROW_ROWS
 
 
 class TierRows(SlotRows):
@@ -151,25 +147,20 @@ class TierRows(SlotRows):
                 self._signatures(slot) if self._sig else {}, self._scopes[self._scope[slot]]]
 
     def _grow(self) -> int:
-        """A never-used slot. Rows are added in runs (at most ``_GROW_ROWS``, never past the
-        capacity): one extend per column per run instead of an append per column per block;
-        the run's other rows go on the free list so that slots are still handed out in
-        ascending order."""
+        """A never-used slot: one more row in every column."""
         slot = len(self._key)
-        n = min(_GROW_ROWS, max(1, self.capacity - slot))
         for column in (self._key, self._eh, self._peh, self._tick):
-            column.extend(_ZERO_Q[:n])
+            column.append(0)
         for column in (self._parent, self._child, self._next, self._prev):
-            column.extend(_MINUS_I[:n])
-        self._flags.extend(_ZERO_B[:n])
-        self._pins.extend(_ZERO_I[:n])
-        self._scope.extend(_ZERO_I[:n])
+            column.append(-1)
+        self._flags.append(0)
+        self._pins.append(0)
+        self._scope.append(0)
         if self._width > 0:
-            self._tok.extend(array("i", bytes(4 * self._width * n)))
+            self._tok.extend(_ZEROS[:self._width] if self._width <= len(_ZEROS)
+                             else array("i", bytes(4 * self._width)))
         for sig in self._sig.values():
-            sig.extend(_NO_SIG * n)
-        if n > 1:
-            self._free.extend(range(slot + n - 1, slot, -1))  # popped lowest first
+            sig.extend(_NO_SIG)
         return slot
 
     def _store_tokens(self, slot: int, token_ids: Sequence[int]) -> bool:
