@@ -14,8 +14,9 @@
   a whole :class:`KvbmConnectorLeader` (disk tier of 1M blocks, in-process consolidator, as
   deployed) driven through 1M offloaded blocks: requests of 64 blocks, TensorRT-LLM's hashes
   handed over in ``RequestData.block_hashes``, every save reported done by a simulated worker.
-  Printed by component: what each frees when the leader lets go of it (the tier index, the
-  consolidator's output replay buffer, the consolidator's blocks and maps, ...). The
+  Printed by where it was allocated (the source file of each allocation still held: the tier
+  index, the consolidator's blocks and maps, the block names, the leader's own state), and
+  the consolidator's output replay buffer by what clearing it frees. The
   block-name table, used only where TensorRT-LLM hands no hashes over, is measured on its own
   at the same size.
 
@@ -242,9 +243,20 @@ def _replay_bytes() -> int:
     return load_publisher_settings().buffer_bytes
 
 
+# Where the leader's heap was allocated, by source file (the first match names the share).
+_HEAP_SHARES = (
+    ("tier index (tiers/)", f"kvbm_plugin{os.sep}tiers{os.sep}"),
+    ("consolidator's blocks and maps (consolidator/)", f"kvbm_plugin{os.sep}consolidator{os.sep}"),
+    ("block names and unnamed tier stores (naming/)", f"kvbm_plugin{os.sep}naming{os.sep}"),
+    ("the leader's own state (connector_leader.py, leader/)",
+     f"kvbm_plugin{os.sep}connector_leader.py", f"kvbm_plugin{os.sep}leader{os.sep}"),
+)
+
+
 def bench_leader_heap(n: int) -> list[Row]:
-    """The leader's heap after the drive, then what each component frees when the leader lets
-    go of it (retained bytes: an object counts where it is kept, not where it was made)."""
+    """The leader's heap after the drive, then by where it was allocated (the source file of
+    each allocation still held: an object counts where it was made), and the consolidator's
+    output replay buffer apart (what clearing it frees)."""
     rows: list[Row] = []
     with tempfile.TemporaryDirectory(prefix="kvbm-bench-tiers-") as tmp:
         # A small drive first: the modules a leader imports on its way are not per block.
@@ -254,6 +266,7 @@ def bench_leader_heap(n: int) -> list[Row]:
         gc.collect()
         tracemalloc.start()
         try:
+            first = tracemalloc.take_snapshot()
             before = tracemalloc.get_traced_memory()[0]
             start = time.perf_counter()
             leader, requests = _drive_leader(n, tmp)
@@ -262,36 +275,28 @@ def bench_leader_heap(n: int) -> list[Row]:
             total = tracemalloc.get_traced_memory()[0] - before
             resident = len(leader._tiers.disk or ())
             leader.shutdown()  # stops the consolidator's thread; its state stays until dropped
-            shares: dict[str, float] = {}
-
-            def drop(name: str, *attributes: str) -> None:
-                gc.collect()
-                held = tracemalloc.get_traced_memory()[0]
-                for attribute in attributes:
-                    setattr(leader, attribute, None)
-                gc.collect()
-                shares[name] = held - tracemalloc.get_traced_memory()[0]
-
-            def clear_replay() -> None:  # the consolidator's output replay buffer
-                publisher = getattr(leader.consolidator, "_publisher", None)
-                buffer = getattr(publisher, "_buffer", None)
-                if buffer is not None:
-                    buffer.clear()
-
-            drop("tier index (tiers/)", "_disk")
             gc.collect()
             held = tracemalloc.get_traced_memory()[0]
-            clear_replay()
+            shares: dict[str, float] = {name: 0.0 for name, *_ in _HEAP_SHARES}
+            other = 0.0
+            for stat in tracemalloc.take_snapshot().compare_to(first, "filename"):
+                path = stat.traceback[0].filename
+                name = next((name for name, *parts in _HEAP_SHARES
+                             if any(part in path for part in parts)), None)
+                if name is None:
+                    other += stat.size_diff
+                else:
+                    shares[name] += stat.size_diff
+            publisher = getattr(leader.consolidator, "_publisher", None)
+            buffer = getattr(publisher, "_buffer", None)
+            if buffer is not None:  # the output replay buffer (its payload is bytes: "other")
+                buffer.clear()
             gc.collect()
-            shares["consolidator's output replay buffer (at most "
-                   f"{_replay_bytes() / 2**20:g} MiB of payload)"] = \
-                held - tracemalloc.get_traced_memory()[0]
-            drop("consolidator's blocks and maps (consolidator/)", "consolidator",
-                 "_tier_events")
-            drop("block names and unnamed tier stores (naming/)", "_naming")
-            drop("leader's per-request state (connector_leader.py)", "_reqs", "_ops")
-            shares["everything else (sink, publisher, sockets, ...)"] = total - sum(
-                shares.values())
+            replay = held - tracemalloc.get_traced_memory()[0]
+            shares["everything else (sink, publisher, sockets, the simulated worker's reports,"
+                   " ...)"] = other
+            shares[f"  in it, the consolidator's output replay buffer (at most "
+                   f"{_replay_bytes() / 2**20:g} MiB of payload: what clearing it frees)"] = replay
         finally:
             tracemalloc.stop()
     per = total / resident
