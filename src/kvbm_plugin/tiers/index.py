@@ -103,11 +103,7 @@ class TierIndex(TierRows):
 
     def lookup(self, key: int) -> TierEntry | None:
         """The resident entry for ``key`` (and mark it most recently used), or None."""
-        slot = self._find(key)
-        if slot < 0 or not self._flags[slot] & _RESIDENT:
-            return None
-        self._touch(slot)
-        return self._view(slot)
+        return self.probe(key)[0]
 
     def store_fields(self, entry: TierEntry) -> tuple[int, int | None, list[int], Any]:
         """(event hash, parent event hash, token ids, scope) of ``entry``, read from its row in
@@ -117,26 +113,18 @@ class TierIndex(TierRows):
             return (entry.event_hash, entry.parent_event_hash, list(entry.token_ids),
                     entry.scope)
         slot = entry.slot
-        flags = self._flags[slot]
-        eh = self._eh[slot]
-        if flags & _EH_NEG:
-            eh -= 1 << 64
-        if flags & _PEH_NONE:
-            peh = None
-        else:
-            peh = self._peh[slot]
-            if flags & _PEH_NEG:
-                peh -= 1 << 64
-        if flags & (_ODD_TOKENS | _NO_TOKENS):
+        if self._flags[slot] & (_ODD_TOKENS | _NO_TOKENS):
             tokens = list(self._tokens(slot))
         else:
             width = self._width
             tokens = self._tok[slot * width:(slot + 1) * width].tolist() if width > 0 else []
-        return eh, peh, tokens, self._scopes[self._scope[slot]]
+        return (self._event_hash(slot), self._parent_event_hash(slot), tokens,
+                self._scopes[self._scope[slot]])
 
     def probe(self, key: int) -> tuple[TierEntry | None, bool]:
-        """:meth:`lookup` and ``key in self`` with one key lookup: ``(the resident entry,
-        refreshed as by lookup, or None; whether ``key`` is here at all, pending included)``."""
+        """``(the resident entry for ``key``, marked most recently used, or None; whether
+        ``key`` is here at all, pending included)``: :meth:`lookup` and ``key in self`` with
+        one key lookup."""
         slot = self._find(key)
         if slot < 0:
             return None, False
