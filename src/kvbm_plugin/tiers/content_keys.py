@@ -14,7 +14,7 @@ import hashlib
 import os
 import struct
 from collections.abc import Sequence
-from typing import Literal
+from typing import Any, Literal
 
 TierName = Literal["host", "disk"]
 TIER_HOST: TierName = "host"
@@ -47,24 +47,36 @@ def chain_key(parent: int | None, tokens: Sequence[int], salt: str | None = None
 def block_keys(tokens: Sequence[int], block_size: int, salt: str | None = None, *,
                start: int = 0, parent: int | None = None) -> list[int]:
     """Content keys of the full blocks ``start..`` of ``tokens`` (``parent`` = key of block
-    ``start - 1``): :func:`chain_key` along the chain, computed from one packing of the
-    tokens (the leader's match hashes every prompt block on the executor thread)."""
+    ``start - 1``): :func:`chain_key` along the chain, computed by :func:`chained_digests` (the
+    leader's match hashes every prompt block on the executor thread)."""
+    first = (0 if parent is None else parent & _U64_MASK).to_bytes(8, "little")
+    suffix = b"\x00salt\x00" + salt.encode("utf-8") if salt else b""
+    from_bytes = int.from_bytes
+    return [from_bytes(d, "little") for d in
+            chained_digests(_KEYED, first, tokens, block_size, start, after=suffix)]
+
+
+def chained_digests(keyed: Any, first: bytes, tokens: Sequence[int], block_size: int,
+                    start: int = 0, *, before: bytes = b"", after: bytes = b"") -> list[bytes]:
+    """Digests of the full blocks ``start..`` of ``tokens`` along a chain: each is a copy of
+    ``keyed`` over the previous digest (``first`` for block ``start``), ``before``, the block's
+    tokens as little-endian int64 and ``after``. The tokens are packed once (the tier content
+    keys and the shared tier's digests, both on the executor thread)."""
     n = len(tokens) // block_size
     if n <= start:
         return []
     lo, count = start * block_size, (n - start) * block_size
     packed = struct.pack(f"<{count}q", *tokens[lo:lo + count])
-    suffix = b"\x00salt\x00" + salt.encode("utf-8") if salt else b""
-    digest = (0 if parent is None else parent & _U64_MASK).to_bytes(8, "little")
+    digest = first
     width = 8 * block_size
-    keys: list[int] = []
-    append, from_bytes, keyed = keys.append, int.from_bytes, _KEYED.copy
+    out: list[bytes] = []
+    copy = keyed.copy
     for off in range(0, 8 * count, width):
-        h = keyed()
-        h.update(digest + packed[off:off + width] + suffix)
+        h = copy()
+        h.update(digest + before + packed[off:off + width] + after)
         digest = h.digest()
-        append(from_bytes(digest, "little"))
-    return keys
+        out.append(digest)
+    return out
 
 
 def block_path(directory: str, rank: int, slot: int) -> str:

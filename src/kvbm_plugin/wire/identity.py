@@ -188,7 +188,7 @@ def multimodal_of(obj: Any) -> str | None:
 def request_scope(obj: Any) -> str | None:
     """One string naming the reuse scope (salt, LoRA, multimodal inputs) of ``obj``, None for
     the default scope: mixed into every tier key, so blocks of two scopes never share a key."""
-    return scope_string(salt_of(obj), lora_of(obj), multimodal_of(obj))
+    return request_scopes(obj)[0]
 
 
 def request_scopes(obj: Any) -> tuple[str | None, tuple[int | None, int | None]]:

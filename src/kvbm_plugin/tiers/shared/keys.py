@@ -20,6 +20,8 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvbm_plugin.tiers.content_keys import chained_digests
+
 DIGEST_BYTES = 16
 _PERSON = b"kvbm-shared"
 # The digest every block key hashes, keyed and sized once; each digest hashes a copy of it.
@@ -46,24 +48,9 @@ def _scope_bytes(scope: str | None) -> bytes:
 def chain_digests(tokens: Sequence[int], block_size: int, scope: str | None, *,
                   start: int = 0, parent: bytes | None = None) -> list[bytes]:
     """Digests of the full blocks ``start..`` of ``tokens`` (``parent``: block ``start - 1``'s):
-    :func:`content_digest` along the chain, from one packing of the tokens (the leader
-    computes a request's digests on the executor thread)."""
-    n = len(tokens) // block_size
-    if n <= start:
-        return []
-    lo, count = start * block_size, (n - start) * block_size
-    packed = struct.pack(f"<{count}q", *tokens[lo:lo + count])
-    scoped = _scope_bytes(scope)
-    digest = parent if parent is not None else b"\x00" * DIGEST_BYTES
-    width = 8 * block_size
-    out: list[bytes] = []
-    keyed = _KEYED.copy
-    for off in range(0, 8 * count, width):
-        h = keyed()
-        h.update(digest + scoped + packed[off:off + width])
-        digest = h.digest()
-        out.append(digest)
-    return out
+    :func:`content_digest` along the chain, computed by ``content_keys.chained_digests``."""
+    return chained_digests(_KEYED, parent if parent is not None else b"\x00" * DIGEST_BYTES,
+                           tokens, block_size, start, before=_scope_bytes(scope))
 
 
 @dataclass(frozen=True)
