@@ -41,18 +41,23 @@ def test_dynamo_joining_after_the_buffer_rolled(indexer: Indexer, tmp_path: Path
         for i in range(10):  # seq 0..9; the buffer keeps 6..9
             pub.publish([_store(i)])
         indexer.register(1, pub_ep.connect, replay_ep.connect, BS)
-        live = 10
+        # The indexer's SUB joins late: wait until its subscription took effect, then send one
+        # live batch (seq 10). Re-sending live batches until one arrived would push the batches
+        # published before the join (6..9) out of the 4-batch buffer on a loaded host (four
+        # sends), leaving no retained batch for the replay answer to carry.
         deadline = time.monotonic() + 30
-        want_live: set[int] = set()
-        while True:  # live batches until one reached the indexer (its SUB joins late)
-            pub.publish([_store(live)])
-            want_live.add(to_signed_int64((1 << 40) + live))
-            live += 1
-            held = indexer.held().get((1, 0, "GPU"), set())
-            if held & want_live:
-                break
-            assert time.monotonic() < deadline, "no live batch reached the indexer"
-            time.sleep(0.2)  # poll interval: the indexer applies events asynchronously
+        while pub.stats()["subscriptions_applied"] < 1:
+            assert time.monotonic() < deadline, f"the indexer never subscribed: {pub.stats()}"
+            time.sleep(0.05)  # poll interval
+        live = 10
+        first_live = to_signed_int64((1 << 40) + live)
+        pub.publish([_store(live)])
+        live += 1
+        while first_live not in indexer.held().get((1, 0, "GPU"), set()):
+            assert time.monotonic() < deadline, (
+                f"the live batch never reached the indexer: {_replay_stats(pub)}; indexer log "
+                f"{_log_tail(indexer)}")
+            time.sleep(0.05)  # poll interval: the indexer applies events asynchronously
         retained = {to_signed_int64((1 << 40) + i) for i in range(6, 10)}
         before = {to_signed_int64((1 << 40) + i) for i in range(6)}
         # Once the indexer asked for its replay, one more live batch: the indexer applies it
@@ -74,8 +79,7 @@ def test_dynamo_joining_after_the_buffer_rolled(indexer: Indexer, tmp_path: Path
     assert not held & before  # what left the buffer is gone for every answer
     assert stats["replay_rolled_requests"] >= 1
     if rolled == "oldest":
-        # Dynamo applies the retained batches it was sent (those live batches sent before its
-        # SUB joined may have pushed out of the buffer too)
+        # Dynamo applies the retained batches it was sent (the buffer held 7..10 when asked)
         assert held & retained
     else:
         assert not held & retained  # the end marker alone: live batches only
