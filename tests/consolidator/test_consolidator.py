@@ -485,6 +485,23 @@ def test_an_ext_value_loses_only_its_own_event(ipc_dir, start, raw_rank):
     assert stats["output_lost"] == 0 and stats["events_applied"] == 3
 
 
+def test_the_output_counts_the_subscriptions_it_took_in(ipc_dir, start):
+    """``output_subscriptions``: 0 while no router listens, then one per SUB that subscribed
+    (what a deployment, or a test, waits for before the first batch it must not lose)."""
+    config = make_config(ipc_dir, replay=False)
+    consolidator = start(config)
+    assert consolidator.stats()["output_subscriptions"] == 0
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    try:
+        sub.connect(config.output.connect)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        wait_for(lambda: consolidator.stats()["output_subscriptions"] == 1,
+                 what="the output's subscription")
+    finally:
+        sub.close(0)
+
+
 def test_bogus_dp_ranks_are_refused_and_keep_no_state(ipc_dir, start, raw_rank, caplog):
     """A payload naming a dp rank outside 0..max_dp_ranks-1 is dropped, counted and logged
     (rate-limited); no per-rank state is kept for it, however many distinct ranks arrive."""

@@ -72,6 +72,11 @@ def _wait_published(tmp: str, port: int, env: dict[str, str]) -> int:
             s.close()
 
 
+def _output_subscriptions(engine: Any, rank: int) -> int:
+    """Subscriptions rank ``rank``'s consolidated output (the YAML's endpoint) took in."""
+    return int(engine.call(rank, "consolidator_stats")["output_subscriptions"])
+
+
 async def main(tmp: str, port: int) -> dict[str, Any]:
     from dynamo.llm import (
         KvRouter,
@@ -129,6 +134,7 @@ async def main(tmp: str, port: int) -> dict[str, Any]:
             engine.submit(warm[r], 1, dp_rank=r)
         engine.run_until_idle(timeout_s=60)
         out["warm_published"] = _wait_published(tmp, port, env) * BS
+        joined = [_output_subscriptions(engine, r) for r in range(RANKS)]
         # After the engine is up, as llm_worker.py does: Dynamo's own STREAMING relays.
         async with get_publisher(
                 endpoint, _EngineFacts(), int(worker), BS, [], component_gauges=None,
@@ -136,7 +142,12 @@ async def main(tmp: str, port: int) -> dict[str, Any]:
                 kv_event_publication_mode=KvEventPublicationMode.STREAMING,
                 streaming_kv_events_config=dict(yaml_events),
                 streaming_kv_events_gpus_per_node=8):
-            await asyncio.sleep(0.5)  # the relays' SUB sockets join (slow joiner; no replay)
+            # The relays' SUB sockets join late (slow joiner; they ask no replay): until each
+            # rank's output took a new subscription in, what it sends is lost to them.
+            deadline = time.monotonic() + 30
+            while any(_output_subscriptions(engine, r) <= joined[r] for r in range(RANKS)):
+                assert time.monotonic() < deadline, "Dynamo's relays never subscribed"
+                await asyncio.sleep(0.05)  # poll interval
             for r in range(RANKS):  # the warm-up's GPU blocks, stored before the relays joined
                 answer = await router.get_overlap_scores(warm[r] + [1, 2])
                 out["warm_gpu_credited_at_join"] += _blocks(answer, worker, r)[0] * BS

@@ -390,8 +390,12 @@ class KvEventConsolidator(StreamIngest):
         # (take_gpu_batch, counted when accepted; ``direct_batches`` when applied).
         out["messages_received"] += self._direct_in
         publisher = self._publisher
+        out["output_subscriptions"] = 0
         if publisher is not None:  # lost by a threaded publisher after publish() accepted it
-            out["output_lost"] += int(publisher.stats().get("lost_after_accept", 0))
+            published = publisher.stats()
+            out["output_lost"] += int(published.get("lost_after_accept", 0))
+            # Subscriptions the output took in: whether a router's SUB is listening yet.
+            out["output_subscriptions"] = int(published.get("subscriptions_applied", 0))
         out["registrations_queued"] = len(self._queue)
         # Salt strings forgotten at the process-wide bound: such a salt goes out by its id's
         # hex from then on (wire.router_forms), which no client's request names.
