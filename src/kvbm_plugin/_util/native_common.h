@@ -48,28 +48,65 @@ static inline int str_dict_item(PyObject *d, PyObject *key, PyObject **out) {
     return 1;
 }
 
-/* d[key] (borrowed) for an exact dict, found in the walk that checks its keys (see
- * str_keys_only): 1 found, 0 absent, -1 a key that is not an exact str (no error set; the
- * caller leaves the event to the Python code). For the small dicts read for one key (a
- * token's id), cheaper than the check and a lookup. ``key`` is interned, as are the literal
- * keys of the dicts read, so the identity test usually decides; an equal str that is another
- * object is still found. */
+/* The values of the interned ``keys`` (``n`` of them; ``hashes`` their hashes) in the exact
+ * dict ``d``, read in one walk of its entries: ``out[i]`` the borrowed value of ``keys[i]``
+ * or NULL where absent. 0, or -1 when some key of ``d`` is not an exact str (no error set;
+ * the caller leaves the event to the Python code). The same answer as str_keys_only and a
+ * lookup per key, for the price of the walk alone: a key that is not one of ``keys`` by
+ * identity is compared by its cached hash first. Runs no Python code, so the values stay
+ * valid while the caller holds ``d``. */
+static inline int str_dict_pick(PyObject *d, PyObject *const *keys, const Py_hash_t *hashes,
+                                int n, PyObject **out) {
+    Py_ssize_t pos = 0, left = PyDict_GET_SIZE(d);
+    PyObject *k, *v;
+    int i;
+    for (i = 0; i < n; i++) out[i] = NULL;
+    /* ``left``: no call past the last entry (nothing can change the dict meanwhile). */
+    while (left-- > 0 && PyDict_Next(d, &pos, &k, &v)) {
+        if (!PyUnicode_CheckExact(k)) return -1;
+        for (i = 0; i < n && k != keys[i]; i++) {}
+        if (i == n) {
+            Py_hash_t h = PyObject_Hash(k); /* a str's: cached, never fails */
+            for (i = 0; i < n; i++)
+                if (h == hashes[i] && PyUnicode_Compare(k, keys[i]) == 0) break;
+            if (i == n) continue;
+        }
+        out[i] = v;
+    }
+    return 0;
+}
+
+/* The hashes of ``n`` keys for str_dict_pick; once, at module import. */
+static inline int key_hashes(PyObject *const *keys, Py_hash_t *hashes, int n) {
+    for (int i = 0; i < n; i++)
+        if ((hashes[i] = PyObject_Hash(keys[i])) == -1) return -1;
+    return 0;
+}
+
+/* d[key] (borrowed) for an exact dict, found by walking its entries in insertion order: 1
+ * found, 0 absent, -1 a key that is not an exact str came first (no error set; the caller
+ * leaves the event to the Python code). For the small dicts read for one key (a token's id),
+ * cheaper than str_keys_only and a lookup. The walk stops at the key: the keys after it do not
+ * matter, because among keys of one hash a dict's lookup probes them in insertion order too,
+ * so a lookup of ``key`` by the Python code runs no other key's ``__eq__`` either (keys of
+ * other hashes are skipped by their hash). ``key`` is interned, as are the literal keys of the
+ * dicts read, so the identity test usually decides; an equal str that is another object is
+ * still found. */
 static inline int str_keyed_item(PyObject *d, PyObject *key, PyObject **out) {
     Py_ssize_t pos = 0, len = PyUnicode_GET_LENGTH(key), left = PyDict_GET_SIZE(d);
     PyObject *k, *v;
-    int found = 0;
     while (left-- > 0 && PyDict_Next(d, &pos, &k, &v)) {
         if (k == key) {
             *out = v;
-            found = 1;
-        } else if (!PyUnicode_CheckExact(k)) {
-            return -1;
-        } else if (!found && PyUnicode_GET_LENGTH(k) == len && PyUnicode_Compare(k, key) == 0) {
+            return 1;
+        }
+        if (!PyUnicode_CheckExact(k)) return -1;
+        if (PyUnicode_GET_LENGTH(k) == len && PyUnicode_Compare(k, key) == 0) {
             *out = v;
-            found = 1;
+            return 1;
         }
     }
-    return found;
+    return 0;
 }
 
 /* Whether an exact int lies in [0, max]; never raises. */

@@ -11,8 +11,10 @@
  *
  * Called with the sink's lock held (ingest) or on the executor thread (V2 hooks). Holds the
  * GIL throughout. The dict walk reads only exact lists, str and int, and exact dicts whose
- * keys are all exact str (a key of another type could run its own __eq__ during a lookup and
- * free what is held borrowed; such an event goes to the Python loop). A store is checked whole
+ * keys are all exact str (a token's dict: up to its token_id), each walked once for every
+ * value read of it (str_dict_pick), never looked up: a key of another type could run its own
+ * __eq__ during a lookup and free what is held borrowed; such an event goes to the Python
+ * loop. A store is checked whole
  * (token ids u32; an adapter's store goes to the Python loop) before the batch changes.
  */
 
@@ -21,6 +23,14 @@
 static PyObject *K_data, *K_window_size, *K_attention_dp_rank, *K_blocks, *K_tokens, *K_token_id,
     *K_block_hash, *K_parent_hash, *K_cache_salt_id, *A_key, *A_tokens, *A_prev, *A_ordinal;
 static PyObject *S_stored, *S_removed;
+
+/* What is read of an event, its data and its one block: each dict walked once
+ * (str_dict_pick), the values found by these indices. */
+enum { EV_DATA, EV_WINDOW, EV_RANK, EV_N };
+enum { D_TYPE, D_BLOCKS, D_PARENT, D_LORA, D_HASHES, D_N };
+enum { B_TOKENS, B_HASH, B_LORA, B_SALT, B_SALT_ID, B_MM, B_N };
+static PyObject *EV_KEYS[EV_N], *D_KEYS[D_N], *B_KEYS[B_N];
+static Py_hash_t EV_HASHES[EV_N], D_HASHES_[D_N], B_HASHES[B_N];
 
 /* getattr(o, name) that tells an absent attribute (0, *out NULL) from an error (-1). */
 static int optional_attr(PyObject *o, PyObject *name, PyObject **out) {
@@ -36,18 +46,6 @@ static int optional_attr(PyObject *o, PyObject *name, PyObject **out) {
 }
 
 /* ---- the buffered dicts --------------------------------------------------------------- */
-
-/* Borrowed d[key] (NULL if absent) for an exact dict of exact str keys; LEAVE if absent and
- * required. */
-static int get_item(PyObject *d, PyObject *key, PyObject **out, int required) {
-    int found = str_dict_item(d, key, out);
-    if (found < 0) return FAIL;
-    if (found == 0) {
-        if (required) return LEAVE;
-        *out = NULL;
-    }
-    return TAKE;
-}
 
 /* The wire hash (signed int64) of an exact int given as int64 or u64, into *out. */
 static int wire_value(PyObject *h, int64_t *out) {
@@ -112,35 +110,32 @@ static int drop_child(PyObject *kids, PyObject *parent, PyObject *child) {
 /* One "stored" event (``data`` exact dict). ``closed``: keep the rank's prefix-closed state;
  * a store under an unpublished parent or of a published hash is left to the Python loop
  * (which drops it, counted). */
-static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed) {
-    PyObject *blocks, *block, *tokens, *raw, *parent, *lora_id, *h_obj = NULL, *p_obj = NULL;
+static int take_stored(PyObject *const *df, RankBatch *rb, long *n_stores, int closed) {
+    PyObject *blocks = df[D_BLOCKS], *parent = df[D_PARENT], *lora_id = df[D_LORA];
+    PyObject *block, *tokens, *raw, *v, *h_obj = NULL, *p_obj = NULL, *bf[B_N];
     Py_ssize_t j, bs = rb->block_size;
     int64_t hv, pv = 0;
     int r, has_parent, has_lora;
     unsigned long long lora = 0;
 
-    if ((r = get_item(data, K_blocks, &blocks, 1)) != TAKE) return r;
-    if (!PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != 1) return LEAVE;
+    if (blocks == NULL || !PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != 1)
+        return LEAVE;
     block = PyList_GET_ITEM(blocks, 0);
-    if (!PyDict_CheckExact(block) || !str_keys_only(block)) return LEAVE;
-    if ((r = get_item(block, K_tokens, &tokens, 1)) != TAKE) return r;
+    if (!PyDict_CheckExact(block) || str_dict_pick(block, B_KEYS, B_HASHES, B_N, bf) < 0)
+        return LEAVE;
+    tokens = bf[B_TOKENS];
+    raw = bf[B_HASH];
+    if (tokens == NULL || raw == NULL) return LEAVE;
     if (!PyList_CheckExact(tokens) || PyList_GET_SIZE(tokens) != bs) return LEAVE;
-    if ((r = get_item(block, K_block_hash, &raw, 1)) != TAKE) return r;
-    {
-        /* Per-block LoRA, multimodal keys or cache salt, as a string or as its id (newer
-         * serializers): the Python loop turns them into lora_id / lora_name / extra_keys. */
-        PyObject *v;
-        if ((r = get_item(block, K_lora_id, &v, 0)) != TAKE) return r;
-        if (v != NULL && v != Py_None) return LEAVE;
-        if ((r = get_item(block, K_cache_salt, &v, 0)) != TAKE) return r;
-        if (v != NULL && v != Py_None) return LEAVE;
-        if ((r = get_item(block, K_cache_salt_id, &v, 0)) != TAKE) return r;
-        if (v != NULL && v != Py_None) return LEAVE;
-        if ((r = get_item(block, K_mm_keys, &v, 0)) != TAKE) return r;
-        if (v != NULL && v != Py_None && !(PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0))
-            return LEAVE;
-    }
-    if ((r = get_item(data, K_lora_id, &lora_id, 0)) != TAKE) return r;
+    /* Per-block LoRA, multimodal keys or cache salt, as a string or as its id (newer
+     * serializers): the Python loop turns them into lora_id / lora_name / extra_keys. */
+    if ((bf[B_LORA] != NULL && bf[B_LORA] != Py_None)
+        || (bf[B_SALT] != NULL && bf[B_SALT] != Py_None)
+        || (bf[B_SALT_ID] != NULL && bf[B_SALT_ID] != Py_None))
+        return LEAVE;
+    v = bf[B_MM];
+    if (v != NULL && v != Py_None && !(PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0))
+        return LEAVE;
     /* An adapter's store (task id 0 included; an event-level u64 task id, as the LoRA names
      * write it) goes out with its lora_name; any other lora_id is the Python loop's. */
     has_lora = lora_id != NULL && lora_id != Py_None;
@@ -152,7 +147,6 @@ static int take_stored(PyObject *data, RankBatch *rb, long *n_stores, int closed
             return LEAVE;
         }
     }
-    if ((r = get_item(data, K_parent_hash, &parent, 0)) != TAKE) return r;
     has_parent = parent != NULL && parent != Py_None;
     if (has_parent && (r = wire_value(parent, &pv)) != TAKE) return r;
     if ((r = wire_value(raw, &hv)) != TAKE) return r;
@@ -247,15 +241,14 @@ done:
 /* One "removed" event of valid hashes. A suppressed hash is forgotten and counted in
  * ``n_partial`` (its block was never published), as KvEventSink._remove does. With
  * ``closed``: one hash only (several go to the Python loop); see closed_removal. */
-static int take_removed(PyObject *data, RankBatch *rb, long *n_removes, long *n_removed,
+static int take_removed(PyObject *const *df, RankBatch *rb, long *n_removes, long *n_removed,
                         long *n_partial, long *n_unknown, int closed) {
-    PyObject *raw;
+    PyObject *raw = df[D_HASHES];
     Py_ssize_t n, j, kept;
     int64_t one, *values = &one;
     int r, any_suppressed;
 
-    if ((r = get_item(data, K_block_hashes, &raw, 1)) != TAKE) return r;
-    if (!PyList_CheckExact(raw)) return LEAVE;
+    if (raw == NULL || !PyList_CheckExact(raw)) return LEAVE;
     n = PyList_GET_SIZE(raw);
     if (n == 0) return LEAVE;
     if (closed && n != 1) return LEAVE;
@@ -321,30 +314,32 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
     }
     n = PyList_GET_SIZE(events);
     for (i = start < 0 ? 0 : start; i < n; i++) {
-        PyObject *ev = PyList_GET_ITEM(events, i), *data, *kind, *v;
+        PyObject *ev = PyList_GET_ITEM(events, i), *data, *kind, *v, *ef[EV_N], *df[D_N];
         int r;
-        if (!PyDict_CheckExact(ev) || !str_keys_only(ev)) break;
-        if ((r = get_item(ev, K_data, &data, 1)) != TAKE) goto stop;
-        if (!PyDict_CheckExact(data) || !str_keys_only(data)) break;
-        if ((r = get_item(data, K_type, &kind, 1)) != TAKE) goto stop;
-        if ((r = get_item(ev, K_window_size, &v, 0)) != TAKE) goto stop;
+        if (!PyDict_CheckExact(ev) || str_dict_pick(ev, EV_KEYS, EV_HASHES, EV_N, ef) < 0) break;
+        data = ef[EV_DATA];
+        if (data == NULL || !PyDict_CheckExact(data)
+            || str_dict_pick(data, D_KEYS, D_HASHES_, D_N, df) < 0)
+            break;
+        kind = df[D_TYPE];
+        if (kind == NULL) break;
+        v = ef[EV_WINDOW];
         if (v != NULL && v != Py_None) {
             if (window == Py_None || !PyLong_CheckExact(v) || !PyLong_CheckExact(window)) break;
             r = PyObject_RichCompareBool(v, window, Py_EQ);
             if (r < 0) return NULL;
             if (r == 0) break;
         }
-        if ((r = get_item(ev, K_attention_dp_rank, &v, 0)) != TAKE) goto stop;
+        v = ef[EV_RANK];
         if (v != NULL && v != Py_None) break;
         if (str_is(kind, S_stored)) {
-            r = take_stored(data, rb, &n_stores, closed);
+            r = take_stored(df, rb, &n_stores, closed);
             if (r == TAKE) n_stored += 1;
         } else if (str_is(kind, S_removed)) {
-            r = take_removed(data, rb, &n_removes, &n_removed, &n_partial, &n_unknown, closed);
+            r = take_removed(df, rb, &n_removes, &n_removed, &n_partial, &n_unknown, closed);
         } else {
             break;
         }
-    stop:
         if (r == FAIL) return NULL;
         if (r == LEAVE) break;
         n_in += 1;
@@ -523,6 +518,23 @@ PyMODINIT_FUNC PyInit__sink_c(void) {
     INTERN(A_ordinal, "ordinal");
     INTERN(S_stored, "stored");
     INTERN(S_removed, "removed");
+    EV_KEYS[EV_DATA] = K_data;
+    EV_KEYS[EV_WINDOW] = K_window_size;
+    EV_KEYS[EV_RANK] = K_attention_dp_rank;
+    D_KEYS[D_TYPE] = K_type;
+    D_KEYS[D_BLOCKS] = K_blocks;
+    D_KEYS[D_PARENT] = K_parent_hash;
+    D_KEYS[D_LORA] = K_lora_id;
+    D_KEYS[D_HASHES] = K_block_hashes;
+    B_KEYS[B_TOKENS] = K_tokens;
+    B_KEYS[B_HASH] = K_block_hash;
+    B_KEYS[B_LORA] = K_lora_id;
+    B_KEYS[B_SALT] = K_cache_salt;
+    B_KEYS[B_SALT_ID] = K_cache_salt_id;
+    B_KEYS[B_MM] = K_mm_keys;
+    if (key_hashes(EV_KEYS, EV_HASHES, EV_N) < 0 || key_hashes(D_KEYS, D_HASHES_, D_N) < 0
+        || key_hashes(B_KEYS, B_HASHES, B_N) < 0)
+        return NULL;
     if (rank_batch_ready() < 0) return NULL;
     module = PyModule_Create(&module_def);
     if (module == NULL) return NULL;
