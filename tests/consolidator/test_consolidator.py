@@ -957,7 +957,7 @@ def test_a_message_that_raises_is_dropped_alone_and_the_back_off_resets(ipc_dir,
              what="the batch after 15 failing ones")
     stats = consolidator.stats()
     assert stats["message_errors"] == 15 and stats["ingest_errors"] == 0
-    assert consolidator._loop_failures == 0
+    assert consolidator.loop_failures == 0
     assert expect_errors.wait_for("message dropped, applying it raised RuntimeError")
 
 
@@ -982,10 +982,10 @@ def test_the_loop_back_off_restarts_after_a_clean_message(ipc_dir, start, raw_ra
     consolidator.register_store("CPU", 0, 5, None, toks(5), BS)  # retried, fails each time
     wait_for(lambda: consolidator.stats()["ingest_errors"] >= 3)
     fail.clear()
-    assert consolidator._loop_failures >= 3
+    assert consolidator.loop_failures >= 3
     raw.send(1, [stored([1], None, [1])])
     wait_for(lambda: consolidator.stats()["batches_applied"] == 2)
-    wait_for(lambda: consolidator._loop_failures == 0, what="back-off reset")
+    wait_for(lambda: consolidator.loop_failures == 0, what="back-off reset")
     assert expect_errors.wait_for("ingest loop failed")
 
 

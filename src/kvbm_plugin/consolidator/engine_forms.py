@@ -42,7 +42,7 @@ string token that names no ``mm_keys`` item of its block, an item without a uuid
 or unknown ones) are counted in ``fields_ignored`` when set; the event is kept. A bytes hash
 (the older form's adapter path) is refused by the core itself (``malformed``).
 
-Called on the consolidator's ingest thread (``StreamIngest.engine_forms``) and on the
+Called on the consolidator's ingest thread (``GpuStreams.engine_forms``) and on the
 name reader's thread (``TrtllmNameReader``), never on TensorRT-LLM's executor thread; the
 counters have one writer each (one consolidator or one reader per leader). Events are changed in
 place: a batch's events are decoded fresh for each reader.

@@ -12,8 +12,8 @@ Two layers, one concept, in two modules:
   thread that decodes, applies and flushes, and an
   :class:`~kvbm_plugin.wire.publisher.EventPublisher` for the output (the built-in ZMQ one in
   its inline mode, run by the ingest thread itself). The shell only moves bytes, orders
-  batches (sequence checks, replays, resyncs: its base class
-  :class:`~kvbm_plugin.consolidator.streams.StreamIngest`) and queues registrations. A rank
+  batches (sequence checks, replays, resyncs: its
+  :class:`~kvbm_plugin.consolidator.streams.GpuStreams`) and queues registrations. A rank
   whose GPU-tier batches are made in this process (``direct_ranks``: the leader's own) hands
   them over by :meth:`KvEventConsolidator.take_gpu_batch`, queued in order with the
   registrations: no encode, socket or decode between the event sink and the core, and no seq
@@ -62,7 +62,7 @@ from kvbm_plugin.consolidator.core import (  # re-exported: this module is the p
     UnknownMediumError,
 )
 from kvbm_plugin.consolidator.held_back import DEFAULT_MAX_HELD_BACK
-from kvbm_plugin.consolidator.streams import StreamIngest, _Stream
+from kvbm_plugin.consolidator.streams import GpuStreams, _Stream
 from kvbm_plugin.consolidator_config import (
     DP_RANK_FIELD,
     TOPIC,
@@ -102,7 +102,7 @@ _SHELL_COUNTERS: Final = (
 _Registration = tuple[Any, ...]  # (kind, medium, dp_rank, ...) built by register_*
 
 
-class KvEventConsolidator(StreamIngest):
+class KvEventConsolidator:
     """The consolidator with its sockets: GPU-tier SUBs in, one publisher out.
 
     Built by the leader (or ``kvbm-plugin consolidate``) from a :class:`ConsolidatorConfig`.
@@ -148,7 +148,6 @@ class KvEventConsolidator(StreamIngest):
             raise ValueError(f"{type(self).__name__}: start_timeout={start_timeout!r} must be "
                              "> 0 seconds")
         self._start_timeout = start_timeout
-        self.engine_observer = engine_observer
         self.config: Final = config
         # Ranks the configuration names are always accepted, and as many as any attention-DP
         # deployment has (one stream may carry several dp ranks); beyond that a payload's
@@ -167,10 +166,11 @@ class KvEventConsolidator(StreamIngest):
         self._max_pending = max_pending
         self._flush_every = flush_every
         self._log = RateLimitedLog(logger)
-        # Ingest-loop failures since the last message applied cleanly: sets the back-off.
-        self._loop_failures = 0
-        for name in _SHELL_COUNTERS:
-            setattr(self, "_n_" + name, 0)
+        self._c: dict[str, int] = dict.fromkeys(_SHELL_COUNTERS, 0)
+        # The GPU-tier streams' sequence, replays and apply (its own state; ingest thread).
+        self._streams = GpuStreams(config, self._core, self._ctx, self._log, self._c,
+                                   replay_timeout=replay_timeout, max_pending=max_pending,
+                                   engine_observer=engine_observer)
         # Registration queue: appended by any thread, drained by the ingest thread. deque
         # append/popleft are atomic under the GIL; the counters are itertools.count (atomic).
         self._queue: collections.deque[_Registration] = collections.deque()
@@ -182,9 +182,6 @@ class KvEventConsolidator(StreamIngest):
         self._setup_error: BaseException | None = None
         self._idle = False
         self._published_batches = 0
-        # The ingest thread's poller and DEALER -> stream map (set and used by that thread).
-        self._poller = zmq.Poller()
-        self._by_dealer: dict[Any, _Stream] = {}
         streamed = config.stream_ranks()
         for rank in direct_ranks:
             if rank not in streamed:
@@ -200,6 +197,32 @@ class KvEventConsolidator(StreamIngest):
         self._state = "new"  # new -> running -> stopped
 
     # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def engine_observer(self) -> Callable[[int, list[Any]], None] | None:
+        """Called on the ingest thread with ``(dp_rank, raw event maps)`` of every GPU-tier
+        batch applied (class docstring)."""
+        return self._streams.engine_observer
+
+    @engine_observer.setter
+    def engine_observer(self, observer: Callable[[int, list[Any]], None] | None) -> None:
+        self._streams.engine_observer = observer
+
+    @property
+    def engine_forms(self) -> Callable[[int, list[Any]], list[Any]] | None:
+        """Where the GPU-tier streams are TensorRT-LLM's own: turns each batch's events into
+        the fields the core accepts (``consolidator.engine_forms.EngineForms``); set before
+        :meth:`start`."""
+        return self._streams.engine_forms
+
+    @engine_forms.setter
+    def engine_forms(self, forms: Callable[[int, list[Any]], list[Any]] | None) -> None:
+        self._streams.engine_forms = forms
+
+    @property
+    def loop_failures(self) -> int:
+        """Ingest-loop failures since the last message applied cleanly (the back-off's)."""
+        return self._streams.loop_failures
 
     def start(self) -> None:
         """Start the ingest thread (which creates the built-in output publisher; another kind is
@@ -339,17 +362,17 @@ class KvEventConsolidator(StreamIngest):
             raise ValueError(f"{type(self).__name__}.take_gpu_batch: dp rank {dp_rank!r} is not "
                              f"one of direct_ranks {sorted(self._direct)}")
         if self._state == "stopped":
-            self._n_direct_batches_dropped += 1
+            self._c["direct_batches_dropped"] += 1
             self._log.log(logging.WARNING, "gpu-after-shutdown", "%s: GPU-tier batch of dp rank "
                           "%d after shutdown dropped", type(self).__name__, dp_rank)
             return
         if self._direct_in - self._direct_out >= self._max_pending:
             # The ingest thread is this far behind: what it has not applied yet is bounded.
-            self._n_direct_batches_dropped += 1
+            self._c["direct_batches_dropped"] += 1
             self._log.log(logging.WARNING, "gpu-backlog", "%s: %d GPU-tier batches wait for the "
                           "ingest thread; a batch of dp rank %d dropped (direct_batches_dropped="
                           "%d): its GPU residency is resynced", type(self).__name__,
-                          self._max_pending, dp_rank, self._n_direct_batches_dropped)
+                          self._max_pending, dp_rank, self._c["direct_batches_dropped"])
             if dp_rank not in self._direct_lost:
                 self._direct_lost.add(dp_rank)
                 self._submit(("gpu-lost", None, dp_rank))
@@ -359,7 +382,7 @@ class KvEventConsolidator(StreamIngest):
 
     def _submit(self, item: _Registration) -> None:
         if self._state == "stopped":
-            self._n_registrations_dropped += 1
+            self._c["registrations_dropped"] += 1
             self._log.log(logging.WARNING, "registration-after-shutdown", "%s: %s registration "
                           "after shutdown dropped", type(self).__name__, item[0])
             return
@@ -385,7 +408,7 @@ class KvEventConsolidator(StreamIngest):
 
     def stats(self) -> dict[str, int]:
         """Shell and core counters (safe to call from any thread; values may lag slightly)."""
-        out = {name: getattr(self, "_n_" + name) for name in _SHELL_COUNTERS}
+        out = dict(self._c)
         # GPU-tier batches received however they came: off a socket, or handed over
         # (take_gpu_batch, counted when accepted; ``direct_batches`` when applied).
         out["messages_received"] += self._direct_in
@@ -464,7 +487,7 @@ class KvEventConsolidator(StreamIngest):
                 poller.register(stream.watch.socket, zmq.POLLIN)
                 sub.connect(self.config.stream_endpoint(rank).connect)
                 poller.register(sub, zmq.POLLIN)
-                stream.dealer = self._open_dealer(stream, poller)
+                stream.dealer = self._streams.open_dealer(stream, poller)
             poller.register(self._wake_r, zmq.POLLIN)
         except BaseException as exc:
             self._setup_error = exc
@@ -478,10 +501,10 @@ class KvEventConsolidator(StreamIngest):
             return
         self._ready.set()
         # Each stream catches up on what its rank published before our subscription took
-        # effect once its SUB has reached the publisher (JOINED, _on_connection_event).
+        # effect once its SUB has reached the publisher (JOINED, GpuStreams.on_connection_event).
         by_socket = {s.sub: s for s in streams}
         by_dealer = {s.dealer: s for s in streams if s.dealer is not None}
-        self._poller, self._by_dealer = poller, by_dealer
+        self._streams.poller, self._streams.by_dealer = poller, by_dealer
         try:
             while True:
                 try:
@@ -490,18 +513,19 @@ class KvEventConsolidator(StreamIngest):
                 except zmq.ContextTerminated:
                     break  # the shared context is gone (process exit): nothing left to read
                 except Exception:  # a bug, not bad input: count it and keep ingesting
-                    self._n_ingest_errors += 1
-                    self._loop_failures += 1
+                    self._c["ingest_errors"] += 1
+                    self._streams.loop_failures += 1
                     # A failure that repeats must not turn into a busy loop: back off up to 1 s.
                     # The back-off restarts from 2 ms once a message is applied cleanly again.
-                    self._stop.wait(min(1.0, 0.001 * 2 ** min(self._loop_failures, 10)))
-                    if self._n_ingest_errors == 1:
+                    failures = self._streams.loop_failures
+                    self._stop.wait(min(1.0, 0.001 * 2 ** min(failures, 10)))
+                    if self._c["ingest_errors"] == 1:
                         logger.exception("%s: ingest loop failed; continuing",
                                          type(self).__name__)
                     else:
                         self._log.log(logging.ERROR, "ingest", "%s: ingest loop failed again "
                                       "(%d times); continuing", type(self).__name__,
-                                      self._n_ingest_errors)
+                                      self._c["ingest_errors"])
         finally:
             self._drain_registrations()
             self._flush()
@@ -582,11 +606,11 @@ class KvEventConsolidator(StreamIngest):
                 # taken for the old stream's before its reconnection is seen.
                 if stream.watch is not None and stream.watch.socket in ready:
                     for event in stream.watch.events():
-                        self._on_connection_event(stream, event)
+                        self._streams.on_connection_event(stream, event)
             # A snapshot: draining a replay may replace the stream's DEALER (_renew_dealer).
             for sock, stream in list(by_dealer.items()):
                 if sock in ready:
-                    self._drain_replay(stream, sock)
+                    self._streams.drain_replay(stream, sock)
             for sock, stream in by_socket.items():
                 if sock in ready:
                     for _ in range(budget):
@@ -594,8 +618,8 @@ class KvEventConsolidator(StreamIngest):
                             frames = sock.recv_multipart(zmq.NOBLOCK)
                         except zmq.Again:
                             break
-                        self._n_messages_received += 1
-                        self._on_live(stream, frames)
+                        self._c["messages_received"] += 1
+                        self._streams.on_live(stream, frames)
                         unflushed += 1
                         if unflushed >= flush_every:
                             # Output of up to ``flush_every`` input batches goes out as one
@@ -616,11 +640,11 @@ class KvEventConsolidator(StreamIngest):
                                           self._replay_timeout)
                         if stream.replay.verify is not None:
                             # The stream could not be checked: assume the worst.
-                            self._n_replay_failures += 1
-                            self._publisher_restarted(stream, "replay to check the stream "
+                            self._c["replay_failures"] += 1
+                            self._streams.publisher_restarted(stream, "replay to check the stream "
                                                       "after a reconnection timed out")
                             continue
-                        self._replay_failed(stream)
+                        self._streams.replay_failed(stream)
             self._drain_registrations()
             self._flush()
 
@@ -636,8 +660,8 @@ class KvEventConsolidator(StreamIngest):
             kind = item[0]
             if kind == "gpu":
                 self._direct_out += 1
-                self._n_direct_batches += 1
-                self._apply_direct(self._direct[item[2]], item[2], item[3])
+                self._c["direct_batches"] += 1
+                self._streams.apply_direct(self._direct[item[2]], item[2], item[3])
                 batches += 1
                 if batches >= self._flush_every:
                     batches = 0
@@ -645,8 +669,8 @@ class KvEventConsolidator(StreamIngest):
                 continue
             if kind == "gpu-lost":
                 self._direct_lost.discard(item[2])
-                self._n_unfillable_gaps += 1
-                self._resync(self._direct[item[2]], "GPU-tier batches dropped at the "
+                self._c["unfillable_gaps"] += 1
+                self._streams.resync(self._direct[item[2]], "GPU-tier batches dropped at the "
                              "hand-over bound")
                 continue
             try:
@@ -660,9 +684,9 @@ class KvEventConsolidator(StreamIngest):
                     core.remove(SOURCE_TIERS, medium, dp_rank, item[3])
                 else:
                     core.clear(SOURCE_TIERS, medium, dp_rank)
-                self._n_registrations += 1
+                self._c["registrations"] += 1
             except Exception as exc:  # e.g. token count != block_size: the tier's bug
-                self._n_registration_errors += 1
+                self._c["registration_errors"] += 1
                 self._log.log(logging.WARNING, "registration", "registration %s dropped: %s",
                               saferepr(item), exc)
 
@@ -689,8 +713,8 @@ class KvEventConsolidator(StreamIngest):
         for dp_rank, events in output.items():
             events = spell_for_routers(events, salt_form, wide, lora_names)
             self._published_batches += 1
-            self._n_batches_out += 1
-            self._n_events_out += len(events)
+            self._c["batches_out"] += 1
+            self._c["events_out"] += len(events)
             try:
                 ok = publisher.publish(events, data_parallel_rank=dp_rank)
             except Exception as exc:  # a publisher plugin breaking its never-raise contract
@@ -698,7 +722,7 @@ class KvEventConsolidator(StreamIngest):
                 self._log.log(logging.ERROR, "output-error", "%s.publish raised %s: %s",
                               type(publisher).__name__, type(exc).__name__, exc)
             if not ok:
-                self._n_output_lost += 1
+                self._c["output_lost"] += 1
                 self._log.log(logging.WARNING, "output-lost", "output batch for dp rank %d lost "
                               "by the publisher (consumers see a seq gap)", dp_rank)
 

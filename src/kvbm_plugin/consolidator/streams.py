@@ -1,10 +1,11 @@
 """The consolidator shell's GPU-tier streams: sequence checks, replays, resyncs, and the
 decode and apply of each batch.
 
-:class:`StreamIngest` is the half of :class:`~kvbm_plugin.consolidator.service.KvEventConsolidator`
-(its base class) that handles what arrives from each rank's GPU-tier publisher: a SUB's live
-batches and a DEALER's replays. Everything here runs on the consolidator's ingest thread, which
-owns the sockets and the core; the registration and output side is in ``service.py``.
+:class:`GpuStreams`, owned by :class:`~kvbm_plugin.consolidator.service.KvEventConsolidator`,
+handles what arrives from each rank's GPU-tier publisher: a SUB's live batches and a DEALER's
+replays, and the batches handed over in the same process. Everything here runs on the
+consolidator's ingest thread, which owns the sockets and the core; the registration and
+output side is in ``service.py``.
 
 A rank's stream is in order when each batch's seq is the one after the last applied. A gap is
 filled from the rank's replay endpoint (live batches wait meanwhile) or, where it cannot be, the
@@ -82,28 +83,43 @@ class _Stream:
         return self.expected - 1, self.last_payload
 
 
-class StreamIngest:
-    """Sequence, replay and apply for the GPU-tier streams (ingest thread only). The shell's
-    constructor sets the attributes below; its ingest loop calls :meth:`_on_live`,
-    :meth:`_drain_replay`, :meth:`_on_connection_event` and :meth:`_replay_failed`."""
+class GpuStreams:
+    """Sequence, replay and apply for the GPU-tier streams of one consolidator.
 
-    config: ConsolidatorConfig
-    _core: ConsolidatorCore
-    _ctx: zmq.Context
-    _log: RateLimitedLog
-    _poller: zmq.Poller
-    _by_dealer: dict[Any, _Stream]
-    _replay_timeout: float
-    _max_pending: int
-    _loop_failures: int
-    # Called on the ingest thread with (dp rank, the batch's raw event maps) after each GPU-tier
-    # batch was applied; must be cheap and thread-safe (the leader queues them for itself).
-    engine_observer: Callable[[int, list[Any]], None] | None = None
-    # Where the GPU-tier streams are TensorRT-LLM's own: turns each batch's events into the
-    # fields the core accepts (consolidator.engine_forms.EngineForms); set before start().
-    engine_forms: Callable[[int, list[Any]], list[Any]] | None = None
+    Owned by :class:`~kvbm_plugin.consolidator.service.KvEventConsolidator`, which makes it in
+    its constructor and lends it the core, the ZMQ context, its rate-limited log and its
+    counters (``counts``, a dict the shell's ``stats`` reads). Everything here runs on the
+    consolidator's ingest thread; the shell's loop calls :meth:`on_live`,
+    :meth:`drain_replay`, :meth:`on_connection_event`, :meth:`replay_failed`,
+    :meth:`apply_direct` and :meth:`resync`, and sets :attr:`poller` and :attr:`by_dealer`
+    once it has opened the sockets."""
 
-    def _open_dealer(self, stream: _Stream, poller: zmq.Poller) -> zmq.Socket | None:
+    def __init__(self, config: ConsolidatorConfig, core: ConsolidatorCore, ctx: zmq.Context,
+                 log: RateLimitedLog, counts: dict[str, int], *, replay_timeout: float,
+                 max_pending: int,
+                 engine_observer: Callable[[int, list[Any]], None] | None = None) -> None:
+        self.config = config
+        self._core = core
+        self._ctx = ctx
+        self._log = log
+        self._c = counts
+        self._replay_timeout = replay_timeout
+        self._max_pending = max_pending
+        # Ingest-loop failures since the last message applied cleanly: sets the shell's back-off.
+        self.loop_failures = 0
+        # The ingest thread's poller and DEALER -> stream map (set by the shell's loop).
+        self.poller = zmq.Poller()
+        self.by_dealer: dict[Any, _Stream] = {}
+        # Called on the ingest thread with (dp rank, the batch's raw event maps) after each
+        # GPU-tier batch was applied; must be cheap and thread-safe (the leader queues them
+        # for itself).
+        self.engine_observer = engine_observer
+        # Where the GPU-tier streams are TensorRT-LLM's own: turns each batch's events into
+        # the fields the core accepts (consolidator.engine_forms.EngineForms); set before the
+        # ingest thread starts.
+        self.engine_forms: Callable[[int, list[Any]], list[Any]] | None = None
+
+    def open_dealer(self, stream: _Stream, poller: zmq.Poller) -> zmq.Socket | None:
         endpoint = self.config.stream_replay(stream.rank)
         if endpoint is None:
             return None
@@ -113,13 +129,13 @@ class StreamIngest:
         poller.register(dealer, zmq.POLLIN)
         return dealer
 
-    def _on_live(self, stream: _Stream, frames: list[bytes]) -> None:
+    def on_live(self, stream: _Stream, frames: list[bytes]) -> None:
         if stream.replay is not None:
             if len(stream.replay.pending) < self._max_pending:
                 stream.replay.pending.append(frames)
                 return
             # The replay takes too long for the live rate: give it up.
-            self._n_replay_failures += 1
+            self._c["replay_failures"] += 1
             self._finish_replay(stream, incomplete=True)
         self._on_message(stream, frames, live=True)
 
@@ -146,14 +162,14 @@ class StreamIngest:
                         return  # already applied
                     if stream.seen:
                         # A hole inside the replayed range: what is missing is gone.
-                        self._n_unfillable_gaps += 1
+                        self._c["unfillable_gaps"] += 1
                         if stream.replay is not None:
                             stream.replay.failed = True
-                        self._resync(stream, f"replay from seq {expected} skipped to {seq}")
+                        self.resync(stream, f"replay from seq {expected} skipped to {seq}")
                 elif seq < expected:
                     # The publisher restarted (its seq starts at 0 again): its GPU pool is new.
-                    self._n_restarts += 1
-                    self._resync(stream, f"seq went back from {expected - 1} to {seq}")
+                    self._c["restarts"] += 1
+                    self.resync(stream, f"seq went back from {expected - 1} to {seq}")
                     stream.expected = 0
                     stream.last_payload = None
                     if seq != 0:
@@ -167,14 +183,14 @@ class StreamIngest:
         if not stream.seen:
             stream.seen = True
             if seq:  # batches before this one are gone for good
-                self._n_late_joins += 1
+                self._c["late_joins"] += 1
         self._apply_payload(stream, payload)
 
     def _gap(self, stream: _Stream, frames: list[bytes], seq: int) -> None:
         """Live ``seq`` arrived past ``stream.expected``: replay the hole or resync."""
         first = not stream.seen  # joined late: nothing of ours to repair, just catch up
         if not first:
-            self._n_gaps += 1
+            self._c["gaps"] += 1
         start = stream.expected
         if stream.dealer is not None:
             # From the last batch applied, not the first missing one: if that batch comes back
@@ -183,8 +199,8 @@ class StreamIngest:
             stream.replay.pending.append(frames)  # type: ignore[union-attr]
             return
         if not first:
-            self._n_unfillable_gaps += 1
-            self._resync(stream, f"seq {start}..{seq - 1} lost and no replay endpoint")
+            self._c["unfillable_gaps"] += 1
+            self.resync(stream, f"seq {start}..{seq - 1} lost and no replay endpoint")
         stream.expected = seq
         self._on_message(stream, frames, live=True)
 
@@ -193,7 +209,7 @@ class StreamIngest:
         """Ask the rank's publisher for its batches from ``start`` on (from ``verify``'s seq
         when given: that batch must come back unchanged first, see :class:`_Replay`)."""
         assert stream.dealer is not None
-        self._n_replay_requests += 1
+        self._c["replay_requests"] += 1
         first = start if verify is None else verify[0]
         # zmq.Again: not connected yet; the deadline turns this into a failed replay.
         with contextlib.suppress(zmq.Again):
@@ -205,14 +221,14 @@ class StreamIngest:
         answer to a later one."""
         if stream.dealer is None:
             return
-        self._by_dealer.pop(stream.dealer, None)
-        self._poller.unregister(stream.dealer)
+        self.by_dealer.pop(stream.dealer, None)
+        self.poller.unregister(stream.dealer)
         stream.dealer.close(linger=0)
-        stream.dealer = self._open_dealer(stream, self._poller)
+        stream.dealer = self.open_dealer(stream, self.poller)
         if stream.dealer is not None:
-            self._by_dealer[stream.dealer] = stream
+            self.by_dealer[stream.dealer] = stream
 
-    def _on_connection_event(self, stream: _Stream, event: str) -> None:
+    def on_connection_event(self, stream: _Stream, event: str) -> None:
         """The rank's SUB reached its publisher for the first time, lost it, or reached one
         again (ingest thread)."""
         if event == JOINED:
@@ -227,14 +243,14 @@ class StreamIngest:
             stream.anchor = stream.last_applied()
             return
         assert event == BACK
-        self._n_reconnects += 1
+        self._c["reconnects"] += 1
         anchor, stream.anchor = stream.anchor, None
         if not stream.seen:
             return  # nothing applied yet: the seq alone tells where the new stream starts
         if stream.dealer is None:
             # Batches sent while disconnected are gone and a restart cannot be told from a
             # blip: what the rank held may have changed, so treat it as cleared.
-            self._resync(stream, "reconnected to the publisher without a replay endpoint")
+            self.resync(stream, "reconnected to the publisher without a replay endpoint")
             stream.seen, stream.expected, stream.last_payload = False, 0, None
             return
         if anchor is None:
@@ -252,11 +268,11 @@ class StreamIngest:
             for frames in pending:
                 self._on_message(stream, frames, live=True)
 
-    def _publisher_restarted(self, stream: _Stream, why: str) -> None:
+    def publisher_restarted(self, stream: _Stream, why: str) -> None:
         """A replay showed that the rank's publisher is not the one whose batches were
         applied: forget the old stream, then take the new one from its first buffered batch."""
-        self._n_restarts += 1
-        self._resync(stream, f"publisher restarted ({why})")
+        self._c["restarts"] += 1
+        self.resync(stream, f"publisher restarted ({why})")
         pending = stream.replay.pending if stream.replay is not None else []
         stream.replay = None
         stream.seen, stream.expected, stream.last_payload = False, 0, None
@@ -268,7 +284,7 @@ class StreamIngest:
         self._request_replay(stream, 0, startup=True)
         stream.replay.pending.extend(pending)  # type: ignore[union-attr]
 
-    def _drain_replay(self, stream: _Stream, sock: zmq.Socket) -> None:
+    def drain_replay(self, stream: _Stream, sock: zmq.Socket) -> None:
         while True:
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -282,7 +298,7 @@ class StreamIngest:
             verify = stream.replay.verify
             if len(body) >= 2 and (body[1] == END_SEQ or body[0] == END_SEQ):
                 if verify is not None:
-                    self._publisher_restarted(stream, f"its replay no longer holds seq "
+                    self.publisher_restarted(stream, f"its replay no longer holds seq "
                                               f"{verify[0]}")
                     return
                 self._finish_replay(stream, incomplete=False)
@@ -302,16 +318,16 @@ class StreamIngest:
                     stream.replay.verify = None  # the same publisher: go on with the replay
                     continue
                 else:
-                    self._publisher_restarted(stream, f"its replay of seq {verify[0]} differs "
+                    self.publisher_restarted(stream, f"its replay of seq {verify[0]} differs "
                                               "from the batch applied")
                     return
-            self._n_replayed_batches += 1
+            self._c["replayed_batches"] += 1
             self._on_message(stream, body, live=False)
 
-    def _replay_failed(self, stream: _Stream) -> None:
+    def replay_failed(self, stream: _Stream) -> None:
         assert stream.replay is not None
         if not stream.replay.startup:  # at start the rank's publisher may simply not be up
-            self._n_replay_failures += 1
+            self._c["replay_failures"] += 1
         self._renew_dealer(stream)
         self._finish_replay(stream, incomplete=True)
 
@@ -328,8 +344,8 @@ class StreamIngest:
             if seq is not None and seq > stream.expected:
                 # The replay did not reach this message: the rest of the hole is lost.
                 if stream.seen and not replay.failed:
-                    self._n_unfillable_gaps += 1
-                    self._resync(stream, f"replay ended at seq {stream.expected}, live stream "
+                    self._c["unfillable_gaps"] += 1
+                    self.resync(stream, f"replay ended at seq {stream.expected}, live stream "
                                  f"resumed at {seq}" + (" (timed out)" if incomplete else ""))
                 replay.failed = True
                 stream.expected = seq
@@ -337,7 +353,7 @@ class StreamIngest:
                 continue  # the replay already applied it
             self._on_message(stream, frames, live=True)
 
-    def _resync(self, stream: _Stream, why: str) -> None:
+    def resync(self, stream: _Stream, why: str) -> None:
         self._log.log(logging.WARNING, f"resync-{stream.rank}", "rank %d: GPU-tier events lost "
                       "(%s); its GPU residency is treated as cleared until new stores arrive",
                       stream.rank, why)
@@ -354,14 +370,14 @@ class StreamIngest:
         try:
             self._apply_payload_unguarded(stream, payload)
         except Exception as exc:
-            self._n_message_errors += 1
+            self._c["message_errors"] += 1
             self._log.log(logging.ERROR, "message-error", "rank %d: message dropped, applying "
                           "it raised %s: %s", stream.rank, type(exc).__name__,
                           saferepr(str(exc)))
             return
-        self._loop_failures = 0
+        self.loop_failures = 0
 
-    def _apply_direct(self, stream: _Stream, dp_rank: int, events: Any) -> None:
+    def apply_direct(self, stream: _Stream, dp_rank: int, events: Any) -> None:
         """Apply a batch handed over in this process (``take_gpu_batch``), guarded as
         :meth:`_apply_payload` is; an encoded batch is decoded here, on the ingest thread."""
         try:
@@ -369,12 +385,12 @@ class StreamIngest:
                 events = events_as_maps(events)
             self._apply_batch(stream, dp_rank, events)
         except Exception as exc:
-            self._n_message_errors += 1
+            self._c["message_errors"] += 1
             self._log.log(logging.ERROR, "message-error", "rank %d: handed-over batch dropped, "
                           "applying it raised %s: %s", stream.rank, type(exc).__name__,
                           saferepr(str(exc)))
             return
-        self._loop_failures = 0
+        self.loop_failures = 0
 
     def _apply_payload_unguarded(self, stream: _Stream, payload: bytes) -> None:
         try:
@@ -412,28 +428,28 @@ class StreamIngest:
             events = self.engine_forms(dp_rank, events)
         applied = self._core.apply_events(dp_rank, events,
                                           lambda exc: self._bad_event(stream, exc))
-        self._n_batches_applied += 1
-        self._n_events_applied += applied
+        self._c["batches_applied"] += 1
+        self._c["events_applied"] += applied
         observer = self.engine_observer
         if observer is not None:
             try:
                 observer(dp_rank, events)
             except Exception as exc:  # the observer's bug must not cost the stream a batch
-                self._n_observer_errors += 1
+                self._c["observer_errors"] += 1
                 self._log.log(logging.ERROR, "observer", "rank %d: engine_observer raised "
                               "%s: %s", stream.rank, type(exc).__name__, saferepr(str(exc)))
 
     def _bad_message(self, stream: _Stream, exc: WireFormatError) -> None:
-        self._n_malformed += 1
+        self._c["malformed"] += 1
         self._log.log(logging.WARNING, "malformed", "rank %d: malformed message dropped: %s",
                       stream.rank, exc)
 
     def _bad_event(self, stream: _Stream, exc: WireFormatError) -> None:
         if isinstance(exc, UnknownMediumError):
-            self._n_unknown_medium += 1
+            self._c["unknown_medium"] += 1
             self._log.log(logging.WARNING, "medium", "rank %d: event with an unknown medium "
                           "dropped: %s", stream.rank, exc)
         else:
-            self._n_malformed += 1
+            self._c["malformed"] += 1
             self._log.log(logging.WARNING, "malformed-event", "rank %d: malformed event "
                           "dropped: %s", stream.rank, exc)
