@@ -584,6 +584,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             final.sort(key=lambda item: item[0])
         for op_id, op in final:
             self._finalize(op_id, op)
+        self._shared.wake_agent()  # once for the shared-tier blocks these reports committed
 
     def _finalize(self, op_id: int, op: _Op) -> None:
         reports = op.reports

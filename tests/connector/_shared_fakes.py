@@ -77,7 +77,8 @@ class Bus:
 
 
 class BusAgent:
-    """The SharedAgent API (``start``, ``committed``, ``available``, ``stats``, ``close``)."""
+    """The SharedAgent API (``start``, ``committed``, ``wake``, ``available``, ``stats``,
+    ``close``)."""
 
     def __init__(self, bus: Bus, settings: Any, store: SharedStore,
                  layouts: Sequence[SharedLayout], directory: SharedDirectory,
@@ -106,9 +107,13 @@ class BusAgent:
     def available(self) -> bool:
         return self.directory.available
 
-    def committed(self, block: SharedBlock, scope: str | None = None) -> None:
+    def committed(self, block: SharedBlock, scope: str | None = None, *,
+                  wake: bool = True) -> None:
         self.committed_blocks.append(block)
         self.directory.enqueue(block, True)
+
+    def wake(self) -> int:
+        return 0  # its thread polls the directory every 2 ms
 
     def heard(self, block: SharedBlock) -> None:
         self._n["heard"] += 1

@@ -333,6 +333,28 @@ def test_the_real_agents_carry_a_prefix_across_engines(shared) -> None:
                                              for blk in a.leader._shared.directory.blocks()}
 
 
+@pytest.mark.parametrize("shared", ["bus", "real"], indirect=True)
+def test_the_agent_is_woken_once_per_batch_of_reports_not_once_per_block(shared) -> None:
+    """A request's write-throughs are committed by one batch of reports: the leader wakes the
+    agent's thread once for them (a wake-up is a write to its pipe, and the thread it wakes
+    takes the GIL from the executor thread), and the blocks still become resident."""
+    eng = shared.engine()
+    a = agent(eng)
+    wakes: list[int] = []
+    wake = a.wake
+
+    def counted() -> int:
+        wakes.append(1)
+        return wake()
+
+    a.wake = counted
+    run(eng, prompt(40, 16 * BS + 1))
+    committed = eng.leader.stats()["shared_saves_committed"]
+    assert committed == 16
+    assert 1 <= len(wakes) <= committed // 4, (len(wakes), committed)
+    wait_for(lambda: len(eng.leader._shared.directory) >= 16, "the blocks to become resident")
+
+
 @real_agents
 def test_a_multimodal_prefix_crosses_engines_with_its_items_digests(shared) -> None:
     """A multimodal block's shared copy is advertised, by its writer and by the engine that

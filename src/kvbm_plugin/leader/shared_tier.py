@@ -162,6 +162,7 @@ class LeaderSharedTier:
         self.directory: SharedDirectory | None = None
         self.pins: SharedPins | None = None
         self.agent: Any = None
+        self._wake_due = False  # blocks committed since the agent was last woken
         self._starter: threading.Thread | None = None
         self._agent_events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._writes: dict[int, _SharedWrite] = {}  # op id -> write
@@ -348,9 +349,20 @@ class LeaderSharedTier:
         event_hash, parent_hash, tokens = write.name
         self.agent.committed(SharedBlock(
             write.digest, write.parent_digest, event_hash, parent_hash, tokens, write.scope[0],
-            scope_extra_keys(write.scope)), write.key_scope)
+            scope_extra_keys(write.scope)), write.key_scope, wake=False)
+        self._wake_due = True
         self._stats["shared_saves_committed"] += 1
         self._forget(write)
+
+    def wake_agent(self) -> None:
+        """Wake the agent's thread once for the blocks committed since the last call: called
+        by the leader after each batch of reports and by :meth:`sync` (a commit of a block
+        whose host copy was named late), not once per block (each wake-up is a write to its
+        pipe, and the thread it wakes takes the GIL from the executor thread)."""
+        if self._wake_due:
+            self._wake_due = False
+            if self.agent is not None:
+                self.agent.wake()
 
     def _forget(self, write: _SharedWrite) -> None:
         self._writes.pop(write.op_id, None)
@@ -365,7 +377,8 @@ class LeaderSharedTier:
         idle keeper, under the leader's lock), parents before children as the agent made
         them; give up waiting writes whose host copy left the tier unannounced. Starts the
         agent as soon as rank 0's worker published its layout, so an idle engine already
-        learns the blocks the others announce."""
+        learns the blocks the others announce. Wakes the agent for the blocks committed
+        since the last wake-up (:meth:`wake_agent`)."""
         if self.agent is None:
             if self._starter is None and self.settings is not None \
                     and shared_layout(self._group) is not None:
@@ -381,6 +394,7 @@ class LeaderSharedTier:
                 self._register_store(item)
             else:
                 self._register_remove(item)
+        self.wake_agent()  # commits of blocks whose host copy was named since (announce_named)
         if self._waiting and self._tiers.host is not None:
             for write in list(self._waiting.values()):
                 if self._tiers.host.get(write.host_key) is None:

@@ -186,12 +186,15 @@ class SharedAgent:
                 f"dp rank) or connect {cc.SHARED_PEERS}={','.join(self._announcer.peers)!r}: "
                 f"{self._open_error}") from self._open_error
 
-    def committed(self, block: SharedBlock, scope: str | None = None) -> None:
+    def committed(self, block: SharedBlock, scope: str | None = None, *,
+                  wake: bool = True) -> None:
         """Every rank reported its put of ``block``, keyed under the reuse scope ``scope``
         (``wire.identity.request_scope``): confirm it, then make it loadable and announce it
         (with the multimodal part of ``scope``, which the block's fields do not carry, so
         that a peer can recompute its digest). Executor thread; never blocks. ValueError
-        for a malformed block."""
+        for a malformed block. ``wake`` False: the caller calls :meth:`wake` itself once
+        after a batch of commits (the leader, after each batch of reports), instead of a
+        wake-up per block."""
         check_block(block)
         if self._closed:
             self._n["commits_refused"] += 1
@@ -204,7 +207,8 @@ class SharedAgent:
             self._mm[block.digest] = mm
         if self._directory.enqueue(block, True):
             self._n["committed"] += 1
-            self.wake()
+            if wake:
+                self.wake()
         elif self._directory.is_tracked(block.digest):
             self._n["commits_known"] += 1
         else:
