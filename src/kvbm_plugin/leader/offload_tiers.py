@@ -47,7 +47,8 @@ class OffloadTiers:
     is off. Committed blocks whose TensorRT-LLM name is not known yet wait among the naming's
     unnamed stores (:class:`~kvbm_plugin.naming.names.UnnamedStores`, bounded), announced once
     named.
-    ``on_announced(index, entry)`` is called after each tier STORE (the shared tier's
+    ``on_announced(index, entry, name)`` is called after each tier STORE with the name it
+    went out under, ``(event hash, parent event hash, token ids)`` (the shared tier's
     write-through waits for its host copy's name)."""
 
     def __init__(self, settings: TierSettings, *, group: str, tp_size: int, attention_dp: bool,
@@ -70,7 +71,7 @@ class OffloadTiers:
         self.disk_dir: str | None = None
         self._own_disk_dir = False
         self.pending_demotes: list[DemoteOp] = []  # for the next metadata
-        self.on_announced: Callable[[TierIndex, TierEntry], None] | None = None
+        self.on_announced: Callable[[TierIndex, TierEntry, tuple[Any, ...]], None] | None = None
 
     def index_of(self, tier: str) -> TierIndex | None:
         return self.host if tier == TIER_HOST else self.disk
@@ -177,7 +178,8 @@ class OffloadTiers:
             self._tier_events.register_store(MEDIUM[index.name], self._dp_rank, event_hash,
                                              parent_hash, tokens, self._block_size, **scope)
         if self.on_announced is not None:
-            self.on_announced(index, entry)  # the shared tier's write-through takes the name
+            # The shared tier's write-through takes the name (the row is read once).
+            self.on_announced(index, entry, (event_hash, parent_hash, tokens))
         entry.drop_tokens()  # a no-op where the index keeps them (the host tier: demotions)
 
     def announce_or_wait(self, index: TierIndex, entry: TierEntry) -> None:
