@@ -53,6 +53,7 @@ from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.requests import OpTable
 from kvbm_plugin.settings.shared import load_shared_settings
 from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
+from kvbm_plugin.tiers.shared.block import make_block
 from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory
 from kvbm_plugin.tiers.shared.keys import chain_digests
 from kvbm_plugin.wire.events import MEDIUM_EXTERNAL
@@ -349,7 +350,9 @@ class LeaderSharedTier:
     def _commit(self, write: _SharedWrite) -> None:
         assert write.name is not None and self.agent is not None
         event_hash, parent_hash, tokens = write.name
-        self.agent.committed(SharedBlock(
+        # (make_block: SharedBlock(...) without the frozen dataclass's per-field calls; the
+        # agent checks the block's fields)
+        self.agent.committed(make_block(
             write.digest, write.parent_digest, event_hash, parent_hash, tokens, write.scope[0],
             scope_extra_keys(write.scope)), write.key_scope, wake=False)
         self._wake_due = True
