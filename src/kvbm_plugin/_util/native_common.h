@@ -38,16 +38,6 @@ static inline int str_keys_only(PyObject *d) {
     return 1;
 }
 
-/* d[key] (borrowed) for an exact dict that passed str_keys_only: 1 found (*out set), 0 absent,
- * -1 error set. Runs no Python code (every key is an exact str, whose hash is cached), so the
- * borrowed value stays valid while the caller holds ``d``. */
-static inline int str_dict_item(PyObject *d, PyObject *key, PyObject **out) {
-    PyObject *v = PyDict_GetItemWithError(d, key);
-    if (v == NULL) return PyErr_Occurred() ? -1 : 0;
-    *out = v;
-    return 1;
-}
-
 /* The values of the interned ``keys`` (``n`` of them; ``hashes`` their hashes) in the exact
  * dict ``d``, read in one walk of its entries: ``out[i]`` the borrowed value of ``keys[i]``
  * or NULL where absent. 0, or -1 when some key of ``d`` is not an exact str (no error set;
