@@ -92,6 +92,7 @@ from kvbm_plugin.wire.identity import remember_salt_text, request_scopes
 
 logger = logging.getLogger(__name__)
 _TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
+_WRITES = frozenset(("save", "demote"))  # ops that write a tier slot (committed in runs)
 
 
 class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid-type]
@@ -582,8 +583,26 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                 last = op_id
         if not in_order:  # op ids grow along each chain: parents are registered first
             final.sort(key=lambda item: item[0])
-        for op_id, op in final:
-            self._finalize(op_id, op)
+        i, n = 0, len(final)
+        while i < n:
+            if final[i][1].kind not in _WRITES:
+                self._finalize(*final[i])
+                i += 1
+                continue
+            # A run of saves and demotions: committed, and their STOREs registered, together.
+            j = i + 1
+            while j < n and final[j][1].kind in _WRITES:
+                j += 1
+            run = final[i:j]
+            self._tiers.finish_writes([op for _, op in run])
+            reqs = self._reqs
+            for op_id, op in run:
+                state = reqs.get(op.req_id) if op.req_id is not None else None
+                if state is not None:
+                    state.saves_inflight.discard(op_id)
+                    if state.finished and not state.saves_inflight and not state.loads_inflight:
+                        self._forget(state)
+            i = j
         self._shared.wake_agent()  # once for the shared-tier blocks these reports committed
 
     def _finalize(self, op_id: int, op: _Op) -> None:

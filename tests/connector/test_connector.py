@@ -257,8 +257,28 @@ class Recorder:
                                        f"{w._rank} has the bytes")
 
 
-def test_tier_store_and_remove_reach_registration_in_order(make_engine) -> None:
-    recorder = Recorder()
+class BatchRecorder(Recorder):
+    """:class:`Recorder` with the consolidator's batch form, which the leader then uses for
+    the blocks one batch of reports commits; records each call's size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batch_sizes: list[int] = []
+
+    def register_store(self, *args, **kwargs) -> None:
+        self.batch_sizes.append(1)
+        super().register_store(*args, **kwargs)
+
+    def register_stores(self, tier, dp_rank, stores, block_size):
+        self.batch_sizes.append(len(stores))
+        for block_hash, parent_hash, tokens, lora_id, extra_keys in stores:
+            assert lora_id is None and extra_keys is None
+            super().register_store(tier, dp_rank, block_hash, parent_hash, tokens, block_size)
+
+
+@pytest.mark.parametrize("batches", [False, True], ids=["one-by-one", "batches"])
+def test_tier_store_and_remove_reach_registration_in_order(make_engine, batches) -> None:
+    recorder = BatchRecorder() if batches else Recorder()
     engine = make_engine(num_gpu_blocks=12, env=tiers(host=6, disk=8), tp_size=2,
                          tier_events=recorder)
     recorder.engine = engine
@@ -286,6 +306,8 @@ def test_tier_store_and_remove_reach_registration_in_order(make_engine) -> None:
     assert live["CPU"] == truth["CPU"][0] and live["DISK"] == truth["DISK"][0]
     assert any(c[0] == "remove" and c[1] == "CPU" for c in recorder.calls)
     assert any(c[0] == "store" and c[1] == "DISK" for c in recorder.calls)
+    if batches:  # the 4 full blocks of each prompt are reported together
+        assert max(recorder.batch_sizes) >= 4, recorder.batch_sizes
     # The disk tier keeps a block's tokens only until its STORE is registered (an entry still
     # being written, or one whose demotion waits for the next iteration's metadata, keeps them).
     disk = engine.leader._tiers.disk

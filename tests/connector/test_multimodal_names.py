@@ -171,7 +171,15 @@ def test_multimodal_tier_copies_carry_trtllms_name_and_the_items_digests(
         tier_stores[to_signed_int64(block_hash)] = scope.get("extra_keys")
         register(tier, dp_rank, block_hash, parent_hash, token_ids, block_size, **scope)
 
+    register_many = leader.consolidator.register_stores
+
+    def recording_many(tier, dp_rank, stores, block_size):
+        for block_hash, _, _, _, extra_keys in stores:
+            tier_stores[to_signed_int64(block_hash)] = extra_keys
+        register_many(tier, dp_rank, stores, block_size)
+
     leader.consolidator.register_store = recording
+    leader.consolidator.register_stores = recording_many
     sub = StreamSubscriber(f"ipc://{tmp_path}/out", f"ipc://{tmp_path}/out-r", start_seq=0)
     names: dict[int, Any] = {}
     batches: list[Any] = []

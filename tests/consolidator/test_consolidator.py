@@ -570,6 +570,31 @@ def test_registration_arguments_are_checked_on_the_callers_thread(ipc_dir, start
     assert consolidator.wait_idle(5.0)
 
 
+@pytest.mark.parametrize("mode", ["dedup", "passthrough"])
+def test_stores_registered_together_go_out_as_one_by_one(ipc_dir, start, mode):
+    """``register_stores`` (the leader's form: one call per batch of reports) publishes what
+    the same ``register_store`` calls would, in order, scope included; a bad hash anywhere
+    in it raises on the caller's thread and queues none of it; a bad token count drops only
+    its own block."""
+    config = make_config(ipc_dir, replay=False, mode=mode)
+    consolidator = start(config)
+    with pytest.raises(ValueError, match="64-bit"):
+        consolidator.register_stores("CPU", 0, [(1, None, toks(1), None, None),
+                                                (2, U64, toks(2), None, None)], BS)
+    consolidator.register_stores("CPU", 0, [
+        (1, None, toks(1), None, None), (2, 1, toks(2), 0, None),
+        (3, 2, [1, 2], None, None),  # the tier's bug: dropped, counted, not raised
+        (4, 1, toks(4), None, ("salt", "s1"))], BS)
+    consolidator.register_stores("DISK", 0, [], BS)  # nothing to queue
+    wait_for(lambda: consolidator.stats()["registrations"] == 3
+             and consolidator.stats()["registration_errors"] == 1)
+    assert consolidator.wait_idle(10.0)
+    events = [e for b in read_output(config) for e in b.events]
+    assert [(e.block_hashes, e.parent_block_hash, e.lora_name, e.extra_keys)
+            for e in events] == [([1], None, None, None), ([2], 1, "lora-0", None),
+                                 ([4], 1, None, [["salt", "s1"]])]
+
+
 class RecordingPublisher(NullEventPublisher):
     """An in-test output: keeps every batch; its owner (the test) shuts it down."""
 

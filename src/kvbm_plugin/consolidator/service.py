@@ -100,6 +100,8 @@ _SHELL_COUNTERS: Final = (
 )
 
 _Registration = tuple[Any, ...]  # (kind, medium, dp_rank, ...) built by register_*
+# (block hash, parent hash, token ids, lora id, extra keys): one block of register_stores
+StoreFields = tuple[int, int | None, list[int], int | None, Any]
 
 
 class KvEventConsolidator:
@@ -332,6 +334,22 @@ class KvEventConsolidator:
             _check_hash(parent_hash)
         self._submit(("store", medium, dp_rank, block_hash, parent_hash, list(token_ids),
                       block_size, lora_id, None if extra_keys is None else [extra_keys]))
+
+    def register_stores(self, tier: str, dp_rank: int, stores: Sequence[StoreFields],
+                        block_size: int) -> None:
+        """:meth:`register_store` for several blocks of tier ``tier``, in order, as one queued
+        registration: ``stores`` holds ``(block hash, parent hash, token ids, lora id, extra
+        keys)`` per block. The leader calls it once per batch of reports it applies (executor
+        thread), instead of once per committed block. Every hash is checked before anything
+        is queued (ValueError: nothing of the call is). The token lists are taken over, not
+        copied: the caller made them for this call and must not change them."""
+        medium = normalize_medium(tier)
+        for block_hash, parent_hash, _, _, _ in stores:
+            _check_hash(block_hash)
+            if parent_hash is not None:
+                _check_hash(parent_hash)
+        if stores:
+            self._submit(("stores", medium, dp_rank, list(stores), block_size))
 
     def register_remove(self, tier: str, dp_rank: int, block_hashes: Sequence[int]) -> None:
         """Tier ``tier`` of dp rank ``dp_rank`` no longer holds these blocks.
@@ -673,6 +691,9 @@ class KvEventConsolidator:
                 self._streams.resync(self._direct[item[2]], "GPU-tier batches dropped at the "
                              "hand-over bound")
                 continue
+            if kind == "stores":
+                self._apply_stores(item[1], item[2], item[3], item[4])
+                continue
             try:
                 medium, dp_rank = item[1], item[2]
                 if kind == "store":
@@ -689,6 +710,25 @@ class KvEventConsolidator:
                 self._c["registration_errors"] += 1
                 self._log.log(logging.WARNING, "registration", "registration %s dropped: %s",
                               saferepr(item), exc)
+
+    def _apply_stores(self, medium: str, dp_rank: int, stores: list[StoreFields],
+                      block_size: int) -> None:
+        """One :meth:`register_stores` call's blocks, in order, each as a ``store``
+        registration would be (an error drops that block only, counted and logged)."""
+        store = self._core.store
+        applied = 0
+        for block_hash, parent_hash, tokens, lora_id, extra_keys in stores:
+            try:
+                store(SOURCE_TIERS, medium, dp_rank, [block_hash], parent_hash, tokens,
+                      block_size, lora_id, lora_name(lora_id),
+                      None if extra_keys is None else [extra_keys])
+                applied += 1
+            except Exception as exc:  # e.g. token count != block_size: the tier's bug
+                self._c["registration_errors"] += 1
+                self._log.log(logging.WARNING, "registration", "registration %s dropped: %s",
+                              saferepr(("store", medium, dp_rank, block_hash, parent_hash,
+                                        tokens, block_size, lora_id, extra_keys)), exc)
+        self._c["registrations"] += applied
 
     def _flush(self) -> None:
         """Publish what the core produced: one batch per dp rank, dp rank preserved."""

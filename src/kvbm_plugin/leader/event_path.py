@@ -52,6 +52,17 @@ class TierEventPublisher:
             [block_hash], parent_hash, list(token_ids), block_size, lora_id=lora_id,
             medium=tier, extra_keys=None if extra_keys is None else [extra_keys]).to_wire())
 
+    def register_stores(self, tier: str, dp_rank: int,
+                        stores: Sequence[tuple[int, int | None, list[int], int | None, Any]],
+                        block_size: int) -> None:
+        """:meth:`register_store` of each ``(hash, parent hash, token ids, lora id, extra
+        keys)``, in order (the consolidator's batch form)."""
+        append = self._events.append
+        for block_hash, parent_hash, tokens, lora_id, extra_keys in stores:
+            append(BlockStored([block_hash], parent_hash, tokens, block_size, lora_id=lora_id,
+                               medium=tier,
+                               extra_keys=None if extra_keys is None else [extra_keys]).to_wire())
+
     def register_remove(self, tier: str, dp_rank: int, block_hashes: Sequence[int]) -> None:
         self._events.append(BlockRemoved(list(block_hashes), medium=tier).to_wire())
 

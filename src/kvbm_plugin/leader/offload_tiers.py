@@ -182,6 +182,40 @@ class OffloadTiers:
             self.on_announced(index, entry, (event_hash, parent_hash, tokens))
         entry.drop_tokens()  # a no-op where the index keeps them (the host tier: demotions)
 
+    def announce_all(self, done: list[tuple[TierIndex, TierEntry]]) -> None:
+        """:meth:`announce` of each committed, named block of ``done``, in order: each run of
+        one tier's blocks goes to the tier events as one ``register_stores`` where the target
+        has it (the consolidator, the tier publisher), then ``on_announced`` of each."""
+        register_stores = getattr(self._tier_events, "register_stores", None)
+        if register_stores is None or len(done) == 1:
+            for index, entry in done:
+                self.announce(index, entry)
+            return
+        block_size, dp_rank, on_announced = self._block_size, self._dp_rank, self.on_announced
+        start = 0
+        while start < len(done):
+            index = done[start][0]
+            end = start + 1
+            while end < len(done) and done[end][0] is index:
+                end += 1
+            fields = index.store_fields
+            stores: list[tuple[Any, ...]] = []
+            names: list[tuple[Any, ...]] = []
+            for _, entry in done[start:end]:
+                event_hash, parent_hash, tokens, block_scope = fields(entry)
+                if block_scope == _NO_SCOPE:
+                    stores.append((event_hash, parent_hash, tokens, None, None))
+                else:
+                    stores.append((event_hash, parent_hash, tokens, block_scope[0],
+                                   scope_extra_keys(block_scope)))
+                names.append((event_hash, parent_hash, tokens))
+            register_stores(MEDIUM[index.name], dp_rank, stores, block_size)
+            for (_, entry), name in zip(done[start:end], names, strict=True):
+                if on_announced is not None:
+                    on_announced(index, entry, name)
+                entry.drop_tokens()
+            start = end
+
     def announce_or_wait(self, index: TierIndex, entry: TierEntry) -> None:
         """Announce a committed block's STORE, or let it wait for its name
         (:class:`~kvbm_plugin.naming.names.UnnamedStores`; the oldest past its bound leaves
@@ -293,6 +327,47 @@ class OffloadTiers:
             self._stats["saves_committed" if ok else "saves_failed"] += 1
         else:
             self._stats["demotes_committed" if ok else "demotes_failed"] += 1
+
+    def finish_writes(self, ops: Sequence[Op]) -> None:
+        """:meth:`finish_write` of each op of ``ops`` (saves and demotions every rank
+        reported, in op-id order; the leader's batch of reports), with the STOREs of the
+        blocks committed and named in a row announced together (:meth:`announce_all`). What
+        may register a REMOVE (a failed or orphaned write, an unnamed block past its bound)
+        first announces what is committed before it, so the tier events keep their order."""
+        done: list[tuple[TierIndex, TierEntry]] = []
+        unnamed, stats = self._naming.unnamed, self._stats
+        for op in ops:
+            reports = op.reports
+            if len(reports) == 1:
+                report = next(iter(reports.values()))
+                ok, signatures = report.ok, None
+                if report.signature is not None:
+                    signatures = {report.rank: report.signature}
+            else:
+                ok = all(r.ok for r in reports.values())
+                signatures = {r.rank: r.signature for r in reports.values()
+                              if r.signature is not None} or None
+            index = self.host if op.tier == TIER_HOST else self.disk
+            entry = op.entry
+            if not ok or op.tainted or index is None or entry is None \
+                    or not index.holds(entry) or not index.parent_resident(entry):
+                if done:
+                    self.announce_all(done)
+                    done = []
+                self.finish_write(op, ok)
+                continue
+            entry = index.commit_entry(entry, signatures)
+            if unnamed.ready(index, entry):
+                done.append((index, entry))
+            else:
+                if done:
+                    self.announce_all(done)
+                    done = []
+                for tier, oldest in unnamed.overflow():
+                    self.drop(self.host if tier == TIER_HOST else self.disk, oldest)  # type: ignore[arg-type]
+            stats["saves_committed" if op.kind == "save" else "demotes_committed"] += 1
+        if done:
+            self.announce_all(done)
 
     def resident_hashes(self, tier: str) -> set[int]:
         """Event hashes resident (advertised) in ``tier`` ("host"/"disk"); tests and demo."""
