@@ -11,6 +11,7 @@ import tracemalloc
 import pytest
 
 from kvbm_plugin.tiers.index import TierIndex
+from kvbm_plugin.tiers.index_rows import GROW_ROWS
 
 TOKENS = list(range(1000, 1016))  # a 16-token block
 
@@ -73,6 +74,23 @@ def test_bytes_per_block(chain: int) -> None:
         tracemalloc.stop()
     assert len(index) == n
     assert per_block <= 200, f"{per_block:.0f} B per block"
+
+
+def test_the_columns_grow_in_chunks_and_never_past_the_capacity() -> None:
+    """A filling tier adds rows to its columns a chunk at a time (not one append per column
+    and block on the executor thread), bounded by its capacity; the rows not handed out yet
+    are no blocks, and a full tier evicts as before."""
+    n = GROW_ROWS + 44
+    index = TierIndex("host", n)
+    _fill(index, 1, chain=1)
+    assert len(index._key) == GROW_ROWS  # noqa: SLF001 - the columns, not the blocks
+    assert len(index) == 1 and len(index.entries()) == 1
+    keys = [*_fill(index, GROW_ROWS, chain=1, seed=2)]
+    assert len(index._key) == len(index._tok) // len(TOKENS) == n  # noqa: SLF001
+    keys += _fill(index, n - GROW_ROWS - 1, chain=1, seed=3)
+    assert len(index) == n and len(index._key) == n  # noqa: SLF001
+    _, evicted = index.reserve(7, 7, None, TOKENS)  # full: the least recently used goes
+    assert evicted is not None and len(index._key) == n  # noqa: SLF001
 
 
 def test_views_keep_identity_while_held_and_detach_with_their_values() -> None:

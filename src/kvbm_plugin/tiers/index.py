@@ -162,7 +162,8 @@ class TierIndex(TierRows):
         """:meth:`commit` of a live view held by the caller (no key lookup)."""
         if not self.holds(entry):
             raise KeyError(entry.key)
-        return self.commit(self._key[entry.slot], signatures)
+        self._commit_slot(entry.slot, signatures)
+        return entry
 
     def parent_resident(self, entry: TierEntry) -> bool:
         """Whether the live ``entry`` is a root block or its parent is resident here."""
@@ -184,7 +185,7 @@ class TierIndex(TierRows):
         return slot < 0 or self._child[slot] < 0
 
     def can_reserve(self) -> bool:
-        return bool(self._free) or len(self._key) < self.capacity or len(self._order) > 0
+        return bool(self._free) or self._rows < self.capacity or len(self._order) > 0
 
     def evictable(self) -> int:
         """How many entries could be evicted now (resident, unpinned leaves)."""
@@ -226,7 +227,7 @@ class TierIndex(TierRows):
             peh, _ = _u64(parent_event_hash, "parent_event_hash")
             flags |= _PEH_NEG
         evicted: TierEntry | None = None
-        slot, evict = self._claim_slot(parent, len(self._key))
+        slot, evict = self._claim_slot(parent, self._rows)
         if slot < 0:
             raise TierFullError(f"{self.name} tier: all {self.capacity} slots are pending, "
                                 "pinned or parents of other blocks")
@@ -275,6 +276,12 @@ class TierIndex(TierRows):
         slot = self._table.find(key) if 0 <= key <= _U64_MASK else -1
         if slot < 0:
             raise KeyError(key)
+        self._commit_slot(slot, signatures)
+        ref = self._views.get(slot)
+        view = ref() if ref is not None else None
+        return view if view is not None else self._view(slot)
+
+    def _commit_slot(self, slot: int, signatures: dict[int, Signature] | None) -> None:
         flags = self._flags[slot]
         if not flags & _RESIDENT:
             self._flags[slot] = flags | _RESIDENT
@@ -290,9 +297,6 @@ class TierIndex(TierRows):
                 column[2 * slot] = size
                 column[2 * slot + 1] = mtime
         self._touch(slot)
-        ref = self._views.get(slot)
-        view = ref() if ref is not None else None
-        return view if view is not None else self._view(slot)
 
     def discard(self, key: int) -> list[TierEntry]:
         """Forget ``key`` and its descendants in this tier, freeing their slots (a failed write,
