@@ -314,14 +314,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         keys = block_keys(tokens[:last * bs], bs, salt)
         # The prompt's blocks: build_connector_meta extends these instead of hashing them again.
         state.keys = keys
-        plan, lookup, host, disk = state.plan, tiers.lookup, tiers.host, tiers.disk
-        for i in range(first, last):
-            hit = lookup(keys[i])
-            if hit is None:
-                break
-            tier, entry = hit
-            (host if tier == TIER_HOST else disk).pin(entry)  # type: ignore[union-attr]
-            plan.append((i, tier, entry))
+        state.plan = tiers.match(keys, first, last)  # pinned until loaded
         self._shared.match(state, tokens, first + len(state.plan), last)
         n = len(state.plan) * bs
         if n == 0:
@@ -585,7 +578,15 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             final.sort(key=lambda item: item[0])
         i, n = 0, len(final)
         while i < n:
-            if final[i][1].kind not in _WRITES:
+            kind = final[i][1].kind
+            if kind == "load":
+                j = i + 1
+                while j < n and final[j][1].kind == "load":
+                    j += 1
+                self._finish_loads(final[i:j])
+                i = j
+                continue
+            if kind not in _WRITES:
                 self._finalize(*final[i])
                 i += 1
                 continue
@@ -604,6 +605,30 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                         self._forget(state)
             i = j
         self._shared.wake_agent()  # once for the shared-tier blocks these reports committed
+
+    def _finish_loads(self, run: list[tuple[int, _Op]]) -> None:
+        """:meth:`_finalize` of a run of loads (op-id order): a load every rank did from a
+        host or disk block still there is unpinned here, in one pass; any other load (failed,
+        from the shared tier, its block gone) goes through :meth:`_finalize`."""
+        reqs, host, disk = self._reqs, self._tiers.host, self._tiers.disk
+        for op_id, op in run:
+            reports = op.reports
+            if len(reports) == 1:
+                ok = next(iter(reports.values())).ok
+            else:
+                ok = all(r.ok for r in reports.values())
+            index = host if op.tier == TIER_HOST else disk if op.tier == TIER_DISK else None
+            entry = op.entry
+            if not ok or index is None or entry is None or not index.holds(entry) \
+                    or entry.pins <= 0:
+                self._finalize(op_id, op)
+                continue
+            index.unpin(entry)
+            state = reqs.get(op.req_id) if op.req_id is not None else None
+            if state is not None:
+                state.loads_inflight.discard(op_id)
+                if state.finished and not state.saves_inflight and not state.loads_inflight:
+                    self._forget(state)
 
     def _finalize(self, op_id: int, op: _Op) -> None:
         reports = op.reports

@@ -47,6 +47,65 @@ def test_index_lru_evicts_oldest_unpinned_and_never_pinned_or_pending() -> None:
     assert evicted is not None and evicted.key == 3
 
 
+def _twin_indexes() -> tuple[TierIndex, TierIndex, list[int]]:
+    """Two indexes of the same history: chains of 4 committed blocks, every third block of
+    the last chain pending, some touched out of order."""
+    twins = (TierIndex("host", 64), TierIndex("host", 64))
+    keys = list(range(1, 25))
+    for index in twins:
+        for k in keys:
+            index.reserve(k, 100 + k, None if k % 4 == 1 else 99 + k, [k],
+                          None if k % 4 == 1 else k - 1)
+            if not (k > 20 and k % 3 == 0):
+                index.commit(k)
+        for k in (6, 2, 13):
+            index.lookup(k)
+    return twins[0], twins[1], keys
+
+
+def _state(index: TierIndex) -> list[tuple[int, bool, int, int]]:
+    return sorted((e.key, e.resident, e.pins, e.tick) for e in index.entries())
+
+
+def _evictions(index: TierIndex) -> list[int]:
+    out = []
+    for k in range(1000, 1030):
+        _, evicted = index.reserve(k, k, None, [k])
+        index.commit(k)
+        out.append(-1 if evicted is None else evicted.key)
+    return out
+
+
+def test_take_resident_is_lookup_and_pin_of_each_up_to_the_first_miss() -> None:
+    fast, slow, _ = _twin_indexes()
+    for start, stop in ((4, 8), (16, 24), (0, 3)):  # 21 is resident, 24 pending: stops there
+        taken = fast.take_resident(list(range(1, 25)), start, stop)
+        expected = []
+        for k in range(start + 1, stop + 1):
+            entry = slow.lookup(k)
+            if entry is None:
+                break
+            slow.pin(entry)
+            expected.append(entry.key)
+        assert [e.key for e in taken] == expected and all(fast.holds(e) for e in taken)
+    assert _state(fast) == _state(slow)
+    assert _evictions(fast) == _evictions(slow)  # the same eviction order after
+
+
+def test_skip_present_is_a_probe_of_each_up_to_the_first_absent() -> None:
+    fast, slow, keys = _twin_indexes()
+    for start in (0, 16, 20):
+        n = fast.skip_present([*keys, 999], start, len(keys) + 1)
+        count = 0
+        for k in [*keys, 999][start:]:
+            if not slow.probe(k)[1]:
+                break
+            count += 1
+        assert n == count == len(keys) - start  # pending ones count, 999 stops it
+    assert _state(fast) == _state(slow)
+    assert _evictions(fast) == _evictions(slow)
+
+
 def test_an_index_without_kept_tokens_holds_them_until_dropped() -> None:
     """``keep_tokens=False`` (the leader's disk tier): a block's tokens are there until its
     STORE is registered, then dropped: no token column, nothing per block at rest."""

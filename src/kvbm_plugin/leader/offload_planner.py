@@ -118,13 +118,21 @@ class OffloadPlanner:
         while state.offload_next < limit:
             i = state.offload_next
             key = keys[i]
-            present, here = index.probe(key)  # resident: refresh its LRU place, in use again
-            if here:
-                if present is not None and write_through:  # not in the shared tier yet?
-                    shared.follow(state, i, present, -1, -1)
-                state.offload_next += 1
-                parent_in = True
-                continue
+            # Already here: a resident block's LRU place is refreshed (in use again).
+            if write_through:
+                present, here = index.probe(key)
+                if here:
+                    if present is not None:  # not in the shared tier yet?
+                        shared.follow(state, i, present, -1, -1)
+                    state.offload_next += 1
+                    parent_in = True
+                    continue
+            else:
+                present_run = index.skip_present(keys, i, limit)
+                if present_run:
+                    state.offload_next = i + present_run
+                    parent_in = True
+                    continue
             parent_key = keys[i - 1] if i else None
             if parent_key is not None and not parent_in and parent_key not in index:
                 if pages.can_resave(state, index, i - 1):

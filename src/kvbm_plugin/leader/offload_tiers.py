@@ -136,6 +136,30 @@ class OffloadTiers:
                 self.drop(self.disk, entry)
         return None
 
+    def match(self, keys: Sequence[int], first: int, last: int,
+              ) -> list[tuple[int, str, TierEntry]]:
+        """``(block index, tier, entry)`` of blocks ``first..`` of ``keys`` (before ``last``),
+        each found in the host tier, else the disk tier (:meth:`lookup`), up to the first
+        that is in neither; each is pinned and marked most recently used (the leader's
+        match, executor thread)."""
+        plan: list[tuple[int, str, TierEntry]] = []
+        host, disk = self.host, self.disk
+        i = first
+        while i < last:
+            if host is not None:
+                for entry in host.take_resident(keys, i, last):
+                    plan.append((i, TIER_HOST, entry))
+                    i += 1
+                if i >= last:
+                    break
+            hit = self.lookup(keys[i]) if disk is not None else None
+            if hit is None:
+                break
+            disk.pin(hit[1])  # type: ignore[union-attr]
+            plan.append((i, hit[0], hit[1]))
+            i += 1
+        return plan
+
     def disk_intact(self, entry: TierEntry) -> bool:
         """Every rank's file still has the size and mtime it had when written: one stat() per
         rank, no data read (a rewritten, truncated or deleted file fails it; bit rot is caught

@@ -133,6 +133,45 @@ class TierIndex(TierRows):
         self._touch(slot)
         return self._view(slot), True
 
+    def take_resident(self, keys: Sequence[int], start: int, stop: int) -> list[TierEntry]:
+        """The entries of ``keys[start:stop]`` resident here, up to the first that is not,
+        each marked most recently used and pinned: :meth:`lookup` and :meth:`pin` of each in
+        one call (the leader's match, executor thread)."""
+        find, flags_of, pins, tick_of = self._table.find, self._flags, self._pins, self._tick
+        out: list[TierEntry] = []
+        for i in range(start, stop):
+            key = keys[i]
+            slot = find(key) if 0 <= key <= _U64_MASK else -1
+            if slot < 0:
+                break
+            flags = flags_of[slot]
+            if not flags & _RESIDENT:
+                break
+            if flags & _QUEUED:
+                self._order.remove(tick_of[slot])
+                flags_of[slot] = flags & ~_QUEUED
+            self._clock += 1
+            tick_of[slot] = self._clock
+            pins[slot] += 1
+            out.append(self._view(slot))
+        return out
+
+    def skip_present(self, keys: Sequence[int], start: int, stop: int) -> int:
+        """How many of ``keys[start:stop]`` are here (pending or resident), up to the first
+        that is not; each resident one is marked most recently used: :meth:`probe` of each
+        where nothing else is wanted of it (the offload planner, executor thread)."""
+        find, flags_of, touch = self._table.find, self._flags, self._touch
+        i = start
+        while i < stop:
+            key = keys[i]
+            slot = find(key) if 0 <= key <= _U64_MASK else -1
+            if slot < 0:
+                break
+            if flags_of[slot] & _RESIDENT:
+                touch(slot)
+            i += 1
+        return i - start
+
     def pin(self, entry: TierEntry) -> None:
         if entry._snap is not None:  # left the tier: nothing of the tier to hold
             entry._snap[_S_PINS] += 1
