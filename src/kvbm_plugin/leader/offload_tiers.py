@@ -184,9 +184,11 @@ class OffloadTiers:
         if hashes:
             self._tier_events.register_remove(MEDIUM[index.name], self._dp_rank, hashes)
 
-    def announce(self, index: TierIndex, entry: TierEntry) -> None:
-        """Register the tier STORE of a committed, named block (its parent is advertised)."""
-        event_hash, parent_hash, tokens, block_scope = index.store_fields(entry)
+    def announce(self, index: TierIndex, entry: TierEntry, fields: Any = None) -> None:
+        """Register the tier STORE of a committed, named block (its parent is advertised);
+        ``fields``: its ``store_fields`` where the caller read them already."""
+        event_hash, parent_hash, tokens, block_scope = \
+            index.store_fields(entry) if fields is None else fields
         if block_scope == _NO_SCOPE:
             # The scope only when there is one: a recorder written for the plain six-argument
             # call keeps working for unscoped blocks.
@@ -206,14 +208,15 @@ class OffloadTiers:
             self.on_announced(index, entry, (event_hash, parent_hash, tokens))
         entry.drop_tokens()  # a no-op where the index keeps them (the host tier: demotions)
 
-    def announce_all(self, done: list[tuple[TierIndex, TierEntry]]) -> None:
-        """:meth:`announce` of each committed, named block of ``done``, in order: each run of
-        one tier's blocks goes to the tier events as one ``register_stores`` where the target
-        has it (the consolidator, the tier publisher), then ``on_announced`` of each."""
+    def announce_all(self, done: list[tuple[TierIndex, TierEntry, Any]]) -> None:
+        """:meth:`announce` of each committed, named block of ``done`` (index, entry, its
+        store fields as read at the commit or None), in order: each run of one tier's
+        blocks goes to the tier events as one ``register_stores`` where the target has it
+        (the consolidator, the tier publisher), then ``on_announced`` of each."""
         register_stores = getattr(self._tier_events, "register_stores", None)
         if register_stores is None or len(done) == 1:
-            for index, entry in done:
-                self.announce(index, entry)
+            for index, entry, fields in done:
+                self.announce(index, entry, fields)
             return
         block_size, dp_rank, on_announced = self._block_size, self._dp_rank, self.on_announced
         start = 0
@@ -222,11 +225,12 @@ class OffloadTiers:
             end = start + 1
             while end < len(done) and done[end][0] is index:
                 end += 1
-            fields = index.store_fields
+            store_fields = index.store_fields
             stores: list[tuple[Any, ...]] = []
             names: list[tuple[Any, ...]] = []
-            for _, entry in done[start:end]:
-                event_hash, parent_hash, tokens, block_scope = fields(entry)
+            for _, entry, fields in done[start:end]:
+                event_hash, parent_hash, tokens, block_scope = \
+                    store_fields(entry) if fields is None else fields
                 if block_scope == _NO_SCOPE:
                     stores.append((event_hash, parent_hash, tokens, None, None))
                 else:
@@ -234,7 +238,7 @@ class OffloadTiers:
                                    scope_extra_keys(block_scope)))
                 names.append((event_hash, parent_hash, tokens))
             register_stores(MEDIUM[index.name], dp_rank, stores, block_size)
-            for (_, entry), name in zip(done[start:end], names, strict=True):
+            for (_, entry, _), name in zip(done[start:end], names, strict=True):
                 if on_announced is not None:
                     on_announced(index, entry, name)
                 entry.drop_tokens()
@@ -358,8 +362,9 @@ class OffloadTiers:
         blocks committed and named in a row announced together (:meth:`announce_all`). What
         may register a REMOVE (a failed or orphaned write, an unnamed block past its bound)
         first announces what is committed before it, so the tier events keep their order."""
-        done: list[tuple[TierIndex, TierEntry]] = []
+        done: list[tuple[TierIndex, TierEntry, Any]] = []
         unnamed, stats = self._naming.unnamed, self._stats
+        named_ready = unnamed.named_ready
         for op in ops:
             reports = op.reports
             if len(reports) == 1:
@@ -380,9 +385,12 @@ class OffloadTiers:
                     done = []
                 self.finish_write(op, ok)
                 continue
-            entry = index.commit_entry(entry, signatures)
-            if unnamed.ready(index, entry):
-                done.append((index, entry))
+            key, parent_key, event_hash, parent_hash, tokens, scope = \
+                index.commit_fields(entry, signatures)
+            if named_ready(index.name, key, parent_key, event_hash, parent_hash):
+                done.append((index, entry, (event_hash, parent_hash, tokens, scope)))
+            elif unnamed.ready(index, entry):  # named now: its row is read again
+                done.append((index, entry, None))
             else:
                 if done:
                     self.announce_all(done)

@@ -100,6 +100,15 @@ class UnnamedStores:
             if h is not None:
                 entry.event_hash = h
 
+    def named_ready(self, tier: str, key: int, parent_key: int | None, event_hash: int,
+                    parent_event_hash: int | None) -> bool:
+        """The common case of :meth:`ready`, from a committed block's row as read already
+        (``TierIndex.commit_fields``): it and its parent are named, its parent is not
+        waiting. False says only that :meth:`ready` must decide."""
+        return event_hash != key and (parent_key is None or (
+            parent_event_hash != parent_key
+            and (not self._waiting or (tier, parent_key) not in self._waiting)))
+
     def ready(self, index: TierIndex, entry: TierEntry) -> bool:
         """A block just committed to ``index``: named as far as known now; True when its STORE
         can be announced (it and its parent are named, its parent is not waiting), else it

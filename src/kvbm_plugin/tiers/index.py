@@ -204,6 +204,20 @@ class TierIndex(TierRows):
         self._commit_slot(entry.slot, signatures)
         return entry
 
+    def commit_fields(self, entry: TierEntry, signatures: dict[int, Signature] | None = None,
+                      ) -> tuple[int, int | None, int, int | None, list[int], Any]:
+        """:meth:`commit_entry`, and the committed row as its STORE needs it, in one call
+        (``OffloadTiers.finish_writes``, once per committed block): (key, parent key, event
+        hash, parent event hash, token ids, scope)."""
+        if not self.holds(entry):
+            raise KeyError(entry.key)
+        slot = entry.slot
+        self._commit_slot(slot, signatures)
+        parent = self._parent[slot]
+        event_hash, parent_hash, tokens, scope = self.store_fields(entry)
+        return (self._key[slot], None if parent < 0 else self._key[parent], event_hash,
+                parent_hash, tokens, scope)
+
     def parent_resident(self, entry: TierEntry) -> bool:
         """Whether the live ``entry`` is a root block or its parent is resident here."""
         parent = self._parent[entry.slot]
