@@ -163,7 +163,8 @@ class LeaderSharedTier:
         self.directory: SharedDirectory | None = None
         self.pins: SharedPins | None = None
         self.agent: Any = None
-        self._wake_due = False  # blocks committed since the agent was last woken
+        # Blocks committed since the agent was last woken, handed to it then (wake_agent)
+        self._commits: list[tuple[SharedBlock, str | None]] = []
         self._starter: threading.Thread | None = None
         self._agent_events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._writes: dict[int, _SharedWrite] = {}  # op id -> write
@@ -351,23 +352,34 @@ class LeaderSharedTier:
         assert write.name is not None and self.agent is not None
         event_hash, parent_hash, tokens = write.name
         # (make_block: SharedBlock(...) without the frozen dataclass's per-field calls; the
-        # agent checks the block's fields)
-        self.agent.committed(make_block(
+        # agent checks the block's fields when wake_agent hands it over)
+        self._commits.append((make_block(
             write.digest, write.parent_digest, event_hash, parent_hash, tokens, write.scope[0],
-            scope_extra_keys(write.scope)), write.key_scope, wake=False)
-        self._wake_due = True
+            scope_extra_keys(write.scope)), write.key_scope))
         self._stats["shared_saves_committed"] += 1
         self._forget(write)
 
     def wake_agent(self) -> None:
-        """Wake the agent's thread once for the blocks committed since the last call: called
-        by the leader after each batch of reports and by :meth:`sync` (a commit of a block
-        whose host copy was named late), not once per block (each wake-up is a write to its
-        pipe, and the thread it wakes takes the GIL from the executor thread)."""
-        if self._wake_due:
-            self._wake_due = False
-            if self.agent is not None:
-                self.agent.wake()
+        """Hand the agent the blocks committed since the last call and wake its thread once:
+        called by the leader after each batch of reports and by :meth:`sync` (a commit of a
+        block whose host copy was named late), not once per block (each hand-over holds the
+        directory's lock, each wake-up is a write to its pipe, and the thread it wakes takes
+        the GIL from the executor thread)."""
+        if not self._commits:
+            return
+        commits, self._commits = self._commits, []
+        agent = self.agent
+        if agent is None:
+            return
+        many = getattr(agent, "committed_many", None)
+        if many is not None:
+            queued = many(commits)
+        else:  # an agent with the one-block form only
+            for block, scope in commits:
+                agent.committed(block, scope, wake=False)
+            queued = len(commits)
+        if queued:
+            agent.wake()
 
     def _forget(self, write: _SharedWrite) -> None:
         self._writes.pop(write.op_id, None)

@@ -195,27 +195,42 @@ class SharedAgent:
         for a malformed block. ``wake`` False: the caller calls :meth:`wake` itself once
         after a batch of commits (the leader, after each batch of reports), instead of a
         wake-up per block."""
-        check_block(block)
+        if self.committed_many([(block, scope)]) and wake:
+            self.wake()
+
+    def committed_many(self, blocks: Sequence[tuple[SharedBlock, str | None]]) -> int:
+        """:meth:`committed` of each ``(block, scope)``, in order, with one hold of the
+        directory's lock, without waking the thread (the leader calls :meth:`wake` after);
+        returns how many were queued. Every block is checked before any is queued
+        (ValueError: none is). Executor thread; never blocks."""
+        for block, _ in blocks:
+            check_block(block)
         if self._closed:
-            self._n["commits_refused"] += 1
-            return
-        mm = mm_of_scope(scope)
-        if mm is not None and len(self._mm) < self._MAX_MM:
-            # Before the block is queued: the agent may confirm and announce it at once. (A
-            # GIL-atomic store; the agent pops it; a digest names its scope, so an entry left
-            # by a block tracked already is right too, and the next sweep forgets it.)
-            self._mm[block.digest] = mm
-        if self._directory.enqueue(block, True):
-            self._n["committed"] += 1
-            if wake:
-                self.wake()
-        elif self._directory.is_tracked(block.digest):
-            self._n["commits_known"] += 1
-        else:
-            self._n["commits_refused"] += 1  # too many pending (the directory counts it)
-            self._log.log(logging.WARNING, "pending-full", "kvbm_plugin: shared-tier block %s "
-                          "not tracked: %d blocks already await their check",
-                          block.digest.hex(), self._directory.pending_limit)
+            self._n["commits_refused"] += len(blocks)
+            return 0
+        for block, scope in blocks:
+            mm = mm_of_scope(scope)
+            if mm is not None and len(self._mm) < self._MAX_MM:
+                # Before the block is queued: the agent may confirm and announce it at once.
+                # (A GIL-atomic store; the agent pops it; a digest names its scope, so an
+                # entry left by a block tracked already is right too, and the next sweep
+                # forgets it.)
+                self._mm[block.digest] = mm
+        queued = 0
+        directory = self._directory
+        for (block, _), ok in zip(blocks, directory.enqueue_many([b for b, _ in blocks], True),
+                                  strict=True):
+            if ok:
+                queued += 1
+            elif directory.is_tracked(block.digest):
+                self._n["commits_known"] += 1
+            else:
+                self._n["commits_refused"] += 1  # too many pending (the directory counts it)
+                self._log.log(logging.WARNING, "pending-full", "kvbm_plugin: shared-tier block "
+                              "%s not tracked: %d blocks already await their check",
+                              block.digest.hex(), directory.pending_limit)
+        self._n["committed"] += queued
+        return queued
 
     @property
     def available(self) -> bool:

@@ -213,27 +213,36 @@ class SharedDirectory(SharedRows):
         """The clock deadlines are on."""
         return self._clock
 
+    def enqueue_many(self, blocks: Sequence[SharedBlock], own: bool) -> list[bool]:
+        """:meth:`enqueue` of each of ``blocks`` in order, under one hold of the lock (the
+        leader's commits of one batch of reports)."""
+        with self._lock:
+            return [self._enqueue(block, own) for block in blocks]
+
     def enqueue(self, block: SharedBlock, own: bool) -> bool:
         """Add ``block`` (checked: :func:`check_block`) to the pending blocks; ``own``: written
         by this engine (else announced by another). False when it is tracked already, or the
         pending blocks are at ``pending_limit`` (counted). An own block replaces an announced
         one still pending (True): this engine's own names for the block win over a peer's."""
         with self._lock:
-            digest = block.digest
-            held = self._pending.get(digest)
-            if held is not None:
-                if own and not held[1]:
-                    self._pending[digest] = (block, True, held[2])
-                    return True
-                return False
-            if self._find(digest) >= 0:
-                return False
-            if len(self._pending) >= self.pending_limit:
-                self._n["refused_pending_full"] += 1
-                return False
-            self._pending[digest] = (block, own, 0)
-            self._queue.append(digest)
-            return True
+            return self._enqueue(block, own)
+
+    def _enqueue(self, block: SharedBlock, own: bool) -> bool:
+        digest = block.digest
+        held = self._pending.get(digest)
+        if held is not None:
+            if own and not held[1]:
+                self._pending[digest] = (block, True, held[2])
+                return True
+            return False
+        if self._find(digest) >= 0:
+            return False
+        if len(self._pending) >= self.pending_limit:
+            self._n["refused_pending_full"] += 1
+            return False
+        self._pending[digest] = (block, own, 0)
+        self._queue.append(digest)
+        return True
 
     def take_pending(self, limit: int) -> list[tuple[SharedBlock, bool, int]]:
         """Up to ``limit`` pending blocks to check, oldest first, as (block, own, tries).
