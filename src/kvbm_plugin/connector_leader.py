@@ -41,7 +41,6 @@ from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector import llm_args as _llm_args
 from kvbm_plugin.connector.meta import (
     DISK,
-    ERR_CORRUPT,
     HOST,
     SHARED,
     ConnectorMetadata,
@@ -77,8 +76,8 @@ from kvbm_plugin.leader.layer_groups import refuse_unsupported as _refuse_layer_
 from kvbm_plugin.leader.lifetime import request_gone, request_handle
 from kvbm_plugin.leader.offload_planner import OffloadPlanner
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
+from kvbm_plugin.leader.op_completions import OpCompletions
 from kvbm_plugin.leader.requests import LEADER_STATS, OpTable
-from kvbm_plugin.leader.requests import Op as _Op
 from kvbm_plugin.leader.requests import RequestState as _Request
 from kvbm_plugin.leader.shared_tier import MATCHED_STAT, TIER_SHARED, LeaderSharedTier
 from kvbm_plugin.naming.names import BlockNaming, StreamNames
@@ -92,7 +91,6 @@ from kvbm_plugin.wire.identity import remember_salt_text, request_scopes
 
 logger = logging.getLogger(__name__)
 _TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
-_WRITES = frozenset(("save", "demote"))  # ops that write a tier slot (committed in runs)
 
 
 class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid-type]
@@ -198,6 +196,10 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                 thread_safe_events=self._tier_events is not None
                 and self._tier_events is self.consolidator)
             self._tiers.on_announced = self._shared.host_copy_announced
+            self._completions = OpCompletions(
+                hub=self._hub, ops=self._ops, reqs=self._reqs, tiers=self._tiers,
+                shared=self._shared, index_of=self._index_of, forget=self._forget,
+                stats=self._stats, log=self._log, tp_size=par.tp_size)
             self._offload = OffloadPlanner(
                 block_size=self._block_size, tiers=self._tiers, shared=self._shared,
                 pages=self._layer_pages, naming=self._naming, ops=self._ops, stats=self._stats,
@@ -548,140 +550,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             state.computed = []
 
     def _apply_reports(self) -> None:
-        """Fold workers' reports in; an op is final once every rank reported it."""
-        final: list[tuple[int, _Op]] = []
-        tp_size = self._par.tp_size
-        ops = self._ops
-        in_order = True  # reports usually arrive in op-id order: then no sort
-        last = 0
-        for report in self._hub.drain():
-            op_id = report.op_id
-            op = ops.get(op_id)
-            if op is None or not 0 <= report.rank < tp_size:
-                # A rank outside the group must not count towards "every rank reported" (the
-                # block would be advertised before its bytes are on every rank); an unknown op
-                # id is a late duplicate or a report meant for another leader.
-                self._stats["reports_rejected"] += 1
-                self._log.log(logging.WARNING, "report", "kvbm_plugin: completion report for "
-                              "op %d from rank %d ignored (%s; tp_size %d)", op_id,
-                              report.rank, "unknown op" if op is None else "rank out of range",
-                              tp_size)
-                continue
-            reports = op.reports
-            reports[report.rank] = report
-            if len(reports) >= tp_size:
-                del ops[op_id]
-                final.append((op_id, op))
-                in_order = in_order and op_id > last
-                last = op_id
-        if not in_order:  # op ids grow along each chain: parents are registered first
-            final.sort(key=lambda item: item[0])
-        i, n = 0, len(final)
-        while i < n:
-            kind = final[i][1].kind
-            if kind == "load":
-                j = i + 1
-                while j < n and final[j][1].kind == "load":
-                    j += 1
-                self._finish_loads(final[i:j])
-                i = j
-                continue
-            if kind not in _WRITES:
-                self._finalize(*final[i])
-                i += 1
-                continue
-            # A run of saves and demotions: committed, and their STOREs registered, together.
-            j = i + 1
-            while j < n and final[j][1].kind in _WRITES:
-                j += 1
-            run = final[i:j]
-            self._tiers.finish_writes([op for _, op in run])
-            reqs = self._reqs
-            for op_id, op in run:
-                state = reqs.get(op.req_id) if op.req_id is not None else None
-                if state is not None:
-                    state.saves_inflight.discard(op_id)
-                    if state.finished and not state.saves_inflight and not state.loads_inflight:
-                        self._forget(state)
-            i = j
-        self._shared.wake_agent()  # once for the shared-tier blocks these reports committed
-
-    def _finish_loads(self, run: list[tuple[int, _Op]]) -> None:
-        """:meth:`_finalize` of a run of loads (op-id order): a load every rank did from a
-        host or disk block still there is unpinned here, in one pass; any other load (failed,
-        from the shared tier, its block gone) goes through :meth:`_finalize`."""
-        reqs, host, disk = self._reqs, self._tiers.host, self._tiers.disk
-        for op_id, op in run:
-            reports = op.reports
-            if len(reports) == 1:
-                ok = next(iter(reports.values())).ok
-            else:
-                ok = all(r.ok for r in reports.values())
-            index = host if op.tier == TIER_HOST else disk if op.tier == TIER_DISK else None
-            entry = op.entry
-            if not ok or index is None or entry is None or not index.holds(entry) \
-                    or entry.pins <= 0:
-                self._finalize(op_id, op)
-                continue
-            index.unpin(entry)
-            state = reqs.get(op.req_id) if op.req_id is not None else None
-            if state is not None:
-                state.loads_inflight.discard(op_id)
-                if state.finished and not state.saves_inflight and not state.loads_inflight:
-                    self._forget(state)
-
-    def _finalize(self, op_id: int, op: _Op) -> None:
-        reports = op.reports
-        if len(reports) == 1:
-            ok = next(iter(reports.values())).ok
-        else:
-            ok = all(r.ok for r in reports.values())
-        index = self._index_of(op.tier)
-        state = self._reqs.get(op.req_id) if op.req_id is not None else None
-        if op.kind == "shared_save":
-            self._shared.save_done(op_id, op, ok)
-        elif op.kind in ("save", "demote"):
-            self._tiers.finish_write(op, ok)
-            if state is not None:
-                state.saves_inflight.discard(op_id)
-        else:  # load: unpin; a corrupt source block is forgotten (with its descendants)
-            entry = op.entry
-            if entry is not None and entry.pins > 0:
-                index.unpin(entry)  # type: ignore[union-attr]
-            if entry is not None and index is not None and not index.holds(entry):
-                entry = None  # forgotten meanwhile
-            if not ok:
-                self._stats["loads_failed"] += 1
-                if state is not None:
-                    self._load_failed(state, op.entry)
-                if op.tier == TIER_SHARED:
-                    self._stats["shared_loads_failed"] += 1
-                if any(r.error == ERR_CORRUPT for r in op.reports.values()):
-                    self._stats["corrupt_blocks"] += 1
-                    if entry is not None and index is not None:
-                        self._tiers.drop(index, entry)
-            if state is not None:
-                state.loads_inflight.discard(op_id)
-        if state is not None and state.finished and not state.saves_inflight \
-                and not state.loads_inflight:
-            self._forget(state)
-
-    def _load_failed(self, state: _Request, entry: Any) -> None:
-        """A load of ``state`` failed. Where TensorRT-LLM recomputes it (load errors) the first
-        report's position is the truth, so the tokens the load promised are forgotten. Where it
-        does not, the request computes on the unfilled block, and nothing of it from that block
-        on may be offloaded: a well-formed tier copy of wrong KV would pass every later check.
-        Told apart at the first report (:meth:`OffloadPlanner.absorb`); already reported:
-        stop at once."""
-        state.match_base = None
-        index = next((i for i, _, e in state.plan if e is entry), None)
-        if index is None:
-            return
-        if state.reported:
-            stop = state.offload_stop
-            state.offload_stop = index if stop is None else min(index, stop)
-        elif state.load_failed_at is None or index < state.load_failed_at:
-            state.load_failed_at = index
+        """Fold the workers' reports in (:meth:`OpCompletions.apply`)."""
+        self._completions.apply()
 
     def _reap_terminated(self, executor_thread: bool = True,
                          scheduled: frozenset[int] = frozenset()) -> None:
@@ -813,10 +683,14 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
 
     # ------------------------------------------------------------------ tests and the demo
 
+    @locked
     def resident_hashes(self, tier: str) -> set[int]:
-        """Event hashes resident (advertised) in ``tier`` ("host"/"disk")."""
+        """Event hashes resident (advertised) in ``tier`` ("host"/"disk"): under the leader's
+        lock, so that a batch of reports the idle keeper applies meanwhile is seen whole
+        (its blocks are committed first and announced together after)."""
         return self._tiers.resident_hashes(tier)
 
+    @locked
     def resident_shared_hashes(self) -> set[int]:
         """Event hashes the shared-tier directory holds resident (advertised as EXTERNAL)."""
         return self._shared.resident_hashes()

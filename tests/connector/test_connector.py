@@ -10,6 +10,7 @@ import time
 
 import pytest
 from _engines import prompt, tiers
+from _kvwire import wait_until
 
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.consolidator_config import ConfigError
@@ -289,6 +290,10 @@ def test_tier_store_and_remove_reach_registration_in_order(make_engine, batches)
         engine.submit(prompt(60 + k, 17), 2)
         engine.run_until_idle()
     assert recorder.violations == []
+    # The last reports may be applied by the idle keeper after the engine went idle: once no
+    # op is left, the truth (read under the leader's lock) and the calls are complete.
+    wait_until(lambda: engine.leader.stats()["ops_inflight"] == 0, what="the last reports")
+    truth = engine.resident_blocks()
     live: dict[str, set[int]] = {"CPU": set(), "DISK": set()}
     parents_seen: dict[str, set[int]] = {"CPU": set(), "DISK": set()}
     for call in recorder.calls:
@@ -302,7 +307,6 @@ def test_tier_store_and_remove_reach_registration_in_order(make_engine, batches)
             _, tier, h = call
             assert h in live[tier], f"REMOVE of {h:#x} never stored in {tier}"
             live[tier].remove(h)
-    truth = engine.resident_blocks()
     assert live["CPU"] == truth["CPU"][0] and live["DISK"] == truth["DISK"][0]
     assert any(c[0] == "remove" and c[1] == "CPU" for c in recorder.calls)
     assert any(c[0] == "store" and c[1] == "DISK" for c in recorder.calls)
