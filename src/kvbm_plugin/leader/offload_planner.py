@@ -112,9 +112,14 @@ class OffloadPlanner:
             limit = min(limit, state.offload_stop)
         tier_code = HOST if index.name == TIER_HOST else DISK
         write_through = index is host and shared.enabled
-        new_op = self._ops.new
+        new_op, req_id, tier_name = self._ops.new, state.req_id, index.name
+        grouped = bool(state.group_pages)
+        # The scope of every block of a request without multimodal items is the same.
+        inputs = state.name_inputs
+        scope = None if inputs is not None and inputs.mm else block_scope(state, 0, bs)
         # The parent of the next block is in ``index``: just checked, reserved or found.
         parent_in = False
+        named, named_hash = -1, 0  # the last block reserved here, and its event hash
         while state.offload_next < limit:
             i = state.offload_next
             key = keys[i]
@@ -149,18 +154,25 @@ class OffloadPlanner:
                 state.offload_next += 1
                 parent_in = False
                 continue
-            parent = self.event_hash(state, i - 1) if i else None
-            entry = tiers.reserve(index, key, self.event_hash(state, i), parent,
-                                  tokens[i * bs:(i + 1) * bs], parent_key,
-                                  block_scope(state, i, bs))
+            if not i:
+                parent = None
+            elif named == i - 1:  # (event_hash has no effect that would change it since)
+                parent = named_hash
+            else:
+                parent = self.event_hash(state, i - 1)
+            named_hash = self.event_hash(state, i)
+            entry = tiers.reserve(index, key, named_hash, parent, tokens[i * bs:(i + 1) * bs],
+                                  parent_key, block_scope(state, i, bs) if scope is None
+                                  else scope)
             if entry is None:
                 stats["tier_full_skips"] += 1
                 return  # retry from this block next iteration
-            op_id = new_op("save", index.name, key, state.req_id, entry)
+            named = i
+            op_id = new_op("save", tier_name, key, req_id, entry)
             state.saves_inflight.add(op_id)
             block = int(block)
-            saves.append(SaveOp(op_id, state.req_id, block, tier_code, entry.slot, key,
-                                pages.save_pages(state, i)))
+            saves.append(SaveOp(op_id, req_id, block, tier_code, entry.slot, key,
+                                pages.save_pages(state, i) if grouped else ()))
             if write_through:  # to the shared tier, when there is one
                 shared.follow(state, i, entry, op_id, block)
             stats["saves_scheduled"] += 1
