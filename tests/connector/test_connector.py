@@ -225,6 +225,7 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
+        self.remove_sizes: list[int] = []
         self.engine: SimulatedEngine | None = None
         self.violations: list[str] = []
 
@@ -234,6 +235,7 @@ class Recorder:
             self._check_bytes(tier, block_hash)
 
     def register_remove(self, tier, dp_rank, block_hashes):
+        self.remove_sizes.append(len(block_hashes))
         for h in block_hashes:
             self.calls.append(("remove", tier, h))
 
@@ -312,6 +314,8 @@ def test_tier_store_and_remove_reach_registration_in_order(make_engine, batches)
     assert any(c[0] == "store" and c[1] == "DISK" for c in recorder.calls)
     if batches:  # the 4 full blocks of each prompt are reported together
         assert max(recorder.batch_sizes) >= 4, recorder.batch_sizes
+    # A request's offloads evict several host blocks: their REMOVEs are registered together.
+    assert max(recorder.remove_sizes) >= 2, recorder.remove_sizes
     # The disk tier keeps a block's tokens only until its STORE is registered (an entry still
     # being written, or one whose demotion waits for the next iteration's metadata, keeps them).
     disk = engine.leader._tiers.disk

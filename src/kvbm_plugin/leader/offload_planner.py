@@ -102,7 +102,14 @@ class OffloadPlanner:
         order. A tier holds prefix-closed chains only: a block is offloaded only while its
         parent is in the same tier (pending or resident) or is offloaded in this same job, so
         a parent that left the tier since it was passed is offloaded again first, from its
-        device block (the request still holds it)."""
+        device block (the request still holds it). The REMOVEs of the blocks its slots were
+        taken from are registered together at the end."""
+        try:
+            self._schedule(state, index, saves)
+        finally:
+            self._tiers.flush_evicted()
+
+    def _schedule(self, state: RequestState, index: TierIndex, saves: list[SaveOp]) -> None:
         bs = self._block_size
         tiers, shared, pages, stats = self._tiers, self._shared, self._pages, self._stats
         host = tiers.host

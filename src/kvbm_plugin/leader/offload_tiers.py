@@ -71,6 +71,8 @@ class OffloadTiers:
         self.disk_dir: str | None = None
         self._own_disk_dir = False
         self.pending_demotes: list[DemoteOp] = []  # for the next metadata
+        # (medium, event hash) of the advertised blocks evicted since flush_evicted
+        self._evicted: list[tuple[str, int]] = []
         self.on_announced: Callable[[TierIndex, TierEntry, tuple[Any, ...]], None] | None = None
 
     def index_of(self, tier: str) -> TierIndex | None:
@@ -176,6 +178,7 @@ class OffloadTiers:
     def drop(self, index: TierIndex, entry: TierEntry) -> None:
         """Forget a block and its descendants in ``index`` (a tier holds prefix-closed chains
         only) and register the REMOVEs of the resident ones, children first."""
+        self.flush_evicted()
         gone = index.discard(entry.key)
         self._stats["cascade_drops"] += max(0, len(gone) - 1)
         unnamed = self._naming.unnamed
@@ -187,6 +190,7 @@ class OffloadTiers:
     def announce(self, index: TierIndex, entry: TierEntry, fields: Any = None) -> None:
         """Register the tier STORE of a committed, named block (its parent is advertised);
         ``fields``: its ``store_fields`` where the caller read them already."""
+        self.flush_evicted()
         event_hash, parent_hash, tokens, block_scope = \
             index.store_fields(entry) if fields is None else fields
         if block_scope == _NO_SCOPE:
@@ -213,6 +217,7 @@ class OffloadTiers:
         store fields as read at the commit or None), in order: each run of one tier's
         blocks goes to the tier events as one ``register_stores`` where the target has it
         (the consolidator, the tier publisher), then ``on_announced`` of each."""
+        self.flush_evicted()
         register_stores = getattr(self._tier_events, "register_stores", None)
         if register_stores is None or len(done) == 1:
             for index, entry, fields in done:
@@ -280,15 +285,33 @@ class OffloadTiers:
             entry.scope = scope
         if evicted is not None:
             self._stats["host_evictions" if index.name == TIER_HOST else "disk_evictions"] += 1
-            # REMOVE before the metadata that reuses the slot leaves this method's caller (none
-            # for a block that was never advertised).
+            # REMOVE before the metadata that reuses the slot leaves this method's caller
+            # (flush_evicted; none for a block that was never advertised).
             if not self._naming.unnamed.forget(index.name, evicted.key):
-                self._tier_events.register_remove(MEDIUM[index.name], self._dp_rank,
-                                                  [evicted.event_hash])
+                self._evicted.append((MEDIUM[index.name], evicted.event_hash))
             if index.name == TIER_HOST and self.disk is not None \
                     and evicted.key not in self.disk:
                 self.demote(evicted)
         return entry
+
+    def flush_evicted(self) -> None:
+        """Register the REMOVEs of the blocks :meth:`reserve` evicted since the last call, in
+        eviction order, one call per run of one medium's: called by the planner at the end of
+        each request's offloads (before the metadata that reuses their slots leaves the
+        leader), and before any other tier event this class registers."""
+        evicted = self._evicted
+        if not evicted:
+            return
+        self._evicted = []
+        start = 0
+        while start < len(evicted):
+            medium = evicted[start][0]
+            end = start + 1
+            while end < len(evicted) and evicted[end][0] == medium:
+                end += 1
+            self._tier_events.register_remove(medium, self._dp_rank,
+                                              [h for _, h in evicted[start:end]])
+            start = end
 
     def demote(self, evicted: TierEntry) -> None:
         """Demote an evicted host block to disk, keeping the disk tier prefix-closed: the
