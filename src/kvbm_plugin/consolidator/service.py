@@ -328,12 +328,8 @@ class KvEventConsolidator:
         and ``extra_keys`` (the block's extra hash keys, e.g. its cache salt) are part of its
         identity, as for a stream event.
         """
-        medium = normalize_medium(tier)
-        _check_hash(block_hash)
-        if parent_hash is not None:
-            _check_hash(parent_hash)
-        self._submit(("store", medium, dp_rank, block_hash, parent_hash, list(token_ids),
-                      block_size, lora_id, None if extra_keys is None else [extra_keys]))
+        self.register_stores(tier, dp_rank, [(block_hash, parent_hash, list(token_ids),
+                                              lora_id, extra_keys)], block_size)
 
     def register_stores(self, tier: str, dp_rank: int, stores: Sequence[StoreFields],
                         block_size: int) -> None:
@@ -696,17 +692,12 @@ class KvEventConsolidator:
                 continue
             try:
                 medium, dp_rank = item[1], item[2]
-                if kind == "store":
-                    # The adapter named as the GPU-tier stream names it (a router reads
-                    # lora_name, never lora_id): one identity for a block on every medium.
-                    core.store(SOURCE_TIERS, medium, dp_rank, [item[3]], item[4], item[5],
-                               item[6], item[7], lora_name(item[7]), item[8])
-                elif kind == "remove":
+                if kind == "remove":
                     core.remove(SOURCE_TIERS, medium, dp_rank, item[3])
                 else:
                     core.clear(SOURCE_TIERS, medium, dp_rank)
                 self._c["registrations"] += 1
-            except Exception as exc:  # e.g. token count != block_size: the tier's bug
+            except Exception as exc:  # a tier's bug: counted, never raised here
                 self._c["registration_errors"] += 1
                 self._log.log(logging.WARNING, "registration", "registration %s dropped: %s",
                               saferepr(item), exc)
@@ -719,6 +710,8 @@ class KvEventConsolidator:
         applied = 0
         for block_hash, parent_hash, tokens, lora_id, extra_keys in stores:
             try:
+                # The adapter named as the GPU-tier stream names it (a router reads lora_name,
+                # never lora_id): one identity for a block on every medium.
                 store(SOURCE_TIERS, medium, dp_rank, [block_hash], parent_hash, tokens,
                       block_size, lora_id, lora_name(lora_id),
                       None if extra_keys is None else [extra_keys])

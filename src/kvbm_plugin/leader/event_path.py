@@ -48,9 +48,8 @@ class TierEventPublisher:
     def register_store(self, tier: str, dp_rank: int, block_hash: int, parent_hash: int | None,
                        token_ids: Sequence[int], block_size: int, *, lora_id: int | None = None,
                        extra_keys: tuple[Any, ...] | None = None) -> None:
-        self._events.append(BlockStored(
-            [block_hash], parent_hash, list(token_ids), block_size, lora_id=lora_id,
-            medium=tier, extra_keys=None if extra_keys is None else [extra_keys]).to_wire())
+        self.register_stores(tier, dp_rank, [(block_hash, parent_hash, list(token_ids),
+                                              lora_id, extra_keys)], block_size)
 
     def register_stores(self, tier: str, dp_rank: int,
                         stores: Sequence[tuple[int, int | None, list[int], int | None, Any]],
