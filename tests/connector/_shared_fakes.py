@@ -112,6 +112,11 @@ class BusAgent:
         self.committed_blocks.append(block)
         self.directory.enqueue(block, True)
 
+    def committed_many(self, blocks: list[tuple[SharedBlock, str | None]]) -> int:
+        for block, scope in blocks:
+            self.committed(block, scope)
+        return len(blocks)
+
     def wake(self) -> int:
         return 0  # its thread polls the directory every 2 ms
 

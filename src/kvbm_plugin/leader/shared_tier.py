@@ -371,14 +371,7 @@ class LeaderSharedTier:
         agent = self.agent
         if agent is None:
             return
-        many = getattr(agent, "committed_many", None)
-        if many is not None:
-            queued = many(commits)
-        else:  # an agent with the one-block form only
-            for block, scope in commits:
-                agent.committed(block, scope, wake=False)
-            queued = len(commits)
-        if queued:
+        if agent.committed_many(commits):
             agent.wake()
 
     def _forget(self, write: _SharedWrite) -> None:

@@ -218,6 +218,17 @@ def test_a_bad_block_from_the_leader_is_a_value_error(leader: Leader) -> None:
         leader.agent.committed(type(block)(b"x", None, 1, None, (1,), None, None))
 
 
+def test_a_bad_block_in_a_batch_of_commits_queues_none_of_it(leader: Leader) -> None:
+    """The leader's batch form checks every block before it queues any."""
+    good = chain(3)
+    bad = type(good[0])(b"x", None, 1, None, (1,), None, None)
+    with pytest.raises(ValueError, match="digest"):
+        leader.agent.committed_many([(good[0], None), (bad, None), (good[1], None)])
+    assert leader.stat("committed") == 0
+    assert leader.agent.committed_many([(b, None) for b in good]) == 3
+    assert leader.stat("committed") == 3
+
+
 def test_close_is_clean_and_idempotent(store: MemoryStore, clock: Clock) -> None:
     leader = Leader(store, clock)
     leader.agent.start()
