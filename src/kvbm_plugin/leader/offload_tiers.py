@@ -40,6 +40,13 @@ MEDIUM = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_DISK}
 _NO_SCOPE = (None, None)  # no adapter, no salt, no multimodal item: a new index row's scope
 
 
+def _scope_fields(block_scope: tuple[Any, ...]) -> tuple[int | None, Any]:
+    """(LoRA id, extra keys) of a tier block's scope as its STORE carries them."""
+    if block_scope == _NO_SCOPE:
+        return None, None
+    return block_scope[0], scope_extra_keys(block_scope)
+
+
 class OffloadTiers:
     """The host and disk tier indexes of one leader and the tier events they cause.
 
@@ -129,13 +136,21 @@ class OffloadTiers:
             entry = self.host.lookup(key)
             if entry is not None:
                 return TIER_HOST, entry
-        if self.disk is not None:
-            entry = self.disk.lookup(key)
-            if entry is not None:
-                if self.disk_intact(entry):
-                    return TIER_DISK, entry
-                self._stats["stale_disk_blocks"] += 1
-                self.drop(self.disk, entry)
+        entry = self._lookup_disk(key)
+        return None if entry is None else (TIER_DISK, entry)
+
+    def _lookup_disk(self, key: int) -> TierEntry | None:
+        """The disk tier's resident entry for ``key`` whose files are intact (a stale one is
+        forgotten, counted), or None."""
+        if self.disk is None:
+            return None
+        entry = self.disk.lookup(key)
+        if entry is None:
+            return None
+        if self.disk_intact(entry):
+            return entry
+        self._stats["stale_disk_blocks"] += 1
+        self.drop(self.disk, entry)
         return None
 
     def match(self, keys: Sequence[int], first: int, last: int,
@@ -154,11 +169,11 @@ class OffloadTiers:
                     i += 1
                 if i >= last:
                     break
-            hit = self.lookup(keys[i]) if disk is not None else None
-            if hit is None:
+            entry = self._lookup_disk(keys[i])  # not resident in the host tier
+            if entry is None:
                 break
-            disk.pin(hit[1])  # type: ignore[union-attr]
-            plan.append((i, hit[0], hit[1]))
+            disk.pin(entry)  # type: ignore[union-attr]
+            plan.append((i, TIER_DISK, entry))
             i += 1
         return plan
 
@@ -188,42 +203,40 @@ class OffloadTiers:
             self._tier_events.register_remove(MEDIUM[index.name], self._dp_rank, hashes)
 
     def announce(self, index: TierIndex, entry: TierEntry, fields: Any = None) -> None:
-        """Register the tier STORE of a committed, named block (its parent is advertised);
+        """Register the tier STORE of a committed, named block (its parent is advertised), on
+        a tier-event target without ``register_stores`` (:meth:`announce_all` calls it);
         ``fields``: its ``store_fields`` where the caller read them already."""
-        self.flush_evicted()
         event_hash, parent_hash, tokens, block_scope = \
             index.store_fields(entry) if fields is None else fields
-        if block_scope == _NO_SCOPE:
-            # The scope only when there is one: a recorder written for the plain six-argument
-            # call keeps working for unscoped blocks.
-            self._tier_events.register_store(MEDIUM[index.name], self._dp_rank, event_hash,
-                                             parent_hash, tokens, self._block_size)
-        else:
-            scope: dict[str, Any] = {}
-            if block_scope[0] is not None:
-                scope["lora_id"] = block_scope[0]
-            extra_keys = scope_extra_keys(block_scope)
-            if extra_keys is not None:
-                scope["extra_keys"] = extra_keys
-            self._tier_events.register_store(MEDIUM[index.name], self._dp_rank, event_hash,
-                                             parent_hash, tokens, self._block_size, **scope)
+        lora_id, extra_keys = _scope_fields(block_scope)
+        # The scope only when there is one: a recorder written for the plain six-argument
+        # call keeps working for unscoped blocks.
+        scope: dict[str, Any] = {}
+        if lora_id is not None:
+            scope["lora_id"] = lora_id
+        if extra_keys is not None:
+            scope["extra_keys"] = extra_keys
+        self._tier_events.register_store(MEDIUM[index.name], self._dp_rank, event_hash,
+                                         parent_hash, tokens, self._block_size, **scope)
+        self._announced(index, entry, (event_hash, parent_hash, tokens))
+
+    def _announced(self, index: TierIndex, entry: TierEntry, name: tuple[Any, ...]) -> None:
         if self.on_announced is not None:
             # The shared tier's write-through takes the name (the row is read once).
-            self.on_announced(index, entry, (event_hash, parent_hash, tokens))
+            self.on_announced(index, entry, name)
         entry.drop_tokens()  # a no-op where the index keeps them (the host tier: demotions)
 
     def announce_all(self, done: list[tuple[TierIndex, TierEntry, Any]]) -> None:
-        """:meth:`announce` of each committed, named block of ``done`` (index, entry, its
-        store fields as read at the commit or None), in order: each run of one tier's
-        blocks goes to the tier events as one ``register_stores`` where the target has it
-        (the consolidator, the tier publisher), then ``on_announced`` of each."""
+        """Register the tier STOREs of the committed, named blocks of ``done`` (index, entry,
+        its store fields as read at the commit or None), in order: each run of one tier's
+        blocks as one ``register_stores`` where the target has it (the consolidator, the tier
+        publisher), else :meth:`announce` of each; then ``on_announced`` of each."""
         self.flush_evicted()
         register_stores = getattr(self._tier_events, "register_stores", None)
-        if register_stores is None or len(done) == 1:
+        if register_stores is None:
             for index, entry, fields in done:
                 self.announce(index, entry, fields)
             return
-        block_size, dp_rank, on_announced = self._block_size, self._dp_rank, self.on_announced
         start = 0
         while start < len(done):
             index = done[start][0]
@@ -232,33 +245,17 @@ class OffloadTiers:
                 end += 1
             store_fields = index.store_fields
             stores: list[tuple[Any, ...]] = []
-            names: list[tuple[Any, ...]] = []
             for _, entry, fields in done[start:end]:
                 event_hash, parent_hash, tokens, block_scope = \
                     store_fields(entry) if fields is None else fields
-                if block_scope == _NO_SCOPE:
-                    stores.append((event_hash, parent_hash, tokens, None, None))
-                else:
-                    stores.append((event_hash, parent_hash, tokens, block_scope[0],
-                                   scope_extra_keys(block_scope)))
-                names.append((event_hash, parent_hash, tokens))
-            register_stores(MEDIUM[index.name], dp_rank, stores, block_size)
-            for (_, entry, _), name in zip(done[start:end], names, strict=True):
-                if on_announced is not None:
-                    on_announced(index, entry, name)
-                entry.drop_tokens()
+                stores.append((event_hash, parent_hash, tokens, None, None)
+                              if block_scope == _NO_SCOPE  # the common case: no call
+                              else (event_hash, parent_hash, tokens,
+                                    *_scope_fields(block_scope)))
+            register_stores(MEDIUM[index.name], self._dp_rank, stores, self._block_size)
+            for (_, entry, _), store in zip(done[start:end], stores, strict=True):
+                self._announced(index, entry, store[:3])
             start = end
-
-    def announce_or_wait(self, index: TierIndex, entry: TierEntry) -> None:
-        """Announce a committed block's STORE, or let it wait for its name
-        (:class:`~kvbm_plugin.naming.names.UnnamedStores`; the oldest past its bound leaves
-        its tier unannounced)."""
-        unnamed = self._naming.unnamed
-        if unnamed.ready(index, entry):
-            self.announce(index, entry)
-            return
-        for tier, oldest in unnamed.overflow():
-            self.drop(self.host if tier == TIER_HOST else self.disk, oldest)  # type: ignore[arg-type]
 
     @property
     def waiting_for_name(self) -> Any:
@@ -267,9 +264,8 @@ class OffloadTiers:
 
     def announce_named(self) -> None:
         """Announce the unnamed blocks whose names are known now, in commit order."""
-        for index, entry in self._naming.unnamed.named_now({TIER_HOST: self.host,
-                                                            TIER_DISK: self.disk}):
-            self.announce(index, entry)
+        self.announce_all([(index, entry, None) for index, entry in self._naming.unnamed
+                           .named_now({TIER_HOST: self.host, TIER_DISK: self.disk})])
 
     def reserve(self, index: TierIndex, key: int, event_hash: int, parent: int | None,
                  tokens: Sequence[int], parent_key: int | None,
@@ -341,73 +337,33 @@ class OffloadTiers:
             if source is not evicted:
                 self._stats["chain_demotes"] += 1
 
-    def finish_write(self, op: Op, ok: bool) -> None:
-        """Every rank reported the save or demotion ``op`` (``ok``: all succeeded): commit
-        its entry and announce it (or wait for its name), or forget it and its descendants.
-        A tainted op (its request was terminated before the copy read the device block) is
-        never committed."""
-        index = self.index_of(op.tier)
-        entry = op.entry
-        # Still the entry this op wrote (not forgotten meanwhile with an ancestor, nor
-        # replaced by a later reservation of the same block in another slot).
-        current = index is not None and entry is not None and index.holds(entry)
-        if op.tainted:
-            ok = False
-            self._stats["saves_discarded_terminated"] += 1
-            if current:
-                self.drop(index, entry)  # type: ignore[arg-type]
-        elif current:
-            assert index is not None and entry is not None
-            if ok and index.parent_resident(entry):
-                # Ops finish in id order along a chain, so the parent is resident already
-                # and the tier's STOREs are prefix-closed too.
-                signatures = None
-                for r in op.reports.values():
-                    if r.signature is not None:
-                        if signatures is None:
-                            signatures = {}
-                        signatures[r.rank] = r.signature
-                self.announce_or_wait(index, index.commit_entry(entry, signatures))
-            else:
-                # Never advertised: no REMOVE for it; descendants written after it go too.
-                if ok:
-                    ok = False  # written, but its parent is not resident: unusable
-                    self._stats["orphan_commits_dropped"] += 1
-                self.drop(index, entry)
-        if op.kind == "save":
-            self._stats["saves_committed" if ok else "saves_failed"] += 1
-        else:
-            self._stats["demotes_committed" if ok else "demotes_failed"] += 1
-
     def finish_writes(self, ops: Sequence[Op]) -> None:
-        """:meth:`finish_write` of each op of ``ops`` (saves and demotions every rank
-        reported, in op-id order; the leader's batch of reports), with the STOREs of the
-        blocks committed and named in a row announced together (:meth:`announce_all`). What
-        may register a REMOVE (a failed or orphaned write, an unnamed block past its bound)
-        first announces what is committed before it, so the tier events keep their order."""
+        """Every rank reported each op of ``ops`` (saves and demotions, in op-id order: the
+        leader's batch of reports): commit its entry and announce it (or let it wait for its
+        name), or forget it and its descendants (:meth:`_not_committed`). The STOREs of the
+        blocks committed and named in a row are announced together (:meth:`announce_all`).
+        What may register a REMOVE (a failed or orphaned write, an unnamed block past its
+        bound) first announces what is committed before it, so the tier events keep their
+        order."""
         done: list[tuple[TierIndex, TierEntry, Any]] = []
         unnamed, stats = self._naming.unnamed, self._stats
         named_ready = unnamed.named_ready
         for op in ops:
-            reports = op.reports
-            if len(reports) == 1:
-                report = next(iter(reports.values()))
-                ok, signatures = report.ok, None
-                if report.signature is not None:
-                    signatures = {report.rank: report.signature}
-            else:
-                ok = all(r.ok for r in reports.values())
-                signatures = {r.rank: r.signature for r in reports.values()
-                              if r.signature is not None} or None
+            ok, signatures = op.outcome()
             index = self.host if op.tier == TIER_HOST else self.disk
             entry = op.entry
-            if not ok or op.tainted or index is None or entry is None \
-                    or not index.holds(entry) or not index.parent_resident(entry):
+            # Still the entry this op wrote (not forgotten meanwhile with an ancestor, nor
+            # replaced by a later reservation of the same block in another slot).
+            current = index is not None and entry is not None and index.holds(entry)
+            # Ops finish in id order along a chain, so a parent is resident already and the
+            # tier's STOREs are prefix-closed too.
+            if not ok or op.tainted or not current or not index.parent_resident(entry):  # type: ignore[union-attr]
                 if done:
                     self.announce_all(done)
                     done = []
-                self.finish_write(op, ok)
+                self._not_committed(op, ok, index, entry, current)
                 continue
+            assert index is not None and entry is not None
             key, parent_key, event_hash, parent_hash, tokens, scope = \
                 index.commit_fields(entry, signatures)
             if named_ready(index.name, key, parent_key, event_hash, parent_hash):
@@ -423,6 +379,27 @@ class OffloadTiers:
             stats["saves_committed" if op.kind == "save" else "demotes_committed"] += 1
         if done:
             self.announce_all(done)
+
+    def _not_committed(self, op: Op, ok: bool, index: TierIndex | None,
+                       entry: TierEntry | None, current: bool) -> None:
+        """A write that is not committed: failed on some rank, tainted (its request was
+        terminated before the copy read the device block), forgotten meanwhile, or written
+        while its parent is not resident (unusable). Never advertised: no REMOVE for it; a
+        current entry is forgotten with the descendants written after it."""
+        if op.tainted:
+            ok = False
+            self._stats["saves_discarded_terminated"] += 1
+            if current:
+                self.drop(index, entry)  # type: ignore[arg-type]
+        elif current:
+            if ok:
+                ok = False  # written, but its parent is not resident: unusable
+                self._stats["orphan_commits_dropped"] += 1
+            self.drop(index, entry)  # type: ignore[arg-type]
+        if op.kind == "save":
+            self._stats["saves_committed" if ok else "saves_failed"] += 1
+        else:
+            self._stats["demotes_committed" if ok else "demotes_failed"] += 1
 
     def resident_hashes(self, tier: str) -> set[int]:
         """Event hashes resident (advertised) in ``tier`` ("host"/"disk"); tests and demo."""

@@ -24,9 +24,6 @@ from kvbm_plugin.leader.requests import Op, OpTable, RequestState
 from kvbm_plugin.leader.shared_tier import TIER_SHARED, LeaderSharedTier
 from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
 
-# ops that write a tier (committed in runs)
-_WRITES = frozenset(("save", "demote", "shared_save"))
-
 
 class OpCompletions:
     """Applies the workers' reports to the leader's ops (see the module docstring)."""
@@ -81,97 +78,74 @@ class OpCompletions:
         if not in_order:  # op ids grow along each chain: parents are registered first
             final.sort(key=lambda item: item[0])
         i, n = 0, len(final)
-        while i < n:
-            kind = final[i][1].kind
-            if kind == "load":
-                j = i + 1
-                while j < n and final[j][1].kind == "load":
-                    j += 1
-                self._finish_loads(final[i:j])
-                i = j
-                continue
-            if kind not in _WRITES:
-                self._finalize(*final[i])
-                i += 1
-                continue
-            # A run of saves and demotions: committed, and their STOREs registered, together;
-            # then the run's writes through to the shared tier (each names its host copy's
-            # block, committed by then).
+        while i < n:  # runs of loads, runs of writes (saves, demotions, writes-through)
+            loads = final[i][1].kind == "load"
             j = i + 1
-            while j < n and final[j][1].kind in _WRITES:
+            while j < n and (final[j][1].kind == "load") == loads:
                 j += 1
-            run = final[i:j]
-            self._tiers.finish_writes([op for _, op in run if op.kind != "shared_save"])
-            reqs = self._reqs
-            for op_id, op in run:
-                if op.kind == "shared_save":
-                    self._shared.save_done(op_id, op, all(r.ok for r in op.reports.values()))
-                state = reqs.get(op.req_id) if op.req_id is not None else None
-                if state is not None:
-                    state.saves_inflight.discard(op_id)
-                    if state.finished and not state.saves_inflight and not state.loads_inflight:
-                        self._forget(state)
+            if loads:
+                self._finish_loads(final[i:j])
+            else:
+                self._finish_writes(final[i:j])
             i = j
         self._shared.wake_agent()  # once for the shared-tier blocks these reports committed
 
-    def _finish_loads(self, run: list[tuple[int, Op]]) -> None:
-        """:meth:`_finalize` of a run of loads (op-id order): a load every rank did from a
-        host or disk block still there is unpinned here, in one pass; any other load (failed,
-        from the shared tier, its block gone) goes through :meth:`_finalize`."""
-        reqs, host, disk = self._reqs, self._tiers.host, self._tiers.disk
+    def _finish_writes(self, run: list[tuple[int, Op]]) -> None:
+        """A run of saves and demotions, committed and their STOREs registered together;
+        then the run's writes through to the shared tier (each names its host copy's block,
+        committed by then)."""
+        self._tiers.finish_writes([op for _, op in run if op.kind != "shared_save"])
         for op_id, op in run:
-            reports = op.reports
-            if len(reports) == 1:
-                ok = next(iter(reports.values())).ok
-            else:
-                ok = all(r.ok for r in reports.values())
+            if op.kind == "shared_save":
+                self._shared.save_done(op_id, op, op.outcome()[0])
+            self._release(op_id, op)
+
+    def _finish_loads(self, run: list[tuple[int, Op]]) -> None:
+        """A run of loads (op-id order): a load every rank did from a host or disk block
+        still there is unpinned here, in one pass; any other (failed, from the shared tier,
+        its block gone) goes through :meth:`_finish_load`."""
+        host, disk = self._tiers.host, self._tiers.disk
+        for op_id, op in run:
+            ok = op.outcome()[0]
             index = host if op.tier == TIER_HOST else disk if op.tier == TIER_DISK else None
             entry = op.entry
             if not ok or index is None or entry is None or not index.holds(entry) \
                     or entry.pins <= 0:
-                self._finalize(op_id, op)
+                self._finish_load(op_id, op, ok)
                 continue
             index.unpin(entry)
-            state = reqs.get(op.req_id) if op.req_id is not None else None
-            if state is not None:
-                state.loads_inflight.discard(op_id)
-                if state.finished and not state.saves_inflight and not state.loads_inflight:
-                    self._forget(state)
+            self._release(op_id, op)
 
-    def _finalize(self, op_id: int, op: Op) -> None:
-        reports = op.reports
-        if len(reports) == 1:
-            ok = next(iter(reports.values())).ok
-        else:
-            ok = all(r.ok for r in reports.values())
+    def _finish_load(self, op_id: int, op: Op, ok: bool) -> None:
+        """Unpin; a failed load is recorded on its request, and a corrupt source block is
+        forgotten (with its descendants)."""
         index = self._index_of(op.tier)
+        entry = op.entry
+        if entry is not None and entry.pins > 0:
+            index.unpin(entry)
+        if entry is not None and index is not None and not index.holds(entry):
+            entry = None  # forgotten meanwhile
+        if not ok:
+            self._stats["loads_failed"] += 1
+            state = self._reqs.get(op.req_id) if op.req_id is not None else None
+            if state is not None:
+                self._load_failed(state, op.entry)
+            if op.tier == TIER_SHARED:
+                self._stats["shared_loads_failed"] += 1
+            if any(r.error == ERR_CORRUPT for r in op.reports.values()):
+                self._stats["corrupt_blocks"] += 1
+                if entry is not None and index is not None:
+                    self._tiers.drop(index, entry)
+        self._release(op_id, op)
+
+    def _release(self, op_id: int, op: Op) -> None:
+        """Op ``op_id`` of a request is done: the leader forgets a finished request once
+        none of its ops is left."""
         state = self._reqs.get(op.req_id) if op.req_id is not None else None
-        if op.kind == "shared_save":
-            self._shared.save_done(op_id, op, ok)
-        elif op.kind in ("save", "demote"):
-            self._tiers.finish_write(op, ok)
-            if state is not None:
-                state.saves_inflight.discard(op_id)
-        else:  # load: unpin; a corrupt source block is forgotten (with its descendants)
-            entry = op.entry
-            if entry is not None and entry.pins > 0:
-                index.unpin(entry)  # type: ignore[union-attr]
-            if entry is not None and index is not None and not index.holds(entry):
-                entry = None  # forgotten meanwhile
-            if not ok:
-                self._stats["loads_failed"] += 1
-                if state is not None:
-                    self._load_failed(state, op.entry)
-                if op.tier == TIER_SHARED:
-                    self._stats["shared_loads_failed"] += 1
-                if any(r.error == ERR_CORRUPT for r in op.reports.values()):
-                    self._stats["corrupt_blocks"] += 1
-                    if entry is not None and index is not None:
-                        self._tiers.drop(index, entry)
-            if state is not None:
-                state.loads_inflight.discard(op_id)
-        if state is not None and state.finished and not state.saves_inflight \
-                and not state.loads_inflight:
+        if state is None:
+            return
+        (state.loads_inflight if op.kind == "load" else state.saves_inflight).discard(op_id)
+        if state.finished and not state.saves_inflight and not state.loads_inflight:
             self._forget(state)
 
     def _load_failed(self, state: RequestState, entry: Any) -> None:

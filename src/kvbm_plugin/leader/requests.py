@@ -86,6 +86,18 @@ class Op:
     # the copy read them): never committed.
     tainted: bool = False
 
+    def outcome(self) -> tuple[bool, dict[int, tuple[int, int]] | None]:
+        """Once every rank reported: (every rank succeeded, each rank's disk signature where
+        its report carries one, else None)."""
+        reports = self.reports
+        if len(reports) == 1:
+            report = next(iter(reports.values()))
+            sig = report.signature
+            return report.ok, None if sig is None else {report.rank: sig}
+        return (all(r.ok for r in reports.values()),
+                {r.rank: r.signature for r in reports.values() if r.signature is not None}
+                or None)
+
 
 class OpTable(dict[int, Op]):
     """The leader's transfers in flight, by op id. Ids grow by one per op, so along a chain a

@@ -196,17 +196,10 @@ class TierIndex(TierRows):
         lookup: a view is detached when its block leaves the tier)."""
         return entry._snap is None and entry._index is self
 
-    def commit_entry(self, entry: TierEntry,
-                     signatures: dict[int, Signature] | None = None) -> TierEntry:
-        """:meth:`commit` of a live view held by the caller (no key lookup)."""
-        if not self.holds(entry):
-            raise KeyError(entry.key)
-        self._commit_slot(entry.slot, signatures)
-        return entry
-
     def commit_fields(self, entry: TierEntry, signatures: dict[int, Signature] | None = None,
                       ) -> tuple[int, int | None, int, int | None, list[int], Any]:
-        """:meth:`commit_entry`, and the committed row as its STORE needs it, in one call
+        """Mark the live view ``entry`` resident (:meth:`commit` without the key lookup) and
+        return the committed row as its STORE needs it, in one call
         (``OffloadTiers.finish_writes``, once per committed block): (key, parent key, event
         hash, parent event hash, token ids, scope)."""
         if not self.holds(entry):
