@@ -106,6 +106,55 @@ def test_skip_present_is_a_probe_of_each_up_to_the_first_absent() -> None:
     assert _evictions(fast) == _evictions(slow)
 
 
+def _entry_fields(index: TierIndex) -> list[tuple]:
+    return sorted((e.key, e.event_hash, e.parent_event_hash, e.parent_key, e.token_ids,
+                   e.scope, e.resident, e.pins, e.tick) for e in index.entries())
+
+
+@pytest.mark.parametrize("big_token", [False, True])
+def test_reserve_chain_is_reserve_of_each_block_in_order(big_token: bool) -> None:
+    """One call for a run of a chain (the planner's) leaves the index as a reserve of each
+    block would: the same rows (negative hashes, each block's parent its predecessor, tokens
+    sliced per block or kept aside when the column cannot hold them, the scope), the same
+    evictions in the same order, each handed over before the next block is reserved, and the
+    same stop where the tier is full."""
+    fast, slow, _ = _twin_indexes()
+    width = 1
+    chain = [500 + k for k in range(60)]
+    hashes = [-(1 << 62) - k for k in range(60)]  # signed, as TensorRT-LLM's are
+    tokens = [7000 + k for k in range(60)]
+    if big_token:
+        tokens[3] = 1 << 40  # past int32: that block's tokens live outside the column
+    scope = (3, 9)
+    seen: list[tuple[int, int]] = []
+    entries = fast.reserve_chain(chain, hashes, 42, tokens, width, 1,
+                                 lambda e: seen.append((e.key, len(fast))), scope)
+    expected: list[tuple[int, int]] = []
+    parent_key, parent_hash = 1, 42
+    for k, key in enumerate(chain):
+        try:
+            entry, evicted = slow.reserve(key, hashes[k], parent_hash, tokens[k:k + 1],
+                                          parent_key)
+        except TierFullError:
+            break
+        entry.scope = scope
+        if evicted is not None:
+            expected.append((evicted.key, len(slow)))
+        parent_key, parent_hash = key, hashes[k]
+    # The tier (64 slots, 24 used, 19 of them evictable) fills: both stop at one block.
+    assert 40 < len(entries) < len(chain) and len(entries) == k
+    assert seen == expected and len(seen) > 0
+    assert all(fast.holds(e) for e in entries)
+    assert [e.parent_key for e in entries] == [1, *chain[:len(entries) - 1]]
+    assert _entry_fields(fast) == _entry_fields(slow)
+    for key in chain[:len(entries)]:
+        fast.commit(key)
+        slow.commit(key)
+    assert _evictions(fast) == _evictions(slow)
+    with pytest.raises(ValueError, match="not in the tier"):
+        fast.reserve_chain([900], [1], None, [1], 1, 12345, seen.append)
+
+
 def test_an_index_without_kept_tokens_holds_them_until_dropped() -> None:
     """``keep_tokens=False`` (the leader's disk tier): a block's tokens are there until its
     STORE is registered, then dropped: no token column, nothing per block at rest."""

@@ -161,27 +161,40 @@ class OffloadPlanner:
                 state.offload_next += 1
                 parent_in = False
                 continue
+            # The run from ``i``: every block up to the limit or a block with no live page.
+            # None of them is here: a tier holds prefix-closed chains, and their parent, block
+            # ``i``, is not. A multimodal request's blocks each have their own scope: one each.
+            blocks = [int(block)]
+            j = i + 1
+            while j < limit and scope is not None:
+                block = pages.save_block(state, j)
+                if block < 0:
+                    break
+                blocks.append(int(block))
+                j += 1
             if not i:
                 parent = None
             elif named == i - 1:  # (event_hash has no effect that would change it since)
                 parent = named_hash
             else:
                 parent = self.event_hash(state, i - 1)
-            named_hash = self.event_hash(state, i)
-            entry = tiers.reserve(index, key, named_hash, parent, tokens[i * bs:(i + 1) * bs],
-                                  parent_key, block_scope(state, i, bs) if scope is None
-                                  else scope)
-            if entry is None:
+            hashes = [self.event_hash(state, k) for k in range(i, j)]
+            entries = tiers.reserve_chain(index, keys[i:j], hashes, parent,
+                                          tokens[i * bs:j * bs], bs, parent_key,
+                                          block_scope(state, i, bs) if scope is None
+                                          else scope)
+            for k, entry in enumerate(entries):
+                op_id = new_op("save", tier_name, entry.key, req_id, entry)
+                state.saves_inflight.add(op_id)
+                block = blocks[k]
+                saves.append(SaveOp(op_id, req_id, block, tier_code, entry.slot, entry.key,
+                                    pages.save_pages(state, i + k) if grouped else ()))
+                if write_through:  # to the shared tier, when there is one
+                    shared.follow(state, i + k, entry, op_id, block)
+            stats["saves_scheduled"] += len(entries)
+            state.offload_next += len(entries)
+            if len(entries) < len(blocks):
                 stats["tier_full_skips"] += 1
                 return  # retry from this block next iteration
-            named = i
-            op_id = new_op("save", tier_name, key, req_id, entry)
-            state.saves_inflight.add(op_id)
-            block = int(block)
-            saves.append(SaveOp(op_id, req_id, block, tier_code, entry.slot, key,
-                                pages.save_pages(state, i) if grouped else ()))
-            if write_through:  # to the shared tier, when there is one
-                shared.follow(state, i, entry, op_id, block)
-            stats["saves_scheduled"] += 1
-            state.offload_next += 1
+            named, named_hash = j - 1, hashes[-1]
             parent_in = True

@@ -27,7 +27,6 @@ from kvbm_plugin.tiers.base import (
     TIER_DISK,
     TIER_HOST,
     TierEntry,
-    TierFullError,
     TierIndex,
     block_path,
     stat_signature,
@@ -268,27 +267,38 @@ class OffloadTiers:
                            .named_now({TIER_HOST: self.host, TIER_DISK: self.disk})])
 
     def reserve(self, index: TierIndex, key: int, event_hash: int, parent: int | None,
-                 tokens: Sequence[int], parent_key: int | None,
-                 scope: tuple[Any, ...] = (None, None)) -> TierEntry | None:
+                tokens: Sequence[int], parent_key: int | None,
+                scope: tuple[Any, ...] = _NO_SCOPE) -> TierEntry | None:
         """A pending slot in ``index`` (``parent_key`` must be in it) for a block of ``scope``
-        (LoRA, salt[, multimodal digests]: ``naming.names.block_scope``); an evicted host
-        block is demoted to disk."""
-        try:
-            entry, evicted = index.reserve(key, event_hash, parent, tokens, parent_key)
-        except TierFullError:
-            return None
-        if scope != _NO_SCOPE:  # a new row's scope is already the unscoped one
-            entry.scope = scope
-        if evicted is not None:
-            self._stats["host_evictions" if index.name == TIER_HOST else "disk_evictions"] += 1
-            # REMOVE before the metadata that reuses the slot leaves this method's caller
-            # (flush_evicted; none for a block that was never advertised).
-            if not self._naming.unnamed.forget(index.name, evicted.key):
-                self._evicted.append((MEDIUM[index.name], evicted.event_hash))
-            if index.name == TIER_HOST and self.disk is not None \
-                    and evicted.key not in self.disk:
-                self.demote(evicted)
-        return entry
+        (LoRA, salt[, multimodal digests]: ``naming.names.block_scope``), None when the tier
+        is full; an evicted host block is demoted to disk. One block of
+        :meth:`reserve_chain`."""
+        entries = self.reserve_chain(index, (key,), (event_hash,), parent, tokens,
+                                     len(tokens), parent_key, scope)
+        return entries[0] if entries else None
+
+    def reserve_chain(self, index: TierIndex, keys: Sequence[int],
+                      event_hashes: Sequence[int], parent: int | None, tokens: Sequence[int],
+                      width: int, parent_key: int | None,
+                      scope: tuple[Any, ...] = _NO_SCOPE) -> list[TierEntry]:
+        """Pending slots in ``index`` for a chain of blocks of one ``scope``
+        (:meth:`TierIndex.reserve_chain`: block ``k``'s tokens are ``tokens[k * width:(k + 1)
+        * width]``, its parent block ``k - 1``, the first one's ``parent_key``), fewer than
+        ``keys`` when the tier is full. Each block evicted for them is handled as it goes (its
+        REMOVE queued for :meth:`flush_evicted`, a host block demoted to disk)."""
+        return index.reserve_chain(keys, event_hashes, parent, tokens, width, parent_key,
+                                   lambda evicted: self._evicted_from(index, evicted),
+                                   scope)
+
+    def _evicted_from(self, index: TierIndex, evicted: TierEntry) -> None:
+        """``evicted`` left ``index`` to make room (called by the index at once)."""
+        self._stats["host_evictions" if index.name == TIER_HOST else "disk_evictions"] += 1
+        # REMOVE before the metadata that reuses the slot leaves the planner's caller
+        # (flush_evicted; none for a block that was never advertised).
+        if not self._naming.unnamed.forget(index.name, evicted.key):
+            self._evicted.append((MEDIUM[index.name], evicted.event_hash))
+        if index.name == TIER_HOST and self.disk is not None and evicted.key not in self.disk:
+            self.demote(evicted)
 
     def flush_evicted(self) -> None:
         """Register the REMOVEs of the blocks :meth:`reserve` evicted since the last call, in

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbm_plugin.tiers._entry import (
@@ -246,76 +246,121 @@ class TierIndex(TierRows):
         metadata that reuses the slot leaves the leader. Raises TierFullError when nothing can be
         evicted. ``key`` (a u64) must not be present; ``parent_key`` (None for a root block) must
         be (pending or resident): a tier never holds an orphan. The parent leaves the eviction
-        order before a victim is chosen, so the eviction can never take it.
+        order before a victim is chosen, so the eviction can never take it. One block of
+        :meth:`reserve_chain`.
         """
-        if not 0 <= key <= _U64_MASK:
-            raise ValueError(f"{self.name} tier: content key {key!r} is not a u64")
+        evicted: list[TierEntry] = []
+        entries = self.reserve_chain((key,), (event_hash,), parent_event_hash, token_ids,
+                                     len(token_ids), parent_key, evicted.append)
+        if not entries:
+            raise TierFullError(f"{self.name} tier: all {self.capacity} slots are pending, "
+                                "pinned or parents of other blocks")
+        return entries[0], evicted[0] if evicted else None
+
+    def reserve_chain(self, keys: Sequence[int], event_hashes: Sequence[int],
+                      parent_event_hash: int | None, tokens: Sequence[int], width: int,
+                      parent_key: int | None, on_evict: Callable[[TierEntry], Any],
+                      scope: tuple[Any, ...] | None = None) -> list[TierEntry]:
+        """Pending entries for a chain of blocks, in order: block ``k`` has key ``keys[k]``,
+        event hash ``event_hashes[k]`` and tokens ``tokens[k * width:(k + 1) * width]``; its
+        parent is block ``k - 1`` (the first block's is ``parent_key``, with
+        ``parent_event_hash``). :meth:`reserve` of each in one call (the offload planner's run
+        of a request's newly full blocks, executor thread). Each block evicted to make room
+        goes to ``on_evict`` at once, before the next block is reserved (its ancestors are
+        still here for a demotion). Fewer entries than keys when the tier is full; ``scope``
+        (None: unscoped) is every entry's."""
         find = self._table.find
-        if find(key) >= 0:
-            raise RuntimeError(f"{self.name} tier: block {key:#x} is already present")
+        if keys and 0 <= keys[0] <= _U64_MASK and find(keys[0]) >= 0:
+            raise RuntimeError(f"{self.name} tier: block {keys[0]:#x} is already present")
         if parent_key is None:
             parent = -1
         else:
             parent = find(parent_key) if 0 <= parent_key <= _U64_MASK else -1
             if parent < 0:
-                raise ValueError(f"{self.name} tier: parent {parent_key:#x} of block {key:#x} "
-                                 "is not in the tier (a tier holds prefix-closed chains only)")
-        if 0 <= event_hash <= _U64_MASK:
-            eh, flags = event_hash, _USED
-        else:
-            eh, _ = _u64(event_hash, "event_hash")
-            flags = _USED | _EH_NEG
+                raise ValueError(f"{self.name} tier: parent {parent_key:#x} of block "
+                                 f"{keys[0]:#x} is not in the tier (a tier holds "
+                                 "prefix-closed chains only)")
         if parent_event_hash is None:
-            peh, flags = 0, flags | _PEH_NONE
+            peh, peh_flags = 0, _PEH_NONE
         elif 0 <= parent_event_hash <= _U64_MASK:
-            peh = parent_event_hash
+            peh, peh_flags = parent_event_hash, 0
         else:
-            peh, _ = _u64(parent_event_hash, "parent_event_hash")
-            flags |= _PEH_NEG
-        evicted: TierEntry | None = None
-        slot, evict = self._claim_slot(parent, self._rows)
-        if slot < 0:
-            raise TierFullError(f"{self.name} tier: all {self.capacity} slots are pending, "
-                                "pinned or parents of other blocks")
-        if evict:
-            evicted = self._remove(slot)
-            self.evictions += 1
-        self._key[slot] = key
-        self._eh[slot] = eh
-        self._peh[slot] = peh
-        self._tick[slot] = 0
-        self._pins[slot] = 0
-        self._scope[slot] = 0
-        self._child[slot] = -1
-        self._parent[slot] = parent
-        self._prev[slot] = -1
-        if parent >= 0:
-            if self._flags[parent] & _QUEUED:
-                self._dequeue(parent)
-            first = self._child[parent]
-            self._next[slot] = first
-            if first >= 0:
-                self._prev[first] = slot
-            self._child[parent] = slot
-        else:
-            self._next[slot] = -1
-        if self._sig:
-            for sig in self._sig.values():
-                sig[2 * slot] = -1
-        width = self._width
-        if width > 0 and len(token_ids) == width:
+            peh, negative = _u64(parent_event_hash, "parent_event_hash")
+            peh_flags = _PEH_NEG
+        # The tokens go into the flat column as one int32 array, sliced per block; a run
+        # the column cannot hold (another width, a value past int32) goes block by block.
+        run_tokens = None
+        if width > 0 and width == self._width and len(tokens) == width * len(keys):
             try:
-                self._tok[slot * width:(slot + 1) * width] = array("i", token_ids)
+                run_tokens = array("i", tokens)
             except (OverflowError, TypeError):
-                flags |= _ODD_TOKENS
-        elif not self._store_tokens(slot, token_ids):
-            flags |= _ODD_TOKENS
-        if flags & _ODD_TOKENS:
-            self._odd_tokens[slot] = tuple(token_ids)
-        self._flags[slot] = flags
-        self._table.insert(key, slot)
-        self._used += 1
-        return self._view(slot), evicted
+                run_tokens = None
+        set_scope = scope is not None and scope != (None, None)
+        key_of, eh_of, peh_of, tick_of, pins_of, scope_of = (
+            self._key, self._eh, self._peh, self._tick, self._pins, self._scope)
+        child_of, parent_of, next_of, prev_of, flags_of = (
+            self._child, self._parent, self._next, self._prev, self._flags)
+        tok, sig, table = self._tok, self._sig, self._table
+        out: list[TierEntry] = []
+        for k, key in enumerate(keys):
+            if not 0 <= key <= _U64_MASK:
+                raise ValueError(f"{self.name} tier: content key {key!r} is not a u64")
+            if find(key) >= 0:
+                raise RuntimeError(f"{self.name} tier: block {key:#x} is already present")
+            eh = event_hashes[k]
+            if 0 <= eh <= _U64_MASK:
+                flags = _USED | peh_flags
+            else:
+                eh, _ = _u64(eh, "event_hash")
+                flags = _USED | _EH_NEG | peh_flags
+            slot, evict = self._claim_slot(parent, self._rows)
+            if slot < 0:
+                return out
+            evicted = self._remove(slot) if evict else None
+            if evicted is not None:
+                self.evictions += 1
+            key_of[slot] = key
+            eh_of[slot] = eh
+            peh_of[slot] = peh
+            tick_of[slot] = 0
+            pins_of[slot] = 0
+            scope_of[slot] = 0
+            child_of[slot] = -1
+            parent_of[slot] = parent
+            prev_of[slot] = -1
+            if parent >= 0:
+                if flags_of[parent] & _QUEUED:
+                    self._dequeue(parent)
+                first = child_of[parent]
+                next_of[slot] = first
+                if first >= 0:
+                    prev_of[first] = slot
+                child_of[parent] = slot
+            else:
+                next_of[slot] = -1
+            if sig:
+                for column in sig.values():
+                    column[2 * slot] = -1
+            if run_tokens is not None:
+                tok[slot * width:(slot + 1) * width] = run_tokens[k * width:(k + 1) * width]
+            else:
+                row = tokens[k * width:(k + 1) * width]
+                if not self._store_tokens(slot, row):
+                    flags |= _ODD_TOKENS
+                    self._odd_tokens[slot] = tuple(row)
+            flags_of[slot] = flags
+            table.insert(key, slot)
+            self._used += 1
+            if set_scope:
+                self._set_scope(slot, scope)  # type: ignore[arg-type]
+            entry = self._view(slot)
+            out.append(entry)
+            if evicted is not None:
+                on_evict(evicted)
+            # The next block's parent: this one.
+            parent, peh = slot, eh
+            peh_flags = _PEH_NEG if flags & _EH_NEG else 0
+        return out
 
     def commit(self, key: int, signatures: dict[int, Signature] | None = None) -> TierEntry:
         """Mark ``key`` resident: every rank reported its bytes written."""
