@@ -53,9 +53,9 @@ class OffloadTiers:
     is off. Committed blocks whose TensorRT-LLM name is not known yet wait among the naming's
     unnamed stores (:class:`~kvbm_plugin.naming.names.UnnamedStores`, bounded), announced once
     named.
-    ``on_announced(index, entry, name)`` is called after each tier STORE with the name it
-    went out under, ``(event hash, parent event hash, token ids)`` (the shared tier's
-    write-through waits for its host copy's name)."""
+    ``on_announced(index, [(entry, name), ...])`` is called after each call that registers
+    tier STOREs, each block with the name it went out under, ``(event hash, parent event
+    hash, token ids)`` (the shared tier's write-through waits for its host copy's name)."""
 
     def __init__(self, settings: TierSettings, *, group: str, tp_size: int, attention_dp: bool,
                  dp_rank: int, block_size: int, stats: dict[str, int], tier_events: Any,
@@ -79,7 +79,8 @@ class OffloadTiers:
         self.pending_demotes: list[DemoteOp] = []  # for the next metadata
         # (medium, event hash) of the advertised blocks evicted since flush_evicted
         self._evicted: list[tuple[str, int]] = []
-        self.on_announced: Callable[[TierIndex, TierEntry, tuple[Any, ...]], None] | None = None
+        self.on_announced: Callable[[TierIndex, list[tuple[TierEntry, tuple[Any, ...]]]],
+                                    None] | None = None
 
     def index_of(self, tier: str) -> TierIndex | None:
         return self.host if tier == TIER_HOST else self.disk
@@ -217,13 +218,17 @@ class OffloadTiers:
             scope["extra_keys"] = extra_keys
         self._tier_events.register_store(MEDIUM[index.name], self._dp_rank, event_hash,
                                          parent_hash, tokens, self._block_size, **scope)
-        self._announced(index, entry, (event_hash, parent_hash, tokens))
+        self._announced(index, [(entry, (event_hash, parent_hash, tokens))])
 
-    def _announced(self, index: TierIndex, entry: TierEntry, name: tuple[Any, ...]) -> None:
+    def _announced(self, index: TierIndex,
+                   announced: list[tuple[TierEntry, tuple[Any, ...]]]) -> None:
+        """``announced``: (entry, its name as registered) of each block just announced."""
         if self.on_announced is not None:
             # The shared tier's write-through takes the name (the row is read once).
-            self.on_announced(index, entry, name)
-        entry.drop_tokens()  # a no-op where the index keeps them (the host tier: demotions)
+            self.on_announced(index, announced)
+        if not index.keeps_tokens:  # the host tier keeps them (demotions copy them)
+            for entry, _ in announced:
+                entry.drop_tokens()
 
     def announce_all(self, done: list[tuple[TierIndex, TierEntry, Any]]) -> None:
         """Register the tier STOREs of the committed, named blocks of ``done`` (index, entry,
@@ -252,8 +257,8 @@ class OffloadTiers:
                               else (event_hash, parent_hash, tokens,
                                     *_scope_fields(block_scope)))
             register_stores(MEDIUM[index.name], self._dp_rank, stores, self._block_size)
-            for (_, entry, _), store in zip(done[start:end], stores, strict=True):
-                self._announced(index, entry, store[:3])
+            self._announced(index, [(entry, store[:3]) for (_, entry, _), store
+                                    in zip(done[start:end], stores, strict=True)])
             start = end
 
     @property

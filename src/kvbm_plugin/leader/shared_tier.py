@@ -308,19 +308,22 @@ class LeaderSharedTier:
             self.pending_saves.append(SharedSaveOp(op_id, host_op, device_block, digest))
         self._stats["shared_saves_scheduled"] += 1
 
-    def host_copy_announced(self, index: Any, entry: Any, name: tuple[Any, ...]) -> None:
-        """The host copy ``entry`` is announced under its final name, ``(event hash, parent
-        event hash, token ids)`` (OffloadTiers.announce): a write-through of it waiting for
-        the name is committed now."""
+    def host_copy_announced(self, index: Any,
+                            announced: list[tuple[Any, tuple[Any, ...]]]) -> None:
+        """Host copies were announced, each ``(entry, its final name: (event hash, parent
+        event hash, token ids))`` (``OffloadTiers.announce_all``): a write-through of one
+        waiting for the name is committed now."""
         if index is not self._tiers.host or not self._by_key:
             return
-        write = self._by_key.get(entry.key)
-        if write is None:
-            return
-        event_hash, parent_hash, tokens = name
-        write.name = (event_hash, parent_hash, tuple(tokens))
-        if write.done:
-            self._commit(write)
+        by_key = self._by_key
+        for entry, name in announced:
+            write = by_key.get(entry.key)
+            if write is None:
+                continue
+            event_hash, parent_hash, tokens = name
+            write.name = (event_hash, parent_hash, tuple(tokens))
+            if write.done:
+                self._commit(write)
 
     def save_done(self, op_id: int, op: Any, ok: bool) -> None:
         """Every rank reported the shared save ``op_id`` (leader, under its lock)."""

@@ -112,14 +112,26 @@ class TierIndex(TierRows):
         if entry._snap is not None or entry._index is not self:
             return (entry.event_hash, entry.parent_event_hash, list(entry.token_ids),
                     entry.scope)
-        slot = entry.slot
-        if self._flags[slot] & (_ODD_TOKENS | _NO_TOKENS):
+        return self._store_row(entry.slot)
+
+    def _store_row(self, slot: int) -> tuple[int, int | None, list[int], Any]:
+        """:meth:`store_fields` of a live row."""
+        flags = self._flags[slot]
+        if flags & (_ODD_TOKENS | _NO_TOKENS):
             tokens = list(self._tokens(slot))
         else:
             width = self._width
             tokens = self._tok[slot * width:(slot + 1) * width].tolist() if width > 0 else []
-        return (self._event_hash(slot), self._parent_event_hash(slot), tokens,
-                self._scopes[self._scope[slot]])
+        event_hash = self._eh[slot]
+        if flags & _EH_NEG:
+            event_hash -= 1 << 64
+        if flags & _PEH_NONE:
+            parent_hash = None
+        else:
+            parent_hash = self._peh[slot]
+            if flags & _PEH_NEG:
+                parent_hash -= 1 << 64
+        return event_hash, parent_hash, tokens, self._scopes[self._scope[slot]]
 
     def probe(self, key: int) -> tuple[TierEntry | None, bool]:
         """``(the resident entry for ``key``, marked most recently used, or None; whether
@@ -202,14 +214,13 @@ class TierIndex(TierRows):
         return the committed row as its STORE needs it, in one call
         (``OffloadTiers.finish_writes``, once per committed block): (key, parent key, event
         hash, parent event hash, token ids, scope)."""
-        if not self.holds(entry):
+        if entry._snap is not None or entry._index is not self:
             raise KeyError(entry.key)
         slot = entry.slot
         self._commit_slot(slot, signatures)
         parent = self._parent[slot]
-        event_hash, parent_hash, tokens, scope = self.store_fields(entry)
-        return (self._key[slot], None if parent < 0 else self._key[parent], event_hash,
-                parent_hash, tokens, scope)
+        return (self._key[slot], None if parent < 0 else self._key[parent],
+                *self._store_row(slot))
 
     def parent_resident(self, entry: TierEntry) -> bool:
         """Whether the live ``entry`` is a root block or its parent is resident here."""
