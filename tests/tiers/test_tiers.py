@@ -155,6 +155,24 @@ def test_reserve_chain_is_reserve_of_each_block_in_order(big_token: bool) -> Non
         fast.reserve_chain([900], [1], None, [1], 1, 12345, seen.append)
 
 
+def test_unpin_live_unpins_only_a_pinned_live_view() -> None:
+    """A finished load's one call: a pinned live view is unpinned (evictable again once its
+    last pin goes); an unpinned one, another tier's or one that left the tier is refused
+    untouched (the caller's slow path decides)."""
+    index, other = TierIndex("host", 4), TierIndex("disk", 4)
+    a, _ = index.reserve(1, 11, None, [1])
+    index.commit(1)
+    assert not index.unpin_live(a)  # not pinned
+    [taken] = index.take_resident([1], 0, 1)
+    index.pin(taken)
+    assert index.unpin_live(taken) and taken.pins == 1 and index.evictable() == 0
+    assert index.unpin_live(taken) and taken.pins == 0 and index.evictable() == 1
+    assert not other.unpin_live(taken)
+    index.pin(taken)
+    [gone] = index.discard(1)
+    assert gone is taken and not index.unpin_live(taken) and taken.pins == 1
+
+
 def test_an_index_without_kept_tokens_holds_them_until_dropped() -> None:
     """``keep_tokens=False`` (the leader's disk tier): a block's tokens are there until its
     STORE is registered, then dropped: no token column, nothing per block at rest."""

@@ -109,11 +109,9 @@ class OpCompletions:
             ok = op.outcome()[0]
             index = host if op.tier == TIER_HOST else disk if op.tier == TIER_DISK else None
             entry = op.entry
-            if not ok or index is None or entry is None or not index.holds(entry) \
-                    or entry.pins <= 0:
+            if not ok or index is None or entry is None or not index.unpin_live(entry):
                 self._finish_load(op_id, op, ok)
                 continue
-            index.unpin(entry)
             self._release(op_id, op)
 
     def _finish_load(self, op_id: int, op: Op, ok: bool) -> None:

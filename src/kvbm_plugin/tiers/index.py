@@ -202,6 +202,20 @@ class TierIndex(TierRows):
         self._pins[slot] -= 1
         self._offer(slot)
 
+    def unpin_live(self, entry: TierEntry) -> bool:
+        """:meth:`unpin` of ``entry`` where it is this tier's live view and pinned, in one
+        call (a finished load, executor thread); False, and nothing done, for any other."""
+        if entry._snap is not None or entry._index is not self:
+            return False
+        slot = entry.slot
+        pins = self._pins[slot]
+        if pins <= 0:
+            return False
+        self._pins[slot] = pins - 1
+        if pins == 1:
+            self._offer(slot)
+        return True
+
     def holds(self, entry: TierEntry) -> bool:
         """Whether ``entry`` is this tier's live view of a block still in it (the same as
         ``index.get(entry.key) is entry`` while the caller keeps the view, without the key
