@@ -128,7 +128,7 @@ def test_reserve_chain_is_reserve_of_each_block_in_order(big_token: bool) -> Non
     scope = (3, 9)
     seen: list[tuple[int, int]] = []
     entries = fast.reserve_chain(chain, hashes, 42, tokens, width, 1,
-                                 lambda e: seen.append((e.key, len(fast))), scope)
+                                 lambda index, e: seen.append((e.key, len(index))), scope)
     expected: list[tuple[int, int]] = []
     parent_key, parent_hash = 1, 42
     for k, key in enumerate(chain):
@@ -152,7 +152,7 @@ def test_reserve_chain_is_reserve_of_each_block_in_order(big_token: bool) -> Non
         slow.commit(key)
     assert _evictions(fast) == _evictions(slow)
     with pytest.raises(ValueError, match="not in the tier"):
-        fast.reserve_chain([900], [1], None, [1], 1, 12345, seen.append)
+        fast.reserve_chain([900], [1], None, [1], 1, 12345, lambda *_: None)
 
 
 def test_unpin_live_unpins_only_a_pinned_live_view() -> None:

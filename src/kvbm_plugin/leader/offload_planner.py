@@ -165,12 +165,14 @@ class OffloadPlanner:
             # None of them is here: a tier holds prefix-closed chains, and their parent, block
             # ``i``, is not. A multimodal request's blocks each have their own scope: one each.
             blocks = [int(block)]
+            hashes = [self.event_hash(state, i)]
             j = i + 1
             while j < limit and scope is not None:
                 block = pages.save_block(state, j)
                 if block < 0:
                     break
                 blocks.append(int(block))
+                hashes.append(self.event_hash(state, j))
                 j += 1
             if not i:
                 parent = None
@@ -178,7 +180,6 @@ class OffloadPlanner:
                 parent = named_hash
             else:
                 parent = self.event_hash(state, i - 1)
-            hashes = [self.event_hash(state, k) for k in range(i, j)]
             entries = tiers.reserve_chain(index, keys[i:j], hashes, parent,
                                           tokens[i * bs:j * bs], bs, parent_key,
                                           block_scope(state, i, bs) if scope is None

@@ -292,8 +292,7 @@ class OffloadTiers:
         ``keys`` when the tier is full. Each block evicted for them is handled as it goes (its
         REMOVE queued for :meth:`flush_evicted`, a host block demoted to disk)."""
         return index.reserve_chain(keys, event_hashes, parent, tokens, width, parent_key,
-                                   lambda evicted: self._evicted_from(index, evicted),
-                                   scope)
+                                   self._evicted_from, scope)
 
     def _evicted_from(self, index: TierIndex, evicted: TierEntry) -> None:
         """``evicted`` left ``index`` to make room (called by the index at once)."""

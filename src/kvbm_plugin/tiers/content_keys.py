@@ -56,6 +56,13 @@ def block_keys(tokens: Sequence[int], block_size: int, salt: str | None = None, 
             chained_digests(_KEYED, first, tokens, block_size, start, after=suffix)]
 
 
+# Compiled packers by token count: ``struct``'s own format cache is shared with every other
+# caller in the process and emptied whole when full, and compiling a format again cost the
+# leader's match several us per request on the executor thread (measured in the engine).
+_PACKERS: dict[int, struct.Struct] = {}
+_MAX_PACKERS = 512
+
+
 def chained_digests(keyed: Any, first: bytes, tokens: Sequence[int], block_size: int,
                     start: int = 0, *, before: bytes = b"", after: bytes = b"") -> list[bytes]:
     """Digests of the full blocks ``start..`` of ``tokens`` along a chain: each is a copy of
@@ -66,7 +73,12 @@ def chained_digests(keyed: Any, first: bytes, tokens: Sequence[int], block_size:
     if n <= start:
         return []
     lo, count = start * block_size, (n - start) * block_size
-    packed = struct.pack(f"<{count}q", *tokens[lo:lo + count])
+    packer = _PACKERS.get(count)
+    if packer is None:
+        if len(_PACKERS) >= _MAX_PACKERS:
+            _PACKERS.clear()
+        packer = _PACKERS[count] = struct.Struct(f"<{count}q")
+    packed = packer.pack(*tokens[lo:lo + count])
     digest = first
     width = 8 * block_size
     out: list[bytes] = []

@@ -276,7 +276,8 @@ class TierIndex(TierRows):
         """
         evicted: list[TierEntry] = []
         entries = self.reserve_chain((key,), (event_hash,), parent_event_hash, token_ids,
-                                     len(token_ids), parent_key, evicted.append)
+                                     len(token_ids), parent_key,
+                                     lambda _index, entry: evicted.append(entry))
         if not entries:
             raise TierFullError(f"{self.name} tier: all {self.capacity} slots are pending, "
                                 "pinned or parents of other blocks")
@@ -284,19 +285,18 @@ class TierIndex(TierRows):
 
     def reserve_chain(self, keys: Sequence[int], event_hashes: Sequence[int],
                       parent_event_hash: int | None, tokens: Sequence[int], width: int,
-                      parent_key: int | None, on_evict: Callable[[TierEntry], Any],
+                      parent_key: int | None,
+                      on_evict: Callable[[TierIndex, TierEntry], Any],
                       scope: tuple[Any, ...] | None = None) -> list[TierEntry]:
         """Pending entries for a chain of blocks, in order: block ``k`` has key ``keys[k]``,
         event hash ``event_hashes[k]`` and tokens ``tokens[k * width:(k + 1) * width]``; its
         parent is block ``k - 1`` (the first block's is ``parent_key``, with
         ``parent_event_hash``). :meth:`reserve` of each in one call (the offload planner's run
         of a request's newly full blocks, executor thread). Each block evicted to make room
-        goes to ``on_evict`` at once, before the next block is reserved (its ancestors are
-        still here for a demotion). Fewer entries than keys when the tier is full; ``scope``
-        (None: unscoped) is every entry's."""
+        goes to ``on_evict(self, evicted)`` at once, before the next block is reserved (its
+        ancestors are still here for a demotion). Fewer entries than keys when the tier is
+        full; ``scope`` (None: unscoped) is every entry's."""
         find = self._table.find
-        if keys and 0 <= keys[0] <= _U64_MASK and find(keys[0]) >= 0:
-            raise RuntimeError(f"{self.name} tier: block {keys[0]:#x} is already present")
         if parent_key is None:
             parent = -1
         else:
@@ -381,7 +381,7 @@ class TierIndex(TierRows):
             entry = self._view(slot)
             out.append(entry)
             if evicted is not None:
-                on_evict(evicted)
+                on_evict(self, evicted)
             # The next block's parent: this one.
             parent, peh = slot, eh
             peh_flags = _PEH_NEG if flags & _EH_NEG else 0
