@@ -366,20 +366,21 @@ class OffloadTiers:
             ok, signatures = op.outcome()
             index = self.host if op.tier == TIER_HOST else self.disk
             entry = op.entry
-            # Still the entry this op wrote (not forgotten meanwhile with an ancestor, nor
-            # replaced by a later reservation of the same block in another slot).
-            current = index is not None and entry is not None and index.holds(entry)
-            # Ops finish in id order along a chain, so a parent is resident already and the
-            # tier's STOREs are prefix-closed too.
-            if not ok or op.tainted or not current or not index.parent_resident(entry):  # type: ignore[union-attr]
+            # Committed only while it is still the entry this op wrote (not forgotten meanwhile
+            # with an ancestor, nor replaced by a later reservation of the same block in
+            # another slot) and its parent is resident: ops finish in id order along a chain,
+            # so a parent is resident already and the tier's STOREs are prefix-closed too.
+            row = None if not ok or op.tainted or index is None or entry is None \
+                else index.commit_row(entry, signatures)
+            if row is None:
                 if done:
                     self.announce_all(done)
                     done = []
-                self._not_committed(op, ok, index, entry, current)
+                self._not_committed(op, ok, index, entry, index is not None
+                                    and entry is not None and index.holds(entry))
                 continue
             assert index is not None and entry is not None
-            key, parent_key, event_hash, parent_hash, tokens, scope = \
-                index.commit_fields(entry, signatures)
+            key, parent_key, event_hash, parent_hash, tokens, scope = row
             if named_ready(index.name, key, parent_key, event_hash, parent_hash):
                 done.append((index, entry, (event_hash, parent_hash, tokens, scope)))
             elif unnamed.ready(index, entry):  # named now: its row is read again

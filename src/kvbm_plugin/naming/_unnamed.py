@@ -103,7 +103,7 @@ class UnnamedStores:
     def named_ready(self, tier: str, key: int, parent_key: int | None, event_hash: int,
                     parent_event_hash: int | None) -> bool:
         """The common case of :meth:`ready`, from a committed block's row as read already
-        (``TierIndex.commit_fields``): it and its parent are named, its parent is not
+        (``TierIndex.commit_row``): it and its parent are named, its parent is not
         waiting. False says only that :meth:`ready` must decide."""
         return event_hash != key and (parent_key is None or (
             parent_event_hash != parent_key

@@ -222,24 +222,22 @@ class TierIndex(TierRows):
         lookup: a view is detached when its block leaves the tier)."""
         return entry._snap is None and entry._index is self
 
-    def commit_fields(self, entry: TierEntry, signatures: dict[int, Signature] | None = None,
-                      ) -> tuple[int, int | None, int, int | None, list[int], Any]:
-        """Mark the live view ``entry`` resident (:meth:`commit` without the key lookup) and
-        return the committed row as its STORE needs it, in one call
-        (``OffloadTiers.finish_writes``, once per committed block): (key, parent key, event
-        hash, parent event hash, token ids, scope)."""
+    def commit_row(self, entry: TierEntry, signatures: dict[int, Signature] | None = None,
+                   ) -> tuple[int, int | None, int, int | None, list[int], Any] | None:
+        """Where ``entry`` is this tier's live view and a root block or a block whose parent
+        is resident: mark it resident (:meth:`commit` without the key lookup) and return the
+        committed row as its STORE needs it, in one call (``OffloadTiers.finish_writes``,
+        once per committed block): (key, parent key, event hash, parent event hash, token
+        ids, scope). Else None, and nothing done: the caller does not commit that write."""
         if entry._snap is not None or entry._index is not self:
-            raise KeyError(entry.key)
+            return None
         slot = entry.slot
-        self._commit_slot(slot, signatures)
         parent = self._parent[slot]
-        return (self._key[slot], None if parent < 0 else self._key[parent],
-                *self._store_row(slot))
-
-    def parent_resident(self, entry: TierEntry) -> bool:
-        """Whether the live ``entry`` is a root block or its parent is resident here."""
-        parent = self._parent[entry.slot]
-        return parent < 0 or bool(self._flags[parent] & _RESIDENT)
+        if parent >= 0 and not self._flags[parent] & _RESIDENT:
+            return None
+        self._commit_slot(slot, signatures)
+        key_of = self._key
+        return (key_of[slot], None if parent < 0 else key_of[parent], *self._store_row(slot))
 
     def children_of(self, key: int) -> set[int]:
         """Keys of this tier's entries whose parent is ``key`` (a copy)."""
