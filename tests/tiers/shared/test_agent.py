@@ -3,6 +3,7 @@ going down, LRU, and two leaders sharing one store."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ from _shared_leader import LEASE, MARGIN, SETTINGS, Leader
 
 from kvbm_plugin.consolidator_config import ConfigError
 from kvbm_plugin.testing.memory_store import MemoryStore
+from kvbm_plugin.tiers.shared import agent as agent_module
 from kvbm_plugin.tiers.shared.agent import SharedAgent
 from kvbm_plugin.tiers.shared.directory import SharedDirectory
 
@@ -227,6 +229,63 @@ def test_a_bad_block_in_a_batch_of_commits_queues_none_of_it(leader: Leader) -> 
     assert leader.stat("committed") == 0
     assert leader.agent.committed_many([(b, None) for b in good]) == 3
     assert leader.stat("committed") == 3
+
+
+class _CountingOs:
+    """The agent module's ``os`` with its writes to one pipe counted (the wake bytes)."""
+
+    def __init__(self) -> None:
+        self.fd = -1
+        self.writes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def write(self, fd: int, data: bytes) -> int:
+        self.writes += fd == self.fd
+        return os.write(fd, data)
+
+
+@pytest.mark.parametrize("linger_rounds", [1_000_000, 0])
+def test_commits_while_the_agent_lingers_write_no_wake_byte(
+        store: MemoryStore, clock: Clock, monkeypatch: pytest.MonkeyPatch,
+        linger_rounds: int) -> None:
+    """After a wake the agent polls with its flag set, so the leader's next commits (each
+    with its wake) write nothing to the pipe and are confirmed all the same; the control,
+    an agent that sleeps at once, is woken by a byte each time."""
+    counting = _CountingOs()
+    monkeypatch.setattr(agent_module, "os", counting)
+    leader = Leader(store, clock)
+    leader.agent.LINGER_ROUNDS = linger_rounds
+    counting.fd = leader.agent._wake_w  # noqa: SLF001
+    leader.agent.start()
+    try:
+        blocks = chain(12)
+        leader.commit(blocks[:1])
+        leader.wait_stat("confirmed", 1)
+        for n, block in enumerate(blocks[1:], start=2):
+            if not linger_rounds:  # asleep: the commit's wake must write the byte
+                wait_until(lambda: not leader.agent._wake_pending, 10.0, "the agent asleep")  # noqa: SLF001
+            before = counting.writes
+            leader.commit([block])
+            leader.wait_stat("confirmed", n)
+            assert (counting.writes == before) == bool(linger_rounds)
+    finally:
+        leader.agent.close()
+
+
+def test_a_wake_after_the_linger_is_answered(store: MemoryStore, clock: Clock) -> None:
+    """Once the agent cleared its flag to sleep, a wake (no commit: a moved clock) is still
+    answered by a whole turn: no ticket is lost between the linger and the sleep."""
+    leader = Leader(store, clock)
+    leader.agent.LINGER_ROUNDS = 2
+    leader.agent.start()
+    try:
+        for _ in range(20):
+            wait_until(lambda: not leader.agent._wake_pending, 10.0, "the agent asleep")  # noqa: SLF001
+            leader.settle()
+    finally:
+        leader.agent.close()
 
 
 def test_close_is_clean_and_idempotent(store: MemoryStore, clock: Clock) -> None:
