@@ -162,8 +162,8 @@ class OffloadPlanner:
                 parent_in = False
                 continue
             # The run from ``i``: every block up to the limit or a block with no live page.
-            # None of them is here: a tier holds prefix-closed chains, and their parent, block
-            # ``i``, is not. A multimodal request's blocks each have their own scope: one each.
+            # None of them is in the tier: block ``i`` is not, and a block there has its
+            # parent there. A multimodal request's blocks each have their own scope: one each.
             blocks = [int(block)]
             hashes = [self.event_hash(state, i)]
             j = i + 1

@@ -57,8 +57,8 @@ def block_keys(tokens: Sequence[int], block_size: int, salt: str | None = None, 
 
 
 # Compiled packers by token count: ``struct``'s own format cache is shared with every other
-# caller in the process and emptied whole when full, and compiling a format again cost the
-# leader's match several us per request on the executor thread (measured in the engine).
+# caller in the process and emptied whole when full (a prompt's keys are packed on the
+# executor thread; in the engine a one-block prompt's pack took 5 us, against 0.4 us warm).
 _PACKERS: dict[int, struct.Struct] = {}
 _MAX_PACKERS = 512
 
