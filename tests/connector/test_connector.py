@@ -554,3 +554,35 @@ def test_a_job_with_no_host_copies_has_no_copy_batch() -> None:
 
     assert list(chunked([], 0)) == []
     assert list(chunked([1, 2], 0)) == [[1, 2]]
+
+
+def test_a_run_the_full_tier_cuts_short_resumes_at_its_first_unreserved_block() -> None:
+    """A request's newly full blocks are reserved as one run; where the tier has room for
+    part of it (the rest of its slots pending), the run stops there (counted), those blocks
+    are offloaded, and the next iteration takes the rest, evicting the least recently used
+    leaves once the pending writes are committed."""
+    from kvbm_plugin.connector.meta import OpReport, find_hub
+    from kvbm_plugin.testing.fake_trtllm import RequestData, SchedulerOutput
+
+    leader = _leader(tiers(host=4), "run-cut-short")
+    try:
+        a, b = prompt(50, 13), prompt(51, 13)  # 3 full blocks of 4 and one token each
+        requests = [LlmRequest(1, a), LlmRequest(2, b)]  # alive: never taken as terminated
+        for request in requests:
+            assert leader.get_num_new_matched_tokens(request, 0) == (0, False)
+        meta = leader.build_connector_meta(SchedulerOutput(new_requests=[
+            RequestData(1, a, [0, 1, 2, 3], 0, 13), RequestData(2, b, [4, 5, 6, 7], 0, 13)]))
+        assert [s.req_id for s in meta.saves] == [1, 1, 1, 2]  # a's 3, then room for one of b's
+        assert leader.stats()["tier_full_skips"] == 1 and leader._reqs[2].offload_next == 1
+        hub = find_hub("run-cut-short")
+        for save in meta.saves:  # every write done: a's blocks become evictable
+            hub.put(OpReport(save.op_id, 0, True))
+        meta = leader.build_connector_meta(SchedulerOutput(cached_requests=[
+            RequestData(2, [9], [], 13, 1)]))
+        assert [(s.req_id, s.device_block) for s in meta.saves] == [(2, 5), (2, 6)]
+        assert leader.stats()["host_evictions"] == 2 and leader._reqs[2].offload_next == 3
+        host = leader._tiers.host
+        assert all(key in host for key in block_keys(b, 4))
+        assert [key in host for key in block_keys(a, 4)] == [True, False, False]  # leaves first
+    finally:
+        leader.shutdown()
