@@ -122,16 +122,8 @@ class TierIndex(TierRows):
         else:
             width = self._width
             tokens = self._tok[slot * width:(slot + 1) * width].tolist() if width > 0 else []
-        event_hash = self._eh[slot]
-        if flags & _EH_NEG:
-            event_hash -= 1 << 64
-        if flags & _PEH_NONE:
-            parent_hash = None
-        else:
-            parent_hash = self._peh[slot]
-            if flags & _PEH_NEG:
-                parent_hash -= 1 << 64
-        return event_hash, parent_hash, tokens, self._scopes[self._scope[slot]]
+        return (self._event_hash(slot), self._parent_event_hash(slot), tokens,
+                self._scopes[self._scope[slot]])
 
     def probe(self, key: int) -> tuple[TierEntry | None, bool]:
         """``(the resident entry for ``key``, marked most recently used, or None; whether
