@@ -155,6 +155,21 @@ def test_reserve_chain_is_reserve_of_each_block_in_order(big_token: bool) -> Non
         fast.reserve_chain([900], [1], None, [1], 1, 12345, lambda *_: None)
 
 
+@pytest.mark.parametrize("bad", ["hash", "key"])
+def test_a_bad_block_in_a_chain_reserves_none_of_it(bad: str) -> None:
+    """A run with a bad event hash or key anywhere raises before anything changes: no block
+    of it is left pending with no op to finish it."""
+    fast, slow, _ = _twin_indexes()
+    keys, hashes = [500, 501, 502, 503], [-5, 6, 7, 8]
+    if bad == "hash":
+        hashes[2] = 1 << 64
+    else:
+        keys[2] = -1
+    with pytest.raises(ValueError, match="event_hash" if bad == "hash" else "content key"):
+        fast.reserve_chain(keys, hashes, None, [1, 2, 3, 4], 1, 1, lambda *_: None)
+    assert _entry_fields(fast) == _entry_fields(slow) and len(fast) == len(slow)
+
+
 def test_unpin_live_unpins_only_a_pinned_live_view() -> None:
     """A finished load's one call: a pinned live view is unpinned (evictable again once its
     last pin goes); an unpinned one, another tier's or one that left the tier is refused

@@ -286,6 +286,15 @@ class TierIndex(TierRows):
         goes to ``on_evict(self, evicted)`` at once, before the next block is reserved (its
         ancestors are still here for a demotion). Fewer entries than keys when the tier is
         full; ``scope`` (None: unscoped) is every entry's."""
+        # Every key and event hash is checked before anything changes: a bad one raises with
+        # no block of the run reserved (none left pending with no op to finish it).
+        if len(event_hashes) != len(keys):
+            raise ValueError(f"{self.name} tier: {len(event_hashes)} event hashes for "
+                             f"{len(keys)} blocks")
+        for k, key in enumerate(keys):
+            if not 0 <= key <= _U64_MASK:
+                raise ValueError(f"{self.name} tier: content key {key!r} is not a u64")
+            _u64(event_hashes[k], "event_hash")
         find = self._table.find
         if parent_key is None:
             parent = -1
@@ -318,15 +327,13 @@ class TierIndex(TierRows):
         tok, sig, table = self._tok, self._sig, self._table
         out: list[TierEntry] = []
         for k, key in enumerate(keys):
-            if not 0 <= key <= _U64_MASK:
-                raise ValueError(f"{self.name} tier: content key {key!r} is not a u64")
-            if find(key) >= 0:
+            if find(key) >= 0:  # (past the first block only on a 64-bit key collision)
                 raise RuntimeError(f"{self.name} tier: block {key:#x} is already present")
             eh = event_hashes[k]
-            if 0 <= eh <= _U64_MASK:
+            if eh >= 0:
                 flags = _USED | peh_flags
-            else:
-                eh, _ = _u64(eh, "event_hash")
+            else:  # a signed hash, checked above: kept as its two's complement
+                eh += 1 << 64
                 flags = _USED | _EH_NEG | peh_flags
             slot, evict = self._claim_slot(parent, self._rows)
             if slot < 0:
