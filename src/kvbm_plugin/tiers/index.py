@@ -291,26 +291,24 @@ class TierIndex(TierRows):
         if len(event_hashes) != len(keys):
             raise ValueError(f"{self.name} tier: {len(event_hashes)} event hashes for "
                              f"{len(keys)} blocks")
-        for k, key in enumerate(keys):
+        for key in keys:
             if not 0 <= key <= _U64_MASK:
                 raise ValueError(f"{self.name} tier: content key {key!r} is not a u64")
-            _u64(event_hashes[k], "event_hash")
+        ehs = [_u64(h, "event_hash") for h in event_hashes]  # (u64 bits, negative)
         find = self._table.find
         if parent_key is None:
             parent = -1
         else:
-            parent = find(parent_key) if 0 <= parent_key <= _U64_MASK else -1
+            parent = self._find(parent_key)
             if parent < 0:
                 raise ValueError(f"{self.name} tier: parent {parent_key:#x} of block "
                                  f"{keys[0]:#x} is not in the tier (a tier holds "
                                  "prefix-closed chains only)")
         if parent_event_hash is None:
             peh, peh_flags = 0, _PEH_NONE
-        elif 0 <= parent_event_hash <= _U64_MASK:
-            peh, peh_flags = parent_event_hash, 0
         else:
             peh, negative = _u64(parent_event_hash, "parent_event_hash")
-            peh_flags = _PEH_NEG
+            peh_flags = _PEH_NEG if negative else 0
         # The tokens go into the flat column as one int32 array, sliced per block; a run
         # the column cannot hold (another width, a value past int32) goes block by block.
         run_tokens = None
@@ -329,12 +327,8 @@ class TierIndex(TierRows):
         for k, key in enumerate(keys):
             if find(key) >= 0:  # (past the first block only on a 64-bit key collision)
                 raise RuntimeError(f"{self.name} tier: block {key:#x} is already present")
-            eh = event_hashes[k]
-            if eh >= 0:
-                flags = _USED | peh_flags
-            else:  # a signed hash, checked above: kept as its two's complement
-                eh += 1 << 64
-                flags = _USED | _EH_NEG | peh_flags
+            eh, negative = ehs[k]
+            flags = _USED | _EH_NEG | peh_flags if negative else _USED | peh_flags
             slot, evict = self._claim_slot(parent, self._rows)
             if slot < 0:
                 return out
