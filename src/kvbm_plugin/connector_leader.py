@@ -195,7 +195,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                 ops=self._ops, lock=self._lock,
                 thread_safe_events=self._tier_events is not None
                 and self._tier_events is self.consolidator)
-            self._tiers.on_announced = self._shared.host_copy_announced
+            if self._shared.settings is not None:  # only a write-through waits for a name
+                self._tiers.on_announced = self._shared.host_copy_announced
             self._completions = OpCompletions(
                 hub=self._hub, ops=self._ops, reqs=self._reqs, tiers=self._tiers,
                 shared=self._shared, index_of=self._index_of, forget=self._forget,

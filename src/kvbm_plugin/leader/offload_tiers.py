@@ -257,8 +257,9 @@ class OffloadTiers:
                               else (event_hash, parent_hash, tokens,
                                     *_scope_fields(block_scope)))
             register_stores(MEDIUM[index.name], self._dp_rank, stores, self._block_size)
-            self._announced(index, [(entry, store[:3]) for (_, entry, _), store
-                                    in zip(done[start:end], stores, strict=True)])
+            if self.on_announced is not None or not index.keeps_tokens:
+                self._announced(index, [(entry, store[:3]) for (_, entry, _), store
+                                        in zip(done[start:end], stores, strict=True)])
             start = end
 
     @property
