@@ -155,6 +155,38 @@ def test_reserve_chain_is_reserve_of_each_block_in_order(big_token: bool) -> Non
         fast.reserve_chain([900], [1], None, [1], 1, 12345, lambda *_: None)
 
 
+def test_commit_row_is_commit_and_store_fields_of_a_block_whose_parent_is_resident() -> None:
+    """The write commit's one call (``OffloadTiers.finish_writes``) leaves the index as
+    ``commit`` would (resident, the same LRU place, a pinned or parent row kept out of the
+    eviction order, a disk signature) and returns the row ``store_fields`` reads (negative and
+    absent parent hashes, tokens in the column or kept aside); a block whose parent is
+    pending, or a view its block left, is not committed."""
+    fast, slow, _ = _twin_indexes()
+    for index in (fast, slow):
+        index.reserve(40, -(1 << 63), -5, [1 << 40], 24)  # under the pending 24; odd tokens
+        index.reserve(41, -7, None, [41])  # a root
+        index.reserve(42, 8, -7, [42], 41)  # child of a pending block
+        index.pin(index.get(20))  # a resident leaf, pinned (a load reads it)
+    assert fast.commit_row(fast.get(40)) is None and fast.commit_row(fast.get(42)) is None
+    rows = []
+    for key, signatures in ((24, None), (41, {0: (4096, 17)}), (40, None), (42, None),
+                            (20, None), (3, None), (8, None)):
+        entry = fast.get(key)
+        rows.append(fast.commit_row(entry, signatures))
+        expected = slow.commit(key, signatures)
+        assert rows[-1] == (key, expected.parent_key, *slow.store_fields(expected))
+    assert rows[2][2:5] == (-(1 << 63), -5, [1 << 40]) and rows[1][3] is None
+    assert _state(fast) == _state(slow) and _entry_fields(fast) == _entry_fields(slow)
+    assert repr(fast) == repr(slow)  # the resident count
+    assert fast.evictable() == slow.evictable()  # the pinned 20, the parents 24 and 41 out
+    assert fast.get(41).signatures == slow.get(41).signatures == {0: (4096, 17)}
+    gone = fast.get(42)
+    fast.discard(41)
+    slow.discard(41)
+    assert fast.commit_row(gone) is None
+    assert _evictions(fast) == _evictions(slow)
+
+
 @pytest.mark.parametrize("bad", ["hash", "key"])
 def test_a_bad_block_in_a_chain_reserves_none_of_it(bad: str) -> None:
     """A run with a bad event hash or key anywhere raises before anything changes: no block

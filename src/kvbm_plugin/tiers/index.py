@@ -225,11 +225,45 @@ class TierIndex(TierRows):
             return None
         slot = entry.slot
         parent = self._parent[slot]
-        if parent >= 0 and not self._flags[parent] & _RESIDENT:
+        flags_of = self._flags
+        if parent >= 0 and not flags_of[parent] & _RESIDENT:
             return None
-        self._commit_slot(slot, signatures)
+        if signatures:
+            self._commit_slot(slot, signatures)
+            flags = flags_of[slot]
+        else:
+            # _commit_slot and _touch inline (once per committed block, executor thread).
+            flags = flags_of[slot]
+            if not flags & _RESIDENT:
+                flags |= _RESIDENT
+                self._resident += 1
+            if flags & _QUEUED:
+                self._order.remove(self._tick[slot])
+                flags &= ~_QUEUED
+            self._clock = tick = self._clock + 1
+            self._tick[slot] = tick
+            if not self._pins[slot] and self._child[slot] < 0:
+                self._order.add(tick, slot)  # the newest: appended
+                flags |= _QUEUED
+            flags_of[slot] = flags
+        # _store_row inline.
+        if flags & (_ODD_TOKENS | _NO_TOKENS):
+            tokens = list(self._tokens(slot))
+        else:
+            width = self._width
+            tokens = self._tok[slot * width:(slot + 1) * width].tolist() if width > 0 else []
+        event_hash = self._eh[slot]
+        if flags & _EH_NEG:
+            event_hash -= 1 << 64
+        if flags & _PEH_NONE:
+            parent_hash = None
+        else:
+            parent_hash = self._peh[slot]
+            if flags & _PEH_NEG:
+                parent_hash -= 1 << 64
         key_of = self._key
-        return (key_of[slot], None if parent < 0 else key_of[parent], *self._store_row(slot))
+        return (key_of[slot], None if parent < 0 else key_of[parent], event_hash, parent_hash,
+                tokens, self._scopes[self._scope[slot]])
 
     def children_of(self, key: int) -> set[int]:
         """Keys of this tier's entries whose parent is ``key`` (a copy)."""
