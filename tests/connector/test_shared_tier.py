@@ -268,6 +268,34 @@ def test_a_failed_write_on_one_rank_is_never_advertised(shared) -> None:
     assert run(b, system + prompt(46, 2)).matched_shared_tokens == 4 * BS
 
 
+def test_a_block_in_hand_is_not_written_through_again_before_the_agent_queues_it(
+        shared) -> None:
+    """The leader hands each batch of commits to the agent, whose thread queues it in its next
+    turn: until then the blocks are in the leader's hand, and a request using their host
+    copies meanwhile writes none of them through again (the hand-over held here: the agent
+    never queues it, so the directory never tracks the blocks)."""
+    a = shared.engine()
+    held: list[Any] = []
+    bus_agent = agent(a)
+    hand_over = bus_agent.hand_over
+    # Kept, not queued: its ticket is the one the agent's next hand-over answers.
+    bus_agent.hand_over = lambda blocks: (held.append(blocks), bus_agent.wakes_handled + 1)[1]
+    system = prompt(47, 4 * BS)
+    run(a, system + prompt(48, 2))
+    wait_for(lambda: a.leader.stats()["shared_saves_committed"] == 4, "4 commits")
+    for k in range(6):  # push A's device copies out: the prefix comes from its host tier
+        run(a, prompt(210 + k, 7 * BS))
+    before = a.leader.stats()["shared_saves_scheduled"]
+    assert run(a, system + prompt(49, 2)).matched_host_tokens == 4 * BS
+    assert a.leader.stats()["shared_saves_scheduled"] == before  # all four in hand
+    assert not a.leader._shared.directory.is_tracked(chain_digests(system, BS, None)[0])
+    for blocks in held:  # the agent takes them after all: tracked, confirmed
+        hand_over(blocks)
+    settle(a, resident=4)
+    run(a, prompt(216, 2 * BS))  # its batch of reports forgets what the agent queued since
+    assert not set(chain_digests(system, BS, None)) & set(a.leader._shared._in_hand)
+
+
 def test_a_dropped_write_is_counted_and_never_advertised(shared) -> None:
     a, b = shared.engine(**{cc.SHARED_QUEUE_BLOCKS: "1"}), shared.engine()
     system = prompt(19, 5 * BS)

@@ -42,6 +42,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Final
@@ -163,8 +164,11 @@ class LeaderSharedTier:
         self.directory: SharedDirectory | None = None
         self.pins: SharedPins | None = None
         self.agent: Any = None
-        # Blocks committed since the agent was last woken, handed to it then (wake_agent)
+        # Blocks committed since the agent was last woken, handed to it then (wake_agent);
+        # the digests handed over that its thread has not queued yet, by hand-over ticket.
         self._commits: list[tuple[SharedBlock, str | None]] = []
+        self._handed: deque[tuple[int, list[bytes]]] = deque()
+        self._in_hand: dict[bytes, None] = {}
         self._starter: threading.Thread | None = None
         self._agent_events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._writes: dict[int, _SharedWrite] = {}  # op id -> write
@@ -293,7 +297,7 @@ class LeaderSharedTier:
         digest = digests[index]
         assert self.directory is not None
         key = entry.key
-        if key in self._by_key or self.directory.is_tracked(digest):
+        if key in self._by_key or digest in self._in_hand or self.directory.is_tracked(digest):
             return
         op_id = self._ops.new("shared_save", TIER_SHARED, key, None, None)
         write = _SharedWrite(op_id, digest, digests[index - 1] if index else None, key,
@@ -355,7 +359,7 @@ class LeaderSharedTier:
         assert write.name is not None and self.agent is not None
         event_hash, parent_hash, tokens = write.name
         # (make_block: SharedBlock(...) without the frozen dataclass's per-field calls; the
-        # agent checks the block's fields when wake_agent hands it over)
+        # agent's thread checks the block's fields when it takes wake_agent's hand-over)
         self._commits.append((make_block(
             write.digest, write.parent_digest, event_hash, parent_hash, tokens, write.scope[0],
             scope_extra_keys(write.scope)), write.key_scope))
@@ -365,17 +369,29 @@ class LeaderSharedTier:
     def wake_agent(self) -> None:
         """Hand the agent the blocks committed since the last call and wake its thread once:
         called by the leader after each batch of reports and by :meth:`sync` (a commit of a
-        block whose host copy was named late), not once per block (each hand-over holds the
-        directory's lock, each wake-up is a write to its pipe, and the thread it wakes takes
-        the GIL from the executor thread)."""
+        block whose host copy was named late), not once per block (each wake-up is a write to
+        its pipe, and the thread it wakes takes the GIL from the executor thread)."""
+        handed = self._handed
+        if handed and self.agent is not None:  # forget what the agent has queued since
+            done = self.agent.wakes_handled
+            while handed and handed[0][0] <= done:
+                for digest in handed.popleft()[1]:
+                    self._in_hand.pop(digest, None)
         if not self._commits:
             return
         commits, self._commits = self._commits, []
         agent = self.agent
         if agent is None:
             return
-        if agent.committed_many(commits):
-            agent.wake()
+        # The agent's thread checks and queues them (SharedAgent.hand_over). Until it has,
+        # their digests are in hand here, so that follow writes none of them through again.
+        ticket = agent.hand_over(commits)
+        if ticket:
+            digests = [block.digest for block, _ in commits]
+            handed.append((ticket, digests))
+            in_hand = self._in_hand
+            for digest in digests:
+                in_hand[digest] = None
 
     def _forget(self, write: _SharedWrite) -> None:
         self._writes.pop(write.op_id, None)

@@ -231,6 +231,45 @@ def test_a_bad_block_in_a_batch_of_commits_queues_none_of_it(leader: Leader) -> 
     assert leader.stat("committed") == 3
 
 
+def test_a_hand_over_is_checked_and_queued_on_the_agents_thread(
+        leader: Leader, expect_errors: Any) -> None:
+    """The leader's batch hand-over (executor thread) raises nothing and queues nothing on the
+    caller's thread: the agent's thread checks and queues the list in its next turn, a
+    malformed block counted and logged there, the others confirmed; once ``wakes_handled``
+    reaches the returned ticket, the whole list was taken."""
+    import threading
+
+    good = chain(3)
+    leader.write(good)
+    bad = type(good[0])(b"x", None, 1, None, (1,), None, None)
+    callers: list[str] = []
+    queue_commits = leader.agent._queue_commits  # noqa: SLF001
+
+    def on_its_thread(blocks: Any) -> int:
+        callers.append(threading.current_thread().name)
+        return queue_commits(blocks)
+
+    leader.agent._queue_commits = on_its_thread  # noqa: SLF001
+    ticket = leader.agent.hand_over([(good[0], None), (bad, None), (good[1], None),
+                                     (good[2], None)])
+    assert ticket > 0
+    wait_until(lambda: leader.agent.wakes_handled >= ticket, 10.0, "the hand-over's turn")
+    assert callers == ["kvbm-shared-agent"]
+    assert leader.stat("commits_malformed") == 1 and leader.stat("committed") == 3
+    leader.wait_stat("confirmed", 3)
+    assert leader.stored == good
+    assert expect_errors.wait_for("shared-tier commit not tracked: digest")
+
+
+def test_a_hand_over_after_close_is_refused_and_counted(store: MemoryStore,
+                                                         clock: Clock) -> None:
+    leader = Leader(store, clock)
+    leader.agent.start()
+    leader.agent.close()
+    assert leader.agent.hand_over([(b, None) for b in chain(2)]) == 0
+    assert leader.stat("commits_refused") == 2 and leader.stat("committed") == 0
+
+
 class _CountingOs:
     """The agent module's ``os`` with its writes to one pipe counted (the wake bytes)."""
 

@@ -3,9 +3,11 @@
 One per leader (rank 0's process, or each attention-DP owner), started by the leader at
 bring-up. Who calls what:
 
-* TensorRT-LLM's executor thread: :meth:`SharedAgent.committed` (every rank reported its put
-  of a block: queue it for confirmation; no I/O, one pipe write per idle period) and
-  :attr:`SharedAgent.available`. Offers are :meth:`~.directory.SharedDirectory.lookup`'s.
+* TensorRT-LLM's executor thread: :meth:`SharedAgent.hand_over` (every rank reported the puts
+  of a batch of blocks: the list is kept for the agent's thread, which checks and queues it
+  for confirmation; no I/O, one pipe write per idle period; :meth:`SharedAgent.committed`
+  checks and queues on the caller's thread) and :attr:`SharedAgent.available`. Offers are
+  :meth:`~.directory.SharedDirectory.lookup`'s.
 * The agent's own thread (``kvbm-shared-agent``), which alone calls the store and owns the
   announcement sockets:
 
@@ -52,6 +54,7 @@ import logging
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
@@ -77,7 +80,8 @@ _PROBE_DIGEST: Final = bytes(16)
 logger = logging.getLogger(__name__)
 
 _COUNTERS: Final = (
-    "committed", "commits_known", "commits_refused", "confirmed", "confirmed_own",
+    "committed", "commits_known", "commits_refused", "commits_malformed", "confirmed",
+    "confirmed_own",
     "confirmed_heard",
     "confirm_absent", "confirm_failed", "confirm_gave_up", "heard_queued", "heard_known",
     "renewal_sweeps", "renewed", "renewals_failed", "renewals_skipped", "store_calls",
@@ -152,6 +156,9 @@ class SharedAgent:
                                     tokens_per_block=self._layouts[0].tokens_per_block,
                                     rate=settings.announce_rate)
         self._mm: dict[bytes, str] = {}  # own pending block -> its multimodal scope part
+        # The leader's commits handed over (hand_over, executor thread), queued by this
+        # thread at the start of its next turn: lists appended and popped whole (atomic).
+        self._handed: deque[Sequence[tuple[SharedBlock, str | None]]] = deque()
         self._n = dict.fromkeys(_COUNTERS, 0)
         self._log = RateLimitedLog(logger)
         self._retry: list[tuple[SharedBlock, bool, int]] = []  # checks again at the next sweep
@@ -217,6 +224,48 @@ class SharedAgent:
         if self._closed:
             self._n["commits_refused"] += len(blocks)
             return 0
+        return self._queue_commits(blocks)
+
+    def hand_over(self, blocks: Sequence[tuple[SharedBlock, str | None]]) -> int:
+        """:meth:`committed_many` of the leader's commits of one batch of reports, done on the
+        agent's thread: this keeps the list (the caller hands it over and must not change it)
+        and wakes the thread, which checks and queues it at the start of its next turn (the
+        checks, the multimodal parts and the directory's lock off the executor thread). A
+        malformed block is counted there (``commits_malformed``) and logged, the others
+        queued. Executor thread; never blocks (a deque append and :meth:`wake`). Returns the
+        wake's ticket: once ``wakes_handled`` reaches it the blocks are queued (or counted),
+        0 when the agent is closed (counted refused)."""
+        if self._closed:
+            self._n["commits_refused"] += len(blocks)
+            return 0
+        self._handed.append(blocks)
+        return self.wake()
+
+    @property
+    def wakes_handled(self) -> int:
+        """The latest ticket a turn answered (any thread; :meth:`wake`, :meth:`hand_over`)."""
+        return self._n["wakes_handled"]
+
+    def _take_handed(self) -> None:
+        """Queue the commits handed over since the last turn, oldest first (agent thread)."""
+        handed = self._handed
+        while handed:
+            blocks = handed.popleft()
+            good = []
+            for item in blocks:
+                try:
+                    check_block(item[0])
+                except ValueError as exc:  # the leader's bug: never queued, never silent
+                    self._n["commits_malformed"] += 1
+                    self._log.log(logging.ERROR, "malformed-commit", "kvbm_plugin: shared-tier "
+                                  "commit not tracked: %s", exc)
+                    continue
+                good.append(item)
+            self._queue_commits(good)
+
+    def _queue_commits(self, blocks: Sequence[tuple[SharedBlock, str | None]]) -> int:
+        """Queue checked commits for confirmation (:meth:`committed_many`, :meth:`_take_handed`);
+        returns how many were queued."""
         for block, scope in blocks:
             mm = mm_of_scope(scope)
             if mm is not None and len(self._mm) < self._MAX_MM:
@@ -247,7 +296,8 @@ class SharedAgent:
         return self._directory.available
 
     def stats(self) -> dict[str, int]:
-        """Every count (any thread): ``committed`` (own commits queued), ``confirmed`` (blocks
+        """Every count (any thread): ``committed`` (own commits queued), ``commits_malformed``
+        (handed over and refused by their check), ``confirmed`` (blocks
         made resident: ``confirmed_own`` + ``confirmed_heard``), ``confirm_absent`` /
         ``confirm_failed`` / ``confirm_gave_up``, ``renewed`` (lease renewals, per block;
         also as ``renewals``), ``renewals_failed``, ``renewal_sweeps``, ``store_calls``,
@@ -295,6 +345,8 @@ class SharedAgent:
         self._closed = True
         if self._thread is not None:
             self._thread.join()
+        while self._handed:  # handed over after the thread's last turn: never tracked
+            self._n["commits_refused"] += len(self._handed.popleft())
         self._close_pipe()
 
     # ---- the agent thread ------------------------------------------------------------
@@ -335,6 +387,7 @@ class SharedAgent:
         while not self._stop.is_set():
             turn_start, turn_cpu = time.monotonic(), time.thread_time()
             ticket = self._drain_wake()
+            self._take_handed()  # every list handed over before ``ticket`` was counted
             if ticket != handled:
                 linger = self.LINGER_ROUNDS
             handled = ticket
