@@ -586,3 +586,48 @@ def test_a_run_the_full_tier_cuts_short_resumes_at_its_first_unreserved_block() 
         assert [key in host for key in block_keys(a, 4)] == [True, False, False]  # leaves first
     finally:
         leader.shutdown()
+
+
+def test_a_run_of_saves_is_done_when_every_rank_reported_every_block() -> None:
+    """A request's run of saves is one record (op ids consecutive, one per block): nothing of
+    it is committed until every rank reported every block (reports over several batches, a
+    rank's duplicate counted once); then each block is committed where both ranks succeeded,
+    a block one rank failed is not, nor the blocks written after it (no orphan), and the
+    request is forgotten."""
+    from kvbm_plugin.connector.meta import OpReport, find_hub
+    from kvbm_plugin.testing.fake_trtllm import RequestData, SchedulerOutput
+
+    leader = KvbmConnectorLeader(LlmArgs(KvCacheConfig(4), ParallelConfig(0, 2),
+                                         kvbm_plugin_env=tiers(host=16),
+                                         kvbm_plugin_group="save-run-fold"))
+    try:
+        tokens = prompt(60, 17)  # 4 full blocks of 4 and one token
+        request = LlmRequest(1, tokens)
+        assert leader.get_num_new_matched_tokens(request, 0) == (0, False)
+        meta = leader.build_connector_meta(SchedulerOutput(new_requests=[
+            RequestData(1, tokens, [0, 1, 2, 3, 4], 0, 17)]))
+        ids = [s.op_id for s in meta.saves]
+        assert len(ids) == 4 and ids == list(range(ids[0], ids[0] + 4))
+        assert leader.stats()["ops_inflight"] == 4
+        hub = find_hub("save-run-fold")
+        for op_id in ids:  # rank 0: every block; block 2 failed
+            hub.put(OpReport(op_id, 0, op_id != ids[2]))
+        for op_id in ids[:3]:  # rank 1: three blocks, the first twice
+            hub.put(OpReport(op_id, 1, True))
+        hub.put(OpReport(ids[0], 1, True))
+        leader._apply_reports()
+        stats = leader.stats()
+        assert stats["ops_inflight"] == 4 and stats["saves_committed"] == 0
+        assert leader.request_finished(request, [0, 1, 2, 3, 4]) is True  # saves in flight
+        hub.put(OpReport(ids[3], 1, True))
+        leader._apply_reports()
+        stats = leader.stats()
+        assert stats["ops_inflight"] == 0 and stats["saves_failed"] == 1
+        host = leader._tiers.host
+        committed = [host.get(k) is not None and host.get(k).resident
+                     for k in block_keys(tokens, 4)]
+        assert committed == [True, True, False, False]
+        assert len(host) == 2  # the failed block and its child forgotten
+        assert 1 not in leader._reqs  # its last run done: forgotten
+    finally:
+        leader.shutdown()

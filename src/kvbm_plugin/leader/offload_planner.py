@@ -119,7 +119,7 @@ class OffloadPlanner:
             limit = min(limit, state.offload_stop)
         tier_code = HOST if index.name == TIER_HOST else DISK
         write_through = index is host and shared.enabled
-        new_op, req_id, tier_name = self._ops.new, state.req_id, index.name
+        new_run, req_id, tier_name = self._ops.new_run, state.req_id, index.name
         grouped = bool(state.group_pages)
         # The scope of every block of a request without multimodal items is the same.
         inputs = state.name_inputs
@@ -184,14 +184,16 @@ class OffloadPlanner:
                                           tokens[i * bs:j * bs], bs, parent_key,
                                           block_scope(state, i, bs) if scope is None
                                           else scope)
-            for k, entry in enumerate(entries):
-                op_id = new_op("save", tier_name, entry.key, req_id, entry)
-                state.saves_inflight.add(op_id)
-                block = blocks[k]
-                saves.append(SaveOp(op_id, req_id, block, tier_code, entry.slot, entry.key,
-                                    pages.save_pages(state, i + k) if grouped else ()))
-                if write_through:  # to the shared tier, when there is one
-                    shared.follow(state, i + k, entry, op_id, block)
+            if entries:
+                first = new_run(tier_name, req_id, entries).first  # op ids first, first + 1 ...
+                state.saves_inflight.add(first)
+                for k, entry in enumerate(entries):
+                    block = blocks[k]
+                    saves.append(SaveOp(first + k, req_id, block, tier_code, entry.slot,
+                                        entry.key,
+                                        pages.save_pages(state, i + k) if grouped else ()))
+                    if write_through:  # to the shared tier, when there is one
+                        shared.follow(state, i + k, entry, first + k, block)
             stats["saves_scheduled"] += len(entries)
             state.offload_next += len(entries)
             if len(entries) < len(blocks):

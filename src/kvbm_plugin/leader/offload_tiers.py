@@ -15,13 +15,13 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector.meta import DemoteOp, TierLayout, pool_layout
 from kvbm_plugin.consolidator_config import CPU_CACHE_GB, DISK_CACHE_GB, ConfigError, TierSettings
-from kvbm_plugin.leader.requests import Op, OpTable
+from kvbm_plugin.leader.requests import OpTable
 from kvbm_plugin.naming.names import BlockNaming
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
@@ -33,6 +33,10 @@ from kvbm_plugin.tiers.base import (
 )
 from kvbm_plugin.wire.events import MEDIUM_CPU, MEDIUM_DISK
 from kvbm_plugin.wire.identity import scope_extra_keys
+
+# One block write as finish_writes takes it: (kind "save" | "demote", tier, the entry written,
+# every rank succeeded, {rank: disk signature} or None, its request terminated unannounced).
+Write = tuple[str, str, "TierEntry | None", bool, "dict[int, tuple[int, int]] | None", bool]
 
 logger = logging.getLogger("kvbm_plugin.connector_leader")
 MEDIUM = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_DISK}
@@ -352,10 +356,11 @@ class OffloadTiers:
             if source is not evicted:
                 self._stats["chain_demotes"] += 1
 
-    def finish_writes(self, ops: Sequence[Op]) -> None:
-        """Every rank reported each op of ``ops`` (saves and demotions, in op-id order: the
-        leader's batch of reports): commit its entry and announce it (or let it wait for its
-        name), or forget it and its descendants (:meth:`_not_committed`). The STOREs of the
+    def finish_writes(self, writes: Iterable[Write]) -> None:
+        """Every rank reported each block write of ``writes`` (saves and demotions, in op-id
+        order: the leader's batch of reports; each ``(kind, tier, entry, ok, signatures,
+        tainted)``): commit its entry and announce it (or let it wait for its name), or
+        forget it and its descendants (:meth:`_not_committed`). The STOREs of the
         blocks committed and named in a row are announced together (:meth:`announce_all`).
         What may register a REMOVE (a failed or orphaned write, an unnamed block past its
         bound) first announces what is committed before it, so the tier events keep their
@@ -363,21 +368,19 @@ class OffloadTiers:
         done: list[tuple[TierIndex, TierEntry, Any]] = []
         unnamed, stats = self._naming.unnamed, self._stats
         named_ready = unnamed.named_ready
-        for op in ops:
-            ok, signatures = op.outcome()
-            index = self.host if op.tier == TIER_HOST else self.disk
-            entry = op.entry
+        for kind, tier, entry, ok, signatures, tainted in writes:
+            index = self.host if tier == TIER_HOST else self.disk
             # Committed only while it is still the entry this op wrote (not forgotten meanwhile
             # with an ancestor, nor replaced by a later reservation of the same block in
             # another slot) and its parent is resident: ops finish in id order along a chain,
             # so a parent is resident already and the tier's STOREs are prefix-closed too.
-            row = None if not ok or op.tainted or index is None or entry is None \
+            row = None if not ok or tainted or index is None or entry is None \
                 else index.commit_row(entry, signatures)
             if row is None:
                 if done:
                     self.announce_all(done)
                     done = []
-                self._not_committed(op, ok, index, entry, index is not None
+                self._not_committed(kind, ok, tainted, index, entry, index is not None
                                     and entry is not None and index.holds(entry))
                 continue
             assert index is not None and entry is not None
@@ -392,17 +395,17 @@ class OffloadTiers:
                     done = []
                 for tier, oldest in unnamed.overflow():
                     self.drop(self.host if tier == TIER_HOST else self.disk, oldest)  # type: ignore[arg-type]
-            stats["saves_committed" if op.kind == "save" else "demotes_committed"] += 1
+            stats["saves_committed" if kind == "save" else "demotes_committed"] += 1
         if done:
             self.announce_all(done)
 
-    def _not_committed(self, op: Op, ok: bool, index: TierIndex | None,
+    def _not_committed(self, kind: str, ok: bool, tainted: bool, index: TierIndex | None,
                        entry: TierEntry | None, current: bool) -> None:
         """A write that is not committed: failed on some rank, tainted (its request was
         terminated before the copy read the device block), forgotten meanwhile, or written
         while its parent is not resident (unusable). Never advertised: no REMOVE for it; a
         current entry is forgotten with the descendants written after it."""
-        if op.tainted:
+        if tainted:
             ok = False
             self._stats["saves_discarded_terminated"] += 1
             if current:
@@ -412,7 +415,7 @@ class OffloadTiers:
                 ok = False  # written, but its parent is not resident: unusable
                 self._stats["orphan_commits_dropped"] += 1
             self.drop(index, entry)  # type: ignore[arg-type]
-        if op.kind == "save":
+        if kind == "save":
             self._stats["saves_committed" if ok else "saves_failed"] += 1
         else:
             self._stats["demotes_committed" if ok else "demotes_failed"] += 1

@@ -14,13 +14,13 @@ and owns nothing else. Never imports torch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector.meta import ERR_CORRUPT, CompletionHub
-from kvbm_plugin.leader.offload_tiers import OffloadTiers
-from kvbm_plugin.leader.requests import Op, OpTable, RequestState
+from kvbm_plugin.leader.offload_tiers import OffloadTiers, Write
+from kvbm_plugin.leader.requests import Op, OpTable, RequestState, SaveRun
 from kvbm_plugin.leader.shared_tier import TIER_SHARED, LeaderSharedTier
 from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
 
@@ -50,15 +50,37 @@ class OpCompletions:
         of saves and demotions are committed together (``OffloadTiers.finish_writes``),
         runs of loads unpinned together; the shared tier's agent is handed its commits
         once at the end."""
-        final: list[tuple[int, Op]] = []
+        final: list[tuple[int, Op | SaveRun]] = []
         tp_size = self._tp_size
+        every_rank = (1 << tp_size) - 1
         ops = self._ops
         in_order = True  # reports usually arrive in op-id order: then no sort
         last = 0
         for report in self._hub.drain():
             op_id = report.op_id
             op = ops.get(op_id)
-            if op is None or not 0 <= report.rank < tp_size:
+            rank = report.rank
+            if type(op) is SaveRun and 0 <= rank < tp_size:  # one block of a run of saves
+                k = op_id - op.first
+                seen = op.ranks[k]
+                if seen >> rank & 1:
+                    continue  # a rank's duplicate report counts once (as in Op.reports)
+                op.ranks[k] = seen = seen | 1 << rank
+                if not report.ok:
+                    op.ok[k] = False
+                if report.signature is not None:
+                    op.sign(k, rank, report.signature)
+                if seen == every_rank:
+                    op.left -= 1
+                    if not op.left:  # every rank reported every block: the run is done
+                        first = op.first
+                        for done in range(first, first + len(op.entries)):
+                            del ops[done]
+                        final.append((first, op))
+                        in_order = in_order and first > last
+                        last = first
+                continue
+            if op is None or not 0 <= rank < tp_size:
                 # A rank outside the group must not count towards "every rank reported" (the
                 # block would be advertised before its bytes are on every rank); an unknown op
                 # id is a late duplicate or a report meant for another leader.
@@ -75,6 +97,8 @@ class OpCompletions:
                 final.append((op_id, op))
                 in_order = in_order and op_id > last
                 last = op_id
+        if not final:
+            return  # (most calls: nothing to commit, nothing for the shared tier's agent)
         if not in_order:  # op ids grow along each chain: parents are registered first
             final.sort(key=lambda item: item[0])
         i, n = 0, len(final)
@@ -90,11 +114,11 @@ class OpCompletions:
             i = j
         self._shared.wake_agent()  # once for the shared-tier blocks these reports committed
 
-    def _finish_writes(self, run: list[tuple[int, Op]]) -> None:
+    def _finish_writes(self, run: list[tuple[int, Op | SaveRun]]) -> None:
         """A run of saves and demotions, committed and their STOREs registered together;
         then the run's writes through to the shared tier (each names its host copy's block,
         committed by then)."""
-        self._tiers.finish_writes([op for _, op in run if op.kind != "shared_save"])
+        self._tiers.finish_writes(_writes(run))
         for op_id, op in run:
             if op.kind == "shared_save":
                 self._shared.save_done(op_id, op, op.outcome()[0])
@@ -162,3 +186,19 @@ class OpCompletions:
             state.offload_stop = index if stop is None else min(index, stop)
         elif state.load_failed_at is None or index < state.load_failed_at:
             state.load_failed_at = index
+
+
+def _writes(run: list[tuple[int, Op | SaveRun]]) -> Iterator[Write]:
+    """Each block write of ``run`` (saves and demotions, op-id order; a SaveRun's blocks in
+    chain order) as ``OffloadTiers.finish_writes`` takes it; the writes-through are not
+    among them."""
+    for _, op in run:
+        if type(op) is SaveRun:
+            tier, tainted, ok = op.tier, op.tainted, op.ok
+            signatures = op.signatures
+            for k, entry in enumerate(op.entries):
+                yield ("save", tier, entry, ok[k],
+                       None if signatures is None else signatures[k], tainted)
+        elif op.kind != "shared_save":
+            ok, by_rank = op.outcome()
+            yield op.kind, op.tier, op.entry, ok, by_rank, op.tainted

@@ -1,5 +1,6 @@
 """The leader's bookkeeping records: one :class:`RequestState` per request TensorRT-LLM
-scheduled, one :class:`Op` per tier transfer in flight (in the :class:`OpTable`).
+scheduled, one :class:`Op` per tier transfer in flight and one :class:`SaveRun` per run of a
+request's saves (in the :class:`OpTable`).
 
 Owned by ``KvbmConnectorLeader`` on rank 0 (each attention-DP rank's leader has its own); read
 and written under the leader's lock only (the executor thread's hooks and the leader's idle
@@ -63,7 +64,7 @@ class RequestState:
     plan: list[tuple[int, str, TierEntry]] = field(default_factory=list)  # (block idx, tier, e)
     load: LoadOp | None = None
     reported: bool = False  # seen in a SchedulerOutput
-    saves_inflight: set[int] = field(default_factory=set)
+    saves_inflight: set[int] = field(default_factory=set)  # its SaveRuns' first op ids
     loads_inflight: set[int] = field(default_factory=set)
     finished: bool = False
     # The request object's life: a weak reference where the object allows one (see
@@ -99,7 +100,44 @@ class Op:
                 or None)
 
 
-class OpTable(dict[int, Op]):
+class SaveRun:
+    """The saves of one request's run of blocks into one tier, made by one planner call: op
+    ids ``first .. first + len(entries) - 1``, one per block as the metadata's ``SaveOp`` s
+    carry them, every id mapped to this one record (the leader pays per block a table slot
+    and the fold of its reports, not an :class:`Op`). Folded by ``OpCompletions.apply``: the
+    run is done once every rank reported every block; block ``k`` is committed where every
+    rank succeeded at it (the intersection rule of connector/meta.py, per block)."""
+
+    __slots__ = ("tier", "req_id", "first", "entries", "ranks", "ok", "signatures", "left",
+                 "tainted")
+    kind = "save"
+
+    def __init__(self, tier: str, req_id: int, first: int, entries: list[TierEntry]) -> None:
+        n = len(entries)
+        self.tier = tier
+        self.req_id = req_id
+        self.first = first
+        self.entries = entries
+        self.ranks = [0] * n  # per block: the ranks that reported it, one bit each
+        self.ok = [True] * n  # per block: no rank failed it
+        # Per block, the disk signatures reports carry ({rank: signature}); None: none yet.
+        self.signatures: list[dict[int, tuple[int, int]] | None] | None = None
+        self.left = n  # blocks some rank has not reported yet
+        # Its request was terminated without telling (see Op.tainted): none committed.
+        self.tainted = False
+
+    def sign(self, k: int, rank: int, signature: tuple[int, int]) -> None:
+        """Rank ``rank``'s disk signature of block ``k`` (a report's)."""
+        signatures = self.signatures
+        if signatures is None:
+            signatures = self.signatures = [None] * len(self.entries)
+        by_rank = signatures[k]
+        if by_rank is None:
+            by_rank = signatures[k] = {}
+        by_rank[rank] = signature
+
+
+class OpTable(dict[int, "Op | SaveRun"]):
     """The leader's transfers in flight, by op id. Ids grow by one per op, so along a chain a
     parent's op id is below its children's (reports are finalized in id order). Owned by the
     leader and lent to its tier collaborators, which add their own ops (demotions,
@@ -116,3 +154,13 @@ class OpTable(dict[int, Op]):
         self._next += 1
         self[op_id] = Op(kind, tier, key, req_id, entry)
         return op_id
+
+    def new_run(self, tier: str, req_id: int, entries: list[TierEntry]) -> SaveRun:
+        """Record the saves of ``entries`` (a chain, in order) as one :class:`SaveRun`, with
+        consecutive op ids from its ``first``."""
+        first = self._next
+        run = SaveRun(tier, req_id, first, entries)
+        self._next = last = first + len(entries)
+        for op_id in range(first, last):
+            self[op_id] = run
+        return run
