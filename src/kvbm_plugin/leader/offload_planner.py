@@ -188,12 +188,11 @@ class OffloadPlanner:
                 first = new_run(tier_name, req_id, entries).first  # op ids first, first + 1 ...
                 state.saves_inflight.add(first)
                 for k, entry in enumerate(entries):
-                    block = blocks[k]
-                    saves.append(SaveOp(first + k, req_id, block, tier_code, entry.slot,
+                    saves.append(SaveOp(first + k, req_id, blocks[k], tier_code, entry.slot,
                                         entry.key,
                                         pages.save_pages(state, i + k) if grouped else ()))
-                    if write_through:  # to the shared tier, when there is one
-                        shared.follow(state, i + k, entry, first + k, block)
+                if write_through:  # to the shared tier, when there is one
+                    shared.follow_run(state, i, entries, first, blocks)
             stats["saves_scheduled"] += len(entries)
             state.offload_next += len(entries)
             if len(entries) < len(blocks):

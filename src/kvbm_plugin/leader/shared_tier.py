@@ -280,23 +280,46 @@ class LeaderSharedTier:
         shared tier in the same metadata, unless the shared tier has it or is writing it
         already. So a block whose write-through failed (the store was down) is written again
         the next time a request uses its host copy. Executor thread."""
+        digests = self._ready(state, index, 1)
+        if digests is not None and index < len(digests):
+            self._follow(state, digests, index, entry, host_op, device_block)
+
+    def follow_run(self, state: Any, start: int, entries: Sequence[Any], first_op: int,
+                   blocks: Sequence[int]) -> None:
+        """:meth:`follow` of each host save of a run the planner scheduled together: block
+        ``start + k`` into ``entries[k]`` by op ``first_op + k`` from device block
+        ``blocks[k]``, the agent's availability and the request's digests looked at once.
+        Executor thread."""
+        digests = self._ready(state, start + len(entries) - 1, len(entries))
+        if digests is None:
+            return
+        follow = self._follow
+        for k, entry in enumerate(entries[:len(digests) - start]):
+            follow(state, digests, start + k, entry, first_op + k, blocks[k])
+
+    def _ready(self, state: Any, last: int, n: int) -> list[bytes] | None:
+        """The request's digests, extended to block ``last`` where its tokens reach it, or
+        None (counted for ``n`` blocks where the store is unavailable) when nothing is
+        written through."""
         agent = self.agent
         if agent is None:
-            return
+            return None
         if not agent.available:
-            self._stats["shared_saves_skipped_unavailable"] += 1
-            return
+            self._stats["shared_saves_skipped_unavailable"] += n
+            return None
         digests = state.digests
-        if len(digests) <= index:
+        if len(digests) <= last:
             # Every full block's digest at once: one pass over the tokens per request and
             # iteration, not one slice of the prompt per block.
             digests = self._digests(state, state.tokens,
-                                    max(index + 1, len(state.tokens) // self._block_size))
-            if len(digests) <= index:
-                return
+                                    max(last + 1, len(state.tokens) // self._block_size))
+        return digests
+
+    def _follow(self, state: Any, digests: list[bytes], index: int, entry: Any, host_op: int,
+                device_block: int) -> None:
         digest = digests[index]
-        assert self.directory is not None
         key = entry.key
+        assert self.directory is not None
         if key in self._by_key or digest in self._in_hand or self.directory.is_tracked(digest):
             return
         op_id = self._ops.new("shared_save", TIER_SHARED, key, None, None)
