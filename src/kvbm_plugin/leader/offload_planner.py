@@ -164,16 +164,25 @@ class OffloadPlanner:
             # The run from ``i``: every block up to the limit or a block with no live page.
             # None of them is in the tier: block ``i`` is not, and a block there has its
             # parent there. A multimodal request's blocks each have their own scope: one each.
-            blocks = [int(block)]
-            hashes = [self.event_hash(state, i)]
-            j = i + 1
-            while j < limit and scope is not None:
-                block = pages.save_block(state, j)
-                if block < 0:
-                    break
-                blocks.append(int(block))
-                hashes.append(self.event_hash(state, j))
-                j += 1
+            if scope is not None and not grouped:
+                # One layer group: every block up to the limit has its device block; the
+                # names are RequestData's where it gave them (event_hash's first rule).
+                j = limit
+                blocks = [int(b) for b in state.block_ids[i:j]]
+                event_hashes = state.event_hashes
+                hashes = [int(h) for h in event_hashes[i:j]] if len(event_hashes) >= j \
+                    else [self.event_hash(state, k) for k in range(i, j)]
+            else:
+                blocks = [int(block)]
+                hashes = [self.event_hash(state, i)]
+                j = i + 1
+                while j < limit and scope is not None:
+                    block = pages.save_block(state, j)
+                    if block < 0:
+                        break
+                    blocks.append(int(block))
+                    hashes.append(self.event_hash(state, j))
+                    j += 1
             if not i:
                 parent = None
             elif named == i - 1:  # (event_hash has no effect that would change it since)
@@ -187,9 +196,9 @@ class OffloadPlanner:
             if entries:
                 first = new_run(tier_name, req_id, entries).first  # op ids first, first + 1 ...
                 state.saves_inflight.add(first)
-                for k, entry in enumerate(entries):
+                for k, entry in enumerate(entries):  # (entry k holds keys[i + k])
                     saves.append(SaveOp(first + k, req_id, blocks[k], tier_code, entry.slot,
-                                        entry.key,
+                                        keys[i + k],
                                         pages.save_pages(state, i + k) if grouped else ()))
                 if write_through:  # to the shared tier, when there is one
                     shared.follow_run(state, i, entries, first, blocks)
