@@ -92,6 +92,8 @@ class OpCompletions:
                 continue
             reports = op.reports
             reports[report.rank] = report
+            if not report.ok:
+                op.failed = True
             if len(reports) >= tp_size:
                 del ops[op_id]
                 final.append((op_id, op))
@@ -121,7 +123,7 @@ class OpCompletions:
         self._tiers.finish_writes(_writes(run))
         for op_id, op in run:
             if op.kind == "shared_save":
-                self._shared.save_done(op_id, op, op.outcome()[0])
+                self._shared.save_done(op_id, op, not op.failed)
             self._release(op_id, op)
 
     def _finish_loads(self, run: list[tuple[int, Op]]) -> None:
@@ -129,14 +131,25 @@ class OpCompletions:
         still there is unpinned here, in one pass; any other (failed, from the shared tier,
         its block gone) goes through :meth:`_finish_load`."""
         host, disk = self._tiers.host, self._tiers.disk
+        reqs = self._reqs
+        req_id, state = None, None
         for op_id, op in run:
-            ok = op.outcome()[0]
+            ok = not op.failed
             index = host if op.tier == TIER_HOST else disk if op.tier == TIER_DISK else None
             entry = op.entry
             if not ok or index is None or entry is None or not index.unpin_live(entry):
                 self._finish_load(op_id, op, ok)
+                req_id = None  # (may have forgotten its request)
                 continue
-            self._release(op_id, op)
+            # _release inline; a request's loads come in a row.
+            if op.req_id != req_id:
+                req_id = op.req_id
+                state = reqs.get(req_id)
+            if state is not None:
+                state.loads_inflight.discard(op_id)
+                if state.finished and not state.loads_inflight and not state.saves_inflight:
+                    self._forget(state)
+                    req_id = None
 
     def _finish_load(self, op_id: int, op: Op, ok: bool) -> None:
         """Unpin; a failed load is recorded on its request, and a corrupt source block is

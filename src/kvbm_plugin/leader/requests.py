@@ -86,6 +86,7 @@ class Op:
     # A save of a request TRT-LLM terminated without telling (its blocks may be reused before
     # the copy read them): never committed.
     tainted: bool = False
+    failed: bool = False  # some rank reported it failed (OpCompletions.apply)
 
     def outcome(self) -> tuple[bool, dict[int, tuple[int, int]] | None]:
         """Once every rank reported: (every rank succeeded, each rank's disk signature where
