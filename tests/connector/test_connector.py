@@ -631,3 +631,21 @@ def test_a_run_of_saves_is_done_when_every_rank_reported_every_block() -> None:
         assert 1 not in leader._reqs  # its last run done: forgotten
     finally:
         leader.shutdown()
+
+
+def test_a_run_stops_at_a_block_with_no_device_block() -> None:
+    """One layer group: a block TensorRT-LLM gave no device block (-1) ends the run of saves
+    before it (no copy from block -1), and the blocks after it are not offloaded (their
+    parent has no copy anywhere)."""
+    from kvbm_plugin.testing.fake_trtllm import RequestData, SchedulerOutput
+
+    leader = _leader(tiers(host=16), "run-no-device-block")
+    try:
+        tokens = prompt(61, 17)  # 4 full blocks of 4 and one token
+        assert leader.get_num_new_matched_tokens(LlmRequest(1, tokens), 0) == (0, False)
+        meta = leader.build_connector_meta(SchedulerOutput(new_requests=[
+            RequestData(1, tokens, [5, 6, -1, 8, 9], 0, 17)]))
+        assert [s.device_block for s in meta.saves] == [5, 6]
+        assert leader.stats()["orphan_saves_skipped"] == 1
+    finally:
+        leader.shutdown()

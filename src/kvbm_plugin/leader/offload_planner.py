@@ -165,10 +165,14 @@ class OffloadPlanner:
             # None of them is in the tier: block ``i`` is not, and a block there has its
             # parent there. A multimodal request's blocks each have their own scope: one each.
             if scope is not None and not grouped:
-                # One layer group: every block up to the limit has its device block; the
-                # names are RequestData's where it gave them (event_hash's first rule).
+                # One layer group: the run is every block up to the limit or the first with
+                # no device block; the names are RequestData's where it gave them
+                # (event_hash's first rule).
                 j = limit
                 blocks = [int(b) for b in state.block_ids[i:j]]
+                if min(blocks) < 0:  # no device block from there on (as save_block says)
+                    j = i + next(k for k, b in enumerate(blocks) if b < 0)
+                    del blocks[j - i:]
                 event_hashes = state.event_hashes
                 hashes = [int(h) for h in event_hashes[i:j]] if len(event_hashes) >= j \
                     else [self.event_hash(state, k) for k in range(i, j)]
