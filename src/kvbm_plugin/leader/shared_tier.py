@@ -294,7 +294,7 @@ class LeaderSharedTier:
         if digests is None:
             return
         follow = self._follow
-        for k, entry in enumerate(entries[:len(digests) - start]):
+        for k, entry in enumerate(entries[:max(0, len(digests) - start)]):
             follow(state, digests, start + k, entry, first_op + k, blocks[k])
 
     def _ready(self, state: Any, last: int, n: int) -> list[bytes] | None:
