@@ -545,3 +545,46 @@ def test_a_reader_that_closed_stdout_ends_the_command_quietly(command: list[str]
         os.close(write_end)
     assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
     assert proc.returncode == 141
+
+
+def test_the_long_running_commands_signal_handler_takes_no_lock() -> None:
+    """Python runs a signal handler on the main thread between two bytecodes, which may be
+    inside a lock the main thread holds (an ``Event.wait``'s own lock): a handler that takes
+    a lock can deadlock the command. It did: ``consolidate`` never ended after a SIGTERM in
+    about 1 of 25 tries beside a busy process, its handler's ``Event.set()`` waiting for the
+    lock its own ``Event.wait`` held. The handler records the signal and takes no lock."""
+    from kvbm_plugin.cli.main import SignalStop
+
+    stop = SignalStop()
+    taken: list[str] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        name = getattr(arg, "__name__", "")
+        if event == "c_call" and name in ("acquire", "__enter__", "acquire_lock"):
+            taken.append(repr(arg))
+
+    sys.setprofile(profile)
+    try:
+        stop._on_signal(signal.SIGTERM, None)
+    finally:
+        sys.setprofile(None)
+    assert taken == [] and stop.is_set() and stop.status == 143
+
+
+def test_a_signal_ends_the_commands_wait_at_once() -> None:
+    """The C-level handler's byte on the wake-up fd ends ``SignalStop.wait`` at once (no
+    polling); without a signal it sleeps out its timeout; ``restore`` puts everything back."""
+    from kvbm_plugin.cli.main import SignalStop
+
+    before = signal.getsignal(signal.SIGINT)
+    stop = SignalStop().install()
+    try:
+        assert stop.wait(0.01) is False and stop.status == 0
+        signal.raise_signal(signal.SIGINT)
+        started = time.monotonic()
+        assert stop.wait(30) is True
+        assert time.monotonic() - started < 5 and stop.status == 130
+    finally:
+        stop.restore()
+    assert signal.getsignal(signal.SIGINT) is before
+    assert signal.set_wakeup_fd(-1) == -1  # none left installed

@@ -111,7 +111,7 @@ def main_consolidate(argv: list[str] | None = None) -> int:
     logger.info("KV event consolidator started (%s): %s -> %s", config.mode, inputs,
                 config.output.bind)
     try:
-        while not stop.event.wait(1.0):
+        while not stop.wait():
             pass
     finally:
         consolidator.shutdown()

@@ -7,12 +7,14 @@ Start-up imports only the standard library; each command imports what it needs w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
+import select
 import signal
 import sys
-import threading
+import time
 import warnings
 from collections.abc import Sequence
 from typing import NoReturn
@@ -79,21 +81,33 @@ def signal_status(signum: int) -> int:
 
 
 class SignalStop:
-    """SIGINT and SIGTERM set :attr:`event` (a long-running command's loop ends and cleans up)
-    and remember which came, for :attr:`status`. Installed by the command on the main thread
-    with :meth:`install`; :meth:`restore` puts the previous handlers back."""
+    """SIGINT and SIGTERM end a long-running command's loop (which then cleans up) and are
+    remembered for :attr:`status`. Installed by the command on the main thread with
+    :meth:`install`; :meth:`restore` puts the previous handlers back.
+
+    The loop asks :meth:`is_set` or sleeps in :meth:`wait`. The handler takes no lock: Python
+    runs it on the main thread between two bytecodes, which may be inside a lock the main
+    thread holds, so a lock there can deadlock. (It did: the handler's ``Event.set()`` waited
+    for the Event's own lock, which the main thread held inside ``Event.wait``, and the command
+    never ended.) It only records the signal; the C-level handler also writes a byte to a pipe
+    (``signal.set_wakeup_fd``), which ends :meth:`wait`'s ``select`` at once."""
 
     def __init__(self) -> None:
-        self.event = threading.Event()
         self.signum: int | None = None
+        self._stopped = False  # set(): the loop ends without a signal
         self._previous: dict[int, object] = {}
+        self._wake_r = self._wake_w = -1
+        self._previous_fd = -1
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.signum is None:
             self.signum = signum
-        self.event.set()
 
     def install(self) -> SignalStop:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._previous_fd = signal.set_wakeup_fd(self._wake_w)
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._previous[sig] = signal.signal(sig, self._on_signal)
         return self
@@ -102,6 +116,33 @@ class SignalStop:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous = {}
+        if self._wake_w >= 0:
+            signal.set_wakeup_fd(self._previous_fd)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+            self._wake_r = self._wake_w = -1
+
+    def set(self) -> None:
+        """End the loop without a signal (the command's own end: a count reached)."""
+        self._stopped = True
+
+    def is_set(self) -> bool:
+        """Whether the loop is to end: a signal came, or :meth:`set`."""
+        return self._stopped or self.signum is not None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Sleep until a signal comes or ``timeout`` s passed (main thread); returns
+        :meth:`is_set`."""
+        if not self.is_set():
+            if self._wake_r < 0:  # not installed: nothing can end the sleep early
+                if timeout is not None:
+                    time.sleep(timeout)
+                return self.is_set()
+            select.select([self._wake_r], [], [], timeout)
+            with contextlib.suppress(OSError):  # BlockingIOError: drained
+                while os.read(self._wake_r, 512):
+                    pass
+        return self.is_set()
 
     @property
     def status(self) -> int:

@@ -15,13 +15,12 @@ import http.client
 import json
 import logging
 import sys
-import threading
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 
@@ -217,8 +216,17 @@ def _permanent(exc: Exception) -> str | None:
     return None
 
 
+class Stop(Protocol):
+    """What ends :func:`run_sidecar`'s loop: a ``threading.Event`` (another thread sets it),
+    or the CLI's ``SignalStop`` (a signal; main thread)."""
+
+    def is_set(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> bool: ...
+
+
 def run_sidecar(url: str, config: ConsolidatorConfig, *, block_size: int,
-                interval: float = 0.1, stop_event: threading.Event,
+                interval: float = 0.1, stop_event: Stop,
                 publisher_factory: PublisherFactory | None = None,
                 http_timeout: float = 5.0) -> dict[str, int]:
     """Poll ``url`` every ``interval`` s until ``stop_event`` is set; returns the final stats.
@@ -321,7 +329,7 @@ def main_sidecar(argv: Sequence[str] | None = None) -> int:
     stop = SignalStop().install()
     try:
         stats = run_sidecar(args.url, config, block_size=args.block_size,
-                            interval=args.interval, stop_event=stop.event)
+                            interval=args.interval, stop_event=stop)
     except SidecarGaveUp as exc:
         print(f"kvbm-plugin sidecar: {exc}", file=sys.stderr)
         return EXIT_FAILED

@@ -130,7 +130,7 @@ def main_subscribe(argv: Sequence[str] | None = None) -> int:
     notes = _Notes(args, endpoint, subscriber)
     deadline = time.monotonic() + args.duration if args.duration > 0 else None
     try:
-        while not stop.event.is_set():
+        while not stop.is_set():
             if deadline is not None and time.monotonic() >= deadline:
                 break
             for batch in subscriber.poll(100):
@@ -140,7 +140,7 @@ def main_subscribe(argv: Sequence[str] | None = None) -> int:
                     for line in describe(batch):
                         print(line, flush=True)
                 if args.count and subscriber.stats.batches >= args.count:
-                    stop.event.set()
+                    stop.set()
             notes.update()
     finally:
         subscriber.close()
@@ -195,7 +195,7 @@ def _run_tree(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             print(f"  {line}", flush=True)
 
     try:
-        while not stop.event.is_set():
+        while not stop.is_set():
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 break
