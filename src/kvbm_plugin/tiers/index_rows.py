@@ -127,22 +127,27 @@ class TierRows(SlotRows):
             view._snap = self._snapshot(slot)
         return view
 
+    def _hashes(self, slot: int, flags: int) -> tuple[int, int | None]:
+        """(event hash, parent event hash) of ``slot`` (whose flags are ``flags``), signed as
+        written: the row's two hash columns read together (a snapshot, a STORE's fields)."""
+        eh = self._eh[slot]
+        if flags & _EH_NEG:
+            eh -= 1 << 64
+        if flags & _PEH_NONE:
+            return eh, None
+        peh = self._peh[slot]
+        return eh, peh - (1 << 64) if flags & _PEH_NEG else peh
+
     def _snapshot(self, slot: int) -> list[Any]:
         flags = self._flags[slot]
         parent = self._parent[slot]
-        eh = self._eh[slot]
-        if flags & _PEH_NONE:
-            peh = None
-        else:
-            peh = self._peh[slot]
-            if flags & _PEH_NEG:
-                peh -= 1 << 64
+        eh, peh = self._hashes(slot, flags)
         if flags & _ODD_TOKENS:
             tokens: Any = self._odd_tokens[slot]
         else:
             width = max(self._width, 0)
             tokens = self._tok[slot * width:(slot + 1) * width]  # a tuple when read
-        return [self._key[slot], eh - (1 << 64) if flags & _EH_NEG else eh, peh, tokens,
+        return [self._key[slot], eh, peh, tokens,
                 None if parent < 0 else self._key[parent], bool(flags & _RESIDENT),
                 self._pins[slot], self._tick[slot],
                 self._signatures(slot) if self._sig else {}, self._scopes[self._scope[slot]]]
