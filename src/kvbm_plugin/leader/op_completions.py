@@ -213,5 +213,4 @@ def _writes(run: list[tuple[int, Op | SaveRun]]) -> Iterator[Write]:
                 yield ("save", tier, entry, ok[k],
                        None if signatures is None else signatures[k], tainted)
         elif op.kind != "shared_save":
-            ok, by_rank = op.outcome()
-            yield op.kind, op.tier, op.entry, ok, by_rank, op.tainted
+            yield op.kind, op.tier, op.entry, not op.failed, op.signatures(), op.tainted

@@ -88,17 +88,11 @@ class Op:
     tainted: bool = False
     failed: bool = False  # some rank reported it failed (OpCompletions.apply)
 
-    def outcome(self) -> tuple[bool, dict[int, tuple[int, int]] | None]:
-        """Once every rank reported: (every rank succeeded, each rank's disk signature where
-        its report carries one, else None)."""
-        reports = self.reports
-        if len(reports) == 1:
-            report = next(iter(reports.values()))
-            sig = report.signature
-            return report.ok, None if sig is None else {report.rank: sig}
-        return (all(r.ok for r in reports.values()),
-                {r.rank: r.signature for r in reports.values() if r.signature is not None}
-                or None)
+    def signatures(self) -> dict[int, tuple[int, int]] | None:
+        """Once every rank reported: each rank's disk signature where its report carries one,
+        else None (whether every rank succeeded is ``not failed``)."""
+        return {r.rank: r.signature for r in self.reports.values()
+                if r.signature is not None} or None
 
 
 class SaveRun:
