@@ -131,25 +131,14 @@ class OpCompletions:
         still there is unpinned here, in one pass; any other (failed, from the shared tier,
         its block gone) goes through :meth:`_finish_load`."""
         host, disk = self._tiers.host, self._tiers.disk
-        reqs = self._reqs
-        req_id, state = None, None
         for op_id, op in run:
             ok = not op.failed
             index = host if op.tier == TIER_HOST else disk if op.tier == TIER_DISK else None
             entry = op.entry
             if not ok or index is None or entry is None or not index.unpin_live(entry):
                 self._finish_load(op_id, op, ok)
-                req_id = None  # (may have forgotten its request)
                 continue
-            # _release inline; a request's loads come in a row.
-            if op.req_id != req_id:
-                req_id = op.req_id
-                state = reqs.get(req_id)
-            if state is not None:
-                state.loads_inflight.discard(op_id)
-                if state.finished and not state.loads_inflight and not state.saves_inflight:
-                    self._forget(state)
-                    req_id = None
+            self._release(op_id, op)
 
     def _finish_load(self, op_id: int, op: Op, ok: bool) -> None:
         """Unpin; a failed load is recorded on its request, and a corrupt source block is
