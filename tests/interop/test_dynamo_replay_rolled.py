@@ -23,7 +23,12 @@ def _replay_stats(pub: ZmqEventPublisher) -> dict[str, int]:
 
 
 def _log_tail(indexer: Indexer, lines: int = 30) -> list[str]:
-    return indexer.log_text().splitlines()[-lines:]
+    """The indexer's last lines, and every line of its log about the replay or a gap, an
+    error or a warning (a failure's evidence: the tail alone can miss the request)."""
+    text = indexer.log_text().splitlines()
+    marked = [line for line in text
+              if any(t in line for t in ("eplay", "Gap", "ERROR", "WARN"))]
+    return marked + ["--- tail:"] + text[-lines:]
 
 
 def _store(i: int) -> dict:

@@ -14,6 +14,8 @@ import torch
 
 from kvbm_plugin._util.plugins import TIERS_GROUP, get_plugin
 from kvbm_plugin.consolidator_config import ConfigError
+from kvbm_plugin.tiers._entry import TierEntry
+from kvbm_plugin.tiers._rows import LeafOrder
 from kvbm_plugin.tiers.base import TierSpec
 from kvbm_plugin.tiers.content_keys import block_keys, chain_key
 from kvbm_plugin.tiers.disk import DiskTier
@@ -76,6 +78,38 @@ def _evictions(index: TierIndex) -> list[int]:
     return out
 
 
+def test_leaf_order_pop_first_takes_the_oldest_as_remove_would() -> None:
+    """The eviction order's ``pop_first`` (each eviction's victim) against a sorted model,
+    with adds at the end and at their own age, removes, and runs split and emptied."""
+    rng = random.Random(7)
+    class SmallRuns(LeafOrder):
+        __slots__ = ()
+        LOAD = 4  # runs of at most 8: splits and emptied runs occur
+
+    order = SmallRuns()
+    model: dict[int, int] = {}  # tick -> slot
+    clock = 0
+    for _ in range(3000):
+        op = rng.random()
+        if op < 0.45 or not model:
+            clock += rng.choice((1, 1, 1, 5))
+            tick = clock if rng.random() < 0.7 else clock - rng.randrange(clock)
+            if tick in model or tick == 0:
+                continue
+            model[tick] = slot = rng.randrange(1 << 20)
+            order.add(tick, slot)
+        elif op < 0.75:
+            oldest = min(model)
+            assert order.first() == model[oldest]
+            assert order.pop_first() == model.pop(oldest)
+        else:
+            tick = rng.choice(list(model))
+            del model[tick]
+            order.remove(tick)
+        assert len(order) == len(model)
+        assert order.first() == (model[min(model)] if model else -1)
+
+
 def test_take_resident_is_lookup_and_pin_of_each_up_to_the_first_miss() -> None:
     fast, slow, _ = _twin_indexes()
     for start, stop in ((4, 8), (16, 24), (0, 3)):  # 21 is resident, 24 pending: stops there
@@ -127,8 +161,19 @@ def test_reserve_chain_is_reserve_of_each_block_in_order(big_token: bool) -> Non
         tokens[3] = 1 << 40  # past int32: that block's tokens live outside the column
     scope = (3, 9)
     seen: list[tuple[int, int]] = []
-    entries = fast.reserve_chain(chain, hashes, 42, tokens, width, 1,
-                                 lambda index, e: seen.append((e.key, len(index))), scope)
+    held: list[tuple[TierEntry, tuple]] = []
+
+    def on_evict(index: TierIndex, slot: int) -> None:
+        # The victim's row is still in its slot: read, or viewed (a demotion holds the view,
+        # which keeps the victim's values once the slot is reused).
+        key, event_hash = index.evicting(slot)
+        seen.append((key, len(index)))
+        view = index.at(slot)
+        assert (view.key, view.event_hash) == (key, event_hash)
+        if len(held) < 2:
+            held.append((view, (key, event_hash, view.parent_key, view.token_ids)))
+
+    entries = fast.reserve_chain(chain, hashes, 42, tokens, width, 1, on_evict, scope)
     expected: list[tuple[int, int]] = []
     parent_key, parent_hash = 1, 42
     for k, key in enumerate(chain):
@@ -144,6 +189,10 @@ def test_reserve_chain_is_reserve_of_each_block_in_order(big_token: bool) -> Non
     # The tier (64 slots, 24 used, 19 of them evictable) fills: both stop at one block.
     assert 40 < len(entries) < len(chain) and len(entries) == k
     assert seen == expected and len(seen) > 0
+    assert len(held) == 2 and all(not fast.holds(v) for v, _ in held)
+    assert [(v.key, v.event_hash, v.parent_key, v.token_ids) for v, _ in held] == \
+        [fields for _, fields in held]
+    assert all(v.key not in fast for v, _ in held)
     assert all(fast.holds(e) for e in entries)
     assert [e.parent_key for e in entries] == [1, *chain[:len(entries) - 1]]
     assert _entry_fields(fast) == _entry_fields(slow)

@@ -299,15 +299,18 @@ class OffloadTiers:
         return index.reserve_chain(keys, event_hashes, parent, tokens, width, parent_key,
                                    self._evicted_from, scope)
 
-    def _evicted_from(self, index: TierIndex, evicted: TierEntry) -> None:
-        """``evicted`` left ``index`` to make room (called by the index at once)."""
-        self._stats["host_evictions" if index.name == TIER_HOST else "disk_evictions"] += 1
+    def _evicted_from(self, index: TierIndex, slot: int) -> None:
+        """The block in ``slot`` leaves ``index`` to make room (called by the index at once,
+        its row still there)."""
+        name = index.name
+        self._stats["host_evictions" if name == TIER_HOST else "disk_evictions"] += 1
+        key, event_hash = index.evicting(slot)
         # REMOVE before the metadata that reuses the slot leaves the planner's caller
         # (flush_evicted; none for a block that was never advertised).
-        if not self._naming.unnamed.forget(index.name, evicted.key):
-            self._evicted.append((MEDIUM[index.name], evicted.event_hash))
-        if index.name == TIER_HOST and self.disk is not None and evicted.key not in self.disk:
-            self.demote(evicted)
+        if not self._naming.unnamed.forget(name, key):
+            self._evicted.append((MEDIUM[name], event_hash))
+        if name == TIER_HOST and self.disk is not None and key not in self.disk:
+            self.demote(index.at(slot))
 
     def flush_evicted(self) -> None:
         """Register the REMOVEs of the blocks :meth:`reserve` evicted since the last call, in

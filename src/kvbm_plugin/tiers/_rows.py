@@ -166,6 +166,18 @@ class LeafOrder:
         lasts.insert(i + 1, lasts[i])
         lasts[i] = ticks[-1]
 
+    def pop_first(self) -> int:
+        """Remove the slot with the smallest tick (present: the order is not empty) and
+        return it: an eviction's victim, with no bisection."""
+        ticks, slots = self._ticks[0], self._slots[0]
+        slot = slots[0]
+        del ticks[0]
+        del slots[0]
+        self._len -= 1
+        if not ticks:
+            del self._ticks[0], self._slots[0], self._lasts[0]
+        return slot
+
     def remove(self, tick: int) -> None:
         """Remove the item with ``tick`` (present)."""
         lasts = self._lasts

@@ -256,6 +256,17 @@ class TierIndex(TierRows):
         return (key_of[slot], None if parent < 0 else key_of[parent], *self._hashes(slot, flags),
                 tokens, self._scopes[self._scope[slot]])
 
+    def evicting(self, slot: int) -> tuple[int, int]:
+        """(content key, event hash) of the block in ``slot``: what ``on_evict`` of
+        :meth:`reserve_chain` reads of the block it is told leaves (executor thread)."""
+        eh = self._eh[slot]
+        return self._key[slot], eh - (1 << 64) if self._flags[slot] & _EH_NEG else eh
+
+    def at(self, slot: int) -> TierEntry:
+        """The live view of the block in ``slot`` (``on_evict`` of :meth:`reserve_chain`, to
+        demote it: detached with its values when it leaves)."""
+        return self._view(slot)
+
     def children_of(self, key: int) -> set[int]:
         """Keys of this tier's entries whose parent is ``key`` (a copy)."""
         slot = self._find(key)
@@ -292,7 +303,7 @@ class TierIndex(TierRows):
         evicted: list[TierEntry] = []
         entries = self.reserve_chain((key,), (event_hash,), parent_event_hash, token_ids,
                                      len(token_ids), parent_key,
-                                     lambda _index, entry: evicted.append(entry))
+                                     lambda _index, slot: evicted.append(self.at(slot)))
         if not entries:
             raise TierFullError(f"{self.name} tier: all {self.capacity} slots are pending, "
                                 "pinned or parents of other blocks")
@@ -301,15 +312,16 @@ class TierIndex(TierRows):
     def reserve_chain(self, keys: Sequence[int], event_hashes: Sequence[int],
                       parent_event_hash: int | None, tokens: Sequence[int], width: int,
                       parent_key: int | None,
-                      on_evict: Callable[[TierIndex, TierEntry], Any],
+                      on_evict: Callable[[TierIndex, int], Any],
                       scope: tuple[Any, ...] | None = None) -> list[TierEntry]:
         """Pending entries for a chain of blocks, in order: block ``k`` has key ``keys[k]``,
         event hash ``event_hashes[k]`` and tokens ``tokens[k * width:(k + 1) * width]``; its
         parent is block ``k - 1`` (the first block's is ``parent_key``, with
         ``parent_event_hash``). :meth:`reserve` of each in one call (the offload planner's run
         of a request's newly full blocks, executor thread). Each block evicted to make room
-        goes to ``on_evict(self, evicted)`` at once, before the next block is reserved (its
-        ancestors are still here for a demotion). Fewer entries than keys when the tier is
+        goes to ``on_evict(self, slot)`` at once, while its row is still in ``slot``
+        (:meth:`evicting` reads it, :meth:`at` views it; its ancestors are here too, for a
+        demotion), before its slot is reused. Fewer entries than keys when the tier is
         full; ``scope`` (None: unscoped) is every entry's."""
         # Every key and event hash is checked before anything changes: a bad one raises with
         # no block of the run reserved (none left pending with no op to finish it).
@@ -357,8 +369,15 @@ class TierIndex(TierRows):
             slot, evict = self._claim_slot(parent, self._rows)
             if slot < 0:
                 return out
-            evicted = self._remove(slot) if evict else None
-            if evicted is not None:
+            if evict:
+                # The victim is the eviction order's first: popped, not bisected for (before
+                # on_evict, so nothing it does can choose it again); its row is copied only
+                # where someone holds a view of it (most evictions: no one).
+                self._order.pop_first()
+                flags_of[slot] &= ~_QUEUED
+                on_evict(self, slot)
+                self._detach(slot)
+                self._unlink(slot)
                 self.evictions += 1
             key_of[slot] = key
             eh_of[slot] = eh
@@ -394,10 +413,7 @@ class TierIndex(TierRows):
             self._used += 1
             if set_scope:
                 self._set_scope(slot, scope)  # type: ignore[arg-type]
-            entry = self._view(slot)
-            out.append(entry)
-            if evicted is not None:
-                on_evict(self, evicted)
+            out.append(self._view(slot))
             # The next block's parent: this one.
             parent, peh = slot, eh
             peh_flags = _PEH_NEG if flags & _EH_NEG else 0

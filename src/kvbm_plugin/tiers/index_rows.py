@@ -273,11 +273,16 @@ class TierRows(SlotRows):
 
     def _remove(self, slot: int) -> TierEntry:
         """Take ``slot``'s entry (a leaf now) out of the tier; returns it detached."""
-        ref = self._views.pop(slot, None)
-        view = ref() if ref is not None else None
+        view = self._detach(slot)
         if view is None:
-            view = TierEntry(self, slot)
-        view._snap = self._snapshot(slot)
+            view = self._copy(slot)
+        self._unlink(slot)
+        return view
+
+    def _unlink(self, slot: int) -> None:
+        """Take ``slot``'s row (a leaf now) out of the tier: out of the eviction order, its
+        parent's children, the key table and the counts. A live view must be detached
+        first."""
         flags = self._flags[slot]
         if flags & _QUEUED:
             self._order.remove(self._tick[slot])
@@ -302,7 +307,6 @@ class TierRows(SlotRows):
             self._scope[slot] = 0
         self._flags[slot] = 0
         self._used -= 1
-        return view
 
     def _touch(self, slot: int) -> None:
         flags = self._flags[slot]
