@@ -22,6 +22,9 @@ setup(ext_modules=[
     # The tier index's key table (tiers/_rows.py's KeyTable is the reference).
     Extension("kvbm_plugin.tiers._keytable_c", ["src/kvbm_plugin/tiers/_keytable_c.c"],
               depends=_COMMON, optional=True),
+    # The tiers' chained content digests (tiers/content_keys.py's _chained_py is the reference).
+    Extension("kvbm_plugin.tiers._digests_c", ["src/kvbm_plugin/tiers/_digests_c.c"],
+              depends=_COMMON, optional=True),
     # The connection gate's GIL-free thread (wire/conn_gate.py): Linux socket filters.
     Extension("kvbm_plugin.wire._gate_c", ["src/kvbm_plugin/wire/_gate_c.c"], optional=True),
     # -O3: GCC vectorizes the word-sum loop only from -O3 (some CPythons build extensions at

@@ -481,14 +481,17 @@ def test_prompt_blocks_are_hashed_once_per_request(monkeypatch) -> None:
     leader = _leader(tiers(host=8), "hash-once")
     try:
         calls = []
-        keyed = content_keys._KEYED
+        reference = content_keys._chained_py
 
-        class Counting:  # every block hashed takes one copy of the keyed hash
-            def copy(self):
-                calls.append(1)
-                return keyed.copy()
+        class Counting:  # stands in for the compiled digests: counts every block hashed
+            def chained(self, digest_size, person, first, tokens, block_size, start, before,
+                        after, as_u64):
+                out = reference(digest_size, person, first, tokens, block_size, start, before,
+                                after)
+                calls.extend(out)
+                return [int.from_bytes(d, "little") for d in out] if as_u64 else out
 
-        monkeypatch.setattr(content_keys, "_KEYED", Counting())
+        monkeypatch.setattr(content_keys, "_COMPILED", Counting())
         tokens = prompt(33, 17)  # 4 full blocks of 4 and one token
         assert leader.get_num_new_matched_tokens(LlmRequest(1, tokens), 0) == (0, False)
         leader.build_connector_meta(SchedulerOutput(new_requests=[

@@ -2,15 +2,17 @@
 
 ``events/_sink_c.c`` (KvEventSink's ingest loop and V2 hooks), ``consolidator/_core_c.c``
 (ConsolidatorCore's dedup loops and its compact block), ``tiers/shared/_frame_c.c`` (the
-shared tier's payload word sums) and ``tiers/_keytable_c.c`` (the tier index's key table) are
-built at install time where a C compiler is available (``setup.py`` marks them optional). Each
-is the compiled form of code whose reference stays in Python (``event_sink.py``,
-``consolidator/core.py``, ``tiers/shared/frame.py``'s torch reductions, ``tiers/_rows.py``'s
-``KeyTable``), and the tests run both on the same input and compare. Each is kept because a
-target of docs/performance.md misses without it ("What each compiled loop is for"): the event
-sink's executor cost per block, the consolidator's ingest rate and the leader's heap per tier
-block, the shared tier's checksum share of onboarding, the leader's executor cost per
-offloaded block. They use only CPython's public API (its
+shared tier's payload word sums), ``tiers/_keytable_c.c`` (the tier index's key table) and
+``tiers/_digests_c.c`` (the tiers' chained content digests) are built at install time where a
+C compiler is available (``setup.py`` marks them optional). Each is the compiled form of code
+whose reference stays in Python (``event_sink.py``, ``consolidator/core.py``,
+``tiers/shared/frame.py``'s torch reductions, ``tiers/_rows.py``'s ``KeyTable``,
+``tiers/content_keys.py``'s ``_chained_py``), and the tests run both on the same input and
+compare. Each is kept because a target of docs/performance.md misses without it ("What each
+compiled loop is for"): the event sink's executor cost per block, the consolidator's ingest
+rate and the leader's heap per tier block, the shared tier's checksum share of onboarding, the
+leader's executor cost per offloaded block (the key table) and per offloaded and onboarded
+block (the digests). They use only CPython's public API (its
 unstable tier's compact-int reads on 3.12 and later), so they build on every CPython the
 package supports.
 ``DYN_KVBM_NATIVE=0`` selects the Python loops (the variable keeps its name: "native" there
@@ -44,6 +46,7 @@ _MODULES: Final = {
     "consolidator": "kvbm_plugin.consolidator._core_c",
     "shared_frame": "kvbm_plugin.tiers.shared._frame_c",
     "tier_keys": "kvbm_plugin.tiers._keytable_c",
+    "tier_digests": "kvbm_plugin.tiers._digests_c",
     "conn_gate": "kvbm_plugin.wire._gate_c",
 }
 _built: dict[str, ModuleType | None] = {name: _load(mod) for name, mod in _MODULES.items()}

@@ -16,6 +16,9 @@ import struct
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from kvbm_plugin._util import compiled as _compiled
+from kvbm_plugin.consolidator_config import ConfigError
+
 TierName = Literal["host", "disk"]
 TIER_HOST: TierName = "host"
 TIER_DISK: TierName = "disk"
@@ -27,8 +30,7 @@ Signature = tuple[int, int]
 _U64_MASK = (1 << 64) - 1
 
 
-# The hash of every content key, keyed and sized once; each key hashes a copy of it.
-_KEYED = hashlib.blake2b(digest_size=8, person=b"kvbm-blk")
+_PERSON = b"kvbm-blk"  # the personalisation of every content key's hash (8-byte digests)
 
 
 def chain_key(parent: int | None, tokens: Sequence[int], salt: str | None = None) -> int:
@@ -36,7 +38,7 @@ def chain_key(parent: int | None, tokens: Sequence[int], salt: str | None = None
     BLAKE2b (8-byte digest, person ``kvbm-blk``) over the parent key as u64, the tokens as
     int64, and ``\\0salt\\0`` + the salt where there is one, all little-endian; the key is the
     digest read little-endian (so a key's 8 bytes are its children's first 8)."""
-    h = _KEYED.copy()
+    h = _keyed(8, _PERSON).copy()
     h.update(struct.pack("<Q", 0 if parent is None else parent & _U64_MASK))
     h.update(struct.pack(f"<{len(tokens)}q", *tokens))
     if salt:
@@ -51,9 +53,51 @@ def block_keys(tokens: Sequence[int], block_size: int, salt: str | None = None, 
     leader's match hashes every prompt block on the executor thread)."""
     first = (0 if parent is None else parent & _U64_MASK).to_bytes(8, "little")
     suffix = b"\x00salt\x00" + salt.encode("utf-8") if salt else b""
+    if _COMPILED is not None:
+        return _COMPILED.chained(8, _PERSON, first, tokens, block_size, start, b"", suffix,
+                                 True)
     from_bytes = int.from_bytes
     return [from_bytes(d, "little") for d in
-            chained_digests(_KEYED, first, tokens, block_size, start, after=suffix)]
+            _chained_py(8, _PERSON, first, tokens, block_size, start, b"", suffix)]
+
+
+def chained_digests(digest_size: int, person: bytes, first: bytes, tokens: Sequence[int],
+                    block_size: int, start: int = 0, *, before: bytes = b"",
+                    after: bytes = b"") -> list[bytes]:
+    """Digests of the full blocks ``start..`` of ``tokens`` along a chain: each is BLAKE2b
+    (``digest_size`` bytes, personalisation ``person``) over the previous digest (``first``
+    for block ``start``), ``before``, the block's tokens as little-endian int64 and ``after``
+    (the tier content keys and the shared tier's digests, both on the executor thread). The
+    compiled form (``_digests_c.c``) where it is built and not switched off
+    (``DYN_KVBM_NATIVE``, read once at import), else :func:`_chained_py`."""
+    if _COMPILED is not None:
+        return _COMPILED.chained(digest_size, person, first, tokens, block_size, start, before,
+                                 after, False)
+    return _chained_py(digest_size, person, first, tokens, block_size, start, before, after)
+
+
+def _compiled_digests() -> Any:
+    """``_digests_c`` where it is built and ``DYN_KVBM_NATIVE`` does not switch it off, else
+    None (also for a value of the switch that is not a boolean: start-up refuses that value
+    with its own error, ``_util.compiled.loops``, and both forms give the same digests)."""
+    try:
+        return _compiled.loops("tier_digests")
+    except ConfigError:
+        return None
+
+
+_COMPILED = _compiled_digests()
+
+# Each (digest size, personalisation)'s hash, keyed and sized once; each digest hashes a copy.
+_KEYED: dict[tuple[int, bytes], Any] = {}
+
+
+def _keyed(digest_size: int, person: bytes) -> Any:
+    keyed = _KEYED.get((digest_size, person))
+    if keyed is None:
+        keyed = _KEYED[digest_size, person] = hashlib.blake2b(digest_size=digest_size,
+                                                              person=person)
+    return keyed
 
 
 # Compiled packers by token count: ``struct``'s own format cache is shared with every other
@@ -63,12 +107,11 @@ _PACKERS: dict[int, struct.Struct] = {}
 _MAX_PACKERS = 512
 
 
-def chained_digests(keyed: Any, first: bytes, tokens: Sequence[int], block_size: int,
-                    start: int = 0, *, before: bytes = b"", after: bytes = b"") -> list[bytes]:
-    """Digests of the full blocks ``start..`` of ``tokens`` along a chain: each is a copy of
-    ``keyed`` over the previous digest (``first`` for block ``start``), ``before``, the block's
-    tokens as little-endian int64 and ``after``. The tokens are packed once (the tier content
-    keys and the shared tier's digests, both on the executor thread)."""
+def _chained_py(digest_size: int, person: bytes, first: bytes, tokens: Sequence[int],
+                block_size: int, start: int, before: bytes, after: bytes) -> list[bytes]:
+    """:func:`chained_digests` in Python, with hashlib (the reference of ``_digests_c.c``):
+    the tokens are packed once, each block hashes a copy of the keyed hash."""
+    keyed = _keyed(digest_size, person)
     n = len(tokens) // block_size
     if n <= start:
         return []

@@ -24,7 +24,8 @@ from kvbm_plugin.tiers.content_keys import chained_digests
 
 DIGEST_BYTES = 16
 _PERSON = b"kvbm-shared"
-# The digest every block key hashes, keyed and sized once; each digest hashes a copy of it.
+# The digest every block key hashes, keyed and sized once; each digest hashes a copy of it
+# (chain_digests: content_keys' own, the same hash).
 _KEYED = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_PERSON)
 
 
@@ -49,7 +50,8 @@ def chain_digests(tokens: Sequence[int], block_size: int, scope: str | None, *,
                   start: int = 0, parent: bytes | None = None) -> list[bytes]:
     """Digests of the full blocks ``start..`` of ``tokens`` (``parent``: block ``start - 1``'s):
     :func:`content_digest` along the chain, computed by ``content_keys.chained_digests``."""
-    return chained_digests(_KEYED, parent if parent is not None else b"\x00" * DIGEST_BYTES,
+    return chained_digests(DIGEST_BYTES, _PERSON,
+                           parent if parent is not None else b"\x00" * DIGEST_BYTES,
                            tokens, block_size, start, before=_scope_bytes(scope))
 
 

@@ -1,0 +1,269 @@
+/* The tiers' chained content digests in one compiled call: the compiled form of
+ * content_keys.py's ``_chained_py`` (the reference, and the fallback where this is not built
+ * or DYN_KVBM_NATIVE=0); tests/tiers/test_digests_compiled.py runs both, and hashlib's
+ * BLAKE2b block by block, on the same input and compares. Kept for the target "<= 5 us of the
+ * executor thread per offloaded and per onboarded block" (docs/performance.md): the Python
+ * loop's hashlib copy, update, digest and int conversion cost about 0.9 us per block, the
+ * hashing itself about 0.3.
+ *
+ * Called on TensorRT-LLM's executor thread (rank 0's leader): the tier content keys of every
+ * prompt block at the match and of each newly full block at the plan, and the shared tier's
+ * digests. Short inputs (a few hundred bytes per block): the GIL is kept.
+ *
+ * Block k's digest is BLAKE2b (RFC 7693; ``digest_size`` bytes, personalisation ``person``,
+ * no key, no salt) of: the previous block's digest (``first`` for block ``start``), ``before``,
+ * the block's tokens as little-endian int64, ``after``. Public CPython API only. */
+
+#include "../_util/native_common.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static const uint64_t IV[8] = {
+    0x6A09E667F3BCC908ULL, 0xBB67AE8584CAA73BULL, 0x3C6EF372FE94F82BULL,
+    0xA54FF53A5F1D36F1ULL, 0x510E527FADE682D1ULL, 0x9B05688C2B3E6C1FULL,
+    0x1F83D9ABFB41BD6BULL, 0x5BE0CD19137E2179ULL,
+};
+
+static const uint8_t SIGMA[12][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+    {11, 8, 12, 0, 5, 2, 15, 13, 10, 14, 3, 6, 7, 1, 9, 4},
+    {7, 9, 3, 1, 13, 12, 11, 14, 2, 6, 5, 10, 4, 0, 15, 8},
+    {9, 0, 5, 7, 2, 4, 10, 15, 14, 1, 11, 12, 6, 8, 3, 13},
+    {2, 12, 6, 10, 0, 11, 8, 3, 4, 13, 7, 5, 15, 14, 1, 9},
+    {12, 5, 1, 15, 14, 13, 4, 10, 0, 7, 6, 3, 9, 2, 8, 11},
+    {13, 11, 7, 14, 12, 1, 3, 9, 5, 0, 15, 4, 8, 6, 2, 10},
+    {6, 15, 14, 9, 11, 3, 0, 8, 12, 2, 13, 7, 1, 4, 10, 5},
+    {10, 2, 8, 4, 7, 6, 1, 5, 15, 11, 9, 14, 3, 12, 13, 0},
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {14, 10, 4, 8, 9, 15, 13, 6, 1, 12, 0, 2, 11, 7, 5, 3},
+};
+
+static inline uint64_t load_le64(const unsigned char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8); /* any alignment; a plain load where the target allows it */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    return v;
+}
+
+static inline void store_le64(unsigned char *p, uint64_t v) {
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    v = __builtin_bswap64(v);
+#endif
+    memcpy(p, &v, 8);
+}
+
+#define ROTR64(x, n) (((x) >> (n)) | ((x) << (64 - (n))))
+#define G(a, b, c, d, x, y)                \
+    do {                                   \
+        v[a] = v[a] + v[b] + (x);          \
+        v[d] = ROTR64(v[d] ^ v[a], 32);    \
+        v[c] = v[c] + v[d];                \
+        v[b] = ROTR64(v[b] ^ v[c], 24);    \
+        v[a] = v[a] + v[b] + (y);          \
+        v[d] = ROTR64(v[d] ^ v[a], 16);    \
+        v[c] = v[c] + v[d];                \
+        v[b] = ROTR64(v[b] ^ v[c], 63);    \
+    } while (0)
+
+/* One compression of the 128-byte block at ``p``; ``t``: bytes hashed so far, this block
+ * included; ``last``: the final block. */
+static void compress(uint64_t h[8], const unsigned char *p, uint64_t t, int last) {
+    uint64_t v[16], m[16];
+    for (int i = 0; i < 16; i++)
+        m[i] = load_le64(p + 8 * i);
+    for (int i = 0; i < 8; i++) {
+        v[i] = h[i];
+        v[i + 8] = IV[i];
+    }
+    v[12] ^= t; /* (the counter's high word stays 0: inputs here are far below 2**64 bytes) */
+    if (last)
+        v[14] = ~v[14];
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC unroll 12
+#endif
+    for (int r = 0; r < 12; r++) {
+        const uint8_t *s = SIGMA[r];
+        G(0, 4, 8, 12, m[s[0]], m[s[1]]);
+        G(1, 5, 9, 13, m[s[2]], m[s[3]]);
+        G(2, 6, 10, 14, m[s[4]], m[s[5]]);
+        G(3, 7, 11, 15, m[s[6]], m[s[7]]);
+        G(0, 5, 10, 15, m[s[8]], m[s[9]]);
+        G(1, 6, 11, 12, m[s[10]], m[s[11]]);
+        G(2, 7, 8, 13, m[s[12]], m[s[13]]);
+        G(3, 4, 9, 14, m[s[14]], m[s[15]]);
+    }
+    for (int i = 0; i < 8; i++)
+        h[i] ^= v[i] ^ v[i + 8];
+}
+
+/* BLAKE2b of ``len`` bytes at ``msg`` from the parameter-block state ``h0`` into ``out``
+ * (``outlen`` bytes). */
+static void blake2b(const uint64_t h0[8], const unsigned char *msg, size_t len,
+                    unsigned char *out, int outlen) {
+    uint64_t h[8];
+    unsigned char last[128];
+    memcpy(h, h0, sizeof h);
+    size_t off = 0;
+    while (len - off > 128) { /* every block but the last (which may be full) */
+        compress(h, msg + off, (uint64_t)(off + 128), 0);
+        off += 128;
+    }
+    memset(last, 0, sizeof last);
+    memcpy(last, msg + off, len - off);
+    compress(h, last, (uint64_t)len, 1);
+    unsigned char full[64];
+    for (int i = 0; i < 8; i++)
+        store_le64(full + 8 * i, h[i]);
+    memcpy(out, full, (size_t)outlen);
+}
+
+PyDoc_STRVAR(chained_doc,
+"chained(digest_size, person, first, tokens, block_size, start, before, after, as_u64, /)\n"
+"    -> list\n\n"
+"The digests of the full blocks start.. of ``tokens`` (a sequence of int64s) along a chain\n"
+"(the module comment); ``first``: the digest before block ``start`` (``digest_size``\n"
+"bytes). Each as bytes, or as an int read little-endian where ``as_u64`` (digest_size 8).");
+
+static PyObject *chained(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "chained() takes 9 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t digest_size = PyLong_AsSsize_t(args[0]);
+    if (digest_size == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
+    if (block_size == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t start = PyLong_AsSsize_t(args[5]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    int as_u64 = PyObject_IsTrue(args[8]);
+    if (as_u64 < 0)
+        return NULL;
+    if (digest_size < 1 || digest_size > 64) {
+        PyErr_Format(PyExc_ValueError, "chained: digest_size %zd is not in 1..64", digest_size);
+        return NULL;
+    }
+    if (as_u64 && digest_size != 8) {
+        PyErr_SetString(PyExc_ValueError, "chained: as_u64 needs digest_size 8");
+        return NULL;
+    }
+    if (block_size < 1 || start < 0) {
+        PyErr_Format(PyExc_ValueError, "chained: block_size %zd must be >= 1 and start %zd >= 0",
+                     block_size, start);
+        return NULL;
+    }
+    if (!PyBytes_Check(args[1]) || !PyBytes_Check(args[2]) || !PyBytes_Check(args[6]) ||
+        !PyBytes_Check(args[7])) {
+        PyErr_SetString(PyExc_TypeError, "chained: person, first, before and after are bytes");
+        return NULL;
+    }
+    Py_ssize_t person_len = PyBytes_GET_SIZE(args[1]);
+    Py_ssize_t first_len = PyBytes_GET_SIZE(args[2]);
+    if (person_len > 16) {
+        PyErr_Format(PyExc_ValueError, "chained: person of %zd bytes (at most 16)", person_len);
+        return NULL;
+    }
+    if (first_len != digest_size) {
+        PyErr_Format(PyExc_ValueError, "chained: first is %zd bytes, not digest_size %zd",
+                     first_len, digest_size);
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[3], "chained: tokens must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq) / block_size;
+    if (PyList_CheckExact(seq) && n > start) {
+        /* A token that is not an exact int is read through its __index__, which could change
+         * the list under this loop: read a tuple of it instead (never in the engine). */
+        PyObject **all = PySequence_Fast_ITEMS(seq);
+        for (Py_ssize_t i = start * block_size; i < n * block_size; i++) {
+            if (!PyLong_CheckExact(all[i])) {
+                PyObject *frozen = PyList_AsTuple(seq);
+                Py_DECREF(seq);
+                if (frozen == NULL)
+                    return NULL;
+                seq = frozen;
+                break;
+            }
+        }
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL || n <= start) {
+        Py_DECREF(seq);
+        return out;
+    }
+    /* The parameter block: digest length, fanout 1, depth 1, personalisation. */
+    uint64_t h0[8];
+    unsigned char person[16] = {0};
+    memcpy(person, PyBytes_AS_STRING(args[1]), (size_t)person_len);
+    memcpy(h0, IV, sizeof h0);
+    h0[0] ^= 0x01010000ULL ^ (uint64_t)digest_size;
+    h0[6] ^= load_le64(person);
+    h0[7] ^= load_le64(person + 8);
+
+    Py_ssize_t before_len = PyBytes_GET_SIZE(args[6]), after_len = PyBytes_GET_SIZE(args[7]);
+    size_t tok_bytes = 8 * (size_t)block_size;
+    size_t msg_len = (size_t)digest_size + (size_t)before_len + tok_bytes + (size_t)after_len;
+    unsigned char *msg = PyMem_Malloc(msg_len);
+    if (msg == NULL) {
+        Py_DECREF(seq);
+        Py_DECREF(out);
+        return PyErr_NoMemory();
+    }
+    unsigned char *tok_at = msg + digest_size + before_len;
+    memcpy(msg, PyBytes_AS_STRING(args[2]), (size_t)digest_size);
+    memcpy(msg + digest_size, PyBytes_AS_STRING(args[6]), (size_t)before_len);
+    memcpy(tok_at + tok_bytes, PyBytes_AS_STRING(args[7]), (size_t)after_len);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    unsigned char digest[64];
+    for (Py_ssize_t k = start; k < n; k++) {
+        PyObject **block = items + k * block_size;
+        for (Py_ssize_t i = 0; i < block_size; i++) {
+            long long value = PyLong_AsLongLong(block[i]);
+            if (value == -1 && PyErr_Occurred())
+                goto fail;
+            store_le64(tok_at + 8 * i, (uint64_t)value);
+        }
+        blake2b(h0, msg, msg_len, digest, (int)digest_size);
+        memcpy(msg, digest, (size_t)digest_size); /* the next block's chain input */
+        PyObject *item = as_u64
+            ? PyLong_FromUnsignedLongLong((unsigned long long)load_le64(digest))
+            : PyBytes_FromStringAndSize((const char *)digest, digest_size);
+        if (item == NULL)
+            goto fail;
+        int appended = PyList_Append(out, item);
+        Py_DECREF(item);
+        if (appended < 0)
+            goto fail;
+    }
+    PyMem_Free(msg);
+    Py_DECREF(seq);
+    return out;
+fail:
+    PyMem_Free(msg);
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"chained", (PyCFunction)(void (*)(void))chained, METH_FASTCALL, chained_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_digests_c",
+    "The tiers' chained content digests, compiled (see content_keys.py).", -1, methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__digests_c(void) {
+    return PyModule_Create(&module_def);
+}
