@@ -77,7 +77,7 @@ from kvbm_plugin.leader.lifetime import request_gone, request_handle
 from kvbm_plugin.leader.offload_planner import OffloadPlanner
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.op_completions import OpCompletions
-from kvbm_plugin.leader.requests import LEADER_STATS, OpTable
+from kvbm_plugin.leader.requests import LEADER_STATS, LoadRun, OpTable
 from kvbm_plugin.leader.requests import RequestState as _Request
 from kvbm_plugin.leader.shared_tier import MATCHED_STAT, TIER_SHARED, LeaderSharedTier
 from kvbm_plugin.naming.names import BlockNaming, StreamNames
@@ -359,11 +359,18 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                         keep_ops.add(copy_op)
                     continue
                 if copy_op is not None:  # its pin is released when the op would have been
-                    self._ops.pop(copy_op, None)
-                    state.loads_inflight.discard(copy_op)
-                    index_ = self._index_of(tier)
-                    if index_ is not None and entry.pins > 0:
-                        index_.unpin(entry)
+                    op = self._ops.get(copy_op)
+                    if type(op) is LoadRun:  # one block of the run: never reported now
+                        op.cancelled.add(copy_op - op.first)
+                        op.left -= 1
+                        if not op.left:  # (its ids stay mapped while any block is left)
+                            for op_id in range(op.first, op.first + len(op.entries)):
+                                del self._ops[op_id]
+                            state.loads_inflight.discard(op.first)
+                    else:
+                        self._ops.pop(copy_op, None)
+                        state.loads_inflight.discard(copy_op)
+                    self._unpin(tier, entry)
             load = LoadOp(state.req_id, tuple(c for c in state.load.copies
                                                if c.op_id in keep_ops))
             self._pending_loads[self._pending_loads.index(state.load)] = load
@@ -371,9 +378,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         else:
             for index, tier, entry in state.plan:
                 if dropped(index):
-                    index_ = self._index_of(tier)
-                    if index_ is not None and entry.pins > 0:
-                        index_.unpin(entry)
+                    self._unpin(tier, entry)
         kept = [item for item in state.plan if not dropped(item[0])]
         self._stats["cancelled_tokens"] += (len(state.plan) - len(kept)) * bs
         state.plan = kept
@@ -402,10 +407,16 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         if state is None or not state.plan:
             return
         copies: list[LoadCopy] = []
-        new_op, inflight, req_id = self._ops.new, state.loads_inflight, state.req_id
+        ops, inflight, req_id = self._ops, state.loads_inflight, state.req_id
         n_ids = len(block_ids)
         grouped = bool(state.alloc_pages)
         load_pages = self._layer_pages.load_pages
+        # The host and disk blocks are one LoadRun (consecutive op ids from next_id: their
+        # copies are made first); the shared tier's (the plan's tail) one op each.
+        first = ops.next_id
+        run_tiers: list[str] = []
+        run_entries: list[Any] = []
+        shared: list[tuple[int, Any, int]] = []
         for index, tier, entry in state.plan:
             block = block_ids[index] if index < n_ids else -1
             if block < 0:
@@ -413,11 +424,21 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                 # LoadOp so its id finishes).
                 self._index_of(tier).unpin(entry)
                 continue
-            key = entry.key
-            op_id = new_op("load", tier, key, req_id, entry)
+            if tier == TIER_SHARED:
+                shared.append((index, entry, block))
+                continue
+            copies.append(LoadCopy(first + len(run_entries), _TIER_CODE[tier], entry.slot,
+                                   entry.key, int(block), None,
+                                   load_pages(state, index) if grouped else ()))
+            run_tiers.append(tier)
+            run_entries.append(entry)
+        if run_entries:
+            inflight.add(ops.new_load_run(req_id, run_tiers, run_entries).first)
+        for index, entry, block in shared:
+            op_id = ops.new("load", TIER_SHARED, entry.key, req_id, entry)
             inflight.add(op_id)
-            copies.append(LoadCopy(op_id, _TIER_CODE[tier], entry.slot, key, int(block),
-                                   entry.digest if tier == TIER_SHARED else None,
+            copies.append(LoadCopy(op_id, _TIER_CODE[TIER_SHARED], entry.slot, entry.key,
+                                   int(block), entry.digest,
                                    load_pages(state, index) if grouped else ()))
         state.load = LoadOp(state.req_id, tuple(copies))
         self._pending_loads.append(state.load)
@@ -572,10 +593,13 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                 # Bound, never sent: no copy goes out (the id still finishes on every rank).
                 for op_id in list(state.loads_inflight):
                     op = self._ops.pop(op_id, None)
-                    index = self._index_of(op.tier) if op is not None else None
-                    if op is not None and op.entry is not None and op.entry.pins > 0 \
-                            and index is not None:
-                        index.unpin(op.entry)
+                    if type(op) is LoadRun:
+                        for k, entry in enumerate(op.entries):
+                            self._ops.pop(op.first + k, None)
+                            if k not in op.cancelled:
+                                self._unpin(op.tiers[k], entry)
+                    elif op is not None and op.entry is not None:
+                        self._unpin(op.tier, op.entry)
                 state.loads_inflight.clear()
                 i = self._pending_loads.index(state.load)
                 self._pending_loads[i] = state.load = LoadOp(state.req_id, ())
@@ -605,13 +629,17 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             return self._shared.pins
         return self._tiers.index_of(tier)
 
+    def _unpin(self, tier: str, entry: Any) -> None:
+        """Release a plan's pin of ``entry`` (``tier``'s) where it still holds one."""
+        index = self._index_of(tier)
+        if index is not None and entry.pins > 0:
+            index.unpin(entry)
+
     def _release_plan(self, state: _Request) -> None:
         """Unpin the request's matched blocks whose load was never bound."""
         if state.load is None:
             for _, tier, entry in state.plan:
-                index = self._index_of(tier)
-                if index is not None and entry.pins > 0:
-                    index.unpin(entry)
+                self._unpin(tier, entry)
         state.plan = []
 
     def _forget(self, state: _Request) -> None:

@@ -439,6 +439,56 @@ def test_cancel_after_binding_drops_the_copies_before_they_reach_the_workers(mak
     assert leader.stats()["cancels_too_late"] == 1
 
 
+@pytest.mark.parametrize("end", ["reported", "all_cancelled", "terminated"])
+def test_a_run_of_loads_with_blocks_taken_back_lets_every_pin_and_op_go(make_engine,
+                                                                        end: str) -> None:
+    """A request's host loads are one run of op ids. Blocks taken back after binding (the
+    run's first among them) are never reported; the run still ends: when every rank reported
+    the rest (a corrupt one forgotten with its descendants, counted), at once when every
+    block was taken back, or when the request is terminated before its metadata left."""
+    import gc
+
+    from kvbm_plugin.connector.meta import ERR_CORRUPT, OpReport
+    from kvbm_plugin.testing.fake_trtllm import SchedulerOutput
+
+    engine, a = stored_prefix(make_engine)
+    leader = engine.leader
+    ops_before = leader.stats()["ops_inflight"]
+    req = LlmRequest(953, a)
+    assert leader.get_num_new_matched_tokens(req, 0) == (24, True)
+    leader.update_state_after_alloc(req, [40, 41, 42, 43, 44, 45, 46])
+    assert leader.stats()["ops_inflight"] == ops_before + 6
+    if end == "all_cancelled":
+        leader.cancel_load(req, 0, 24)
+        assert leader.stats()["ops_inflight"] == ops_before
+        assert pins(engine, a) == [0] * 6 and not leader._reqs[953].loads_inflight
+        (load,) = leader.build_connector_meta(SchedulerOutput()).loads
+        assert load.copies == ()
+        return
+    leader.cancel_load(req, 0, 8)  # blocks 0 and 1, the run's first op id among them
+    assert pins(engine, a) == [0, 0, 1, 1, 1, 1]
+    if end == "terminated":
+        del req
+        gc.collect()
+        leader._reap_terminated()
+        assert leader.stats()["ops_inflight"] == ops_before
+        assert pins(engine, a) == [0] * 6 and 953 not in leader._reqs
+        return
+    (load,) = leader.build_connector_meta(SchedulerOutput()).loads
+    assert [c.device_block for c in load.copies] == [42, 43, 44, 45]
+    hub = leader._hub
+    for copy in load.copies:
+        corrupt = copy.device_block == 44  # block 4: forgotten with block 5
+        for rank in range(engine.config.tp_size):
+            hub.put(OpReport(copy.op_id, rank, not corrupt,
+                             ERR_CORRUPT if corrupt else 0))
+    leader._apply_reports()
+    stats = leader.stats()
+    assert stats["ops_inflight"] == ops_before
+    assert stats["loads_failed"] == 1 and stats["corrupt_blocks"] == 1
+    assert pins(engine, a) == [0, 0, 0, 0, -1, -1]
+
+
 def test_cancelled_blocks_can_be_evicted_by_later_requests(make_engine) -> None:
     engine, a = stored_prefix(make_engine)
     leader = engine.leader

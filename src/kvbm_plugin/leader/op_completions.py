@@ -20,9 +20,9 @@ from typing import Any
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector.meta import ERR_CORRUPT, CompletionHub
 from kvbm_plugin.leader.offload_tiers import OffloadTiers, Write
-from kvbm_plugin.leader.requests import Op, OpTable, RequestState, SaveRun
+from kvbm_plugin.leader.requests import LoadRun, Op, OpTable, RequestState, SaveRun
 from kvbm_plugin.leader.shared_tier import TIER_SHARED, LeaderSharedTier
-from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
+from kvbm_plugin.tiers.base import TIER_HOST
 
 
 class OpCompletions:
@@ -50,7 +50,7 @@ class OpCompletions:
         of saves and demotions are committed together (``OffloadTiers.finish_writes``),
         runs of loads unpinned together; the shared tier's agent is handed its commits
         once at the end."""
-        final: list[tuple[int, Op | SaveRun]] = []
+        final: list[tuple[int, Op | SaveRun | LoadRun]] = []
         tp_size = self._tp_size
         every_rank = (1 << tp_size) - 1
         ops = self._ops
@@ -60,14 +60,16 @@ class OpCompletions:
             op_id = report.op_id
             op = ops.get(op_id)
             rank = report.rank
-            if type(op) is SaveRun and 0 <= rank < tp_size:  # one block of a run of saves
+            kind = type(op)
+            if (kind is SaveRun or kind is LoadRun) and 0 <= rank < tp_size:
+                # One block of a run of saves or loads.
                 k = op_id - op.first
                 seen = op.ranks[k]
                 if seen >> rank & 1:
                     continue  # a rank's duplicate report counts once (as in Op.reports)
                 op.ranks[k] = seen = seen | 1 << rank
                 if not report.ok:
-                    op.ok[k] = False
+                    op.fail(k, report.error == ERR_CORRUPT)
                 if report.signature is not None:
                     op.sign(k, rank, report.signature)
                 if seen == every_rank:
@@ -126,41 +128,63 @@ class OpCompletions:
                 self._shared.save_done(op_id, op, not op.failed)
             self._release(op_id, op)
 
-    def _finish_loads(self, run: list[tuple[int, Op]]) -> None:
-        """A run of loads (op-id order): a load every rank did from a host or disk block
-        still there is unpinned here, in one pass; any other (failed, from the shared tier,
-        its block gone) goes through :meth:`_finish_load`."""
-        host, disk = self._tiers.host, self._tiers.disk
+    def _finish_loads(self, run: list[tuple[int, Op | LoadRun]]) -> None:
+        """A run of loads (op-id order): the request's runs from the host and disk tiers
+        (:meth:`_finish_load_run`) and the shared tier's loads (:meth:`_finish_load`)."""
         for op_id, op in run:
-            ok = not op.failed
-            index = host if op.tier == TIER_HOST else disk if op.tier == TIER_DISK else None
-            entry = op.entry
-            if not ok or index is None or entry is None or not index.unpin_live(entry):
-                self._finish_load(op_id, op, ok)
-                continue
-            self._release(op_id, op)
+            if type(op) is LoadRun:
+                self._finish_load_run(op)
+            else:
+                self._finish_load(op_id, op)
 
-    def _finish_load(self, op_id: int, op: Op, ok: bool) -> None:
-        """Unpin; a failed load is recorded on its request, and a corrupt source block is
-        forgotten (with its descendants)."""
-        index = self._index_of(op.tier)
-        entry = op.entry
+    def _finish_load_run(self, run: LoadRun) -> None:
+        """Every rank reported every block of ``run``: a block every rank loaded from a
+        host or disk block still there is unpinned here, in one pass; any other (failed,
+        its block gone) goes through :meth:`_unpin_load`. Then the request lets the run go."""
+        host, disk = self._tiers.host, self._tiers.disk
+        failed, corrupt, cancelled, tiers = run.failed, run.corrupt, run.cancelled, run.tiers
+        for k, entry in enumerate(run.entries):
+            if cancelled and k in cancelled:
+                continue  # taken back before the metadata left: unpinned then
+            bad = failed is not None and failed[k]
+            index = host if tiers[k] == TIER_HOST else disk
+            if bad or index is None or not index.unpin_live(entry):
+                self._unpin_load(tiers[k], entry, run.req_id, not bad,
+                                 corrupt is not None and corrupt[k])
+        state = self._reqs.get(run.req_id)
+        if state is not None:
+            state.loads_inflight.discard(run.first)
+            if state.finished and not state.saves_inflight and not state.loads_inflight:
+                self._forget(state)
+
+    def _finish_load(self, op_id: int, op: Op) -> None:
+        """A load from the shared tier, reported by every rank."""
+        self._unpin_load(op.tier, op.entry, op.req_id, not op.failed,
+                         any(r.error == ERR_CORRUPT for r in op.reports.values()))
+        self._release(op_id, op)
+
+    def _unpin_load(self, tier: str, entry: Any, req_id: int | None, ok: bool,
+                    corrupt: bool) -> None:
+        """Unpin a finished load's block; a failed load is recorded on its request, and a
+        corrupt source block is forgotten (with its descendants)."""
+        index = self._index_of(tier)
         if entry is not None and entry.pins > 0:
             index.unpin(entry)
+        source = entry
         if entry is not None and index is not None and not index.holds(entry):
-            entry = None  # forgotten meanwhile
-        if not ok:
-            self._stats["loads_failed"] += 1
-            state = self._reqs.get(op.req_id) if op.req_id is not None else None
-            if state is not None:
-                self._load_failed(state, op.entry)
-            if op.tier == TIER_SHARED:
-                self._stats["shared_loads_failed"] += 1
-            if any(r.error == ERR_CORRUPT for r in op.reports.values()):
-                self._stats["corrupt_blocks"] += 1
-                if entry is not None and index is not None:
-                    self._tiers.drop(index, entry)
-        self._release(op_id, op)
+            source = None  # forgotten meanwhile
+        if ok:
+            return
+        self._stats["loads_failed"] += 1
+        state = self._reqs.get(req_id) if req_id is not None else None
+        if state is not None:
+            self._load_failed(state, entry)
+        if tier == TIER_SHARED:
+            self._stats["shared_loads_failed"] += 1
+        if corrupt:
+            self._stats["corrupt_blocks"] += 1
+            if source is not None and index is not None:
+                self._tiers.drop(index, source)
 
     def _release(self, op_id: int, op: Op) -> None:
         """Op ``op_id`` of a request is done: the leader forgets a finished request once

@@ -121,6 +121,10 @@ class SaveRun:
         # Its request was terminated without telling (see Op.tainted): none committed.
         self.tainted = False
 
+    def fail(self, k: int, corrupt: bool) -> None:
+        """A rank failed block ``k`` (``corrupt`` is a load's: no meaning for a save)."""
+        self.ok[k] = False
+
     def sign(self, k: int, rank: int, signature: tuple[int, int]) -> None:
         """Rank ``rank``'s disk signature of block ``k`` (a report's)."""
         signatures = self.signatures
@@ -132,7 +136,47 @@ class SaveRun:
         by_rank[rank] = signature
 
 
-class OpTable(dict[int, "Op | SaveRun"]):
+class LoadRun:
+    """The loads of one request from the host and disk tiers, bound by one
+    ``update_state_after_alloc``: op ids ``first .. first + len(entries) - 1``, one per block
+    as the metadata's ``LoadCopy`` s carry them, every id mapped to this one record (as
+    :class:`SaveRun` for saves). Block ``k`` reads ``entries[k]`` (pinned until its load is
+    final) in tier ``tiers[k]``. Folded by ``OpCompletions.apply``; finished when every rank
+    reported every block not taken back by ``cancel_load`` before the metadata left
+    (``cancel``). The request's ``loads_inflight`` holds ``first`` for the whole run."""
+
+    __slots__ = ("req_id", "first", "tiers", "entries", "ranks", "failed", "corrupt",
+                 "cancelled", "left")
+    kind = "load"
+
+    def __init__(self, req_id: int, first: int, tiers: list[str],
+                 entries: list[TierEntry]) -> None:
+        n = len(entries)
+        self.req_id = req_id
+        self.first = first
+        self.tiers = tiers
+        self.entries = entries
+        self.ranks = [0] * n  # per block: the ranks that reported it, one bit each
+        self.failed: list[bool] | None = None  # per block, once some rank failed one
+        self.corrupt: list[bool] | None = None  # per block, once a rank found one corrupt
+        self.cancelled: set[int] = set()  # blocks taken back before the metadata left
+        self.left = n  # blocks not yet final
+
+    def fail(self, k: int, corrupt: bool) -> None:
+        """A rank failed block ``k`` (``corrupt``: its source block failed its check)."""
+        if self.failed is None:
+            self.failed = [False] * len(self.entries)
+        self.failed[k] = True
+        if corrupt:
+            if self.corrupt is None:
+                self.corrupt = [False] * len(self.entries)
+            self.corrupt[k] = True
+
+    def sign(self, k: int, rank: int, signature: tuple[int, int]) -> None:
+        """(A load's report carries no signature: nothing to keep.)"""
+
+
+class OpTable(dict[int, "Op | SaveRun | LoadRun"]):
     """The leader's transfers in flight, by op id. Ids grow by one per op, so along a chain a
     parent's op id is below its children's (reports are finalized in id order). Owned by the
     leader and lent to its tier collaborators, which add their own ops (demotions,
@@ -149,6 +193,22 @@ class OpTable(dict[int, "Op | SaveRun"]):
         self._next += 1
         self[op_id] = Op(kind, tier, key, req_id, entry)
         return op_id
+
+    @property
+    def next_id(self) -> int:
+        """The id the next op or run's first block gets (a run's metadata is made first)."""
+        return self._next
+
+    def new_load_run(self, req_id: int, tiers: list[str],
+                     entries: list[TierEntry]) -> LoadRun:
+        """Record the loads of ``entries`` (from ``tiers``) as one :class:`LoadRun`, with
+        consecutive op ids from its ``first`` (:attr:`next_id` before the call)."""
+        first = self._next
+        run = LoadRun(req_id, first, tiers, entries)
+        self._next = last = first + len(entries)
+        for op_id in range(first, last):
+            self[op_id] = run
+        return run
 
     def new_run(self, tier: str, req_id: int, entries: list[TierEntry]) -> SaveRun:
         """Record the saves of ``entries`` (a chain, in order) as one :class:`SaveRun`, with
