@@ -417,6 +417,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         run_tiers: list[str] = []
         run_entries: list[Any] = []
         shared: list[tuple[int, Any, int]] = []
+        host_lo = host_hi = state.plan[0][0]  # the plan's leading run of host blocks bound
         for index, tier, entry in state.plan:
             block = block_ids[index] if index < n_ids else -1
             if block < 0:
@@ -432,8 +433,12 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                                    load_pages(state, index) if grouped else ()))
             run_tiers.append(tier)
             run_entries.append(entry)
+            if index == host_hi and tier == TIER_HOST:
+                host_hi += 1
         if run_entries:
             inflight.add(ops.new_load_run(req_id, run_tiers, run_entries).first)
+        if host_hi > host_lo:
+            state.host_matched = (host_lo, host_hi)
         for index, entry, block in shared:
             op_id = ops.new("load", TIER_SHARED, entry.key, req_id, entry)
             inflight.add(op_id)

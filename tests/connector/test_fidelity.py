@@ -489,6 +489,36 @@ def test_a_run_of_loads_with_blocks_taken_back_lets_every_pin_and_op_go(make_eng
     assert pins(engine, a) == [0, 0, 0, 0, -1, -1]
 
 
+@pytest.mark.parametrize("gone", [False, True])
+def test_blocks_loaded_from_the_host_tier_are_passed_and_offloaded_again_once_gone(
+        make_engine, gone: bool) -> None:
+    """The planner passes the blocks a request loaded from the host tier in one step (the
+    match touched and pinned them). Where the tail left the tier meanwhile (taken back from
+    the load, then dropped), it offloads that tail again from the request's device blocks,
+    as a block-by-block walk would: the tier ends holding the whole prompt either way."""
+    from kvbm_plugin.testing.fake_trtllm import RequestData, SchedulerOutput
+    from kvbm_plugin.tiers.content_keys import block_keys
+
+    engine, a = stored_prefix(make_engine)
+    leader = engine.leader
+    host = leader._tiers.host
+    keys = block_keys(a[:24], BS)
+    req = LlmRequest(960, a)
+    assert leader.get_num_new_matched_tokens(req, 0) == (24, True)
+    ids = [40, 41, 42, 43, 44, 45, 46]
+    leader.update_state_after_alloc(req, ids)
+    assert leader._reqs[960].host_matched == (0, 6)
+    if gone:
+        leader.cancel_load(req, 16, 24)  # blocks 4 and 5: computed by the engine instead
+        leader._tiers.drop(host, host.get(keys[4]))  # ... and they leave the tier
+        assert keys[4] not in host and keys[5] not in host
+    meta = leader.build_connector_meta(SchedulerOutput(new_requests=[
+        RequestData(960, a, ids, 16 if gone else 24, 9 if gone else 1)]))
+    assert [save.key for save in meta.saves] == (keys[4:6] if gone else [])
+    assert [save.device_block for save in meta.saves] == (ids[4:6] if gone else [])
+    assert leader._reqs[960].host_matched is None
+
+
 def test_cancelled_blocks_can_be_evicted_by_later_requests(make_engine) -> None:
     engine, a = stored_prefix(make_engine)
     leader = engine.leader

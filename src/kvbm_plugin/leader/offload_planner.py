@@ -127,6 +127,7 @@ class OffloadPlanner:
         # The parent of the next block is in ``index``: just checked, reserved or found.
         parent_in = False
         named, named_hash = -1, 0  # the last block reserved here, and its event hash
+        matched = state.host_matched if index is host else None
         while state.offload_next < limit:
             i = state.offload_next
             key = keys[i]
@@ -140,7 +141,18 @@ class OffloadPlanner:
                     parent_in = True
                     continue
             else:
-                present_run = index.skip_present(keys, i, limit)
+                if matched is not None and i >= matched[0]:
+                    # The blocks loaded from this tier were touched and pinned by the match:
+                    # passed in one step where the last is still here (so is every block
+                    # before it: a tier holds prefix-closed chains only).
+                    hi = min(matched[1], limit)
+                    matched = state.host_matched = None
+                    if i < hi and keys[hi - 1] in index:
+                        state.offload_next = hi
+                        parent_in = True
+                        continue
+                present_run = index.skip_present(keys, i, limit if matched is None
+                                                 else min(limit, matched[0]))
                 if present_run:
                     state.offload_next = i + present_run
                     parent_in = True

@@ -54,6 +54,9 @@ class RequestState:
     # request whose object the leader read the adapter from (RequestData names none).
     lora_root_pending: bool = False
     offload_next: int = 0  # first block index not yet considered for offload
+    # Blocks [lo, hi) bound to loads from the first tier (the host), touched and pinned by
+    # the match: the offload planner passes them in one step, not block by block.
+    host_matched: tuple[int, int] | None = None
     valid_tokens: int = 0  # tokens whose KV exists after the last scheduled forward
     prompt_tokens: int = 0  # the first report's tokens (TensorRT-LLM commits only these)
     match_base: int | None = None  # device-computed + connector-loaded tokens at match time
