@@ -20,7 +20,7 @@ from typing import Any
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector.meta import ERR_CORRUPT, CompletionHub
 from kvbm_plugin.leader.offload_tiers import OffloadTiers, Write
-from kvbm_plugin.leader.requests import LoadRun, Op, OpTable, RequestState, SaveRun
+from kvbm_plugin.leader.requests import LoadRun, Op, OpTable, RequestState, SaveRun, SharedRun
 from kvbm_plugin.leader.shared_tier import TIER_SHARED, LeaderSharedTier
 from kvbm_plugin.tiers.base import TIER_HOST
 
@@ -50,7 +50,7 @@ class OpCompletions:
         of saves and demotions are committed together (``OffloadTiers.finish_writes``),
         runs of loads unpinned together; the shared tier's agent is handed its commits
         once at the end."""
-        final: list[tuple[int, Op | SaveRun | LoadRun]] = []
+        final: list[tuple[int, Op | SaveRun | LoadRun | SharedRun]] = []
         tp_size = self._tp_size
         every_rank = (1 << tp_size) - 1
         ops = self._ops
@@ -61,15 +61,16 @@ class OpCompletions:
             op = ops.get(op_id)
             rank = report.rank
             kind = type(op)
-            if (kind is SaveRun or kind is LoadRun) and 0 <= rank < tp_size:
-                # One block of a run of saves or loads.
+            if (kind is SaveRun or kind is LoadRun or kind is SharedRun) \
+                    and 0 <= rank < tp_size:
+                # One block of a run of saves, loads or writes-through.
                 k = op_id - op.first
                 seen = op.ranks[k]
                 if seen >> rank & 1:
                     continue  # a rank's duplicate report counts once (as in Op.reports)
                 op.ranks[k] = seen = seen | 1 << rank
                 if not report.ok:
-                    op.fail(k, report.error == ERR_CORRUPT)
+                    op.fail(k, report.error)
                 if report.signature is not None:
                     op.sign(k, rank, report.signature)
                 if seen == every_rank:
@@ -124,9 +125,10 @@ class OpCompletions:
         committed by then)."""
         self._tiers.finish_writes(_writes(run))
         for op_id, op in run:
-            if op.kind == "shared_save":
-                self._shared.save_done(op_id, op, not op.failed)
-            self._release(op_id, op)
+            if type(op) is SharedRun:
+                self._shared.run_done(op)
+            else:
+                self._release(op_id, op)
 
     def _finish_loads(self, run: list[tuple[int, Op | LoadRun]]) -> None:
         """A run of loads (op-id order): the request's runs from the host and disk tiers
@@ -225,5 +227,5 @@ def _writes(run: list[tuple[int, Op | SaveRun]]) -> Iterator[Write]:
             for k, entry in enumerate(op.entries):
                 yield ("save", tier, entry, ok[k],
                        None if signatures is None else signatures[k], tainted)
-        elif op.kind != "shared_save":
+        elif type(op) is not SharedRun:
             yield op.kind, op.tier, op.entry, not op.failed, op.signatures(), op.tainted

@@ -1,6 +1,8 @@
 """The leader's bookkeeping records: one :class:`RequestState` per request TensorRT-LLM
-scheduled, one :class:`Op` per tier transfer in flight and one :class:`SaveRun` per run of a
-request's saves (in the :class:`OpTable`).
+scheduled; in the :class:`OpTable`, one :class:`Op` per demotion or shared-tier load in
+flight, and one record per run of blocks that one call scheduled together: a request's saves
+(:class:`SaveRun`), its host and disk loads (:class:`LoadRun`), the writes-through to the
+shared tier (:class:`SharedRun`).
 
 Owned by ``KvbmConnectorLeader`` on rank 0 (each attention-DP rank's leader has its own); read
 and written under the leader's lock only (the executor thread's hooks and the leader's idle
@@ -12,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvbm_plugin.connector.meta import LoadOp, OpReport
+from kvbm_plugin.connector.meta import ERR_CORRUPT, ERR_DROPPED, LoadOp, OpReport
 from kvbm_plugin.tiers.base import TierEntry
 
 # The leader's own counters (stats()), each 0 at construction; its collaborators add theirs.
@@ -124,8 +126,8 @@ class SaveRun:
         # Its request was terminated without telling (see Op.tainted): none committed.
         self.tainted = False
 
-    def fail(self, k: int, corrupt: bool) -> None:
-        """A rank failed block ``k`` (``corrupt`` is a load's: no meaning for a save)."""
+    def fail(self, k: int, error: int) -> None:
+        """A rank failed block ``k`` (``error``: the report's, ``connector.meta.ERR_*``)."""
         self.ok[k] = False
 
     def sign(self, k: int, rank: int, signature: tuple[int, int]) -> None:
@@ -165,12 +167,13 @@ class LoadRun:
         self.cancelled: set[int] = set()  # blocks taken back before the metadata left
         self.left = n  # blocks not yet final
 
-    def fail(self, k: int, corrupt: bool) -> None:
-        """A rank failed block ``k`` (``corrupt``: its source block failed its check)."""
+    def fail(self, k: int, error: int) -> None:
+        """A rank failed block ``k`` (``error``: the report's; ERR_CORRUPT: its source block
+        failed its check)."""
         if self.failed is None:
             self.failed = [False] * len(self.entries)
         self.failed[k] = True
-        if corrupt:
+        if error == ERR_CORRUPT:
             if self.corrupt is None:
                 self.corrupt = [False] * len(self.entries)
             self.corrupt[k] = True
@@ -179,7 +182,44 @@ class LoadRun:
         """(A load's report carries no signature: nothing to keep.)"""
 
 
-class OpTable(dict[int, "Op | SaveRun | LoadRun"]):
+class SharedRun:
+    """The writes-through to the shared tier one planner call (or one host block found
+    resident) scheduled: op ids ``first .. first + len(entries) - 1``, one per block as the
+    metadata's ``SharedSaveOp`` s carry them, every id mapped to this one record; block ``k``
+    is the shared tier's write ``entries[k]`` (``LeaderSharedTier``'s). Folded by
+    ``OpCompletions.apply`` as the other runs; handed back to the shared tier whole
+    (``LeaderSharedTier.run_done``) once every rank reported every block. Not a request's:
+    a write-through outlives its request."""
+
+    __slots__ = ("first", "entries", "ranks", "failed", "dropped", "left")
+    kind = "shared_save"
+    req_id = None
+
+    def __init__(self, first: int, writes: list[Any]) -> None:
+        n = len(writes)
+        self.first = first
+        self.entries = writes
+        self.ranks = [0] * n  # per block: the ranks that reported it, one bit each
+        self.failed: list[bool] | None = None  # per block, once some rank failed one
+        self.dropped: list[bool] | None = None  # per block: a rank's write queue was full
+        self.left = n  # blocks some rank has not reported yet
+
+    def fail(self, k: int, error: int) -> None:
+        """A rank failed block ``k`` (``error``: the report's; ERR_DROPPED: a rank's write
+        queue was full, counted apart)."""
+        if self.failed is None:
+            self.failed = [False] * len(self.entries)
+        self.failed[k] = True
+        if error == ERR_DROPPED:
+            if self.dropped is None:
+                self.dropped = [False] * len(self.entries)
+            self.dropped[k] = True
+
+    def sign(self, k: int, rank: int, signature: tuple[int, int]) -> None:
+        """(A shared-tier write's report carries no signature: nothing to keep.)"""
+
+
+class OpTable(dict[int, "Op | SaveRun | LoadRun | SharedRun"]):
     """The leader's transfers in flight, by op id. Ids grow by one per op, so along a chain a
     parent's op id is below its children's (reports are finalized in id order). Owned by the
     leader and lent to its tier collaborators, which add their own ops (demotions,
@@ -209,6 +249,16 @@ class OpTable(dict[int, "Op | SaveRun | LoadRun"]):
         first = self._next
         run = LoadRun(req_id, first, tiers, entries)
         self._next = last = first + len(entries)
+        for op_id in range(first, last):
+            self[op_id] = run
+        return run
+
+    def new_shared_run(self, writes: list[Any]) -> SharedRun:
+        """Record the writes-through ``writes`` as one :class:`SharedRun`, with consecutive
+        op ids from its ``first``."""
+        first = self._next
+        run = SharedRun(first, writes)
+        self._next = last = first + len(writes)
         for op_id in range(first, last):
             self[op_id] = run
         return run

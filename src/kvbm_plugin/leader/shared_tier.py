@@ -48,10 +48,10 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector.meta import ERR_DROPPED, SharedSaveOp, shared_layout
+from kvbm_plugin.connector.meta import SharedSaveOp, shared_layout
 from kvbm_plugin.consolidator_config import CPU_CACHE_GB, SHARED_TIER, ConfigError
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
-from kvbm_plugin.leader.requests import OpTable
+from kvbm_plugin.leader.requests import OpTable, SharedRun
 from kvbm_plugin.settings.shared import load_shared_settings
 from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
 from kvbm_plugin.tiers.shared.block import make_block
@@ -171,7 +171,7 @@ class LeaderSharedTier:
         self._in_hand: dict[bytes, None] = {}
         self._starter: threading.Thread | None = None
         self._agent_events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
-        self._writes: dict[int, _SharedWrite] = {}  # op id -> write
+        self._inflight = 0  # writes-through scheduled and not yet reported by every rank
         self._by_key: dict[int, _SharedWrite] = {}  # host key -> write
         self._waiting: dict[int, _SharedWrite] = {}  # done, name not known yet
         self.pending_saves: list[SharedSaveOp] = []
@@ -281,8 +281,11 @@ class LeaderSharedTier:
         already. So a block whose write-through failed (the store was down) is written again
         the next time a request uses its host copy. Executor thread."""
         digests = self._ready(state, index, 1)
-        if digests is not None and index < len(digests):
-            self._follow(state, digests, index, entry, host_op, device_block)
+        if digests is None or index >= len(digests):
+            return
+        write = self._follow(state, digests, index, entry)
+        if write is not None:
+            self._schedule([write], [(host_op, device_block, entry)])
 
     def follow_run(self, state: Any, start: int, entries: Sequence[Any], first_op: int,
                    blocks: Sequence[int]) -> None:
@@ -294,8 +297,15 @@ class LeaderSharedTier:
         if digests is None:
             return
         follow = self._follow
+        writes: list[_SharedWrite] = []
+        sources: list[tuple[int, int, Any]] = []
         for k, entry in enumerate(entries[:max(0, len(digests) - start)]):
-            follow(state, digests, start + k, entry, first_op + k, blocks[k])
+            write = follow(state, digests, start + k, entry)
+            if write is not None:
+                writes.append(write)
+                sources.append((first_op + k, blocks[k], entry))
+        if writes:
+            self._schedule(writes, sources)
 
     def _ready(self, state: Any, last: int, n: int) -> list[bytes] | None:
         """The request's digests, extended to block ``last`` where its tokens reach it, or
@@ -315,25 +325,41 @@ class LeaderSharedTier:
                                     max(last + 1, len(state.tokens) // self._block_size))
         return digests
 
-    def _follow(self, state: Any, digests: list[bytes], index: int, entry: Any, host_op: int,
-                device_block: int) -> None:
+    def _follow(self, state: Any, digests: list[bytes], index: int,
+                entry: Any) -> _SharedWrite | None:
+        """The write-through of block ``index`` (its host copy ``entry``), None where the
+        shared tier has it or is writing it already (its op id is given by :meth:`_schedule`)."""
         digest = digests[index]
         key = entry.key
         assert self.directory is not None
         if key in self._by_key or digest in self._in_hand or self.directory.is_tracked(digest):
-            return
-        op_id = self._ops.new("shared_save", TIER_SHARED, key, None, None)
-        write = _SharedWrite(op_id, digest, digests[index - 1] if index else None, key,
+            return None
+        write = _SharedWrite(-1, digest, digests[index - 1] if index else None, key,
                              entry.scope, key_scope=state.salt)
-        self._writes[op_id] = write
         self._by_key[key] = write
-        if host_op < 0:
-            if (TIER_HOST, key) not in self._tiers.waiting_for_name:  # announced: final
-                write.name = (entry.event_hash, entry.parent_event_hash, tuple(entry.token_ids))
-            self.pending_saves.append(SharedSaveOp(op_id, -1, -1, digest, entry.slot, key))
-        else:
-            self.pending_saves.append(SharedSaveOp(op_id, host_op, device_block, digest))
-        self._stats["shared_saves_scheduled"] += 1
+        return write
+
+    def _schedule(self, writes: list[_SharedWrite],
+                  sources: list[tuple[int, int, Any]]) -> None:
+        """Number ``writes`` as one :class:`SharedRun` and put their ``SharedSaveOp`` s in the
+        next metadata; ``sources[k]``: write ``k``'s (host save op, device block, host entry),
+        the op -1 where the host copy is resident already (read from its slot)."""
+        first = self._ops.new_shared_run(writes).first
+        pending = self.pending_saves
+        waiting_for_name = self._tiers.waiting_for_name
+        for k, write in enumerate(writes):
+            write.op_id = op_id = first + k
+            host_op, device_block, entry = sources[k]
+            if host_op < 0:
+                if (TIER_HOST, write.host_key) not in waiting_for_name:  # announced: final
+                    write.name = (entry.event_hash, entry.parent_event_hash,
+                                  tuple(entry.token_ids))
+                pending.append(SharedSaveOp(op_id, -1, -1, write.digest, entry.slot,
+                                            write.host_key))
+            else:
+                pending.append(SharedSaveOp(op_id, host_op, device_block, write.digest))
+        self._inflight += len(writes)
+        self._stats["shared_saves_scheduled"] += len(writes)
 
     def host_copy_announced(self, index: Any,
                             announced: list[tuple[Any, tuple[Any, ...]]]) -> None:
@@ -352,17 +378,23 @@ class LeaderSharedTier:
             if write.done:
                 self._commit(write)
 
-    def save_done(self, op_id: int, op: Any, ok: bool) -> None:
-        """Every rank reported the shared save ``op_id`` (leader, under its lock)."""
-        write = self._writes.get(op_id)
-        if write is None:
-            return
-        if not ok:
-            self._stats["shared_saves_failed"] += 1
-            if any(r.error == ERR_DROPPED for r in op.reports.values()):
-                self._stats["shared_writes_dropped"] += 1  # a rank's write queue was full
-            self._forget(write)
-            return
+    def run_done(self, run: SharedRun) -> None:
+        """Every rank reported every block of ``run`` (leader, under its lock): each write
+        that every rank did is committed (or waits for its host copy's name); any other is
+        forgotten."""
+        failed, dropped = run.failed, run.dropped
+        self._inflight -= len(run.entries)
+        for k, write in enumerate(run.entries):
+            if failed is not None and failed[k]:
+                self._stats["shared_saves_failed"] += 1
+                if dropped is not None and dropped[k]:
+                    self._stats["shared_writes_dropped"] += 1  # a rank's write queue was full
+                self._forget(write)
+            else:
+                self._save_done(write)
+
+    def _save_done(self, write: _SharedWrite) -> None:
+        """Every rank wrote ``write`` through."""
         write.done = True
         if write.name is not None:
             self._commit(write)
@@ -417,7 +449,6 @@ class LeaderSharedTier:
                 in_hand[digest] = None
 
     def _forget(self, write: _SharedWrite) -> None:
-        self._writes.pop(write.op_id, None)
         self._waiting.pop(write.op_id, None)
         if self._by_key.get(write.host_key) is write:
             del self._by_key[write.host_key]
@@ -501,7 +532,7 @@ class LeaderSharedTier:
             out.update({f"shared_dir_{k}": v for k, v in self.directory.stats().items()})
         if self.agent is not None:
             out.update({f"shared_agent_{k}": v for k, v in self.agent.stats().items()})
-        out["shared_writes_inflight"] = len(self._writes)
+        out["shared_writes_inflight"] = self._inflight
         return out
 
     def close(self, timeout: float) -> None:
