@@ -24,6 +24,10 @@ spread over rounds.
 * the event pump's own thread CPU per block (info): the drain, the sink and the publishing
   that run off the executor thread (``leader/event_pump.py``), so that moving work off it is
   seen, not hidden;
+* per request per generation step (info): 32 requests of 4-block prompts decoding together,
+  ``(T(66 output tokens) - T(2)) / 32 / 64``: what every running request costs each iteration
+  besides the blocks it fills (one in 32 steps here, included), the part of a request's cost
+  that grows with its output (not in the fixed cost, whose requests stop after one token);
 * this machine's cold start (info): one block's content key right after a 1 ms sleep against
   warm. Each hook runs after the executor thread waited or ran other code, so every fixed cost
   above includes such a refill of caches and TLB, which this calibrates.
@@ -166,6 +170,41 @@ def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = Fa
         engine.shutdown()
 
 
+def _decode(tmp: str, seed: int, batch: int = 32, steps: int = 64) -> float:
+    """µs of the hooks' thread CPU per request per generation step: ``batch`` requests of
+    4-block prompts decoding together, ``steps + 2`` output tokens against 2 (each run its
+    own engine; the blocks the steps fill are offloaded as they fill, included)."""
+    from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
+
+    def run(out_tokens: int) -> float:
+        tag = f"{tmp}/decode-{seed}-{out_tokens}"
+        env = {cc.ENABLE_CONSOLIDATOR: "true", cc.EVENTS_ENDPOINT: f"ipc://{tag}-gpu",
+               cc.REPLAY_ENDPOINT: f"ipc://{tag}-gpu-r", cc.OUTPUT_ENDPOINT: f"ipc://{tag}-out",
+               cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tag}-out-r",
+               cc.CPU_CACHE_NUM_BLOCKS: str(batch * (4 + out_tokens // BS + 2) + 64)}
+        engine = SimulatedEngine(EngineConfig(
+            num_layers=1, num_kv_heads=1, head_dim=4, tokens_per_block=BS,
+            num_gpu_blocks=batch * (4 + out_tokens // BS + 3),
+            max_num_tokens=batch * (4 * BS + 64), max_batch_size=batch, env=env))
+        try:
+            total = [0.0]
+            _timed_hooks(engine.leader, total, None)
+            for r in range(batch):
+                engine.submit(_prompt(seed * 1000 + r, 4), out_tokens)
+            gc.collect()
+            gc.disable()
+            try:
+                engine.run_until_idle(timeout_s=300)
+            finally:
+                gc.enable()
+            return total[0]
+        finally:
+            engine.shutdown()
+
+    short = run(2)
+    return (run(steps + 2) - short) / batch / steps * 1e6
+
+
 def _cold_start() -> tuple[float, float]:
     """(µs of one block's content key right after a 1 ms sleep, µs of it warm), thread CPU,
     medians: what this machine charges code that runs after its thread blocked (caches and
@@ -243,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 store.clear()
             note("shared_ratio", with_shared[0] / host[0])
             note("shared_us", with_shared[0])
+            note("decode", _decode(tmp, r * 10 + 6))
             for n in (1, 64):  # the event path's share: its own runs (see _timed_hooks)
                 off, on, _saved, _loaded, ev, _p = _one(n, counts[n], tmp, r * 10 + 5,
                                                         parts=True)
@@ -302,6 +342,9 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(Row("leader", "of the 2,048-token rows: the event pump's own thread CPU per "
                     "offloaded or onboarded block (drain, sink, publisher; off the executor "
                     f"thread; spread {rng('pump64')})", med("pump64"), "us"))
+    rows.append(Row("leader", "per running request per generation step, 32 decoding together "
+                    f"(info: grows with the output; spread {rng('decode')})", med("decode"),
+                    "us"))
     cold, warm = _cold_start()
     rows.append(Row("leader", "this machine's cold start: one block's content key right after a "
                     "1 ms sleep, against warm (info: each hook starts so in the engine)", cold,

@@ -503,6 +503,39 @@ def test_prompt_blocks_are_hashed_once_per_request(monkeypatch) -> None:
         leader.shutdown()
 
 
+def test_a_generation_step_that_fills_no_block_costs_no_planning(monkeypatch) -> None:
+    """A running request's step that fills no block is absorbed in O(1): RequestData's
+    cumulative hash chain is not copied again and the planner does not start a walk (its
+    cost per step must not grow with the context); the step that fills one offloads it."""
+    from kvbm_plugin.testing.fake_trtllm import RequestData, SchedulerOutput
+
+    leader = _leader(tiers(host=32), "decode-step")
+    try:
+        tokens = prompt(44, 9)  # 2 full blocks of 4 and one token
+        chain = [101, 102]
+        assert leader.get_num_new_matched_tokens(LlmRequest(1, tokens), 0) == (0, False)
+        meta = leader.build_connector_meta(SchedulerOutput(new_requests=[
+            RequestData(1, tokens, [0, 1, 2], 0, 9, list(chain))]))
+        assert len(meta.saves) == 2
+        state = leader._reqs[1]
+        hashes = state.event_hashes
+        walks = []
+        planner = leader._offload
+        real = planner._schedule
+        monkeypatch.setattr(planner, "_schedule", lambda *a: walks.append(1) or real(*a))
+        for step in range(2):  # tokens 10 and 11: block 2 is not full yet
+            meta = leader.build_connector_meta(SchedulerOutput(cached_requests=[
+                RequestData(1, [500 + step], [], 9 + step, 1, list(chain))]))
+            assert meta.saves == () and walks == []
+        assert state.event_hashes is hashes
+        meta = leader.build_connector_meta(SchedulerOutput(cached_requests=[
+            RequestData(1, [502], [], 11, 1, [*chain, 103])]))  # token 12 fills it
+        assert [save.device_block for save in meta.saves] == [2] and walks == [1]
+        assert state.event_hashes == [*chain, 103]
+    finally:
+        leader.shutdown()
+
+
 def test_a_bad_mpi_rank_variable_is_named(monkeypatch) -> None:
     from types import SimpleNamespace
 

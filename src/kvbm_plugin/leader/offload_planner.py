@@ -47,7 +47,10 @@ class OffloadPlanner:
         self._pages.absorb_block_ids(state, rd)  # flat, or every layer group's pages
         hashes = getattr(rd, "block_hashes", None)
         if hashes:
-            state.event_hashes = list(hashes)  # cumulative chain for the full blocks
+            # The cumulative chain of the full blocks: copied when it grew (a generation step
+            # that fills no block repeats it: copying it each time is O(context) per step).
+            if len(hashes) != len(state.event_hashes):
+                state.event_hashes = list(hashes)
         elif not self._naming.learning and len(state.tokens) >= self._block_size:
             # No block_hashes: learn TRT-LLM's names from its events (for requests whose hash
             # cannot be computed, and as the cross-check of those computed).
@@ -104,6 +107,9 @@ class OffloadPlanner:
         a parent that left the tier since it was passed is offloaded again first, from its
         device block (the request still holds it). The REMOVEs of the blocks its slots were
         taken from are registered together at the end."""
+        if state.offload_next >= min(state.valid_tokens // self._block_size,
+                                     len(state.block_ids), len(state.keys)):
+            return  # no block newly full: most generation steps (nothing reserved, evicted)
         try:
             self._schedule(state, index, saves)
         finally:
