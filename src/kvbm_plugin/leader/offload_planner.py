@@ -57,23 +57,25 @@ class OffloadPlanner:
             self._naming.learning = True
             self._on_learning()  # the sink's flushes are kept for the name table
         valid = rd.computed_position + rd.num_scheduled_tokens
-        if not state.reported and state.match_base is not None:
-            # The first report subtracts connector-loaded tokens from computed_position.
-            valid = max(valid, state.match_base + rd.num_scheduled_tokens)
-        failed = state.load_failed_at
-        if not state.reported and failed is not None \
-                and rd.computed_position > failed * self._block_size:
-            state.offload_stop = failed  # computed on a block its failed load left unfilled
-        if not state.reported:
+        if not state.reported:  # its first report (later ones: a step each, O(1))
+            if state.match_base is not None:
+                # The first report subtracts connector-loaded tokens from computed_position.
+                valid = max(valid, state.match_base + rd.num_scheduled_tokens)
+            failed = state.load_failed_at
+            if failed is not None and rd.computed_position > failed * self._block_size:
+                state.offload_stop = failed  # computed on a block its failed load left unfilled
             state.prompt_tokens = len(state.tokens)  # all prompt tokens come first
-        state.reported = True
+            state.reported = True
         state.valid_tokens = max(state.valid_tokens, min(valid, len(state.tokens)))
-        self._naming.name_root(state, sink)  # the sink's LoRA names
+        naming = self._naming
+        if state.lora_root_pending:
+            naming.name_root(state, sink)  # the sink's LoRA names
         bs = self._block_size
         if len(state.keys) < len(state.tokens) // bs:
             state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
                                          parent=state.keys[-1] if state.keys else None))
-        self._naming.v2_extend(state)  # TensorRT-LLM's own stream: its names, computed
+        if naming.v2_stream:
+            naming.v2_extend(state)  # TensorRT-LLM's own stream: its names, computed
 
     def finish(self, state: RequestState, tokens: list[int]) -> None:
         """A request ends (``request_finished``, executor thread, under the leader's lock):
