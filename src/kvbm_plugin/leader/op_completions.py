@@ -144,15 +144,15 @@ class OpCompletions:
         host or disk block still there is unpinned here, in one pass; any other (failed,
         its block gone) goes through :meth:`_unpin_load`. Then the request lets the run go."""
         host, disk = self._tiers.host, self._tiers.disk
-        failed, corrupt, cancelled, tiers = run.failed, run.corrupt, run.cancelled, run.tiers
+        errors, cancelled, tiers = run.errors, run.cancelled, run.tiers
         for k, entry in enumerate(run.entries):
             if cancelled and k in cancelled:
                 continue  # taken back before the metadata left: unpinned then
-            bad = failed is not None and failed[k]
+            failed = errors[k] if errors is not None else 0
             index = host if tiers[k] == TIER_HOST else disk
-            if bad or index is None or not index.unpin_live(entry):
-                self._unpin_load(tiers[k], entry, run.req_id, not bad,
-                                 corrupt is not None and corrupt[k])
+            if failed or index is None or not index.unpin_live(entry):
+                self._unpin_load(tiers[k], entry, run.req_id, not failed,
+                                 bool(failed >> ERR_CORRUPT & 1))
         state = self._reqs.get(run.req_id)
         if state is not None:
             state.loads_inflight.discard(run.first)
@@ -222,10 +222,10 @@ def _writes(run: list[tuple[int, Op | SaveRun]]) -> Iterator[Write]:
     among them."""
     for _, op in run:
         if type(op) is SaveRun:
-            tier, tainted, ok = op.tier, op.tainted, op.ok
+            tier, tainted, errors = op.tier, op.tainted, op.errors
             signatures = op.signatures
             for k, entry in enumerate(op.entries):
-                yield ("save", tier, entry, ok[k],
+                yield ("save", tier, entry, errors is None or not errors[k],
                        None if signatures is None else signatures[k], tainted)
         elif type(op) is not SharedRun:
             yield op.kind, op.tier, op.entry, not op.failed, op.signatures(), op.tainted

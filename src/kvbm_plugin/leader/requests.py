@@ -12,9 +12,9 @@ keeper thread). Data only (the table numbers its ops).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
-from kvbm_plugin.connector.meta import ERR_CORRUPT, ERR_DROPPED, LoadOp, OpReport
+from kvbm_plugin.connector.meta import ERR_FAILED, LoadOp, OpReport
 from kvbm_plugin.tiers.base import TierEntry
 
 # The leader's own counters (stats()), each 0 at construction; its collaborators add theirs.
@@ -100,35 +100,58 @@ class Op:
                 if r.signature is not None} or None
 
 
-class SaveRun:
-    """The saves of one request's run of blocks into one tier, made by one planner call: op
-    ids ``first .. first + len(entries) - 1``, one per block as the metadata's ``SaveOp`` s
-    carry them, every id mapped to this one record (the leader pays per block a table slot
-    and the fold of its reports, not an :class:`Op`). Folded by ``OpCompletions.apply``: the
-    run is done once every rank reported every block; block ``k`` is committed where every
-    rank succeeded at it (the intersection rule of connector/meta.py, per block)."""
+_ERR_BITS = 16  # error codes kept as bits per block (connector.meta's ERR_* are below 4)
 
-    __slots__ = ("tier", "req_id", "first", "entries", "ranks", "ok", "signatures", "left",
-                 "tainted")
-    kind = "save"
 
-    def __init__(self, tier: str, req_id: int, first: int, entries: list[TierEntry]) -> None:
+class _Run:
+    """What every run record holds: op ids ``first .. first + len(entries) - 1``, one per
+    block as the metadata carries them, every id mapped to the one record in the
+    :class:`OpTable` (the leader pays per block a table slot and the fold of its reports, not
+    an :class:`Op`); per block, the ranks that reported it and the errors they reported.
+    Folded by ``OpCompletions.apply``: the run is done once every rank reported every block
+    (``left`` is 0); block ``k`` succeeded where no rank failed it (the intersection rule of
+    connector/meta.py, per block)."""
+
+    __slots__ = ("first", "entries", "ranks", "errors", "left")
+
+    def __init__(self, first: int, entries: list[Any]) -> None:
         n = len(entries)
-        self.tier = tier
-        self.req_id = req_id
         self.first = first
         self.entries = entries
         self.ranks = [0] * n  # per block: the ranks that reported it, one bit each
-        self.ok = [True] * n  # per block: no rank failed it
-        # Per block, the disk signatures reports carry ({rank: signature}); None: none yet.
-        self.signatures: list[dict[int, tuple[int, int]] | None] | None = None
+        # Per block, bit ``e`` set once a rank failed it with error ``e`` (connector.meta's
+        # ERR_*); None while no rank failed any block.
+        self.errors: list[int] | None = None
         self.left = n  # blocks some rank has not reported yet
-        # Its request was terminated without telling (see Op.tainted): none committed.
-        self.tainted = False
 
     def fail(self, k: int, error: int) -> None:
-        """A rank failed block ``k`` (``error``: the report's, ``connector.meta.ERR_*``)."""
-        self.ok[k] = False
+        """A rank failed block ``k`` (``error``: the report's)."""
+        errors = self.errors
+        if errors is None:
+            errors = self.errors = [0] * len(self.entries)
+        # (a code past the known ones, from a malformed report, reads as a plain failure:
+        # never a shift by whatever int a peer sent)
+        errors[k] |= 1 << (error if 0 <= error < _ERR_BITS else ERR_FAILED)
+
+    def sign(self, k: int, rank: int, signature: tuple[int, int]) -> None:
+        """Rank ``rank``'s disk signature of block ``k`` (only a save keeps it)."""
+
+
+class SaveRun(_Run):
+    """The saves of one request's run of blocks into one tier, made by one planner call; block
+    ``k`` writes ``entries[k]``, committed where every rank succeeded at it."""
+
+    __slots__ = ("tier", "req_id", "signatures", "tainted")
+    kind = "save"
+
+    def __init__(self, tier: str, req_id: int, first: int, entries: list[TierEntry]) -> None:
+        super().__init__(first, entries)
+        self.tier = tier
+        self.req_id = req_id
+        # Per block, the disk signatures reports carry ({rank: signature}); None: none yet.
+        self.signatures: list[dict[int, tuple[int, int]] | None] | None = None
+        # Its request was terminated without telling (see Op.tainted): none committed.
+        self.tainted = False
 
     def sign(self, k: int, rank: int, signature: tuple[int, int]) -> None:
         """Rank ``rank``'s disk signature of block ``k`` (a report's)."""
@@ -141,82 +164,38 @@ class SaveRun:
         by_rank[rank] = signature
 
 
-class LoadRun:
+class LoadRun(_Run):
     """The loads of one request from the host and disk tiers, bound by one
-    ``update_state_after_alloc``: op ids ``first .. first + len(entries) - 1``, one per block
-    as the metadata's ``LoadCopy`` s carry them, every id mapped to this one record (as
-    :class:`SaveRun` for saves). Block ``k`` reads ``entries[k]`` (pinned until its load is
-    final) in tier ``tiers[k]``. Folded by ``OpCompletions.apply``; finished when every rank
-    reported every block not taken back by ``cancel_load`` before the metadata left
-    (``cancel``). The request's ``loads_inflight`` holds ``first`` for the whole run."""
+    ``update_state_after_alloc``. Block ``k`` reads ``entries[k]`` (pinned until its load is
+    final) in tier ``tiers[k]``; a block whose errors include ERR_CORRUPT failed its source
+    block's check. Finished when every rank reported every block not taken back by
+    ``cancel_load`` before the metadata left (``cancelled``). The request's
+    ``loads_inflight`` holds ``first`` for the whole run."""
 
-    __slots__ = ("req_id", "first", "tiers", "entries", "ranks", "failed", "corrupt",
-                 "cancelled", "left")
+    __slots__ = ("req_id", "tiers", "cancelled")
     kind = "load"
 
     def __init__(self, req_id: int, first: int, tiers: list[str],
                  entries: list[TierEntry]) -> None:
-        n = len(entries)
+        super().__init__(first, entries)
         self.req_id = req_id
-        self.first = first
         self.tiers = tiers
-        self.entries = entries
-        self.ranks = [0] * n  # per block: the ranks that reported it, one bit each
-        self.failed: list[bool] | None = None  # per block, once some rank failed one
-        self.corrupt: list[bool] | None = None  # per block, once a rank found one corrupt
         self.cancelled: set[int] = set()  # blocks taken back before the metadata left
-        self.left = n  # blocks not yet final
-
-    def fail(self, k: int, error: int) -> None:
-        """A rank failed block ``k`` (``error``: the report's; ERR_CORRUPT: its source block
-        failed its check)."""
-        if self.failed is None:
-            self.failed = [False] * len(self.entries)
-        self.failed[k] = True
-        if error == ERR_CORRUPT:
-            if self.corrupt is None:
-                self.corrupt = [False] * len(self.entries)
-            self.corrupt[k] = True
-
-    def sign(self, k: int, rank: int, signature: tuple[int, int]) -> None:
-        """(A load's report carries no signature: nothing to keep.)"""
 
 
-class SharedRun:
+class SharedRun(_Run):
     """The writes-through to the shared tier one planner call (or one host block found
-    resident) scheduled: op ids ``first .. first + len(entries) - 1``, one per block as the
-    metadata's ``SharedSaveOp`` s carry them, every id mapped to this one record; block ``k``
-    is the shared tier's write ``entries[k]`` (``LeaderSharedTier``'s). Folded by
-    ``OpCompletions.apply`` as the other runs; handed back to the shared tier whole
-    (``LeaderSharedTier.run_done``) once every rank reported every block. Not a request's:
+    resident) scheduled; block ``k`` is the shared tier's write ``entries[k]``
+    (``LeaderSharedTier``'s; ERR_DROPPED among its errors: a rank's write queue was full).
+    Handed back to the shared tier whole (``LeaderSharedTier.run_done``). Not a request's:
     a write-through outlives its request."""
 
-    __slots__ = ("first", "entries", "ranks", "failed", "dropped", "left")
+    __slots__ = ()
     kind = "shared_save"
     req_id = None
 
-    def __init__(self, first: int, writes: list[Any]) -> None:
-        n = len(writes)
-        self.first = first
-        self.entries = writes
-        self.ranks = [0] * n  # per block: the ranks that reported it, one bit each
-        self.failed: list[bool] | None = None  # per block, once some rank failed one
-        self.dropped: list[bool] | None = None  # per block: a rank's write queue was full
-        self.left = n  # blocks some rank has not reported yet
 
-    def fail(self, k: int, error: int) -> None:
-        """A rank failed block ``k`` (``error``: the report's; ERR_DROPPED: a rank's write
-        queue was full, counted apart)."""
-        if self.failed is None:
-            self.failed = [False] * len(self.entries)
-        self.failed[k] = True
-        if error == ERR_DROPPED:
-            if self.dropped is None:
-                self.dropped = [False] * len(self.entries)
-            self.dropped[k] = True
-
-    def sign(self, k: int, rank: int, signature: tuple[int, int]) -> None:
-        """(A shared-tier write's report carries no signature: nothing to keep.)"""
+_R = TypeVar("_R", bound=_Run)
 
 
 class OpTable(dict[int, "Op | SaveRun | LoadRun | SharedRun"]):
@@ -246,29 +225,21 @@ class OpTable(dict[int, "Op | SaveRun | LoadRun | SharedRun"]):
                      entries: list[TierEntry]) -> LoadRun:
         """Record the loads of ``entries`` (from ``tiers``) as one :class:`LoadRun`, with
         consecutive op ids from its ``first`` (:attr:`next_id` before the call)."""
-        first = self._next
-        run = LoadRun(req_id, first, tiers, entries)
-        self._next = last = first + len(entries)
-        for op_id in range(first, last):
-            self[op_id] = run
-        return run
+        return self._numbered(LoadRun(req_id, self._next, tiers, entries))
 
     def new_shared_run(self, writes: list[Any]) -> SharedRun:
         """Record the writes-through ``writes`` as one :class:`SharedRun`, with consecutive
         op ids from its ``first``."""
-        first = self._next
-        run = SharedRun(first, writes)
-        self._next = last = first + len(writes)
-        for op_id in range(first, last):
-            self[op_id] = run
-        return run
+        return self._numbered(SharedRun(self._next, writes))
 
     def new_run(self, tier: str, req_id: int, entries: list[TierEntry]) -> SaveRun:
         """Record the saves of ``entries`` (a chain, in order) as one :class:`SaveRun`, with
         consecutive op ids from its ``first``."""
-        first = self._next
-        run = SaveRun(tier, req_id, first, entries)
-        self._next = last = first + len(entries)
-        for op_id in range(first, last):
+        return self._numbered(SaveRun(tier, req_id, self._next, entries))
+
+    def _numbered(self, run: _R) -> _R:
+        """Map each op id of ``run`` (made with ``first`` = the next id) to it."""
+        self._next = last = run.first + len(run.entries)
+        for op_id in range(run.first, last):
             self[op_id] = run
         return run

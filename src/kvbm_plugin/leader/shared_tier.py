@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector.meta import SharedSaveOp, shared_layout
+from kvbm_plugin.connector.meta import ERR_DROPPED, SharedSaveOp, shared_layout
 from kvbm_plugin.consolidator_config import CPU_CACHE_GB, SHARED_TIER, ConfigError
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.requests import OpTable, SharedRun
@@ -382,12 +382,12 @@ class LeaderSharedTier:
         """Every rank reported every block of ``run`` (leader, under its lock): each write
         that every rank did is committed (or waits for its host copy's name); any other is
         forgotten."""
-        failed, dropped = run.failed, run.dropped
+        errors = run.errors
         self._inflight -= len(run.entries)
         for k, write in enumerate(run.entries):
-            if failed is not None and failed[k]:
+            if errors is not None and errors[k]:
                 self._stats["shared_saves_failed"] += 1
-                if dropped is not None and dropped[k]:
+                if errors[k] >> ERR_DROPPED & 1:
                     self._stats["shared_writes_dropped"] += 1  # a rank's write queue was full
                 self._forget(write)
             else:
