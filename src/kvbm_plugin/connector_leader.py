@@ -91,6 +91,9 @@ from kvbm_plugin.wire.identity import remember_salt_text, request_scopes
 
 logger = logging.getLogger(__name__)
 _TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
+# A LoadCopy built from its fields' tuple: one C call, not NamedTuple's Python __new__
+# (once per onboarded block, executor thread).
+_record = tuple.__new__
 
 
 class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid-type]
@@ -362,8 +365,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                     op = self._ops.get(copy_op)
                     if type(op) is LoadRun:  # one block of the run: never reported now
                         op.cancelled.add(copy_op - op.first)
-                        op.left -= 1
-                        if not op.left:  # (its ids stay mapped while any block is left)
+                        # (its ids stay mapped while any block is left)
+                        if op.take_back(copy_op - op.first, self._par.tp_size):
                             for op_id in range(op.first, op.first + len(op.entries)):
                                 del self._ops[op_id]
                             state.loads_inflight.discard(op.first)
@@ -408,6 +411,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             return
         copies: list[LoadCopy] = []
         ops, inflight, req_id = self._ops, state.loads_inflight, state.req_id
+        keys = state.keys  # the match's keys: plan block i's entry holds keys[i]
         n_ids = len(block_ids)
         grouped = bool(state.alloc_pages)
         load_pages = self._layer_pages.load_pages
@@ -428,9 +432,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             if tier == TIER_SHARED:
                 shared.append((index, entry, block))
                 continue
-            copies.append(LoadCopy(first + len(run_entries), _TIER_CODE[tier], entry.slot,
-                                   entry.key, int(block), None,
-                                   load_pages(state, index) if grouped else ()))
+            copies.append(_record(LoadCopy, (
+                first + len(run_entries), _TIER_CODE[tier], entry.slot, keys[index],
+                int(block), None, load_pages(state, index) if grouped else ())))
             run_tiers.append(tier)
             run_entries.append(entry)
             if index == host_hi and tier == TIER_HOST:

@@ -269,6 +269,39 @@ def test_unpin_live_unpins_only_a_pinned_live_view() -> None:
     assert gone is taken and not index.unpin_live(taken) and taken.pins == 1
 
 
+def test_unpin_live_all_is_unpin_live_of_each() -> None:
+    """A finished run of loads unpinned in one call ends where :meth:`unpin_live` of each
+    ends (pins, the eviction order, what is then evicted), and names the positions it left
+    to the caller: a view that left the tier, another tier's, an unpinned one."""
+    def build() -> tuple[TierIndex, TierIndex, list]:
+        index, other = TierIndex("host", 8), TierIndex("disk", 4)
+        index.reserve_chain([1, 2, 3, 4], [11, 12, 13, 14], None, [1, 2, 3, 4], 1, None,
+                            lambda *_: None)
+        index.reserve_chain([9], [19], None, [9], 1, None, lambda *_: None)
+        for key in (1, 2, 3, 4, 9):
+            index.commit(key)
+        views = index.take_resident([1, 2, 3, 4], 0, 4)
+        index.pin(views[1])  # a second pin: still pinned after one unpin
+        [nine] = index.take_resident([9], 0, 1)
+        index.discard(9)  # left the tier while pinned
+        foreign, _ = other.reserve(5, 15, None, [5])
+        a, _ = index.reserve(6, 16, None, [6])
+        index.commit(6)  # resident, never pinned
+        return index, other, views + [nine, foreign, index.get(6)]
+
+    one, _, views = build()
+    missed = [k for k, entry in enumerate(views) if not one.unpin_live(entry)]
+    many, _, views2 = build()
+    assert many.unpin_live_all(views2) == missed == [4, 5, 6]
+    assert [e.pins for e in views2] == [e.pins for e in views]
+    assert many.evictable() == one.evictable()
+    evicted = [[], []]
+    for k, index in enumerate((one, many)):
+        index.reserve_chain(list(range(20, 26)), list(range(30, 36)), None, [7] * 6, 1, None,
+                            lambda ix, slot, k=k: evicted[k].append(ix.evicting(slot)))
+    assert evicted[0] == evicted[1] and evicted[0]
+
+
 def test_an_index_without_kept_tokens_holds_them_until_dropped() -> None:
     """``keep_tokens=False`` (the leader's disk tier): a block's tokens are there until its
     STORE is registered, then dropped: no token column, nothing per block at rest."""

@@ -158,6 +158,23 @@ class OpReport(NamedTuple):
     signature: tuple[int, int] | None = None  # disk writes: (size, mtime_ns) of the file
 
 
+class ReportBatch(NamedTuple):
+    """One rank's reports of a copy batch as one completion-hub item: op ``op_ids[i]`` ended
+    ok where ``oks[i]``, else failed with ERR_FAILED; none carries a signature. Made by
+    :meth:`CompletionHub.put_batch` and :meth:`CompletionHub.put_many` (never on the wire:
+    the cross-process channel sends each :class:`OpReport`), so that the leader folds a run
+    of consecutive op ids in one step."""
+
+    rank: int
+    op_ids: list[int]
+    oks: list[bool]
+
+    def reports(self) -> list[OpReport]:
+        rank = self.rank
+        return [OpReport(op_id, rank, ok, ERR_NONE if ok else ERR_FAILED)
+                for op_id, ok in zip(self.op_ids, self.oks, strict=True)]
+
+
 def encode_report(report: OpReport) -> bytes:
     """Wire form of a report on the cross-process channel: a msgpack array, never pickle (the
     leader's PULL socket accepts connections from other hosts; unpickling would run their
@@ -193,26 +210,57 @@ class CompletionHub:
     """
 
     key: str
-    # Items are single reports or a copy batch's reports as one list (one hand-off per batch).
-    _queue: queue.SimpleQueue[OpReport | list[OpReport]] = field(
+    # Items are single reports, or a batch's reports as one ReportBatch (one rank's, with no
+    # signature and no error but ERR_FAILED) or else one list (one hand-off per batch).
+    _queue: queue.SimpleQueue[OpReport | ReportBatch | list[OpReport]] = field(
         default_factory=queue.SimpleQueue)
 
     def put(self, report: OpReport) -> None:
         self._queue.put(report)
 
-    def put_many(self, reports: list[OpReport]) -> None:
-        if reports:
-            self._queue.put(reports)
+    def put_batch(self, rank: int, op_ids: list[int], oks: list[bool]) -> None:
+        """Rank ``rank``'s copy batch: op ``op_ids[i]`` ended ok where ``oks[i]`` (else
+        ERR_FAILED)."""
+        if op_ids:
+            self._queue.put(ReportBatch(rank, op_ids, oks))
 
-    def drain(self) -> list[OpReport]:
-        # One consumer (the leader, under its lock): what empty() saw stays there for
-        # get_nowait(). Checked first, not caught: most calls find nothing, and a raised
-        # queue.Empty cost each of them ~0.3 us more (several calls per iteration).
-        out: list[OpReport] = []
+    def put_many(self, reports: list[OpReport]) -> None:
+        """Reports handed off together (a copy batch's, the cross-process receiver's turn):
+        one ReportBatch per rank where none carries a signature or an error but ERR_FAILED
+        (a fold does not depend on the order of different ranks' reports), else one list."""
+        if not reports:
+            return
+        batches: dict[int, ReportBatch] = {}
+        for r in reports:
+            if r.signature is not None or r.error != (ERR_NONE if r.ok else ERR_FAILED):
+                self._queue.put(reports)
+                return
+            batch = batches.get(r.rank)
+            if batch is None:
+                batch = batches[r.rank] = ReportBatch(r.rank, [], [])
+            batch.op_ids.append(r.op_id)
+            batch.oks.append(r.ok)
+        for batch in batches.values():
+            self._queue.put(batch)
+
+    def take(self) -> list[OpReport | ReportBatch | list[OpReport]]:
+        """Every item handed off so far, as handed off (the leader's fold, under its lock)."""
+        # One consumer: what empty() saw stays there for get_nowait(). Checked first, not
+        # caught: most calls find nothing, and a raised queue.Empty cost each of them
+        # ~0.3 us more (several calls per iteration).
+        out: list[OpReport | ReportBatch | list[OpReport]] = []
         q = self._queue
         while not q.empty():
-            item = q.get_nowait()
-            if isinstance(item, list):
+            out.append(q.get_nowait())
+        return out
+
+    def drain(self) -> list[OpReport]:
+        """Every report handed off so far, one by one (:meth:`take`, batches spread)."""
+        out: list[OpReport] = []
+        for item in self.take():
+            if type(item) is ReportBatch:
+                out.extend(item.reports())
+            elif isinstance(item, list):
                 out.extend(item)
             else:
                 out.append(item)
@@ -344,6 +392,7 @@ class ZmqReportReceiver:
                 if not poller.poll(100):
                     continue
                 cap.drain()
+                turn: list[OpReport] = []  # handed off together: the leader folds a batch
                 for _ in range(REPORTS_PER_TURN):
                     try:
                         report = decode_report(sock.recv(zmq.NOBLOCK))
@@ -355,7 +404,8 @@ class ZmqReportReceiver:
                         self._log.log(logging.ERROR, "malformed", "dropping a completion "
                                       "report: %s", exc)
                         continue
-                    self._hub.put(report)
+                    turn.append(report)
+                self._hub.put_many(turn)
         finally:
             cap.close()
             sock.close(0)

@@ -18,7 +18,14 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
-from kvbm_plugin.connector.meta import ERR_CORRUPT, CompletionHub
+from kvbm_plugin.connector.meta import (
+    ERR_CORRUPT,
+    ERR_FAILED,
+    ERR_NONE,
+    CompletionHub,
+    OpReport,
+    ReportBatch,
+)
 from kvbm_plugin.leader.offload_tiers import OffloadTiers, Write
 from kvbm_plugin.leader.requests import LoadRun, Op, OpTable, RequestState, SaveRun, SharedRun
 from kvbm_plugin.leader.shared_tier import TIER_SHARED, LeaderSharedTier
@@ -51,61 +58,18 @@ class OpCompletions:
         runs of loads unpinned together; the shared tier's agent is handed its commits
         once at the end."""
         final: list[tuple[int, Op | SaveRun | LoadRun | SharedRun]] = []
-        tp_size = self._tp_size
-        every_rank = (1 << tp_size) - 1
-        ops = self._ops
-        in_order = True  # reports usually arrive in op-id order: then no sort
-        last = 0
-        for report in self._hub.drain():
-            op_id = report.op_id
-            op = ops.get(op_id)
-            rank = report.rank
-            kind = type(op)
-            if (kind is SaveRun or kind is LoadRun or kind is SharedRun) \
-                    and 0 <= rank < tp_size:
-                # One block of a run of saves, loads or writes-through.
-                k = op_id - op.first
-                seen = op.ranks[k]
-                if seen >> rank & 1:
-                    continue  # a rank's duplicate report counts once (as in Op.reports)
-                op.ranks[k] = seen = seen | 1 << rank
-                if not report.ok:
-                    op.fail(k, report.error)
-                if report.signature is not None:
-                    op.sign(k, rank, report.signature)
-                if seen == every_rank:
-                    op.left -= 1
-                    if not op.left:  # every rank reported every block: the run is done
-                        first = op.first
-                        for done in range(first, first + len(op.entries)):
-                            del ops[done]
-                        final.append((first, op))
-                        in_order = in_order and first > last
-                        last = first
-                continue
-            if op is None or not 0 <= rank < tp_size:
-                # A rank outside the group must not count towards "every rank reported" (the
-                # block would be advertised before its bytes are on every rank); an unknown op
-                # id is a late duplicate or a report meant for another leader.
-                self._stats["reports_rejected"] += 1
-                self._log.log(logging.WARNING, "report", "kvbm_plugin: completion report for "
-                              "op %d from rank %d ignored (%s; tp_size %d)", op_id,
-                              report.rank, "unknown op" if op is None else "rank out of range",
-                              tp_size)
-                continue
-            reports = op.reports
-            reports[report.rank] = report
-            if not report.ok:
-                op.failed = True
-            if len(reports) >= tp_size:
-                del ops[op_id]
-                final.append((op_id, op))
-                in_order = in_order and op_id > last
-                last = op_id
+        for item in self._hub.take():
+            if type(item) is ReportBatch:
+                self._fold_batch(item, final)
+            elif type(item) is list:
+                for report in item:
+                    self._fold(report, final)
+            else:
+                self._fold(item, final)  # type: ignore[arg-type]
         if not final:
             return  # (most calls: nothing to commit, nothing for the shared tier's agent)
-        if not in_order:  # op ids grow along each chain: parents are registered first
-            final.sort(key=lambda item: item[0])
+        if len(final) > 1:  # op ids grow along each chain: parents are registered first
+            final.sort(key=_op_id)  # (usually in order already: one pass)
         i, n = 0, len(final)
         while i < n:  # runs of loads, runs of writes (saves, demotions, writes-through)
             loads = final[i][1].kind == "load"
@@ -118,6 +82,89 @@ class OpCompletions:
                 self._finish_writes(final[i:j])
             i = j
         self._shared.wake_agent()  # once for the shared-tier blocks these reports committed
+
+    def _fold(self, report: OpReport, final: list[tuple[int, Any]]) -> None:
+        """One rank's report of one op: a run's block marked (a duplicate counts once), its
+        error and signature kept; an op or run every rank reported goes to ``final``."""
+        op_id, rank = report.op_id, report.rank
+        op = self._ops.get(op_id)
+        kind = type(op)
+        tp_size = self._tp_size
+        if (kind is SaveRun or kind is LoadRun or kind is SharedRun) and 0 <= rank < tp_size:
+            k = op_id - op.first  # type: ignore[union-attr]
+            done = op.mark(rank, 1 << k, tp_size)  # type: ignore[union-attr]
+            if done < 0:
+                return  # a rank's duplicate report counts once (as in Op.reports)
+            if not report.ok:
+                op.fail(k, report.error)  # type: ignore[union-attr]
+            if report.signature is not None:
+                op.sign(k, rank, report.signature)  # type: ignore[union-attr]
+            if done:
+                self._retire(op, final)  # type: ignore[arg-type]
+            return
+        if op is None or not 0 <= rank < tp_size:
+            # A rank outside the group must not count towards "every rank reported" (the
+            # block would be advertised before its bytes are on every rank); an unknown op
+            # id is a late duplicate or a report meant for another leader.
+            self._stats["reports_rejected"] += 1
+            self._log.log(logging.WARNING, "report", "kvbm_plugin: completion report for "
+                          "op %d from rank %d ignored (%s; tp_size %d)", op_id,
+                          rank, "unknown op" if op is None else "rank out of range",
+                          tp_size)
+            return
+        reports = op.reports  # type: ignore[union-attr]
+        reports[rank] = report
+        if not report.ok:
+            op.failed = True  # type: ignore[union-attr]
+        if len(reports) >= tp_size:
+            del self._ops[op_id]
+            final.append((op_id, op))
+
+    def _fold_batch(self, batch: ReportBatch, final: list[tuple[int, Any]]) -> None:
+        """One rank's copy batch: each stretch of consecutive op ids of one run, all ok,
+        marked in one step (:meth:`_Run.mark`); anything else (a failure, ids out of order,
+        a duplicate, an op that is not a run) folds report by report from there."""
+        rank, op_ids, oks = batch.rank, batch.op_ids, batch.oks
+        ops, tp_size = self._ops, self._tp_size
+        n = len(op_ids)
+        i = 0
+        while i < n and 0 <= rank < tp_size:
+            op_id = op_ids[i]
+            op = ops.get(op_id)
+            kind = type(op)
+            if not (kind is SaveRun or kind is LoadRun or kind is SharedRun):
+                break
+            k = op_id - op.first  # type: ignore[union-attr]
+            # The stretch: the most ids from here that continue op_id within the run. A
+            # batch's ids ascend (its loads', then its saves', each run's in order), where
+            # "op_ids[i + t] == op_id + t" holds for a prefix: bisected, then checked whole.
+            lo, hi = 1, min(len(op.entries) - k, n - i)  # type: ignore[union-attr]
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if op_ids[i + mid - 1] == op_id + mid - 1:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            m = lo
+            if (m > 1 and op_ids[i:i + m] != list(range(op_id, op_id + m))) \
+                    or not all(oks[i:i + m]):
+                break
+            done = op.mark(rank, ((1 << m) - 1) << k, tp_size)  # type: ignore[union-attr]
+            if done < 0:
+                break  # (some block reported before: each counts once, below)
+            if done:
+                self._retire(op, final)  # type: ignore[arg-type]
+            i += m
+        for j in range(i, n):  # (bounded: one failed stretch sends the rest this way)
+            ok = oks[j]
+            self._fold(OpReport(op_ids[j], rank, ok, ERR_NONE if ok else ERR_FAILED), final)
+
+    def _retire(self, run: SaveRun | LoadRun | SharedRun, final: list[tuple[int, Any]]) -> None:
+        """Every rank reported every block of ``run``: its ids leave the table, it is final."""
+        ops, first = self._ops, run.first
+        for op_id in range(first, first + len(run.entries)):
+            del ops[op_id]
+        final.append((first, run))
 
     def _finish_writes(self, run: list[tuple[int, Op | SaveRun]]) -> None:
         """A run of saves and demotions, committed and their STOREs registered together;
@@ -145,7 +192,15 @@ class OpCompletions:
         its block gone) goes through :meth:`_unpin_load`. Then the request lets the run go."""
         host, disk = self._tiers.host, self._tiers.disk
         errors, cancelled, tiers = run.errors, run.cancelled, run.tiers
-        for k, entry in enumerate(run.entries):
+        entries: Any = run.entries
+        todo: Any = range(len(entries))
+        if errors is None and not cancelled and host is not None \
+                and tiers.count(TIER_HOST) == len(tiers):
+            # The common run: every block loaded from the host tier, none failed or taken
+            # back: unpinned in one index call; only the blocks it missed go the long way.
+            todo = host.unpin_live_all(entries)
+        for k in todo:
+            entry = entries[k]
             if cancelled and k in cancelled:
                 continue  # taken back before the metadata left: unpinned then
             failed = errors[k] if errors is not None else 0
@@ -214,6 +269,10 @@ class OpCompletions:
             state.offload_stop = index if stop is None else min(index, stop)
         elif state.load_failed_at is None or index < state.load_failed_at:
             state.load_failed_at = index
+
+
+def _op_id(item: tuple[int, Any]) -> int:
+    return item[0]
 
 
 def _writes(run: list[tuple[int, Op | SaveRun]]) -> Iterator[Write]:

@@ -107,22 +107,50 @@ class _Run:
     """What every run record holds: op ids ``first .. first + len(entries) - 1``, one per
     block as the metadata carries them, every id mapped to the one record in the
     :class:`OpTable` (the leader pays per block a table slot and the fold of its reports, not
-    an :class:`Op`); per block, the ranks that reported it and the errors they reported.
-    Folded by ``OpCompletions.apply``: the run is done once every rank reported every block
-    (``left`` is 0); block ``k`` succeeded where no rank failed it (the intersection rule of
-    connector/meta.py, per block)."""
+    an :class:`Op`); per rank, the blocks it reported (one bit each, so a rank's copy batch
+    is folded in one step: :meth:`mark`); per block, the errors ranks reported. Folded by
+    ``OpCompletions.apply``: the run is done once every rank reported every block
+    (``done_ranks`` is the TP size); block ``k`` succeeded where no rank failed it (the
+    intersection rule of connector/meta.py, per block)."""
 
-    __slots__ = ("first", "entries", "ranks", "errors", "left")
+    __slots__ = ("first", "entries", "seen", "full", "done_ranks", "errors")
 
     def __init__(self, first: int, entries: list[Any]) -> None:
-        n = len(entries)
         self.first = first
         self.entries = entries
-        self.ranks = [0] * n  # per block: the ranks that reported it, one bit each
+        # Per rank (made at the first report): the blocks it reported, bit k for block k.
+        self.seen: list[int] | None = None
+        self.full = (1 << len(entries)) - 1  # every block's bit
+        self.done_ranks = 0  # ranks that reported every block
         # Per block, bit ``e`` set once a rank failed it with error ``e`` (connector.meta's
         # ERR_*); None while no rank failed any block.
         self.errors: list[int] | None = None
-        self.left = n  # blocks some rank has not reported yet
+
+    def mark(self, rank: int, bits: int, tp_size: int) -> int:
+        """Rank ``rank`` (``0 <= rank < tp_size``) reported the blocks of ``bits``: 1 where
+        that completes the run, 0 where not, -1 (and nothing marked) where it reported one
+        of them before (a duplicate report counts once)."""
+        seen = self.seen
+        if seen is None:
+            seen = self.seen = [0] * tp_size
+        mine = seen[rank]
+        if mine & bits:
+            return -1
+        seen[rank] = mine = mine | bits
+        if mine == self.full:
+            self.done_ranks += 1
+            return 1 if self.done_ranks == tp_size else 0
+        return 0
+
+    def take_back(self, k: int, tp_size: int) -> bool:
+        """Block ``k`` will never be reported (``cancel_load`` took it back before the
+        metadata left): every rank counts as having reported it. True where that completes
+        the run."""
+        done = False
+        for rank in range(tp_size):
+            if self.mark(rank, 1 << k, tp_size) == 1:
+                done = True
+        return done
 
     def fail(self, k: int, error: int) -> None:
         """A rank failed block ``k`` (``error``: the report's)."""

@@ -207,6 +207,31 @@ class TierIndex(TierRows):
             self._offer(slot)
         return True
 
+    def unpin_live_all(self, entries: Sequence[TierEntry]) -> list[int]:
+        """:meth:`unpin_live` of each of ``entries`` in one call (a finished run of loads from
+        this tier, executor thread); returns the positions of those it did not unpin (not
+        this tier's live view, or not pinned), for the caller's own path."""
+        pins_of, flags_of, child_of = self._pins, self._flags, self._child
+        missed: list[int] = []
+        for k, entry in enumerate(entries):
+            if entry._snap is not None or entry._index is not self:
+                missed.append(k)
+                continue
+            slot = entry.slot
+            pins = pins_of[slot]
+            if pins <= 0:
+                missed.append(k)
+                continue
+            pins_of[slot] = pins - 1
+            # _offer inline: the last pin gone, a resident leaf re-enters the eviction order
+            # at its own age.
+            if pins == 1 and child_of[slot] < 0:
+                flags = flags_of[slot]
+                if (flags & (_RESIDENT | _QUEUED)) == _RESIDENT:
+                    self._order.add(self._tick[slot], slot)
+                    flags_of[slot] = flags | _QUEUED
+        return missed
+
     def holds(self, entry: TierEntry) -> bool:
         """Whether ``entry`` is this tier's live view of a block still in it (the same as
         ``index.get(entry.key) is entry`` while the caller keeps the view, without the key

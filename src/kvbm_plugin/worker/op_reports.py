@@ -14,7 +14,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector.meta import ERR_FAILED, ERR_NONE, OpReport, ZmqReportSender, find_hub
+from kvbm_plugin.connector.meta import (
+    ERR_FAILED,
+    ERR_NONE,
+    CompletionHub,
+    OpReport,
+    ZmqReportSender,
+    find_hub,
+)
 from kvbm_plugin.worker.transfer_counters import TransferCounters
 
 logger = logging.getLogger("kvbm_plugin.connector_worker")
@@ -54,7 +61,10 @@ class OpReporter:
         rank = self._rank
         try:
             channel = self._channel_or_none()
-            if channel is not None:
+            if isinstance(channel, CompletionHub):  # in process: the leader folds it whole
+                channel.put_batch(rank, [op_id for op_id, _ in results],
+                                  [ok for _, ok in results])
+            elif channel is not None:
                 channel.put_many([OpReport(op_id, rank, ok, ERR_NONE if ok else ERR_FAILED)
                                   for op_id, ok in results])
         except Exception:
