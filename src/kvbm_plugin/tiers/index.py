@@ -28,7 +28,7 @@ from kvbm_plugin.tiers._entry import (
     TierEntry,
 )
 from kvbm_plugin.tiers.content_keys import Signature, TierName
-from kvbm_plugin.tiers.index_rows import _U64_MASK, TierRows, _u64
+from kvbm_plugin.tiers.index_rows import _I64_MIN, _U64_MASK, TierRows, _u64
 
 _SIG_MAX = (1 << 63) - 1
 
@@ -349,14 +349,20 @@ class TierIndex(TierRows):
         demotion), before its slot is reused. Fewer entries than keys when the tier is
         full; ``scope`` (None: unscoped) is every entry's."""
         # Every key and event hash is checked before anything changes: a bad one raises with
-        # no block of the run reserved (none left pending with no op to finish it).
+        # no block of the run reserved (none left pending with no op to finish it). In bulk
+        # (min and max), and one by one only to name the bad one.
         if len(event_hashes) != len(keys):
             raise ValueError(f"{self.name} tier: {len(event_hashes)} event hashes for "
                              f"{len(keys)} blocks")
-        for key in keys:
-            if not 0 <= key <= _U64_MASK:
-                raise ValueError(f"{self.name} tier: content key {key!r} is not a u64")
-        ehs = [_u64(h, "event_hash") for h in event_hashes]  # (u64 bits, negative)
+        if not keys:
+            return []
+        if min(keys) < 0 or max(keys) > _U64_MASK:
+            for key in keys:
+                if not 0 <= key <= _U64_MASK:
+                    raise ValueError(f"{self.name} tier: content key {key!r} is not a u64")
+        if min(event_hashes) < _I64_MIN or max(event_hashes) > _U64_MASK:
+            for h in event_hashes:
+                _u64(h, "event_hash")
         find = self._table.find
         if parent_key is None:
             parent = -1
@@ -384,26 +390,40 @@ class TierIndex(TierRows):
             self._key, self._eh, self._peh, self._tick, self._pins, self._scope)
         child_of, parent_of, next_of, prev_of, flags_of = (
             self._child, self._parent, self._next, self._prev, self._flags)
-        tok, sig, table = self._tok, self._sig, self._table
+        tok, sig, table, free, views = self._tok, self._sig, self._table, self._free, self._views
+        capacity = self.capacity
         out: list[TierEntry] = []
         for k, key in enumerate(keys):
             if find(key) >= 0:  # (past the first block only on a 64-bit key collision)
                 raise RuntimeError(f"{self.name} tier: block {key:#x} is already present")
-            eh, negative = ehs[k]
-            flags = _USED | _EH_NEG | peh_flags if negative else _USED | peh_flags
-            slot, evict = self._claim_slot(parent, self._rows)
-            if slot < 0:
-                return out
-            if evict:
-                # The victim is the eviction order's first: popped, not bisected for (before
-                # on_evict, so nothing it does can choose it again); its row is copied only
-                # where someone holds a view of it (most evictions: no one).
-                self._order.pop_first()
-                flags_of[slot] &= ~_QUEUED
-                on_evict(self, slot)
-                self._detach(slot)
-                self._unlink(slot)
-                self.evictions += 1
+            h = event_hashes[k]
+            if h < 0:
+                eh = h & _U64_MASK
+                flags = _USED | _EH_NEG | peh_flags
+            else:
+                eh = h
+                flags = _USED | peh_flags
+            # _claim_slot's two common ways inline: a freed slot, a row the columns hold.
+            rows = self._rows
+            if free:
+                slot = free.pop()
+            elif rows < capacity and rows < len(key_of):
+                slot = rows
+                self._rows = rows + 1
+            else:
+                slot, evict = self._claim_slot(parent, rows)
+                if slot < 0:
+                    break
+                if evict:
+                    # The victim is the eviction order's first: popped, not bisected for
+                    # (before on_evict, so nothing it does can choose it again); its row is
+                    # copied only where someone holds a view of it (most evictions: no one).
+                    self._order.pop_first()
+                    flags_of[slot] &= ~_QUEUED
+                    on_evict(self, slot)
+                    self._detach(slot)
+                    self._unlink(slot)
+                    self.evictions += 1
             key_of[slot] = key
             eh_of[slot] = eh
             peh_of[slot] = peh
@@ -413,16 +433,18 @@ class TierIndex(TierRows):
             child_of[slot] = -1
             parent_of[slot] = parent
             prev_of[slot] = -1
+            next_of[slot] = -1
             if parent >= 0:
-                if flags_of[parent] & _QUEUED:
-                    self._dequeue(parent)
-                first = child_of[parent]
-                next_of[slot] = first
-                if first >= 0:
-                    prev_of[first] = slot
-                child_of[parent] = slot
-            else:
-                next_of[slot] = -1
+                if k:  # the block before, reserved just now: pending and childless
+                    child_of[parent] = slot
+                else:
+                    if flags_of[parent] & _QUEUED:
+                        self._dequeue(parent)
+                    first = child_of[parent]
+                    next_of[slot] = first
+                    if first >= 0:
+                        prev_of[first] = slot
+                    child_of[parent] = slot
             if sig:
                 for column in sig.values():
                     column[2 * slot] = -1
@@ -438,10 +460,15 @@ class TierIndex(TierRows):
             self._used += 1
             if set_scope:
                 self._set_scope(slot, scope)  # type: ignore[arg-type]
-            out.append(self._view(slot))
+            # A new view: _view without its look-up (a slot just claimed has no live one).
+            view = TierEntry(self, slot)
+            views[slot] = weakref.ref(view)
+            out.append(view)
             # The next block's parent: this one.
             parent, peh = slot, eh
             peh_flags = _PEH_NEG if flags & _EH_NEG else 0
+        if len(views) > self._views_purge_at:
+            self._purge_views()
         return out
 
     def commit(self, key: int, signatures: dict[int, Signature] | None = None) -> TierEntry:

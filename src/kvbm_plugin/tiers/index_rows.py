@@ -107,12 +107,16 @@ class TierRows(SlotRows):
         view = TierEntry(self, slot)
         views[slot] = weakref.ref(view)
         if len(views) > self._views_purge_at:
-            # Views live as long as the leader holds them (an op in flight, a load's plan):
-            # drop the references that died, amortised O(1) per view made.
-            for dead in [s for s, r in views.items() if r() is None]:
-                del views[dead]
-            self._views_purge_at = 2 * len(views) + 64
+            self._purge_views()
         return view
+
+    def _purge_views(self) -> None:
+        """Views live as long as the leader holds them (an op in flight, a load's plan): drop
+        the references that died, amortised O(1) per view made."""
+        views = self._views
+        for dead in [s for s, r in views.items() if r() is None]:
+            del views[dead]
+        self._views_purge_at = 2 * len(views) + 64
 
     def _copy(self, slot: int) -> TierEntry:
         view = TierEntry(self, slot)
