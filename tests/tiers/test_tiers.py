@@ -236,6 +236,53 @@ def test_commit_row_is_commit_and_store_fields_of_a_block_whose_parent_is_reside
     assert _evictions(fast) == _evictions(slow)
 
 
+@pytest.mark.parametrize("stop", ["none", "unnamed", "unnamed parent", "pending parent",
+                                  "left", "no parent hash"])
+def test_commit_named_is_commit_row_of_each_named_block_up_to_the_first_other(stop: str) -> None:
+    """A run every rank wrote, committed in one call (``OffloadTiers.finish_writes``), leaves
+    the index as ``commit_row`` of each block up to the first that is unnamed (its event hash
+    its key), names its parent by the parent's key, has a parent not resident or left the
+    tier, and returns what ``commit_row`` returns of each (hashes signed, tokens, scope);
+    nothing from that block on is committed."""
+    fast, slow, _ = _twin_indexes()
+    chain = [60, 61, 62, 63, 64]
+    for index in (fast, slow):
+        index.reserve(59, -9, None, [59])
+        index.commit(59)
+        hashes = [-(1 << 63), 5, -6, 7, 1 << 63]
+        parents = [-9, *hashes[:-1]]
+        if stop == "unnamed":
+            hashes[2] = 62  # reserved under its content key
+        elif stop == "unnamed parent":
+            parents[3] = 62  # its parent's name is its parent's key
+        index.reserve_chain(chain[:3], hashes[:3], parents[0], [1 << 40, 2, 3], 1, 59,
+                            lambda *_: None, scope=(7, None))
+        index.reserve_chain(chain[3:], hashes[3:], parents[3], [4, 5], 1, 62,
+                            lambda *_: None)
+        if stop == "pending parent":
+            index.discard(59)
+            index.reserve(59, -9, None, [59])
+            index.reserve_chain(chain, hashes, -9, [1, 2, 3, 4, 5], 1, 59, lambda *_: None)
+        if stop == "no parent hash":
+            index.get(63).parent_event_hash = None
+    views = [fast.get(k) for k in chain]
+    if stop == "left":
+        fast.discard(63)
+        slow.discard(63)
+    expect = {"none": 5, "unnamed": 2, "unnamed parent": 3, "pending parent": 0, "left": 3,
+              "no parent hash": 3}[stop]
+    rows = fast.commit_named(views)
+    assert len(rows) == expect
+    for k, row in enumerate(rows):
+        full = slow.commit_row(slow.get(chain[k]))
+        assert full is not None and row == full[2:]
+    if stop == "none":
+        assert rows[0][:3] == (-(1 << 63), -9, [1 << 40]) and rows[0][3] == (7, None)
+        assert rows[4][:2] == (1 << 63, 7)
+    assert _state(fast) == _state(slow) and _entry_fields(fast) == _entry_fields(slow)
+    assert fast.evictable() == slow.evictable() and repr(fast) == repr(slow)
+
+
 @pytest.mark.parametrize("bad", ["hash", "key"])
 def test_a_bad_block_in_a_chain_reserves_none_of_it(bad: str) -> None:
     """A run with a bad event hash or key anywhere raises before anything changes: no block

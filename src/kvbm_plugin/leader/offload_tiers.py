@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Sequence
+from itertools import repeat
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
@@ -37,6 +38,9 @@ from kvbm_plugin.wire.identity import scope_extra_keys
 # One block write as finish_writes takes it: (kind "save" | "demote", tier, the entry written,
 # every rank succeeded, {rank: disk signature} or None, its request terminated unannounced).
 Write = tuple[str, str, "TierEntry | None", bool, "dict[int, tuple[int, int]] | None", bool]
+# A Write's kind for a run of saves every rank wrote: its entry is the run's list of entries
+# (OffloadTiers.finish_writes).
+RUN_OF_SAVES = "saves"
 
 logger = logging.getLogger("kvbm_plugin.connector_leader")
 MEDIUM = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_DISK}
@@ -362,7 +366,8 @@ class OffloadTiers:
     def finish_writes(self, writes: Iterable[Write]) -> None:
         """Every rank reported each block write of ``writes`` (saves and demotions, in op-id
         order: the leader's batch of reports; each ``(kind, tier, entry, ok, signatures,
-        tainted)``): commit its entry and announce it (or let it wait for its name), or
+        tainted)``, or a run of saves every rank wrote, ``(RUN_OF_SAVES, tier, entries, True,
+        None, False)``): commit its entry and announce it (or let it wait for its name), or
         forget it and its descendants (:meth:`_not_committed`). The STOREs of the
         blocks committed and named in a row are announced together (:meth:`announce_all`).
         What may register a REMOVE (a failed or orphaned write, an unnamed block past its
@@ -370,37 +375,58 @@ class OffloadTiers:
         order."""
         done: list[tuple[TierIndex, TierEntry, Any]] = []
         unnamed, stats = self._naming.unnamed, self._stats
-        named_ready = unnamed.named_ready
         for kind, tier, entry, ok, signatures, tainted in writes:
-            index = self.host if tier == TIER_HOST else self.disk
-            # Committed only while it is still the entry this op wrote (not forgotten meanwhile
-            # with an ancestor, nor replaced by a later reservation of the same block in
-            # another slot) and its parent is resident: ops finish in id order along a chain,
-            # so a parent is resident already and the tier's STOREs are prefix-closed too.
-            row = None if not ok or tainted or index is None or entry is None \
-                else index.commit_row(entry, signatures)
-            if row is None:
-                if done:
-                    self.announce_all(done)
-                    done = []
-                self._not_committed(kind, ok, tainted, index, entry, index is not None
-                                    and entry is not None and index.holds(entry))
+            if kind != RUN_OF_SAVES:
+                self._finish_write(done, kind, tier, entry, ok, signatures, tainted)
                 continue
-            assert index is not None and entry is not None
-            key, parent_key, event_hash, parent_hash, tokens, scope = row
-            if named_ready(index.name, key, parent_key, event_hash, parent_hash):
-                done.append((index, entry, (event_hash, parent_hash, tokens, scope)))
-            elif unnamed.ready(index, entry):  # named now: its row is read again
-                done.append((index, entry, None))
-            else:
-                if done:
-                    self.announce_all(done)
-                    done = []
-                for tier, oldest in unnamed.overflow():
-                    self.drop(self.host if tier == TIER_HOST else self.disk, oldest)  # type: ignore[arg-type]
-            stats["saves_committed" if kind == "save" else "demotes_committed"] += 1
+            # A run every rank wrote (``entry``: its entries): its named blocks committed in
+            # one index call while no block waits for a name; the rest of the run (from an
+            # unnamed block, one forgotten meanwhile, ...) one by one, as any write.
+            entries: Any = entry
+            index = self.host if tier == TIER_HOST else self.disk
+            rows = index.commit_named(entries) if index is not None and not len(unnamed) \
+                else []
+            if rows:
+                done.extend(zip(repeat(index), entries, rows))
+                stats["saves_committed"] += len(rows)
+            for rest in entries[len(rows):]:
+                self._finish_write(done, "save", tier, rest, True, None, False)
         if done:
             self.announce_all(done)
+
+    def _finish_write(self, done: list[tuple[TierIndex, TierEntry, Any]], kind: str, tier: str,
+                      entry: TierEntry | None, ok: bool,
+                      signatures: dict[int, tuple[int, int]] | None, tainted: bool) -> None:
+        """One block write of :meth:`finish_writes` (``done``: the blocks it announces
+        together, announced and emptied here before anything that may register a REMOVE)."""
+        index = self.host if tier == TIER_HOST else self.disk
+        # Committed only while it is still the entry this op wrote (not forgotten meanwhile
+        # with an ancestor, nor replaced by a later reservation of the same block in
+        # another slot) and its parent is resident: ops finish in id order along a chain,
+        # so a parent is resident already and the tier's STOREs are prefix-closed too.
+        row = None if not ok or tainted or index is None or entry is None \
+            else index.commit_row(entry, signatures)
+        if row is None:
+            if done:
+                self.announce_all(done)
+                done.clear()
+            self._not_committed(kind, ok, tainted, index, entry, index is not None
+                                and entry is not None and index.holds(entry))
+            return
+        assert index is not None and entry is not None
+        unnamed = self._naming.unnamed
+        key, parent_key, event_hash, parent_hash, tokens, scope = row
+        if unnamed.named_ready(index.name, key, parent_key, event_hash, parent_hash):
+            done.append((index, entry, (event_hash, parent_hash, tokens, scope)))
+        elif unnamed.ready(index, entry):  # named now: its row is read again
+            done.append((index, entry, None))
+        else:
+            if done:
+                self.announce_all(done)
+                done.clear()
+            for tier, oldest in unnamed.overflow():
+                self.drop(self.host if tier == TIER_HOST else self.disk, oldest)  # type: ignore[arg-type]
+        self._stats["saves_committed" if kind == "save" else "demotes_committed"] += 1
 
     def _not_committed(self, kind: str, ok: bool, tainted: bool, index: TierIndex | None,
                        entry: TierEntry | None, current: bool) -> None:

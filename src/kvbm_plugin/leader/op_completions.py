@@ -26,7 +26,7 @@ from kvbm_plugin.connector.meta import (
     OpReport,
     ReportBatch,
 )
-from kvbm_plugin.leader.offload_tiers import OffloadTiers, Write
+from kvbm_plugin.leader.offload_tiers import RUN_OF_SAVES, OffloadTiers, Write
 from kvbm_plugin.leader.requests import LoadRun, Op, OpTable, RequestState, SaveRun, SharedRun
 from kvbm_plugin.leader.shared_tier import TIER_SHARED, LeaderSharedTier
 from kvbm_plugin.tiers.base import TIER_HOST
@@ -283,6 +283,9 @@ def _writes(run: list[tuple[int, Op | SaveRun]]) -> Iterator[Write]:
         if type(op) is SaveRun:
             tier, tainted, errors = op.tier, op.tainted, op.errors
             signatures = op.signatures
+            if errors is None and signatures is None and not tainted:
+                yield RUN_OF_SAVES, tier, op.entries, True, None, False  # (all at once)
+                continue
             for k, entry in enumerate(op.entries):
                 yield ("save", tier, entry, errors is None or not errors[k],
                        None if signatures is None else signatures[k], tainted)

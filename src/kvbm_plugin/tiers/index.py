@@ -281,6 +281,60 @@ class TierIndex(TierRows):
         return (key_of[slot], None if parent < 0 else key_of[parent], *self._hashes(slot, flags),
                 tokens, self._scopes[self._scope[slot]])
 
+    def commit_named(self, entries: Sequence[TierEntry]) -> list[tuple[Any, ...]]:
+        """:meth:`commit_row` of each of ``entries`` in order (a run of saves every rank
+        wrote, ``OffloadTiers.finish_writes``, executor thread), while each is a named block
+        (its event hash is not its key; its parent's, where it has one, not the parent's key)
+        that :meth:`commit_row` would commit: the (event hash, parent event hash, token ids,
+        scope) of each committed, in order. Stops before the first other one, committing
+        nothing from there: the caller takes the rest block by block."""
+        flags_of, key_of, eh_of, peh_of = self._flags, self._key, self._eh, self._peh
+        parent_of, tick_of, pins_of, child_of = self._parent, self._tick, self._pins, self._child
+        tok, width, scopes, scope_of = self._tok, self._width, self._scopes, self._scope
+        order = self._order
+        out: list[tuple[Any, ...]] = []
+        for entry in entries:
+            if entry._snap is not None or entry._index is not self:
+                break
+            slot = entry.slot
+            flags = flags_of[slot]
+            eh = eh_of[slot]
+            if flags & _EH_NEG:
+                eh -= 1 << 64
+            if eh == key_of[slot]:
+                break  # unnamed (reserved under its content key)
+            parent = parent_of[slot]
+            if parent >= 0:
+                if not flags_of[parent] & _RESIDENT:
+                    break
+                peh = peh_of[slot]
+                if flags & _PEH_NEG:
+                    peh -= 1 << 64
+                if flags & _PEH_NONE or peh == key_of[parent]:
+                    break  # its parent's name is not known in its row
+            else:
+                peh = None if flags & _PEH_NONE else (
+                    peh_of[slot] - (1 << 64) if flags & _PEH_NEG else peh_of[slot])
+            # commit_row's commit, inline
+            if not flags & _RESIDENT:
+                flags |= _RESIDENT
+                self._resident += 1
+            if flags & _QUEUED:
+                order.remove(tick_of[slot])
+                flags &= ~_QUEUED
+            self._clock = tick = self._clock + 1
+            tick_of[slot] = tick
+            if not pins_of[slot] and child_of[slot] < 0:
+                order.add(tick, slot)  # the newest: appended
+                flags |= _QUEUED
+            flags_of[slot] = flags
+            if flags & (_ODD_TOKENS | _NO_TOKENS):
+                tokens = list(self._tokens(slot))
+            else:
+                tokens = tok[slot * width:(slot + 1) * width].tolist() if width > 0 else []
+            out.append((eh, peh, tokens, scopes[scope_of[slot]]))
+        return out
+
     def evicting(self, slot: int) -> tuple[int, int]:
         """(content key, event hash) of the block in ``slot``: what ``on_evict`` of
         :meth:`reserve_chain` reads of the block it is told leaves (executor thread)."""
