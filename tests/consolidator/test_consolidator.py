@@ -578,9 +578,14 @@ def test_stores_registered_together_go_out_as_one_by_one(ipc_dir, start, mode):
     its own block."""
     config = make_config(ipc_dir, replay=False, mode=mode)
     consolidator = start(config)
-    with pytest.raises(ValueError, match="64-bit"):
-        consolidator.register_stores("CPU", 0, [(1, None, toks(1), None, None),
-                                                (2, U64, toks(2), None, None)], BS)
+    # (checked in bulk: every kind of bad hash, as a block's and as a parent's)
+    for bad in (U64, -(1 << 63) - 1, True, 2.0, "3"):
+        with pytest.raises(ValueError, match="64-bit"):
+            consolidator.register_stores("CPU", 0, [(1, None, toks(1), None, None),
+                                                    (2, bad, toks(2), None, None)], BS)
+        with pytest.raises(ValueError, match="64-bit"):
+            consolidator.register_stores("CPU", 0, [(bad, None, toks(1), None, None),
+                                                    (2, 0, toks(2), None, None)], BS)
     consolidator.register_stores("CPU", 0, [
         (1, None, toks(1), None, None), (2, 1, toks(2), 0, None),
         (3, 2, [1, 2], None, None),  # the tier's bug: dropped, counted, not raised
