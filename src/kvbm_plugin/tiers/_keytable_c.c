@@ -17,53 +17,7 @@
  * with PyMem_RawCalloc, so tracemalloc counts it as it counts the Python table's array
  * (bench_tiers.py's heap per block). Public CPython API only. */
 
-#include "../_util/native_common.h"
-
-#define GOLDEN 0x9E3779B97F4A7C15ULL
-
-typedef struct {
-    PyObject_HEAD
-    int32_t *table;
-    size_t size;      /* buckets, a power of two */
-    size_t mask;
-    int shift;
-    PyObject *keys;   /* the owner's array('Q') */
-} KeyTable;
-
-/* The key column as a C array for the length of one call. */
-typedef struct {
-    Py_buffer view;
-    const uint64_t *keys;
-    Py_ssize_t n;
-} Keys;
-
-static int keys_open(KeyTable *self, Keys *k) {
-    if (PyObject_GetBuffer(self->keys, &k->view, PyBUF_FORMAT) < 0)
-        return -1;
-    if (k->view.itemsize != 8 || k->view.format == NULL || k->view.format[0] != 'Q') {
-        PyBuffer_Release(&k->view);
-        PyErr_SetString(PyExc_TypeError, "KeyTable: the key column must be an array('Q')");
-        return -1;
-    }
-    k->keys = (const uint64_t *)k->view.buf;
-    k->n = k->view.len / 8;
-    return 0;
-}
-
-static inline size_t home(const KeyTable *self, uint64_t key) {
-    return (size_t)((key * GOLDEN) >> self->shift);
-}
-
-/* ``slot``'s key, or an error (a slot the key column does not have: a bug of the owner). */
-static inline int key_at(const Keys *k, int32_t slot, uint64_t *out) {
-    if (slot < 0 || slot >= k->n) {
-        PyErr_Format(PyExc_IndexError, "KeyTable: slot %d is outside the key column (%zd rows)",
-                     (int)slot, k->n);
-        return -1;
-    }
-    *out = k->keys[slot];
-    return 0;
-}
+#include "_keytable_c.h"
 
 static int parse_key(PyObject *arg, uint64_t *out) {
     if (!PyLong_Check(arg)) {
@@ -270,6 +224,7 @@ static PyMethodDef kt_methods[] = {
     {"delete", (PyCFunction)kt_delete, METH_O, delete_doc},
     {"clear", (PyCFunction)kt_clear, METH_NOARGS, clear_doc},
     {"buckets", (PyCFunction)kt_buckets, METH_NOARGS, buckets_doc},
+    {"write_rows", (PyCFunction)(void (*)(void))kt_write_rows, METH_FASTCALL, write_rows_doc},
     {NULL, NULL, 0, NULL},
 };
 

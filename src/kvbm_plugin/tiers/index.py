@@ -417,7 +417,6 @@ class TierIndex(TierRows):
         if min(event_hashes) < _I64_MIN or max(event_hashes) > _U64_MASK:
             for h in event_hashes:
                 _u64(h, "event_hash")
-        find = self._table.find
         if parent_key is None:
             parent = -1
         else:
@@ -439,17 +438,103 @@ class TierIndex(TierRows):
                 run_tokens = array("i", tokens)
             except (OverflowError, TypeError):
                 run_tokens = None
-        set_scope = scope is not None and scope != (None, None)
+        # The parent leaves the eviction order first and is held (it is about to gain a
+        # child): no eviction below may take it, not even once its last other child went.
+        if parent >= 0:
+            self._dequeue(parent)
+            self._pins[parent] += 1
+        slots = self._claim_run(parent, len(keys), on_evict)
+        if parent >= 0:
+            self._pins[parent] -= 1
+            if not slots:
+                self._offer(parent)  # nothing was reserved: the parent is as it was
+                return []
+        elif not slots:
+            return []
+        write_rows = getattr(self._table, "write_rows", None)
+        if write_rows is not None and run_tokens is not None and not self._sig:
+            # The compiled loop (tiers/_keytable_rows.c): the rows the loop below writes.
+            done = write_rows(slots, keys, event_hashes, parent, peh, peh_flags, run_tokens,
+                              width, self._columns())
+            self._used += done
+        else:
+            done = self._write_run(slots, keys, event_hashes, parent, peh, peh_flags,
+                                   tokens, run_tokens, width)
+        if done < len(slots):
+            # A 64-bit key collision: keys[done] is here already. The blocks before it stay
+            # reserved (their ops go out), the rest of the claimed slots return.
+            self._free.extend(reversed(slots[done:]))
+            raise RuntimeError(f"{self.name} tier: block {keys[done]:#x} is already present")
+        if scope is not None and scope != (None, None):
+            for slot in slots:
+                self._set_scope(slot, scope)
+        views, out = self._views, []
+        for slot in slots:
+            # A new view: _view without its look-up (a slot just claimed has no live one).
+            view = TierEntry(self, slot)
+            views[slot] = weakref.ref(view)
+            out.append(view)
+        if len(views) > self._views_purge_at:
+            self._purge_views()
+        return out
+
+    def _claim_run(self, parent: int, n: int, on_evict: Callable[[TierIndex, int], Any],
+                   ) -> list[int]:
+        """Slots for ``n`` new rows, the first a child of ``parent`` (out of the eviction
+        order by now), each next one the child of the one before: freed ones, rows the
+        columns hold, else the least recently used evictable leaves', each victim handed to
+        ``on_evict(self, slot)`` while its row is still in place and then taken out. Fewer
+        when the tier is full. The new rows are pending (never evictable), so the victims are
+        those that reserving the run block by block would take, in the same order."""
+        free, capacity, rows = self._free, self.capacity, self._rows
+        room = min(capacity, len(self._key)) - rows
+        if not free and room >= n:  # (as the tier fills: new rows, one extend at most)
+            self._rows = rows + n
+            return list(range(rows, rows + n))
+        slots: list[int] = []
+        flags_of = self._flags
+        for _ in range(n):
+            rows = self._rows
+            if free:
+                slots.append(free.pop())
+                continue
+            if rows < capacity and rows < len(self._key):
+                self._rows = rows + 1
+                slots.append(rows)
+                continue
+            slot, evict = self._claim_slot(slots[-1] if slots else parent, rows)
+            if slot < 0:
+                break
+            if evict:
+                # The victim is the eviction order's first: popped, not bisected for (before
+                # on_evict, so nothing it does can choose it again); its row is copied only
+                # where someone holds a view of it (most evictions: no one).
+                self._order.pop_first()
+                flags_of[slot] &= ~_QUEUED
+                on_evict(self, slot)
+                self._detach(slot)
+                self._unlink(slot)
+                self.evictions += 1
+            slots.append(slot)
+        return slots
+
+    def _write_run(self, slots: list[int], keys: Sequence[int], event_hashes: Sequence[int],
+                   parent: int, peh: int, peh_flags: int, tokens: Sequence[int],
+                   run_tokens: array[int] | None, width: int) -> int:
+        """Write the rows of a run into ``slots`` (claimed; ``parent`` the first's parent,
+        out of the eviction order) and map their keys; how many, stopping before a key that
+        is here already. The reference of the compiled ``KeyTable.write_rows``, and the way
+        for a run the token column cannot hold or a tier with disk signatures."""
         key_of, eh_of, peh_of, tick_of, pins_of, scope_of = (
             self._key, self._eh, self._peh, self._tick, self._pins, self._scope)
         child_of, parent_of, next_of, prev_of, flags_of = (
             self._child, self._parent, self._next, self._prev, self._flags)
-        tok, sig, table, free, views = self._tok, self._sig, self._table, self._free, self._views
-        capacity = self.capacity
-        out: list[TierEntry] = []
-        for k, key in enumerate(keys):
+        tok, sig, table = self._tok, self._sig, self._table
+        find = table.find
+        for k, slot in enumerate(slots):
+            key = keys[k]
             if find(key) >= 0:  # (past the first block only on a 64-bit key collision)
-                raise RuntimeError(f"{self.name} tier: block {key:#x} is already present")
+                return k
             h = event_hashes[k]
             if h < 0:
                 eh = h & _U64_MASK
@@ -457,27 +542,6 @@ class TierIndex(TierRows):
             else:
                 eh = h
                 flags = _USED | peh_flags
-            # _claim_slot's two common ways inline: a freed slot, a row the columns hold.
-            rows = self._rows
-            if free:
-                slot = free.pop()
-            elif rows < capacity and rows < len(key_of):
-                slot = rows
-                self._rows = rows + 1
-            else:
-                slot, evict = self._claim_slot(parent, rows)
-                if slot < 0:
-                    break
-                if evict:
-                    # The victim is the eviction order's first: popped, not bisected for
-                    # (before on_evict, so nothing it does can choose it again); its row is
-                    # copied only where someone holds a view of it (most evictions: no one).
-                    self._order.pop_first()
-                    flags_of[slot] &= ~_QUEUED
-                    on_evict(self, slot)
-                    self._detach(slot)
-                    self._unlink(slot)
-                    self.evictions += 1
             key_of[slot] = key
             eh_of[slot] = eh
             peh_of[slot] = peh
@@ -489,11 +553,9 @@ class TierIndex(TierRows):
             prev_of[slot] = -1
             next_of[slot] = -1
             if parent >= 0:
-                if k:  # the block before, reserved just now: pending and childless
+                if k:  # the block before, written just now: pending and childless
                     child_of[parent] = slot
                 else:
-                    if flags_of[parent] & _QUEUED:
-                        self._dequeue(parent)
                     first = child_of[parent]
                     next_of[slot] = first
                     if first >= 0:
@@ -512,18 +574,16 @@ class TierIndex(TierRows):
             flags_of[slot] = flags
             table.insert(key, slot)
             self._used += 1
-            if set_scope:
-                self._set_scope(slot, scope)  # type: ignore[arg-type]
-            # A new view: _view without its look-up (a slot just claimed has no live one).
-            view = TierEntry(self, slot)
-            views[slot] = weakref.ref(view)
-            out.append(view)
             # The next block's parent: this one.
             parent, peh = slot, eh
             peh_flags = _PEH_NEG if flags & _EH_NEG else 0
-        if len(views) > self._views_purge_at:
-            self._purge_views()
-        return out
+        return len(slots)
+
+    def _columns(self) -> tuple[array[int], ...]:
+        """The columns ``KeyTable.write_rows`` writes, in its order (the key column is the
+        table's own)."""
+        return (self._eh, self._peh, self._flags, self._parent, self._child, self._next,
+                self._prev, self._tick, self._pins, self._scope, self._tok)
 
     def commit(self, key: int, signatures: dict[int, Signature] | None = None) -> TierEntry:
         """Mark ``key`` resident: every rank reported its bytes written."""

@@ -1,0 +1,239 @@
+/* The compiled form of TierIndex._write_run (tiers/index.py, its reference and the fallback
+ * where this is not built, DYN_KVBM_NATIVE=0, a run the token column cannot hold or a tier
+ * with disk signatures): the rows of a run of new blocks written into the index's array
+ * columns, each block's key mapped in the key table, in one call.
+ *
+ * Kept for the target "<= 5 us per offloaded block on the executor thread"
+ * (docs/performance.md, "What each compiled loop is for"): the Python loop writes a dozen
+ * columns per reserved block, about 1.2 us of the executor thread's time per offloaded block
+ * there. tests/tiers/test_keytable_rows.py runs both on the same runs and compares the
+ * indexes they leave.
+ *
+ * Called by TierIndex.reserve_chain on the leader's executor thread (the offload planner's
+ * runs), after it claimed the slots (evictions included); no locks (the GIL is held
+ * throughout, and nothing here runs Python code). Every column is read and written through
+ * the buffer protocol for the length of the call only: the owner grows them with extend.
+ * Public CPython API only. */
+
+#include "_keytable_c.h"
+
+/* Row flags: tiers/_entry.py's (the test checks both agree). */
+#define F_USED 1
+#define F_EH_NEG 8
+#define F_PEH_NEG 16
+
+/* One array column as a C array for the length of one call. */
+typedef struct {
+    Py_buffer view;
+    int open;
+} Column;
+
+static int column_open(PyObject *obj, char code, Py_ssize_t itemsize, Column *c,
+                       const char *name) {
+    if (PyObject_GetBuffer(obj, &c->view, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
+        return -1;
+    c->open = 1;
+    if (c->view.itemsize != itemsize || c->view.format == NULL || c->view.format[0] != code
+            || c->view.format[1] != '\0') {
+        PyErr_Format(PyExc_TypeError, "KeyTable.write_rows: column %s must be an array('%c')",
+                     name, code);
+        return -1;
+    }
+    return 0;
+}
+
+/* A Python int as int64 or uint64 bits: the event hash columns hold the two's complement of
+ * a negative one (its flag set). -1 with an error for anything else. */
+static int hash_bits(PyObject *obj, uint64_t *bits, int *negative) {
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "KeyTable.write_rows: event hash must be an int, not "
+                     "%.100s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(obj, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (!overflow) {
+        *bits = (uint64_t)v;
+        *negative = v < 0;
+        return 0;
+    }
+    unsigned long long u = PyLong_AsUnsignedLongLong(obj); /* past int64: a u64, or raises */
+    if (u == (unsigned long long)-1 && PyErr_Occurred())
+        return -1;
+    *bits = (uint64_t)u;
+    *negative = 0;
+    return 0;
+}
+
+#define N_COLS 11
+enum { C_EH, C_PEH, C_FLAGS, C_PARENT, C_CHILD, C_NEXT, C_PREV, C_TICK, C_PINS, C_SCOPE,
+       C_TOK };
+static const char COL_CODE[N_COLS] = {'Q', 'Q', 'B', 'i', 'i', 'i', 'i', 'Q', 'I', 'I', 'i'};
+static const Py_ssize_t COL_SIZE[N_COLS] = {8, 8, 1, 4, 4, 4, 4, 8, 4, 4, 4};
+static const char *const COL_NAME[N_COLS] = {"eh", "peh", "flags", "parent", "child", "next",
+                                            "prev", "tick", "pins", "scope", "tok"};
+
+const char write_rows_doc[] =
+"write_rows(slots, keys, event_hashes, parent, peh, peh_flags, tokens, width, columns, /)\n"
+"--\n\n"
+"Write the rows of a run of new blocks into ``slots`` (claimed) and map their keys, as\n"
+"TierIndex._write_run does: block k's key ``keys[k]``, event hash ``event_hashes[k]``\n"
+"(signed or unsigned), tokens ``tokens[k * width:(k + 1) * width]`` (an array('i')), its\n"
+"parent block k - 1 (the first's ``parent``, -1: a root, with parent event hash bits ``peh``\n"
+"and ``peh_flags``). ``columns``: (eh, peh, flags, parent, child, next, prev, tick, pins,\n"
+"scope, tok). Returns how many were written: all, or up to a key already mapped.";
+
+PyObject *kt_write_rows(KeyTable *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "write_rows() takes 9 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *slots = args[0], *cols = args[8];
+    if (!PyList_CheckExact(slots) || !PyTuple_CheckExact(cols)
+            || PyTuple_GET_SIZE(cols) != N_COLS) {
+        PyErr_SetString(PyExc_TypeError, "KeyTable.write_rows: slots must be a list, columns "
+                        "a tuple of 11 arrays");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(slots);
+    long parent = PyLong_AsLong(args[3]);
+    if (parent == -1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long peh = PyLong_AsUnsignedLongLong(args[4]);
+    if (peh == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    long peh_flags = PyLong_AsLong(args[5]);
+    if (peh_flags == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t width = PyLong_AsSsize_t(args[7]);
+    if (width == -1 && PyErr_Occurred())
+        return NULL;
+    if (width <= 0) {
+        PyErr_SetString(PyExc_ValueError, "KeyTable.write_rows: width must be positive");
+        return NULL;
+    }
+
+    struct { int32_t slot; int negative; uint64_t key, eh; } *parsed = NULL;
+    Column col[N_COLS + 2] = {0};  /* the 11 columns, the key column, the run's tokens */
+    Column *key_col = &col[N_COLS], *run = &col[N_COLS + 1];
+    PyObject *result = NULL;
+    /* (lists or tuples, as the caller's sequences are; a new reference each) */
+    PyObject *keys = PySequence_Fast(args[1], "KeyTable.write_rows: keys must be a sequence");
+    PyObject *hashes = keys == NULL ? NULL
+        : PySequence_Fast(args[2], "KeyTable.write_rows: event_hashes must be a sequence");
+    if (hashes == NULL)
+        goto done;
+    if (PySequence_Fast_GET_SIZE(keys) < n || PySequence_Fast_GET_SIZE(hashes) < n) {
+        PyErr_SetString(PyExc_ValueError, "KeyTable.write_rows: fewer keys or event hashes "
+                        "than slots");
+        goto done;
+    }
+    for (int c = 0; c < N_COLS; c++)
+        if (column_open(PyTuple_GET_ITEM(cols, c), COL_CODE[c], COL_SIZE[c], &col[c],
+                        COL_NAME[c]) < 0)
+            goto done;
+    if (column_open(self->keys, 'Q', 8, key_col, "key") < 0)
+        goto done;
+    if (column_open(args[6], 'i', 4, run, "tokens") < 0)
+        goto done;
+    Py_ssize_t rows = key_col->view.len / 8;
+    for (int c = 0; c < C_TOK; c++) {
+        if (col[c].view.len / COL_SIZE[c] != rows) {
+            PyErr_Format(PyExc_ValueError, "KeyTable.write_rows: column %s has %zd rows, the "
+                         "key column %zd", COL_NAME[c], col[c].view.len / COL_SIZE[c], rows);
+            goto done;
+        }
+    }
+    if (col[C_TOK].view.len / 4 < rows * width || run->view.len / 4 < n * width) {
+        PyErr_SetString(PyExc_ValueError, "KeyTable.write_rows: the token column or the run's "
+                        "tokens are short");
+        goto done;
+    }
+    if (parent >= rows || parent < -1) {
+        PyErr_Format(PyExc_IndexError, "KeyTable.write_rows: parent slot %ld is not a row",
+                     parent);
+        goto done;
+    }
+    uint64_t *key_of = key_col->view.buf, *eh_of = col[C_EH].view.buf,
+             *peh_of = col[C_PEH].view.buf, *tick_of = col[C_TICK].view.buf;
+    uint8_t *flags_of = col[C_FLAGS].view.buf;
+    int32_t *parent_of = col[C_PARENT].view.buf, *child_of = col[C_CHILD].view.buf,
+            *next_of = col[C_NEXT].view.buf, *prev_of = col[C_PREV].view.buf,
+            *tok = col[C_TOK].view.buf;
+    const int32_t *tokens = run->view.buf;
+    uint32_t *pins_of = col[C_PINS].view.buf, *scope_of = col[C_SCOPE].view.buf;
+    Keys k = {.keys = key_of, .n = rows};
+    /* Every argument read first: nothing is written unless all of them are good. */
+    parsed = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(*parsed));
+    if (parsed == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < n; j++) {
+        long slot = PyLong_AsLong(PyList_GET_ITEM(slots, j));
+        if (slot == -1 && PyErr_Occurred())
+            goto done;
+        if (slot < 0 || slot >= rows || slot == parent) {
+            PyErr_Format(PyExc_IndexError, "KeyTable.write_rows: slot %ld is not a free row",
+                         slot);
+            goto done;
+        }
+        unsigned long long key = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(keys, j));
+        if (key == (unsigned long long)-1 && PyErr_Occurred())
+            goto done;
+        if (hash_bits(PySequence_Fast_GET_ITEM(hashes, j), &parsed[j].eh, &parsed[j].negative) < 0)
+            goto done;
+        parsed[j].slot = (int32_t)slot;
+        parsed[j].key = key;
+    }
+    Py_ssize_t i;
+    for (i = 0; i < n; i++) {
+        int32_t slot = parsed[i].slot;
+        uint64_t key = parsed[i].key, eh = parsed[i].eh;
+        int negative = parsed[i].negative, err = 0;
+        if (table_find(self, &k, key, &err) >= 0 || err) {
+            if (err)
+                goto done;
+            break;  /* (a 64-bit key collision: the caller raises) */
+        }
+        key_of[slot] = key;
+        eh_of[slot] = eh;
+        peh_of[slot] = (uint64_t)peh;
+        tick_of[slot] = 0;
+        pins_of[slot] = 0;
+        scope_of[slot] = 0;
+        child_of[slot] = -1;
+        parent_of[slot] = (int32_t)parent;
+        prev_of[slot] = -1;
+        next_of[slot] = -1;
+        if (parent >= 0) {
+            if (i) {  /* the block before, written just now: pending and childless */
+                child_of[parent] = slot;
+            } else {
+                int32_t first = child_of[parent];
+                next_of[slot] = first;
+                if (first >= 0)
+                    prev_of[first] = slot;
+                child_of[parent] = slot;
+            }
+        }
+        memcpy(tok + (Py_ssize_t)slot * width, tokens + i * width, (size_t)width * 4);
+        flags_of[slot] = (uint8_t)(F_USED | (negative ? F_EH_NEG : 0) | peh_flags);
+        if (table_insert(self, key, slot) < 0)
+            goto done;
+        parent = slot;  /* the next block's parent: this one */
+        peh = eh;
+        peh_flags = negative ? F_PEH_NEG : 0;
+    }
+    result = PyLong_FromSsize_t(i);
+done:
+    Py_XDECREF(keys);
+    Py_XDECREF(hashes);
+    PyMem_Free(parsed);
+    for (int c = 0; c < N_COLS + 2; c++)
+        if (col[c].open)
+            PyBuffer_Release(&col[c].view);
+    return result;
+}

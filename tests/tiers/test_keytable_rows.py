@@ -1,0 +1,111 @@
+"""The tier index's compiled row writes (``KeyTable.write_rows``, ``tiers/_keytable_rows.c``)
+against their reference (``TierIndex._write_run``): two indexes, one on the compiled key table
+and one on the Python one, given the same random history of reserved runs (negative and
+unsigned hashes, roots and children, scopes, tokens past int32), commits, pins, discards and
+evictions, stay alike row for row, bucket for bucket, view for view. An engine restarted with
+``DYN_KVBM_NATIVE=0`` must behave as before.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvbm_plugin._util import compiled as _compiled
+from kvbm_plugin.tiers import _entry
+from kvbm_plugin.tiers._rows import KeyTable
+from kvbm_plugin.tiers.index import TierIndex
+
+compiled = _compiled.loops("tier_keys", {})
+needs_native = pytest.mark.skipif(compiled is None,
+                                  reason="kvbm_plugin.tiers._keytable_c was not built")
+
+
+def _pair(capacity: int) -> tuple[TierIndex, TierIndex]:
+    native, python = TierIndex("host", capacity), TierIndex("host", capacity)
+    native._table = compiled.KeyTable(capacity, native._key)  # noqa: SLF001
+    python._table = KeyTable(capacity, python._key)  # noqa: SLF001
+    return native, python
+
+
+def _rows(index: TierIndex) -> tuple:
+    columns = [list(c) for c in (index._key, *index._columns())]  # noqa: SLF001
+    return (columns, index._table.buckets(), index._rows, list(index._free),  # noqa: SLF001
+            len(index), repr(index), index.evictable(), index.evictions,
+            sorted((e.key, e.event_hash, e.parent_event_hash, e.parent_key, e.token_ids,
+                    e.scope, e.resident, e.pins, e.tick) for e in index.entries()))
+
+
+@needs_native
+def test_the_row_flags_are_the_index_s() -> None:
+    """The C file names the flags it writes; they are tiers/_entry.py's."""
+    source = (__import__("pathlib").Path(_entry.__file__).parent / "_keytable_rows.c").read_text()
+    for name, value in (("F_USED", _entry._USED), ("F_EH_NEG", _entry._EH_NEG),  # noqa: SLF001
+                        ("F_PEH_NEG", _entry._PEH_NEG)):  # noqa: SLF001
+        assert f"#define {name} {value}\n" in source
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(8))
+def test_compiled_row_writes_leave_the_index_as_the_python_ones(seed: int) -> None:
+    rng = random.Random(seed)
+    capacity = rng.choice([5, 16, 40, 97])
+    width = 4
+    native, python = _pair(capacity)
+    chains: list[list[int]] = []
+    evicted: tuple[list, list] = ([], [])
+    held: list[tuple] = []
+    next_key = 1
+    for _ in range(60):
+        op = rng.random()
+        if op < 0.55 or not chains:
+            n = rng.randint(1, 12)
+            keys = list(range(next_key, next_key + n))
+            if rng.random() < 0.05 and chains:
+                keys[rng.randrange(n)] = rng.choice(chains)[0]  # a key that is here: refused
+            next_key += n
+            hashes = [rng.choice([-(1 << 63), -rng.getrandbits(62), rng.getrandbits(64), 0])
+                      for _ in keys]
+            tokens = [rng.getrandbits(31) for _ in range(n * width)]
+            if rng.random() < 0.1:
+                tokens[rng.randrange(len(tokens))] = 1 << 40  # past int32: the Python way
+            parent = rng.choice(chains)[-1] if chains and rng.random() < 0.6 else None
+            parent_hash = None if parent is None or rng.random() < 0.2 else rng.getrandbits(63)
+            scope = rng.choice([None, (None, None), (3, None), (None, 77)])
+            results = []
+            for k, index in enumerate((native, python)):
+                if parent is not None and parent not in index:
+                    results.append("no parent")
+                    continue
+                try:
+                    entries = index.reserve_chain(
+                        keys, hashes, parent_hash, tokens, width, parent,
+                        lambda ix, slot, k=k: evicted[k].append(ix.evicting(slot)), scope)
+                except RuntimeError as exc:
+                    results.append(str(exc))
+                    continue
+                results.append([(e.key, e.slot) for e in entries])
+                if k == 0:
+                    held.append(tuple(entries[:2]))
+            assert results[0] == results[1]
+            if isinstance(results[0], list) and results[0]:
+                chains.append([key for key, _ in results[0]])
+        elif op < 0.8:
+            key = rng.choice(rng.choice(chains))
+            for index in (native, python):
+                entry = index.get(key)
+                if entry is not None and entry.parent_key is None or (
+                        entry is not None and index.get(entry.parent_key).resident):
+                    index.commit(key)
+        elif op < 0.9:
+            key = rng.choice(rng.choice(chains))
+            for index in (native, python):
+                entry = index.lookup(key)
+                if entry is not None:
+                    index.pin(entry)
+        else:
+            key = rng.choice(rng.choice(chains))
+            assert len(native.discard(key)) == len(python.discard(key))
+        assert evicted[0] == evicted[1]
+        assert _rows(native) == _rows(python)
