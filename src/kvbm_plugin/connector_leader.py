@@ -307,7 +307,11 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             # same: its blocks are offloaded later under its scope (adapter, multimodal
             # items), which only this object carries (RequestData names neither).
             return 0, False
-        tokens = list(request.get_tokens(0))
+        # A new list each call (the binding converts the C++ vector; TensorRT-LLM's
+        # bindings.cpp, stored id 3184944): read, never kept or changed here.
+        tokens = request.get_tokens(0)
+        if type(tokens) is not list:
+            tokens = list(tokens)
         bs = self._block_size
         if num_computed_tokens < 0 or num_computed_tokens % bs:
             return 0, False
@@ -317,7 +321,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         tiers = self._tiers
         first = num_computed_tokens // bs
         last = (len(tokens) - 1) // bs  # full blocks that still leave one token to compute
-        keys = block_keys(tokens[:last * bs], bs, salt)
+        # (the prompt's full blocks but one when it fills its last block: only then a copy)
+        keys = block_keys(tokens if len(tokens) // bs == last else tokens[:last * bs], bs,
+                          salt)
         # The prompt's blocks: build_connector_meta extends these instead of hashing them again.
         state.keys = keys
         state.plan = tiers.match(keys, first, last)  # pinned until loaded

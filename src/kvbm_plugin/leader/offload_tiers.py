@@ -172,9 +172,9 @@ class OffloadTiers:
         i = first
         while i < last:
             if host is not None:
-                for entry in host.take_resident(keys, i, last):
-                    plan.append((i, TIER_HOST, entry))
-                    i += 1
+                run = host.take_resident(keys, i, last)
+                plan.extend(zip(range(i, i + len(run)), repeat(TIER_HOST), run))
+                i += len(run)
                 if i >= last:
                     break
             entry = self._lookup_disk(keys[i])  # not resident in the host tier
