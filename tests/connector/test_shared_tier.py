@@ -238,6 +238,9 @@ def test_the_write_through_is_committed_after_the_host_copy_under_its_name(share
     assert len(committed) == 4
     assert {blk.event_hash for blk in committed} <= host_names
     assert a.leader.stats()["shared_saves_committed"] == 4
+    # Committed, nothing of them stays in the leader's hand (else a block the shared tier
+    # drops later would never be written through again: its host key would read "in hand").
+    assert not a.leader._shared._by_key and not a.leader._shared._waiting  # noqa: SLF001
     # What each engine advertises as EXTERNAL: the blocks it can load, under the same names.
     assert a.recorder.hashes("EXTERNAL") == {blk.event_hash for blk in committed}
     assert b.recorder.hashes("EXTERNAL") == {blk.event_hash for blk in committed}

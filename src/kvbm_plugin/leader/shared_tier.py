@@ -60,6 +60,8 @@ from kvbm_plugin.tiers.shared.keys import chain_digests
 from kvbm_plugin.wire.events import MEDIUM_EXTERNAL
 from kvbm_plugin.wire.identity import scope_extra_keys
 
+_record = tuple.__new__  # a NamedTuple built from its fields' tuple (one C call)
+
 logger = logging.getLogger("kvbm_plugin.connector_leader")
 
 TIER_SHARED: Final = "shared"
@@ -296,14 +298,28 @@ class LeaderSharedTier:
         digests = self._ready(state, start + len(entries) - 1, len(entries))
         if digests is None:
             return
-        follow = self._follow
+        n = min(len(entries), len(digests) - start)
+        if n <= 0:
+            return
+        # :meth:`_follow` of each, its reads made once for the run: the directory under one
+        # hold of its lock, the run's one scope (one reserve_chain's), the keys the
+        # planner's entries hold (entry k: keys[start + k]).
+        assert self.directory is not None
+        run = digests[start:start + n]
+        tracked = self.directory.tracked(run)
+        keys, scope, salt = state.keys, entries[0].scope, state.salt
+        by_key, in_hand = self._by_key, self._in_hand
         writes: list[_SharedWrite] = []
         sources: list[tuple[int, int, Any]] = []
-        for k, entry in enumerate(entries[:max(0, len(digests) - start)]):
-            write = follow(state, digests, start + k, entry)
-            if write is not None:
-                writes.append(write)
-                sources.append((first_op + k, blocks[k], entry))
+        for k in range(n):
+            key, digest = keys[start + k], run[k]
+            if key in by_key or digest in in_hand or tracked[k]:
+                continue
+            i = start + k
+            write = by_key[key] = _SharedWrite(-1, digest, digests[i - 1] if i else None, key,
+                                               scope, None, salt)
+            writes.append(write)
+            sources.append((first_op + k, blocks[k], entries[k]))
         if writes:
             self._schedule(writes, sources)
 
@@ -356,8 +372,9 @@ class LeaderSharedTier:
                                   tuple(entry.token_ids))
                 pending.append(SharedSaveOp(op_id, -1, -1, write.digest, entry.slot,
                                             write.host_key))
-            else:
-                pending.append(SharedSaveOp(op_id, host_op, device_block, write.digest))
+            else:  # (built from its fields' tuple: no NamedTuple __new__ per block)
+                pending.append(_record(SharedSaveOp, (op_id, host_op, device_block,
+                                                      write.digest, -1, 0)))
         self._inflight += len(writes)
         self._stats["shared_saves_scheduled"] += len(writes)
 
@@ -384,6 +401,30 @@ class LeaderSharedTier:
         forgotten."""
         errors = run.errors
         self._inflight -= len(run.entries)
+        if errors is None and self.agent is not None:
+            # Every write succeeded: each named one committed here (_save_done and _commit
+            # inline, the run's one scope's extra keys made once), the others as any.
+            commits, by_key, waiting = self._commits, self._by_key, self._waiting
+            scope, extra = None, None
+            committed = 0
+            for write in run.entries:
+                name = write.name
+                if name is None:
+                    self._save_done(write)
+                    continue
+                write.done = True
+                if write.scope is not scope:
+                    scope, extra = write.scope, scope_extra_keys(write.scope)
+                commits.append((make_block(write.digest, write.parent_digest, name[0],
+                                           name[1], name[2], scope[0], extra),
+                                write.key_scope))
+                committed += 1
+                if waiting:
+                    waiting.pop(write.op_id, None)
+                if by_key.get(write.host_key) is write:
+                    del by_key[write.host_key]
+            self._stats["shared_saves_committed"] += committed
+            return
         for k, write in enumerate(run.entries):
             if errors is not None and errors[k]:
                 self._stats["shared_saves_failed"] += 1

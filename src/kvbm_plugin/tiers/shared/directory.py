@@ -176,6 +176,13 @@ class SharedDirectory(SharedRows):
         with self._lock:
             return digest in self._pending or self._find(digest) >= 0
 
+    def tracked(self, digests: Sequence[bytes]) -> list[bool]:
+        """:meth:`is_tracked` of each of ``digests``, under one hold of the lock (a run of
+        write-throughs, executor thread)."""
+        pending, find = self._pending, self._find
+        with self._lock:
+            return [digest in pending or find(digest) >= 0 for digest in digests]
+
     def __len__(self) -> int:
         """Resident blocks."""
         return self._used
