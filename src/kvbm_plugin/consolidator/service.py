@@ -61,7 +61,6 @@ from kvbm_plugin.consolidator.core import (  # re-exported: this module is the p
     UnknownDpRankError,
     UnknownMediumError,
 )
-from kvbm_plugin.consolidator.hash_checks import all_hashes, check_hash
 from kvbm_plugin.consolidator.held_back import DEFAULT_MAX_HELD_BACK
 from kvbm_plugin.consolidator.streams import GpuStreams, _Stream
 from kvbm_plugin.consolidator_config import (
@@ -341,11 +340,10 @@ class KvEventConsolidator:
         is queued (ValueError: nothing of the call is). The token lists are taken over, not
         copied: the caller made them for this call and must not change them."""
         medium = normalize_medium(tier)
-        if stores and not all_hashes(stores):
-            for block_hash, parent_hash, _, _, _ in stores:  # to name the bad one
-                check_hash(block_hash)
-                if parent_hash is not None:
-                    check_hash(parent_hash)
+        for block_hash, parent_hash, _, _, _ in stores:
+            _check_hash(block_hash)
+            if parent_hash is not None:
+                _check_hash(parent_hash)
         if stores:
             self._submit(("stores", medium, dp_rank, list(stores), block_size))
 
@@ -357,7 +355,7 @@ class KvEventConsolidator:
         medium = normalize_medium(tier)
         hashes = list(block_hashes)
         for h in hashes:
-            check_hash(h)
+            _check_hash(h)
         self._submit(("remove", medium, dp_rank, hashes))
 
     def register_clear(self, tier: str, dp_rank: int) -> None:
@@ -760,3 +758,8 @@ class KvEventConsolidator:
                 self._c["output_lost"] += 1
                 self._log.log(logging.WARNING, "output-lost", "output batch for dp rank %d lost "
                               "by the publisher (consumers see a seq gap)", dp_rank)
+
+
+def _check_hash(value: int) -> None:
+    if type(value) is not int or not -(1 << 63) <= value < (1 << 64):
+        raise ValueError(f"block hash {value!r} is not a signed or unsigned 64-bit integer")

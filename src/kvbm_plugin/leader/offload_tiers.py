@@ -173,7 +173,10 @@ class OffloadTiers:
         while i < last:
             if host is not None:
                 run = host.take_resident(keys, i, last)
-                plan.extend(zip(range(i, i + len(run)), repeat(TIER_HOST), run))
+                if len(run) == 1:  # (a one-block run: no iterators to make)
+                    plan.append((i, TIER_HOST, run[0]))
+                elif run:
+                    plan.extend(zip(range(i, i + len(run)), repeat(TIER_HOST), run))
                 i += len(run)
                 if i >= last:
                     break

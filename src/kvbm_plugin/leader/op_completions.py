@@ -58,14 +58,42 @@ class OpCompletions:
         runs of loads unpinned together; the shared tier's agent is handed its commits
         once at the end."""
         final: list[tuple[int, Op | SaveRun | LoadRun | SharedRun]] = []
+        ops, tp_size = self._ops, self._tp_size
         for item in self._hub.take():
             if type(item) is ReportBatch:
-                self._fold_batch(item, final)
-            elif type(item) is list:
-                for report in item:
-                    self._fold(report, final)
+                if len(item.op_ids) > 1:
+                    self._fold_batch(item, final)
+                    continue
+                ok = item.oks[0]  # (one copy's batch: the loop below, no stretch to find)
+                reports: Any = (OpReport(item.op_ids[0], item.rank, ok,
+                                         ERR_NONE if ok else ERR_FAILED),)
             else:
-                self._fold(item, final)  # type: ignore[arg-type]
+                reports = item if type(item) is list else (item,)
+            for report in reports:
+                # _fold of one block of a run, inline (a one-block request's report pays no
+                # call but this loop's); any other op goes to _fold.
+                op_id, rank = report.op_id, report.rank
+                op = ops.get(op_id)
+                kind = type(op)
+                if (kind is SaveRun or kind is LoadRun or kind is SharedRun) \
+                        and 0 <= rank < tp_size and report.ok and report.signature is None:
+                    # (_Run.mark and _retire inline)
+                    seen = op.seen  # type: ignore[union-attr]
+                    if seen is None:
+                        seen = op.seen = [0] * tp_size  # type: ignore[union-attr]
+                    mine, bit = seen[rank], 1 << (op_id - op.first)  # type: ignore[union-attr]
+                    if mine & bit:
+                        continue  # a rank's duplicate report counts once
+                    seen[rank] = mine = mine | bit
+                    if mine == op.full:  # type: ignore[union-attr]
+                        op.done_ranks += 1  # type: ignore[union-attr]
+                        if op.done_ranks == tp_size:  # type: ignore[union-attr]
+                            first = op.first  # type: ignore[union-attr]
+                            for done in range(first, first + len(op.entries)):  # type: ignore[union-attr]
+                                del ops[done]
+                            final.append((first, op))  # type: ignore[arg-type]
+                else:
+                    self._fold(report, final)
         if not final:
             return  # (most calls: nothing to commit, nothing for the shared tier's agent)
         if len(final) > 1:  # op ids grow along each chain: parents are registered first
@@ -194,7 +222,7 @@ class OpCompletions:
         errors, cancelled, tiers = run.errors, run.cancelled, run.tiers
         entries: Any = run.entries
         todo: Any = range(len(entries))
-        if errors is None and not cancelled and host is not None \
+        if errors is None and not cancelled and host is not None and len(tiers) > 1 \
                 and tiers.count(TIER_HOST) == len(tiers):
             # The common run: every block loaded from the host tier, none failed or taken
             # back: unpinned in one index call; only the blocks it missed go the long way.
@@ -283,7 +311,7 @@ def _writes(run: list[tuple[int, Op | SaveRun]]) -> Iterator[Write]:
         if type(op) is SaveRun:
             tier, tainted, errors = op.tier, op.tainted, op.errors
             signatures = op.signatures
-            if errors is None and signatures is None and not tainted:
+            if errors is None and signatures is None and not tainted and len(op.entries) > 1:
                 yield RUN_OF_SAVES, tier, op.entries, True, None, False  # (all at once)
                 continue
             for k, entry in enumerate(op.entries):
