@@ -78,20 +78,20 @@ class OpCompletions:
                 if (kind is SaveRun or kind is LoadRun or kind is SharedRun) \
                         and 0 <= rank < tp_size and report.ok and report.signature is None:
                     # (_Run.mark and _retire inline)
-                    seen = op.seen  # type: ignore[union-attr]
+                    seen = op.seen
                     if seen is None:
-                        seen = op.seen = [0] * tp_size  # type: ignore[union-attr]
-                    mine, bit = seen[rank], 1 << (op_id - op.first)  # type: ignore[union-attr]
+                        seen = op.seen = [0] * tp_size
+                    mine, bit = seen[rank], 1 << (op_id - op.first)
                     if mine & bit:
                         continue  # a rank's duplicate report counts once
                     seen[rank] = mine = mine | bit
-                    if mine == op.full:  # type: ignore[union-attr]
-                        op.done_ranks += 1  # type: ignore[union-attr]
-                        if op.done_ranks == tp_size:  # type: ignore[union-attr]
-                            first = op.first  # type: ignore[union-attr]
-                            for done in range(first, first + len(op.entries)):  # type: ignore[union-attr]
+                    if mine == op.full:
+                        op.done_ranks += 1
+                        if op.done_ranks == tp_size:
+                            first = op.first
+                            for done in range(first, first + len(op.entries)):
                                 del ops[done]
-                            final.append((first, op))  # type: ignore[arg-type]
+                            final.append((first, op))
                 else:
                     self._fold(report, final)
         if not final:
@@ -119,16 +119,16 @@ class OpCompletions:
         kind = type(op)
         tp_size = self._tp_size
         if (kind is SaveRun or kind is LoadRun or kind is SharedRun) and 0 <= rank < tp_size:
-            k = op_id - op.first  # type: ignore[union-attr]
-            done = op.mark(rank, 1 << k, tp_size)  # type: ignore[union-attr]
+            k = op_id - op.first
+            done = op.mark(rank, 1 << k, tp_size)
             if done < 0:
                 return  # a rank's duplicate report counts once (as in Op.reports)
             if not report.ok:
-                op.fail(k, report.error)  # type: ignore[union-attr]
+                op.fail(k, report.error)
             if report.signature is not None:
-                op.sign(k, rank, report.signature)  # type: ignore[union-attr]
+                op.sign(k, rank, report.signature)
             if done:
-                self._retire(op, final)  # type: ignore[arg-type]
+                self._retire(op, final)
             return
         if op is None or not 0 <= rank < tp_size:
             # A rank outside the group must not count towards "every rank reported" (the
@@ -140,10 +140,10 @@ class OpCompletions:
                           rank, "unknown op" if op is None else "rank out of range",
                           tp_size)
             return
-        reports = op.reports  # type: ignore[union-attr]
+        reports = op.reports
         reports[rank] = report
         if not report.ok:
-            op.failed = True  # type: ignore[union-attr]
+            op.failed = True
         if len(reports) >= tp_size:
             del self._ops[op_id]
             final.append((op_id, op))
@@ -162,11 +162,11 @@ class OpCompletions:
             kind = type(op)
             if not (kind is SaveRun or kind is LoadRun or kind is SharedRun):
                 break
-            k = op_id - op.first  # type: ignore[union-attr]
+            k = op_id - op.first
             # The stretch: the most ids from here that continue op_id within the run. A
             # batch's ids ascend (its loads', then its saves', each run's in order), where
             # "op_ids[i + t] == op_id + t" holds for a prefix: bisected, then checked whole.
-            lo, hi = 1, min(len(op.entries) - k, n - i)  # type: ignore[union-attr]
+            lo, hi = 1, min(len(op.entries) - k, n - i)
             while lo < hi:
                 mid = (lo + hi + 1) // 2
                 if op_ids[i + mid - 1] == op_id + mid - 1:
@@ -177,11 +177,11 @@ class OpCompletions:
             if (m > 1 and op_ids[i:i + m] != list(range(op_id, op_id + m))) \
                     or not all(oks[i:i + m]):
                 break
-            done = op.mark(rank, ((1 << m) - 1) << k, tp_size)  # type: ignore[union-attr]
+            done = op.mark(rank, ((1 << m) - 1) << k, tp_size)
             if done < 0:
                 break  # (some block reported before: each counts once, below)
             if done:
-                self._retire(op, final)  # type: ignore[arg-type]
+                self._retire(op, final)
             i += m
         for j in range(i, n):  # (bounded: one failed stretch sends the rest this way)
             ok = oks[j]

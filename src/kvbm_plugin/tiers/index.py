@@ -443,14 +443,17 @@ class TierIndex(TierRows):
         if parent >= 0:
             self._dequeue(parent)
             self._pins[parent] += 1
-        slots = self._claim_run(parent, len(keys), on_evict)
-        if parent >= 0:
-            self._pins[parent] -= 1
+            try:
+                slots = self._claim_run(parent, len(keys), on_evict)
+            finally:  # (an on_evict that raises leaves no pin behind)
+                self._pins[parent] -= 1
             if not slots:
                 self._offer(parent)  # nothing was reserved: the parent is as it was
                 return []
-        elif not slots:
-            return []
+        else:
+            slots = self._claim_run(parent, len(keys), on_evict)
+            if not slots:
+                return []
         write_rows = getattr(self._table, "write_rows", None)
         if write_rows is not None and run_tokens is not None and not self._sig:
             # The compiled loop (tiers/_keytable_rows.c): the rows the loop below writes.
