@@ -58,42 +58,14 @@ class OpCompletions:
         runs of loads unpinned together; the shared tier's agent is handed its commits
         once at the end."""
         final: list[tuple[int, Op | SaveRun | LoadRun | SharedRun]] = []
-        ops, tp_size = self._ops, self._tp_size
         for item in self._hub.take():
             if type(item) is ReportBatch:
-                if len(item.op_ids) > 1:
-                    self._fold_batch(item, final)
-                    continue
-                ok = item.oks[0]  # (one copy's batch: the loop below, no stretch to find)
-                reports: Any = (OpReport(item.op_ids[0], item.rank, ok,
-                                         ERR_NONE if ok else ERR_FAILED),)
-            else:
-                reports = item if type(item) is list else (item,)
-            for report in reports:
-                # _fold of one block of a run, inline (a one-block request's report pays no
-                # call but this loop's); any other op goes to _fold.
-                op_id, rank = report.op_id, report.rank
-                op = ops.get(op_id)
-                kind = type(op)
-                if (kind is SaveRun or kind is LoadRun or kind is SharedRun) \
-                        and 0 <= rank < tp_size and report.ok and report.signature is None:
-                    # (_Run.mark and _retire inline)
-                    seen = op.seen
-                    if seen is None:
-                        seen = op.seen = [0] * tp_size
-                    mine, bit = seen[rank], 1 << (op_id - op.first)
-                    if mine & bit:
-                        continue  # a rank's duplicate report counts once
-                    seen[rank] = mine = mine | bit
-                    if mine == op.full:
-                        op.done_ranks += 1
-                        if op.done_ranks == tp_size:
-                            first = op.first
-                            for done in range(first, first + len(op.entries)):
-                                del ops[done]
-                            final.append((first, op))
-                else:
+                self._fold_batch(item, final)
+            elif type(item) is list:
+                for report in item:
                     self._fold(report, final)
+            else:
+                self._fold(item, final)
         if not final:
             return  # (most calls: nothing to commit, nothing for the shared tier's agent)
         if len(final) > 1:  # op ids grow along each chain: parents are registered first
