@@ -88,22 +88,11 @@ static PyObject *kt_find(KeyTable *self, PyObject *arg) {
     Keys k;
     if (keys_open(self, &k) < 0)
         return NULL;
-    size_t i = home(self, key);
-    int32_t slot;
-    for (;;) {
-        slot = self->table[i];
-        if (slot < 0)
-            break;
-        uint64_t at;
-        if (key_at(&k, slot, &at) < 0) {
-            PyBuffer_Release(&k.view);
-            return NULL;
-        }
-        if (at == key)
-            break;
-        i = (i + 1) & self->mask;
-    }
+    int err = 0;
+    int32_t slot = table_find(self, &k, key, &err);
     PyBuffer_Release(&k.view);
+    if (err)
+        return NULL;
     return PyLong_FromLong(slot);
 }
 
@@ -125,16 +114,8 @@ static PyObject *kt_insert(KeyTable *self, PyObject *const *args, Py_ssize_t nar
         PyErr_Format(PyExc_ValueError, "KeyTable: slot %ld is not a row", slot);
         return NULL;
     }
-    size_t i = home(self, key);
-    size_t probes = 0;
-    while (self->table[i] >= 0) {
-        if (++probes > self->size) {
-            PyErr_SetString(PyExc_RuntimeError, "KeyTable: the table is full");
-            return NULL;
-        }
-        i = (i + 1) & self->mask;
-    }
-    self->table[i] = (int32_t)slot;
+    if (table_insert(self, key, (int32_t)slot) < 0)
+        return NULL;
     Py_RETURN_NONE;
 }
 
