@@ -51,6 +51,7 @@ from kvbm_plugin.connector.meta import (
     ZmqReportReceiver,
     close_hub,
     open_hub,
+    record,
 )
 from kvbm_plugin.connector.metrics import get_metrics
 from kvbm_plugin.connector.trtllm_compat import (
@@ -91,9 +92,6 @@ from kvbm_plugin.wire.identity import remember_salt_text, request_scopes
 
 logger = logging.getLogger(__name__)
 _TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
-# A LoadCopy built from its fields' tuple: one C call, not NamedTuple's Python __new__
-# (once per onboarded block, executor thread).
-_record = tuple.__new__
 
 
 class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid-type]
@@ -438,7 +436,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             if tier == TIER_SHARED:
                 shared.append((index, entry, block))
                 continue
-            copies.append(_record(LoadCopy, (
+            copies.append(record(LoadCopy, (
                 first + len(run_entries), _TIER_CODE[tier], entry.slot, keys[index],
                 int(block), None, load_pages(state, index) if grouped else ())))
             run_tiers.append(tier)

@@ -46,6 +46,12 @@ ERR_CORRUPT: Final = 2
 ERR_DROPPED: Final = 3  # a shared-tier write dropped by a full write queue (counted apart)
 
 
+# One of the records below built from its fields' tuple, every field given (defaults
+# included): one C call, where calling the class runs NamedTuple's Python-level __new__
+# (0.10 against 0.24 us; once per block on the leader's executor thread).
+record = tuple.__new__
+
+
 class LoadCopy(NamedTuple):
     """Copy one tier block into one device block (onboarding)."""
 

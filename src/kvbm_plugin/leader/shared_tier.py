@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector.meta import ERR_DROPPED, SharedSaveOp, shared_layout
+from kvbm_plugin.connector.meta import ERR_DROPPED, SharedSaveOp, record, shared_layout
 from kvbm_plugin.consolidator_config import CPU_CACHE_GB, SHARED_TIER, ConfigError
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.requests import OpTable, SharedRun
@@ -59,8 +59,6 @@ from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory
 from kvbm_plugin.tiers.shared.keys import chain_digests
 from kvbm_plugin.wire.events import MEDIUM_EXTERNAL
 from kvbm_plugin.wire.identity import scope_extra_keys
-
-_record = tuple.__new__  # a NamedTuple built from its fields' tuple (one C call)
 
 logger = logging.getLogger("kvbm_plugin.connector_leader")
 
@@ -373,7 +371,7 @@ class LeaderSharedTier:
                 pending.append(SharedSaveOp(op_id, -1, -1, write.digest, entry.slot,
                                             write.host_key))
             else:  # (built from its fields' tuple: no NamedTuple __new__ per block)
-                pending.append(_record(SharedSaveOp, (op_id, host_op, device_block,
+                pending.append(record(SharedSaveOp, (op_id, host_op, device_block,
                                                       write.digest, -1, 0)))
         self._inflight += len(writes)
         self._stats["shared_saves_scheduled"] += len(writes)
