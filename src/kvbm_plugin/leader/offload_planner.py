@@ -213,12 +213,14 @@ class OffloadPlanner:
                 parent = named_hash
             else:
                 parent = self.event_hash(state, i - 1)
-            entries = tiers.reserve_chain(index, keys[i:j], hashes, parent,
-                                          tokens[i * bs:j * bs], bs, parent_key,
-                                          block_scope(state, i, bs) if scope is None
+            run_tokens = tokens[i * bs:j * bs]
+            entries = tiers.reserve_chain(index, keys[i:j], hashes, parent, run_tokens, bs,
+                                          parent_key, block_scope(state, i, bs) if scope is None
                                           else scope)
             if entries:
-                first = new_run(tier_name, req_id, entries).first  # op ids first, first + 1 ...
+                # op ids first, first + 1 ...; the run's STOREs take their tokens from the
+                # list its rows were written from
+                first = new_run(tier_name, req_id, entries, run_tokens, bs).first
                 state.saves_inflight.add(first)
                 for k, entry in enumerate(entries):  # (entry k holds keys[i + k])
                     saves.append(record(SaveOp, (

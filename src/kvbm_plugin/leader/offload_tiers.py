@@ -369,8 +369,9 @@ class OffloadTiers:
     def finish_writes(self, writes: Iterable[Write]) -> None:
         """Every rank reported each block write of ``writes`` (saves and demotions, in op-id
         order: the leader's batch of reports; each ``(kind, tier, entry, ok, signatures,
-        tainted)``, or a run of saves every rank wrote, ``(RUN_OF_SAVES, tier, entries, True,
-        None, False)``): commit its entry and announce it (or let it wait for its name), or
+        tainted)``, or a run of saves every rank wrote, ``(RUN_OF_SAVES, tier, run, True, None,
+        False)``, ``run`` a ``SaveRun``: its ``entries`` and the ``tokens`` they were reserved
+        with): commit its entry and announce it (or let it wait for its name), or
         forget it and its descendants (:meth:`_not_committed`). The STOREs of the
         blocks committed and named in a row are announced together (:meth:`announce_all`).
         What may register a REMOVE (a failed or orphaned write, an unnamed block past its
@@ -382,13 +383,14 @@ class OffloadTiers:
             if kind != RUN_OF_SAVES:
                 self._finish_write(done, kind, tier, entry, ok, signatures, tainted)
                 continue
-            # A run every rank wrote (``entry``: its entries): its named blocks committed in
+            # A run every rank wrote (``entry``: its SaveRun): its named blocks committed in
             # one index call while no block waits for a name; the rest of the run (from an
             # unnamed block, one forgotten meanwhile, ...) one by one, as any write.
-            entries: Any = entry
+            run: Any = entry
+            entries = run.entries
             index = self.host if tier == TIER_HOST else self.disk
-            rows = index.commit_named(entries) if index is not None and not len(unnamed) \
-                else []
+            rows = index.commit_named(entries, run.tokens, run.width) \
+                if index is not None and not len(unnamed) else []
             if rows:
                 done.extend(zip(repeat(index), entries, rows))
                 stats["saves_committed"] += len(rows)

@@ -284,7 +284,7 @@ def _writes(run: list[tuple[int, Op | SaveRun]]) -> Iterator[Write]:
             tier, tainted, errors = op.tier, op.tainted, op.errors
             signatures = op.signatures
             if errors is None and signatures is None and not tainted and len(op.entries) > 1:
-                yield RUN_OF_SAVES, tier, op.entries, True, None, False  # (all at once)
+                yield RUN_OF_SAVES, tier, op, True, None, False  # (all at once)
                 continue
             for k, entry in enumerate(op.entries):
                 yield ("save", tier, entry, errors is None or not errors[k],

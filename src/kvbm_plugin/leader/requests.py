@@ -167,15 +167,20 @@ class _Run:
 
 class SaveRun(_Run):
     """The saves of one request's run of blocks into one tier, made by one planner call; block
-    ``k`` writes ``entries[k]``, committed where every rank succeeded at it."""
+    ``k`` writes ``entries[k]``, committed where every rank succeeded at it. ``tokens``: the
+    token ids the run was reserved with (``width`` per block; None: read from the tier's
+    rows), what the run's STOREs carry."""
 
-    __slots__ = ("tier", "req_id", "signatures", "tainted")
+    __slots__ = ("tier", "req_id", "signatures", "tainted", "tokens", "width")
     kind = "save"
 
-    def __init__(self, tier: str, req_id: int, first: int, entries: list[TierEntry]) -> None:
+    def __init__(self, tier: str, req_id: int, first: int, entries: list[TierEntry],
+                 tokens: list[int] | None = None, width: int = 0) -> None:
         super().__init__(first, entries)
         self.tier = tier
         self.req_id = req_id
+        self.tokens = tokens
+        self.width = width
         # Per block, the disk signatures reports carry ({rank: signature}); None: none yet.
         self.signatures: list[dict[int, tuple[int, int]] | None] | None = None
         # Its request was terminated without telling (see Op.tainted): none committed.
@@ -260,10 +265,12 @@ class OpTable(dict[int, "Op | SaveRun | LoadRun | SharedRun"]):
         op ids from its ``first``."""
         return self._numbered(SharedRun(self._next, writes))
 
-    def new_run(self, tier: str, req_id: int, entries: list[TierEntry]) -> SaveRun:
-        """Record the saves of ``entries`` (a chain, in order) as one :class:`SaveRun`, with
-        consecutive op ids from its ``first``."""
-        return self._numbered(SaveRun(tier, req_id, self._next, entries))
+    def new_run(self, tier: str, req_id: int, entries: list[TierEntry],
+                tokens: list[int] | None = None, width: int = 0) -> SaveRun:
+        """Record the saves of ``entries`` (a chain, in order; reserved with ``tokens``,
+        ``width`` per block, where given) as one :class:`SaveRun`, with consecutive op ids
+        from its ``first``."""
+        return self._numbered(SaveRun(tier, req_id, self._next, entries, tokens, width))
 
     def _numbered(self, run: _R) -> _R:
         """Map each op id of ``run`` (made with ``first`` = the next id) to it."""

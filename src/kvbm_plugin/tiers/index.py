@@ -281,18 +281,23 @@ class TierIndex(TierRows):
         return (key_of[slot], None if parent < 0 else key_of[parent], *self._hashes(slot, flags),
                 tokens, self._scopes[self._scope[slot]])
 
-    def commit_named(self, entries: Sequence[TierEntry]) -> list[tuple[Any, ...]]:
+    def commit_named(self, entries: Sequence[TierEntry], tokens: list[int] | None = None,
+                     run_width: int = 0) -> list[tuple[Any, ...]]:
         """:meth:`commit_row` of each of ``entries`` in order (a run of saves every rank
         wrote, ``OffloadTiers.finish_writes``, executor thread), while each is a named block
         (its event hash is not its key; its parent's, where it has one, not the parent's key)
         that :meth:`commit_row` would commit: the (event hash, parent event hash, token ids,
         scope) of each committed, in order. Stops before the first other one, committing
-        nothing from there: the caller takes the rest block by block."""
+        nothing from there: the caller takes the rest block by block. ``tokens``: the token
+        ids the run's rows were reserved with (``reserve_chain``'s ``tokens``, ``run_width``
+        per block), sliced for each block instead of read back from the rows: the same
+        values, without making an int object per token."""
         flags_of, key_of, eh_of, peh_of = self._flags, self._key, self._eh, self._peh
         parent_of, tick_of, pins_of, child_of = self._parent, self._tick, self._pins, self._child
         tok, width, scopes, scope_of = self._tok, self._width, self._scopes, self._scope
         order = self._order
         out: list[tuple[Any, ...]] = []
+        at = 0  # block k's tokens in ``tokens``: at = k * width
         for entry in entries:
             if entry._snap is not None or entry._index is not self:
                 break
@@ -328,11 +333,14 @@ class TierIndex(TierRows):
                 order.add(tick, slot)  # the newest: appended
                 flags |= _QUEUED
             flags_of[slot] = flags
-            if flags & (_ODD_TOKENS | _NO_TOKENS):
-                tokens = list(self._tokens(slot))
+            if tokens is not None:
+                row_tokens = tokens[at:at + run_width]  # a new list
+                at += run_width
+            elif flags & (_ODD_TOKENS | _NO_TOKENS):
+                row_tokens = list(self._tokens(slot))
             else:
-                tokens = tok[slot * width:(slot + 1) * width].tolist() if width > 0 else []
-            out.append((eh, peh, tokens, scopes[scope_of[slot]]))
+                row_tokens = tok[slot * width:(slot + 1) * width].tolist() if width > 0 else []
+            out.append((eh, peh, row_tokens, scopes[scope_of[slot]]))
         return out
 
     def evicting(self, slot: int) -> tuple[int, int]:
