@@ -340,9 +340,14 @@ class KvEventConsolidator:
         is queued (ValueError: nothing of the call is). The token lists are taken over, not
         copied: the caller made them for this call and must not change them."""
         medium = normalize_medium(tier)
+        lo, hi = _HASH_MIN, _HASH_END
         for block_hash, parent_hash, _, _, _ in stores:
-            _check_hash(block_hash)
-            if parent_hash is not None:
+            # _check_hash's test inline (two per block, executor thread): it raises only
+            # for the hash that fails it
+            if type(block_hash) is not int or not lo <= block_hash < hi:
+                _check_hash(block_hash)
+            if parent_hash is not None and (type(parent_hash) is not int
+                                            or not lo <= parent_hash < hi):
                 _check_hash(parent_hash)
         if stores:
             self._submit(("stores", medium, dp_rank, list(stores), block_size))
@@ -760,6 +765,9 @@ class KvEventConsolidator:
                               "by the publisher (consumers see a seq gap)", dp_rank)
 
 
+_HASH_MIN, _HASH_END = -(1 << 63), 1 << 64  # a block hash: signed or unsigned 64-bit
+
+
 def _check_hash(value: int) -> None:
-    if type(value) is not int or not -(1 << 63) <= value < (1 << 64):
+    if type(value) is not int or not _HASH_MIN <= value < _HASH_END:
         raise ValueError(f"block hash {value!r} is not a signed or unsigned 64-bit integer")
