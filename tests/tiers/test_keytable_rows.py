@@ -67,9 +67,15 @@ def test_compiled_row_writes_leave_the_index_as_the_python_ones(seed: int) -> No
             next_key += n
             hashes = [rng.choice([-(1 << 63), -rng.getrandbits(62), rng.getrandbits(64), 0])
                       for _ in keys]
-            tokens = [rng.getrandbits(31) for _ in range(n * width)]
-            if rng.random() < 0.1:
-                tokens[rng.randrange(len(tokens))] = 1 << 40  # past int32: the Python way
+            tokens: list | tuple = [rng.getrandbits(31) for _ in range(n * width)]
+            if rng.random() < 0.3:  # the int32 bounds (and a bool) fit the column
+                tokens[rng.randrange(len(tokens))] = rng.choice([(1 << 31) - 1, -(1 << 31),
+                                                                 True])
+            if rng.random() < 0.1:  # past int32 either way: the Python way
+                tokens[rng.randrange(len(tokens))] = rng.choice([1 << 40, 1 << 31,
+                                                                 -(1 << 31) - 1])
+            if rng.random() < 0.2:
+                tokens = tuple(tokens)
             parent = rng.choice(chains)[-1] if chains and rng.random() < 0.6 else None
             parent_hash = None if parent is None or rng.random() < 0.2 else rng.getrandbits(63)
             scope = rng.choice([None, (None, None), (3, None), (None, 77)])
@@ -109,3 +115,17 @@ def test_compiled_row_writes_leave_the_index_as_the_python_ones(seed: int) -> No
             assert len(native.discard(key)) == len(python.discard(key))
         assert evicted[0] == evicted[1]
         assert _rows(native) == _rows(python)
+
+
+@needs_native
+def test_a_run_the_token_column_cannot_hold_is_not_written_by_the_compiled_loop() -> None:
+    """``write_rows`` returns None and writes nothing when a token is not an int32 (past its
+    range, or not an int): the index then writes the run the Python way."""
+    native, _ = _pair(8)
+    before = _rows(native)
+    for bad in (1 << 31, -(1 << 31) - 1, 2.0, "3"):
+        got = native._table.write_rows(  # noqa: SLF001
+            [0, 1], [11, 12], [5, 6], -1, 0, _entry._PEH_NONE, [1, 2, 3, bad], 2,  # noqa: SLF001
+            native._columns())  # noqa: SLF001
+        assert got is None
+        assert _rows(native) == before

@@ -80,10 +80,12 @@ const char write_rows_doc[] =
 "--\n\n"
 "Write the rows of a run of new blocks into ``slots`` (claimed) and map their keys, as\n"
 "TierIndex._write_run does: block k's key ``keys[k]``, event hash ``event_hashes[k]``\n"
-"(signed or unsigned), tokens ``tokens[k * width:(k + 1) * width]`` (an array('i')), its\n"
-"parent block k - 1 (the first's ``parent``, -1: a root, with parent event hash bits ``peh``\n"
-"and ``peh_flags``). ``columns``: (eh, peh, flags, parent, child, next, prev, tick, pins,\n"
-"scope, tok). Returns how many were written: all, or up to a key already mapped.";
+"(signed or unsigned), tokens ``tokens[k * width:(k + 1) * width]`` (a list or tuple of\n"
+"ints), its parent block k - 1 (the first's ``parent``, -1: a root, with parent event hash\n"
+"bits ``peh`` and ``peh_flags``). ``columns``: (eh, peh, flags, parent, child, next, prev,\n"
+"tick, pins, scope, tok). Returns how many were written: all, or up to a key already\n"
+"mapped; None, with nothing written, when a token is not an int32 (the token column cannot\n"
+"hold the run: the caller writes it the other way).";
 
 PyObject *kt_write_rows(KeyTable *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 9) {
@@ -116,14 +118,18 @@ PyObject *kt_write_rows(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
     }
 
     struct { int32_t slot; int negative; uint64_t key, eh; } *parsed = NULL;
-    Column col[N_COLS + 2] = {0};  /* the 11 columns, the key column, the run's tokens */
-    Column *key_col = &col[N_COLS], *run = &col[N_COLS + 1];
-    PyObject *result = NULL;
+    int32_t *tokens = NULL;  /* the run's tokens, read into int32 */
+    Column col[N_COLS + 1] = {0};  /* the 11 columns, the key column */
+    Column *key_col = &col[N_COLS];
+    PyObject *result = NULL, *run = NULL;
     /* (lists or tuples, as the caller's sequences are; a new reference each) */
     PyObject *keys = PySequence_Fast(args[1], "KeyTable.write_rows: keys must be a sequence");
     PyObject *hashes = keys == NULL ? NULL
         : PySequence_Fast(args[2], "KeyTable.write_rows: event_hashes must be a sequence");
     if (hashes == NULL)
+        goto done;
+    run = PySequence_Fast(args[6], "KeyTable.write_rows: tokens must be a sequence");
+    if (run == NULL)
         goto done;
     if (PySequence_Fast_GET_SIZE(keys) < n || PySequence_Fast_GET_SIZE(hashes) < n) {
         PyErr_SetString(PyExc_ValueError, "KeyTable.write_rows: fewer keys or event hashes "
@@ -136,8 +142,6 @@ PyObject *kt_write_rows(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
             goto done;
     if (column_open(self->keys, 'Q', 8, key_col, "key") < 0)
         goto done;
-    if (column_open(args[6], 'i', 4, run, "tokens") < 0)
-        goto done;
     Py_ssize_t rows = key_col->view.len / 8;
     for (int c = 0; c < C_TOK; c++) {
         if (col[c].view.len / COL_SIZE[c] != rows) {
@@ -146,7 +150,7 @@ PyObject *kt_write_rows(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
             goto done;
         }
     }
-    if (col[C_TOK].view.len / 4 < rows * width || run->view.len / 4 < n * width) {
+    if (col[C_TOK].view.len / 4 < rows * width || PySequence_Fast_GET_SIZE(run) < n * width) {
         PyErr_SetString(PyExc_ValueError, "KeyTable.write_rows: the token column or the run's "
                         "tokens are short");
         goto done;
@@ -162,14 +166,27 @@ PyObject *kt_write_rows(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
     int32_t *parent_of = col[C_PARENT].view.buf, *child_of = col[C_CHILD].view.buf,
             *next_of = col[C_NEXT].view.buf, *prev_of = col[C_PREV].view.buf,
             *tok = col[C_TOK].view.buf;
-    const int32_t *tokens = run->view.buf;
     uint32_t *pins_of = col[C_PINS].view.buf, *scope_of = col[C_SCOPE].view.buf;
     Keys k = {.keys = key_of, .n = rows};
     /* Every argument read first: nothing is written unless all of them are good. */
     parsed = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(*parsed));
-    if (parsed == NULL) {
+    tokens = PyMem_Malloc((size_t)(n ? n * width : 1) * sizeof(*tokens));
+    if (parsed == NULL || tokens == NULL) {
         PyErr_NoMemory();
         goto done;
+    }
+    PyObject *const *items = PySequence_Fast_ITEMS(run);
+    for (Py_ssize_t j = 0; j < n * width; j++) {
+        /* An int32, as array('i') takes it (bool included); anything else: not here. */
+        int overflow = 0;
+        long v = PyLong_Check(items[j]) ? PyLong_AsLongAndOverflow(items[j], &overflow) : 0;
+        if (v == -1 && PyErr_Occurred())
+            goto done;
+        if (!PyLong_Check(items[j]) || overflow || v < INT32_MIN || v > INT32_MAX) {
+            result = Py_NewRef(Py_None);
+            goto done;
+        }
+        tokens[j] = (int32_t)v;
     }
     for (Py_ssize_t j = 0; j < n; j++) {
         long slot = PyLong_AsLong(PyList_GET_ITEM(slots, j));
@@ -231,8 +248,10 @@ PyObject *kt_write_rows(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
 done:
     Py_XDECREF(keys);
     Py_XDECREF(hashes);
+    Py_XDECREF(run);
     PyMem_Free(parsed);
-    for (int c = 0; c < N_COLS + 2; c++)
+    PyMem_Free(tokens);
+    for (int c = 0; c < N_COLS + 1; c++)
         if (col[c].open)
             PyBuffer_Release(&col[c].view);
     return result;

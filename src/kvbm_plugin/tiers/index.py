@@ -438,14 +438,9 @@ class TierIndex(TierRows):
         else:
             peh, negative = _u64(parent_event_hash, "parent_event_hash")
             peh_flags = _PEH_NEG if negative else 0
-        # The tokens go into the flat column as one int32 array, sliced per block; a run
-        # the column cannot hold (another width, a value past int32) goes block by block.
-        run_tokens = None
-        if width > 0 and width == self._width and len(tokens) == width * len(keys):
-            try:
-                run_tokens = array("i", tokens)
-            except (OverflowError, TypeError):
-                run_tokens = None
+        # The tokens go into the flat column, sliced per block; a run the column cannot hold
+        # (another width, a value past int32) goes block by block.
+        fits = width > 0 and width == self._width and len(tokens) == width * len(keys)
         # The parent leaves the eviction order first and is held (it is about to gain a
         # child): no eviction below may take it, not even once its last other child went.
         if parent >= 0:
@@ -463,12 +458,21 @@ class TierIndex(TierRows):
             if not slots:
                 return []
         write_rows = getattr(self._table, "write_rows", None)
-        if write_rows is not None and run_tokens is not None and not self._sig:
-            # The compiled loop (tiers/_keytable_rows.c): the rows the loop below writes.
-            done = write_rows(slots, keys, event_hashes, parent, peh, peh_flags, run_tokens,
+        done = None
+        if write_rows is not None and fits and not self._sig:
+            # The compiled loop (tiers/_keytable_rows.c): the rows _write_run writes, the
+            # tokens read from the caller's list (None: one is not an int32, nothing written).
+            done = write_rows(slots, keys, event_hashes, parent, peh, peh_flags, tokens,
                               width, self._columns())
-            self._used += done
-        else:
+            if done is not None:
+                self._used += done
+        if done is None:
+            run_tokens = None
+            if fits:
+                try:
+                    run_tokens = array("i", tokens)
+                except (OverflowError, TypeError):
+                    run_tokens = None
             done = self._write_run(slots, keys, event_hashes, parent, peh, peh_flags,
                                    tokens, run_tokens, width)
         if done < len(slots):
