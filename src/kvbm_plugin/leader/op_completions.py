@@ -283,7 +283,7 @@ def _writes(run: list[tuple[int, Op | SaveRun]]) -> Iterator[Write]:
         if type(op) is SaveRun:
             tier, tainted, errors = op.tier, op.tainted, op.errors
             signatures = op.signatures
-            if errors is None and signatures is None and not tainted and len(op.entries) > 1:
+            if errors is None and signatures is None and not tainted:
                 yield RUN_OF_SAVES, tier, op, True, None, False  # (all at once)
                 continue
             for k, entry in enumerate(op.entries):
