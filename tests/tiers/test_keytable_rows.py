@@ -1,8 +1,9 @@
-"""The tier index's compiled row writes (``KeyTable.write_rows``, ``tiers/_keytable_rows.c``)
-against their reference (``TierIndex._write_run``): two indexes, one on the compiled key table
-and one on the Python one, given the same random history of reserved runs (negative and
-unsigned hashes, roots and children, scopes, tokens past int32), commits, pins, discards and
-evictions, stay alike row for row, bucket for bucket, view for view. An engine restarted with
+"""The tier index's compiled row loops (``KeyTable.write_rows`` and ``take_run``,
+``tiers/_keytable_rows.c``) against their references (``TierIndex._write_run`` and
+``take_resident``'s loop): two indexes, one on the compiled key table and one on the Python
+one, given the same random history of reserved runs (negative and unsigned hashes, roots and
+children, scopes, tokens past int32), commits, matched runs, pins, discards and evictions,
+stay alike row for row, bucket for bucket, view for view. An engine restarted with
 ``DYN_KVBM_NATIVE=0`` must behave as before.
 """
 
@@ -42,7 +43,9 @@ def test_the_row_flags_are_the_index_s() -> None:
     """The C file names the flags it writes; they are tiers/_entry.py's."""
     source = (__import__("pathlib").Path(_entry.__file__).parent / "_keytable_rows.c").read_text()
     for name, value in (("F_USED", _entry._USED), ("F_EH_NEG", _entry._EH_NEG),  # noqa: SLF001
-                        ("F_PEH_NEG", _entry._PEH_NEG)):  # noqa: SLF001
+                        ("F_PEH_NEG", _entry._PEH_NEG),  # noqa: SLF001
+                        ("F_RESIDENT", _entry._RESIDENT),  # noqa: SLF001
+                        ("F_QUEUED", _entry._QUEUED)):  # noqa: SLF001
         assert f"#define {name} {value}\n" in source
 
 
@@ -104,6 +107,22 @@ def test_compiled_row_writes_leave_the_index_as_the_python_ones(seed: int) -> No
                 if entry is not None and entry.parent_key is None or (
                         entry is not None and index.get(entry.parent_key).resident):
                     index.commit(key)
+        elif op < 0.85:  # the match's run: pinned, touched, out of the eviction order
+            chain = rng.choice(chains)
+            if rng.random() < 0.5:  # resident up to its leaf, which is then evictable
+                for index in (native, python):
+                    for key in chain:
+                        entry = index.get(key)
+                        if entry is None or not (entry.parent_key is None
+                                                 or index.get(entry.parent_key).resident):
+                            break
+                        index.commit(key)
+            start = rng.randrange(len(chain))
+            keys = [rng.getrandbits(70), *chain] if rng.random() < 0.1 else chain
+            stop = rng.randint(start, len(keys))
+            taken = [index.take_resident(keys, start, stop) for index in (native, python)]
+            assert [(e.key, e.slot) for e in taken[0]] == [(e.key, e.slot) for e in taken[1]]
+            held.append(tuple(taken[0]))
         elif op < 0.9:
             key = rng.choice(rng.choice(chains))
             for index in (native, python):

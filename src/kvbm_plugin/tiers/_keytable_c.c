@@ -206,6 +206,7 @@ static PyMethodDef kt_methods[] = {
     {"clear", (PyCFunction)kt_clear, METH_NOARGS, clear_doc},
     {"buckets", (PyCFunction)kt_buckets, METH_NOARGS, buckets_doc},
     {"write_rows", (PyCFunction)(void (*)(void))kt_write_rows, METH_FASTCALL, write_rows_doc},
+    {"take_run", (PyCFunction)(void (*)(void))kt_take_run, METH_FASTCALL, take_run_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -87,5 +87,7 @@ static inline int table_insert(KeyTable *self, uint64_t key, int32_t slot) {
 
 PyObject *kt_write_rows(KeyTable *self, PyObject *const *args, Py_ssize_t nargs);
 extern const char write_rows_doc[];
+PyObject *kt_take_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs);
+extern const char take_run_doc[];
 
 #endif

@@ -256,3 +256,105 @@ done:
             PyBuffer_Release(&col[c].view);
     return result;
 }
+
+#define F_RESIDENT 2
+#define F_QUEUED 4
+
+const char take_run_doc[] =
+"take_run(keys, start, stop, flags, tick, pins, clock, /) -> (slots, queued_ticks)\n"
+"--\n\n"
+"The compiled loop of TierIndex.take_resident (its reference where this is not built): the\n"
+"slots of ``keys[start:stop]`` mapped here and resident (``flags``), up to the first that is\n"
+"not; each is pinned (``pins``) and given the next tick after ``clock`` (``tick``), in order.\n"
+"``queued_ticks``: the old ticks of those that were in the eviction order (their flag\n"
+"cleared here), for the caller to take out of it. A key that is not a u64 is in no table.";
+
+PyObject *kt_take_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "take_run() takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]), stop = PyLong_AsSsize_t(args[2]);
+    if ((start == -1 || stop == -1) && PyErr_Occurred())
+        return NULL;
+    unsigned long long clock = PyLong_AsUnsignedLongLong(args[6]);
+    if (clock == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    PyObject *keys = PySequence_Fast(args[0], "KeyTable.take_run: keys must be a sequence");
+    if (keys == NULL)
+        return NULL;
+    PyObject *slots = NULL, *queued = NULL, *result = NULL;
+    Column col[3] = {0};
+    Keys k;
+    int keys_opened = 0;
+    if (column_open(args[3], 'B', 1, &col[0], "flags") < 0
+            || column_open(args[4], 'Q', 8, &col[1], "tick") < 0
+            || column_open(args[5], 'I', 4, &col[2], "pins") < 0)
+        goto done;
+    if (keys_open(self, &k) < 0)
+        goto done;
+    keys_opened = 1;
+    if (col[0].view.len < k.n || col[1].view.len / 8 < k.n || col[2].view.len / 4 < k.n) {
+        PyErr_SetString(PyExc_ValueError, "KeyTable.take_run: a column is shorter than the "
+                        "key column");
+        goto done;
+    }
+    uint8_t *flags_of = col[0].view.buf;
+    uint64_t *tick_of = col[1].view.buf;
+    uint32_t *pins_of = col[2].view.buf;
+    slots = PyList_New(0);
+    queued = PyList_New(0);
+    if (slots == NULL || queued == NULL)
+        goto done;
+    if (stop > PySequence_Fast_GET_SIZE(keys))
+        stop = PySequence_Fast_GET_SIZE(keys);
+    for (Py_ssize_t i = start < 0 ? 0 : start; i < stop; i++) {
+        PyObject *obj = PySequence_Fast_GET_ITEM(keys, i);
+        if (!PyLong_Check(obj)) {
+            PyErr_Format(PyExc_TypeError, "KeyTable: key must be an int, not %.100s",
+                         Py_TYPE(obj)->tp_name);
+            goto done;
+        }
+        unsigned long long key = PyLong_AsUnsignedLongLong(obj);
+        if (key == (unsigned long long)-1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+                goto done;
+            PyErr_Clear();  /* not a u64: in no table */
+            break;
+        }
+        int err = 0;
+        int32_t slot = table_find(self, &k, (uint64_t)key, &err);
+        if (err)
+            goto done;
+        if (slot < 0 || !(flags_of[slot] & F_RESIDENT))
+            break;
+        if (flags_of[slot] & F_QUEUED) {
+            PyObject *old = PyLong_FromUnsignedLongLong(tick_of[slot]);
+            if (old == NULL || PyList_Append(queued, old) < 0) {
+                Py_XDECREF(old);
+                goto done;
+            }
+            Py_DECREF(old);
+            flags_of[slot] &= (uint8_t)~F_QUEUED;
+        }
+        PyObject *s = PyLong_FromLong(slot);
+        if (s == NULL || PyList_Append(slots, s) < 0) {
+            Py_XDECREF(s);
+            goto done;
+        }
+        Py_DECREF(s);
+        tick_of[slot] = ++clock;
+        pins_of[slot] += 1;
+    }
+    result = PyTuple_Pack(2, slots, queued);
+done:
+    Py_DECREF(keys);
+    Py_XDECREF(slots);
+    Py_XDECREF(queued);
+    if (keys_opened)
+        PyBuffer_Release(&k.view);
+    for (int c = 0; c < 3; c++)
+        if (col[c].open)
+            PyBuffer_Release(&col[c].view);
+    return result;
+}

@@ -140,6 +140,16 @@ class TierIndex(TierRows):
         """The entries of ``keys[start:stop]`` resident here, up to the first that is not,
         each marked most recently used and pinned: :meth:`lookup` and :meth:`pin` of each in
         one call (the leader's match, executor thread)."""
+        take_run = getattr(self._table, "take_run", None)
+        if take_run is not None:
+            # The compiled loop (tiers/_keytable_rows.c): the slots and their rows as the
+            # loop below leaves them, and the old ticks of those that were evictable.
+            slots, queued = take_run(keys, start, stop, self._flags, self._tick, self._pins,
+                                     self._clock)
+            self._clock += len(slots)
+            for tick in queued:
+                self._order.remove(tick)
+            return self._views_of(slots)
         find, flags_of, pins, tick_of = self._table.find, self._flags, self._pins, self._tick
         out: list[TierEntry] = []
         for i in range(start, stop):

@@ -110,6 +110,20 @@ class TierRows(SlotRows):
             self._purge_views()
         return view
 
+    def _views_of(self, slots: list[int]) -> list[TierEntry]:
+        """:meth:`_view` of each of ``slots``, in one call."""
+        views, out = self._views, []
+        for slot in slots:
+            ref = views.get(slot)
+            view = ref() if ref is not None else None
+            if view is None:
+                view = TierEntry(self, slot)
+                views[slot] = weakref.ref(view)
+            out.append(view)
+        if len(views) > self._views_purge_at:
+            self._purge_views()
+        return out
+
     def _purge_views(self) -> None:
         """Views live as long as the leader holds them (an op in flight, a load's plan): drop
         the references that died, amortised O(1) per view made."""
