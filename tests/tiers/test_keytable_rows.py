@@ -45,7 +45,8 @@ def test_the_row_flags_are_the_index_s() -> None:
     for name, value in (("F_USED", _entry._USED), ("F_EH_NEG", _entry._EH_NEG),  # noqa: SLF001
                         ("F_PEH_NEG", _entry._PEH_NEG),  # noqa: SLF001
                         ("F_RESIDENT", _entry._RESIDENT),  # noqa: SLF001
-                        ("F_QUEUED", _entry._QUEUED)):  # noqa: SLF001
+                        ("F_QUEUED", _entry._QUEUED),  # noqa: SLF001
+                        ("F_PEH_NONE", _entry._PEH_NONE)):  # noqa: SLF001
         assert f"#define {name} {value}\n" in source
 
 
@@ -59,6 +60,7 @@ def test_compiled_row_writes_leave_the_index_as_the_python_ones(seed: int) -> No
     chains: list[list[int]] = []
     evicted: tuple[list, list] = ([], [])
     held: list[tuple] = []
+    runs: list[tuple] = []  # (native's entries, python's, the tokens): reserved, uncommitted
     next_key = 1
     for _ in range(60):
         op = rng.random()
@@ -70,6 +72,9 @@ def test_compiled_row_writes_leave_the_index_as_the_python_ones(seed: int) -> No
             next_key += n
             hashes = [rng.choice([-(1 << 63), -rng.getrandbits(62), rng.getrandbits(64), 0])
                       for _ in keys]
+            if rng.random() < 0.2:  # a block reserved under its content key: unnamed
+                unnamed = rng.randrange(n)
+                hashes[unnamed] = keys[unnamed]
             tokens: list | tuple = [rng.getrandbits(31) for _ in range(n * width)]
             if rng.random() < 0.3:  # the int32 bounds (and a bool) fit the column
                 tokens[rng.randrange(len(tokens))] = rng.choice([(1 << 31) - 1, -(1 << 31),
@@ -80,9 +85,10 @@ def test_compiled_row_writes_leave_the_index_as_the_python_ones(seed: int) -> No
             if rng.random() < 0.2:
                 tokens = tuple(tokens)
             parent = rng.choice(chains)[-1] if chains and rng.random() < 0.6 else None
-            parent_hash = None if parent is None or rng.random() < 0.2 else rng.getrandbits(63)
+            parent_hash = None if parent is None or rng.random() < 0.2 else rng.choice(
+                [rng.getrandbits(63), parent])  # (the parent's key: its name not known)
             scope = rng.choice([None, (None, None), (3, None), (None, 77)])
-            results = []
+            results, made = [], []
             for k, index in enumerate((native, python)):
                 if parent is not None and parent not in index:
                     results.append("no parent")
@@ -95,11 +101,22 @@ def test_compiled_row_writes_leave_the_index_as_the_python_ones(seed: int) -> No
                     results.append(str(exc))
                     continue
                 results.append([(e.key, e.slot) for e in entries])
+                made.append(entries)
                 if k == 0:
                     held.append(tuple(entries[:2]))
             assert results[0] == results[1]
             if isinstance(results[0], list) and results[0]:
                 chains.append([key for key, _ in results[0]])
+                runs.append((*made, list(tokens)))
+        elif op < 0.7 and runs:  # a run every rank wrote: committed in one call
+            run = runs.pop(rng.randrange(len(runs)))
+            if rng.random() < 0.3:
+                pinned = rng.randrange(len(run[0]))  # pinned meanwhile (a load's): no order
+                for entry in (*run[0][:pinned], *run[1][:pinned]):
+                    entry._index.pin(entry)  # noqa: SLF001
+            stores = [index.commit_named(entries, run[2], width)
+                      for index, entries in ((native, run[0]), (python, run[1]))]
+            assert stores[0] == stores[1]
         elif op < 0.8:
             key = rng.choice(rng.choice(chains))
             for index in (native, python):

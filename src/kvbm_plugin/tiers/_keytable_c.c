@@ -207,6 +207,7 @@ static PyMethodDef kt_methods[] = {
     {"buckets", (PyCFunction)kt_buckets, METH_NOARGS, buckets_doc},
     {"write_rows", (PyCFunction)(void (*)(void))kt_write_rows, METH_FASTCALL, write_rows_doc},
     {"take_run", (PyCFunction)(void (*)(void))kt_take_run, METH_FASTCALL, take_run_doc},
+    {"commit_run", (PyCFunction)(void (*)(void))kt_commit_run, METH_FASTCALL, commit_run_doc},
     {NULL, NULL, 0, NULL},
 };
 

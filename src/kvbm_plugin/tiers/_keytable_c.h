@@ -89,5 +89,7 @@ PyObject *kt_write_rows(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
 extern const char write_rows_doc[];
 PyObject *kt_take_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs);
 extern const char take_run_doc[];
+PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs);
+extern const char commit_run_doc[];
 
 #endif

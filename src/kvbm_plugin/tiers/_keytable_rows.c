@@ -358,3 +358,162 @@ done:
             PyBuffer_Release(&col[c].view);
     return result;
 }
+
+#define F_PEH_NONE 32
+#define N_COMMIT_COLS 8
+enum { K_FLAGS, K_EH, K_PEH, K_PARENT, K_TICK, K_PINS, K_CHILD, K_SCOPE };
+static const char K_CODE[N_COMMIT_COLS] = {'B', 'Q', 'Q', 'i', 'Q', 'I', 'i', 'I'};
+static const Py_ssize_t K_SIZE[N_COMMIT_COLS] = {1, 8, 8, 4, 8, 4, 4, 4};
+static const char *const K_NAME[N_COMMIT_COLS] = {"flags", "eh", "peh", "parent", "tick",
+                                                  "pins", "child", "scope"};
+
+/* A row's 64-bit hash bits as the int they stand for: negative where ``negative``. */
+static PyObject *hash_int(uint64_t bits, int negative) {
+    return negative ? PyLong_FromLongLong((long long)bits)
+                    : PyLong_FromUnsignedLongLong((unsigned long long)bits);
+}
+
+const char commit_run_doc[] =
+"commit_run(entries, index, tokens, width, columns, scopes, clock, /)\n"
+"    -> (stores, clock, newly_resident)\n"
+"--\n\n"
+"The compiled part of TierIndex.commit_named (its reference where this is not built): each\n"
+"of ``entries`` in order, while it is ``index``'s live view of a named block whose parent is\n"
+"resident and whose commit touches no eviction order (it is not in it, and it has a child or\n"
+"a pin), marked resident and given the next tick after ``clock``. ``stores``: the (event\n"
+"hash, parent event hash, token ids, scope) of each committed, its token ids\n"
+"``tokens[k * width:(k + 1) * width]`` (a list); ``columns``: (flags, eh, peh, parent,\n"
+"tick, pins, child, scope); ``scopes``: the index's scope list. The caller goes on from the\n"
+"first entry not committed here.";
+
+PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "commit_run() takes 7 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    PyObject *entries = args[0], *index = args[1], *tokens = args[2], *cols = args[4],
+             *scopes = args[5];
+    if (!PyList_CheckExact(entries) || !PyList_CheckExact(tokens) || !PyList_CheckExact(scopes)
+            || !PyTuple_CheckExact(cols) || PyTuple_GET_SIZE(cols) != N_COMMIT_COLS) {
+        PyErr_SetString(PyExc_TypeError, "KeyTable.commit_run: entries, tokens and scopes must "
+                        "be lists, columns a tuple of 8 arrays");
+        return NULL;
+    }
+    Py_ssize_t width = PyLong_AsSsize_t(args[3]);
+    if (width == -1 && PyErr_Occurred())
+        return NULL;
+    unsigned long long clock = PyLong_AsUnsignedLongLong(args[6]);
+    if (clock == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    static PyObject *s_snap = NULL, *s_index = NULL, *s_slot = NULL;
+    if (s_snap == NULL && ((s_snap = PyUnicode_InternFromString("_snap")) == NULL
+                           || (s_index = PyUnicode_InternFromString("_index")) == NULL
+                           || (s_slot = PyUnicode_InternFromString("slot")) == NULL))
+        return NULL;
+    Column col[N_COMMIT_COLS] = {0};
+    Keys k;
+    int keys_opened = 0;
+    long added = 0;
+    PyObject *out = NULL, *result = NULL;
+    for (int c = 0; c < N_COMMIT_COLS; c++)
+        if (column_open(PyTuple_GET_ITEM(cols, c), K_CODE[c], K_SIZE[c], &col[c], K_NAME[c]) < 0)
+            goto done;
+    if (keys_open(self, &k) < 0)
+        goto done;
+    keys_opened = 1;
+    for (int c = 0; c < N_COMMIT_COLS; c++) {
+        if (col[c].view.len / K_SIZE[c] != k.n) {
+            PyErr_Format(PyExc_ValueError, "KeyTable.commit_run: column %s has %zd rows, the "
+                         "key column %zd", K_NAME[c], col[c].view.len / K_SIZE[c], k.n);
+            goto done;
+        }
+    }
+    uint8_t *flags_of = col[K_FLAGS].view.buf;
+    const uint64_t *eh_of = col[K_EH].view.buf, *peh_of = col[K_PEH].view.buf;
+    const int32_t *parent_of = col[K_PARENT].view.buf, *child_of = col[K_CHILD].view.buf;
+    uint64_t *tick_of = col[K_TICK].view.buf;
+    const uint32_t *pins_of = col[K_PINS].view.buf, *scope_of = col[K_SCOPE].view.buf;
+    out = PyList_New(0);
+    if (out == NULL)
+        goto done;
+    Py_ssize_t n = PyList_GET_SIZE(entries);
+    for (Py_ssize_t j = 0; j < n; j++) {
+        PyObject *entry = PyList_GET_ITEM(entries, j);
+        /* entry._snap is None and entry._index is index: a live view of this tier */
+        PyObject *snap = PyObject_GetAttr(entry, s_snap);
+        if (snap == NULL)
+            goto done;
+        Py_DECREF(snap);
+        if (snap != Py_None)
+            break;
+        PyObject *owner = PyObject_GetAttr(entry, s_index);
+        if (owner == NULL)
+            goto done;
+        Py_DECREF(owner);
+        if (owner != index)
+            break;
+        PyObject *slot_obj = PyObject_GetAttr(entry, s_slot);
+        if (slot_obj == NULL)
+            goto done;
+        long slot = PyLong_AsLong(slot_obj);
+        Py_DECREF(slot_obj);
+        if (slot == -1 && PyErr_Occurred())
+            goto done;
+        if (slot < 0 || slot >= k.n) {
+            PyErr_Format(PyExc_IndexError, "KeyTable.commit_run: slot %ld is not a row", slot);
+            goto done;
+        }
+        uint8_t flags = flags_of[slot];
+        int eh_neg = (flags & F_EH_NEG) != 0;
+        if (!eh_neg && eh_of[slot] == k.keys[slot])
+            break;  /* unnamed (reserved under its content key) */
+        int32_t parent = parent_of[slot];
+        int peh_none = (flags & F_PEH_NONE) != 0, peh_neg = (flags & F_PEH_NEG) != 0;
+        if (parent >= 0) {
+            if (parent >= k.n) {
+                PyErr_Format(PyExc_IndexError, "KeyTable.commit_run: parent slot %d is not a "
+                             "row", (int)parent);
+                goto done;
+            }
+            if (!(flags_of[parent] & F_RESIDENT))
+                break;
+            if (peh_none || (!peh_neg && peh_of[slot] == k.keys[parent]))
+                break;  /* its parent's name is not known in its row */
+        }
+        /* The eviction order is the caller's (a Python object): a commit that touches it
+         * (the run's leaf, an entry in it already) is left to the caller. */
+        if ((flags & F_QUEUED) || (pins_of[slot] == 0 && child_of[slot] < 0))
+            break;
+        if ((Py_ssize_t)((j + 1) * width) > PyList_GET_SIZE(tokens))
+            break;  /* (fewer tokens than entries: the caller reads the rows) */
+        PyObject *scope = PyList_GetItem(scopes, (Py_ssize_t)scope_of[slot]);
+        if (scope == NULL)
+            goto done;
+        PyObject *eh = hash_int(eh_of[slot], eh_neg);
+        PyObject *peh = peh_none ? Py_NewRef(Py_None) : hash_int(peh_of[slot], peh_neg);
+        PyObject *toks = PyList_GetSlice(tokens, j * width, (j + 1) * width);
+        PyObject *store = (eh && peh && toks) ? PyTuple_Pack(4, eh, peh, toks, scope) : NULL;
+        Py_XDECREF(eh);
+        Py_XDECREF(peh);
+        Py_XDECREF(toks);
+        if (store == NULL || PyList_Append(out, store) < 0) {
+            Py_XDECREF(store);
+            goto done;
+        }
+        Py_DECREF(store);
+        if (!(flags & F_RESIDENT)) {
+            flags_of[slot] = flags | F_RESIDENT;
+            added += 1;
+        }
+        tick_of[slot] = ++clock;
+    }
+    result = Py_BuildValue("OKl", out, clock, added);
+done:
+    Py_XDECREF(out);
+    if (keys_opened)
+        PyBuffer_Release(&k.view);
+    for (int c = 0; c < N_COMMIT_COLS; c++)
+        if (col[c].open)
+            PyBuffer_Release(&col[c].view);
+    return result;
+}

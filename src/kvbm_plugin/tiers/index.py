@@ -307,7 +307,21 @@ class TierIndex(TierRows):
         tok, width, scopes, scope_of = self._tok, self._width, self._scopes, self._scope
         order = self._order
         out: list[tuple[Any, ...]] = []
-        at = 0  # block k's tokens in ``tokens``: at = k * width
+        at = 0  # block k's tokens in ``tokens``: at = k * run_width
+        commit_run = getattr(self._table, "commit_run", None)
+        if commit_run is not None and type(tokens) is list and type(entries) is list:
+            # The compiled loop (tiers/_keytable_rows.c) commits the run up to its first
+            # block whose commit touches the eviction order (the leaf, usually) or that
+            # stops the run; the loop below goes on from there.
+            out, self._clock, added = commit_run(
+                entries, self, tokens, run_width,
+                (flags_of, eh_of, peh_of, parent_of, tick_of, pins_of, child_of, scope_of),
+                scopes, self._clock)
+            self._resident += added
+            if len(out) == len(entries):
+                return out
+            at = len(out) * run_width
+            entries = entries[len(out):]
         for entry in entries:
             if entry._snap is not None or entry._index is not self:
                 break
