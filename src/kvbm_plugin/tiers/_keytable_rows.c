@@ -375,16 +375,17 @@ static PyObject *hash_int(uint64_t bits, int negative) {
 
 const char commit_run_doc[] =
 "commit_run(entries, index, tokens, width, columns, scopes, clock, /)\n"
-"    -> (stores, clock, newly_resident)\n"
+"    -> (stores, clock, newly_resident, queue)\n"
 "--\n\n"
 "The compiled part of TierIndex.commit_named (its reference where this is not built): each\n"
 "of ``entries`` in order, while it is ``index``'s live view of a named block whose parent is\n"
-"resident and whose commit touches no eviction order (it is not in it, and it has a child or\n"
-"a pin), marked resident and given the next tick after ``clock``. ``stores``: the (event\n"
-"hash, parent event hash, token ids, scope) of each committed, its token ids\n"
-"``tokens[k * width:(k + 1) * width]`` (a list); ``columns``: (flags, eh, peh, parent,\n"
-"tick, pins, child, scope); ``scopes``: the index's scope list. The caller goes on from the\n"
-"first entry not committed here.";
+"resident and that is not in the eviction order, marked resident and given the next tick\n"
+"after ``clock``. ``stores``: the (event hash, parent event hash, token ids, scope) of each\n"
+"committed, its token ids ``tokens[k * width:(k + 1) * width]`` (a list); ``queue``: the\n"
+"(tick, slot) of each that joins the eviction order (no child, no pin; flagged here), for\n"
+"the caller to add in order. ``columns``: (flags, eh, peh, parent, tick, pins, child,\n"
+"scope); ``scopes``: the index's scope list. The caller goes on from the first entry not\n"
+"committed here.";
 
 PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7) {
@@ -414,7 +415,7 @@ PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
     Keys k;
     int keys_opened = 0;
     long added = 0;
-    PyObject *out = NULL, *result = NULL;
+    PyObject *out = NULL, *queue = NULL, *result = NULL;
     for (int c = 0; c < N_COMMIT_COLS; c++)
         if (column_open(PyTuple_GET_ITEM(cols, c), K_CODE[c], K_SIZE[c], &col[c], K_NAME[c]) < 0)
             goto done;
@@ -434,7 +435,8 @@ PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t *tick_of = col[K_TICK].view.buf;
     const uint32_t *pins_of = col[K_PINS].view.buf, *scope_of = col[K_SCOPE].view.buf;
     out = PyList_New(0);
-    if (out == NULL)
+    queue = PyList_New(0);
+    if (out == NULL || queue == NULL)
         goto done;
     Py_ssize_t n = PyList_GET_SIZE(entries);
     for (Py_ssize_t j = 0; j < n; j++) {
@@ -480,9 +482,10 @@ PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
             if (peh_none || (!peh_neg && peh_of[slot] == k.keys[parent]))
                 break;  /* its parent's name is not known in its row */
         }
-        /* The eviction order is the caller's (a Python object): a commit that touches it
-         * (the run's leaf, an entry in it already) is left to the caller. */
-        if ((flags & F_QUEUED) || (pins_of[slot] == 0 && child_of[slot] < 0))
+        /* The eviction order is the caller's (a Python object): an entry in it already is
+         * left to the caller; one that joins it (the run's leaf, unpinned) is handed back
+         * in ``queue`` with its new tick, for the caller to add in this order. */
+        if (flags & F_QUEUED)
             break;
         if ((Py_ssize_t)((j + 1) * width) > PyList_GET_SIZE(tokens))
             break;  /* (fewer tokens than entries: the caller reads the rows) */
@@ -502,14 +505,26 @@ PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
         }
         Py_DECREF(store);
         if (!(flags & F_RESIDENT)) {
-            flags_of[slot] = flags | F_RESIDENT;
+            flags |= F_RESIDENT;
             added += 1;
         }
         tick_of[slot] = ++clock;
+        if (pins_of[slot] == 0 && child_of[slot] < 0) {
+            PyObject *item = Py_BuildValue("(Kl)", clock, slot);
+            if (item == NULL || PyList_Append(queue, item) < 0) {
+                Py_XDECREF(item);
+                flags_of[slot] = flags;
+                goto done;
+            }
+            Py_DECREF(item);
+            flags |= F_QUEUED;
+        }
+        flags_of[slot] = flags;
     }
-    result = Py_BuildValue("OKl", out, clock, added);
+    result = Py_BuildValue("OKlO", out, clock, added, queue);
 done:
     Py_XDECREF(out);
+    Py_XDECREF(queue);
     if (keys_opened)
         PyBuffer_Release(&k.view);
     for (int c = 0; c < N_COMMIT_COLS; c++)

@@ -311,13 +311,15 @@ class TierIndex(TierRows):
         commit_run = getattr(self._table, "commit_run", None)
         if commit_run is not None and type(tokens) is list and type(entries) is list:
             # The compiled loop (tiers/_keytable_rows.c) commits the run up to its first
-            # block whose commit touches the eviction order (the leaf, usually) or that
-            # stops the run; the loop below goes on from there.
-            out, self._clock, added = commit_run(
+            # block that stops it or is in the eviction order already; the blocks that join
+            # the order (the leaf, usually) are added here; the loop below goes on from there.
+            out, self._clock, added, queue = commit_run(
                 entries, self, tokens, run_width,
                 (flags_of, eh_of, peh_of, parent_of, tick_of, pins_of, child_of, scope_of),
                 scopes, self._clock)
             self._resident += added
+            for tick, slot in queue:
+                order.add(tick, slot)  # the newest: appended
             if len(out) == len(entries):
                 return out
             at = len(out) * run_width
