@@ -35,6 +35,8 @@ import logging
 import threading
 import time
 from dataclasses import replace
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
@@ -91,6 +93,7 @@ from kvbm_plugin.tiers.disk import claim_directory
 from kvbm_plugin.wire.identity import remember_salt_text, request_scopes
 
 logger = logging.getLogger(__name__)
+_request_id = attrgetter("request_id")  # a RequestData's id, read in C
 _TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
 
 
@@ -282,11 +285,11 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         nothing matches or ``num_computed_tokens`` is not block-aligned. At least one prompt
         token is always left to compute. Matched blocks are pinned until loaded.
         """
-        if not self._naming.learning:
+        if not self._naming.learning and not self._completions.idle():
             # Where TRT-LLM's hashes are learned from its events, reports wait for the next
             # build_connector_meta, whose first step reads those events (this call runs inside
             # TRT-LLM's allocation and must not drain them).
-            self._apply_reports()
+            self._completions.apply()
         self._stats["match_calls"] += 1
         req_id = int(request.request_id)
         old = self._reqs.get(req_id)
@@ -313,7 +316,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         bs = self._block_size
         if num_computed_tokens < 0 or num_computed_tokens % bs:
             return 0, False
-        layout = self._ensure_tiers()
+        layout = self._tiers.layout or self._ensure_tiers()
         if not (layout.host_blocks or layout.disk_blocks):
             return 0, False
         tiers = self._tiers
@@ -462,13 +465,13 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         flushes the iteration's GPU-tier events, and returns the loads bound since the last call
         plus offloads (device block → tier slot) for every block that became full this
         iteration and is in no tier yet. Walks ``new_requests`` and ``cached_requests``."""
-        self._reap_terminated(scheduled=frozenset(
-            rd.request_id for rd in (*scheduler_output.new_requests,
-                                     *scheduler_output.cached_requests)))
+        self._reap_terminated(scheduled=frozenset(map(_request_id, chain(
+            scheduler_output.new_requests, scheduler_output.cached_requests))))
         # (reaped before the reports: a terminated request's saves are never committed)
         self._sync_events()
-        self._apply_reports()
-        layout = self._ensure_tiers()
+        if not self._completions.idle():
+            self._completions.apply()
+        layout = self._tiers.layout or self._ensure_tiers()
         self._iteration += 1
         saves: list[SaveOp] = []
         first_tier = self._tiers.host if self._tiers.host is not None else self._tiers.disk
@@ -487,9 +490,12 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             if first_tier is not None and not state.finished:
                 self._offload.schedule(state, first_tier, saves)
         self._gpu.flush(self._reqs.values())  # wakes the event pump: it drains, publishes
+        # (the take_ calls only where something waits: most iterations have nothing)
         meta = ConnectorMetadata(self._iteration, layout, tuple(self._pending_loads),
-                                 self._tiers.take_demotes(), tuple(saves),
-                                 tuple(self._fences), self._shared.take_saves())
+                                 self._tiers.take_demotes() if self._tiers.pending_demotes
+                                 else (), tuple(saves), tuple(self._fences),
+                                 self._shared.take_saves() if self._shared.pending_saves
+                                 else ())
         self._fences = []
         self._pending_loads = []
         return meta
@@ -510,12 +516,15 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         (:meth:`GpuTierEvents.sync`: drained and published here first where a tier block
         waits for such a name, or ``now``), announce the tier blocks named now, register the
         shared tier's queued residency changes. Outside TRT-LLM's allocation callback."""
+        waiting = self._naming.unnamed.waiting  # (the dict itself: no call to ask it)
         self._gpu.sync(self._reqs.values(), now=now,
-                       need_names=bool(self._tiers.waiting_for_name)
-                       or self._naming.awaiting_events)
-        if self._tiers.waiting_for_name:
+                       need_names=bool(waiting) or (self._naming.learning
+                                                    and self._naming.awaiting_events))
+        if waiting:
             self._tiers.announce_named()
-        self._shared.sync()
+        shared = self._shared
+        if shared.agent is not None or shared.settings is not None:  # (else nothing to do)
+            shared.sync()
 
     def update_state_after_alloc_by_layer_group(
             self, request: Any, block_ids_by_layer_group: list[list[int]]) -> None:
@@ -556,7 +565,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         the id (workers count failed copies as finished)."""
         if self._naming.learning:
             self._sync_events()
-        self._apply_reports()
+        if not self._completions.idle():
+            self._completions.apply()
         state = self._reqs.get(int(request.request_id))
         if state is None:
             return False
@@ -585,8 +595,10 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             state.computed = []
 
     def _apply_reports(self) -> None:
-        """Fold the workers' reports in (:meth:`OpCompletions.apply`)."""
-        self._completions.apply()
+        """Fold the workers' reports in (:meth:`OpCompletions.apply`), where there are any
+        (the hooks ask ``idle`` themselves: one Python frame less each)."""
+        if not self._completions.idle():
+            self._completions.apply()
 
     def _reap_terminated(self, executor_thread: bool = True,
                          scheduled: frozenset[int] = frozenset()) -> None:

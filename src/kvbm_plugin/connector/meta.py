@@ -221,6 +221,11 @@ class CompletionHub:
     _queue: queue.SimpleQueue[OpReport | ReportBatch | list[OpReport]] = field(
         default_factory=queue.SimpleQueue)
 
+    def __post_init__(self) -> None:
+        # Whether nothing was handed off since the last take: the queue's own (C) method,
+        # asked by the leader's hooks first (most find nothing; no Python frame for that).
+        self.empty = self._queue.empty
+
     def put(self, report: OpReport) -> None:
         self._queue.put(report)
 

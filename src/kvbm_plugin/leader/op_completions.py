@@ -42,6 +42,9 @@ class OpCompletions:
         """``index_of(tier)``: the index holding a plan's ``tier`` blocks (their pins);
         ``forget(state)``: the leader forgets a finished request whose ops are all done."""
         self._hub = hub
+        # Whether there is nothing to fold (the hub's queue's own check, no Python frame):
+        # the leader's hooks ask it before :meth:`apply`.
+        self.idle = hub.empty
         self._ops = ops
         self._reqs = reqs
         self._tiers = tiers

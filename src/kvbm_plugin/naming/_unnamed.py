@@ -52,19 +52,22 @@ class UnnamedStores:
         self._stats = stats
         for counter in ("tier_stores_unnamed", "tier_stores_unnamed_dropped"):
             stats.setdefault(counter, 0)
-        self._waiting: dict[tuple[str, int], TierEntry] = {}
+        # (tier, content key) -> entry of each block waiting for its name, in commit order;
+        # read, never changed, outside this class (the leader asks ``bool(waiting)`` once per
+        # iteration, without a call)
+        self.waiting: dict[tuple[str, int], TierEntry] = {}
         self._log = RateLimitedLog(logger)
 
     def __len__(self) -> int:
-        return len(self._waiting)
+        return len(self.waiting)
 
     def __contains__(self, tier_and_key: tuple[str, int]) -> bool:
         """Whether the block of content key ``key`` waits in tier ``tier`` (never announced)."""
-        return tier_and_key in self._waiting
+        return tier_and_key in self.waiting
 
     def forget(self, tier: str, key: int) -> bool:
         """The block left its tier: True when it was waiting (never announced: no REMOVE)."""
-        return self._waiting.pop((tier, key), None) is not None
+        return self.waiting.pop((tier, key), None) is not None
 
     def name(self, entry: TierEntry, index: TierIndex | None = None) -> None:
         """Before a block's tier STORE is announced: if it was reserved under the plugin's
@@ -107,7 +110,7 @@ class UnnamedStores:
         waiting. False says only that :meth:`ready` must decide."""
         return event_hash != key and (parent_key is None or (
             parent_event_hash != parent_key
-            and (not self._waiting or (tier, parent_key) not in self._waiting)))
+            and (not self.waiting or (tier, parent_key) not in self.waiting)))
 
     def ready(self, index: TierIndex, entry: TierEntry) -> bool:
         """A block just committed to ``index``: named as far as known now; True when its STORE
@@ -118,27 +121,27 @@ class UnnamedStores:
                 parent_key is None or entry.parent_event_hash != parent_key):
             # Named already, so name() would change nothing: the common case (executor
             # thread, once per committed block), four reads of the entry's row.
-            if parent_key is None or not self._waiting \
-                    or (index.name, parent_key) not in self._waiting:
+            if parent_key is None or not self.waiting \
+                    or (index.name, parent_key) not in self.waiting:
                 return True
         else:
             self.name(entry, index)
-        parent_waiting = parent_key is not None and (index.name, parent_key) in self._waiting
+        parent_waiting = parent_key is not None and (index.name, parent_key) in self.waiting
         if named(entry) and not parent_waiting:
             return True
-        self._waiting[(index.name, entry.key)] = entry
+        self.waiting[(index.name, entry.key)] = entry
         self._stats["tier_stores_unnamed"] += 1
         return False
 
     def overflow(self) -> Iterator[tuple[str, TierEntry]]:
         """The oldest waiting block, one at a time, while more than :attr:`MAX_WAITING` wait:
         the caller drops each from its tier (which calls :meth:`forget`) before the next."""
-        while len(self._waiting) > self.MAX_WAITING:
-            (tier, _), oldest = next(iter(self._waiting.items()))
+        while len(self.waiting) > self.MAX_WAITING:
+            (tier, _), oldest = next(iter(self.waiting.items()))
             self._stats["tier_stores_unnamed_dropped"] += 1
             self._log.log(logging.WARNING, "unnamed", "kvbm_plugin: %d tier blocks wait for "
                           "TensorRT-LLM's name; the oldest leaves the %s tier unadvertised",
-                          len(self._waiting), tier)
+                          len(self.waiting), tier)
             yield tier, oldest
 
     def named_now(self, indexes: Mapping[str, TierIndex | None]
@@ -146,7 +149,7 @@ class UnnamedStores:
         """The waiting blocks whose names are known now, in commit order (parents first), each
         taken out before it is handed over for its STORE; a block its tier (``indexes[tier]``)
         no longer holds is forgotten."""
-        waiting = self._waiting
+        waiting = self.waiting
         for (tier, key), entry in list(waiting.items()):
             index = indexes.get(tier)
             if index is None or index.get(key) is not entry:
