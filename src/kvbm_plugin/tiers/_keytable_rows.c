@@ -1,19 +1,23 @@
-/* The compiled form of TierIndex._write_run (tiers/index.py, its reference and the fallback
- * where this is not built, DYN_KVBM_NATIVE=0, a run the token column cannot hold or a tier
- * with disk signatures): the rows of a run of new blocks written into the index's array
- * columns, each block's key mapped in the key table, in one call.
+/* The tier index's row loops, compiled; each has its Python reference in tiers/index.py, the
+ * fallback where this is not built (DYN_KVBM_NATIVE=0) or the call does not fit:
+ * - write_rows: TierIndex._write_run, the rows of a run of new blocks written into the index's
+ *   array columns and their keys mapped in the key table (a run whose tokens the int32 column
+ *   cannot hold, or a tier with disk signatures, is written by the reference);
+ * - take_run: the loop of TierIndex.take_resident, the match's run of resident blocks found,
+ *   pinned and touched;
+ * - commit_run: the loop of TierIndex.commit_named, a run every rank wrote committed up to its
+ *   first block already in the eviction order (the order is a Python object: the reference
+ *   goes on from there; the blocks that join it are handed back to be added).
  *
- * Kept for the target "<= 5 us per offloaded block on the executor thread"
- * (docs/performance.md, "What each compiled loop is for"): the Python loop writes a dozen
- * columns per reserved block, about 1.2 us of the executor thread's time per offloaded block
- * there. tests/tiers/test_keytable_rows.py runs both on the same runs and compares the
- * indexes they leave.
+ * Kept for the targets "<= 5 us per offloaded and per onboarded block on the executor thread"
+ * (docs/performance.md, "What each compiled loop is for", where each loop's two forms were
+ * measured in one process). tests/tiers/test_keytable_rows.py runs both forms on the same
+ * history and compares the indexes they leave and what they return.
  *
- * Called by TierIndex.reserve_chain on the leader's executor thread (the offload planner's
- * runs), after it claimed the slots (evictions included); no locks (the GIL is held
- * throughout, and nothing here runs Python code). Every column is read and written through
- * the buffer protocol for the length of the call only: the owner grows them with extend.
- * Public CPython API only. */
+ * Called by TierIndex on the leader's executor thread; no locks (the GIL is held throughout;
+ * nothing here runs Python code but attribute reads of the index's own views in commit_run).
+ * Every column is read and written through the buffer protocol for the length of the call
+ * only: the owner grows them with extend. Public CPython API only. */
 
 #include "_keytable_c.h"
 
@@ -492,10 +496,12 @@ PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *scope = PyList_GetItem(scopes, (Py_ssize_t)scope_of[slot]);
         if (scope == NULL)
             goto done;
+        Py_INCREF(scope);  /* (held across the allocations below, which may collect) */
         PyObject *eh = hash_int(eh_of[slot], eh_neg);
         PyObject *peh = peh_none ? Py_NewRef(Py_None) : hash_int(peh_of[slot], peh_neg);
         PyObject *toks = PyList_GetSlice(tokens, j * width, (j + 1) * width);
         PyObject *store = (eh && peh && toks) ? PyTuple_Pack(4, eh, peh, toks, scope) : NULL;
+        Py_DECREF(scope);
         Py_XDECREF(eh);
         Py_XDECREF(peh);
         Py_XDECREF(toks);
