@@ -237,17 +237,18 @@ def test_commit_row_is_commit_and_store_fields_of_a_block_whose_parent_is_reside
     assert _evictions(fast) == _evictions(slow)
 
 
-@pytest.mark.parametrize("given", [False, True])
+@pytest.mark.parametrize("given", ["none", "all", "short"])
 @pytest.mark.parametrize("stop", ["none", "unnamed", "unnamed parent", "pending parent",
                                   "left", "no parent hash"])
 def test_commit_named_is_commit_row_of_each_named_block_up_to_the_first_other(
-        stop: str, given: bool) -> None:
+        stop: str, given: str) -> None:
     """A run every rank wrote, committed in one call (``OffloadTiers.finish_writes``), leaves
     the index as ``commit_row`` of each block up to the first that is unnamed (its event hash
     its key), names its parent by the parent's key, has a parent not resident or left the
     tier, and returns what ``commit_row`` returns of each (hashes signed, tokens, scope);
     nothing from that block on is committed. ``given``: the run's token ids handed over (the
-    planner's; the compiled loop, where built, takes the run up to its leaf)."""
+    planner's; the compiled loop, where built, takes the run), or those of its first two
+    blocks only (the rest read from the rows)."""
     fast, slow, _ = _twin_indexes()
     chain = [60, 61, 62, 63, 64]
     for index in (fast, slow):
@@ -276,7 +277,8 @@ def test_commit_named_is_commit_row_of_each_named_block_up_to_the_first_other(
     expect = {"none": 5, "unnamed": 2, "unnamed parent": 3, "pending parent": 0, "left": 3,
               "no parent hash": 3}[stop]
     tokens = [1, 2, 3, 4, 5] if stop == "pending parent" else [1 << 40, 2, 3, 4, 5]
-    rows = fast.commit_named(views, tokens, 1) if given else fast.commit_named(views)
+    rows = fast.commit_named(views) if given == "none" else fast.commit_named(
+        views, tokens if given == "all" else tokens[:2], 1)
     assert len(rows) == expect
     for k, row in enumerate(rows):
         full = slow.commit_row(slow.get(chain[k]))

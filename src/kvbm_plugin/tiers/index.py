@@ -359,7 +359,7 @@ class TierIndex(TierRows):
                 order.add(tick, slot)  # the newest: appended
                 flags |= _QUEUED
             flags_of[slot] = flags
-            if tokens is not None:
+            if tokens is not None and at + run_width <= len(tokens):
                 row_tokens = tokens[at:at + run_width]  # a new list
                 at += run_width
             elif flags & (_ODD_TOKENS | _NO_TOKENS):
