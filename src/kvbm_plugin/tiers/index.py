@@ -509,15 +509,7 @@ class TierIndex(TierRows):
         if scope is not None and scope != (None, None):
             for slot in slots:
                 self._set_scope(slot, scope)
-        views, out = self._views, []
-        for slot in slots:
-            # A new view: _view without its look-up (a slot just claimed has no live one).
-            view = TierEntry(self, slot)
-            views[slot] = weakref.ref(view)
-            out.append(view)
-        if len(views) > self._views_purge_at:
-            self._purge_views()
-        return out
+        return self._views_of(slots)
 
     def _claim_run(self, parent: int, n: int, on_evict: Callable[[TierIndex, int], Any],
                    ) -> list[int]:
