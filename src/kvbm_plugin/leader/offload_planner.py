@@ -220,7 +220,7 @@ class OffloadPlanner:
             if entries:
                 # op ids first, first + 1 ...; the run's STOREs take their tokens from the
                 # list its rows were written from
-                first = new_run(tier_name, req_id, entries, run_tokens, bs).first
+                first = new_run(tier_name, req_id, entries, run_tokens).first
                 state.saves_inflight.add(first)
                 for k, entry in enumerate(entries):  # (entry k holds keys[i + k])
                     saves.append(record(SaveOp, (

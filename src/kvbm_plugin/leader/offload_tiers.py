@@ -389,7 +389,7 @@ class OffloadTiers:
             run: Any = entry
             entries = run.entries
             index = self.host if tier == TIER_HOST else self.disk
-            rows = index.commit_named(entries, run.tokens, run.width) \
+            rows = index.commit_named(entries, run.tokens, self._block_size) \
                 if index is not None and not len(unnamed) else []
             if rows:
                 done.extend(zip(repeat(index), entries, rows))

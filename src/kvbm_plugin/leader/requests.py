@@ -168,19 +168,18 @@ class _Run:
 class SaveRun(_Run):
     """The saves of one request's run of blocks into one tier, made by one planner call; block
     ``k`` writes ``entries[k]``, committed where every rank succeeded at it. ``tokens``: the
-    token ids the run was reserved with (``width`` per block; None: read from the tier's
+    token ids the run was reserved with (a block size's per block; None: read from the tier's
     rows), what the run's STOREs carry."""
 
-    __slots__ = ("tier", "req_id", "signatures", "tainted", "tokens", "width")
+    __slots__ = ("tier", "req_id", "signatures", "tainted", "tokens")
     kind = "save"
 
     def __init__(self, tier: str, req_id: int, first: int, entries: list[TierEntry],
-                 tokens: list[int] | None = None, width: int = 0) -> None:
+                 tokens: list[int] | None = None) -> None:
         super().__init__(first, entries)
         self.tier = tier
         self.req_id = req_id
         self.tokens = tokens
-        self.width = width
         # Per block, the disk signatures reports carry ({rank: signature}); None: none yet.
         self.signatures: list[dict[int, tuple[int, int]] | None] | None = None
         # Its request was terminated without telling (see Op.tainted): none committed.
@@ -266,11 +265,10 @@ class OpTable(dict[int, "Op | SaveRun | LoadRun | SharedRun"]):
         return self._numbered(SharedRun(self._next, writes))
 
     def new_run(self, tier: str, req_id: int, entries: list[TierEntry],
-                tokens: list[int] | None = None, width: int = 0) -> SaveRun:
-        """Record the saves of ``entries`` (a chain, in order; reserved with ``tokens``,
-        ``width`` per block, where given) as one :class:`SaveRun`, with consecutive op ids
-        from its ``first``."""
-        return self._numbered(SaveRun(tier, req_id, self._next, entries, tokens, width))
+                tokens: list[int] | None = None) -> SaveRun:
+        """Record the saves of ``entries`` (a chain, in order; reserved with ``tokens``, where
+        given) as one :class:`SaveRun`, with consecutive op ids from its ``first``."""
+        return self._numbered(SaveRun(tier, req_id, self._next, entries, tokens))
 
     def _numbered(self, run: _R) -> _R:
         """Map each op id of ``run`` (made with ``first`` = the next id) to it."""
