@@ -33,13 +33,13 @@ typedef struct {
 } Column;
 
 static int column_open(PyObject *obj, char code, Py_ssize_t itemsize, Column *c,
-                       const char *name) {
+                       const char *name, const char *fn) {
     if (PyObject_GetBuffer(obj, &c->view, PyBUF_WRITABLE | PyBUF_FORMAT) < 0)
         return -1;
     c->open = 1;
     if (c->view.itemsize != itemsize || c->view.format == NULL || c->view.format[0] != code
             || c->view.format[1] != '\0') {
-        PyErr_Format(PyExc_TypeError, "KeyTable.write_rows: column %s must be an array('%c')",
+        PyErr_Format(PyExc_TypeError, "KeyTable.%s: column %s must be an array('%c')", fn,
                      name, code);
         return -1;
     }
@@ -79,6 +79,38 @@ static const Py_ssize_t COL_SIZE[N_COLS] = {8, 8, 1, 4, 4, 4, 4, 8, 4, 4, 4};
 static const char *const COL_NAME[N_COLS] = {"eh", "peh", "flags", "parent", "child", "next",
                                             "prev", "tick", "pins", "scope", "tok"};
 
+/* The index's row columns (TierIndex._columns(), in COL_* order) and its key column
+ * (col[N_COLS]) as C arrays for one call of ``fn``, each checked for its type, every row
+ * column but the tokens for the key column's length: the key column's rows, or -1 with an
+ * exception set. columns_close releases what was opened either way. */
+static Py_ssize_t columns_open(KeyTable *self, PyObject *cols, Column *col, const char *fn) {
+    if (!PyTuple_CheckExact(cols) || PyTuple_GET_SIZE(cols) != N_COLS) {
+        PyErr_Format(PyExc_TypeError, "KeyTable.%s: columns must be a tuple of 11 arrays", fn);
+        return -1;
+    }
+    for (int c = 0; c < N_COLS; c++)
+        if (column_open(PyTuple_GET_ITEM(cols, c), COL_CODE[c], COL_SIZE[c], &col[c],
+                        COL_NAME[c], fn) < 0)
+            return -1;
+    if (column_open(self->keys, 'Q', 8, &col[N_COLS], "key", fn) < 0)
+        return -1;
+    Py_ssize_t rows = col[N_COLS].view.len / 8;
+    for (int c = 0; c < C_TOK; c++) {
+        if (col[c].view.len / COL_SIZE[c] != rows) {
+            PyErr_Format(PyExc_ValueError, "KeyTable.%s: column %s has %zd rows, the key "
+                         "column %zd", fn, COL_NAME[c], col[c].view.len / COL_SIZE[c], rows);
+            return -1;
+        }
+    }
+    return rows;
+}
+
+static void columns_close(Column *col) {
+    for (int c = 0; c < N_COLS + 1; c++)
+        if (col[c].open)
+            PyBuffer_Release(&col[c].view);
+}
+
 const char write_rows_doc[] =
 "write_rows(slots, keys, event_hashes, parent, peh, peh_flags, tokens, width, columns, /)\n"
 "--\n\n"
@@ -97,10 +129,8 @@ PyObject *kt_write_rows(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     PyObject *slots = args[0], *cols = args[8];
-    if (!PyList_CheckExact(slots) || !PyTuple_CheckExact(cols)
-            || PyTuple_GET_SIZE(cols) != N_COLS) {
-        PyErr_SetString(PyExc_TypeError, "KeyTable.write_rows: slots must be a list, columns "
-                        "a tuple of 11 arrays");
+    if (!PyList_CheckExact(slots)) {
+        PyErr_SetString(PyExc_TypeError, "KeyTable.write_rows: slots must be a list");
         return NULL;
     }
     Py_ssize_t n = PyList_GET_SIZE(slots);
@@ -140,20 +170,9 @@ PyObject *kt_write_rows(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
                         "than slots");
         goto done;
     }
-    for (int c = 0; c < N_COLS; c++)
-        if (column_open(PyTuple_GET_ITEM(cols, c), COL_CODE[c], COL_SIZE[c], &col[c],
-                        COL_NAME[c]) < 0)
-            goto done;
-    if (column_open(self->keys, 'Q', 8, key_col, "key") < 0)
+    Py_ssize_t rows = columns_open(self, cols, col, "write_rows");
+    if (rows < 0)
         goto done;
-    Py_ssize_t rows = key_col->view.len / 8;
-    for (int c = 0; c < C_TOK; c++) {
-        if (col[c].view.len / COL_SIZE[c] != rows) {
-            PyErr_Format(PyExc_ValueError, "KeyTable.write_rows: column %s has %zd rows, the "
-                         "key column %zd", COL_NAME[c], col[c].view.len / COL_SIZE[c], rows);
-            goto done;
-        }
-    }
     if (col[C_TOK].view.len / 4 < rows * width || PySequence_Fast_GET_SIZE(run) < n * width) {
         PyErr_SetString(PyExc_ValueError, "KeyTable.write_rows: the token column or the run's "
                         "tokens are short");
@@ -255,9 +274,7 @@ done:
     Py_XDECREF(run);
     PyMem_Free(parsed);
     PyMem_Free(tokens);
-    for (int c = 0; c < N_COLS + 1; c++)
-        if (col[c].open)
-            PyBuffer_Release(&col[c].view);
+    columns_close(col);
     return result;
 }
 
@@ -265,47 +282,38 @@ done:
 #define F_QUEUED 4
 
 const char take_run_doc[] =
-"take_run(keys, start, stop, flags, tick, pins, clock, /) -> (slots, queued_ticks)\n"
+"take_run(keys, start, stop, columns, clock, /) -> (slots, queued_ticks)\n"
 "--\n\n"
 "The compiled loop of TierIndex.take_resident (its reference where this is not built): the\n"
 "slots of ``keys[start:stop]`` mapped here and resident (``flags``), up to the first that is\n"
-"not; each is pinned (``pins``) and given the next tick after ``clock`` (``tick``), in order.\n"
-"``queued_ticks``: the old ticks of those that were in the eviction order (their flag\n"
-"cleared here), for the caller to take out of it. A key that is not a u64 is in no table.";
+"not; each is pinned and given the next tick after ``clock``, in order. ``queued_ticks``: the\n"
+"old ticks of those that were in the eviction order (their flag cleared here), for the\n"
+"caller to take out of it. ``columns``: TierIndex._columns(), as write_rows takes them. A key\n"
+"that is not a u64 is in no table.";
 
 PyObject *kt_take_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 7) {
-        PyErr_Format(PyExc_TypeError, "take_run() takes 7 arguments (%zd given)", nargs);
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "take_run() takes 5 arguments (%zd given)", nargs);
         return NULL;
     }
     Py_ssize_t start = PyLong_AsSsize_t(args[1]), stop = PyLong_AsSsize_t(args[2]);
     if ((start == -1 || stop == -1) && PyErr_Occurred())
         return NULL;
-    unsigned long long clock = PyLong_AsUnsignedLongLong(args[6]);
+    unsigned long long clock = PyLong_AsUnsignedLongLong(args[4]);
     if (clock == (unsigned long long)-1 && PyErr_Occurred())
         return NULL;
     PyObject *keys = PySequence_Fast(args[0], "KeyTable.take_run: keys must be a sequence");
     if (keys == NULL)
         return NULL;
     PyObject *slots = NULL, *queued = NULL, *result = NULL;
-    Column col[3] = {0};
-    Keys k;
-    int keys_opened = 0;
-    if (column_open(args[3], 'B', 1, &col[0], "flags") < 0
-            || column_open(args[4], 'Q', 8, &col[1], "tick") < 0
-            || column_open(args[5], 'I', 4, &col[2], "pins") < 0)
+    Column col[N_COLS + 1] = {0};
+    Py_ssize_t rows = columns_open(self, args[3], col, "take_run");
+    if (rows < 0)
         goto done;
-    if (keys_open(self, &k) < 0)
-        goto done;
-    keys_opened = 1;
-    if (col[0].view.len < k.n || col[1].view.len / 8 < k.n || col[2].view.len / 4 < k.n) {
-        PyErr_SetString(PyExc_ValueError, "KeyTable.take_run: a column is shorter than the "
-                        "key column");
-        goto done;
-    }
-    uint8_t *flags_of = col[0].view.buf;
-    uint64_t *tick_of = col[1].view.buf;
-    uint32_t *pins_of = col[2].view.buf;
+    Keys k = {.keys = col[N_COLS].view.buf, .n = rows};
+    uint8_t *flags_of = col[C_FLAGS].view.buf;
+    uint64_t *tick_of = col[C_TICK].view.buf;
+    uint32_t *pins_of = col[C_PINS].view.buf;
     slots = PyList_New(0);
     queued = PyList_New(0);
     if (slots == NULL || queued == NULL)
@@ -355,21 +363,11 @@ done:
     Py_DECREF(keys);
     Py_XDECREF(slots);
     Py_XDECREF(queued);
-    if (keys_opened)
-        PyBuffer_Release(&k.view);
-    for (int c = 0; c < 3; c++)
-        if (col[c].open)
-            PyBuffer_Release(&col[c].view);
+    columns_close(col);
     return result;
 }
 
 #define F_PEH_NONE 32
-#define N_COMMIT_COLS 8
-enum { K_FLAGS, K_EH, K_PEH, K_PARENT, K_TICK, K_PINS, K_CHILD, K_SCOPE };
-static const char K_CODE[N_COMMIT_COLS] = {'B', 'Q', 'Q', 'i', 'Q', 'I', 'i', 'I'};
-static const Py_ssize_t K_SIZE[N_COMMIT_COLS] = {1, 8, 8, 4, 8, 4, 4, 4};
-static const char *const K_NAME[N_COMMIT_COLS] = {"flags", "eh", "peh", "parent", "tick",
-                                                  "pins", "child", "scope"};
 
 /* A row's 64-bit hash bits as the int they stand for: negative where ``negative``. */
 static PyObject *hash_int(uint64_t bits, int negative) {
@@ -387,9 +385,9 @@ const char commit_run_doc[] =
 "after ``clock``. ``stores``: the (event hash, parent event hash, token ids, scope) of each\n"
 "committed, its token ids ``tokens[k * width:(k + 1) * width]`` (a list); ``queue``: the\n"
 "(tick, slot) of each that joins the eviction order (no child, no pin; flagged here), for\n"
-"the caller to add in order. ``columns``: (flags, eh, peh, parent, tick, pins, child,\n"
-"scope); ``scopes``: the index's scope list. The caller goes on from the first entry not\n"
-"committed here.";
+"the caller to add in order. ``columns``: TierIndex._columns(), as write_rows takes them;\n"
+"``scopes``: the index's scope list. The caller goes on from the first entry not committed\n"
+"here.";
 
 PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs) {
     if (nargs != 7) {
@@ -398,10 +396,9 @@ PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *entries = args[0], *index = args[1], *tokens = args[2], *cols = args[4],
              *scopes = args[5];
-    if (!PyList_CheckExact(entries) || !PyList_CheckExact(tokens) || !PyList_CheckExact(scopes)
-            || !PyTuple_CheckExact(cols) || PyTuple_GET_SIZE(cols) != N_COMMIT_COLS) {
+    if (!PyList_CheckExact(entries) || !PyList_CheckExact(tokens) || !PyList_CheckExact(scopes)) {
         PyErr_SetString(PyExc_TypeError, "KeyTable.commit_run: entries, tokens and scopes must "
-                        "be lists, columns a tuple of 8 arrays");
+                        "be lists");
         return NULL;
     }
     Py_ssize_t width = PyLong_AsSsize_t(args[3]);
@@ -415,29 +412,18 @@ PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
                            || (s_index = PyUnicode_InternFromString("_index")) == NULL
                            || (s_slot = PyUnicode_InternFromString("slot")) == NULL))
         return NULL;
-    Column col[N_COMMIT_COLS] = {0};
-    Keys k;
-    int keys_opened = 0;
+    Column col[N_COLS + 1] = {0};
     long added = 0;
     PyObject *out = NULL, *queue = NULL, *result = NULL;
-    for (int c = 0; c < N_COMMIT_COLS; c++)
-        if (column_open(PyTuple_GET_ITEM(cols, c), K_CODE[c], K_SIZE[c], &col[c], K_NAME[c]) < 0)
-            goto done;
-    if (keys_open(self, &k) < 0)
+    Py_ssize_t rows = columns_open(self, cols, col, "commit_run");
+    if (rows < 0)
         goto done;
-    keys_opened = 1;
-    for (int c = 0; c < N_COMMIT_COLS; c++) {
-        if (col[c].view.len / K_SIZE[c] != k.n) {
-            PyErr_Format(PyExc_ValueError, "KeyTable.commit_run: column %s has %zd rows, the "
-                         "key column %zd", K_NAME[c], col[c].view.len / K_SIZE[c], k.n);
-            goto done;
-        }
-    }
-    uint8_t *flags_of = col[K_FLAGS].view.buf;
-    const uint64_t *eh_of = col[K_EH].view.buf, *peh_of = col[K_PEH].view.buf;
-    const int32_t *parent_of = col[K_PARENT].view.buf, *child_of = col[K_CHILD].view.buf;
-    uint64_t *tick_of = col[K_TICK].view.buf;
-    const uint32_t *pins_of = col[K_PINS].view.buf, *scope_of = col[K_SCOPE].view.buf;
+    Keys k = {.keys = col[N_COLS].view.buf, .n = rows};
+    uint8_t *flags_of = col[C_FLAGS].view.buf;
+    const uint64_t *eh_of = col[C_EH].view.buf, *peh_of = col[C_PEH].view.buf;
+    const int32_t *parent_of = col[C_PARENT].view.buf, *child_of = col[C_CHILD].view.buf;
+    uint64_t *tick_of = col[C_TICK].view.buf;
+    const uint32_t *pins_of = col[C_PINS].view.buf, *scope_of = col[C_SCOPE].view.buf;
     out = PyList_New(0);
     queue = PyList_New(0);
     if (out == NULL || queue == NULL)
@@ -531,10 +517,6 @@ PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs)
 done:
     Py_XDECREF(out);
     Py_XDECREF(queue);
-    if (keys_opened)
-        PyBuffer_Release(&k.view);
-    for (int c = 0; c < N_COMMIT_COLS; c++)
-        if (col[c].open)
-            PyBuffer_Release(&col[c].view);
+    columns_close(col);
     return result;
 }

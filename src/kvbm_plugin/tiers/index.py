@@ -144,8 +144,7 @@ class TierIndex(TierRows):
         if take_run is not None:
             # The compiled loop (tiers/_keytable_rows.c): the slots and their rows as the
             # loop below leaves them, and the old ticks of those that were evictable.
-            slots, queued = take_run(keys, start, stop, self._flags, self._tick, self._pins,
-                                     self._clock)
+            slots, queued = take_run(keys, start, stop, self._columns(), self._clock)
             self._clock += len(slots)
             for tick in queued:
                 self._order.remove(tick)
@@ -314,9 +313,7 @@ class TierIndex(TierRows):
             # block that stops it or is in the eviction order already; the blocks that join
             # the order (the leaf, usually) are added here; the loop below goes on from there.
             out, self._clock, added, queue = commit_run(
-                entries, self, tokens, run_width,
-                (flags_of, eh_of, peh_of, parent_of, tick_of, pins_of, child_of, scope_of),
-                scopes, self._clock)
+                entries, self, tokens, run_width, self._columns(), scopes, self._clock)
             self._resident += added
             for tick, slot in queue:
                 order.add(tick, slot)  # the newest: appended
@@ -613,8 +610,8 @@ class TierIndex(TierRows):
         return len(slots)
 
     def _columns(self) -> tuple[array[int], ...]:
-        """The columns ``KeyTable.write_rows`` writes, in its order (the key column is the
-        table's own)."""
+        """The row columns the compiled loops (``KeyTable.write_rows``, ``take_run``,
+        ``commit_run``) take, in their order (the key column is the table's own)."""
         return (self._eh, self._peh, self._flags, self._parent, self._child, self._next,
                 self._prev, self._tick, self._pins, self._scope, self._tok)
 
