@@ -19,10 +19,11 @@ setup(ext_modules=[
                                                    "src/kvbm_plugin/consolidator/_core_remove.c",
                                                    "src/kvbm_plugin/consolidator/_core_block.c"],
               depends=[*_COMMON, "src/kvbm_plugin/consolidator/_core_c.h"], optional=True),
-    # The tier index's key table (tiers/_rows.py's KeyTable is the reference) and its row
-    # writes (tiers/index.py's TierIndex._write_run is theirs).
+    # The tier index's key table (tiers/_rows.py's KeyTable is the reference), its row
+    # loops (tiers/index.py's are theirs) and its views (tiers/_entry.py, index_rows.py).
     Extension("kvbm_plugin.tiers._keytable_c", ["src/kvbm_plugin/tiers/_keytable_c.c",
-                                                "src/kvbm_plugin/tiers/_keytable_rows.c"],
+                                                "src/kvbm_plugin/tiers/_keytable_rows.c",
+                                                "src/kvbm_plugin/tiers/_entry_views.c"],
               depends=[*_COMMON, "src/kvbm_plugin/tiers/_keytable_c.h"], optional=True),
     # The tiers' chained content digests (tiers/content_keys.py's _chained_py is the reference).
     Extension("kvbm_plugin.tiers._digests_c", ["src/kvbm_plugin/tiers/_digests_c.c"],

@@ -2,11 +2,17 @@
 
 Views are made by the index (``TierIndex.get``, ``reserve`` and the others) on the leader's
 executor thread and read there; the index detaches a view when its entry leaves the tier.
+A view's fields are stored by :class:`_EntryStorage`, or by its compiled form
+(``tiers/_entry_views.c``, which also makes a run's views in one call) where that is built and
+``DYN_KVBM_NATIVE`` does not switch it off, read once at import.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+from kvbm_plugin._util import compiled as _compiled
+from kvbm_plugin.consolidator_config import ConfigError
 
 if TYPE_CHECKING:
     from kvbm_plugin.tiers.content_keys import Signature
@@ -35,21 +41,47 @@ _S_SIGNATURES = 8
 _S_SCOPE = 9
 
 
-class TierEntry:
+class _EntryStorage:
+    """A view's fields (the reference of ``_entry_views.c``'s ``EntryStorage``): the index,
+    the slot number every rank uses, and the values (``_S_*``) once detached (None before)."""
+
+    __slots__ = ("_index", "slot", "_snap", "__weakref__")
+
+    def __init__(self, index: TierIndex, slot: int) -> None:
+        self._index = index
+        self.slot = slot
+        self._snap: list[Any] | None = None
+
+
+def _compiled_views() -> Any:
+    """``_keytable_c`` where it is built and ``DYN_KVBM_NATIVE`` does not switch it off, else
+    None (also for a value of the switch that is not a boolean: start-up refuses that value
+    with its own error, and both forms behave the same)."""
+    try:
+        return _compiled.loops("tier_keys")
+    except ConfigError:
+        return None
+
+
+_VIEWS_C = _compiled_views()
+
+
+class TierEntry(_VIEWS_C.EntryStorage if _VIEWS_C is not None  # type: ignore[misc]
+                else _EntryStorage):
     """One block in one tier, as the leader sees it: a view of the index's row for it.
 
     The index hands out one view per live entry at a time (``index.get(k) is entry`` holds
     while the entry is in the tier and someone keeps the view). Writable: ``event_hash``,
     ``parent_event_hash`` and ``scope``. Once the entry leaves the tier (evicted, discarded)
     the view is detached: it keeps the values it had, and changing them touches no tier.
+    Made as ``TierEntry(index, slot)``.
     """
 
-    __slots__ = ("_index", "slot", "_snap", "__weakref__")
-
-    def __init__(self, index: TierIndex, slot: int) -> None:
-        self._index = index
-        self.slot = slot  # slot number every rank uses
-        self._snap: list[Any] | None = None  # the values (_S_*), once detached
+    __slots__ = ()
+    if TYPE_CHECKING:
+        _index: TierIndex
+        slot: int
+        _snap: list[Any] | None
 
     def __repr__(self) -> str:
         state = "detached" if self._snap is not None else self._index.name
@@ -156,3 +188,8 @@ class TierEntry:
             self._snap[_S_SCOPE] = value
         else:
             self._index._set_scope(self.slot, value)
+
+
+# Whether the views are the compiled form's: only then may an index on the compiled key table
+# make them with its ``views_of`` (TierRows._views_of).
+COMPILED_VIEWS = _VIEWS_C is not None

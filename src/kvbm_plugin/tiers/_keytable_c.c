@@ -208,6 +208,7 @@ static PyMethodDef kt_methods[] = {
     {"write_rows", (PyCFunction)(void (*)(void))kt_write_rows, METH_FASTCALL, write_rows_doc},
     {"take_run", (PyCFunction)(void (*)(void))kt_take_run, METH_FASTCALL, take_run_doc},
     {"commit_run", (PyCFunction)(void (*)(void))kt_commit_run, METH_FASTCALL, commit_run_doc},
+    {"views_of", (PyCFunction)(void (*)(void))es_views_of, METH_FASTCALL, views_of_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -229,12 +230,13 @@ static PyTypeObject KeyTableType = {
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "_keytable_c",
-    "The tier index's key table, compiled (tiers/_rows.py's KeyTable is the reference).",
+    "The tier index's key table, row loops and views, compiled (tiers/_rows.py's KeyTable, "
+    "tiers/index.py and tiers/_entry.py are the references).",
     -1, NULL,
 };
 
 PyMODINIT_FUNC PyInit__keytable_c(void) {
-    if (PyType_Ready(&KeyTableType) < 0)
+    if (PyType_Ready(&KeyTableType) < 0 || PyType_Ready(&EntryStorageType) < 0)
         return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL)
@@ -242,6 +244,12 @@ PyMODINIT_FUNC PyInit__keytable_c(void) {
     Py_INCREF(&KeyTableType);
     if (PyModule_AddObject(m, "KeyTable", (PyObject *)&KeyTableType) < 0) {
         Py_DECREF(&KeyTableType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&EntryStorageType);
+    if (PyModule_AddObject(m, "EntryStorage", (PyObject *)&EntryStorageType) < 0) {
+        Py_DECREF(&EntryStorageType);
         Py_DECREF(m);
         return NULL;
     }

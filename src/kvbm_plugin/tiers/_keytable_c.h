@@ -1,6 +1,7 @@
-/* What tiers/_keytable_c.c (the key table) and tiers/_keytable_rows.c (the tier index's row
- * writes, which map their keys in the same table) share: the table, the key column as a C
- * array for one call, the hash. Public CPython API only. */
+/* What tiers/_keytable_c.c (the key table), tiers/_keytable_rows.c (the tier index's row
+ * writes, which map their keys in the same table) and tiers/_entry_views.c (the index's
+ * views) share: the table, the key column as a C array for one call, the hash, the entry
+ * points the module registers. Public CPython API only. */
 
 #ifndef KVBM_KEYTABLE_C_H
 #define KVBM_KEYTABLE_C_H
@@ -91,5 +92,10 @@ PyObject *kt_take_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs);
 extern const char take_run_doc[];
 PyObject *kt_commit_run(KeyTable *self, PyObject *const *args, Py_ssize_t nargs);
 extern const char commit_run_doc[];
+
+/* tiers/_entry_views.c: a TierEntry's storage, and the loop handing out a run's views. */
+extern PyTypeObject EntryStorageType;
+PyObject *es_views_of(KeyTable *self, PyObject *const *args, Py_ssize_t nargs);
+extern const char views_of_doc[];
 
 #endif

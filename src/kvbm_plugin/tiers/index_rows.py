@@ -25,6 +25,7 @@ from kvbm_plugin.tiers._entry import (
     _PEH_NONE,
     _QUEUED,
     _RESIDENT,
+    COMPILED_VIEWS,
     TierEntry,
 )
 from kvbm_plugin.tiers._rows import LeafOrder, SlotRows, key_table
@@ -111,15 +112,22 @@ class TierRows(SlotRows):
         return view
 
     def _views_of(self, slots: list[int]) -> list[TierEntry]:
-        """:meth:`_view` of each of ``slots``, in one call."""
-        views, out = self._views, []
-        for slot in slots:
-            ref = views.get(slot)
-            view = ref() if ref is not None else None
-            if view is None:
-                view = TierEntry(self, slot)
-                views[slot] = weakref.ref(view)
-            out.append(view)
+        """:meth:`_view` of each of ``slots`` (a list), in one call: the compiled loop
+        (``tiers/_entry_views.c``) where the views and the key table are compiled, else this
+        loop, its reference."""
+        views = self._views
+        views_of = getattr(self._table, "views_of", None) if COMPILED_VIEWS else None
+        if views_of is not None:
+            out = views_of(views, slots, TierEntry, self)
+        else:
+            out = []
+            for slot in slots:
+                ref = views.get(slot)
+                view = ref() if ref is not None else None
+                if view is None:
+                    view = TierEntry(self, slot)
+                    views[slot] = weakref.ref(view)
+                out.append(view)
         if len(views) > self._views_purge_at:
             self._purge_views()
         return out
