@@ -269,7 +269,8 @@ class SharedIO:
     # ------------------------------------------------------------ writer thread
 
     def _writer_loop(self) -> None:
-        """Puts staged blocks, up to WRITE_BATCH per call, and reports each (writer thread)."""
+        """Puts staged blocks, up to WRITE_BATCH per call, and reports each call's together
+        (writer thread)."""
         while True:
             item = self._writes.get()
             if item is None:
@@ -302,13 +303,17 @@ class SharedIO:
                              len(batch))
             codes = [FAILED] * len(batch)
         failed = 0
+        results: list[tuple[int, bool]] = []
         for (op, buf), code in zip(batch, codes, strict=True):
             ok = code == OK
             if not ok:
                 failed += 1
                 self._note_failure("put", code)
             self._release(buf)
-            self._reporter.report(op.op_id, ok, ERR_NONE if ok else ERR_FAILED)
+            results.append((op.op_id, ok))
+        # One hand-off for the batch (a failure is ERR_FAILED, as one by one): the leader
+        # folds a run's consecutive ids in one step, not a report per block.
+        self._reporter.report_all(results)
         self._count(shared_writes=len(batch) - failed, shared_writes_failed=failed,
                     shared_bytes_written=(len(batch) - failed) * self._page)
         with self._lock:

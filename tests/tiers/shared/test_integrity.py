@@ -101,6 +101,10 @@ class _Worker:
         with self.lock:
             self.reports[op_id] = (ok, error)
 
+    def report_all(self, results: Any) -> None:  # (OpReporter's: a failure is ERR_FAILED)
+        for op_id, ok in results:
+            self.report(op_id, ok, ERR_NONE if ok else ERR_FAILED)
+
     def begin_writing(self, req_id: int, n: int = 1) -> bool:
         return True
 
