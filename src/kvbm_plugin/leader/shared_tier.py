@@ -249,7 +249,9 @@ class LeaderSharedTier:
         digests = state.digests
         if len(digests) < upto:
             bs = self._block_size
-            digests.extend(chain_digests(tokens[:upto * bs], bs, state.salt,
+            if len(tokens) // bs > upto:  # (only then a copy: the chain takes full blocks)
+                tokens = tokens[:upto * bs]
+            digests.extend(chain_digests(tokens, bs, state.salt,
                                          start=len(digests),
                                          parent=digests[-1] if digests else None))
         return digests

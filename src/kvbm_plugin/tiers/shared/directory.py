@@ -179,9 +179,13 @@ class SharedDirectory(SharedRows):
     def tracked(self, digests: Sequence[bytes]) -> list[bool]:
         """:meth:`is_tracked` of each of ``digests``, under one hold of the lock (a run of
         write-throughs, executor thread)."""
-        pending, find = self._pending, self._find
+        pending = self._pending
         with self._lock:
-            return [digest in pending or find(digest) >= 0 for digest in digests]
+            slots = self._find_all(digests)
+            if not pending:  # (most runs: nothing awaits the agent's check)
+                return [slot >= 0 for slot in slots]
+            return [digest in pending or slot >= 0
+                    for digest, slot in zip(digests, slots, strict=True)]
 
     def __len__(self) -> int:
         """Resident blocks."""
