@@ -322,6 +322,30 @@ def test_a_dropped_write_is_counted_and_never_advertised(shared) -> None:
     assert got.matched_shared_tokens == offered * BS < 5 * BS
 
 
+def test_a_block_loaded_back_from_the_host_tier_is_written_through_if_the_shared_tier_lacks_it(
+        shared) -> None:
+    """Its write-through failed when it was offloaded: the next request that loads its host
+    copy back writes it through (the offload planner passes a match's host run in one step,
+    and asks the shared tier about the run at once)."""
+    a, b = shared.engine(), shared.engine()
+    system = prompt(60, 4 * BS)
+    digests = chain_digests(system, BS, None)
+    shared.fail_put_keys = ""  # every put fails: nothing of it reaches the shared tier
+    run(a, system + prompt(61, 2))
+    settle(a)
+    assert a.leader.stats()["shared_saves_failed"] >= 4
+    assert not any(a.leader._shared.directory.is_tracked(d) for d in digests)  # noqa: SLF001
+    shared.fail_put_keys = None
+    for k in range(6):  # push A's GPU copies out (the host copies stay)
+        run(a, prompt(200 + k, 7 * BS))
+    got = run(a, system + prompt(62, 2))
+    assert got.matched_host_tokens == 4 * BS and got.matched_shared_tokens == 0
+    settle(a)
+    wait_for(lambda: all(b.leader._shared.directory.lookup(d) is not None  # noqa: SLF001
+                         for d in digests), "B to hear of the blocks written through")
+    assert run(b, system + prompt(63, 2)).matched_shared_tokens == 4 * BS
+
+
 @pytest.mark.parametrize("writer,reader", [("t1", "t2"), ("t1", None), (None, "t1")])
 def test_tenants_never_load_each_others_blocks(shared, writer, reader) -> None:
     a, b = shared.engine(), shared.engine()

@@ -141,6 +141,17 @@ class OffloadPlanner:
             key = keys[i]
             # Already here: a resident block's LRU place is refreshed (in use again).
             if write_through:
+                if matched is not None and i >= matched[0]:
+                    # Loaded from this tier (touched and pinned by the match): passed in one
+                    # step where the last is still here, as below; those the shared tier
+                    # lacks are written through from their host copies.
+                    hi = min(matched[1], limit)
+                    matched = state.host_matched = None
+                    if i < hi and keys[hi - 1] in index:
+                        shared.follow_resident(state, i, hi, index)
+                        state.offload_next = hi
+                        parent_in = True
+                        continue
                 present, here = index.probe(key)
                 if here:
                     if present is not None:  # not in the shared tier yet?

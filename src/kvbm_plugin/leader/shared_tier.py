@@ -289,6 +289,37 @@ class LeaderSharedTier:
         if write is not None:
             self._schedule([write], [(host_op, device_block, entry)])
 
+    def follow_resident(self, state: Any, start: int, stop: int, host: Any) -> None:
+        """:meth:`follow` of each of the request's blocks ``start..stop - 1``, resident in
+        the host tier ``host`` (a match's run, which touched them): the directory asked once
+        for the run, and only a block the shared tier lacks looked up in ``host`` (a pending
+        one is not written through, as :meth:`follow` is not called for it). Executor
+        thread."""
+        digests = self._ready(state, stop - 1, stop - start)
+        if digests is None:
+            return
+        stop = min(stop, len(digests))
+        if stop <= start:
+            return
+        assert self.directory is not None
+        run = digests[start:stop]
+        tracked = self.directory.tracked(run)
+        keys, by_key, in_hand = state.keys, self._by_key, self._in_hand
+        writes: list[_SharedWrite] = []
+        sources: list[tuple[int, int, Any]] = []
+        for k, digest in enumerate(run):
+            if tracked[k] or keys[start + k] in by_key or digest in in_hand:
+                continue  # (most blocks of a run loaded back: written through before)
+            entry, _ = host.probe(keys[start + k])
+            if entry is None:
+                continue
+            write = self._follow(state, digests, start + k, entry)
+            if write is not None:
+                writes.append(write)
+                sources.append((-1, -1, entry))
+        if writes:
+            self._schedule(writes, sources)
+
     def follow_run(self, state: Any, start: int, entries: Sequence[Any], first_op: int,
                    blocks: Sequence[int]) -> None:
         """:meth:`follow` of each host save of a run the planner scheduled together: block
