@@ -90,7 +90,7 @@ from kvbm_plugin.tiers.base import (
     block_keys,
 )
 from kvbm_plugin.tiers.disk import claim_directory
-from kvbm_plugin.wire.identity import remember_salt_text, request_scopes
+from kvbm_plugin.wire.identity import remember_salt_text, request_scopes, salt_of
 
 logger = logging.getLogger(__name__)
 _request_id = attrgetter("request_id")  # a RequestData's id, read in C
@@ -584,6 +584,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         """A request matched without a salt whose first report names one (a request object
         that lacked the field): key its blocks under the salt from now on, never unsalted
         (and name them under the salted rule, which the naming then awaits events for)."""
+        if salt_of(rd) is None:
+            return  # (most requests: no salt on either object; its other fields unread)
         salt, scope = request_scopes(rd)
         if salt is not None:
             state.salt = salt
