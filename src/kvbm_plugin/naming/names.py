@@ -42,7 +42,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Final
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin._util.saferepr import saferepr
@@ -109,6 +109,8 @@ class NameInputs:
     # the leader), not a form the plugin does not follow (prompt tuning, a revision's fields)
     bad_input: bool = False
 
+
+_NO_INPUTS: Final = NameInputs(None, None)  # a request without salt, adapter or multimodal items
 
 # Revisions between the contiguous and the run-based rule placed items by other fields
 # (per-item hash positions; run offsets named ``_cu_seqlen``): not followed, so such a
@@ -225,6 +227,8 @@ def name_inputs(obj: Any) -> NameInputs:
     elif salt is not None:
         v2_why = _NO_SALT_TEXT
     if not mm:
+        if salt is None and lora is None and v2_why is None:
+            return _NO_INPUTS  # (most requests: no salt, no adapter; one frozen object for all)
         return NameInputs(salt, lora, salt_kind=kind, v2_salt=v2_salt, v2_why_not=v2_why)
     # V2 keys put the digests in the tokens: not computed (docs/event_sources.md).
     return NameInputs(salt, lora, salt_kind=kind, v2_salt=v2_salt,
