@@ -29,7 +29,7 @@ LEADER_STATS = (
     "saves_discarded_terminated", "gpu_source_silent_iterations", "window_skips")
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestState:
     """What the leader knows about one request."""
 
