@@ -24,8 +24,9 @@ window that is not published at all). Every drop is counted in :meth:`KvEventSin
 rate-limited.
 
 ``ingest`` has two loops with one behaviour: the Python loop (the reference) and, when the
-extension was built, a compiled loop (``events/_sink_c.c``) that takes the decode steady state
-(one-block stores, removals) and hands every other event to the Python loop. With the
+extension was built, a compiled loop (``events/_sink_c.c``) that takes the common events (the
+decode's one-block stores and a prompt's chain of full blocks, a partial last block's hash
+handed back to be suppressed; removals) and hands every other event to the Python loop. With the
 extension, each rank's batch is compiled too (``_rank_batch.c``, the compiled form of
 :class:`Rank`): the events the compiled code takes are written straight into their wire bytes
 (an ``events.EncodedEvents`` run in an ``events.EncodedBatch``), so no Python object is made,
@@ -202,13 +203,14 @@ class KvEventSink(V2Hooks):
                 return
             # The compiled loop takes the common events and stops at the first one that needs
             # a decision (window, created, partial block, other rank, malformed ...); the
-            # Python loop takes that one, and the compiled loop goes on after it.
+            # Python loop takes that one, and the compiled loop goes on after it. It also
+            # stops after a store whose last block is partial, which is suppressed here first.
             c = self._c
             rs = self._ranks[self.data_parallel_rank]
             start = 0
             while True:
                 (stop, n_in, n_stores, n_stored, n_removes, n_removed, n_partial,
-                 n_unknown) = native(events, start, rs, self._window, self._prefix_closed)
+                 n_unknown, tail) = native(events, start, rs, self._window, self._prefix_closed)
                 c["events_in"] += n_in
                 c["stores"] += n_stores
                 c["blocks_stored"] += n_stored
@@ -216,6 +218,11 @@ class KvEventSink(V2Hooks):
                 c["blocks_removed"] += n_removed
                 c["partial_removes_suppressed"] += n_partial
                 c["unknown_removes_suppressed"] += n_unknown
+                if tail is not None:
+                    self._suppress(rs, tail)
+                    c["partial_blocks_suppressed"] += 1
+                    start = stop
+                    continue
                 if stop >= len(events):  # re-read: a caller's key object may change the list
                     return
                 self._ingest_locked((events[stop],))

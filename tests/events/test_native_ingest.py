@@ -121,7 +121,7 @@ def event(draw: st.DrawFn) -> Any:
     if rank is not None or draw(st.integers(0, 7)) == 0:
         ev["attention_dp_rank"] = rank
     if kind == "stored":
-        n_blocks = draw(st.sampled_from([1, 1, 1, 1, 2, 0]))
+        n_blocks = draw(st.sampled_from([1, 1, 1, 1, 2, 3, 5, 0]))  # (a prompt: several)
         data: dict[str, Any] = {"type": "stored", "parent_hash": draw(hashes()),
                                 "blocks": [{"type": "stored_block",
                                             "block_hash": draw(hashes(valid_only=True))
@@ -770,3 +770,56 @@ def _wrecking_stream(where: str, key_type: type) -> list[list[Any]]:
     assert any(type(k) is key_type for k in holder)
     key.on_eq = wreck  # armed once built
     return [events, [_store(None, 20)]]
+
+
+def _removed(*hashes: int) -> dict[str, Any]:
+    return {"event_id": 0, "window_size": 64,
+            "data": {"type": "removed", "block_hashes": list(hashes)}}
+
+
+def _chain(parent: int | None, hashes: list[int], tail: int | None = None,
+           **data: Any) -> dict[str, Any]:
+    """A prompt's store: a chain of full blocks (``hashes``), and where ``tail`` is given a
+    partial last block under it (partial reuse), as TensorRT-LLM stores a context."""
+    blocks: list[dict[str, Any]] = [{"block_hash": h, "tokens": [{"token_id": h % 7},
+                                                                 {"token_id": k}]}
+                                    for k, h in enumerate(hashes)]
+    if tail is not None:
+        blocks.append({"block_hash": tail, "tokens": [{"token_id": 3}]})
+    return {"event_id": 0, "window_size": 64,
+            "data": {"type": "stored", "parent_hash": parent, **data, "blocks": blocks}}
+
+
+@needs_native
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_prompts_chain_runs_the_same_in_both_loops_and_the_compiled_loop_takes_it(
+        closed: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chains of several blocks (the prefill's stores), with a partial last block or not,
+    under a published parent, an unpublished one and none, continuing an earlier chain, with
+    an adapter, a published hash or a hash twice in them, then removals of their blocks and
+    of the suppressed tails: both loops publish the same bytes and counters, and the compiled
+    loop leaves only the chains that need a decision to the Python loop."""
+    def make() -> list[list[Any]]:
+        return [[_chain(None, [10, 11, 12], tail=13), _chain(12, [14, 15]),
+                 _chain(15, [16, 17, 18, 19, 20], tail=21, lora_id=3)],
+                [_removed(13), _chain(None, [30, 31], tail=32), _removed(21, 20)],
+                [_chain(99, [40, 41], tail=42),  # an unpublished parent: dropped
+                 _chain(31, [43, 11, 44]),  # 11 is published: the chain goes on under it
+                 _chain(31, [45, 46, 45], tail=47),  # a hash twice
+                 _chain(None, [50], tail=51), _chain(50, [52, 53]), _removed(51, 53)]]
+
+    payloads, stats = _both(make, prefix_closed=closed)
+    assert stats["partial_blocks_suppressed"] == 6  # every tail, the dropped chains' too
+    taken: list[Any] = []
+    rec = Recorder()
+    sink = KvEventSink(rec, block_size=BS, window_size=64, native=True, prefix_closed=closed)
+    python_loop = sink._ingest_locked  # noqa: SLF001
+    monkeypatch.setattr(sink, "_ingest_locked",
+                        lambda evs: (taken.extend(evs), python_loop(evs)))
+    for events in make():
+        sink.ingest(events)
+    left = [ev["data"]["blocks"][0]["block_hash"] for ev in taken
+            if ev["data"]["type"] == "stored"]
+    assert left == ([40, 43, 45] if closed else [])
+    sink.flush()
+    assert rec.payloads == payloads

@@ -107,34 +107,31 @@ static int drop_child(PyObject *kids, PyObject *parent, PyObject *child) {
     return r;
 }
 
-/* One "stored" event (``data`` exact dict). ``closed``: keep the rank's prefix-closed state;
- * a store under an unpublished parent or of a published hash is left to the Python loop
- * (which drops it, counted). */
-static int take_stored(PyObject *const *df, RankBatch *rb, long *n_stores, int closed) {
+static int cmp_i64(const void *a, const void *b) {
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* One "stored" event (``data`` exact dict): a chain of one or more blocks (a prompt's stores
+ * come as one event), every one full and plain (no per-block adapter, salt or multimodal
+ * keys), taken whole: each block appended as KvEventSink._store appends the chain (onto the
+ * open event or ``last`` where it continues it). After at least one full block, the last may
+ * be partial (a prompt's tail, with partial reuse): never published, its wire hash goes to
+ * ``*tail`` (``*has_tail`` set) for the caller to suppress, as KvEventSink._dict_stored does.
+ * ``closed``: keep the rank's prefix-closed state; a chain under an unpublished parent, a
+ * published hash or a hash twice in the event is left to the Python loop (which drops it,
+ * counted), as is any other partial block. ``n_blocks``: the full blocks taken. */
+static int take_stored(PyObject *const *df, RankBatch *rb, long *n_stores, long *n_blocks,
+                       int closed, int64_t *tail, int *has_tail) {
     PyObject *blocks = df[D_BLOCKS], *parent = df[D_PARENT], *lora_id = df[D_LORA];
-    PyObject *block, *tokens, *raw, *v, *h_obj = NULL, *p_obj = NULL, *bf[B_N];
-    Py_ssize_t j, bs = rb->block_size;
-    int64_t hv, pv = 0;
+    PyObject *block, *tokens, *raw, *v, *p_obj = NULL, *bf[B_N], **h_objs = NULL;
+    Py_ssize_t j, k, n, bs = rb->block_size;
+    int64_t pv = 0, *hv = NULL, *sorted = NULL;
+    uint32_t *toks = NULL;
     int r, has_parent, has_lora;
     unsigned long long lora = 0;
 
-    if (blocks == NULL || !PyList_CheckExact(blocks) || PyList_GET_SIZE(blocks) != 1)
-        return LEAVE;
-    block = PyList_GET_ITEM(blocks, 0);
-    if (!PyDict_CheckExact(block) || str_dict_pick(block, B_KEYS, B_HASHES, B_N, bf) < 0)
-        return LEAVE;
-    tokens = bf[B_TOKENS];
-    raw = bf[B_HASH];
-    if (tokens == NULL || raw == NULL) return LEAVE;
-    if (!PyList_CheckExact(tokens) || PyList_GET_SIZE(tokens) != bs) return LEAVE;
-    /* Per-block LoRA, multimodal keys or cache salt, as a string or as its id (newer
-     * serializers): the Python loop turns them into lora_id / lora_name / extra_keys. */
-    if ((bf[B_LORA] != NULL && bf[B_LORA] != Py_None)
-        || (bf[B_SALT] != NULL && bf[B_SALT] != Py_None)
-        || (bf[B_SALT_ID] != NULL && bf[B_SALT_ID] != Py_None))
-        return LEAVE;
-    v = bf[B_MM];
-    if (v != NULL && v != Py_None && !(PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0))
+    if (blocks == NULL || !PyList_CheckExact(blocks) || (n = PyList_GET_SIZE(blocks)) < 1)
         return LEAVE;
     /* An adapter's store (task id 0 included; an event-level u64 task id, as the LoRA names
      * write it) goes out with its lora_name; any other lora_id is the Python loop's. */
@@ -149,41 +146,111 @@ static int take_stored(PyObject *const *df, RankBatch *rb, long *n_stores, int c
     }
     has_parent = parent != NULL && parent != Py_None;
     if (has_parent && (r = wire_value(parent, &pv)) != TAKE) return r;
-    if ((r = wire_value(raw, &hv)) != TAKE) return r;
+    *has_tail = 0;
+    if (n > 1) { /* a partial last block: its tokens are not read, its hash is */
+        PyObject *last = PyList_GET_ITEM(blocks, n - 1), *lf[B_N];
+        if (!PyDict_CheckExact(last) || str_dict_pick(last, B_KEYS, B_HASHES, B_N, lf) < 0)
+            return LEAVE;
+        if (lf[B_TOKENS] == NULL || lf[B_HASH] == NULL || !PyList_CheckExact(lf[B_TOKENS]))
+            return LEAVE;
+        if (PyList_GET_SIZE(lf[B_TOKENS]) < bs) {
+            if ((r = wire_value(lf[B_HASH], tail)) != TAKE) return r;
+            *has_tail = 1;
+            n -= 1;
+        }
+    }
+    hv = PyMem_Malloc((size_t)n * sizeof(int64_t));
+    if (hv == NULL) { PyErr_NoMemory(); r = FAIL; goto done; }
+    r = LEAVE;
+    for (k = 0; k < n; k++) {
+        /* The list is re-read each time: nothing here runs Python code, but a block's dict
+         * is a borrowed item of it. */
+        if (k >= PyList_GET_SIZE(blocks)) goto done;
+        block = PyList_GET_ITEM(blocks, k);
+        if (!PyDict_CheckExact(block) || str_dict_pick(block, B_KEYS, B_HASHES, B_N, bf) < 0)
+            goto done;
+        tokens = bf[B_TOKENS];
+        raw = bf[B_HASH];
+        if (tokens == NULL || raw == NULL) goto done;
+        if (!PyList_CheckExact(tokens) || PyList_GET_SIZE(tokens) != bs) goto done;
+        if (toks == NULL) { /* (bs is a list's length by now: the buffer is not absurd) */
+            if ((size_t)bs > ((size_t)PY_SSIZE_T_MAX / sizeof(uint32_t)) / (size_t)n) goto done;
+            toks = PyMem_Malloc((size_t)n * (size_t)bs * sizeof(uint32_t));
+            if (toks == NULL) { PyErr_NoMemory(); r = FAIL; goto done; }
+        }
+        /* Per-block LoRA, multimodal keys or cache salt, as a string or as its id (newer
+         * serializers): the Python loop turns them into lora_id / lora_name / extra_keys. */
+        if ((bf[B_LORA] != NULL && bf[B_LORA] != Py_None)
+            || (bf[B_SALT] != NULL && bf[B_SALT] != Py_None)
+            || (bf[B_SALT_ID] != NULL && bf[B_SALT_ID] != Py_None))
+            goto done;
+        v = bf[B_MM];
+        if (v != NULL && v != Py_None && !(PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0))
+            goto done;
+        if ((r = wire_value(raw, &hv[k])) != TAKE) goto done;
+        r = LEAVE;
+        for (j = 0; j < bs; j++) {
+            PyObject *tok = PyList_GET_ITEM(tokens, j), *tid;
+            if (!PyDict_CheckExact(tok) || str_keyed_item(tok, K_token_id, &tid) != 1
+                || !u32_value(tid, &toks[k * bs + j]))
+                goto done;
+        }
+    }
     if (closed) {
-        int known, again;
-        h_obj = PyLong_FromLongLong(hv);
+        int known;
+        h_objs = PyMem_Calloc((size_t)n, sizeof(PyObject *));
+        sorted = PyMem_Malloc((size_t)n * sizeof(int64_t));
+        if (h_objs == NULL || sorted == NULL) { PyErr_NoMemory(); r = FAIL; goto done; }
+        if (n > 1) { /* a hash twice in the event: the Python loop drops the second, counted */
+            memcpy(sorted, hv, (size_t)n * sizeof(int64_t));
+            qsort(sorted, (size_t)n, sizeof(int64_t), cmp_i64);
+            for (k = 1; k < n; k++)
+                if (sorted[k] == sorted[k - 1]) { r = LEAVE; goto done; }
+        }
         p_obj = has_parent ? PyLong_FromLongLong(pv) : Py_NewRef(Py_None);
-        if (h_obj == NULL || p_obj == NULL) { r = FAIL; goto done; }
+        if (p_obj == NULL) { r = FAIL; goto done; }
         known = has_parent ? PyDict_Contains(rb->published, p_obj) : 1;
-        again = known == 1 ? PyDict_Contains(rb->published, h_obj) : 0;
-        if (known < 0 || again < 0) { r = FAIL; goto done; }
-        if (!known || again) { r = LEAVE; goto done; }
+        if (known < 0) { r = FAIL; goto done; }
+        if (!known) { r = LEAVE; goto done; }
+        for (k = 0; k < n; k++) {
+            int again;
+            h_objs[k] = PyLong_FromLongLong(hv[k]);
+            if (h_objs[k] == NULL) { r = FAIL; goto done; }
+            again = PyDict_Contains(rb->published, h_objs[k]);
+            if (again < 0) { r = FAIL; goto done; }
+            if (again) { r = LEAVE; goto done; }
+        }
     }
     if (rb_grow((void **)&rb->scratch, &rb->cap_scratch, bs, sizeof(uint32_t)) < 0) {
         r = FAIL;
         goto done;
     }
-    for (j = 0; j < bs; j++) {
-        PyObject *tok = PyList_GET_ITEM(tokens, j), *tid;
-        if (!PyDict_CheckExact(tok) || str_keyed_item(tok, K_token_id, &tid) != 1
-            || !u32_value(tid, &rb->scratch[j])) {
-            r = LEAVE;
-            goto done;
-        }
-    }
     /* Everything read; from here on the event is taken. */
-    if (closed && (PyDict_SetItem(rb->published, h_obj, p_obj) < 0
-                   || (has_parent && add_child(rb->kids, p_obj, h_obj) < 0))) {
-        r = FAIL;
-        goto done;
+    for (k = 0; k < n; k++) {
+        int has_p = k ? 1 : has_parent;
+        int64_t p = k ? hv[k - 1] : pv;
+        if (closed) {
+            PyObject *po = k ? h_objs[k - 1] : p_obj;
+            if (PyDict_SetItem(rb->published, h_objs[k], po) < 0
+                || (has_p && add_child(rb->kids, po, h_objs[k]) < 0)) {
+                r = FAIL;
+                goto done;
+            }
+        }
+        memcpy(rb->scratch, toks + k * bs, (size_t)bs * sizeof(uint32_t));
+        r = rb_append_store(rb, hv[k], has_p, p, has_lora, (uint64_t)lora);
+        if (r < 0) { r = FAIL; goto done; }
+        *n_stores += r;
     }
-    r = rb_append_store(rb, hv, has_parent, pv, has_lora, (uint64_t)lora);
-    if (r < 0) { r = FAIL; goto done; }
-    *n_stores += r;
+    *n_blocks += n;
     r = TAKE;
 done:
-    Py_XDECREF(h_obj);
+    if (h_objs != NULL)
+        for (k = 0; k < n; k++) Py_XDECREF(h_objs[k]);
+    PyMem_Free(h_objs);
+    PyMem_Free(sorted);
+    PyMem_Free(hv);
+    PyMem_Free(toks);
     Py_XDECREF(p_obj);
     return r;
 }
@@ -287,13 +354,15 @@ done:
 
 PyDoc_STRVAR(ingest_dicts_doc,
 "ingest_dicts(events, start, rank, window, closed)\n"
-"    -> (stop, n_in, n_stores, n_stored, n_removes, n_removed, n_partial, n_unknown)\n\n"
+"    -> (stop, n_in, n_stores, n_stored, n_removes, n_removed, n_partial, n_unknown, tail)\n\n"
 "Take events[start:] into ``rank`` (a RankBatch) until the first event the Python loop must\n"
 "handle; ``stop`` is its index (len(events) when all were taken). ``window`` is the published\n"
 "attention window (None = not known yet); ``closed``: keep the rank's prefix-closed published\n"
 "state (``published``/``kids``, updated for the events taken). ``n_partial``: removed hashes\n"
 "that were suppressed (never published), forgotten and not published; ``n_unknown``: with\n"
-"``closed``, removed hashes not published (dropped).");
+"``closed``, removed hashes not published (dropped). ``n_stored``: the blocks stored.\n"
+"``tail``: the wire hash of the partial last block of the last event taken (never published:\n"
+"the caller suppresses it before it goes on from ``stop``), else None.");
 
 static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
     PyObject *events, *window;
@@ -302,6 +371,8 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
     int closed;
     long n_in = 0, n_stores = 0, n_stored = 0, n_removes = 0, n_removed = 0, n_partial = 0;
     long n_unknown = 0;
+    int64_t tail = 0;
+    int has_tail = 0;
 
     if (!PyArg_ParseTuple(args, "O!nO!Op", &PyList_Type, &events, &start, &RankBatchType,
                           &rb, &window, &closed))
@@ -333,8 +404,14 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
         v = ef[EV_RANK];
         if (v != NULL && v != Py_None) break;
         if (str_is(kind, S_stored)) {
-            r = take_stored(df, rb, &n_stores, closed);
-            if (r == TAKE) n_stored += 1;
+            r = take_stored(df, rb, &n_stores, &n_stored, closed, &tail, &has_tail);
+            if (r != TAKE) {
+                has_tail = 0;
+            } else if (has_tail) { /* the caller suppresses it before the next event */
+                i += 1;
+                n_in += 1;
+                break;
+            }
         } else if (str_is(kind, S_removed)) {
             r = take_removed(df, rb, &n_removes, &n_removed, &n_partial, &n_unknown, closed);
         } else {
@@ -344,8 +421,11 @@ static PyObject *ingest_dicts(PyObject *module, PyObject *args) {
         if (r == LEAVE) break;
         n_in += 1;
     }
-    return Py_BuildValue("nlllllll", i, n_in, n_stores, n_stored, n_removes, n_removed,
-                         n_partial, n_unknown);
+    if (has_tail)
+        return Py_BuildValue("nlllllllL", i, n_in, n_stores, n_stored, n_removes, n_removed,
+                             n_partial, n_unknown, (long long)tail);
+    return Py_BuildValue("nlllllllO", i, n_in, n_stores, n_stored, n_removes, n_removed,
+                         n_partial, n_unknown, Py_None);
 }
 
 /* ---- the V2 hooks' fast path ---------------------------------------------------------- */
