@@ -52,6 +52,7 @@ from kvbm_plugin.connector.meta import (
     TierLayout,
     ZmqReportReceiver,
     close_hub,
+    make_meta,
     open_hub,
     record,
 )
@@ -491,7 +492,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                 self._offload.schedule(state, first_tier, saves)
         self._gpu.flush(self._reqs.values())  # wakes the event pump: it drains, publishes
         # (the take_ calls only where something waits: most iterations have nothing)
-        meta = ConnectorMetadata(self._iteration, layout, tuple(self._pending_loads),
+        meta = make_meta(self._iteration, layout, tuple(self._pending_loads),
                                  self._tiers.take_demotes() if self._tiers.pending_demotes
                                  else (), tuple(saves), tuple(self._fences),
                                  self._shared.take_saves() if self._shared.pending_saves

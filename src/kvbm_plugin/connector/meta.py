@@ -154,6 +154,28 @@ class ConnectorMetadata:
                     or self.shared_saves)
 
 
+_META_SETTERS: Final = tuple(getattr(ConnectorMetadata, name).__set__ for name in (
+    "iteration", "layout", "loads", "demotes", "saves", "fences", "shared_saves"))
+
+
+def make_meta(iteration: int, layout: TierLayout, loads: tuple[LoadOp, ...],
+              demotes: tuple[DemoteOp, ...], saves: tuple[SaveOp, ...], fences: tuple[int, ...],
+              shared_saves: tuple[SharedSaveOp, ...]) -> ConnectorMetadata:
+    """``ConnectorMetadata(...)`` of every field, without the frozen dataclass's
+    ``object.__setattr__`` per field (0.6 against 1.4 us warm; the leader's executor thread,
+    once per iteration)."""
+    meta = object.__new__(ConnectorMetadata)
+    s0, s1, s2, s3, s4, s5, s6 = _META_SETTERS
+    s0(meta, iteration)
+    s1(meta, layout)
+    s2(meta, loads)
+    s3(meta, demotes)
+    s4(meta, saves)
+    s5(meta, fences)
+    s6(meta, shared_saves)
+    return meta
+
+
 class OpReport(NamedTuple):
     """Op ``op_id`` reached a terminal state on rank ``rank``."""
 
