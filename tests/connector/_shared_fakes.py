@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbm_plugin.testing.memory_store import MemoryStore
-from kvbm_plugin.tiers.shared.block import SharedBlock
+from kvbm_plugin.tiers.shared.block import SharedBlock, make_block
 from kvbm_plugin.tiers.shared.directory import SharedDirectory
 from kvbm_plugin.tiers.shared.keys import SharedLayout
 from kvbm_plugin.tiers.shared.store import SharedStore
@@ -118,10 +118,12 @@ class BusAgent:
             self.committed(block, scope)
         return len(blocks)
 
-    def hand_over(self, blocks: list[tuple[SharedBlock, str | None]]) -> int:
+    def hand_over(self, blocks: list[tuple[Any, str | None]]) -> int:
         """Queued at once (then woken, as the real one is): the ticket returned is handled
-        already."""
-        self.committed_many(blocks)
+        already. A block given as its fields (the leader's) is made first, as the real agent's
+        thread makes it."""
+        self.committed_many([(make_block(*block) if type(block) is tuple else block, scope)
+                             for block, scope in blocks])
         self.wake()
         self._tickets += 1
         return self._tickets

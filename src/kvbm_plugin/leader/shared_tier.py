@@ -54,7 +54,6 @@ from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.requests import OpTable, SharedRun
 from kvbm_plugin.settings.shared import load_shared_settings
 from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
-from kvbm_plugin.tiers.shared.block import make_block
 from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory
 from kvbm_plugin.tiers.shared.keys import chain_digests
 from kvbm_plugin.wire.events import MEDIUM_EXTERNAL
@@ -166,7 +165,9 @@ class LeaderSharedTier:
         self.agent: Any = None
         # Blocks committed since the agent was last woken, handed to it then (wake_agent);
         # the digests handed over that its thread has not queued yet, by hand-over ticket.
-        self._commits: list[tuple[SharedBlock, str | None]] = []
+        # Committed blocks for the agent's next hand-over: each block's fields in make_block's
+        # order (the agent's thread makes the SharedBlock), and the scope it is keyed under.
+        self._commits: list[tuple[tuple[Any, ...], str | None]] = []
         self._handed: deque[tuple[int, list[bytes]]] = deque()
         self._in_hand: dict[bytes, None] = {}
         self._starter: threading.Thread | None = None
@@ -446,9 +447,8 @@ class LeaderSharedTier:
                 write.done = True
                 if write.scope is not scope:
                     scope, extra = write.scope, scope_extra_keys(write.scope)
-                commits.append((make_block(write.digest, write.parent_digest, name[0],
-                                           name[1], name[2], scope[0], extra),
-                                write.key_scope))
+                commits.append(((write.digest, write.parent_digest, name[0], name[1],
+                                 name[2], scope[0], extra), write.key_scope))
                 committed += 1
                 if waiting:
                     waiting.pop(write.op_id, None)
@@ -485,9 +485,9 @@ class LeaderSharedTier:
     def _commit(self, write: _SharedWrite) -> None:
         assert write.name is not None and self.agent is not None
         event_hash, parent_hash, tokens = write.name
-        # (make_block: SharedBlock(...) without the frozen dataclass's per-field calls; the
-        # agent's thread checks the block's fields when it takes wake_agent's hand-over)
-        self._commits.append((make_block(
+        # (the block's fields: the agent's thread makes and checks the block when it takes
+        # wake_agent's hand-over)
+        self._commits.append(((
             write.digest, write.parent_digest, event_hash, parent_hash, tokens, write.scope[0],
             scope_extra_keys(write.scope)), write.key_scope))
         self._stats["shared_saves_committed"] += 1
@@ -514,7 +514,7 @@ class LeaderSharedTier:
         # their digests are in hand here, so that follow writes none of them through again.
         ticket = agent.hand_over(commits)
         if ticket:
-            digests = [block.digest for block, _ in commits]
+            digests = [fields[0] for fields, _ in commits]
             handed.append((ticket, digests))
             in_hand = self._in_hand
             for digest in digests:

@@ -250,12 +250,17 @@ def test_a_hand_over_is_checked_and_queued_on_the_agents_thread(
         return queue_commits(blocks)
 
     leader.agent._queue_commits = on_its_thread  # noqa: SLF001
-    ticket = leader.agent.hand_over([(good[0], None), (bad, None), (good[1], None),
-                                     (good[2], None)])
+    # (the leader hands a block over as its fields, made on the agent's thread: one of each
+    # here, and fields of the wrong count, malformed)
+    fields = tuple(getattr(good[1], name) for name in (
+        "digest", "parent_digest", "event_hash", "parent_event_hash", "token_ids", "lora_id",
+        "extra_keys"))
+    ticket = leader.agent.hand_over([(good[0], None), (bad, None), (fields, None),
+                                     (fields[:3], None), (good[2], None)])
     assert ticket > 0
     wait_until(lambda: leader.agent.wakes_handled >= ticket, 10.0, "the hand-over's turn")
     assert callers == ["kvbm-shared-agent"]
-    assert leader.stat("commits_malformed") == 1 and leader.stat("committed") == 3
+    assert leader.stat("commits_malformed") == 2 and leader.stat("committed") == 3
     leader.wait_stat("confirmed", 3)
     assert leader.stored == good
     assert expect_errors.wait_for("shared-tier commit not tracked: digest")

@@ -64,7 +64,7 @@ from kvbm_plugin import consolidator_config as cc
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin._util.saferepr import saferepr
 from kvbm_plugin.tiers.shared.announce import HEAR_BUDGET_S, Announcer, mm_of_scope
-from kvbm_plugin.tiers.shared.block import SharedBlock, check_block
+from kvbm_plugin.tiers.shared.block import SharedBlock, check_block, make_block
 from kvbm_plugin.tiers.shared.directory import SharedDirectory
 from kvbm_plugin.tiers.shared.store import FAILED, MISSING, UNAVAILABLE, SharedStore
 
@@ -226,11 +226,13 @@ class SharedAgent:
             return 0
         return self._queue_commits(blocks)
 
-    def hand_over(self, blocks: Sequence[tuple[SharedBlock, str | None]]) -> int:
+    def hand_over(self, blocks: Sequence[tuple[Any, str | None]]) -> int:
         """:meth:`committed_many` of the leader's commits of one batch of reports, done on the
         agent's thread: this keeps the list (the caller hands it over and must not change it)
         and wakes the thread, which checks and queues it at the start of its next turn (the
-        checks, the multimodal parts and the directory's lock off the executor thread). A
+        blocks made, checked, the multimodal parts and the directory's lock off the executor
+        thread). Each commit is ``(block, scope)``, the block a :class:`SharedBlock` or the
+        tuple of its fields in ``make_block``'s order (what the leader hands over). A
         malformed block is counted there (``commits_malformed``) and logged, the others
         queued. Executor thread; never blocks (a deque append and :meth:`wake`). Returns the
         wake's ticket: once ``wakes_handled`` reaches it the blocks are queued (or counted),
@@ -254,13 +256,17 @@ class SharedAgent:
             good = []
             for item in blocks:
                 try:
-                    check_block(item[0])
-                except ValueError as exc:  # the leader's bug: never queued, never silent
+                    block = item[0]
+                    if type(block) is tuple:  # the leader's fields: the block is made here
+                        block = make_block(*block)
+                    check_block(block)
+                except (ValueError, TypeError) as exc:  # the leader's bug: never queued,
+                    # never silent
                     self._n["commits_malformed"] += 1
                     self._log.log(logging.ERROR, "malformed-commit", "kvbm_plugin: shared-tier "
                                   "commit not tracked: %s", exc)
                     continue
-                good.append(item)
+                good.append((block, item[1]))
             self._queue_commits(good)
 
     def _queue_commits(self, blocks: Sequence[tuple[SharedBlock, str | None]]) -> int:
