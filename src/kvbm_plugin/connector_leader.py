@@ -493,10 +493,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         self._gpu.flush(self._reqs.values())  # wakes the event pump: it drains, publishes
         # (the take_ calls only where something waits: most iterations have nothing)
         meta = make_meta(self._iteration, layout, tuple(self._pending_loads),
-                                 self._tiers.take_demotes() if self._tiers.pending_demotes
-                                 else (), tuple(saves), tuple(self._fences),
-                                 self._shared.take_saves() if self._shared.pending_saves
-                                 else ())
+                         self._tiers.take_demotes() if self._tiers.pending_demotes else (),
+                         tuple(saves), tuple(self._fences),
+                         self._shared.take_saves() if self._shared.pending_saves else ())
         self._fences = []
         self._pending_loads = []
         return meta

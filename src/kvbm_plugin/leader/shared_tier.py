@@ -163,10 +163,10 @@ class LeaderSharedTier:
         self.directory: SharedDirectory | None = None
         self.pins: SharedPins | None = None
         self.agent: Any = None
-        # Blocks committed since the agent was last woken, handed to it then (wake_agent);
-        # the digests handed over that its thread has not queued yet, by hand-over ticket.
-        # Committed blocks for the agent's next hand-over: each block's fields in make_block's
-        # order (the agent's thread makes the SharedBlock), and the scope it is keyed under.
+        # Blocks committed since the agent was last woken, handed to it then (wake_agent):
+        # each block's fields in make_block's order (the agent's thread makes the SharedBlock)
+        # and the scope it is keyed under; the digests handed over that its thread has not
+        # queued yet, by hand-over ticket.
         self._commits: list[tuple[tuple[Any, ...], str | None]] = []
         self._handed: deque[tuple[int, list[bytes]]] = deque()
         self._in_hand: dict[bytes, None] = {}

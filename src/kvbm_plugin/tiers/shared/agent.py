@@ -260,8 +260,8 @@ class SharedAgent:
                     if type(block) is tuple:  # the leader's fields: the block is made here
                         block = make_block(*block)
                     check_block(block)
-                except (ValueError, TypeError) as exc:  # the leader's bug: never queued,
-                    # never silent
+                except (ValueError, TypeError) as exc:
+                    # The leader's bug (a field, or too few of them): never queued, never silent.
                     self._n["commits_malformed"] += 1
                     self._log.log(logging.ERROR, "malformed-commit", "kvbm_plugin: shared-tier "
                                   "commit not tracked: %s", exc)
