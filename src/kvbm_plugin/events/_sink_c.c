@@ -2,20 +2,23 @@
  * a rank's compiled batch (RankBatch, _rank_batch.c, which writes the events it is given as
  * their wire bytes; see there).
  *
- * ingest_dicts() takes the buffered event dicts that need no decision beyond the common case;
- * at the first event it does not take, it stops and returns that event's index: the Python
- * loop handles that event (window changes, created, updated, partial blocks, other ranks,
- * cascades, malformed input) and calls back for the rest; removals of suppressed (partial)
- * blocks are taken here too. An event is either taken whole or left untouched. RankBatch.v2_store / v2_remove are the V2 hooks' fast path; any
- * other call goes to the Python hook (``fallback_store`` / ``fallback_remove``).
+ * ingest_dicts() takes the buffered event dicts that need no decision beyond the common case
+ * (a store of one block or of a prompt's chain, removals); at the first event it does not
+ * take, it stops and returns that event's index: the Python loop handles that event (window
+ * changes, created, updated, partial blocks, other ranks, cascades, malformed input) and calls
+ * back for the rest. A chain whose last block is partial is taken, and the call stops after it
+ * and hands that block's hash back for the caller to suppress before it goes on; removals of
+ * suppressed (partial) blocks are taken here too. An event is either taken whole or left
+ * untouched. RankBatch.v2_store / v2_remove are the V2 hooks' fast path; any other call goes
+ * to the Python hook (``fallback_store`` / ``fallback_remove``).
  *
  * Called with the sink's lock held (ingest) or on the executor thread (V2 hooks). Holds the
  * GIL throughout. The dict walk reads only exact lists, str and int, and exact dicts whose
  * keys are all exact str (a token's dict: up to its token_id), each walked once for every
  * value read of it (str_dict_pick), never looked up: a key of another type could run its own
  * __eq__ during a lookup and free what is held borrowed; such an event goes to the Python
- * loop. A store is checked whole
- * (token ids u32; an adapter's store goes to the Python loop) before the batch changes.
+ * loop. A store is checked whole (token ids u32; a block's own adapter, salt or multimodal
+ * keys send it to the Python loop) before the batch changes.
  */
 
 #include "_rank_batch.h"
