@@ -139,19 +139,21 @@ class OffloadPlanner:
         while state.offload_next < limit:
             i = state.offload_next
             key = keys[i]
+            if matched is not None and i >= matched[0]:
+                # The blocks loaded from this tier were touched and pinned by the match:
+                # passed in one step where the last is still here (so is every block before
+                # it: a tier holds prefix-closed chains only); with the write-through on, those
+                # the shared tier lacks are written through from their host copies.
+                hi = min(matched[1], limit)
+                matched = state.host_matched = None
+                if i < hi and keys[hi - 1] in index:
+                    if write_through:
+                        shared.follow_resident(state, i, hi, index)
+                    state.offload_next = hi
+                    parent_in = True
+                    continue
             # Already here: a resident block's LRU place is refreshed (in use again).
             if write_through:
-                if matched is not None and i >= matched[0]:
-                    # Loaded from this tier (touched and pinned by the match): passed in one
-                    # step where the last is still here, as below; those the shared tier
-                    # lacks are written through from their host copies.
-                    hi = min(matched[1], limit)
-                    matched = state.host_matched = None
-                    if i < hi and keys[hi - 1] in index:
-                        shared.follow_resident(state, i, hi, index)
-                        state.offload_next = hi
-                        parent_in = True
-                        continue
                 present, here = index.probe(key)
                 if here:
                     if present is not None:  # not in the shared tier yet?
@@ -160,16 +162,6 @@ class OffloadPlanner:
                     parent_in = True
                     continue
             else:
-                if matched is not None and i >= matched[0]:
-                    # The blocks loaded from this tier were touched and pinned by the match:
-                    # passed in one step where the last is still here (so is every block
-                    # before it: a tier holds prefix-closed chains only).
-                    hi = min(matched[1], limit)
-                    matched = state.host_matched = None
-                    if i < hi and keys[hi - 1] in index:
-                        state.offload_next = hi
-                        parent_in = True
-                        continue
                 present_run = index.skip_present(keys, i, limit if matched is None
                                                  else min(limit, matched[0]))
                 if present_run:
