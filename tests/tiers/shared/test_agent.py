@@ -266,6 +266,14 @@ def test_a_hand_over_is_checked_and_queued_on_the_agents_thread(
     assert expect_errors.wait_for("shared-tier commit not tracked: digest")
 
 
+def test_a_hand_over_of_too_few_fields_names_their_count_and_value(
+        leader: Leader, expect_errors: Any) -> None:
+    ticket = leader.agent.hand_over([((b"d" * 16, None, 1), None)])
+    wait_until(lambda: leader.agent.wakes_handled >= ticket, 10.0, "the hand-over's turn")
+    assert leader.stat("commits_malformed") == 1 and leader.stat("committed") == 0
+    assert expect_errors.wait_for("commit fields: 3 values, not 7: (b'dddd")
+
+
 def test_a_hand_over_after_close_is_refused_and_counted(store: MemoryStore,
                                                          clock: Clock) -> None:
     leader = Leader(store, clock)

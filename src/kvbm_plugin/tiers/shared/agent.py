@@ -89,6 +89,9 @@ _COUNTERS: Final = (
     "wakes_handled", "turns", "turn_max_ms", "turn_max_cpu_ms", "flood_pauses")
 
 
+_BLOCK_FIELDS: Final = 7  # make_block's arguments, as the leader hands a commit over
+
+
 class SharedAgent:
     """The leader's background thread for the shared tier (see the module docstring)."""
 
@@ -258,10 +261,12 @@ class SharedAgent:
                 try:
                     block = item[0]
                     if type(block) is tuple:  # the leader's fields: the block is made here
+                        if len(block) != _BLOCK_FIELDS:
+                            raise ValueError(f"commit fields: {len(block)} values, not "
+                                             f"{_BLOCK_FIELDS}: {saferepr(block)}")
                         block = make_block(*block)
                     check_block(block)
-                except (ValueError, TypeError) as exc:
-                    # The leader's bug (a field, or too few of them): never queued, never silent.
+                except ValueError as exc:  # the leader's bug: never queued, never silent
                     self._n["commits_malformed"] += 1
                     self._log.log(logging.ERROR, "malformed-commit", "kvbm_plugin: shared-tier "
                                   "commit not tracked: %s", exc)
