@@ -310,12 +310,15 @@ def _vllm_rows(per_iter: int, iterations: int) -> Iterator[list[tuple[bytes, byt
         yield rows
 
 
-def _run_vllm(kv: types.ModuleType, per_iter: int, iterations: int) -> float:
-    """Publish-side CPU us per block of vLLM's engine-thread events and its publisher."""
+def _run_vllm(kv: types.ModuleType, expect: int, inputs: Iterator[Any],
+              events_of: Callable[[types.ModuleType, Any], list[Any]], what: str) -> float:
+    """Publish-side CPU us per block of vLLM's engine-thread events and its publisher: for
+    each item of ``inputs`` (built untimed), ``events_of`` makes the iteration's events as
+    vLLM's engine thread does (timed), published as one ``KVEventBatch``; ``expect`` blocks
+    must reach the receiver."""
     port = _free_port()
-    expect = 2 * per_iter * iterations
     pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", topic="")  # "*": binds
-    stored, removed, batch, gpu = kv.BlockStored, kv.BlockRemoved, kv.KVEventBatch, kv.MEDIUM_GPU
+    batch = kv.KVEventBatch
     proc, conn = _start_receiver(port, expect, lambda: pub.publish(batch(ts=time.time(),
                                                                          events=[])))
     thread_cpu = _thread_cpu_clock(pub._thread)
@@ -324,80 +327,69 @@ def _run_vllm(kv: types.ModuleType, per_iter: int, iterations: int) -> float:
         time.sleep(0.001)  # poll: the probes are sent before timing starts
     gc.collect()
     cpu, p0 = 0.0, thread_cpu()
+    for item in inputs:
+        t0 = time.thread_time()
+        pub.publish(batch(ts=time.time(), events=events_of(kv, item)))
+        cpu += time.thread_time() - t0
+    deadline = time.monotonic() + 60
+    while pub._event_queue.unfinished_tasks and time.monotonic() < deadline:
+        time.sleep(0.001)  # poll: until its thread has sent every batch
+    cpu += thread_cpu() - p0
+    got = conn.recv()[0] if conn.poll(60) else 0
+    proc.join(5)
+    pub.shutdown()
+    if got != expect:
+        raise RuntimeError(f"vLLM, {what}: {got} of {expect} blocks received")
+    return cpu / expect * 1e6
+
+
+def _vllm_decode(kv: types.ModuleType, rows: list[tuple[bytes, bytes, bytes, list[int]]]
+                 ) -> list[Any]:
+    """One decode iteration's events (``block_pool.py``: ``_emit_block_removed_events``,
+    then the cached block's ``BlockStored``), per request."""
+    stored, removed, gpu = kv.BlockStored, kv.BlockRemoved, kv.MEDIUM_GPU
     start, end = BLOCK_SIZE, 2 * BLOCK_SIZE
-    for rows in _vllm_rows(per_iter, iterations):
-        t0 = time.thread_time()
-        events: list[Any] = []
-        for gone, parent, h, all_token_ids in rows:
-            # block_pool.py: _emit_block_removed_events, then the cached block's BlockStored
-            events.append(removed(block_hashes=[int.from_bytes(gone[:-4], "big") & _U64],
-                                  medium=gpu, group_idx=int.from_bytes(gone[-4:], "big")))
-            events.append(stored(block_hashes=[int.from_bytes(h, "big") & _U64],
-                                 parent_block_hash=int.from_bytes(parent, "big") & _U64,
-                                 token_ids=all_token_ids[start:end], block_size=end - start,
-                                 lora_id=None, medium=gpu, lora_name=None, extra_keys=None,
-                                 group_idx=0, session_id=None, lookahead_token_ids=None))
-        pub.publish(batch(ts=time.time(), events=events))
-        cpu += time.thread_time() - t0
-    deadline = time.monotonic() + 60
-    while pub._event_queue.unfinished_tasks and time.monotonic() < deadline:
-        time.sleep(0.001)  # poll: until its thread has sent every batch
-    cpu += thread_cpu() - p0
-    got = conn.recv()[0] if conn.poll(60) else 0
-    proc.join(5)
-    pub.shutdown()
-    if got != expect:
-        raise RuntimeError(f"vLLM, {per_iter} blocks per iteration: {got} of {expect} blocks "
-                           "received")
-    return cpu / expect * 1e6
+    events: list[Any] = []
+    for gone, parent, h, all_token_ids in rows:
+        events.append(removed(block_hashes=[int.from_bytes(gone[:-4], "big") & _U64],
+                              medium=gpu, group_idx=int.from_bytes(gone[-4:], "big")))
+        events.append(stored(block_hashes=[int.from_bytes(h, "big") & _U64],
+                             parent_block_hash=int.from_bytes(parent, "big") & _U64,
+                             token_ids=all_token_ids[start:end], block_size=end - start,
+                             lora_id=None, medium=gpu, lora_name=None, extra_keys=None,
+                             group_idx=0, session_id=None, lookahead_token_ids=None))
+    return events
 
 
-def _run_vllm_prompts(kv: types.ModuleType, per_iter: int, iterations: int) -> float:
-    """:func:`_run_vllm` for the prefill shape: per prompt a ``BlockRemoved`` per evicted
-    block (``_emit_block_removed_events``) and one ``BlockStored`` of its blocks
-    (``cache_full_blocks``: each hash made a wire int, the token ids sliced once)."""
-    port = _free_port()
-    expect = 2 * per_iter * iterations
-    pub = kv.ZmqEventPublisher(0, endpoint=f"tcp://*:{port}", topic="")
-    stored, removed, batch, gpu = kv.BlockStored, kv.BlockRemoved, kv.KVEventBatch, kv.MEDIUM_GPU
-    proc, conn = _start_receiver(port, expect, lambda: pub.publish(batch(ts=time.time(),
-                                                                         events=[])))
-    thread_cpu = _thread_cpu_clock(pub._thread)
-    deadline = time.monotonic() + 30
-    while pub._event_queue.unfinished_tasks and time.monotonic() < deadline:
-        time.sleep(0.001)  # poll: the probes are sent before timing starts
+def _vllm_prompts(per_iter: int, iterations: int
+                  ) -> Iterator[list[tuple[list[bytes], list[bytes], list[int]]]]:
+    """vLLM's side of :func:`_prompts`: per prompt the evicted blocks'
+    ``BlockHashWithGroupId`` s, the new blocks' 32-byte hashes and the prompt's token ids."""
     rnd = random.Random(6)
-    gc.collect()
-    cpu, p0 = 0.0, thread_cpu()
     for _ in range(iterations):
-        prompts = [([rnd.randbytes(32) + _GROUP_0 for _ in range(PROMPT)],
-                    [rnd.randbytes(32) for _ in range(PROMPT)],
-                    list(range(PROMPT * BLOCK_SIZE + 5))) for _ in range(per_iter // PROMPT)]
-        t0 = time.thread_time()
-        events: list[Any] = []
-        for gone, hashes, all_token_ids in prompts:
-            for g in gone:
-                events.append(removed(block_hashes=[int.from_bytes(g[:-4], "big") & _U64],
-                                      medium=gpu, group_idx=int.from_bytes(g[-4:], "big")))
-            events.append(stored(block_hashes=[int.from_bytes(h, "big") & _U64 for h in hashes],
-                                 parent_block_hash=None,
-                                 token_ids=all_token_ids[0:PROMPT * BLOCK_SIZE],
-                                 block_size=BLOCK_SIZE, lora_id=None, medium=gpu,
-                                 lora_name=None, extra_keys=None, group_idx=0, session_id=None,
-                                 lookahead_token_ids=None))
-        pub.publish(batch(ts=time.time(), events=events))
-        cpu += time.thread_time() - t0
-    deadline = time.monotonic() + 60
-    while pub._event_queue.unfinished_tasks and time.monotonic() < deadline:
-        time.sleep(0.001)  # poll: until its thread has sent every batch
-    cpu += thread_cpu() - p0
-    got = conn.recv()[0] if conn.poll(60) else 0
-    proc.join(5)
-    pub.shutdown()
-    if got != expect:
-        raise RuntimeError(f"vLLM, prefill, {per_iter} blocks per iteration: {got} of {expect} "
-                           "blocks received")
-    return cpu / expect * 1e6
+        yield [([rnd.randbytes(32) + _GROUP_0 for _ in range(PROMPT)],
+                [rnd.randbytes(32) for _ in range(PROMPT)],
+                list(range(PROMPT * BLOCK_SIZE + 5))) for _ in range(per_iter // PROMPT)]
+
+
+def _vllm_prefill(kv: types.ModuleType,
+                  prompts: list[tuple[list[bytes], list[bytes], list[int]]]) -> list[Any]:
+    """One prefill iteration's events: per prompt a ``BlockRemoved`` per evicted block
+    (``_emit_block_removed_events``) and one ``BlockStored`` of its blocks
+    (``cache_full_blocks``: each hash made a wire int, the token ids sliced once)."""
+    stored, removed, gpu = kv.BlockStored, kv.BlockRemoved, kv.MEDIUM_GPU
+    events: list[Any] = []
+    for gone, hashes, all_token_ids in prompts:
+        for g in gone:
+            events.append(removed(block_hashes=[int.from_bytes(g[:-4], "big") & _U64],
+                                  medium=gpu, group_idx=int.from_bytes(g[-4:], "big")))
+        events.append(stored(block_hashes=[int.from_bytes(h, "big") & _U64 for h in hashes],
+                             parent_block_hash=None,
+                             token_ids=all_token_ids[0:PROMPT * BLOCK_SIZE],
+                             block_size=BLOCK_SIZE, lora_id=None, medium=gpu, lora_name=None,
+                             extra_keys=None, group_idx=0, session_id=None,
+                             lookahead_token_ids=None))
+    return events
 
 
 def _v2_expected(per_iter: int, iterations: int) -> int:
@@ -434,7 +426,8 @@ def run(quick: bool = False) -> list[Row]:
         ratios: dict[str, list[float]] = {label: [] for label in paths}
         vllm_us = []
         for _ in range(rounds):  # paired: each round runs every path and vLLM back to back
-            b = _run_vllm(kv, per_iter, iterations)
+            b = _run_vllm(kv, expect, _vllm_rows(per_iter, iterations), _vllm_decode,
+                          f"{per_iter} blocks per iteration")
             vllm_us.append(b)
             for label, (feed, inputs, want) in paths.items():
                 v = _run_ours(per_iter, iterations, feed, inputs(), want)
@@ -442,7 +435,8 @@ def run(quick: bool = False) -> list[Row]:
                 ratios[label].append(v / b)
         prefill, prefill_ratio, vllm_prefill = [], [], []
         for _ in range(rounds):  # the prefill shape, paired the same way
-            b = _run_vllm_prompts(kv, per_iter, iterations)
+            b = _run_vllm(kv, expect, _vllm_prompts(per_iter, iterations), _vllm_prefill,
+                          f"prefill, {per_iter} blocks per iteration")
             v = _run_ours(per_iter, iterations, _feed_prompts,
                           _prompts(per_iter, iterations, 7), expect)
             prefill.append(v)
