@@ -299,7 +299,10 @@ class KvEventSink(V2Hooks):
                                     parent -= u64
                                 else:
                                     parent = signed_hash(parent, "stored.parent_hash")
-                            lora_id = data.get("lora_id")
+                            # A block's own lora_id (None included) overrides the
+                            # event's, as in _dict_stored.
+                            lora_id = block["lora_id"] if "lora_id" in block \
+                                else data.get("lora_id")
                             if lora_id is not None:
                                 lora_id = parse_lora_id(lora_id)
                             # Every field read and checked: only now may the batch change.

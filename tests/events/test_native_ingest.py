@@ -823,3 +823,28 @@ def test_a_prompts_chain_runs_the_same_in_both_loops_and_the_compiled_loop_takes
     assert left == ([40, 43, 45] if closed else [])
     sink.flush()
     assert rec.payloads == payloads
+
+
+@needs_native
+@pytest.mark.parametrize("closed", [True, False])
+def test_a_blocks_own_lora_id_none_overrides_the_events_adapter_in_both_loops(
+        closed: bool) -> None:
+    """A block's own ``lora_id`` (None: the base model) under an event-level adapter (what the
+    leader's LoRA names write): the block is a base-model store in both loops, alone or in a
+    chain, not the event's adapter's."""
+    def make() -> list[list[Any]]:
+        alone = _store(None, 10, lora_id=3)
+        alone["data"]["blocks"][0]["lora_id"] = None
+        chain = _chain(10, [11, 12], lora_id=0)
+        chain["data"]["blocks"][1]["lora_id"] = None
+        return [[alone, chain]]
+
+    payloads, _ = _both(make, prefix_closed=closed)
+    rec = Recorder()
+    sink = KvEventSink(rec, block_size=BS, window_size=64, native=True, prefix_closed=closed)
+    for events in make():
+        sink.ingest(events)
+    sink.flush()
+    assert rec.payloads == payloads
+    stores = [(e["block_hashes"], e["lora_id"], e["lora_name"]) for e in rec.batches[0]]
+    assert stores == [([10], None, None), ([11], 0, "lora-0"), ([12], None, None)]

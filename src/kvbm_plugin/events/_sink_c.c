@@ -182,8 +182,10 @@ static int take_stored(PyObject *const *df, RankBatch *rb, long *n_stores, long 
             if (toks == NULL) { PyErr_NoMemory(); r = FAIL; goto done; }
         }
         /* Per-block LoRA, multimodal keys or cache salt, as a string or as its id (newer
-         * serializers): the Python loop turns them into lora_id / lora_name / extra_keys. */
-        if ((bf[B_LORA] != NULL && bf[B_LORA] != Py_None)
+         * serializers): the Python loop turns them into lora_id / lora_name / extra_keys. A
+         * block's own lora_id, None included, overrides the event's: None under an event's
+         * adapter is a different store, also the Python loop's. */
+        if ((bf[B_LORA] != NULL && (bf[B_LORA] != Py_None || has_lora))
             || (bf[B_SALT] != NULL && bf[B_SALT] != Py_None)
             || (bf[B_SALT_ID] != NULL && bf[B_SALT_ID] != Py_None))
             goto done;
