@@ -24,7 +24,9 @@ spread over rounds.
   with the tier holding exactly those, so that every save evicts one (a tier's steady state);
 * the event pump's own thread CPU per block (info): the drain, the sink and the publishing
   that run off the executor thread (``leader/event_pump.py``), so that moving work off it is
-  seen, not hidden;
+  seen, not hidden; and the leader's keeper thread's CPU per block (info): the workers'
+  reports it applied (folded, committed, their STOREs registered) off the executor thread
+  (``leader/keeper.py``), for the same reason;
 * per request per generation step (info): 32 requests of 4-block prompts decoding together,
   ``(T(66 output tokens) - T(2)) / 32 / 64``: what every running request costs each iteration
   besides the blocks it fills (one in 32 steps here, included), the part of a request's cost
@@ -107,12 +109,15 @@ def _prompt(seed: int, n_blocks: int) -> list[int]:
 
 def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = False,
          tier_blocks: int = 0, full: bool = False, parts: bool = False,
-         ) -> tuple[float, float, int, int, float, float]:
+         counters: dict[str, int] | None = None,
+         ) -> tuple[float, float, int, int, float, float, float]:
     """(offload-phase seconds, onboard-phase seconds, blocks offloaded, blocks onboarded,
     seconds of both phases in the GPU-tier event path on the executor thread (``parts``: timed
-    apart, else 0), seconds of the event pump's own thread). ``tier_blocks``: unrelated blocks
+    apart, else 0), seconds of the event pump's own thread, seconds of the leader's keeper
+    thread: the reports it applied off the executor thread). ``tier_blocks``: unrelated blocks
     committed to the host tier first; ``full``: the host tier holds exactly those, so every
-    save evicts one (its REMOVE registered), as in a tier at its steady state."""
+    save evicts one (its REMOVE registered), as in a tier at its steady state. ``counters``:
+    filled with the leader's final counters."""
     from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 
     tag = f"{tmp}/{seed}-{n_blocks}-{int(shared)}"
@@ -144,6 +149,8 @@ def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = Fa
         # Its thread's CPU is read, not changed (None: a revision before the pump, compared)
         pump = getattr(leader._gpu, "pump", None)  # noqa: SLF001
         pump_start = pump.cpu_s if pump is not None else 0.0
+        keeper = leader._keeper  # noqa: SLF001 - its thread's CPU is read
+        keeper_start = getattr(keeper, "cpu_s", 0.0)  # (0: a revision before it applied)
         seconds = []
         for _phase in ("offload", "onboard"):
             for p in prompts:
@@ -159,6 +166,8 @@ def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = Fa
             finally:
                 gc.enable()
         stats = leader.stats()
+        if counters is not None:
+            counters.update(stats)
         if full:
             assert stats["host_evictions"] >= stats["saves_scheduled"] > 0, stats
         onboarded = stats["matched_host_tokens"] // BS
@@ -166,7 +175,8 @@ def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = Fa
         if shared:
             assert stats["shared_saves_scheduled"] == stats["saves_scheduled"], stats
         return (seconds[0], seconds[1], stats["saves_scheduled"], onboarded, events[0],
-                (pump.cpu_s if pump is not None else 0.0) - pump_start)
+                (pump.cpu_s if pump is not None else 0.0) - pump_start,
+                getattr(keeper, "cpu_s", 0.0) - keeper_start)
     finally:
         engine.shutdown()
 
@@ -264,12 +274,17 @@ def main(argv: list[str] | None = None) -> int:
             order = [1, 64, 256] if r % 2 == 0 else [256, 64, 1]
             req_us: dict[int, tuple[float, float]] = {}
             for n in order:
-                off, on, saved, loaded, ev, pumped = _one(n, counts[n], tmp, r * 10 + 1)
+                counters: dict[str, int] = {}
+                off, on, saved, loaded, ev, pumped, kept = _one(n, counts[n], tmp, r * 10 + 1,
+                                                                counters=counters)
                 req_us[n] = (off / counts[n] * 1e6, on / counts[n] * 1e6)
                 if n == 64:
                     note("off64", off / max(1, saved) * 1e6)
                     note("on64", on / max(1, loaded) * 1e6)
                     note("pump64", pumped / max(1, saved + loaded) * 1e6)
+                    note("keeper64", kept / max(1, saved + loaded) * 1e6)
+                    # (0 on a revision before the keeper applied reports)
+                    note("waits64", counters.get("hook_lock_waits", 0) / counts[n])
             for k, label in ((0, "off"), (1, "on")):
                 slope = (req_us[256][k] - req_us[1][k]) / 255
                 note(f"{label}_slope", slope)
@@ -278,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                     req_us[64][k] - req_us[1][k]) / 63))
             host, with_shared = [], []
             for shared in ((False, True) if r % 2 == 0 else (True, False)):
-                off, on, saved, loaded, _ev, _p = _one(64, counts[64], tmp, r * 10 + 2,
+                off, on, saved, loaded, _ev, _p, _k = _one(64, counts[64], tmp, r * 10 + 2,
                                                        shared=shared)
                 (with_shared if shared else host).append((off / max(1, saved) * 1e6,
                                                           on / max(1, loaded) * 1e6))
@@ -289,15 +304,15 @@ def main(argv: list[str] | None = None) -> int:
             note("shared_on_us", with_shared[0][1])
             note("decode", _decode(tmp, r * 10 + 6))
             for n in (1, 64):  # the event path's share: its own runs (see _timed_hooks)
-                off, on, _saved, _loaded, ev, _p = _one(n, counts[n], tmp, r * 10 + 5,
+                off, on, _saved, _loaded, ev, _p, _k = _one(n, counts[n], tmp, r * 10 + 5,
                                                         parts=True)
                 note(f"events{n}", ev / (off + on))
             if args.tier_blocks and r == 0:  # the tier is filled twice (a few seconds per million)
-                off, on, saved, loaded, _ev, _p = _one(64, counts[64], tmp, r * 10 + 3,
+                off, on, saved, loaded, _ev, _p, _k = _one(64, counts[64], tmp, r * 10 + 3,
                                                    tier_blocks=args.tier_blocks)
                 note("full_off", off / max(1, saved) * 1e6)
                 note("full_on", on / max(1, loaded) * 1e6)
-                off, on, saved, loaded, _ev, _p = _one(64, counts[64], tmp, r * 10 + 4,
+                off, on, saved, loaded, _ev, _p, _k = _one(64, counts[64], tmp, r * 10 + 4,
                                                    tier_blocks=args.tier_blocks, full=True)
                 note("evict_off", off / max(1, saved) * 1e6)
                 note("evict_on", on / max(1, loaded) * 1e6)
@@ -354,6 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(Row("leader", "of the 2,048-token rows: the event pump's own thread CPU per "
                     "offloaded or onboarded block (drain, sink, publisher; off the executor "
                     f"thread; spread {rng('pump64')})", med("pump64"), "us"))
+    rows.append(Row("leader", "of the 2,048-token rows: the leader's keeper thread's CPU per "
+                    "offloaded or onboarded block (the reports it applied off the executor "
+                    f"thread; spread {rng('keeper64')})", med("keeper64"), "us"))
+    rows.append(Row("leader", "of the 2,048-token rows: hooks that found the keeper holding the "
+                    "leader's lock and waited, per request (info: at most the rest of one apply; "
+                    f"spread {rng('waits64')})", med("waits64"), ""))
     rows.append(Row("leader", "per running request per generation step, 32 decoding together "
                     f"(info: grows with the output; spread {rng('decode')})", med("decode"),
                     "us"))

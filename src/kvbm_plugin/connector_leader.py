@@ -74,7 +74,7 @@ from kvbm_plugin.leader.dynamo_streaming import take_yaml_endpoint
 from kvbm_plugin.leader.event_path import TierEventPublisher as TierEventPublisher  # re-exported
 from kvbm_plugin.leader.event_path import assemble_event_path
 from kvbm_plugin.leader.gpu_tier_events import GpuTierEvents
-from kvbm_plugin.leader.keeper import IdleKeeper, locked
+from kvbm_plugin.leader.keeper import LeaderKeeper, locked
 from kvbm_plugin.leader.layer_groups import LayerGroupPages, forget_group_windows
 from kvbm_plugin.leader.layer_groups import refuse_unsupported as _refuse_layer_groups
 from kvbm_plugin.leader.lifetime import request_gone, request_handle
@@ -140,7 +140,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         # Every hook and the idle keeper's tick run under this lock (leader.keeper).
         self._lock = threading.RLock()
         self._last_call = time.monotonic()
-        self._keeper: IdleKeeper | None = None
+        self._keeper: LeaderKeeper | None = None
 
         events_source = load_events_source(self._env)
         # TRT-LLM's own streaming publisher: no second GPU-tier stream; its own is consolidated.
@@ -223,8 +223,10 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         except BaseException:
             self.shutdown()
             raise
-        self._keeper = IdleKeeper(self._idle_tick, self._lock, lambda: self._last_call,
-                                  self.IDLE_PERIOD_S, f"kvbm-leader-keeper-r{self._dp_rank}")
+        self._keeper = LeaderKeeper(self._idle_tick, self._keeper_apply, self._lock,
+                                    lambda: self._last_call, self.IDLE_PERIOD_S,
+                                    f"kvbm-leader-keeper-r{self._dp_rank}")
+        self._hub.on_put = self._keeper.nudge  # reports are applied as they come in
 
     @property
     def event_sink(self) -> Any:
@@ -259,6 +261,18 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         flush = getattr(self._tier_events, "flush", None)
         if flush is not None:
             flush()
+
+    def _keeper_apply(self) -> bool:
+        """The keeper's apply (its thread, under the lock, once reports were handed in): the
+        requests TensorRT-LLM dropped are reaped first (their saves never committed: the
+        device blocks may have been reused), then the reports applied as a hook applies them.
+        Not while names are learned from TensorRT-LLM's events: there the reports wait for
+        ``build_connector_meta`` (or ``request_finished``), which reads those events first."""
+        if self._closed or self._naming.learning or self._completions.idle():
+            return False
+        self._reap_terminated(executor_thread=False)
+        self._completions.apply()
+        return True
 
     def _register_metrics(self) -> None:
         """Expose the leader's, the sink's (with its publisher's) and the consolidator's
@@ -682,7 +696,12 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         out["requests_tracked"] = len(self._reqs)
         tiers = self._tiers
         out["tier_stores_waiting_for_name"] = len(tiers.waiting_for_name)
-        out["idle_ticks"] = self._keeper.ticks if self._keeper is not None else 0
+        keeper = self._keeper
+        out["idle_ticks"] = keeper.ticks if keeper is not None else 0
+        # Reports applied by the keeper, off the executor thread; nudges that found a hook
+        # running (it applied them itself).
+        out["keeper_applies"] = keeper.applies if keeper is not None else 0
+        out["keeper_busy"] = keeper.busy if keeper is not None else 0
         out["host_used"] = len(tiers.host) if tiers.host is not None else 0
         out["disk_used"] = len(tiers.disk) if tiers.disk is not None else 0
         out["reports_malformed"] = self._receiver.malformed if self._receiver is not None else 0
@@ -699,6 +718,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         if self._closed:
             return
         self._closed = True
+        hub = getattr(self, "_hub", None)  # None: the constructor failed before opening it
+        if hub is not None:
+            hub.on_put = None
         if self._keeper is not None:
             self._keeper.stop(timeout)
         metrics = get_metrics()

@@ -72,7 +72,8 @@ def test_offloads_completed_while_the_engine_idles_are_published_within_a_second
     assert {tier for tier, _, _ in rec.stores} == {"DISK"}
     assert engine.kv_cache_connector_manager.metadata_builds == builds
     assert engine.kv_cache_connector_manager.get_finished_calls == calls
-    assert engine.leader.stats()["idle_ticks"] > 0
+    stats = engine.leader.stats()
+    assert stats["keeper_applies"] + stats["idle_ticks"] > 0
 
 
 @pytest.mark.parametrize("overlap", [True, False])
@@ -92,3 +93,85 @@ def test_gpu_events_of_the_last_pass_are_published_while_the_engine_idles(
     stats = sink.stats()
     assert stats["events_in"] == engine.kv_cache_manager.produced > 0
     assert stats["batches_published"] > 0 and stats["batches_lost"] == 0
+
+
+def _held_disk_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Disk writes wait for the returned event (set it to let them finish)."""
+    original = DiskTier.write
+    release = threading.Event()
+
+    def held_write(self, slot, key, block):
+        release.wait(30)
+        return original(self, slot, key, block)
+
+    monkeypatch.setattr(DiskTier, "write", held_write)
+    return release
+
+
+def test_reports_are_applied_by_the_keeper_as_they_come_in_not_at_the_idle_period(
+        make_engine, monkeypatch) -> None:
+    """With the idle tick a minute away, the offloads that complete after the last hook are
+    still committed and registered within the bound: the report's hand-off nudges the
+    keeper, which applies it off the executor thread (no connector call made meanwhile)."""
+    monkeypatch.setattr(KvbmConnectorLeader, "IDLE_PERIOD_S", 60.0)
+    release = _held_disk_writes(monkeypatch)
+    rec = TierRecorder()
+    engine = make_engine(num_gpu_blocks=32, env=tiers(disk=64), tier_events=rec)
+    engine.submit(prompt(5, 17), 1)
+    while engine.active():
+        engine.step()
+    builds = engine.kv_cache_connector_manager.metadata_builds
+    assert rec.stores == [] and engine.leader.stats()["saves_committed"] == 0
+    release.set()
+    wait_until(lambda: len(rec.stores) == 4, BOUND_S * 5, "the offloads' STOREs")
+    stats = engine.leader.stats()
+    assert stats["saves_committed"] == 4 and stats["keeper_applies"] > 0
+    assert stats["idle_ticks"] == 0
+    assert engine.kv_cache_connector_manager.metadata_builds == builds
+
+
+def test_a_nudge_that_finds_a_hook_running_leaves_the_reports_to_the_hooks(
+        make_engine, monkeypatch) -> None:
+    """Reports handed in while a hook holds the leader's lock: the keeper does not wait for
+    the lock (it counts the nudge as busy and applies nothing); the next hook applies them."""
+    monkeypatch.setattr(KvbmConnectorLeader, "IDLE_PERIOD_S", 60.0)
+    release = _held_disk_writes(monkeypatch)
+    rec = TierRecorder()
+    engine = make_engine(num_gpu_blocks=32, env=tiers(disk=64), tier_events=rec)
+    engine.submit(prompt(6, 17), 1)
+    while engine.active():
+        engine.step()
+    leader = engine.leader
+    with leader._lock:  # noqa: SLF001 - as a hook holds it
+        release.set()
+        wait_until(lambda: leader.stats()["keeper_busy"] > 0, 10, "the keeper's busy nudge")
+        assert rec.stores == [] and leader.stats()["keeper_applies"] == 0
+    # A hook's apply (the writes' later reports may still be on their way: it is repeated)
+    wait_until(lambda: leader.publish_now() or len(rec.stores) == 4, 10, "the STOREs")
+    assert leader.stats()["saves_committed"] == 4
+
+
+def test_while_names_are_learned_the_keeper_leaves_the_reports_to_the_build(
+        make_engine, monkeypatch) -> None:
+    """Where TensorRT-LLM's names are learned from its events, reports wait for the build that
+    reads those events first: the keeper's nudge applies nothing."""
+    monkeypatch.setattr(KvbmConnectorLeader, "IDLE_PERIOD_S", 60.0)
+    release = _held_disk_writes(monkeypatch)
+    rec = TierRecorder()
+    engine = make_engine(num_gpu_blocks=32, env=tiers(disk=64), tier_events=rec,
+                         provide_block_hashes=False)
+    engine.submit(prompt(7, 17), 1)
+    while engine.active():
+        engine.step()
+    leader = engine.leader
+    keeper = leader._keeper  # noqa: SLF001 - its counters
+    assert leader._naming.learning  # noqa: SLF001 - the mode under test
+    nudged = keeper.nudged
+    release.set()
+    # Each copy batch's hand-off nudges once: the last one's wake has run once the four
+    # writes' reports are in and the keeper counted a wake after it.
+    wait_until(lambda: leader.stats()["ops_inflight"] > 0 and keeper.nudged > nudged
+               and not leader._hub.empty(), 10, "the reports handed in")  # noqa: SLF001
+    assert keeper.applies == 0 and leader.stats()["saves_committed"] == 0
+    leader.publish_now()  # the idle tick (as the build) reads the events, then applies
+    assert leader.stats()["saves_committed"] == 4

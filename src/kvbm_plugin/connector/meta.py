@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Final, NamedTuple
 
@@ -242,6 +243,9 @@ class CompletionHub:
     # signature and no error but ERR_FAILED) or else one list (one hand-off per batch).
     _queue: queue.SimpleQueue[OpReport | ReportBatch | list[OpReport]] = field(
         default_factory=queue.SimpleQueue)
+    # Called after each hand-off, on the handing thread (the leader's keeper's nudge: it
+    # applies the reports off the executor thread). Must not block or raise.
+    on_put: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         # Whether nothing was handed off since the last take: the queue's own (C) method,
@@ -250,12 +254,16 @@ class CompletionHub:
 
     def put(self, report: OpReport) -> None:
         self._queue.put(report)
+        if self.on_put is not None:
+            self.on_put()
 
     def put_batch(self, rank: int, op_ids: list[int], oks: list[bool]) -> None:
         """Rank ``rank``'s copy batch: op ``op_ids[i]`` ended ok where ``oks[i]`` (else
         ERR_FAILED)."""
         if op_ids:
             self._queue.put(ReportBatch(rank, op_ids, oks))
+            if self.on_put is not None:
+                self.on_put()
 
     def put_many(self, reports: list[OpReport]) -> None:
         """Reports handed off together (a copy batch's, the cross-process receiver's turn):
@@ -267,14 +275,17 @@ class CompletionHub:
         for r in reports:
             if r.signature is not None or r.error != (ERR_NONE if r.ok else ERR_FAILED):
                 self._queue.put(reports)
-                return
+                break
             batch = batches.get(r.rank)
             if batch is None:
                 batch = batches[r.rank] = ReportBatch(r.rank, [], [])
             batch.op_ids.append(r.op_id)
             batch.oks.append(r.ok)
-        for batch in batches.values():
-            self._queue.put(batch)
+        else:
+            for batch in batches.values():
+                self._queue.put(batch)
+        if self.on_put is not None:
+            self.on_put()
 
     def take(self) -> list[OpReport | ReportBatch | list[OpReport]]:
         """Every item handed off so far, as handed off (the leader's fold, under its lock)."""

@@ -1,8 +1,9 @@
 """How the workers' reports become tier state: the leader's completed ops.
 
 :class:`OpCompletions` is owned by :class:`~kvbm_plugin.connector_leader.KvbmConnectorLeader`
-(rank 0, or each attention-DP rank) and called by its hooks and its idle keeper, under the
-leader's lock, through :meth:`OpCompletions.apply`: it drains the completion hub, applies the
+(rank 0, or each attention-DP rank) and called by its hooks and its keeper thread (as the
+workers hand reports in, and on idle ticks: ``leader/keeper.py``), under the leader's lock,
+through :meth:`OpCompletions.apply`: it drains the completion hub, applies the
 intersection rule (an op is done when every rank reported it, failed if any failed it; see
 connector/meta.py), and finishes each done op in op-id order: a save or demotion is committed
 and its STORE registered (:class:`~kvbm_plugin.leader.offload_tiers.OffloadTiers`), a load's

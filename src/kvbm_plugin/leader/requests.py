@@ -26,7 +26,8 @@ LEADER_STATS = (
     "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
     "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
     "requests_terminated_silently",
-    "saves_discarded_terminated", "gpu_source_silent_iterations", "window_skips")
+    "saves_discarded_terminated", "gpu_source_silent_iterations", "window_skips",
+    "hook_lock_waits")
 
 
 @dataclass(slots=True)
