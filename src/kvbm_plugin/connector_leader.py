@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 from itertools import chain
 from operator import attrgetter
@@ -141,6 +142,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         self._lock = threading.RLock()
         self._last_call = time.monotonic()
         self._keeper: LeaderKeeper | None = None
+        # The handles of request objects that died (leader/lifetime.py), in death order.
+        self._deaths: deque[Any] = deque()
 
         events_source = load_events_source(self._env)
         # TRT-LLM's own streaming publisher: no second GPU-tier stream; its own is consolidated.
@@ -255,7 +258,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         """The idle keeper's work (its thread, under the lock): apply completed reports,
         publish the GPU-tier events TRT-LLM produced (drain mode drains them, tap publishes
         what its readers took) and the tier changes; advertise held blocks named meanwhile."""
-        self._reap_terminated(executor_thread=False)  # before its saves' reports count
+        self._reap_dead()  # before its saves' reports count
         self._apply_reports()
         self._sync_events(now=True)
         flush = getattr(self._tier_events, "flush", None)
@@ -270,7 +273,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         ``build_connector_meta`` (or ``request_finished``), which reads those events first."""
         if self._closed or self._naming.learning or self._completions.idle():
             return False
-        self._reap_terminated(executor_thread=False)
+        self._reap_dead()
         self._completions.apply()
         return True
 
@@ -315,7 +318,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         salt, scope = request_scopes(request)
         state = _Request(req_id, salt=salt, scope=scope,
                          name_inputs=self._naming.inputs_of(request, req_id),
-                         handle=request_handle(request),
+                         handle=request_handle(request, req_id, self._deaths),
                          lora_root_pending=True)
         self._reqs[req_id] = state
         if getattr(request, "is_generation_only_request", False):
@@ -616,44 +619,60 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         if not self._completions.idle():
             self._completions.apply()
 
-    def _reap_terminated(self, executor_thread: bool = True,
-                         scheduled: frozenset[int] = frozenset()) -> None:
+    def _reap_terminated(self, scheduled: frozenset[int] = frozenset()) -> None:
         """Forget the requests TRT-LLM terminated without calling ``request_finished`` (a
         cancel, an error: ``py_executor.py`` @ 0004396720054 calls it only for finished
         requests), seen by the request object's own state (``is_finished``) or its death.
         A request in this build's scheduler output (``scheduled``) is alive by definition.
-        Once per build (executor thread) and per idle tick (death only); O(tracked)."""
+        Once per build (executor thread); O(tracked). The deaths queued so far are covered by
+        this pass (dropped: the queue stays bounded where the keeper does not drain it)."""
+        self._deaths.clear()
         for state in list(self._reqs.values()):
-            if state.finished or state.req_id in scheduled or not request_gone(state.handle,
-                                                  executor_thread=executor_thread):
+            if state.finished or state.req_id in scheduled or not request_gone(state.handle):
                 continue
-            self._stats["requests_terminated_silently"] += 1
-            state.finished = True
-            state.handle = None
-            if state.load is not None and state.load in self._pending_loads:
-                # Bound, never sent: no copy goes out (the id still finishes on every rank).
-                for op_id in list(state.loads_inflight):
-                    op = self._ops.pop(op_id, None)
-                    if type(op) is LoadRun:
-                        for k, entry in enumerate(op.entries):
-                            self._ops.pop(op.first + k, None)
-                            if k not in op.cancelled:
-                                self._unpin(op.tiers[k], entry)
-                    elif op is not None and op.entry is not None:
-                        self._unpin(op.tier, op.entry)
-                state.loads_inflight.clear()
-                i = self._pending_loads.index(state.load)
-                self._pending_loads[i] = state.load = LoadOp(state.req_id, ())
-            elif state.loads_inflight:
-                self._fences.append(state.req_id)  # its blocks may be reused now
-            for op_id in state.saves_inflight:
-                op = self._ops.get(op_id)
-                if op is not None:
-                    op.tainted = True
-            if not state.saves_inflight and not state.loads_inflight:
-                self._forget(state)
-            else:
-                self._release_plan(state)
+            self._terminated(state)
+
+    def _reap_dead(self) -> None:
+        """Forget the requests whose object died since (the keeper's applies and idle ticks,
+        under the lock: death only, never the object read; O(deaths))."""
+        deaths, reqs = self._deaths, self._reqs
+        while deaths:
+            handle = deaths.popleft()
+            state = reqs.get(handle.key)
+            if state is not None and state.handle is handle and not state.finished:
+                self._terminated(state)
+
+    def _terminated(self, state: _Request) -> None:
+        """TensorRT-LLM terminated ``state``'s request without a ``request_finished``: its
+        pending loads are dropped or fenced, its saves in flight tainted (never committed:
+        their device blocks may be reused), the request forgotten once nothing is in flight."""
+        self._stats["requests_terminated_silently"] += 1
+        state.finished = True
+        state.handle = None
+        if state.load is not None and state.load in self._pending_loads:
+            # Bound, never sent: no copy goes out (the id still finishes on every rank).
+            for op_id in list(state.loads_inflight):
+                op = self._ops.pop(op_id, None)
+                if type(op) is LoadRun:
+                    for k, entry in enumerate(op.entries):
+                        self._ops.pop(op.first + k, None)
+                        if k not in op.cancelled:
+                            self._unpin(op.tiers[k], entry)
+                elif op is not None and op.entry is not None:
+                    self._unpin(op.tier, op.entry)
+            state.loads_inflight.clear()
+            i = self._pending_loads.index(state.load)
+            self._pending_loads[i] = state.load = LoadOp(state.req_id, ())
+        elif state.loads_inflight:
+            self._fences.append(state.req_id)  # its blocks may be reused now
+        for op_id in state.saves_inflight:
+            op = self._ops.get(op_id)
+            if op is not None:
+                op.tainted = True
+        if not state.saves_inflight and not state.loads_inflight:
+            self._forget(state)
+        else:
+            self._release_plan(state)
 
     def _ensure_tiers(self) -> TierLayout:
         """The tiers' layout; sizes them on first use and then starts the shared tier's agent

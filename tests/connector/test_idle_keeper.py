@@ -4,8 +4,10 @@ events TensorRT-LLM produced are published, within 1 s."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+from collections import deque
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from _engines import prompt, tiers
 from _kvwire import wait_until
 
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
+from kvbm_plugin.leader.lifetime import request_gone, request_handle
 from kvbm_plugin.tiers.disk import DiskTier
 
 BOUND_S = 1.0  # the promise: at most this long after the transfer completed
@@ -175,3 +178,21 @@ def test_while_names_are_learned_the_keeper_leaves_the_reports_to_the_build(
     assert keeper.applies == 0 and leader.stats()["saves_committed"] == 0
     leader.publish_now()  # the idle tick (as the build) reads the events, then applies
     assert leader.stats()["saves_committed"] == 4
+
+
+def test_a_request_object_that_dies_queues_its_handle_once() -> None:
+    """The leader's handle of a request: a weak reference naming the request, queued in the
+    deaths the keeper reaps (O(deaths), never reading the object) when the object dies."""
+    deaths: deque[Any] = deque()
+
+    class Request:
+        pass
+
+    request = Request()
+    handle = request_handle(request, 7, deaths)
+    assert handle() is request and handle.key == 7 and not deaths
+    assert not request_gone(handle)
+    del request
+    gc.collect()
+    assert list(deaths) == [handle] and request_gone(handle)
+    assert request_handle(5, 1, deaths) == 5  # no weak reference possible: kept itself
