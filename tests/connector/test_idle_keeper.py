@@ -15,6 +15,7 @@ from _engines import prompt, tiers
 from _kvwire import wait_until
 
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
+from kvbm_plugin.leader.keeper import LeaderKeeper
 from kvbm_plugin.leader.lifetime import request_gone, request_handle
 from kvbm_plugin.tiers.disk import DiskTier
 
@@ -196,3 +197,27 @@ def test_a_request_object_that_dies_queues_its_handle_once() -> None:
     gc.collect()
     assert list(deaths) == [handle] and request_gone(handle)
     assert request_handle(5, 1, deaths) == 5  # no weak reference possible: kept itself
+
+
+def test_the_keeper_survives_a_failing_apply_counted_and_logged(expect_errors) -> None:
+    """An apply that raises is counted and logged (rate-limited); the next nudge applies."""
+    calls: list[int] = []
+
+    def apply() -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return True
+
+    keeper = LeaderKeeper(lambda: None, apply, threading.RLock(), time.monotonic, 60.0,
+                          "test-keeper")
+    try:
+        keeper.nudge()
+        wait_until(lambda: keeper.nudged == 1, 10, "the first wake")
+        assert keeper.errors == 1 and keeper.applies == 0
+        keeper.nudge()
+        wait_until(lambda: keeper.nudged == 2, 10, "the second wake")
+        assert keeper.errors == 1 and keeper.applies == 1
+        assert expect_errors.wait_for("keeper failed to apply reports")
+    finally:
+        keeper.stop()

@@ -254,16 +254,18 @@ class CompletionHub:
 
     def put(self, report: OpReport) -> None:
         self._queue.put(report)
-        if self.on_put is not None:
-            self.on_put()
+        on_put = self.on_put  # (read once: shutdown clears it from another thread)
+        if on_put is not None:
+            on_put()
 
     def put_batch(self, rank: int, op_ids: list[int], oks: list[bool]) -> None:
         """Rank ``rank``'s copy batch: op ``op_ids[i]`` ended ok where ``oks[i]`` (else
         ERR_FAILED)."""
         if op_ids:
             self._queue.put(ReportBatch(rank, op_ids, oks))
-            if self.on_put is not None:
-                self.on_put()
+            on_put = self.on_put  # (read once: shutdown clears it from another thread)
+            if on_put is not None:
+                on_put()
 
     def put_many(self, reports: list[OpReport]) -> None:
         """Reports handed off together (a copy batch's, the cross-process receiver's turn):
@@ -284,8 +286,9 @@ class CompletionHub:
         else:
             for batch in batches.values():
                 self._queue.put(batch)
-        if self.on_put is not None:
-            self.on_put()
+        on_put = self.on_put  # (read once: shutdown clears it from another thread)
+        if on_put is not None:
+            on_put()
 
     def take(self) -> list[OpReport | ReportBatch | list[OpReport]]:
         """Every item handed off so far, as handed off (the leader's fold, under its lock)."""

@@ -35,6 +35,8 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from kvbm_plugin._util.ratelimit import RateLimitedLog
+
 logger = logging.getLogger(__name__)
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -87,6 +89,7 @@ class LeaderKeeper:
         self.busy = 0  # of those, the ones that found the lock held (a hook applies them)
         self.errors = 0
         self.cpu_s = 0.0  # this thread's CPU time in applies and ticks (benchmarks)
+        self._log = RateLimitedLog(logger)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -111,10 +114,11 @@ class LeaderKeeper:
                     try:
                         if self._apply():
                             self.applies += 1
-                    except Exception:  # the keeper must survive a bad apply; counted, logged
-                        self.errors += 1
-                        logger.exception("kvbm_plugin: the leader's keeper failed to apply "
-                                         "reports")
+                    except Exception as exc:  # the keeper survives a bad apply: counted,
+                        self.errors += 1  # logged at most once per 10 s (one per hand-off)
+                        self._log.log(logging.ERROR, "keeper-apply", "kvbm_plugin: the leader's "
+                                      "keeper failed to apply reports (%d so far): %r",
+                                      self.errors, exc)
                     finally:
                         self._lock.release()
                         self.cpu_s += clock() - start
