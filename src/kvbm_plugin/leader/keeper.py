@@ -2,11 +2,14 @@
 the router's view live while TensorRT-LLM's loop blocks.
 
 Reports: the completion hub nudges the keeper whenever a worker's reports are handed in; the
-keeper then applies them (the leader's ``apply_reports``: fold, commit, register the tier
-STOREs) under the leader's lock, if the lock is free at that moment. A hook that holds it
-applies reports itself where it did before, so nothing waits for the keeper and nothing is
-applied later than without it; what the keeper applies, the executor thread does not
-(measured: ``benchmarks/bench_leader_thread.py``).
+keeper then applies them (the leader's ``_keeper_apply``: the requests whose object died
+reaped, then the reports folded, committed, their tier STOREs registered) under the leader's
+lock, if the lock is free at that moment. A hook that holds it applies reports itself where it
+did before, so nothing waits for the keeper and nothing is applied later than without it; what
+the keeper applies, the executor thread does not (measured: ``bench_leader_thread.py``). Like
+any Python thread, the keeper holds the GIL while it applies: the executor thread may wait for
+it in wall time (not in its thread CPU) up to one apply's length, as it may for the event
+pump's steps.
 
 Idle: TensorRT-LLM makes no connector call while its loop waits for a request
 (``py_executor.py`` @ 0004396720054: ``_fetch_and_enqueue_requests`` blocks in the request
@@ -18,9 +21,9 @@ promises).
 
 Safety: every hook of the leader and ``idle_tick`` run under the leader's lock (:func:`locked`),
 so leader state is never touched by two threads at once; the lock is held for O(events) work,
-never across I/O (publishing hands batches to publisher threads). Neither ``apply_reports``
-nor ``idle_tick`` reads a request object (a weak reference's death only); ``idle_tick`` touches no
-TensorRT-LLM state except ``KVCacheManager.get_latest_events(0)`` (drain mode only), which
+never across I/O (publishing hands batches to publisher threads). Neither the keeper's apply
+nor ``idle_tick`` reads a request object (a weak reference's death only); ``idle_tick`` touches
+no TensorRT-LLM state except ``KVCacheManager.get_latest_events(0)`` (drain mode only), which
 TensorRT-LLM's own KV-event dispatch thread already calls off the executor thread (the C++
 event manager guards its queue with a mutex). It never looks for the KV cache manager (the
 frame walk works from the executor thread only).
@@ -65,10 +68,10 @@ def locked(method: _F) -> _F:
 
 class LeaderKeeper:
     """The leader's keeper thread: ``apply()`` (True: it applied reports) under ``lock`` soon
-    after each :meth:`nudge`
-    (the completion hub's, from the threads that hand reports in) when the lock is free, and
-    ``tick()`` under ``lock`` every ``period_s`` while ``last_call()`` is older than
-    ``period_s``. Started by the leader's constructor, stopped by its shutdown.
+    after each :meth:`nudge` (the completion hub's, from the threads that hand reports in)
+    when the lock is free, and ``tick()`` under ``lock`` every ``period_s`` while
+    ``last_call()`` is older than ``period_s``. Started by the leader's constructor, stopped
+    by its shutdown.
 
     The nudged ``apply`` moves the folding and committing of the workers' reports off the
     executor thread without adding a wait to it: the lock is only tried, never waited for
