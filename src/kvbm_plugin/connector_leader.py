@@ -138,7 +138,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         self._layer_pages = LayerGroupPages(self._group, self._block_size,
                                             _llm_args.configured_windows(llm_args), self._stats)
         self._log = RateLimitedLog(logger)
-        # Every hook and the idle keeper's tick run under this lock (leader.keeper).
+        # Every hook and the keeper's applies and idle ticks run under this lock
+        # (leader.keeper).
         self._lock = threading.RLock()
         self._last_call = time.monotonic()
         self._keeper: LeaderKeeper | None = None
