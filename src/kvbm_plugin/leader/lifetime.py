@@ -40,12 +40,12 @@ def request_handle(request: Any, req_id: int, deaths: deque[Any]) -> Any:
     return handle
 
 
-def request_gone(handle: Any, *, executor_thread: bool = True) -> bool:
-    """True when the request behind ``handle`` is finished or dead (None: never known). Off
-    the executor thread only death is checked (a weak reference, no TRT-LLM object read)."""
+def request_gone(handle: Any) -> bool:
+    """True when the request behind ``handle`` is finished or dead (None: never known). Reads
+    the request object: the executor thread only (the keeper reaps the queued deaths)."""
     if handle is None:
         return False
     obj = handle() if isinstance(handle, weakref.ref) else handle
     if obj is None:
         return True
-    return executor_thread and getattr(obj, "is_finished", False) is True
+    return getattr(obj, "is_finished", False) is True
