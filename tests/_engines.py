@@ -3,6 +3,9 @@ factory fixture, ``make_engine``, is in conftest.py)."""
 
 from __future__ import annotations
 
+import threading
+from typing import Any
+
 OFF = {"DYN_KVBM_KV_EVENTS_ENABLE_CONSOLIDATOR": "false"}
 
 
@@ -42,3 +45,19 @@ def adp_settled(engine, subscribers) -> bool:  # noqa: ANN001
         subscriber.poll(10)
     return all(engine.call(r, "leader_stats")["tier_stores_waiting_for_name"] == 0
                and s.held == adp_truth(engine, r) for r, s in enumerate(subscribers))
+
+
+def held_disk(monkeypatch: Any, method: str) -> threading.Event:
+    """``DiskTier.<method>`` ("read" or "write") waits for the returned event before it runs
+    (30 s at most): set it to let the held calls through."""
+    from kvbm_plugin.tiers.disk import DiskTier
+
+    original = getattr(DiskTier, method)
+    release = threading.Event()
+
+    def held(self: Any, *args: Any) -> Any:
+        release.wait(30)
+        return original(self, *args)
+
+    monkeypatch.setattr(DiskTier, method, held)
+    return release

@@ -11,7 +11,7 @@ from collections import deque
 from typing import Any
 
 import pytest
-from _engines import prompt, tiers
+from _engines import held_disk, prompt, tiers
 from _kvwire import wait_until
 
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
@@ -99,17 +99,20 @@ def test_gpu_events_of_the_last_pass_are_published_while_the_engine_idles(
     assert stats["batches_published"] > 0 and stats["batches_lost"] == 0
 
 
-def _held_disk_writes(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
-    """Disk writes wait for the returned event (set it to let them finish)."""
-    original = DiskTier.write
-    release = threading.Event()
-
-    def held_write(self, slot, key, block):
-        release.wait(30)
-        return original(self, slot, key, block)
-
-    monkeypatch.setattr(DiskTier, "write", held_write)
-    return release
+def _idle_engine_with_held_writes(make_engine: Any, monkeypatch: pytest.MonkeyPatch,
+                                  seed: int, **config: Any) -> tuple[Any, TierRecorder,
+                                                                     threading.Event]:
+    """(engine, its tier-event recorder, the release of its held disk writes): one request's
+    offloads waiting in the disk writes after the engine's loop went idle (no hook runs from
+    here on), the idle tick a minute away."""
+    monkeypatch.setattr(KvbmConnectorLeader, "IDLE_PERIOD_S", 60.0)
+    release = held_disk(monkeypatch, "write")
+    rec = TierRecorder()
+    engine = make_engine(num_gpu_blocks=32, env=tiers(disk=64), tier_events=rec, **config)
+    engine.submit(prompt(seed, 17), 1)
+    while engine.active():
+        engine.step()
+    return engine, rec, release
 
 
 def test_reports_are_applied_by_the_keeper_as_they_come_in_not_at_the_idle_period(
@@ -117,13 +120,7 @@ def test_reports_are_applied_by_the_keeper_as_they_come_in_not_at_the_idle_perio
     """With the idle tick a minute away, the offloads that complete after the last hook are
     still committed and registered within the bound: the report's hand-off nudges the
     keeper, which applies it off the executor thread (no connector call made meanwhile)."""
-    monkeypatch.setattr(KvbmConnectorLeader, "IDLE_PERIOD_S", 60.0)
-    release = _held_disk_writes(monkeypatch)
-    rec = TierRecorder()
-    engine = make_engine(num_gpu_blocks=32, env=tiers(disk=64), tier_events=rec)
-    engine.submit(prompt(5, 17), 1)
-    while engine.active():
-        engine.step()
+    engine, rec, release = _idle_engine_with_held_writes(make_engine, monkeypatch, 5)
     builds = engine.kv_cache_connector_manager.metadata_builds
     assert rec.stores == [] and engine.leader.stats()["saves_committed"] == 0
     release.set()
@@ -138,13 +135,7 @@ def test_a_nudge_that_finds_a_hook_running_leaves_the_reports_to_the_hooks(
         make_engine, monkeypatch) -> None:
     """Reports handed in while a hook holds the leader's lock: the keeper does not wait for
     the lock (it counts the nudge as busy and applies nothing); the next hook applies them."""
-    monkeypatch.setattr(KvbmConnectorLeader, "IDLE_PERIOD_S", 60.0)
-    release = _held_disk_writes(monkeypatch)
-    rec = TierRecorder()
-    engine = make_engine(num_gpu_blocks=32, env=tiers(disk=64), tier_events=rec)
-    engine.submit(prompt(6, 17), 1)
-    while engine.active():
-        engine.step()
+    engine, rec, release = _idle_engine_with_held_writes(make_engine, monkeypatch, 6)
     leader = engine.leader
     with leader._lock:  # noqa: SLF001 - as a hook holds it
         release.set()
@@ -159,21 +150,15 @@ def test_while_names_are_learned_the_keeper_leaves_the_reports_to_the_build(
         make_engine, monkeypatch) -> None:
     """Where TensorRT-LLM's names are learned from its events, reports wait for the build that
     reads those events first: the keeper's nudge applies nothing."""
-    monkeypatch.setattr(KvbmConnectorLeader, "IDLE_PERIOD_S", 60.0)
-    release = _held_disk_writes(monkeypatch)
-    rec = TierRecorder()
-    engine = make_engine(num_gpu_blocks=32, env=tiers(disk=64), tier_events=rec,
-                         provide_block_hashes=False)
-    engine.submit(prompt(7, 17), 1)
-    while engine.active():
-        engine.step()
+    engine, _rec, release = _idle_engine_with_held_writes(make_engine, monkeypatch, 7,
+                                                          provide_block_hashes=False)
     leader = engine.leader
     keeper = leader._keeper  # noqa: SLF001 - its counters
     assert leader._naming.learning  # noqa: SLF001 - the mode under test
     nudged = keeper.nudged
     release.set()
-    # Each copy batch's hand-off nudges once: the last one's wake has run once the four
-    # writes' reports are in and the keeper counted a wake after it.
+    # ``nudged`` counts finished wakes, and no write could finish before ``release``: a wake
+    # counted after it ran with reports in the hub.
     wait_until(lambda: leader.stats()["ops_inflight"] > 0 and keeper.nudged > nudged
                and not leader._hub.empty(), 10, "the reports handed in")  # noqa: SLF001
     assert keeper.applies == 0 and leader.stats()["saves_committed"] == 0

@@ -7,14 +7,12 @@ order (every query before any ``update_state_after_alloc``, the report after the
 from __future__ import annotations
 
 import sys
-import threading
 from typing import Any
 
 import pytest
-from _engines import OFF, prompt, tiers
+from _engines import OFF, held_disk, prompt, tiers
 
 from kvbm_plugin.testing.engine import SimulatedEngine
-from kvbm_plugin.tiers.disk import DiskTier
 
 
 class Calls:
@@ -50,18 +48,6 @@ class Calls:
         return [name for name, _, _ in self.log]
 
 
-def held_disk_reads(monkeypatch) -> threading.Event:
-    original = DiskTier.read
-    release = threading.Event()
-
-    def held(self, slot, key, out):
-        release.wait(30)
-        return original(self, slot, key, out)
-
-    monkeypatch.setattr(DiskTier, "read", held)
-    return release
-
-
 def in_disk_not_gpu(engine: SimulatedEngine, tokens: list[int]) -> None:
     engine.submit(tokens, 1)
     engine.run_until_idle()
@@ -86,7 +72,7 @@ def test_a_pass_without_a_prepared_batch_builds_nothing_but_asks_get_finished(
     engine = make_engine(num_gpu_blocks=16, env=tiers(disk=64))
     a = prompt(21, 17)
     in_disk_not_gpu(engine, a)
-    release = held_disk_reads(monkeypatch)
+    release = held_disk(monkeypatch, "read")
     req = engine.submit(a, 1)
     engine.step()
     assert engine.result(req).state == "loading"
@@ -184,7 +170,7 @@ def test_a_cancel_during_an_async_load_frees_the_blocks_at_once(make_engine, mon
     engine = make_engine(num_gpu_blocks=16, env=tiers(disk=64), overlap_scheduler=overlap)
     a = prompt(90, 17)
     in_disk_not_gpu(engine, a)
-    release = held_disk_reads(monkeypatch)
+    release = held_disk(monkeypatch, "read")
     calls = Calls(engine)
     loading = engine.submit(a, 1)
     other = engine.submit(prompt(91, 9), 4)  # keeps batches running
