@@ -157,6 +157,30 @@ def test_an_oversized_message_is_refused_unread_and_reports_still_arrive() -> No
         receiver.close()
 
 
+def test_a_rank_whose_connection_starts_a_hold_loses_no_report(monkeypatch, caplog) -> None:  # noqa: ANN001
+    """Every accept past MAX_BEHIND (0 here) since the receiver last read its socket empty
+    holds new connections off; a rank's own connection can be that accept (it failed in CI
+    once after a churn: the rank's report was written on a connection then cut, and lost).
+    Such a connection is kept: each rank's report arrives, and none is refused."""
+    from kvbm_plugin.wire import listen_brake
+
+    monkeypatch.setattr(listen_brake, "MAX_BEHIND", 0)
+    port = free_port()
+    hub = CompletionHub("report-channel-hold")
+    receiver = ZmqReportReceiver(hub, f"tcp://127.0.0.1:{port}")
+    try:
+        with zmq.Context() as ctx:
+            for op_id in range(8):  # one connection each: each accept starts a hold
+                with ctx.socket(zmq.PUSH) as rank:
+                    rank.setsockopt(zmq.LINGER, 5000)
+                    rank.connect(f"tcp://127.0.0.1:{port}")
+                    rank.send(encode_report(OpReport(op_id, 1, True)))
+                    assert _drain_until(hub, 1) == [OpReport(op_id, 1, True)]
+        assert not [r for r in caplog.records if "refused the connection" in r.getMessage()]
+    finally:
+        receiver.close()
+
+
 @pytest.mark.parametrize("seconds", [3, pytest.param(60, marks=pytest.mark.slow)])
 def test_a_churn_of_connections_queueing_reports_holds_a_bounded_amount(
         expect_errors, seconds) -> None:  # noqa: ANN001  (the junk is logged as malformed)

@@ -420,8 +420,12 @@ class ZmqReportReceiver:
             # cut: a churn of connections that queue reports and leave must not outrun this
             # thread. While more than MAX_BEHIND connections arrived since the socket was last
             # read empty, new ones are held off (the kernel drops their attempts; the ranks'
-            # PUSH sockets retry and keep their reports meanwhile).
-            cap = PeerCap("report receiver", sock, self._max_peers, max_unread=MAX_BEHIND)
+            # PUSH sockets retry and keep their reports meanwhile). A connection that gets in
+            # anyway is kept, not cut (cut_held): it may be a rank's whose reports are already
+            # on their way (its own accept can be the one that starts the hold), and a cut
+            # would lose them; what it can add is REPORT_HWM reports.
+            cap = PeerCap("report receiver", sock, self._max_peers, max_unread=MAX_BEHIND,
+                          cut_held=False)
             sock.bind(self._bind)
         except zmq.ZMQError as exc:
             self._error = exc
