@@ -81,7 +81,7 @@ from kvbm_plugin.leader.layer_groups import refuse_unsupported as _refuse_layer_
 from kvbm_plugin.leader.lifetime import request_gone, request_handle
 from kvbm_plugin.leader.offload_planner import OffloadPlanner
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
-from kvbm_plugin.leader.op_completions import OpCompletions
+from kvbm_plugin.leader.op_completions import SWEEP_PERIOD_S, OpCompletions
 from kvbm_plugin.leader.requests import LEADER_STATS, LoadRun, OpTable
 from kvbm_plugin.leader.requests import RequestState as _Request
 from kvbm_plugin.leader.shared_tier import MATCHED_STAT, TIER_SHARED, LeaderSharedTier
@@ -229,7 +229,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             raise
         self._keeper = LeaderKeeper(self._idle_tick, self._keeper_apply, self._lock,
                                     lambda: self._last_call, self.IDLE_PERIOD_S,
-                                    f"kvbm-leader-keeper-r{self._dp_rank}")
+                                    f"kvbm-leader-keeper-r{self._dp_rank}",
+                                    self._completions.sweep, SWEEP_PERIOD_S)
         self._hub.on_put = self._keeper.nudge  # reports are applied as they come in
 
     @property

@@ -129,3 +129,56 @@ def test_the_hub_hands_a_uniform_batch_over_as_one_item_per_rank() -> None:
     assert items[4] == ReportBatch(1, [7, 8], [True, False])
     hub.put_batch(1, [7, 8], [True, False])
     assert hub.drain() == [OpReport(7, 1, True), OpReport(8, 1, False, ERR_FAILED)]
+
+
+class _Writes:
+    """The tiers' side of finishing writes, recorded (host and disk absent)."""
+
+    host = disk = None
+
+    def __init__(self) -> None:
+        self.writes: list[tuple] = []
+
+    def finish_writes(self, writes) -> None:  # noqa: ANN001
+        self.writes.extend(writes)
+
+
+def test_an_op_some_rank_never_reported_is_failed_once_its_deadline_passed() -> None:
+    """The keeper's sweep notes the next op id each time; ops made before a note the deadline
+    old that some rank has not reported are failed: a rank's report already folded stands,
+    the missing ones count as failures, and the run finishes as a failed one does (its
+    blocks not committed). Ops younger than that are left alone."""
+    ops = OpTable()
+    old_run = ops.new_run("host", 1, [object() for _ in range(3)])  # ids 1..3
+    old_op = ops[ops.new("demote", "disk", 0xD, None, object())]  # id 4
+    tiers = _Writes()
+    stats = {"reports_rejected": 0, "ops_expired": 0}
+    completions = OpCompletions(
+        hub=CompletionHub("expire"), ops=ops, reqs={}, tiers=tiers,  # type: ignore[arg-type]
+        shared=type("Shared", (), {"wake_agent": lambda self: None})(),  # type: ignore[arg-type]
+        index_of=lambda tier: None, forget=lambda state: None, stats=stats,
+        log=RateLimitedLog(logging.getLogger("test.expire")), tp_size=TP)
+    deadline = completions.deadline_s
+    final: list = []
+    completions._fold_batch(ReportBatch(0, [1, 2, 3, 4], [True] * 4), final)  # noqa: SLF001
+    completions._fold(OpReport(2, 1, True), final)  # rank 1 reported block 1 only  # noqa: SLF001
+    assert final == []
+    assert completions.sweep(now=0.0) == 0  # notes id 5: ops 1..4 were made before it
+    young = ops.new_run("host", 2, [object()])  # id 5, after that note
+    assert completions.sweep(now=deadline / 2) == 0
+    assert completions.sweep(now=deadline - 0.001) == 0  # not yet the deadline
+    assert stats["ops_expired"] == 0 and tiers.writes == []
+    assert completions.sweep(now=deadline) == 4  # the note of time 0: ids below 5
+    assert stats["ops_expired"] == 4
+    assert list(ops) == [5]  # the young run is left
+    # Rank 1's missing reports failed blocks 0 and 2; block 1 stands as every rank did it.
+    assert old_run.errors == [1 << ERR_FAILED, 0, 1 << ERR_FAILED]
+    assert old_op.failed and old_op.reports[0].ok and not old_op.reports[1].ok
+    assert [w[2] for w in tiers.writes] == [old_run.entries[0], old_run.entries[1],
+                                            old_run.entries[2], old_op.entry]
+    assert [w[3] for w in tiers.writes] == [False, True, False, False]  # committed or not
+    # A lost report arriving after all finds no op: refused, nothing committed again.
+    completions._fold(OpReport(1, 1, True), final)  # noqa: SLF001
+    assert stats["reports_rejected"] == 1 and final == []
+    assert completions.sweep(now=deadline / 2 + deadline) == 1  # the note after id 5
+    assert young.errors == [1 << ERR_FAILED] and list(ops) == []

@@ -70,8 +70,10 @@ class LeaderKeeper:
     """The leader's keeper thread: ``apply()`` (True: it applied reports) under ``lock`` soon
     after each :meth:`nudge` (the completion hub's, from the threads that hand reports in)
     when the lock is free, and ``tick()`` under ``lock`` every ``period_s`` while
-    ``last_call()`` is older than ``period_s``. Started by the leader's constructor, stopped
-    by its shutdown.
+    ``last_call()`` is older than ``period_s``; ``sweep()`` (the overdue ops failed:
+    ``OpCompletions.sweep``) under ``lock`` every ``sweep_period_s``, busy or idle, when the
+    lock is free (else at its next wake, within ``period_s``). Started by the leader's
+    constructor, stopped by its shutdown.
 
     The nudged ``apply`` moves the folding and committing of the workers' reports off the
     executor thread without adding a wait to it: the lock is only tried, never waited for
@@ -80,9 +82,12 @@ class LeaderKeeper:
     have run itself."""
 
     def __init__(self, tick: Callable[[], None], apply: Callable[[], bool], lock: Any,
-                 last_call: Callable[[], float], period_s: float, name: str) -> None:
+                 last_call: Callable[[], float], period_s: float, name: str,
+                 sweep: Callable[[], Any] | None = None, sweep_period_s: float = 10.0) -> None:
         self._tick = tick
         self._apply = apply
+        self._sweep = sweep
+        self.sweep_period_s = sweep_period_s
         self._lock = lock
         self._last_call = last_call
         self.period_s = period_s
@@ -106,6 +111,7 @@ class LeaderKeeper:
     def _run(self) -> None:
         clock = time.thread_time
         next_idle = time.monotonic() + self.period_s
+        next_sweep = time.monotonic() + self.sweep_period_s
         while not self._stop.is_set():
             nudged = self._wake.wait(max(0.0, next_idle - time.monotonic()))
             if self._stop.is_set():
@@ -129,6 +135,18 @@ class LeaderKeeper:
                     self.busy += 1
                 self.nudged += 1  # (counted once the wake's work is done)
             now = time.monotonic()
+            if self._sweep is not None and now >= next_sweep \
+                    and self._lock.acquire(blocking=False):
+                next_sweep = now + self.sweep_period_s
+                start = clock()
+                try:
+                    self._sweep()
+                except Exception:  # the keeper survives a bad sweep; counted, logged
+                    self.errors += 1
+                    logger.exception("kvbm_plugin: the leader's sweep of overdue ops failed")
+                finally:
+                    self._lock.release()
+                    self.cpu_s += clock() - start
             if now < next_idle:
                 continue
             next_idle = now + self.period_s

@@ -15,6 +15,8 @@ and owns nothing else. Never imports torch.
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -31,6 +33,16 @@ from kvbm_plugin.leader.offload_tiers import RUN_OF_SAVES, OffloadTiers, Write
 from kvbm_plugin.leader.requests import LoadRun, Op, OpTable, RequestState, SaveRun, SharedRun
 from kvbm_plugin.leader.shared_tier import TIER_SHARED, LeaderSharedTier
 from kvbm_plugin.tiers.base import TIER_HOST
+
+# An op that some rank has not reported this long after it was made is failed
+# (``OpCompletions.sweep``): a report lost on its way (a connection cut with it in flight, a
+# rank's host out of reach) would otherwise keep its tier slot pending, a load's block pinned
+# and the request's state for ever. Far beyond what any op may take before its rank reports
+# it: a device copy is failed after 60 s (worker/device_copy.py), and a slow disk's or shared
+# store's write is reported when it ends; a report arriving after this finds no op
+# (``reports_rejected``).
+REPORT_DEADLINE_S = 600.0
+SWEEP_PERIOD_S = 10.0  # how often the keeper sweeps (a note of the next op id each time)
 
 
 class OpCompletions:
@@ -55,6 +67,8 @@ class OpCompletions:
         self._stats = stats
         self._log = log
         self._tp_size = tp_size
+        self.deadline_s = REPORT_DEADLINE_S
+        self._marks: deque[tuple[float, int]] = deque()  # (when, the next op id then): sweep
 
     def apply(self) -> None:
         """Fold the workers' reports in; an op is final once every rank reported it. Runs
@@ -70,6 +84,53 @@ class OpCompletions:
                     self._fold(report, final)
             else:
                 self._fold(item, final)
+        self._finish(final)
+
+    def sweep(self, now: float | None = None) -> int:
+        """The leader's keeper, every :data:`SWEEP_PERIOD_S`, under the leader's lock: note
+        the id the next op gets, and fail the ops made before a note :attr:`deadline_s` old
+        that some rank has not reported (:meth:`expire`). O(notes + ops failed); no I/O.
+        Returns how many ops were failed."""
+        now = time.monotonic() if now is None else now
+        marks = self._marks
+        marks.append((now, self._ops.next_id))
+        below = 0
+        while marks and now - marks[0][0] >= self.deadline_s:
+            below = marks.popleft()[1]
+        return self.expire(below) if below else 0
+
+    def expire(self, below: int) -> int:
+        """Fail every op with an id below ``below`` that some rank has not reported: a
+        failure is folded in for each rank whose report is missing (those already folded
+        stand), and the ops finish as failed ones do: a save's slot freed, not committed, a
+        load's pin released. Counted (``ops_expired``) and logged, rate-limited."""
+        ops = self._ops
+        overdue = []
+        for op_id in ops:  # (ids are made in increasing order: the oldest come first)
+            if op_id >= below:
+                break
+            overdue.append(op_id)
+        if not overdue:
+            return 0
+        final: list[tuple[int, Op | SaveRun | LoadRun | SharedRun]] = []
+        for op_id in overdue:
+            for rank in range(self._tp_size):
+                op = ops.get(op_id)
+                if op is None:
+                    break  # final now (its run's last missing report was just folded)
+                if type(op) is Op and rank in op.reports:
+                    continue  # (a run's mark ignores a rank's block reported before)
+                self._fold(OpReport(op_id, rank, False, ERR_FAILED), final)
+        self._finish(final)
+        self._stats["ops_expired"] += len(overdue)
+        self._log.log(logging.WARNING, "expired", "kvbm_plugin: %d ops that some rank had not "
+                      "reported %.0f s after they were made were failed (their tier blocks "
+                      "freed, not committed; a report was lost on its way from a rank)",
+                      len(overdue), self.deadline_s)
+        return len(overdue)
+
+    def _finish(self, final: list[tuple[int, Op | SaveRun | LoadRun | SharedRun]]) -> None:
+        """Finish the ops every rank reported, in op-id order (:meth:`apply`)."""
         if not final:
             return  # (most calls: nothing to commit, nothing for the shared tier's agent)
         if len(final) > 1:  # op ids grow along each chain: parents are registered first

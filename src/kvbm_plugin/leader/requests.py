@@ -27,7 +27,7 @@ LEADER_STATS = (
     "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
     "requests_terminated_silently",
     "saves_discarded_terminated", "gpu_source_silent_iterations", "window_skips",
-    "hook_lock_waits")
+    "hook_lock_waits", "ops_expired")
 
 
 @dataclass(slots=True)
