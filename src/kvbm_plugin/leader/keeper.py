@@ -19,6 +19,10 @@ leader's ``idle_tick`` every ``period_s``: a report, event or tier change is pub
 about ``2 * period_s`` after it happened (0.2 s by default, under the 1 s bound the plugin
 promises).
 
+Sweep: every ``sweep_period_s`` (10 s), busy or idle, where the lock is free, the keeper runs
+the sweep of overdue ops (``OpCompletions.sweep``: those some rank never reported, a lost
+report, are failed after ``REPORT_DEADLINE_S``).
+
 Safety: every hook of the leader and ``idle_tick`` run under the leader's lock (:func:`locked`),
 so leader state is never touched by two threads at once; the lock is held for O(events) work,
 never across I/O (publishing hands batches to publisher threads). Neither the keeper's apply
