@@ -116,3 +116,42 @@ def wait_all_sent(stats: Callable[[], dict[str, int]], timeout: float = 10.0) ->
             return st["publisher_batches_published"]
         assert time.monotonic() < deadline, f"batches still unsent: {st}"
         time.sleep(0.005)  # poll interval of a deadline-bounded wait, not a synchronisation
+
+
+def tcp_connections(port: int, side: str) -> dict[int, tuple[object, object]]:
+    """This process's connected TCP sockets on ``port``: ``side`` "local" (accepted there)
+    or "peer" (connected to it); fd -> (local address, peer address)."""
+    import os
+    import socket
+
+    from kvbm_plugin.wire.sock_filter import borrow
+
+    found: dict[int, tuple[object, object]] = {}
+    for name in os.listdir("/proc/self/fd"):
+        sock = borrow(int(name))
+        if sock is None:
+            continue
+        with sock:
+            try:
+                if sock.family != socket.AF_INET \
+                        or sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    continue
+                local, peer = sock.getsockname(), sock.getpeername()
+            except OSError:
+                continue
+        if (local if side == "local" else peer)[1] == port:
+            found[int(name)] = (local, peer)
+    return found
+
+
+def silence(fd: int) -> None:
+    """Make the TCP connection on ``fd`` hear nothing more (every packet to it dropped, no
+    FIN, no reset: as when its peer's host goes away); the fd stays its owner's."""
+    import socket
+
+    from kvbm_plugin.wire.sock_filter import DROP_ALL, SO_ATTACH_FILTER, borrow
+
+    sock = borrow(fd)
+    assert sock is not None, f"fd {fd} is no stream socket"
+    with sock:
+        sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, DROP_ALL.fprog)

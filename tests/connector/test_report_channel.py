@@ -9,7 +9,7 @@ import time
 
 import pytest
 import zmq
-from _kvwire import free_port, wait_until
+from _kvwire import free_port, silence, tcp_connections, wait_until
 
 from kvbm_plugin.connector.meta import (
     ERR_NONE,
@@ -181,43 +181,17 @@ def test_a_rank_whose_connection_starts_a_hold_loses_no_report(monkeypatch, capl
         receiver.close()
 
 
-def _accepted(port: int) -> dict[int, object]:
-    """This process's accepted TCP connections on local ``port`` (the receiver's side): fd
-    -> the peer's address."""
-    import os
-    import socket
-
-    from kvbm_plugin.wire.sock_filter import borrow
-
-    found = {}
-    for name in os.listdir("/proc/self/fd"):
-        sock = borrow(int(name))
-        if sock is None:
-            continue
-        with sock:
-            try:
-                if (sock.family == socket.AF_INET and sock.getsockname()[1] == port
-                        and not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)):
-                    found[int(name)] = sock.getpeername()
-            except OSError:
-                continue
-    return found
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux socket filter")
 def test_a_connection_gone_silent_is_dropped_and_made_again(monkeypatch) -> None:  # noqa: ANN001
     """The leader's end of a rank's connection stops receiving (every packet dropped, no FIN,
     no reset: as when a host or a firewall between them goes away): the rank's pings go
     unanswered, it drops the connection and connects again, and its later reports arrive.
     Without the heartbeat they went into the silent connection until TCP gave up."""
-    import socket
-
-    from kvbm_plugin.connector import meta
     from kvbm_plugin.connector.meta import ZmqReportSender
-    from kvbm_plugin.wire.sock_filter import DROP_ALL, SO_ATTACH_FILTER, borrow
+    from kvbm_plugin.wire import reconnect
 
-    monkeypatch.setattr(meta, "REPORT_HEARTBEAT_IVL_MS", 100)
-    monkeypatch.setattr(meta, "REPORT_HEARTBEAT_TIMEOUT_MS", 500)
+    monkeypatch.setattr(reconnect, "HEARTBEAT_IVL_MS", 100)
+    monkeypatch.setattr(reconnect, "HEARTBEAT_TIMEOUT_MS", 500)
     port = free_port()
     hub = CompletionHub("report-channel-silent")
     receiver = ZmqReportReceiver(hub, f"tcp://127.0.0.1:{port}")
@@ -225,11 +199,8 @@ def test_a_connection_gone_silent_is_dropped_and_made_again(monkeypatch) -> None
     try:
         sender.put(OpReport(1, 1, True))
         assert _drain_until(hub, 1) == [OpReport(1, 1, True)]
-        ((fd, silent),) = _accepted(port).items()
-        sock = borrow(fd)
-        assert sock is not None
-        with sock:
-            sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, DROP_ALL.fprog)
+        ((fd, (_, silent)),) = tcp_connections(port, "local").items()
+        silence(fd)  # the leader's end
         deadline = time.monotonic() + 20
         got: list[OpReport] = []
         op_id = 1
@@ -241,7 +212,8 @@ def test_a_connection_gone_silent_is_dropped_and_made_again(monkeypatch) -> None
             time.sleep(0.1)  # the pace of the reports, not synchronisation
         assert got[0].op_id > 2  # those sent into the silent connection were lost
         # The leader's end stopped hearing the rank's pings too: it dropped the connection.
-        wait_until(lambda: silent not in _accepted(port).values(), 10, "the silent one dropped")
+        wait_until(lambda: silent not in [peer for _, peer in tcp_connections(
+            port, "local").values()], 10, "the silent one dropped")
     finally:
         sender.close(timeout=1.0)
         receiver.close()

@@ -1111,6 +1111,42 @@ def test_a_reconnection_to_the_same_publisher_replays_what_was_missed(ipc_dir, s
     assert stats["restarts"] == 0 and stats["resyncs"] == 0 and stats["reconnects"] == 1
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux socket filter")
+def test_a_rank_stream_gone_silent_is_connected_again_and_replayed(ipc_dir, start, raw_rank,
+                                                                   monkeypatch):
+    """The consolidator's end of a rank's tcp stream hears nothing more (every packet dropped,
+    no FIN, no reset: the rank's host cut off): its pings go unanswered, it drops the
+    connection, connects again and replays what it missed (wire/reconnect.py's heartbeats,
+    shortened here). Without them it waited on the silent connection for ever."""
+    from _kvwire import free_port, silence, tcp_connections
+
+    from kvbm_plugin.wire import reconnect
+
+    monkeypatch.setattr(reconnect, "HEARTBEAT_IVL_MS", 100)
+    monkeypatch.setattr(reconnect, "HEARTBEAT_TIMEOUT_MS", 500)
+    port = free_port()
+    config = load_consolidator_config(
+        {EVENTS_ENDPOINT: f"tcp://127.0.0.1:{port}", REPLAY_ENDPOINT: f"tcp://127.0.0.1:{free_port()}",
+         OUTPUT_ENDPOINT: f"ipc://{ipc_dir}/out", OUTPUT_REPLAY_ENDPOINT: f"ipc://{ipc_dir}/outr"},
+        num_ranks=1)
+    raw = raw_rank(config)
+    consolidator = start(config)
+    raw.wait_subscribed()
+    raw.serve_startup()
+    sent = [raw.send(i, [stored([101 + i], None if i == 0 else 100 + i, [i])])
+            for i in range(2)]
+    wait_for(lambda: consolidator.stats()["batches_applied"] == 2)
+    (fd,) = tcp_connections(port, "peer")
+    silence(fd)
+    missed = raw.send(2, [stored([103], 102, [2])])  # never heard
+    ident, start_seq = raw.next_replay_request()  # connected again: the catch-up
+    assert start_seq == 1
+    raw.answer(ident, [sent[1], missed])
+    wait_for(lambda: consolidator._core.visible_hashes(0) == {101, 102, 103})
+    stats = consolidator.stats()
+    assert stats["reconnects"] == 1 and stats["restarts"] == 0
+
+
 def test_output_a_threaded_publisher_loses_later_is_counted_lost(ipc_dir, raw_rank,
                                                                   expect_errors):
     from kvbm_plugin.wire.publisher import ZmqEventPublisher

@@ -405,6 +405,7 @@ class ZmqReportReceiver:
         zmq = self._zmq
         from kvbm_plugin.wire.listen_brake import MAX_BEHIND
         from kvbm_plugin.wire.peers import PeerCap, limit_receive_buffer
+        from kvbm_plugin.wire.reconnect import heartbeats
 
         sock = zmq.Context.instance().socket(zmq.PULL)
         cap = None
@@ -417,8 +418,7 @@ class ZmqReportReceiver:
             sock.setsockopt(zmq.RCVHWM, REPORT_HWM)
             # A connection gone silent (a rank's host gone without a word) is dropped, not
             # kept for ever towards DYN_KVBM_ZMQ_MAX_PEERS (the ranks ping the same way).
-            sock.setsockopt(zmq.HEARTBEAT_IVL, REPORT_HEARTBEAT_IVL_MS)
-            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, REPORT_HEARTBEAT_TIMEOUT_MS)
+            heartbeats(sock)
             limit_receive_buffer(sock)
             # libzmq keeps a connection until its queued reports are read, however it was
             # cut: a churn of connections that queue reports and leave must not outrun this
@@ -475,13 +475,6 @@ class ZmqReportReceiver:
 # How long a closing rank waits for its last reports to reach the leader (a leader that is gone
 # or unreachable: they are lost after this, with a warning).
 REPORT_DELIVERY_TIMEOUT_S = 10.0
-# A rank's PUSH socket pings the leader (ZMTP heartbeats) and drops a connection that did not
-# answer within the timeout, then connects again: a connection gone silent (the leader's host
-# rebooted, a firewall or NAT dropped its state) would otherwise be written into until TCP
-# gives up, some 15 minutes, every report meanwhile lost (the leader fails such ops after
-# leader/op_completions.py's REPORT_DEADLINE_S). The PULL side answers pings by itself.
-REPORT_HEARTBEAT_IVL_MS = 5000
-REPORT_HEARTBEAT_TIMEOUT_MS = 15000
 
 
 class ZmqReportSender:
@@ -496,12 +489,16 @@ class ZmqReportSender:
     def __init__(self, connect: str) -> None:
         import zmq
 
+        from kvbm_plugin.wire.reconnect import heartbeats
+
         self._zmq = zmq
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # reports must not be dropped
-        self._sock.setsockopt(zmq.HEARTBEAT_IVL, REPORT_HEARTBEAT_IVL_MS)
-        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, REPORT_HEARTBEAT_TIMEOUT_MS)
+        # A connection gone silent is dropped and made again (wire/reconnect.py): reports
+        # written into it until TCP gave up, some 15 minutes, would be lost (the leader fails
+        # such ops after leader/op_completions.py's REPORT_DEADLINE_S).
+        heartbeats(self._sock)
         self._sock.connect(connect)
         self._connect = connect
         self._lock = threading.Lock()

@@ -10,6 +10,16 @@ last batch it applied and compare the bytes).
 
 Used by the consolidator's ingest thread and by ``StreamSubscriber``'s polling thread: one thread
 per watch, like the socket it watches.
+
+A connection must end for any of that to be seen. One whose other end went away without a word
+(its host rebooted or was cut off, a firewall or NAT dropped its state) stays open for ever on
+a socket that only receives, and for some 15 minutes of TCP retransmissions on one that sends:
+a subscriber would wait for a publisher that is back long since, a publisher would keep the
+dead subscriber towards its connection cap, a rank's reports would go nowhere.
+:func:`heartbeats` sets ZMTP heartbeats (libzmq 4.2 and later) on every socket of ours that
+reaches or is reached across hosts: it pings each peer every :data:`HEARTBEAT_IVL_MS` and closes
+a connection that sent nothing for :data:`HEARTBEAT_TIMEOUT_MS` after a ping (the peer's libzmq
+answers by itself, whatever its application is doing); a connecting socket then connects again.
 """
 
 from __future__ import annotations
@@ -19,7 +29,10 @@ import contextlib
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["LOST", "BACK", "JOINED", "ConnectionWatch"]
+__all__ = ["LOST", "BACK", "JOINED", "ConnectionWatch", "heartbeats"]
+
+HEARTBEAT_IVL_MS = 5000
+HEARTBEAT_TIMEOUT_MS = 15000
 
 LOST = "lost"  # the connection to the publisher closed
 BACK = "back"  # a connection was made again after one was lost
@@ -71,3 +84,10 @@ class ConnectionWatch:
         with contextlib.suppress(zmq.ZMQError):
             self._watched.disable_monitor()
         self.socket.close(linger=0)
+
+
+def heartbeats(sock: zmq.Socket) -> None:
+    """Ping ``sock``'s peers and drop a connection gone silent (module docstring); set
+    before it connects or binds, by the thread that owns it."""
+    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)

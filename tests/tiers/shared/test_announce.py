@@ -185,3 +185,48 @@ def test_lost_announcements_are_counted_from_the_sender_seq(
     pub.send(encode(SECRET, 10, 5, [a]))  # another sender: its first message is no gap
     wait_until(lambda: leader.stat("heard_messages") == 3, 10, "third message")
     assert leader.stat("lost") == 2
+
+
+def test_an_engine_whose_peer_went_silent_hears_it_again(monkeypatch) -> None:  # noqa: ANN001
+    """Engine B's end of its connection to engine A hears nothing more (every packet
+    dropped, no FIN, no reset: A's host cut off and back): B's pings go unanswered, it drops
+    the connection and connects again, and A's later announcements reach it
+    (wire/reconnect.py's heartbeats, shortened here). Without them B heard A no more."""
+    import sys
+    import time
+
+    from _kvwire import free_port, silence, tcp_connections
+
+    from kvbm_plugin.tiers.shared.announce import Announcer
+    from kvbm_plugin.wire import reconnect
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("a Linux socket filter")
+    monkeypatch.setattr(reconnect, "HEARTBEAT_IVL_MS", 100)
+    monkeypatch.setattr(reconnect, "HEARTBEAT_TIMEOUT_MS", 500)
+    port = free_port()
+    a = Announcer(f"tcp://127.0.0.1:{port}", (), secret=SECRET, max_peers=4, allow=())
+    b = Announcer(None, (f"tcp://127.0.0.1:{port}",), secret=SECRET, max_peers=4, allow=())
+    a.open()
+    b.open()
+    try:
+        def heard_after(first_token: int) -> bool:
+            deadline = time.monotonic() + 20
+            while True:
+                assert time.monotonic() < deadline, "B never heard A"
+                blocks = chain(1, first_token=first_token)
+                a.publish(blocks)
+                a.receive(0.01)  # A's turn: B's subscription
+                if blocks[0] in b.receive(0.01):
+                    return True
+                first_token += 1000
+                time.sleep(0.05)  # the pace of A's announcements, not synchronisation
+
+        assert heard_after(100)
+        (fd,) = tcp_connections(port, "peer")
+        silence(fd)
+        assert heard_after(10 ** 6)
+        assert b.stats()["peer_disconnects"] >= 1
+    finally:
+        a.close()
+        b.close()
