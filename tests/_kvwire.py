@@ -155,3 +155,14 @@ def silence(fd: int) -> None:
     assert sock is not None, f"fd {fd} is no stream socket"
     with sock:
         sock.setsockopt(socket.SOL_SOCKET, SO_ATTACH_FILTER, DROP_ALL.fprog)
+
+
+def short_keepalive(monkeypatch) -> None:  # noqa: ANN001
+    """The sockets made from here drop a silent connection within about 2 s (wire/reconnect.py:
+    shipped, about 25 s)."""
+    from kvbm_plugin.wire import reconnect
+
+    monkeypatch.setattr(reconnect, "KEEPALIVE_IDLE_S", 1)
+    monkeypatch.setattr(reconnect, "KEEPALIVE_INTVL_S", 1)
+    monkeypatch.setattr(reconnect, "KEEPALIVE_CNT", 1)
+    monkeypatch.setattr(reconnect, "MAXRT_MS", 2000)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import zmq
-from _kvwire import free_port, silence, tcp_connections, wait_until
+from _kvwire import free_port, short_keepalive, silence, tcp_connections, wait_until
 
 from kvbm_plugin.connector.meta import (
     ERR_NONE,
@@ -184,14 +184,12 @@ def test_a_rank_whose_connection_starts_a_hold_loses_no_report(monkeypatch, capl
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux socket filter")
 def test_a_connection_gone_silent_is_dropped_and_made_again(monkeypatch) -> None:  # noqa: ANN001
     """The leader's end of a rank's connection stops receiving (every packet dropped, no FIN,
-    no reset: as when a host or a firewall between them goes away): the rank's pings go
+    no reset: as when a host or a firewall between them goes away): the rank's keepalive probes go
     unanswered, it drops the connection and connects again, and its later reports arrive.
-    Without the heartbeat they went into the silent connection until TCP gave up."""
+    Without keepalive they went into the silent connection until TCP gave up."""
     from kvbm_plugin.connector.meta import ZmqReportSender
-    from kvbm_plugin.wire import reconnect
 
-    monkeypatch.setattr(reconnect, "HEARTBEAT_IVL_MS", 100)
-    monkeypatch.setattr(reconnect, "HEARTBEAT_TIMEOUT_MS", 500)
+    short_keepalive(monkeypatch)
     port = free_port()
     hub = CompletionHub("report-channel-silent")
     receiver = ZmqReportReceiver(hub, f"tcp://127.0.0.1:{port}")
@@ -211,7 +209,7 @@ def test_a_connection_gone_silent_is_dropped_and_made_again(monkeypatch) -> None
             got = hub.drain()
             time.sleep(0.1)  # the pace of the reports, not synchronisation
         assert got[0].op_id > 2  # those sent into the silent connection were lost
-        # The leader's end stopped hearing the rank's pings too: it dropped the connection.
+        # The leader's end heard nothing either: its own probes dropped the connection.
         wait_until(lambda: silent not in [peer for _, peer in tcp_connections(
             port, "local").values()], 10, "the silent one dropped")
     finally:

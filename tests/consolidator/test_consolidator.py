@@ -1115,15 +1115,12 @@ def test_a_reconnection_to_the_same_publisher_replays_what_was_missed(ipc_dir, s
 def test_a_rank_stream_gone_silent_is_connected_again_and_replayed(ipc_dir, start, raw_rank,
                                                                    monkeypatch):
     """The consolidator's end of a rank's tcp stream hears nothing more (every packet dropped,
-    no FIN, no reset: the rank's host cut off): its pings go unanswered, it drops the
-    connection, connects again and replays what it missed (wire/reconnect.py's heartbeats,
+    no FIN, no reset: the rank's host cut off): its keepalive probes go unanswered, it drops the
+    connection, connects again and replays what it missed (wire/reconnect.py's keepalive,
     shortened here). Without them it waited on the silent connection for ever."""
-    from _kvwire import free_port, silence, tcp_connections
+    from _kvwire import free_port, short_keepalive, silence, tcp_connections
 
-    from kvbm_plugin.wire import reconnect
-
-    monkeypatch.setattr(reconnect, "HEARTBEAT_IVL_MS", 100)
-    monkeypatch.setattr(reconnect, "HEARTBEAT_TIMEOUT_MS", 500)
+    short_keepalive(monkeypatch)
     port = free_port()
     config = load_consolidator_config(
         {EVENTS_ENDPOINT: f"tcp://127.0.0.1:{port}", REPLAY_ENDPOINT: f"tcp://127.0.0.1:{free_port()}",

@@ -405,7 +405,7 @@ class ZmqReportReceiver:
         zmq = self._zmq
         from kvbm_plugin.wire.listen_brake import MAX_BEHIND
         from kvbm_plugin.wire.peers import PeerCap, limit_receive_buffer
-        from kvbm_plugin.wire.reconnect import heartbeats
+        from kvbm_plugin.wire.reconnect import keep_alive
 
         sock = zmq.Context.instance().socket(zmq.PULL)
         cap = None
@@ -417,8 +417,8 @@ class ZmqReportReceiver:
             sock.setsockopt(zmq.MAXMSGSIZE, REPORT_MAX_BYTES)
             sock.setsockopt(zmq.RCVHWM, REPORT_HWM)
             # A connection gone silent (a rank's host gone without a word) is dropped, not
-            # kept for ever towards DYN_KVBM_ZMQ_MAX_PEERS (the ranks ping the same way).
-            heartbeats(sock)
+            # kept for ever towards DYN_KVBM_ZMQ_MAX_PEERS (the ranks' sockets likewise).
+            keep_alive(sock)
             limit_receive_buffer(sock)
             # libzmq keeps a connection until its queued reports are read, however it was
             # cut: a churn of connections that queue reports and leave must not outrun this
@@ -489,7 +489,7 @@ class ZmqReportSender:
     def __init__(self, connect: str) -> None:
         import zmq
 
-        from kvbm_plugin.wire.reconnect import heartbeats
+        from kvbm_plugin.wire.reconnect import keep_alive
 
         self._zmq = zmq
         self._ctx = zmq.Context()
@@ -498,7 +498,7 @@ class ZmqReportSender:
         # A connection gone silent is dropped and made again (wire/reconnect.py): reports
         # written into it until TCP gave up, some 15 minutes, would be lost (the leader fails
         # such ops after leader/op_completions.py's REPORT_DEADLINE_S).
-        heartbeats(self._sock)
+        keep_alive(self._sock)
         self._sock.connect(connect)
         self._connect = connect
         self._lock = threading.Lock()

@@ -75,7 +75,7 @@ from kvbm_plugin.wire.events import (
 )
 from kvbm_plugin.wire.identity import SALT_TEXTS, lora_name
 from kvbm_plugin.wire.publisher import EventPublisher, ZmqEventPublisher, create_publisher
-from kvbm_plugin.wire.reconnect import ConnectionWatch, heartbeats
+from kvbm_plugin.wire.reconnect import ConnectionWatch, keep_alive
 from kvbm_plugin.wire.router_forms import spell_for_routers
 
 logger = logging.getLogger(__name__)
@@ -502,7 +502,7 @@ class KvEventConsolidator:
                 sub.setsockopt(zmq.LINGER, 0)
                 sub.setsockopt(zmq.RCVHWM, self.config.publisher.hwm)
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
-                heartbeats(sub)  # a publisher gone silent: lost, connected again, replayed
+                keep_alive(sub)  # a publisher gone silent: lost, connected again, replayed
                 stream.watch = ConnectionWatch(sub)
                 poller.register(stream.watch.socket, zmq.POLLIN)
                 sub.connect(self.config.stream_endpoint(rank).connect)

@@ -52,7 +52,7 @@ from kvbm_plugin.wire.publisher_base import (  # re-exported
     WireEvent,
     bind_error,
 )
-from kvbm_plugin.wire.reconnect import heartbeats
+from kvbm_plugin.wire.reconnect import keep_alive
 from kvbm_plugin.wire.replay_endpoint import ReplayEndpoint
 from kvbm_plugin.wire.replay_ring import ReplayRing
 from kvbm_plugin.wire.replay_server import parse_replay_request  # re-exported
@@ -598,7 +598,7 @@ class ZmqEventPublisher(EventPublisher):
             pub = self._context.socket(zmq.XPUB)
             pub.setsockopt(zmq.LINGER, self._linger_ms)
             pub.setsockopt(zmq.SNDHWM, self.settings.hwm)
-            heartbeats(pub)  # a subscriber gone silent is dropped, not kept towards the cap
+            keep_alive(pub)  # a subscriber gone silent is dropped, not kept towards the cap
             self._guard.configure(pub)
             self._allowlist.configure(pub)
             pub.bind(addr)

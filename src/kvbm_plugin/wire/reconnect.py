@@ -16,10 +16,14 @@ A connection must end for any of that to be seen. One whose other end went away 
 a socket that only receives, and for some 15 minutes of TCP retransmissions on one that sends:
 a subscriber would wait for a publisher that is back long since, a publisher would keep the
 dead subscriber towards its connection cap, a rank's reports would go nowhere.
-:func:`heartbeats` sets ZMTP heartbeats (libzmq 4.2 and later) on every socket of ours that
-reaches or is reached across hosts: it pings each peer every :data:`HEARTBEAT_IVL_MS` and closes
-a connection that sent nothing for :data:`HEARTBEAT_TIMEOUT_MS` after a ping (the peer's libzmq
-answers by itself, whatever its application is doing); a connecting socket then connects again.
+:func:`keep_alive` has the kernel end such a connection, on every tcp socket of ours: TCP
+keepalive probes after :data:`KEEPALIVE_IDLE_S` without traffic (answered by the peer's kernel,
+whatever its ZMQ implementation), and at most :data:`MAXRT_MS` for sent data to be
+acknowledged (``TCP_USER_TIMEOUT``); libzmq then closes the connection, and a connecting socket
+connects again. Not ZMTP heartbeats: a router's subscriber need not answer a PING (llm-d's
+go-zeromq/zmq4 @ 826b120 queues a SUB's frames as read, commands included, ``msgio.go``'s
+``qreader.listen``, and answers PING only in ``Conn.RecvMsg``, which that path does not call),
+and an idle one would be dropped every time out.
 """
 
 from __future__ import annotations
@@ -29,10 +33,14 @@ import contextlib
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-__all__ = ["LOST", "BACK", "JOINED", "ConnectionWatch", "heartbeats"]
+__all__ = ["LOST", "BACK", "JOINED", "ConnectionWatch", "keep_alive"]
 
-HEARTBEAT_IVL_MS = 5000
-HEARTBEAT_TIMEOUT_MS = 15000
+KEEPALIVE_IDLE_S = 10  # silent this long: probe
+KEEPALIVE_INTVL_S = 5  # between probes
+KEEPALIVE_CNT = 3  # unanswered probes before the connection is dropped (about 25 s in all)
+# Sent data unacknowledged this long (or unsent behind a peer's zero window: a reader
+# stalled that long) and the connection is dropped.
+MAXRT_MS = 60_000
 
 LOST = "lost"  # the connection to the publisher closed
 BACK = "back"  # a connection was made again after one was lost
@@ -86,8 +94,11 @@ class ConnectionWatch:
         self.socket.close(linger=0)
 
 
-def heartbeats(sock: zmq.Socket) -> None:
-    """Ping ``sock``'s peers and drop a connection gone silent (module docstring); set
-    before it connects or binds, by the thread that owns it."""
-    sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
-    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+def keep_alive(sock: zmq.Socket) -> None:
+    """Have a silent connection of ``sock`` dropped (module docstring); set before it connects
+    or binds, by the thread that owns it (ipc and inproc endpoints ignore it)."""
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, KEEPALIVE_INTVL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, KEEPALIVE_CNT)
+    sock.setsockopt(zmq.TCP_MAXRT, MAXRT_MS)

@@ -29,7 +29,7 @@ from kvbm_plugin.wire.events import (
     encode_seq,
     to_signed_int64,
 )
-from kvbm_plugin.wire.reconnect import BACK, JOINED, LOST, ConnectionWatch, heartbeats
+from kvbm_plugin.wire.reconnect import BACK, JOINED, LOST, ConnectionWatch, keep_alive
 
 __all__ = ["StreamSubscriber", "SubscriberStats", "as_json", "describe"]
 
@@ -94,7 +94,7 @@ class StreamSubscriber:
         self._sub.setsockopt(zmq.LINGER, 0)
         self._sub.setsockopt(zmq.RCVHWM, 0)
         self._sub.setsockopt(zmq.SUBSCRIBE, self.topic)
-        heartbeats(self._sub)  # a publisher gone silent: lost, connected again, replayed
+        keep_alive(self._sub)  # a publisher gone silent: lost, connected again, replayed
         self._watch = ConnectionWatch(self._sub)
         self._sub.connect(self.endpoint)
         self._dealer: zmq.Socket | None = None

@@ -189,21 +189,20 @@ def test_lost_announcements_are_counted_from_the_sender_seq(
 
 def test_an_engine_whose_peer_went_silent_hears_it_again(monkeypatch) -> None:  # noqa: ANN001
     """Engine B's end of its connection to engine A hears nothing more (every packet
-    dropped, no FIN, no reset: A's host cut off and back): B's pings go unanswered, it drops
-    the connection and connects again, and A's later announcements reach it
-    (wire/reconnect.py's heartbeats, shortened here). Without them B heard A no more."""
+    dropped, no FIN, no reset: A's host cut off and back): B's keepalive probes go
+    unanswered, it drops the connection and connects again, and A's later announcements reach
+    it
+    (wire/reconnect.py's keepalive, shortened here). Without it B heard A no more."""
     import sys
     import time
 
-    from _kvwire import free_port, silence, tcp_connections
+    from _kvwire import free_port, short_keepalive, silence, tcp_connections
 
     from kvbm_plugin.tiers.shared.announce import Announcer
-    from kvbm_plugin.wire import reconnect
 
     if not sys.platform.startswith("linux"):
         pytest.skip("a Linux socket filter")
-    monkeypatch.setattr(reconnect, "HEARTBEAT_IVL_MS", 100)
-    monkeypatch.setattr(reconnect, "HEARTBEAT_TIMEOUT_MS", 500)
+    short_keepalive(monkeypatch)
     port = free_port()
     a = Announcer(f"tcp://127.0.0.1:{port}", (), secret=SECRET, max_peers=4, allow=())
     b = Announcer(None, (f"tcp://127.0.0.1:{port}",), secret=SECRET, max_peers=4, allow=())

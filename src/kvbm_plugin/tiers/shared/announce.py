@@ -69,7 +69,7 @@ from kvbm_plugin.tiers.shared.keys import content_digest
 from kvbm_plugin.wire.access import Allowlist
 from kvbm_plugin.wire.guard import SubscriptionGuard
 from kvbm_plugin.wire.identity import SALT_TAG, is_mm_digest, salt_extra_key, scope_string
-from kvbm_plugin.wire.reconnect import heartbeats
+from kvbm_plugin.wire.reconnect import keep_alive
 
 if TYPE_CHECKING:
     from kvbm_plugin.settings.shared import SharedSettings
@@ -333,7 +333,7 @@ class Announcer:
                 pub = self.pub = self._context.socket(zmq.XPUB)
                 pub.setsockopt(zmq.LINGER, 0)
                 pub.setsockopt(zmq.SNDHWM, 1024)
-                heartbeats(pub)  # an engine gone silent is dropped, not kept towards the cap
+                keep_alive(pub)  # an engine gone silent is dropped, not kept towards the cap
                 # Manual subscriptions (every peer's is seen, only b"" applied), bounded.
                 self._guard.configure(pub)
                 self._allowlist.configure(pub)
@@ -344,7 +344,7 @@ class Announcer:
                 sub.setsockopt(zmq.RCVHWM, RCVHWM)
                 sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
                 sub.setsockopt(zmq.SUBSCRIBE, b"")
-                heartbeats(sub)  # an engine gone silent: its connection made again
+                keep_alive(sub)  # an engine gone silent: its connection made again
                 # A frame over MAXMSGSIZE drops the connection inside ZMQ: counted from here.
                 self._monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
                 for peer in self.peers:

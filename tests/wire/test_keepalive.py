@@ -1,8 +1,8 @@
 """A connection whose other end went away without a word (its host cut off, a firewall's state
 dropped) must end, on either side, for the reconnection and replay machinery to see it: every
-socket of ours that crosses hosts pings its peers (ZMTP heartbeats, wire/reconnect.py). Here one
-end of a live connection is made to hear nothing more (every packet to it dropped, no FIN, no
-reset), with the heartbeats shortened."""
+tcp socket of ours has the kernel probe a silent connection (TCP keepalive, and a bound on
+unacknowledged data: wire/reconnect.py). Here one end of a live connection is made to hear
+nothing more (every packet to it dropped, no FIN, no reset), with the bounds shortened."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ import time
 
 import pytest
 import zmq
-from _kvwire import silence, tcp_connections, wait_until
+from _kvwire import short_keepalive, silence, tcp_connections, wait_until
 
 from kvbm_plugin.consolidator_config import PublisherSettings
-from kvbm_plugin.wire import reconnect
 from kvbm_plugin.wire.events import BlockStored
 from kvbm_plugin.wire.publisher import ZmqEventPublisher
 from kvbm_plugin.wire.subscriber import StreamSubscriber
@@ -24,9 +23,8 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
 
 
 @pytest.fixture(autouse=True)
-def _short_heartbeats(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(reconnect, "HEARTBEAT_IVL_MS", 100)
-    monkeypatch.setattr(reconnect, "HEARTBEAT_TIMEOUT_MS", 500)
+def _short_keepalive(monkeypatch: pytest.MonkeyPatch) -> None:
+    short_keepalive(monkeypatch)
 
 
 def _store(h: int) -> dict:
@@ -34,9 +32,9 @@ def _store(h: int) -> dict:
 
 
 def test_a_subscriber_whose_publisher_went_silent_connects_again(tcp, publishers) -> None:  # noqa: ANN001
-    """The subscriber's end hears nothing more: its pings go unanswered, it drops the
+    """The subscriber's end hears nothing more: its keepalive probes go unanswered, it drops the
     connection and connects again (a reconnection, replayed), and what is published later
-    reaches it. Without the heartbeat it waited on the silent connection for ever."""
+    reaches it. Without keepalive it waited on the silent connection for ever."""
     pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1])
     publishers.append(pub)
     sub = StreamSubscriber(tcp[0].connect, tcp[1].connect)
@@ -62,9 +60,9 @@ def test_a_subscriber_whose_publisher_went_silent_connects_again(tcp, publishers
 
 
 def test_a_publisher_drops_a_subscriber_gone_silent(ctx, tcp, publishers) -> None:  # noqa: ANN001
-    """The publisher's end of a plain SUB's connection (no heartbeats of its own) hears
-    nothing more: the publisher's pings go unanswered and it drops the connection, which no
-    longer counts towards its cap. Without the heartbeat it kept it for ever."""
+    """The publisher's end of a plain SUB's connection (no keepalive of its own) hears
+    nothing more: the publisher's probes go unanswered and it drops the connection, which no
+    longer counts towards its cap. Without keepalive it kept it for ever."""
     pub = ZmqEventPublisher(PublisherSettings(), tcp[0])
     publishers.append(pub)
     sub = ctx.socket(zmq.SUB)
