@@ -20,11 +20,12 @@ BS = 16
 
 class _Lossy:
     """Drops rank 1's reports handed to any completion hub while ``lose`` is set (kept, to be
-    delivered late)."""
+    delivered late); counts the op ids of rank 0's, handed in."""
 
     def __init__(self, monkeypatch: Any) -> None:
         self.lose = threading.Event()
         self.lost: list[tuple[int, list[int], list[bool]]] = []
+        self.delivered: set[int] = set()  # rank 0's op ids
         original = CompletionHub.put_batch
 
         def put_batch(hub: CompletionHub, rank: int, op_ids: list[int], oks: list[bool]) -> None:
@@ -32,25 +33,35 @@ class _Lossy:
                 self.lost.append((rank, list(op_ids), list(oks)))
                 return
             original(hub, rank, op_ids, oks)
+            if rank == 0:
+                self.delivered.update(op_ids)
 
         monkeypatch.setattr(CompletionHub, "put_batch", put_batch)
+
+    def lost_ids(self) -> set[int]:
+        return {op_id for _, op_ids, _ in self.lost for op_id in op_ids}
 
 
 def test_ops_a_rank_never_reported_are_failed_after_the_deadline(make_engine,
                                                                  monkeypatch) -> None:
-    monkeypatch.setattr(op_completions, "REPORT_DEADLINE_S", 0.3)
     monkeypatch.setattr(connector_leader, "SWEEP_PERIOD_S", 0.05)
     lossy = _Lossy(monkeypatch)
     engine = make_engine(num_gpu_blocks=32, tp_size=2, tokens_per_block=BS,
                          env=tiers(host=64))
     leader = engine.leader
+    completions = leader._completions  # noqa: SLF001 - its deadline, shortened below
+    assert completions.deadline_s == op_completions.REPORT_DEADLINE_S == 600.0
     tokens = prompt(5, 4 * BS + 1)
     lossy.lose.set()
     engine.submit(tokens, 1)
-    engine.run_until_idle()
-    wait_until(lambda: len(lossy.lost) >= 1, 10, "rank 1's reports, lost")
+    while engine.active():  # (not run_until_idle: the leader's ops wait for rank 1 for ever)
+        engine.step()
+    wait_until(lambda: len(lossy.lost_ids()) == 4 and len(lossy.delivered) == 4
+               and completions.idle(), 10, "rank 0's reports in, rank 1's lost")
     stats = leader.stats()
     assert stats["saves_scheduled"] == 4 and stats["saves_committed"] == 0
+    assert stats["ops_expired"] == 0  # (600 s)
+    completions.deadline_s = 0.2
     wait_until(lambda: leader.stats()["ops_expired"] == 4, 10, "the keeper's sweep")
     lossy.lose.clear()
     stats = leader.stats()
