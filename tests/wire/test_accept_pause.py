@@ -87,37 +87,6 @@ def test_while_the_owner_is_behind_the_kernel_drops_new_connection_attempts(ctx)
 
 
 @pytest.mark.usefixtures("gate")
-@pytest.mark.parametrize("cut_held", [True, False])
-def test_a_connection_whose_accept_starts_the_hold_is_cut_only_where_asked(
-        ctx, cut_held) -> None:  # noqa: ANN001
-    """Deterministic: the owner never reads (max_unread 0: the first accept starts the hold).
-    By default the connection that got in is cut at accept; with ``cut_held=False`` (the
-    completion-report port: a rank's reports on a cut connection are lost) it is kept, and
-    the message its PUSH sent right after the handshake is read."""
-    pull = ctx.socket(zmq.PULL)
-    pull.setsockopt(zmq.LINGER, 0)
-    cap = PeerCap("t", pull, 4, max_unread=0, cut_held=cut_held)
-    port = pull.bind_to_random_port("tcp://127.0.0.1")
-    push = ctx.socket(zmq.PUSH)
-    push.setsockopt(zmq.LINGER, 0)
-    try:
-        wait_until(lambda: bool(cap.listening), what="the listener")
-        push.connect(f"tcp://127.0.0.1:{port}")
-        push.send(b"report")
-        wait_until(lambda: cap.pauses == 1 and cap.accepted == 1, what="the accept and the hold")
-        stats = cap.stats()
-        if cut_held:
-            assert stats["connections_refused"] == 1 and stats["connections_live"] == 0
-            return
-        assert stats["connections_refused"] == 0 and stats["connections_live"] == 1
-        assert pull.poll(10_000) and pull.recv(zmq.NOBLOCK) == b"report"
-    finally:
-        push.close(0)
-        cap.close()
-        pull.close(0)
-
-
-@pytest.mark.usefixtures("gate")
 def test_a_turn_stuck_in_libzmq_is_broken_by_the_watch(ctx) -> None:
     """Deterministic: the owner marks a turn and never ends it (as a read that libzmq keeps
     busy does); the watch thread holds new connections off and cuts every connection the

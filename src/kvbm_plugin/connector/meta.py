@@ -425,11 +425,10 @@ class ZmqReportReceiver:
             # thread. While more than MAX_BEHIND connections arrived since the socket was last
             # read empty, new ones are held off (the kernel drops their attempts; the ranks'
             # PUSH sockets retry and keep their reports meanwhile). A connection that gets in
-            # anyway is kept, not cut (cut_held): it may be a rank's whose reports are already
-            # on their way (its own accept can be the one that starts the hold), and a cut
-            # would lose them; what it can add is REPORT_HWM reports.
-            cap = PeerCap("report receiver", sock, self._max_peers, max_unread=MAX_BEHIND,
-                          cut_held=False)
+            # anyway is cut: what a rank connecting just then had sent on it is lost (its
+            # established connection is never touched), and the leader fails such ops after
+            # leader/op_completions.py's REPORT_DEADLINE_S.
+            cap = PeerCap("report receiver", sock, self._max_peers, max_unread=MAX_BEHIND)
             sock.bind(self._bind)
         except zmq.ZMQError as exc:
             self._error = exc

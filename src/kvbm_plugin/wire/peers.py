@@ -109,21 +109,16 @@ class PeerCap:
     forgotten; on the connection-watch thread). ``max_unread``: while more connections than
     this arrived since the owner last read the socket empty (:meth:`caught_up`), new ones are
     held off (:meth:`hold_off`). ``keep``: the fds of the connections the owner keeps (its
-    subscribers); a hold-off cuts the others. ``cut_held``: whether a connection accepted while
-    new ones are held off is cut (the one whose accept crossed ``max_unread``, and those the
-    kernel had queued before the hold); False keeps it, within ``max_peers``, for a socket whose
-    peers' messages must not be lost: a PUSH peer sends as soon as its handshake is done, and
-    what libzmq wrote on a connection that is then cut is gone (it resends nothing). Counters:
-    ``accepted``, ``refused`` (cut at accept), ``closed``, ``accept_events`` (every accept
-    event, for connections gone before it was read too).
+    subscribers); a hold-off cuts the others. Counters: ``accepted``, ``refused`` (cut at
+    accept), ``closed``, ``accept_events`` (every accept event, for connections gone before it
+    was read too).
     """
 
     def __init__(self, owner: str, sock: zmq.Socket, max_peers: int,
                  on_gone: Callable[[int], None] | None = None,
                  keep: Callable[[], set[int]] | None = None,
-                 max_unread: int | None = None, cut_held: bool = True) -> None:
+                 max_unread: int | None = None) -> None:
         self._owner = owner
-        self._cut_held = cut_held
         self._sock = sock
         self._max = max_peers
         self._on_gone = on_gone
@@ -188,8 +183,7 @@ class PeerCap:
 
     @refuse_new.setter
     def refuse_new(self, value: bool) -> None:
-        """While set, connections that still get in are cut at accept (unless the cap was
-        made with ``cut_held=False``), and the kernel drops
+        """While set, connections that still get in are cut at accept, and the kernel drops
         new connection attempts on TCP endpoints (a drop-all socket filter on the listening
         socket): libzmq accepts every connection and takes in all it sends before the owner
         can cut it, so a churn of connections would otherwise outrun the owner. Peers retry
@@ -322,7 +316,7 @@ class PeerCap:
         self.accepted += 1
         if len(self._live) >= self._max and fd not in self._live:
             self._prune()
-        holding = self._cut_held and self.refuse_new
+        holding = self.refuse_new
         if not holding and (len(self._live) < self._max or fd in self._live):
             self._live[fd] = address
             return
