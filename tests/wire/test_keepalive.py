@@ -82,3 +82,21 @@ def test_a_publisher_drops_a_subscriber_gone_silent(ctx, tcp, publishers) -> Non
         wait_until(lambda: pub.stats()["connections_closed"] >= 1, 10, "the cap's books")
     finally:
         sub.close(0)
+
+
+def test_the_replay_sockets_drop_a_silent_connection_too(tcp, publishers) -> None:  # noqa: ANN001
+    """A replay DEALER whose connection went silent would send every later request into it,
+    and a replay ROUTER would keep a vanished requester towards its cap: both get the same
+    bounds (the inline publisher's sockets and the subscriber's are this thread's)."""
+    from kvbm_plugin.wire import reconnect
+
+    pub = ZmqEventPublisher(PublisherSettings(), tcp[0], tcp[1], inline=True)
+    publishers.append(pub)
+    sub = StreamSubscriber(tcp[0].connect, tcp[1].connect)
+    try:
+        for sock in (pub._replay.router, sub._dealer):  # noqa: SLF001
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE) == 1
+            assert sock.getsockopt(zmq.TCP_KEEPALIVE_IDLE) == reconnect.KEEPALIVE_IDLE_S
+            assert sock.getsockopt(zmq.TCP_MAXRT) == reconnect.MAXRT_MS
+    finally:
+        sub.close()

@@ -37,7 +37,7 @@ from kvbm_plugin.wire.events import (
     encode_seq,
     events_as_maps,
 )
-from kvbm_plugin.wire.reconnect import BACK, JOINED, LOST, ConnectionWatch
+from kvbm_plugin.wire.reconnect import BACK, JOINED, LOST, ConnectionWatch, keep_alive
 
 
 class _Replay:
@@ -125,6 +125,7 @@ class GpuStreams:
             return None
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        keep_alive(dealer)  # a rank gone silent: connected again, its replays answered
         dealer.connect(endpoint.connect)
         poller.register(dealer, zmq.POLLIN)
         return dealer

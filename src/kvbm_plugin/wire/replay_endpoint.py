@@ -26,6 +26,7 @@ from kvbm_plugin.wire.access import Allowlist
 from kvbm_plugin.wire.guard import harden_router
 from kvbm_plugin.wire.listen_brake import MAX_BEHIND, ListenBrake
 from kvbm_plugin.wire.peers import PeerCap
+from kvbm_plugin.wire.reconnect import keep_alive
 from kvbm_plugin.wire.replay_server import PEER_HWM, ReplayServer
 
 
@@ -45,6 +46,7 @@ class ReplayEndpoint:
         """Create and bind the ROUTER; on an error the caller calls :meth:`close`."""
         router = self.router = context.socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
+        keep_alive(router)  # a requester gone silent is dropped, not kept towards the cap
         harden_router(router)
         allowlist.configure(router)
         self._cap = PeerCap(self._name, router, self._max_peers, max_unread=MAX_BEHIND)

@@ -101,6 +101,7 @@ class StreamSubscriber:
         if self.replay_endpoint:
             self._dealer = self._ctx.socket(zmq.DEALER)
             self._dealer.setsockopt(zmq.LINGER, 0)
+            keep_alive(self._dealer)
             self._dealer.connect(self.replay_endpoint)
         self.next_seq: int | None = self.start_seq
         self.last_malformed: str | None = None  # why the last malformed message was dropped
