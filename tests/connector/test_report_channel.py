@@ -160,9 +160,10 @@ def test_an_oversized_message_is_refused_unread_and_reports_still_arrive() -> No
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a Linux socket filter")
 def test_a_connection_gone_silent_is_dropped_and_made_again(monkeypatch) -> None:  # noqa: ANN001
     """The leader's end of a rank's connection stops receiving (every packet dropped, no FIN,
-    no reset: as when a host or a firewall between them goes away): the rank's keepalive probes go
-    unanswered, it drops the connection and connects again, and its later reports arrive.
-    Without keepalive they went into the silent connection until TCP gave up."""
+    no reset: as when a host or a firewall between them goes away): the rank's reports go
+    unacknowledged, it drops the connection (``TCP_USER_TIMEOUT``) and connects again, and
+    its later reports arrive. Without that they went into the silent connection until TCP
+    gave up."""
     from kvbm_plugin.connector.meta import ZmqReportSender
 
     short_keepalive(monkeypatch)
