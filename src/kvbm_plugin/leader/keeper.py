@@ -122,35 +122,16 @@ class LeaderKeeper:
                 return
             if nudged:
                 self._wake.clear()  # (before the apply: a report handed in during it nudges)
-                if self._lock.acquire(blocking=False):
-                    start = clock()
-                    try:
-                        if self._apply():
-                            self.applies += 1
-                    except Exception as exc:  # the keeper survives a bad apply: counted,
-                        self.errors += 1  # logged at most once per 10 s (one per hand-off)
-                        self._log.log(logging.ERROR, "keeper-apply", "kvbm_plugin: the leader's "
-                                      "keeper failed to apply reports (%d so far): %r",
-                                      self.errors, exc)
-                    finally:
-                        self._lock.release()
-                        self.cpu_s += clock() - start
-                else:
+                applied = self._if_free(self._apply, "apply reports")
+                if applied is None:
                     self.busy += 1
+                elif applied:
+                    self.applies += 1
                 self.nudged += 1  # (counted once the wake's work is done)
             now = time.monotonic()
             if self._sweep is not None and now >= next_sweep \
-                    and self._lock.acquire(blocking=False):
+                    and self._if_free(self._sweep, "sweep overdue ops") is not None:
                 next_sweep = now + self.sweep_period_s
-                start = clock()
-                try:
-                    self._sweep()
-                except Exception:  # the keeper survives a bad sweep; counted, logged
-                    self.errors += 1
-                    logger.exception("kvbm_plugin: the leader's sweep of overdue ops failed")
-                finally:
-                    self._lock.release()
-                    self.cpu_s += clock() - start
             if now < next_idle:
                 continue
             next_idle = now + self.period_s
@@ -168,6 +149,24 @@ class LeaderKeeper:
                     logger.exception("kvbm_plugin: the leader's idle tick failed")
                 finally:
                     self.cpu_s += clock() - start
+
+    def _if_free(self, work: Callable[[], Any], what: str) -> bool | None:
+        """Run ``work`` under the lock if it is free now, never waiting for it: None when a
+        hook holds it, else whether ``work`` returned true. A failing ``work`` is survived:
+        counted in :attr:`errors` and logged at most once per 10 s per kind of work."""
+        if not self._lock.acquire(blocking=False):
+            return None
+        start = time.thread_time()
+        try:
+            return bool(work())
+        except Exception as exc:
+            self.errors += 1
+            self._log.log(logging.ERROR, f"keeper-{what}", "kvbm_plugin: the leader's keeper "
+                          "failed to %s (%d errors so far): %r", what, self.errors, exc)
+            return False
+        finally:
+            self._lock.release()
+            self.cpu_s += time.thread_time() - start
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
