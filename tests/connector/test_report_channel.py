@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections.abc import Callable
 
 import pytest
 import zmq
@@ -30,6 +31,22 @@ def _drain_until(hub: CompletionHub, count: int, timeout: float = 20.0) -> list[
         got.extend(hub.drain())
         time.sleep(0.005)  # polling interval of a deadline-bounded wait, not a synchronisation
     return got
+
+
+def _report_until_one_arrives(hub: CompletionHub, put: Callable[[OpReport], object], *,
+                              first: int, timeout: float, what: str) -> list[OpReport]:
+    """Report ops ``first``, ``first + 1`` ... (rank 1, ok), one every 0.05 s, as a rank
+    reports on, until some reach ``hub``: those that did."""
+    deadline = time.monotonic() + timeout
+    op_id = first
+    while True:
+        assert time.monotonic() < deadline, f"no report arrived {what}"
+        put(OpReport(op_id, 1, True))
+        op_id += 1
+        got = hub.drain()
+        if got:
+            return got
+        time.sleep(0.05)  # the pace of the rank's reports, not synchronisation
 
 
 def test_report_round_trip() -> None:
@@ -176,15 +193,8 @@ def test_a_connection_gone_silent_is_dropped_and_made_again(monkeypatch) -> None
         assert _drain_until(hub, 1) == [OpReport(1, 1, True)]
         ((fd, (_, silent)),) = tcp_connections(port, "local").items()
         silence(fd)  # the leader's end
-        deadline = time.monotonic() + 20
-        got: list[OpReport] = []
-        op_id = 1
-        while not got:  # one report every 0.1 s until one arrives
-            assert time.monotonic() < deadline, "no report arrived after the connection went silent"
-            op_id += 1
-            sender.put(OpReport(op_id, 1, True))
-            got = hub.drain()
-            time.sleep(0.1)  # the pace of the reports, not synchronisation
+        got = _report_until_one_arrives(hub, sender.put, first=2, timeout=20,
+                                        what="after the connection went silent")
         assert got[0].op_id > 2  # those sent into the silent connection were lost
         # The leader's end heard nothing either: its own probes dropped the connection.
         wait_until(lambda: silent not in [peer for _, peer in tcp_connections(
@@ -226,15 +236,8 @@ def test_a_churn_of_connections_queueing_reports_holds_a_bounded_amount(
         with zmq.Context() as ctx, ctx.socket(zmq.PUSH) as rank:
             rank.setsockopt(zmq.LINGER, 0)
             rank.connect(f"tcp://127.0.0.1:{port}")
-            deadline = time.monotonic() + 60
-            got: list[OpReport] = []
-            op_id = 0
-            while not got:
-                assert time.monotonic() < deadline, "no report arrived after the churn"
-                op_id += 1
-                rank.send(encode_report(OpReport(op_id, 1, True)))
-                got = hub.drain()
-                time.sleep(0.05)  # the pace of the rank's reports, not synchronisation
+            got = _report_until_one_arrives(hub, lambda r: rank.send(encode_report(r)),
+                                            first=1, timeout=60, what="after the churn")
             assert all(r.rank == 1 and r.ok for r in got)
     finally:
         receiver.close()

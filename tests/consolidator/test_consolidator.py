@@ -1089,16 +1089,24 @@ def test_a_restarted_publisher_at_the_same_seq_is_caught_by_the_reconnection(ipc
     assert stats["ingest_errors"] == 0
 
 
-def test_a_reconnection_to_the_same_publisher_replays_what_was_missed(ipc_dir, start,
-                                                                     raw_rank):
-    config = make_config(ipc_dir)
-    raw = raw_rank(config)
+def _two_batches_applied(config: ConsolidatorConfig, start, raw: RawRank,  # noqa: ANN001
+                         ) -> tuple[KvEventConsolidator, list[list[bytes]]]:
+    """A consolidator started on ``config`` that applied ``raw``'s batches 0 and 1 (a chain
+    of blocks 101, 102), and those batches' frames."""
     consolidator = start(config)
     raw.wait_subscribed()
     raw.serve_startup()
     sent = [raw.send(i, [stored([101 + i], None if i == 0 else 100 + i, [i])])
             for i in range(2)]
     wait_for(lambda: consolidator.stats()["batches_applied"] == 2)
+    return consolidator, sent
+
+
+def test_a_reconnection_to_the_same_publisher_replays_what_was_missed(ipc_dir, start,
+                                                                     raw_rank):
+    config = make_config(ipc_dir)
+    raw = raw_rank(config)
+    consolidator, sent = _two_batches_applied(config, start, raw)
     raw.close()
     new = raw_rank(config)  # the same stream, reached again (e.g. a network blip)
     new.wait_subscribed()
@@ -1127,12 +1135,7 @@ def test_a_rank_stream_gone_silent_is_connected_again_and_replayed(ipc_dir, star
          OUTPUT_ENDPOINT: f"ipc://{ipc_dir}/out", OUTPUT_REPLAY_ENDPOINT: f"ipc://{ipc_dir}/outr"},
         num_ranks=1)
     raw = raw_rank(config)
-    consolidator = start(config)
-    raw.wait_subscribed()
-    raw.serve_startup()
-    sent = [raw.send(i, [stored([101 + i], None if i == 0 else 100 + i, [i])])
-            for i in range(2)]
-    wait_for(lambda: consolidator.stats()["batches_applied"] == 2)
+    consolidator, sent = _two_batches_applied(config, start, raw)
     (fd,) = tcp_connections(port, "peer")
     silence(fd)
     missed = raw.send(2, [stored([103], 102, [2])])  # never heard
