@@ -31,6 +31,9 @@ spread over rounds.
   ``(T(66 output tokens) - T(2)) / 32 / 64``: what every running request costs each iteration
   besides the blocks it fills (one in 32 steps here, included), the part of a request's cost
   that grows with its output (not in the fixed cost, whose requests stop after one token);
+* an engine's first request (info): each engine first runs a one-block request of its own,
+  not in the rows above: what an engine pays once (the event source found and attached, the
+  tiers sized) is not a cost per request or per block;
 * this machine's cold start (info): one block's content key right after a 1 ms sleep against
   warm. Each hook runs after the executor thread waited or ran other code, so every fixed cost
   above includes such a refill of caches and TLB, which this calibrates.
@@ -109,7 +112,7 @@ def _prompt(seed: int, n_blocks: int) -> list[int]:
 
 def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = False,
          tier_blocks: int = 0, full: bool = False, parts: bool = False,
-         counters: dict[str, int] | None = None,
+         counters: dict[str, int] | None = None, first: list[float] | None = None,
          ) -> tuple[float, float, int, int, float, float, float]:
     """(offload-phase seconds, onboard-phase seconds, blocks offloaded, blocks onboarded,
     seconds of both phases in the GPU-tier event path on the executor thread (``parts``: timed
@@ -117,7 +120,10 @@ def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = Fa
     thread: the reports it applied off the executor thread). ``tier_blocks``: unrelated blocks
     committed to the host tier first; ``full``: the host tier holds exactly those, so every
     save evicts one (its REMOVE registered), as in a tier at its steady state. ``counters``:
-    filled with the leader's final counters."""
+    filled with the leader's final counters (the measured requests'). Each engine first runs
+    one one-block request of its own, not counted: what an engine pays once, at its first
+    iteration (the event source found and attached, the tiers sized, the naming rules
+    confirmed), is not a cost per request; ``first``: its hooks' seconds appended."""
     from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 
     tag = f"{tmp}/{seed}-{n_blocks}-{int(shared)}"
@@ -145,6 +151,12 @@ def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = Fa
             _fill_host(leader, tier_blocks)
         total, events = [0.0], [0.0]
         _timed_hooks(leader, total, events if parts else None)
+        # The engine's first request (its own prompt: no block in common with those below)
+        engine.submit(_prompt(seed * 1000 + 999, 1), 1)
+        engine.run_until_idle(timeout_s=300)
+        if first is not None:
+            first.append(total[0])
+        before = leader.stats()
         prompts = [_prompt(seed * 1000 + r, n_blocks) for r in range(requests)]
         # Its thread's CPU is read, not changed (None: a revision before the pump, compared)
         pump = getattr(leader._gpu, "pump", None)  # noqa: SLF001
@@ -166,6 +178,9 @@ def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = Fa
             finally:
                 gc.enable()
         stats = leader.stats()
+        for name in ("saves_scheduled", "matched_host_tokens", "shared_saves_scheduled",
+                     "hook_lock_waits"):
+            stats[name] -= before[name]  # the measured requests' alone
         if counters is not None:
             counters.update(stats)
         if full:
@@ -264,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
 
     shared_io.open_store = lambda settings, segment_bytes=None: Client()  # type: ignore[assignment]
     per: dict[str, list[float]] = {}
+    firsts: list[float] = []  # each engine's first request (one block), seconds
 
     def note(name: str, value: float) -> None:
         per.setdefault(name, []).append(value)
@@ -276,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in order:
                 counters: dict[str, int] = {}
                 off, on, saved, loaded, ev, pumped, kept = _one(n, counts[n], tmp, r * 10 + 1,
-                                                                counters=counters)
+                                                                counters=counters, first=firsts)
                 req_us[n] = (off / counts[n] * 1e6, on / counts[n] * 1e6)
                 if n == 64:
                     note("off64", off / max(1, saved) * 1e6)
@@ -378,6 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     rows.append(Row("leader", "per running request per generation step, 32 decoding together "
                     f"(info: grows with the output; spread {rng('decode')})", med("decode"),
                     "us"))
+    first_us = [f * 1e6 for f in firsts]
+    rows.append(Row("leader", "an engine's first request, one block, not in the rows above "
+                    "(info: what an engine pays once, at its first iterations: the event source "
+                    f"found and attached, the tiers sized; spread {_spread(first_us)})",
+                    statistics.median(first_us), "us"))
     cold, warm = _cold_start()
     rows.append(Row("leader", "this machine's cold start: one block's content key right after a "
                     "1 ms sleep, against warm (info: each hook starts so in the engine)", cold,
