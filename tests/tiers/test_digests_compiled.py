@@ -1,5 +1,6 @@
-"""The tiers' compiled chained digests (``tiers/_digests_c.c``) against their reference
-(``tiers/content_keys.py``'s ``_chained_py``) and against hashlib's BLAKE2b block by block:
+"""The tiers' compiled chained digests and content keys (``tiers/_digests_c.c``) against their
+references (``tiers/content_keys.py``'s ``_chained_py``, ``_keys_py``) and against hashlib's
+BLAKE2b block by block:
 the tier content keys and the shared tier's digests name the same blocks whichever form runs
 (an engine restarted with ``DYN_KVBM_NATIVE=0`` keeps its tiers' names, and two engines of one
 shared tier agree). No torch: this runs on every CPython the package supports.
@@ -164,6 +165,97 @@ def test_bad_arguments_are_refused_with_their_values() -> None:
         call(6, "text")
     with pytest.raises(TypeError, match="9 arguments"):
         compiled.chained(*ok[:8])
+
+
+def _key_by_hashlib(parent: int, tokens: list[int], suffix: bytes) -> int:
+    """A tier content key by its definition (``chain_key``'s docstring), one hashlib object
+    per block: all-u32 tokens as u32 under ``kvbm-blk-u32`` with the parent in BLAKE2b's salt
+    field, any other block as int64 after the parent under ``kvbm-blk``."""
+    if all(0 <= t < 2**32 for t in tokens):
+        h = hashlib.blake2b(digest_size=8, person=b"kvbm-blk-u32",
+                            salt=parent.to_bytes(8, "little"))
+        h.update(struct.pack(f"<{len(tokens)}I", *tokens) + suffix)
+    else:
+        h = hashlib.blake2b(digest_size=8, person=b"kvbm-blk")
+        h.update(struct.pack(f"<Q{len(tokens)}q", parent, *tokens) + suffix)
+    return int.from_bytes(h.digest(), "little")
+
+
+U32_EDGES = (0, 1, 2**32 - 1, 2**32, -1, 2**63 - 1, -2**63)
+
+
+@needs_native
+@pytest.mark.parametrize("seed", range(4))
+def test_compiled_tier_keys_are_the_reference_and_the_definition(seed: int) -> None:
+    """Random chains of tier content keys (``_digests_c.keys`` against ``_keys_py`` and
+    hashlib): block sizes around one 128-byte compression, salts, u32's and int64's edges (a
+    block past u32 takes the int64 form, the next block the u32 form again)."""
+    rng = random.Random(seed)
+    for _ in range(60):
+        bs = rng.choice((1, 2, 3, 31, 32, 33, 64))
+        blocks = rng.randrange(6)
+        tokens = [rng.choice(U32_EDGES) if rng.random() < 0.02 else rng.randrange(200_000)
+                  for _ in range(blocks * bs + rng.randrange(bs))]
+        start = rng.randrange(blocks + 2)
+        suffix = rng.choice((b"", b"\x00salt\x00", b"\x00salt\x00" + bytes(range(200))))
+        parent = rng.choice((0, 2**64 - 1, rng.getrandbits(64)))
+        want, key = [], parent
+        for k in range(start, len(tokens) // bs):
+            key = _key_by_hashlib(key, tokens[k * bs:(k + 1) * bs], suffix)
+            want.append(key)
+        assert content_keys._keys_py(parent, tokens, bs, start, suffix) == want
+        assert compiled.keys(parent, tokens, bs, start, suffix) == want
+        assert compiled.keys(parent, tuple(tokens), bs, start, suffix) == want
+
+
+def test_the_two_forms_of_a_tier_key_are_kept_apart() -> None:
+    """The u32 form and the int64 form hash under different personalisations: one block's
+    tokens read in the other form give another key, and a token past u32 switches that block
+    (only) to the int64 form."""
+    tokens = [1, 2]
+    u32 = chain_key(None, tokens)
+    assert u32 == _key_by_hashlib(0, tokens, b"")
+    as_i64 = hashlib.blake2b(struct.pack("<Q2q", 0, *tokens), digest_size=8, person=b"kvbm-blk")
+    assert u32 != int.from_bytes(as_i64.digest(), "little")
+    wide = chain_key(u32, [1, 2**32])
+    assert wide == int.from_bytes(hashlib.blake2b(
+        struct.pack("<Q2q", u32, 1, 2**32), digest_size=8, person=b"kvbm-blk").digest(), "little")
+    assert block_keys([1, 2, 1, 2**32, 5, 6], 2) == [u32, wide, chain_key(wide, [5, 6])]
+
+
+@needs_native
+def test_tier_keys_refuse_bad_tokens_and_arguments_as_the_reference_does() -> None:
+    """Ints with ``__index__`` and bools are read as their values; a token past int64 or not
+    an integer raises in both forms; bad arguments name themselves."""
+
+    class Index:
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+        def __index__(self) -> int:
+            return self.value
+
+    plain = [5, 1, 0, 7, 3, 2**40]
+    want = compiled.keys(7, plain, 2, 0, b"")
+    for form in ([Index(v) for v in plain], tuple(plain), [True if v == 1 else v for v in plain]):
+        assert compiled.keys(7, form, 2, 0, b"") == want
+        assert content_keys._keys_py(7, form, 2, 0, b"") == want
+    for bad in (2**63, -2**63 - 1, 1.5, "7", None):
+        tokens = [1, 2, bad, 4]
+        with pytest.raises((OverflowError, TypeError)):
+            compiled.keys(0, tokens, 2, 0, b"")
+        with pytest.raises((struct.error, OverflowError, TypeError)):
+            content_keys._keys_py(0, tokens, 2, 0, b"")
+    with pytest.raises(ValueError, match="block_size 0"):
+        compiled.keys(0, [1], 0, 0, b"")
+    with pytest.raises(ValueError, match="start -1"):
+        compiled.keys(0, [1], 1, -1, b"")
+    with pytest.raises(TypeError, match="suffix"):
+        compiled.keys(0, [1], 1, 0, "salt")
+    with pytest.raises(OverflowError):
+        compiled.keys(-1, [1], 1, 0, b"")
+    with pytest.raises(TypeError, match="5 arguments"):
+        compiled.keys(0, [1], 1, 0)
 
 
 def test_the_form_in_use_follows_the_switch() -> None:

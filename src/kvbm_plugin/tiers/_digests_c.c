@@ -1,18 +1,20 @@
-/* The tiers' chained content digests in one compiled call: the compiled form of
- * content_keys.py's ``_chained_py`` (the reference, and the fallback where this is not built
- * or DYN_KVBM_NATIVE=0); tests/tiers/test_digests_compiled.py runs both, and hashlib's
- * BLAKE2b block by block, on the same input and compares. Kept for the target "<= 5 us of the
- * executor thread per offloaded and per onboarded block" (docs/performance.md): the Python
- * loop's hashlib copy, update, digest and int conversion cost about 0.9 us per block, the
- * hashing itself about 0.3.
+/* The tiers' chained content digests in one compiled call: ``chained``, the compiled form of
+ * content_keys.py's ``_chained_py`` (the shared tier's digests), and ``keys``, that of its
+ * ``_keys_py`` (the host and disk tiers' content keys); both references are the fallback where
+ * this is not built or DYN_KVBM_NATIVE=0. tests/tiers/test_digests_compiled.py runs each
+ * pair, and hashlib's BLAKE2b block by block, on the same input and compares. Kept for the
+ * target "<= 5 us of the executor thread per offloaded and per onboarded block"
+ * (docs/performance.md): the Python loop's hashlib copy, update, digest and int conversion
+ * cost about 0.9 us per block, the hashing itself about 0.3.
  *
  * Called on TensorRT-LLM's executor thread (rank 0's leader): the tier content keys of every
  * prompt block at the match and of each newly full block at the plan, and the shared tier's
  * digests. Short inputs (a few hundred bytes per block): the GIL is kept.
  *
- * Block k's digest is BLAKE2b (RFC 7693; ``digest_size`` bytes, personalisation ``person``,
- * no key, no salt) of: the previous block's digest (``first`` for block ``start``), ``before``,
- * the block's tokens as little-endian int64, ``after``. Public CPython API only. */
+ * ``chained``: block k's digest is BLAKE2b (RFC 7693; ``digest_size`` bytes, personalisation
+ * ``person``, no key, no salt) of: the previous block's digest (``first`` for block
+ * ``start``), ``before``, the block's tokens as little-endian int64, ``after``. ``keys``: see
+ * there. Public CPython API only. */
 
 #include "../_util/native_common.h"
 
@@ -253,8 +255,152 @@ fail:
     return NULL;
 }
 
+/* The parameter-block state of BLAKE2b with an 8-byte digest and personalisation ``person``
+ * (at most 16 bytes, zero-padded), no key, no salt. */
+static void param_state(uint64_t h0[8], const char *person) {
+    unsigned char p[16] = {0};
+    memcpy(p, person, strlen(person));
+    memcpy(h0, IV, 8 * sizeof(uint64_t));
+    h0[0] ^= 0x01010000ULL ^ 8ULL;
+    h0[6] ^= load_le64(p);
+    h0[7] ^= load_le64(p + 8);
+}
+
+PyDoc_STRVAR(keys_doc,
+"keys(parent, tokens, block_size, start, suffix, /) -> list[int]\n\n"
+"The tier content keys of the full blocks start.. of ``tokens`` along a chain (content_keys'\n"
+"``chain_key``); ``parent``: the key before block ``start`` (a u64), ``suffix``: the salt's\n"
+"bytes, or b\"\".");
+
+/* content_keys.chain_key along a chain. A block whose tokens are all u32 (every token id in
+ * practice) is BLAKE2b (8-byte digest, person "kvbm-blk-u32", the parent key as the u64 in
+ * BLAKE2b's salt field) of its tokens as little-endian u32 and ``suffix``: 32 tokens are one
+ * 128-byte compression. Any other block: person "kvbm-blk", over the parent key as u64, its
+ * tokens as int64 and ``suffix`` (three compressions for 32 tokens). The personalisations
+ * keep the two forms apart. */
+static PyObject *keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "keys() takes 5 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    unsigned long long first = PyLong_AsUnsignedLongLong(args[0]);
+    if (first == (unsigned long long)-1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[2]);
+    if (block_size == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t start = PyLong_AsSsize_t(args[3]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    if (block_size < 1 || start < 0) {
+        PyErr_Format(PyExc_ValueError, "keys: block_size %zd must be >= 1 and start %zd >= 0",
+                     block_size, start);
+        return NULL;
+    }
+    if (!PyBytes_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "keys: suffix is bytes");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[1], "keys: tokens must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq) / block_size;
+    if (PyList_CheckExact(seq) && n > start) {
+        /* As in chained(): a token that is not an exact int is read from a tuple. */
+        PyObject **all = PySequence_Fast_ITEMS(seq);
+        for (Py_ssize_t i = start * block_size; i < n * block_size; i++) {
+            if (!PyLong_CheckExact(all[i])) {
+                PyObject *frozen = PyList_AsTuple(seq);
+                Py_DECREF(seq);
+                if (frozen == NULL)
+                    return NULL;
+                seq = frozen;
+                break;
+            }
+        }
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL || n <= start) {
+        Py_DECREF(seq);
+        return out;
+    }
+    uint64_t h_u32[8], h_i64[8], h[8];
+    param_state(h_u32, "kvbm-blk-u32");
+    param_state(h_i64, "kvbm-blk");
+    Py_ssize_t suffix_len = PyBytes_GET_SIZE(args[4]);
+    /* One buffer for the int64 form (the larger): [parent][tokens][suffix]; the u32 form
+     * writes [tokens][suffix] from its start. */
+    size_t wide_len = 8 + 8 * (size_t)block_size + (size_t)suffix_len;
+    unsigned char *msg = PyMem_Malloc(wide_len);
+    long long *values = PyMem_Malloc((size_t)block_size * sizeof(long long));
+    if (msg == NULL || values == NULL) {
+        PyMem_Free(msg);
+        PyMem_Free(values);
+        Py_DECREF(seq);
+        Py_DECREF(out);
+        return PyErr_NoMemory();
+    }
+    const char *suffix = PyBytes_AS_STRING(args[4]);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint64_t parent = (uint64_t)first;
+    unsigned char digest[8];
+    for (Py_ssize_t k = start; k < n; k++) {
+        PyObject **block = items + k * block_size;
+        int narrow = 1;
+        for (Py_ssize_t i = 0; i < block_size; i++) {
+            long long value = PyLong_AsLongLong(block[i]);
+            if (value == -1 && PyErr_Occurred())
+                goto fail;
+            values[i] = value;
+            narrow &= value >= 0 && value <= 0xFFFFFFFFLL;
+        }
+        size_t len;
+        if (narrow) {
+            for (Py_ssize_t i = 0; i < block_size; i++) {
+                uint32_t v = (uint32_t)values[i];
+                msg[4 * i] = (unsigned char)v;
+                msg[4 * i + 1] = (unsigned char)(v >> 8);
+                msg[4 * i + 2] = (unsigned char)(v >> 16);
+                msg[4 * i + 3] = (unsigned char)(v >> 24);
+            }
+            memcpy(msg + 4 * block_size, suffix, (size_t)suffix_len);
+            len = 4 * (size_t)block_size + (size_t)suffix_len;
+            memcpy(h, h_u32, sizeof h);
+            h[4] ^= parent; /* the salt field: the parent key, then 8 zero bytes */
+        } else {
+            store_le64(msg, parent);
+            for (Py_ssize_t i = 0; i < block_size; i++)
+                store_le64(msg + 8 + 8 * i, (uint64_t)values[i]);
+            memcpy(msg + 8 + 8 * block_size, suffix, (size_t)suffix_len);
+            len = wide_len;
+            memcpy(h, h_i64, sizeof h);
+        }
+        blake2b(h, msg, len, digest, 8);
+        parent = load_le64(digest);
+        PyObject *item = PyLong_FromUnsignedLongLong((unsigned long long)parent);
+        if (item == NULL)
+            goto fail;
+        int appended = PyList_Append(out, item);
+        Py_DECREF(item);
+        if (appended < 0)
+            goto fail;
+    }
+    PyMem_Free(msg);
+    PyMem_Free(values);
+    Py_DECREF(seq);
+    return out;
+fail:
+    PyMem_Free(msg);
+    PyMem_Free(values);
+    Py_DECREF(seq);
+    Py_DECREF(out);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"chained", (PyCFunction)(void (*)(void))chained, METH_FASTCALL, chained_doc},
+    {"keys", (PyCFunction)(void (*)(void))keys, METH_FASTCALL, keys_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -11,6 +11,7 @@ Used by both halves of a tier: the leader's :class:`~kvbm_plugin.tiers.index.Tie
 from __future__ import annotations
 
 import hashlib
+import operator
 import os
 import struct
 from collections.abc import Sequence
@@ -30,35 +31,64 @@ Signature = tuple[int, int]
 _U64_MASK = (1 << 64) - 1
 
 
-_PERSON = b"kvbm-blk"  # the personalisation of every content key's hash (8-byte digests)
+_PERSON = b"kvbm-blk"  # the personalisation of a content key with a token past u32
+_PERSON_U32 = b"kvbm-blk-u32"  # ... and of every other (chain_key)
+_U32_MAX = (1 << 32) - 1
 
 
 def chain_key(parent: int | None, tokens: Sequence[int], salt: str | None = None) -> int:
-    """Content key (u64) of one full block given its parent block's key, tokens and salt:
-    BLAKE2b (8-byte digest, person ``kvbm-blk``) over the parent key as u64, the tokens as
-    int64, and ``\\0salt\\0`` + the salt where there is one, all little-endian; the key is the
-    digest read little-endian (so a key's 8 bytes are its children's first 8)."""
-    h = _keyed(8, _PERSON).copy()
-    h.update(struct.pack("<Q", 0 if parent is None else parent & _U64_MASK))
-    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    if salt:
-        h.update(b"\x00salt\x00" + salt.encode("utf-8"))
+    """Content key (u64) of one full block given its parent block's key, tokens and salt: the
+    8-byte BLAKE2b digest, read little-endian, of the block's tokens and, where there is a salt,
+    ``\\0salt\\0`` + the salt (UTF-8). Where every token is a u32 (every token id in practice):
+    person ``kvbm-blk-u32``, the parent key (u64, little-endian; 0 for a root) in BLAKE2b's
+    salt field, the tokens as little-endian u32 (32 tokens: one 128-byte compression). Any
+    other block: person ``kvbm-blk``, over the parent key as u64 then the tokens as int64. The
+    two personalisations keep the forms apart. Keys name blocks inside one engine only (its
+    leader's index and its workers' copies); the shared tier's digests are their own
+    (``tiers/shared/keys.py``)."""
+    p = 0 if parent is None else parent & _U64_MASK
+    suffix = b"\x00salt\x00" + salt.encode("utf-8") if salt else b""
+    return _key_py(p, tokens, suffix)
+
+
+def _key_py(parent: int, tokens: Sequence[int], suffix: bytes) -> int:
+    """:func:`chain_key` of one block, ``parent`` a u64 (the reference of ``_digests_c.keys``)."""
+    tokens = [operator.index(t) for t in tokens]  # (as the compiled form reads them)
+    n = len(tokens)
+    if all(0 <= t <= _U32_MAX for t in tokens):
+        h = hashlib.blake2b(digest_size=8, person=_PERSON_U32,
+                            salt=parent.to_bytes(8, "little"))
+        h.update(struct.pack(f"<{n}I", *tokens) + suffix)
+    else:
+        h = _keyed(8, _PERSON).copy()
+        h.update(struct.pack(f"<Q{n}q", parent, *tokens) + suffix)
     return int.from_bytes(h.digest(), "little")
 
 
 def block_keys(tokens: Sequence[int], block_size: int, salt: str | None = None, *,
                start: int = 0, parent: int | None = None) -> list[int]:
     """Content keys of the full blocks ``start..`` of ``tokens`` (``parent`` = key of block
-    ``start - 1``): :func:`chain_key` along the chain, computed by :func:`chained_digests` (the
-    leader's match hashes every prompt block on the executor thread)."""
-    first = (0 if parent is None else parent & _U64_MASK).to_bytes(8, "little")
+    ``start - 1``): :func:`chain_key` along the chain, in one compiled call (``_digests_c``'s
+    ``keys``) where it is built (the leader's match hashes every prompt block on the executor
+    thread), else block by block."""
+    first = 0 if parent is None else parent & _U64_MASK
     suffix = b"\x00salt\x00" + salt.encode("utf-8") if salt else b""
     if _COMPILED is not None:
-        return _COMPILED.chained(8, _PERSON, first, tokens, block_size, start, b"", suffix,
-                                 True)
-    from_bytes = int.from_bytes
-    return [from_bytes(d, "little") for d in
-            _chained_py(8, _PERSON, first, tokens, block_size, start, b"", suffix)]
+        return _COMPILED.keys(first, tokens, block_size, start, suffix)
+    return _keys_py(first, tokens, block_size, start, suffix)
+
+
+def _keys_py(parent: int, tokens: Sequence[int], block_size: int, start: int,
+             suffix: bytes) -> list[int]:
+    """:func:`block_keys` in Python: :func:`_key_py` along the chain."""
+    if block_size < 1 or start < 0:
+        raise ValueError(f"block_keys: block_size {block_size} must be >= 1 and start "
+                         f"{start} >= 0")
+    out: list[int] = []
+    for k in range(start, len(tokens) // block_size):
+        parent = _key_py(parent, tokens[k * block_size:(k + 1) * block_size], suffix)
+        out.append(parent)
+    return out
 
 
 def chained_digests(digest_size: int, person: bytes, first: bytes, tokens: Sequence[int],
