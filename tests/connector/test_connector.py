@@ -481,15 +481,13 @@ def test_prompt_blocks_are_hashed_once_per_request(monkeypatch) -> None:
     leader = _leader(tiers(host=8), "hash-once")
     try:
         calls = []
-        reference = content_keys._chained_py
+        reference = content_keys._keys_py
 
-        class Counting:  # stands in for the compiled digests: counts every block hashed
-            def chained(self, digest_size, person, first, tokens, block_size, start, before,
-                        after, as_u64):
-                out = reference(digest_size, person, first, tokens, block_size, start, before,
-                                after)
+        class Counting:  # stands in for the compiled keys: counts every block hashed
+            def keys(self, parent, tokens, block_size, start, suffix):
+                out = reference(parent, tokens, block_size, start, suffix)
                 calls.extend(out)
-                return [int.from_bytes(d, "little") for d in out] if as_u64 else out
+                return out
 
         monkeypatch.setattr(content_keys, "_COMPILED", Counting())
         tokens = prompt(33, 17)  # 4 full blocks of 4 and one token
