@@ -43,11 +43,7 @@ from typing import Any
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector import llm_args as _llm_args
 from kvbm_plugin.connector.meta import (
-    DISK,
-    HOST,
-    SHARED,
     ConnectorMetadata,
-    LoadCopy,
     LoadOp,
     SaveOp,
     TierLayout,
@@ -55,7 +51,6 @@ from kvbm_plugin.connector.meta import (
     close_hub,
     make_meta,
     open_hub,
-    record,
 )
 from kvbm_plugin.connector.metrics import get_metrics
 from kvbm_plugin.connector.trtllm_compat import (
@@ -79,6 +74,7 @@ from kvbm_plugin.leader.keeper import LeaderKeeper, locked
 from kvbm_plugin.leader.layer_groups import LayerGroupPages, forget_group_windows
 from kvbm_plugin.leader.layer_groups import refuse_unsupported as _refuse_layer_groups
 from kvbm_plugin.leader.lifetime import request_gone, request_handle
+from kvbm_plugin.leader.load_binding import bind_loads
 from kvbm_plugin.leader.offload_planner import OffloadPlanner
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.op_completions import SWEEP_PERIOD_S, OpCompletions
@@ -87,8 +83,6 @@ from kvbm_plugin.leader.requests import RequestState as _Request
 from kvbm_plugin.leader.shared_tier import MATCHED_STAT, TIER_SHARED, LeaderSharedTier
 from kvbm_plugin.naming.names import BlockNaming, StreamNames
 from kvbm_plugin.tiers.base import (
-    TIER_DISK,
-    TIER_HOST,
     block_keys,
 )
 from kvbm_plugin.tiers.disk import claim_directory
@@ -97,7 +91,6 @@ from kvbm_plugin.wire.identity import remember_salt_text, request_scopes, salt_o
 logger = logging.getLogger(__name__)
 _request_id = attrgetter("request_id")  # a RequestData's id, read in C
 _plan_tier = itemgetter(1)  # a plan item's tier
-_TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
 
 
 class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid-type]
@@ -438,47 +431,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         state = self._reqs.get(int(request.request_id))
         if state is None or not state.plan:
             return
-        copies: list[LoadCopy] = []
-        ops, inflight, req_id = self._ops, state.loads_inflight, state.req_id
-        keys = state.keys  # the match's keys: plan block i's entry holds keys[i]
-        n_ids = len(block_ids)
-        grouped = bool(state.alloc_pages)
-        load_pages = self._layer_pages.load_pages
-        # The host and disk blocks are one LoadRun (consecutive op ids from next_id: their
-        # copies are made first); the shared tier's (the plan's tail) one op each.
-        first = ops.next_id
-        run_tiers: list[str] = []
-        run_entries: list[Any] = []
-        shared: list[tuple[int, Any, int]] = []
-        host_lo = host_hi = state.plan[0][0]  # the plan's leading run of host blocks bound
-        for index, tier, entry in state.plan:
-            block = block_ids[index] if index < n_ids else -1
-            if block < 0:
-                # TRT-LLM did not allocate it: cannot load; unpin (the request still gets a
-                # LoadOp so its id finishes).
-                self._index_of(tier).unpin(entry)
-                continue
-            if tier == TIER_SHARED:
-                shared.append((index, entry, block))
-                continue
-            copies.append(record(LoadCopy, (
-                first + len(run_entries), _TIER_CODE[tier], entry.slot, keys[index],
-                int(block), None, load_pages(state, index) if grouped else ())))
-            run_tiers.append(tier)
-            run_entries.append(entry)
-            if index == host_hi and tier == TIER_HOST:
-                host_hi += 1
-        if run_entries:
-            inflight.add(ops.new_load_run(req_id, run_tiers, run_entries).first)
-        if host_hi > host_lo:
-            state.host_matched = (host_lo, host_hi)
-        for index, entry, block in shared:
-            op_id = ops.new("load", TIER_SHARED, entry.key, req_id, entry)
-            inflight.add(op_id)
-            copies.append(LoadCopy(op_id, _TIER_CODE[TIER_SHARED], entry.slot, entry.key,
-                                   int(block), entry.digest,
-                                   load_pages(state, index) if grouped else ()))
-        state.load = LoadOp(state.req_id, tuple(copies))
+        state.load = bind_loads(state, block_ids, self._ops, self._unpin,
+                                self._layer_pages.load_pages)
         self._pending_loads.append(state.load)
 
     @locked
