@@ -37,7 +37,7 @@ import time
 from collections import deque
 from dataclasses import replace
 from itertools import chain
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
@@ -90,7 +90,6 @@ from kvbm_plugin.wire.identity import remember_salt_text, request_scopes, salt_o
 
 logger = logging.getLogger(__name__)
 _request_id = attrgetter("request_id")  # a RequestData's id, read in C
-_plan_tier = itemgetter(1)  # a plan item's tier
 
 
 class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid-type]
@@ -347,9 +346,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         if n == 0:
             return 0, False
         state.match_base = num_computed_tokens + n
-        tiers_of = list(map(_plan_tier, state.plan))  # (counted in C: a prompt's blocks)
-        for tier, stat in MATCHED_STAT.items():
-            self._stats[stat] += tiers_of.count(tier) * bs
+        for _, tier, _ in state.plan:
+            self._stats[MATCHED_STAT[tier]] += bs
         return n, True
 
     @locked

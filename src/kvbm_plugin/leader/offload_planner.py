@@ -12,9 +12,6 @@ the ops in the :class:`~kvbm_plugin.leader.requests.OpTable`. Never imports torc
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
-from itertools import repeat
-from operator import attrgetter
 from typing import Any
 
 from kvbm_plugin.connector.meta import DISK, HOST, SaveOp, record
@@ -24,9 +21,6 @@ from kvbm_plugin.leader.requests import OpTable, RequestState
 from kvbm_plugin.leader.shared_tier import LeaderSharedTier
 from kvbm_plugin.naming.names import BlockNaming, block_scope
 from kvbm_plugin.tiers.base import TIER_HOST, TierIndex, block_keys
-
-_save_op = partial(record, SaveOp)  # SaveOp(*fields), built in C
-_slot_of = attrgetter("slot")
 
 
 class OffloadPlanner:
@@ -231,18 +225,10 @@ class OffloadPlanner:
                 # list its rows were written from
                 first = new_run(tier_name, req_id, entries, run_tokens).first
                 state.saves_inflight.add(first)
-                n = len(entries)  # (entry k holds keys[i + k])
-                if grouped:
-                    for k, entry in enumerate(entries):
-                        saves.append(record(SaveOp, (
-                            first + k, req_id, blocks[k], tier_code, entry.slot, keys[i + k],
-                            pages.save_pages(state, i + k))))
-                else:  # the same records, made in C (a prompt's blocks); ``blocks`` runs
-                    # past the entries where the tier is full: the op ids stop them first
-                    saves.extend(map(_save_op, zip(
-                        range(first, first + n), repeat(req_id, n), blocks,
-                        repeat(tier_code, n), map(_slot_of, entries), keys[i:i + n],
-                        repeat((), n), strict=False)))
+                for k, entry in enumerate(entries):  # (entry k holds keys[i + k])
+                    saves.append(record(SaveOp, (
+                        first + k, req_id, blocks[k], tier_code, entry.slot, keys[i + k],
+                        pages.save_pages(state, i + k) if grouped else ())))
                 if write_through:  # to the shared tier, when there is one
                     shared.follow_run(state, i, entries, first, blocks)
             stats["saves_scheduled"] += len(entries)
