@@ -80,13 +80,29 @@ def block_keys(tokens: Sequence[int], block_size: int, salt: str | None = None, 
 
 def _keys_py(parent: int, tokens: Sequence[int], block_size: int, start: int,
              suffix: bytes) -> list[int]:
-    """:func:`block_keys` in Python: :func:`_key_py` along the chain."""
+    """:func:`block_keys` in Python (the reference of ``_digests_c.keys``): the run's tokens
+    packed as u32 once, each block one hashlib call; where a token is not a u32, block by
+    block (:func:`_key_py`)."""
     if block_size < 1 or start < 0:
         raise ValueError(f"block_keys: block_size {block_size} must be >= 1 and start "
                          f"{start} >= 0")
+    n = len(tokens) // block_size
+    if n <= start:
+        return []
+    run = tokens[start * block_size:n * block_size]
+    try:
+        packed: bytes | None = _packer(len(run), "I").pack(*run)
+    except struct.error:
+        packed = None  # a token past u32, or not an int: block by block (which says so)
+    blake2b, width = hashlib.blake2b, 4 * block_size
     out: list[int] = []
-    for k in range(start, len(tokens) // block_size):
-        parent = _key_py(parent, tokens[k * block_size:(k + 1) * block_size], suffix)
+    for k in range(n - start):
+        if packed is None:
+            parent = _key_py(parent, run[k * block_size:(k + 1) * block_size], suffix)
+        else:
+            parent = int.from_bytes(blake2b(
+                packed[k * width:(k + 1) * width] + suffix, digest_size=8,
+                person=_PERSON_U32, salt=parent.to_bytes(8, "little")).digest(), "little")
         out.append(parent)
     return out
 
@@ -133,8 +149,18 @@ def _keyed(digest_size: int, person: bytes) -> Any:
 # Compiled packers by token count: ``struct``'s own format cache is shared with every other
 # caller in the process and emptied whole when full (a prompt's keys are packed on the
 # executor thread; in the engine a one-block prompt's pack took 5 us, against 0.4 us warm).
-_PACKERS: dict[int, struct.Struct] = {}
+_PACKERS: dict[tuple[int, str], struct.Struct] = {}
 _MAX_PACKERS = 512
+
+
+def _packer(count: int, code: str) -> struct.Struct:
+    """A compiled packer of ``count`` little-endian values of struct type ``code``."""
+    packer = _PACKERS.get((count, code))
+    if packer is None:
+        if len(_PACKERS) >= _MAX_PACKERS:
+            _PACKERS.clear()
+        packer = _PACKERS[count, code] = struct.Struct(f"<{count}{code}")
+    return packer
 
 
 def _chained_py(digest_size: int, person: bytes, first: bytes, tokens: Sequence[int],
@@ -146,12 +172,7 @@ def _chained_py(digest_size: int, person: bytes, first: bytes, tokens: Sequence[
     if n <= start:
         return []
     lo, count = start * block_size, (n - start) * block_size
-    packer = _PACKERS.get(count)
-    if packer is None:
-        if len(_PACKERS) >= _MAX_PACKERS:
-            _PACKERS.clear()
-        packer = _PACKERS[count] = struct.Struct(f"<{count}q")
-    packed = packer.pack(*tokens[lo:lo + count])
+    packed = _packer(count, "q").pack(*tokens[lo:lo + count])
     digest = first
     width = 8 * block_size
     out: list[bytes] = []
