@@ -522,29 +522,34 @@ class TierIndex(TierRows):
             self._rows = rows + n
             return list(range(rows, rows + n))
         slots: list[int] = []
-        flags_of = self._flags
+        flags_of, order, views = self._flags, self._order, self._views
         for _ in range(n):
             rows = self._rows
             if free:
                 slots.append(free.pop())
                 continue
-            if rows < capacity and rows < len(self._key):
-                self._rows = rows + 1
-                slots.append(rows)
+            if rows < capacity:
+                if rows < len(self._key):
+                    self._rows = rows + 1
+                    slots.append(rows)
+                else:
+                    slots.append(self._grow())
                 continue
-            slot, evict = self._claim_slot(slots[-1] if slots else parent, rows)
-            if slot < 0:
-                break
-            if evict:
-                # The victim is the eviction order's first: popped, not bisected for (before
-                # on_evict, so nothing it does can choose it again); its row is copied only
-                # where someone holds a view of it (most evictions: no one).
-                self._order.pop_first()
-                flags_of[slot] &= ~_QUEUED
-                on_evict(self, slot)
+            # The tier is full: the victim is the eviction order's first. The new row's parent
+            # is out of that order (the run's parent was dequeued and is held by the caller;
+            # each next one is a pending row of this run), so it is never the victim. Popped,
+            # not bisected for (before on_evict, so nothing it does can choose it again); its
+            # row is copied only where someone holds a view of it (most evictions: no one).
+            if not order:
+                break  # every row is pending, pinned or a parent
+            slot = order.pop_first()
+            flags_of[slot] &= ~_QUEUED
+            on_evict(self, slot)
+            ref = views.get(slot)
+            if ref is not None:
                 self._detach(slot)
-                self._unlink(slot)
-                self.evictions += 1
+            self._unlink(slot)
+            self.evictions += 1
             slots.append(slot)
         return slots
 
