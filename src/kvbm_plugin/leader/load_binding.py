@@ -19,7 +19,7 @@ from kvbm_plugin.leader.requests import OpTable, RequestState
 from kvbm_plugin.leader.shared_tier import TIER_SHARED
 from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
 
-TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
+_TIER_CODE = {TIER_HOST: HOST, TIER_DISK: DISK, TIER_SHARED: SHARED}
 
 
 def bind_loads(state: RequestState, block_ids: list[int], ops: OpTable,
@@ -49,7 +49,7 @@ def bind_loads(state: RequestState, block_ids: list[int], ops: OpTable,
             shared.append((index, entry, block))
             continue
         copies.append(record(LoadCopy, (
-            first + len(run_entries), TIER_CODE[tier], entry.slot, keys[index],
+            first + len(run_entries), _TIER_CODE[tier], entry.slot, keys[index],
             int(block), None, load_pages(state, index) if grouped else ())))
         run_tiers.append(tier)
         run_entries.append(entry)

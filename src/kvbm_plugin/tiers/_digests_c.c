@@ -123,6 +123,41 @@ static void blake2b(const uint64_t h0[8], const unsigned char *msg, size_t len,
     memcpy(out, full, (size_t)outlen);
 }
 
+/* The parameter-block state of BLAKE2b with a ``digest_size``-byte digest, fanout 1, depth 1,
+ * personalisation ``person`` (``person_len`` <= 16 bytes, zero-padded), no key, no salt. */
+static void param_state(uint64_t h0[8], Py_ssize_t digest_size, const char *person,
+                        size_t person_len) {
+    unsigned char p[16] = {0};
+    memcpy(p, person, person_len);
+    memcpy(h0, IV, 8 * sizeof(uint64_t));
+    h0[0] ^= 0x01010000ULL ^ (uint64_t)digest_size;
+    h0[6] ^= load_le64(p);
+    h0[7] ^= load_le64(p + 8);
+}
+
+/* ``tokens`` as a fast sequence to read the full blocks ``start..`` of (``*n``: how many full
+ * blocks it holds), or NULL with an exception (``what`` names the caller). A token that is not
+ * an exact int is read through its __index__, which could change a list under the caller's
+ * loop: a list holding one is read as a tuple of it instead (never in the engine). */
+static PyObject *token_blocks(PyObject *tokens, Py_ssize_t block_size, Py_ssize_t start,
+                              const char *what, Py_ssize_t *n) {
+    PyObject *seq = PySequence_Fast(tokens, what);
+    if (seq == NULL)
+        return NULL;
+    *n = PySequence_Fast_GET_SIZE(seq) / block_size;
+    if (PyList_CheckExact(seq) && *n > start) {
+        PyObject **all = PySequence_Fast_ITEMS(seq);
+        for (Py_ssize_t i = start * block_size; i < *n * block_size; i++) {
+            if (!PyLong_CheckExact(all[i])) {
+                PyObject *frozen = PyList_AsTuple(seq);
+                Py_DECREF(seq);
+                return frozen;
+            }
+        }
+    }
+    return seq;
+}
+
 PyDoc_STRVAR(chained_doc,
 "chained(digest_size, person, first, tokens, block_size, start, before, after, as_u64, /)\n"
 "    -> list\n\n"
@@ -177,38 +212,18 @@ static PyObject *chained(PyObject *module, PyObject *const *args, Py_ssize_t nar
                      first_len, digest_size);
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[3], "chained: tokens must be a sequence");
+    Py_ssize_t n;
+    PyObject *seq = token_blocks(args[3], block_size, start,
+                                 "chained: tokens must be a sequence", &n);
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq) / block_size;
-    if (PyList_CheckExact(seq) && n > start) {
-        /* A token that is not an exact int is read through its __index__, which could change
-         * the list under this loop: read a tuple of it instead (never in the engine). */
-        PyObject **all = PySequence_Fast_ITEMS(seq);
-        for (Py_ssize_t i = start * block_size; i < n * block_size; i++) {
-            if (!PyLong_CheckExact(all[i])) {
-                PyObject *frozen = PyList_AsTuple(seq);
-                Py_DECREF(seq);
-                if (frozen == NULL)
-                    return NULL;
-                seq = frozen;
-                break;
-            }
-        }
-    }
     PyObject *out = PyList_New(0);
     if (out == NULL || n <= start) {
         Py_DECREF(seq);
         return out;
     }
-    /* The parameter block: digest length, fanout 1, depth 1, personalisation. */
     uint64_t h0[8];
-    unsigned char person[16] = {0};
-    memcpy(person, PyBytes_AS_STRING(args[1]), (size_t)person_len);
-    memcpy(h0, IV, sizeof h0);
-    h0[0] ^= 0x01010000ULL ^ (uint64_t)digest_size;
-    h0[6] ^= load_le64(person);
-    h0[7] ^= load_le64(person + 8);
+    param_state(h0, digest_size, PyBytes_AS_STRING(args[1]), (size_t)person_len);
 
     Py_ssize_t before_len = PyBytes_GET_SIZE(args[6]), after_len = PyBytes_GET_SIZE(args[7]);
     size_t tok_bytes = 8 * (size_t)block_size;
@@ -255,17 +270,6 @@ fail:
     return NULL;
 }
 
-/* The parameter-block state of BLAKE2b with an 8-byte digest and personalisation ``person``
- * (at most 16 bytes, zero-padded), no key, no salt. */
-static void param_state(uint64_t h0[8], const char *person) {
-    unsigned char p[16] = {0};
-    memcpy(p, person, strlen(person));
-    memcpy(h0, IV, 8 * sizeof(uint64_t));
-    h0[0] ^= 0x01010000ULL ^ 8ULL;
-    h0[6] ^= load_le64(p);
-    h0[7] ^= load_le64(p + 8);
-}
-
 PyDoc_STRVAR(keys_doc,
 "keys(parent, tokens, block_size, start, suffix, /) -> list[int]\n\n"
 "The tier content keys of the full blocks start.. of ``tokens`` along a chain (content_keys'\n"
@@ -302,32 +306,19 @@ static PyObject *keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "keys: suffix is bytes");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[1], "keys: tokens must be a sequence");
+    Py_ssize_t n;
+    PyObject *seq = token_blocks(args[1], block_size, start, "keys: tokens must be a sequence",
+                                 &n);
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq) / block_size;
-    if (PyList_CheckExact(seq) && n > start) {
-        /* As in chained(): a token that is not an exact int is read from a tuple. */
-        PyObject **all = PySequence_Fast_ITEMS(seq);
-        for (Py_ssize_t i = start * block_size; i < n * block_size; i++) {
-            if (!PyLong_CheckExact(all[i])) {
-                PyObject *frozen = PyList_AsTuple(seq);
-                Py_DECREF(seq);
-                if (frozen == NULL)
-                    return NULL;
-                seq = frozen;
-                break;
-            }
-        }
-    }
     PyObject *out = PyList_New(0);
     if (out == NULL || n <= start) {
         Py_DECREF(seq);
         return out;
     }
     uint64_t h_u32[8], h_i64[8], h[8];
-    param_state(h_u32, "kvbm-blk-u32");
-    param_state(h_i64, "kvbm-blk");
+    param_state(h_u32, 8, "kvbm-blk-u32", 12);
+    param_state(h_i64, 8, "kvbm-blk", 8);
     Py_ssize_t suffix_len = PyBytes_GET_SIZE(args[4]);
     /* One buffer for the int64 form (the larger): [parent][tokens][suffix]; the u32 form
      * writes [tokens][suffix] from its start. */
