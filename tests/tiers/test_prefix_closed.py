@@ -228,6 +228,15 @@ def _apply_gpu(router: RouterView, sink: KvEventSink, published: _Published,
 
 
 def _check_closed(engine: SimulatedEngine) -> None:
+    # Under the leader's lock, as a hook reads the tiers: the keeper thread applies the
+    # workers' reports between iterations (commits, demotions, drops), and a read without the
+    # lock once saw an entry leave its tier half-way through (a detached view whose parent
+    # was gone: a CI-like run, once).
+    with engine.leader._lock:  # noqa: SLF001
+        _check_closed_locked(engine)
+
+
+def _check_closed_locked(engine: SimulatedEngine) -> None:
     leader = engine.leader
     pool = engine.pool
     gpu = set(pool.hash_of.values())
