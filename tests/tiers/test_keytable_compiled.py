@@ -76,6 +76,39 @@ def test_compiled_key_table_matches_the_python_one_under_churn(seed: int) -> Non
 
 
 @needs_native
+@pytest.mark.parametrize("seed", range(3))
+def test_both_tables_find_digests_alike(seed: int) -> None:
+    """``find_digests`` (the shared directory's run lookups): a digest is found where its
+    first 8 bytes are a key and its last 8 are in ``hi`` at ``stride * slot``; a digest whose
+    second half differs, an absent one, and one that is not 16 bytes are -1, in both forms."""
+    rng = random.Random(seed)
+    n, stride = 200, 4
+    lo = array("Q", (rng.getrandbits(64) for _ in range(n)))
+    hi = array("Q", (rng.getrandbits(64) for _ in range(stride * n)))
+    tables = [KeyTable(n, lo), compiled.KeyTable(n, lo)]
+    for table in tables:
+        for slot in range(n):
+            table.insert(lo[slot], slot)
+    present = [lo[s].to_bytes(8, "little") + hi[stride * s].to_bytes(8, "little")
+               for s in range(n)]
+    wrong_half = [d[:8] + bytes(8) for d in present[:20]]
+    absent = [rng.randbytes(16) for _ in range(20)]
+    odd = [b"short", present[0] + b"x", bytearray(present[1]), None, 7]
+    digests = present + wrong_half + absent + odd
+    rng.shuffle(digests)
+    want = [present.index(d) if d in present and type(d) is bytes else -1 for d in digests]
+    for table in tables:
+        assert table.find_digests(digests, hi, stride) == want
+        assert table.find_digests([], hi, stride) == []
+    with pytest.raises(TypeError, match="must be a list"):
+        tables[1].find_digests(tuple(digests), hi, stride)
+    with pytest.raises(ValueError, match="stride 0"):
+        tables[1].find_digests(digests, hi, 0)
+    with pytest.raises(TypeError, match=r"array\('Q'\)"):
+        tables[1].find_digests(digests, array("q", [0] * len(hi)), stride)
+
+
+@needs_native
 def test_compiled_key_table_refuses_what_the_python_one_never_gets() -> None:
     column = array("Q", [5])
     table = compiled.KeyTable(4, column)

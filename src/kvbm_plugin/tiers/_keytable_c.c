@@ -96,6 +96,81 @@ static PyObject *kt_find(KeyTable *self, PyObject *arg) {
     return PyLong_FromLong(slot);
 }
 
+PyDoc_STRVAR(find_digests_doc,
+"find_digests(digests, hi, stride, /) -> list[int]\n\n"
+"The slot of each of ``digests`` (a list of 16-byte digests: the table's key is a digest's\n"
+"first 8 bytes little-endian, and ``hi[stride * slot]`` must hold its last 8), or -1 (also\n"
+"for a digest that is not 16 bytes). The shared directory's lookups of a run.");
+
+static PyObject *kt_find_digests(KeyTable *self, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "find_digests() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (!PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "find_digests: digests must be a list");
+        return NULL;
+    }
+    Py_ssize_t stride = PyLong_AsSsize_t(args[2]);
+    if (stride == -1 && PyErr_Occurred())
+        return NULL;
+    if (stride < 1) {
+        PyErr_Format(PyExc_ValueError, "find_digests: stride %zd must be >= 1", stride);
+        return NULL;
+    }
+    Py_buffer hi;
+    if (PyObject_GetBuffer(args[1], &hi, PyBUF_FORMAT) < 0)
+        return NULL;
+    if (hi.itemsize != 8 || hi.format == NULL || hi.format[0] != 'Q') {
+        PyBuffer_Release(&hi);
+        PyErr_SetString(PyExc_TypeError, "find_digests: hi must be an array('Q')");
+        return NULL;
+    }
+    Keys k;
+    if (keys_open(self, &k) < 0) {
+        PyBuffer_Release(&hi);
+        return NULL;
+    }
+    const uint64_t *his = (const uint64_t *)hi.buf;
+    Py_ssize_t his_n = hi.len / 8;
+    Py_ssize_t n = PyList_GET_SIZE(args[0]);
+    PyObject *out = PyList_New(n);
+    if (out == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *digest = PyList_GET_ITEM(args[0], i);
+        int32_t slot = -1;
+        if (PyBytes_Check(digest) && PyBytes_GET_SIZE(digest) == 16) {
+            const unsigned char *d = (const unsigned char *)PyBytes_AS_STRING(digest);
+            uint64_t lo, h;
+            memcpy(&lo, d, 8);
+            memcpy(&h, d + 8, 8);
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+            lo = __builtin_bswap64(lo);
+            h = __builtin_bswap64(h);
+#endif
+            int err = 0;
+            slot = table_find(self, &k, lo, &err);
+            if (err) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            if (slot >= 0 && (stride * (Py_ssize_t)slot >= his_n || his[stride * slot] != h))
+                slot = -1;
+        }
+        PyObject *v = PyLong_FromLong(slot);
+        if (v == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, i, v);
+    }
+done:
+    PyBuffer_Release(&k.view);
+    PyBuffer_Release(&hi);
+    return out;
+}
+
 PyDoc_STRVAR(insert_doc,
 "insert(key, slot, /)\n\nMap ``key`` (absent; ``keys[slot] == key`` already) to ``slot``.");
 
@@ -201,6 +276,8 @@ static PyObject *kt_buckets(KeyTable *self, PyObject *Py_UNUSED(ignored)) {
 
 static PyMethodDef kt_methods[] = {
     {"find", (PyCFunction)kt_find, METH_O, find_doc},
+    {"find_digests", (PyCFunction)(void (*)(void))kt_find_digests, METH_FASTCALL,
+     find_digests_doc},
     {"insert", (PyCFunction)(void (*)(void))kt_insert, METH_FASTCALL, insert_doc},
     {"delete", (PyCFunction)kt_delete, METH_O, delete_doc},
     {"clear", (PyCFunction)kt_clear, METH_NOARGS, clear_doc},

@@ -22,6 +22,7 @@ Called on the leader's executor thread only (through the index); no locks.
 
 from __future__ import annotations
 
+import struct
 from array import array
 from bisect import bisect_left
 from typing import TYPE_CHECKING, Any
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from kvbm_plugin._util import compiled as _compiled
 
 U64_MASK = (1 << 64) - 1
+_HALVES = struct.Struct("<QQ")  # a 16-byte digest's two halves
 _GOLDEN = 0x9E3779B97F4A7C15  # Fibonacci hashing: spreads sequential keys over the table
 
 
@@ -59,6 +61,22 @@ class KeyTable:
             if slot < 0 or keys[slot] == key:
                 return slot
             i = (i + 1) & mask
+
+    def find_digests(self, digests: list[bytes], hi: array[int], stride: int) -> list[int]:
+        """The slot of each of ``digests`` (16-byte digests: the table's key is a digest's
+        first 8 bytes little-endian, and ``hi[stride * slot]`` must hold its last 8), or -1
+        (also for a digest that is not 16 bytes): the shared directory's lookups of a run."""
+        find, unpack = self.find, _HALVES.unpack
+        out = []
+        for digest in digests:
+            slot = -1
+            if isinstance(digest, bytes) and len(digest) == 16:
+                lo, h = unpack(digest)
+                slot = find(lo)
+                if slot >= 0 and hi[stride * slot] != h:
+                    slot = -1
+            out.append(slot)
+        return out
 
     def insert(self, key: int, slot: int) -> None:
         """Map ``key`` (absent; ``keys[slot] == key`` already) to ``slot``."""

@@ -23,7 +23,6 @@ from kvbm_plugin.tiers.shared.block import SharedBlock, make_block
 
 _U64: Final = (1 << 64) - 1
 _HALVES: Final = struct.Struct("<QQ")
-_SIXTEEN: Final = {16}
 
 # Row flags.
 _USED: Final = 1
@@ -80,20 +79,11 @@ class SharedRows(SlotRows):
         return slot if slot >= 0 and self._q[4 * slot] == hi else -1
 
     def _find_all(self, digests: Sequence[bytes]) -> list[int]:
-        """:meth:`_find` of each of ``digests`` (a run's), their halves unpacked in one call
-        where every one is a 16-byte digest (else one by one)."""
-        try:
-            joined = b"".join(digests)
-        except TypeError:
-            joined = b""
-        if len(joined) != 16 * len(digests) or set(map(len, digests)) != _SIXTEEN:
-            return [self._find(digest) for digest in digests]
-        find, q = self._table.find, self._q
-        out = []
-        for lo, hi in _HALVES.iter_unpack(joined):
-            slot = find(lo)
-            out.append(slot if slot >= 0 and q[4 * slot] == hi else -1)
-        return out
+        """:meth:`_find` of each of ``digests`` (a run's), in one call of the key table
+        (``KeyTable.find_digests``: a digest's last 8 bytes are column ``_q``'s first of
+        four)."""
+        return self._table.find_digests(
+            digests if type(digests) is list else list(digests), self._q, 4)
 
     def _block(self, slot: int, digest: bytes | None = None) -> SharedBlock:
         flags = self._flags[slot]
