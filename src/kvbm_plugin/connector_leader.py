@@ -336,12 +336,14 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         first = num_computed_tokens // bs
         last = (len(tokens) - 1) // bs  # full blocks that still leave one token to compute
         # (the prompt's full blocks but one when it fills its last block: only then a copy)
+        # The prompt's blocks' digests and keys (the digests' first 8 bytes): hashed once, here;
+        # build_connector_meta extends them, the shared tier names the blocks by the digests.
+        state.digests = digests = []
         keys = block_keys(tokens if len(tokens) // bs == last else tokens[:last * bs], bs,
-                          salt)
-        # The prompt's blocks: build_connector_meta extends these instead of hashing them again.
+                          salt, digests=digests)
         state.keys = keys
         state.plan = tiers.match(keys, first, last)  # pinned until loaded
-        self._shared.match(state, tokens, first + len(state.plan), last)
+        self._shared.match(state, first + len(state.plan), last)
         n = len(state.plan) * bs
         if n == 0:
             return 0, False

@@ -484,8 +484,8 @@ def test_prompt_blocks_are_hashed_once_per_request(monkeypatch) -> None:
         reference = content_keys._keys_py
 
         class Counting:  # stands in for the compiled keys: counts every block hashed
-            def keys(self, parent, tokens, block_size, start, suffix):
-                out = reference(parent, tokens, block_size, start, suffix)
+            def keys(self, parent, tokens, block_size, start, suffix, digests):
+                out = reference(parent, tokens, block_size, start, suffix, digests)
                 calls.extend(out)
                 return out
 
@@ -495,8 +495,10 @@ def test_prompt_blocks_are_hashed_once_per_request(monkeypatch) -> None:
         leader.build_connector_meta(SchedulerOutput(new_requests=[
             RequestData(1, tokens, [0, 1, 2, 3, 4], 0, 17)]))
         assert len(calls) == 4  # not 4 for the match and 4 again for the offload walk
-        expected = block_keys(tokens, 4)
+        digests: list[bytes] = []
+        expected = block_keys(tokens, 4, digests=digests)
         assert leader._reqs[1].keys == expected
+        assert leader._reqs[1].digests == digests  # hashed with the keys, kept with them
     finally:
         leader.shutdown()
 

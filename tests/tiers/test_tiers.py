@@ -17,7 +17,7 @@ from kvbm_plugin.consolidator_config import ConfigError
 from kvbm_plugin.tiers._entry import TierEntry
 from kvbm_plugin.tiers._rows import LeafOrder
 from kvbm_plugin.tiers.base import TierSpec
-from kvbm_plugin.tiers.content_keys import block_keys, chain_key
+from kvbm_plugin.tiers.content_keys import block_keys, chain_digest, key_of
 from kvbm_plugin.tiers.disk import DiskTier
 from kvbm_plugin.tiers.host import HostTier
 from kvbm_plugin.tiers.index import TierFullError, TierIndex
@@ -392,14 +392,17 @@ def test_index_discard_frees_slot_and_lookup_ignores_pending() -> None:
 
 def test_chain_keys_depend_on_prefix_and_salt() -> None:
     toks = list(range(12))
-    keys = block_keys(toks, 4)
-    assert len(keys) == 3 and keys[1] == chain_key(keys[0], toks[4:8])
+    digests: list[bytes] = []
+    keys = block_keys(toks, 4, digests=digests)
+    assert len(keys) == 3 and digests[1] == chain_digest(digests[0], toks[4:8])
+    assert keys == [key_of(d) for d in digests]
     assert block_keys([99, *toks[1:]], 4)[2] != keys[2]  # a different prefix changes later keys
     assert block_keys(toks, 4, "salt") != keys
 
 
-def test_block_keys_are_chain_keys_along_the_chain() -> None:
-    """block_keys packs a prompt once; every key is still chain_key's (the definition)."""
+def test_block_keys_are_chain_digests_along_the_chain() -> None:
+    """block_keys packs a prompt once; every digest is still chain_digest's (the definition),
+    every key its first 8 bytes."""
     rng = random.Random(7)
     for _ in range(50):
         bs = rng.choice([1, 3, 16, 32])
@@ -407,13 +410,18 @@ def test_block_keys_are_chain_keys_along_the_chain() -> None:
                 else rng.randrange(0, 200_000) for _ in range(rng.randrange(0, 9 * bs))]
         salt = rng.choice([None, "", "tenant-7", "ünï"])
         start = rng.randrange(0, 4)
-        parent = rng.choice([None, 0, (1 << 64) - 1, rng.getrandbits(64)])
-        expected, key = [], parent
+        parent = rng.choice([None, bytes(16), b"\xff" * 16, rng.randbytes(16)])
+        expected, digest = [], parent
         for i in range(start, len(toks) // bs):
-            key = chain_key(key, toks[i * bs:(i + 1) * bs], salt)
-            expected.append(key)
-        assert block_keys(toks, bs, salt, start=start, parent=parent) == expected
-    assert chain_key(None, [1, 2]) == 0xF92076D100D5F4A4  # the definition, pinned
+            digest = chain_digest(digest, toks[i * bs:(i + 1) * bs], salt)
+            expected.append(digest)
+        got: list[bytes] = []
+        assert block_keys(toks, bs, salt, start=start, parent=parent, digests=got) == \
+            [key_of(d) for d in expected]
+        assert got == expected
+    # the definition, pinned
+    assert chain_digest(None, [1, 2]).hex() == "9639ae593a1b42ae9e31167078ac8c01"
+    assert key_of(chain_digest(None, [1, 2])) == 0xAE421B3A59AE3996
 
 
 def test_tiers_are_registered_entry_points() -> None:

@@ -4,12 +4,12 @@
 (ConsolidatorCore's dedup loops and its compact block), ``tiers/shared/_frame_c.c`` (the
 shared tier's payload word sums), ``tiers/_keytable_c.c`` (the tier index's key table and,
 in ``tiers/_keytable_rows.c``, its row writes) and
-``tiers/_digests_c.c`` (the tiers' chained content digests) are built at install time where a
+``tiers/_digests_c.c`` (the tiers' chained block digests) are built at install time where a
 C compiler is available (``setup.py`` marks them optional). Each is the compiled form of code
 whose reference stays in Python (``event_sink.py``, ``consolidator/core.py``,
 ``tiers/shared/frame.py``'s torch reductions, ``tiers/_rows.py``'s ``KeyTable`` and
 ``tiers/index.py``'s ``TierIndex._write_run``,
-``tiers/content_keys.py``'s ``_chained_py``), and the tests run both on the same input and
+``tiers/content_keys.py``'s ``_keys_py``), and the tests run both on the same input and
 compare. Each is kept because a target of docs/performance.md misses without it ("What each
 compiled loop is for"): the event sink's executor cost per block, the consolidator's ingest
 rate and the leader's heap per tier block, the shared tier's checksum share of onboarding, the

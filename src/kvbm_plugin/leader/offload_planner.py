@@ -72,8 +72,10 @@ class OffloadPlanner:
             naming.name_root(state, sink)  # the sink's LoRA names
         bs = self._block_size
         if len(state.keys) < len(state.tokens) // bs:
+            digests = state.digests
             state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
-                                         parent=state.keys[-1] if state.keys else None))
+                                         parent=digests[-1] if digests else None,
+                                         digests=digests))
         if naming.v2_stream:
             naming.v2_extend(state)  # TensorRT-LLM's own stream: its names, computed
 
@@ -91,8 +93,10 @@ class OffloadPlanner:
         state.tokens.extend(tokens[len(state.tokens):])
         bs = self._block_size
         if len(state.keys) < len(state.tokens) // bs:
+            digests = state.digests
             state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
-                                         parent=state.keys[-1] if state.keys else None))
+                                         parent=digests[-1] if digests else None,
+                                         digests=digests))
         self._naming.v2_extend(state)
 
     def event_hash(self, state: RequestState, index: int) -> int:

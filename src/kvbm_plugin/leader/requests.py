@@ -44,7 +44,9 @@ class RequestState:
     group_pages: list[list[int]] = field(default_factory=list)
     alloc_pages: list[list[int]] = field(default_factory=list)
     keys: list[int] = field(default_factory=list)  # content keys of full blocks
-    digests: list[bytes] = field(default_factory=list)  # shared-tier digests (tiers.shared.keys)
+    # The full blocks' digests (tiers.content_keys.chain_digest: keys[i] is digests[i]'s
+    # first 8 bytes; the shared tier's names), computed with the keys, always as many
+    digests: list[bytes] = field(default_factory=list)
     event_hashes: list[int] = field(default_factory=list)  # RequestData.block_hashes
     # TRT-LLM's V1 block hashes computed by the leader (naming.names), and the inputs
     # they are computed from (None: cannot be computed for this request).

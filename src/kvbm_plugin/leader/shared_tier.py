@@ -55,7 +55,6 @@ from kvbm_plugin.leader.requests import OpTable, SharedRun
 from kvbm_plugin.settings.shared import load_shared_settings
 from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
 from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory
-from kvbm_plugin.tiers.shared.keys import chain_digests
 from kvbm_plugin.wire.events import MEDIUM_EXTERNAL
 from kvbm_plugin.wire.identity import scope_extra_keys
 
@@ -245,25 +244,13 @@ class LeaderSharedTier:
 
     # ------------------------------------------------------------ match (executor thread)
 
-    def _digests(self, state: Any, tokens: Sequence[int], upto: int) -> list[bytes]:
-        """The request's block digests, extended to ``upto`` blocks of ``tokens``."""
-        digests = state.digests
-        if len(digests) < upto:
-            bs = self._block_size
-            if len(tokens) // bs > upto:  # (only then a copy: the chain takes full blocks)
-                tokens = tokens[:upto * bs]
-            digests.extend(chain_digests(tokens, bs, state.salt,
-                                         start=len(digests),
-                                         parent=digests[-1] if digests else None))
-        return digests
-
-    def match(self, state: Any, tokens: Sequence[int], start: int, last: int) -> None:
+    def match(self, state: Any, start: int, last: int) -> None:
         """Continue ``state.plan`` (blocks ``..start - 1``) with the shared blocks
         ``start..last - 1`` the directory offers now, pinning each."""
         agent, pins = self.agent, self.pins
         if agent is None or pins is None or start >= last or not agent.available:
             return
-        digests = self._digests(state, tokens, last)
+        digests = state.digests  # (the match's keys': hashed with them)
         directory = self.directory
         assert directory is not None
         for i in range(start, last):
@@ -283,8 +270,8 @@ class LeaderSharedTier:
         shared tier in the same metadata, unless the shared tier has it or is writing it
         already. So a block whose write-through failed (the store was down) is written again
         the next time a request uses its host copy. Executor thread."""
-        digests = self._ready(state, index, 1)
-        if digests is None or index >= len(digests):
+        digests = state.digests
+        if index >= len(digests) or not self._ready(1):
             return
         write = self._follow(state, digests, index, entry)
         if write is not None:
@@ -296,8 +283,8 @@ class LeaderSharedTier:
         for the run, and only a block the shared tier lacks looked up in ``host`` (a pending
         one is not written through, as :meth:`follow` is not called for it). Executor
         thread."""
-        digests = self._ready(state, stop - 1, stop - start)
-        if digests is None:
+        digests = state.digests
+        if not self._ready(stop - start):
             return
         stop = min(stop, len(digests))
         if stop <= start:
@@ -327,51 +314,51 @@ class LeaderSharedTier:
         ``start + k`` into ``entries[k]`` by op ``first_op + k`` from device block
         ``blocks[k]``, the agent's availability and the request's digests looked at once.
         Executor thread."""
-        digests = self._ready(state, start + len(entries) - 1, len(entries))
-        if digests is None:
+        digests = state.digests
+        if not self._ready(len(entries)):
             return
         n = min(len(entries), len(digests) - start)
         if n <= 0:
             return
-        # :meth:`_follow` of each, its reads made once for the run: the directory under one
-        # hold of its lock, the run's one scope (one reserve_chain's), the keys the
-        # planner's entries hold (entry k: keys[start + k]).
+        # :meth:`_follow` and :meth:`_schedule` of each in one pass, its reads made once for
+        # the run: the directory under one hold of its lock, the run's one scope (one
+        # reserve_chain's), the keys the planner's entries hold (entry k: keys[start + k]),
+        # the op ids the run's writes are numbered with (consecutive from the table's next).
         assert self.directory is not None
         run = digests[start:start + n]
         tracked = self.directory.tracked(run)
         keys, scope, salt = state.keys, entries[0].scope, state.salt
-        by_key, in_hand = self._by_key, self._in_hand
+        by_key, in_hand, pending = self._by_key, self._in_hand, self.pending_saves
+        op_id = first = self._ops.next_id
         writes: list[_SharedWrite] = []
-        sources: list[tuple[int, int, Any]] = []
         for k in range(n):
             key, digest = keys[start + k], run[k]
-            if key in by_key or digest in in_hand or tracked[k]:
+            if tracked[k] or key in by_key or digest in in_hand:
                 continue
             i = start + k
-            write = by_key[key] = _SharedWrite(-1, digest, digests[i - 1] if i else None, key,
-                                               scope, None, salt)
+            write = by_key[key] = _SharedWrite(op_id, digest, digests[i - 1] if i else None,
+                                               key, scope, None, salt)
             writes.append(write)
-            sources.append((first_op + k, blocks[k], entries[k]))
+            # (built from its fields' tuple: no NamedTuple __new__ per block)
+            pending.append(record(SharedSaveOp, (op_id, first_op + k, blocks[k], digest, -1,
+                                                 0)))
+            op_id += 1
         if writes:
-            self._schedule(writes, sources)
+            numbered = self._ops.new_shared_run(writes)  # (its ids: first, first + 1, ...)
+            assert numbered.first == first
+            self._inflight += len(writes)
+            self._stats["shared_saves_scheduled"] += len(writes)
 
-    def _ready(self, state: Any, last: int, n: int) -> list[bytes] | None:
-        """The request's digests, extended to block ``last`` where its tokens reach it, or
-        None (counted for ``n`` blocks where the store is unavailable) when nothing is
-        written through."""
+    def _ready(self, n: int) -> bool:
+        """Whether blocks are written through now: False (counted for ``n`` blocks where the
+        store is unavailable) when nothing is."""
         agent = self.agent
         if agent is None:
-            return None
+            return False
         if not agent.available:
             self._stats["shared_saves_skipped_unavailable"] += n
-            return None
-        digests = state.digests
-        if len(digests) <= last:
-            # Every full block's digest at once: one pass over the tokens per request and
-            # iteration, not one slice of the prompt per block.
-            digests = self._digests(state, state.tokens,
-                                    max(last + 1, len(state.tokens) // self._block_size))
-        return digests
+            return False
+        return True
 
     def _follow(self, state: Any, digests: list[bytes], index: int,
                 entry: Any) -> _SharedWrite | None:
@@ -493,13 +480,17 @@ class LeaderSharedTier:
         self._stats["shared_saves_committed"] += 1
         self._forget(write)
 
-    def wake_agent(self) -> None:
+    def wake_agent(self, forget_queued: bool = True) -> None:
         """Hand the agent the blocks committed since the last call and wake its thread once:
         called by the leader after each batch of reports and by :meth:`sync` (a commit of a
         block whose host copy was named late), not once per block (each wake-up is a write to
-        its pipe, and the thread it wakes takes the GIL from the executor thread)."""
+        its pipe, and the thread it wakes takes the GIL from the executor thread).
+        ``forget_queued``: first drop the digests the agent has queued since from those in
+        hand (a dict pop per block: :meth:`sync`, every iteration on the executor thread,
+        leaves that to the next batch of reports, usually the keeper's; until then such a
+        block is tracked by the directory anyway, so nothing is written through twice)."""
         handed = self._handed
-        if handed and self.agent is not None:  # forget what the agent has queued since
+        if forget_queued and handed and self.agent is not None:
             done = self.agent.wakes_handled
             while handed and handed[0][0] <= done:
                 for digest in handed.popleft()[1]:
@@ -549,7 +540,8 @@ class LeaderSharedTier:
                 self._register_store(item)
             else:
                 self._register_remove(item)
-        self.wake_agent()  # commits of blocks whose host copy was named since (announce_named)
+        # commits of blocks whose host copy was named since (announce_named)
+        self.wake_agent(forget_queued=False)
         if self._waiting and self._tiers.host is not None:
             for write in list(self._waiting.values()):
                 if self._tiers.host.get(write.host_key) is None:

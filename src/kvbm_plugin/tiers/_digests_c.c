@@ -1,20 +1,16 @@
-/* The tiers' chained content digests in one compiled call: ``chained``, the compiled form of
- * content_keys.py's ``_chained_py`` (the shared tier's digests), and ``keys``, that of its
- * ``_keys_py`` (the host and disk tiers' content keys); both references are the fallback where
- * this is not built or DYN_KVBM_NATIVE=0. tests/tiers/test_digests_compiled.py runs each
- * pair, and hashlib's BLAKE2b block by block, on the same input and compares. Kept for the
- * target "<= 5 us of the executor thread per offloaded and per onboarded block"
- * (docs/performance.md): the Python loop's hashlib copy, update, digest and int conversion
- * cost about 0.9 us per block, the hashing itself about 0.3.
+/* The tiers' chained block digests in one compiled call: ``keys``, the compiled form of
+ * content_keys.py's ``_keys_py`` (the reference and the fallback where this is not built or
+ * DYN_KVBM_NATIVE=0). tests/tiers/test_digests_compiled.py runs the pair, and hashlib's
+ * BLAKE2b block by block, on the same input and compares. Kept for the target "<= 5 us of the
+ * executor thread per offloaded and per onboarded block" (docs/performance.md): the Python
+ * loop's hashlib call, digest and int conversion cost about 0.9 us per block, the hashing
+ * itself about 0.3.
  *
- * Called on TensorRT-LLM's executor thread (rank 0's leader): the tier content keys of every
- * prompt block at the match and of each newly full block at the plan, and the shared tier's
- * digests. Short inputs (a few hundred bytes per block): the GIL is kept.
- *
- * ``chained``: block k's digest is BLAKE2b (RFC 7693; ``digest_size`` bytes, personalisation
- * ``person``, no key, no salt) of: the previous block's digest (``first`` for block
- * ``start``), ``before``, the block's tokens as little-endian int64, ``after``. ``keys``: see
- * there. Public CPython API only. */
+ * Called on TensorRT-LLM's executor thread (rank 0's leader): the digests of every prompt
+ * block at the match and of each newly full block at the plan; one digest per block names it
+ * in the host and disk tiers (its first 8 bytes, the content key) and in the shared tier (all
+ * 16). Short inputs (a few hundred bytes per block): the GIL is kept. Public CPython API
+ * only. */
 
 #include "../_util/native_common.h"
 
@@ -158,139 +154,29 @@ static PyObject *token_blocks(PyObject *tokens, Py_ssize_t block_size, Py_ssize_
     return seq;
 }
 
-PyDoc_STRVAR(chained_doc,
-"chained(digest_size, person, first, tokens, block_size, start, before, after, as_u64, /)\n"
-"    -> list\n\n"
-"The digests of the full blocks start.. of ``tokens`` (a sequence of int64s) along a chain\n"
-"(the module comment); ``first``: the digest before block ``start`` (``digest_size``\n"
-"bytes). Each as bytes, or as an int read little-endian where ``as_u64`` (digest_size 8).");
-
-static PyObject *chained(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 9) {
-        PyErr_Format(PyExc_TypeError, "chained() takes 9 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    Py_ssize_t digest_size = PyLong_AsSsize_t(args[0]);
-    if (digest_size == -1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t block_size = PyLong_AsSsize_t(args[4]);
-    if (block_size == -1 && PyErr_Occurred())
-        return NULL;
-    Py_ssize_t start = PyLong_AsSsize_t(args[5]);
-    if (start == -1 && PyErr_Occurred())
-        return NULL;
-    int as_u64 = PyObject_IsTrue(args[8]);
-    if (as_u64 < 0)
-        return NULL;
-    if (digest_size < 1 || digest_size > 64) {
-        PyErr_Format(PyExc_ValueError, "chained: digest_size %zd is not in 1..64", digest_size);
-        return NULL;
-    }
-    if (as_u64 && digest_size != 8) {
-        PyErr_SetString(PyExc_ValueError, "chained: as_u64 needs digest_size 8");
-        return NULL;
-    }
-    if (block_size < 1 || start < 0) {
-        PyErr_Format(PyExc_ValueError, "chained: block_size %zd must be >= 1 and start %zd >= 0",
-                     block_size, start);
-        return NULL;
-    }
-    if (!PyBytes_Check(args[1]) || !PyBytes_Check(args[2]) || !PyBytes_Check(args[6]) ||
-        !PyBytes_Check(args[7])) {
-        PyErr_SetString(PyExc_TypeError, "chained: person, first, before and after are bytes");
-        return NULL;
-    }
-    Py_ssize_t person_len = PyBytes_GET_SIZE(args[1]);
-    Py_ssize_t first_len = PyBytes_GET_SIZE(args[2]);
-    if (person_len > 16) {
-        PyErr_Format(PyExc_ValueError, "chained: person of %zd bytes (at most 16)", person_len);
-        return NULL;
-    }
-    if (first_len != digest_size) {
-        PyErr_Format(PyExc_ValueError, "chained: first is %zd bytes, not digest_size %zd",
-                     first_len, digest_size);
-        return NULL;
-    }
-    Py_ssize_t n;
-    PyObject *seq = token_blocks(args[3], block_size, start,
-                                 "chained: tokens must be a sequence", &n);
-    if (seq == NULL)
-        return NULL;
-    PyObject *out = PyList_New(0);
-    if (out == NULL || n <= start) {
-        Py_DECREF(seq);
-        return out;
-    }
-    uint64_t h0[8];
-    param_state(h0, digest_size, PyBytes_AS_STRING(args[1]), (size_t)person_len);
-
-    Py_ssize_t before_len = PyBytes_GET_SIZE(args[6]), after_len = PyBytes_GET_SIZE(args[7]);
-    size_t tok_bytes = 8 * (size_t)block_size;
-    size_t msg_len = (size_t)digest_size + (size_t)before_len + tok_bytes + (size_t)after_len;
-    unsigned char *msg = PyMem_Malloc(msg_len);
-    if (msg == NULL) {
-        Py_DECREF(seq);
-        Py_DECREF(out);
-        return PyErr_NoMemory();
-    }
-    unsigned char *tok_at = msg + digest_size + before_len;
-    memcpy(msg, PyBytes_AS_STRING(args[2]), (size_t)digest_size);
-    memcpy(msg + digest_size, PyBytes_AS_STRING(args[6]), (size_t)before_len);
-    memcpy(tok_at + tok_bytes, PyBytes_AS_STRING(args[7]), (size_t)after_len);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    unsigned char digest[64];
-    for (Py_ssize_t k = start; k < n; k++) {
-        PyObject **block = items + k * block_size;
-        for (Py_ssize_t i = 0; i < block_size; i++) {
-            long long value = PyLong_AsLongLong(block[i]);
-            if (value == -1 && PyErr_Occurred())
-                goto fail;
-            store_le64(tok_at + 8 * i, (uint64_t)value);
-        }
-        blake2b(h0, msg, msg_len, digest, (int)digest_size);
-        memcpy(msg, digest, (size_t)digest_size); /* the next block's chain input */
-        PyObject *item = as_u64
-            ? PyLong_FromUnsignedLongLong((unsigned long long)load_le64(digest))
-            : PyBytes_FromStringAndSize((const char *)digest, digest_size);
-        if (item == NULL)
-            goto fail;
-        int appended = PyList_Append(out, item);
-        Py_DECREF(item);
-        if (appended < 0)
-            goto fail;
-    }
-    PyMem_Free(msg);
-    Py_DECREF(seq);
-    return out;
-fail:
-    PyMem_Free(msg);
-    Py_DECREF(seq);
-    Py_DECREF(out);
-    return NULL;
-}
-
 PyDoc_STRVAR(keys_doc,
-"keys(parent, tokens, block_size, start, suffix, /) -> list[int]\n\n"
-"The tier content keys of the full blocks start.. of ``tokens`` along a chain (content_keys'\n"
-"``chain_key``); ``parent``: the key before block ``start`` (a u64), ``suffix``: the salt's\n"
-"bytes, or b\"\".");
+"keys(parent, tokens, block_size, start, suffix, digests, /) -> list[int]\n\n"
+"The content keys of the full blocks start.. of ``tokens`` along a chain (content_keys'\n"
+"``chain_digest``, each key its digest's first 8 bytes read little-endian); ``parent``:\n"
+"the 16-byte digest before block ``start`` (zeros for a root), ``suffix``: the salt's\n"
+"bytes, or b\"\"; ``digests``: a list each block's digest is appended to, or None.");
 
-/* content_keys.chain_key along a chain. A block whose tokens are all u32 (every token id in
- * practice) is BLAKE2b (8-byte digest, person "kvbm-blk-u32", the parent key as the u64 in
- * BLAKE2b's salt field) of its tokens as little-endian u32 and ``suffix``: 32 tokens are one
- * 128-byte compression. Any other block: person "kvbm-blk", over the parent key as u64, its
- * tokens as int64 and ``suffix`` (three compressions for 32 tokens). The personalisations
- * keep the two forms apart. */
+/* content_keys.chain_digest along a chain. A block whose tokens are all u32 (every token id
+ * in practice) is BLAKE2b (16-byte digest, person "kvbm-blk-u32", the parent's digest in
+ * BLAKE2b's 16-byte salt field) of its tokens as little-endian u32 and ``suffix``: 32 tokens
+ * are one 128-byte compression. Any other block: person "kvbm-blk", over the parent's digest,
+ * its tokens as int64 and ``suffix`` (three compressions for 32 tokens). The
+ * personalisations keep the two forms apart. */
 static PyObject *keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "keys() takes 5 arguments (%zd given)", nargs);
+    if (nargs != 6) {
+        PyErr_Format(PyExc_TypeError, "keys() takes 6 arguments (%zd given)", nargs);
         return NULL;
     }
-    unsigned long long first = PyLong_AsUnsignedLongLong(args[0]);
-    if (first == (unsigned long long)-1 && PyErr_Occurred())
+    if (!PyBytes_Check(args[0]) || PyBytes_GET_SIZE(args[0]) != 16) {
+        PyErr_SetString(PyExc_ValueError, "keys: parent is a 16-byte digest");
         return NULL;
+    }
     Py_ssize_t block_size = PyLong_AsSsize_t(args[2]);
     if (block_size == -1 && PyErr_Occurred())
         return NULL;
@@ -306,6 +192,11 @@ static PyObject *keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "keys: suffix is bytes");
         return NULL;
     }
+    PyObject *collect = args[5] == Py_None ? NULL : args[5];
+    if (collect != NULL && !PyList_Check(collect)) {
+        PyErr_SetString(PyExc_TypeError, "keys: digests is a list or None");
+        return NULL;
+    }
     Py_ssize_t n;
     PyObject *seq = token_blocks(args[1], block_size, start, "keys: tokens must be a sequence",
                                  &n);
@@ -317,12 +208,12 @@ static PyObject *keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         return out;
     }
     uint64_t h_u32[8], h_i64[8], h[8];
-    param_state(h_u32, 8, "kvbm-blk-u32", 12);
-    param_state(h_i64, 8, "kvbm-blk", 8);
+    param_state(h_u32, 16, "kvbm-blk-u32", 12);
+    param_state(h_i64, 16, "kvbm-blk", 8);
     Py_ssize_t suffix_len = PyBytes_GET_SIZE(args[4]);
     /* One buffer for the int64 form (the larger): [parent][tokens][suffix]; the u32 form
      * writes [tokens][suffix] from its start. */
-    size_t wide_len = 8 + 8 * (size_t)block_size + (size_t)suffix_len;
+    size_t wide_len = 16 + 8 * (size_t)block_size + (size_t)suffix_len;
     unsigned char *msg = PyMem_Malloc(wide_len);
     long long *values = PyMem_Malloc((size_t)block_size * sizeof(long long));
     if (msg == NULL || values == NULL) {
@@ -334,8 +225,8 @@ static PyObject *keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     }
     const char *suffix = PyBytes_AS_STRING(args[4]);
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    uint64_t parent = (uint64_t)first;
-    unsigned char digest[8];
+    unsigned char parent[16];
+    memcpy(parent, PyBytes_AS_STRING(args[0]), 16);
     for (Py_ssize_t k = start; k < n; k++) {
         PyObject **block = items + k * block_size;
         int narrow = 1;
@@ -358,24 +249,33 @@ static PyObject *keys(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
             memcpy(msg + 4 * block_size, suffix, (size_t)suffix_len);
             len = 4 * (size_t)block_size + (size_t)suffix_len;
             memcpy(h, h_u32, sizeof h);
-            h[4] ^= parent; /* the salt field: the parent key, then 8 zero bytes */
+            h[4] ^= load_le64(parent); /* the salt field: the parent's digest */
+            h[5] ^= load_le64(parent + 8);
         } else {
-            store_le64(msg, parent);
+            memcpy(msg, parent, 16);
             for (Py_ssize_t i = 0; i < block_size; i++)
-                store_le64(msg + 8 + 8 * i, (uint64_t)values[i]);
-            memcpy(msg + 8 + 8 * block_size, suffix, (size_t)suffix_len);
+                store_le64(msg + 16 + 8 * i, (uint64_t)values[i]);
+            memcpy(msg + 16 + 8 * block_size, suffix, (size_t)suffix_len);
             len = wide_len;
             memcpy(h, h_i64, sizeof h);
         }
-        blake2b(h, msg, len, digest, 8);
-        parent = load_le64(digest);
-        PyObject *item = PyLong_FromUnsignedLongLong((unsigned long long)parent);
+        blake2b(h, msg, len, parent, 16);
+        PyObject *item = PyLong_FromUnsignedLongLong((unsigned long long)load_le64(parent));
         if (item == NULL)
             goto fail;
         int appended = PyList_Append(out, item);
         Py_DECREF(item);
         if (appended < 0)
             goto fail;
+        if (collect != NULL) {
+            item = PyBytes_FromStringAndSize((const char *)parent, 16);
+            if (item == NULL)
+                goto fail;
+            appended = PyList_Append(collect, item);
+            Py_DECREF(item);
+            if (appended < 0)
+                goto fail;
+        }
     }
     PyMem_Free(msg);
     PyMem_Free(values);
@@ -390,14 +290,13 @@ fail:
 }
 
 static PyMethodDef methods[] = {
-    {"chained", (PyCFunction)(void (*)(void))chained, METH_FASTCALL, chained_doc},
     {"keys", (PyCFunction)(void (*)(void))keys, METH_FASTCALL, keys_doc},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module_def = {
     PyModuleDef_HEAD_INIT, "_digests_c",
-    "The tiers' chained content digests, compiled (see content_keys.py).", -1, methods,
+    "The tiers' chained block digests, compiled (see content_keys.py).", -1, methods,
     NULL, NULL, NULL, NULL,
 };
 

@@ -34,7 +34,8 @@ from kvbm_plugin.tiers.content_keys import Signature as Signature
 from kvbm_plugin.tiers.content_keys import TierName as TierName
 from kvbm_plugin.tiers.content_keys import block_keys as block_keys
 from kvbm_plugin.tiers.content_keys import block_path as block_path
-from kvbm_plugin.tiers.content_keys import chain_key as chain_key
+from kvbm_plugin.tiers.content_keys import chain_digest as chain_digest
+from kvbm_plugin.tiers.content_keys import key_of as key_of
 from kvbm_plugin.tiers.content_keys import stat_signature as stat_signature
 from kvbm_plugin.tiers.index import TierFullError as TierFullError
 from kvbm_plugin.tiers.index import TierIndex as TierIndex

@@ -37,7 +37,7 @@ def test_an_announcement_round_trips_every_field() -> None:
     assert decode(frame, SECRET) == (42, 7, 5, [root, child], [None, "ab12"])
 
 
-def _message(*, magic="kvbm-shared", version=2, sender=1, seq=0, time_ms=0,
+def _message(*, magic="kvbm-shared", version=3, sender=1, seq=0, time_ms=0,
              blocks=None) -> bytes:
     if blocks is None:
         blocks = [[b"\x01" * 16, None, 1, None, [1, 2], None, None, None]]
@@ -68,6 +68,7 @@ def _signed(body: bytes) -> bytes:
     (_signed(msgpack.packb({"a": 1})), "6-item array"),
     (_message(magic="other"), "magic"),
     (_message(version=1), "version"),
+    (_message(version=2), "version"),  # the digests of the earlier form
     (_message(sender=-1), "sender"),
     (_message(seq="0"), "seq"),
     (_message(time_ms=-5), "time_ms"),

@@ -80,7 +80,7 @@ __all__ = ["Announcement", "AnnouncementError", "Announcer", "Unauthenticated",
 logger = logging.getLogger(__name__)
 
 MAGIC: Final = "kvbm-shared"
-VERSION: Final = 2
+VERSION: Final = 3  # 3: the block digests of content_keys.chain_digest
 ANNOUNCE_PORT_OFFSET: Final = 2000  # default port: DYN_KVBM_LEADER_ZMQ_PUB_PORT + this + dp
 # A larger frame is refused by the SUB (ZMQ_MAXMSGSIZE). 256 blocks of 128 tokens take about
 # 200 KiB; a sender splits a message that would be larger (publish()).

@@ -6,53 +6,39 @@ and in every worker (key strings for its own rank).
 
 A key is ``<namespace>/<model key>/<shard>/lg<layer group>/t<tokens per block>b<bytes per
 page>/<dtype>.<layout>/<content digest, 32 hex>``; ``<shard>`` is ``w<world>r<rank>``, or
-``replicated`` for pages identical on every rank (MLA). The content digest is a 128-bit blake2b
-chained over the block's tokens and its parent's digest, seeded by the request's reuse scope
-(cache salt, LoRA task id with task 0 an adapter, multimodal keys:
-:func:`kvbm_plugin.wire.identity.request_scope`). Everything that changes the bytes of a page
-is in the key: another model, TP shard, block size, page size, dtype or layout is another key.
+``replicated`` for pages identical on every rank (MLA). The content digest is a 128-bit
+BLAKE2b chained over the block's tokens and its parent's digest, with the request's reuse
+scope (cache salt, LoRA task id with task 0 an adapter, multimodal keys:
+:func:`kvbm_plugin.wire.identity.request_scope`): ``content_keys.chain_digest``, whose first
+8 bytes are the block's key in this engine's host and disk tiers. Everything that changes the
+bytes of a page is in the key: another model, TP shard, block size, page size, dtype or layout
+is another key.
 """
 
 from __future__ import annotations
 
-import hashlib
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvbm_plugin.tiers.content_keys import chained_digests
+from kvbm_plugin.tiers.content_keys import DIGEST_BYTES, block_digests, chain_digest
 
-DIGEST_BYTES = 16
-_PERSON = b"kvbm-shared"
-# The digest every block key hashes, keyed and sized once; each digest hashes a copy of it
-# (chain_digests: content_keys' own, the same hash).
-_KEYED = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_PERSON)
+__all__ = ["DIGEST_BYTES", "SharedLayout", "chain_digests", "content_digest"]
 
 
 def content_digest(parent: bytes | None, tokens: Sequence[int], scope: str | None) -> bytes:
     """The 16-byte content digest of one full block: its parent's digest (None for a root),
-    its token ids and the reuse scope (None: the base model, no salt, no multimodal keys)."""
-    h = _KEYED.copy()
-    h.update(parent if parent is not None else b"\x00" * DIGEST_BYTES)
-    h.update(_scope_bytes(scope))
-    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    return h.digest()
-
-
-def _scope_bytes(scope: str | None) -> bytes:
-    if scope is None:
-        return b"\xff\xff\xff\xff"  # no scope, unlike any encoded scope
-    encoded = scope.encode("utf-8")
-    return struct.pack("<I", len(encoded)) + encoded
+    its token ids and the reuse scope (None: the base model, no salt, no multimodal keys).
+    The tiers' one block digest (``content_keys.chain_digest``): the host and disk tiers' key
+    of a block is this digest's first 8 bytes."""
+    return chain_digest(parent, tokens, scope)
 
 
 def chain_digests(tokens: Sequence[int], block_size: int, scope: str | None, *,
                   start: int = 0, parent: bytes | None = None) -> list[bytes]:
     """Digests of the full blocks ``start..`` of ``tokens`` (``parent``: block ``start - 1``'s):
-    :func:`content_digest` along the chain, computed by ``content_keys.chained_digests``."""
-    return chained_digests(DIGEST_BYTES, _PERSON,
-                           parent if parent is not None else b"\x00" * DIGEST_BYTES,
-                           tokens, block_size, start, before=_scope_bytes(scope))
+    :func:`content_digest` along the chain (the leader keeps them with a request's content
+    keys, computed together: ``content_keys.block_keys``)."""
+    return block_digests(tokens, block_size, scope, start=start, parent=parent)
 
 
 @dataclass(frozen=True)
