@@ -685,3 +685,24 @@ def test_a_run_stops_at_a_block_with_no_device_block() -> None:
         assert leader.stats()["orphan_saves_skipped"] == 1
     finally:
         leader.shutdown()
+
+
+def test_keys_extend_from_the_last_digest_and_refuse_a_mismatch() -> None:
+    """A request's keys are extended from its last digest (the chain continues: the same keys
+    as hashing the whole prompt at once); keys without their digests are refused, never
+    chained from a root."""
+    from kvbm_plugin.leader.offload_planner import _extend_keys
+    from kvbm_plugin.leader.requests import RequestState
+
+    tokens = prompt(40, 23)
+    digests: list[bytes] = []
+    whole = block_keys(tokens, 4, "t", digests=digests)
+    state = RequestState(1, salt="t", tokens=tokens[:12])
+    _extend_keys(state, 4)
+    state.tokens.extend(tokens[12:])
+    _extend_keys(state, 4)
+    assert state.keys == whole and state.digests == digests
+    broken = RequestState(2, tokens=tokens, keys=whole[:2])
+    with pytest.raises(RuntimeError, match="request 2 has 2 content keys but 0 digests"):
+        _extend_keys(broken, 4)
+    assert broken.keys == whole[:2]

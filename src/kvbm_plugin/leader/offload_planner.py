@@ -72,10 +72,7 @@ class OffloadPlanner:
             naming.name_root(state, sink)  # the sink's LoRA names
         bs = self._block_size
         if len(state.keys) < len(state.tokens) // bs:
-            digests = state.digests
-            state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
-                                         parent=digests[-1] if digests else None,
-                                         digests=digests))
+            _extend_keys(state, bs)
         if naming.v2_stream:
             naming.v2_extend(state)  # TensorRT-LLM's own stream: its names, computed
 
@@ -93,10 +90,7 @@ class OffloadPlanner:
         state.tokens.extend(tokens[len(state.tokens):])
         bs = self._block_size
         if len(state.keys) < len(state.tokens) // bs:
-            digests = state.digests
-            state.keys.extend(block_keys(state.tokens, bs, state.salt, start=len(state.keys),
-                                         parent=digests[-1] if digests else None,
-                                         digests=digests))
+            _extend_keys(state, bs)
         self._naming.v2_extend(state)
 
     def event_hash(self, state: RequestState, index: int) -> int:
@@ -242,3 +236,17 @@ class OffloadPlanner:
                 return  # retry from this block next iteration
             named, named_hash = j - 1, hashes[-1]
             parent_in = True
+
+
+def _extend_keys(state: RequestState, block_size: int) -> None:
+    """Hash the request's full blocks past its keys, its digests extended with them (the chain
+    continues from the last digest). The two lists are set, extended and reset together (the
+    match, here, a salt adopted); a request whose lists disagree is a bug, said, never a key
+    chained from the wrong parent."""
+    keys, digests = state.keys, state.digests
+    n = len(keys)
+    if len(digests) != n:
+        raise RuntimeError(f"kvbm_plugin: request {state.req_id} has {n} content keys but "
+                           f"{len(digests)} digests")
+    keys.extend(block_keys(state.tokens, block_size, state.salt, start=n,
+                           parent=digests[-1] if n else None, digests=digests))
