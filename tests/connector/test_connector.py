@@ -706,3 +706,19 @@ def test_keys_extend_from_the_last_digest_and_refuse_a_mismatch() -> None:
     with pytest.raises(RuntimeError, match="request 2 has 2 content keys but 0 digests"):
         _extend_keys(broken, 4)
     assert broken.keys == whole[:2]
+
+
+def test_a_shared_save_run_is_read_as_its_ops() -> None:
+    """The metadata's SharedSaveRun (a planner run's write-throughs, one record) reads as one
+    SharedSaveOp per block, in order, between single ops as given; a run whose fields disagree
+    in length is refused."""
+    from kvbm_plugin.connector.meta import SharedSaveOp, SharedSaveRun, shared_save_ops
+
+    single = SharedSaveOp(5, -1, -1, b"d" * 16, 3, 77)
+    run = SharedSaveRun(10, (1, 2, 4), (30, 31, 33), (b"a" * 16, b"b" * 16, b"c" * 16))
+    assert shared_save_ops((single, run)) == [
+        single, SharedSaveOp(10, 1, 30, b"a" * 16), SharedSaveOp(11, 2, 31, b"b" * 16),
+        SharedSaveOp(12, 4, 33, b"c" * 16)]
+    assert shared_save_ops(()) == []
+    with pytest.raises(ValueError):
+        shared_save_ops((SharedSaveRun(1, (1, 2), (3,), (b"x" * 16,) * 2),))

@@ -185,6 +185,29 @@ def test_a_prefix_computed_by_one_engine_is_loaded_by_the_other_with_its_bytes(s
                 block.data_ptr(), layout.bytes_per_page)
 
 
+def test_a_run_writes_through_only_the_blocks_the_shared_tier_lacks(shared) -> None:
+    """B loads a prefix from the shared tier and computes three more blocks: its host saves
+    are one run of all nine, and only the three new ones are written through (the planner's
+    run with some blocks tracked, one SharedRun of the others); after they settle, A loads
+    all nine from the shared tier."""
+    a, b = shared.engine(), shared.engine()
+    system = prompt(21, 6 * BS)
+    run(a, system + prompt(22, 3))
+    settle(a, b, resident=6)
+    longer = system + prompt(23, 3 * BS + 1)
+    before = b.leader.stats()
+    got = run(b, longer)
+    assert got.matched_shared_tokens == 6 * BS
+    after = b.leader.stats()
+    assert after["saves_scheduled"] - before["saves_scheduled"] == 9
+    assert after["shared_saves_scheduled"] - before["shared_saves_scheduled"] == 3
+    settle(a, b, resident=9)
+    for k in range(6):  # A's copies out of its GPU pool: the match starts at 0
+        run(a, prompt(200 + k, 7 * BS))
+    got = run(a, longer)  # its own host copies, then B's three new blocks
+    assert (got.matched_host_tokens, got.matched_shared_tokens) == (6 * BS, 3 * BS)
+
+
 def test_the_loaded_blocks_are_byte_identical_to_the_writers(shared) -> None:
     import torch
 

@@ -4,10 +4,11 @@ Leader → workers: :class:`ConnectorMetadata`, built by ``KvbmConnectorLeader.b
 on rank 0, pickled and broadcast by TensorRT-LLM, bound on every rank. It is the *only* way a
 worker learns of tier slots: every rank applies the same ops to the same slots, each on its own
 head shard. It is small: tuples of ints, one per block moved. The per-block records
-(:class:`LoadCopy`, :class:`SaveOp`, :class:`DemoteOp`, :class:`SharedSaveOp`, and the workers'
-:class:`OpReport`) are named tuples, at about a third of a frozen dataclass's cost to make
-and to pickle: the ops are made on the executor thread once per block and pickled with the
-metadata where TensorRT-LLM broadcasts it, the reports once per block and rank.
+(:class:`LoadCopy`, :class:`SaveOp`, :class:`DemoteOp`, :class:`SharedSaveOp`, and the
+workers' :class:`OpReport`) are named tuples, at about a third of a frozen dataclass's cost to
+make and to pickle: the ops are made on the executor thread once per block (a run of
+write-throughs once per run: :class:`SharedSaveRun`) and pickled with the metadata where
+TensorRT-LLM broadcasts it, the reports once per block and rank.
 
 Workers → leader: :class:`OpReport` ("op ``op_id`` finished on rank ``r``, ok or failed").
 TensorRT-LLM's connector API has no path from workers back to the scheduler (``get_finished``
@@ -125,6 +126,34 @@ class SharedSaveOp(NamedTuple):
     host_key: int = 0
 
 
+class SharedSaveRun(NamedTuple):
+    """The :class:`SharedSaveOp` s of a run of host saves the leader's planner scheduled
+    together, as one record (made once per run on the executor thread, not once per block):
+    op ``first + k`` writes through the block of host :class:`SaveOp` ``after[k]``, copied
+    from device block ``device_blocks[k]``, under ``digests[k]``. The workers read it as its
+    ops (:func:`shared_save_ops`)."""
+
+    first: int
+    after: tuple[int, ...]
+    device_blocks: tuple[int, ...]
+    digests: tuple[bytes, ...]
+
+
+def shared_save_ops(items: tuple[SharedSaveOp | SharedSaveRun, ...]) -> list[SharedSaveOp]:
+    """``ConnectorMetadata.shared_saves`` as one :class:`SharedSaveOp` per block, a run's in
+    order (every rank, at bind time)."""
+    out: list[SharedSaveOp] = []
+    for item in items:
+        if type(item) is SharedSaveRun:
+            first = item.first
+            out.extend(SharedSaveOp(first + k, after, block, digest)
+                       for k, (after, block, digest) in enumerate(zip(
+                           item.after, item.device_blocks, item.digests, strict=True)))
+        else:
+            out.append(item)
+    return out
+
+
 @dataclass(frozen=True, slots=True)
 class TierLayout:
     """Tier sizes every rank must use; identical in every metadata of one leader."""
@@ -148,7 +177,9 @@ class ConnectorMetadata:
     # every rank drops their unstarted copies into device blocks and waits, in
     # bind_connector_meta, for the started ones, before this iteration's forward or loads.
     fences: tuple[int, ...] = ()
-    shared_saves: tuple[SharedSaveOp, ...] = ()  # each follows one of ``saves``
+    # Each follows one of ``saves`` or is staged from a resident host copy; a run's as one
+    # SharedSaveRun (the workers read them with shared_save_ops)
+    shared_saves: tuple[SharedSaveOp | SharedSaveRun, ...] = ()
 
     def is_empty(self) -> bool:
         return not (self.loads or self.demotes or self.saves or self.fences
@@ -161,7 +192,7 @@ _META_SETTERS: Final = tuple(getattr(ConnectorMetadata, name).__set__ for name i
 
 def make_meta(iteration: int, layout: TierLayout, loads: tuple[LoadOp, ...],
               demotes: tuple[DemoteOp, ...], saves: tuple[SaveOp, ...], fences: tuple[int, ...],
-              shared_saves: tuple[SharedSaveOp, ...]) -> ConnectorMetadata:
+              shared_saves: tuple[SharedSaveOp | SharedSaveRun, ...]) -> ConnectorMetadata:
     """``ConnectorMetadata(...)`` of every field, without the frozen dataclass's
     ``object.__setattr__`` per field (0.6 against 1.4 us warm; the leader's executor thread,
     once per iteration)."""

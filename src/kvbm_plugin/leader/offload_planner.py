@@ -155,7 +155,7 @@ class OffloadPlanner:
                 present, here = index.probe(key)
                 if here:
                     if present is not None:  # not in the shared tier yet?
-                        shared.follow(state, i, present, -1, -1)
+                        shared.follow(state, i, present)
                     state.offload_next += 1
                     parent_in = True
                     continue

@@ -219,15 +219,30 @@ class LoadRun(_Run):
 
 
 class SharedRun(_Run):
-    """The writes-through to the shared tier one planner call (or one host block found
-    resident) scheduled; block ``k`` is the shared tier's write ``entries[k]``
-    (``LeaderSharedTier``'s; ERR_DROPPED among its errors: a rank's write queue was full).
-    Handed back to the shared tier whole (``LeaderSharedTier.run_done``). Not a request's:
-    a write-through outlives its request."""
+    """The writes-through to the shared tier one planner call (or the host copies a match
+    found resident) scheduled, one record for the run (``LeaderSharedTier``'s; ERR_DROPPED
+    among its errors: a rank's write queue was full): write ``k`` (op ``first + k``) puts
+    the block with digest ``entries[k]`` (its parent's ``parents[k]``, None for a root) from
+    host copy ``keys[k]``, scope ``scopes[k]`` (``naming.names.block_scope``), its digest
+    keyed under ``key_scope`` (``request_scope``); ``names[k]`` is the host copy's final name
+    (event hash, parent event hash, token ids) once known, ``done[k]`` 1 once every rank put
+    it. Handed back to the shared tier whole (``LeaderSharedTier.run_done``). Not a
+    request's: a write-through outlives its request."""
 
-    __slots__ = ()
+    __slots__ = ("parents", "keys", "scopes", "key_scope", "names", "done")
     kind = "shared_save"
     req_id = None
+
+    def __init__(self, first: int, digests: list[bytes], parents: list[bytes | None],
+                 keys: list[int], scopes: list[Any], key_scope: str | None,
+                 names: list[tuple[int, int | None, tuple[int, ...]] | None]) -> None:
+        super().__init__(first, digests)
+        self.parents = parents
+        self.keys = keys
+        self.scopes = scopes
+        self.key_scope = key_scope
+        self.names = names
+        self.done = bytearray(len(digests))
 
 
 _R = TypeVar("_R", bound=_Run)
@@ -262,10 +277,13 @@ class OpTable(dict[int, "Op | SaveRun | LoadRun | SharedRun"]):
         consecutive op ids from its ``first`` (:attr:`next_id` before the call)."""
         return self._numbered(LoadRun(req_id, self._next, tiers, entries))
 
-    def new_shared_run(self, writes: list[Any]) -> SharedRun:
-        """Record the writes-through ``writes`` as one :class:`SharedRun`, with consecutive
-        op ids from its ``first``."""
-        return self._numbered(SharedRun(self._next, writes))
+    def new_shared_run(self, digests: list[bytes], parents: list[bytes | None],
+                       keys: list[int], scopes: list[Any], key_scope: str | None,
+                       names: list[Any]) -> SharedRun:
+        """Record the writes-through of ``digests`` (the rest: :class:`SharedRun`'s fields)
+        as one :class:`SharedRun`, with consecutive op ids from its ``first``."""
+        return self._numbered(SharedRun(self._next, digests, parents, keys, scopes, key_scope,
+                                        names))
 
     def new_run(self, tier: str, req_id: int, entries: list[TierEntry],
                 tokens: list[int] | None = None) -> SaveRun:

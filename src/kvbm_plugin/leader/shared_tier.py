@@ -44,11 +44,11 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from itertools import repeat
 from typing import Any, Final
 
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector.meta import ERR_DROPPED, SharedSaveOp, record, shared_layout
+from kvbm_plugin.connector.meta import ERR_DROPPED, SharedSaveOp, SharedSaveRun, shared_layout
 from kvbm_plugin.consolidator_config import CPU_CACHE_GB, SHARED_TIER, ConfigError
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.requests import OpTable, SharedRun
@@ -118,20 +118,6 @@ class SharedPins:
         return False  # likewise: no tier entry of the leader's to drop
 
 
-@dataclass(slots=True)
-class _SharedWrite:
-    """One block's write-through in flight (leader side)."""
-
-    op_id: int
-    digest: bytes
-    parent_digest: bytes | None
-    host_key: int
-    scope: tuple[Any, ...]  # the host copy's (naming.names.block_scope)
-    name: tuple[int, int | None, tuple[int, ...]] | None = None  # the host copy's, announced
-    key_scope: str | None = None  # the reuse scope its digest is keyed under (request_scope)
-    done: bool = False  # every rank reported its put ok
-
-
 class LeaderSharedTier:
     """The leader's shared-tier state (see the module docstring); ``settings`` is None when no
     shared tier is configured (then every method is a cheap no-op)."""
@@ -172,9 +158,11 @@ class LeaderSharedTier:
         self._starter: threading.Thread | None = None
         self._agent_events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._inflight = 0  # writes-through scheduled and not yet reported by every rank
-        self._by_key: dict[int, _SharedWrite] = {}  # host key -> write
-        self._waiting: dict[int, _SharedWrite] = {}  # done, name not known yet
-        self.pending_saves: list[SharedSaveOp] = []
+        # Writes-through in flight or waiting for a name: host key -> (its run, its index in
+        # the run), and (every rank put it, its host copy's name not known yet) op id -> run
+        self._by_key: dict[int, tuple[SharedRun, int]] = {}
+        self._waiting: dict[int, SharedRun] = {}
+        self.pending_saves: list[SharedSaveOp | SharedSaveRun] = []
         self._stats.update(dict.fromkeys(SHARED_STATS, 0))
         if settings is None:
             return
@@ -236,7 +224,7 @@ class LeaderSharedTier:
     def enabled(self) -> bool:
         return self.agent is not None
 
-    def take_saves(self) -> tuple[SharedSaveOp, ...]:
+    def take_saves(self) -> tuple[SharedSaveOp | SharedSaveRun, ...]:
         """The write-throughs scheduled since the last call (this iteration's metadata)."""
         out = tuple(self.pending_saves)
         self.pending_saves = []
@@ -263,19 +251,20 @@ class LeaderSharedTier:
 
     # ------------------------------------------------------------ write-through
 
-    def follow(self, state: Any, index: int, entry: Any, host_op: int,
-               device_block: int) -> None:
-        """A host save of block ``index`` was scheduled (op ``host_op``, into ``entry``), or
-        (``host_op`` -1) the block is resident in the host tier: write it through to the
-        shared tier in the same metadata, unless the shared tier has it or is writing it
-        already. So a block whose write-through failed (the store was down) is written again
-        the next time a request uses its host copy. Executor thread."""
+    def follow(self, state: Any, index: int, entry: Any) -> None:
+        """Block ``index`` of the request is resident in the host tier (``entry``): write it
+        through to the shared tier in the next metadata, unless the shared tier has it or is
+        writing it already. So a block whose write-through failed (the store was down) is
+        written again the next time a request uses its host copy. Executor thread."""
         digests = state.digests
         if index >= len(digests) or not self._ready(1):
             return
-        write = self._follow(state, digests, index, entry)
-        if write is not None:
-            self._schedule([write], [(host_op, device_block, entry)])
+        digest = digests[index]
+        assert self.directory is not None
+        if entry.key in self._by_key or digest in self._in_hand \
+                or self.directory.is_tracked(digest):
+            return
+        self._write_resident(state, [index], [entry])
 
     def follow_resident(self, state: Any, start: int, stop: int, host: Any) -> None:
         """:meth:`follow` of each of the request's blocks ``start..stop - 1``, resident in
@@ -292,62 +281,88 @@ class LeaderSharedTier:
         assert self.directory is not None
         run = digests[start:stop]
         tracked = self.directory.tracked(run)
+        if False not in tracked:
+            return  # (most runs loaded back: every block written through before)
         keys, by_key, in_hand = state.keys, self._by_key, self._in_hand
-        writes: list[_SharedWrite] = []
-        sources: list[tuple[int, int, Any]] = []
+        indices: list[int] = []
+        entries: list[Any] = []
         for k, digest in enumerate(run):
             if tracked[k] or keys[start + k] in by_key or digest in in_hand:
-                continue  # (most blocks of a run loaded back: written through before)
-            entry, _ = host.probe(keys[start + k])
-            if entry is None:
                 continue
-            write = self._follow(state, digests, start + k, entry)
-            if write is not None:
-                writes.append(write)
-                sources.append((-1, -1, entry))
-        if writes:
-            self._schedule(writes, sources)
+            entry, _ = host.probe(keys[start + k])
+            if entry is not None:
+                indices.append(start + k)
+                entries.append(entry)
+        if indices:
+            self._write_resident(state, indices, entries)
 
     def follow_run(self, state: Any, start: int, entries: Sequence[Any], first_op: int,
                    blocks: Sequence[int]) -> None:
         """:meth:`follow` of each host save of a run the planner scheduled together: block
         ``start + k`` into ``entries[k]`` by op ``first_op + k`` from device block
-        ``blocks[k]``, the agent's availability and the request's digests looked at once.
-        Executor thread."""
+        ``blocks[k]``, as one :class:`SharedRun` and one
+        :class:`~kvbm_plugin.connector.meta.SharedSaveRun` (the workers stage each block in
+        the host copy batch of its save). The directory is asked once for the run (under one
+        hold of its lock); the run's scope is one (one ``reserve_chain``'s). Where no block
+        of the run is tracked or being written (a prompt's new blocks), the records are made
+        from slices of the request's digests and keys, not block by block. Executor
+        thread."""
         digests = state.digests
         if not self._ready(len(entries)):
             return
         n = min(len(entries), len(digests) - start)
         if n <= 0:
             return
-        # :meth:`_follow` and :meth:`_schedule` of each in one pass, its reads made once for
-        # the run: the directory under one hold of its lock, the run's one scope (one
-        # reserve_chain's), the keys the planner's entries hold (entry k: keys[start + k]),
-        # the op ids the run's writes are numbered with (consecutive from the table's next).
         assert self.directory is not None
         run = digests[start:start + n]
         tracked = self.directory.tracked(run)
-        keys, scope, salt = state.keys, entries[0].scope, state.salt
-        by_key, in_hand, pending = self._by_key, self._in_hand, self.pending_saves
-        op_id = first = self._ops.next_id
-        writes: list[_SharedWrite] = []
-        for k in range(n):
-            key, digest = keys[start + k], run[k]
-            if tracked[k] or key in by_key or digest in in_hand:
-                continue
-            i = start + k
-            write = by_key[key] = _SharedWrite(op_id, digest, digests[i - 1] if i else None,
-                                               key, scope, None, salt)
-            writes.append(write)
-            # (built from its fields' tuple: no NamedTuple __new__ per block)
-            pending.append(record(SharedSaveOp, (op_id, first_op + k, blocks[k], digest, -1,
-                                                 0)))
-            op_id += 1
-        if writes:
-            numbered = self._ops.new_shared_run(writes)  # (its ids: first, first + 1, ...)
-            assert numbered.first == first
-            self._inflight += len(writes)
-            self._stats["shared_saves_scheduled"] += len(writes)
+        keys = state.keys[start:start + n]
+        parents = digests[start - 1:start + n - 1] if start else [None, *run[:-1]]
+        by_key, in_hand = self._by_key, self._in_hand
+        if True in tracked or not by_key.keys().isdisjoint(keys) \
+                or not in_hand.keys().isdisjoint(run):
+            keep = [k for k in range(n)
+                    if not (tracked[k] or keys[k] in by_key or run[k] in in_hand)]
+            if not keep:
+                return
+            run = [run[k] for k in keep]
+            parents = [parents[k] for k in keep]
+            keys = [keys[k] for k in keep]
+            after = tuple(first_op + k for k in keep)
+            devices = tuple(blocks[k] for k in keep)
+        else:
+            after = tuple(range(first_op, first_op + n))
+            devices = tuple(blocks[:n])
+        m = len(run)
+        written = self._ops.new_shared_run(run, parents, keys, [entries[0].scope] * m,
+                                           state.salt, [None] * m)
+        first = written.first
+        by_key.update(zip(keys, zip(repeat(written), range(m)), strict=True))
+        self.pending_saves.append(SharedSaveRun(first, after, devices, tuple(run)))
+        self._inflight += m
+        self._stats["shared_saves_scheduled"] += m
+
+    def _write_resident(self, state: Any, indices: list[int], entries: list[Any]) -> None:
+        """Write the request's blocks ``indices`` through from their resident host copies
+        ``entries`` (one :class:`SharedRun`; a ``SharedSaveOp`` each, staged by every rank
+        from the host slot). A copy already announced gives the write its name now."""
+        digests = state.digests
+        run = [digests[i] for i in indices]
+        keys = [entry.key for entry in entries]
+        waiting_for_name = self._tiers.waiting_for_name
+        names = [None if (TIER_HOST, entry.key) in waiting_for_name
+                 else (entry.event_hash, entry.parent_event_hash, tuple(entry.token_ids))
+                 for entry in entries]
+        written = self._ops.new_shared_run(
+            run, [digests[i - 1] if i else None for i in indices], keys,
+            [entry.scope for entry in entries], state.salt, names)
+        first = written.first
+        self._by_key.update(zip(keys, zip(repeat(written), range(len(keys))), strict=True))
+        pending = self.pending_saves
+        for k, entry in enumerate(entries):
+            pending.append(SharedSaveOp(first + k, -1, -1, run[k], entry.slot, entry.key))
+        self._inflight += len(run)
+        self._stats["shared_saves_scheduled"] += len(run)
 
     def _ready(self, n: int) -> bool:
         """Whether blocks are written through now: False (counted for ``n`` blocks where the
@@ -359,43 +374,6 @@ class LeaderSharedTier:
             self._stats["shared_saves_skipped_unavailable"] += n
             return False
         return True
-
-    def _follow(self, state: Any, digests: list[bytes], index: int,
-                entry: Any) -> _SharedWrite | None:
-        """The write-through of block ``index`` (its host copy ``entry``), None where the
-        shared tier has it or is writing it already (its op id is given by :meth:`_schedule`)."""
-        digest = digests[index]
-        key = entry.key
-        assert self.directory is not None
-        if key in self._by_key or digest in self._in_hand or self.directory.is_tracked(digest):
-            return None
-        write = _SharedWrite(-1, digest, digests[index - 1] if index else None, key,
-                             entry.scope, key_scope=state.salt)
-        self._by_key[key] = write
-        return write
-
-    def _schedule(self, writes: list[_SharedWrite],
-                  sources: list[tuple[int, int, Any]]) -> None:
-        """Number ``writes`` as one :class:`SharedRun` and put their ``SharedSaveOp`` s in the
-        next metadata; ``sources[k]``: write ``k``'s (host save op, device block, host entry),
-        the op -1 where the host copy is resident already (read from its slot)."""
-        first = self._ops.new_shared_run(writes).first
-        pending = self.pending_saves
-        waiting_for_name = self._tiers.waiting_for_name
-        for k, write in enumerate(writes):
-            write.op_id = op_id = first + k
-            host_op, device_block, entry = sources[k]
-            if host_op < 0:
-                if (TIER_HOST, write.host_key) not in waiting_for_name:  # announced: final
-                    write.name = (entry.event_hash, entry.parent_event_hash,
-                                  tuple(entry.token_ids))
-                pending.append(SharedSaveOp(op_id, -1, -1, write.digest, entry.slot,
-                                            write.host_key))
-            else:  # (built from its fields' tuple: no NamedTuple __new__ per block)
-                pending.append(record(SharedSaveOp, (op_id, host_op, device_block,
-                                                      write.digest, -1, 0)))
-        self._inflight += len(writes)
-        self._stats["shared_saves_scheduled"] += len(writes)
 
     def host_copy_announced(self, index: Any,
                             announced: list[tuple[Any, tuple[Any, ...]]]) -> None:
@@ -409,76 +387,84 @@ class LeaderSharedTier:
             write = by_key.get(entry.key)
             if write is None:
                 continue
+            run, k = write
             event_hash, parent_hash, tokens = name
-            write.name = (event_hash, parent_hash, tuple(tokens))
-            if write.done:
-                self._commit(write)
+            run.names[k] = (event_hash, parent_hash, tuple(tokens))
+            if run.done[k]:
+                self._commit(run, k)
 
     def run_done(self, run: SharedRun) -> None:
         """Every rank reported every block of ``run`` (leader, under its lock): each write
         that every rank did is committed (or waits for its host copy's name); any other is
         forgotten."""
         errors = run.errors
-        self._inflight -= len(run.entries)
+        n = len(run.entries)
+        self._inflight -= n
         if errors is None and self.agent is not None:
             # Every write succeeded: each named one committed here (_save_done and _commit
-            # inline, the run's one scope's extra keys made once), the others as any.
+            # inline, each scope's extra keys made once), the others as any.
             commits, by_key, waiting = self._commits, self._by_key, self._waiting
+            digests, parents, keys, names = run.entries, run.parents, run.keys, run.names
+            scopes, key_scope, done, first = run.scopes, run.key_scope, run.done, run.first
             scope, extra = None, None
             committed = 0
-            for write in run.entries:
-                name = write.name
+            for k in range(n):
+                name = names[k]
                 if name is None:
-                    self._save_done(write)
+                    self._save_done(run, k)
                     continue
-                write.done = True
-                if write.scope is not scope:
-                    scope, extra = write.scope, scope_extra_keys(write.scope)
-                commits.append(((write.digest, write.parent_digest, name[0], name[1],
-                                 name[2], scope[0], extra), write.key_scope))
+                done[k] = 1
+                if scopes[k] is not scope:
+                    scope = scopes[k]
+                    extra = scope_extra_keys(scope)
+                commits.append(((digests[k], parents[k], name[0], name[1], name[2], scope[0],
+                                 extra), key_scope))
                 committed += 1
                 if waiting:
-                    waiting.pop(write.op_id, None)
-                if by_key.get(write.host_key) is write:
-                    del by_key[write.host_key]
+                    waiting.pop(first + k, None)
+                write = by_key.get(keys[k])
+                if write is not None and write[0] is run and write[1] == k:
+                    del by_key[keys[k]]
             self._stats["shared_saves_committed"] += committed
             return
-        for k, write in enumerate(run.entries):
+        for k in range(n):
             if errors is not None and errors[k]:
                 self._stats["shared_saves_failed"] += 1
                 if errors[k] >> ERR_DROPPED & 1:
                     self._stats["shared_writes_dropped"] += 1  # a rank's write queue was full
-                self._forget(write)
+                self._forget(run, k)
             else:
-                self._save_done(write)
+                self._save_done(run, k)
 
-    def _save_done(self, write: _SharedWrite) -> None:
-        """Every rank wrote ``write`` through."""
-        write.done = True
-        if write.name is not None:
-            self._commit(write)
+    def _save_done(self, run: SharedRun, k: int) -> None:
+        """Every rank wrote write ``k`` of ``run`` through."""
+        run.done[k] = 1
+        if run.names[k] is not None:
+            self._commit(run, k)
             return
-        host = self._tiers.host.get(write.host_key) if self._tiers.host is not None else None
+        host = self._tiers.host.get(run.keys[k]) if self._tiers.host is not None else None
         if host is None:
             self._stats["shared_saves_unnamed"] += 1
-            self._forget(write)
+            self._forget(run, k)
             return
-        self._waiting[write.op_id] = write  # its host copy is announced later
+        self._waiting[run.first + k] = run  # its host copy is announced later
         while len(self._waiting) > MAX_WAITING:
-            oldest = next(iter(self._waiting.values()))
+            op_id, oldest = next(iter(self._waiting.items()))
             self._stats["shared_saves_unnamed"] += 1
-            self._forget(oldest)
+            self._forget(oldest, op_id - oldest.first)
 
-    def _commit(self, write: _SharedWrite) -> None:
-        assert write.name is not None and self.agent is not None
-        event_hash, parent_hash, tokens = write.name
+    def _commit(self, run: SharedRun, k: int) -> None:
+        name = run.names[k]
+        assert name is not None and self.agent is not None
+        event_hash, parent_hash, tokens = name
+        scope = run.scopes[k]
         # (the block's fields: the agent's thread makes and checks the block when it takes
         # wake_agent's hand-over)
         self._commits.append(((
-            write.digest, write.parent_digest, event_hash, parent_hash, tokens, write.scope[0],
-            scope_extra_keys(write.scope)), write.key_scope))
+            run.entries[k], run.parents[k], event_hash, parent_hash, tokens, scope[0],
+            scope_extra_keys(scope)), run.key_scope))
         self._stats["shared_saves_committed"] += 1
-        self._forget(write)
+        self._forget(run, k)
 
     def wake_agent(self, forget_queued: bool = True) -> None:
         """Hand the agent the blocks committed since the last call and wake its thread once:
@@ -511,10 +497,12 @@ class LeaderSharedTier:
             for digest in digests:
                 in_hand[digest] = None
 
-    def _forget(self, write: _SharedWrite) -> None:
-        self._waiting.pop(write.op_id, None)
-        if self._by_key.get(write.host_key) is write:
-            del self._by_key[write.host_key]
+    def _forget(self, run: SharedRun, k: int) -> None:
+        op_id, key = run.first + k, run.keys[k]
+        self._waiting.pop(op_id, None)
+        write = self._by_key.get(key)
+        if write is not None and write[0] is run and write[1] == k:
+            del self._by_key[key]
 
     # ------------------------------------------------------------ events, stats, shutdown
 
@@ -543,10 +531,11 @@ class LeaderSharedTier:
         # commits of blocks whose host copy was named since (announce_named)
         self.wake_agent(forget_queued=False)
         if self._waiting and self._tiers.host is not None:
-            for write in list(self._waiting.values()):
-                if self._tiers.host.get(write.host_key) is None:
+            for op_id, run in list(self._waiting.items()):
+                k = op_id - run.first
+                if self._tiers.host.get(run.keys[k]) is None:
                     self._stats["shared_saves_unnamed"] += 1
-                    self._forget(write)
+                    self._forget(run, k)
 
     def _on_store(self, block: SharedBlock) -> None:
         """The agent made ``block`` resident (agent thread). A thread-safe target (the

@@ -37,6 +37,7 @@ from kvbm_plugin.connector.meta import (
     LoadOp,
     SaveOp,
     SharedSaveOp,
+    shared_save_ops,
 )
 from kvbm_plugin.tiers.base import OffloadTier
 from kvbm_plugin.worker.copy_engine import CopyEngine
@@ -227,8 +228,9 @@ class TransferThread:
         host_ops: list[SaveOp] = []
         # Write-through to the shared tier: staged from its host slot now (before this job's
         # saves may reuse it), or in the host copy batch of the same block.
-        followers = {op.after: op for op in meta.shared_saves if op.after >= 0}
-        from_host = [op for op in meta.shared_saves if op.after < 0]
+        shared_ops = shared_save_ops(meta.shared_saves) if meta.shared_saves else ()
+        followers = {op.after: op for op in shared_ops if op.after >= 0}
+        from_host = [op for op in shared_ops if op.after < 0]
         for op in from_host if tiers.shared is None else ():
             report(op.op_id, False, ERR_FAILED)
         if from_host and tiers.shared is not None:
