@@ -12,6 +12,7 @@ import pytest
 from _engines import prompt, tiers
 from _kvwire import wait_until
 
+from kvbm_plugin.connector.meta import save_ops
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.consolidator_config import ConfigError
 from kvbm_plugin.testing.engine import SimulatedEngine
@@ -516,7 +517,7 @@ def test_a_generation_step_that_fills_no_block_costs_no_planning(monkeypatch) ->
         assert leader.get_num_new_matched_tokens(LlmRequest(1, tokens), 0) == (0, False)
         meta = leader.build_connector_meta(SchedulerOutput(new_requests=[
             RequestData(1, tokens, [0, 1, 2], 0, 9, list(chain))]))
-        assert len(meta.saves) == 2
+        assert len(save_ops(meta.saves)) == 2
         state = leader._reqs[1]
         hashes = state.event_hashes
         walks = []
@@ -530,7 +531,7 @@ def test_a_generation_step_that_fills_no_block_costs_no_planning(monkeypatch) ->
         assert state.event_hashes is hashes
         meta = leader.build_connector_meta(SchedulerOutput(cached_requests=[
             RequestData(1, [502], [], 11, 1, [*chain, 103])]))  # token 12 fills it
-        assert [save.device_block for save in meta.saves] == [2] and walks == [1]
+        assert [save.device_block for save in save_ops(meta.saves)] == [2] and walks == [1]
         assert state.event_hashes == [*chain, 103]
     finally:
         leader.shutdown()
@@ -608,14 +609,15 @@ def test_a_run_the_full_tier_cuts_short_resumes_at_its_first_unreserved_block() 
             assert leader.get_num_new_matched_tokens(request, 0) == (0, False)
         meta = leader.build_connector_meta(SchedulerOutput(new_requests=[
             RequestData(1, a, [0, 1, 2, 3], 0, 13), RequestData(2, b, [4, 5, 6, 7], 0, 13)]))
-        assert [s.req_id for s in meta.saves] == [1, 1, 1, 2]  # a's 3, then room for one of b's
+        # a's 3, then room for one of b's
+        assert [s.req_id for s in save_ops(meta.saves)] == [1, 1, 1, 2]
         assert leader.stats()["tier_full_skips"] == 1 and leader._reqs[2].offload_next == 1
         hub = find_hub("run-cut-short")
-        for save in meta.saves:  # every write done: a's blocks become evictable
+        for save in save_ops(meta.saves):  # every write done: a's blocks become evictable
             hub.put(OpReport(save.op_id, 0, True))
         meta = leader.build_connector_meta(SchedulerOutput(cached_requests=[
             RequestData(2, [9], [], 13, 1)]))
-        assert [(s.req_id, s.device_block) for s in meta.saves] == [(2, 5), (2, 6)]
+        assert [(s.req_id, s.device_block) for s in save_ops(meta.saves)] == [(2, 5), (2, 6)]
         assert leader.stats()["host_evictions"] == 2 and leader._reqs[2].offload_next == 3
         host = leader._tiers.host
         assert all(key in host for key in block_keys(b, 4))
@@ -642,7 +644,7 @@ def test_a_run_of_saves_is_done_when_every_rank_reported_every_block() -> None:
         assert leader.get_num_new_matched_tokens(request, 0) == (0, False)
         meta = leader.build_connector_meta(SchedulerOutput(new_requests=[
             RequestData(1, tokens, [0, 1, 2, 3, 4], 0, 17)]))
-        ids = [s.op_id for s in meta.saves]
+        ids = [s.op_id for s in save_ops(meta.saves)]
         assert len(ids) == 4 and ids == list(range(ids[0], ids[0] + 4))
         assert leader.stats()["ops_inflight"] == 4
         hub = find_hub("save-run-fold")
@@ -681,7 +683,7 @@ def test_a_run_stops_at_a_block_with_no_device_block() -> None:
         assert leader.get_num_new_matched_tokens(LlmRequest(1, tokens), 0) == (0, False)
         meta = leader.build_connector_meta(SchedulerOutput(new_requests=[
             RequestData(1, tokens, [5, 6, -1, 8, 9], 0, 17)]))
-        assert [s.device_block for s in meta.saves] == [5, 6]
+        assert [s.device_block for s in save_ops(meta.saves)] == [5, 6]
         assert leader.stats()["orphan_saves_skipped"] == 1
     finally:
         leader.shutdown()
@@ -709,16 +711,61 @@ def test_keys_extend_from_the_last_digest_and_refuse_a_mismatch() -> None:
 
 
 def test_a_shared_save_run_is_read_as_its_ops() -> None:
-    """The metadata's SharedSaveRun (a planner run's write-throughs, one record) reads as one
+    """The metadata's SharedSaveOpRun (a planner run's write-throughs, one record) reads as one
     SharedSaveOp per block, in order, between single ops as given; a run whose fields disagree
     in length is refused."""
-    from kvbm_plugin.connector.meta import SharedSaveOp, SharedSaveRun, shared_save_ops
+    from kvbm_plugin.connector.meta import SharedSaveOp, SharedSaveOpRun, shared_save_ops
 
     single = SharedSaveOp(5, -1, -1, b"d" * 16, 3, 77)
-    run = SharedSaveRun(10, (1, 2, 4), (30, 31, 33), (b"a" * 16, b"b" * 16, b"c" * 16))
+    run = SharedSaveOpRun(10, (1, 2, 4), (30, 31, 33), (b"a" * 16, b"b" * 16, b"c" * 16))
     assert shared_save_ops((single, run)) == [
         single, SharedSaveOp(10, 1, 30, b"a" * 16), SharedSaveOp(11, 2, 31, b"b" * 16),
         SharedSaveOp(12, 4, 33, b"c" * 16)]
     assert shared_save_ops(()) == []
     with pytest.raises(ValueError):
-        shared_save_ops((SharedSaveRun(1, (1, 2), (3,), (b"x" * 16,) * 2),))
+        shared_save_ops((SharedSaveOpRun(1, (1, 2), (3,), (b"x" * 16,) * 2),))
+
+
+def test_a_save_run_is_read_as_its_ops_and_counted_per_request() -> None:
+    """The metadata's SaveOpRun (a planner run's saves, one record) reads as one SaveOp per
+    block, in order, with each block's layer-group pages where it has them; the worker's
+    transfer thread reads a metadata's runs as ops (ops_of: the same object where it has
+    none); request progress counts a run's blocks at bind time."""
+    from kvbm_plugin.connector.meta import (
+        HOST,
+        ConnectorMetadata,
+        SaveOp,
+        SaveOpRun,
+        SharedSaveOp,
+        SharedSaveOpRun,
+        TierLayout,
+        ops_of,
+        save_count,
+    )
+    from kvbm_plugin.worker.load_errors import LoadErrorRecord
+    from kvbm_plugin.worker.request_progress import RequestProgress
+    from kvbm_plugin.worker.transfer_counters import TransferCounters
+
+    run = SaveOpRun(7, 3, HOST, (10, 11), (0, 1), (101, 102))
+    grouped = SaveOpRun(9, 4, HOST, (12,), (2,), (103,), ((12, 40),))
+    single = SaveOp(20, 5, 13, HOST, 3, 104)
+    assert save_ops((run, single, grouped)) == [
+        SaveOp(7, 3, 10, HOST, 0, 101), SaveOp(8, 3, 11, HOST, 1, 102), single,
+        SaveOp(9, 4, 12, HOST, 2, 103, (12, 40))]
+    assert [save_count(x) for x in (run, single, grouped)] == [2, 1, 1]
+    layout = TierLayout(8, 0, None)
+    plain = ConnectorMetadata(1, layout, saves=(single,))
+    assert ops_of(plain) is plain
+    meta = ConnectorMetadata(2, layout, saves=(run,), shared_saves=(
+        SharedSaveOpRun(30, (7, 8), (10, 11), (b"a" * 16, b"b" * 16)),))
+    read = ops_of(meta)
+    assert read.saves == (SaveOp(7, 3, 10, HOST, 0, 101), SaveOp(8, 3, 11, HOST, 1, 102))
+    assert read.shared_saves == (SharedSaveOp(30, 7, 10, b"a" * 16),
+                                 SharedSaveOp(31, 8, 11, b"b" * 16))
+    counters = TransferCounters()
+    progress = RequestProgress(0, counters, LoadErrorRecord(0, counters))
+    progress.expect(ConnectorMetadata(3, layout, saves=(run, single)))
+    progress.save_ended([3])
+    assert progress.finished([3, 5], []) == ([], [])  # one of the run's two still in flight
+    progress.save_ended([3, 5])
+    assert progress.finished([], []) == ([3, 5], [])

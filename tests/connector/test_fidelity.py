@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from _engines import OFF, prompt, tiers
 
+from kvbm_plugin.connector.meta import save_ops
 from kvbm_plugin.consolidator.service import SOURCE_ENGINE, SOURCE_TIERS, ConsolidatorCore
 from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
@@ -514,8 +515,8 @@ def test_blocks_loaded_from_the_host_tier_are_passed_and_offloaded_again_once_go
         assert keys[4] not in host and keys[5] not in host
     meta = leader.build_connector_meta(SchedulerOutput(new_requests=[
         RequestData(960, a, ids, 16 if gone else 24, 9 if gone else 1)]))
-    assert [save.key for save in meta.saves] == (keys[4:6] if gone else [])
-    assert [save.device_block for save in meta.saves] == (ids[4:6] if gone else [])
+    assert [save.key for save in save_ops(meta.saves)] == (keys[4:6] if gone else [])
+    assert [save.device_block for save in save_ops(meta.saves)] == (ids[4:6] if gone else [])
     assert leader._reqs[960].host_matched is None
 
 

@@ -6,9 +6,10 @@ worker learns of tier slots: every rank applies the same ops to the same slots, 
 head shard. It is small: tuples of ints, one per block moved. The per-block records
 (:class:`LoadCopy`, :class:`SaveOp`, :class:`DemoteOp`, :class:`SharedSaveOp`, and the
 workers' :class:`OpReport`) are named tuples, at about a third of a frozen dataclass's cost to
-make and to pickle: the ops are made on the executor thread once per block (a run of
-write-throughs once per run: :class:`SharedSaveRun`) and pickled with the metadata where
-TensorRT-LLM broadcasts it, the reports once per block and rank.
+make and to pickle: the ops are made on the executor thread once per block (a planner run's
+saves and write-throughs once per run: :class:`SaveOpRun`, :class:`SharedSaveOpRun`) and
+pickled with the metadata where TensorRT-LLM broadcasts it, the reports once per block and
+rank.
 
 Workers → leader: :class:`OpReport` ("op ``op_id`` finished on rank ``r``, ok or failed").
 TensorRT-LLM's connector API has no path from workers back to the scheduler (``get_finished``
@@ -23,6 +24,7 @@ or, for workers in other processes, a ZMQ PUSH → PULL channel to the leader's 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -126,7 +128,45 @@ class SharedSaveOp(NamedTuple):
     host_key: int = 0
 
 
-class SharedSaveRun(NamedTuple):
+class SaveOpRun(NamedTuple):
+    """The :class:`SaveOp` s of a run of blocks the leader's planner reserved together, as one
+    record (made once per run on the executor thread, and pickled with the metadata, not once
+    per block): op ``first + k`` copies device block ``device_blocks[k]`` (``pages[k]``: every
+    layer group's page, ``()`` for a one-group model, as each op's ``pages``) into slot
+    ``slots[k]`` of tier ``tier`` under content key ``keys[k]``, for request ``req_id``. The
+    workers count it per request at bind time and read it as its ops on their transfer
+    thread (:func:`save_ops`)."""
+
+    first: int
+    req_id: int
+    tier: int
+    device_blocks: tuple[int, ...]
+    slots: tuple[int, ...]
+    keys: tuple[int, ...]
+    pages: tuple[tuple[int, ...], ...] = ()
+
+
+def save_ops(items: tuple[SaveOp | SaveOpRun, ...]) -> list[SaveOp]:
+    """``ConnectorMetadata.saves`` as one :class:`SaveOp` per block, a run's in order."""
+    out: list[SaveOp] = []
+    for item in items:
+        if type(item) is SaveOpRun:
+            first, req_id, tier = item.first, item.req_id, item.tier
+            pages = item.pages or ((),) * len(item.device_blocks)
+            out.extend(SaveOp(first + k, req_id, block, tier, slot, key, group_pages)
+                       for k, (block, slot, key, group_pages) in enumerate(zip(
+                           item.device_blocks, item.slots, item.keys, pages, strict=True)))
+        else:
+            out.append(item)
+    return out
+
+
+def save_count(item: SaveOp | SaveOpRun) -> int:
+    """How many blocks one item of ``ConnectorMetadata.saves`` saves."""
+    return len(item.device_blocks) if type(item) is SaveOpRun else 1
+
+
+class SharedSaveOpRun(NamedTuple):
     """The :class:`SharedSaveOp` s of a run of host saves the leader's planner scheduled
     together, as one record (made once per run on the executor thread, not once per block):
     op ``first + k`` writes through the block of host :class:`SaveOp` ``after[k]``, copied
@@ -139,12 +179,12 @@ class SharedSaveRun(NamedTuple):
     digests: tuple[bytes, ...]
 
 
-def shared_save_ops(items: tuple[SharedSaveOp | SharedSaveRun, ...]) -> list[SharedSaveOp]:
+def shared_save_ops(items: tuple[SharedSaveOp | SharedSaveOpRun, ...]) -> list[SharedSaveOp]:
     """``ConnectorMetadata.shared_saves`` as one :class:`SharedSaveOp` per block, a run's in
     order (every rank, at bind time)."""
     out: list[SharedSaveOp] = []
     for item in items:
-        if type(item) is SharedSaveRun:
+        if type(item) is SharedSaveOpRun:
             first = item.first
             out.extend(SharedSaveOp(first + k, after, block, digest)
                        for k, (after, block, digest) in enumerate(zip(
@@ -171,19 +211,30 @@ class ConnectorMetadata:
     layout: TierLayout
     loads: tuple[LoadOp, ...] = ()
     demotes: tuple[DemoteOp, ...] = ()  # executed before ``saves`` on every rank
-    saves: tuple[SaveOp, ...] = ()
+    saves: tuple[SaveOp | SaveOpRun, ...] = ()  # a planner run's as one SaveOpRun
     # Requests TensorRT-LLM terminated without telling the connector (a cancel; upstream frees
     # their blocks at once, even during an async load, and may hand them to another request):
     # every rank drops their unstarted copies into device blocks and waits, in
     # bind_connector_meta, for the started ones, before this iteration's forward or loads.
     fences: tuple[int, ...] = ()
     # Each follows one of ``saves`` or is staged from a resident host copy; a run's as one
-    # SharedSaveRun (the workers read them with shared_save_ops)
-    shared_saves: tuple[SharedSaveOp | SharedSaveRun, ...] = ()
+    # SharedSaveOpRun (the workers read them with shared_save_ops)
+    shared_saves: tuple[SharedSaveOp | SharedSaveOpRun, ...] = ()
 
     def is_empty(self) -> bool:
         return not (self.loads or self.demotes or self.saves or self.fences
                     or self.shared_saves)
+
+
+def ops_of(meta: ConnectorMetadata) -> ConnectorMetadata:
+    """``meta`` with its saves and write-throughs one op per block (:func:`save_ops`,
+    :func:`shared_save_ops`): the worker's transfer thread, before it runs a save job (what
+    reads the job after that sees ops only)."""
+    if not any(type(op) is SaveOpRun for op in meta.saves) \
+            and not any(type(op) is SharedSaveOpRun for op in meta.shared_saves):
+        return meta
+    return dataclasses.replace(meta, saves=tuple(save_ops(meta.saves)),
+                               shared_saves=tuple(shared_save_ops(meta.shared_saves)))
 
 
 _META_SETTERS: Final = tuple(getattr(ConnectorMetadata, name).__set__ for name in (
@@ -191,8 +242,9 @@ _META_SETTERS: Final = tuple(getattr(ConnectorMetadata, name).__set__ for name i
 
 
 def make_meta(iteration: int, layout: TierLayout, loads: tuple[LoadOp, ...],
-              demotes: tuple[DemoteOp, ...], saves: tuple[SaveOp, ...], fences: tuple[int, ...],
-              shared_saves: tuple[SharedSaveOp | SharedSaveRun, ...]) -> ConnectorMetadata:
+              demotes: tuple[DemoteOp, ...], saves: tuple[SaveOp | SaveOpRun, ...],
+              fences: tuple[int, ...],
+              shared_saves: tuple[SharedSaveOp | SharedSaveOpRun, ...]) -> ConnectorMetadata:
     """``ConnectorMetadata(...)`` of every field, without the frozen dataclass's
     ``object.__setattr__`` per field (0.6 against 1.4 us warm; the leader's executor thread,
     once per iteration)."""

@@ -48,7 +48,7 @@ from itertools import repeat
 from typing import Any, Final
 
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector.meta import ERR_DROPPED, SharedSaveOp, SharedSaveRun, shared_layout
+from kvbm_plugin.connector.meta import ERR_DROPPED, SharedSaveOp, SharedSaveOpRun, shared_layout
 from kvbm_plugin.consolidator_config import CPU_CACHE_GB, SHARED_TIER, ConfigError
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.requests import OpTable, SharedRun
@@ -162,7 +162,7 @@ class LeaderSharedTier:
         # the run), and (every rank put it, its host copy's name not known yet) op id -> run
         self._by_key: dict[int, tuple[SharedRun, int]] = {}
         self._waiting: dict[int, SharedRun] = {}
-        self.pending_saves: list[SharedSaveOp | SharedSaveRun] = []
+        self.pending_saves: list[SharedSaveOp | SharedSaveOpRun] = []
         self._stats.update(dict.fromkeys(SHARED_STATS, 0))
         if settings is None:
             return
@@ -224,7 +224,7 @@ class LeaderSharedTier:
     def enabled(self) -> bool:
         return self.agent is not None
 
-    def take_saves(self) -> tuple[SharedSaveOp | SharedSaveRun, ...]:
+    def take_saves(self) -> tuple[SharedSaveOp | SharedSaveOpRun, ...]:
         """The write-throughs scheduled since the last call (this iteration's metadata)."""
         out = tuple(self.pending_saves)
         self.pending_saves = []
@@ -301,7 +301,7 @@ class LeaderSharedTier:
         """:meth:`follow` of each host save of a run the planner scheduled together: block
         ``start + k`` into ``entries[k]`` by op ``first_op + k`` from device block
         ``blocks[k]``, as one :class:`SharedRun` and one
-        :class:`~kvbm_plugin.connector.meta.SharedSaveRun` (the workers stage each block in
+        :class:`~kvbm_plugin.connector.meta.SharedSaveOpRun` (the workers stage each block in
         the host copy batch of its save). The directory is asked once for the run (under one
         hold of its lock); the run's scope is one (one ``reserve_chain``'s). Where no block
         of the run is tracked or being written (a prompt's new blocks), the records are made
@@ -338,7 +338,7 @@ class LeaderSharedTier:
                                            state.salt, [None] * m)
         first = written.first
         by_key.update(zip(keys, zip(repeat(written), range(m)), strict=True))
-        self.pending_saves.append(SharedSaveRun(first, after, devices, tuple(run)))
+        self.pending_saves.append(SharedSaveOpRun(first, after, devices, tuple(run)))
         self._inflight += m
         self._stats["shared_saves_scheduled"] += m
 

@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from kvbm_plugin.connector.meta import ConnectorMetadata
+from kvbm_plugin.connector.meta import ConnectorMetadata, save_ops
 from kvbm_plugin.connector_leader import KvbmConnectorLeader
 from kvbm_plugin.connector_worker import KvbmConnectorWorker
 from kvbm_plugin.leader.layer_groups import LayerGroups
@@ -425,7 +425,7 @@ class VswaEngine:
         if not isinstance(meta, ConnectorMetadata):
             return
         after = {r.id: r.computed + n for r, n in batch}
-        for op in meta.saves:
+        for op in save_ops(meta.saves):
             for g, page in enumerate(op.pages):
                 if page < 0:
                     continue

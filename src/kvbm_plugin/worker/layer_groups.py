@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
-from kvbm_plugin.connector.meta import ERR_FAILED, ConnectorMetadata, shared_save_ops
+from kvbm_plugin.connector.meta import ERR_FAILED, ConnectorMetadata
 from kvbm_plugin.leader.layer_groups import publish_group_windows
 from kvbm_plugin.worker.layer_group_copies import GroupPages
 from kvbm_plugin.worker.op_reports import OpReporter
@@ -124,7 +124,7 @@ class GroupSaveBarrier:
         for op in failed:
             self._reporter.report(op.op_id, False, ERR_FAILED)
             self._progress.save_ended((op.req_id,))
-        for op in shared_save_ops(meta.shared_saves) if abandoned else ():
+        for op in meta.shared_saves if abandoned else ():
             self._reporter.report(op.op_id, False, ERR_FAILED)
         if abandoned:
             self._counters.add(saves_abandoned=len(meta.saves))

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 
-from kvbm_plugin.connector.meta import ConnectorMetadata
+from kvbm_plugin.connector.meta import ConnectorMetadata, save_count
 from kvbm_plugin.worker.copy_runs import count_down
 from kvbm_plugin.worker.load_errors import LoadErrorRecord
 from kvbm_plugin.worker.transfer_counters import TransferCounters
@@ -54,8 +54,9 @@ class RequestProgress:
     def expect(self, meta: ConnectorMetadata) -> None:
         """Count this iteration's saves and loads per request (``bind_connector_meta``)."""
         with self._lock:
-            for op in meta.saves:
-                self._save_inflight[op.req_id] = self._save_inflight.get(op.req_id, 0) + 1
+            for op in meta.saves:  # (a SaveOpRun: its blocks, counted at once)
+                self._save_inflight[op.req_id] = self._save_inflight.get(op.req_id, 0) \
+                    + save_count(op)
             for load in meta.loads:
                 if load.copies:
                     self._load_inflight[load.req_id] = len(load.copies)

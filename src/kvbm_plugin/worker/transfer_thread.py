@@ -37,7 +37,7 @@ from kvbm_plugin.connector.meta import (
     LoadOp,
     SaveOp,
     SharedSaveOp,
-    shared_save_ops,
+    ops_of,
 )
 from kvbm_plugin.tiers.base import OffloadTier
 from kvbm_plugin.worker.copy_engine import CopyEngine
@@ -151,6 +151,7 @@ class TransferThread:
 
     def _run_save_job(self, meta: ConnectorMetadata, fwd_event: Any,
                       issue: SaveIssue | None) -> None:
+        meta = ops_of(meta)  # a run's records read as its ops, here, off the executor thread
         if issue is None or self._barrier is None:
             self._run_saves(meta, fwd_event)
             return
@@ -228,9 +229,8 @@ class TransferThread:
         host_ops: list[SaveOp] = []
         # Write-through to the shared tier: staged from its host slot now (before this job's
         # saves may reuse it), or in the host copy batch of the same block.
-        shared_ops = shared_save_ops(meta.shared_saves) if meta.shared_saves else ()
-        followers = {op.after: op for op in shared_ops if op.after >= 0}
-        from_host = [op for op in shared_ops if op.after < 0]
+        followers = {op.after: op for op in meta.shared_saves if op.after >= 0}
+        from_host = [op for op in meta.shared_saves if op.after < 0]
         for op in from_host if tiers.shared is None else ():
             report(op.op_id, False, ERR_FAILED)
         if from_host and tiers.shared is not None:
