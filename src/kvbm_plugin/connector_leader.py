@@ -45,6 +45,7 @@ from kvbm_plugin.connector import llm_args as _llm_args
 from kvbm_plugin.connector.meta import (
     ConnectorMetadata,
     LoadOp,
+    SaveOp,
     SaveOpRun,
     TierLayout,
     ZmqReportReceiver,
@@ -449,7 +450,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
             self._completions.apply()
         layout = self._tiers.layout or self._ensure_tiers()
         self._iteration += 1
-        saves: list[SaveOpRun] = []
+        saves: list[SaveOp | SaveOpRun] = []
         first_tier = self._tiers.host if self._tiers.host is not None else self._tiers.disk
         for rd in scheduler_output.new_requests:  # before any of its blocks is stored
             remember_salt_text(rd)  # the salt as clients send it (wire.router_forms)

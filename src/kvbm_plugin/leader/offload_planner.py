@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvbm_plugin.connector.meta import DISK, HOST, SaveOpRun
+from kvbm_plugin.connector.meta import DISK, HOST, SaveOp, SaveOpRun, record
 from kvbm_plugin.leader.layer_groups import LayerGroupPages
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.requests import OpTable, RequestState
@@ -100,7 +100,8 @@ class OffloadPlanner:
         h = self._naming.hash_of(state, index)
         return state.keys[index] if h is None else h
 
-    def schedule(self, state: RequestState, index: TierIndex, saves: list[SaveOpRun]) -> None:
+    def schedule(self, state: RequestState, index: TierIndex,
+                 saves: list[SaveOp | SaveOpRun]) -> None:
         """Offload the request's newly full blocks into ``index`` (the first tier), in chain
         order. A tier holds prefix-closed chains only: a block is offloaded only while its
         parent is in the same tier (pending or resident) or is offloaded in this same job, so
@@ -115,7 +116,8 @@ class OffloadPlanner:
         finally:
             self._tiers.flush_evicted()
 
-    def _schedule(self, state: RequestState, index: TierIndex, saves: list[SaveOpRun]) -> None:
+    def _schedule(self, state: RequestState, index: TierIndex,
+                  saves: list[SaveOp | SaveOpRun]) -> None:
         bs = self._block_size
         tiers, shared, pages, stats = self._tiers, self._shared, self._pages, self._stats
         host = tiers.host
@@ -224,11 +226,18 @@ class OffloadPlanner:
                 first = new_run(tier_name, req_id, entries, run_tokens).first
                 state.saves_inflight.add(first)
                 n = len(entries)  # (entry k holds keys[i + k]; fewer than blocks: tier full)
-                saves.append(SaveOpRun(
-                    first, req_id, tier_code, tuple(blocks[:n]),
-                    tuple([entry.slot for entry in entries]), tuple(keys[i:i + n]),
-                    tuple([pages.save_pages(state, i + k) for k in range(n)]) if grouped
-                    else ()))
+                # One record for the run (a one-block run: its SaveOp), each built from its
+                # fields' tuple (no NamedTuple __new__)
+                if n == 1:
+                    saves.append(record(SaveOp, (
+                        first, req_id, blocks[0], tier_code, entries[0].slot, keys[i],
+                        pages.save_pages(state, i) if grouped else ())))
+                else:
+                    saves.append(record(SaveOpRun, (
+                        first, req_id, tier_code, tuple(blocks[:n]),
+                        tuple([entry.slot for entry in entries]), tuple(keys[i:i + n]),
+                        tuple([pages.save_pages(state, i + k) for k in range(n)]) if grouped
+                        else ())))
                 if write_through:  # to the shared tier, when there is one
                     shared.follow_run(state, i, entries, first, blocks)
             stats["saves_scheduled"] += len(entries)

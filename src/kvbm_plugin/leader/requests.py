@@ -229,7 +229,7 @@ class SharedRun(_Run):
     it. Handed back to the shared tier whole (``LeaderSharedTier.run_done``). Not a
     request's: a write-through outlives its request."""
 
-    __slots__ = ("parents", "keys", "scopes", "key_scope", "names", "done")
+    __slots__ = ("parents", "keys", "scopes", "key_scope", "names", "done", "_at")
     kind = "shared_save"
     req_id = None
 
@@ -243,6 +243,16 @@ class SharedRun(_Run):
         self.key_scope = key_scope
         self.names = names
         self.done = bytearray(len(digests))
+        self._at: dict[int, int] | None = None  # host key -> write index, made when asked
+
+    def position(self, key: int) -> int:
+        """The index of the write whose host copy is ``key`` (one of ``keys``): a dict of the
+        run's keys made at the first call (a name announced for one of its writes: usually on
+        the keeper's thread), not per block when the run is made."""
+        at = self._at
+        if at is None:
+            at = self._at = dict(zip(self.keys, range(len(self.keys)), strict=True))
+        return at[key]
 
 
 _R = TypeVar("_R", bound=_Run)

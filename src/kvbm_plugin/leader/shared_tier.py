@@ -44,11 +44,16 @@ import queue
 import threading
 from collections import deque
 from collections.abc import Sequence
-from itertools import repeat
 from typing import Any, Final
 
 from kvbm_plugin.connector import llm_args as _llm_args
-from kvbm_plugin.connector.meta import ERR_DROPPED, SharedSaveOp, SharedSaveOpRun, shared_layout
+from kvbm_plugin.connector.meta import (
+    ERR_DROPPED,
+    SharedSaveOp,
+    SharedSaveOpRun,
+    record,
+    shared_layout,
+)
 from kvbm_plugin.consolidator_config import CPU_CACHE_GB, SHARED_TIER, ConfigError
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.requests import OpTable, SharedRun
@@ -158,9 +163,10 @@ class LeaderSharedTier:
         self._starter: threading.Thread | None = None
         self._agent_events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._inflight = 0  # writes-through scheduled and not yet reported by every rank
-        # Writes-through in flight or waiting for a name: host key -> (its run, its index in
-        # the run), and (every rank put it, its host copy's name not known yet) op id -> run
-        self._by_key: dict[int, tuple[SharedRun, int]] = {}
+        # Writes-through in flight or waiting for a name: host key -> its run
+        # (SharedRun.position: its index there), and (every rank put it, its host copy's name
+        # not known yet) op id -> run
+        self._by_key: dict[int, SharedRun] = {}
         self._waiting: dict[int, SharedRun] = {}
         self.pending_saves: list[SharedSaveOp | SharedSaveOpRun] = []
         self._stats.update(dict.fromkeys(SHARED_STATS, 0))
@@ -319,8 +325,9 @@ class LeaderSharedTier:
         keys = state.keys[start:start + n]
         parents = digests[start - 1:start + n - 1] if start else [None, *run[:-1]]
         by_key, in_hand = self._by_key, self._in_hand
-        if True in tracked or not by_key.keys().isdisjoint(keys) \
-                or not in_hand.keys().isdisjoint(run):
+        # (each dict asked only where it holds anything: a lookup per block is a cache miss)
+        if True in tracked or (by_key and not by_key.keys().isdisjoint(keys)) \
+                or (in_hand and not in_hand.keys().isdisjoint(run)):
             keep = [k for k in range(n)
                     if not (tracked[k] or keys[k] in by_key or run[k] in in_hand)]
             if not keep:
@@ -337,8 +344,12 @@ class LeaderSharedTier:
         written = self._ops.new_shared_run(run, parents, keys, [entries[0].scope] * m,
                                            state.salt, [None] * m)
         first = written.first
-        by_key.update(zip(keys, zip(repeat(written), range(m)), strict=True))
-        self.pending_saves.append(SharedSaveOpRun(first, after, devices, tuple(run)))
+        for key in keys:  # (a plain loop: dict.update of pairs is slower)
+            by_key[key] = written
+        # (built from its fields' tuple: no NamedTuple __new__; one write: its op)
+        self.pending_saves.append(
+            record(SharedSaveOp, (first, after[0], devices[0], run[0], -1, 0)) if m == 1
+            else record(SharedSaveOpRun, (first, after, devices, tuple(run))))
         self._inflight += m
         self._stats["shared_saves_scheduled"] += m
 
@@ -357,7 +368,9 @@ class LeaderSharedTier:
             run, [digests[i - 1] if i else None for i in indices], keys,
             [entry.scope for entry in entries], state.salt, names)
         first = written.first
-        self._by_key.update(zip(keys, zip(repeat(written), range(len(keys))), strict=True))
+        by_key = self._by_key
+        for key in keys:
+            by_key[key] = written
         pending = self.pending_saves
         for k, entry in enumerate(entries):
             pending.append(SharedSaveOp(first + k, -1, -1, run[k], entry.slot, entry.key))
@@ -384,10 +397,10 @@ class LeaderSharedTier:
             return
         by_key = self._by_key
         for entry, name in announced:
-            write = by_key.get(entry.key)
-            if write is None:
+            run = by_key.get(entry.key)
+            if run is None:
                 continue
-            run, k = write
+            k = run.position(entry.key)
             event_hash, parent_hash, tokens = name
             run.names[k] = (event_hash, parent_hash, tuple(tokens))
             if run.done[k]:
@@ -422,8 +435,7 @@ class LeaderSharedTier:
                 committed += 1
                 if waiting:
                     waiting.pop(first + k, None)
-                write = by_key.get(keys[k])
-                if write is not None and write[0] is run and write[1] == k:
+                if by_key.get(keys[k]) is run:
                     del by_key[keys[k]]
             self._stats["shared_saves_committed"] += committed
             return
@@ -500,8 +512,7 @@ class LeaderSharedTier:
     def _forget(self, run: SharedRun, k: int) -> None:
         op_id, key = run.first + k, run.keys[k]
         self._waiting.pop(op_id, None)
-        write = self._by_key.get(key)
-        if write is not None and write[0] is run and write[1] == k:
+        if self._by_key.get(key) is run:
             del self._by_key[key]
 
     # ------------------------------------------------------------ events, stats, shutdown
