@@ -186,7 +186,7 @@ def bench_index_heap(n: int) -> list[Row]:
 
 def _drive_leader(n: int, directory: str) -> tuple[Any, int]:
     """A leader with a disk tier of ``n`` blocks, driven until ``n`` blocks are resident."""
-    from kvbm_plugin.connector.meta import OpReport, find_hub
+    from kvbm_plugin.connector.meta import OpReport, find_hub, save_ops
     from kvbm_plugin.connector_leader import KvbmConnectorLeader
     from kvbm_plugin.testing.fake_trtllm import (
         KvCacheConfig,
@@ -228,7 +228,7 @@ def _drive_leader(n: int, directory: str) -> tuple[Any, int]:
             reqs.append(req)
         meta = leader.build_connector_meta(SchedulerOutput(new_requests=new))
         hub.put_many([OpReport(op.op_id, 0, True, signature=(SIGNATURE_SIZE, op.op_id))
-                      for op in meta.saves])
+                      for op in save_ops(meta.saves)])
         for req in reqs:
             leader.request_finished(req, block_ids)
     leader.build_connector_meta(SchedulerOutput())

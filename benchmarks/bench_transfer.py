@@ -29,6 +29,7 @@ from kvbm_plugin.connector.meta import (
     ConnectorMetadata,
     LoadCopy,
     LoadOp,
+    ReportBatch,
     SaveOp,
     TierLayout,
     close_hub,
@@ -83,9 +84,13 @@ def _wait_reports(hub, count: int, timeout: float = 120.0) -> None:
         if left <= 0:
             raise TimeoutError("transfer did not complete")
         item = hub._queue.get(timeout=left)
-        for report in item if isinstance(item, list) else (item,):
-            if not report.ok:
-                raise RuntimeError(f"op {report.op_id} failed")
+        if isinstance(item, ReportBatch):  # a rank's copy batch: its op ids and outcomes
+            reports = [(op_id, ok) for op_id, ok in zip(item.op_ids, item.oks, strict=True)]
+        else:
+            reports = [(r.op_id, r.ok) for r in (item if isinstance(item, list) else (item,))]
+        for op_id, ok in reports:
+            if not ok:
+                raise RuntimeError(f"op {op_id} failed")
             count -= 1
 
 
