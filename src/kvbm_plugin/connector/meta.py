@@ -147,7 +147,8 @@ class SaveOpRun(NamedTuple):
 
 
 def save_ops(items: tuple[SaveOp | SaveOpRun, ...]) -> list[SaveOp]:
-    """``ConnectorMetadata.saves`` as one :class:`SaveOp` per block, a run's in order."""
+    """``ConnectorMetadata.saves`` as one :class:`SaveOp` per block, a run's in order (every
+    rank's transfer thread, :func:`ops_of`; tests)."""
     out: list[SaveOp] = []
     for item in items:
         if type(item) is SaveOpRun:
@@ -181,7 +182,7 @@ class SharedSaveOpRun(NamedTuple):
 
 def shared_save_ops(items: tuple[SharedSaveOp | SharedSaveOpRun, ...]) -> list[SharedSaveOp]:
     """``ConnectorMetadata.shared_saves`` as one :class:`SharedSaveOp` per block, a run's in
-    order (every rank, at bind time)."""
+    order (every rank's transfer thread, :func:`ops_of`)."""
     out: list[SharedSaveOp] = []
     for item in items:
         if type(item) is SharedSaveOpRun:
