@@ -689,10 +689,10 @@ def test_a_run_stops_at_a_block_with_no_device_block() -> None:
         leader.shutdown()
 
 
-def test_keys_extend_from_the_last_digest_and_refuse_a_mismatch() -> None:
+def test_keys_extend_from_the_last_digest_and_mend_a_mismatch(expect_errors) -> None:  # noqa: ANN001
     """A request's keys are extended from its last digest (the chain continues: the same keys
-    as hashing the whole prompt at once); keys without their digests are refused, never
-    chained from a root."""
+    as hashing the whole prompt at once); keys without their digests are said (an error
+    logged) and both hashed again from the first block, never chained from a root."""
     from kvbm_plugin.leader.offload_planner import _extend_keys
     from kvbm_plugin.leader.requests import RequestState
 
@@ -704,10 +704,10 @@ def test_keys_extend_from_the_last_digest_and_refuse_a_mismatch() -> None:
     state.tokens.extend(tokens[12:])
     _extend_keys(state, 4)
     assert state.keys == whole and state.digests == digests
-    broken = RequestState(2, tokens=tokens, keys=whole[:2])
-    with pytest.raises(RuntimeError, match="request 2 has 2 content keys but 0 digests"):
-        _extend_keys(broken, 4)
-    assert broken.keys == whole[:2]
+    broken = RequestState(2, salt="t", tokens=tokens, keys=[1, 2])  # (wrong keys, no digests)
+    _extend_keys(broken, 4)
+    assert broken.keys == whole and broken.digests == digests
+    assert expect_errors.wait_for("request 2 had 2 content keys but 0 digests")
 
 
 def test_a_shared_save_run_is_read_as_its_ops() -> None:

@@ -11,6 +11,7 @@ the ops in the :class:`~kvbm_plugin.leader.requests.OpTable`. Never imports torc
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -21,6 +22,8 @@ from kvbm_plugin.leader.requests import OpTable, RequestState
 from kvbm_plugin.leader.shared_tier import LeaderSharedTier
 from kvbm_plugin.naming.names import BlockNaming, block_scope
 from kvbm_plugin.tiers.base import TIER_HOST, TierIndex, block_keys
+
+logger = logging.getLogger(__name__)
 
 
 class OffloadPlanner:
@@ -252,12 +255,16 @@ class OffloadPlanner:
 def _extend_keys(state: RequestState, block_size: int) -> None:
     """Hash the request's full blocks past its keys, its digests extended with them (the chain
     continues from the last digest). The two lists are set, extended and reset together (the
-    match, here, a salt adopted); a request whose lists disagree is a bug, said, never a key
-    chained from the wrong parent."""
+    match, here, a salt adopted); where they disagree (a bug) it is logged and both are hashed
+    again from the prompt's first block: never a key chained from the wrong parent, never an
+    exception in TensorRT-LLM's loop."""
     keys, digests = state.keys, state.digests
     n = len(keys)
     if len(digests) != n:
-        raise RuntimeError(f"kvbm_plugin: request {state.req_id} has {n} content keys but "
-                           f"{len(digests)} digests")
+        logger.error("kvbm_plugin: request %s had %d content keys but %d digests: both hashed "
+                     "again from its first block", state.req_id, n, len(digests))
+        keys.clear()
+        digests.clear()
+        n = 0
     keys.extend(block_keys(state.tokens, block_size, state.salt, start=n,
                            parent=digests[-1] if n else None, digests=digests))
