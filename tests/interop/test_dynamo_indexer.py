@@ -66,8 +66,14 @@ def _settled(engine: SimulatedEngine, indexer: Indexer, mode: str, *, timeout: f
     try:
         indexer.wait_for(lambda: indexer.held() == expected, "held == truth", timeout=timeout)
     except TimeoutError:
-        if required:
-            raise
+        if required:  # what differs, for the next reader of a failure (seen once, under load)
+            held = indexer.held()
+            diff = {key: (len(held.get(key, set()) - want), len(want - held.get(key, set())))
+                    for key, want in expected.items()}
+            diff.update({key: (len(got), 0) for key, got in held.items() if key not in expected})
+            raise AssertionError(f"indexer held != truth after {timeout} s: per (worker, dp "
+                                 f"rank, medium), (blocks held not resident, resident not held)"
+                                 f": {diff}; the engine's stats {engine.leader.stats()}") from None
         return False
     return True
 
