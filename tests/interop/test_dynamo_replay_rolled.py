@@ -45,6 +45,16 @@ def test_dynamo_joining_after_the_buffer_rolled(indexer: Indexer, tmp_path: Path
     try:
         for i in range(10):  # seq 0..9; the buffer keeps 6..9
             pub.publish([_store(i)])
+        # Sent before the indexer joins: the publisher's thread sends what publish accepted
+        # later, and on a loaded host batches 0..9 could still be queued when the indexer's SUB
+        # connected; it would then see seq 0 first, have no gap to replay, and the test would
+        # wait for a replay request that never comes (the symptom of four CI failures: Dynamo's
+        # listener asks for a replay only when its first batch's seq is above 0, or at a gap).
+        deadline = time.monotonic() + 30
+        while (pub.stats()["batches_published"] + pub.stats()["lost_batches"]
+               < pub.stats()["batches_accepted"]):
+            assert time.monotonic() < deadline, f"the publisher never sent: {pub.stats()}"
+            time.sleep(0.01)  # poll interval: the publisher's thread sends
         indexer.register(1, pub_ep.connect, replay_ep.connect, BS)
         # The indexer's SUB joins late: wait until its subscription took effect, then send one
         # live batch (seq 10). Re-sending live batches until one arrived would push the batches
