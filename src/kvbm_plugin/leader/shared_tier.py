@@ -58,7 +58,7 @@ from kvbm_plugin.consolidator_config import CPU_CACHE_GB, SHARED_TIER, ConfigErr
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.requests import OpTable, SharedRun
 from kvbm_plugin.settings.shared import load_shared_settings
-from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
+from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST, key_of
 from kvbm_plugin.tiers.shared.directory import SharedBlock, SharedDirectory
 from kvbm_plugin.wire.events import MEDIUM_EXTERNAL
 from kvbm_plugin.wire.identity import scope_extra_keys
@@ -94,7 +94,7 @@ class SharedHold:
 
     def __init__(self, digest: bytes) -> None:
         self.digest = digest
-        self.key = int.from_bytes(digest[:8], "little")
+        self.key = key_of(digest)  # (its host/disk content key: the same block, the same key)
         self.pins = 0
 
 
