@@ -256,6 +256,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         what its readers took) and the tier changes; advertise held blocks named meanwhile."""
         self._reap_dead()  # before its saves' reports count
         self._apply_reports()
+        self._tiers.evict_ahead()
         self._sync_events(now=True)
         flush = getattr(self._tier_events, "flush", None)
         if flush is not None:
@@ -264,13 +265,15 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
     def _keeper_apply(self) -> bool:
         """The keeper's apply (its thread, under the lock, once reports were handed in): the
         requests TensorRT-LLM dropped are reaped first (their saves never committed: the
-        device blocks may have been reused), then the reports applied as a hook applies them.
+        device blocks may have been reused), then the reports applied as a hook applies them,
+        then a full tier's next victims evicted (``OffloadTiers.evict_ahead``).
         Not while names are learned from TensorRT-LLM's events: there the reports wait for
         ``build_connector_meta`` (or ``request_finished``), which reads those events first."""
         if self._closed or self._naming.learning or self._completions.idle():
             return False
         self._reap_dead()
         self._completions.apply()
+        self._tiers.evict_ahead()  # (a full tier's evictions, here rather than in a hook)
         return True
 
     def _register_metrics(self) -> None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from kvbm_plugin.consolidator_config import PublisherSettings
 from kvbm_plugin.event_sink import KvEventSink
+from kvbm_plugin.leader import offload_tiers
 from kvbm_plugin.routers.router_view import WARNING_RULES, RouterView
 from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 from kvbm_plugin.tiers.index import TierFullError, TierIndex
@@ -46,9 +47,9 @@ class _ModelEntry:
 @settings(max_examples=60, deadline=None)
 @given(st.integers(0, 2**32), st.integers(1, 8))
 def test_tier_index_evicts_the_lru_leaf_and_stays_prefix_closed(seed: int, capacity: int) -> None:
-    """Random reserve/commit/lookup/pin/unpin/discard against a brute-force model (60 examples x
-    150 steps): the victim is always the least recently used resident, unpinned leaf, and every
-    entry's parent is in the tier."""
+    """Random reserve/commit/lookup/pin/unpin/evict ahead/discard against a brute-force model
+    (60 examples x 150 steps): the victim is always the least recently used resident, unpinned
+    leaf, and every entry's parent is in the tier."""
     rng = random.Random(seed)
     index = TierIndex("host", capacity)
     model: dict[int, _ModelEntry] = {}
@@ -106,6 +107,24 @@ def test_tier_index_evicts_the_lru_leaf_and_stays_prefix_closed(seed: int, capac
             elif model[key].resident:
                 index.pin(entry)
                 model[key].pins += 1
+        elif op < 0.9:
+            # Eviction ahead of need (the keeper's): the same victims, in the same order, as
+            # reservations would take; each one's row still in place when it is handed over.
+            spare, most = rng.randrange(capacity + 2), rng.randrange(1, 4)
+            want = min(spare - (capacity - len(model)), most)
+            expected = []
+            while len(expected) < want:
+                candidates = [k for k, e in model.items() if e.resident and not e.pins
+                              and leaf(k)]
+                if not candidates:
+                    break
+                victim = min(candidates, key=lambda k: model[k].tick)
+                expected.append(victim)
+                del model[victim]
+            seen: list[int] = []
+            done = index.evict_ahead(spare, most,
+                                     lambda ix, slot, seen=seen: seen.append(ix.evicting(slot)[0]))
+            assert seen == expected and done == len(expected)
         elif keys:
             key = rng.choice(keys)
             gone = [e.key for e in index.discard(key)]
@@ -291,6 +310,30 @@ def test_tiers_and_gpu_pool_stay_prefix_closed_under_random_workloads(
     run_examples(examples, lambda seed, host, disk: _random_workload(caplog, seed, host, disk),
                  seed=st.integers(0, 2**32), host=st.sampled_from((0, 6, 10)),
                  disk=st.sampled_from((0, 8, 16)))
+
+
+@depths(quick=2, thorough=4)
+def test_eviction_ahead_keeps_the_tiers_and_the_router_view_exact(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, examples: int) -> None:
+    """The same random workloads with the keeper evicting ahead of need in tiers of any size
+    (in a deployment only from 16,384 blocks): its victims' REMOVEs and demotions keep every
+    tier prefix-closed and the router's view equal to what each tier holds, and it ran."""
+    monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_MIN_CAPACITY", 1)
+    monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_SLOTS", 3)
+    monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_STEP", 2)
+    ahead: list[int] = []
+    original = offload_tiers.OffloadTiers.evict_ahead
+
+    def counted(self: Any) -> int:
+        done = original(self)
+        ahead.append(done)
+        return done
+
+    monkeypatch.setattr(offload_tiers.OffloadTiers, "evict_ahead", counted)
+    run_examples(examples, lambda seed, host, disk: _random_workload(caplog, seed, host, disk),
+                 seed=st.integers(0, 2**32), host=st.sampled_from((6, 10)),
+                 disk=st.sampled_from((0, 8)))
+    assert sum(ahead) > 0
 
 
 def _random_workload(caplog: pytest.LogCaptureFixture, seed: int, host: int, disk: int) -> None:

@@ -45,6 +45,13 @@ RUN_OF_SAVES = "saves"
 logger = logging.getLogger("kvbm_plugin.connector_leader")
 MEDIUM = {TIER_HOST: MEDIUM_CPU, TIER_DISK: MEDIUM_DISK}
 _NO_SCOPE = (None, None)  # no adapter, no salt, no multimodal item: a new index row's scope
+# Eviction ahead of need (OffloadTiers.evict_ahead): in a tier of at least this many blocks,
+# the keeper keeps this many slots free, evicting at most EVICT_AHEAD_STEP per call (about
+# 2 µs each under the leader's lock: a hook that needs the lock meanwhile waits at most
+# that long, counted in hook_lock_waits).
+EVICT_AHEAD_MIN_CAPACITY = 16384
+EVICT_AHEAD_SLOTS = 256
+EVICT_AHEAD_STEP = 128
 
 
 def _scope_fields(block_scope: tuple[Any, ...]) -> tuple[int | None, Any]:
@@ -318,6 +325,27 @@ class OffloadTiers:
             self._evicted.append((MEDIUM[name], event_hash))
         if name == TIER_HOST and self.disk is not None and key not in self.disk:
             self.demote(index.at(slot))
+
+    def evict_ahead(self) -> int:
+        """Keep a few slots free in each full tier, off the executor thread: the leader's
+        keeper calls this after it applied reports (and when idle), under the leader's lock.
+        The executor thread's saves then take free slots, as into a tier with room, instead
+        of evicting one block per save inline (each eviction's bookkeeping, REMOVE and
+        demotion cost it about 2 µs per block; docs/performance.md). Only in a tier of at
+        least :data:`EVICT_AHEAD_MIN_CAPACITY` blocks, where the slots kept free are at most
+        1/64 of it; a burst bigger than them still evicts inline, as before. The victims are
+        those the next saves would have evicted (least recently used leaves first), their
+        REMOVEs registered here and their demotions queued for the next metadata, before any
+        save can reuse a slot. Returns the blocks evicted."""
+        done = 0
+        for index in (self.host, self.disk):  # host first: its demotions may fill disk
+            if index is not None and index.capacity >= EVICT_AHEAD_MIN_CAPACITY:
+                done += index.evict_ahead(EVICT_AHEAD_SLOTS, EVICT_AHEAD_STEP,
+                                          self._evicted_from)
+        if done:
+            self._stats["evicted_ahead"] += done
+            self.flush_evicted()
+        return done
 
     def flush_evicted(self) -> None:
         """Register the REMOVEs of the blocks :meth:`reserve` evicted since the last call, in

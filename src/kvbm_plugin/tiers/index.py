@@ -553,6 +553,29 @@ class TierIndex(TierRows):
             slots.append(slot)
         return slots
 
+    def evict_ahead(self, spare: int, most: int,
+                    on_evict: Callable[[TierIndex, int], Any]) -> int:
+        """Evict least recently used leaves until ``spare`` slots are free (rows not
+        allocated yet count as free), at most ``most`` of them; how many. Each victim goes to
+        ``on_evict(self, slot)`` while its row is in place, as in :meth:`reserve_chain`, and
+        its slot to the free list, where the next reservations find it without evicting.
+        Called off the executor thread (the leader's keeper, under the leader's lock), so that
+        a full tier's saves cost the executor thread what saves into room cost."""
+        want = min(spare - len(self._free) - (self.capacity - self._rows), most)
+        order, flags_of, views, free = self._order, self._flags, self._views, self._free
+        done = 0
+        while done < want and order:
+            slot = order.pop_first()
+            flags_of[slot] &= ~_QUEUED
+            on_evict(self, slot)
+            if views.get(slot) is not None:
+                self._detach(slot)
+            self._unlink(slot)
+            free.append(slot)
+            done += 1
+        self.evictions += done
+        return done
+
     def _write_run(self, slots: list[int], keys: Sequence[int], event_hashes: Sequence[int],
                    parent: int, peh: int, peh_flags: int, tokens: Sequence[int],
                    run_tokens: array[int] | None, width: int) -> int:
