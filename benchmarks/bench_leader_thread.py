@@ -328,10 +328,17 @@ def main(argv: list[str] | None = None) -> int:
                                                    tier_blocks=args.tier_blocks)
                 note("full_off", off / max(1, saved) * 1e6)
                 note("full_on", on / max(1, loaded) * 1e6)
-                off, on, saved, loaded, _ev, _p, _k = _one(64, counts[64], tmp, r * 10 + 4,
-                                                   tier_blocks=args.tier_blocks, full=True)
+                full_counters: dict[str, int] = {}
+                off, on, saved, loaded, _ev, _p, kept = _one(
+                    64, counts[64], tmp, r * 10 + 4, tier_blocks=args.tier_blocks, full=True,
+                    counters=full_counters)
                 note("evict_off", off / max(1, saved) * 1e6)
                 note("evict_on", on / max(1, loaded) * 1e6)
+                note("evict_keeper", kept / max(1, saved + loaded) * 1e6)
+                # (0 on a revision before the keeper evicted ahead of need)
+                note("evict_ahead", full_counters.get("evicted_ahead", 0)
+                     / max(1, full_counters["host_evictions"]))
+                note("evict_waits", full_counters.get("hook_lock_waits", 0) / counts[64])
 
     def med(name: str) -> float:
         return statistics.median(per[name])
@@ -412,10 +419,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"(spread {rng('full_on')})", med("full_on"), "us",
                 baseline=med("on64"), target=f"<= {b:g} us", passed=med("full_on") <= b),
             Row("leader", f"per offloaded block, the host tier full at {args.tier_blocks:,} "
-                "blocks: every save evicts one", med("evict_off"), "us",
+                "blocks: every save evicts one (on the executor thread or, ahead of need, on "
+                "the keeper's)", med("evict_off"), "us",
                 baseline=med("off64"), target=f"<= {b:g} us", passed=med("evict_off") <= b),
             Row("leader", "per onboarded block, the same full tier", med("evict_on"), "us",
                 baseline=med("on64"), target=f"<= {b:g} us", passed=med("evict_on") <= b),
+            Row("leader", "the same full tier: the keeper thread's CPU per offloaded or "
+                "onboarded block (info: the reports it applied and the evictions it made ahead "
+                "of need, off the executor thread)", med("evict_keeper"), "us"),
+            Row("leader", "the same full tier: share of the evictions the keeper made ahead of "
+                "need (info: the rest evicted inline, on the executor thread)",
+                med("evict_ahead"), ""),
+            Row("leader", "the same full tier: hooks that found the keeper holding the leader's "
+                "lock and waited, per request (info)", med("evict_waits"), ""),
         ]
     print(f"{rounds} rounds; requests per workload {counts}; 32-token blocks; host tier, "
           "consolidator on")

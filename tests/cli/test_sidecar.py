@@ -82,6 +82,23 @@ def stored(h: int, rank: int) -> dict[str, Any]:
                        for t in (1, 2)]}]}}
 
 
+def _ports(ranks: int = 1) -> dict[str, str]:
+    """A sidecar's GPU-tier base port and leader port, free and apart. Drawn one by one, the
+    leader's derived ports (the consolidated output at + 1000 + r, announcements at + 2000)
+    could land on a GPU-tier port (rank r at base + r), and loading the config refuses the
+    collision: seen once in CI, as a ConfigError before the test's subject ran."""
+    while True:
+        base = free_port()
+        if ranks > 1 and base + 1 == free_port():  # keep base and base+1 usable (best effort)
+            continue
+        leader = free_port()
+        gpu = {base + r for r in range(ranks)}
+        derived = {leader, leader + 2000, *(leader + 1000 + r for r in range(ranks))}
+        if not gpu & derived:
+            return {"DYN_KVBM_TRTLLM_ZMQ_PORT": str(base),
+                    "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(leader)}
+
+
 def test_fetch_events_posts_and_decodes(serve: FakeServe) -> None:
     serve.push(stored(1, 0))
     assert fetch_events(serve.url)[0]["data"]["type"] == "stored"
@@ -89,12 +106,7 @@ def test_fetch_events_posts_and_decodes(serve: FakeServe) -> None:
 
 
 def test_sidecar_publishes_per_rank(serve: FakeServe, expect_errors) -> None:
-    base = free_port()
-    while base + 1 == free_port():  # keep base and base+1 usable (best effort)
-        base = free_port()
-    config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(base),
-                                       "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(free_port())},
-                                      num_ranks=2)
+    config = load_consolidator_config(_ports(ranks=2), num_ranks=2)
     stop = threading.Event()
     result: dict[str, Any] = {}
     thread = threading.Thread(target=lambda: result.update(run_sidecar(
@@ -164,8 +176,7 @@ class StopAfter(threading.Event):
 
 def test_sidecar_counts_http_errors_and_stops() -> None:
     port = free_port()  # nothing listens here
-    config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port()),
-                                       "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(free_port())})
+    config = load_consolidator_config(_ports())
     result = run_sidecar(f"http://127.0.0.1:{port}", config, block_size=2, interval=0.001,
                          stop_event=StopAfter(3), http_timeout=0.5)
     assert result["polls"] == 3 and result["poll_errors"] == 3
@@ -196,8 +207,7 @@ def test_sidecar_survives_a_truncated_response() -> None:
     thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
     thread.start()
     try:
-        config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port()),
-                                           "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(free_port())})
+        config = load_consolidator_config(_ports())
         result = run_sidecar(f"http://127.0.0.1:{server.server_address[1]}", config,
                              block_size=2, interval=0.001, stop_event=StopAfter(2),
                              http_timeout=2.0)
@@ -250,8 +260,7 @@ class Encoding(EventPublisher):
 
 def _one_poll(serve: FakeServe) -> tuple[dict[str, Any], Encoding]:
     output = Encoding()
-    config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port()),
-                                       "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(free_port())})
+    config = load_consolidator_config(_ports())
     result = run_sidecar(serve.url, config, block_size=2, interval=0.001,
                          stop_event=StopAfter(1),
                          publisher_factory=lambda settings, ep, replay, rank: output)
@@ -297,8 +306,7 @@ def test_sidecar_gives_up_on_a_status_no_retry_can_change(status: int, gives_up:
     thread = threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
-    config = load_consolidator_config({"DYN_KVBM_TRTLLM_ZMQ_PORT": str(free_port()),
-                                       "DYN_KVBM_LEADER_ZMQ_PUB_PORT": str(free_port())})
+    config = load_consolidator_config(_ports())
     try:
         if gives_up:
             with pytest.raises(SidecarGaveUp, match=f"HTTP {status}"):
