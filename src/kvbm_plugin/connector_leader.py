@@ -226,6 +226,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                                     f"kvbm-leader-keeper-r{self._dp_rank}",
                                     self._completions.sweep, SWEEP_PERIOD_S)
         self._hub.on_put = self._keeper.nudge  # reports are applied as they come in
+        self._shared.on_agent_events = self._keeper.nudge  # as are the shared tier's changes
 
     @property
     def event_sink(self) -> Any:
@@ -265,16 +266,23 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
     def _keeper_apply(self) -> bool:
         """The keeper's apply (its thread, under the lock, once reports were handed in): the
         requests TensorRT-LLM dropped are reaped first (their saves never committed: the
-        device blocks may have been reused), then the reports applied as a hook applies them,
-        then a full tier's next victims evicted (``OffloadTiers.evict_ahead``).
+        device blocks may have been reused), then the reports applied as a hook applies them;
+        then the shared tier's queued residency changes registered (where its target is not
+        thread-safe: ``LeaderSharedTier.take_agent_events``) and a full tier's next victims
+        evicted (``OffloadTiers.evict_ahead``). True when it applied reports.
         Not while names are learned from TensorRT-LLM's events: there the reports wait for
         ``build_connector_meta`` (or ``request_finished``), which reads those events first."""
-        if self._closed or self._naming.learning or self._completions.idle():
+        if self._closed or self._naming.learning:
             return False
-        self._reap_dead()
-        self._completions.apply()
-        self._tiers.evict_ahead()  # (a full tier's evictions, here rather than in a hook)
-        return True
+        applied = not self._completions.idle()
+        if applied:
+            self._reap_dead()
+            self._completions.apply()
+        # (the shared tier's residency changes and a full tier's evictions: here rather than
+        # in a hook on the executor thread)
+        self._shared.take_agent_events()
+        self._tiers.evict_ahead()
+        return applied
 
     def _register_metrics(self) -> None:
         """Expose the leader's, the sink's (with its publisher's) and the consolidator's

@@ -272,6 +272,26 @@ def test_the_write_through_is_committed_after_the_host_copy_under_its_name(share
         assert by_hash[blk.event_hash][2] == blk.parent_event_hash
 
 
+def test_the_shared_tiers_changes_reach_the_router_without_a_hook(shared) -> None:
+    """A tier-event target that is not thread-safe (the recorder here; in a deployment the
+    leader's TierEventPublisher, without the consolidator) hears the shared tier's residency
+    changes from the leader's keeper, which the agent nudges, not from the next hook on the
+    executor thread: with B's idle ticks off and no hook of B called, B advertises the blocks
+    A wrote through as soon as its agent heard them."""
+    a, b = shared.engine(), shared.engine()
+    keeper = b.leader._keeper  # noqa: SLF001
+    keeper.period_s = 3600.0  # no idle tick from here on (each one asks the period anew)...
+    with b.leader._lock:  # noqa: SLF001 - ...nor one still running
+        pass
+    ticks, calls = keeper.ticks, b.leader._last_call  # noqa: SLF001
+    system = prompt(31, 4 * BS)
+    run(a, system + prompt(32, 2))
+    wait_for(lambda: len(agent(a).committed_blocks) == 4, "A's write-throughs")
+    written = {blk.event_hash for blk in agent(a).committed_blocks}
+    wait_for(lambda: b.recorder.hashes("EXTERNAL") == written, "B to advertise A's blocks")
+    assert keeper.ticks == ticks and b.leader._last_call == calls  # noqa: SLF001
+
+
 def test_a_failed_write_on_one_rank_is_never_advertised(shared) -> None:
     a, b = shared.engine(), shared.engine()
     shared.fail_put_keys = "/w2r1/"

@@ -43,7 +43,7 @@ import logging
 import queue
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 from kvbm_plugin.connector import llm_args as _llm_args
@@ -162,6 +162,10 @@ class LeaderSharedTier:
         self._in_hand: dict[bytes, None] = {}
         self._starter: threading.Thread | None = None
         self._agent_events: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        # Told (agent thread) when a residency change waits in _agent_events: the leader's
+        # keeper, which registers it under the leader's lock (take_agent_events) before a hook
+        # would, so the executor thread does not pay for it.
+        self.on_agent_events: Callable[[], None] | None = None
         self._inflight = 0  # writes-through scheduled and not yet reported by every rank
         # Writes-through in flight or waiting for a name: host key -> its run
         # (SharedRun.position: its index there), and (every rank put it, its host copy's name
@@ -529,6 +533,20 @@ class LeaderSharedTier:
                     and shared_layout(self._group) is not None:
                 self.start()
             return
+        self.take_agent_events()
+        # commits of blocks whose host copy was named since (announce_named)
+        self.wake_agent(forget_queued=False)
+        if self._waiting and self._tiers.host is not None:
+            for op_id, run in list(self._waiting.items()):
+                k = op_id - run.first
+                if self._tiers.host.get(run.keys[k]) is None:
+                    self._stats["shared_saves_unnamed"] += 1
+                    self._forget(run, k)
+
+    def take_agent_events(self) -> None:
+        """Register the residency changes the agent queued (for a target that is not
+        thread-safe), in the agent's order. Under the leader's lock: the keeper's apply as soon
+        as the agent told it (``on_agent_events``), else :meth:`sync` in a hook."""
         events = self._agent_events
         # (asked first: most calls find it empty, and an Empty raised and caught each time
         # cost the executor thread more than the rest of this method; the only reader is
@@ -539,24 +557,23 @@ class LeaderSharedTier:
                 self._register_store(item)
             else:
                 self._register_remove(item)
-        # commits of blocks whose host copy was named since (announce_named)
-        self.wake_agent(forget_queued=False)
-        if self._waiting and self._tiers.host is not None:
-            for op_id, run in list(self._waiting.items()):
-                k = op_id - run.first
-                if self._tiers.host.get(run.keys[k]) is None:
-                    self._stats["shared_saves_unnamed"] += 1
-                    self._forget(run, k)
+
+    def _agent_queued(self) -> None:
+        notify = self.on_agent_events
+        if notify is not None:
+            notify()
 
     def _on_store(self, block: SharedBlock) -> None:
         """The agent made ``block`` resident (agent thread). A thread-safe target (the
         in-process consolidator: its ``register_*`` queue for its ingest thread) is told here,
         so the executor thread never pays for it; any other target (the TierEventPublisher,
-        a recorder) is told by :meth:`sync` under the leader's lock."""
+        a recorder) is told under the leader's lock, by the keeper it nudges
+        (:meth:`take_agent_events`) or a hook's :meth:`sync`, whichever comes first."""
         if self._direct:
             self._register_store(block)
         else:
             self._agent_events.put(("store", block))
+            self._agent_queued()
 
     def _on_remove(self, blocks: Sequence[SharedBlock]) -> None:
         """The agent dropped ``blocks`` (agent thread); as :meth:`_on_store`."""
@@ -564,6 +581,7 @@ class LeaderSharedTier:
             self._register_remove(blocks)
         else:
             self._agent_events.put(("remove", blocks))
+            self._agent_queued()
 
     def _register_remove(self, blocks: Sequence[SharedBlock]) -> None:
         if blocks:
