@@ -312,12 +312,17 @@ def test_tiers_and_gpu_pool_stay_prefix_closed_under_random_workloads(
                  disk=st.sampled_from((0, 8, 16)))
 
 
-@depths(quick=2, thorough=4)
+@pytest.mark.parametrize("disk", [0, 8], ids=["host-only", "host-and-disk"])
+@depths(quick=1, thorough=3)
 def test_eviction_ahead_keeps_the_tiers_and_the_router_view_exact(
-        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, examples: int) -> None:
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, examples: int,
+        disk: int) -> None:
     """The same random workloads with the keeper evicting ahead of need in tiers of any size
-    (in a deployment only from 16,384 blocks): its victims' REMOVEs and demotions keep every
-    tier prefix-closed and the router's view equal to what each tier holds, and it ran."""
+    (in a deployment only from 16,384 blocks; the last tier only, host or disk): its victims'
+    REMOVEs keep every tier prefix-closed and the router's view equal to what each tier holds,
+    nothing is left in flight once the engine idles (a host victim's demotion, made ahead,
+    would wait for a metadata that an idle engine never builds: the engine's idle wait times
+    out), and it ran."""
     monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_MIN_CAPACITY", 1)
     monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_SLOTS", 3)
     monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_STEP", 2)
@@ -330,9 +335,8 @@ def test_eviction_ahead_keeps_the_tiers_and_the_router_view_exact(
         return done
 
     monkeypatch.setattr(offload_tiers.OffloadTiers, "evict_ahead", counted)
-    run_examples(examples, lambda seed, host, disk: _random_workload(caplog, seed, host, disk),
-                 seed=st.integers(0, 2**32), host=st.sampled_from((6, 10)),
-                 disk=st.sampled_from((0, 8)))
+    run_examples(examples, lambda seed, host: _random_workload(caplog, seed, host, disk),
+                 seed=st.integers(0, 2**32), host=st.sampled_from((6, 10)))
     assert sum(ahead) > 0
 
 

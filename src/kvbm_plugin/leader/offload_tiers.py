@@ -327,21 +327,24 @@ class OffloadTiers:
             self.demote(index.at(slot))
 
     def evict_ahead(self) -> int:
-        """Keep a few slots free in each full tier, off the executor thread: the leader's
-        keeper calls this after it applied reports (and when idle), under the leader's lock.
-        The executor thread's saves then take free slots, as into a tier with room, instead
-        of evicting one block per save inline (each eviction's bookkeeping, REMOVE and
-        demotion cost it about 2 µs per block; docs/performance.md). Only in a tier of at
-        least :data:`EVICT_AHEAD_MIN_CAPACITY` blocks, where the slots kept free are at most
-        1/64 of it; a burst bigger than them still evicts inline, as before. The victims are
-        those the next saves would have evicted (least recently used leaves first), their
-        REMOVEs registered here and their demotions queued for the next metadata, before any
-        save can reuse a slot. Returns the blocks evicted."""
-        done = 0
-        for index in (self.host, self.disk):  # host first: its demotions may fill disk
-            if index is not None and index.capacity >= EVICT_AHEAD_MIN_CAPACITY:
-                done += index.evict_ahead(EVICT_AHEAD_SLOTS, EVICT_AHEAD_STEP,
-                                          self._evicted_from)
+        """Keep a few slots free in the last tier (disk, else host) while it is full, off the
+        executor thread: the leader's keeper calls this after it applied reports (and when
+        idle), under the leader's lock. The executor thread's saves then take free slots, as
+        into a tier with room, instead of evicting one block per save inline (each eviction's
+        bookkeeping and REMOVE cost it about 2 µs per block; docs/performance.md). Only in a
+        tier of at least :data:`EVICT_AHEAD_MIN_CAPACITY` blocks, where the slots kept free are
+        at most 1/64 of it; a burst bigger than them still evicts inline, as before. The
+        victims are those the next saves would have evicted (least recently used leaves
+        first), their REMOVEs registered here, before any save can reuse a slot. Not the host
+        tier in front of a disk tier: its victims are demoted, and a demotion is an op that
+        leaves with the next metadata; an idle engine builds none, so the op would wait unsent
+        (its disk slot pending) until the sweep failed it as overdue. Those evictions stay
+        inline, where the metadata that carries the demotion is being built. Returns the
+        blocks evicted."""
+        index = self.disk if self.disk is not None else self.host
+        if index is None or index.capacity < EVICT_AHEAD_MIN_CAPACITY:
+            return 0
+        done = index.evict_ahead(EVICT_AHEAD_SLOTS, EVICT_AHEAD_STEP, self._evicted_from)
         if done:
             self._stats["evicted_ahead"] += done
             self.flush_evicted()
