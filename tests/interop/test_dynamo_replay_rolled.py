@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from _kvwire import wait_all_sent
 
 from kvbm_plugin.consolidator_config import PublisherSettings, parse_endpoint
 from kvbm_plugin.routers.dynamo_indexer import Indexer
@@ -50,11 +51,7 @@ def test_dynamo_joining_after_the_buffer_rolled(indexer: Indexer, tmp_path: Path
         # connected; it would then see seq 0 first, have no gap to replay, and the test would
         # wait for a replay request that never comes (the symptom of four CI failures: Dynamo's
         # listener asks for a replay only when its first batch's seq is above 0, or at a gap).
-        deadline = time.monotonic() + 30
-        while (pub.stats()["batches_published"] + pub.stats()["lost_batches"]
-               < pub.stats()["batches_accepted"]):
-            assert time.monotonic() < deadline, f"the publisher never sent: {pub.stats()}"
-            time.sleep(0.01)  # poll interval: the publisher's thread sends
+        wait_all_sent(lambda: {f"publisher_{k}": v for k, v in pub.stats().items()}, 30)
         indexer.register(1, pub_ep.connect, replay_ep.connect, BS)
         # The indexer's SUB joins late: wait until its subscription took effect, then send one
         # live batch (seq 10). Re-sending live batches until one arrived would push the batches

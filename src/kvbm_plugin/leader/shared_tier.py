@@ -78,6 +78,10 @@ SHARED_STATS: Final = (
 MAX_WAITING = 4096
 
 
+def _nothing() -> None:
+    """``on_agent_events`` until the leader sets its keeper's nudge."""
+
+
 def agent_class() -> type:
     """The leader's shared-tier agent class (imported on first use: it binds ZMQ sockets)."""
     from kvbm_plugin.tiers.shared.agent import SharedAgent
@@ -165,7 +169,7 @@ class LeaderSharedTier:
         # Told (agent thread) when a residency change waits in _agent_events: the leader's
         # keeper, which registers it under the leader's lock (take_agent_events) before a hook
         # would, so the executor thread does not pay for it.
-        self.on_agent_events: Callable[[], None] | None = None
+        self.on_agent_events: Callable[[], None] = _nothing
         self._inflight = 0  # writes-through scheduled and not yet reported by every rank
         # Writes-through in flight or waiting for a name: host key -> its run
         # (SharedRun.position: its index there), and (every rank put it, its host copy's name
@@ -558,11 +562,6 @@ class LeaderSharedTier:
             else:
                 self._register_remove(item)
 
-    def _agent_queued(self) -> None:
-        notify = self.on_agent_events
-        if notify is not None:
-            notify()
-
     def _on_store(self, block: SharedBlock) -> None:
         """The agent made ``block`` resident (agent thread). A thread-safe target (the
         in-process consolidator: its ``register_*`` queue for its ingest thread) is told here,
@@ -573,7 +572,7 @@ class LeaderSharedTier:
             self._register_store(block)
         else:
             self._agent_events.put(("store", block))
-            self._agent_queued()
+            self.on_agent_events()
 
     def _on_remove(self, blocks: Sequence[SharedBlock]) -> None:
         """The agent dropped ``blocks`` (agent thread); as :meth:`_on_store`."""
@@ -581,7 +580,7 @@ class LeaderSharedTier:
             self._register_remove(blocks)
         else:
             self._agent_events.put(("remove", blocks))
-            self._agent_queued()
+            self.on_agent_events()
 
     def _register_remove(self, blocks: Sequence[SharedBlock]) -> None:
         if blocks:

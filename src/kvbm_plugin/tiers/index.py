@@ -522,7 +522,7 @@ class TierIndex(TierRows):
             self._rows = rows + n
             return list(range(rows, rows + n))
         slots: list[int] = []
-        flags_of, order, views = self._flags, self._order, self._views
+        order = self._order
         for _ in range(n):
             rows = self._rows
             if free:
@@ -537,21 +537,26 @@ class TierIndex(TierRows):
                 continue
             # The tier is full: the victim is the eviction order's first. The new row's parent
             # is out of that order (the run's parent was dequeued and is held by the caller;
-            # each next one is a pending row of this run), so it is never the victim. Popped,
-            # not bisected for (before on_evict, so nothing it does can choose it again); its
-            # row is copied only where someone holds a view of it (most evictions: no one).
+            # each next one is a pending row of this run), so it is never the victim.
             if not order:
                 break  # every row is pending, pinned or a parent
-            slot = order.pop_first()
-            flags_of[slot] &= ~_QUEUED
-            on_evict(self, slot)
-            ref = views.get(slot)
-            if ref is not None:
-                self._detach(slot)
-            self._unlink(slot)
-            self.evictions += 1
-            slots.append(slot)
+            slots.append(self._evict_first(on_evict))
         return slots
+
+    def _evict_first(self, on_evict: Callable[[TierIndex, int], Any]) -> int:
+        """Evict the eviction order's first row (the order is not empty) and return its slot,
+        now empty: popped, not bisected for (before ``on_evict``, so nothing it does can
+        choose it again), handed to ``on_evict(self, slot)`` while its row is in place, then
+        taken out; its row is copied only where someone holds a view of it (most evictions:
+        no one). The one eviction step of :meth:`_claim_run` and :meth:`evict_ahead`."""
+        slot = self._order.pop_first()
+        self._flags[slot] &= ~_QUEUED
+        on_evict(self, slot)
+        if self._views.get(slot) is not None:
+            self._detach(slot)
+        self._unlink(slot)
+        self.evictions += 1
+        return slot
 
     def evict_ahead(self, spare: int, most: int,
                     on_evict: Callable[[TierIndex, int], Any]) -> int:
@@ -562,18 +567,11 @@ class TierIndex(TierRows):
         Called off the executor thread (the leader's keeper, under the leader's lock), so that
         a full tier's saves cost the executor thread what saves into room cost."""
         want = min(spare - len(self._free) - (self.capacity - self._rows), most)
-        order, flags_of, views, free = self._order, self._flags, self._views, self._free
+        order, free = self._order, self._free
         done = 0
         while done < want and order:
-            slot = order.pop_first()
-            flags_of[slot] &= ~_QUEUED
-            on_evict(self, slot)
-            if views.get(slot) is not None:
-                self._detach(slot)
-            self._unlink(slot)
-            free.append(slot)
+            free.append(self._evict_first(on_evict))
             done += 1
-        self.evictions += done
         return done
 
     def _write_run(self, slots: list[int], keys: Sequence[int], event_hashes: Sequence[int],
