@@ -80,8 +80,8 @@ def _settled(engine: SimulatedEngine, indexer: Indexer, mode: str, *, timeout: f
 
 def _run(indexer: Indexer, tmp: Path, *, mode: str = "dedup", tp: int = 1,
          salts: tuple[str, ...] = (), late_join: bool = False,
-         topic: str = "") -> SimulatedEngine:
-    env = _env(tmp, mode, topic)
+         topic: str = "", extra_env: dict[str, str] | None = None) -> SimulatedEngine:
+    env = {**_env(tmp, mode, topic), **(extra_env or {})}
     config = cc.load_consolidator_config(env)
     engine = SimulatedEngine(EngineConfig(
         num_layers=1, num_kv_heads=2, head_dim=4, tokens_per_block=BS, num_gpu_blocks=32,
@@ -119,6 +119,25 @@ def _run(indexer: Indexer, tmp: Path, *, mode: str = "dedup", tp: int = 1,
 def test_the_indexer_holds_what_the_engine_holds(indexer: Indexer, tmp_path: Path,
                                                  mode: str) -> None:
     _run(indexer, tmp_path, mode=mode)
+
+
+@pytest.mark.parametrize("disk", ["0", "12"], ids=["host-only", "host-and-disk"])
+def test_evictions_ahead_of_need_reach_the_indexer(indexer: Indexer, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch,
+                                                   disk: str) -> None:
+    """The keeper's evictions ahead of need (forced on these small tiers; in a deployment
+    only from 16,384 blocks) reach Dynamo's indexer as removals it applies: it ends holding
+    exactly what each tier holds, with no warning."""
+    from kvbm_plugin.leader import offload_tiers
+
+    monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_MIN_CAPACITY", 1)
+    monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_SLOTS", 3)
+    monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_STEP", 2)
+    extra = {cc.CPU_CACHE_NUM_BLOCKS: "12", cc.DISK_CACHE_NUM_BLOCKS: disk}
+    if disk == "0":
+        extra[cc.DISK_CACHE_DIR] = ""
+    engine = _run(indexer, tmp_path, mode="passthrough", extra_env=extra)
+    assert engine.leader.stats()["evicted_ahead"] > 0
 
 
 def test_an_llm_d_topic_is_read_too(indexer: Indexer, tmp_path: Path) -> None:
