@@ -174,10 +174,16 @@ def test_a_leased_block_survives_a_full_pool(mooncake_master_factory: Any,
     assert arena.read(0) == payload(kept, arena.size)
 
 
-def test_a_pool_whose_blocks_are_all_leased_is_full(mooncake_master: Any,
+def test_a_pool_whose_blocks_are_all_leased_is_full(mooncake_master_factory: Any,
                                                     mooncake_store_factory: Any) -> None:
     """Nothing evictable: the put is retried once, then reported FULL (counted)."""
-    store = mooncake_store_factory(mooncake_master, segment_bytes=16 << 20)
+    # A block just put has no lease until someone reads it, and above the high watermark the
+    # master's eviction thread (every few ms) takes such blocks: with the default 0.9, a
+    # block put past 90 % could vanish before this loop's check leased it, and more puts
+    # then fit (a loaded CI machine once saw 66 where 64 do). At 1.0 the master evicts only
+    # when a put finds no room, and by then every block written has been checked (leased).
+    master = mooncake_master_factory(eviction_high_watermark=1.0)
+    store = mooncake_store_factory(master, segment_bytes=16 << 20)
     layout = SharedLayout("kvbm", "test-model", 1, 0, 0, 32, 4 * BLOCK, "bfloat16", "v1pool")
     keys = _keys(80, layout, salt="full")
     arena = Arena(1, 4 * BLOCK)
@@ -187,10 +193,7 @@ def test_a_pool_whose_blocks_are_all_leased_is_full(mooncake_master: Any,
         code = store.put([key], [arena.buffer(0)])[0]
         if code == OK:
             written.append(key)
-            # Each check leases for 10 s (Mooncake's default). Every block is checked again
-            # after each put: on a loaded machine the loop can outlast one lease, and an
-            # expired one is evictable (a streak once saw 66 blocks fit where 64 do).
-            store.exists(written)
+            store.exists(written)  # leases it (10 s, Mooncake's default): not evictable
         else:
             assert code == FULL
             break
