@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from operator import itemgetter
 from typing import Any
@@ -63,8 +63,9 @@ from kvbm_plugin.events.fields import (
     parse_lora_id,
     parse_token_ids,
 )
-from kvbm_plugin.events.rank import Rank, add_child, children, native_rank_type
-from kvbm_plugin.events.v2_hooks import V2Hooks
+from kvbm_plugin.events.rank import Rank, add_child, native_rank_type
+from kvbm_plugin.events.rank_writer import RankWriter
+from kvbm_plugin.events.v2_hooks import BLOCK_HOOKS, V2Hooks
 from kvbm_plugin.naming.names import LoraNames, signed_hash
 from kvbm_plugin.wire.events import (
     MAX_DP_RANKS,
@@ -90,7 +91,7 @@ _MAX_SUPPRESSED = 1 << 20
 
 
 
-class KvEventSink(V2Hooks):
+class KvEventSink:
     """Filters and batches one executor's GPU-tier KV events for a publisher.
 
     Built by the leader (one per rank whose KV cache manager it watches) or by the sidecar.
@@ -128,7 +129,6 @@ class KvEventSink(V2Hooks):
         if type(max_suppressed) is not int or max_suppressed < 1:
             raise ValueError(f"KvEventSink: max_suppressed={max_suppressed!r} must be an "
                              "integer >= 1")
-        self._max_suppressed = max_suppressed
         # attention_dp_rank values below this are accepted (and our own, and those with a
         # publisher); any other would get state kept for the sink's lifetime.
         self._max_dp_ranks = max_dp_ranks
@@ -139,8 +139,6 @@ class KvEventSink(V2Hooks):
         self._configured_window = window_size
         # Routing window for the dict path: configured, else the largest window seen.
         self._window: int | None = window_size
-        # Routing layer groups for the V2 path (None = not known: publish every group).
-        self._routing_groups: frozenset[int] | None = None
         self._strict = strict
         # Keep the buffered path's output prefix-closed (the leader and the sidecar, whose
         # streams a router may read directly): see Rank.published.
@@ -155,13 +153,6 @@ class KvEventSink(V2Hooks):
         self._lock = threading.Lock()
         rs = self._rank_type()
         self._ranks: dict[int, Rank] = {data_parallel_rank: rs}
-        if module is not None:
-            # The V2 hooks' fast path: the compiled batch takes the common calls itself (no
-            # Python frame per block) and hands any other to the Python hook.
-            rs.fallback_store = partial(KvEventSink.add_stored_block_event_from_block, self)
-            rs.fallback_remove = partial(KvEventSink.add_removed_event, self)
-            self.add_stored_block_event_from_block = rs.v2_store  # type: ignore[method-assign]
-            self.add_removed_event = rs.v2_remove  # type: ignore[method-assign]
         # Called by flush (the flushing thread) with each rank's wire events before they are
         # published; the leader learns TRT-LLM's block hashes from it.
         self.on_flush: Callable[[int, list[WireEvent]], None] | None = None
@@ -183,6 +174,20 @@ class KvEventSink(V2Hooks):
         # lora_id): named by the leader, written into the events before the loops read them.
         self._lora = LoraNames(self._c, accepts_rank=lambda rank: type(rank) is int and (
             0 <= rank < self._max_dp_ranks or rank in self._rank_publishers))
+        # KVCacheManagerV2's block hooks (events/v2_hooks.py) for this sink's rank, set on the
+        # sink under V2's names; with the compiled batch, its own hooks take the common calls
+        # (no Python frame per block) and hand any other to these.
+        # How stores and removals enter a rank's batch (both inputs' Python paths).
+        self._writer = RankWriter(self._c, self._log, block_size, prefix_closed=prefix_closed,
+                                  max_suppressed=max_suppressed)
+        self._v2 = v2 = V2Hooks(rs, self._c, self._writer, malformed=self._malformed)
+        for name in BLOCK_HOOKS:
+            setattr(self, name, getattr(v2, name))
+        if module is not None:
+            rs.fallback_store = v2.add_stored_block_event_from_block
+            rs.fallback_remove = v2.add_removed_event
+            self.add_stored_block_event_from_block = rs.v2_store
+            self.add_removed_event = rs.v2_remove
 
     # ---- dict input (buffered path) -------------------------------------------------------
 
@@ -219,7 +224,7 @@ class KvEventSink(V2Hooks):
                 c["partial_removes_suppressed"] += n_partial
                 c["unknown_removes_suppressed"] += n_unknown
                 if tail is not None:
-                    self._suppress(rs, tail)
+                    self._writer.suppress(rs, tail)
                     c["partial_blocks_suppressed"] += 1
                     start = stop
                     continue
@@ -310,7 +315,7 @@ class KvEventSink(V2Hooks):
                             published = rs.published
                             if closed and ((parent is not None and parent not in published)
                                            or h in published):
-                                self._store(rs, [h], parent, [])  # drops it, counted
+                                self._writer.store(rs, [h], parent, [])  # drops it, counted
                                 continue
                             last = rs.last
                             if (last is not None and parent is not None
@@ -354,7 +359,7 @@ class KvEventSink(V2Hooks):
                         last = rs.last
                         if rs.suppressed or not hashes or closed and (
                                 len(hashes) != 1 or h not in rs.published or h in rs.kids):
-                            self._remove(rs, hashes, track_live=False)
+                            self._writer.remove(rs, hashes, track_live=False)
                             continue
                         if closed:
                             rs.unpublish(h)
@@ -437,7 +442,7 @@ class KvEventSink(V2Hooks):
                               "tokens > block_size %d; the sink's block_size does not match "
                               "the engine's tokens_per_block", unpublished[0], oversized, bs)
             for h in unpublished:
-                self._suppress(rs, h)
+                self._writer.suppress(rs, h)
             self._c["partial_blocks_suppressed"] += len(unpublished)
         # One store per run of one adapter and cache salt (a router reads both per event);
         # the chain goes on across runs.
@@ -445,7 +450,7 @@ class KvEventSink(V2Hooks):
         start = 0
         for end in range(1, len(hashes) + 1):
             if end == len(hashes) or loras[end] != loras[start] or salts[end] != salts[start]:
-                self._store(rs, hashes[start:end], parent, tokens[start * bs:end * bs],
+                self._writer.store(rs, hashes[start:end], parent, tokens[start * bs:end * bs],
                             loras[start], extras[start:end])
                 parent = hashes[end - 1]
                 start = end
@@ -480,140 +485,6 @@ class KvEventSink(V2Hooks):
         rs = self._ranks[rank] = self._rank_type()
         return rs
 
-    def _store(self, rs: Rank, hashes: list[int], parent: int | None, tokens: list[Any],
-               lora_id: Any = None, extras: list[Any] | None = None, *,
-               closed: bool = True) -> None:
-        """Append a stored chain to the batch. ``closed`` (the buffered path): keep the stream
-        prefix-closed. A chain whose parent is not published is dropped (TensorRT-LLM stores
-        a block only under a cached parent, so its parent's store was lost and will not come
-        again: holding it back would wait for ever); a block already published is dropped and
-        the chain goes on under it."""
-        if closed and self._prefix_closed:
-            published = rs.published
-            c = self._c
-            if parent is not None and parent not in published:
-                c["orphan_stores_dropped"] += len(hashes)
-                self._log.log(logging.WARNING, "orphan", "KvEventSink: stored block(s) %s "
-                              "under parent %d, which is not published (events lost?); not "
-                              "published (%d so far)", hashes[:4], parent,
-                              c["orphan_stores_dropped"])
-                return
-            bs = self.block_size
-            start = 0
-            seen: set[int] = set()
-            for i, h in enumerate(hashes):
-                if h in published or h in seen:
-                    c["duplicate_stores_dropped"] += 1
-                    if i > start:
-                        self._store(rs, hashes[start:i], parent, tokens[start * bs:i * bs],
-                                    lora_id, None if extras is None else extras[start:i])
-                    parent, start = h, i + 1
-                seen.add(h)
-            if start:
-                if start < len(hashes):
-                    self._store(rs, hashes[start:], parent, tokens[start * bs:], lora_id,
-                                None if extras is None else extras[start:])
-                return
-            kids = rs.kids
-            p = parent
-            for h in hashes:
-                published[h] = p
-                if p is not None:
-                    add_child(kids, p, h)
-                p = h
-        c = self._c
-        c["blocks_stored"] += len(hashes)
-        if extras is not None and any(e is not None for e in extras):
-            # Blocks with extra keys (multimodal, cache salt) keep them on the wire, one entry
-            # per block; such an event is never extended (neither loop appends a key list).
-            c["stores"] += 1
-            rs.events.append({"type": STORED, "block_hashes": hashes,
-                              "parent_block_hash": parent, "token_ids": tokens,
-                              "block_size": self.block_size, "lora_id": lora_id,
-                              "medium": MEDIUM_GPU, "lora_name": lora_name(lora_id),
-                              "extra_keys": extras})
-            rs.last = None
-            return
-        last = rs.last
-        if (last is not None and last["type"] == STORED and parent is not None
-                and last["block_hashes"][-1] == parent and last["lora_id"] == lora_id):
-            last["block_hashes"].extend(hashes)
-            last["token_ids"].extend(tokens)
-            return
-        c["stores"] += 1
-        ev = {"type": STORED, "block_hashes": hashes, "parent_block_hash": parent,
-              "token_ids": tokens, "block_size": self.block_size, "lora_id": lora_id,
-              "medium": MEDIUM_GPU, "lora_name": lora_name(lora_id)}
-        rs.events.append(ev)
-        rs.last = ev
-
-    def _remove(self, rs: Rank, hashes: Iterable[int], *, track_live: bool) -> None:
-        suppressed = rs.suppressed
-        live = rs.live
-        out: list[int] = []
-        c = self._c
-        for h in hashes:
-            if suppressed and h in suppressed:
-                del suppressed[h]
-                c["partial_removes_suppressed"] += 1
-                continue
-            if track_live:
-                if h not in live:
-                    c["unknown_removes_suppressed"] += 1
-                    continue
-                k = live.pop(h)
-                if k is not None:
-                    rs.live_keys.pop(k, None)
-            elif self._prefix_closed:
-                published = rs.published
-                if h not in published:
-                    c["unknown_removes_suppressed"] += 1  # never published (or cascaded)
-                    continue
-                if h in rs.kids:
-                    out.extend(self._cascade(rs, h))
-                rs.unpublish(h)
-            out.append(h)
-        if not out:
-            return
-        c["blocks_removed"] += len(out)
-        last = rs.last
-        if last is not None and last["type"] == REMOVED:
-            last["block_hashes"].extend(out)  # consecutive removals: one event, same order
-            return
-        c["removes"] += 1
-        ev = {"type": REMOVED, "block_hashes": out, "medium": MEDIUM_GPU}
-        rs.events.append(ev)
-        rs.last = ev
-
-    def _cascade(self, rs: Rank, h: int) -> list[int]:
-        """Unpublish the published descendants of ``h`` (about to be removed), each after all
-        of its own descendants (the reverse of a walk down from ``h``); their own later
-        removals are then dropped as unknown. O(descendants): the walk follows ``kids`` down
-        from ``h`` and touches no other block (only an engine that removes a parent before its
-        children gets here; TensorRT-LLM frees descendants first). Iterative: a chain of any
-        length."""
-        published, kids = rs.published, rs.kids
-        order: list[int] = []
-        stack = list(children(kids, h))
-        kids.pop(h, None)
-        while stack:
-            node = stack.pop()
-            order.append(node)
-            del published[node]
-            below = kids.pop(node, None)
-            if below is not None:
-                if type(below) is set:
-                    stack.extend(below)
-                else:
-                    stack.append(below)
-        order.reverse()
-        self._c["cascade_removes"] += len(order)
-        return order
-
-    def _suppress(self, rs: Rank, h: int) -> None:
-        if rs.suppress(h, self._max_suppressed):
-            self._c["suppressed_evicted"] += 1
-
     def _count_lost_input(self, n: int) -> None:
         """``n`` events that never reached :meth:`ingest` (the buffered tee could not turn them
         into dicts): counted as malformed; any thread."""
@@ -629,6 +500,76 @@ class KvEventSink(V2Hooks):
                                   f"{what!r:.300}") from exc
         self._log.log(logging.ERROR, "malformed", "KvEventSink: malformed KV event not "
                       "published (%s: %s): %.300r", type(exc).__name__, exc, what)
+
+    # ---- KVCacheManagerV2's event-manager interface, besides the block hooks -------------
+    # (events/v2_hooks.py has those; the sink's own state is here: window, counters, flush)
+
+    @property
+    def dropped_event_count(self) -> int:
+        """Batches the publisher lost (V2 manager property name)."""
+        return self._c["batches_lost"] + self._lost_by_publishers()
+
+    @property
+    def queue_high_watermark(self) -> int:
+        """Publisher queue high-water mark (V2 manager property name)."""
+        return int(self._publisher.stats().get("queue_high_water", 0))
+
+    def set_layer_group_window_sizes(self, window_sizes: Mapping[int, int]) -> None:
+        """V2 hook: window per layer group; picks the routing group(s) (largest or configured)."""
+        sizes = {int(k): int(v) for k, v in window_sizes.items()}
+        with self._lock:
+            if not sizes:
+                self._v2.route(None)
+                return
+            target = self._configured_window
+            if target is None or target not in sizes.values():
+                if target is not None:
+                    self._log.log(logging.ERROR, "window-missing", "KvEventSink: configured "
+                                  "window_size %d is none of the layer-group windows %s; "
+                                  "publishing the largest", target, sorted(set(sizes.values())))
+                target = max(sizes.values())
+            self._window = target
+            self._v2.route(frozenset(g for g, w in sizes.items() if w == target))
+
+    def set_routing_layer_group(self, layer_group_id: int) -> None:
+        """V2 hook: publish exactly this layer group."""
+        with self._lock:
+            self._v2.route(frozenset((int(layer_group_id),)))
+
+    def add_created_event(self, num_blocks_per_cache_level: Sequence[int],
+                          layer_group_ids: Sequence[int] | None = None) -> None:
+        """V2 hook: pool created; counted (the wire format has no such event)."""
+        self._c["created_events"] += 1
+
+    def add_updated_event(self, block_hash: Any, *, cache_level: Any = None,
+                          priority: Any = None, layer_group_id: int | None = None) -> None:
+        """V2 hook: cache level / priority changed; counted, not published."""
+        self._c["updated_events"] += 1
+
+    def flush_iteration_events(self) -> None:
+        """V2 hook: TRT-LLM's per-iteration flush; publishes like :meth:`flush`."""
+        self.flush()
+
+    def get_latest_events(self, timeout_ms: float | None = None,
+                          max_events: int | None = None) -> list[Any]:
+        """V2 pull API: always ``[]``; events are pushed to the publisher instead."""
+        return []
+
+    def discard_events(self) -> None:
+        """V2 hook: drop pending events (counted and logged; removals included).
+
+        Each rank's batch is taken as :meth:`flush` takes it and thrown away: the compiled
+        batch then starts a new batch of its own kind (a plain list put in its place would
+        carry its later encoded runs to the publisher as items of a list, which is no event),
+        and an encoded run counts as the events it holds."""
+        with self._lock:
+            n = 0
+            for rs in self._ranks.values():
+                n += event_count(rs.take())
+            self._c["discarded_events"] += n
+        if n:
+            self._log.log(logging.WARNING, "discard", "KvEventSink: discard_events dropped %d "
+                          "pending events", n)
 
     # ---- output -----------------------------------------------------------------------------
 

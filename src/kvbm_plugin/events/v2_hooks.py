@@ -1,14 +1,18 @@
-"""The event sink's KVCacheManagerV2 hooks: V2's ``KVCacheEventManager`` interface.
+"""The event sink's KVCacheManagerV2 block hooks: what V2's radix tree and storage manager
+call on their event manager when a block is stored or removed, turned into the sink's own
+stores and removals.
 
-:class:`V2Hooks` is a base of :class:`kvbm_plugin.event_sink.KvEventSink`: the methods V2's
-radix tree and storage manager call on their event manager, turned into the sink's own stores
-and removals. Called on TensorRT-LLM's executor thread; no torch or TensorRT-LLM import.
+:class:`V2Hooks` is built by :class:`kvbm_plugin.event_sink.KvEventSink` for its own dp rank,
+which sets these methods (or, with the compiled batch, that batch's ``v2_store`` /
+``v2_remove``, which hand any call they do not take to these) on itself under V2's names: the
+sink stands where V2's ``KVCacheEventManager`` stands, or receives a copy of its calls
+(``events/source.py``). The rest of V2's interface (windows, flush, discard, counters) is the
+sink's own. Called on TensorRT-LLM's executor thread; no torch or TensorRT-LLM import.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvbm_plugin.events.fields import (
@@ -17,65 +21,46 @@ from kvbm_plugin.events.fields import (
     block_extra_keys,
     parse_lora_id,
 )
+from kvbm_plugin.events.rank import Rank
+from kvbm_plugin.events.rank_writer import RankWriter
 from kvbm_plugin.naming.names import parse_hash, radix_key_hash
-from kvbm_plugin.wire.events import MEDIUM_GPU, event_count
+from kvbm_plugin.wire.events import MEDIUM_GPU
+
+# V2's block hooks, the names the sink takes these methods under.
+BLOCK_HOOKS = ("add_stored_block_event_from_block", "add_stored_life_cycle_event_from_block",
+               "add_stored_event", "add_removed_event", "add_removed_life_cycle_event")
 
 
 class V2Hooks:
-    """Mixin of :class:`~kvbm_plugin.event_sink.KvEventSink`; it relies on the sink's state
-    (``_lock``, ``_ranks``, ``_c``, ``_log``, ``_store``/``_remove``, ...)."""
+    """One dp rank's V2 block hooks: the rank's batch (``rank``), the sink's counters
+    (``counters``), the sink's :class:`~kvbm_plugin.events.rank_writer.RankWriter` (how stores
+    and removals enter the batch, shared with the dict input) and ``malformed`` (count, log, or
+    raise when strict). Owns the routing layer groups (:meth:`route`, set by the sink's window
+    hooks).
 
-    # ---- KVCacheManagerV2 event-sink hooks (duck typed) -------------------------------------
-    # Called by V2's radix tree / storage manager on the executor thread (directly, when the
-    # sink stands in for V2's KVCacheEventManager, or through attach_event_source's tee). They
-    # take no lock (the per-block cost budget is ~1 us): hooks and flush share the executor
-    # thread. Only ``ingest`` may run on another thread (the buffered-path tee).
+    The hooks take no lock (the per-block cost budget is ~1 us): TRT-LLM calls them and the
+    leader calls the sink's ``flush`` on the same (executor) thread. Only the sink's ``ingest``
+    may run on another thread (the buffered-path tee), and it does not reach here."""
 
-    @property
-    def dropped_event_count(self) -> int:
-        """Batches the publisher lost (V2 manager property name)."""
-        return self._c["batches_lost"] + self._lost_by_publishers()
+    def __init__(self, rank: Rank, counters: dict[str, int], writer: RankWriter, *,
+                 malformed: Callable[[BaseException, Any], None]) -> None:
+        self._rank = rank
+        self._c = counters
+        self.block_size = writer.block_size
+        self._store = writer.store
+        self._remove = writer.remove
+        self._suppress = writer.suppress
+        self._malformed = malformed
+        # The layer groups published (None = not known: publish every group).
+        self.routing_groups: frozenset[int] | None = None
 
-    @property
-    def queue_high_watermark(self) -> int:
-        """Publisher queue high-water mark (V2 manager property name)."""
-        return int(self._publisher.stats().get("queue_high_water", 0))
-
-    def set_layer_group_window_sizes(self, window_sizes: Mapping[int, int]) -> None:
-        """V2 hook: window per layer group; picks the routing group(s) (largest or configured)."""
-        sizes = {int(k): int(v) for k, v in window_sizes.items()}
-        with self._lock:
-            if not sizes:
-                self._routing_groups = None
-                self._routing_changed()
-                return
-            target = self._configured_window
-            if target is None or target not in sizes.values():
-                if target is not None:
-                    self._log.log(logging.ERROR, "window-missing", "KvEventSink: configured "
-                                  "window_size %d is none of the layer-group windows %s; "
-                                  "publishing the largest", target, sorted(set(sizes.values())))
-                target = max(sizes.values())
-            self._window = target
-            self._routing_groups = frozenset(g for g, w in sizes.items() if w == target)
-            self._routing_changed()
-
-    def set_routing_layer_group(self, layer_group_id: int) -> None:
-        """V2 hook: publish exactly this layer group."""
-        with self._lock:
-            self._routing_groups = frozenset((int(layer_group_id),))
-            self._routing_changed()
-
-    def _routing_changed(self) -> None:
-        """The compiled V2 hooks take calls only while every layer group is published (the
-        Python hooks filter by group)."""
-        if self._native is not None:
-            self._ranks[self.data_parallel_rank].fast_hooks = self._routing_groups is None
-
-    def add_created_event(self, num_blocks_per_cache_level: Sequence[int],
-                          layer_group_ids: Sequence[int] | None = None) -> None:
-        """V2 hook: pool created; counted (the wire format has no such event)."""
-        self._c["created_events"] += 1
+    def route(self, groups: frozenset[int] | None) -> None:
+        """Publish only ``groups`` (None: every group); the sink's window hooks, under its
+        lock. The compiled batch's hooks take calls only while every group is published (these
+        filter by group)."""
+        self.routing_groups = groups
+        if hasattr(self._rank, "fast_hooks"):
+            self._rank.fast_hooks = groups is None
 
     def add_stored_block_event_from_block(self, block: Any) -> None:
         """V2 hook: one radix block became reusable (``.key``, ``.tokens``, ``.prev``).
@@ -86,9 +71,9 @@ class V2Hooks:
         hooks and the leader calls ``flush`` on the same (executor) thread.
         """
         try:
-            groups = self._routing_groups
+            groups = self.routing_groups
             if groups is not None and not self._held_by(block, groups):
-                rs = self._ranks[self.data_parallel_rank]
+                rs = self._rank
                 self._suppress(rs, radix_key_hash(block.key))
                 self._c["window_filtered"] += 1
                 return
@@ -99,7 +84,7 @@ class V2Hooks:
     def add_stored_life_cycle_event_from_block(self, block: Any, life_cycle_id: int) -> None:
         """V2 hook: a block gained a page in layer group ``life_cycle_id``."""
         try:
-            groups = self._routing_groups
+            groups = self.routing_groups
             if groups is not None and int(life_cycle_id) not in groups:
                 self._c["window_filtered"] += 1
                 return
@@ -121,7 +106,7 @@ class V2Hooks:
         return False
 
     def _v2_store(self, block: Any) -> None:
-        rs = self._ranks[self.data_parallel_rank]
+        rs = self._rank
         k = block.key
         live_keys = rs.live_keys
         if k in live_keys:
@@ -164,12 +149,12 @@ class V2Hooks:
         and ``.lora_id``, the C++ ``loraId``: a LoRA task id goes out as the block's
         ``lora_name``, task 0 included)."""
         try:
-            groups = self._routing_groups
+            groups = self.routing_groups
             if groups is not None and layer_group_id is not None and \
                     int(layer_group_id) not in groups:
                 self._c["window_filtered"] += len(blocks)
                 return
-            rs = self._ranks[self.data_parallel_rank]
+            rs = self._rank
             parent = None if parent_hash is None else parse_hash(parent_hash, "parent_hash")
             hashes: list[int] = []
             tokens: list[Any] = []
@@ -205,7 +190,7 @@ class V2Hooks:
     def add_removed_event(self, block_hashes: Any) -> None:
         """V2 hook: blocks left the pool (bytes key, hex key, int, or an iterable of them)."""
         try:
-            rs = self._ranks[self.data_parallel_rank]
+            rs = self._rank
             if type(block_hashes) is bytes:
                 # Fast path: one radix key that we published.
                 h = rs.live_keys.pop(block_hashes, None)
@@ -233,41 +218,14 @@ class V2Hooks:
     def add_removed_life_cycle_event(self, block_hash: Any, life_cycle_id: int) -> None:
         """V2 hook: a block lost its page in one layer group."""
         try:
-            groups = self._routing_groups
+            groups = self.routing_groups
             if groups is not None and int(life_cycle_id) not in groups:
                 self._c["window_removes_filtered"] += 1
                 return
             h = parse_hash(block_hash, "removed block hash")
-            self._remove(self._ranks[self.data_parallel_rank], (h,), track_live=True)
+            self._remove(self._rank, (h,), track_live=True)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             self._malformed(exc, block_hash)
 
-    def add_updated_event(self, block_hash: Any, *, cache_level: Any = None,
-                          priority: Any = None, layer_group_id: int | None = None) -> None:
-        """V2 hook: cache level / priority changed; counted, not published."""
-        self._c["updated_events"] += 1
 
-    def flush_iteration_events(self) -> None:
-        """V2 hook: TRT-LLM's per-iteration flush; publishes like :meth:`flush`."""
-        self.flush()
-
-    def get_latest_events(self, timeout_ms: float | None = None,
-                          max_events: int | None = None) -> list[Any]:
-        """V2 pull API: always ``[]``; events are pushed to the publisher instead."""
-        return []
-
-    def discard_events(self) -> None:
-        """V2 hook: drop pending events (counted and logged; removals included).
-
-        Each rank's batch is taken as :meth:`flush` takes it and thrown away: the compiled
-        batch then starts a new batch of its own kind (a plain list put in its place would
-        carry its later encoded runs to the publisher as items of a list, which is no event),
-        and an encoded run counts as the events it holds."""
-        with self._lock:
-            n = 0
-            for rs in self._ranks.values():
-                n += event_count(rs.take())
-            self._c["discarded_events"] += n
-        if n:
-            self._log.log(logging.WARNING, "discard", "KvEventSink: discard_events dropped %d "
-                          "pending events", n)
+__all__ = ["BLOCK_HOOKS", "V2Hooks"]
