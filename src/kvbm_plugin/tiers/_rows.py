@@ -14,8 +14,6 @@ bounded, whatever the tier's size.
 * :class:`LeafOrder`: the evictable leaves ordered by last use, as sorted runs of ticks. It holds
   exactly the evictable entries (an entry leaves it the moment it is pinned, touched, gains a
   child or goes), so taking the least recently used leaf never skips stale items.
-* :class:`SlotRows`: how a new row gets its slot in both (a free one, a new one, or the least
-  recently used evictable leaf's).
 
 Called on the leader's executor thread only (through the index); no locks.
 """
@@ -25,7 +23,7 @@ from __future__ import annotations
 import struct
 from array import array
 from bisect import bisect_left
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvbm_plugin._util import compiled as _compiled
 
@@ -219,36 +217,3 @@ class LeafOrder:
         self._slots.clear()
         self._lasts.clear()
         self._len = 0
-
-
-class SlotRows:
-    """Mixin of a slot-row structure with a free list, a capacity and a :class:`LeafOrder` of its
-    evictable leaves; the class provides ``_free``, ``capacity``, ``_order``, ``_grow()``
-    (a new row at the end), ``_dequeue(slot)`` and ``_offer(slot)``."""
-
-    __slots__ = ()
-    if TYPE_CHECKING:
-        _free: list[int]
-        _order: LeafOrder
-        capacity: int
-
-        def _grow(self) -> int: ...
-        def _dequeue(self, slot: int) -> None: ...
-        def _offer(self, slot: int) -> None: ...
-
-    def _claim_slot(self, parent: int, rows: int) -> tuple[int, bool]:
-        """The slot for a new row whose parent is at slot ``parent`` (-1 for a root), with
-        ``rows`` rows allocated so far: ``(slot, False)`` for a free or new one, ``(slot,
-        True)`` for the evictable leaf the caller must remove first, ``(-1, False)`` when every
-        row is pending, pinned or a parent. The parent leaves the eviction order first (it is
-        about to gain a child), so the victim is never the new row's parent."""
-        if self._free:
-            return self._free.pop(), False
-        if rows < self.capacity:
-            return self._grow(), False
-        if parent >= 0:
-            self._dequeue(parent)
-        victim = self._order.first()
-        if victim < 0 and parent >= 0:
-            self._offer(parent)  # nothing was taken: the parent is as it was
-        return victim, victim >= 0

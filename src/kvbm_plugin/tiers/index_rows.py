@@ -28,7 +28,7 @@ from kvbm_plugin.tiers._entry import (
     COMPILED_VIEWS,
     TierEntry,
 )
-from kvbm_plugin.tiers._rows import LeafOrder, SlotRows, key_table
+from kvbm_plugin.tiers._rows import LeafOrder, key_table
 from kvbm_plugin.tiers.content_keys import Signature, TierName
 
 # Same bits as content_keys' mask: a hash is accepted signed or unsigned.
@@ -49,7 +49,7 @@ GROW_ROWS = 256  # rows added to every column at once (_grow)
 _NO_SIG = array("q", (-1, 0))
 
 
-class TierRows(SlotRows):
+class TierRows:
     """A tier index's rows and views (see the module docstring); set up by ``_init_rows``,
     which :class:`~kvbm_plugin.tiers.index.TierIndex` (the only subclass) calls from its
     constructor and ``clear``."""

@@ -18,7 +18,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Final
 
-from kvbm_plugin.tiers._rows import LeafOrder, SlotRows, key_table
+from kvbm_plugin.tiers._rows import LeafOrder, key_table
 from kvbm_plugin.tiers.shared.block import SharedBlock, make_block
 
 _U64: Final = (1 << 64) - 1
@@ -36,7 +36,7 @@ _Q_ROW: Final = array("Q", (0, 0, 0, 0))  # a new slot's _q row
 _L_ROW: Final = array("i", (-1, -1, -1, -1, 0, 0))  # and its _l row
 
 
-class SharedRows(SlotRows):
+class SharedRows:
     """Resident shared blocks as rows (see the module docstring); ``capacity``: the most rows.
     Every method is called with the owning directory's lock held."""
 
@@ -107,6 +107,23 @@ class SharedRows(SlotRows):
             digest if digest is not None else _HALVES.pack(self._lo[slot], self._q[4 * slot]),
             None if parent < 0 else _HALVES.pack(self._lo[parent], self._q[4 * parent]),
             eh, peh, tokens, scope[0], scope[1])
+
+    def _claim_slot(self, parent: int, rows: int) -> tuple[int, bool]:
+        """The slot for a new row whose parent is at slot ``parent`` (-1 for a root), with
+        ``rows`` rows allocated so far: ``(slot, False)`` for a free or new one, ``(slot,
+        True)`` for the evictable leaf the caller must remove first, ``(-1, False)`` when every
+        row is pending, pinned or a parent. The parent leaves the eviction order first (it is
+        about to gain a child), so the victim is never the new row's parent."""
+        if self._free:
+            return self._free.pop(), False
+        if rows < self.capacity:
+            return self._grow(), False
+        if parent >= 0:
+            self._dequeue(parent)
+        victim = self._order.first()
+        if victim < 0 and parent >= 0:
+            self._offer(parent)  # nothing was taken: the parent is as it was
+        return victim, victim >= 0
 
     def _insert(self, block: SharedBlock, parent: int, deadline: float,
                 ) -> tuple[str, SharedBlock | None]:
