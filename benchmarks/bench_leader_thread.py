@@ -22,6 +22,9 @@ spread over rounds.
 * a big tier: 64-block prompts with ``--tier-blocks`` unrelated blocks committed in the host
   tier before the first round (``--tier-blocks 1000000``), once with room to spare and once
   with the tier holding exactly those, so that every save evicts one (a tier's steady state);
+* a host tier in front of a disk tier (with ``--tier-blocks``): a host tier of 16,384 blocks
+  filled to its steady state by real requests (each save evicts a host block, demoted to a
+  disk tier behind it), against the same host tier alone in the same round;
 * the event pump's own thread CPU per block (info): the drain, the sink and the publishing
   that run off the executor thread (``leader/event_pump.py``), so that moving work off it is
   seen, not hidden; and the leader's keeper thread's CPU per block (info): the workers'
@@ -196,6 +199,50 @@ def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = Fa
         engine.shutdown()
 
 
+def _host_before_disk(tmp: str, seed: int, disk: bool, host: int = 16384,
+                      measured: int = 16) -> tuple[float, dict[str, int]]:
+    """(µs of the hooks' thread CPU per offloaded block, the leader's counters over the
+    measured requests): a host tier of ``host`` blocks, with a disk tier of 4x behind it when
+    ``disk``, filled to its steady state by real requests (64-block prompts, each of its
+    blocks written by the worker, so that demotions copy real bytes), then ``measured`` more
+    such requests, every save evicting one host block (demoted to disk, when there is one)."""
+    from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
+
+    tag = f"{tmp}/hd-{seed}-{int(disk)}"
+    env = {cc.ENABLE_CONSOLIDATOR: "true", cc.EVENTS_ENDPOINT: f"ipc://{tag}-gpu",
+           cc.REPLAY_ENDPOINT: f"ipc://{tag}-gpu-r", cc.OUTPUT_ENDPOINT: f"ipc://{tag}-out",
+           cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tag}-out-r", cc.CPU_CACHE_NUM_BLOCKS: str(host)}
+    if disk:
+        env.update({cc.DISK_CACHE_NUM_BLOCKS: str(4 * host), cc.DISK_CACHE_DIR: f"{tag}-disk"})
+    engine = SimulatedEngine(EngineConfig(
+        num_layers=1, num_kv_heads=1, head_dim=4, tokens_per_block=BS, num_gpu_blocks=66,
+        max_num_tokens=64 * BS + 64, max_batch_size=4, env=env))
+    try:
+        leader = engine.leader
+        for r in range(host // 64 + 40):  # full, and 40 requests' blocks evicted
+            engine.submit(_prompt(seed * 100000 + r, 64), 1)
+            if r % 32 == 31:
+                engine.run_until_idle(timeout_s=300)
+        engine.run_until_idle(timeout_s=300)
+        total = [0.0]
+        _timed_hooks(leader, total, None)
+        before = leader.stats()
+        for r in range(measured):
+            engine.submit(_prompt(seed * 100000 + 50000 + r, 64), 1)
+        gc.collect()
+        gc.disable()
+        try:
+            engine.run_until_idle(timeout_s=300)
+        finally:
+            gc.enable()
+        after = leader.stats()
+        counters = {k: after[k] - before.get(k, 0) for k in after}
+        assert counters["host_evictions"] >= counters["saves_scheduled"] > 0, counters
+        return total[0] / counters["saves_scheduled"] * 1e6, counters
+    finally:
+        engine.shutdown()
+
+
 def _decode(tmp: str, seed: int, batch: int = 32, steps: int = 64) -> float:
     """µs of the hooks' thread CPU per request per generation step: ``batch`` requests of
     4-block prompts decoding together, ``steps + 2`` output tokens against 2 (each run its
@@ -339,6 +386,12 @@ def main(argv: list[str] | None = None) -> int:
                 note("evict_ahead", full_counters.get("evicted_ahead", 0)
                      / max(1, full_counters["host_evictions"]))
                 note("evict_waits", full_counters.get("hook_lock_waits", 0) / counts[64])
+                for disk in ((False, True) if r % 2 == 0 else (True, False)):
+                    us, hd = _host_before_disk(tmp, r * 10 + 5 + int(disk), disk)
+                    note("hd_disk" if disk else "hd_host", us)
+                    if disk:  # (0 on a revision before demotions were made ahead)
+                        note("hd_inline", (hd["demotes_scheduled"] - hd.get("demoted_ahead", 0))
+                             / max(1, hd["host_evictions"]))
 
     def med(name: str) -> float:
         return statistics.median(per[name])
@@ -432,6 +485,12 @@ def main(argv: list[str] | None = None) -> int:
                 med("evict_ahead"), ""),
             Row("leader", "the same full tier: hooks that found the keeper holding the leader's "
                 "lock and waited, per request (info)", med("evict_waits"), ""),
+            Row("leader", "per offloaded block, a full host tier of 16,384 blocks in front of a "
+                "disk tier (every save evicts a host block, demoted to disk), against the same "
+                "host tier alone, same round (filled by real requests)", med("hd_disk"), "us",
+                baseline=med("hd_host"), target=f"<= {b:g} us", passed=med("hd_disk") <= b),
+            Row("leader", "the same: demotions made on the executor thread per host eviction "
+                "(info: the rest made ahead of need by the keeper)", med("hd_inline"), ""),
         ]
     print(f"{rounds} rounds; requests per workload {counts}; 32-token blocks; host tier, "
           "consolidator on")

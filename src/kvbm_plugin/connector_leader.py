@@ -253,10 +253,13 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
 
     def _idle_tick(self) -> None:
         """The idle keeper's work (its thread, under the lock): apply completed reports,
-        publish the GPU-tier events TRT-LLM produced (drain mode drains them, tap publishes
-        what its readers took) and the tier changes; advertise held blocks named meanwhile."""
+        withdraw the demotions made ahead that no metadata took, publish the GPU-tier events
+        TRT-LLM produced (drain mode drains them, tap publishes what its readers took) and the
+        tier changes; advertise held blocks named meanwhile."""
         self._reap_dead()  # before its saves' reports count
         self._apply_reports()
+        if self._tiers.pending_demotes:  # made ahead after the last metadata: none comes
+            self._tiers.withdraw_demotes()
         self._tiers.evict_ahead()
         self._sync_events(now=True)
         flush = getattr(self._tier_events, "flush", None)
@@ -268,8 +271,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         requests TensorRT-LLM dropped are reaped first (their saves never committed: the
         device blocks may have been reused), then the reports applied as a hook applies them;
         then the shared tier's queued residency changes registered (where its target is not
-        thread-safe: ``LeaderSharedTier.take_agent_events``) and a full tier's next victims
-        evicted (``OffloadTiers.evict_ahead``). True when it applied reports.
+        thread-safe: ``LeaderSharedTier.take_agent_events``), a full tier's next victims
+        evicted (``OffloadTiers.evict_ahead``) and a full host tier's next victims demoted to
+        disk ahead of need (``OffloadTiers.demote_ahead``). True when it applied reports.
         Not while names are learned from TensorRT-LLM's events: there the reports wait for
         ``build_connector_meta`` (or ``request_finished``), which reads those events first."""
         if self._closed or self._naming.learning:
@@ -282,6 +286,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         # in a hook on the executor thread)
         self._shared.take_agent_events()
         self._tiers.evict_ahead()
+        self._tiers.demote_ahead()  # (what no metadata takes is withdrawn when idle)
         return applied
 
     def _register_metrics(self) -> None:

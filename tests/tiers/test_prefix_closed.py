@@ -318,26 +318,30 @@ def test_eviction_ahead_keeps_the_tiers_and_the_router_view_exact(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, examples: int,
         disk: int) -> None:
     """The same random workloads with the keeper evicting ahead of need in tiers of any size
-    (in a deployment only from 16,384 blocks; the last tier only, host or disk): its victims'
-    REMOVEs keep every tier prefix-closed and the router's view equal to what each tier holds,
-    nothing is left in flight once the engine idles (a host victim's demotion, made ahead,
-    would wait for a metadata that an idle engine never builds: the engine's idle wait times
-    out), and it ran."""
+    (in a deployment only from 16,384 blocks) and, where a disk tier is behind the host tier,
+    demoting the host tier's next victims to disk ahead of need and evicting from the host tier
+    those the disk holds: every tier stays prefix-closed, the router's view equal to what each
+    tier holds, nothing is left in flight once the engine idles (a demotion made ahead after
+    the last metadata is withdrawn at the idle tick; one left waiting would time the engine's
+    idle wait out), and both ran."""
     monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_MIN_CAPACITY", 1)
     monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_SLOTS", 3)
     monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_STEP", 2)
-    ahead: list[int] = []
-    original = offload_tiers.OffloadTiers.evict_ahead
+    monkeypatch.setattr(offload_tiers, "DEMOTE_AHEAD_VICTIMS", 2)
+    done: dict[str, list[int]] = {"evict_ahead": [], "demote_ahead": []}
+    for name, counts in done.items():
+        original = getattr(offload_tiers.OffloadTiers, name)
 
-    def counted(self: Any) -> int:
-        done = original(self)
-        ahead.append(done)
-        return done
+        def counted(self: Any, _original: Any = original, _counts: list[int] = counts) -> int:
+            n = _original(self)
+            _counts.append(n)
+            return n
 
-    monkeypatch.setattr(offload_tiers.OffloadTiers, "evict_ahead", counted)
+        monkeypatch.setattr(offload_tiers.OffloadTiers, name, counted)
     run_examples(examples, lambda seed, host: _random_workload(caplog, seed, host, disk),
                  seed=st.integers(0, 2**32), host=st.sampled_from((6, 10)))
-    assert sum(ahead) > 0
+    assert sum(done["evict_ahead"]) > 0
+    assert (sum(done["demote_ahead"]) > 0) == bool(disk)
 
 
 def _random_workload(caplog: pytest.LogCaptureFixture, seed: int, host: int, disk: int) -> None:

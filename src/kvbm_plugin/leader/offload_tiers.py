@@ -22,7 +22,7 @@ from typing import Any
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 from kvbm_plugin.connector.meta import DemoteOp, TierLayout, pool_layout
 from kvbm_plugin.consolidator_config import CPU_CACHE_GB, DISK_CACHE_GB, ConfigError, TierSettings
-from kvbm_plugin.leader.requests import OpTable
+from kvbm_plugin.leader.requests import Op, OpTable
 from kvbm_plugin.naming.names import BlockNaming
 from kvbm_plugin.tiers.base import (
     TIER_DISK,
@@ -52,6 +52,11 @@ _NO_SCOPE = (None, None)  # no adapter, no salt, no multimodal item: a new index
 EVICT_AHEAD_MIN_CAPACITY = 16384
 EVICT_AHEAD_SLOTS = 256
 EVICT_AHEAD_STEP = 128
+# Demotion ahead of need (OffloadTiers.demote_ahead): the host tier's next victims (leaves)
+# whose chains are copied to disk ahead, at most EVICT_AHEAD_STEP blocks per call. A leaf's
+# ancestors follow it out as they become leaves, so a few leaves cover the next evictions of
+# long chains; more would hold copies on disk long before their host blocks leave.
+DEMOTE_AHEAD_VICTIMS = 16
 
 
 def _scope_fields(block_scope: tuple[Any, ...]) -> tuple[int | None, Any]:
@@ -341,14 +346,74 @@ class OffloadTiers:
         (its disk slot pending) until the sweep failed it as overdue. Those evictions stay
         inline, where the metadata that carries the demotion is being built. Returns the
         blocks evicted."""
-        index = self.disk if self.disk is not None else self.host
-        if index is None or index.capacity < EVICT_AHEAD_MIN_CAPACITY:
-            return 0
-        done = index.evict_ahead(EVICT_AHEAD_SLOTS, EVICT_AHEAD_STEP, self._evicted_from)
+        done = 0
+        for index in (self.disk, self.host):
+            if index is None or index.capacity < EVICT_AHEAD_MIN_CAPACITY:
+                continue
+            # The host tier in front of a disk tier: its victims the disk holds already (demoted
+            # ahead, demote_ahead), which leave with a REMOVE only.
+            ready = self._on_disk if index is self.host and self.disk is not None else None
+            done += index.evict_ahead(EVICT_AHEAD_SLOTS, EVICT_AHEAD_STEP, self._evicted_from,
+                                      ready)
         if done:
             self._stats["evicted_ahead"] += done
             self.flush_evicted()
         return done
+
+    def _on_disk(self, slot: int) -> bool:
+        """Whether the disk tier holds the host block in ``slot``, committed (evict_ahead)."""
+        key, _ = self.host.evicting(slot)  # type: ignore[union-attr]
+        entry = self.disk.get(key)  # type: ignore[union-attr]
+        return entry is not None and entry.resident
+
+    def demote_ahead(self) -> int:
+        """Where a host tier is in front of a disk tier: copy the host tier's next victims
+        that the disk lacks to disk ahead of their eviction, off the executor thread (the
+        leader's keeper calls this after it applied reports, under the leader's lock). Only
+        in a host tier of at least :data:`EVICT_AHEAD_MIN_CAPACITY` blocks with fewer than
+        :data:`EVICT_AHEAD_SLOTS` slots free: its next :data:`DEMOTE_AHEAD_VICTIMS` victims,
+        at most :data:`EVICT_AHEAD_STEP` blocks per call. Each block stays in the host tier
+        (resident, loadable, where it was in the eviction order) until :meth:`evict_ahead`
+        takes it once the disk holds it, with a REMOVE only; where a save evicts it first,
+        the disk has it or has it coming, and that eviction is a REMOVE only too, not a
+        demotion made on the executor thread (a disk slot reserved, an op made: about 5 µs
+        per block more than a host tier alone; docs/performance.md). The demotions leave
+        with the next metadata, and the worker copies a job's demotions out before its saves
+        reuse a host slot, as for those made inline. Those an idle engine never sends are
+        withdrawn at its idle tick (:meth:`withdraw_demotes`). Returns the blocks whose
+        demotion was made."""
+        host, disk = self.host, self.disk
+        if host is None or disk is None or host.capacity < EVICT_AHEAD_MIN_CAPACITY:
+            return 0
+        stats = self._stats
+        before = stats["demotes_scheduled"]
+        for slot in host.next_victims(DEMOTE_AHEAD_VICTIMS, EVICT_AHEAD_SLOTS):
+            key, _ = host.evicting(slot)
+            if key in disk:
+                continue  # demoted already (or on its way)
+            self.demote(host.at(slot))  # (with its ancestors the disk lacks: up to a chain)
+            if stats["demotes_scheduled"] - before >= EVICT_AHEAD_STEP:
+                break
+        done = stats["demotes_scheduled"] - before
+        if done:
+            stats["demoted_ahead"] += done
+            self.flush_evicted()  # the disk blocks the reservations evicted
+        return done
+
+    def withdraw_demotes(self) -> int:
+        """Forget the demotions no metadata took (made ahead of need after the engine's last
+        iteration): their ops and their pending disk slots; the blocks stay in the host tier.
+        The leader's idle tick (keeper thread, under the lock): an idle engine builds no
+        metadata, and nothing is left in flight while it idles. Returns how many."""
+        pending, self.pending_demotes = self.pending_demotes, []
+        disk = self.disk
+        for demote in pending:
+            op = self._ops.pop(demote.op_id, None)
+            entry = op.entry if type(op) is Op else None
+            if disk is not None and entry is not None and disk.holds(entry):
+                self.drop(disk, entry)  # pending: no REMOVE (its descendants too)
+        self._stats["demotes_withdrawn"] += len(pending)
+        return len(pending)
 
     def flush_evicted(self) -> None:
         """Register the REMOVEs of the blocks :meth:`reserve` evicted since the last call, in

@@ -182,6 +182,16 @@ class LeafOrder:
         lasts.insert(i + 1, lasts[i])
         lasts[i] = ticks[-1]
 
+    def peek(self, n: int) -> list[int]:
+        """The ``n`` slots with the smallest ticks (all when fewer), smallest first; changes
+        nothing. O(n)."""
+        out: list[int] = []
+        for slots in self._slots:
+            if len(out) >= n:
+                break
+            out.extend(slots[:n - len(out)])
+        return out
+
     def pop_first(self) -> int:
         """Remove the slot with the smallest tick (present: the order is not empty) and
         return it: an eviction's victim, with no bisection."""

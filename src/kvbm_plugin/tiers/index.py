@@ -558,18 +558,31 @@ class TierIndex(TierRows):
         self.evictions += 1
         return slot
 
-    def evict_ahead(self, spare: int, most: int,
-                    on_evict: Callable[[TierIndex, int], Any]) -> int:
+    def next_victims(self, n: int, spare: int) -> list[int]:
+        """The slots of the next ``n`` blocks evictions would take (least recently used
+        leaves first) while fewer than ``spare`` slots are free (rows not allocated yet count
+        as free), else []. Changes nothing; O(n)."""
+        if len(self._free) + self.capacity - self._rows >= spare:
+            return []
+        return self._order.peek(n)
+
+    def evict_ahead(self, spare: int, most: int, on_evict: Callable[[TierIndex, int], Any],
+                    ready: Callable[[int], bool] | None = None) -> int:
         """Evict least recently used leaves until ``spare`` slots are free (rows not
         allocated yet count as free), at most ``most`` of them; how many. Each victim goes to
         ``on_evict(self, slot)`` while its row is in place, as in :meth:`reserve_chain`, and
         its slot to the free list, where the next reservations find it without evicting.
+        ``ready(slot)``: whether the next victim may go now (the host tier in front of a disk
+        tier: only once the disk holds it); the first that may not stops the call, so the
+        victims stay those, and in the order, the saves would take.
         Called off the executor thread (the leader's keeper, under the leader's lock), so that
         a full tier's saves cost the executor thread what saves into room cost."""
         want = min(spare - len(self._free) - (self.capacity - self._rows), most)
         order, free = self._order, self._free
         done = 0
         while done < want and order:
+            if ready is not None and not ready(order.first()):
+                break
             free.append(self._evict_first(on_evict))
             done += 1
         return done
