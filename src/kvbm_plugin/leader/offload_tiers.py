@@ -363,8 +363,7 @@ class OffloadTiers:
     def _on_disk(self, slot: int) -> bool:
         """Whether the disk tier holds the host block in ``slot``, committed (evict_ahead)."""
         key, _ = self.host.evicting(slot)  # type: ignore[union-attr]
-        entry = self.disk.get(key)  # type: ignore[union-attr]
-        return entry is not None and entry.resident
+        return self.disk.resident(key)  # type: ignore[union-attr]
 
     def demote_ahead(self) -> int:
         """Where a host tier is in front of a disk tier: copy the host tier's next victims
@@ -395,9 +394,8 @@ class OffloadTiers:
             if stats["demotes_scheduled"] - before >= EVICT_AHEAD_STEP:
                 break
         done = stats["demotes_scheduled"] - before
-        if done:
-            stats["demoted_ahead"] += done
-            self.flush_evicted()  # the disk blocks the reservations evicted
+        stats["demoted_ahead"] += done
+        self.flush_evicted()  # the disk blocks the reservations evicted, if any
         return done
 
     def withdraw_demotes(self) -> int:

@@ -96,6 +96,11 @@ class TierIndex(TierRows):
     def __contains__(self, key: int) -> bool:
         return self._find(key) >= 0
 
+    def resident(self, key: int) -> bool:
+        """Whether ``key`` is here and committed (no view made, no use marked)."""
+        slot = self._find(key)
+        return slot >= 0 and bool(self._flags[slot] & _RESIDENT)
+
     def get(self, key: int) -> TierEntry | None:
         """The entry for ``key``, pending or resident."""
         slot = self._find(key)
