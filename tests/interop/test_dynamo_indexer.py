@@ -125,9 +125,9 @@ def test_the_indexer_holds_what_the_engine_holds(indexer: Indexer, tmp_path: Pat
 def test_evictions_ahead_of_need_reach_the_indexer(indexer: Indexer, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch,
                                                    disk: str) -> None:
-    """The keeper's evictions ahead of need (forced on these small tiers; in a deployment
-    only from 16,384 blocks) reach Dynamo's indexer as removals it applies: it ends holding
-    exactly what each tier holds, with no warning."""
+    """The keeper's evictions and demotions ahead of need (forced on these small tiers; in a
+    deployment only from 16,384 blocks) reach Dynamo's indexer as the removals and stores it
+    applies: it ends holding exactly what each tier holds, with no warning."""
     from kvbm_plugin.leader import offload_tiers
 
     monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_MIN_CAPACITY", 1)
@@ -137,7 +137,10 @@ def test_evictions_ahead_of_need_reach_the_indexer(indexer: Indexer, tmp_path: P
     if disk == "0":
         extra[cc.DISK_CACHE_DIR] = ""
     engine = _run(indexer, tmp_path, mode="passthrough", extra_env=extra)
-    assert engine.leader.stats()["evicted_ahead"] > 0
+    stats = engine.leader.stats()
+    assert stats["evicted_ahead"] > 0
+    # (and, in front of a disk tier, the host tier's victims demoted ahead of need)
+    assert (stats["demoted_ahead"] > 0) == (disk != "0")
 
 
 def test_an_llm_d_topic_is_read_too(indexer: Indexer, tmp_path: Path) -> None:
