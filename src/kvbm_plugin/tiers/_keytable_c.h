@@ -54,6 +54,28 @@ static inline int key_at(const Keys *k, int32_t slot, uint64_t *out) {
     return 0;
 }
 
+/* Warm what looking ``keys`` up one after another will read: their buckets first, then the
+ * key column's and ``flags``' entries of the slots those name. In a table of a million blocks
+ * (tens of MB) each lookup misses the caches; warmed together, the misses overlap instead of
+ * following one another. A hint only (GCC and Clang; nothing elsewhere): what the lookups
+ * find does not change. */
+static inline void warm_lookups(const KeyTable *self, const Keys *k, const uint8_t *flags,
+                                const uint64_t *keys, Py_ssize_t n) {
+#if defined(__GNUC__) || defined(__clang__)
+    for (Py_ssize_t i = 0; i < n; i++)
+        __builtin_prefetch(&self->table[home(self, keys[i])], 0, 1);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int32_t slot = self->table[home(self, keys[i])];
+        if (slot >= 0 && slot < k->n) {
+            __builtin_prefetch(&k->keys[slot], 0, 1);
+            __builtin_prefetch(&flags[slot], 0, 1);
+        }
+    }
+#else
+    (void)self; (void)k; (void)flags; (void)keys; (void)n;
+#endif
+}
+
 /* The slot holding ``key`` in ``k`` (the key column, open), or -1. */
 static inline int32_t table_find(const KeyTable *self, const Keys *k, uint64_t key, int *err) {
     size_t i = home(self, key);
