@@ -165,3 +165,41 @@ def test_a_run_the_token_column_cannot_hold_is_not_written_by_the_compiled_loop(
             native._columns())  # noqa: SLF001
         assert got is None
         assert _rows(native) == before
+
+
+@needs_native
+@pytest.mark.parametrize("bad", [None, 3, 64, 100, 149])
+def test_a_run_longer_than_the_warmed_chunk_and_a_bad_key_anywhere(bad: int | None) -> None:
+    """The compiled run walk reads its keys 64 at a time (their lookups warmed together):
+    over a 150-block chain it takes what the Python loop takes, stops where it stops, and a
+    key that is no u64 int stops it (past 2**64) or raises (not an int) only when reached."""
+    native, python = _pair(200)
+    keys = [(1 << 40) + 7 * i for i in range(150)]
+    for index in (native, python):
+        index.reserve_chain(keys, keys, None, [1] * 4 * len(keys), 4, None,
+                            lambda *_: None)
+        for key in keys:
+            index.commit(key)
+    for odd, stop_at in ((1 << 64, None), ("x", TypeError)):
+        run = list(keys)
+        if bad is not None:
+            run[bad] = odd
+        outcomes = []
+        for index in (native, python):
+            try:
+                outcomes.append([e.key for e in index.take_resident(run, 0, len(run))])
+            except TypeError as exc:
+                outcomes.append(type(exc))
+        assert outcomes[0] == outcomes[1]
+        if bad is None:
+            assert outcomes[0] == keys
+        elif stop_at is TypeError:
+            assert outcomes[0] is TypeError
+        else:
+            assert outcomes[0] == keys[:bad]
+        if bad is not None and bad > 100:  # a block not here at 100: the walk stops there
+            stops_first = list(keys)
+            stops_first[100], stops_first[bad] = 5, odd
+            got = [[e.key for e in index.take_resident(stops_first, 0, 150)]
+                   for index in (native, python)]
+            assert got[0] == got[1] == keys[:100]
