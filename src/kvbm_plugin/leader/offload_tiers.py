@@ -332,20 +332,19 @@ class OffloadTiers:
             self.demote(index.at(slot))
 
     def evict_ahead(self) -> int:
-        """Keep a few slots free in the last tier (disk, else host) while it is full, off the
-        executor thread: the leader's keeper calls this after it applied reports (and when
-        idle), under the leader's lock. The executor thread's saves then take free slots, as
-        into a tier with room, instead of evicting one block per save inline (each eviction's
-        bookkeeping and REMOVE cost it about 2 µs per block; docs/performance.md). Only in a
-        tier of at least :data:`EVICT_AHEAD_MIN_CAPACITY` blocks, where the slots kept free are
-        at most 1/64 of it; a burst bigger than them still evicts inline, as before. The
-        victims are those the next saves would have evicted (least recently used leaves
-        first), their REMOVEs registered here, before any save can reuse a slot. Not the host
-        tier in front of a disk tier: its victims are demoted, and a demotion is an op that
-        leaves with the next metadata; an idle engine builds none, so the op would wait unsent
-        (its disk slot pending) until the sweep failed it as overdue. Those evictions stay
-        inline, where the metadata that carries the demotion is being built. Returns the
-        blocks evicted."""
+        """Keep a few slots free in each full tier, off the executor thread: the leader's
+        keeper calls this after it applied reports (and when idle), under the leader's lock.
+        The executor thread's saves then take free slots, as into a tier with room, instead of
+        evicting one block per save inline (each eviction's bookkeeping and REMOVE cost it
+        about 2 µs per block; docs/performance.md). Only in a tier of at least
+        :data:`EVICT_AHEAD_MIN_CAPACITY` blocks, where the slots kept free are at most 1/64 of
+        it; a burst bigger than them still evicts inline, as before. The victims are those the
+        next saves would have evicted (least recently used leaves first), their REMOVEs
+        registered here, before any save can reuse a slot. The host tier in front of a disk
+        tier gives up only victims the disk holds, committed (:meth:`demote_ahead` put them
+        there), and stops at the first it does not: a victim demoted here would be an op
+        leaving with the next metadata, which an idle engine never builds. Returns the blocks
+        evicted."""
         done = 0
         for index in (self.disk, self.host):
             if index is None or index.capacity < EVICT_AHEAD_MIN_CAPACITY:
@@ -375,12 +374,12 @@ class OffloadTiers:
         (resident, loadable, where it was in the eviction order) until :meth:`evict_ahead`
         takes it once the disk holds it, with a REMOVE only; where a save evicts it first,
         the disk has it or has it coming, and that eviction is a REMOVE only too, not a
-        demotion made on the executor thread (a disk slot reserved, an op made: about 5 µs
-        per block more than a host tier alone; docs/performance.md). The demotions leave
-        with the next metadata, and the worker copies a job's demotions out before its saves
-        reuse a host slot, as for those made inline. Those an idle engine never sends are
-        withdrawn at its idle tick (:meth:`withdraw_demotes`). Returns the blocks whose
-        demotion was made."""
+        demotion made on the executor thread (a disk slot reserved, an op made: 18.7 µs per
+        offloaded block against 6.5 for a host tier alone, stop 54; docs/performance.md).
+        The demotions leave with the next metadata, and the worker copies a job's demotions
+        out before its saves reuse a host slot, as for those made inline. Those an idle
+        engine never sends are withdrawn at its idle tick (:meth:`withdraw_demotes`).
+        Returns the blocks whose demotion was made."""
         host, disk = self.host, self.disk
         if host is None or disk is None or host.capacity < EVICT_AHEAD_MIN_CAPACITY:
             return 0
