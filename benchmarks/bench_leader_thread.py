@@ -99,6 +99,26 @@ def _timed_hooks(leader: Any, total: list[float], events: list[float] | None) ->
         setattr(gpu, name, part)
 
 
+def _env(tag: str, host_blocks: int) -> dict[str, str]:
+    """An engine's settings: the consolidator on, its sockets under ``tag``, a host tier of
+    ``host_blocks``."""
+    return {cc.ENABLE_CONSOLIDATOR: "true", cc.EVENTS_ENDPOINT: f"ipc://{tag}-gpu",
+            cc.REPLAY_ENDPOINT: f"ipc://{tag}-gpu-r", cc.OUTPUT_ENDPOINT: f"ipc://{tag}-out",
+            cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tag}-out-r",
+            cc.CPU_CACHE_NUM_BLOCKS: str(host_blocks)}
+
+
+def _run_without_gc(engine: Any) -> None:
+    """Run ``engine`` until idle with the cyclic collector off (a collection would land on
+    whichever measurement allocated last)."""
+    gc.collect()
+    gc.disable()
+    try:
+        engine.run_until_idle(timeout_s=300)
+    finally:
+        gc.enable()
+
+
 def _fill_host(leader: Any, blocks: int) -> None:
     """Commit ``blocks`` unrelated root blocks into the host tier (as if offloaded earlier)."""
     index = leader._tiers.host  # noqa: SLF001 - the benchmark sets the tier's state up
@@ -130,11 +150,7 @@ def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = Fa
     from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 
     tag = f"{tmp}/{seed}-{n_blocks}-{int(shared)}"
-    env = {cc.ENABLE_CONSOLIDATOR: "true", cc.EVENTS_ENDPOINT: f"ipc://{tag}-gpu",
-           cc.REPLAY_ENDPOINT: f"ipc://{tag}-gpu-r", cc.OUTPUT_ENDPOINT: f"ipc://{tag}-out",
-           cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tag}-out-r",
-           cc.CPU_CACHE_NUM_BLOCKS: str(tier_blocks if full
-                                        else tier_blocks + requests * (n_blocks + 2) + 64)}
+    env = _env(tag, tier_blocks if full else tier_blocks + requests * (n_blocks + 2) + 64)
     if shared:
         env.update({cc.SHARED_TIER: "memory", cc.SHARED_MODEL_KEY: "bench",
                     cc.SHARED_QUEUE_BLOCKS: str(requests * (n_blocks + 2)),
@@ -170,16 +186,11 @@ def _one(n_blocks: int, requests: int, tmp: str, seed: int, *, shared: bool = Fa
         for _phase in ("offload", "onboard"):
             for p in prompts:
                 engine.submit(p, 1)
-            gc.collect()
-            gc.disable()  # a collection would land on whichever phase allocated last
-            try:
-                total[0] = 0.0
-                if _phase == "offload":
-                    events[0] = 0.0
-                engine.run_until_idle(timeout_s=300)
-                seconds.append(total[0])
-            finally:
-                gc.enable()
+            total[0] = 0.0
+            if _phase == "offload":
+                events[0] = 0.0
+            _run_without_gc(engine)
+            seconds.append(total[0])
         stats = leader.stats()
         for name in ("saves_scheduled", "matched_host_tokens", "shared_saves_scheduled",
                      "hook_lock_waits"):
@@ -209,9 +220,7 @@ def _host_before_disk(tmp: str, seed: int, disk: bool, host: int = 16384,
     from kvbm_plugin.testing.engine import EngineConfig, SimulatedEngine
 
     tag = f"{tmp}/hd-{seed}-{int(disk)}"
-    env = {cc.ENABLE_CONSOLIDATOR: "true", cc.EVENTS_ENDPOINT: f"ipc://{tag}-gpu",
-           cc.REPLAY_ENDPOINT: f"ipc://{tag}-gpu-r", cc.OUTPUT_ENDPOINT: f"ipc://{tag}-out",
-           cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tag}-out-r", cc.CPU_CACHE_NUM_BLOCKS: str(host)}
+    env = _env(tag, host)
     if disk:
         env.update({cc.DISK_CACHE_NUM_BLOCKS: str(4 * host), cc.DISK_CACHE_DIR: f"{tag}-disk"})
     engine = SimulatedEngine(EngineConfig(
@@ -229,12 +238,7 @@ def _host_before_disk(tmp: str, seed: int, disk: bool, host: int = 16384,
         before = leader.stats()
         for r in range(measured):
             engine.submit(_prompt(seed * 100000 + 50000 + r, 64), 1)
-        gc.collect()
-        gc.disable()
-        try:
-            engine.run_until_idle(timeout_s=300)
-        finally:
-            gc.enable()
+        _run_without_gc(engine)
         after = leader.stats()
         counters = {k: after[k] - before.get(k, 0) for k in after}
         assert counters["host_evictions"] >= counters["saves_scheduled"] > 0, counters
@@ -251,10 +255,7 @@ def _decode(tmp: str, seed: int, batch: int = 32, steps: int = 64) -> float:
 
     def run(out_tokens: int) -> float:
         tag = f"{tmp}/decode-{seed}-{out_tokens}"
-        env = {cc.ENABLE_CONSOLIDATOR: "true", cc.EVENTS_ENDPOINT: f"ipc://{tag}-gpu",
-               cc.REPLAY_ENDPOINT: f"ipc://{tag}-gpu-r", cc.OUTPUT_ENDPOINT: f"ipc://{tag}-out",
-               cc.OUTPUT_REPLAY_ENDPOINT: f"ipc://{tag}-out-r",
-               cc.CPU_CACHE_NUM_BLOCKS: str(batch * (4 + out_tokens // BS + 2) + 64)}
+        env = _env(tag, batch * (4 + out_tokens // BS + 2) + 64)
         engine = SimulatedEngine(EngineConfig(
             num_layers=1, num_kv_heads=1, head_dim=4, tokens_per_block=BS,
             num_gpu_blocks=batch * (4 + out_tokens // BS + 3),
@@ -264,12 +265,7 @@ def _decode(tmp: str, seed: int, batch: int = 32, steps: int = 64) -> float:
             _timed_hooks(engine.leader, total, None)
             for r in range(batch):
                 engine.submit(_prompt(seed * 1000 + r, 4), out_tokens)
-            gc.collect()
-            gc.disable()
-            try:
-                engine.run_until_idle(timeout_s=300)
-            finally:
-                gc.enable()
+            _run_without_gc(engine)
             return total[0]
         finally:
             engine.shutdown()
