@@ -19,6 +19,9 @@
   the consolidator's output replay buffer by what clearing it frees. The
   block-name table, used only where TensorRT-LLM hands no hashes over, is measured on its own
   at the same size.
+* **The unnamed tier stores' look** (``UnnamedStores.named_now``, once per build while tier
+  blocks wait for TensorRT-LLM's name): per iteration with 4,096 blocks whose name never comes
+  waiting against 16, paired rounds: flat, not O(waiting).
 
     python benchmarks/bench_tiers.py [--quick]
 """
@@ -338,6 +341,58 @@ def bench_block_names(n: int) -> list[Row]:
                 "hands no block_hashes)", size / blocks, "B")]
 
 
+def _unnamed_look(stuck: int, iterations: int) -> float:
+    """µs of thread CPU per iteration of the unnamed tier stores with ``stuck`` blocks whose
+    events never come waiting: each iteration a 4-block chain starts waiting, an event names
+    it, and the leader's look (``named_now``) hands it over, as ``announce_named`` does once
+    per build while blocks wait."""
+    from kvbm_plugin.naming.names import BlockNames, UnnamedStores
+    from kvbm_plugin.tiers.content_keys import TIER_HOST
+
+    bs = len(TOKENS)
+    names = BlockNames(bs)
+    unnamed = UnnamedStores(names, {})
+    index = TierIndex(TIER_HOST, stuck + 4 * iterations + 16)
+    indexes = {TIER_HOST: index}
+
+    def wait(key: int, parent: int | None, tokens: list[int]) -> None:
+        index.reserve(key, key, parent, tokens, parent)
+        assert not unnamed.ready(index, index.commit(key))
+
+    for key in range(1, stuck + 1):
+        wait(key, None, [key] * bs)
+    spent = 0.0
+    for i in range(iterations):
+        first = (1 << 40) + 4 * i
+        tokens = [first + t for t in range(4 * bs)]
+        for k in range(4):
+            wait(first + k, first + k - 1 if k else None, tokens[k * bs:(k + 1) * bs])
+        names.observe(0, [{"type": "BlockStored", "block_hashes": [first + 9 + k for k in
+                                                                   range(4)],
+                           "parent_block_hash": None, "token_ids": tokens, "block_size": bs}])
+        start = time.thread_time()
+        out = list(unnamed.named_now(indexes))
+        spent += time.thread_time() - start
+        assert len(out) == 4, len(out)
+    assert len(unnamed) == stuck
+    return spent / iterations * 1e6
+
+
+def bench_unnamed_look(rounds: int, iterations: int) -> list[Row]:
+    """The unnamed tier stores' look per iteration with 4,096 blocks whose name never comes
+    (their bound) against 16, paired rounds (the order alternates)."""
+    few, many = [], []
+    for r in range(rounds):
+        for stuck in ((16, 4096) if r % 2 == 0 else (4096, 16)):
+            (few if stuck == 16 else many).append(_unnamed_look(stuck, iterations))
+    ratios = [m / f for m, f in zip(many, few, strict=True)]
+    ratio = statistics.median(ratios)
+    return [Row("tiers", f"the unnamed tier stores' look per iteration, a 4-block chain named, "
+                f"4,096 blocks whose name never comes waiting, against 16 ({rounds} paired "
+                f"rounds, ratio spread {_spread(ratios)})", statistics.median(many), "us",
+                statistics.median(few), f"<= {TARGET_RATIO:g}x", ratio <= TARGET_RATIO)]
+
+
 def run(quick: bool = False) -> list[Row]:
     small, large = (2_000, 50_000) if quick else (10_000, 1_000_000)
     rounds, ops = (3, 4_000) if quick else (7, 20_000)
@@ -346,6 +401,7 @@ def run(quick: bool = False) -> list[Row]:
     rows += bench_index_heap(large)
     rows += bench_leader_heap(large)
     rows += bench_block_names(large)
+    rows += bench_unnamed_look(rounds, 200)
     return rows
 
 

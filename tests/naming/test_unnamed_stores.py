@@ -60,7 +60,8 @@ def test_a_named_block_under_a_waiting_parent_waits_too() -> None:
 
 def test_waiting_blocks_are_bounded_oldest_first_and_owe_no_remove() -> None:
     stats: dict[str, int] = {}
-    unnamed = UnnamedStores(BlockNames(BS), stats)
+    names = BlockNames(BS)
+    unnamed = UnnamedStores(names, stats)
     unnamed.MAX_WAITING = 2
     index = TierIndex(TIER_HOST, 8)
     for key in (31, 32, 33):
@@ -71,6 +72,44 @@ def test_waiting_blocks_are_bounded_oldest_first_and_owe_no_remove() -> None:
         assert unnamed.forget(tier, oldest.key)  # waiting: its eviction owes no REMOVE
     assert dropped == [(TIER_HOST, 31)] and stats["tier_stores_unnamed_dropped"] == 1
     assert not unnamed.forget(TIER_HOST, 31)  # announced or gone: a REMOVE is owed
-    # A block its tier no longer holds is forgotten, never handed over.
+    # A block its tier no longer holds is forgotten once a name comes for it, never handed
+    # over.
     index.discard(32)
+    names.name_key(32, 932)
     assert list(unnamed.named_now({TIER_HOST: index})) == [] and (TIER_HOST, 32) not in unnamed
+    # The last block waiting gone, the names table stops recording what it names.
+    assert unnamed.forget(TIER_HOST, 33) and not names.track and not names.fresh_keys
+
+
+def test_a_block_whose_name_never_comes_costs_nothing_per_look() -> None:
+    """named_now looks only at what the names learned since can name: thousands of blocks
+    whose name never comes (a multimodal block whose request was forgotten) are not looked
+    at again, and a chain named later still comes out whole, parents first."""
+    names = BlockNames(BS)
+    unnamed = UnnamedStores(names, {})
+    index = TierIndex(TIER_HOST, 4096)
+    for key in range(1, 3001):  # stuck: their events never come
+        assert not unnamed.ready(index, _commit(index, key, key, None, None, [key, 0]))
+    chain = [_commit(index, 5001, 5001, None, None, [7, 7])]
+    for key in range(5002, 5006):
+        chain.append(_commit(index, key, key, key - 1, key - 1, [key, key]))
+    for entry in chain:
+        assert not unnamed.ready(index, entry)
+    looked = []
+    name = unnamed.name
+
+    def counted(entry, index=None):
+        looked.append(entry.key)
+        name(entry, index)
+
+    unnamed.name = counted  # type: ignore[method-assign]
+    assert list(unnamed.named_now({TIER_HOST: index})) == [] and looked == []
+    # An event names the chain's blocks by content: only the blocks it may name are looked at.
+    names.observe(0, [_stored(None, [9001], [7, 7])])
+    for key in range(5002, 5006):
+        names.name_key(key, 4000 + key)
+    out = list(unnamed.named_now({TIER_HOST: index}))
+    assert [(e.key, e.event_hash, e.parent_event_hash) for _, e in out] == [
+        (5001, 9001, None), (5002, 9002, 9001), (5003, 9003, 9002), (5004, 9004, 9003),
+        (5005, 9005, 9004)]
+    assert len(looked) < 20 and len(unnamed) == 3000

@@ -66,6 +66,13 @@ class BlockNames:
         self.watch: dict[int, tuple[Any, str]] = {}
         self.seen_rules: set[Any] = set()
         self.seen_wires: set[str] = set()
+        # What was named since the unnamed tier stores last looked, kept only while ``track``
+        # (blocks wait): ``UnnamedStores.named_now`` takes both lists and looks only at the
+        # blocks these can name. The plugin's content keys mapped, and the content-table keys
+        # added.
+        self.track = False
+        self.fresh_keys: list[int] = []
+        self.fresh_contents: list[tuple[int | None, tuple[int, ...], int | None]] = []
 
     def __bool__(self) -> bool:
         return bool(self._by_content)
@@ -75,6 +82,7 @@ class BlockNames:
         known = self._by_content
         order = self._content_order
         cap = self._max
+        fresh = self.fresh_contents if self.track else None
         for ev in events:
             if ev.get("type") != "BlockStored" or not ev.get("token_ids"):
                 continue
@@ -99,6 +107,8 @@ class BlockNames:
                     order.added(known, k)
                     if len(known) > cap:
                         order.evict_oldest(known)  # the oldest first
+                    if fresh is not None:
+                        fresh.append(k)
                 elif old != h:
                     known[k] = AMBIGUOUS
                 parent = h
@@ -122,12 +132,16 @@ class BlockNames:
             learned.append(h)
             if i < map_until:
                 self._key_order.put(self._by_key, keys[i], h, self._max)
+                if self.track:
+                    self.fresh_keys.append(keys[i])
             i += 1
 
     def name_key(self, key: int, h: int) -> None:
         """Map the plugin's content key ``key`` to TRT-LLM's hash ``h`` (u64), computed
         rather than learned (``BlockNaming.v2_extend``)."""
         self._key_order.put(self._by_key, key, h, self._max)
+        if self.track:
+            self.fresh_keys.append(key)
 
     def hash_of_key(self, key: int) -> int | None:
         """TRT-LLM's hash of the block with content key ``key``, when learned."""

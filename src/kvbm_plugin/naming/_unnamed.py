@@ -20,9 +20,10 @@ under the leader's lock (executor thread or its idle keeper's thread). No I/O.
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 
@@ -38,6 +39,17 @@ def named(entry: TierEntry) -> bool:
     """Whether ``entry`` and its parent carry TRT-LLM's names (not placeholders)."""
     return entry.event_hash != entry.key and (
         entry.parent_key is None or entry.parent_event_hash != entry.parent_key)
+
+
+def content_may_name(entry: TierEntry) -> bool:
+    """Whether a GPU event's content (parent name, tokens, adapter) can name ``entry``: a
+    placeholder whose parent is named, or an unscoped root; never a multimodal block (a third
+    scope item: its placeholder tokens are every image's), nor a scoped root (its tokens are
+    not enough)."""
+    scope = entry.scope
+    return entry.event_hash == entry.key and len(scope) == 2 and (
+        entry.parent_event_hash != entry.parent_key if entry.parent_key is not None
+        else scope == (None, None))
 
 
 class UnnamedStores:
@@ -56,6 +68,16 @@ class UnnamedStores:
         # read, never changed, outside this class (the leader asks ``bool(waiting)`` once per
         # iteration, without a call)
         self.waiting: dict[tuple[str, int], TierEntry] = {}
+        # What can name a waiting block, so that :meth:`named_now` looks only at the blocks
+        # the names learned since can name (O(new names) per iteration, never O(waiting)):
+        # each block's commit number and parent key; the waiting children of each
+        # (tier, parent key); the blocks an event's content can name (content_may_name), by
+        # that content's key in the names table, and each such block's key there.
+        self._order: dict[tuple[str, int], tuple[int, int | None]] = {}
+        self._children: dict[tuple[str, int], set[int]] = {}
+        self._by_content: dict[Any, set[tuple[str, int]]] = {}
+        self._content_of: dict[tuple[str, int], Any] = {}
+        self._commits = 0
         self._log = RateLimitedLog(logger)
 
     def __len__(self) -> int:
@@ -67,7 +89,53 @@ class UnnamedStores:
 
     def forget(self, tier: str, key: int) -> bool:
         """The block left its tier: True when it was waiting (never announced: no REMOVE)."""
-        return self.waiting.pop((tier, key), None) is not None
+        if (tier, key) not in self.waiting:
+            return False
+        self._unwait((tier, key))
+        return True
+
+    def _wait(self, tier: str, entry: TierEntry) -> None:
+        """``entry`` waits from now on (in commit order)."""
+        tk = (tier, entry.key)
+        parent_key = entry.parent_key
+        self.waiting[tk] = entry
+        self._order[tk] = (self._commits, parent_key)
+        self._commits += 1
+        if parent_key is not None:
+            self._children.setdefault((tier, parent_key), set()).add(entry.key)
+        self._content_key(tk, entry)
+        self._names.track = True  # what is named from now on may name it
+
+    def _unwait(self, tk: tuple[str, int]) -> None:
+        """``tk`` waits no longer (announced, or gone from its tier)."""
+        del self.waiting[tk]
+        _, parent_key = self._order.pop(tk)
+        self._content_key(tk, None)
+        if parent_key is not None:
+            siblings = self._children.get((tk[0], parent_key))
+            if siblings is not None:
+                siblings.discard(tk[1])
+                if not siblings:
+                    del self._children[(tk[0], parent_key)]
+        if not self.waiting:  # nothing to name: stop recording names
+            names = self._names
+            names.track = False
+            names.fresh_keys.clear()
+            names.fresh_contents.clear()
+
+    def _content_key(self, tk: tuple[str, int], entry: TierEntry | None) -> None:
+        """File waiting block ``tk`` under the key an event's content names it by (the names
+        table's), or under none (``entry`` None, or no content can name it)."""
+        old = self._content_of.pop(tk, None)
+        if old is not None:
+            same = self._by_content[old]
+            same.discard(tk)
+            if not same:
+                del self._by_content[old]
+        if entry is not None and content_may_name(entry):
+            key = (entry.parent_event_hash, tuple(entry.token_ids), entry.scope[0])
+            self._content_of[tk] = key
+            self._by_content.setdefault(key, set()).add(tk)
 
     def name(self, entry: TierEntry, index: TierIndex | None = None) -> None:
         """Before a block's tier STORE is announced: if it was reserved under the plugin's
@@ -91,15 +159,10 @@ class UnnamedStores:
                     h = above.event_hash
             if h is not None:
                 entry.parent_event_hash = h
-        scope = entry.scope
-        if entry.event_hash == entry.key and len(scope) == 2 and (
-                # a scoped root: its tokens are not enough; a multimodal block (a third
-                # scope item) never: its placeholder tokens are every image's
-                entry.parent_event_hash != entry.parent_key if entry.parent_key is not None
-                else scope == (None, None)):
+        if content_may_name(entry):
             # Named by its GPU event after its request was forgotten (its event can come
             # later than the request's end: attention DP ranks > 0 read it off their stream).
-            h = names.hash_of_content(entry.parent_event_hash, entry.token_ids, scope[0])
+            h = names.hash_of_content(entry.parent_event_hash, entry.token_ids, entry.scope[0])
             if h is not None:
                 entry.event_hash = h
 
@@ -129,7 +192,7 @@ class UnnamedStores:
         parent_waiting = parent_key is not None and (index.name, parent_key) in self.waiting
         if named(entry) and not parent_waiting:
             return True
-        self.waiting[(index.name, entry.key)] = entry
+        self._wait(index.name, entry)
         self._stats["tier_stores_unnamed"] += 1
         return False
 
@@ -148,16 +211,57 @@ class UnnamedStores:
                   ) -> Iterator[tuple[TierIndex, TierEntry]]:
         """The waiting blocks whose names are known now, in commit order (parents first), each
         taken out before it is handed over for its STORE; a block its tier (``indexes[tier]``)
-        no longer holds is forgotten."""
+        no longer holds is forgotten when looked at. Looks only at the blocks something
+        named since the last call may name (:meth:`ready` tried each when it started to
+        wait): those whose own or whose parent's content key was named since, those whose
+        content (parent name, tokens, adapter) an event named since, and the children of each
+        block named or handed over here. O(those), not O(waiting): a block whose name never
+        comes costs nothing per call."""
         waiting = self.waiting
-        for (tier, key), entry in list(waiting.items()):
+        if not waiting:
+            return
+        names, order, children = self._names, self._order, self._children
+        candidates: set[tuple[str, int]] = set()
+        fresh, names.fresh_keys = names.fresh_keys, []
+        for key in fresh:
+            for tier in indexes:
+                tk = (tier, key)
+                if tk in waiting:
+                    candidates.add(tk)
+                below = children.get(tk)
+                if below:
+                    candidates.update((tier, child) for child in below)
+        contents, names.fresh_contents = names.fresh_contents, []
+        by_content = self._by_content
+        for content in contents:
+            same = by_content.get(content)
+            if same:
+                candidates |= same
+        todo = [(order[tk][0], tk) for tk in candidates if tk in order]
+        heapq.heapify(todo)
+        while todo:
+            _, tk = heapq.heappop(todo)
+            entry = waiting.get(tk)
+            if entry is None:
+                continue  # handed over or forgotten since it was queued
+            tier, key = tk
             index = indexes.get(tier)
             if index is None or index.get(key) is not entry:
-                waiting.pop((tier, key), None)
+                self._unwait(tk)
                 continue
+            before = entry.event_hash
             self.name(entry, index)
-            if not named(entry) or (entry.parent_key is not None
-                                    and (tier, entry.parent_key) in waiting):
-                continue
-            del waiting[(tier, key)]
-            yield index, entry
+            parent_key = entry.parent_key
+            if named(entry) and (parent_key is None or (tier, parent_key) not in waiting):
+                self._unwait(tk)
+                freed = True
+            else:
+                freed = False
+                self._content_key(tk, entry)  # (its parent may be named now)
+            if freed or entry.event_hash != before:
+                # Its children may be named through it now, or no longer wait for it
+                for child in children.get(tk, ()):
+                    heapq.heappush(todo, (order[(tier, child)][0], (tier, child)))
+            if freed:
+                yield index, entry
+
