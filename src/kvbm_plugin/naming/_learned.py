@@ -44,6 +44,8 @@ from kvbm_plugin.wire.events import to_unsigned_u64
 logger = logging.getLogger(__name__)
 
 AMBIGUOUS = -1  # one (parent, tokens) seen under two hashes (e.g. salts the events hide)
+# A key of the content table: (TRT-LLM's parent hash or None, the block's tokens, LoRA task id)
+ContentKey = tuple[int | None, tuple[int, ...], int | None]
 MAX_MESSAGES_PER_POLL = 256  # bounds one StreamNames.poll's work; the rest waits for the next
 
 
@@ -54,7 +56,7 @@ class BlockNames:
     def __init__(self, block_size: int, max_entries: int = 1 << 20) -> None:
         self._block_size = block_size
         self._max = max_entries
-        self._by_content: dict[tuple[int | None, tuple[int, ...], int | None], int] = {}
+        self._by_content: dict[ContentKey, int] = {}
         self._by_key: dict[int, int] = {}  # the plugin's content key -> TRT-LLM's hash
         # Insertion order of each table (entries leave only by eviction, so it is exact).
         self._content_order = EvictionOrder()
@@ -72,7 +74,7 @@ class BlockNames:
         # added.
         self.track = False
         self.fresh_keys: list[int] = []
-        self.fresh_contents: list[tuple[int | None, tuple[int, ...], int | None]] = []
+        self.fresh_contents: list[ContentKey] = []
 
     def __bool__(self) -> bool:
         return bool(self._by_content)

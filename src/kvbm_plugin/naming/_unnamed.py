@@ -23,12 +23,12 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 
 if TYPE_CHECKING:
-    from kvbm_plugin.naming._learned import BlockNames
+    from kvbm_plugin.naming._learned import BlockNames, ContentKey
     from kvbm_plugin.tiers._entry import TierEntry
     from kvbm_plugin.tiers.index import TierIndex
 
@@ -75,8 +75,8 @@ class UnnamedStores:
         # that content's key in the names table, and each such block's key there.
         self._order: dict[tuple[str, int], tuple[int, int | None]] = {}
         self._children: dict[tuple[str, int], set[int]] = {}
-        self._by_content: dict[Any, set[tuple[str, int]]] = {}
-        self._content_of: dict[tuple[str, int], Any] = {}
+        self._by_content: dict[ContentKey, set[tuple[str, int]]] = {}
+        self._content_of: dict[tuple[str, int], ContentKey] = {}
         self._commits = 0
         self._log = RateLimitedLog(logger)
 
