@@ -69,9 +69,9 @@ class BlockNames:
         self.seen_rules: set[Any] = set()
         self.seen_wires: set[str] = set()
         # What was named since the unnamed tier stores last looked, kept only while ``track``
-        # (blocks wait): ``UnnamedStores.named_now`` takes both lists and looks only at the
-        # blocks these can name. The plugin's content keys mapped, and the content-table keys
-        # added.
+        # (blocks wait; :meth:`tracking`): ``UnnamedStores.named_now`` takes both lists
+        # (:meth:`take_fresh`) and looks only at the blocks these can name. The plugin's
+        # content keys mapped, and the content-table keys added.
         self.track = False
         self.fresh_keys: list[int] = []
         self.fresh_contents: list[ContentKey] = []
@@ -144,6 +144,21 @@ class BlockNames:
         self._key_order.put(self._by_key, key, h, self._max)
         if self.track:
             self.fresh_keys.append(key)
+
+    def tracking(self, on: bool) -> None:
+        """Record what is named from now on (``on``: blocks wait for a name), or stop and
+        forget what was recorded (none wait)."""
+        self.track = on
+        if not on:
+            self.fresh_keys.clear()
+            self.fresh_contents.clear()
+
+    def take_fresh(self) -> tuple[list[int], list[ContentKey]]:
+        """The content keys mapped and the content-table keys added since the last call (while
+        tracking), each list handed over and started anew."""
+        keys, contents = self.fresh_keys, self.fresh_contents
+        self.fresh_keys, self.fresh_contents = [], []
+        return keys, contents
 
     def hash_of_key(self, key: int) -> int | None:
         """TRT-LLM's hash of the block with content key ``key``, when learned."""

@@ -104,7 +104,7 @@ class UnnamedStores:
         if parent_key is not None:
             self._children.setdefault((tier, parent_key), set()).add(entry.key)
         self._content_key(tk, entry)
-        self._names.track = True  # what is named from now on may name it
+        self._names.tracking(True)  # what is named from now on may name it
 
     def _unwait(self, tk: tuple[str, int]) -> None:
         """``tk`` waits no longer (announced, or gone from its tier)."""
@@ -118,10 +118,7 @@ class UnnamedStores:
                 if not siblings:
                     del self._children[(tk[0], parent_key)]
         if not self.waiting:  # nothing to name: stop recording names
-            names = self._names
-            names.track = False
-            names.fresh_keys.clear()
-            names.fresh_contents.clear()
+            self._names.tracking(False)
 
     def _content_key(self, tk: tuple[str, int], entry: TierEntry | None) -> None:
         """File waiting block ``tk`` under the key an event's content names it by (the names
@@ -222,7 +219,7 @@ class UnnamedStores:
             return
         names, order, children = self._names, self._order, self._children
         candidates: set[tuple[str, int]] = set()
-        fresh, names.fresh_keys = names.fresh_keys, []
+        fresh, contents = names.take_fresh()
         for key in fresh:
             for tier in indexes:
                 tk = (tier, key)
@@ -231,7 +228,6 @@ class UnnamedStores:
                 below = children.get(tk)
                 if below:
                     candidates.update((tier, child) for child in below)
-        contents, names.fresh_contents = names.fresh_contents, []
         by_content = self._by_content
         for content in contents:
             same = by_content.get(content)
