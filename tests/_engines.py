@@ -25,6 +25,13 @@ def prompt(seed: int, n: int) -> list[int]:
     return [(seed * 1000 + i * 7) % 997 + 1 for i in range(n)]
 
 
+def flush_gpu(engine: Any, count: int, n: int = 40) -> None:
+    """Run unrelated requests until the GPU pool has evicted everything older."""
+    for k in range(count):
+        engine.submit(prompt(500 + k, n), 1)
+        engine.run_until_idle()
+
+
 
 def adp_truth(engine, r: int) -> set[tuple[int, int]]:  # noqa: ANN001
     """What rank ``r`` of an attention-DP engine holds, as ``(dp rank, signed hash)``: its GPU

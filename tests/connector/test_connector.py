@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from _engines import prompt, tiers
+from _engines import flush_gpu, prompt, tiers
 from _kvwire import wait_until
 
 from kvbm_plugin.connector.meta import save_ops
@@ -25,13 +25,6 @@ from kvbm_plugin.testing.fake_trtllm import (
 )
 from kvbm_plugin.tiers.content_keys import block_keys
 from kvbm_plugin.tiers.disk import DiskTier
-
-
-def flush_gpu(engine: SimulatedEngine, count: int, n: int = 40) -> None:
-    """Run unrelated requests until the GPU pool has evicted everything older."""
-    for k in range(count):
-        engine.submit(prompt(500 + k, n), 1)
-        engine.run_until_idle()
 
 
 def test_prefix_evicted_from_gpu_onboards_from_host_with_exact_bytes(make_engine) -> None:
@@ -64,60 +57,6 @@ def test_prefix_onboards_from_disk_after_host_eviction(make_engine) -> None:
     r = engine.result(second)
     assert r.disk_hit_tokens == 24 and r.host_hit_tokens == 0
     assert r.kv_mismatches == 0
-
-
-def test_a_full_host_tiers_victims_go_to_disk_ahead_of_their_eviction(make_engine,
-                                                                       monkeypatch) -> None:
-    """In front of a disk tier, the leader's keeper copies a full host tier's next victims to
-    disk ahead of need (they stay in host) and evicts from host only what the disk holds; a
-    demotion no metadata took is withdrawn when the engine idles, its block still in host. The
-    keeper's steps are called here in turn, as its applies call them (its own calls of them
-    do nothing, and it makes no idle tick: it only applies the workers' reports)."""
-    from kvbm_plugin.leader import offload_tiers
-
-    monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_MIN_CAPACITY", 1)
-    monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_SLOTS", 2)
-    monkeypatch.setattr(offload_tiers, "EVICT_AHEAD_STEP", 64)
-    tiers_cls = offload_tiers.OffloadTiers
-    evict_ahead, demote_ahead = tiers_cls.evict_ahead, tiers_cls.demote_ahead
-    monkeypatch.setattr(tiers_cls, "evict_ahead", lambda self: 0)
-    monkeypatch.setattr(tiers_cls, "demote_ahead", lambda self: 0)
-    engine = make_engine(num_gpu_blocks=16, env=tiers(host=8, disk=64))
-    leader = engine.leader
-    leader._keeper.period_s = 3600.0
-    a = prompt(2, 33)  # 8 full blocks + 1 token: the host tier full
-    engine.submit(a, 1)
-    engine.run_until_idle()
-    t = leader._tiers
-    with leader._lock:
-        chain = {e.key for e in t.host.resident_entries()}
-        assert len(chain) == 8 and len(t.disk) == 0
-        assert evict_ahead(t) == 0  # the disk holds none of the host tier's victims
-        assert demote_ahead(t) == 8  # the leaf's demotion copies its ancestors too
-        assert {e.key for e in t.host.resident_entries()} == chain and len(t.disk) == 8
-        ops = set(leader._ops)
-        assert len(ops) == 8
-        leader._idle_tick()  # the engine idles: no metadata takes them
-        assert t.pending_demotes == [] and len(t.disk) == 0 and not set(leader._ops) & ops
-        assert {e.key for e in t.host.resident_entries()} == chain
-        assert leader.stats()["demotes_withdrawn"] == 8
-        assert demote_ahead(t) == 8  # and again, for the metadata below to take
-    engine.submit(prompt(3, 9), 1)  # two blocks to save: the host tier evicts two
-    engine.run_until_idle()
-    stats = leader.stats()
-    assert stats["demotes_scheduled"] == 16 and stats["demotes_committed"] == 8
-    with leader._lock:
-        assert {e.key for e in t.disk.resident_entries()} == chain
-        assert len(chain & {e.key for e in t.host.resident_entries()}) == 6
-        assert evict_ahead(t) == 2  # victims the disk holds: a REMOVE each, no demotion
-        assert len(chain & {e.key for e in t.host.resident_entries()}) == 4
-    assert leader.stats()["demotes_scheduled"] == 16
-    flush_gpu(engine, 3)
-    again = engine.submit(a, 1)
-    engine.run_until_idle()
-    r = engine.result(again)
-    assert r.host_hit_tokens + r.disk_hit_tokens == 32 and r.disk_hit_tokens > 0
-    assert r.kv_mismatches == 0  # the bytes copied ahead are the block's
 
 
 def test_disk_only_tier_offloads_and_onboards(make_engine) -> None:

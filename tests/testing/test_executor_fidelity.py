@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 import pytest
-from _engines import OFF, prompt, tiers
+from _engines import OFF, flush_gpu, prompt, tiers
 from _kvwire import wait_until
 
 from kvbm_plugin.leader import gpu_tier_events as leader_gpu_events
@@ -49,12 +49,6 @@ def reports(seen: dict[str, list], req_id: int) -> list[tuple[str, Any]]:
         out += [("new", rd) for rd in output.new_requests if rd.request_id == req_id]
         out += [("cached", rd) for rd in output.cached_requests if rd.request_id == req_id]
     return out
-
-
-def flush_gpu(engine: SimulatedEngine, count: int, n: int = 40) -> None:
-    for k in range(count):
-        engine.submit(prompt(500 + k, n), 1)
-        engine.run_until_idle()
 
 
 # --------------------------------------------------------------------------- allocation

@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Sequence
 from itertools import repeat
 from typing import Any
@@ -57,6 +58,12 @@ EVICT_AHEAD_STEP = 128
 # ancestors follow it out as they become leaves, so a few leaves cover the next evictions of
 # long chains; more would hold copies on disk long before their host blocks leave.
 DEMOTE_AHEAD_VICTIMS = 16
+# After a demotion failed (a failing disk: full, read-only, gone), demotions ahead of need
+# pause for this long, doubling at each failure after a pause up to DEMOTE_AHEAD_PAUSE_MAX_S,
+# back to the first once one commits: the victims stay in host, so without it the keeper
+# would copy the same victims again at every apply, each copy failing (seconds).
+DEMOTE_AHEAD_PAUSE_S = 1.0
+DEMOTE_AHEAD_PAUSE_MAX_S = 60.0
 
 
 def _scope_fields(block_scope: tuple[Any, ...]) -> tuple[int | None, Any]:
@@ -97,6 +104,11 @@ class OffloadTiers:
         self.disk_dir: str | None = None
         self._own_disk_dir = False
         self.pending_demotes: list[DemoteOp] = []  # for the next metadata
+        # demote_ahead's pause after a failed demotion: the counters last seen, the pause's
+        # end (monotonic seconds) and its next length
+        self._demotes_seen = (0, 0)
+        self._demote_pause_until = 0.0
+        self._demote_pause_s = DEMOTE_AHEAD_PAUSE_S
         # (medium, event hash) of the advertised blocks evicted since flush_evicted
         self._evicted: list[tuple[str, int]] = []
         self.on_announced: Callable[[TierIndex, list[tuple[TierEntry, tuple[Any, ...]]]],
@@ -378,10 +390,12 @@ class OffloadTiers:
         offloaded block against 6.5 for a host tier alone, stop 54; docs/performance.md).
         The demotions leave with the next metadata, and the worker copies a job's demotions
         out before its saves reuse a host slot, as for those made inline. Those an idle
-        engine never sends are withdrawn at its idle tick (:meth:`withdraw_demotes`).
-        Returns the blocks whose demotion was made."""
+        engine never sends are withdrawn at its idle tick (:meth:`withdraw_demotes`). After
+        a demotion failed they pause (:meth:`_demotes_paused`). Returns the blocks whose
+        demotion was made."""
         host, disk = self.host, self.disk
-        if host is None or disk is None or host.capacity < EVICT_AHEAD_MIN_CAPACITY:
+        if host is None or disk is None or host.capacity < EVICT_AHEAD_MIN_CAPACITY \
+                or self._demotes_paused():
             return 0
         stats = self._stats
         before = stats["demotes_scheduled"]
@@ -396,6 +410,27 @@ class OffloadTiers:
         stats["demoted_ahead"] += done
         self.flush_evicted()  # the disk blocks the reservations evicted, if any
         return done
+
+    def _demotes_paused(self) -> bool:
+        """Whether demotions ahead of need pause: a demotion failed since the last call and
+        no pause runs (one starts), or a pause runs. The failures a pause's own start left in
+        flight end within it and start none; one after it doubles the next
+        (:data:`DEMOTE_AHEAD_PAUSE_S`). Each pause counted in ``demotes_ahead_paused``."""
+        stats = self._stats
+        seen = (stats["demotes_committed"], stats["demotes_failed"])
+        committed, failed = seen[0] - self._demotes_seen[0], seen[1] - self._demotes_seen[1]
+        self._demotes_seen = seen
+        now = time.monotonic()
+        if now < self._demote_pause_until:
+            return True
+        if failed:
+            self._demote_pause_until = now + self._demote_pause_s
+            self._demote_pause_s = min(2 * self._demote_pause_s, DEMOTE_AHEAD_PAUSE_MAX_S)
+            stats["demotes_ahead_paused"] += 1
+            return True
+        if committed:
+            self._demote_pause_s = DEMOTE_AHEAD_PAUSE_S  # the disk takes blocks again
+        return False
 
     def withdraw_demotes(self) -> int:
         """Forget the demotions no metadata took (made ahead of need after the engine's last

@@ -23,7 +23,7 @@ LEADER_STATS = (
     "saves_committed", "saves_failed", "demotes_scheduled", "demotes_committed",
     "demotes_failed", "loads_failed", "corrupt_blocks", "stale_disk_blocks",
     "tier_full_skips", "host_evictions", "disk_evictions", "evicted_ahead",
-    "demoted_ahead", "demotes_withdrawn", "reports_rejected",
+    "demoted_ahead", "demotes_withdrawn", "demotes_ahead_paused", "reports_rejected",
     "cancelled_tokens", "cancels_too_late", "parent_resaves", "orphan_saves_skipped",
     "chain_demotes", "demotes_skipped", "cascade_drops", "orphan_commits_dropped",
     "requests_terminated_silently",
