@@ -23,7 +23,7 @@ from __future__ import annotations
 import heapq
 import logging
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvbm_plugin._util.ratelimit import RateLimitedLog
 
@@ -50,6 +50,15 @@ def content_may_name(entry: TierEntry) -> bool:
     return entry.event_hash == entry.key and len(scope) == 2 and (
         entry.parent_event_hash != entry.parent_key if entry.parent_key is not None
         else scope == (None, None))
+
+
+def _leave(groups: dict[Any, set[Any]], group: Any, member: Any) -> None:
+    """Take ``member`` out of ``groups[group]``, and the group out once it is empty."""
+    same = groups.get(group)
+    if same is not None:
+        same.discard(member)
+        if not same:
+            del groups[group]
 
 
 class UnnamedStores:
@@ -112,11 +121,7 @@ class UnnamedStores:
         _, parent_key = self._order.pop(tk)
         self._content_key(tk, None)
         if parent_key is not None:
-            siblings = self._children.get((tk[0], parent_key))
-            if siblings is not None:
-                siblings.discard(tk[1])
-                if not siblings:
-                    del self._children[(tk[0], parent_key)]
+            _leave(self._children, (tk[0], parent_key), tk[1])
         if not self.waiting:  # nothing to name: stop recording names
             self._names.tracking(False)
 
@@ -125,10 +130,7 @@ class UnnamedStores:
         table's), or under none (``entry`` None, or no content can name it)."""
         old = self._content_of.pop(tk, None)
         if old is not None:
-            same = self._by_content[old]
-            same.discard(tk)
-            if not same:
-                del self._by_content[old]
+            _leave(self._by_content, old, tk)
         if entry is not None and content_may_name(entry):
             key = (entry.parent_event_hash, tuple(entry.token_ids), entry.scope[0])
             self._content_of[tk] = key
