@@ -134,6 +134,11 @@ def test_the_consolidator_reads_tensorrt_llms_stream_and_merges_the_tiers_into_i
             return view == gpu | host
 
         wait_until(settled, 10, "the consolidated view = TRT-LLM's GPU blocks + host tier")
+        # The view can match before the consolidator applied TRT-LLM's last batch (a GPU
+        # removal of a block the host tier holds leaves the union as it is): wait for it too.
+        wait_until(lambda: leader.consolidator.stats()["batches_applied"] >= manager.batches,
+                   10, "the consolidator to apply every batch TRT-LLM published")
+        wait_until(settled, 10, "the view after TRT-LLM's last batch")
         # every tier block carries the name TRT-LLM's stream gave it (one name per block)
         assert host <= manager.published_hashes
         assert sub.stats.orphan_stores == 0 and sub.stats.unknown_removes == 0
