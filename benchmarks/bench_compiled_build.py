@@ -10,6 +10,13 @@ the same fresh input through each, alternating which goes first, in paired round
 * executor cost, dict input: ``KvEventSink.ingest`` + ``flush`` per engine iteration, us per
   block (``bench_event_sink``'s stream and measurement; target <= 2 us);
 * executor cost, V2 hooks: one iteration's hook calls + flush, us per block (target <= 1 us);
+* executor cost, dict input, the prefill shape: ``bench_vs_vllm``'s prompt iterations (4
+  prompts of 64 blocks, each after a merged removal of 64; a partial last block suppressed),
+  ingest + flush into a ``NullEventPublisher``, us per block stored or removed (information:
+  the sink's reading of TensorRT-LLM's token dicts is most of the publish path's cost there).
+  Paired per iteration, not per round (each iteration through one build, then the next
+  through the other, which goes first alternating): the ratio is the median of the
+  iterations' ratios, which a machine whose speed drifts within a round leaves alone;
 * consolidator core: ``ConsolidatorCore.apply_events`` + ``take_output`` per decoded batch of
   ``bench_consolidator``'s stream, us per block event (information).
 
@@ -42,10 +49,13 @@ import msgpack
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import bench_consolidator, bench_event_sink  # noqa: E402
+from benchmarks import bench_consolidator, bench_event_sink, bench_vs_vllm  # noqa: E402
 from benchmarks._table import Row, print_table  # noqa: E402
 from kvbm_plugin._util import compiled as _compiled  # noqa: E402
 from kvbm_plugin.consolidator.core import ConsolidatorCore  # noqa: E402
+from kvbm_plugin.consolidator_config import PublisherSettings  # noqa: E402
+from kvbm_plugin.event_sink import KvEventSink  # noqa: E402
+from kvbm_plugin.wire.publisher import NullEventPublisher  # noqa: E402
 
 # Each extension's module name, newest first (older trees kept the sink's in gpu_events/).
 _EXTENSIONS = {"event_sink": ("kvbm_plugin.events._sink_c", "kvbm_plugin.gpu_events._sink_c"),
@@ -132,6 +142,32 @@ def _consolidator_cost(messages: list[list[bytes]]) -> float:
     return statistics.median(samples)
 
 
+def _prefill_pairs(base: dict[str, ModuleType], head: dict[str, ModuleType],
+                   iterations: int) -> tuple[list[float], list[float], list[float]]:
+    """(head's us per block, base's, head/base per iteration) of prefill iterations through
+    a sink of each build (a ``NullEventPublisher``: no I/O), each iteration's dicts built
+    untimed right before, as the source serializes them before the sink reads them."""
+    sinks = {}
+    for which, modules in (("base", base), ("head", head)):
+        with _using(modules):
+            sinks[which] = KvEventSink(NullEventPublisher(PublisherSettings()),
+                                       block_size=bench_vs_vllm.BLOCK_SIZE, native=True)
+    per_iter = 4 * bench_vs_vllm.PROMPT
+    stream = bench_vs_vllm._prompts(per_iter, 2 * iterations, seed=7)
+    us: dict[str, list[float]] = {"base": [], "head": []}
+    ratios = []
+    for i in range(iterations):
+        for which in (("head", "base") if i % 2 == 0 else ("base", "head")):
+            events = bench_vs_vllm._prompt_dicts(next(stream))
+            sink = sinks[which]
+            t = time.perf_counter()
+            sink.ingest(events)
+            sink.flush()
+            us[which].append((time.perf_counter() - t) / (per_iter * 2) * 1e6)
+        ratios.append(us["head"][-1] / us["base"][-1])
+    return us["head"], us["base"], ratios
+
+
 def _measures(iterations: int) -> dict[str, Callable[[], float]]:
     messages, _ = bench_consolidator.build_messages(iterations)
     return {
@@ -162,6 +198,7 @@ def run(rev: str, quick: bool = False) -> list[Row]:
                 with _using(modules):
                     for m, fn in measures.items():
                         results[which, m].append(fn())
+        prefill = _prefill_pairs(base, head, iterations * 3 // 2)
     py = f"{sys.version_info.major}.{sys.version_info.minor}"
     targets = {"dict": ("<= 2 us", 2.0), "v2": ("<= 1 us", 1.0), "consolidator": ("", None)}
     names = {"dict": "executor cost, dict input", "v2": "executor cost, V2 hooks",
@@ -174,6 +211,13 @@ def run(rev: str, quick: bool = False) -> list[Row]:
         rows.append(Row("compiled_build", f"{names[m]}, CPython {py}, work tree vs {rev} "
                         f"(rounds: {_fmt_range(ours)} vs {_fmt_range(theirs)})", value,
                         "us/blk", baseline, target, None if limit is None else value <= limit))
+    ours, theirs, ratios = prefill
+    low, _, high = statistics.quantiles(ratios, n=4)
+    rows.append(Row("compiled_build", "executor cost, dict input, the prefill shape (info), "
+                    f"CPython {py}, work tree vs {rev} (paired per iteration: median ratio "
+                    f"{statistics.median(ratios):.3f}, quartiles {low:.3f}-{high:.3f} over "
+                    f"{len(ratios)} iterations)", statistics.median(ours), "us/blk",
+                    statistics.median(theirs), "", None))
     return rows
 
 

@@ -19,6 +19,15 @@ enum { TAKE = 0, LEAVE = 1, FAIL = -1 };
 #define INTERN(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL
 
+/* A hint that ``p`` is read soon (no effect on what the code does). */
+#if defined(__GNUC__) || defined(__clang__)
+#define PREFETCH(p) __builtin_prefetch(p)
+#else
+#define PREFETCH(p) ((void)(p))
+#endif
+/* How many token dicts ahead the token walks ask for. */
+#define TOKEN_AHEAD 6
+
 static inline int str_is(PyObject *s, PyObject *want) {
     return s == want || (PyUnicode_CheckExact(s) && PyUnicode_Compare(s, want) == 0);
 }

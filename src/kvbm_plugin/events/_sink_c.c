@@ -196,6 +196,7 @@ static int take_stored(PyObject *const *df, RankBatch *rb, long *n_stores, long 
         r = LEAVE;
         for (j = 0; j < bs; j++) {
             PyObject *tok = PyList_GET_ITEM(tokens, j), *tid;
+            if (j + TOKEN_AHEAD < bs) PREFETCH(PyList_GET_ITEM(tokens, j + TOKEN_AHEAD));
             if (!PyDict_CheckExact(tok) || str_keyed_item(tok, K_token_id, &tid) != 1
                 || !u32_value(tid, &toks[k * bs + j]))
                 goto done;
