@@ -75,7 +75,7 @@ from kvbm_plugin.leader.keeper import LeaderKeeper, locked
 from kvbm_plugin.leader.layer_groups import LayerGroupPages, forget_group_windows
 from kvbm_plugin.leader.layer_groups import refuse_unsupported as _refuse_layer_groups
 from kvbm_plugin.leader.lifetime import request_gone, request_handle
-from kvbm_plugin.leader.load_binding import bind_loads
+from kvbm_plugin.leader.load_binding import bind_loads, unbind_range
 from kvbm_plugin.leader.offload_planner import OffloadPlanner
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.op_completions import SWEEP_PERIOD_S, OpCompletions
@@ -383,49 +383,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         state = self._reqs.get(int(request.request_id))
         if state is None or end <= start:
             return
-        bs = self._block_size
-
-        def dropped(index: int) -> bool:
-            return index * bs < end and (index + 1) * bs > start
-
-        if state.load is not None:
-            if state.load not in self._pending_loads:
-                if any(dropped(i) for i, _, _ in state.plan):
-                    self._stats["cancels_too_late"] += 1
-                return
-            keep_ops = set()
-            for index, tier, entry in state.plan:
-                copy_op = next((c.op_id for c in state.load.copies if c.key == entry.key), None)
-                if not dropped(index):
-                    if copy_op is not None:
-                        keep_ops.add(copy_op)
-                    continue
-                if copy_op is not None:  # its pin is released when the op would have been
-                    op = self._ops.get(copy_op)
-                    if type(op) is LoadRun:  # one block of the run: never reported now
-                        op.cancelled.add(copy_op - op.first)
-                        # (its ids stay mapped while any block is left)
-                        if op.take_back(copy_op - op.first, self._par.tp_size):
-                            for op_id in range(op.first, op.first + len(op.entries)):
-                                del self._ops[op_id]
-                            state.loads_inflight.discard(op.first)
-                    else:
-                        self._ops.pop(copy_op, None)
-                        state.loads_inflight.discard(copy_op)
-                    self._unpin(tier, entry)
-            load = LoadOp(state.req_id, tuple(c for c in state.load.copies
-                                               if c.op_id in keep_ops))
-            self._pending_loads[self._pending_loads.index(state.load)] = load
-            state.load = load
-        else:
-            for index, tier, entry in state.plan:
-                if dropped(index):
-                    self._unpin(tier, entry)
-        kept = [item for item in state.plan if not dropped(item[0])]
-        self._stats["cancelled_tokens"] += (len(state.plan) - len(kept)) * bs
-        state.plan = kept
-        # The first report subtracts only what the runtime counted as loaded.
-        state.match_base = (kept[-1][0] + 1) * bs if kept else None
+        unbind_range(state, start, end, self._block_size, self._ops, self._pending_loads,
+                     self._unpin, self._par.tp_size, self._stats)
 
     @locked
     def commit_new_matched_tokens(self, request: Any, num_tokens: int,

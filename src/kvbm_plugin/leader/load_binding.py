@@ -1,5 +1,6 @@
 """Binding a request's matched tier blocks to the device blocks TensorRT-LLM allocated: the
-loads that go into the next metadata.
+loads that go into the next metadata; and taking a range of them back when the runtime will
+not consume it (:func:`unbind_range`, the leader's ``cancel_load``, same thread and lock).
 
 Called by the leader's ``update_state_after_alloc`` (rank 0 / each attention-DP rank, the
 executor thread, under the leader's lock), once per request with a match. The host and disk
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvbm_plugin.connector.meta import DISK, HOST, SHARED, LoadCopy, LoadOp, record
-from kvbm_plugin.leader.requests import OpTable, RequestState
+from kvbm_plugin.leader.requests import LoadRun, OpTable, RequestState
 from kvbm_plugin.leader.shared_tier import TIER_SHARED
 from kvbm_plugin.tiers.base import TIER_DISK, TIER_HOST
 
@@ -65,3 +66,59 @@ def bind_loads(state: RequestState, block_ids: list[int], ops: OpTable,
         copies.append(LoadCopy(op_id, SHARED, entry.slot, entry.key, int(block), entry.digest,
                                load_pages(state, index) if grouped else ()))
     return LoadOp(req_id, tuple(copies))
+
+
+def unbind_range(state: RequestState, start: int, end: int, block_size: int, ops: OpTable,
+                 pending_loads: list[LoadOp], unpin: Callable[[str, Any], None], tp_size: int,
+                 stats: dict[str, int]) -> None:
+    """Take tokens ``[start, end)`` of the request's offer back (the leader's ``cancel_load``:
+    TensorRT-LLM's KVCacheManagerV2 will not consume them). Every matched block overlapping
+    the range leaves ``state.plan`` and is unpinned; where the request's LoadOp still waits in
+    ``pending_loads`` (not yet in metadata), its copies of those blocks leave it and their ops
+    leave ``ops`` (a block of a LoadRun is marked cancelled and counts as reported by every
+    rank; the run's ids leave where that completes it). A LoadOp already handed to the
+    workers cannot be taken back: it completes and the runtime recomputes those tokens
+    (``cancels_too_late`` counted in ``stats``). ``state.match_base`` becomes the end of what
+    is left."""
+
+    def dropped(index: int) -> bool:
+        return index * block_size < end and (index + 1) * block_size > start
+
+    if state.load is not None:
+        if state.load not in pending_loads:
+            if any(dropped(i) for i, _, _ in state.plan):
+                stats["cancels_too_late"] += 1
+            return
+        keep_ops = set()
+        for index, tier, entry in state.plan:
+            copy_op = next((c.op_id for c in state.load.copies if c.key == entry.key), None)
+            if not dropped(index):
+                if copy_op is not None:
+                    keep_ops.add(copy_op)
+                continue
+            if copy_op is not None:  # its pin is released when the op would have been
+                op = ops.get(copy_op)
+                if type(op) is LoadRun:  # one block of the run: never reported now
+                    op.cancelled.add(copy_op - op.first)
+                    # (its ids stay mapped while any block is left)
+                    if op.take_back(copy_op - op.first, tp_size):
+                        for op_id in range(op.first, op.first + len(op.entries)):
+                            del ops[op_id]
+                        state.loads_inflight.discard(op.first)
+                else:
+                    ops.pop(copy_op, None)
+                    state.loads_inflight.discard(copy_op)
+                unpin(tier, entry)
+        load = LoadOp(state.req_id, tuple(c for c in state.load.copies
+                                           if c.op_id in keep_ops))
+        pending_loads[pending_loads.index(state.load)] = load
+        state.load = load
+    else:
+        for index, tier, entry in state.plan:
+            if dropped(index):
+                unpin(tier, entry)
+    kept = [item for item in state.plan if not dropped(item[0])]
+    stats["cancelled_tokens"] += (len(state.plan) - len(kept)) * block_size
+    state.plan = kept
+    # The first report subtracts only what the runtime counted as loaded.
+    state.match_base = (kept[-1][0] + 1) * block_size if kept else None
