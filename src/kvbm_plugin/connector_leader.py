@@ -75,11 +75,11 @@ from kvbm_plugin.leader.keeper import LeaderKeeper, locked
 from kvbm_plugin.leader.layer_groups import LayerGroupPages, forget_group_windows
 from kvbm_plugin.leader.layer_groups import refuse_unsupported as _refuse_layer_groups
 from kvbm_plugin.leader.lifetime import request_gone, request_handle
-from kvbm_plugin.leader.load_binding import bind_loads, unbind_range
+from kvbm_plugin.leader.load_binding import bind_loads, unbind_all, unbind_range
 from kvbm_plugin.leader.offload_planner import OffloadPlanner
 from kvbm_plugin.leader.offload_tiers import OffloadTiers
 from kvbm_plugin.leader.op_completions import SWEEP_PERIOD_S, OpCompletions
-from kvbm_plugin.leader.requests import LEADER_STATS, LoadRun, OpTable
+from kvbm_plugin.leader.requests import LEADER_STATS, OpTable
 from kvbm_plugin.leader.requests import RequestState as _Request
 from kvbm_plugin.leader.shared_tier import MATCHED_STAT, TIER_SHARED, LeaderSharedTier
 from kvbm_plugin.naming.names import BlockNaming, StreamNames
@@ -584,19 +584,7 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         state.finished = True
         state.handle = None
         if state.load is not None and state.load in self._pending_loads:
-            # Bound, never sent: no copy goes out (the id still finishes on every rank).
-            for op_id in list(state.loads_inflight):
-                op = self._ops.pop(op_id, None)
-                if type(op) is LoadRun:
-                    for k, entry in enumerate(op.entries):
-                        self._ops.pop(op.first + k, None)
-                        if k not in op.cancelled:
-                            self._unpin(op.tiers[k], entry)
-                elif op is not None and op.entry is not None:
-                    self._unpin(op.tier, op.entry)
-            state.loads_inflight.clear()
-            i = self._pending_loads.index(state.load)
-            self._pending_loads[i] = state.load = LoadOp(state.req_id, ())
+            unbind_all(state, self._ops, self._pending_loads, self._unpin)
         elif state.loads_inflight:
             self._fences.append(state.req_id)  # its blocks may be reused now
         for op_id in state.saves_inflight:

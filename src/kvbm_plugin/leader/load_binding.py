@@ -1,6 +1,7 @@
 """Binding a request's matched tier blocks to the device blocks TensorRT-LLM allocated: the
-loads that go into the next metadata; and taking a range of them back when the runtime will
-not consume it (:func:`unbind_range`, the leader's ``cancel_load``, same thread and lock).
+loads that go into the next metadata; and taking them back before that metadata leaves: a
+range the runtime will not consume (:func:`unbind_range`, the leader's ``cancel_load``), or all
+of a request TensorRT-LLM terminated (:func:`unbind_all`); same thread and lock.
 
 Called by the leader's ``update_state_after_alloc`` (rank 0 / each attention-DP rank, the
 executor thread, under the leader's lock), once per request with a match. The host and disk
@@ -122,3 +123,23 @@ def unbind_range(state: RequestState, start: int, end: int, block_size: int, ops
     state.plan = kept
     # The first report subtracts only what the runtime counted as loaded.
     state.match_base = (kept[-1][0] + 1) * block_size if kept else None
+
+
+def unbind_all(state: RequestState, ops: OpTable, pending_loads: list[LoadOp],
+               unpin: Callable[[str, Any], None]) -> None:
+    """Take every block of the request's LoadOp back while it still waits in ``pending_loads``
+    (bound, never sent: the leader's handling of a request TensorRT-LLM terminated): its ops
+    leave ``ops`` and their blocks are unpinned (a LoadRun's blocks cancelled before were
+    unpinned then); the LoadOp stays, with no copy, so its id still finishes on every rank."""
+    for op_id in list(state.loads_inflight):
+        op = ops.pop(op_id, None)
+        if type(op) is LoadRun:
+            for k, entry in enumerate(op.entries):
+                ops.pop(op.first + k, None)
+                if k not in op.cancelled:
+                    unpin(op.tiers[k], entry)
+        elif op is not None and op.entry is not None:
+            unpin(op.tier, op.entry)
+    state.loads_inflight.clear()
+    i = pending_loads.index(state.load)
+    pending_loads[i] = state.load = LoadOp(state.req_id, ())
