@@ -66,7 +66,7 @@ from kvbm_plugin.consolidator_config import (
     load_tier_settings,
     should_enable_consolidator,
 )
-from kvbm_plugin.events import trtllm_publisher as _native
+from kvbm_plugin.events import trtllm_publisher
 from kvbm_plugin.leader.dynamo_streaming import take_yaml_endpoint
 from kvbm_plugin.leader.event_path import TierEventPublisher as TierEventPublisher  # re-exported
 from kvbm_plugin.leader.event_path import assemble_event_path
@@ -143,23 +143,23 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         events_source = load_events_source(self._env)
         # TRT-LLM's own streaming publisher: no second GPU-tier stream; its own is consolidated.
         # DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT: output at the YAML's endpoint (Dynamo)
-        native, self._env, moved = take_yaml_endpoint(
+        trtllm_pub, self._env, moved = take_yaml_endpoint(
             llm_args, self._env, par.attention_dp, par.dp_size)
-        self._naming.salt_blind = native is not None  # its stream carries no salt
-        self._native_forms = EngineForms()  # each upstream form's fields, made the core's
+        self._naming.salt_blind = trtllm_pub is not None  # its stream carries no salt
+        self._engine_forms = EngineForms()  # each upstream form's fields, made the core's
         # ...so V2 radix keys are computed, and scoped blocks' scopes handed to the consolidator
-        self._naming.v2_stream = native is not None
-        self._naming.scope_sink = self._native_forms.scopes
+        self._naming.v2_stream = trtllm_pub is not None
+        self._naming.scope_sink = self._engine_forms.scopes
         host_name = _llm_args.leader_host(self._env)
         config = load_consolidator_config(
             self._env, num_ranks=par.dp_size, attention_dp=par.attention_dp,
-            gpu_streams=_native.trtllm_streams(native, self._dp_rank, host_name))
+            gpu_streams=trtllm_publisher.trtllm_streams(trtllm_pub, self._dp_rank, host_name))
         self._gpu = GpuTierEvents(
-            mode=events_source, native=native, config=config, par=par, host_name=host_name,
+            mode=events_source, trtllm_pub=trtllm_pub, config=config, par=par, host_name=host_name,
             block_size=self._block_size, naming=self._naming, stats=self._stats,
             fallback_serializer=_llm_args.event_serializer_of(llm_args), log=self._log)
         self._stream_names = StreamNames.for_rank(
-            par, config, self._naming.names, "off" if native is not None else events_source)
+            par, config, self._naming.names, "off" if trtllm_pub is not None else events_source)
         consolidate = config.enabled and should_enable_consolidator(llm_args, self._env)
 
         self._hub = open_hub(self._group)
@@ -172,11 +172,11 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                 config, consolidate=consolidate, dp_rank=self._dp_rank,
                 block_size=self._block_size,
                 tier_events=getattr(llm_args, "kvbm_plugin_tier_events", None),
-                own_gpu_stream=native is None,
-                engine_observer=self._gpu.native_names.observe if native else None,
-                engine_topic=native.topic if native else "",
+                own_gpu_stream=trtllm_pub is None,
+                engine_observer=self._gpu.trtllm_names.observe if trtllm_pub else None,
+                engine_topic=trtllm_pub.topic if trtllm_pub else "",
                 dp_size=par.dp_size,
-                engine_forms=self._native_forms if native else None)
+                engine_forms=self._engine_forms if trtllm_pub else None)
             self._name_reader = parts.name_reader
             # on_flush (BlockNames.observe) is attached at the first request without
             # RequestData.block_hashes: where TRT-LLM hands the hashes over it is never needed,
@@ -208,7 +208,8 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
                 block_size=self._block_size, tiers=self._tiers, shared=self._shared,
                 pages=self._layer_pages, naming=self._naming, ops=self._ops, stats=self._stats,
                 on_learning=self._gpu.learn_from_flushes)
-            _native.log_gpu_source(logger, native, self._gpu.source_line(), consolidate)
+            trtllm_publisher.log_gpu_source(logger, trtllm_pub, self._gpu.source_line(),
+                                            consolidate)
             if moved:
                 logger.info(moved)
             self._register_metrics()
@@ -647,9 +648,9 @@ class KvbmConnectorLeader(KvCacheConnectorScheduler):  # type: ignore[misc,valid
         out["disk_used"] = len(tiers.disk) if tiers.disk is not None else 0
         out["reports_malformed"] = self._receiver.malformed if self._receiver is not None else 0
         out["tier_batches_lost"] = getattr(self._tier_events, "lost_batches", 0)
-        out["native_batches_unread"] = self._gpu.native_names.dropped
+        out["trtllm_batches_unread"] = self._gpu.trtllm_names.dropped
         out.update(self._gpu.stats())
-        out.update(self._native_forms.stats())
+        out.update(self._engine_forms.stats())
         out.update(self._shared.stats())
         return out
 

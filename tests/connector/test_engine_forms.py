@@ -31,7 +31,7 @@ def _batches(form: str) -> tuple[list[bytes], set[int]]:
     plain = _stored(101, [1, 2, 3, 4])
     if form == "44004b3864a7":
         return [encode_form_batch(form, 1.0, [plain], 0)], {101}
-    if form == "native-adapter":  # a hex-string hash goes out as bytes: refused (malformed)
+    if form == "kv-event-adapter":  # a hex-string hash goes out as bytes: refused (malformed)
         odd = _stored(b"\x01" * 8, [5, 6, 7, 8])
         return [encode_form_batch(form, 1.0, [odd, plain], 0)], {101}
     mm = _stored(202, [9, DIGEST, DIGEST, 10], parent=101, lora_id=7,
@@ -82,7 +82,7 @@ def test_every_form_of_tensorrt_llms_stream_reaches_the_consolidated_stream(
         consolidator.shutdown()
         publisher.shutdown()
     stats = {**consolidator.stats(), **forms.stats()}
-    if form == "native-adapter":
+    if form == "kv-event-adapter":
         assert stats["malformed"] == 1  # the bytes hash: counted, its batch's other event kept
     if form == "13599e98c71c":
         mm = next(e for e in out if getattr(e, "block_hashes", None) == [202])

@@ -184,7 +184,7 @@ def test_under_attention_dp_each_ranks_salted_blocks_keep_upstreams_names(tmp_pa
     salt = v2_reuse_salt("tenant-A")
     with AttentionDpEngine(config) as engine:
         view = RouterView(4)
-        streams = trtllm_streams(engine.rank0.kv_cache_manager.native, 0, "127.0.0.1")
+        streams = trtllm_streams(engine.rank0.kv_cache_manager.trtllm_pub, 0, "127.0.0.1")
         subscribers = subscribers_for(cc.load_consolidator_config(
             env, num_ranks=2, attention_dp=True, gpu_streams=streams), 2, view)
         try:

@@ -46,7 +46,7 @@ def test_each_rank_streams_on_its_own_endpoint_and_the_router_sees_each_ranks_tr
             rank1 = engine.ranks[1].engine.kv_cache_manager  # type: ignore[union-attr]
             assert rank1.publisher.endpoint == f"ipc://{tmp_path}/trt_dp1"
         view = RouterView(BS)
-        streams = trtllm_streams(rank0.native, 0, "127.0.0.1")
+        streams = trtllm_streams(rank0.trtllm_pub, 0, "127.0.0.1")
         subscribers = subscribers_for(cc.load_consolidator_config(
             env, num_ranks=RANKS, attention_dp=True, gpu_streams=streams), RANKS, view)
         try:

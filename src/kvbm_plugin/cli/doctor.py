@@ -285,13 +285,13 @@ _SOURCE_DETAIL = {
 }
 
 
-def _events_source_check(native: TrtllmPublisher | None = None) -> Check:
+def _events_source_check(trtllm_pub: TrtllmPublisher | None = None) -> Check:
     """Which GPU-tier event source the leader will use, and what the engine must provide."""
     try:
         source = cc.load_events_source()
     except cc.ConfigError as exc:
         return Check("KV event source", "fail", str(exc))
-    if native is not None:
+    if trtllm_pub is not None:
         return Check("KV event source", "ok", f"{cc.EVENTS_SOURCE}={source}: not used: with "
                      "kv_cache_config.kv_events_config on, TensorRT-LLM's pull API is empty "
                      "and the leader reads no TensorRT-LLM events")
@@ -347,7 +347,7 @@ def read_llm_api_options(path: str) -> Any:
         raise ConfigError(f"--llm-api-options {path}: {exc}") from None
 
 
-def _gpu_source_check(config: cc.ConsolidatorConfig | None, native: TrtllmPublisher | None,
+def _gpu_source_check(config: cc.ConsolidatorConfig | None, trtllm_pub: TrtllmPublisher | None,
                       options: Any, num_ranks: int) -> Check:
     """Which GPU-tier source the leader will use (the words of its start-up log)."""
     host = (os.environ.get(cc.LEADER_ZMQ_HOST) or "127.0.0.1").strip()
@@ -355,15 +355,15 @@ def _gpu_source_check(config: cc.ConsolidatorConfig | None, native: TrtllmPublis
         source = cc.load_events_source()
     except cc.ConfigError:
         source = "auto"  # reported by the KV event source check
-    detail = gpu_source_line(native, source, config, 0, host)
-    if native is not None and native.streams and num_ranks > 1:
-        detail += "; " + ", ".join(f"rank {r} at {native.connect_endpoint(r, host).connect}"
+    detail = gpu_source_line(trtllm_pub, source, config, 0, host)
+    if trtllm_pub is not None and trtllm_pub.streams and num_ranks > 1:
+        detail += "; " + ", ".join(f"rank {r} at {trtllm_pub.connect_endpoint(r, host).connect}"
                                    for r in range(1, num_ranks))
     if options is None:
         detail += (". Whether TensorRT-LLM publishes the GPU tier itself "
                    "(kv_cache_config.kv_events_config) is not known here: pass "
                    "--llm-api-options with the engine's options file")
-    usable = native.streams if native is not None else (
+    usable = trtllm_pub.streams if trtllm_pub is not None else (
         source == "off" or (config is not None and config.gpu_events is not None))
     return Check("GPU-tier KV events", "ok" if usable else "warn", detail)
 
@@ -380,16 +380,16 @@ def run_checks(num_ranks: int, require_trtllm: bool,
 
     checks: list[Check] = []
     options: Any = None
-    native: TrtllmPublisher | None = None
+    trtllm_pub: TrtllmPublisher | None = None
     env: Any = os.environ  # with DYN_KVBM_KV_EVENTS_TRTLLM_MOVED_ENDPOINT: the leader's view
     if llm_api_options is not None:
         try:
             options = read_llm_api_options(llm_api_options)
-            native, env, _ = take_yaml_endpoint(options, os.environ, num_ranks > 1, num_ranks)
+            trtllm_pub, env, _ = take_yaml_endpoint(options, os.environ, num_ranks > 1, num_ranks)
         except cc.ConfigError as exc:
             checks.append(Check("LLM-API options", "fail", str(exc)))
     host = (os.environ.get(cc.LEADER_ZMQ_HOST) or "127.0.0.1").strip()
-    streams = tuple(s for r in range(num_ranks) for s in trtllm_streams(native, r, host))
+    streams = tuple(s for r in range(num_ranks) for s in trtllm_streams(trtllm_pub, r, host))
     try:
         # --num-ranks counts attention-DP ranks: there each rank's consolidator reads rank 0's
         # stream of it, so the GPU-tier endpoint is needed (one leader hands its own over)
@@ -424,8 +424,8 @@ def run_checks(num_ranks: int, require_trtllm: bool,
             metrics = cc.MetricsSettings()
         checks.extend(_endpoint_checks(config, metrics))
 
-    checks.append(_events_source_check(native))
-    checks.append(_gpu_source_check(config, native, options, num_ranks))
+    checks.append(_events_source_check(trtllm_pub))
+    checks.append(_gpu_source_check(config, trtllm_pub, options, num_ranks))
 
     from kvbm_plugin._util import compiled as _compiled
 

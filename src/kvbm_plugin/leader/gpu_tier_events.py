@@ -23,7 +23,7 @@ from kvbm_plugin.connector.trtllm_compat import (
     kv_event_serializer,
 )
 from kvbm_plugin.consolidator_config import EVENTS_SOURCE
-from kvbm_plugin.events import trtllm_publisher as _native
+from kvbm_plugin.events import trtllm_publisher
 from kvbm_plugin.leader.event_pump import EventPump
 from kvbm_plugin.leader.requests import RequestState
 from kvbm_plugin.naming.names import BlockNaming
@@ -44,13 +44,13 @@ class GpuTierEvents:
     # the source yet; after this many, the source is reported silent (warned, counted).
     SELF_CHECK_ITERATIONS: int = 32
 
-    def __init__(self, *, mode: str, native: Any, config: Any, par: Any, host_name: str,
+    def __init__(self, *, mode: str, trtllm_pub: Any, config: Any, par: Any, host_name: str,
                  block_size: int, naming: BlockNaming, stats: dict[str, int],
                  fallback_serializer: Any, log: RateLimitedLog) -> None:
-        """``mode``: DYN_KVBM_EVENTS_SOURCE; ``native``: TensorRT-LLM's own streaming publisher
+        """``mode``: DYN_KVBM_EVENTS_SOURCE; ``trtllm_pub``: TensorRT-LLM's own streaming publisher
         (events.trtllm_publisher) or None; ``config``: the consolidator config."""
         self._mode = mode
-        self._native = native
+        self._trtllm_pub = trtllm_pub
         self._config = config
         self._attention_dp = par.attention_dp
         self._dp_rank = par.dp_rank
@@ -64,10 +64,10 @@ class GpuTierEvents:
         self.source: Any = None
         self._tier_events: Any = None
         self._stream_names: Any = None
-        self.native_names = _native.TrtllmNameFeed()  # its stored blocks: the tiers' names
+        self.trtllm_names = trtllm_publisher.TrtllmNameFeed()  # its stored blocks: the tiers' names
         # The same for this rank's own sink (its on_flush, on whichever thread flushed), for
         # the name table the executor thread owns; and the thread that drains and publishes.
-        self.observed = _native.TrtllmNameFeed()
+        self.observed = trtllm_publisher.TrtllmNameFeed()
         self.pump: EventPump | None = None
         self._flush_here = False  # KVCacheManagerV2's hooks: flushed on the executor thread
         self._problem = "not attached yet"
@@ -75,7 +75,7 @@ class GpuTierEvents:
         self._self_check_iterations = 0
         if par.attention_dp and par.dp_rank:  # no sink, never read: see assemble_event_path
             self._problem = _llm_args.GATHERED_TO_RANK_0.format(par.dp_rank)
-        if native is not None or mode == "off":
+        if trtllm_pub is not None or mode == "off":
             self.attach_attempts = self.MAX_ATTACH_ATTEMPTS  # never look for the manager
 
     def connect(self, sink: Any, tier_events: Any, stream_names: Any) -> None:
@@ -150,7 +150,7 @@ class GpuTierEvents:
                     and not self.source.events_seen):
                 return self._silent_line()
             return self.source.describe()
-        if self._native is not None or self._mode == "off":
+        if self._trtllm_pub is not None or self._mode == "off":
             return self.source_line()
         return self._problem
 
@@ -190,7 +190,7 @@ class GpuTierEvents:
 
     def source_line(self) -> str:
         """The configured GPU-tier source, in words (start-up log, ``doctor``'s wording)."""
-        return _native.gpu_source_line(self._native, self._mode, self._config,
+        return trtllm_publisher.gpu_source_line(self._trtllm_pub, self._mode, self._config,
                                        self._dp_rank, self._host_name)
 
     def flush(self, requests: Iterable[RequestState], *, now: bool = False) -> None:
@@ -233,7 +233,7 @@ class GpuTierEvents:
         elif self.pump is not None and (now or need_names):
             self.pump.step()
         # This rank's sink's batches, and TRT-LLM's own stream as the consolidator received it
-        batches = self.observed.drain() + self.native_names.drain()
+        batches = self.observed.drain() + self.trtllm_names.drain()
         for rank, events in batches:
             self._naming.names.observe(rank, events)
         if batches or self.source is not None or self._stream_names is not None:

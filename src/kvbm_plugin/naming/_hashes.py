@@ -281,7 +281,7 @@ def v2_chain(tokens: Sequence[int], block_size: int, *, start: int = 0,
     return out
 
 
-_LITTLE = array("Q", [1]).tobytes()[0] == 1  # array packs native-endian (x86_64, aarch64)
+_LITTLE = array("Q", [1]).tobytes()[0] == 1  # array packs in machine byte order (x86_64, aarch64)
 
 
 def parse_hex_hash(value: str, what: str) -> int:

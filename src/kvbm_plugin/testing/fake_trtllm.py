@@ -362,7 +362,7 @@ class V2EventManager:
         pass
 
 
-class NativeSinkV2EventManager(V2EventManager):
+class CppSinkV2EventManager(V2EventManager):
     """The C++ backend's event manager seen from Python: the same methods, but the radix tree
     calls them natively, never through the instance's attributes, so a wrapper set on the
     instance is never called (``kv_cache_events.py`` @44004b3864a7: "the C++ radix tree calls
@@ -374,10 +374,10 @@ class V2KVCacheManager:
     full blocks into the "radix tree": through the instance's attributes (Python backend) or,
     with ``cpp_sink=True``, the way the C++ backend does, bypassing them. ``bindings_type``
     makes the event manager's type look like TensorRT-LLM's nanobind class (what the plugin
-    detects); without it the native sink can only be caught by the leader's self-check."""
+    detects); without it the C++ sink can only be caught by the leader's self-check."""
 
     def __init__(self, *, cpp_sink: bool = False, bindings_type: bool = False) -> None:
-        cls: type[V2EventManager] = NativeSinkV2EventManager if cpp_sink else V2EventManager
+        cls: type[V2EventManager] = CppSinkV2EventManager if cpp_sink else V2EventManager
         if bindings_type:
             cls = type("KVCacheEventManager", (cls,), {
                 "__module__": "tensorrt_llm.bindings.internal.batch_manager.kv_cache_manager_v2"})

@@ -148,7 +148,7 @@ def encode_batch(ts: float, events: list[dict[str, Any]], block_size: int,
     return bytes(w.out)
 
 
-FORMS = ("44004b3864a7", "13599e98c71c", "native-adapter")
+FORMS = ("44004b3864a7", "13599e98c71c", "kv-event-adapter")
 
 
 def _form_structs(form: str) -> tuple[Any, Any, Any]:
@@ -158,7 +158,7 @@ def _form_structs(form: str) -> tuple[Any, Any, Any]:
 
     mm = form == "13599e98c71c"
     token = int | str if mm else int
-    hash_type = bytes | int if form == "native-adapter" else int
+    hash_type = bytes | int if form == "kv-event-adapter" else int
     opts = {"omit_defaults": True, "gc": False}
 
     class MultimodalKey(msgspec.Struct, tag="mm_key", **opts):  # type: ignore[call-arg]
@@ -205,7 +205,7 @@ def encode_form_batch(form: str, ts: float, stored: list[dict[str, Any]],
     upstream's publisher thread does. Schemas as read in the stored index (NVIDIA/TensorRT-LLM
     ``tensorrt_llm/_torch/pyexecutor/kv_cache_events.py``): ``"44004b3864a7"`` (stored id
     57357230020: ``token_ids: list[int]``), ``"13599e98c71c"`` (stored id 71400586074:
-    ``token_ids: list[int | str]``, ``mm_keys``), ``"native-adapter"`` (stored id 58569138750:
+    ``token_ids: list[int | str]``, ``mm_keys``), ``"kv-event-adapter"`` (stored id 58569138750:
     ``ExternalBlockHash = bytes | int``). Every form: map-tagged events (``tag=True``),
     ``omit_defaults``, the batch ``[ts, events, data_parallel_rank]`` as an array."""
     import msgspec
@@ -227,12 +227,12 @@ class SimZmqEventPublisher:
     """Upstream's ``ZmqEventPublisher`` for one rank: a PUB (and optional replay ROUTER) bound
     at the rank's endpoint, fed by :meth:`publish` (never blocks), sent by its own thread."""
 
-    def __init__(self, config: Any, native: TrtllmPublisher, rank: int,
+    def __init__(self, config: Any, trtllm_pub: TrtllmPublisher, rank: int,
                  context: zmq.Context | None = None) -> None:
         self.rank = rank
-        self.endpoint = native.bind_endpoint(rank)
-        self.replay_endpoint = native.bind_replay(rank)
-        self._topic = native.topic.encode()
+        self.endpoint = trtllm_pub.bind_endpoint(rank)
+        self.replay_endpoint = trtllm_pub.bind_replay(rank)
+        self._topic = trtllm_pub.topic.encode()
         self._buffer_steps = int(getattr(config, "buffer_steps", 10_000))
         self._queue: queue.Queue[tuple[int, bytes] | None] = queue.Queue(
             maxsize=int(getattr(config, "max_queue_size", 100_000)))
@@ -319,13 +319,14 @@ class SimStreamingKVCacheManager:
     upstream's empty pull API.
     """
 
-    def __init__(self, pool: Any, config: Any, native: TrtllmPublisher, *, rank: int = 0,
+    def __init__(self, pool: Any, config: Any, trtllm_pub: TrtllmPublisher, *, rank: int = 0,
                  block_size: int) -> None:
         self.pool = pool
         self.rank = rank
         self.block_size = block_size
-        self.native = native
-        self.publisher = SimZmqEventPublisher(config, native, rank) if native.streams else None
+        self.trtllm_pub = trtllm_pub
+        self.publisher = (SimZmqEventPublisher(config, trtllm_pub, rank) if trtllm_pub.streams
+                          else None)
         self._stored: dict[int, int] = {}  # V1 hash -> wire hash of the blocks published
         self._keys: dict[int, bytes] = {}  # V1 hash -> V2 radix key of full blocks seen
         self._key_order = EvictionOrder()
@@ -428,11 +429,11 @@ def kv_cache_manager_for(pool: Any, kv_cache_config: Any, *, event_buffer_max_si
     have changed: ``leader.dynamo_streaming``). The buffered one, or TensorRT-LLM's
     streaming one where ``kv_events_config`` is on. Called by the engine's constructor."""
     config = kv_cache_config.kv_events_config
-    native = read_trtllm_publisher({"kv_cache_config": {"kv_events_config": config}})
+    trtllm_pub = read_trtllm_publisher({"kv_cache_config": {"kv_events_config": config}})
     adp = dp_size > 1
-    if native is None:
+    if trtllm_pub is None:
         return SimKVCacheManager(pool, event_buffer_max_size,
                                  attention_dp_rank=dp_rank if adp else None,
                                  attention_dp_size=dp_size)
-    return SimStreamingKVCacheManager(pool, config, native, block_size=block_size,
+    return SimStreamingKVCacheManager(pool, config, trtllm_pub, block_size=block_size,
                                       rank=dp_rank if adp else 0)

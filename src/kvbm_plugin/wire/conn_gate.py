@@ -7,7 +7,7 @@ until the owner has caught up. Each connection libzmq accepted holds about 60 Ki
 owner's next turn, so what bounds the process's memory is how soon the hold follows the
 accepts. The gate is that count and that hold, and the monitor reading that feeds them:
 
-* the compiled gate (``_gate_c.c``): one native thread per process reads every gate's monitor
+* the compiled gate (``_gate_c.c``): one C thread per process reads every gate's monitor
   without the GIL and holds the socket off at the accept that crosses ``max_unread``, however
   busy the interpreter is (a Python reader once fell 950 accepts behind on a loaded machine);
 * :class:`PyGate`, the same logic in Python, read by the connection-watch thread
@@ -104,7 +104,7 @@ def describe() -> tuple[bool, str]:
     if loaded_libzmq() is None:
         return False, ("the Python gate: the libzmq pyzmq loaded could not be identified, so "
                        "the compiled gate cannot call it (docs/operations.md#security)")
-    return True, "compiled: a native thread holds a flood off at the accept (wire/_gate_c.c)"
+    return True, "compiled: a C thread holds a flood off at the accept (wire/_gate_c.c)"
 
 
 def notify_fd() -> int | None:

@@ -248,7 +248,7 @@ _LOWER_HEX = frozenset("0123456789abcdef")
 
 def is_mm_digest(item: Any) -> bool:
     """Whether ``item`` is a multimodal digest as the plugin writes one: 64 lowercase hex
-    digits (native or in :func:`mm_marker`'s form)."""
+    digits (plain, as TensorRT-LLM's ``mm_keys``, or in :func:`mm_marker`'s form)."""
     return type(item) is str and len(item) == 64 and set(item) <= _LOWER_HEX
 
 

@@ -14,7 +14,7 @@ compares a block with what a *client* sends:
   multimodal hash to Dynamo only in its marker form: 16 hex digits, the hash's u64, then 48
   zeros (``mark_mm_hash_for_extra_key`` / ``parse_mm_hash_from_extra_key``, ``extra_keys.rs``
   stored id 57897292560; earlier revisions took any 64 hex digits, by their first 16). A
-  native digest (TensorRT-LLM's ``mm_keys`` hash, 64 hex digits) is no multimodal hash to
+  plain digest (TensorRT-LLM's ``mm_keys`` hash, 64 hex digits) is no multimodal hash to
   Dynamo 1.6.1's indexer: two images' blocks behind the same placeholder tokens become one
   block there, a request with one image is credited with the other's blocks, and the second
   image's children are refused ("Failed to find parent"; ``tests/interop/
@@ -107,7 +107,7 @@ def salt_text(namespace: str) -> str:
 
 
 def _mark_mm(event: dict[str, Any]) -> None:
-    """Every native multimodal digest of a store's ``extra_keys`` in the marker form (the
+    """Every plain multimodal digest of a store's ``extra_keys`` in the marker form (the
     plugin's own streams write no other; a stream it relays may). An entry is replaced, never
     changed in place: the core may still hold it (held back)."""
     extra = event.get("extra_keys")

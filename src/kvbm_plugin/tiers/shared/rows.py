@@ -190,7 +190,7 @@ class SharedRows:
         """Tokens into the int32 column; False when they do not fit it (side table)."""
         if self._width < 0:
             self._width = len(tokens)
-            self._tok_row = struct.Struct(f"={self._width}i")  # native, as the array
+            self._tok_row = struct.Struct(f"={self._width}i")  # machine byte order, as the array
             self._tok.extend(array("i", bytes(4 * self._width * len(self._lo))))
         width = self._width
         if len(tokens) != width:
