@@ -25,9 +25,6 @@ enum { TAKE = 0, LEAVE = 1, FAIL = -1 };
 #else
 #define PREFETCH(p) ((void)(p))
 #endif
-/* How many token dicts ahead the token walks ask for. */
-#define TOKEN_AHEAD 6
-
 static inline int str_is(PyObject *s, PyObject *want) {
     return s == want || (PyUnicode_CheckExact(s) && PyUnicode_Compare(s, want) == 0);
 }

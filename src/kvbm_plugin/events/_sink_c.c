@@ -23,6 +23,10 @@
 
 #include "_rank_batch.h"
 
+/* How many token dicts ahead take_stored's token walk asks for (each is one pointer chase
+ * away: docs/performance.md, stop 56; 3 and 6 gained the same, 12 less). */
+#define TOKEN_AHEAD 6
+
 static PyObject *K_data, *K_window_size, *K_attention_dp_rank, *K_blocks, *K_tokens, *K_token_id,
     *K_block_hash, *K_parent_hash, *K_cache_salt_id, *A_key, *A_tokens, *A_prev, *A_ordinal;
 static PyObject *S_stored, *S_removed;
