@@ -146,7 +146,10 @@ def _prefill_pairs(base: dict[str, ModuleType], head: dict[str, ModuleType],
                    iterations: int) -> tuple[list[float], list[float], list[float]]:
     """(head's us per block, base's, head/base per iteration) of prefill iterations through
     a sink of each build (a ``NullEventPublisher``: no I/O), each iteration's dicts built
-    untimed right before, as the source serializes them before the sink reads them."""
+    untimed right before, as the source serializes them before the sink reads them. Timed with
+    ``perf_counter``, not by ``bench_vs_vllm._feed_prompts``: that one reads the thread clock, a
+    system call, between building the dicts and reading them, which on the VM of stop 56 hid
+    the prefetch's gain (0.99x against 0.90x in the same hour)."""
     sinks = {}
     for which, modules in (("base", base), ("head", head)):
         with _using(modules):

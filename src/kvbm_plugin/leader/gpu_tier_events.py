@@ -191,7 +191,7 @@ class GpuTierEvents:
     def source_line(self) -> str:
         """The configured GPU-tier source, in words (start-up log, ``doctor``'s wording)."""
         return trtllm_publisher.gpu_source_line(self._trtllm_pub, self._mode, self._config,
-                                       self._dp_rank, self._host_name)
+                                                self._dp_rank, self._host_name)
 
     def flush(self, requests: Iterable[RequestState], *, now: bool = False) -> None:
         """Have this iteration's GPU-tier batch published and hand queued tier events on.
