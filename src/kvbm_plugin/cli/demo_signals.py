@@ -27,7 +27,8 @@ class _Signals:
     (a ZMQ socket's ``__del__`` during a garbage collection, a ``weakref.finalize`` callback)
     raises inside it, and Python reports it as "Exception ignored" and goes on. So the signal
     is also remembered, and :meth:`check` raises it again: the demo calls it between engine
-    steps, and :func:`signals_end_the_demo` once more when the run returned normally."""
+    steps, and :func:`signals_end_the_demo` once more when the run returned, normally or with
+    an error (which the swallowed signal then replaces)."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
@@ -82,6 +83,12 @@ def signals_end_the_demo() -> Iterator[None]:
     try:
         yield
         SIGNALS.check()  # a signal whose exception a finalizer swallowed ends it here
+    except Exception:
+        # The run failed after a signal came whose exception a finalizer swallowed: what
+        # failed is the signal's doing (a group signal killed a rank process the demo was
+        # waiting on, which then answered nothing), so the signal ends it, not a traceback.
+        SIGNALS.check()
+        raise
     finally:
         sys.unraisablehook = default_hook
         for sig, handler in previous.items():
